@@ -1,0 +1,44 @@
+# Two commands do everything on a new machine: `make test` and `make demo`.
+PYTHON ?= python3
+PIP := $(PYTHON) -m pip
+export MAX_JOBS ?= 2
+
+.PHONY: deps build test test-fast demo bench cuda-check clean
+
+# Installs what the project needs. torch is installed only when absent, so a CUDA torch already on the
+# machine is never replaced (pip would otherwise pull the newest CUDA wheel, several GB).
+deps: .deps.stamp
+.deps.stamp: pyproject.toml Makefile
+	$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install torch==2.13.0
+	$(PIP) install numpy "safetensors>=0.4" tqdm "transformers>=4.45" accelerate "gguf>=0.10" \
+		pytest hypothesis matplotlib ninja compressed-tensors
+	$(PYTHON) -c "import sys; sys.exit(sys.platform != 'linux')" && $(PIP) install "mlx[cpu]" || true
+	touch $@
+
+# Incremental native build (ninja), in place so tests and bench run from the checkout.
+build: deps
+	$(PYTHON) setup.py -q build_ext --inplace
+
+test: build
+	$(PYTHON) -m pytest -q
+
+test-fast: build
+	$(PYTHON) -m pytest -q -m "not slow"
+
+demo: build
+	$(PYTHON) -m flashllm_ext.demo
+
+bench: build
+	$(PYTHON) bench/bench_endor.py
+
+# Compiles every CUDA source for Ampere and Hopper without torch headers; needs nvcc only, no driver.
+CUDA_SOURCES := $(wildcard csrc/cuda/*.cu)
+cuda-check:
+	@test -n "$(CUDA_SOURCES)" || { echo "no CUDA sources"; exit 1; }
+	@for arch in sm_80 sm_90a; do for f in $(CUDA_SOURCES); do \
+		echo "nvcc $$arch $$f"; \
+		nvcc -std=c++17 -O3 -arch=$$arch -Xptxas -v -Icsrc -c $$f -o /dev/null || exit 1; \
+	done; done
+
+clean:
+	rm -rf build flashllm_ext/*.so .deps.stamp

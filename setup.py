@@ -1,0 +1,57 @@
+"""Build the native parts of flashllm_ext.
+
+Extensions:
+  flashllm_ext._C     CPU kernels (always) + CUDA kernels (when torch has CUDA and CUDA_HOME is set).
+  flashllm_ext._simt  CUDA and Metal kernel bodies compiled as C++ over the CPU SIMT emulation; tests only.
+
+FLASHLLM_CUDA=0|1|auto (default auto) controls the CUDA part; FLASHLLM_NATIVE=0 skips every native build,
+leaving the pure-torch reference kernels.
+"""
+import glob
+import os
+
+import torch
+from setuptools import setup
+from torch.utils import cpp_extension
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+CXX_FLAGS = ["-O3", "-std=c++17", "-fopenmp", "-fvisibility=hidden", "-Wall", "-Wno-unused-function"]
+LINK_FLAGS = ["-fopenmp"]
+
+
+def _sources(pattern: str) -> list[str]:
+    return sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, pattern)))
+
+
+def _want_cuda() -> bool:
+    mode = os.environ.get("FLASHLLM_CUDA", "auto").lower()
+    # Decide from how torch was built, never from torch.cuda.is_available(): build machines may have no driver.
+    has_cuda = torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
+    if mode == "1" and not has_cuda:
+        raise RuntimeError("FLASHLLM_CUDA=1 but torch has no CUDA or CUDA_HOME is not set")
+    return has_cuda if mode == "auto" else mode == "1"
+
+
+def _extensions() -> list:
+    if os.environ.get("FLASHLLM_NATIVE", "1") == "0":
+        return []
+    include_dirs = [os.path.join(ROOT, "csrc")]
+    sources = _sources("csrc/common/*.cpp") + _sources("csrc/cpu/*.cpp") + _sources("csrc/io/*.cpp")
+    extra = {"cxx": CXX_FLAGS}
+    ext_cls = cpp_extension.CppExtension
+    if _want_cuda():
+        ext_cls = cpp_extension.CUDAExtension
+        sources += _sources("csrc/cuda/*.cu") + _sources("csrc/cuda/*.cpp")
+        extra["nvcc"] = ["-O3", "-std=c++17", "-DFLASHLLM_WITH_CUDA"]
+        extra["cxx"] = CXX_FLAGS + ["-DFLASHLLM_WITH_CUDA"]
+    main = ext_cls("flashllm_ext._C", sources, include_dirs=include_dirs,
+                   extra_compile_args=extra, extra_link_args=LINK_FLAGS)
+    simt = cpp_extension.CppExtension(
+        "flashllm_ext._simt", _sources("csrc/simt/*.cpp"), include_dirs=include_dirs,
+        extra_compile_args={"cxx": ["-O2", "-std=c++17", "-fvisibility=hidden", "-Wall", "-pthread"]},
+        extra_link_args=["-pthread"])
+    # An extension without sources (e.g. before its first kernel lands) is simply not built.
+    return [ext for ext in (main, simt) if ext.sources]
+
+
+setup(ext_modules=_extensions(), cmdclass={"build_ext": cpp_extension.BuildExtension})

@@ -1,0 +1,34 @@
+import os
+import subprocess
+import sys
+
+import torch
+
+import flashllm_ext
+
+
+def test_backend_is_torch_off_apple():
+    assert flashllm_ext.backend == "torch"
+
+
+def test_native_library_loaded():
+    # `make test` builds the extension first; a silent fallback to the reference kernels would hide a broken build.
+    assert flashllm_ext.native_available
+
+
+def test_import_neither_initialises_cuda_nor_imports_mlx():
+    code = ("import sys, torch, flashllm_ext; "
+            "print(torch.cuda.is_initialized(), 'mlx' in sys.modules)")
+    env = {k: v for k, v in os.environ.items() if k != "FLASHLLM_BACKEND"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert out.stdout.split() == ["False", "False"]
+
+
+def test_bad_backend_request_is_refused():
+    env = dict(os.environ, FLASHLLM_BACKEND="tpu")
+    out = subprocess.run([sys.executable, "-c", "import flashllm_ext"], capture_output=True, text=True, env=env)
+    assert out.returncode != 0 and "FLASHLLM_BACKEND" in out.stderr
+
+
+def test_ops_registered():
+    assert hasattr(torch.ops.flashllm, "endor_decompress")
