@@ -89,8 +89,9 @@ class EndorTensor:
             rows = torch.as_tensor(rows, dtype=torch.int64, device=self.device)
         if out is None:
             return torch.ops.flashllm.endor_decompress(self.values, self.bitmap, self.row_offsets, self.shape[1], rows)
-        return torch.ops.flashllm.endor_decompress.out(self.values, self.bitmap, self.row_offsets, self.shape[1],
-                                                       rows, out=out)
+        torch.ops.flashllm.endor_decompress.out(self.values, self.bitmap, self.row_offsets, self.shape[1], rows,
+                                                out=out)
+        return out
 
     def to(self, device: torch.device | str) -> EndorTensor:
         return EndorTensor(self.values.to(device), self.bitmap.to(device), self.row_offsets.to(device), self.shape)
