@@ -33,10 +33,11 @@ class EndorTensor:
     """A 2-D weight in Endor form. Construction validates the arrays (FormatError on any inconsistency)."""
 
     def __init__(self, values: torch.Tensor, bitmap: torch.Tensor, row_offsets: torch.Tensor,
-                 shape: tuple[int, int], *, source: str | None = None):
+                 shape: tuple[int, int], *, source: str | None = None, validate: bool = True):
         self.values, self.bitmap, self.row_offsets = values, bitmap, row_offsets
         self.shape = (int(shape[0]), int(shape[1]))
-        self._validate(source)
+        if validate:
+            self._validate(source)
 
     def _validate(self, source: str | None) -> None:
         rows, cols = self.shape
@@ -94,7 +95,9 @@ class EndorTensor:
         return out
 
     def to(self, device: torch.device | str) -> EndorTensor:
-        return EndorTensor(self.values.to(device), self.bitmap.to(device), self.row_offsets.to(device), self.shape)
+        # Already validated: checking again on the target device would cost a synchronising pass.
+        return EndorTensor(self.values.to(device), self.bitmap.to(device), self.row_offsets.to(device), self.shape,
+                           validate=False)
 
     def __repr__(self) -> str:
         return (f"EndorTensor(shape={self.shape}, dtype={self.dtype}, density={self.density:.3f}, "
