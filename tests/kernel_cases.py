@@ -81,6 +81,24 @@ def with_padding_bits(case: Case) -> Case:
     return Case(case.dense, torch.cat(pieces), bitmap, torch.tensor(offsets, dtype=torch.int64))
 
 
+def corrupt(kind: str) -> tuple:
+    """Arguments (values, bitmap, row_offsets, n_cols, rows) of a 7x13 fp32 matrix with one defect `kind`."""
+    case = make_case((7, 13), torch.float32, seed=11)
+    values, bitmap, offsets = case.values, case.bitmap, case.row_offsets.clone()
+    rows = None
+    if kind == "count":
+        offsets[3] += 1  # row 2 one longer than its bitmap, row 3 one shorter
+    elif kind == "non_monotone":
+        offsets[4] = offsets[3] - 1
+    elif kind == "negative":
+        offsets[0] = -1
+    elif kind == "short":
+        values = values[:-1]
+    elif kind in ("row_high", "row_negative"):
+        rows = torch.tensor([0, 7 if kind == "row_high" else -1, 2])
+    return values, bitmap, offsets, 13, rows
+
+
 def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bitwise equality (NaN payloads and -0.0 included)."""
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(BITS[a.dtype]), b.view(BITS[b.dtype]))

@@ -11,7 +11,7 @@ import torch
 
 import flashllm_ext
 from flashllm_ext._ops import endor_decompress_reference
-from kernel_cases import DTYPES, SHAPES, bits_equal, make_case, with_padding_bits
+from kernel_cases import DTYPES, SHAPES, bits_equal, corrupt, make_case, with_padding_bits
 
 simt_ext = pytest.importorskip("flashllm_ext._simt", reason="the test-only extension flashllm_ext._simt is not built")
 OPS = torch.ops.flashllm_simt
@@ -230,23 +230,6 @@ def test_endor_body_edge_inputs(body):
     padded = with_padding_bits(case)
     padded_args = (padded.values, padded.bitmap, padded.row_offsets, padded.n_cols)
     assert bits_equal(op(*padded_args), endor_decompress_reference(*padded_args))
-
-
-def corrupt(kind: str) -> tuple:
-    case = make_case((7, 13), torch.float32, seed=11)
-    values, bitmap, offsets = case.values, case.bitmap, case.row_offsets.clone()
-    rows = None
-    if kind == "count":
-        offsets[3] += 1  # row 2 one longer than its bitmap, row 3 one shorter
-    elif kind == "non_monotone":
-        offsets[4] = offsets[3] - 1
-    elif kind == "negative":
-        offsets[0] = -1
-    elif kind == "short":
-        values = values[:-1]
-    elif kind in ("row_high", "row_negative"):
-        rows = torch.tensor([0, 7 if kind == "row_high" else -1, 2])
-    return values, bitmap, offsets, 13, rows
 
 
 @pytest.mark.parametrize("body", BODIES)
