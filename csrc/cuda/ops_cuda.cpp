@@ -1,8 +1,9 @@
 // Torch glue of the CUDA kernels: argument checks, launch on the current stream, errors reported by the kernel
 // turned into RuntimeError. Compiled only when torch has CUDA.
-#include <ATen/cuda/CUDAContext.h>
+#include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
 #include <optional>
@@ -31,7 +32,7 @@ at::Tensor& endor_decompress_out_cuda(const at::Tensor& values, const at::Tensor
       values_c.data_ptr(), static_cast<int>(values_c.element_size()), bitmap_c.data_ptr<uint8_t>(),
       offsets_c.data_ptr<int64_t>(), rows_c.has_value() ? rows_c->data_ptr<int64_t>() : nullptr, bitmap_c.size(0),
       n_cols, values_c.numel(), n_out, out.data_ptr(), reinterpret_cast<unsigned long long*>(error.data_ptr<int64_t>()),
-      at::cuda::getCurrentCUDAStream()));
+      c10::cuda::getCurrentCUDAStream()));
   check_endor_error_word(static_cast<unsigned long long>(error.item<int64_t>()), values_c, bitmap_c, offsets_c,
                          rows_c);
   return out;
