@@ -188,6 +188,7 @@ def test_barrier_orders_shared_memory_per_block(metal, n_threads, n_active):
     ("barrier_in_divergent_warp", "waits for it|deadlock"),
     ("shuffle_outside_mask", "not taking part"),
     ("mask_without_caller", "does not name the calling lane"),
+    ("misaligned_vector_store", "misaligned 16-byte vector store"),
     ("kernel_throws", "kernel threw: index 99 past the end"),
 ])
 def test_misuse_fails_the_launch_with_a_reason(what, message):

@@ -42,14 +42,42 @@ struct dim3 {
   constexpr dim3(unsigned x_ = 1, unsigned y_ = 1, unsigned z_ = 1) : x(x_), y(y_), z(z_) {}
 };
 
-struct alignas(8) uint2 {
-  unsigned x, y;
-};
-struct alignas(16) uint4 {
-  unsigned x, y, z, w;
-};
-inline uint2 make_uint2(unsigned x, unsigned y) { return {x, y}; }
-inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return {x, y, z, w}; }
+namespace simt::detail {
+// A GPU faults on a misaligned vector access; the emulation reports it instead of letting x86 get away with it.
+inline void check_vector_aligned(const void* p, std::size_t align, const char* what) {
+  if (reinterpret_cast<std::uintptr_t>(p) % align != 0)
+    throw std::runtime_error(std::string("misaligned ") + std::to_string(align) + "-byte vector " + what);
+}
+}  // namespace simt::detail
+
+// CUDA's vector types; copying one through a pointer is a vector load or store, so it checks alignment.
+#define SIMT_VECTOR_TYPE(NAME, N, ...)                                                              \
+  struct alignas(N * 4) NAME {                                                                      \
+    unsigned __VA_ARGS__;                                                                           \
+    NAME() = default;                                                                               \
+    NAME(const NAME& o) {                                                                           \
+      simt::detail::check_vector_aligned(&o, N * 4, "load");                                        \
+      std::memcpy(static_cast<void*>(this), &o, N * 4);                                             \
+    }                                                                                               \
+    NAME& operator=(const NAME& o) {                                                                \
+      simt::detail::check_vector_aligned(this, N * 4, "store");                                     \
+      std::memcpy(static_cast<void*>(this), &o, N * 4);                                             \
+      return *this;                                                                                 \
+    }                                                                                               \
+  };
+SIMT_VECTOR_TYPE(uint2, 2, x, y)
+SIMT_VECTOR_TYPE(uint4, 4, x, y, z, w)
+#undef SIMT_VECTOR_TYPE
+inline uint2 make_uint2(unsigned x, unsigned y) {
+  uint2 v;
+  v.x = x, v.y = y;
+  return v;
+}
+inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) {
+  uint4 v;
+  v.x = x, v.y = y, v.z = z, v.w = w;
+  return v;
+}
 
 #define __global__
 #define __device__
