@@ -6,14 +6,15 @@
 //          rows [n_out] int64_t (a 1-element placeholder when !HAS_ROWS), params [4] int64_t = {n_rows, n_cols, nnz, n_out}.
 // Outputs: out [n_out * n_cols] T, row_status [n_out] int32_t (0 ok; otherwise the EndorRowCode of
 //          csrc/common/endor_codes.h: 1 row index out of range, 2 row_offsets not a range inside values,
-//          3 row length != popcount of its bitmap row).
+//          3 a bit past n_cols set, 4 row length != popcount of its bitmap row).
+// The host checks row_offsets[0] == 0 and row_offsets[n_rows] == nnz.
 // Grid: 32 * n_out threads rounded up to the threadgroup, threadgroup a multiple of 32: one simdgroup per row.
 //
 // Per step each lane takes one bitmap byte; simd_prefix_exclusive_sum of the popcounts gives each lane its first
 // value. The lanes then write the step's 256 columns in 8 rounds of 32 consecutive columns (lane l writes column
 // 32k + l, getting its byte and first index from the owning lane with simd_shuffle), so reads and writes of
 // values and out are contiguous across the simdgroup. Before reading values the row's range is checked against
-// nnz and against the popcount of its bitmap row; a bad row is skipped and reported in row_status.
+// nnz, its padding bits and the popcount of its bitmap row; a bad row is skipped and reported in row_status.
 const int64_t n_rows = params[0];
 const int64_t n_cols = params[1];
 const int64_t nnz = params[2];
@@ -40,13 +41,19 @@ if (start < 0 || start > end || end > nnz) {
   return;
 }
 const device uint8_t* row_bitmap = bitmap + r * row_bytes;
+if ((n_cols & 7) != 0 && (row_bitmap[row_bytes - 1] >> (n_cols & 7)) != 0) {
+  if (lane == 0) {
+    row_status[o] = 3;
+  }
+  return;
+}
 uint set_bits = 0;
 for (int64_t b = lane; b < row_bytes; b += 32) {
   set_bits += popcount(uint(row_bitmap[b]));
 }
 if (int64_t(simd_sum(set_bits)) != end - start) {
   if (lane == 0) {
-    row_status[o] = 3;
+    row_status[o] = 4;
   }
   return;
 }

@@ -11,7 +11,7 @@ import torch
 
 import flashllm_ext
 from flashllm_ext._ops import endor_decompress_reference
-from kernel_cases import DTYPES, SHAPES, bits_equal, corrupt, make_case, with_padding_bits
+from kernel_cases import BAD_CASES, DTYPES, SHAPES, assert_bitwise_equal, endor_case
 
 simt_ext = pytest.importorskip("flashllm_ext._simt", reason="the test-only extension flashllm_ext._simt is not built")
 OPS = torch.ops.flashllm_simt
@@ -202,69 +202,47 @@ def test_misuse_fails_the_launch_with_a_reason(what, message):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES)
 def test_endor_body_matches_reference_bitwise(body, dtype, shape):
-    case = make_case(shape, dtype, seed=shape[0] * 1000 + shape[1])
-    args = (case.values, case.bitmap, case.row_offsets, case.n_cols)
-    want = endor_decompress_reference(*args)
-    assert bits_equal(want, case.dense)  # the oracle itself round-trips
-    assert bits_equal(BODIES[body](*args), want)
-    gen = torch.Generator().manual_seed(7)
-    rows = torch.randint(0, case.n_rows, (2 * case.n_rows + 1,), generator=gen)  # arbitrary order, repeats
-    assert bits_equal(BODIES[body](*args, rows), endor_decompress_reference(*args, rows))
+    w, e = endor_case(shape, dtype, seed=shape[0] * 1000 + shape[1])
+    args = (e.values, e.bitmap, e.row_offsets, shape[1])
+    assert_bitwise_equal(BODIES[body](*args), w)
+    rows = torch.randint(0, shape[0], (2 * shape[0] + 1,), generator=torch.Generator().manual_seed(7))
+    assert_bitwise_equal(BODIES[body](*args, rows), endor_decompress_reference(*args, rows))
 
 
 @pytest.mark.parametrize("body", BODIES)
 def test_endor_body_edge_inputs(body):
     op = BODIES[body]
-    case = make_case((7, 13), torch.float16, seed=8)
-    args = (case.values, case.bitmap, case.row_offsets, case.n_cols)
+    w, e = endor_case((7, 13), torch.float16, seed=8)
+    args = (e.values, e.bitmap, e.row_offsets, 13)
     assert op(*args, torch.empty(0, dtype=torch.int64)).shape == (0, 13)
-    dense_case = make_case((4, 40), torch.float32, seed=9, density=1.0)
-    assert bits_equal(op(dense_case.values, dense_case.bitmap, dense_case.row_offsets, 40), dense_case.dense)
-    empty_case = make_case((4, 40), torch.int8, seed=10, density=0.0)
-    assert empty_case.values.numel() == 0
-    assert bits_equal(op(empty_case.values, empty_case.bitmap, empty_case.row_offsets, 40), empty_case.dense)
+    for density in (0.0, 1.0):
+        wd, ed = endor_case((4, 40), torch.float32, seed=9, density=density)
+        assert_bitwise_equal(op(ed.values, ed.bitmap, ed.row_offsets, 40), wd)
     # Non-contiguous values (a strided view) are accepted.
-    strided = torch.stack([case.values, case.values], 1)[:, 0]
+    strided = torch.stack([e.values, e.values], 1)[:, 0]
     assert not strided.is_contiguous()
-    assert bits_equal(op(strided, *args[1:]), case.dense)
-    # Padding bits past n_cols count towards a row's length but are never written, as in the reference.
-    padded = with_padding_bits(case)
-    padded_args = (padded.values, padded.bitmap, padded.row_offsets, padded.n_cols)
-    assert bits_equal(op(*padded_args), endor_decompress_reference(*padded_args))
+    assert_bitwise_equal(op(strided, *args[1:]), w)
 
 
 @pytest.mark.parametrize("body", BODIES)
-@pytest.mark.parametrize("kind,message", [
-    ("count", r"row 2: row_offsets says \d+ values but the bitmap has \d+ set bits"),
-    ("non_monotone", r"row_offsets must be non-decreasing, but row_offsets\[3\]"),
-    ("negative", r"row 0 starts at row_offsets\[0\] = -1"),
-    ("short", r"values is too short: row 6 ends at"),
-    ("row_high", r"rows\[1\] = 7 is outside \[0, 7\)"),
-    ("row_negative", r"rows\[1\] = -1 is outside \[0, 7\)"),
-])
-def test_endor_body_reports_bad_rows(body, kind, message):
-    with pytest.raises(RuntimeError, match=message):
-        BODIES[body](*corrupt(kind))
+@pytest.mark.parametrize("case", range(len(BAD_CASES)))
+def test_endor_body_refuses_bad_input(body, case):
+    expected, args = BAD_CASES[case]
+    with pytest.raises(RuntimeError, match=expected):
+        BODIES[body](*args)
 
 
 @pytest.mark.parametrize("body", BODIES)
-def test_endor_body_rejects_bad_arguments(body):
-    op = BODIES[body]
-    case = make_case((7, 13), torch.float16, seed=12)
-    v, b, o = case.values, case.bitmap, case.row_offsets
-    bad = [
-        ((v.double(), b, o, 13), "values must be"),
-        ((v.reshape(1, -1), b, o, 13), "1-D"),
-        ((v, b.int(), o, 13), "bitmap must be a 2-D uint8"),
-        ((v, b, o, 20), "bytes per row"),
-        ((v, b, o.int(), 13), "row_offsets must be int64"),
-        ((v, b, o[:-1], 13), "length rows\\+1"),
-        ((v, b, o, 13, torch.tensor([0, 1], dtype=torch.int32)), "rows must be a 1-D int64"),
-        ((v, b, o, 13, torch.zeros(1, 1, dtype=torch.int64)), "rows must be a 1-D int64"),
-    ]
-    for args, message in bad:
-        with pytest.raises(RuntimeError, match=message):
-            op(*args)
+def test_endor_body_names_the_first_bad_row(body):
+    _, e = endor_case((7, 13), torch.float32, seed=11)
+    args = (e.values, e.bitmap, e.row_offsets.clone(), 13)
+    args[2][3] += 1  # rows 2 and 3 disagree with their popcounts
+    with pytest.raises(RuntimeError, match=r"row 2: row_offsets says \d+ values but the bitmap has \d+ set bits"):
+        BODIES[body](*args)
+    with pytest.raises(RuntimeError, match=r"row 3: row_offsets says"):  # output row 1 is source row 3
+        BODIES[body](*args, torch.tensor([6, 3, 2]))
+    with pytest.raises(RuntimeError, match=r"rows\[1\]=7 is outside \[0, 7\)"):
+        BODIES[body](*args[:2], e.row_offsets, 13, torch.tensor([0, 7, 9]))
 
 
 def test_import_alone_does_not_load_the_test_extension():

@@ -9,11 +9,11 @@ namespace {
 template <class W>
 cudaError_t launch_typed(const void* values, const uint8_t* bitmap, const int64_t* row_offsets, const int64_t* rows,
                          int64_t n_rows, int64_t n_cols, int64_t nnz, int64_t n_out, void* out,
-                         unsigned long long* error, cudaStream_t stream) {
+                         EndorReport* report, cudaStream_t stream) {
   const unsigned blocks = static_cast<unsigned>(endor_grid_blocks(n_out));
   endor_decompress_kernel<W><<<blocks, kEndorThreadsPerBlock, 0, stream>>>(
       static_cast<const W*>(values), bitmap, row_offsets, rows, n_rows, n_cols, nnz, n_out, static_cast<W*>(out),
-      error);
+      report);
   return cudaGetLastError();
 }
 
@@ -21,18 +21,17 @@ cudaError_t launch_typed(const void* values, const uint8_t* bitmap, const int64_
 
 cudaError_t launch_endor_decompress(const void* values, int elem_bytes, const uint8_t* bitmap,
                                     const int64_t* row_offsets, const int64_t* rows, int64_t n_rows, int64_t n_cols,
-                                    int64_t nnz, int64_t n_out, void* out, unsigned long long* error,
+                                    int64_t nnz, int64_t n_out, void* out, EndorReport* report,
                                     cudaStream_t stream) {
-  const cudaError_t reset = cudaMemsetAsync(error, 0xff, sizeof(*error), stream);  // kEndorNoError
+  const cudaError_t reset = cudaMemsetAsync(&report->bad_row, 0xff, sizeof(report->bad_row), stream);  // kEndorNoError
   if (reset != cudaSuccess) return reset;
-  if (n_out == 0 || n_cols == 0) return cudaSuccess;
   switch (elem_bytes) {
     case 1:
-      return launch_typed<uint8_t>(values, bitmap, row_offsets, rows, n_rows, n_cols, nnz, n_out, out, error, stream);
+      return launch_typed<uint8_t>(values, bitmap, row_offsets, rows, n_rows, n_cols, nnz, n_out, out, report, stream);
     case 2:
-      return launch_typed<uint16_t>(values, bitmap, row_offsets, rows, n_rows, n_cols, nnz, n_out, out, error, stream);
+      return launch_typed<uint16_t>(values, bitmap, row_offsets, rows, n_rows, n_cols, nnz, n_out, out, report, stream);
     case 4:
-      return launch_typed<uint32_t>(values, bitmap, row_offsets, rows, n_rows, n_cols, nnz, n_out, out, error, stream);
+      return launch_typed<uint32_t>(values, bitmap, row_offsets, rows, n_rows, n_cols, nnz, n_out, out, report, stream);
     default:
       return cudaErrorInvalidValue;
   }

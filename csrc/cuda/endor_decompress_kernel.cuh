@@ -11,8 +11,9 @@
 // bitmap bytes per lane before it reads any value, so several steps' value loads are in flight at once.
 //
 // Safety: before reading a row's values the warp checks that the row index is in range, that row_offsets gives a
-// range inside `values`, and that the range's length equals the popcount of the row's bitmap (padding bits past
-// n_cols included, as the reference counts them). A bad row is skipped and reported through `error`.
+// range inside `values`, that no padding bit past n_cols is set, and that the range's length equals the popcount of
+// the row's bitmap. A bad row is skipped and reported through `report` (endor_codes.h), which also carries
+// row_offsets[0] and row_offsets[n_rows] back for the host's check.
 #pragma once
 
 #include <cstdint>
@@ -26,10 +27,11 @@ constexpr int kEndorThreadsPerBlock = kEndorWarpsPerBlock * 32;
 constexpr int kEndorStepsPerIter = 4;
 constexpr int64_t kEndorMaxBlocks = int64_t(1) << 16;
 
-// Blocks for n_out rows: one warp per row up to kEndorMaxBlocks, then warps loop over rows.
+// Blocks for n_out rows: one warp per row up to kEndorMaxBlocks, then warps loop over rows. At least one, which
+// reports the first and last row offsets even when no row is asked for.
 inline int64_t endor_grid_blocks(int64_t n_out) {
   const int64_t blocks = (n_out + kEndorWarpsPerBlock - 1) / kEndorWarpsPerBlock;
-  return blocks < kEndorMaxBlocks ? blocks : kEndorMaxBlocks;
+  return blocks < 1 ? 1 : blocks < kEndorMaxBlocks ? blocks : kEndorMaxBlocks;
 }
 
 namespace endor_detail {
@@ -89,44 +91,52 @@ __device__ __forceinline__ void decode_byte(const W* __restrict__ row_values, un
   }
 }
 
-__device__ __forceinline__ void report_row(unsigned long long* error, int64_t out_row, int code) {
-  atomicMin(error, (static_cast<unsigned long long>(out_row) << kEndorCodeBits) | static_cast<unsigned long long>(code));
+__device__ __forceinline__ void report_row(EndorReport* report, int64_t out_row, int code) {
+  atomicMin(&report->bad_row, (static_cast<unsigned long long>(out_row) << kEndorCodeBits) | static_cast<unsigned long long>(code));
 }
 
 }  // namespace endor_detail
 
 // out[o, :] = row rows[o] (or o when rows is null) of the Endor tensor, for o in [0, n_out).
-// Launch with kEndorThreadsPerBlock threads per block and endor_grid_blocks(n_out) blocks; *error starts at
-// kEndorNoError and ends holding the lowest bad output row and its EndorRowCode (or kEndorNoError).
+// Launch with kEndorThreadsPerBlock threads per block and endor_grid_blocks(n_out) blocks, report->bad_row set to
+// kEndorNoError.
 template <class W>
 __global__ void __launch_bounds__(kEndorThreadsPerBlock)
     endor_decompress_kernel(const W* __restrict__ values, const uint8_t* __restrict__ bitmap,
                             const int64_t* __restrict__ row_offsets, const int64_t* __restrict__ rows,
                             int64_t n_rows, int64_t n_cols, int64_t nnz, int64_t n_out, W* __restrict__ out,
-                            unsigned long long* __restrict__ error) {
+                            EndorReport* __restrict__ report) {
   using namespace endor_detail;
   const int lane = threadIdx.x % 32;
   const int64_t warps_per_block = blockDim.x / 32;
   const int64_t row_bytes = (n_cols + 7) / 8;
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    report->first_offset = row_offsets[0];
+    report->last_offset = row_offsets[n_rows];
+  }
   for (int64_t o = int64_t(blockIdx.x) * warps_per_block + threadIdx.x / 32; o < n_out;
        o += int64_t(gridDim.x) * warps_per_block) {
     // Every value below is the same in all lanes, so each `continue` is taken by the whole warp.
     const int64_t r = rows != nullptr ? rows[o] : o;
     if (r < 0 || r >= n_rows) {
-      if (lane == 0) report_row(error, o, kEndorRowIndexOutOfRange);
+      if (lane == 0) report_row(report, o, kEndorRowIndexOutOfRange);
       continue;
     }
     const int64_t start = row_offsets[r];
     const int64_t end = row_offsets[r + 1];
     if (start < 0 || start > end || end > nnz) {
-      if (lane == 0) report_row(error, o, kEndorRowOffsetsInvalid);
+      if (lane == 0) report_row(report, o, kEndorRowOffsetsInvalid);
       continue;
     }
     const uint8_t* row_bitmap = bitmap + r * row_bytes;
+    if ((n_cols & 7) && (row_bitmap[row_bytes - 1] >> (n_cols & 7))) {
+      if (lane == 0) report_row(report, o, kEndorRowPaddingBits);
+      continue;
+    }
     unsigned long long set_bits = 0;
     for (int64_t b = lane; b < row_bytes; b += 32) set_bits += __popc(row_bitmap[b]);
     if (warp_sum(set_bits) != static_cast<unsigned long long>(end - start)) {
-      if (lane == 0) report_row(error, o, kEndorRowCountMismatch);
+      if (lane == 0) report_row(report, o, kEndorRowCountMismatch);
       continue;
     }
 

@@ -3,10 +3,12 @@
 #pragma once
 #include <cstdint>
 
+#include "common/endor_codes.h"
+
 namespace flashllm::simt_bodies {
 
-// Runs csrc/cuda/endor_decompress_kernel.cuh exactly as launch_endor_decompress would. Returns the error word.
-unsigned long long run_endor_cuda(const void* values, int elem_bytes, const uint8_t* bitmap, const int64_t* row_offsets,
+// Runs csrc/cuda/endor_decompress_kernel.cuh exactly as launch_endor_decompress would. Returns its report.
+EndorReport run_endor_cuda(const void* values, int elem_bytes, const uint8_t* bitmap, const int64_t* row_offsets,
                                   const int64_t* rows, int64_t n_rows, int64_t n_cols, int64_t nnz, int64_t n_out,
                                   void* out);
 

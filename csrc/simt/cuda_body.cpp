@@ -8,20 +8,20 @@ namespace flashllm::simt_bodies {
 namespace {
 
 template <class W>
-unsigned long long run_typed(const void* values, const uint8_t* bitmap, const int64_t* row_offsets,
+EndorReport run_typed(const void* values, const uint8_t* bitmap, const int64_t* row_offsets,
                              const int64_t* rows, int64_t n_rows, int64_t n_cols, int64_t nnz, int64_t n_out,
                              void* out) {
-  unsigned long long error = kEndorNoError;
+  EndorReport report{kEndorNoError, -1, -1};
   simt::launch(dim3(static_cast<unsigned>(endor_grid_blocks(n_out))), dim3(kEndorThreadsPerBlock), [&] {
     endor_decompress_kernel<W>(static_cast<const W*>(values), bitmap, row_offsets, rows, n_rows, n_cols, nnz, n_out,
-                               static_cast<W*>(out), &error);
+                               static_cast<W*>(out), &report);
   });
-  return error;
+  return report;
 }
 
 }  // namespace
 
-unsigned long long run_endor_cuda(const void* values, int elem_bytes, const uint8_t* bitmap, const int64_t* row_offsets,
+EndorReport run_endor_cuda(const void* values, int elem_bytes, const uint8_t* bitmap, const int64_t* row_offsets,
                                   const int64_t* rows, int64_t n_rows, int64_t n_cols, int64_t nnz, int64_t n_out,
                                   void* out) {
   switch (elem_bytes) {

@@ -26,16 +26,19 @@ at::Tensor endor_decompress_simt(const at::Tensor& values, const at::Tensor& bit
   std::optional<at::Tensor> rows_c;
   if (rows.has_value()) rows_c = rows->contiguous();
   at::Tensor out = at::empty({n_out, n_cols}, values.options());
-  if (n_out == 0) return out;
   const int64_t* rows_ptr = rows_c.has_value() ? rows_c->data_ptr<int64_t>() : nullptr;
   const int elem_bytes = static_cast<int>(values_c.element_size());
   try {
     if constexpr (body == Body::cuda) {
-      const unsigned long long error = simt_bodies::run_endor_cuda(
+      const EndorReport report = simt_bodies::run_endor_cuda(
           values_c.data_ptr(), elem_bytes, bitmap_c.data_ptr<uint8_t>(), offsets_c.data_ptr<int64_t>(), rows_ptr,
           bitmap_c.size(0), n_cols, values_c.numel(), n_out, out.data_ptr());
-      check_endor_error_word(error, values_c, bitmap_c, offsets_c, rows_c);
+      check_endor_report(report, values_c, bitmap_c, offsets_c, n_cols, rows_c);
     } else {
+      // What flashllm_ext.mlx checks on the host before dispatching the Metal kernel.
+      const int64_t* offsets = offsets_c.data_ptr<int64_t>();
+      check_endor_offset_ends(offsets[0], offsets[bitmap_c.size(0)], values_c.numel());
+      if (n_out == 0) return out;
       at::Tensor status = at::empty({n_out}, values.options().dtype(at::kInt));
       simt_bodies::run_endor_metal(values_c.data_ptr(), elem_bytes, bitmap_c.data_ptr<uint8_t>(),
                                    offsets_c.data_ptr<int64_t>(), rows_ptr, bitmap_c.size(0), n_cols,
@@ -43,7 +46,7 @@ at::Tensor endor_decompress_simt(const at::Tensor& values, const at::Tensor& bit
       const at::Tensor bad = status.nonzero();
       if (bad.numel() > 0) {
         const int64_t o = bad[0][0].item<int64_t>();
-        throw_endor_row_error(o, status[o].item<int32_t>(), values_c, bitmap_c, offsets_c, rows_c);
+        throw_endor_row_error(o, status[o].item<int32_t>(), values_c, bitmap_c, offsets_c, n_cols, rows_c);
       }
     }
   } catch (const std::runtime_error& e) {

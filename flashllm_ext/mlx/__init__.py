@@ -22,7 +22,7 @@ METAL_DIR = Path(__file__).resolve().parent.parent / "metal"
 # Threads per threadgroup of the Endor kernel; csrc/simt/bodies.h emulates the same launch.
 _ENDOR_THREADGROUP = 256
 # EndorRowCode (csrc/common/endor_codes.h), as the Metal kernel writes it into row_status.
-_ROW_INDEX, _ROW_OFFSETS, _ROW_COUNT = 1, 2, 3
+_ROW_INDEX, _ROW_OFFSETS, _ROW_PADDING, _ROW_COUNT = 1, 2, 3, 4
 
 
 def metal_available() -> bool:
@@ -63,33 +63,35 @@ def _check_metadata(values: mx.array, bitmap: mx.array, row_offsets: mx.array, n
     return rows.size
 
 
+def _check_offset_ends(values: mx.array, row_offsets: mx.array) -> None:
+    first, last = int(row_offsets[0].item()), int(row_offsets[-1].item())
+    if first != 0 or last != values.size:
+        _fail(f"row_offsets must start at 0 and end at values.numel()={values.size}, got {first}..{last}")
+
+
 def _raise_row_error(out_row: int, code: int, values: mx.array, bitmap: mx.array, row_offsets: mx.array,
-                     rows: mx.array | None) -> None:
-    """The RuntimeError for a row a kernel refused (same wording as csrc/common/endor_report.h)."""
+                     n_cols: int, rows: mx.array | None) -> None:
+    """The RuntimeError for a row a kernel refused, worded as the torch kernels word it."""
     n_rows = bitmap.shape[0]
     r = int(rows[out_row].item()) if rows is not None else out_row
     if code == _ROW_INDEX:
-        _fail(f"rows[{out_row}] = {r} is outside [0, {n_rows})")
+        _fail(f"rows[{out_row}]={r} is outside [0, {n_rows})")
     start, end = int(row_offsets[r].item()), int(row_offsets[r + 1].item())
     if code == _ROW_OFFSETS:
-        if start < 0:
-            _fail(f"row {r} starts at row_offsets[{r}] = {start} < 0")
-        if start > end:
-            _fail(f"row_offsets must be non-decreasing, but row_offsets[{r}] = {start} > "
-                  f"row_offsets[{r + 1}] = {end}")
-        _fail(f"values is too short: row {r} ends at row_offsets[{r + 1}] = {end} but values has "
-              f"{values.size} elements")
+        _fail(f"row {r}: row_offsets [{start}, {end}) is not a range inside values ({values.size} elements)")
+    if code == _ROW_PADDING:
+        _fail(f"row {r}: bitmap has bits set past n_cols={n_cols}")
     set_bits = sum(bin(int(b)).count("1") for b in bitmap[r].tolist())
     _fail(f"row {r}: row_offsets says {end - start} values but the bitmap has {set_bits} set bits")
 
 
-def _check_status(status: mx.array, values: mx.array, bitmap: mx.array, row_offsets: mx.array,
+def _check_status(status: mx.array, values: mx.array, bitmap: mx.array, row_offsets: mx.array, n_cols: int,
                   rows: mx.array | None) -> None:
     """Raises for the first output row whose status is not 0."""
     bad = status != 0
     if bool(mx.any(bad).item()):
         out_row = int(mx.argmax(bad).item())
-        _raise_row_error(out_row, int(status[out_row].item()), values, bitmap, row_offsets, rows)
+        _raise_row_error(out_row, int(status[out_row].item()), values, bitmap, row_offsets, n_cols, rows)
 
 
 def _popcount_bytes(b: mx.array) -> mx.array:
@@ -106,10 +108,13 @@ def _decompress_mlx_ops(values: mx.array, bitmap: mx.array, row_offsets: mx.arra
     safe = mx.where(in_range, src, 0)
     starts, ends = row_offsets[safe], row_offsets[safe + 1]
     row_bitmap = bitmap[safe]
+    padding = (row_bitmap[:, -1] >> (n_cols % 8)) != 0 if n_cols % 8 else mx.zeros(src.shape, dtype=mx.bool_)
     status = mx.where(~in_range, _ROW_INDEX,
                       mx.where((starts < 0) | (starts > ends) | (ends > nnz), _ROW_OFFSETS,
-                               mx.where(ends - starts != _popcount_bytes(row_bitmap).sum(axis=1), _ROW_COUNT, 0)))
-    _check_status(status, values, bitmap, row_offsets, rows)
+                               mx.where(padding, _ROW_PADDING,
+                                        mx.where(ends - starts != _popcount_bytes(row_bitmap).sum(axis=1),
+                                                 _ROW_COUNT, 0))))
+    _check_status(status, values, bitmap, row_offsets, n_cols, rows)
 
     bits_dtype = _BITS[values.dtype]
     n_out = src.size
@@ -152,7 +157,7 @@ def _decompress_metal(values: mx.array, bitmap: mx.array, row_offsets: mx.array,
         output_shapes=[(n_out, n_cols), (n_out,)],
         output_dtypes=[bits_dtype, mx.int32],
     )
-    _check_status(status, values, bitmap, row_offsets, rows)
+    _check_status(status, values, bitmap, row_offsets, n_cols, rows)
     return out.view(values.dtype)
 
 
@@ -161,10 +166,12 @@ def endor_decompress(values: mx.array, bitmap: mx.array, row_offsets: mx.array, 
     """Dense rows of an Endor tensor, as torch.ops.flashllm.endor_decompress.
 
     values [nnz] (float32/float16/bfloat16/int8), bitmap uint8 [R, ceil(n_cols/8)], row_offsets int64 [R+1],
-    rows int64 [K] or None -> [K or R, n_cols] of values.dtype. Raises RuntimeError on a bad row (offsets outside
-    values, length != popcount of its bitmap row, index out of range) among the rows read.
+    rows int64 [K] or None -> [K or R, n_cols] of values.dtype. Raises RuntimeError when row_offsets does not span
+    values, or on a bad row among those read (index out of range, offsets outside values, a bit set past n_cols,
+    length != popcount of its bitmap row).
     """
     n_out = _check_metadata(values, bitmap, row_offsets, n_cols, rows)
+    _check_offset_ends(values, row_offsets)
     if n_out == 0:
         return mx.zeros((0, n_cols), dtype=values.dtype)
     if metal_available() and n_cols > 0:  # (n_out, 0) would be a zero-size Metal buffer
