@@ -174,7 +174,7 @@ void misuse(const std::string& what) {
       } else if (what == "mask_without_caller") {
         if (lane == 0) __shfl_sync(0x2u, 1, 1);
       } else if (what == "misaligned_vector_store") {
-        alignas(16) unsigned char buf[32];
+        alignas(16) unsigned char buf[32] = {};
         *reinterpret_cast<uint4*>(buf + 4 * (threadIdx.x % 2)) = make_uint4(1, 2, 3, 4);
       } else if (what == "kernel_throws") {
         if (threadIdx.x == 40) throw std::out_of_range("index 99 past the end");
