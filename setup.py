@@ -48,7 +48,9 @@ def _extensions() -> list:
                    extra_compile_args=extra, extra_link_args=LINK_FLAGS)
     simt = cpp_extension.CppExtension(
         "flashllm_ext._simt", _sources("csrc/simt/*.cpp"), include_dirs=include_dirs,
-        extra_compile_args={"cxx": ["-O2", "-std=c++20", "-fvisibility=hidden", "-Wall", "-pthread"]},
+        extra_compile_args={"cxx": ["-O2", "-std=c++20", "-fvisibility=hidden", "-Wall", "-pthread",
+                                    # kernel bodies pun types (vector stores) and carry nvcc's #pragma unroll
+                                    "-fno-strict-aliasing", "-Wno-unknown-pragmas"]},
         extra_link_args=["-pthread"])
     # An extension without sources (e.g. before its first kernel lands) is simply not built.
     return [ext for ext in (main, simt) if ext.sources]
