@@ -95,8 +95,8 @@ class FlashReader:
 
     store: a FlashStore or its directory. threads: worker threads (the io_uring engine: reads in flight).
     min_read: reads shorter than this absorb the next requested neuron whatever the gap. max_gap: largest gap in
-    bytes read through to merge two reads (None: calibrated profile, else DEFAULT_MAX_GAP). max_read: cap on one
-    coalesced read. direct: O_DIRECT (falls back to buffered where refused, see `.direct`).
+    bytes read through to merge two reads (None: calibrated profile, else DEFAULT_MAX_GAP; -1 with min_read=0:
+    no coalescing at all, one read per distinct neuron). max_read: cap on one coalesced read. direct: O_DIRECT (falls back to buffered where refused, see `.direct`).
     engine: "threads" or "io_uring" (needs a liburing build, see has_io_uring()).
     """
 

@@ -147,10 +147,7 @@ def convert(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, dtype: st
     first = layers[0]
     ffn, hidden = (int(s) for s in ckpt[first["up"]].shape)
     width = (3 if glu else 2) * hidden
-    metadata = {"magic": MAGIC, "format_version": FORMAT_VERSION, "config": json.dumps(ckpt.config),
-                "dtype": dtype, "bundle_width": str(width), "n_layers": str(len(layers)), "n_neurons": str(ffn),
-                "hidden_size": str(hidden), "glu": str(int(glu)), "alignment": str(ALIGNMENT),
-                "endor": str(int(endor))}
+    metadata = _bundles_metadata(ckpt.config, dtype, len(layers), ffn, hidden, glu, endor)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
@@ -171,6 +168,37 @@ def convert(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, dtype: st
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)
+    return out_dir
+
+
+def _bundles_metadata(config: dict, dtype: str, n_layers: int, n_neurons: int, hidden: int, glu: bool,
+                      use_endor: bool) -> dict[str, str]:
+    width = (3 if glu else 2) * hidden
+    return {"magic": MAGIC, "format_version": FORMAT_VERSION, "config": json.dumps(config), "dtype": dtype,
+            "bundle_width": str(width), "n_layers": str(n_layers), "n_neurons": str(n_neurons),
+            "hidden_size": str(hidden), "glu": str(int(glu)), "alignment": str(ALIGNMENT),
+            "endor": str(int(use_endor))}
+
+
+def synthesize(out_dir: str | os.PathLike, n_layers: int, hidden_size: int, n_neurons: int, glu: bool = False,
+               dtype: str = "fp16", seed: int = 0) -> Path:
+    """A store of random weights with a real model's FFN shapes (e.g. OPT-6.7B: hidden 4096, 16384 neurons), for
+    I/O benchmarks at a scale no checkpoint here has. No resident tensors. Written one layer at a time."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    torch_dtype = DTYPES[dtype]
+    width = (3 if glu else 2) * hidden_size
+    config = {"model_type": "synthetic", "hidden_size": hidden_size, "intermediate_size": n_neurons,
+              "num_hidden_layers": n_layers}
+    specs = [spec for layer in range(n_layers) for spec in _layer_specs(layer, n_neurons, width, torch_dtype, None)]
+    generator = torch.Generator().manual_seed(seed)
+    metadata = _bundles_metadata(config, dtype, n_layers, n_neurons, hidden_size, glu, False)
+    with AlignedWriter(out_dir / BUNDLES_FILE, specs, metadata, ALIGNMENT) as writer:
+        for layer in range(n_layers):
+            writer.write(layer_tensor_name(layer),
+                         torch.randn((n_neurons, width), generator=generator, dtype=torch.float32).to(torch_dtype))
+    save_file({}, str(out_dir / RESIDENT_FILE), metadata={"magic": MAGIC, "format_version": FORMAT_VERSION,
+                                                           "dtype": dtype})
     return out_dir
 
 

@@ -65,6 +65,9 @@ def _check_stats(stats: reader.ReadStats, ids: torch.Tensor, row_bytes: int) -> 
 def test_coalescing_follows_the_gap_rule(flash_store):
     row = flash_store.row_bytes  # 384 bytes
     ids = torch.tensor([10, 11, 12, 20, 21, 400])  # runs {10-12}, {20-21}, {400}; gaps of 7 and 378 rows
+    with FlashReader(flash_store, threads=2, min_read=0, max_gap=-1) as r:
+        r.read(0, ids)
+        assert r.stats.n_reads == 6  # coalescing off: even adjacent neurons are separate reads
     with FlashReader(flash_store, threads=2, min_read=0, max_gap=0) as r:
         r.read(0, ids)
         assert r.stats.n_reads == 3

@@ -317,3 +317,11 @@ def test_fuzzed_headers_raise_format_error_or_load(store_copy, data):
         fs.bundle(0, [0, fs.n_neurons - 1])  # what loads must be consistent enough to read
     finally:
         bundles.write_bytes(original)
+
+
+def test_synthesized_store(tmp_path):
+    fs = store.FlashStore(store.synthesize(tmp_path / "s", n_layers=2, hidden_size=40, n_neurons=300, glu=True))
+    assert (fs.n_layers, fs.n_neurons, fs.bundle_width, fs.glu) == (2, 300, 120, True)
+    with safe_open(fs.bundles_path, framework="pt") as f:
+        assert torch.equal(f.get_tensor("layers.1.bundles")[[4, 2]], fs.bundle(1, [4, 2]))
+    assert fs.resident() == {}

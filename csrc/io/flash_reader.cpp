@@ -168,8 +168,8 @@ class FlashReader : public torch::CustomClassHolder {
               std::string engine)
       : path_(std::move(path)), min_read_(min_read), max_gap_(max_gap), max_read_(max_read), engine_(engine) {
     TORCH_CHECK(threads >= 1 && threads <= 1024, "FlashReader: threads must be in [1, 1024], got ", threads);
-    TORCH_CHECK(min_read >= 0 && max_gap >= 0, "FlashReader: min_read and max_gap must be >= 0, got ", min_read,
-                " and ", max_gap);
+    TORCH_CHECK(min_read >= 0 && max_gap >= -1, "FlashReader: min_read must be >= 0 and max_gap >= -1, got ",
+                min_read, " and ", max_gap);
     TORCH_CHECK(max_read >= kAlign, "FlashReader: max_read must be at least ", kAlign, " bytes, got ", max_read);
     TORCH_CHECK(engine == "threads" || engine == "io_uring", "FlashReader: engine must be 'threads' or 'io_uring', got '",
                 engine, "'");
@@ -271,7 +271,8 @@ class FlashReader : public torch::CustomClassHolder {
 
   // Coalescing: extending a read over a gap costs gap/bandwidth, a separate read costs its latency; max_gap is
   // their break-even (latency x bandwidth, from `flashllm calibrate-disk`). Reads below min_read absorb the next
-  // row whatever the gap, since the device serves small reads at nearly the same cost.
+  // row whatever the gap, since the device serves small reads at nearly the same cost. max_gap = -1 with
+  // min_read = 0 turns coalescing off: one read per distinct row, even for adjacent rows (baselines).
   void plan(Batch& b) const {
     const auto& rows = b.rows;
     const int64_t rb = b.row_bytes;
