@@ -193,13 +193,14 @@ def make_test_file(path: str | os.PathLike, size: int, chunk: int = 64 << 20) ->
 
 
 def random_read_throughput(reader: FlashReader, file_size: int, read_bytes: int, n_reads: int,
-                           generator: torch.Generator | None = None) -> ReadStats:
+                           generator: torch.Generator | None = None, out: torch.Tensor | None = None) -> ReadStats:
     """One batch of n_reads random aligned reads of read_bytes each, as fio's randread does: distinct, and never
     adjacent (only even slots), so a reader with min_read=0 and max_gap=0 issues exactly n_reads reads. The bench
-    and calibrate_disk use it."""
+    and calibrate_disk use it. out: an optional uint8 buffer of at least n_reads * read_bytes bytes."""
     n_slots = file_size // read_bytes
     ids = torch.randperm(n_slots // 2, generator=generator)[:n_reads] * 2
-    out = torch.empty(ids.numel() * read_bytes, dtype=torch.uint8)
+    nbytes = ids.numel() * read_bytes
+    out = torch.empty(nbytes, dtype=torch.uint8) if out is None else out.view(torch.uint8).reshape(-1)[:nbytes]
     return reader.read_rows(0, read_bytes, n_slots, ids, out)
 
 

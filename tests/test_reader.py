@@ -218,6 +218,29 @@ def test_raw_file_contents(tmp_path):
             assert torch.equal(out, want)
 
 
+def _page_aligned(nbytes: int) -> torch.Tensor:
+    buf = torch.zeros(nbytes + 4096, dtype=torch.uint8)
+    skip = -buf.data_ptr() % 4096
+    return buf[skip:skip + nbytes]
+
+
+@pytest.mark.parametrize("ids", [[3, 4, 5, 9], [9, 5, 4, 3], [4, 4, 5], list(range(64))],
+                         ids=["runs", "reversed", "repeated", "long_run"])
+def test_reads_straight_into_aligned_out(tmp_path, ids):
+    """Aligned rows into an aligned buffer skip the bounce buffer (in-order runs) or use it (other orders)."""
+    path = tmp_path / "f.bin"
+    reader.make_test_file(path, 1 << 20, chunk=1 << 18)
+    data = torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8).view(-1, 8192)
+    with FlashReader.for_file(path, threads=2, min_read=0, max_gap=0) as r:
+        out = _page_aligned(len(ids) * 8192)
+        r.read_rows(0, 8192, data.shape[0], torch.tensor(ids), out)
+        assert torch.equal(out.view(-1, 8192), data[ids])
+        with open(path, "r+b") as f:
+            f.truncate(40 * 8192)
+        with pytest.raises(RuntimeError, match="end of file"):
+            r.read_rows(0, 8192, data.shape[0], torch.tensor([50, 51]), _page_aligned(2 * 8192))
+
+
 def test_calibrate_disk_and_profile(tmp_path, monkeypatch, flash_store, capsys):
     monkeypatch.setenv("FLASHLLM_DISK_PROFILE", str(tmp_path / "disk.json"))
     assert cli.main(["calibrate-disk", "--dir", str(tmp_path), "--size-mib", "32"]) == 0

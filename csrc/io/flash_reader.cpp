@@ -191,6 +191,7 @@ class FlashReader : public torch::CustomClassHolder {
       ::close(fd_);
       TORCH_CHECK(false, "FlashReader: ", path_, " is a directory");
     }
+    query_direct_alignment();
     threads_ = threads;
     if (engine_ == "threads") pool_ = std::make_unique<ThreadPool>(threads);
 #ifdef FLASHLLM_WITH_URING
@@ -302,11 +303,9 @@ class FlashReader : public torch::CustomClassHolder {
            " (" + std::to_string(length) + " bytes): " + std::strerror(err) + " (errno " + std::to_string(err) + ")";
   }
 
-  // Reads the aligned span of `r` into buf; returns bytes transferred or sets the batch error.
-  int64_t read_one(Batch& b, const Read& r, char* buf) const {
-    const int64_t start = align_down(r.offset);
-    const int64_t want = align_up(r.offset + r.length) - start;
-    const int64_t need = r.offset + r.length - start;  // the tail past the data may lie beyond the end of file
+  // Reads file bytes [start, start + want) into buf, of which the first `need` must arrive (the tail past the data
+  // may lie beyond the end of the file). Returns bytes transferred; on failure sets the batch error.
+  int64_t read_span(Batch& b, int64_t start, int64_t want, int64_t need, char* buf) const {
     int64_t got = 0;
     int stalls = 0;
     while (got < need) {
@@ -322,9 +321,33 @@ class FlashReader : public torch::CustomClassHolder {
       }
       got += n;
       // A short direct read can end mid-block; the next one must start aligned again.
-      if (got < need && direct_) got = align_down(got);
+      if (got < need && direct_) got = got / dio_offset_align_ * dio_offset_align_;
     }
     return got;
+  }
+
+  // Where a read can land straight in `out`: its rows are distinct consecutive neurons going to consecutive
+  // output slots, and offset, length and destination meet the direct-I/O alignment. Else nullptr (bounce buffer).
+  char* zero_copy_target(const Batch& b, const Read& r) const {
+    const auto& first = b.rows[r.first];
+    for (int64_t k = r.first + 1; k < r.last; ++k)
+      if (b.rows[k].first != first.first + (k - r.first) || b.rows[k].second != first.second + (k - r.first))
+        return nullptr;
+    char* dst = b.out + first.second * b.row_bytes;
+    const bool aligned = r.offset % dio_offset_align_ == 0 && r.length % dio_offset_align_ == 0 &&
+                         reinterpret_cast<uintptr_t>(dst) % dio_mem_align_ == 0;
+    return aligned || !direct_ ? dst : nullptr;
+  }
+
+  void query_direct_alignment() {
+#ifdef STATX_DIOALIGN
+    struct statx sx;
+    if (direct_ && ::statx(fd_, "", AT_EMPTY_PATH, STATX_DIOALIGN, &sx) == 0 && (sx.stx_mask & STATX_DIOALIGN) &&
+        sx.stx_dio_mem_align > 0 && sx.stx_dio_offset_align > 0) {
+      dio_mem_align_ = sx.stx_dio_mem_align;
+      dio_offset_align_ = sx.stx_dio_offset_align;
+    }
+#endif
   }
 
   void run_threads(const std::shared_ptr<Batch>& batch) {
@@ -337,9 +360,13 @@ class FlashReader : public torch::CustomClassHolder {
         try {
           for (int64_t i = b.next++; i < static_cast<int64_t>(b.reads.size()) && !b.failed.load(); i = b.next++) {
             const Read& r = b.reads[i];
-            char* buf = buffer.reserve(align_up(r.offset + r.length) - align_down(r.offset));
-            const int64_t got = read_one(b, r, buf);
-            b.bytes_read += got;
+            if (char* dst = zero_copy_target(b, r)) {
+              b.bytes_read += read_span(b, r.offset, r.length, r.length, dst);
+              continue;
+            }
+            const int64_t start = align_down(r.offset);
+            char* buf = buffer.reserve(align_up(r.offset + r.length) - start);
+            b.bytes_read += read_span(b, start, align_up(r.offset + r.length) - start, r.offset + r.length - start, buf);
             if (!b.failed.load()) b.scatter(r, buf);
           }
         } catch (const std::exception& e) {
@@ -436,6 +463,8 @@ class FlashReader : public torch::CustomClassHolder {
   int fd_ = -1;
   bool direct_ = false;
   int64_t threads_ = 0;
+  int64_t dio_mem_align_ = kAlign;  // direct-I/O alignment of buffers and offsets (statx, else 4 KiB)
+  int64_t dio_offset_align_ = kAlign;
   int64_t min_read_, max_gap_, max_read_;
   std::string engine_;
   std::unique_ptr<ThreadPool> pool_;
