@@ -117,7 +117,7 @@ def test_endor_store_round_trips_pruned_weights(tmp_path):
                 proj.weight.copy_(endor.prune(proj.weight, 0.7))
     model.save_pretrained(tmp_path / "ckpt")
     state = model.state_dict()
-    dense = store.FlashStore(store.convert(tmp_path / "ckpt", tmp_path / "dense", progress=False))
+    store.convert(tmp_path / "ckpt", tmp_path / "dense", progress=False)
     fs = store.FlashStore(store.convert(tmp_path / "ckpt", tmp_path / "endor", endor=True, progress=False))
     assert fs.endor
     for layer in range(fs.n_layers):
@@ -129,7 +129,6 @@ def test_endor_store_round_trips_pruned_weights(tmp_path):
         0.6 * (tmp_path / "dense" / store.BUNDLES_FILE).stat().st_size
     with pytest.raises(ValueError, match="Endor"):
         fs.layer_location(0)
-    del dense
 
 
 def test_refuses_to_overwrite_and_force_replaces(checkpoints, tmp_path):
