@@ -70,7 +70,7 @@ def reader_mbps(reader: FlashReader, file_size: int, read_bytes: int, seconds: f
     stats = random_read_throughput(reader, file_size, read_bytes, n_reads, out=out)
     assert stats.n_reads == n_reads and stats.bytes_read == n_reads * read_bytes, stats
     per_read = stats.wall_s / stats.n_reads
-    next_n = int(min(max(seconds / per_read, 4 * reader.threads), file_size // read_bytes // 2))
+    next_n = int(min(max(seconds / per_read, 4 * reader.threads), file_size // read_bytes))
     return stats.mbps, next_n
 
 
@@ -262,7 +262,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=_ints, default=_ints("1,8,32"))
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seconds", type=float, default=1.0, help="target duration of one timed run")
-    p.add_argument("--file-gib", type=int, default=2, help="fig2b test file size")
+    p.add_argument("--file-gib", type=int, default=4, help="fig2b test file size")
     p.add_argument("--out-mib", type=int, default=1024, help="fig2b: largest batch the reader fills per run")
     p.add_argument("--io-uring", action="store_true", help="also the io_uring engine (vs fio's io_uring)")
     p.add_argument("--layers", type=int, default=4, help="table2: OPT-6.7B-shaped layers (256 MiB each, x2 files)")

@@ -194,11 +194,11 @@ def make_test_file(path: str | os.PathLike, size: int, chunk: int = 64 << 20) ->
 
 def random_read_throughput(reader: FlashReader, file_size: int, read_bytes: int, n_reads: int,
                            generator: torch.Generator | None = None, out: torch.Tensor | None = None) -> ReadStats:
-    """One batch of n_reads random aligned reads of read_bytes each, as fio's randread does: distinct, and never
-    adjacent (only even slots), so a reader with min_read=0 and max_gap=0 issues exactly n_reads reads. The bench
+    """One batch of n_reads distinct random aligned reads of read_bytes each over the whole file, as fio's
+    randread does; a reader with min_read=0 and max_gap=-1 (no coalescing) issues exactly n_reads reads. The bench
     and calibrate_disk use it. out: an optional uint8 buffer of at least n_reads * read_bytes bytes."""
     n_slots = file_size // read_bytes
-    ids = torch.randperm(n_slots // 2, generator=generator)[:n_reads] * 2
+    ids = torch.randperm(n_slots, generator=generator)[:n_reads]
     nbytes = ids.numel() * read_bytes
     out = torch.empty(nbytes, dtype=torch.uint8) if out is None else out.view(torch.uint8).reshape(-1)[:nbytes]
     return reader.read_rows(0, read_bytes, n_slots, ids, out)
@@ -211,10 +211,10 @@ def calibrate_disk(directory: str | os.PathLike = ".", size: int = 1 << 30, save
     try:
         make_test_file(path, size)
         generator = torch.Generator().manual_seed(1)
-        with FlashReader.for_file(path, threads=1, min_read=0, max_gap=0) as one:
-            latency = random_read_throughput(one, size, 4096, min(2000, size // 8192), generator)
-        with FlashReader.for_file(path, threads=32, min_read=0, max_gap=0) as many:
-            bandwidth = random_read_throughput(many, size, 1 << 20, min(512, size >> 21), generator)
+        with FlashReader.for_file(path, threads=1, min_read=0, max_gap=-1) as one:
+            latency = random_read_throughput(one, size, 4096, min(2000, size // 4096), generator)
+        with FlashReader.for_file(path, threads=32, min_read=0, max_gap=-1) as many:
+            bandwidth = random_read_throughput(many, size, 1 << 20, min(512, size >> 20), generator)
     finally:
         path.unlink(missing_ok=True)
     profile = DiskProfile(latency.wall_s / latency.n_reads, bandwidth.bytes_read / bandwidth.wall_s,

@@ -116,6 +116,8 @@ def test_out_argument_and_bad_arguments(flash_store):
             r.read(0, [0, 1], torch.empty((flash_store.bundle_width, 2), dtype=torch.float16).t())
         with pytest.raises(RuntimeError, match="bytes"):
             r.read_rows(0, 384, 10, torch.tensor([1]), torch.empty(100, dtype=torch.uint8))
+        with pytest.raises(RuntimeError, match="overflows"):
+            r.read_rows(1 << 62, 1 << 40, 1 << 30, torch.tensor([1]), torch.empty(0, dtype=torch.uint8))
         assert torch.equal(r.read(0, [3]), flash_store.bundle(0, [3]))  # still usable after every error
 
 
@@ -176,7 +178,7 @@ def test_read_async_overlaps_python_work(tmp_path):
     """The GIL is released during I/O: a Python thread keeps running while a large read is in flight."""
     path = tmp_path / "big.bin"
     reader.make_test_file(path, 64 << 20)
-    with FlashReader.for_file(path, threads=1, min_read=0, max_gap=0) as r:
+    with FlashReader.for_file(path, threads=1, min_read=0, max_gap=-1) as r:
         counter, stop = [0], threading.Event()
 
         def spin():

@@ -20,6 +20,7 @@
 #include <cstring>
 #include <deque>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -221,6 +222,8 @@ class FlashReader : public torch::CustomClassHolder {
     const auto start = std::chrono::steady_clock::now();
     TORCH_CHECK(base >= 0 && row_bytes > 0 && n_rows >= 0, "FlashReader: need base >= 0, row_bytes > 0, "
                 "n_rows >= 0, got ", base, ", ", row_bytes, ", ", n_rows);
+    TORCH_CHECK(n_rows == 0 || row_bytes <= (std::numeric_limits<int64_t>::max() - base) / n_rows,
+                "FlashReader: base + n_rows * row_bytes overflows a file offset");
     TORCH_CHECK(ids.device().is_cpu() && ids.scalar_type() == at::kLong && ids.dim() == 1,
                 "FlashReader: ids must be a 1-D int64 CPU tensor, got ", ids.scalar_type(), " ", ids.sizes(), " on ",
                 ids.device());
