@@ -13,6 +13,9 @@ deps: .deps.stamp
 	$(PIP) install numpy "safetensors>=0.4" tqdm "transformers>=4.45" accelerate "gguf>=0.10" \
 		pytest hypothesis matplotlib ninja compressed-tensors
 	$(PYTHON) -c "import sys; sys.exit(sys.platform != 'linux')" && $(PIP) install "mlx[cpu]" || true
+	# fio: the disk baseline of bench/bench_io.py; liburing-dev: optional io_uring engine of the FlashReader.
+	@command -v fio >/dev/null && test -f /usr/include/liburing.h || { command -v apt-get >/dev/null && \
+		apt-get update && apt-get install -y fio liburing-dev; } || echo "warning: fio/liburing-dev not installed"
 	touch $@
 
 # Incremental native build (ninja), in place so tests and bench run from the checkout.
@@ -30,6 +33,7 @@ demo: build
 
 bench: build
 	$(PYTHON) bench/bench_endor.py
+	$(PYTHON) bench/bench_io.py
 
 # Compiles every CUDA source for Ampere and Hopper without torch headers; needs nvcc only, no driver.
 CUDA_SOURCES := $(wildcard csrc/cuda/*.cu)
