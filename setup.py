@@ -15,7 +15,7 @@ from setuptools import setup
 from torch.utils import cpp_extension
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
-CXX_FLAGS = ["-O3", "-std=c++17", "-fopenmp", "-fvisibility=hidden", "-Wall", "-Wno-unused-function"]
+CXX_FLAGS = ["-O3", "-std=c++20", "-fopenmp", "-fvisibility=hidden", "-Wall", "-Wno-unused-function"]
 LINK_FLAGS = ["-fopenmp"]
 
 
@@ -48,7 +48,7 @@ def _extensions() -> list:
                    extra_compile_args=extra, extra_link_args=LINK_FLAGS)
     simt = cpp_extension.CppExtension(
         "flashllm_ext._simt", _sources("csrc/simt/*.cpp"), include_dirs=include_dirs,
-        extra_compile_args={"cxx": ["-O2", "-std=c++17", "-fvisibility=hidden", "-Wall", "-pthread"]},
+        extra_compile_args={"cxx": ["-O2", "-std=c++20", "-fvisibility=hidden", "-Wall", "-pthread"]},
         extra_link_args=["-pthread"])
     # An extension without sources (e.g. before its first kernel lands) is simply not built.
     return [ext for ext in (main, simt) if ext.sources]

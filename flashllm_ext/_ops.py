@@ -15,8 +15,9 @@ LIB.define(
 )
 LIB.define(
     "endor_decompress.out(Tensor values, Tensor bitmap, Tensor row_offsets, int n_cols, Tensor? rows=None, *, "
-    "Tensor(a!) out) -> Tensor(a!)"
+    "Tensor(a!) out) -> ()"
 )
+# The .out overload returns nothing: torch.compile cannot functionalize custom ops whose outputs alias inputs.
 
 # Element sizes the Endor kernels move; they copy bits, so one integer view per width serves every dtype.
 ENDOR_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int8)
@@ -60,6 +61,9 @@ def check_endor_args(values: torch.Tensor, bitmap: torch.Tensor, row_offsets: to
     if int(row_offsets[0]) != 0 or int(row_offsets[-1]) != values.numel():
         _fail(f"row_offsets must start at 0 and end at values.numel()={values.numel()}, "
               f"got {int(row_offsets[0])}..{int(row_offsets[-1])}")
+    if n_cols % 8 and n_rows and bool((bitmap[:, -1] >> (n_cols % 8)).any()):
+        bad = int((bitmap[:, -1] >> (n_cols % 8)).nonzero()[0])
+        _fail(f"row {bad}: bitmap has bits set past n_cols={n_cols}")
     counts = row_offsets.diff()
     if bool((counts < 0).any()):
         _fail("row_offsets must be non-decreasing")
@@ -106,7 +110,7 @@ def _endor_decompress_default(values, bitmap, row_offsets, n_cols, rows=None):
 
 @torch.library.impl(LIB, "endor_decompress.out", "CompositeExplicitAutograd")
 def _endor_decompress_out_default(values, bitmap, row_offsets, n_cols, rows=None, *, out):
-    return endor_decompress_reference(values, bitmap, row_offsets, n_cols, rows, out=out)
+    endor_decompress_reference(values, bitmap, row_offsets, n_cols, rows, out=out)
 
 
 @torch.library.register_fake("flashllm::endor_decompress")
@@ -117,4 +121,4 @@ def _endor_decompress_fake(values, bitmap, row_offsets, n_cols, rows=None):
 
 @torch.library.register_fake("flashllm::endor_decompress.out")
 def _endor_decompress_out_fake(values, bitmap, row_offsets, n_cols, rows=None, *, out):
-    return out
+    return None

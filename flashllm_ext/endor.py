@@ -33,10 +33,11 @@ class EndorTensor:
     """A 2-D weight in Endor form. Construction validates the arrays (FormatError on any inconsistency)."""
 
     def __init__(self, values: torch.Tensor, bitmap: torch.Tensor, row_offsets: torch.Tensor,
-                 shape: tuple[int, int], *, source: str | None = None):
+                 shape: tuple[int, int], *, source: str | None = None, validate: bool = True):
         self.values, self.bitmap, self.row_offsets = values, bitmap, row_offsets
         self.shape = (int(shape[0]), int(shape[1]))
-        self._validate(source)
+        if validate:
+            self._validate(source)
 
     def _validate(self, source: str | None) -> None:
         rows, cols = self.shape
@@ -89,11 +90,14 @@ class EndorTensor:
             rows = torch.as_tensor(rows, dtype=torch.int64, device=self.device)
         if out is None:
             return torch.ops.flashllm.endor_decompress(self.values, self.bitmap, self.row_offsets, self.shape[1], rows)
-        return torch.ops.flashllm.endor_decompress.out(self.values, self.bitmap, self.row_offsets, self.shape[1],
-                                                       rows, out=out)
+        torch.ops.flashllm.endor_decompress.out(self.values, self.bitmap, self.row_offsets, self.shape[1], rows,
+                                                out=out)
+        return out
 
     def to(self, device: torch.device | str) -> EndorTensor:
-        return EndorTensor(self.values.to(device), self.bitmap.to(device), self.row_offsets.to(device), self.shape)
+        # Already validated: checking again on the target device would cost a synchronising pass.
+        return EndorTensor(self.values.to(device), self.bitmap.to(device), self.row_offsets.to(device), self.shape,
+                           validate=False)
 
     def __repr__(self) -> str:
         return (f"EndorTensor(shape={self.shape}, dtype={self.dtype}, density={self.density:.3f}, "

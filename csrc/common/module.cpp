@@ -1,8 +1,42 @@
-// The Python module object of flashllm_ext._C. Its only job is to be importable: importing it runs the static
-// TORCH_LIBRARY_IMPL registrations of every kernel linked into the library.
+// The Python module object of flashllm_ext._C. Importing it runs the static TORCH_LIBRARY_IMPL registrations of
+// every kernel linked into the library; its two functions let tests and benchmarks choose the CPU code path.
 #include <Python.h>
 
+#include <stdexcept>
+
+#include "common/cpu_isa.h"
+
+namespace {
+
+PyObject* cpu_isa(PyObject*, PyObject*) {
+  return PyUnicode_FromString(flashllm::cpu_isa_name(flashllm::active_cpu_isa()));
+}
+
+PyObject* detected_cpu_isa(PyObject*, PyObject*) {
+  return PyUnicode_FromString(flashllm::cpu_isa_name(flashllm::detected_cpu_isa()));
+}
+
+PyObject* set_cpu_isa(PyObject*, PyObject* arg) {
+  const char* name = PyUnicode_AsUTF8(arg);
+  if (name == nullptr) return nullptr;
+  try {
+    flashllm::force_cpu_isa(flashllm::cpu_isa_from_name(name));
+  } catch (const std::invalid_argument& e) {
+    PyErr_SetString(PyExc_ValueError, e.what());
+    return nullptr;
+  }
+  Py_RETURN_NONE;
+}
+
+PyMethodDef methods[] = {
+    {"cpu_isa", cpu_isa, METH_NOARGS, "The CPU instruction set the kernels use now."},
+    {"detected_cpu_isa", detected_cpu_isa, METH_NOARGS, "The best CPU instruction set available."},
+    {"set_cpu_isa", set_cpu_isa, METH_O, "Use a lower instruction set (scalar, avx2, avx512, avx512vbmi2)."},
+    {nullptr, nullptr, 0, nullptr}};
+
+}  // namespace
+
 PyMODINIT_FUNC PyInit__C(void) {
-  static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", "flashllm_ext native kernels", -1, nullptr};
+  static PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", "flashllm_ext native kernels", -1, methods};
   return PyModule_Create(&module);
 }

@@ -1,0 +1,16 @@
+// Runtime choice of the CPU instruction set. Kernels are compiled for every ISA with function-level target
+// attributes and pick one at call time, so one binary runs on any x86-64 CPU (and tests can force each path).
+#pragma once
+#include <string>
+
+namespace flashllm {
+
+enum class CpuIsa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Vbmi2 = 3 };
+
+CpuIsa detected_cpu_isa();           // best ISA this CPU and OS support
+CpuIsa active_cpu_isa();             // what kernels use now: detected, or lower if forced
+void force_cpu_isa(CpuIsa isa);      // throws std::invalid_argument above the detected ISA
+const char* cpu_isa_name(CpuIsa isa);
+CpuIsa cpu_isa_from_name(const std::string& name);  // throws std::invalid_argument on an unknown name
+
+}  // namespace flashllm

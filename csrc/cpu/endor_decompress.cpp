@@ -1,0 +1,279 @@
+// flashllm::endor_decompress on the CPU.
+//
+// Each output row is decoded independently (OpenMP over rows): the row's bitmap is popcounted and checked against
+// its row offsets first, then its values are expanded into place. Kernels copy bits, so they are templated on the
+// element width (1, 2 or 4 bytes), not on the dtype.
+//
+// Per ISA, one step of a row decode:
+//   avx512vbmi2  masked load of popcount(m) elements, vpexpand{b,w,d} by the bitmap word (64/32/16 columns)
+//   avx512       16-bit and 8-bit elements are widened to 32 bits, vpexpandd, narrowed back (16 columns)
+//   avx2         one bitmap byte (8 columns): a permutation looked up by the byte, then a lane blend
+//   scalar       zero the row, then scatter the set bits (count-trailing-zeros loop)
+// Masked loads never touch memory past the row's values, so no path reads out of bounds.
+#include <immintrin.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <cstring>
+#include <string>
+
+#include "common/cpu_isa.h"
+#include "common/endor_checks.h"
+
+namespace flashllm {
+namespace {
+
+// Reads up to 8 bitmap bytes as a little-endian word without reading past `n_bytes`.
+inline uint64_t load_mask_bytes(const uint8_t* p, int64_t n_bytes) {
+  uint64_t m = 0;
+  std::memcpy(&m, p, static_cast<size_t>(std::min<int64_t>(n_bytes, 8)));
+  return m;
+}
+
+// ---------------------------------------------------------------------------------------------- scalar
+template <typename W>
+void decode_row_scalar(const W* v, const uint8_t* bm, int64_t n_cols, W* out) {
+  std::memset(out, 0, static_cast<size_t>(n_cols) * sizeof(W));
+  const int64_t n_bytes = (n_cols + 7) / 8;
+  for (int64_t b = 0; b < n_bytes; b += 8) {
+    uint64_t m = load_mask_bytes(bm + b, n_bytes - b);
+    W* dst = out + b * 8;
+    while (m) {
+      dst[__builtin_ctzll(m)] = *v++;
+      m &= m - 1;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------- AVX2
+// For each bitmap byte: the rank of each set bit among the set bits (the source lane of each output lane).
+struct Avx2Tables {
+  alignas(32) std::array<std::array<int32_t, 8>, 256> perm32;
+  alignas(16) std::array<std::array<uint8_t, 16>, 256> shuffle16;  // pshufb indices, 0x80 = zero
+  alignas(16) std::array<std::array<uint8_t, 16>, 256> shuffle8;
+  Avx2Tables() {
+    for (int byte = 0; byte < 256; ++byte) {
+      int rank = 0;
+      for (int j = 0; j < 8; ++j) {
+        const bool set = (byte >> j) & 1;
+        perm32[byte][j] = set ? rank : 0;
+        shuffle16[byte][2 * j] = set ? static_cast<uint8_t>(2 * rank) : 0x80;
+        shuffle16[byte][2 * j + 1] = set ? static_cast<uint8_t>(2 * rank + 1) : 0x80;
+        shuffle8[byte][j] = set ? static_cast<uint8_t>(rank) : 0x80;
+        shuffle8[byte][j + 8] = 0x80;
+        rank += set;
+      }
+    }
+  }
+};
+const Avx2Tables& avx2_tables() {
+  static const Avx2Tables tables;
+  return tables;
+}
+
+// Loads 8 elements starting at v when they lie inside the buffer, else only the `count` that belong to the row.
+template <typename W>
+inline void load8(const W* v, int count, const W* v_end, W* staged) {
+  if (v + 8 <= v_end) {
+    std::memcpy(staged, v, 8 * sizeof(W));
+  } else {
+    std::memcpy(staged, v, static_cast<size_t>(count) * sizeof(W));
+  }
+}
+
+template <typename W>
+__attribute__((target("avx2,popcnt"))) void decode_row_avx2(const W* v, const uint8_t* bm, int64_t n_cols, W* out,
+                                                             const W* v_end) {
+  const Avx2Tables& t = avx2_tables();
+  const __m256i lane_bits = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  int64_t c = 0;
+  for (; c + 8 <= n_cols; c += 8) {
+    const uint8_t byte = bm[c / 8];
+    const int count = __builtin_popcount(byte);
+    alignas(32) W staged[8];
+    load8(v, count, v_end, staged);
+    if constexpr (sizeof(W) == 4) {
+      const __m256i vals = _mm256_load_si256(reinterpret_cast<const __m256i*>(staged));
+      const __m256i perm = _mm256_load_si256(reinterpret_cast<const __m256i*>(t.perm32[byte].data()));
+      const __m256i set = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(byte), lane_bits), lane_bits);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + c),
+                          _mm256_and_si256(_mm256_permutevar8x32_epi32(vals, perm), set));
+    } else if constexpr (sizeof(W) == 2) {
+      const __m128i vals = _mm_load_si128(reinterpret_cast<const __m128i*>(staged));
+      const __m128i shuf = _mm_load_si128(reinterpret_cast<const __m128i*>(t.shuffle16[byte].data()));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + c), _mm_shuffle_epi8(vals, shuf));
+    } else {
+      const __m128i vals = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(staged));
+      const __m128i shuf = _mm_load_si128(reinterpret_cast<const __m128i*>(t.shuffle8[byte].data()));
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(out + c), _mm_shuffle_epi8(vals, shuf));
+    }
+    v += count;
+  }
+  if (c < n_cols) decode_row_scalar(v, bm + c / 8, n_cols - c, out + c);
+}
+
+// ---------------------------------------------------------------------------------------------- AVX-512
+inline __mmask16 first_k16(int k) { return static_cast<__mmask16>((1u << k) - 1u); }  // k <= 16
+
+// 16 columns per step; 8- and 16-bit elements go through 32-bit lanes because vpexpand{b,w} needs VBMI2.
+template <typename W>
+__attribute__((target("avx512f,avx512bw,avx512vl,popcnt"))) void decode_row_avx512(const W* v, const uint8_t* bm,
+                                                                                     int64_t n_cols, W* out) {
+  const int64_t n_bytes = (n_cols + 7) / 8;
+  for (int64_t c = 0; c < n_cols; c += 16) {
+    const int64_t left = n_cols - c;
+    const __mmask16 keep = left >= 16 ? static_cast<__mmask16>(0xFFFF) : first_k16(static_cast<int>(left));
+    const __mmask16 m = static_cast<__mmask16>(load_mask_bytes(bm + c / 8, std::min<int64_t>(2, n_bytes - c / 8)));
+    const int count = __builtin_popcount(m);
+    if constexpr (sizeof(W) == 4) {
+      const __m512i x = _mm512_maskz_expand_epi32(m, _mm512_maskz_loadu_epi32(first_k16(count), v));
+      _mm512_mask_storeu_epi32(out + c, keep, x);
+    } else if constexpr (sizeof(W) == 2) {
+      const __m256i packed = _mm256_maskz_loadu_epi16(first_k16(count), v);
+      const __m512i x = _mm512_maskz_expand_epi32(m, _mm512_cvtepu16_epi32(packed));
+      _mm256_mask_storeu_epi16(out + c, keep, _mm512_cvtepi32_epi16(x));
+    } else {
+      const __m128i packed = _mm_maskz_loadu_epi8(first_k16(count), v);
+      const __m512i x = _mm512_maskz_expand_epi32(m, _mm512_cvtepu8_epi32(packed));
+      _mm_mask_storeu_epi8(out + c, keep, _mm512_cvtepi32_epi8(x));
+    }
+    v += count;
+  }
+}
+
+// One full 512-bit register per step: 16, 32 or 64 columns.
+template <typename W>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi2,popcnt"))) void decode_row_avx512_vbmi2(
+    const W* v, const uint8_t* bm, int64_t n_cols, W* out) {
+  constexpr int64_t kStep = 64 / sizeof(W);
+  const int64_t n_bytes = (n_cols + 7) / 8;
+  for (int64_t c = 0; c < n_cols; c += kStep) {
+    const int64_t left = n_cols - c;
+    const uint64_t all = kStep == 64 ? ~0ull : (1ull << kStep) - 1;
+    const uint64_t keep = left >= kStep ? all : (1ull << left) - 1;
+    const uint64_t m = load_mask_bytes(bm + c / 8, std::min<int64_t>(kStep / 8, n_bytes - c / 8));
+    const int count = __builtin_popcountll(m);
+    const uint64_t first = count == 64 ? ~0ull : (1ull << count) - 1;
+    if constexpr (sizeof(W) == 4) {
+      const __m512i x = _mm512_maskz_expand_epi32(static_cast<__mmask16>(m),
+                                                  _mm512_maskz_loadu_epi32(static_cast<__mmask16>(first), v));
+      _mm512_mask_storeu_epi32(out + c, static_cast<__mmask16>(keep), x);
+    } else if constexpr (sizeof(W) == 2) {
+      const __m512i x = _mm512_maskz_expand_epi16(static_cast<__mmask32>(m),
+                                                  _mm512_maskz_loadu_epi16(static_cast<__mmask32>(first), v));
+      _mm512_mask_storeu_epi16(out + c, static_cast<__mmask32>(keep), x);
+    } else {
+      const __m512i x = _mm512_maskz_expand_epi8(m, _mm512_maskz_loadu_epi8(first, v));
+      _mm512_mask_storeu_epi8(out + c, keep, x);
+    }
+    v += count;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------- driver
+// Set bits of one bitmap row; -1 when a padding bit past n_cols is set (the row would not decode to n_cols).
+int64_t row_popcount(const uint8_t* bm, int64_t n_cols) {
+  const int64_t n_bytes = (n_cols + 7) / 8;
+  if ((n_cols % 8) && (bm[n_bytes - 1] >> (n_cols % 8))) return -1;
+  int64_t count = 0;
+  for (int64_t b = 0; b < n_bytes; b += 8) count += __builtin_popcountll(load_mask_bytes(bm + b, n_bytes - b));
+  return count;
+}
+
+struct RowError {
+  int64_t out_row = INT64_MAX;
+  std::string message;
+};
+
+template <typename W>
+void decompress(const W* values, int64_t nnz, const uint8_t* bitmap, const int64_t* offsets, int64_t n_rows,
+                int64_t n_cols, const int64_t* rows, int64_t n_out, W* out) {
+  const CpuIsa isa = active_cpu_isa();
+  const int64_t n_bytes = (n_cols + 7) / 8;
+  RowError error;
+  // Rows are independent; a small dynamic chunk balances rows of uneven density across threads.
+#pragma omp parallel for schedule(dynamic, 16)
+  for (int64_t i = 0; i < n_out; ++i) {
+    const int64_t r = rows ? rows[i] : i;
+    std::string problem;
+    if (r < 0 || r >= n_rows) {
+      problem = "rows[" + std::to_string(i) + "]=" + std::to_string(r) + " is outside [0, " +
+                std::to_string(n_rows) + ")";
+    } else {
+      const int64_t start = offsets[r], end = offsets[r + 1];
+      const uint8_t* bm = bitmap + r * n_bytes;
+      const int64_t count = row_popcount(bm, n_cols);
+      if (start < 0 || end < start || end > nnz) {
+        problem = "row " + std::to_string(r) + ": row_offsets [" + std::to_string(start) + ", " +
+                  std::to_string(end) + ") is not a range inside values (" + std::to_string(nnz) + " elements)";
+      } else if (count < 0) {
+        problem = "row " + std::to_string(r) + ": bitmap has bits set past n_cols=" + std::to_string(n_cols);
+      } else if (count != end - start) {
+        problem = "row " + std::to_string(r) + ": row_offsets says " + std::to_string(end - start) +
+                  " values but the bitmap has " + std::to_string(count) + " set bits";
+      } else {
+        const W* v = values + start;
+        W* dst = out + i * n_cols;
+        switch (isa) {
+          case CpuIsa::kAvx512Vbmi2: decode_row_avx512_vbmi2(v, bm, n_cols, dst); break;
+          case CpuIsa::kAvx512: decode_row_avx512(v, bm, n_cols, dst); break;
+          case CpuIsa::kAvx2: decode_row_avx2(v, bm, n_cols, dst, values + nnz); break;
+          default: decode_row_scalar(v, bm, n_cols, dst);
+        }
+      }
+    }
+    if (!problem.empty()) {
+#pragma omp critical(flashllm_endor_error)
+      if (i < error.out_row) error = {i, problem};
+    }
+  }
+  TORCH_CHECK(error.message.empty(), "endor_decompress: ", error.message);
+}
+
+void endor_decompress_out_cpu(const at::Tensor& values_in, const at::Tensor& bitmap_in,
+                              const at::Tensor& row_offsets_in, int64_t n_cols, const std::optional<at::Tensor>& rows_in,
+                              at::Tensor out) {
+  check_endor_args(values_in, bitmap_in, row_offsets_in, n_cols, rows_in, &out);
+  const at::Tensor values = values_in.contiguous(), bitmap = bitmap_in.contiguous();
+  const at::Tensor offsets = row_offsets_in.contiguous();
+  const std::optional<at::Tensor> rows = rows_in ? std::optional<at::Tensor>(rows_in->contiguous()) : std::nullopt;
+  const int64_t n_rows = bitmap.size(0), nnz = values.numel();
+  const int64_t* off = offsets.data_ptr<int64_t>();
+  TORCH_CHECK(off[0] == 0 && off[n_rows] == nnz, "endor_decompress: row_offsets must start at 0 and end at ",
+              "values.numel()=", nnz, ", got ", off[0], "..", off[n_rows]);
+  const int64_t* row_ids = rows ? rows->data_ptr<int64_t>() : nullptr;
+  const int64_t n_out = out.size(0);
+  const uint8_t* bm = bitmap.data_ptr<uint8_t>();
+  switch (values.element_size()) {
+    case 4:
+      decompress(static_cast<const uint32_t*>(values.data_ptr()), nnz, bm, off, n_rows, n_cols, row_ids, n_out,
+                 static_cast<uint32_t*>(out.data_ptr()));
+      break;
+    case 2:
+      decompress(static_cast<const uint16_t*>(values.data_ptr()), nnz, bm, off, n_rows, n_cols, row_ids, n_out,
+                 static_cast<uint16_t*>(out.data_ptr()));
+      break;
+    default:
+      decompress(static_cast<const uint8_t*>(values.data_ptr()), nnz, bm, off, n_rows, n_cols, row_ids, n_out,
+                 static_cast<uint8_t*>(out.data_ptr()));
+  }
+}
+
+at::Tensor endor_decompress_cpu(const at::Tensor& values, const at::Tensor& bitmap, const at::Tensor& row_offsets,
+                                int64_t n_cols, const std::optional<at::Tensor>& rows) {
+  const int64_t n_out = check_endor_args(values, bitmap, row_offsets, n_cols, rows, nullptr);
+  at::Tensor out = at::empty({n_out, n_cols}, values.options());
+  endor_decompress_out_cpu(values, bitmap, row_offsets, n_cols, rows, out);
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(flashllm, CPU, m) {
+  m.impl("endor_decompress", &endor_decompress_cpu);
+  m.impl("endor_decompress.out", &endor_decompress_out_cpu);
+}
+
+}  // namespace flashllm
