@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 from flashllm_ext import FormatError, demo, endor
 from flashllm_ext.models import (collect_linear_inputs, corpus_text, corpus_token_ids, fetch, fetch_default,
                                  ffn_linear_names, gguf_config, load_gguf, load_hf_model, perplexity,
-                                 replace_weights, resolve_cache_dir)
+                                 replace_weights, resolve_cache_dir, spread_windows)
 
 TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             vocab_size=128, max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=10000.0,
@@ -374,3 +374,12 @@ def test_demo_runs_end_to_end(tmp_path, default_model, capsys):
     total_line = next(line for line in out.splitlines() if line.startswith("total:"))
     assert 0.5 < float(total_line.split("ratio ")[1].split()[0]) < 0.6
     assert "decompress / memcpy throughput" in out and "FFN Wanda 50%" in out
+
+
+def test_spread_windows_covers_the_whole_text():
+    ids = torch.arange(1000)
+    picked = spread_windows(ids, 4, 10)
+    assert picked.tolist()[:10] == list(range(10)) and picked.tolist()[-10:] == list(range(990, 1000))
+    assert picked.view(4, 10).diff(dim=1).eq(1).all()  # each window is contiguous
+    with pytest.raises(ValueError, match="cannot take"):
+        spread_windows(ids, 11, 100)

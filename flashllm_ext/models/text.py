@@ -33,6 +33,19 @@ def corpus_token_ids(tokenizer, part: str, max_tokens: int | None = None) -> tor
     return ids if max_tokens is None else ids[:max_tokens]
 
 
+def spread_windows(token_ids: torch.Tensor, n_windows: int, window: int) -> torch.Tensor:
+    """n_windows windows of `window` tokens spread evenly over token_ids [T], concatenated: [n_windows * window].
+
+    Calibrating on windows from the whole text rather than its first pages covers more topics, so thresholds
+    carry over to held-out text.
+    """
+    if token_ids.dim() != 1 or n_windows < 1 or window < 1 or token_ids.numel() < n_windows * window:
+        raise ValueError(f"cannot take {n_windows} windows of {window} tokens from token ids of shape "
+                         f"{tuple(token_ids.shape)}")
+    starts = torch.linspace(0, token_ids.numel() - window, n_windows).long()
+    return torch.cat([token_ids[s:s + window] for s in starts.tolist()])
+
+
 @torch.inference_mode()
 def perplexity(model: torch.nn.Module, token_ids: torch.Tensor, window: int = 512, n_windows: int = 4,
                progress: bool = True) -> float:
