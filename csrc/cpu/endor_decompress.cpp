@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <type_traits>
 
 #include "common/cpu_isa.h"
 #include "common/endor_checks.h"
@@ -25,7 +26,15 @@
 namespace flashllm {
 namespace {
 
-// Reads up to 8 bitmap bytes as a little-endian word without reading past `n_bytes`.
+template <typename T>
+inline T load_word(const uint8_t* p) {  // fixed-size copy: compiles to one load, unlike a variable-size memcpy
+  T m;
+  std::memcpy(&m, p, sizeof(T));
+  return m;
+}
+
+// Reads up to 8 bitmap bytes as a little-endian word without reading past `n_bytes` (for row tails only: the
+// variable-size copy is a library call).
 inline uint64_t load_mask_bytes(const uint8_t* p, int64_t n_bytes) {
   uint64_t m = 0;
   std::memcpy(&m, p, static_cast<size_t>(std::min<int64_t>(n_bytes, 8)));
@@ -38,7 +47,7 @@ void decode_row_scalar(const W* v, const uint8_t* bm, int64_t n_cols, W* out) {
   std::memset(out, 0, static_cast<size_t>(n_cols) * sizeof(W));
   const int64_t n_bytes = (n_cols + 7) / 8;
   for (int64_t b = 0; b < n_bytes; b += 8) {
-    uint64_t m = load_mask_bytes(bm + b, n_bytes - b);
+    uint64_t m = b + 8 <= n_bytes ? load_word<uint64_t>(bm + b) : load_mask_bytes(bm + b, n_bytes - b);
     W* dst = out + b * 8;
     while (m) {
       dst[__builtin_ctzll(m)] = *v++;
@@ -73,43 +82,31 @@ const Avx2Tables& avx2_tables() {
   return tables;
 }
 
-// Loads 8 elements starting at v when they lie inside the buffer, else only the `count` that belong to the row.
-template <typename W>
-inline void load8(const W* v, int count, const W* v_end, W* staged) {
-  if (v + 8 <= v_end) {
-    std::memcpy(staged, v, 8 * sizeof(W));
-  } else {
-    std::memcpy(staged, v, static_cast<size_t>(count) * sizeof(W));
-  }
-}
-
 template <typename W>
 __attribute__((target("avx2,popcnt"))) void decode_row_avx2(const W* v, const uint8_t* bm, int64_t n_cols, W* out,
                                                              const W* v_end) {
   const Avx2Tables& t = avx2_tables();
   const __m256i lane_bits = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
   int64_t c = 0;
-  for (; c + 8 <= n_cols; c += 8) {
+  // Each step reads 8 elements; near the end of `values` that could pass the buffer, so the scalar loop finishes.
+  for (; c + 8 <= n_cols && v + 8 <= v_end; c += 8) {
     const uint8_t byte = bm[c / 8];
-    const int count = __builtin_popcount(byte);
-    alignas(32) W staged[8];
-    load8(v, count, v_end, staged);
     if constexpr (sizeof(W) == 4) {
-      const __m256i vals = _mm256_load_si256(reinterpret_cast<const __m256i*>(staged));
+      const __m256i vals = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v));
       const __m256i perm = _mm256_load_si256(reinterpret_cast<const __m256i*>(t.perm32[byte].data()));
       const __m256i set = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(byte), lane_bits), lane_bits);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + c),
                           _mm256_and_si256(_mm256_permutevar8x32_epi32(vals, perm), set));
     } else if constexpr (sizeof(W) == 2) {
-      const __m128i vals = _mm_load_si128(reinterpret_cast<const __m128i*>(staged));
+      const __m128i vals = _mm_loadu_si128(reinterpret_cast<const __m128i*>(v));
       const __m128i shuf = _mm_load_si128(reinterpret_cast<const __m128i*>(t.shuffle16[byte].data()));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(out + c), _mm_shuffle_epi8(vals, shuf));
     } else {
-      const __m128i vals = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(staged));
+      const __m128i vals = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(v));
       const __m128i shuf = _mm_load_si128(reinterpret_cast<const __m128i*>(t.shuffle8[byte].data()));
       _mm_storel_epi64(reinterpret_cast<__m128i*>(out + c), _mm_shuffle_epi8(vals, shuf));
     }
-    v += count;
+    v += __builtin_popcount(byte);
   }
   if (c < n_cols) decode_row_scalar(v, bm + c / 8, n_cols - c, out + c);
 }
@@ -119,67 +116,86 @@ inline __mmask16 first_k16(int k) { return static_cast<__mmask16>((1u << k) - 1u
 
 // 16 columns per step; 8- and 16-bit elements go through 32-bit lanes because vpexpand{b,w} needs VBMI2.
 template <typename W>
-__attribute__((target("avx512f,avx512bw,avx512vl,popcnt"))) void decode_row_avx512(const W* v, const uint8_t* bm,
-                                                                                     int64_t n_cols, W* out) {
-  const int64_t n_bytes = (n_cols + 7) / 8;
-  for (int64_t c = 0; c < n_cols; c += 16) {
-    const int64_t left = n_cols - c;
-    const __mmask16 keep = left >= 16 ? static_cast<__mmask16>(0xFFFF) : first_k16(static_cast<int>(left));
-    const __mmask16 m = static_cast<__mmask16>(load_mask_bytes(bm + c / 8, std::min<int64_t>(2, n_bytes - c / 8)));
-    const int count = __builtin_popcount(m);
-    if constexpr (sizeof(W) == 4) {
-      const __m512i x = _mm512_maskz_expand_epi32(m, _mm512_maskz_loadu_epi32(first_k16(count), v));
-      _mm512_mask_storeu_epi32(out + c, keep, x);
-    } else if constexpr (sizeof(W) == 2) {
-      const __m256i packed = _mm256_maskz_loadu_epi16(first_k16(count), v);
-      const __m512i x = _mm512_maskz_expand_epi32(m, _mm512_cvtepu16_epi32(packed));
-      _mm256_mask_storeu_epi16(out + c, keep, _mm512_cvtepi32_epi16(x));
-    } else {
-      const __m128i packed = _mm_maskz_loadu_epi8(first_k16(count), v);
-      const __m512i x = _mm512_maskz_expand_epi32(m, _mm512_cvtepu8_epi32(packed));
-      _mm_mask_storeu_epi8(out + c, keep, _mm512_cvtepi32_epi8(x));
-    }
-    v += count;
+__attribute__((target("avx512f,avx512bw,avx512vl,popcnt"))) inline void expand16_avx512(const W* v, __mmask16 m,
+                                                                                          __mmask16 keep, W* out) {
+  const __mmask16 first = first_k16(__builtin_popcount(m));
+  if constexpr (sizeof(W) == 4) {
+    _mm512_mask_storeu_epi32(out, keep, _mm512_maskz_expand_epi32(m, _mm512_maskz_loadu_epi32(first, v)));
+  } else if constexpr (sizeof(W) == 2) {
+    const __m512i x = _mm512_maskz_expand_epi32(m, _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(first, v)));
+    _mm256_mask_storeu_epi16(out, keep, _mm512_cvtepi32_epi16(x));
+  } else {
+    const __m512i x = _mm512_maskz_expand_epi32(m, _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(first, v)));
+    _mm_mask_storeu_epi8(out, keep, _mm512_cvtepi32_epi8(x));
   }
 }
 
-// One full 512-bit register per step: 16, 32 or 64 columns.
+template <typename W>
+__attribute__((target("avx512f,avx512bw,avx512vl,popcnt"))) void decode_row_avx512(const W* v, const uint8_t* bm,
+                                                                                     int64_t n_cols, W* out) {
+  int64_t c = 0;
+  for (; c + 16 <= n_cols; c += 16) {
+    const __mmask16 m = load_word<uint16_t>(bm + c / 8);
+    expand16_avx512(v, m, static_cast<__mmask16>(0xFFFF), out + c);
+    v += __builtin_popcount(m);
+  }
+  if (c < n_cols) {
+    const int64_t left = n_cols - c;
+    expand16_avx512(v, static_cast<__mmask16>(load_mask_bytes(bm + c / 8, (left + 7) / 8)),
+                    first_k16(static_cast<int>(left)), out + c);
+  }
+}
+
+// One full 512-bit register per step: 16, 32 or 64 columns of 4-, 2- or 1-byte elements.
+template <typename W>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi2,popcnt"))) inline __m512i expand_vbmi2(const W* v,
+                                                                                                      uint64_t m) {
+  const int count = __builtin_popcountll(m);
+  const uint64_t first = count == 64 ? ~0ull : (1ull << count) - 1;
+  if constexpr (sizeof(W) == 4) {
+    return _mm512_maskz_expand_epi32(static_cast<__mmask16>(m),
+                                     _mm512_maskz_loadu_epi32(static_cast<__mmask16>(first), v));
+  } else if constexpr (sizeof(W) == 2) {
+    return _mm512_maskz_expand_epi16(static_cast<__mmask32>(m),
+                                     _mm512_maskz_loadu_epi16(static_cast<__mmask32>(first), v));
+  } else {
+    return _mm512_maskz_expand_epi8(m, _mm512_maskz_loadu_epi8(first, v));
+  }
+}
+
 template <typename W>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi2,popcnt"))) void decode_row_avx512_vbmi2(
     const W* v, const uint8_t* bm, int64_t n_cols, W* out) {
   constexpr int64_t kStep = 64 / sizeof(W);
-  const int64_t n_bytes = (n_cols + 7) / 8;
-  for (int64_t c = 0; c < n_cols; c += kStep) {
+  using Word = std::conditional_t<kStep == 64, uint64_t, std::conditional_t<kStep == 32, uint32_t, uint16_t>>;
+  int64_t c = 0;
+  for (; c + kStep <= n_cols; c += kStep) {  // plain stores: masked ones are slow on some cores (AMD Zen 4)
+    const uint64_t m = load_word<Word>(bm + c / 8);
+    _mm512_storeu_si512(out + c, expand_vbmi2(v, m));
+    v += __builtin_popcountll(m);
+  }
+  if (c < n_cols) {
     const int64_t left = n_cols - c;
-    const uint64_t all = kStep == 64 ? ~0ull : (1ull << kStep) - 1;
-    const uint64_t keep = left >= kStep ? all : (1ull << left) - 1;
-    const uint64_t m = load_mask_bytes(bm + c / 8, std::min<int64_t>(kStep / 8, n_bytes - c / 8));
-    const int count = __builtin_popcountll(m);
-    const uint64_t first = count == 64 ? ~0ull : (1ull << count) - 1;
+    const __m512i x = expand_vbmi2(v, load_mask_bytes(bm + c / 8, (left + 7) / 8));
+    const uint64_t keep = (1ull << left) - 1;
     if constexpr (sizeof(W) == 4) {
-      const __m512i x = _mm512_maskz_expand_epi32(static_cast<__mmask16>(m),
-                                                  _mm512_maskz_loadu_epi32(static_cast<__mmask16>(first), v));
       _mm512_mask_storeu_epi32(out + c, static_cast<__mmask16>(keep), x);
     } else if constexpr (sizeof(W) == 2) {
-      const __m512i x = _mm512_maskz_expand_epi16(static_cast<__mmask32>(m),
-                                                  _mm512_maskz_loadu_epi16(static_cast<__mmask32>(first), v));
       _mm512_mask_storeu_epi16(out + c, static_cast<__mmask32>(keep), x);
     } else {
-      const __m512i x = _mm512_maskz_expand_epi8(m, _mm512_maskz_loadu_epi8(first, v));
       _mm512_mask_storeu_epi8(out + c, keep, x);
     }
-    v += count;
   }
 }
 
 // ---------------------------------------------------------------------------------------------- driver
 // Set bits of one bitmap row; -1 when a padding bit past n_cols is set (the row would not decode to n_cols).
-int64_t row_popcount(const uint8_t* bm, int64_t n_cols) {
+__attribute__((target_clones("popcnt", "default"))) int64_t row_popcount(const uint8_t* bm, int64_t n_cols) {
   const int64_t n_bytes = (n_cols + 7) / 8;
   if ((n_cols % 8) && (bm[n_bytes - 1] >> (n_cols % 8))) return -1;
-  int64_t count = 0;
-  for (int64_t b = 0; b < n_bytes; b += 8) count += __builtin_popcountll(load_mask_bytes(bm + b, n_bytes - b));
-  return count;
+  int64_t count = 0, b = 0;
+  for (; b + 8 <= n_bytes; b += 8) count += __builtin_popcountll(load_word<uint64_t>(bm + b));
+  return count + __builtin_popcountll(load_mask_bytes(bm + b, n_bytes - b));
 }
 
 struct RowError {
@@ -193,10 +209,19 @@ void decompress(const W* values, int64_t nnz, const uint8_t* bitmap, const int64
   const CpuIsa isa = active_cpu_isa();
   const int64_t n_bytes = (n_cols + 7) / 8;
   RowError error;
-  // Rows are independent; a small dynamic chunk balances rows of uneven density across threads.
-#pragma omp parallel for schedule(dynamic, 16)
+  // Rows are independent; a small dynamic chunk balances rows of uneven density across threads. Below ~256 KiB of
+  // output, waking the thread team costs more than it saves.
+  const bool parallel = n_out * n_cols * static_cast<int64_t>(sizeof(W)) >= (256 << 10);
+#pragma omp parallel for schedule(dynamic, 16) if (parallel)
   for (int64_t i = 0; i < n_out; ++i) {
     const int64_t r = rows ? rows[i] : i;
+    if (rows && i + 1 < n_out) {  // gathered rows are scattered in memory: start fetching the next one now
+      const int64_t next = rows[i + 1];
+      if (next >= 0 && next < n_rows) {
+        __builtin_prefetch(bitmap + next * n_bytes);
+        __builtin_prefetch(values + offsets[next]);
+      }
+    }
     std::string problem;
     if (r < 0 || r >= n_rows) {
       problem = "rows[" + std::to_string(i) + "]=" + std::to_string(r) + " is outside [0, " +
