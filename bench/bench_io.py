@@ -27,10 +27,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from flashllm_ext import store  # noqa: E402
+from flashllm_ext.paths import resolve_cache_dir  # noqa: E402
 from flashllm_ext.reader import FlashReader, has_io_uring, make_test_file, random_read_throughput  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-CACHE = Path(os.environ.get("FLASHLLM_BENCH_DIR", Path.home() / ".cache" / "flashllm" / "bench"))
+CACHE = Path(os.environ.get("FLASHLLM_BENCH_DIR") or resolve_cache_dir() / "bench")
 
 
 def drop_page_cache() -> bool:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from .paths import resolve_cache_dir
 from .store import FlashStore
 
 DEFAULT_THREADS = 32
@@ -75,8 +76,7 @@ class DiskProfile:
 
 
 def disk_profile_path() -> Path:
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(os.environ.get("FLASHLLM_DISK_PROFILE", os.path.join(cache, "flashllm", "disk.json")))
+    return Path(os.environ.get("FLASHLLM_DISK_PROFILE") or resolve_cache_dir() / "disk.json")
 
 
 def load_disk_profile() -> DiskProfile | None:
