@@ -38,18 +38,10 @@ void endor_decompress_out_cuda(const at::Tensor& values, const at::Tensor& bitma
                      offsets_c, n_cols, rows_c);
 }
 
-at::Tensor endor_decompress_cuda(const at::Tensor& values, const at::Tensor& bitmap, const at::Tensor& row_offsets,
-                                 int64_t n_cols, const std::optional<at::Tensor>& rows) {
-  const int64_t n_out = check_endor_args(values, bitmap, row_offsets, n_cols, rows, nullptr);
-  at::Tensor out = at::empty({n_out, n_cols}, values.options());
-  endor_decompress_out_cuda(values, bitmap, row_offsets, n_cols, rows, out);
-  return out;
-}
-
 }  // namespace
 
 TORCH_LIBRARY_IMPL(flashllm, CUDA, m) {
-  m.impl("endor_decompress", &endor_decompress_cuda);
+  m.impl("endor_decompress", &endor_decompress_allocating<&endor_decompress_out_cuda>);
   m.impl("endor_decompress.out", &endor_decompress_out_cuda);
 }
 
