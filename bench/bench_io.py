@@ -4,10 +4,11 @@ fig2b   random-read throughput vs read size and threads: FlashReader (O_DIRECT, 
         (randread, same block size, numjobs = threads, direct=1) on the same test file, interleaved, alternating
         which goes first; medians of the repeats, ratio = median of the paired ratios. Plot: bench/results/fig2b.png.
 table2  bytes / reads / I/O ms per token on a synthesized store with OPT-6.7B FFN shapes (d=4096, ffn=16384,
-        fp16, --layers layers), driven by activation masks from `mask_source` (see `synthetic_masks`).
+        fp16, --layers layers), driven by the default model's activation masks on held-out text, thresholded to
+        --sparsity and tiled onto the larger layers (flashllm_ext.traces).
 
-bench/common.py did not exist on main when this was written: the timing loop (interleaved repeats, medians) is
-local. The page cache is dropped at start (root) and every read is O_DIRECT.
+fig2b pairs each reader run with a fio run and compares the throughputs each reports, so it keeps its own paired
+loop instead of bench/common.py's timer. The page cache is dropped at start (root) and every read is O_DIRECT.
 
     python bench/bench_io.py [--json] [--only fig2b|table2] [--sizes-kib 4,16,...] [--threads 1,8,32]
 """
@@ -28,6 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from flashllm_ext import store  # noqa: E402
 from flashllm_ext.paths import resolve_cache_dir  # noqa: E402
+from flashllm_ext.traces import default_model_mask_source  # noqa: E402
 from flashllm_ext.reader import FlashReader, has_io_uring, make_test_file, random_read_throughput  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -142,37 +144,18 @@ def plot_fig2b(rows: list[dict]) -> None:
 
 
 # ----------------------------------------------------------------------------------------------- table2
-def synthetic_masks(n_tokens: int, n_layers: int, n_neurons: int, density: float = 0.05, persistence: float = 0.5,
-                    seed: int = 0) -> torch.Tensor:
-    """PROVISIONAL mask source until activation masks of the real model are recorded: bool [tokens, layers, ffn].
-
-    Each neuron is a two-state Markov chain: its stationary activation rate is drawn per neuron (Gamma-shaped, mean
-    `density`, so some neurons are hot and most are rarely active, as in ReLU FFNs) and each token keeps the
-    previous state with probability `persistence` (the temporal correlation the sliding window exploits).
-    """
-    g = torch.Generator().manual_seed(seed)
-    with torch.random.fork_rng():  # torch.distributions draws from the global generator
-        torch.manual_seed(seed)
-        rate = torch.distributions.Gamma(torch.tensor(0.5), torch.tensor(0.5 / density)).sample((n_layers, n_neurons))
-    rate = rate.clamp(max=0.9)
-    masks = torch.empty((n_tokens, n_layers, n_neurons), dtype=torch.bool)
-    state = torch.rand((n_layers, n_neurons), generator=g) < rate
-    for t in range(n_tokens):
-        keep = torch.rand((n_layers, n_neurons), generator=g) < persistence
-        fresh = torch.rand((n_layers, n_neurons), generator=g) < rate
-        state = torch.where(keep, state, fresh)
-        masks[t] = state
-    return masks
-
-
 def _split_layout(path: Path, n_layers: int, n_neurons: int, half_row: int) -> Path:
     """The unbundled layout: per layer, up rows [ffn, d] then down columns stored as rows [ffn, d] (down^T)."""
     return ensure_file(path, n_layers * 2 * n_neurons * half_row)
 
 
 def table2(args: argparse.Namespace, emit: Callable[[dict], None],
-           mask_source: Callable[[int, int, int], torch.Tensor] = synthetic_masks) -> list[dict]:
-    """mask_source(n_tokens, n_layers, n_neurons) -> bool [tokens, layers, neurons]: the active neurons per token."""
+           mask_source: Callable[[int, int, int], torch.Tensor] | None = None) -> list[dict]:
+    """mask_source(n_tokens, n_layers, n_neurons) -> bool [tokens, layers, neurons]: the active neurons per token.
+
+    Default: the default model's real masks at --sparsity, tiled onto the OPT-6.7B layers (flashllm_ext.traces).
+    """
+    mask_source = mask_source or default_model_mask_source(args.sparsity)
     d, ffn, item = 4096, 16384, 2
     row = 2 * d * item  # OPT bundle: up column + down row, fp16
     half = row // 2
@@ -268,6 +251,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--io-uring", action="store_true", help="also the io_uring engine (vs fio's io_uring)")
     p.add_argument("--layers", type=int, default=4, help="table2: OPT-6.7B-shaped layers (256 MiB each, x2 files)")
     p.add_argument("--tokens", type=int, default=40)
+    p.add_argument("--sparsity", type=float, default=0.95,
+                   help="table2: per-layer threshold target of the default model's masks (0.95 ~ OPT-6.7B's ReLU)")
     p.add_argument("--naive-tokens", type=int, default=2)
     p.add_argument("--window", type=int, default=5)
     p.add_argument("--base-threads", type=int, default=8)
