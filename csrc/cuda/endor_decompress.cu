@@ -1,6 +1,7 @@
 // Instantiations and host launcher of the CUDA Endor decompression kernel.
 #include "cuda/endor_decompress_kernel.cuh"
 #include "cuda/kernels.cuh"
+#include "common/word_dispatch.h"
 
 namespace flashllm {
 
@@ -25,16 +26,11 @@ cudaError_t launch_endor_decompress(const void* values, int elem_bytes, const ui
                                     cudaStream_t stream) {
   const cudaError_t reset = cudaMemsetAsync(&report->bad_row, 0xff, sizeof(report->bad_row), stream);  // kEndorNoError
   if (reset != cudaSuccess) return reset;
-  switch (elem_bytes) {
-    case 1:
-      return launch_typed<uint8_t>(values, bitmap, row_offsets, rows, n_rows, n_cols, nnz, n_out, out, report, stream);
-    case 2:
-      return launch_typed<uint16_t>(values, bitmap, row_offsets, rows, n_rows, n_cols, nnz, n_out, out, report, stream);
-    case 4:
-      return launch_typed<uint32_t>(values, bitmap, row_offsets, rows, n_rows, n_cols, nnz, n_out, out, report, stream);
-    default:
-      return cudaErrorInvalidValue;
-  }
+  if (elem_bytes != 1 && elem_bytes != 2 && elem_bytes != 4) return cudaErrorInvalidValue;
+  return dispatch_word(elem_bytes, [&](auto word) {
+    return launch_typed<decltype(word)>(values, bitmap, row_offsets, rows, n_rows, n_cols, nnz, n_out, out, report,
+                                        stream);
+  });
 }
 
 }  // namespace flashllm

@@ -41,14 +41,6 @@ void endor_decompress_out_cuda(const at::Tensor& values, const at::Tensor& bitma
                      offsets_c, n_cols, rows_c);
 }
 
-at::Tensor endor_decompress_cuda(const at::Tensor& values, const at::Tensor& bitmap, const at::Tensor& row_offsets,
-                                 int64_t n_cols, const std::optional<at::Tensor>& rows) {
-  const int64_t n_out = check_endor_args(values, bitmap, row_offsets, n_cols, rows, nullptr);
-  at::Tensor out = at::empty({n_out, n_cols}, values.options());
-  endor_decompress_out_cuda(values, bitmap, row_offsets, n_cols, rows, out);
-  return out;
-}
-
 at::Tensor sparse_ffn_cuda(const at::Tensor& x, const at::Tensor& matrix, int64_t num_used,
                            const std::optional<at::Tensor>& bias, c10::string_view activation, bool glu,
                            const std::optional<at::Tensor>& index, double threshold) {
@@ -86,7 +78,7 @@ int64_t cache_compact_cuda(at::Tensor& matrix, at::Tensor& pointer, const std::o
 }  // namespace
 
 TORCH_LIBRARY_IMPL(flashllm, CUDA, m) {
-  m.impl("endor_decompress", &endor_decompress_cuda);
+  m.impl("endor_decompress", &endor_decompress_allocating<&endor_decompress_out_cuda>);
   m.impl("endor_decompress.out", &endor_decompress_out_cuda);
   m.impl("sparse_ffn", &sparse_ffn_cuda);
   m.impl("cache_compact", &cache_compact_cuda);

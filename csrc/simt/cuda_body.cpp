@@ -2,6 +2,7 @@
 #include "simt/simt.h"
 
 #include "cuda/endor_decompress_kernel.cuh"
+#include "common/word_dispatch.h"
 #include "simt/bodies.h"
 
 namespace flashllm::simt_bodies {
@@ -24,16 +25,9 @@ EndorReport run_typed(const void* values, const uint8_t* bitmap, const int64_t* 
 EndorReport run_endor_cuda(const void* values, int elem_bytes, const uint8_t* bitmap, const int64_t* row_offsets,
                                   const int64_t* rows, int64_t n_rows, int64_t n_cols, int64_t nnz, int64_t n_out,
                                   void* out) {
-  switch (elem_bytes) {
-    case 1:
-      return run_typed<uint8_t>(values, bitmap, row_offsets, rows, n_rows, n_cols, nnz, n_out, out);
-    case 2:
-      return run_typed<uint16_t>(values, bitmap, row_offsets, rows, n_rows, n_cols, nnz, n_out, out);
-    case 4:
-      return run_typed<uint32_t>(values, bitmap, row_offsets, rows, n_rows, n_cols, nnz, n_out, out);
-    default:
-      throw std::invalid_argument("run_endor_cuda: element size must be 1, 2 or 4");
-  }
+  return dispatch_word(elem_bytes, [&](auto word) {
+    return run_typed<decltype(word)>(values, bitmap, row_offsets, rows, n_rows, n_cols, nnz, n_out, out);
+  });
 }
 
 }  // namespace flashllm::simt_bodies

@@ -2,6 +2,7 @@
 // run over the SIMT emulation.
 #include "simt/simt_metal.h"
 
+#include "common/word_dispatch.h"
 #include "simt/bodies.h"
 
 namespace flashllm::simt_bodies {
@@ -45,16 +46,9 @@ void run_endor_metal(const void* values, int elem_bytes, const uint8_t* bitmap, 
                      int32_t* row_status) {
   const int64_t params[4] = {n_rows, n_cols, nnz, n_out};
   const bool has_rows = rows != nullptr;
-  switch (elem_bytes) {
-    case 1:
-      return run_rows<uint8_t>(has_rows, values, bitmap, row_offsets, rows, params, n_out, out, row_status);
-    case 2:
-      return run_rows<uint16_t>(has_rows, values, bitmap, row_offsets, rows, params, n_out, out, row_status);
-    case 4:
-      return run_rows<uint32_t>(has_rows, values, bitmap, row_offsets, rows, params, n_out, out, row_status);
-    default:
-      throw std::invalid_argument("run_endor_metal: element size must be 1, 2 or 4");
-  }
+  dispatch_word(elem_bytes, [&](auto word) {
+    run_rows<decltype(word)>(has_rows, values, bitmap, row_offsets, rows, params, n_out, out, row_status);
+  });
 }
 
 }  // namespace flashllm::simt_bodies

@@ -1,0 +1,115 @@
+"""`flashllm` command line: one subcommand per offline task.
+
+  flashllm convert CHECKPOINT OUT_DIR [--dtype fp16|bf16|fp32] [--endor] [--force]
+  flashllm calibrate-disk [--dir DIR] [--size-mib N]
+  flashllm train-predictors STORE_OR_CHECKPOINT [--rank R] [--target-sparsity S] ...
+
+Each subcommand registers itself with `add_parser` functions below; main() only dispatches.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+WINDOW = 512  # tokens per forward pass while calibrating and capturing
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from .store import FlashStore, convert
+
+    out = convert(args.checkpoint, args.out_dir, dtype=args.dtype, endor=args.endor, force=args.force)
+    print(FlashStore(out))
+    return 0
+
+
+def _calibrate_disk(args: argparse.Namespace) -> int:
+    from .reader import calibrate_disk, disk_profile_path
+
+    profile = calibrate_disk(args.dir, size=args.size_mib << 20)
+    print(f"latency {profile.latency_s * 1e6:.0f} us, bandwidth {profile.bandwidth_bps / 1e6:.0f} MB/s, "
+          f"coalescing gap {profile.max_gap_bytes >> 10} KiB -> {disk_profile_path()}")
+    return 0
+
+
+def _ranks(text: str) -> int | list[int]:
+    ranks = [int(r) for r in text.split(",")]
+    if any(r <= 0 for r in ranks):
+        raise argparse.ArgumentTypeError(f"ranks must be positive, got {text!r}")
+    return ranks[0] if len(ranks) == 1 else ranks
+
+
+def _train_predictors(args: argparse.Namespace) -> int:
+    from .models import corpus_token_ids, fetch_default, load_hf_model, resolve_cache_dir, spread_windows
+    from .predictor import train_predictors
+
+    gguf_path = fetch_default() if args.source == "default" else Path(args.source)
+    if not gguf_path.is_file():
+        raise SystemExit(f"flashllm train-predictors: {gguf_path} is not a GGUF file (stores are not supported yet)")
+    out = Path(args.out) if args.out else resolve_cache_dir() / f"{gguf_path.stem}.predictors.safetensors"
+    if out.is_dir():
+        out = out / "predictors.safetensors"
+    model, tokenizer = load_hf_model(gguf_path)
+    token_ids = spread_windows(corpus_token_ids(tokenizer, "calibration"), -(-args.tokens // WINDOW), WINDOW)
+    predictors = train_predictors(model, token_ids, args.target_sparsity, args.rank, args.score, args.epochs,
+                                  None if args.recall <= 0 else args.recall, args.top_k, window=WINDOW)
+    predictors.save(out)
+    ranks = sorted({p.rank for p in predictors.predictors})
+    print(f"wrote {len(predictors.predictors)} predictors (ranks {ranks}, target sparsity {args.target_sparsity}, "
+          f"score {args.score}, {token_ids.numel()} calibration tokens) to {out}")
+    return 0
+
+
+def _add_convert(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("convert", help="convert a HF safetensors dir or GGUF file into a flash store")
+    p.add_argument("checkpoint", help="Hugging Face model directory (safetensors, sharded or not) or .gguf file")
+    p.add_argument("out_dir", help="store directory to create")
+    p.add_argument("--dtype", choices=("fp16", "bf16", "fp32"), default="fp16")
+    p.add_argument("--endor", action="store_true", help="Endor-compress the bundles (pruned models)")
+    p.add_argument("--force", action="store_true", help="replace out_dir if it exists")
+    p.set_defaults(func=_convert)
+
+
+def _add_calibrate_disk(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("calibrate-disk", help="measure latency and bandwidth for the reader's coalescing model")
+    p.add_argument("--dir", default=".", help="a directory on the disk that will hold the stores")
+    p.add_argument("--size-mib", type=int, default=1024, help="size of the temporary test file")
+    p.set_defaults(func=_calibrate_disk)
+
+
+def _add_train_predictors(sub: argparse._SubParsersAction) -> None:
+    train = sub.add_parser("train-predictors", help="train per-layer low-rank neuron predictors")
+    train.add_argument("source", metavar="STORE_OR_CHECKPOINT",
+                       help="a Llama GGUF checkpoint, or 'default' for the embedded default model")
+    train.add_argument("--out", help="output file, or a directory to write predictors.safetensors into "
+                                     "(default: the cache dir)")
+    train.add_argument("--rank", type=_ranks, default=None,
+                       help="one rank, or one per layer (comma separated); default: from each layer's density")
+    train.add_argument("--target-sparsity", type=float, default=0.7)
+    train.add_argument("--score", choices=("glu", "gate"), default="glu",
+                       help="threshold |act(gate)*up| (glu) or |act(gate)| (gate)")
+    train.add_argument("--tokens", type=int, default=4096,
+                       help=f"calibration tokens (rounded up to windows of {WINDOW} spread over the calibration text)")
+    train.add_argument("--epochs", type=int, default=10)
+    train.add_argument("--recall", type=float, default=0.95,
+                       help="per-layer probability threshold chosen for this recall (<= 0: fixed 0.5)")
+    train.add_argument("--top-k", type=int, default=None, help="predict the k most likely neurons per token instead")
+    train.set_defaults(func=_train_predictors)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="flashllm", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for add in (_add_convert, _add_calibrate_disk, _add_train_predictors):
+        add(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,79 @@
+"""The `transformers` reference model for a GGUF file, weight replacement and Linear-input capture."""
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+import torch
+
+from .fetch import fetch_default
+
+FFN_KINDS = ("gate_proj", "up_proj", "down_proj")
+
+
+def ffn_linear_names(num_layers: int) -> list[str]:
+    """Module names of every FFN Linear: `model.layers.{i}.mlp.{gate,up,down}_proj`, layer-major."""
+    return [f"model.layers.{i}.mlp.{kind}" for i in range(num_layers) for kind in FFN_KINDS]
+
+
+def load_hf_model(path: str | os.PathLike | None = None,
+                  state_dict: Mapping[str, torch.Tensor] | None = None):
+    """(model, tokenizer) loaded offline by `transformers` from a GGUF file (default: the default model).
+
+    The model is fp32, in eval mode. `state_dict` (Hugging Face names -> tensors, any subset) replaces those
+    weights after loading, e.g. pruned FFN matrices.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(path) if path is not None else fetch_default()
+    if not path.is_file():
+        raise FileNotFoundError(f"no GGUF file at {path}")
+    kwargs = {"gguf_file": path.name, "local_files_only": True}
+    model = AutoModelForCausalLM.from_pretrained(path.parent, dtype=torch.float32, **kwargs)
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, **kwargs)
+    if state_dict:
+        replace_weights(model, state_dict)
+    return model.eval(), tokenizer
+
+
+@torch.no_grad()
+def replace_weights(model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor]) -> None:
+    """Copy tensors into the model's parameters of the same names (cast to the parameter's dtype).
+
+    Raises ValueError for a name the model does not have or a shape that differs, before changing anything.
+    """
+    params = dict(model.named_parameters(remove_duplicate=False))
+    for name, value in state_dict.items():
+        if name not in params:
+            raise ValueError(f"model has no parameter {name!r}")
+        if tuple(value.shape) != tuple(params[name].shape):
+            raise ValueError(f"{name}: shape {tuple(value.shape)} differs from the model's {tuple(params[name].shape)}")
+    for name, value in state_dict.items():
+        params[name].copy_(value)
+
+
+@torch.inference_mode()
+def collect_linear_inputs(model: torch.nn.Module, input_ids: torch.Tensor,
+                          module_names: Iterable[str]) -> dict[str, torch.Tensor]:
+    """Inputs seen by the named Linear modules during one forward pass of `input_ids` ([T] or [B, T]).
+
+    Returns module name -> fp32 [B*T, in_features]. Hooks are removed afterwards, even on error.
+    """
+    captured: dict[str, list[torch.Tensor]] = {}
+    handles = []
+
+    def hook_for(name: str):
+        def hook(module: torch.nn.Module, args: tuple, _output: torch.Tensor) -> None:
+            captured[name].append(args[0].detach().reshape(-1, args[0].shape[-1]).float())
+        return hook
+
+    try:
+        for name in module_names:
+            captured[name] = []
+            handles.append(model.get_submodule(name).register_forward_hook(hook_for(name)))
+        model(input_ids.view(1, -1) if input_ids.dim() == 1 else input_ids)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return {name: torch.cat(chunks) for name, chunks in captured.items()}
