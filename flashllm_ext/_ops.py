@@ -299,3 +299,50 @@ def _cache_compact_default(matrix, pointer, bias, slot_of, num_used, rows):
 @torch.library.register_fake("flashllm::cache_compact")
 def _cache_compact_fake(matrix, pointer, bias, slot_of, num_used, rows):
     return num_used - rows.shape[0]
+
+
+# One token's decisions of the neuron cache (flashllm_ext/cache.py), in place on its preallocated state:
+# last_active[n] = step for the active ids; evict_rows[:w] = rows whose neuron was not active in the last `window`
+# steps, evict_rows[w:w+b] = the least recently active other rows when the window's union would not fit (never a row
+# active now); missing[:m] = the distinct active ids not cached. Returns [w, b, m]. Raises, changing nothing, when
+# the token alone has more distinct active neurons than the cache has rows. CPU only (the state is small).
+LIB.define(
+    "cache_plan(Tensor active_ids, Tensor(a!) last_active, Tensor slot_of, Tensor pointer, int num_used, int step, "
+    "int window, Tensor(b!) evict_rows, Tensor(c!) missing) -> int[]"
+)
+
+
+def cache_plan_reference(active_ids: torch.Tensor, last_active: torch.Tensor, slot_of: torch.Tensor,
+                         pointer: torch.Tensor, num_used: int, step: int, window: int, evict_rows: torch.Tensor,
+                         missing: torch.Tensor) -> list[int]:
+    """Pure-torch cache_plan (ties among least recently active rows go to the lower row)."""
+    n_neurons, capacity = slot_of.numel(), pointer.numel()
+    if window < 1:
+        raise RuntimeError(f"cache_plan: window must be >= 1, got {window}")
+    ids = active_ids.tolist()
+    for i, n in enumerate(ids):
+        if not 0 <= n < n_neurons:
+            raise RuntimeError(f"cache_plan: active_ids[{i}]={n} is outside [0, n_neurons={n_neurons})")
+    distinct = list(dict.fromkeys(ids))
+    if len(distinct) > capacity:
+        raise RuntimeError(f"cache_plan: the token has {len(distinct)} distinct active neurons but the cache holds "
+                           f"{capacity} rows; raise the byte budget")
+    absent = [n for n in distinct if int(slot_of[n]) < 0]
+    if ids:
+        last_active[active_ids] = step
+    when = last_active[pointer[:num_used]].tolist() if num_used else []
+    window_out = [i for i in range(num_used) if when[i] <= step - window]
+    over = num_used - len(window_out) + len(absent) - capacity
+    budget_out = []
+    if over > 0:
+        candidates = sorted((when[i], i) for i in range(num_used) if step - window < when[i] != step)
+        budget_out = [i for _, i in candidates[:over]]
+    out = window_out + budget_out
+    evict_rows[:len(out)] = torch.tensor(out, dtype=torch.int64)
+    missing[:len(absent)] = torch.tensor(absent, dtype=torch.int64)
+    return [len(window_out), len(budget_out), len(absent)]
+
+
+@torch.library.impl(LIB, "cache_plan", "CompositeExplicitAutograd")
+def _cache_plan_default(active_ids, last_active, slot_of, pointer, num_used, step, window, evict_rows, missing):
+    return cache_plan_reference(active_ids, last_active, slot_of, pointer, num_used, step, window, evict_rows, missing)
