@@ -78,17 +78,21 @@ std::vector<int64_t> cache_plan_cpu(const at::Tensor& active_in, at::Tensor& las
   // Distinct active neurons and the missing ones among them; no state changes before the capacity check.
   thread_local std::vector<uint8_t> seen;
   if (static_cast<int64_t>(seen.size()) < n_neurons) seen.resize(n_neurons, 0);
-  int64_t n_missing = 0, n_distinct = 0;
+  int64_t n_distinct = 0;
+  for (int64_t i = 0; i < k; ++i) {
+    n_distinct += !seen[ids[i]];
+    seen[ids[i]] = 1;
+  }
+  // The missing ids go to `missing` (capacity entries) only once they are known to fit.
+  const bool fits = n_distinct <= capacity;
+  int64_t n_missing = 0;
   for (int64_t i = 0; i < k; ++i) {
     const int64_t id = ids[i];
-    if (seen[id]) continue;
-    seen[id] = 1;
-    ++n_distinct;
-    if (slots[id] < 0) miss[n_missing++] = id;
+    if (fits && seen[id] && slots[id] < 0) miss[n_missing++] = id;
+    seen[id] = 0;
   }
-  for (int64_t i = 0; i < k; ++i) seen[ids[i]] = 0;
-  TORCH_CHECK(n_distinct <= capacity, "cache_plan: the token has ", n_distinct, " distinct active neurons but the "
-              "cache holds ", capacity, " rows; raise the byte budget");
+  TORCH_CHECK(fits, "cache_plan: the token has ", n_distinct, " distinct active neurons but the cache holds ",
+              capacity, " rows; raise the byte budget");
   for (int64_t i = 0; i < k; ++i) last[ids[i]] = step;
   // Rows whose neuron was not active in the last `window` tokens (steps step-window+1 .. step) leave.
   int64_t n_window = 0;
