@@ -262,22 +262,24 @@ void run_group(const FfnProblem<T>& p, float* y) {
     return;
   }
   std::vector<float> partial(static_cast<size_t>(n_threads) * span);
+  int team = 1;
+  // One barrier per call (the region's end): on a shared, oversubscribed machine every barrier waits for the
+  // slowest thread, so the final reduction (n_threads x T x d floats, tiny) runs on the calling thread after it.
 #pragma omp parallel num_threads(n_threads)
   {
-    const int tid = omp_get_thread_num(), team = omp_get_num_threads();
+    const int tid = omp_get_thread_num();
+#pragma omp single nowait
+    team = omp_get_num_threads();
+    const int64_t chunk = (p.n_rows + omp_get_num_threads() - 1) / omp_get_num_threads();
     float* acc = partial.data() + tid * span;
     std::fill(acc, acc + span, 0.f);
-    const int64_t chunk = (p.n_rows + team - 1) / team;
     const int64_t begin = std::min<int64_t>(p.n_rows, tid * chunk);
     accumulate_rows<T, NT>(p, ops, begin, std::min<int64_t>(p.n_rows, begin + chunk), acc);
-#pragma omp barrier
-    // The final reduction, split by columns across the same threads.
-#pragma omp for schedule(static)
-    for (int64_t c = 0; c < span; ++c) {
-      float s = 0.f;
-      for (int k = 0; k < team; ++k) s += partial[k * span + c];
-      y[c] = s;
-    }
+  }
+  std::copy(partial.begin(), partial.begin() + span, y);
+  for (int k = 1; k < team; ++k) {
+    const float* acc = partial.data() + k * span;
+    for (int64_t c = 0; c < span; ++c) y[c] += acc[c];
   }
 }
 
