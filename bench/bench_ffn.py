@@ -190,7 +190,8 @@ def plot_cache(trace: torch.Tensor, loads: dict[int, list[int]], info: dict) -> 
     ax.plot(range(1, len(used) + 1), used.numpy())
     ax.set_xlabel("tokens")
     ax.set_ylabel("aggregated neuron usage (%)")
-    ax.set_title(f"Fig. 4a analogue: {info['model']} masks, {1 - info['achieved_sparsity']:.1%} active/token")
+    ax.set_title(f"Fig. 4a analogue: {info['model']} masks, {1 - info['achieved_sparsity']:.1%} active/token",
+                 fontsize=9)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(RESULTS / "ffn_fig4a_neuron_usage.png", dpi=120)
