@@ -20,3 +20,22 @@ cudaError_t launch_endor_decompress(const void* values, int elem_bytes, const ui
                                     cudaStream_t stream);
 
 }  // namespace flashllm
+
+namespace flashllm {
+
+// y [n_tok, d] float32 = flashllm::sparse_ffn of x [n_tok, d] float32 over n_rows rows of the bundle matrix
+// (sparse_ffn_kernel.cuh). kind: FfnKind of matrix and bias. index may be null (rows [0, n_rows)); entries must lie
+// in [0, num_used) (the kernels skip others). Scratch: act_buf [min(n_tok, 8) * n_rows] and partial
+// [ffn_grid(...).chunks * min(n_tok, 8) * d] floats.
+cudaError_t launch_sparse_ffn(const float* x, int64_t n_tok, int64_t d, const void* matrix, int kind,
+                              const void* bias, const int64_t* index, int64_t n_rows, int64_t num_used, int act,
+                              bool glu, float threshold, float* act_buf, float* partial, float* y,
+                              cudaStream_t stream);
+
+// Swap-delete of the c rows sorted_rows (ascending, distinct, < num_used; `holes` of them below num_used - c) in
+// place: matrix rows of row_bytes, pointer, bias entries of bias_bytes (bias may be null), slot_of (may be null).
+cudaError_t launch_cache_compact(uint8_t* matrix, int64_t row_bytes, int64_t* pointer, uint8_t* bias, int bias_bytes,
+                                 int64_t* slot_of, const int64_t* sorted_rows, int64_t c, int64_t holes,
+                                 int64_t num_used, cudaStream_t stream);
+
+}  // namespace flashllm

@@ -6,10 +6,13 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <optional>
 
 #include "common/endor_checks.h"
 #include "common/endor_report.h"
+#include "common/ffn_grid.h"
+#include "common/ffn_host.h"
 #include "cuda/kernels.cuh"
 
 namespace flashllm {
@@ -38,11 +41,47 @@ void endor_decompress_out_cuda(const at::Tensor& values, const at::Tensor& bitma
                      offsets_c, n_cols, rows_c);
 }
 
+at::Tensor sparse_ffn_cuda(const at::Tensor& x, const at::Tensor& matrix, int64_t num_used,
+                           const std::optional<at::Tensor>& bias, c10::string_view activation, bool glu,
+                           const std::optional<at::Tensor>& index, double threshold) {
+  const c10::cuda::CUDAGuard guard(x.device());
+  const std::optional<at::Tensor> bias_c = bias.has_value() ? std::optional<at::Tensor>(bias->contiguous()) : bias;
+  return sparse_ffn_gpu_style(
+      x, matrix, num_used, bias_c, activation, glu, index, threshold,
+      [&](const at::Tensor& xf, int64_t n_rows, const int64_t* ids, int act, at::Tensor& y) {
+        const int64_t n_tok = xf.size(0), d = xf.size(1), group = std::min<int64_t>(n_tok, kFfnMaxTokens);
+        const int64_t chunks = ffn_grid(n_rows, d, static_cast<int>(matrix.element_size())).chunks;
+        at::Tensor act_buf = at::empty({group * n_rows}, xf.options());
+        at::Tensor partial = at::empty({chunks * group * d}, xf.options());
+        C10_CUDA_CHECK(launch_sparse_ffn(xf.data_ptr<float>(), n_tok, d, matrix.data_ptr(),
+                                         ffn_kind(matrix.scalar_type()), bias_c ? bias_c->data_ptr() : nullptr, ids,
+                                         n_rows, num_used, act, glu, static_cast<float>(threshold),
+                                         act_buf.data_ptr<float>(), partial.data_ptr<float>(), y.data_ptr<float>(),
+                                         c10::cuda::getCurrentCUDAStream()));
+      });
+}
+
+int64_t cache_compact_cuda(at::Tensor& matrix, at::Tensor& pointer, const std::optional<at::Tensor>& bias,
+                           const std::optional<at::Tensor>& slot_of, int64_t num_used, const at::Tensor& rows) {
+  check_cache_compact_args(matrix, pointer, bias, slot_of, num_used, rows);
+  const c10::cuda::CUDAGuard guard(matrix.device());
+  const CompactPlan plan = plan_cache_compact(pointer, slot_of, num_used, rows);
+  const int64_t c = rows.numel();
+  C10_CUDA_CHECK(launch_cache_compact(
+      static_cast<uint8_t*>(matrix.data_ptr()), matrix.size(1) * matrix.element_size(), pointer.data_ptr<int64_t>(),
+      bias ? static_cast<uint8_t*>(bias->data_ptr()) : nullptr, bias ? static_cast<int>(bias->element_size()) : 0,
+      slot_of ? slot_of->data_ptr<int64_t>() : nullptr, plan.sorted.data_ptr<int64_t>(), c, plan.holes, num_used,
+      c10::cuda::getCurrentCUDAStream()));
+  return num_used - c;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(flashllm, CUDA, m) {
   m.impl("endor_decompress", &endor_decompress_allocating<&endor_decompress_out_cuda>);
   m.impl("endor_decompress.out", &endor_decompress_out_cuda);
+  m.impl("sparse_ffn", &sparse_ffn_cuda);
+  m.impl("cache_compact", &cache_compact_cuda);
 }
 
 }  // namespace flashllm

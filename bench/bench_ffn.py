@@ -1,0 +1,231 @@
+"""Sparse FFN and neuron-cache benchmarks ('LLM in a flash' §3.3 / Figure 4a).
+
+bench "ffn": torch.ops.flashllm.sparse_ffn over the cached active rows vs the dense FFN (torch linear layers, same
+dtype) on the layer shapes of OPT-6.7B (d=4096, 16384 neurons, ReLU) and Llama-2-7B (d=4096, 11008, SwiGLU) at
+90/95/97% sparsity, T=1 and 4 tokens; and vs the memory-bandwidth bound: the active rows' bytes divided by the
+read bandwidth of a 512 MiB streaming sum measured interleaved in the same run. The sparse side rotates over
+enough copies of the cache matrix (one per "layer") to span >= 256 MiB, so its rows come from DRAM as in a real
+decode, not from the 32 MiB L3. Cached rows are active rows: their biases are set so every ReLU activation is
+positive (with random data half would be zero and their down rows skipped, flattering the kernel).
+
+bench "cache": NeuronCache memory management per token over a real activation trace: SmolLM2-135M (the default
+model) on the offline corpus, gate activations thresholded per layer to a target sparsity (calibrated with
+flashllm_ext.predictor), the masks of 11 consecutive layers concatenated and cut to 16384 neurons so each token
+drives an OPT-6.7B-shaped layer (synthetic random weights in a flash store on disk, read with O_DIRECT). Per window
+k = 1..8: neurons inserted and evicted per token, memory-management time (planning + swap-delete + bookkeeping,
+StepStats.mem_s), I/O time, and the sparse_ffn compute time on the cache after each step. Plots: Figure 4a
+(aggregated neuron usage vs tokens) and per-token load vs window, in bench/results/.
+
+    python bench/bench_ffn.py [--json] [--rounds N] [--only ffn|cache] [--quick] [--dtype fp16|bf16|fp32]
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from common import arg_parser, emit, time_interleaved
+
+import flashllm_ext
+from flashllm_ext.cache import NeuronCache
+from flashllm_ext.store import FlashStore, synthesize
+
+SHAPES = {"opt-6.7b": (4096, 16384, False, "relu"), "llama-2-7b": (4096, 11008, True, "silu")}
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+RESULTS = Path(__file__).resolve().parent / "results"
+PROBE_BYTES = 512 << 20
+ROTATE_BYTES = 256 << 20
+
+
+def device_name() -> str:
+    isa = flashllm_ext._C.cpu_isa() if flashllm_ext.native_available else "reference"
+    return f"cpu ({isa}, {torch.get_num_threads()} threads, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')})"
+
+
+# ------------------------------------------------------------------------------------------------ bench ffn
+def dense_ffn(x, w_up, w_down, w_gate, act):
+    if w_gate is None:
+        return F.linear(F.relu(F.linear(x, w_up)), w_down)
+    return F.linear(F.silu(F.linear(x, w_gate)) * F.linear(x, w_up), w_down)
+
+
+def bench_ffn(dtype_name: str, rounds: int, quick: bool) -> list[dict]:
+    dtype = DTYPES[dtype_name]
+    g = torch.Generator().manual_seed(0)
+    probe_buf = torch.randint(0, 1 << 20, (PROBE_BYTES // 4,), dtype=torch.int32, generator=g).view(torch.float32)
+    probe_buf.nan_to_num_(0.0)  # random bits: keep the sum finite (cheap either way; the bytes are what count)
+    rows = []
+    for shape_name, (d, n, glu, act) in SHAPES.items():
+        width = (3 if glu else 2) * d
+        # Dense weights of one layer (>= 268 MB: never cache-resident), nn.Linear layout.
+        w_up = (torch.randn(n, d, generator=g) / d ** 0.5).to(dtype)
+        w_gate = (torch.randn(n, d, generator=g) / d ** 0.5).to(dtype) if glu else None
+        w_down = (torch.randn(d, n, generator=g) / n ** 0.5).to(dtype)
+        for sparsity in ((0.97,) if quick else (0.90, 0.95, 0.97)):
+            used = int(round((1 - sparsity) * n))
+            row_bytes = width * dtype.itemsize
+            copies = max(2, -(-ROTATE_BYTES // (used * row_bytes)))
+            active = torch.randperm(n, generator=g)[:used]
+            base = torch.cat([w_up[active]] + ([w_gate[active]] if glu else []) + [w_down[:, active].t()], 1)
+            mats = [base.contiguous()] + [torch.empty_like(base).copy_(base) for _ in range(copies - 1)]
+            bias = None if glu else torch.full((used,), 4.0, dtype=dtype)  # every cached ReLU row active
+            for n_tok in ((1,) if quick else (1, 4)):
+                x = torch.randn(n_tok, d, generator=g).to(dtype)
+                turn = [0]
+
+                def sparse():
+                    turn[0] = (turn[0] + 1) % copies
+                    return torch.ops.flashllm.sparse_ffn(x, mats[turn[0]], used, bias, act, glu)
+
+                # The same sum, checked against dense math restricted to the active neurons.
+                want = dense_ffn(x.float(), w_up[active].float(), w_down[:, active].float(),
+                                 None if w_gate is None else w_gate[active].float(), act)
+                if bias is not None:
+                    want = F.linear(F.relu(F.linear(x.float(), w_up[active].float(), bias.float())),
+                                    w_down[:, active].float())
+                got = sparse().float()
+                assert torch.allclose(got, want, rtol=3e-2, atol=3e-2 * want.abs().max().item()), "sparse_ffn wrong"
+                threads = torch.get_num_threads()
+
+                def sparse_one_thread():
+                    # The same kernel on one OpenMP thread: immune to the barrier waits of a shared machine.
+                    torch.set_num_threads(1)
+                    sparse()
+                    torch.set_num_threads(threads)
+
+                times = time_interleaved({"sparse": sparse, "sparse_1t": sparse_one_thread,
+                                          "dense": lambda: dense_ffn(x, w_up, w_down, w_gate, act),
+                                          "stream": lambda: probe_buf.sum()}, rounds=rounds)
+                bandwidth = PROBE_BYTES / times["stream"]
+                bound = used * row_bytes / bandwidth
+                rows.append({"bench": "ffn", "shape": shape_name, "glu": glu, "dtype": dtype_name,
+                             "sparsity": sparsity, "tokens": n_tok, "rows": used,
+                             "sparse_ms": times["sparse"] * 1e3, "dense_ms": times["dense"] * 1e3,
+                             "speedup": times["dense"] / times["sparse"], "bound_ms": bound * 1e3,
+                             "bound_ratio": times["sparse"] / bound, "stream_gbps": bandwidth / 1e9,
+                             "sparse_1t_ms": times["sparse_1t"] * 1e3, "bound_ratio_1t": times["sparse_1t"] / bound,
+                             "device": device_name()})
+            del mats
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------ bench cache
+def capture_default_masks(target_sparsity: float, n_tokens: int) -> tuple[torch.Tensor, dict]:
+    """Thresholded SwiGLU gate-activation masks of the default model: bool [L, T, 1536], and what was measured."""
+    from flashllm_ext.models import corpus_token_ids, load_hf_model
+    from flashllm_ext.predictor import calibrate_thresholds, capture_activations
+
+    model, tokenizer = load_hf_model()
+    ids = corpus_token_ids(tokenizer, "heldout", max_tokens=n_tokens)
+    thresholds = calibrate_thresholds(model, ids, target=target_sparsity, score="gate", progress=False)
+    capture = capture_activations(model, ids, thresholds, score="gate", progress=False)
+    masks = torch.stack([capture.mask(layer) for layer in range(len(capture.bitmaps))])
+    info = {"model": "SmolLM2-135M", "tokens": int(ids.numel()), "target_sparsity": target_sparsity,
+            "achieved_sparsity": 1 - masks.float().mean().item()}
+    return masks, info
+
+
+def tile_masks(masks: torch.Tensor, n_neurons: int) -> torch.Tensor:
+    """[T, n_neurons]: the masks of consecutive layers side by side, cut to n_neurons (OPT-6.7B: 11 x 1536)."""
+    n_layers, _, width = masks.shape
+    need = -(-n_neurons // width)
+    if need > n_layers:
+        raise ValueError(f"{n_layers} layers of {width} neurons cannot tile {n_neurons}")
+    return torch.cat(list(masks[:need]), dim=1)[:, :n_neurons]
+
+
+def bench_cache(rounds: int, quick: bool, dtype_name: str, store_dir: Path, plots: bool) -> list[dict]:
+    d, n = SHAPES["opt-6.7b"][0], SHAPES["opt-6.7b"][1]
+    n_tokens = 64 if quick else 256
+    masks, info = capture_default_masks(0.95, n_tokens)
+    trace = tile_masks(masks, n)
+    trace_ids = [row.nonzero().flatten() for row in trace]
+    if not (store_dir / "bundles.safetensors").is_file():
+        synthesize(store_dir, n_layers=1, hidden_size=d, n_neurons=n, glu=False, dtype=dtype_name)
+    store = FlashStore(store_dir)
+    x = torch.randn(1, d, generator=torch.Generator().manual_seed(0)).to(store.dtype)
+    rows, loads = [], {}
+    for window in ((1, 4) if quick else range(1, 9)):
+        per_round = []
+        for _ in range(max(1, rounds // 2)):
+            cache = NeuronCache(store, 0, capacity=n, window=window)
+            inserted = evicted = 0
+            mem = io = compute = 0.0
+            load = []
+            for ids in trace_ids:
+                s = cache.step(ids)
+                t0 = time.perf_counter()
+                torch.ops.flashllm.sparse_ffn(x, cache.matrix, cache.num_used, cache.bias, "relu", False)
+                compute += time.perf_counter() - t0
+                inserted, evicted = inserted + s.inserted, evicted + s.total_evicted
+                mem, io = mem + s.mem_s, io + s.io_s
+                load.append(s.inserted)
+            cache.reader.close()
+            t = len(trace_ids)
+            per_round.append((inserted / t, evicted / t, mem / t * 1e3, io / t * 1e3, compute / t * 1e3))
+            loads[window] = load
+        med = [statistics.median(r[i] for r in per_round) for i in range(5)]
+        rows.append({"bench": "cache", "window": window, "insert_per_token": med[0], "evict_per_token": med[1],
+                     "mem_ms_per_token": med[2], "io_ms_per_token": med[3], "compute_ms_per_token": med[4],
+                     "mem_over_compute": med[2] / med[4], "trace": info, "device": device_name()})
+    if plots:
+        plot_cache(trace, loads, info)
+    return rows
+
+
+def plot_cache(trace: torch.Tensor, loads: dict[int, list[int]], info: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    used = torch.cumsum(trace.float(), 0).gt(0).float().mean(1) * 100  # % of neurons used at least once so far
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    ax.plot(range(1, len(used) + 1), used.numpy())
+    ax.set_xlabel("tokens")
+    ax.set_ylabel("aggregated neuron usage (%)")
+    ax.set_title(f"Fig. 4a analogue: {info['model']} masks, {1 - info['achieved_sparsity']:.1%} active/token",
+                 fontsize=9)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(RESULTS / "ffn_fig4a_neuron_usage.png", dpi=120)
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    windows = sorted(loads)
+    ax.plot(windows, [statistics.mean(loads[k][1:]) for k in windows], marker="o")
+    ax.set_xlabel("window k (tokens)")
+    ax.set_ylabel("neurons loaded per token")
+    ax.set_title("per-token load vs window (OPT-6.7B-shaped layer)")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(RESULTS / "ffn_load_vs_window.png", dpi=120)
+
+
+def main() -> None:
+    parser = arg_parser(__doc__.splitlines()[0])
+    parser.add_argument("--only", choices=["ffn", "cache"])
+    parser.add_argument("--quick", action="store_true", help="one sparsity, T=1, a short trace (smoke run)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp16")
+    parser.add_argument("--store-dir", type=Path, default=None,
+                        help="where the synthetic OPT-6.7B-shaped store lives (default: a temporary folder)")
+    parser.add_argument("--no-plots", action="store_true")
+    args = parser.parse_args()
+    if args.only in (None, "ffn"):
+        emit(bench_ffn(args.dtype, args.rounds, args.quick), args.json,
+             ["shape", "dtype", "sparsity", "tokens", "rows", "sparse_ms", "dense_ms", "speedup", "bound_ms",
+              "bound_ratio", "stream_gbps", "sparse_1t_ms", "bound_ratio_1t"])
+    if args.only in (None, "cache"):
+        with tempfile.TemporaryDirectory(dir=os.getcwd(), prefix=".bench-ffn-") as tmp:
+            store_dir = args.store_dir or Path(tmp) / "opt-6.7b-layer"
+            emit(bench_cache(args.rounds, args.quick, args.dtype, store_dir, not args.no_plots), args.json,
+                 ["window", "insert_per_token", "evict_per_token", "mem_ms_per_token", "io_ms_per_token",
+                  "compute_ms_per_token", "mem_over_compute"])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,335 @@
+// flashllm::sparse_ffn on the CPU.
+//
+// Rows of the cached bundle matrix are split across OpenMP threads (static chunks: every row costs the same);
+// each thread accumulates its rows' contributions for every token into its own float32 [T, d] buffer, and the
+// buffers are summed into the output at the end. Per row: the dot products of the row's input column(s) with
+// the T tokens (one pass over the column, T accumulators), the activation, then one axpy pass over the down row
+// for all T tokens; a row whose activations are all zero (ReLU, threshold) never reads its down row.
+//
+// Per ISA, one step of a dot product or axpy (fp16 and bf16 are widened to fp32, all math in fp32 FMA):
+//   avx512  16 elements, masked loads/stores for the row tail
+//   avx2    8 elements (F16C for fp16), scalar tail
+//   scalar  one element
+// Tokens are processed in groups of at most 8, the register budget of the accumulators.
+#include <ATen/ATen.h>
+#include <immintrin.h>
+#include <omp.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "common/cpu_isa.h"
+#include "common/ffn_checks.h"
+
+// GCC 12's masked-load intrinsics start from _mm512_undefined_*, which -Wall reports as uninitialised use.
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+
+namespace flashllm {
+namespace {
+
+constexpr int kMaxTokens = 8;
+using Half = c10::Half;
+using BF16 = c10::BFloat16;
+
+// ---------------------------------------------------------------------------------------------- scalar
+template <class T>
+inline float to_float(T v) {
+  return static_cast<float>(v);
+}
+
+template <class T, int NT>
+void dots_scalar(const T* col, const float* x, int64_t d, float* dots) {
+  float acc[NT] = {};
+  for (int64_t c = 0; c < d; ++c) {
+    const float w = to_float(col[c]);
+    for (int t = 0; t < NT; ++t) acc[t] += w * x[t * d + c];
+  }
+  for (int t = 0; t < NT; ++t) dots[t] = acc[t];
+}
+
+template <class T, int NT>
+void axpy_scalar(const T* row, const float* h, float* acc, int64_t d) {
+  for (int64_t c = 0; c < d; ++c) {
+    const float w = to_float(row[c]);
+    for (int t = 0; t < NT; ++t) acc[t * d + c] += h[t] * w;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------- AVX2
+#define FLASHLLM_AVX2 __attribute__((target("avx2,fma,f16c")))
+
+template <class T>
+FLASHLLM_AVX2 inline __m256 load8_avx2(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm256_loadu_ps(p);
+  } else if constexpr (std::is_same_v<T, Half>) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  } else {  // bf16 is the high half of an fp32
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+  }
+}
+
+FLASHLLM_AVX2 inline float hsum_avx2(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+template <class T, int NT>
+FLASHLLM_AVX2 void dots_avx2(const T* col, const float* x, int64_t d, float* dots) {
+  __m256 acc[NT];
+  for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
+  int64_t c = 0;
+  for (; c + 8 <= d; c += 8) {
+    const __m256 w = load8_avx2(col + c);
+    for (int t = 0; t < NT; ++t) acc[t] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + t * d + c), acc[t]);
+  }
+  for (int t = 0; t < NT; ++t) dots[t] = hsum_avx2(acc[t]);
+  for (; c < d; ++c) {
+    const float w = to_float(col[c]);
+    for (int t = 0; t < NT; ++t) dots[t] += w * x[t * d + c];
+  }
+}
+
+template <class T, int NT>
+FLASHLLM_AVX2 void axpy_avx2(const T* row, const float* h, float* acc, int64_t d) {
+  __m256 hv[NT];
+  for (int t = 0; t < NT; ++t) hv[t] = _mm256_set1_ps(h[t]);
+  int64_t c = 0;
+  for (; c + 8 <= d; c += 8) {
+    const __m256 w = load8_avx2(row + c);
+    for (int t = 0; t < NT; ++t) {
+      float* y = acc + t * d + c;
+      _mm256_storeu_ps(y, _mm256_fmadd_ps(hv[t], w, _mm256_loadu_ps(y)));
+    }
+  }
+  for (; c < d; ++c) {
+    const float w = to_float(row[c]);
+    for (int t = 0; t < NT; ++t) acc[t * d + c] += h[t] * w;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------- AVX-512
+#define FLASHLLM_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,fma,f16c")))
+
+// Loads the first `n` (<= 16) elements at p, zeros past them; never touches memory past p + n.
+template <class T>
+FLASHLLM_AVX512 inline __m512 load16_avx512(const T* p, __mmask16 m) {
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm512_maskz_loadu_ps(m, p);
+  } else if constexpr (std::is_same_v<T, Half>) {
+    return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p));
+  } else {
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+  }
+}
+
+inline __mmask16 tail_mask(int64_t n) { return static_cast<__mmask16>((1u << n) - 1u); }  // n < 16
+
+// Two accumulators per token hide the FMA latency when there are few tokens (T = 1 is the decoding case).
+template <class T, int NT>
+FLASHLLM_AVX512 void dots_avx512(const T* col, const float* x, int64_t d, float* dots) {
+  __m512 acc0[NT], acc1[NT];
+  for (int t = 0; t < NT; ++t) acc0[t] = acc1[t] = _mm512_setzero_ps();
+  const __mmask16 all = 0xFFFF;
+  int64_t c = 0;
+  for (; c + 32 <= d; c += 32) {
+    const __m512 w0 = load16_avx512(col + c, all), w1 = load16_avx512(col + c + 16, all);
+    for (int t = 0; t < NT; ++t) {
+      acc0[t] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + t * d + c), acc0[t]);
+      acc1[t] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + t * d + c + 16), acc1[t]);
+    }
+  }
+  for (; c < d; c += 16) {
+    const __mmask16 m = d - c >= 16 ? all : tail_mask(d - c);
+    const __m512 w = load16_avx512(col + c, m);
+    for (int t = 0; t < NT; ++t) acc0[t] = _mm512_fmadd_ps(w, _mm512_maskz_loadu_ps(m, x + t * d + c), acc0[t]);
+  }
+  for (int t = 0; t < NT; ++t) dots[t] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[t], acc1[t]));
+}
+
+template <class T, int NT>
+FLASHLLM_AVX512 void axpy_avx512(const T* row, const float* h, float* acc, int64_t d) {
+  __m512 hv[NT];
+  for (int t = 0; t < NT; ++t) hv[t] = _mm512_set1_ps(h[t]);
+  for (int64_t c = 0; c < d; c += 16) {
+    const __mmask16 m = d - c >= 16 ? static_cast<__mmask16>(0xFFFF) : tail_mask(d - c);
+    const __m512 w = load16_avx512(row + c, m);
+    for (int t = 0; t < NT; ++t) {
+      float* y = acc + t * d + c;
+      _mm512_mask_storeu_ps(y, m, _mm512_fmadd_ps(hv[t], w, _mm512_maskz_loadu_ps(m, y)));
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------- driver
+inline float activate(float v, int act) {
+  switch (act) {
+    case kActRelu: return v > 0.f ? v : 0.f;
+    case kActSilu: return v / (1.f + std::exp(-v));
+    default: return 0.5f * v * (1.f + std::erf(v * 0.70710678118654752f));
+  }
+}
+
+template <class T>
+struct FfnProblem {
+  const float* x;  // [n_tok, d] fp32, this token group
+  const T* matrix;
+  const T* bias;          // per row, or null
+  const int64_t* index;   // rows to use, or null: rows [0, n_rows)
+  int64_t n_rows, d, width;
+  int act;
+  bool glu;
+  float threshold;
+};
+
+// The per-ISA pair of row functions for NT tokens.
+template <class T, int NT>
+struct RowOps {
+  void (*dots)(const T*, const float*, int64_t, float*);
+  void (*axpy)(const T*, const float*, float*, int64_t);
+};
+
+template <class T, int NT>
+RowOps<T, NT> row_ops(CpuIsa isa) {
+  if (isa >= CpuIsa::kAvx512) return {&dots_avx512<T, NT>, &axpy_avx512<T, NT>};
+  if (isa == CpuIsa::kAvx2) return {&dots_avx2<T, NT>, &axpy_avx2<T, NT>};
+  return {&dots_scalar<T, NT>, &axpy_scalar<T, NT>};
+}
+
+// Adds rows [begin, end) of the problem into acc [NT, d].
+template <class T, int NT>
+void accumulate_rows(const FfnProblem<T>& p, RowOps<T, NT> ops, int64_t begin, int64_t end, float* acc) {
+  const int64_t d = p.d;
+  for (int64_t i = begin; i < end; ++i) {
+    const int64_t r = p.index ? p.index[i] : i;
+    const T* row = p.matrix + r * p.width;
+    if (p.index && i + 1 < end) __builtin_prefetch(p.matrix + p.index[i + 1] * p.width);
+    float h[NT];
+    ops.dots(p.glu ? row + d : row, p.x, d, h);  // the activation's input column: gate for GLU, up otherwise
+    const float b = p.bias ? to_float(p.bias[r]) : 0.f;
+    bool any = false;
+    for (int t = 0; t < NT; ++t) {
+      const float a = activate(h[t] + b, p.act);
+      h[t] = std::fabs(a) >= p.threshold ? a : 0.f;
+      any |= h[t] != 0.f;
+    }
+    if (!any) continue;  // contributes nothing: skip the reads of the up and down rows
+    if (p.glu) {
+      float up[NT];
+      ops.dots(row, p.x, d, up);
+      for (int t = 0; t < NT; ++t) h[t] *= up[t];
+    }
+    ops.axpy(row + (p.glu ? 2 : 1) * d, h, acc, d);
+  }
+}
+
+template <class F>
+void with_tokens(int n, F&& f) {
+  switch (n) {
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 3: return f(std::integral_constant<int, 3>{});
+    case 4: return f(std::integral_constant<int, 4>{});
+    case 5: return f(std::integral_constant<int, 5>{});
+    case 6: return f(std::integral_constant<int, 6>{});
+    case 7: return f(std::integral_constant<int, 7>{});
+    default: return f(std::integral_constant<int, 8>{});
+  }
+}
+
+// y [nt, d] = the problem's rows for nt tokens. Threads own row chunks and their own accumulator.
+template <class T, int NT>
+void run_group(const FfnProblem<T>& p, float* y) {
+  const RowOps<T, NT> ops = row_ops<T, NT>(active_cpu_isa());
+  const int64_t span = NT * p.d;
+  // Waking the thread team costs more than it saves below ~256 KiB of rows.
+  const bool parallel = p.n_rows * p.width * static_cast<int64_t>(sizeof(T)) >= (256 << 10);
+  const int n_threads = parallel ? omp_get_max_threads() : 1;
+  if (n_threads == 1) {
+    std::fill(y, y + span, 0.f);
+    accumulate_rows<T, NT>(p, ops, 0, p.n_rows, y);
+    return;
+  }
+  std::vector<float> partial(static_cast<size_t>(n_threads) * span);
+  int team = 1;
+  // One barrier per call (the region's end): on a shared, oversubscribed machine every barrier waits for the
+  // slowest thread, so the final reduction (n_threads x T x d floats, tiny) runs on the calling thread after it.
+#pragma omp parallel num_threads(n_threads)
+  {
+    const int tid = omp_get_thread_num();
+#pragma omp single nowait
+    team = omp_get_num_threads();
+    const int64_t chunk = (p.n_rows + omp_get_num_threads() - 1) / omp_get_num_threads();
+    float* acc = partial.data() + tid * span;
+    std::fill(acc, acc + span, 0.f);
+    const int64_t begin = std::min<int64_t>(p.n_rows, tid * chunk);
+    accumulate_rows<T, NT>(p, ops, begin, std::min<int64_t>(p.n_rows, begin + chunk), acc);
+  }
+  std::copy(partial.begin(), partial.begin() + span, y);
+  for (int k = 1; k < team; ++k) {
+    const float* acc = partial.data() + k * span;
+    for (int64_t c = 0; c < span; ++c) y[c] += acc[c];
+  }
+}
+
+template <class T>
+void sparse_ffn_typed(const at::Tensor& x, const at::Tensor& matrix, int64_t n_rows, const at::Tensor* bias,
+                      const int64_t* index, int act, bool glu, float threshold, at::Tensor& out) {
+  const int64_t n_tok = x.size(0), d = x.size(1);
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  at::Tensor yf = at::empty({n_tok, d}, x.options().dtype(at::kFloat));
+  FfnProblem<T> p{nullptr, matrix.data_ptr<T>(), bias ? bias->data_ptr<T>() : nullptr, index, n_rows, d,
+                  matrix.size(1), act, glu, threshold};
+  for (int64_t t0 = 0; t0 < n_tok; t0 += kMaxTokens) {
+    const int nt = static_cast<int>(std::min<int64_t>(kMaxTokens, n_tok - t0));
+    p.x = xf.data_ptr<float>() + t0 * d;
+    float* y = yf.data_ptr<float>() + t0 * d;
+    with_tokens(nt, [&](auto nt_c) { run_group<T, decltype(nt_c)::value>(p, y); });
+  }
+  out.copy_(yf);
+}
+
+at::Tensor sparse_ffn_cpu(const at::Tensor& x, const at::Tensor& matrix, int64_t num_used,
+                          const std::optional<at::Tensor>& bias, c10::string_view activation, bool glu,
+                          const std::optional<at::Tensor>& index, double threshold) {
+  check_sparse_ffn_args(x, matrix, num_used, bias, glu, index, threshold);
+  const int act = parse_ffn_activation(std::string(activation));
+  at::Tensor out = at::empty_like(x, at::MemoryFormat::Contiguous);
+  std::optional<at::Tensor> index_c;
+  int64_t n_rows = num_used;
+  if (index.has_value()) {
+    index_c = index->contiguous();
+    const int64_t* ids = index_c->data_ptr<int64_t>();
+    n_rows = index_c->numel();
+    for (int64_t i = 0; i < n_rows; ++i)
+      TORCH_CHECK(ids[i] >= 0 && ids[i] < num_used, "sparse_ffn: index[", i, "]=", ids[i],
+                  " is outside [0, num_used=", num_used, ")");
+  }
+  const std::optional<at::Tensor> bias_c = bias.has_value() ? std::optional<at::Tensor>(bias->contiguous()) : bias;
+  const at::Tensor* bias_ptr = bias_c.has_value() ? &*bias_c : nullptr;
+  const int64_t* ids = index_c.has_value() ? index_c->data_ptr<int64_t>() : nullptr;
+  if (x.size(0) == 0) return out;
+  switch (x.scalar_type()) {
+    case at::kFloat: sparse_ffn_typed<float>(x, matrix, n_rows, bias_ptr, ids, act, glu, float(threshold), out); break;
+    case at::kHalf: sparse_ffn_typed<Half>(x, matrix, n_rows, bias_ptr, ids, act, glu, float(threshold), out); break;
+    default: sparse_ffn_typed<BF16>(x, matrix, n_rows, bias_ptr, ids, act, glu, float(threshold), out);
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(flashllm, CPU, m) { m.impl("sparse_ffn", &sparse_ffn_cpu); }
+
+}  // namespace flashllm

@@ -1,0 +1,250 @@
+// The CUDA kernel bodies of flashllm::sparse_ffn and flashllm::cache_compact: plain CUDA C++ over raw pointers.
+// Included by sparse_ffn.cu and, through the CPU SIMT emulation (csrc/simt/simt.h), by flashllm_ext._simt.
+//
+// sparse_ffn (semantics in flashllm_ext/_ops.py) runs as three kernels for up to kFfnMaxTokens tokens:
+//   1. ffn_act_kernel: one warp per row (rows across blocks, grid-stride). Lanes stride over the row's input
+//      column(s) with 16-byte vector loads, T dot products per lane, warp reductions (__shfl_xor_sync); every lane
+//      then holds the sums and lane 0 writes the activations act[T, n_rows] (float32, zero where thresholded).
+//   2. ffn_down_kernel: blocks tile (column block, row chunk). A block stages the activations of 64 rows in shared
+//      memory, then each thread owns kVec consecutive columns and accumulates act * down_row for its rows in
+//      registers (vector loads again; rows whose activations are all zero are skipped). It writes its chunk's
+//      partial sums partial[chunk, T, d]: no atomics.
+//   3. ffn_reduce_kernel: y[T, d] = sum over chunks of partial (the one atomic-free final reduction, float32).
+// Elements: KIND 0 float32, 1 float16, 2 bfloat16, stored as float / uint16_t bits; math in float32. Vector loads
+// are used when the caller says rows are 16-byte aligned (matrix base and d * element size), scalar loads otherwise.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#include "common/compaction.h"
+#include "common/ffn_grid.h"
+#include "common/half_bits.h"
+
+namespace flashllm {
+
+namespace ffn_detail {
+
+constexpr unsigned kFullMask = 0xffffffffu;
+
+template <int KIND>
+using Storage = typename std::conditional<KIND == kFfnF32, float, uint16_t>::type;
+
+template <int KIND>
+__device__ __forceinline__ float to_float(Storage<KIND> v) {
+  if constexpr (KIND == kFfnF32) return v;
+  else if constexpr (KIND == kFfnF16) return half_to_float(v);
+  else return bits_to_float(uint32_t(v) << 16);
+}
+
+// Elements per 16-byte vector.
+template <int KIND>
+constexpr int kVec = 16 / int(sizeof(Storage<KIND>));
+
+// Loads kVec elements at 16-byte aligned p as floats.
+template <int KIND>
+__device__ __forceinline__ void load_vec(const Storage<KIND>* p, float (&f)[kVec<KIND>]) {
+  const uint4 v = *reinterpret_cast<const uint4*>(p);
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    if constexpr (KIND == kFfnF32) {
+      f[i] = bits_to_float(w[i]);
+    } else {
+      f[2 * i] = to_float<KIND>(uint16_t(w[i] & 0xffffu));
+      f[2 * i + 1] = to_float<KIND>(uint16_t(w[i] >> 16));
+    }
+  }
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int s = 16; s > 0; s >>= 1) v += __shfl_xor_sync(kFullMask, v, s);
+  return v;
+}
+
+__device__ __forceinline__ float activate(float v, int act) {
+  if (act == 0) return v > 0.f ? v : 0.f;
+  if (act == 1) return v / (1.f + expf(-v));
+  return 0.5f * v * (1.f + erff(v * 0.70710678118654752f));
+}
+
+// Adds w . x[t] over this lane's share of one column of d elements, for NT tokens (x: [NT, d] float32).
+template <int KIND>
+__device__ __forceinline__ void lane_dots(const Storage<KIND>* col, const float* __restrict__ x, int64_t d, int n_tok,
+                                          bool vector, int lane, float (&acc)[kFfnMaxTokens]) {
+  constexpr int V = kVec<KIND>;
+  if (vector) {
+    for (int64_t c = int64_t(lane) * V; c < d; c += 32 * V) {
+      float w[V];
+      load_vec<KIND>(col + c, w);
+#pragma unroll
+      for (int t = 0; t < kFfnMaxTokens; ++t) {
+        if (t < n_tok) {
+#pragma unroll
+          for (int v = 0; v < V; ++v) acc[t] += w[v] * x[t * d + c + v];
+        }
+      }
+    }
+  } else {
+    for (int64_t c = lane; c < d; c += 32) {
+      const float w = to_float<KIND>(col[c]);
+#pragma unroll
+      for (int t = 0; t < kFfnMaxTokens; ++t)
+        if (t < n_tok) acc[t] += w * x[t * d + c];
+    }
+  }
+}
+
+}  // namespace ffn_detail
+
+// act[t * n_rows + o] for row o of the problem (rows[o] of matrix when index is not null): the activation of the
+// row's input column for token t, zero where |activation| < threshold; times x . up for GLU. Index entries outside
+// [0, num_used) are never read (the host checks them first; the kernel writes 0 for them).
+template <int KIND>
+__global__ void __launch_bounds__(kFfnActWarps * 32)
+    ffn_act_kernel(const float* __restrict__ x, const ffn_detail::Storage<KIND>* __restrict__ matrix,
+                   const ffn_detail::Storage<KIND>* __restrict__ bias, const int64_t* __restrict__ index,
+                   int64_t n_rows, int64_t num_used, int64_t d, int n_tok, int act, bool glu, float threshold,
+                   bool vector, float* __restrict__ act_out) {
+  using namespace ffn_detail;
+  const int lane = threadIdx.x % 32;
+  const int64_t width = (glu ? 3 : 2) * d;
+  for (int64_t o = int64_t(blockIdx.x) * kFfnActWarps + threadIdx.x / 32; o < n_rows;
+       o += int64_t(gridDim.x) * kFfnActWarps) {
+    const int64_t r = index != nullptr ? index[o] : o;
+    float h[kFfnMaxTokens] = {}, up[kFfnMaxTokens] = {};
+    if (r >= 0 && r < num_used) {  // the same in every lane: the warp stays converged
+      const Storage<KIND>* row = matrix + r * width;
+      lane_dots<KIND>(glu ? row + d : row, x, d, n_tok, vector, lane, h);
+      if (glu) lane_dots<KIND>(row, x, d, n_tok, vector, lane, up);
+      const float b = bias != nullptr ? to_float<KIND>(bias[r]) : 0.f;
+#pragma unroll
+      for (int t = 0; t < kFfnMaxTokens; ++t) {
+        const float a = activate(warp_sum(h[t]) + b, act);
+        h[t] = fabsf(a) >= threshold ? a : 0.f;
+        if (glu) h[t] *= warp_sum(up[t]);
+      }
+    }
+    if (lane == 0) {
+#pragma unroll
+      for (int t = 0; t < kFfnMaxTokens; ++t)
+        if (t < n_tok) act_out[t * n_rows + o] = h[t];
+    }
+  }
+}
+
+// partial[chunk, t, c] = sum over the chunk's rows o of act[t, o] * down_row(o)[c]. Grid (col_blocks, chunks).
+template <int KIND>
+__global__ void __launch_bounds__(kFfnDownThreads)
+    ffn_down_kernel(const ffn_detail::Storage<KIND>* __restrict__ matrix, const int64_t* __restrict__ index,
+                    const float* __restrict__ act_in, int64_t n_rows, int64_t num_used, int64_t d, int n_tok,
+                    bool glu, int64_t rows_per_chunk, bool vector, float* __restrict__ partial) {
+  using namespace ffn_detail;
+  constexpr int V = kVec<KIND>;
+  __shared__ float tile_act[kFfnMaxTokens][kFfnTileRows];
+  __shared__ int64_t tile_row[kFfnTileRows];
+  const int64_t width = (glu ? 3 : 2) * d;
+  const int64_t down_offset = (glu ? 2 : 1) * d;
+  const int64_t col0 = (int64_t(blockIdx.x) * kFfnDownThreads + threadIdx.x) * V;
+  const int64_t begin = int64_t(blockIdx.y) * rows_per_chunk;
+  const int64_t end = begin + rows_per_chunk < n_rows ? begin + rows_per_chunk : n_rows;
+  float acc[kFfnMaxTokens][V];
+#pragma unroll
+  for (int t = 0; t < kFfnMaxTokens; ++t)
+#pragma unroll
+    for (int v = 0; v < V; ++v) acc[t][v] = 0.f;
+  for (int64_t base = begin; base < end; base += kFfnTileRows) {
+    const int64_t n_tile = end - base < kFfnTileRows ? end - base : kFfnTileRows;
+    __syncthreads();  // the previous tile is no longer read
+    for (int64_t k = threadIdx.x; k < n_tile; k += kFfnDownThreads) {
+      const int64_t r = index != nullptr ? index[base + k] : base + k;
+      bool any = false;
+      for (int t = 0; t < kFfnMaxTokens; ++t) {
+        const float a = t < n_tok ? act_in[t * n_rows + base + k] : 0.f;
+        tile_act[t][k] = a;
+        any |= a != 0.f;
+      }
+      tile_row[k] = (any && r >= 0 && r < num_used) ? r : -1;  // -1: nothing to add
+    }
+    __syncthreads();
+    for (int64_t k = 0; k < n_tile; ++k) {
+      const int64_t r = tile_row[k];
+      if (r < 0 || col0 >= d) continue;
+      const Storage<KIND>* down = matrix + r * width + down_offset;
+      float w[V];
+      if (vector) {
+        load_vec<KIND>(down + col0, w);
+      } else {
+#pragma unroll
+        for (int v = 0; v < V; ++v) w[v] = col0 + v < d ? to_float<KIND>(down[col0 + v]) : 0.f;
+      }
+#pragma unroll
+      for (int t = 0; t < kFfnMaxTokens; ++t) {
+        const float a = tile_act[t][k];
+#pragma unroll
+        for (int v = 0; v < V; ++v) acc[t][v] += a * w[v];
+      }
+    }
+  }
+  float* out = partial + int64_t(blockIdx.y) * n_tok * d;
+#pragma unroll
+  for (int t = 0; t < kFfnMaxTokens; ++t)  // unrolled with a guard: acc stays in registers
+#pragma unroll
+    for (int v = 0; v < V; ++v)
+      if (t < n_tok && col0 + v < d) out[t * d + col0 + v] = acc[t][v];
+}
+
+// y[i] = sum over chunks of partial[chunk * n + i], n = T * d, float32.
+__global__ void __launch_bounds__(kFfnReduceThreads)
+    ffn_reduce_kernel(const float* __restrict__ partial, int64_t chunks, int64_t n, float* __restrict__ y) {
+  for (int64_t i = int64_t(blockIdx.x) * kFfnReduceThreads + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * kFfnReduceThreads) {
+    float s = 0.f;
+    for (int64_t k = 0; k < chunks; ++k) s += partial[k * n + i];
+    y[i] = s;
+  }
+}
+
+// ---- cache_compact: the moves of csrc/common/compaction.h, one block per row in [n_new, num_used) ----------------
+constexpr int kCompactThreads = 128;
+
+// Clears slot_of for the neurons of the deleted rows (before any row moves: pointer entries are read here).
+__global__ void compact_forget_kernel(const int64_t* __restrict__ sorted, int64_t c, const int64_t* __restrict__ pointer,
+                                      int64_t* __restrict__ slot_of) {
+  for (int64_t k = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; k < c; k += int64_t(gridDim.x) * blockDim.x)
+    slot_of[pointer[sorted[k]]] = -1;
+}
+
+// Block j - n_new moves survivor row j into its hole (row_bytes per row, 16-byte copies when `vector`); every row
+// past the new end gets pointer -1. Holes lie below n_new and sources at or past it, so blocks never collide.
+__global__ void __launch_bounds__(kCompactThreads)
+    compact_move_kernel(uint8_t* __restrict__ matrix, int64_t row_bytes, bool vector, int64_t* __restrict__ pointer,
+                        uint8_t* __restrict__ bias, int bias_bytes, int64_t* __restrict__ slot_of,
+                        const int64_t* __restrict__ sorted, int64_t c, int64_t holes, int64_t n_new) {
+  const int64_t j = n_new + blockIdx.x;
+  const int64_t hole = compaction_hole(sorted, c, holes, n_new, j);
+  if (hole >= 0) {
+    uint8_t* dst = matrix + hole * row_bytes;
+    const uint8_t* src = matrix + j * row_bytes;
+    if (vector) {
+      for (int64_t b = int64_t(threadIdx.x) * 16; b < row_bytes; b += kCompactThreads * 16)
+        *reinterpret_cast<uint4*>(dst + b) = *reinterpret_cast<const uint4*>(src + b);
+    } else {
+      for (int64_t b = threadIdx.x; b < row_bytes; b += kCompactThreads) dst[b] = src[b];
+    }
+  }
+  if (threadIdx.x == 0) {
+    const int64_t neuron = pointer[j];
+    pointer[j] = -1;
+    if (hole >= 0) {
+      pointer[hole] = neuron;
+      if (slot_of != nullptr) slot_of[neuron] = hole;
+      for (int b = 0; b < bias_bytes; ++b) bias[hole * bias_bytes + b] = bias[j * bias_bytes + b];
+    }
+  }
+}
+
+}  // namespace flashllm

@@ -1,0 +1,173 @@
+"""NeuronCache: the DRAM side of "LLM in a flash" for one FFN layer.
+
+The cache holds, preallocated once, the bundles of the neurons active in the last `window` tokens:
+  matrix   [capacity, bundle_width]  one neuron's bundle [up | gate (GLU) | down] per row (the store's layout)
+  pointer  [capacity] int64          neuron id of each row; rows [0, num_used) are in use, the rest hold -1
+  bias     [capacity] or None        the input projection's bias of each row's neuron (OPT's fc1.bias), moved
+                                     with its row; None for bias-free models (Llama family)
+  slot_of  [n_neurons] int64         row of each neuron, -1 when not cached (the inverse of pointer)
+  last_active [n_neurons] int64      the last step each neuron was active: the active sets of the last `window`
+                                     tokens are {n : last_active[n] > step - window}, which is also the recency
+                                     order the budget rule needs
+`step(active_ids)` evicts rows whose neuron left the window by swap-delete (the last used rows move into the
+holes, torch.ops.flashllm.cache_compact), reads the missing bundles with FlashReader straight into the free rows
+at the end, and appends their ids. Rows [0, num_used) then feed torch.ops.flashllm.sparse_ffn.
+
+Capacity comes from a byte budget (or is given); when the window's union does not fit, the least recently active
+rows that the current token does not need are evicted early and counted in StepStats.evicted_budget. A token
+whose own active set exceeds the capacity raises ValueError. After construction a step allocates no tensor memory.
+"""
+from __future__ import annotations
+
+import os
+import re
+import time
+from dataclasses import dataclass
+
+import torch
+
+from . import _ops  # noqa: F401  (cache_plan / cache_compact schemas)
+from .reader import FlashReader
+from .store import FlashStore
+
+_NEVER = -(1 << 62)  # last_active of a neuron never seen: outside every window
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """What one NeuronCache.step did."""
+    evicted: int  # rows that left because their neuron was not active in the last `window` tokens
+    evicted_budget: int  # rows evicted early (least recently active first) because the window's union did not fit
+    inserted: int  # bundles read from flash
+    bytes_read: int  # bytes the reader read (alignment padding and coalesced gaps included)
+    io_s: float  # time in FlashReader
+    mem_s: float  # time in memory management: planning, swap-delete compaction, pointer/bias bookkeeping
+    num_used: int  # rows in use after the step
+
+    @property
+    def total_evicted(self) -> int:
+        return self.evicted + self.evicted_budget
+
+
+def _bias_name_pattern(layer: int) -> re.Pattern:
+    return re.compile(rf"^(?:.*\.)?layers\.{layer}\.(?:mlp\.)?(fc1|gate_proj|up_proj)\.bias$")
+
+
+def layer_input_bias(store: FlashStore, layer: int) -> torch.Tensor | None:
+    """The per-neuron bias of layer `layer`'s activation input ([n_neurons], store dtype) from the resident file:
+    OPT's fc1.bias, a Llama mlp_bias gate_proj.bias; None when the model has none. A GLU model's up_proj bias has
+    no place in the bundle kernel and raises ValueError."""
+    from safetensors import safe_open
+
+    pattern = _bias_name_pattern(layer)
+    with safe_open(store.resident_path, framework="pt") as f:
+        found = {m.group(1): name for name in f.keys() if (m := pattern.match(name))}
+        if "up_proj" in found and store.glu:
+            raise ValueError(f"{store.path}: layer {layer} has an up_proj bias, which sparse_ffn does not support")
+        name = found.get("gate_proj" if store.glu else "fc1", found.get("up_proj"))
+        if name is None:
+            return None
+        bias = f.get_tensor(name).to(store.dtype)
+    if tuple(bias.shape) != (store.n_neurons,):
+        raise ValueError(f"{store.resident_path}: {name} has shape {tuple(bias.shape)}, expected ({store.n_neurons},)")
+    return bias
+
+
+class NeuronCache:
+    """Cache of one FFN layer's active neuron bundles over a preallocated pointer matrix (see the module doc).
+
+    store: FlashStore (or its path). capacity: rows; or budget_bytes: the byte budget of everything the cache
+    holds (matrix, pointer, bias, per-neuron state, scratch), from which the capacity follows. window: tokens.
+    reader: a FlashReader to share between layers (default: one of its own).
+    """
+
+    def __init__(self, store: FlashStore | str | os.PathLike, layer: int, capacity: int | None = None,
+                 window: int = 5, *, budget_bytes: int | None = None, reader: FlashReader | None = None):
+        self.store = store if isinstance(store, FlashStore) else FlashStore(store)
+        if self.store.endor:
+            raise ValueError(f"{self.store.path}: NeuronCache reads dense bundles; this store is Endor-compressed")
+        if not 0 <= layer < self.store.n_layers:
+            raise ValueError(f"layer {layer} out of range [0, {self.store.n_layers})")
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
+        self.layer, self.window = layer, window
+        n = self.store.n_neurons
+        bias_all = layer_input_bias(self.store, layer)
+        fixed, per_row = self.bytes_for(self.store, with_bias=bias_all is not None)
+        if (capacity is None) == (budget_bytes is None):
+            raise ValueError("give exactly one of capacity and budget_bytes")
+        if budget_bytes is not None:
+            capacity = min(n, max(0, (budget_bytes - fixed) // per_row))
+            if capacity < 1:
+                raise ValueError(f"budget_bytes={budget_bytes} cannot hold one row ({fixed} bytes of per-neuron "
+                                 f"state + {per_row} bytes per row)")
+        if not 1 <= capacity <= n:
+            raise ValueError(f"capacity must be in [1, n_neurons={n}], got {capacity}")
+        self.capacity = capacity
+        self.matrix = torch.zeros((capacity, self.store.bundle_width), dtype=self.store.dtype)
+        self.pointer = torch.full((capacity,), -1, dtype=torch.int64)
+        self.bias = None if bias_all is None else torch.zeros(capacity, dtype=self.store.dtype)
+        self._bias_all = bias_all
+        self.slot_of = torch.full((n,), -1, dtype=torch.int64)
+        self.last_active = torch.full((n,), _NEVER, dtype=torch.int64)
+        self._evict_rows = torch.empty(capacity, dtype=torch.int64)
+        self._missing = torch.empty(capacity, dtype=torch.int64)
+        self._row_ids = torch.arange(capacity, dtype=torch.int64)
+        self.nbytes = fixed + per_row * capacity
+        self.num_used = 0
+        self.steps = 0
+        self.reader = reader if reader is not None else FlashReader(self.store)
+
+    @staticmethod
+    def bytes_for(store: FlashStore, with_bias: bool) -> tuple[int, int]:
+        """(fixed bytes, bytes per row) of a cache over `store`: per-neuron state (slot_of, last_active, the
+        resident bias vector) and per row (bundle, pointer, bias, two int64 scratch entries, a row id)."""
+        item = store.dtype.itemsize
+        fixed = store.n_neurons * (8 + 8 + (item if with_bias else 0))
+        per_row = store.row_bytes + 8 * 4 + (item if with_bias else 0)
+        return fixed, per_row
+
+    def step(self, active_ids: torch.Tensor) -> StepStats:
+        """Make the cache hold the neurons active in the last `window` tokens, this token's `active_ids` (int64
+        [k], any order, repeats allowed, in [0, n_neurons)) included. Raises ValueError, changing nothing, for ids
+        out of range or more distinct ids than the capacity."""
+        if not isinstance(active_ids, torch.Tensor) or active_ids.dtype != torch.int64 or active_ids.dim() != 1:
+            raise ValueError("active_ids must be a 1-D int64 tensor")
+        if active_ids.device.type != "cpu":
+            raise ValueError(f"active_ids must be on the CPU, got {active_ids.device}")
+        t0 = time.perf_counter()
+        try:
+            n_window, n_budget, n_missing = torch.ops.flashllm.cache_plan(
+                active_ids, self.last_active, self.slot_of, self.pointer, self.num_used, self.steps + 1, self.window,
+                self._evict_rows, self._missing)
+        except RuntimeError as e:
+            raise ValueError(str(e)) from None
+        self.steps += 1
+        kept = torch.ops.flashllm.cache_compact(self.matrix, self.pointer, self.bias, self.slot_of, self.num_used,
+                                                self._evict_rows[:n_window + n_budget])
+        end = kept + n_missing
+        ids = self._missing[:n_missing]
+        self.pointer[kept:end].copy_(ids)
+        self.slot_of.index_copy_(0, ids, self._row_ids[kept:end])
+        if self.bias is not None:
+            torch.index_select(self._bias_all, 0, ids, out=self.bias[kept:end])
+        self.num_used = end
+        t1 = time.perf_counter()
+        bytes_read = 0
+        if n_missing:
+            self.reader.read(self.layer, ids, self.matrix[kept:end])
+            bytes_read = self.reader.stats.bytes_read
+        t2 = time.perf_counter()
+        return StepStats(n_window, n_budget, n_missing, bytes_read, t2 - t1, t1 - t0, end)
+
+    def cached_ids(self) -> torch.Tensor:
+        """Neuron ids of rows [0, num_used), in row order (a view)."""
+        return self.pointer[:self.num_used]
+
+    def window_union(self) -> torch.Tensor:
+        """Sorted ids of the neurons active in the last `window` tokens."""
+        return (self.last_active > self.steps - self.window).nonzero().flatten()
+
+    def __repr__(self) -> str:
+        return (f"NeuronCache(layer={self.layer}, capacity={self.capacity}, window={self.window}, "
+                f"num_used={self.num_used}, nbytes={self.nbytes})")

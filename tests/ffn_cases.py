@@ -1,0 +1,59 @@
+"""Inputs shared by every sparse_ffn / cache_compact backend test (CPU kernel, reference, SIMT-emulated CUDA and
+Metal bodies, MLX), so each sees the same problems and the same bad inputs."""
+from __future__ import annotations
+
+import torch
+
+FFN_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# Tolerance against the float32 reference: the kernels accumulate in float32 in another order, then round once.
+TOL = {torch.float32: (2e-5, 2e-5), torch.float16: (1e-2, 1e-2), torch.bfloat16: (4e-2, 4e-2)}
+
+
+def ffn_case(n_tok: int, d: int, capacity: int, glu: bool, dtype: torch.dtype, seed: int = 0,
+             bias: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """x [T, d], matrix [capacity, 2d|3d], bias [capacity] of dtype, scaled so outputs are O(1)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n_tok, d, generator=g).to(dtype)
+    matrix = (torch.randn(capacity, (3 if glu else 2) * d, generator=g) / max(1.0, d ** 0.5)).to(dtype)
+    b = (torch.randn(capacity, generator=g) * 0.5).to(dtype) if bias else None
+    return x, matrix, b
+
+
+def assert_close(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got.dtype == want.dtype and got.shape == want.shape
+    rtol, atol = TOL[want.dtype]
+    torch.testing.assert_close(got.float(), want.float(), rtol=rtol, atol=atol)
+
+
+def bad_ffn_cases() -> list[tuple[str, tuple, dict]]:
+    """(expected message, args, kwargs) that every sparse_ffn kernel must refuse."""
+    x, m, b = ffn_case(2, 8, 10, False, torch.float32)
+    return [
+        ("x must be a 2-D", (x.long(), m, 5, b, "relu", False), {}),
+        ("x must be a 2-D", (x[0], m, 5, b, "relu", False), {}),
+        ("matrix must be", (x, m.half(), 5, b, "relu", False), {}),
+        ("matrix must be", (x, m, 5, b, "silu", True), {}),  # a GLU bundle is 3d wide
+        ("matrix must be contiguous", (x, m.t().contiguous().t(), 5, b, "relu", False), {}),
+        ("num_used=11 is outside", (x, m, 11, b, "relu", False), {}),
+        ("num_used=-1 is outside", (x, m, -1, b, "relu", False), {}),
+        ("bias must be", (x, m, 5, b[:5], "relu", False), {}),
+        ("bias must be", (x, m, 5, b.half(), "relu", False), {}),
+        ("activation must be one of", (x, m, 5, b, "tanh", False), {}),
+        ("threshold must be finite", (x, m, 5, b, "relu", False), {"threshold": -1.0}),
+        ("threshold must be finite", (x, m, 5, b, "relu", False), {"threshold": float("nan")}),
+        ("index must be a 1-D int64", (x, m, 5, b, "relu", False), {"index": torch.tensor([0, 1], dtype=torch.int32)}),
+        (r"index\[1\]=5 is outside \[0, num_used=5\)", (x, m, 5, b, "relu", False), {"index": torch.tensor([0, 5])}),
+        (r"index\[0\]=-1 is outside", (x, m, 5, b, "relu", False), {"index": torch.tensor([-1, 2])}),
+    ]
+
+
+def compact_state(capacity: int, width: int, num_used: int, n_neurons: int, dtype: torch.dtype, seed: int):
+    """A consistent cache state: matrix, pointer (distinct neuron ids in rows < num_used, -1 after), bias, slot_of."""
+    g = torch.Generator().manual_seed(seed)
+    matrix = torch.randn(capacity, width, generator=g).to(dtype)
+    pointer = torch.full((capacity,), -1, dtype=torch.int64)
+    pointer[:num_used] = torch.randperm(n_neurons, generator=g)[:num_used]
+    slot_of = torch.full((n_neurons,), -1, dtype=torch.int64)
+    slot_of[pointer[:num_used]] = torch.arange(num_used)
+    bias = torch.randn(capacity, generator=g).to(dtype)
+    return matrix, pointer, bias, slot_of

@@ -1,0 +1,124 @@
+"""FlashFFN: exact mode reproduces transformers' LlamaMLP and OPT fc1-fc2 (and whole-model logits) on random
+weights; fixed active sets, predictors and thresholds match masked dense math; budgets and bad input."""
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM
+
+from flashllm_ext import store
+from flashllm_ext.ffn import FlashFFN, active_ids_of, install_flash_ffn
+
+
+def _llama():
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=128)).eval()
+
+
+def _opt():
+    torch.manual_seed(1)
+    return OPTForCausalLM(OPTConfig(hidden_size=48, ffn_dim=136, num_hidden_layers=2, num_attention_heads=4,
+                                    vocab_size=100, word_embed_proj_dim=48, max_position_embeddings=64)).eval()
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """name -> (model, fp32 store, fp16 store)."""
+    root = tmp_path_factory.mktemp("ffn")
+    out = {}
+    for name, model in (("llama", _llama()), ("opt", _opt())):
+        model.save_pretrained(root / name)
+        out[name] = (model, *(store.FlashStore(store.convert(root / name, root / f"{name}-{dt}", dtype=dt,
+                                                             progress=False)) for dt in ("fp32", "fp16")))
+    return out
+
+
+def dense_mlp(model, layer: int, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """The model's own FFN of `layer` on x [T, d]; with `mask` [n], only those neurons (masked dense math)."""
+    if hasattr(model.model, "layers"):
+        mlp = model.model.layers[layer].mlp
+        h = mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x)
+        return mlp.down_proj(h if mask is None else h * mask)
+    dec = model.model.decoder.layers[layer]
+    h = dec.activation_fn(dec.fc1(x))
+    return dec.fc2(h if mask is None else h * mask)
+
+
+@pytest.mark.parametrize("name", ["llama", "opt"])
+@torch.no_grad()
+def test_exact_mode_reproduces_the_dense_mlp(models, name):
+    model, fp32, fp16 = models[name]
+    x = torch.randn(5, fp32.hidden_size)
+    for layer in range(fp32.n_layers):
+        want = dense_mlp(model, layer, x)
+        if name == "llama":  # transformers' module itself, called the way the model calls it
+            assert torch.allclose(model.model.layers[layer].mlp(x), want, atol=1e-6)
+        torch.testing.assert_close(FlashFFN(fp32, layer)(x), want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(FlashFFN(fp16, layer)(x), want, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("name", ["llama", "opt"])
+@torch.no_grad()
+def test_exact_mode_whole_model_logits(models, name):
+    model, fp32, _ = models[name]
+    ids = torch.randint(0, 100, (1, 10))
+    want = model(ids).logits
+    patched = copy.deepcopy(model)
+    ffns = install_flash_ffn(patched, fp32)
+    torch.testing.assert_close(patched(ids).logits, want, rtol=1e-4, atol=1e-4)
+    assert all(len(f.last_stats) == 10 for f in ffns)  # one cache step per token
+
+
+@pytest.mark.parametrize("name", ["llama", "opt"])
+@torch.no_grad()
+def test_fixed_set_predictor_and_threshold(models, name):
+    model, fp32, _ = models[name]
+    n = fp32.n_neurons
+    g = torch.Generator().manual_seed(0)
+    subset = torch.randperm(n, generator=g)[: n // 3]
+    mask = torch.zeros(n)
+    mask[subset] = 1
+    x = torch.randn(4, fp32.hidden_size, generator=g)
+    want = dense_mlp(model, 1, x, mask)
+    torch.testing.assert_close(FlashFFN(fp32, 1, active_ids=subset, capacity=n // 2)(x), want, rtol=1e-5,
+                               atol=1e-5)
+    bool_mask = mask.bool()
+    ffn = FlashFFN(fp32, 1, predictor=lambda chunk: bool_mask.expand(chunk.shape[0], n), window=2,
+                   tokens_per_step=2)
+    torch.testing.assert_close(ffn(x), want, rtol=1e-5, atol=1e-5)
+    assert [s.inserted for s in ffn.last_stats] == [n // 3, 0]
+    # Threshold: the (token, neuron) terms whose |activation| is below t are dropped.
+    t = 0.05
+    if name == "llama":
+        mlp = model.model.layers[1].mlp
+        a = mlp.act_fn(mlp.gate_proj(x))
+        want_t = mlp.down_proj(torch.where(a.abs() >= t, a, 0) * mlp.up_proj(x))
+    else:
+        dec = model.model.decoder.layers[1]
+        a = dec.activation_fn(dec.fc1(x))
+        want_t = dec.fc2(torch.where(a.abs() >= t, a, 0))
+    torch.testing.assert_close(FlashFFN(fp32, 1, threshold=t)(x), want_t, rtol=1e-5, atol=1e-5)
+
+
+@torch.no_grad()
+def test_budget_and_bad_input(models):
+    model, fp32, _ = models["llama"]
+    n = fp32.n_neurons
+    ffn = FlashFFN(fp32, 0, predictor=lambda chunk: torch.arange(n), capacity=n - 1)
+    with pytest.raises(ValueError, match=f"{n} distinct active neurons but the cache holds {n - 1}"):
+        ffn(torch.randn(1, fp32.hidden_size))
+    with pytest.raises(ValueError, match="hidden size"):
+        FlashFFN(fp32, 0)(torch.randn(2, 3))
+    with pytest.raises(ValueError, match="not both"):
+        FlashFFN(fp32, 0, predictor=lambda c: torch.arange(3), active_ids=torch.arange(3))
+    with pytest.raises(ValueError, match="neuron ids must lie"):
+        FlashFFN(fp32, 0, active_ids=torch.tensor([n]))
+    with pytest.raises(ValueError, match="bool mask"):
+        active_ids_of(torch.ones(3, dtype=torch.bool), n)
+    with pytest.raises(ValueError, match="1-D integer"):
+        active_ids_of(torch.ones(3), n)
+    bad_predictor = FlashFFN(fp32, 0, predictor=lambda chunk: torch.tensor([n + 5]))
+    with pytest.raises(ValueError, match="outside"):
+        bad_predictor(torch.randn(1, fp32.hidden_size))

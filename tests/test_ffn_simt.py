@@ -1,0 +1,68 @@
+"""The CUDA and Metal sparse_ffn bodies and the CUDA cache_compact body, run on the CPU through the SIMT emulation
+(flashllm_ext._simt) against the pure-torch references. Small shapes: every emulated GPU thread is an OS thread."""
+import pytest
+import torch
+
+from flashllm_ext._ops import cache_compact_reference, sparse_ffn_reference
+from ffn_cases import FFN_DTYPES, assert_close, bad_ffn_cases, compact_state, ffn_case
+
+pytest.importorskip("flashllm_ext._simt", reason="the test-only extension flashllm_ext._simt is not built")
+OPS = torch.ops.flashllm_simt
+BODIES = {"cuda": OPS.sparse_ffn_cuda, "metal": OPS.sparse_ffn_metal}
+INDEX = torch.tensor([30, 2, 2, 0, 17, 29, 8])
+
+
+# (n_tok, d, capacity, num_used): d = 40 keeps 16-byte rows for every width (vector loads), 37 does not (scalar
+# path); 9 tokens take two token groups; 1100 columns span several down-kernel column blocks.
+@pytest.mark.parametrize("body", ["cuda", "metal"])
+@pytest.mark.parametrize("dtype", FFN_DTYPES)
+@pytest.mark.parametrize("glu,act", [(False, "relu"), (True, "silu"), (False, "gelu")])
+@pytest.mark.parametrize("shape", [(1, 40, 40, 31), (3, 37, 40, 31), (9, 16, 33, 33)])
+def test_body_matches_reference(body, dtype, glu, act, shape):
+    n_tok, d, capacity, num_used = shape
+    x, m, b = ffn_case(n_tok, d, capacity, glu, dtype, seed=d + n_tok)
+    cases = [({}, b), ({"index": INDEX, "threshold": 0.1}, b), ({"index": INDEX[:0]}, None)]
+    for kwargs, bias in cases:
+        want = sparse_ffn_reference(x, m, num_used, bias, act, glu, **kwargs)
+        assert_close(BODIES[body](x, m, num_used, bias, act, glu, **kwargs), want)
+
+
+@pytest.mark.parametrize("body", ["cuda", "metal"])
+@pytest.mark.parametrize("shape", [(1100, 20), (8, 530)])
+def test_body_wide_rows_and_many_chunks(body, shape):
+    # 1100 fp16 columns: two column blocks of the down kernel; 530 rows: the 32-chunk cap, 17 rows per chunk.
+    d, rows = shape
+    x, m, b = ffn_case(2, d, rows, False, torch.float16, seed=7)
+    assert_close(BODIES[body](x, m, rows, b, "relu", False), sparse_ffn_reference(x, m, rows, b, "relu", False))
+
+
+@pytest.mark.parametrize("body", ["cuda", "metal"])
+@pytest.mark.parametrize("case", bad_ffn_cases(), ids=lambda c: c[0][:30])
+def test_body_bad_inputs(body, case):
+    match, args, kwargs = case
+    with pytest.raises(RuntimeError, match=match):
+        BODIES[body](*args, **kwargs)
+
+
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("width,dtype", [(8, torch.float32), (5, torch.float16), (12, torch.int8)])
+def test_cuda_compact_matches_reference(seed, width, dtype):
+    # width x element size: 32 bytes (16-byte vector copies) or 10 and 12 (byte copies).
+    g = torch.Generator().manual_seed(seed)
+    capacity = int(torch.randint(1, 30, (1,), generator=g))
+    num_used = int(torch.randint(0, capacity + 1, (1,), generator=g))
+    rows = torch.randperm(num_used, generator=g)[:int(torch.randint(0, num_used + 1, (1,), generator=g))]
+    matrix, pointer, bias, slot_of = compact_state(capacity, width, num_used, 50, torch.float32, seed)
+    matrix = matrix.to(dtype)
+    got = [t.clone() for t in (matrix, pointer, bias, slot_of)]
+    want = [t.clone() for t in (matrix, pointer, bias, slot_of)]
+    assert OPS.cache_compact_cuda(*got, num_used, rows) == cache_compact_reference(*want, num_used, rows)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_cuda_compact_bad_inputs():
+    matrix, pointer, bias, slot_of = compact_state(10, 4, 6, 20, torch.float32, seed=0)
+    for rows, match in ((torch.tensor([1, 1]), "twice"), (torch.tensor([6]), "outside"), (torch.tensor([-1]),
+                                                                                          "outside")):
+        with pytest.raises(RuntimeError, match=match):
+            OPS.cache_compact_cuda(matrix, pointer, bias, slot_of, 6, rows)
