@@ -9,9 +9,9 @@ decode, not from the 32 MiB L3. Cached rows are active rows: their biases are se
 positive (with random data half would be zero and their down rows skipped, flattering the kernel).
 
 bench "cache": NeuronCache memory management per token over a real activation trace: SmolLM2-135M (the default
-model) on the offline corpus, gate activations thresholded per layer to a target sparsity (calibrated with
-flashllm_ext.predictor), the masks of 11 consecutive layers concatenated and cut to 16384 neurons so each token
-drives an OPT-6.7B-shaped layer (synthetic random weights in a flash store on disk, read with O_DIRECT). Per window
+model) on held-out text, |act(gate)*up| thresholded per layer to 95% sparsity (calibrated on the calibration
+text), whole layers' masks side by side cut to 16384 neurons (flashllm_ext.traces) so each token drives an
+OPT-6.7B-shaped layer (synthetic random weights in a flash store on disk, read with O_DIRECT). Per window
 k = 1..8: neurons inserted and evicted per token, memory-management time (planning + swap-delete + bookkeeping,
 StepStats.mem_s), I/O time, and the sparse_ffn compute time on the cache after each step. Plots: Figure 4a
 (aggregated neuron usage vs tokens) and per-token load vs window, in bench/results/.
@@ -34,6 +34,7 @@ from common import arg_parser, emit, time_interleaved
 import flashllm_ext
 from flashllm_ext.cache import NeuronCache
 from flashllm_ext.store import FlashStore, synthesize
+from flashllm_ext.traces import default_model_masks, tile_masks
 
 SHAPES = {"opt-6.7b": (4096, 16384, False, "relu"), "llama-2-7b": (4096, 11008, True, "silu")}
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -115,35 +116,13 @@ def bench_ffn(dtype_name: str, rounds: int, quick: bool) -> list[dict]:
 
 
 # ------------------------------------------------------------------------------------------------ bench cache
-def capture_default_masks(target_sparsity: float, n_tokens: int) -> tuple[torch.Tensor, dict]:
-    """Thresholded SwiGLU gate-activation masks of the default model: bool [L, T, 1536], and what was measured."""
-    from flashllm_ext.models import corpus_token_ids, load_hf_model
-    from flashllm_ext.predictor import calibrate_thresholds, capture_activations
-
-    model, tokenizer = load_hf_model()
-    ids = corpus_token_ids(tokenizer, "heldout", max_tokens=n_tokens)
-    thresholds = calibrate_thresholds(model, ids, target=target_sparsity, score="gate", progress=False)
-    capture = capture_activations(model, ids, thresholds, score="gate", progress=False)
-    masks = torch.stack([capture.mask(layer) for layer in range(len(capture.bitmaps))])
-    info = {"model": "SmolLM2-135M", "tokens": int(ids.numel()), "target_sparsity": target_sparsity,
-            "achieved_sparsity": 1 - masks.float().mean().item()}
-    return masks, info
-
-
-def tile_masks(masks: torch.Tensor, n_neurons: int) -> torch.Tensor:
-    """[T, n_neurons]: the masks of consecutive layers side by side, cut to n_neurons (OPT-6.7B: 11 x 1536)."""
-    n_layers, _, width = masks.shape
-    need = -(-n_neurons // width)
-    if need > n_layers:
-        raise ValueError(f"{n_layers} layers of {width} neurons cannot tile {n_neurons}")
-    return torch.cat(list(masks[:need]), dim=1)[:, :n_neurons]
-
-
 def bench_cache(rounds: int, quick: bool, dtype_name: str, store_dir: Path, plots: bool) -> list[dict]:
     d, n = SHAPES["opt-6.7b"][0], SHAPES["opt-6.7b"][1]
     n_tokens = 64 if quick else 256
-    masks, info = capture_default_masks(0.95, n_tokens)
-    trace = tile_masks(masks, n)
+    target = 0.95
+    trace = tile_masks(default_model_masks(n_tokens, target), 1, n)[:, 0]
+    info = {"model": "SmolLM2-135M", "tokens": n_tokens, "target_sparsity": target,
+            "achieved_sparsity": 1 - trace.float().mean().item()}
     trace_ids = [row.nonzero().flatten() for row in trace]
     if not (store_dir / "bundles.safetensors").is_file():
         synthesize(store_dir, n_layers=1, hidden_size=d, n_neurons=n, glu=False, dtype=dtype_name)
