@@ -276,3 +276,33 @@ def test_cli_rejects_missing_checkpoint(tmp_path):
         cli.main(["train-predictors", str(tmp_path / "missing.gguf")])
     with pytest.raises(SystemExit):
         cli.main(["train-predictors", "default", "--rank", "0"])
+
+
+@pytest.mark.slow
+def test_default_model_thresholds_hit_target_on_held_out_text(default_model):
+    from flashllm_ext.models import corpus_token_ids, spread_windows
+
+    _, model, tokenizer = default_model
+    calibration = spread_windows(corpus_token_ids(tokenizer, "calibration"), 4, 512)
+    heldout = spread_windows(corpus_token_ids(tokenizer, "heldout"), 2, 512)
+    targets = [0.5, 0.7, 0.9]
+    thresholds = calibrate_thresholds(model, calibration, targets, progress=False)
+    for target in targets:
+        with torch.no_grad(), patched_ffn(model, thresholds[target]) as counter:
+            for window in heldout.view(2, 512):
+                model(window.unsqueeze(0))
+        assert abs(counter.sparsity - target) <= 0.02, (target, counter.sparsity)
+
+
+@pytest.mark.slow
+def test_cli_train_predictors_writes_a_loadable_file(default_model, tmp_path, monkeypatch, capsys):
+    import flashllm_ext.models
+
+    path, model, tokenizer = default_model
+    monkeypatch.setattr(flashllm_ext.models, "load_hf_model", lambda p: (model, tokenizer))  # reuse the loaded one
+    cli.main(["train-predictors", str(path), "--out", str(tmp_path), "--tokens", "512", "--epochs", "1",
+              "--rank", "16", "--target-sparsity", "0.8"])
+    assert "wrote 30 predictors" in capsys.readouterr().out
+    predictors = PredictorSet.load(tmp_path / "predictors.safetensors")
+    assert [p.rank for p in predictors.predictors] == [16] * 30 and (predictors.thresholds > 0).all()
+    assert predictors.predict(3, torch.randn(2, 576)).shape == (2, 1536)
