@@ -59,8 +59,9 @@ def plot_layer(model, predictors, heldout, layer: int, path: str) -> None:
     ax.scatter(prob[pick], true[pick], s=1, alpha=0.3)
     ax.axhline(predictors.thresholds[layer].item(), color="r", lw=1, label="activation threshold")
     ax.axvline(predictors.prob_thresholds[layer].item(), color="k", lw=1, ls="--", label="probability threshold")
-    ax.set(xlabel="predictor output (probability)", ylabel=f"true |{'act(gate)*up' if predictors.score == 'glu' else 'act(gate)'}|",
-           yscale="log", title=f"SmolLM2-135M layer {layer}, held-out tokens")
+    score_name = "act(gate)*up" if predictors.score == "glu" else "act(gate)"
+    ax.set(xlabel="predictor output (probability)", ylabel=f"true |{score_name}|", yscale="log",
+           title=f"SmolLM2-135M layer {layer}, held-out tokens")
     ax.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -20,8 +20,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 from tqdm.auto import tqdm
@@ -304,8 +303,6 @@ class PredictorSet(nn.Module):
         """Read a file written by `save` (or the `predictor.*` tensors of a store file); FormatError if malformed."""
         path = os.fspath(path)
         try:
-            from safetensors import safe_open
-
             with safe_open(path, "pt") as f:
                 metadata = f.metadata() or {}
             tensors = load_file(path)
