@@ -9,10 +9,13 @@ export MAX_JOBS ?= 2
 # machine is never replaced (pip would otherwise pull the newest CUDA wheel, several GB).
 deps: .deps.stamp
 .deps.stamp: pyproject.toml Makefile
-	$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install torch==2.13.0
-	$(PIP) install numpy "safetensors>=0.4" tqdm "transformers>=4.45" accelerate "gguf>=0.10" \
+	$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install -q torch==2.13.0
+	$(PIP) install -q numpy "safetensors>=0.4" tqdm "transformers>=4.45" accelerate "gguf>=0.10" \
 		pytest hypothesis matplotlib ninja compressed-tensors
-	$(PYTHON) -c "import sys; sys.exit(sys.platform != 'linux')" && $(PIP) install "mlx[cpu]" || true
+	$(PYTHON) -c "import sys; sys.exit(sys.platform != 'linux')" && $(PIP) install -q "mlx[cpu]" || true
+	# fio: the disk baseline of bench/bench_io.py; liburing-dev: optional io_uring engine of the FlashReader.
+	@command -v fio >/dev/null && test -f /usr/include/liburing.h || { command -v apt-get >/dev/null && \
+		apt-get update -qq && apt-get install -y -qq fio liburing-dev; } || echo "warning: fio/liburing-dev not installed"
 	touch $@
 
 # Incremental native build (ninja), in place so tests and bench run from the checkout.
@@ -30,6 +33,7 @@ demo: build
 
 bench: build
 	$(PYTHON) bench/bench_endor.py
+	$(PYTHON) bench/bench_io.py
 	$(PYTHON) bench/bench_predictor.py
 
 # Compiles every CUDA source for Ampere and Hopper without torch headers; needs nvcc only, no driver.

@@ -4,7 +4,8 @@ Extensions:
   flashllm_ext._C     CPU kernels (always) + CUDA kernels (when torch has CUDA and CUDA_HOME is set).
   flashllm_ext._simt  CUDA and Metal kernel bodies compiled as C++ over the CPU SIMT emulation; tests only.
 
-FLASHLLM_CUDA=0|1|auto (default auto) controls the CUDA part; FLASHLLM_NATIVE=0 skips every native build,
+FLASHLLM_CUDA=0|1|auto (default auto) controls the CUDA part; FLASHLLM_URING=0 leaves out the io_uring engine
+that is otherwise built when liburing-dev is installed; FLASHLLM_NATIVE=0 skips every native build,
 leaving the pure-torch reference kernels.
 """
 import glob
@@ -32,6 +33,13 @@ def _want_cuda() -> bool:
     return has_cuda if mode == "auto" else mode == "1"
 
 
+def _want_uring() -> bool:
+    """The FlashReader's io_uring engine joins when liburing's header is installed (FLASHLLM_URING=0 opts out)."""
+    if os.environ.get("FLASHLLM_URING", "auto") == "0":
+        return False
+    return any(os.path.exists(os.path.join(d, "liburing.h")) for d in ("/usr/include", "/usr/local/include"))
+
+
 def _extensions() -> list:
     if os.environ.get("FLASHLLM_NATIVE", "1") == "0":
         return []
@@ -44,11 +52,17 @@ def _extensions() -> list:
         sources += _sources("csrc/cuda/*.cu") + _sources("csrc/cuda/*.cpp")
         extra["nvcc"] = ["-O3", "-std=c++17", "-DFLASHLLM_WITH_CUDA"]
         extra["cxx"] = CXX_FLAGS + ["-DFLASHLLM_WITH_CUDA"]
+    link = list(LINK_FLAGS)
+    if _want_uring():
+        extra = {key: flags + ["-DFLASHLLM_WITH_URING"] for key, flags in extra.items()}
+        link.append("-luring")
     main = ext_cls("flashllm_ext._C", sources, include_dirs=include_dirs,
-                   extra_compile_args=extra, extra_link_args=LINK_FLAGS)
+                   extra_compile_args=extra, extra_link_args=link)
     simt = cpp_extension.CppExtension(
         "flashllm_ext._simt", _sources("csrc/simt/*.cpp"), include_dirs=include_dirs,
-        extra_compile_args={"cxx": ["-O2", "-std=c++20", "-fvisibility=hidden", "-Wall", "-pthread"]},
+        extra_compile_args={"cxx": ["-O2", "-std=c++20", "-fvisibility=hidden", "-Wall", "-pthread",
+                                    # kernel bodies pun types (vector stores) and carry nvcc's #pragma unroll
+                                    "-fno-strict-aliasing", "-Wno-unknown-pragmas"]},
         extra_link_args=["-pthread"])
     # An extension without sources (e.g. before its first kernel lands) is simply not built.
     return [ext for ext in (main, simt) if ext.sources]

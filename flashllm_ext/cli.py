@@ -1,6 +1,10 @@
-"""`flashllm` command line. Subcommands:
+"""`flashllm` command line: one subcommand per offline task.
 
-  train-predictors SOURCE   calibrate SwiGLU thresholds and train low-rank neuron predictors
+  flashllm convert CHECKPOINT OUT_DIR [--dtype fp16|bf16|fp32] [--endor] [--force]
+  flashllm calibrate-disk [--dir DIR] [--size-mib N]
+  flashllm train-predictors STORE_OR_CHECKPOINT [--rank R] [--target-sparsity S] ...
+
+Each subcommand registers itself with `add_parser` functions below; main() only dispatches.
 """
 from __future__ import annotations
 
@@ -12,6 +16,23 @@ from pathlib import Path
 WINDOW = 512  # tokens per forward pass while calibrating and capturing
 
 
+def _convert(args: argparse.Namespace) -> int:
+    from .store import FlashStore, convert
+
+    out = convert(args.checkpoint, args.out_dir, dtype=args.dtype, endor=args.endor, force=args.force)
+    print(FlashStore(out))
+    return 0
+
+
+def _calibrate_disk(args: argparse.Namespace) -> int:
+    from .reader import calibrate_disk, disk_profile_path
+
+    profile = calibrate_disk(args.dir, size=args.size_mib << 20)
+    print(f"latency {profile.latency_s * 1e6:.0f} us, bandwidth {profile.bandwidth_bps / 1e6:.0f} MB/s, "
+          f"coalescing gap {profile.max_gap_bytes >> 10} KiB -> {disk_profile_path()}")
+    return 0
+
+
 def _ranks(text: str) -> int | list[int]:
     ranks = [int(r) for r in text.split(",")]
     if any(r <= 0 for r in ranks):
@@ -19,7 +40,7 @@ def _ranks(text: str) -> int | list[int]:
     return ranks[0] if len(ranks) == 1 else ranks
 
 
-def _train_predictors(args: argparse.Namespace) -> None:
+def _train_predictors(args: argparse.Namespace) -> int:
     from .models import corpus_token_ids, fetch_default, load_hf_model, resolve_cache_dir, spread_windows
     from .predictor import train_predictors
 
@@ -37,11 +58,27 @@ def _train_predictors(args: argparse.Namespace) -> None:
     ranks = sorted({p.rank for p in predictors.predictors})
     print(f"wrote {len(predictors.predictors)} predictors (ranks {ranks}, target sparsity {args.target_sparsity}, "
           f"score {args.score}, {token_ids.numel()} calibration tokens) to {out}")
+    return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="flashllm", description="Run LLMs whose weights do not fit in memory.")
-    sub = parser.add_subparsers(dest="command", required=True)
+def _add_convert(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("convert", help="convert a HF safetensors dir or GGUF file into a flash store")
+    p.add_argument("checkpoint", help="Hugging Face model directory (safetensors, sharded or not) or .gguf file")
+    p.add_argument("out_dir", help="store directory to create")
+    p.add_argument("--dtype", choices=("fp16", "bf16", "fp32"), default="fp16")
+    p.add_argument("--endor", action="store_true", help="Endor-compress the bundles (pruned models)")
+    p.add_argument("--force", action="store_true", help="replace out_dir if it exists")
+    p.set_defaults(func=_convert)
+
+
+def _add_calibrate_disk(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("calibrate-disk", help="measure latency and bandwidth for the reader's coalescing model")
+    p.add_argument("--dir", default=".", help="a directory on the disk that will hold the stores")
+    p.add_argument("--size-mib", type=int, default=1024, help="size of the temporary test file")
+    p.set_defaults(func=_calibrate_disk)
+
+
+def _add_train_predictors(sub: argparse._SubParsersAction) -> None:
     train = sub.add_parser("train-predictors", help="train per-layer low-rank neuron predictors")
     train.add_argument("source", metavar="STORE_OR_CHECKPOINT",
                        help="a Llama GGUF checkpoint, or 'default' for the embedded default model")
@@ -58,13 +95,20 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--recall", type=float, default=0.95,
                        help="per-layer probability threshold chosen for this recall (<= 0: fixed 0.5)")
     train.add_argument("--top-k", type=int, default=None, help="predict the k most likely neurons per token instead")
-    train.set_defaults(run=_train_predictors)
+    train.set_defaults(func=_train_predictors)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="flashllm", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for add in (_add_convert, _add_calibrate_disk, _add_train_predictors):
+        add(sub)
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    args.run(args)
+    return args.func(args)
 
 
 if __name__ == "__main__":

@@ -87,3 +87,114 @@ def _parse_entry(name: str, info: object, data_start: int, data_size: int, path:
         raise FormatError(f"{name}.data_offsets", f"span of {offsets[1] - offsets[0]} bytes, shape {shape} "
                           f"of {dtype} needs {nbytes}", path)
     return TensorEntry(dtype, tuple(shape), data_start + offsets[0], data_start + offsets[1])
+
+
+_TORCH_DTYPE_NAMES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64",
+                      "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
+
+
+def dtype_name(dtype: object) -> str:
+    """safetensors' name of a torch dtype (torch.float16 -> "F16")."""
+    name = _TORCH_DTYPE_NAMES.get(str(dtype).removeprefix("torch."))
+    if name is None:
+        raise ValueError(f"dtype {dtype} has no safetensors name")
+    return name
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: str  # safetensors name, e.g. "F16"
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * DTYPE_SIZES[self.dtype]
+
+
+def _round_up(n: int, alignment: int) -> int:
+    return (n + alignment - 1) // alignment * alignment
+
+
+PADDING_PREFIX = "__padding__."
+
+
+class AlignedWriter:
+    """Writes a safetensors file in which every tensor starts on an `alignment`-byte boundary of the file.
+
+    The JSON header is padded with trailing spaces (allowed by the format) so the data section starts aligned,
+    and zero-filled uint8 tensors named `__padding__.<k>` fill the gaps between tensors (safetensors readers
+    reject gaps), so every tensor stays aligned and any safetensors reader opens the result. The
+    tensors are declared up front and streamed in that order with `write`, so a store larger than memory can
+    be written one tensor at a time. Use as a context manager; `close()` checks every tensor was written.
+    """
+
+    def __init__(self, path: str | os.PathLike, specs: list[TensorSpec], metadata: dict[str, str] | None = None,
+                 alignment: int = 4096):
+        if alignment <= 0 or alignment & (alignment - 1):
+            raise ValueError(f"alignment must be a power of two, got {alignment}")
+        self.path = os.fspath(path)
+        self.specs = list(specs)
+        header: dict[str, object] = {"__metadata__": dict(metadata or {})}
+        offset = 0
+        self.offsets: dict[str, int] = {}  # relative to the data section, as in the header
+        for spec in self.specs:
+            gap = _round_up(offset, alignment) - offset
+            if gap:
+                # safetensors rejects gaps between tensors, so the padding is itself a (zero-filled) tensor.
+                name = f"{PADDING_PREFIX}{len(self.offsets)}"
+                header[name] = {"dtype": "U8", "shape": [gap], "data_offsets": [offset, offset + gap]}
+                offset += gap
+            self.offsets[spec.name] = offset
+            header[spec.name] = {"dtype": spec.dtype, "shape": list(spec.shape),
+                                 "data_offsets": [offset, offset + spec.nbytes]}
+            offset += spec.nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        padded = _round_up(8 + len(raw), alignment) - 8
+        self.data_start = 8 + padded
+        self._file = open(self.path, "wb")
+        self._file.write(struct.pack("<Q", padded) + raw + b" " * (padded - len(raw)))
+        self._next = 0
+
+    def write(self, name: str, tensor: object) -> None:
+        """Write the next declared tensor (a torch tensor or numpy array of the declared dtype and shape)."""
+        if self._next >= len(self.specs) or self.specs[self._next].name != name:
+            expected = self.specs[self._next].name if self._next < len(self.specs) else "nothing"
+            raise ValueError(f"{self.path}: tensors must be written in declared order, expected {expected}, got {name}")
+        spec = self.specs[self._next]
+        data = _tensor_bytes(tensor)
+        declared_dtype = dtype_name(tensor.dtype) if hasattr(tensor, "element_size") else spec.dtype
+        if tuple(tensor.shape) != spec.shape or len(data) != spec.nbytes or declared_dtype != spec.dtype:
+            raise ValueError(f"{name}: declared {spec.dtype}{list(spec.shape)}, got {getattr(tensor, 'dtype', '?')}"
+                             f"{list(tensor.shape)}")
+        pad = self.data_start + self.offsets[name] - self._file.tell()
+        self._file.write(b"\0" * pad)
+        self._file.write(data)
+        self._next += 1
+
+    def close(self) -> None:
+        self._file.close()
+        if self._next != len(self.specs):
+            raise ValueError(f"{self.path}: only {self._next} of {len(self.specs)} declared tensors were written")
+
+    def __enter__(self) -> AlignedWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self._file.close()
+
+
+def _tensor_bytes(tensor: object) -> memoryview:
+    import numpy as np
+    import torch
+
+    if isinstance(tensor, torch.Tensor):
+        flat = tensor.detach().cpu().contiguous().reshape(-1)
+        # numpy has no bfloat16: move the bits through a same-width integer view.
+        array = flat.view(torch.int16).numpy() if flat.dtype == torch.bfloat16 else flat.numpy()
+    else:
+        array = np.ascontiguousarray(tensor)
+    return memoryview(array).cast("B")

@@ -54,4 +54,18 @@ inline int64_t check_endor_args(const at::Tensor& values, const at::Tensor& bitm
   return n_out;
 }
 
+using EndorDecompressOut = void (*)(const at::Tensor& values, const at::Tensor& bitmap, const at::Tensor& row_offsets,
+                                    int64_t n_cols, const std::optional<at::Tensor>& rows, at::Tensor out);
+
+// The functional form of a native kernel: allocates the output, then runs the kernel's .out form.
+template <EndorDecompressOut kOut>
+at::Tensor endor_decompress_allocating(const at::Tensor& values, const at::Tensor& bitmap,
+                                       const at::Tensor& row_offsets, int64_t n_cols,
+                                       const std::optional<at::Tensor>& rows) {
+  const int64_t n_out = check_endor_args(values, bitmap, row_offsets, n_cols, rows, nullptr);
+  at::Tensor out = at::empty({n_out, n_cols}, values.options());
+  kOut(values, bitmap, row_offsets, n_cols, rows, out);
+  return out;
+}
+
 }  // namespace flashllm

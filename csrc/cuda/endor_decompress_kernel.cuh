@@ -1,0 +1,170 @@
+// The CUDA Endor decompression kernel body: plain CUDA C++ over raw pointers. Included by endor_decompress.cu and,
+// through the CPU SIMT emulation (csrc/simt/simt.h), by the test-only extension flashllm_ext._simt.
+//
+// Layout (DESIGN.md §5): row r's non-zeros are values[row_offsets[r] : row_offsets[r+1]] in column order; bit j of
+// bitmap byte b of row r marks column 8b+j. W is an unsigned integer as wide as the element: the kernel moves bits.
+//
+// Design: one warp per output row, several warps per block, grid-stride over rows. Per step each lane takes one
+// bitmap byte (8 columns); __popc and an in-warp inclusive scan (__shfl_up_sync) give each lane the index of its
+// first value; the lane gathers its 8 elements and writes them with 16-byte stores (8-byte for int8) when the
+// output row is aligned, scalar stores otherwise and past the last full byte. A warp loads kEndorStepsPerIter
+// bitmap bytes per lane before it reads any value, so several steps' value loads are in flight at once.
+//
+// Safety: before reading a row's values the warp checks that the row index is in range, that row_offsets gives a
+// range inside `values`, that no padding bit past n_cols is set, and that the range's length equals the popcount of
+// the row's bitmap. A bad row is skipped and reported through `report` (endor_codes.h), which also carries
+// row_offsets[0] and row_offsets[n_rows] back for the host's check.
+#pragma once
+
+#include <cstdint>
+
+#include "common/endor_codes.h"
+
+namespace flashllm {
+
+constexpr int kEndorWarpsPerBlock = 8;
+constexpr int kEndorThreadsPerBlock = kEndorWarpsPerBlock * 32;
+constexpr int kEndorStepsPerIter = 4;
+constexpr int64_t kEndorMaxBlocks = int64_t(1) << 16;
+
+// Blocks for n_out rows: one warp per row up to kEndorMaxBlocks, then warps loop over rows. At least one, which
+// reports the first and last row offsets even when no row is asked for.
+inline int64_t endor_grid_blocks(int64_t n_out) {
+  const int64_t blocks = (n_out + kEndorWarpsPerBlock - 1) / kEndorWarpsPerBlock;
+  return blocks < 1 ? 1 : blocks < kEndorMaxBlocks ? blocks : kEndorMaxBlocks;
+}
+
+namespace endor_detail {
+
+constexpr unsigned kFullMask = 0xffffffffu;
+
+__device__ __forceinline__ unsigned long long warp_sum(unsigned long long v) {
+#pragma unroll
+  for (int d = 16; d > 0; d >>= 1) v += __shfl_xor_sync(kFullMask, v, d);
+  return v;
+}
+
+__device__ __forceinline__ unsigned warp_inclusive_scan(unsigned v, int lane) {
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const unsigned below = __shfl_up_sync(kFullMask, v, d);
+    if (lane >= d) v += below;
+  }
+  return v;
+}
+
+// Bytes of one vector store: the 8 elements of a bitmap byte, at most 16.
+template <class W>
+constexpr int kStoreBytes = 8 * sizeof(W) < 16 ? 8 * sizeof(W) : 16;
+
+// Writes 8 elements to 8*sizeof(W)-byte-aligned dst with vector stores (little-endian packing, as on GPU and x86).
+template <class W>
+__device__ __forceinline__ void store8_vector(W* dst, const W (&e)[8]) {
+  constexpr int kWords = 2 * sizeof(W);
+  uint32_t words[kWords];
+#pragma unroll
+  for (int i = 0; i < kWords; ++i) words[i] = 0;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) words[j * sizeof(W) / 4] |= uint32_t(e[j]) << (8 * (j * sizeof(W) % 4));
+  if constexpr (kWords >= 4) {
+    uint4* v = reinterpret_cast<uint4*>(dst);
+#pragma unroll
+    for (int s = 0; s < kWords / 4; ++s) v[s] = make_uint4(words[4 * s], words[4 * s + 1], words[4 * s + 2], words[4 * s + 3]);
+  } else {
+    *reinterpret_cast<uint2*>(dst) = make_uint2(words[0], words[1]);
+  }
+}
+
+// Decodes one bitmap byte: columns col..col+7 of the output row from row_values[first...].
+template <class W>
+__device__ __forceinline__ void decode_byte(const W* __restrict__ row_values, unsigned bits, unsigned first,
+                                            W* __restrict__ dst, int64_t col, int64_t n_cols, bool aligned) {
+  W e[8];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) e[j] = (bits >> j & 1u) ? row_values[first + __popc(bits & ((1u << j) - 1u))] : W(0);
+  if (aligned && col + 8 <= n_cols) {
+    store8_vector(dst + col, e);
+  } else {
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+      if (col + j < n_cols) dst[col + j] = e[j];
+  }
+}
+
+__device__ __forceinline__ void report_row(EndorReport* report, int64_t out_row, int code) {
+  atomicMin(&report->bad_row, (static_cast<unsigned long long>(out_row) << kEndorCodeBits) | static_cast<unsigned long long>(code));
+}
+
+}  // namespace endor_detail
+
+// out[o, :] = row rows[o] (or o when rows is null) of the Endor tensor, for o in [0, n_out).
+// Launch with kEndorThreadsPerBlock threads per block and endor_grid_blocks(n_out) blocks, report->bad_row set to
+// kEndorNoError.
+template <class W>
+__global__ void __launch_bounds__(kEndorThreadsPerBlock)
+    endor_decompress_kernel(const W* __restrict__ values, const uint8_t* __restrict__ bitmap,
+                            const int64_t* __restrict__ row_offsets, const int64_t* __restrict__ rows,
+                            int64_t n_rows, int64_t n_cols, int64_t nnz, int64_t n_out, W* __restrict__ out,
+                            EndorReport* __restrict__ report) {
+  using namespace endor_detail;
+  const int lane = threadIdx.x % 32;
+  const int64_t warps_per_block = blockDim.x / 32;
+  const int64_t row_bytes = (n_cols + 7) / 8;
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    report->first_offset = row_offsets[0];
+    report->last_offset = row_offsets[n_rows];
+  }
+  for (int64_t o = int64_t(blockIdx.x) * warps_per_block + threadIdx.x / 32; o < n_out;
+       o += int64_t(gridDim.x) * warps_per_block) {
+    // Every value below is the same in all lanes, so each `continue` is taken by the whole warp.
+    const int64_t r = rows != nullptr ? rows[o] : o;
+    if (r < 0 || r >= n_rows) {
+      if (lane == 0) report_row(report, o, kEndorRowIndexOutOfRange);
+      continue;
+    }
+    const int64_t start = row_offsets[r];
+    const int64_t end = row_offsets[r + 1];
+    if (start < 0 || start > end || end > nnz) {
+      if (lane == 0) report_row(report, o, kEndorRowOffsetsInvalid);
+      continue;
+    }
+    const uint8_t* row_bitmap = bitmap + r * row_bytes;
+    if ((n_cols & 7) && (row_bitmap[row_bytes - 1] >> (n_cols & 7))) {
+      if (lane == 0) report_row(report, o, kEndorRowPaddingBits);
+      continue;
+    }
+    unsigned long long set_bits = 0;
+    for (int64_t b = lane; b < row_bytes; b += 32) set_bits += __popc(row_bitmap[b]);
+    if (warp_sum(set_bits) != static_cast<unsigned long long>(end - start)) {
+      if (lane == 0) report_row(report, o, kEndorRowCountMismatch);
+      continue;
+    }
+
+    W* dst = out + o * n_cols;
+    const bool aligned = reinterpret_cast<uintptr_t>(dst) % kStoreBytes<W> == 0;
+    const W* row_values = values + start;
+    for (int64_t b0 = 0; b0 < row_bytes; b0 += 32 * kEndorStepsPerIter) {
+      unsigned bits[kEndorStepsPerIter];
+      unsigned first[kEndorStepsPerIter];
+#pragma unroll
+      for (int s = 0; s < kEndorStepsPerIter; ++s) {
+        const int64_t b = b0 + 32 * s + lane;
+        bits[s] = b < row_bytes ? row_bitmap[b] : 0u;
+      }
+      unsigned consumed = 0;
+#pragma unroll
+      for (int s = 0; s < kEndorStepsPerIter; ++s) {
+        const unsigned count = __popc(bits[s]);
+        const unsigned inclusive = warp_inclusive_scan(count, lane);
+        first[s] = consumed + inclusive - count;
+        consumed += __shfl_sync(kFullMask, inclusive, 31);
+      }
+#pragma unroll
+      for (int s = 0; s < kEndorStepsPerIter; ++s)
+        decode_byte(row_values, bits[s], first[s], dst, 8 * (b0 + 32 * s + lane), n_cols, aligned);
+      row_values += consumed;
+    }
+  }
+}
+
+}  // namespace flashllm

@@ -1,0 +1,501 @@
+// FlashReader: fills rows of a tensor with fixed-size rows of a file ("bundles" of FFN neurons), with many
+// parallel direct reads. Exposed to Python as the TorchScript custom class torch.classes.flashllm.FlashReader.
+//
+// One call = one batch: ids are sorted and deduplicated, runs of nearby ids are coalesced into one read when the
+// bytes of the gap cost less than a separate read (gap <= max_gap) or the merged read is still below min_read,
+// reads are widened to the 4 KiB direct-I/O alignment, executed by the engine (a pool of pread workers, or one
+// io_uring ring when built with liburing), and each row is copied from the aligned bounce buffer into every
+// output slot that asked for it.
+#include <Python.h>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <condition_variable>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <functional>
+#include <limits>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <torch/custom_class.h>
+#include <torch/library.h>
+#include <ATen/ATen.h>
+
+#ifdef FLASHLLM_WITH_URING
+#include <liburing.h>
+#endif
+
+namespace flashllm::io {
+namespace {
+
+constexpr int64_t kAlign = 4096;  // O_DIRECT needs block-aligned offsets, sizes and buffers; 4 KiB covers all
+
+int64_t align_down(int64_t x) { return x / kAlign * kAlign; }
+int64_t align_up(int64_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
+
+struct AlignedBuffer {
+  char* data = nullptr;
+  int64_t size = 0;
+  AlignedBuffer() = default;
+  AlignedBuffer(const AlignedBuffer&) = delete;
+  AlignedBuffer& operator=(const AlignedBuffer&) = delete;
+  AlignedBuffer(AlignedBuffer&& other) noexcept : data(other.data), size(other.size) {
+    other.data = nullptr;
+    other.size = 0;
+  }
+  ~AlignedBuffer() { std::free(data); }
+  char* reserve(int64_t n) {
+    if (n > size) {
+      std::free(data);
+      data = nullptr;
+      size = 0;
+      void* p = nullptr;
+      TORCH_CHECK(posix_memalign(&p, kAlign, static_cast<size_t>(n)) == 0, "FlashReader: cannot allocate ",
+                  n, " bytes of aligned bounce buffer");
+      data = static_cast<char*>(p);
+      size = n;
+    }
+    return data;
+  }
+};
+
+// One coalesced read: the file range [offset, offset + length) covers sorted rows [first, last) of the batch.
+struct Read {
+  int64_t offset;
+  int64_t length;
+  int64_t first;
+  int64_t last;
+};
+
+// Shared state of one call; every task reports to it exactly once, so the caller never waits forever.
+struct Batch {
+  std::vector<Read> reads;
+  std::vector<std::pair<int64_t, int64_t>> rows;  // (id, output slot), sorted by id
+  int64_t base = 0;
+  int64_t row_bytes = 0;
+  char* out = nullptr;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> bytes_read{0};
+  std::atomic<bool> failed{false};
+  std::mutex mutex;
+  std::condition_variable done_cv;
+  int64_t pending = 0;
+  std::string error;
+
+  void fail(std::string message) {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (!failed.exchange(true)) error = std::move(message);
+  }
+  // Copies the rows of read `r` out of the bounce buffer `buf`, which holds the file from align_down(r.offset).
+  void scatter(const Read& r, const char* buf) const {
+    const int64_t buf_start = align_down(r.offset);
+    for (int64_t k = r.first; k < r.last; ++k) {
+      const auto [id, slot] = rows[k];
+      std::memcpy(out + slot * row_bytes, buf + (base + id * row_bytes - buf_start), row_bytes);
+    }
+  }
+};
+
+// Calls with the GIL released when the caller holds it (Python), untouched otherwise (TorchScript, C++).
+class GilRelease {
+ public:
+  GilRelease() : state_(Py_IsInitialized() && PyGILState_Check() ? PyEval_SaveThread() : nullptr) {}
+  ~GilRelease() {
+    if (state_) PyEval_RestoreThread(state_);
+  }
+
+ private:
+  PyThreadState* state_;
+};
+
+class ThreadPool {
+ public:
+  explicit ThreadPool(int64_t n) {
+    for (int64_t i = 0; i < n; ++i) workers_.emplace_back([this] { loop(); });
+  }
+  ~ThreadPool() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    for (auto& w : workers_) w.join();
+  }
+  void submit(std::function<void()> task) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      queue_.push_back(std::move(task));
+    }
+    cv_.notify_one();
+  }
+  int64_t size() const { return static_cast<int64_t>(workers_.size()); }
+
+ private:
+  void loop() {
+    for (;;) {
+      std::function<void()> task;
+      {
+        std::unique_lock<std::mutex> lock(mutex_);
+        cv_.wait(lock, [this] { return stop_ || !queue_.empty(); });
+        if (queue_.empty()) return;
+        task = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      task();
+    }
+  }
+  std::vector<std::thread> workers_;
+  std::deque<std::function<void()>> queue_;
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  bool stop_ = false;
+};
+
+}  // namespace
+
+class FlashReader : public torch::CustomClassHolder {
+ public:
+  FlashReader(std::string path, int64_t threads, int64_t min_read, int64_t max_gap, int64_t max_read, bool direct,
+              std::string engine)
+      : path_(std::move(path)), min_read_(min_read), max_gap_(max_gap), max_read_(max_read), engine_(engine) {
+    TORCH_CHECK(threads >= 1 && threads <= 1024, "FlashReader: threads must be in [1, 1024], got ", threads);
+    TORCH_CHECK(min_read >= 0 && max_gap >= -1, "FlashReader: min_read must be >= 0 and max_gap >= -1, got ",
+                min_read, " and ", max_gap);
+    TORCH_CHECK(max_read >= kAlign, "FlashReader: max_read must be at least ", kAlign, " bytes, got ", max_read);
+    TORCH_CHECK(engine == "threads" || engine == "io_uring", "FlashReader: engine must be 'threads' or 'io_uring', got '",
+                engine, "'");
+#ifndef FLASHLLM_WITH_URING
+    TORCH_CHECK(engine == "threads", "FlashReader: engine 'io_uring' requested but this build has no liburing "
+                "(install liburing-dev and rebuild)");
+#endif
+    fd_ = -1;
+    if (direct) {
+      fd_ = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT);
+      // Filesystems without O_DIRECT answer EINVAL: fall back to buffered reads; `direct` reports which is in use.
+      direct_ = fd_ >= 0;
+      if (fd_ < 0 && errno != EINVAL) open_failed();
+    }
+    if (fd_ < 0) fd_ = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd_ < 0) open_failed();
+    struct stat st;
+    if (::fstat(fd_, &st) == 0 && S_ISDIR(st.st_mode)) {
+      ::close(fd_);
+      TORCH_CHECK(false, "FlashReader: ", path_, " is a directory");
+    }
+    query_direct_alignment();
+    threads_ = threads;
+    if (engine_ == "threads") pool_ = std::make_unique<ThreadPool>(threads);
+#ifdef FLASHLLM_WITH_URING
+    if (engine_ == "io_uring") {
+      const int rc = io_uring_queue_init(static_cast<unsigned>(threads), &ring_, 0);
+      if (rc < 0) {
+        ::close(fd_);
+        TORCH_CHECK(false, "FlashReader: io_uring_queue_init failed: ", std::strerror(-rc));
+      }
+    }
+#endif
+  }
+
+  ~FlashReader() override {
+    pool_.reset();  // joins the workers before the fd goes away
+#ifdef FLASHLLM_WITH_URING
+    if (engine_ == "io_uring") io_uring_queue_exit(&ring_);
+#endif
+    if (fd_ >= 0) ::close(fd_);
+  }
+
+  // out[i] = file[base + ids[i] * row_bytes : + row_bytes] for ids in [0, n_rows).
+  // Returns the stats of the call: bytes requested, bytes read (incl. alignment padding and coalesced gaps),
+  // number of reads, wall time in ns.
+  std::vector<int64_t> read_rows(int64_t base, int64_t row_bytes, int64_t n_rows, const at::Tensor& ids,
+                                 const at::Tensor& out) {
+    const auto start = std::chrono::steady_clock::now();
+    TORCH_CHECK(base >= 0 && row_bytes > 0 && n_rows >= 0, "FlashReader: need base >= 0, row_bytes > 0, "
+                "n_rows >= 0, got ", base, ", ", row_bytes, ", ", n_rows);
+    TORCH_CHECK(n_rows == 0 || row_bytes <= (std::numeric_limits<int64_t>::max() - base) / n_rows,
+                "FlashReader: base + n_rows * row_bytes overflows a file offset");
+    TORCH_CHECK(ids.device().is_cpu() && ids.scalar_type() == at::kLong && ids.dim() == 1,
+                "FlashReader: ids must be a 1-D int64 CPU tensor, got ", ids.scalar_type(), " ", ids.sizes(), " on ",
+                ids.device());
+    TORCH_CHECK(out.device().is_cpu() && out.is_contiguous(), "FlashReader: out must be a contiguous CPU tensor");
+    const int64_t n = ids.numel();
+    TORCH_CHECK(out.nbytes() == static_cast<size_t>(n * row_bytes), "FlashReader: out holds ", out.nbytes(),
+                " bytes, ", n, " rows of ", row_bytes, " bytes need ", n * row_bytes);
+    auto batch = std::make_shared<Batch>();
+    batch->base = base;
+    batch->row_bytes = row_bytes;
+    batch->out = static_cast<char*>(out.data_ptr());
+    const at::Tensor ids_c = ids.contiguous();
+    const int64_t* id = ids_c.data_ptr<int64_t>();
+    batch->rows.reserve(n);
+    for (int64_t i = 0; i < n; ++i) {
+      TORCH_CHECK(id[i] >= 0 && id[i] < n_rows, "FlashReader: neuron id ", id[i], " at position ", i,
+                  " outside [0, ", n_rows, ")");
+      batch->rows.emplace_back(id[i], i);
+    }
+    {
+      GilRelease no_gil;
+      std::sort(batch->rows.begin(), batch->rows.end());
+      plan(*batch);
+      if (!batch->reads.empty()) {
+        if (engine_ == "threads") run_threads(batch);
+        else run_uring(*batch);
+      }
+    }
+    TORCH_CHECK(!batch->failed.load(), batch->error);
+    int64_t requested = 0;
+    for (size_t k = 0; k < batch->rows.size(); ++k)
+      if (k == 0 || batch->rows[k].first != batch->rows[k - 1].first) requested += row_bytes;
+    const auto wall = std::chrono::steady_clock::now() - start;
+    return {requested, batch->bytes_read.load(), static_cast<int64_t>(batch->reads.size()),
+            std::chrono::duration_cast<std::chrono::nanoseconds>(wall).count()};
+  }
+
+  bool direct() const { return direct_; }
+  int64_t threads() const { return threads_; }
+  std::string engine() const { return engine_; }
+  std::string path() const { return path_; }
+
+ private:
+  [[noreturn]] void open_failed() {
+    const int err = errno;
+    TORCH_CHECK(false, "FlashReader: cannot open ", path_, ": ", std::strerror(err), " (errno ", err, ")");
+    std::abort();
+  }
+
+  // Coalescing: extending a read over a gap costs gap/bandwidth, a separate read costs its latency; max_gap is
+  // their break-even (latency x bandwidth, from `flashllm calibrate-disk`). Reads below min_read absorb the next
+  // row whatever the gap, since the device serves small reads at nearly the same cost. max_gap = -1 with
+  // min_read = 0 turns coalescing off: one read per distinct row, even for adjacent rows (baselines).
+  void plan(Batch& b) const {
+    const auto& rows = b.rows;
+    const int64_t rb = b.row_bytes;
+    int64_t k = 0;
+    const int64_t n = static_cast<int64_t>(rows.size());
+    while (k < n) {
+      const int64_t first_id = rows[k].first;
+      int64_t last_id = first_id;
+      int64_t end = k + 1;
+      while (end < n) {
+        const int64_t next_id = rows[end].first;
+        if (next_id != last_id) {
+          const int64_t gap = (next_id - last_id - 1) * rb;
+          const int64_t merged = (next_id - first_id + 1) * rb;
+          if (merged > max_read_ || (gap > max_gap_ && merged > min_read_)) break;
+          last_id = next_id;
+        }
+        ++end;
+      }
+      b.reads.push_back({b.base + first_id * rb, (last_id - first_id + 1) * rb, k, end});
+      k = end;
+    }
+  }
+
+  std::string io_error(const char* what, int err, int64_t offset, int64_t length) const {
+    return std::string("FlashReader: ") + what + " reading " + path_ + " at offset " + std::to_string(offset) +
+           " (" + std::to_string(length) + " bytes): " + std::strerror(err) + " (errno " + std::to_string(err) + ")";
+  }
+
+  // Reads file bytes [start, start + want) into buf, of which the first `need` must arrive (the tail past the data
+  // may lie beyond the end of the file). Returns bytes transferred; on failure sets the batch error.
+  int64_t read_span(Batch& b, int64_t start, int64_t want, int64_t need, char* buf) const {
+    int64_t got = 0;
+    int stalls = 0;
+    while (got < need) {
+      const ssize_t n = ::pread(fd_, buf + got, static_cast<size_t>(want - got), start + got);
+      if (n < 0) {
+        if (errno == EINTR) continue;
+        b.fail(io_error("pread failed", errno, start + got, want - got));
+        return got;
+      }
+      if (n == 0 || ++stalls > 16) {
+        b.fail(io_error("unexpected end of file (file shorter than the store says?)", EIO, start + got, want - got));
+        return got;
+      }
+      got += n;
+      // A short direct read can end mid-block; the next one must start aligned again.
+      if (got < need && direct_) got = got / dio_offset_align_ * dio_offset_align_;
+    }
+    return got;
+  }
+
+  // Where a read can land straight in `out`: its rows are distinct consecutive neurons going to consecutive
+  // output slots, and offset, length and destination meet the direct-I/O alignment. Else nullptr (bounce buffer).
+  char* zero_copy_target(const Batch& b, const Read& r) const {
+    const auto& first = b.rows[r.first];
+    for (int64_t k = r.first + 1; k < r.last; ++k)
+      if (b.rows[k].first != first.first + (k - r.first) || b.rows[k].second != first.second + (k - r.first))
+        return nullptr;
+    char* dst = b.out + first.second * b.row_bytes;
+    const bool aligned = r.offset % dio_offset_align_ == 0 && r.length % dio_offset_align_ == 0 &&
+                         reinterpret_cast<uintptr_t>(dst) % dio_mem_align_ == 0;
+    return aligned || !direct_ ? dst : nullptr;
+  }
+
+  void query_direct_alignment() {
+#ifdef STATX_DIOALIGN
+    struct statx sx;
+    if (direct_ && ::statx(fd_, "", AT_EMPTY_PATH, STATX_DIOALIGN, &sx) == 0 && (sx.stx_mask & STATX_DIOALIGN) &&
+        sx.stx_dio_mem_align > 0 && sx.stx_dio_offset_align > 0) {
+      dio_mem_align_ = sx.stx_dio_mem_align;
+      dio_offset_align_ = sx.stx_dio_offset_align;
+    }
+#endif
+  }
+
+  void run_threads(const std::shared_ptr<Batch>& batch) {
+    const int64_t n_tasks = std::min<int64_t>(pool_->size(), batch->reads.size());
+    batch->pending = n_tasks;
+    for (int64_t t = 0; t < n_tasks; ++t) {
+      pool_->submit([this, batch] {
+        thread_local AlignedBuffer buffer;
+        Batch& b = *batch;
+        try {
+          for (int64_t i = b.next++; i < static_cast<int64_t>(b.reads.size()) && !b.failed.load(); i = b.next++) {
+            const Read& r = b.reads[i];
+            if (char* dst = zero_copy_target(b, r)) {
+              b.bytes_read += read_span(b, r.offset, r.length, r.length, dst);
+              continue;
+            }
+            const int64_t start = align_down(r.offset);
+            char* buf = buffer.reserve(align_up(r.offset + r.length) - start);
+            b.bytes_read += read_span(b, start, align_up(r.offset + r.length) - start, r.offset + r.length - start, buf);
+            if (!b.failed.load()) b.scatter(r, buf);
+          }
+        } catch (const std::exception& e) {
+          b.fail(e.what());
+        }
+        std::lock_guard<std::mutex> lock(b.mutex);
+        if (--b.pending == 0) b.done_cv.notify_all();
+      });
+    }
+    std::unique_lock<std::mutex> lock(batch->mutex);
+    batch->done_cv.wait(lock, [&] { return batch->pending == 0; });
+  }
+
+#ifdef FLASHLLM_WITH_URING
+  // One ring with `threads` reads in flight and one bounce buffer per slot; calls on the ring are serialized.
+  // The buffers belong to the reader, so a ring that fails mid-batch can never write into freed memory.
+  void run_uring(Batch& b) {
+    std::lock_guard<std::mutex> ring_lock(ring_mutex_);
+    TORCH_CHECK(!ring_broken_, "FlashReader: the io_uring ring failed earlier; open a new reader");
+    const int64_t depth = std::min<int64_t>(threads_, b.reads.size());
+    int64_t max_span = 0;
+    for (const Read& r : b.reads) max_span = std::max(max_span, align_up(r.offset + r.length) - align_down(r.offset));
+    if (static_cast<int64_t>(ring_buffers_.size()) < depth) ring_buffers_.resize(depth);
+    struct Slot {
+      int64_t read = -1;
+      int64_t got = 0;
+      int stalls = 0;
+    };
+    std::vector<Slot> slots(depth);
+    int64_t next = 0, in_flight = 0;
+    auto submit = [&](int64_t s) {
+      const Read& r = b.reads[slots[s].read];
+      const int64_t start = align_down(r.offset);
+      const int64_t want = align_up(r.offset + r.length) - start;
+      io_uring_sqe* sqe = io_uring_get_sqe(&ring_);  // never null: at most `depth` <= ring size in flight
+      io_uring_prep_read(sqe, fd_, ring_buffers_[s].data + slots[s].got, static_cast<unsigned>(want - slots[s].got),
+                         start + slots[s].got);
+      io_uring_sqe_set_data64(sqe, static_cast<uint64_t>(s));
+      ++in_flight;
+    };
+    for (int64_t s = 0; s < depth; ++s) {
+      ring_buffers_[s].reserve(max_span);
+      slots[s] = {next++, 0, 0};
+      submit(s);
+    }
+    while (in_flight > 0) {
+      const int rc = io_uring_submit_and_wait(&ring_, 1);
+      if (rc < 0 && rc != -EINTR && rc != -EAGAIN) {
+        ring_broken_ = true;
+        b.fail(io_error("io_uring_submit_and_wait failed", -rc, 0, 0));
+        return;
+      }
+      io_uring_cqe* cqe;
+      while (io_uring_peek_cqe(&ring_, &cqe) == 0) {
+        const int64_t s = static_cast<int64_t>(io_uring_cqe_get_data64(cqe));
+        const int res = cqe->res;
+        io_uring_cqe_seen(&ring_, cqe);
+        --in_flight;
+        Slot& slot = slots[s];
+        const Read& r = b.reads[slot.read];
+        const int64_t start = align_down(r.offset);
+        const int64_t need = r.offset + r.length - start;
+        if (res == -EINTR || res == -EAGAIN) {
+          submit(s);
+          continue;
+        }
+        if (res < 0) {
+          b.fail(io_error("io_uring read failed", -res, start + slot.got, need - slot.got));
+        } else if (res == 0 || ++slot.stalls > 16) {
+          b.fail(io_error("unexpected end of file (file shorter than the store says?)", EIO, start + slot.got,
+                          need - slot.got));
+        } else {
+          slot.got += res;
+          b.bytes_read += res;
+          if (slot.got < need) {
+            if (direct_) slot.got = align_down(slot.got);
+            submit(s);
+            continue;
+          }
+          b.scatter(r, ring_buffers_[s].data);
+        }
+        if (!b.failed.load() && next < static_cast<int64_t>(b.reads.size())) {
+          slot = {next++, 0, 0};
+          submit(s);
+        }
+      }
+    }
+  }
+#else
+  void run_uring(Batch&) { TORCH_CHECK(false, "FlashReader: built without io_uring"); }
+#endif
+
+  std::string path_;
+  int fd_ = -1;
+  bool direct_ = false;
+  int64_t threads_ = 0;
+  int64_t dio_mem_align_ = kAlign;  // direct-I/O alignment of buffers and offsets (statx, else 4 KiB)
+  int64_t dio_offset_align_ = kAlign;
+  int64_t min_read_, max_gap_, max_read_;
+  std::string engine_;
+  std::unique_ptr<ThreadPool> pool_;
+#ifdef FLASHLLM_WITH_URING
+  io_uring ring_;
+  std::mutex ring_mutex_;
+  std::vector<AlignedBuffer> ring_buffers_;
+  bool ring_broken_ = false;
+#endif
+};
+
+bool has_io_uring() {
+#ifdef FLASHLLM_WITH_URING
+  return true;
+#else
+  return false;
+#endif
+}
+
+TORCH_LIBRARY_FRAGMENT(flashllm, m) {
+  m.class_<FlashReader>("FlashReader")
+      .def(torch::init<std::string, int64_t, int64_t, int64_t, int64_t, bool, std::string>())
+      .def("read_rows", &FlashReader::read_rows)
+      .def("direct", &FlashReader::direct)
+      .def("threads", &FlashReader::threads)
+      .def("engine", &FlashReader::engine)
+      .def("path", &FlashReader::path);
+  m.def("reader_has_io_uring() -> bool", &has_io_uring);
+}
+
+}  // namespace flashllm::io

@@ -1,0 +1,23 @@
+// The GPU kernel bodies compiled for the CPU SIMT emulation, behind plain functions (the Metal body needs a
+// translation unit of its own: its qualifier macros would break C++ headers).
+#pragma once
+#include <cstdint>
+
+#include "common/endor_codes.h"
+
+namespace flashllm::simt_bodies {
+
+// Runs csrc/cuda/endor_decompress_kernel.cuh exactly as launch_endor_decompress would. Returns its report.
+EndorReport run_endor_cuda(const void* values, int elem_bytes, const uint8_t* bitmap, const int64_t* row_offsets,
+                                  const int64_t* rows, int64_t n_rows, int64_t n_cols, int64_t nnz, int64_t n_out,
+                                  void* out);
+
+// Runs metal/endor_decompress.metal with the grid flashllm_ext/mlx uses. row_status: [n_out] int32.
+void run_endor_metal(const void* values, int elem_bytes, const uint8_t* bitmap, const int64_t* row_offsets,
+                     const int64_t* rows, int64_t n_rows, int64_t n_cols, int64_t nnz, int64_t n_out, void* out,
+                     int32_t* row_status);
+
+// Threads per threadgroup of the Metal launch; flashllm_ext/mlx uses the same.
+constexpr unsigned kMetalThreadgroup = 256;
+
+}  // namespace flashllm::simt_bodies

@@ -1,0 +1,5 @@
+// Closes the region opened by simt/metal_begin.h.
+#undef device
+#undef constant
+#undef thread
+#undef threadgroup

@@ -1,0 +1,179 @@
+"""MLX backend: flashllm ops on `mlx.core` arrays.
+
+Importing this module imports mlx (`import flashllm_ext` alone never does). On Apple Silicon with Metal the ops run
+the kernels in `metal/` through `mx.fast.metal_kernel`; elsewhere (Linux, mlx[cpu]) they run a fallback made of
+mlx ops. Both move bits, so NaN payloads and -0.0 survive, and both check their inputs as the torch kernels do,
+raising the same RuntimeError messages.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+import mlx.core as mx
+
+__all__ = ["endor_decompress", "metal_available", "metal_source"]
+
+# Unsigned view of each element type: the kernels copy bits.
+_BITS = {mx.float32: mx.uint32, mx.float16: mx.uint16, mx.bfloat16: mx.uint16, mx.int8: mx.uint8}
+# Metal kernel bodies: `flashllm_ext/metal` is a link to the top-level `metal/` in a checkout and a real folder in
+# a wheel (package data), so one path serves both.
+METAL_DIR = Path(__file__).resolve().parent.parent / "metal"
+# Threads per threadgroup of the Endor kernel; csrc/simt/bodies.h emulates the same launch.
+_ENDOR_THREADGROUP = 256
+# EndorRowCode (csrc/common/endor_codes.h), as the Metal kernel writes it into row_status.
+_ROW_INDEX, _ROW_OFFSETS, _ROW_PADDING, _ROW_COUNT = 1, 2, 3, 4
+
+
+def metal_available() -> bool:
+    return mx.metal.is_available()
+
+
+def metal_source(name: str) -> str:
+    """Text of the kernel body `metal/<name>`."""
+    path = METAL_DIR / name
+    if not path.is_file():
+        raise FileNotFoundError(f"Metal kernel body {name} not found in {METAL_DIR}: broken install?")
+    return path.read_text()
+
+
+def _fail(msg: str) -> None:
+    raise RuntimeError(f"endor_decompress: {msg}")
+
+
+def _check_metadata(values: mx.array, bitmap: mx.array, row_offsets: mx.array, n_cols: int,
+                    rows: mx.array | None) -> int:
+    """The metadata checks of csrc/common/endor_checks.h. Returns the number of output rows."""
+    if values.dtype not in _BITS:
+        _fail(f"values must be float32, float16, bfloat16 or int8, got {values.dtype}")
+    if values.ndim != 1:
+        _fail(f"values must be 1-D, got shape {tuple(values.shape)}")
+    if bitmap.dtype != mx.uint8 or bitmap.ndim != 2:
+        _fail(f"bitmap must be a 2-D uint8 array, got {bitmap.dtype} of shape {tuple(bitmap.shape)}")
+    if n_cols < 0 or bitmap.shape[1] != (n_cols + 7) // 8:
+        _fail(f"bitmap has {bitmap.shape[1]} bytes per row, n_cols={n_cols} needs {(n_cols + 7) // 8}")
+    n_rows = bitmap.shape[0]
+    if row_offsets.dtype != mx.int64 or row_offsets.ndim != 1 or row_offsets.size != n_rows + 1:
+        _fail(f"row_offsets must be int64 of length rows+1={n_rows + 1}, got {row_offsets.dtype} "
+              f"of shape {tuple(row_offsets.shape)}")
+    if rows is None:
+        return n_rows
+    if rows.dtype != mx.int64 or rows.ndim != 1:
+        _fail(f"rows must be a 1-D int64 array, got {rows.dtype} of shape {tuple(rows.shape)}")
+    return rows.size
+
+
+def _check_offset_ends(values: mx.array, row_offsets: mx.array) -> None:
+    first, last = int(row_offsets[0].item()), int(row_offsets[-1].item())
+    if first != 0 or last != values.size:
+        _fail(f"row_offsets must start at 0 and end at values.numel()={values.size}, got {first}..{last}")
+
+
+def _raise_row_error(out_row: int, code: int, values: mx.array, bitmap: mx.array, row_offsets: mx.array,
+                     n_cols: int, rows: mx.array | None) -> None:
+    """The RuntimeError for a row a kernel refused, worded as the torch kernels word it."""
+    n_rows = bitmap.shape[0]
+    r = int(rows[out_row].item()) if rows is not None else out_row
+    if code == _ROW_INDEX:
+        _fail(f"rows[{out_row}]={r} is outside [0, {n_rows})")
+    start, end = int(row_offsets[r].item()), int(row_offsets[r + 1].item())
+    if code == _ROW_OFFSETS:
+        _fail(f"row {r}: row_offsets [{start}, {end}) is not a range inside values ({values.size} elements)")
+    if code == _ROW_PADDING:
+        _fail(f"row {r}: bitmap has bits set past n_cols={n_cols}")
+    set_bits = sum(bin(int(b)).count("1") for b in bitmap[r].tolist())
+    _fail(f"row {r}: row_offsets says {end - start} values but the bitmap has {set_bits} set bits")
+
+
+def _check_status(status: mx.array, values: mx.array, bitmap: mx.array, row_offsets: mx.array, n_cols: int,
+                  rows: mx.array | None) -> None:
+    """Raises for the first output row whose status is not 0."""
+    bad = status != 0
+    if bool(mx.any(bad).item()):
+        out_row = int(mx.argmax(bad).item())
+        _raise_row_error(out_row, int(status[out_row].item()), values, bitmap, row_offsets, n_cols, rows)
+
+
+def _popcount_bytes(b: mx.array) -> mx.array:
+    """Set bits of each uint8, as int64."""
+    return ((b[..., None] >> mx.arange(8, dtype=mx.uint8)) & 1).astype(mx.int64).sum(axis=-1)
+
+
+def _decompress_mlx_ops(values: mx.array, bitmap: mx.array, row_offsets: mx.array, n_cols: int,
+                        rows: mx.array | None) -> mx.array:
+    """Fallback with mlx ops: check the rows read, unpack their bits, cumsum to value indices, gather."""
+    n_rows, nnz = bitmap.shape[0], values.size
+    src = rows if rows is not None else mx.arange(n_rows, dtype=mx.int64)
+    in_range = (src >= 0) & (src < n_rows)
+    safe = mx.where(in_range, src, 0)
+    starts, ends = row_offsets[safe], row_offsets[safe + 1]
+    row_bitmap = bitmap[safe]
+    padding = (row_bitmap[:, -1] >> (n_cols % 8)) != 0 if n_cols % 8 else mx.zeros(src.shape, dtype=mx.bool_)
+    status = mx.where(~in_range, _ROW_INDEX,
+                      mx.where((starts < 0) | (starts > ends) | (ends > nnz), _ROW_OFFSETS,
+                               mx.where(padding, _ROW_PADDING,
+                                        mx.where(ends - starts != _popcount_bytes(row_bitmap).sum(axis=1),
+                                                 _ROW_COUNT, 0))))
+    _check_status(status, values, bitmap, row_offsets, n_cols, rows)
+
+    bits_dtype = _BITS[values.dtype]
+    n_out = src.size
+    if nnz == 0 or n_cols == 0 or n_out == 0:
+        return mx.zeros((n_out, n_cols), dtype=values.dtype)
+    mask = ((row_bitmap[:, :, None] >> mx.arange(8, dtype=mx.uint8)) & 1).reshape(n_out, -1)[:, :n_cols] != 0
+    index = mx.cumsum(mask.astype(mx.int64), axis=1) - 1 + starts[:, None]
+    index = mx.where(mask, index, 0)  # every index read is then inside the checked row range
+    gathered = mx.take(values.view(bits_dtype), index)
+    return mx.where(mask, gathered, mx.zeros((), dtype=bits_dtype)).view(values.dtype)
+
+
+@lru_cache(maxsize=None)
+def _endor_kernel():
+    return mx.fast.metal_kernel(
+        name="flashllm_endor_decompress",
+        input_names=["values", "bitmap", "row_offsets", "rows", "params"],
+        output_names=["out", "row_status"],
+        source=metal_source("endor_decompress.metal"),
+    )
+
+
+def _decompress_metal(values: mx.array, bitmap: mx.array, row_offsets: mx.array, n_cols: int,
+                      rows: mx.array | None) -> mx.array:
+    """metal/endor_decompress.metal: one simdgroup per output row."""
+    n_rows, nnz = bitmap.shape[0], values.size
+    n_out = rows.size if rows is not None else n_rows
+    bits_dtype = _BITS[values.dtype]
+    # Zero-size buffers are avoided with 1-element placeholders the kernel never reads (params says why).
+    bits = values.view(bits_dtype) if nnz else mx.zeros((1,), dtype=bits_dtype)
+    params = mx.array([n_rows, n_cols, nnz, n_out], dtype=mx.int64)
+    threads = 32 * n_out
+    grid = (threads + _ENDOR_THREADGROUP - 1) // _ENDOR_THREADGROUP * _ENDOR_THREADGROUP
+    out, status = _endor_kernel()(
+        inputs=[bits, bitmap.reshape(-1) if bitmap.size else mx.zeros((1,), dtype=mx.uint8), row_offsets,
+                rows if rows is not None else mx.zeros((1,), dtype=mx.int64), params],
+        template=[("T", bits_dtype), ("HAS_ROWS", rows is not None)],
+        grid=(grid, 1, 1),
+        threadgroup=(_ENDOR_THREADGROUP, 1, 1),
+        output_shapes=[(n_out, n_cols), (n_out,)],
+        output_dtypes=[bits_dtype, mx.int32],
+    )
+    _check_status(status, values, bitmap, row_offsets, n_cols, rows)
+    return out.view(values.dtype)
+
+
+def endor_decompress(values: mx.array, bitmap: mx.array, row_offsets: mx.array, n_cols: int,
+                     rows: mx.array | None = None) -> mx.array:
+    """Dense rows of an Endor tensor, as torch.ops.flashllm.endor_decompress.
+
+    values [nnz] (float32/float16/bfloat16/int8), bitmap uint8 [R, ceil(n_cols/8)], row_offsets int64 [R+1],
+    rows int64 [K] or None -> [K or R, n_cols] of values.dtype. Raises RuntimeError when row_offsets does not span
+    values, or on a bad row among those read (index out of range, offsets outside values, a bit set past n_cols,
+    length != popcount of its bitmap row).
+    """
+    n_out = _check_metadata(values, bitmap, row_offsets, n_cols, rows)
+    _check_offset_ends(values, row_offsets)
+    if n_out == 0:
+        return mx.zeros((0, n_cols), dtype=values.dtype)
+    if metal_available() and n_cols > 0:  # (n_out, 0) would be a zero-size Metal buffer
+        return _decompress_metal(values, bitmap, row_offsets, n_cols, rows)
+    return _decompress_mlx_ops(values, bitmap, row_offsets, n_cols, rows)

@@ -1,0 +1,229 @@
+"""FlashReader: parallel direct reads of neuron bundles from a flash store into a tensor.
+
+The native engine (csrc/io/flash_reader.cpp) opens the file with O_DIRECT, coalesces nearby neurons into one
+read, widens reads to 4 KiB alignment, runs them on a pool of pread workers (or one io_uring ring when built with
+liburing) with the GIL released, and copies each bundle from an aligned bounce buffer into its output row.
+
+On a filesystem that refuses O_DIRECT the reader falls back to buffered reads and says so in `reader.direct`
+(tmpfs accepts O_DIRECT on recent kernels, so on this machine /dev/shm keeps direct I/O).
+
+Coalescing cost model: a separate read costs the device's latency to first byte, reading over a gap costs
+gap / bandwidth, so gaps up to latency x bandwidth bytes are read through. `calibrate_disk` measures both and
+saves them; readers created without an explicit `max_gap` use the saved profile, else DEFAULT_MAX_GAP.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from .paths import resolve_cache_dir
+from .store import FlashStore
+
+DEFAULT_THREADS = 32
+DEFAULT_MIN_READ = 32 << 10  # the paper's minimum useful read size on flash
+DEFAULT_MAX_READ = 1 << 20
+DEFAULT_MAX_GAP = 64 << 10  # ~100 us x ~1 GB/s, the order of magnitude of a cloud SSD; calibrate to replace it
+
+
+def _native():
+    import flashllm_ext
+
+    if not flashllm_ext.native_available:
+        raise RuntimeError("FlashReader needs the native library flashllm_ext._C (build it: make build)")
+    return torch.classes.flashllm.FlashReader
+
+
+def has_io_uring() -> bool:
+    """Whether this build has the io_uring engine (liburing present at build time)."""
+    _native()
+    return bool(torch.ops.flashllm.reader_has_io_uring())
+
+
+@dataclass(frozen=True)
+class ReadStats:
+    """What one read call did. bytes_read counts alignment padding and coalesced gaps; bytes_requested counts
+    each distinct requested bundle once."""
+    bytes_requested: int
+    bytes_read: int
+    n_reads: int
+    wall_s: float
+
+    @property
+    def mean_read_bytes(self) -> float:
+        return self.bytes_read / self.n_reads if self.n_reads else 0.0
+
+    @property
+    def mbps(self) -> float:
+        """Throughput of the bytes read from the device, in MB/s (10^6 bytes)."""
+        return self.bytes_read / self.wall_s / 1e6 if self.wall_s > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class DiskProfile:
+    latency_s: float  # time to first byte of a small random direct read, one at a time
+    bandwidth_bps: float  # random 1 MiB direct reads with 32 threads
+    path: str  # the file the profile was measured on
+
+    @property
+    def max_gap_bytes(self) -> int:
+        return int(self.latency_s * self.bandwidth_bps) // 4096 * 4096
+
+
+def disk_profile_path() -> Path:
+    return Path(os.environ.get("FLASHLLM_DISK_PROFILE") or resolve_cache_dir() / "disk.json")
+
+
+def load_disk_profile() -> DiskProfile | None:
+    path = disk_profile_path()
+    if not path.is_file():
+        return None
+    try:
+        raw = json.loads(path.read_text())
+        return DiskProfile(float(raw["latency_s"]), float(raw["bandwidth_bps"]), str(raw["path"]))
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+        return None  # a damaged profile only loses the tuning; the default gap still works
+
+
+class FlashReader:
+    """Reads bundles of a FlashStore: `read(layer, ids, out)` fills out[i] with bundle ids[i].
+
+    store: a FlashStore or its directory. threads: worker threads (the io_uring engine: reads in flight).
+    min_read: reads shorter than this absorb the next requested neuron whatever the gap. max_gap: largest gap in
+    bytes read through to merge two reads (None: calibrated profile, else DEFAULT_MAX_GAP; -1 with min_read=0:
+    no coalescing at all, one read per distinct neuron). max_read: cap on one coalesced read. direct: O_DIRECT (falls back to buffered where refused, see `.direct`).
+    engine: "threads" or "io_uring" (needs a liburing build, see has_io_uring()).
+    """
+
+    def __init__(self, store: FlashStore | str | os.PathLike | None, threads: int = DEFAULT_THREADS,
+                 min_read: int = DEFAULT_MIN_READ, max_gap: int | None = None, max_read: int = DEFAULT_MAX_READ,
+                 direct: bool = True, engine: str = "threads", *, file: str | os.PathLike | None = None):
+        if (store is None) == (file is None):
+            raise ValueError("give exactly one of store and file")
+        self.store = None if store is None else store if isinstance(store, FlashStore) else FlashStore(store)
+        path = os.fspath(file) if file is not None else self.store.bundles_path
+        if max_gap is None:
+            profile = load_disk_profile()
+            max_gap = profile.max_gap_bytes if profile else DEFAULT_MAX_GAP
+        self._native = _native()(path, int(threads), int(min_read), int(max_gap), int(max_read), bool(direct),
+                                 engine)
+        self.path, self.threads, self.min_read, self.max_gap, self.max_read = path, threads, min_read, max_gap, max_read
+        self.engine = engine
+        self.direct: bool = bool(self._native.direct())
+        self.stats: ReadStats | None = None
+        self._executor: ThreadPoolExecutor | None = None
+
+    @classmethod
+    def for_file(cls, path: str | os.PathLike, **kwargs) -> FlashReader:
+        """A reader over any file, addressed with read_rows (benchmarks, calibration)."""
+        return cls(None, file=path, **kwargs)
+
+    def read_rows(self, base: int, row_bytes: int, n_rows: int, ids: torch.Tensor, out: torch.Tensor) -> ReadStats:
+        """out (CPU, contiguous, len(ids) * row_bytes bytes) row i = file[base + ids[i]*row_bytes :][:row_bytes]."""
+        raw = self._native.read_rows(base, row_bytes, n_rows, ids, out)
+        self.stats = ReadStats(raw[0], raw[1], raw[2], raw[3] / 1e9)
+        return self.stats
+
+    def read(self, layer: int, ids: torch.Tensor | list[int], out: torch.Tensor | None = None) -> torch.Tensor:
+        """Bundles `ids` (any order, repeats allowed) of `layer` into out [len(ids), bundle_width] (allocated when
+        None; CPU, or CUDA through a pinned bounce buffer). Returns out; `self.stats` describes the call."""
+        if self.store is None:
+            raise ValueError("read() needs a store; this reader was opened on a plain file (use read_rows)")
+        loc = self.store.layer_location(layer)
+        ids = torch.as_tensor(ids, dtype=torch.int64).reshape(-1)
+        shape = (ids.numel(), self.store.bundle_width)
+        if out is None:
+            out = torch.empty(shape, dtype=self.store.dtype)
+        if tuple(out.shape) != shape or out.dtype != self.store.dtype:
+            raise ValueError(f"out must be {self.store.dtype} of shape {shape}, got {out.dtype} {tuple(out.shape)}")
+        if out.device.type == "cuda":
+            # Untested here (no GPU on the build machine). The caching host allocator keeps the pinned buffer
+            # alive until the asynchronous copy on the current stream has finished.
+            host = torch.empty(shape, dtype=out.dtype, pin_memory=True)
+            self.read_rows(loc.offset, loc.row_bytes, loc.n_neurons, ids, host)
+            out.copy_(host, non_blocking=True)
+            return out
+        if out.device.type != "cpu" or not out.is_contiguous():
+            raise ValueError(f"out must be a contiguous CPU or CUDA tensor, got {out.device} "
+                             f"contiguous={out.is_contiguous()}")
+        self.read_rows(loc.offset, loc.row_bytes, loc.n_neurons, ids, out)
+        return out
+
+    def read_async(self, layer: int, ids: torch.Tensor | list[int], out: torch.Tensor | None = None) -> Future:
+        """Like read, in the background (the GIL is released during I/O); the future's result is out.
+        Calls complete in submission order."""
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flashllm-reader")
+        return self._executor.submit(self.read, layer, ids, out)
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+
+    def __enter__(self) -> FlashReader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"FlashReader({self.path!r}, engine={self.engine}, threads={self.threads}, direct={self.direct}, "
+                f"min_read={self.min_read}, max_gap={self.max_gap})")
+
+
+def make_test_file(path: str | os.PathLike, size: int, chunk: int = 64 << 20) -> None:
+    """A file of `size` bytes of non-repeating data, written for real (not sparse: holes read without I/O)."""
+    generator = torch.Generator().manual_seed(0)
+    with open(path, "wb") as f:
+        block = torch.randint(0, 256, (chunk,), dtype=torch.uint8, generator=generator).numpy()
+        written = 0
+        while written < size:
+            n = min(chunk, size - written)
+            block[:8] = list(written.to_bytes(8, "little"))  # distinct chunks, so nothing can dedupe them
+            f.write(block[:n].tobytes())
+            written += n
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def random_read_throughput(reader: FlashReader, file_size: int, read_bytes: int, n_reads: int,
+                           generator: torch.Generator | None = None, out: torch.Tensor | None = None) -> ReadStats:
+    """One batch of n_reads distinct random aligned reads of read_bytes each over the whole file, as fio's
+    randread does; a reader with min_read=0 and max_gap=-1 (no coalescing) issues exactly n_reads reads. The bench
+    and calibrate_disk use it. out: an optional uint8 buffer of at least n_reads * read_bytes bytes."""
+    n_slots = file_size // read_bytes
+    ids = torch.randperm(n_slots, generator=generator)[:n_reads]
+    nbytes = ids.numel() * read_bytes
+    out = torch.empty(nbytes, dtype=torch.uint8) if out is None else out.view(torch.uint8).reshape(-1)[:nbytes]
+    return reader.read_rows(0, read_bytes, n_slots, ids, out)
+
+
+def calibrate_disk(directory: str | os.PathLike = ".", size: int = 1 << 30, save: bool = True) -> DiskProfile:
+    """Measure latency to first byte (4 KiB direct reads, one thread) and bandwidth (1 MiB direct reads,
+    32 threads) on a temporary test file of `size` bytes in `directory`; save the profile for FlashReader."""
+    path = Path(directory) / f".flashllm-calibrate-{os.getpid()}.bin"
+    try:
+        make_test_file(path, size)
+        generator = torch.Generator().manual_seed(1)
+        with FlashReader.for_file(path, threads=1, min_read=0, max_gap=-1) as one:
+            latency = random_read_throughput(one, size, 4096, min(2000, size // 4096), generator)
+        with FlashReader.for_file(path, threads=32, min_read=0, max_gap=-1) as many:
+            bandwidth = random_read_throughput(many, size, 1 << 20, min(512, size >> 20), generator)
+    finally:
+        path.unlink(missing_ok=True)
+    profile = DiskProfile(latency.wall_s / latency.n_reads, bandwidth.bytes_read / bandwidth.wall_s,
+                          str(Path(directory).resolve()))
+    if save:
+        target = disk_profile_path()
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_suffix(f".tmp-{os.getpid()}")
+        tmp.write_text(json.dumps({**asdict(profile), "max_gap_bytes": profile.max_gap_bytes,
+                                   "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}, indent=1))
+        tmp.rename(target)
+    return profile

@@ -1,0 +1,263 @@
+import errno
+import os
+import shutil
+import threading
+import time
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from flashllm_ext import cli, reader, store
+from flashllm_ext.reader import FlashReader, has_io_uring
+
+ENGINES = ["threads"] + (["io_uring"] if has_io_uring() else [])
+
+
+@pytest.fixture(scope="module")
+def store_dir(tmp_path_factory):
+    """A Llama store with 700 neurons of 384 bytes per layer, on the repository's disk (O_DIRECT capable)."""
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=700, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=64))
+    root = tmp_path_factory.mktemp("reader")
+    model.save_pretrained(root / "ckpt")
+    return store.convert(root / "ckpt", root / "store", progress=False)
+
+
+@pytest.fixture(scope="module")
+def flash_store(store_dir):
+    return store.FlashStore(store_dir)
+
+
+def _id_sets(n: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return {"sorted": torch.randperm(n, generator=g)[:90].sort().values, "unsorted": torch.randperm(n, generator=g)[:90],
+            "repeated": torch.randint(0, n, (200,), generator=g), "empty": torch.empty(0, dtype=torch.int64),
+            "all": torch.arange(n), "ends": torch.tensor([n - 1, 0, n - 1]), "dense_run": torch.arange(100, 180)}
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("threads", [1, 3, 32])
+@pytest.mark.parametrize("coalescing", [(0, 0), (32 << 10, 64 << 10)], ids=["no_coalescing", "coalescing"])
+def test_reader_matches_buffered_reads(flash_store, engine, threads, coalescing):
+    min_read, max_gap = coalescing
+    with FlashReader(flash_store, threads=threads, engine=engine, min_read=min_read, max_gap=max_gap) as r:
+        assert r.direct
+        for name, ids in _id_sets(flash_store.n_neurons).items():
+            for layer in range(flash_store.n_layers):
+                out = r.read(layer, ids)
+                assert torch.equal(out, flash_store.bundle(layer, ids)), (name, layer)
+                _check_stats(r.stats, ids, flash_store.row_bytes)
+
+
+def _check_stats(stats: reader.ReadStats, ids: torch.Tensor, row_bytes: int) -> None:
+    unique = torch.unique(ids).numel()
+    assert stats.bytes_requested == unique * row_bytes
+    assert stats.bytes_read >= stats.bytes_requested
+    assert stats.n_reads <= unique
+    assert (stats.n_reads == 0) == (unique == 0)
+    assert stats.wall_s > 0
+
+
+def test_coalescing_follows_the_gap_rule(flash_store):
+    row = flash_store.row_bytes  # 384 bytes
+    ids = torch.tensor([10, 11, 12, 20, 21, 400])  # runs {10-12}, {20-21}, {400}; gaps of 7 and 378 rows
+    with FlashReader(flash_store, threads=2, min_read=0, max_gap=-1) as r:
+        r.read(0, ids)
+        assert r.stats.n_reads == 6  # coalescing off: even adjacent neurons are separate reads
+    with FlashReader(flash_store, threads=2, min_read=0, max_gap=0) as r:
+        r.read(0, ids)
+        assert r.stats.n_reads == 3
+    with FlashReader(flash_store, threads=2, min_read=0, max_gap=7 * row) as r:
+        r.read(0, ids)
+        assert r.stats.n_reads == 2
+    with FlashReader(flash_store, threads=2, min_read=0, max_gap=400 * row) as r:
+        out = r.read(0, ids)
+        assert r.stats.n_reads == 1 and torch.equal(out, flash_store.bundle(0, ids))
+    with FlashReader(flash_store, threads=2, min_read=12 * row, max_gap=0) as r:
+        r.read(0, ids)  # the first read is short enough to absorb the second run, not the far neuron
+        assert r.stats.n_reads == 2
+    with FlashReader(flash_store, threads=2, min_read=0, max_gap=1 << 30, max_read=8192) as r:
+        out = r.read(0, torch.arange(flash_store.n_neurons))
+        assert r.stats.n_reads == -(-flash_store.n_neurons // (8192 // row))
+        assert torch.equal(out, flash_store.bundle(0, torch.arange(flash_store.n_neurons)))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ids=st.lists(st.integers(0, 699), max_size=300), layer=st.integers(0, 1),
+       max_gap=st.sampled_from([0, 384, 4096, 1 << 20]), min_read=st.sampled_from([0, 4096, 32 << 10]),
+       engine=st.sampled_from(ENGINES))
+def test_random_id_sets(flash_store, ids, layer, max_gap, min_read, engine):
+    ids = torch.tensor(ids, dtype=torch.int64)
+    with FlashReader(flash_store, threads=4, engine=engine, min_read=min_read, max_gap=max_gap) as r:
+        assert torch.equal(r.read(layer, ids), flash_store.bundle(layer, ids))
+        _check_stats(r.stats, ids, flash_store.row_bytes)
+
+
+def test_out_argument_and_bad_arguments(flash_store):
+    with FlashReader(flash_store, threads=2) as r:
+        out = torch.full((3, flash_store.bundle_width), 7.0, dtype=torch.float16)
+        assert r.read(1, [5, 1, 5], out) is out
+        assert torch.equal(out, flash_store.bundle(1, [5, 1, 5]))
+        with pytest.raises(RuntimeError, match="outside"):
+            r.read(0, [0, flash_store.n_neurons])
+        with pytest.raises(RuntimeError, match="outside"):
+            r.read(0, [-1])
+        with pytest.raises(ValueError, match="layer"):
+            r.read(2, [0])
+        with pytest.raises(ValueError, match="shape"):
+            r.read(0, [0, 1], torch.empty((3, flash_store.bundle_width), dtype=torch.float16))
+        with pytest.raises(ValueError, match="float16"):
+            r.read(0, [0], torch.empty((1, flash_store.bundle_width), dtype=torch.float32))
+        with pytest.raises(ValueError, match="contiguous"):
+            r.read(0, [0, 1], torch.empty((flash_store.bundle_width, 2), dtype=torch.float16).t())
+        with pytest.raises(RuntimeError, match="bytes"):
+            r.read_rows(0, 384, 10, torch.tensor([1]), torch.empty(100, dtype=torch.uint8))
+        with pytest.raises(RuntimeError, match="overflows"):
+            r.read_rows(1 << 62, 1 << 40, 1 << 30, torch.tensor([1]), torch.empty(0, dtype=torch.uint8))
+        assert torch.equal(r.read(0, [3]), flash_store.bundle(0, [3]))  # still usable after every error
+
+
+def test_bad_construction(tmp_path, flash_store):
+    with pytest.raises(RuntimeError, match=f"{tmp_path / 'nope'}.*errno {errno.ENOENT}"):
+        FlashReader.for_file(tmp_path / "nope")
+    with pytest.raises(RuntimeError, match="directory"):
+        FlashReader.for_file(tmp_path)
+    with pytest.raises(RuntimeError, match="threads"):
+        FlashReader(flash_store, threads=0)
+    with pytest.raises(RuntimeError, match="engine"):
+        FlashReader(flash_store, engine="aio")
+    with pytest.raises(ValueError, match="exactly one"):
+        FlashReader(None)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_file_truncated_behind_the_readers_back(store_dir, tmp_path, engine):
+    copy = shutil.copytree(store_dir, tmp_path / "s")
+    fs = store.FlashStore(copy)
+    with FlashReader(fs, threads=8, engine=engine) as r:
+        tail = fs.layer_location(1)
+        with open(fs.bundles_path, "r+b") as f:
+            f.truncate(tail.offset + 100 * tail.row_bytes + 10)
+        with pytest.raises(RuntimeError, match=rf"{fs.bundles_path} at offset \d+.*errno"):
+            r.read(1, torch.arange(150, 700, 5))
+        with pytest.raises(RuntimeError, match="end of file"):
+            r.read_async(1, [600]).result(timeout=30)
+        # Neurons before the cut and the other layer still read correctly: nothing is left stuck.
+        assert torch.equal(r.read(1, torch.arange(0, 100)), fs.bundle(1, torch.arange(0, 100)))
+        assert torch.equal(r.read(0, torch.arange(700)), fs.bundle(0, torch.arange(700)))
+
+
+def test_tmpfs(flash_store, tmp_path):
+    """/dev/shm: recent kernels accept O_DIRECT on tmpfs; older ones refuse it and the reader falls back to
+    buffered reads. Either way the data is right and `direct` says which mode is in use."""
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm")
+    target = f"/dev/shm/flashllm-test-{os.getpid()}"
+    shutil.copytree(flash_store.path, target)
+    try:
+        with FlashReader(target, threads=4) as r:
+            ids = torch.randint(0, 700, (64,))
+            assert torch.equal(r.read(1, ids), flash_store.bundle(1, ids))
+            assert isinstance(r.direct, bool)
+    finally:
+        shutil.rmtree(target)
+
+
+def test_buffered_mode(flash_store):
+    with FlashReader(flash_store, threads=4, direct=False) as r:
+        assert not r.direct
+        ids = torch.randint(0, 700, (64,))
+        assert torch.equal(r.read(0, ids), flash_store.bundle(0, ids))
+
+
+def test_read_async_overlaps_python_work(tmp_path):
+    """The GIL is released during I/O: a Python thread keeps running while a large read is in flight."""
+    path = tmp_path / "big.bin"
+    reader.make_test_file(path, 64 << 20)
+    with FlashReader.for_file(path, threads=1, min_read=0, max_gap=-1) as r:
+        counter, stop = [0], threading.Event()
+
+        def spin():
+            while not stop.is_set():
+                counter[0] += 1
+
+        spinner = threading.Thread(target=spin)
+        spinner.start()
+        time.sleep(0.05)
+        before = counter[0]
+        stats = reader.random_read_throughput(r, 64 << 20, 4096, 4000)
+        during = counter[0] - before
+        stop.set()
+        spinner.join()
+    assert stats.n_reads == 4000 and stats.bytes_read == 4000 * 4096
+    # Held GIL: the spinner would get at most a switch interval (5 ms) of turns per read call.
+    assert during > 10_000, during
+
+
+def test_read_async_returns_future(flash_store):
+    with FlashReader(flash_store, threads=4) as r:
+        ids = torch.arange(0, 700, 3)
+        futures = [r.read_async(layer, ids) for layer in (0, 1, 0)]
+        for layer, fut in zip((0, 1, 0), futures):
+            assert torch.equal(fut.result(timeout=30), flash_store.bundle(layer, ids))
+
+
+def test_raw_file_contents(tmp_path):
+    path = tmp_path / "f.bin"
+    reader.make_test_file(path, 1 << 20, chunk=1 << 18)
+    data = torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8)
+    with FlashReader.for_file(path, threads=3, min_read=0, max_gap=0) as r:
+        for row_bytes, base in ((4096, 0), (1000, 77), (65536, 4096)):
+            n_rows = (data.numel() - base) // row_bytes
+            ids = torch.randint(0, n_rows, (25,))
+            out = torch.empty(25 * row_bytes, dtype=torch.uint8)
+            r.read_rows(base, row_bytes, n_rows, ids, out)
+            want = torch.cat([data[base + i * row_bytes: base + (i + 1) * row_bytes] for i in ids.tolist()])
+            assert torch.equal(out, want)
+
+
+def _page_aligned(nbytes: int) -> torch.Tensor:
+    buf = torch.zeros(nbytes + 4096, dtype=torch.uint8)
+    skip = -buf.data_ptr() % 4096
+    return buf[skip:skip + nbytes]
+
+
+@pytest.mark.parametrize("ids", [[3, 4, 5, 9], [9, 5, 4, 3], [4, 4, 5], list(range(64))],
+                         ids=["runs", "reversed", "repeated", "long_run"])
+def test_reads_straight_into_aligned_out(tmp_path, ids):
+    """Aligned rows into an aligned buffer skip the bounce buffer (in-order runs) or use it (other orders)."""
+    path = tmp_path / "f.bin"
+    reader.make_test_file(path, 1 << 20, chunk=1 << 18)
+    data = torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8).view(-1, 8192)
+    with FlashReader.for_file(path, threads=2, min_read=0, max_gap=0) as r:
+        out = _page_aligned(len(ids) * 8192)
+        r.read_rows(0, 8192, data.shape[0], torch.tensor(ids), out)
+        assert torch.equal(out.view(-1, 8192), data[ids])
+        with open(path, "r+b") as f:
+            f.truncate(40 * 8192)
+        with pytest.raises(RuntimeError, match="end of file"):
+            r.read_rows(0, 8192, data.shape[0], torch.tensor([50, 51]), _page_aligned(2 * 8192))
+
+
+def test_calibrate_disk_and_profile(tmp_path, monkeypatch, flash_store, capsys):
+    monkeypatch.setenv("FLASHLLM_DISK_PROFILE", str(tmp_path / "disk.json"))
+    assert cli.main(["calibrate-disk", "--dir", str(tmp_path), "--size-mib", "32"]) == 0
+    assert "latency" in capsys.readouterr().out
+    profile = reader.load_disk_profile()
+    assert profile.latency_s > 0 and profile.bandwidth_bps > 0
+    assert [p.name for p in tmp_path.iterdir()] == ["disk.json"]  # the test file is gone
+    assert FlashReader(flash_store, threads=1).max_gap == profile.max_gap_bytes
+    (tmp_path / "disk.json").write_text("{broken")
+    assert FlashReader(flash_store, threads=1).max_gap == reader.DEFAULT_MAX_GAP
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_read_into_cuda(flash_store):
+    with FlashReader(flash_store, threads=4) as r:
+        ids = torch.randint(0, 700, (64,))
+        out = r.read(0, ids, torch.empty((64, flash_store.bundle_width), dtype=torch.float16, device="cuda"))
+        assert torch.equal(out.cpu(), flash_store.bundle(0, ids))
