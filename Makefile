@@ -35,6 +35,7 @@ bench: build
 	$(PYTHON) bench/bench_endor.py
 	$(PYTHON) bench/bench_io.py
 	$(PYTHON) bench/bench_ffn.py
+	$(PYTHON) bench/bench_predictor.py
 
 # Compiles every CUDA source for Ampere and Hopper without torch headers; needs nvcc only, no driver.
 CUDA_SOURCES := $(wildcard csrc/cuda/*.cu)

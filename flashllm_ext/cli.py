@@ -2,7 +2,7 @@
 
   flashllm convert CHECKPOINT OUT_DIR [--dtype fp16|bf16|fp32] [--endor] [--force]
   flashllm calibrate-disk [--dir DIR] [--size-mib N]
-  flashllm train-predictors STORE_OR_CHECKPOINT [--rank R] [--target-sparsity S] ...
+  flashllm train-predictors CHECKPOINT [--store DIR] [--rank R] [--target-sparsity S] ...
 
 Each subcommand registers itself with `add_parser` functions below; main() only dispatches.
 """
@@ -46,7 +46,12 @@ def _train_predictors(args: argparse.Namespace) -> int:
 
     gguf_path = fetch_default() if args.source == "default" else Path(args.source)
     if not gguf_path.is_file():
-        raise SystemExit(f"flashllm train-predictors: {gguf_path} is not a GGUF file (stores are not supported yet)")
+        raise SystemExit(f"flashllm train-predictors: {gguf_path} is not a GGUF file (for a store, pass the "
+                         "checkpoint it was converted from and --store DIR)")
+    if args.store:
+        from .store import FlashStore
+
+        FlashStore(args.store)  # fail before minutes of training, not after
     out = Path(args.out) if args.out else resolve_cache_dir() / f"{gguf_path.stem}.predictors.safetensors"
     if out.is_dir():
         out = out / "predictors.safetensors"
@@ -54,7 +59,10 @@ def _train_predictors(args: argparse.Namespace) -> int:
     token_ids = spread_windows(corpus_token_ids(tokenizer, "calibration"), -(-args.tokens // WINDOW), WINDOW)
     predictors = train_predictors(model, token_ids, args.target_sparsity, args.rank, args.score, args.epochs,
                                   None if args.recall <= 0 else args.recall, args.top_k, window=WINDOW)
-    predictors.save(out)
+    if args.store:
+        out = predictors.save_to_store(args.store)
+    else:
+        predictors.save(out)
     ranks = sorted({p.rank for p in predictors.predictors})
     print(f"wrote {len(predictors.predictors)} predictors (ranks {ranks}, target sparsity {args.target_sparsity}, "
           f"score {args.score}, {token_ids.numel()} calibration tokens) to {out}")
@@ -80,10 +88,12 @@ def _add_calibrate_disk(sub: argparse._SubParsersAction) -> None:
 
 def _add_train_predictors(sub: argparse._SubParsersAction) -> None:
     train = sub.add_parser("train-predictors", help="train per-layer low-rank neuron predictors")
-    train.add_argument("source", metavar="STORE_OR_CHECKPOINT",
+    train.add_argument("source", metavar="CHECKPOINT",
                        help="a Llama GGUF checkpoint, or 'default' for the embedded default model")
     train.add_argument("--out", help="output file, or a directory to write predictors.safetensors into "
                                      "(default: the cache dir)")
+    train.add_argument("--store", help="write the predictors into this flash store's resident file instead "
+                                       "(a store converted from the same checkpoint)")
     train.add_argument("--rank", type=_ranks, default=None,
                        help="one rank, or one per layer (comma separated); default: from each layer's density")
     train.add_argument("--target-sparsity", type=float, default=0.7)

@@ -18,10 +18,10 @@ import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 from tqdm.auto import tqdm
@@ -34,6 +34,7 @@ from .models.text import perplexity
 SCORES = ("glu", "gate")
 FORMAT_NAME = "flashllm-predictors"
 FORMAT_VERSION = "1"
+TENSOR_PREFIX = "predictor."
 
 
 # ------------------------------------------------------------------------------------------- model structure
@@ -292,28 +293,57 @@ class PredictorSet(nn.Module):
             return keep.scatter_(1, logits.topk(min(self.top_k, logits.shape[1]), dim=1).indices, True)
         return torch.sigmoid(logits) > self.prob_thresholds[layer]
 
-    def save(self, path: str | os.PathLike) -> None:
-        tensors = {f"predictor.{k}": v.detach().contiguous() for k, v in self.state_dict().items()}
+    def _tensors_and_metadata(self) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        tensors = {f"{TENSOR_PREFIX}{k}": v.detach().contiguous() for k, v in self.state_dict().items()}
         meta = {"ranks": [p.rank for p in self.predictors], "d": self.predictors[0].down.in_features,
                 "n_neurons": self.predictors[0].up.out_features, "score": self.score, "top_k": self.top_k}
-        save_file(tensors, os.fspath(path), metadata={"format": FORMAT_NAME, "version": FORMAT_VERSION,
-                                                      "predictors": json.dumps(meta)})
+        return tensors, {"predictors": json.dumps(meta), "predictors_version": FORMAT_VERSION}
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write a standalone predictors file (safetensors)."""
+        tensors, meta = self._tensors_and_metadata()
+        save_file(tensors, os.fspath(path), metadata={"format": FORMAT_NAME, "version": FORMAT_VERSION, **meta})
+
+    def save_to_store(self, store_dir: str | os.PathLike) -> Path:
+        """Add (or replace) the predictors in a flash store's resident file: tensors `predictor.*` and the
+        `predictors` metadata entry; everything else in the file is kept. Atomic (temp file + rename)."""
+        from .store import RESIDENT_FILE, FlashStore
+
+        store = FlashStore(store_dir)  # validates the store before touching it
+        shape = (len(self.predictors), self.predictors[0].down.in_features, self.predictors[0].up.out_features)
+        if shape != (store.n_layers, store.hidden_size, store.n_neurons):
+            raise ValueError(f"{store_dir}: store has (layers, hidden, neurons) = "
+                             f"{(store.n_layers, store.hidden_size, store.n_neurons)}, predictors {shape}")
+        path = Path(store_dir) / RESIDENT_FILE
+        with safe_open(path, "pt") as f:
+            metadata = dict(f.metadata() or {})
+            kept = {k: f.get_tensor(k) for k in f.keys() if not k.startswith(TENSOR_PREFIX)}
+        tensors, meta = self._tensors_and_metadata()
+        partial = path.with_name(path.name + ".partial")
+        save_file({**kept, **tensors}, str(partial), metadata={**metadata, **meta})
+        os.replace(partial, path)
+        return path
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> PredictorSet:
-        """Read a file written by `save` (or the `predictor.*` tensors of a store file); FormatError if malformed."""
+        """Read a file written by `save`, or a store directory written by `save_to_store`; FormatError if
+        malformed."""
+        path = Path(path)
+        if path.is_dir():
+            from .store import RESIDENT_FILE
+
+            path = path / RESIDENT_FILE
         path = os.fspath(path)
         try:
-            from safetensors import safe_open
-
             with safe_open(path, "pt") as f:
                 metadata = f.metadata() or {}
             tensors = load_file(path)
         except (SafetensorError, OSError) as e:
             raise FormatError("header", str(e), path) from e
-        if metadata.get("format") != FORMAT_NAME or metadata.get("version") != FORMAT_VERSION:
-            raise FormatError("__metadata__.format", f"expected {FORMAT_NAME} v{FORMAT_VERSION}, got "
-                              f"{metadata.get('format')!r} v{metadata.get('version')!r}", path)
+        standalone = metadata.get("format") == FORMAT_NAME and metadata.get("version") == FORMAT_VERSION
+        if not standalone and metadata.get("predictors_version") != FORMAT_VERSION:
+            raise FormatError("__metadata__.format", f"expected {FORMAT_NAME} v{FORMAT_VERSION} or a store with "
+                              f"predictors, got {metadata.get('format')!r} v{metadata.get('version')!r}", path)
         try:
             meta = json.loads(metadata["predictors"])
             ranks, d, n = [int(r) for r in meta["ranks"]], int(meta["d"]), int(meta["n_neurons"])
@@ -321,7 +351,7 @@ class PredictorSet(nn.Module):
         except (KeyError, TypeError, ValueError) as e:
             raise FormatError("__metadata__.predictors", f"bad value ({e!r})", path) from None
         predictors = [LowRankPredictor(d, n, r) for r in ranks]
-        state = {k.removeprefix("predictor."): v for k, v in tensors.items() if k.startswith("predictor.")}
+        state = {k.removeprefix(TENSOR_PREFIX): v for k, v in tensors.items() if k.startswith(TENSOR_PREFIX)}
         for key in ("thresholds", "prob_thresholds"):
             if key not in state:
                 raise FormatError(f"predictor.{key}", "missing", path)

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from flashllm_ext import FormatError, demo, endor
 from flashllm_ext.models import (collect_linear_inputs, corpus_text, corpus_token_ids, fetch, fetch_default,
-                                 ffn_linear_names, gguf_config, load_gguf, load_hf_model, perplexity,
+                                 ffn_linear_names, gguf_config, load_gguf, perplexity,
                                  replace_weights, resolve_cache_dir, spread_windows)
 
 TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -318,13 +318,6 @@ def test_median_seconds_interleaved_runs_each_once_per_round():
 
 
 # ------------------------------------------------------------------------------------ the real default model
-
-@pytest.fixture(scope="module")
-def default_model():
-    path = fetch_default()
-    model, tokenizer = load_hf_model(path)
-    return path, model, tokenizer
-
 
 @pytest.mark.slow
 def test_default_fetch_is_cached(default_model, monkeypatch):

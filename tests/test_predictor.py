@@ -219,6 +219,25 @@ def test_save_load_round_trip(tmp_path, llama):
     assert torch.equal(predictors.predict(2, x), loaded.predict(2, x))
 
 
+def test_save_to_store_keeps_the_store_valid(tmp_path, llama):
+    from flashllm_ext.store import FlashStore, synthesize
+
+    store_dir = synthesize(tmp_path / "store", n_layers=3, hidden_size=64, n_neurons=96, glu=True)
+    predictors = _predictor_set(llama, 3, 64, 96, torch.tensor([0.1, 0.2, 0.3]), top_k=5)
+    predictors.save_to_store(store_dir)
+    predictors.save_to_store(store_dir)  # replacing them keeps one copy
+    loaded = PredictorSet.load(store_dir)
+    assert loaded.top_k == 5 and torch.equal(loaded.thresholds, predictors.thresholds)
+    x = torch.randn(4, 64)
+    assert torch.equal(loaded.predict(1, x), predictors.predict(1, x))
+    store = FlashStore(store_dir)
+    assert store.n_layers == 3 and all(k.startswith("predictor.") for k in store.resident())
+    with pytest.raises(ValueError, match="predictors"):
+        _predictor_set(llama, 2, 64, 96, torch.zeros(2)).save_to_store(store_dir)
+    with pytest.raises(FormatError):
+        PredictorSet.load(synthesize(tmp_path / "bare", n_layers=1, hidden_size=64, n_neurons=96))
+
+
 def test_load_rejects_malformed_files(tmp_path, llama):
     path = tmp_path / "p.safetensors"
     _predictor_set(llama, 2, 64, 96, torch.zeros(2)).save(path)
@@ -229,7 +248,7 @@ def test_load_rejects_malformed_files(tmp_path, llama):
     with safe_open(path, "pt") as f:
         metadata = f.metadata()
     bad = tmp_path / "bad.safetensors"
-    save_file(tensors, bad, metadata={**metadata, "format": "other"})
+    save_file(tensors, bad, metadata={**metadata, "format": "other", "predictors_version": "0"})
     with pytest.raises(FormatError, match="bad.safetensors: __metadata__.format"):
         PredictorSet.load(bad)
     save_file({k: v for k, v in tensors.items() if k != "predictor.predictors.1.up.weight"}, bad, metadata=metadata)
@@ -276,3 +295,46 @@ def test_cli_rejects_missing_checkpoint(tmp_path):
         cli.main(["train-predictors", str(tmp_path / "missing.gguf")])
     with pytest.raises(SystemExit):
         cli.main(["train-predictors", "default", "--rank", "0"])
+
+
+@pytest.mark.slow
+def test_default_model_thresholds_hit_target_on_held_out_text(default_model):
+    from flashllm_ext.models import corpus_token_ids, spread_windows
+
+    _, model, tokenizer = default_model
+    calibration = spread_windows(corpus_token_ids(tokenizer, "calibration"), 4, 512)
+    heldout = spread_windows(corpus_token_ids(tokenizer, "heldout"), 2, 512)
+    targets = [0.5, 0.7, 0.9]
+    thresholds = calibrate_thresholds(model, calibration, targets, progress=False)
+    inactive = dict.fromkeys(targets, 0)
+    seen = 0
+
+    def count(i, x, h, gate_act):
+        nonlocal seen
+        seen += h.numel()
+        for target in targets:
+            inactive[target] += int((h.abs() <= thresholds[target][i]).sum())
+
+    with torch.no_grad(), ffn_hooks(model, count):  # one held-out pass serves every target
+        for window in heldout.view(2, 512):
+            model(window.unsqueeze(0))
+    for target in targets:
+        assert abs(inactive[target] / seen - target) <= 0.02, (target, inactive[target] / seen)
+
+
+@pytest.mark.slow
+def test_cli_train_predictors_writes_a_loadable_file(default_model, tmp_path, monkeypatch, capsys):
+    import flashllm_ext.models
+
+    path, model, tokenizer = default_model
+    from flashllm_ext.store import synthesize
+
+    monkeypatch.setattr(flashllm_ext.models, "load_hf_model", lambda p: (model, tokenizer))  # reuse the loaded one
+    # A store with the default model's FFN shapes; converting the real model would only add minutes.
+    store_dir = synthesize(tmp_path / "store", n_layers=30, hidden_size=576, n_neurons=1536, glu=True)
+    cli.main(["train-predictors", str(path), "--store", str(store_dir), "--tokens", "512", "--epochs", "1",
+              "--rank", "16", "--target-sparsity", "0.8"])
+    assert "wrote 30 predictors" in capsys.readouterr().out
+    predictors = PredictorSet.load(store_dir)
+    assert [p.rank for p in predictors.predictors] == [16] * 30 and (predictors.thresholds > 0).all()
+    assert predictors.predict(3, torch.randn(2, 576)).shape == (2, 1536)
