@@ -1,52 +1,15 @@
-"""Timing and output shared by every benchmark.
-
-These machines are shared and noisy (CPU steal up to 70%, disk swings of 2-10x), so a figure is only trusted as
-a ratio against a baseline measured in the same process: `time_interleaved` runs the candidates round-robin
-(rotating the order every round so none always runs first), and reports medians over the rounds.
-"""
+"""Output and arguments shared by every benchmark; timing is `flashllm_ext.timing.time_interleaved`."""
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
-
-def time_interleaved(candidates: Mapping[str, Callable[[], object]], rounds: int = 7, warmup: int = 1,
-                     min_seconds: float = 0.02, sync: Callable[[], None] = lambda: None) -> dict[str, float]:
-    """Median seconds per call of each candidate, measured round-robin over `rounds` rounds.
-
-    Each sample runs a candidate enough times back to back to last at least `min_seconds` (the count is fixed
-    per candidate after warm-up), so timer resolution never dominates. `sync` (e.g. torch.cuda.synchronize)
-    runs before the clock is read.
-    """
-    calls = {}
-    for name, fn in candidates.items():
-        for _ in range(warmup):
-            fn()
-        sync()
-        start = time.perf_counter()
-        fn()
-        sync()
-        once = max(time.perf_counter() - start, 1e-7)
-        calls[name] = max(1, int(min_seconds / once))
-    samples: dict[str, list[float]] = {name: [] for name in candidates}
-    names = list(candidates)
-    for r in range(rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            fn, n = candidates[name], calls[name]
-            sync()
-            start = time.perf_counter()
-            for _ in range(n):
-                fn()
-            sync()
-            samples[name].append((time.perf_counter() - start) / n)
-    return {name: statistics.median(s) for name, s in samples.items()}
+from flashllm_ext.timing import time_interleaved  # noqa: E402,F401  (re-exported for the bench scripts)
 
 
 def arg_parser(description: str) -> argparse.ArgumentParser:

@@ -11,14 +11,13 @@ layer the output of the already pruned layers before it).
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 from tqdm.auto import tqdm
 
 from . import endor
+from .timing import time_interleaved
 from .models import (FFN_KINDS, collect_linear_inputs, corpus_token_ids, fetch_default, ffn_linear_names,
                      load_hf_model, perplexity, replace_weights, resolve_cache_dir)
 
@@ -36,21 +35,6 @@ def wanda_prune_ffn(model: torch.nn.Module, calibration_ids: torch.Tensor, spars
         weight = model.get_submodule(name).weight.detach().to(dtype)
         pruned[f"{name}.weight"] = endor.prune(weight, sparsity, method="wanda", activations=inputs.pop(name))
     return pruned
-
-
-def median_seconds_interleaved(fns: Sequence[Callable[[], object]], repeats: int) -> list[float]:
-    """Median wall time of each fn over `repeats` rounds; each round runs every fn once, rotating the order
-    so no fn always runs first (warm caches, CPU frequency). One untimed warm-up round first."""
-    for fn in fns:
-        fn()
-    times: list[list[float]] = [[] for _ in fns]
-    for r in range(repeats):
-        for k in range(len(fns)):
-            i = (k + r) % len(fns)
-            start = time.perf_counter()
-            fns[i]()
-            times[i].append(time.perf_counter() - start)
-    return [statistics.median(t) for t in times]
 
 
 def _native_cpu_kernel() -> bool:
@@ -141,7 +125,8 @@ def run(model: torch.nn.Module, tokenizer, args: argparse.Namespace) -> None:
         for src, out in zip(dense, outs):
             out.copy_(src)
 
-    t_dec, t_copy = median_seconds_interleaved([decompress_all, memcpy_all], args.repeats)
+    medians = time_interleaved({"decompress": decompress_all, "memcpy": memcpy_all}, rounds=args.repeats)
+    t_dec, t_copy = medians["decompress"], medians["memcpy"]
     kernel = "native CPU kernel" if _native_cpu_kernel() else "pure-torch reference kernel (no native CPU kernel)"
     print(f"\ndecompress all FFN matrices ({dense_total / 1e6:.1f} MB dense fp16 output, {kernel}, "
           f"{torch.get_num_threads()} threads, median of {args.repeats}):")

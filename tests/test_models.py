@@ -308,15 +308,6 @@ def test_replace_weights_checks_names_and_shapes(tiny_llama):
     assert model.get_parameter(name).dtype == torch.float32 and model.get_parameter(name).abs().sum() == 0
 
 
-def test_median_seconds_interleaved_runs_each_once_per_round():
-    calls = []
-    medians = demo.median_seconds_interleaved([lambda: calls.append("a"), lambda: calls.append("b")], repeats=4)
-    assert len(medians) == 2 and all(m >= 0 for m in medians)
-    assert calls.count("a") == calls.count("b") == 5
-    rounds = [calls[i:i + 2] for i in range(2, 10, 2)]
-    assert ["a", "b"] in rounds and ["b", "a"] in rounds  # order rotates
-
-
 # ------------------------------------------------------------------------------------ the real default model
 
 @pytest.mark.slow
