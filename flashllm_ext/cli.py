@@ -29,7 +29,8 @@ def _calibrate_disk(args: argparse.Namespace) -> int:
 
     profile = calibrate_disk(args.dir, size=args.size_mib << 20)
     print(f"latency {profile.latency_s * 1e6:.0f} us, bandwidth {profile.bandwidth_bps / 1e6:.0f} MB/s, "
-          f"coalescing gap {profile.max_gap_bytes >> 10} KiB -> {disk_profile_path()}")
+          f"coalescing gap {profile.max_gap_bytes(1) >> 10} KiB at 1 thread, {profile.max_gap_bytes(32) >> 10} KiB "
+          f"at 32 -> {disk_profile_path()}")
     return 0
 
 

@@ -7,10 +7,9 @@ import flashllm_ext  # noqa: F401
 from flashllm_ext import _C, endor
 from flashllm_ext._ops import endor_decompress_reference
 
+from conftest import cpu_isas, forced_isa_fixture
+
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int8]
-ISAS = [isa for isa in ("scalar", "avx2", "avx512", "avx512vbmi2")
-        if ["scalar", "avx2", "avx512", "avx512vbmi2"].index(isa)
-        <= ["scalar", "avx2", "avx512", "avx512vbmi2"].index(_C.detected_cpu_isa())]
 INT_VIEW = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16,
             torch.int8: torch.int8}
 SPECIAL_BITS = {  # -0.0, NaN with payload, +inf, -inf, smallest subnormal, largest subnormal
@@ -21,12 +20,7 @@ SPECIAL_BITS = {  # -0.0, NaN with payload, +inf, -inf, smallest subnormal, larg
 }
 
 
-@pytest.fixture(params=ISAS)
-def isa(request):
-    previous = _C.cpu_isa()
-    _C.set_cpu_isa(request.param)
-    yield request.param
-    _C.set_cpu_isa(previous)
+isa = forced_isa_fixture(cpu_isas())
 
 
 def make_weight(shape, dtype, density=0.5, seed=0):

@@ -250,7 +250,8 @@ def test_calibrate_disk_and_profile(tmp_path, monkeypatch, flash_store, capsys):
     profile = reader.load_disk_profile()
     assert profile.latency_s > 0 and profile.bandwidth_bps > 0
     assert [p.name for p in tmp_path.iterdir()] == ["disk.json"]  # the test file is gone
-    assert FlashReader(flash_store, threads=1).max_gap == profile.max_gap_bytes
+    assert FlashReader(flash_store, threads=1).max_gap == profile.max_gap_bytes(1)
+    assert FlashReader(flash_store, threads=8).max_gap == profile.max_gap_bytes(8) <= profile.max_gap_bytes(1)
     (tmp_path / "disk.json").write_text("{broken")
     assert FlashReader(flash_store, threads=1).max_gap == reader.DEFAULT_MAX_GAP
 
@@ -261,3 +262,10 @@ def test_read_into_cuda(flash_store):
         ids = torch.randint(0, 700, (64,))
         out = r.read(0, ids, torch.empty((64, flash_store.bundle_width), dtype=torch.float16, device="cuda"))
         assert torch.equal(out.cpu(), flash_store.bundle(0, ids))
+
+
+def test_coalescing_gap_shrinks_with_reads_in_flight():
+    profile = reader.DiskProfile(latency_s=100e-6, bandwidth_bps=1e9, path="/x")
+    assert profile.max_gap_bytes(1) == 100_000 // 4096 * 4096  # 100 us x 1 GB/s, whole 4 KiB blocks
+    assert profile.max_gap_bytes(8) == 12_500 // 4096 * 4096
+    assert profile.max_gap_bytes(32) == 0  # latency hidden by 31 other reads: merge adjacent neurons only

@@ -6,22 +6,15 @@ import torch
 import torch.nn.functional as F
 
 import flashllm_ext  # noqa: F401
-from flashllm_ext import _C
 from flashllm_ext._ops import (cache_compact_reference, cache_plan_reference, compaction_moves,
                                sparse_ffn_reference)
+from conftest import cpu_isas, forced_isa_fixture
 from ffn_cases import FFN_DTYPES, assert_close, bad_ffn_cases, compact_state, ffn_case
 
-ORDER = ["scalar", "avx2", "avx512", "avx512vbmi2"]
-ISAS = [isa for isa in ORDER[:3] if ORDER.index(isa) <= ORDER.index(_C.detected_cpu_isa())]
 OPS = torch.ops.flashllm
 
 
-@pytest.fixture(params=ISAS)
-def isa(request):
-    previous = _C.cpu_isa()
-    _C.set_cpu_isa(request.param)
-    yield request.param
-    _C.set_cpu_isa(previous)
+isa = forced_isa_fixture(cpu_isas(highest="avx512"))  # sparse_ffn has no VBMI2-specific path
 
 
 def dense_ffn(x, up, down, gate, bias, act):
