@@ -147,26 +147,26 @@ class NeuronCache:
                                                 self._evict_rows[:n_window + n_budget])
         end = kept + n_missing
         ids = self._missing[:n_missing]
+        t1 = time.perf_counter()
+        bytes_read = 0
+        if n_missing:
+            # Rows [kept, end) are free after the compaction. The new neurons are recorded only once their bundles
+            # are in: a failed read leaves a consistent cache of `kept` rows, and the next step retries them.
+            self.num_used = kept
+            self.reader.read(self.layer, ids, self.matrix[kept:end])
+            bytes_read = self.reader.stats.bytes_read
+        t2 = time.perf_counter()
         self.pointer[kept:end].copy_(ids)
         self.slot_of.index_copy_(0, ids, self._row_ids[kept:end])
         if self.bias is not None:
             torch.index_select(self._bias_all, 0, ids, out=self.bias[kept:end])
         self.num_used = end
-        t1 = time.perf_counter()
-        bytes_read = 0
-        if n_missing:
-            self.reader.read(self.layer, ids, self.matrix[kept:end])
-            bytes_read = self.reader.stats.bytes_read
-        t2 = time.perf_counter()
-        return StepStats(n_window, n_budget, n_missing, bytes_read, t2 - t1, t1 - t0, end)
+        t3 = time.perf_counter()
+        return StepStats(n_window, n_budget, n_missing, bytes_read, t2 - t1, (t1 - t0) + (t3 - t2), end)
 
     def cached_ids(self) -> torch.Tensor:
         """Neuron ids of rows [0, num_used), in row order (a view)."""
         return self.pointer[:self.num_used]
-
-    def window_union(self) -> torch.Tensor:
-        """Sorted ids of the neurons active in the last `window` tokens."""
-        return (self.last_active > self.steps - self.window).nonzero().flatten()
 
     def __repr__(self) -> str:
         return (f"NeuronCache(layer={self.layer}, capacity={self.capacity}, window={self.window}, "

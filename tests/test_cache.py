@@ -178,3 +178,23 @@ def test_bad_input(stores):
         NeuronCache(s, 2, capacity=4)
     with pytest.raises(ValueError, match="window must be"):
         NeuronCache(s, 0, capacity=4, window=0)
+
+
+def test_failed_read_leaves_a_consistent_cache(stores):
+    cache = NeuronCache(stores["opt"], 0, capacity=50, window=1)
+    cache.step(torch.tensor([1, 2, 3]))
+    good_read = cache.reader.read
+
+    def failing_read(*args, **kwargs):
+        raise OSError("injected read failure")
+
+    cache.reader.read = failing_read
+    with pytest.raises(OSError, match="injected"):
+        cache.step(torch.tensor([3, 40, 41]))  # window 1: 1 and 2 are evicted, 40 and 41 must be read
+    cached = cache.cached_ids()
+    assert set(cached.tolist()) == {3}  # the neurons whose bundles never arrived are not claimed
+    assert torch.equal(cache.matrix[:cache.num_used], stores["opt"].bundle(0, cached))
+    cache.reader.read = good_read
+    cache.step(torch.tensor([3, 40, 41]))  # the next step loads what the failed one could not
+    assert sorted(cache.cached_ids().tolist()) == [3, 40, 41]
+    assert torch.equal(cache.matrix[:cache.num_used], stores["opt"].bundle(0, cache.cached_ids()))

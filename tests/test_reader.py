@@ -269,3 +269,9 @@ def test_coalescing_gap_shrinks_with_reads_in_flight():
     assert profile.max_gap_bytes(1) == 100_000 // 4096 * 4096  # 100 us x 1 GB/s, whole 4 KiB blocks
     assert profile.max_gap_bytes(8) == 12_500 // 4096 * 4096
     assert profile.max_gap_bytes(32) == 0  # latency hidden by 31 other reads: merge adjacent neurons only
+
+
+def test_read_rows_refuses_an_output_size_that_overflows(flash_store):
+    with FlashReader.for_file(flash_store.bundles_path, threads=1) as r:
+        with pytest.raises(RuntimeError, match="overflow"):  # 4 x 2^62 wraps to 0 == out.nbytes() in int64
+            r.read_rows(0, 1 << 62, 1, torch.zeros(4, dtype=torch.int64), torch.empty(0, dtype=torch.uint8))

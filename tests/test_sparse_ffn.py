@@ -215,3 +215,13 @@ def test_default_model_ffn_weights():
                 got_half = OPS.sparse_ffn(x, matrix, matrix.shape[0], None, "silu", True, half)
                 torch.testing.assert_close(got_half.float(), want_half, rtol=1e-2,
                                            atol=2e-2 * want_half.abs().max().item())
+
+
+@pytest.mark.parametrize("kernel", ["native", "reference"])
+def test_threshold_tie_is_dropped_as_the_predictor_does(isa, kernel):
+    # activation exactly equal to the threshold: inactive, as predictor.capture_activations (score > threshold)
+    x = torch.tensor([[1.0, 0.0, 0.0, 0.0]])
+    row = torch.tensor([[0.5, 0, 0, 0, 1, 1, 1, 1], [0.75, 0, 0, 0, 1, 1, 1, 1]])  # [up | down], d=4
+    fn = OPS.sparse_ffn if kernel == "native" else sparse_ffn_reference
+    y = fn(x, row, 2, None, "relu", False, None, 0.5)
+    assert torch.equal(y, torch.full((1, 4), 0.75))  # only the 0.75 row survives

@@ -221,7 +221,7 @@ void accumulate_rows(const FfnProblem<T>& p, RowOps<T, NT> ops, int64_t begin, i
     bool any = false;
     for (int t = 0; t < NT; ++t) {
       const float a = activate(h[t] + b, p.act);
-      h[t] = std::fabs(a) >= p.threshold ? a : 0.f;
+      h[t] = std::fabs(a) > p.threshold ? a : 0.f;
       any |= h[t] != 0.f;
     }
     if (!any) continue;  // contributes nothing: skip the reads of the up and down rows

@@ -101,7 +101,7 @@ __device__ __forceinline__ void lane_dots(const Storage<KIND>* col, const float*
 }  // namespace ffn_detail
 
 // act[t * n_rows + o] for row o of the problem (rows[o] of matrix when index is not null): the activation of the
-// row's input column for token t, zero where |activation| < threshold; times x . up for GLU. Index entries outside
+// row's input column for token t, zero where |activation| <= threshold; times x . up for GLU. Index entries outside
 // [0, num_used) are never read (the host checks them first; the kernel writes 0 for them).
 template <int KIND>
 __global__ void __launch_bounds__(kFfnActWarps * 32)
@@ -124,7 +124,7 @@ __global__ void __launch_bounds__(kFfnActWarps * 32)
 #pragma unroll
       for (int t = 0; t < kFfnMaxTokens; ++t) {
         const float a = activate(warp_sum(h[t]) + b, act);
-        h[t] = fabsf(a) >= threshold ? a : 0.f;
+        h[t] = fabsf(a) > threshold ? a : 0.f;
         if (glu) h[t] *= warp_sum(up[t]);
       }
     }

@@ -229,6 +229,9 @@ class FlashReader : public torch::CustomClassHolder {
                 ids.device());
     TORCH_CHECK(out.device().is_cpu() && out.is_contiguous(), "FlashReader: out must be a contiguous CPU tensor");
     const int64_t n = ids.numel();
+    // ids may repeat, so n can exceed n_rows: the check above does not bound n * row_bytes.
+    TORCH_CHECK(n == 0 || row_bytes <= std::numeric_limits<int64_t>::max() / n, "FlashReader: ", n, " rows of ",
+                row_bytes, " bytes overflow an output size");
     TORCH_CHECK(out.nbytes() == static_cast<size_t>(n * row_bytes), "FlashReader: out holds ", out.nbytes(),
                 " bytes, ", n, " rows of ", row_bytes, " bytes need ", n * row_bytes);
     auto batch = std::make_shared<Batch>();
