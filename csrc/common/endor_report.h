@@ -1,6 +1,6 @@
-// Turns what an Endor decompression kernel reported (endor_codes.h) into the RuntimeError the user sees, worded as
-// the CPU kernel words it. Host-side, shared by the CUDA glue and the SIMT test ops; it reads the few numbers it
-// names only on this error path.
+// Turns what an Endor decompression kernel reported (endor_codes.h) into the RuntimeError the user sees. Host-side,
+// shared by the CPU kernel, the CUDA glue and the SIMT test ops, so every backend words its errors alike; it reads
+// the few numbers it names only on this error path.
 #pragma once
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>

@@ -17,11 +17,11 @@
 #include <array>
 #include <cstdint>
 #include <cstring>
-#include <string>
 #include <type_traits>
 
 #include "common/cpu_isa.h"
 #include "common/endor_checks.h"
+#include "common/endor_report.h"
 #include "common/word_dispatch.h"
 
 namespace flashllm {
@@ -199,17 +199,14 @@ __attribute__((target_clones("popcnt", "default"))) int64_t row_popcount(const u
   return count + __builtin_popcountll(load_mask_bytes(bm + b, n_bytes - b));
 }
 
-struct RowError {
-  int64_t out_row = INT64_MAX;
-  std::string message;
-};
-
+// Decodes every output row; returns the lowest refused output row and why, packed as in EndorReport::bad_row
+// (row << kEndorCodeBits | EndorRowCode), or kEndorNoError. The caller words the error (common/endor_report.h).
 template <typename W>
-void decompress(const W* values, int64_t nnz, const uint8_t* bitmap, const int64_t* offsets, int64_t n_rows,
-                int64_t n_cols, const int64_t* rows, int64_t n_out, W* out) {
+unsigned long long decompress(const W* values, int64_t nnz, const uint8_t* bitmap, const int64_t* offsets,
+                              int64_t n_rows, int64_t n_cols, const int64_t* rows, int64_t n_out, W* out) {
   const CpuIsa isa = active_cpu_isa();
   const int64_t n_bytes = (n_cols + 7) / 8;
-  RowError error;
+  unsigned long long bad_row = kEndorNoError;
   // Rows are independent; a small dynamic chunk balances rows of uneven density across threads. Below ~256 KiB of
   // output, waking the thread team costs more than it saves.
   const bool parallel = n_out * n_cols * static_cast<int64_t>(sizeof(W)) >= (256 << 10);
@@ -223,22 +220,19 @@ void decompress(const W* values, int64_t nnz, const uint8_t* bitmap, const int64
         __builtin_prefetch(values + offsets[next]);
       }
     }
-    std::string problem;
+    int code = kEndorRowOk;
     if (r < 0 || r >= n_rows) {
-      problem = "rows[" + std::to_string(i) + "]=" + std::to_string(r) + " is outside [0, " +
-                std::to_string(n_rows) + ")";
+      code = kEndorRowIndexOutOfRange;
     } else {
       const int64_t start = offsets[r], end = offsets[r + 1];
       const uint8_t* bm = bitmap + r * n_bytes;
       const int64_t count = row_popcount(bm, n_cols);
       if (start < 0 || end < start || end > nnz) {
-        problem = "row " + std::to_string(r) + ": row_offsets [" + std::to_string(start) + ", " +
-                  std::to_string(end) + ") is not a range inside values (" + std::to_string(nnz) + " elements)";
+        code = kEndorRowOffsetsInvalid;
       } else if (count < 0) {
-        problem = "row " + std::to_string(r) + ": bitmap has bits set past n_cols=" + std::to_string(n_cols);
+        code = kEndorRowPaddingBits;
       } else if (count != end - start) {
-        problem = "row " + std::to_string(r) + ": row_offsets says " + std::to_string(end - start) +
-                  " values but the bitmap has " + std::to_string(count) + " set bits";
+        code = kEndorRowCountMismatch;
       } else {
         const W* v = values + start;
         W* dst = out + i * n_cols;
@@ -250,12 +244,13 @@ void decompress(const W* values, int64_t nnz, const uint8_t* bitmap, const int64
         }
       }
     }
-    if (!problem.empty()) {
+    if (code != kEndorRowOk) {
+      const unsigned long long packed = static_cast<unsigned long long>(i) << kEndorCodeBits | code;
 #pragma omp critical(flashllm_endor_error)
-      if (i < error.out_row) error = {i, problem};
+      bad_row = packed < bad_row ? packed : bad_row;
     }
   }
-  TORCH_CHECK(error.message.empty(), "endor_decompress: ", error.message);
+  return bad_row;
 }
 
 void endor_decompress_out_cpu(const at::Tensor& values_in, const at::Tensor& bitmap_in,
@@ -267,16 +262,20 @@ void endor_decompress_out_cpu(const at::Tensor& values_in, const at::Tensor& bit
   const std::optional<at::Tensor> rows = rows_in ? std::optional<at::Tensor>(rows_in->contiguous()) : std::nullopt;
   const int64_t n_rows = bitmap.size(0), nnz = values.numel();
   const int64_t* off = offsets.data_ptr<int64_t>();
-  TORCH_CHECK(off[0] == 0 && off[n_rows] == nnz, "endor_decompress: row_offsets must start at 0 and end at ",
-              "values.numel()=", nnz, ", got ", off[0], "..", off[n_rows]);
+  check_endor_offset_ends(off[0], off[n_rows], nnz);
   const int64_t* row_ids = rows ? rows->data_ptr<int64_t>() : nullptr;
   const int64_t n_out = out.size(0);
   const uint8_t* bm = bitmap.data_ptr<uint8_t>();
-  dispatch_word(values.element_size(), [&](auto word) {
+  const unsigned long long bad_row = dispatch_word(values.element_size(), [&](auto word) {
     using W = decltype(word);
-    decompress(static_cast<const W*>(values.data_ptr()), nnz, bm, off, n_rows, n_cols, row_ids, n_out,
-               static_cast<W*>(out.data_ptr()));
+    return decompress(static_cast<const W*>(values.data_ptr()), nnz, bm, off, n_rows, n_cols, row_ids, n_out,
+                      static_cast<W*>(out.data_ptr()));
   });
+  if (bad_row != kEndorNoError) {
+    throw_endor_row_error(static_cast<int64_t>(bad_row >> kEndorCodeBits),
+                          static_cast<int>(bad_row & ((1ull << kEndorCodeBits) - 1)), values, bitmap, offsets, n_cols,
+                          rows);
+  }
 }
 
 }  // namespace
