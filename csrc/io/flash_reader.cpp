@@ -321,13 +321,16 @@ class FlashReader : public torch::CustomClassHolder {
         b.fail(io_error("pread failed", errno, start + got, want - got));
         return got;
       }
-      if (n == 0 || ++stalls > 16) {
+      // A short direct read can end mid-block; the next one must start aligned again, so a read shorter than a block
+      // makes no progress. Only such reads count as stalls: a long read may legitimately arrive in many pieces.
+      const int64_t before = got;
+      got += n;
+      if (got < need && direct_) got = got / dio_offset_align_ * dio_offset_align_;
+      stalls = got > before ? 0 : stalls + 1;
+      if (n == 0 || stalls > 16) {
         b.fail(io_error("unexpected end of file (file shorter than the store says?)", EIO, start + got, want - got));
         return got;
       }
-      got += n;
-      // A short direct read can end mid-block; the next one must start aligned again.
-      if (got < need && direct_) got = got / dio_offset_align_ * dio_offset_align_;
     }
     return got;
   }
@@ -441,18 +444,21 @@ class FlashReader : public torch::CustomClassHolder {
         }
         if (res < 0) {
           b.fail(io_error("io_uring read failed", -res, start + slot.got, need - slot.got));
-        } else if (res == 0 || ++slot.stalls > 16) {
-          b.fail(io_error("unexpected end of file (file shorter than the store says?)", EIO, start + slot.got,
-                          need - slot.got));
         } else {
+          const int64_t before = slot.got;
           slot.got += res;
           b.bytes_read += res;
-          if (slot.got < need) {
-            if (direct_) slot.got = align_down(slot.got);
+          if (slot.got < need && direct_) slot.got = align_down(slot.got);
+          slot.stalls = slot.got > before ? 0 : slot.stalls + 1;  // as in read_span: only no-progress reads count
+          if (res == 0 || slot.stalls > 16) {
+            b.fail(io_error("unexpected end of file (file shorter than the store says?)", EIO, start + slot.got,
+                            need - slot.got));
+          } else if (slot.got < need) {
             submit(s);
             continue;
+          } else {
+            b.scatter(r, ring_buffers_[s].data);
           }
-          b.scatter(r, ring_buffers_[s].data);
         }
         if (!b.failed.load() && next < static_cast<int64_t>(b.reads.size())) {
           slot = {next++, 0, 0};
