@@ -45,6 +45,17 @@ def layer_tensor_name(layer: int) -> str:
 
 
 # ----------------------------------------------------------------------------------------------- checkpoints
+def _read_json(path: Path) -> dict:
+    """A checkpoint's JSON object; anything else raises FormatError naming the file."""
+    try:
+        parsed = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise FormatError(path.name, f"not readable JSON ({e})", str(path)) from e
+    if not isinstance(parsed, dict):
+        raise FormatError(path.name, "must be a JSON object", str(path))
+    return parsed
+
+
 class _Checkpoint:
     """Uniform lazy access to the tensors of an HF safetensors directory (sharded or not) or a GGUF file."""
 
@@ -63,7 +74,7 @@ class _Checkpoint:
         config_path = path / "config.json"
         if not config_path.is_file():
             raise FormatError("config.json", "missing", str(path))
-        self.config = json.loads(config_path.read_text())
+        self.config = _read_json(config_path)
         shard_of = self._shard_map(path)
         self.names = list(shard_of)
         handles: dict[Path, object] = {}
@@ -80,7 +91,7 @@ class _Checkpoint:
     def _shard_map(path: Path) -> dict[str, Path]:
         index = path / "model.safetensors.index.json"
         if index.is_file():
-            weight_map = json.loads(index.read_text()).get("weight_map")
+            weight_map = _read_json(index).get("weight_map")
             if not isinstance(weight_map, dict):
                 raise FormatError("weight_map", "missing or not an object", str(index))
             shards = {path / f for f in set(weight_map.values())}

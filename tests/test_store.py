@@ -188,6 +188,13 @@ def test_bad_checkpoints(tmp_path):
         store.convert(tmp_path / "empty", tmp_path / "s")
     with pytest.raises(ValueError, match="dtype"):
         store.convert(tmp_path / "empty", tmp_path / "s", dtype="fp8")
+    (tmp_path / "empty" / "config.json").write_text("{not json")
+    with pytest.raises(FormatError, match="config.json: not readable JSON"):
+        store.convert(tmp_path / "empty", tmp_path / "s")
+    (tmp_path / "empty" / "config.json").write_text("{}")
+    (tmp_path / "empty" / "model.safetensors.index.json").write_text("[1, 2]")
+    with pytest.raises(FormatError, match="must be a JSON object"):
+        store.convert(tmp_path / "empty", tmp_path / "s")
 
 
 # ------------------------------------------------------------------------------------------ bad stores
