@@ -8,6 +8,7 @@
 #include <string>
 
 #include "common/ffn_checks.h"
+#include "common/ffn_grid.h"
 
 namespace flashllm {
 
@@ -22,7 +23,7 @@ inline void check_ids_below(const at::Tensor& ids, int64_t limit, const char* op
               ")");
 }
 
-inline int ffn_kind(at::ScalarType t) { return t == at::kFloat ? 0 : t == at::kHalf ? 1 : 2; }
+inline FfnKind ffn_kind(at::ScalarType t) { return t == at::kFloat ? kFfnF32 : t == at::kHalf ? kFfnF16 : kFfnBF16; }
 
 // launch(x_f32 [T, d], n_rows, index or nullptr, act code, y_f32 [T, d]) runs the kernels; the result is cast to x's
 // dtype.
