@@ -110,7 +110,7 @@ class _Checkpoint:
 
 
 def _ffn_layout(names: list[str]) -> tuple[dict[int, dict[str, str]], bool]:
-    """Per layer, the tensor names of its up/gate/down weights; and whether the model is gated (GLU)."""
+    """Per layer in layer order, the tensor names of its up/gate/down weights; and whether the model is gated (GLU)."""
     layers: dict[int, dict[str, str]] = {}
     for name in names:
         m = _FFN_NAME.match(name)
@@ -118,6 +118,9 @@ def _ffn_layout(names: list[str]) -> tuple[dict[int, dict[str, str]], bool]:
             layers.setdefault(int(m.group(1)), {})[_ROLE[m.group(2)]] = name
     if not layers or sorted(layers) != list(range(len(layers))):
         raise FormatError("layers", f"no FFN weights or non-contiguous layer numbers {sorted(layers)[:8]}")
+    # Numeric order: tensor names sort as strings (layers.10 before layers.2), and the header's declaration order
+    # must be the order the layers are written in.
+    layers = dict(sorted(layers.items()))
     glu = "gate" in layers[0]
     for layer, roles in layers.items():
         needed = {"up", "down"} | ({"gate"} if glu else set())
@@ -241,7 +244,7 @@ def _write_bundles(path: Path, ckpt: _Checkpoint, layers: dict[int, dict[str, st
     expected = {}
     generator = torch.Generator().manual_seed(0)
     with AlignedWriter(path, specs, metadata, ALIGNMENT) as writer:
-        for layer in tqdm(sorted(layers), desc="bundling FFN layers", unit="layer", disable=not progress):
+        for layer in tqdm(layers, desc="bundling FFN layers", unit="layer", disable=not progress):
             ids = torch.cat([torch.tensor([0, ffn - 1]), torch.randint(0, ffn, (_VERIFY_SAMPLES - 2,),
                                                                        generator=generator)])
             name = layer_tensor_name(layer)

@@ -331,3 +331,35 @@ def test_synthesized_store(tmp_path):
     with safe_open(fs.bundles_path, framework="pt") as f:
         assert torch.equal(f.get_tensor("layers.1.bundles")[[4, 2]], fs.bundle(1, [4, 2]))
     assert fs.resident() == {}
+
+
+@pytest.mark.slow
+def test_convert_the_default_model(default_model, tmp_path):
+    """The embedded default model's GGUF: every checked bundle equals transformers' own weights (fp16)."""
+    path, model, _ = default_model
+    s = store.FlashStore(store.convert(path, tmp_path / "smollm2", progress=False))
+    d = model.config.hidden_size
+    assert (s.n_layers, s.n_neurons, s.hidden_size, s.glu, s.bundle_width) == (30, 1536, d, True, 3 * d)
+    state = model.state_dict()
+    ids = torch.tensor([1535, 0, 7, 800, 801])
+    for layer in (0, 15, 29):
+        mlp = f"model.layers.{layer}.mlp."
+        up, gate, down = (state[f"{mlp}{k}_proj.weight"].half() for k in ("up", "gate", "down"))
+        got = s.bundle(layer, ids)
+        assert torch.equal(got[:, :d], up[ids]) and torch.equal(got[:, d:2 * d], gate[ids])
+        assert torch.equal(got[:, 2 * d:], down[:, ids].t())
+    assert torch.equal(s.resident()["model.embed_tokens.weight"], state["model.embed_tokens.weight"].half())
+    with safe_open(s.bundles_path, "pt") as f:  # any safetensors reader opens the store
+        assert torch.equal(f.get_tensor(store.layer_tensor_name(3))[5], s.bundle(3, [5])[0])
+
+
+def test_convert_more_than_ten_layers(tmp_path):
+    # tensor names sort as strings (layers.10 before layers.2); the store must still be written in layer order
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=8, intermediate_size=16, num_hidden_layers=11,
+                                         num_attention_heads=2, num_key_value_heads=1, vocab_size=32))
+    model.save_pretrained(tmp_path / "ckpt")
+    s = store.FlashStore(store.convert(tmp_path / "ckpt", tmp_path / "s", dtype="fp32", progress=False))
+    for layer in (2, 10):
+        up = model.state_dict()[f"model.layers.{layer}.mlp.up_proj.weight"]
+        assert torch.equal(s.bundle(layer, [3])[0, :8], up[3])
