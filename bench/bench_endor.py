@@ -13,7 +13,7 @@ import warnings
 
 import torch
 
-from common import arg_parser, emit, time_interleaved
+from common import device_name, arg_parser, emit, time_interleaved
 
 import flashllm_ext
 from flashllm_ext import endor
@@ -29,13 +29,6 @@ def pruned_weight(shape: tuple[int, int], dtype: torch.dtype, sparsity: float, d
     w = torch.randn(shape, generator=g).to(dtype)
     w[torch.rand(shape, generator=g) < sparsity] = 0  # unstructured, as magnitude pruning of random weights gives
     return w.to(device)
-
-
-def device_name(device: str) -> str:
-    if device == "cuda":
-        return torch.cuda.get_device_name()
-    isa = flashllm_ext._C.cpu_isa() if flashllm_ext.native_available else "reference"
-    return f"cpu ({isa}, {torch.get_num_threads()} threads)"
 
 
 def bench_case(name: str, shape: tuple[int, int], dtype_name: str, sparsity: float, rows_fraction: float | None,

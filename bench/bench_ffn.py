@@ -29,23 +29,16 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from common import arg_parser, emit, time_interleaved
+from common import device_name, arg_parser, emit, time_interleaved
 
-import flashllm_ext
 from flashllm_ext.cache import NeuronCache
-from flashllm_ext.store import FlashStore, synthesize
+from flashllm_ext.store import DTYPES, FlashStore, synthesize
 from flashllm_ext.traces import default_model_masks, tile_masks
 
 SHAPES = {"opt-6.7b": (4096, 16384, False, "relu"), "llama-2-7b": (4096, 11008, True, "silu")}
-DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 RESULTS = Path(__file__).resolve().parent / "results"
 PROBE_BYTES = 512 << 20
 ROTATE_BYTES = 256 << 20
-
-
-def device_name() -> str:
-    isa = flashllm_ext._C.cpu_isa() if flashllm_ext.native_available else "reference"
-    return f"cpu ({isa}, {torch.get_num_threads()} threads, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')})"
 
 
 # ------------------------------------------------------------------------------------------------ bench ffn

@@ -12,6 +12,19 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from flashllm_ext.timing import time_interleaved  # noqa: E402,F401  (re-exported for the bench scripts)
 
 
+def device_name(device: str = "cpu") -> str:
+    """What ran the benchmark: the GPU's name, or the CPU code path, thread count and OpenMP wait policy."""
+    import torch
+
+    import flashllm_ext
+
+    if device == "cuda":
+        return torch.cuda.get_device_name()
+    isa = flashllm_ext._C.cpu_isa() if flashllm_ext.native_available else "reference"
+    return (f"cpu ({isa}, {torch.get_num_threads()} threads, "
+            f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')})")
+
+
 def arg_parser(description: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--json", action="store_true", help="one JSON object per result line")

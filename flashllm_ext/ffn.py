@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from .cache import NeuronCache, StepStats
+from .models.hf import decoder_layers
 from .reader import FlashReader
 from .store import FlashStore
 
@@ -121,10 +122,7 @@ def install_flash_ffn(model: nn.Module, store: FlashStore | str | os.PathLike,
     if make is None:
         reader = FlashReader(store)
         make = lambda s, layer: FlashFFN(s, layer, reader=reader)  # noqa: E731
-    inner = getattr(model, "model", None)
-    layers = getattr(inner, "layers", None)
-    if layers is None and getattr(inner, "decoder", None) is not None:
-        layers = inner.decoder.layers
+    layers = decoder_layers(model)
     if layers is None or len(layers) != store.n_layers:
         raise ValueError(f"{type(model).__name__}: expected {store.n_layers} decoder layers matching the store")
     modules = []

@@ -29,6 +29,7 @@ from tqdm.auto import tqdm
 from ._ops import unpack_bitmap
 from .endor import pack_bitmap
 from .errors import FormatError
+from .models.hf import decoder_layers
 from .models.text import perplexity
 
 SCORES = ("glu", "gate")
@@ -50,16 +51,14 @@ class FFNModules:
 
 def ffn_modules(model: nn.Module) -> list[FFNModules]:
     """Per-layer FFN modules of a Hugging Face Llama-family or OPT causal LM."""
-    inner = getattr(model, "model", None)
-    layers = getattr(inner, "layers", None)
-    if layers is not None and hasattr(layers[0], "mlp") and hasattr(layers[0].mlp, "gate_proj"):
+    layers = decoder_layers(model)
+    if layers and hasattr(layers[0], "mlp") and hasattr(layers[0].mlp, "gate_proj"):
         return [FFNModules(layer.post_attention_layernorm, layer.mlp.down_proj, layer.mlp.gate_proj, layer.mlp.act_fn)
                 for layer in layers]
-    decoder = getattr(inner, "decoder", None)
-    if decoder is not None and hasattr(decoder, "layers") and hasattr(decoder.layers[0], "fc2"):
+    if layers and hasattr(layers[0], "fc2"):
         # OPT-350m normalises after the FFN; there the FFN input itself is the post-attention residual.
         return [FFNModules(layer.final_layer_norm if layer.do_layer_norm_before else layer.fc1, layer.fc2, None, None)
-                for layer in decoder.layers]
+                for layer in layers]
     raise ValueError(f"{type(model).__name__}: not a Llama-family (mlp.gate_proj) or OPT (fc1/fc2) causal LM")
 
 

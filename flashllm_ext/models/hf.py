@@ -6,6 +6,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from .fetch import fetch_default
 
@@ -15,6 +16,16 @@ FFN_KINDS = ("gate_proj", "up_proj", "down_proj")
 def ffn_linear_names(num_layers: int) -> list[str]:
     """Module names of every FFN Linear: `model.layers.{i}.mlp.{gate,up,down}_proj`, layer-major."""
     return [f"model.layers.{i}.mlp.{kind}" for i in range(num_layers) for kind in FFN_KINDS]
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList | None:
+    """The decoder layers of a Hugging Face causal LM: model.model.layers (Llama family) or
+    model.model.decoder.layers (OPT); None for other layouts."""
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if layers is None and getattr(inner, "decoder", None) is not None:
+        layers = getattr(inner.decoder, "layers", None)
+    return layers
 
 
 def load_hf_model(path: str | os.PathLike | None = None,
