@@ -48,28 +48,32 @@ def dense_ffn(x, w_up, w_down, w_gate, act):
     return F.linear(F.silu(F.linear(x, w_gate)) * F.linear(x, w_up), w_down)
 
 
-def bench_ffn(dtype_name: str, rounds: int, quick: bool) -> list[dict]:
+def bench_ffn(dtype_name: str, rounds: int, quick: bool, device: str = "cpu") -> list[dict]:
     dtype = DTYPES[dtype_name]
+    on_gpu = device == "cuda"
+    sync = torch.cuda.synchronize if on_gpu else (lambda: None)
     g = torch.Generator().manual_seed(0)
-    probe_buf = torch.randint(0, 1 << 20, (PROBE_BYTES // 4,), dtype=torch.int32, generator=g).view(torch.float32)
-    probe_buf.nan_to_num_(0.0)  # random bits: keep the sum finite (cheap either way; the bytes are what count)
+    # The bandwidth probe: a streaming sum, 4x the 50-60 MB L2 of an H100/H200 on the GPU.
+    probe_bytes = (2048 << 20) if on_gpu else PROBE_BYTES
+    probe_buf = torch.randint(0, 1 << 20, (probe_bytes // 4,), dtype=torch.int32, generator=g).view(torch.float32)
+    probe_buf = probe_buf.nan_to_num_(0.0).to(device)  # random bits: keep the sum finite (cheap either way; the bytes are what count)
     rows = []
     for shape_name, (d, n, glu, act) in SHAPES.items():
         width = (3 if glu else 2) * d
         # Dense weights of one layer (>= 268 MB: never cache-resident), nn.Linear layout.
-        w_up = (torch.randn(n, d, generator=g) / d ** 0.5).to(dtype)
-        w_gate = (torch.randn(n, d, generator=g) / d ** 0.5).to(dtype) if glu else None
-        w_down = (torch.randn(d, n, generator=g) / n ** 0.5).to(dtype)
+        w_up = (torch.randn(n, d, generator=g) / d ** 0.5).to(device, dtype)
+        w_gate = (torch.randn(n, d, generator=g) / d ** 0.5).to(device, dtype) if glu else None
+        w_down = (torch.randn(d, n, generator=g) / n ** 0.5).to(device, dtype)
         for sparsity in ((0.97,) if quick else (0.90, 0.95, 0.97)):
             used = int(round((1 - sparsity) * n))
             row_bytes = width * dtype.itemsize
             copies = max(2, -(-ROTATE_BYTES // (used * row_bytes)))
-            active = torch.randperm(n, generator=g)[:used]
+            active = torch.randperm(n, generator=g)[:used].to(device)
             base = torch.cat([w_up[active]] + ([w_gate[active]] if glu else []) + [w_down[:, active].t()], 1)
             mats = [base.contiguous()] + [torch.empty_like(base).copy_(base) for _ in range(copies - 1)]
-            bias = None if glu else torch.full((used,), 4.0, dtype=dtype)  # every cached ReLU row active
+            bias = None if glu else torch.full((used,), 4.0, dtype=dtype, device=device)  # every cached ReLU row active
             for n_tok in ((1,) if quick else (1, 4)):
-                x = torch.randn(n_tok, d, generator=g).to(dtype)
+                x = torch.randn(n_tok, d, generator=g).to(device, dtype)
                 turn = [0]
 
                 def sparse():
@@ -92,18 +96,22 @@ def bench_ffn(dtype_name: str, rounds: int, quick: bool) -> list[dict]:
                     sparse()
                     torch.set_num_threads(threads)
 
-                times = time_interleaved({"sparse": sparse, "sparse_1t": sparse_one_thread,
-                                          "dense": lambda: dense_ffn(x, w_up, w_down, w_gate, act),
-                                          "stream": lambda: probe_buf.sum()}, rounds=rounds)
-                bandwidth = PROBE_BYTES / times["stream"]
+                candidates = {"sparse": sparse, "dense": lambda: dense_ffn(x, w_up, w_down, w_gate, act),
+                              "stream": lambda: probe_buf.sum()}
+                if not on_gpu:
+                    candidates["sparse_1t"] = sparse_one_thread
+                times = time_interleaved(candidates, rounds=rounds, sync=sync)
+                bandwidth = probe_bytes / times["stream"]
                 bound = used * row_bytes / bandwidth
                 rows.append({"bench": "ffn", "shape": shape_name, "glu": glu, "dtype": dtype_name,
                              "sparsity": sparsity, "tokens": n_tok, "rows": used,
                              "sparse_ms": times["sparse"] * 1e3, "dense_ms": times["dense"] * 1e3,
                              "speedup": times["dense"] / times["sparse"], "bound_ms": bound * 1e3,
                              "bound_ratio": times["sparse"] / bound, "stream_gbps": bandwidth / 1e9,
-                             "sparse_1t_ms": times["sparse_1t"] * 1e3, "bound_ratio_1t": times["sparse_1t"] / bound,
-                             "device": device_name()})
+                             "device": device_name(device)})
+                if not on_gpu:
+                    rows[-1].update(sparse_1t_ms=times["sparse_1t"] * 1e3,
+                                    bound_ratio_1t=times["sparse_1t"] / bound)
             del mats
     return rows
 
@@ -183,12 +191,14 @@ def main() -> None:
     parser.add_argument("--only", choices=["ffn", "cache"])
     parser.add_argument("--quick", action="store_true", help="one sparsity, T=1, a short trace (smoke run)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp16")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                        help="where bench 'ffn' runs (bench 'cache' is CPU only until the cache runs on a GPU)")
     parser.add_argument("--store-dir", type=Path, default=None,
                         help="where the synthetic OPT-6.7B-shaped store lives (default: a temporary folder)")
     parser.add_argument("--no-plots", action="store_true")
     args = parser.parse_args()
     if args.only in (None, "ffn"):
-        emit(bench_ffn(args.dtype, args.rounds, args.quick), args.json,
+        emit(bench_ffn(args.dtype, args.rounds, args.quick, args.device), args.json,
              ["shape", "dtype", "sparsity", "tokens", "rows", "sparse_ms", "dense_ms", "speedup", "bound_ms",
               "bound_ratio", "stream_gbps", "sparse_1t_ms", "bound_ratio_1t"])
     if args.only in (None, "cache"):

@@ -1,0 +1,135 @@
+"""The shipped CUDA kernels (flashllm_ext._C built with CUDA) on a real GPU, against the pure-torch references:
+endor_decompress bitwise, sparse_ffn within the float32-accumulation tolerance, cache_compact exactly, and the
+same bad inputs every other backend refuses. The same problems as the SIMT tests (test_simt.py,
+test_ffn_simt.py), plus shapes too large to emulate.
+
+Runs only where torch sees a CUDA device and the native library was built with CUDA kernels; elsewhere the
+module is skipped with that reason (the kernel logic still runs here through the SIMT emulation).
+"""
+import pytest
+import torch
+
+import flashllm_ext
+from flashllm_ext import endor
+from flashllm_ext._ops import cache_compact_reference, endor_decompress_reference, sparse_ffn_reference
+from ffn_cases import FFN_DTYPES, assert_close, bad_ffn_cases, compact_state, ffn_case
+from kernel_cases import BAD_CASES, DTYPES, SHAPES, assert_bitwise_equal, endor_case
+
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA device", allow_module_level=True)
+if not (flashllm_ext.native_available and torch._C._dispatch_has_kernel_for_dispatch_key(
+        "flashllm::sparse_ffn", "CUDA")):
+    pytest.fail("a CUDA device is present but flashllm_ext._C has no CUDA kernels: build with FLASHLLM_CUDA=1",
+                pytrace=False)
+
+OPS = torch.ops.flashllm
+CUDA = torch.device("cuda")
+
+
+def to_cuda(args):
+    return tuple(a.to(CUDA) if isinstance(a, torch.Tensor) else a for a in args)
+
+
+# ---- endor_decompress ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES + ((257, 4099), (4096, 1024)))
+def test_endor_matches_reference_bitwise(dtype, shape):
+    w, e = endor_case(shape, dtype, seed=shape[0] + shape[1])
+    values, bitmap, offsets = to_cuda((e.values, e.bitmap, e.row_offsets))
+    assert_bitwise_equal(OPS.endor_decompress(values, bitmap, offsets, shape[1], None).cpu(), w)
+    rows = torch.randint(0, shape[0], (2 * shape[0] + 1,), generator=torch.Generator().manual_seed(1))
+    got = OPS.endor_decompress(values, bitmap, offsets, shape[1], rows.to(CUDA)).cpu()
+    assert_bitwise_equal(got, endor_decompress_reference(e.values, e.bitmap, e.row_offsets, shape[1], rows))
+
+
+@pytest.mark.parametrize("density", [0.0, 1.0])
+def test_endor_empty_and_full_rows(density):
+    w, e = endor_case((33, 517), torch.float16, density=density)
+    got = OPS.endor_decompress(*to_cuda((e.values, e.bitmap, e.row_offsets)), 517, None)
+    assert_bitwise_equal(got.cpu(), w)
+
+
+def test_endor_out_variant_writes_in_place():
+    w, e = endor_case((64, 300), torch.bfloat16)
+    out = torch.full((64, 300), 7.0, dtype=torch.bfloat16, device=CUDA)
+    OPS.endor_decompress.out(*to_cuda((e.values, e.bitmap, e.row_offsets)), 300, None, out=out)
+    assert_bitwise_equal(out.cpu(), w)
+
+
+@pytest.mark.parametrize("case", BAD_CASES, ids=lambda c: c[0][:30])
+def test_endor_refuses_bad_input(case):
+    expected, args = case
+    with pytest.raises(RuntimeError, match=expected):
+        OPS.endor_decompress(*to_cuda(args))
+
+
+def test_endor_module_api_on_cuda():
+    w, _ = endor_case((40, 96), torch.float16)
+    e = endor.compress(w.to(CUDA))
+    assert e.values.is_cuda
+    assert_bitwise_equal(e.decompress().cpu(), w)
+
+
+# ---- sparse_ffn ---------------------------------------------------------------------------------------------
+
+INDEX = torch.tensor([30, 2, 2, 0, 17, 29, 8])
+
+
+@pytest.mark.parametrize("dtype", FFN_DTYPES)
+@pytest.mark.parametrize("glu,act", [(False, "relu"), (True, "silu"), (False, "gelu"), (True, "gelu")])
+@pytest.mark.parametrize("shape", [(1, 40, 40, 31), (3, 37, 40, 31), (9, 16, 33, 33), (8, 576, 200, 150),
+                                   (1, 4096, 700, 650), (4, 1100, 64, 64)])
+def test_sparse_ffn_matches_reference(dtype, glu, act, shape):
+    n_tok, d, capacity, num_used = shape
+    x, m, b = ffn_case(n_tok, d, capacity, glu, dtype, seed=d + n_tok)
+    cases = [({}, b), ({"index": INDEX, "threshold": 0.1}, b), ({"index": INDEX[:0]}, None), ({}, None),
+             ({"threshold": 0.05}, b)]
+    for kwargs, bias in cases:
+        want = sparse_ffn_reference(x, m, num_used, bias, act, glu, **kwargs)
+        cuda_kwargs = {k: v.to(CUDA) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+        got = OPS.sparse_ffn(*to_cuda((x, m, num_used, bias, act, glu)), **cuda_kwargs)
+        assert got.is_cuda
+        assert_close(got.cpu(), want)
+
+
+def test_sparse_ffn_zero_rows_and_non_contiguous_x():
+    x, m, b = ffn_case(4, 24, 30, False, torch.float32)
+    assert torch.equal(OPS.sparse_ffn(*to_cuda((x, m, 0, b, "relu", False))).cpu(), torch.zeros_like(x))
+    xt = torch.randn(24, 4).t()
+    assert_close(OPS.sparse_ffn(*to_cuda((xt, m, 30, b, "relu", False))).cpu(),
+                 sparse_ffn_reference(xt, m, 30, b, "relu", False))
+
+
+@pytest.mark.parametrize("case", bad_ffn_cases(), ids=lambda c: c[0][:30])
+def test_sparse_ffn_refuses_bad_input(case):
+    match, args, kwargs = case
+    kwargs = {k: v.to(CUDA) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+    with pytest.raises(RuntimeError, match=match):
+        OPS.sparse_ffn(*to_cuda(args), **kwargs)
+
+
+# ---- cache_compact ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("width,dtype", [(8, torch.float32), (5, torch.float16), (12, torch.int8),
+                                         (3 * 576, torch.float16)])
+def test_cache_compact_matches_reference(seed, width, dtype):
+    g = torch.Generator().manual_seed(seed)
+    capacity = int(torch.randint(1, 300, (1,), generator=g))
+    num_used = int(torch.randint(0, capacity + 1, (1,), generator=g))
+    rows = torch.randperm(num_used, generator=g)[:int(torch.randint(0, num_used + 1, (1,), generator=g))]
+    matrix, pointer, bias, slot_of = compact_state(capacity, width, num_used, 500, torch.float32, seed)
+    matrix = matrix.to(dtype)
+    got = [t.to(CUDA) for t in (matrix, pointer, bias, slot_of)]
+    want = [t.clone() for t in (matrix, pointer, bias, slot_of)]
+    assert OPS.cache_compact(*got, num_used, rows.to(CUDA)) == cache_compact_reference(*want, num_used, rows)
+    assert all(torch.equal(a.cpu(), b) for a, b in zip(got, want))
+
+
+def test_cache_compact_refuses_bad_rows():
+    state = [t.to(CUDA) for t in compact_state(10, 4, 6, 20, torch.float32, seed=0)]
+    for rows, match in ((torch.tensor([1, 1]), "twice"), (torch.tensor([6]), "outside"),
+                        (torch.tensor([-1]), "outside")):
+        with pytest.raises(RuntimeError, match=match):
+            OPS.cache_compact(*state, 6, rows.to(CUDA))
