@@ -1,7 +1,7 @@
 """Activation sparsity of the default model (SmolLM2-135M-Instruct) on held-out text: thresholds and predictors.
 
-1. Threshold sweep: per-layer thresholds calibrated on the calibration text for each target sparsity and each
-   score (|act(gate)*up| "glu", |act(gate)| "gate"); held-out perplexity with the thresholded FFN patched in and
+1. Threshold sweep: per-layer thresholds on the active-neuron rule's score |act(gate)| (flashllm_ext.predictor)
+   calibrated on the calibration text for each target sparsity; held-out perplexity with the thresholded FFN patched in and
    the sparsity reached on held-out text (rows bench:"threshold").
 2. Predictors at the operating point (--target-sparsity): per-layer recall, precision, predicted (loaded)
    density, true density, false-negative mass (rows bench:"predictor"), and one bench:"predictor_ppl" line with
@@ -29,15 +29,13 @@ WINDOW = 512
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
-def threshold_sweep(model, calibration, heldout, targets, scores, n_windows, as_json) -> None:
-    rows = [{"bench": "threshold", "score": "dense", "target": 0.0, "sparsity": 0.0,
+def threshold_sweep(model, calibration, heldout, targets, n_windows, as_json) -> None:
+    rows = [{"bench": "threshold", "target": 0.0, "sparsity": 0.0,
              "ppl": perplexity(model, heldout, WINDOW, n_windows, progress=False)}]
-    for score in scores:
-        for target, thresholds in calibrate_thresholds(model, calibration, targets, score, WINDOW).items():
-            with patched_ffn(model, thresholds, score) as counter:
-                ppl = perplexity(model, heldout, WINDOW, n_windows, progress=False)
-            rows.append({"bench": "threshold", "score": score, "target": target, "sparsity": counter.sparsity,
-                         "ppl": ppl})
+    for target, thresholds in calibrate_thresholds(model, calibration, targets, WINDOW).items():
+        with patched_ffn(model, thresholds) as counter:
+            ppl = perplexity(model, heldout, WINDOW, n_windows, progress=False)
+        rows.append({"bench": "threshold", "target": target, "sparsity": counter.sparsity, "ppl": ppl})
     for row in rows:
         row["ppl_vs_dense"] = row["ppl"] / rows[0]["ppl"]
     emit(rows, as_json)
@@ -49,7 +47,7 @@ def plot_layer(model, predictors, heldout, layer: int, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    capture = capture_activations(model, heldout[:WINDOW], predictors.thresholds, predictors.score, WINDOW,
+    capture = capture_activations(model, heldout[:WINDOW], predictors.thresholds, WINDOW,
                                   keep_scores=[layer], progress=False)
     with torch.no_grad():
         prob = torch.sigmoid(predictors.predictors[layer](capture.inputs[layer].float())).flatten()
@@ -59,8 +57,7 @@ def plot_layer(model, predictors, heldout, layer: int, path: str) -> None:
     ax.scatter(prob[pick], true[pick], s=1, alpha=0.3)
     ax.axhline(predictors.thresholds[layer].item(), color="r", lw=1, label="activation threshold")
     ax.axvline(predictors.prob_thresholds[layer].item(), color="k", lw=1, ls="--", label="probability threshold")
-    score_name = "act(gate)*up" if predictors.score == "glu" else "act(gate)"
-    ax.set(xlabel="predictor output (probability)", ylabel=f"true |{score_name}|", yscale="log",
+    ax.set(xlabel="predictor output (probability)", ylabel="true |act(gate)|", yscale="log",
            title=f"SmolLM2-135M layer {layer}, held-out tokens")
     ax.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
@@ -76,9 +73,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--rank", type=int, default=None, help="default: chosen from each layer's density")
     parser.add_argument("--recall", type=float, default=0.95, help="per-layer probability thresholds for this")
-    parser.add_argument("--score", choices=("glu", "gate"), default="glu", help="score used by the predictors")
     parser.add_argument("--sweep-targets", default="0.5,0.6,0.7,0.8,0.9")
-    parser.add_argument("--sweep-scores", default="glu,gate")
     parser.add_argument("--no-sweep", action="store_true")
     parser.add_argument("--plot-layer", type=int, default=15)
     args = parser.parse_args()
@@ -88,10 +83,10 @@ def main() -> None:
     heldout = corpus_token_ids(tokenizer, "heldout")
     if not args.no_sweep:
         threshold_sweep(model, calibration, heldout, [float(t) for t in args.sweep_targets.split(",")],
-                        args.sweep_scores.split(","), args.eval_windows, args.json)
+                        args.eval_windows, args.json)
 
     start = time.perf_counter()
-    predictors = train_predictors(model, calibration, args.target_sparsity, args.rank, args.score, args.epochs,
+    predictors = train_predictors(model, calibration, args.target_sparsity, args.rank, args.epochs,
                                   args.recall, window=WINDOW)
     train_seconds = time.perf_counter() - start
     result = evaluate(model, predictors, heldout, WINDOW, args.eval_windows)
@@ -100,7 +95,7 @@ def main() -> None:
            "prob_threshold": predictors.prob_thresholds[layer["layer"]].item()} for layer in result["layers"]],
          args.json)
     layers = result["layers"]
-    emit([{"bench": "predictor_ppl", "target_sparsity": args.target_sparsity, "score": args.score,
+    emit([{"bench": "predictor_ppl", "target_sparsity": args.target_sparsity,
            "ppl_dense": result["ppl_dense"], "ppl_threshold": result["ppl_threshold"],
            "ppl_predictor": result["ppl_predictor"], "sparsity_threshold": result["sparsity_threshold"],
            "sparsity": result["sparsity"], "loaded_density": sum(l["density"] for l in layers) / len(layers),

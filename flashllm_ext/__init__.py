@@ -41,5 +41,6 @@ def _pick_backend() -> str:
 backend: str = _pick_backend()
 
 from . import endor  # noqa: E402
+from .engine import load_flash, patch_model  # noqa: E402
 
-__all__ = ["FormatError", "backend", "endor", "native_available"]
+__all__ = ["FormatError", "backend", "endor", "load_flash", "native_available", "patch_model"]

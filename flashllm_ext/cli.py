@@ -58,7 +58,7 @@ def _train_predictors(args: argparse.Namespace) -> int:
         out = out / "predictors.safetensors"
     model, tokenizer = load_hf_model(gguf_path)
     token_ids = spread_windows(corpus_token_ids(tokenizer, "calibration"), -(-args.tokens // WINDOW), WINDOW)
-    predictors = train_predictors(model, token_ids, args.target_sparsity, args.rank, args.score, args.epochs,
+    predictors = train_predictors(model, token_ids, args.target_sparsity, args.rank, args.epochs,
                                   None if args.recall <= 0 else args.recall, args.top_k, window=WINDOW)
     if args.store:
         out = predictors.save_to_store(args.store)
@@ -66,7 +66,7 @@ def _train_predictors(args: argparse.Namespace) -> int:
         predictors.save(out)
     ranks = sorted({p.rank for p in predictors.predictors})
     print(f"wrote {len(predictors.predictors)} predictors (ranks {ranks}, target sparsity {args.target_sparsity}, "
-          f"score {args.score}, {token_ids.numel()} calibration tokens) to {out}")
+          f"{token_ids.numel()} calibration tokens) to {out}")
     return 0
 
 
@@ -98,8 +98,6 @@ def _add_train_predictors(sub: argparse._SubParsersAction) -> None:
     train.add_argument("--rank", type=_ranks, default=None,
                        help="one rank, or one per layer (comma separated); default: from each layer's density")
     train.add_argument("--target-sparsity", type=float, default=0.7)
-    train.add_argument("--score", choices=("glu", "gate"), default="glu",
-                       help="threshold |act(gate)*up| (glu) or |act(gate)| (gate)")
     train.add_argument("--tokens", type=int, default=4096,
                        help=f"calibration tokens (rounded up to windows of {WINDOW} spread over the calibration text)")
     train.add_argument("--epochs", type=int, default=10)

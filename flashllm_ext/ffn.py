@@ -1,22 +1,32 @@
-"""FlashFFN: an nn.Module that takes the place of a model's MLP and computes it from a flash store.
+"""FFN modules that take the place of a model's MLP and compute it from a flash store.
 
-Per step (a group of `tokens_per_step` tokens): active neuron ids (a predictor, a fixed set, or every neuron) ->
-NeuronCache.step (evict, read the missing bundles) -> torch.ops.flashllm.sparse_ffn over the cached rows (+ the
-output projection's bias). Exact mode (every neuron active, threshold 0, capacity >= n_neurons) reproduces the
-dense MLP of the same weights up to float rounding.
+FlashFFN ('LLM in a flash'): per token, the active neuron ids (a predictor, a fixed set, or every neuron) ->
+NeuronCache.step (evict what left the window, read the missing bundles) -> sparse_ffn over exactly this token's
+rows of the cache (+ the output projection's bias). A forward of T tokens (a prompt) groups its tokens so that
+each group's union of active sets fits the cache: one cache step (one batch of coalesced reads) per group, then
+one sparse_ffn call per token with that token's own rows, so a prompt costs a few large reads, not T steps, and
+every token still follows the active-neuron rule exactly (flashllm_ext.predictor). A token whose own set exceeds
+the cache is computed in capacity-sized parts.
 
-`install_flash_ffn(model, store)` swaps every FFN of a Hugging Face Llama-family or OPT model for FlashFFN.
+StreamingFFN (the paper's baselines): the first `resident_rows` bundles of the layer are read once and kept, the
+others are re-read from flash on every forward into a staging buffer that all layers share; every neuron is
+computed. resident_rows = 0 is "naive" (everything re-read per token), a budget-filled part is "hybrid".
+
+Both accumulate their costs in an FFNStats, so an engine can report I/O, memory-management, predictor and compute
+time per token.
 """
 from __future__ import annotations
 
 import os
 import re
+import time
 from collections.abc import Callable
+from dataclasses import dataclass, fields
 
 import torch
 from torch import nn
 
-from .cache import NeuronCache, StepStats
+from .cache import NeuronCache, StepStats, layer_input_bias
 from .models.hf import decoder_layers
 from .reader import FlashReader
 from .store import FlashStore
@@ -25,7 +35,8 @@ from .store import FlashStore
 # silently differ from the model.
 _ACTIVATIONS = {"relu": "relu", "silu": "silu", "swish": "silu", "gelu": "gelu"}
 
-# What a predictor may return: int64 ids [k], or a bool mask [n] or [T, n] (a neuron is active if any token needs it).
+# What a predictor returns for x [T, d]: a bool mask [T, n] (per-token active sets), or one set shared by every
+# token as int64 ids [k] or a bool mask [n].
 Predictor = Callable[[torch.Tensor], torch.Tensor]
 
 
@@ -49,7 +60,8 @@ def _output_bias(store: FlashStore, layer: int) -> torch.Tensor | None:
 
 
 def active_ids_of(selection: torch.Tensor, n_neurons: int) -> torch.Tensor:
-    """int64 ids from a predictor's answer: ids [k] as they are, a bool mask [n] or [T, n] as its active ids."""
+    """int64 ids from a predictor's answer: ids [k] as they are, a bool mask [n] or [T, n] as its active ids
+    (a neuron active for any token)."""
     if selection.dtype == torch.bool:
         if selection.shape[-1] != n_neurons or selection.dim() not in (1, 2):
             raise ValueError(f"a bool mask must have shape [n] or [T, n] with n={n_neurons}, got "
@@ -62,78 +74,259 @@ def active_ids_of(selection: torch.Tensor, n_neurons: int) -> torch.Tensor:
     return selection.to(torch.int64)
 
 
-class FlashFFN(nn.Module):
-    """One FFN layer served from a flash store through a NeuronCache.
+@dataclass
+class FFNStats:
+    """Costs accumulated by the FFN modules of a model (reset with `reset`)."""
+    tokens: int = 0  # tokens the FFN ran on (per layer: a model's total is tokens / layers)
+    steps: int = 0  # NeuronCache steps (flash) or streamed reads (naive/hybrid)
+    needed: int = 0  # neurons the steps needed (a cache hit when already cached)
+    inserted: int = 0  # bundles read from flash
+    bytes_read: int = 0
+    io_s: float = 0.0  # waiting for reads
+    mem_s: float = 0.0  # cache bookkeeping: planning, swap-delete, pointer/bias updates
+    predictor_s: float = 0.0
+    compute_s: float = 0.0  # sparse_ffn and the output bias
 
-    predictor: callable x [T, d] -> ids or bool mask (see Predictor); active_ids: a fixed set used for every
-    step; neither: every neuron (exact mode). threshold: sparse_ffn's activation threshold (0: none).
-    capacity / budget_bytes / window / reader: NeuronCache's. tokens_per_step: tokens sharing one cache step.
-    Input x [..., d] of any float dtype; computed in the store's dtype with float32 accumulation.
+    def add_step(self, step: StepStats, needed: int) -> None:
+        self.steps += 1
+        self.needed += needed
+        self.inserted += step.inserted
+        self.bytes_read += step.bytes_read
+        self.io_s += step.io_s
+        self.mem_s += step.mem_s
+
+    def reset(self) -> None:
+        for f in fields(self):
+            setattr(self, f.name, f.default)
+
+    @property
+    def hit_rate(self) -> float:
+        """Fraction of needed neurons that were already in DRAM."""
+        return 1.0 - self.inserted / self.needed if self.needed else 1.0
+
+
+def _check_input(x: torch.Tensor, d: int) -> torch.Tensor:
+    if x.shape[-1] != d:
+        raise ValueError(f"x must end in the hidden size {d}, got shape {tuple(x.shape)}")
+    return x.reshape(-1, d)
+
+
+class FlashFFN(nn.Module):
+    """One FFN layer served from a flash store through a NeuronCache (see the module doc).
+
+    predictor: callable x [T, d] -> bool [T, n] per-token sets (or one shared set, see Predictor); active_ids: a
+    fixed set used for every token; neither: every neuron (exact mode). threshold: sparse_ffn's activation
+    threshold (the rule's; 0: none). capacity / budget_bytes / window / reader: NeuronCache's. stats: an FFNStats
+    to accumulate into (shared by the layers of a model). Input x [..., d] of any float dtype; computed in the
+    store's dtype with float32 accumulation; output in x's dtype.
     """
 
     def __init__(self, store: FlashStore | str | os.PathLike, layer: int, *, predictor: Predictor | None = None,
                  active_ids: torch.Tensor | None = None, threshold: float = 0.0, capacity: int | None = None,
-                 budget_bytes: int | None = None, window: int = 5, tokens_per_step: int = 1,
-                 reader: FlashReader | None = None):
+                 budget_bytes: int | None = None, window: int = 5, reader: FlashReader | None = None,
+                 stats: FFNStats | None = None):
         super().__init__()
         self.store = store if isinstance(store, FlashStore) else FlashStore(store)
         if predictor is not None and active_ids is not None:
             raise ValueError("give a predictor or a fixed active_ids set, not both")
-        if tokens_per_step < 1:
-            raise ValueError(f"tokens_per_step must be >= 1, got {tokens_per_step}")
         if capacity is None and budget_bytes is None:
             capacity = self.store.n_neurons
         self.cache = NeuronCache(self.store, layer, capacity, window, budget_bytes=budget_bytes, reader=reader)
         self.layer, self.predictor, self.threshold = layer, predictor, float(threshold)
-        self.tokens_per_step = tokens_per_step
         self.activation = store_activation(self.store)
         n = self.store.n_neurons
         fixed = torch.arange(n) if active_ids is None else active_ids_of(active_ids, n)
         self.fixed_ids = None if predictor is not None else self.store.check_ids(fixed)
         self.register_buffer("out_bias", _output_bias(self.store, layer), persistent=False)
-        self.last_stats: list[StepStats] = []
+        self.stats = stats if stats is not None else FFNStats()
+        self.last_stats: list[StepStats] = []  # the cache steps of the last forward
+
+    @property
+    def nbytes(self) -> int:
+        """DRAM this layer holds: its cache (matrix, pointer, bias, per-neuron state) and output bias."""
+        return self.cache.nbytes + (self.out_bias.nbytes if self.out_bias is not None else 0)
+
+    @staticmethod
+    def bytes_for(store: FlashStore) -> tuple[int, int]:
+        """(fixed bytes, bytes per cache row) of one FlashFFN layer over `store`: NeuronCache.bytes_for plus an
+        output bias (float32 [d], counted whether or not the model has one)."""
+        fixed, per_row = NeuronCache.bytes_for(store, with_bias=layer_input_bias(store, 0) is not None)
+        return fixed + 4 * store.hidden_size, per_row
+
+    def _token_sets(self, flat: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """(per-token bool masks [T, n] or None when every token shares one set, the shared/union ids)."""
+        n = self.store.n_neurons
+        if self.predictor is None:
+            return None, self.fixed_ids
+        start = time.perf_counter()
+        selection = self.predictor(flat)
+        self.stats.predictor_s += time.perf_counter() - start
+        if selection.dtype == torch.bool and selection.dim() == 2:
+            if tuple(selection.shape) != (flat.shape[0], n):
+                raise ValueError(f"the predictor returned a mask of shape {tuple(selection.shape)}, expected "
+                                 f"{(flat.shape[0], n)}")
+            return selection, active_ids_of(selection, n)
+        return None, self.store.check_ids(active_ids_of(selection, n))
+
+    def _step(self, ids: torch.Tensor) -> None:
+        step = self.cache.step(ids)
+        self.last_stats.append(step)
+        self.stats.add_step(step, ids.numel())
+
+    def _compute(self, x: torch.Tensor, ids: torch.Tensor, out: torch.Tensor) -> None:
+        """out [T, d] float32 += the FFN of x [T, d] over neurons `ids`, all of them cached now."""
+        start = time.perf_counter()
+        cache = self.cache
+        rows = cache.slot_of[ids]
+        y = torch.ops.flashllm.sparse_ffn(x, cache.matrix, cache.num_used, cache.bias, self.activation,
+                                          self.store.glu, rows, self.threshold)
+        out += y.float()
+        self.stats.compute_s += time.perf_counter() - start
+
+    def _run_set(self, x: torch.Tensor, ids: torch.Tensor, out: torch.Tensor) -> None:
+        """The FFN of x over one set of neurons, in capacity-sized parts if the set does not fit the cache."""
+        ids = ids.unique()
+        for part in ids.split(self.cache.capacity):
+            self._step(part)
+            self._compute(x, part, out)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        d = self.store.hidden_size
-        if x.shape[-1] != d:
-            raise ValueError(f"x must end in the hidden size {d}, got shape {tuple(x.shape)}")
-        flat = x.reshape(-1, d)
-        out = torch.empty(flat.shape, dtype=torch.float32)
+        flat = _check_input(x, self.store.hidden_size)
+        xs = flat.to(self.store.dtype).contiguous()
+        out = torch.zeros(flat.shape, dtype=torch.float32)
         self.last_stats = []
-        for start in range(0, flat.shape[0], self.tokens_per_step):
-            chunk = flat[start:start + self.tokens_per_step]
-            ids = self.fixed_ids if self.predictor is None else active_ids_of(self.predictor(chunk),
-                                                                               self.store.n_neurons)
-            self.last_stats.append(self.cache.step(ids))
-            cache = self.cache
-            y = torch.ops.flashllm.sparse_ffn(chunk.to(self.store.dtype).contiguous(), cache.matrix, cache.num_used,
-                                              cache.bias, self.activation, self.store.glu, None, self.threshold)
-            out[start:start + chunk.shape[0]] = y.float()
+        masks, union = self._token_sets(flat)
+        if masks is None:  # one set for every token
+            self._run_set(xs, union, out)
+        else:
+            for first, last in self._groups(masks):
+                group_union = masks[first:last].any(dim=0).nonzero().flatten()
+                if group_union.numel() > self.cache.capacity:  # a single token larger than the cache
+                    self._run_set(xs[first:last], group_union, out)
+                    continue
+                self._step(group_union)
+                for t in range(first, last):
+                    self._compute(xs[t:t + 1], masks[t].nonzero().flatten(), out[t:t + 1])
+        self.stats.tokens += flat.shape[0]
         if self.out_bias is not None:
             out += self.out_bias
         return out.to(x.dtype).reshape(x.shape)
 
+    def _groups(self, masks: torch.Tensor) -> list[tuple[int, int]]:
+        """Consecutive token ranges [first, last) whose union of active sets fits the cache (a token whose own
+        set does not fit is a range of its own)."""
+        capacity, groups, first = self.cache.capacity, [], 0
+        union = torch.zeros(masks.shape[1], dtype=torch.bool)
+        for t in range(masks.shape[0]):
+            grown = union | masks[t]
+            if t > first and int(grown.sum()) > capacity:
+                groups.append((first, t))
+                first, grown = t, masks[t].clone()
+            union = grown
+        if masks.shape[0]:
+            groups.append((first, masks.shape[0]))
+        return groups
+
+
+class StreamingFFN(nn.Module):
+    """One FFN layer computed densely: bundles [0, resident_rows) held in DRAM, the rest re-read from flash on every
+    forward into `staging` (shared between layers: [>= n - resident_rows, bundle_width] of the store dtype)."""
+
+    def __init__(self, store: FlashStore, layer: int, resident_rows: int, staging: torch.Tensor,
+                 reader: FlashReader, stats: FFNStats | None = None):
+        super().__init__()
+        n = store.n_neurons
+        if not 0 <= resident_rows <= n:
+            raise ValueError(f"resident_rows must be in [0, {n}], got {resident_rows}")
+        if staging.shape[0] < n - resident_rows or staging.shape[1:] != (store.bundle_width,):
+            raise ValueError(f"staging must hold {n - resident_rows} bundles of width {store.bundle_width}, got "
+                             f"{tuple(staging.shape)}")
+        self.store, self.layer, self.reader, self.staging = store, layer, reader, staging
+        self.activation = store_activation(store)
+        self.stats = stats if stats is not None else FFNStats()
+        bias = layer_input_bias(store, layer)
+        self.resident = reader.read(layer, torch.arange(resident_rows)) if resident_rows else None
+        self.resident_bias = None if bias is None else bias[:resident_rows].contiguous()
+        self.streamed_ids = torch.arange(resident_rows, n)
+        self.streamed_bias = None if bias is None else bias[resident_rows:].contiguous()
+        self.register_buffer("out_bias", _output_bias(store, layer), persistent=False)
+        self.nbytes = self.bytes_for(store, resident_rows)
+
+    @staticmethod
+    def bytes_for(store: FlashStore, resident_rows: int) -> int:
+        """DRAM one layer holds on its own (the shared staging buffer is counted once by its owner): resident
+        bundles, the ids of the streamed ones, the input bias (if any) and a float32 output bias (counted always)."""
+        n = store.n_neurons
+        bias = store.dtype.itemsize * n if layer_input_bias(store, 0) is not None else 0
+        return resident_rows * store.row_bytes + 8 * (n - resident_rows) + bias + 4 * store.hidden_size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = _check_input(x, self.store.hidden_size)
+        xs = flat.to(self.store.dtype).contiguous()
+        out = torch.zeros(flat.shape, dtype=torch.float32)
+        n_streamed = self.streamed_ids.numel()
+        if n_streamed:
+            start = time.perf_counter()
+            self.reader.read(self.layer, self.streamed_ids, self.staging[:n_streamed])
+            self.stats.io_s += time.perf_counter() - start
+            self.stats.bytes_read += self.reader.stats.bytes_read
+            self.stats.inserted += n_streamed
+            self.stats.steps += 1
+        self.stats.needed += self.store.n_neurons
+        start = time.perf_counter()
+        glu, act = self.store.glu, self.activation
+        if self.resident is not None:
+            out += torch.ops.flashllm.sparse_ffn(xs, self.resident, self.resident.shape[0], self.resident_bias, act,
+                                                 glu, None, 0.0).float()
+        if n_streamed:
+            out += torch.ops.flashllm.sparse_ffn(xs, self.staging, n_streamed, self.streamed_bias, act, glu, None,
+                                                 0.0).float()
+        if self.out_bias is not None:
+            out += self.out_bias
+        self.stats.compute_s += time.perf_counter() - start
+        self.stats.tokens += flat.shape[0]
+        return out.to(x.dtype).reshape(x.shape)
+
+
+def ffn_slots(model: nn.Module) -> list[tuple[nn.Module, dict[str, nn.Module]]]:
+    """Per decoder layer: (the layer, its FFN modules by attribute) of a Llama-family (mlp) or OPT (fc1,
+    activation_fn, fc2) model."""
+    layers = decoder_layers(model)
+    if layers is None:
+        raise ValueError(f"{type(model).__name__}: not a Llama-family or OPT causal LM (no decoder layers found)")
+    slots = []
+    for i, layer in enumerate(layers):
+        if hasattr(layer, "mlp"):
+            slots.append((layer, {"mlp": layer.mlp}))
+        elif hasattr(layer, "fc1") and hasattr(layer, "fc2"):
+            slots.append((layer, {"fc1": layer.fc1, "activation_fn": layer.activation_fn, "fc2": layer.fc2}))
+        else:
+            raise ValueError(f"layer {i} ({type(layer).__name__}) has neither mlp nor fc1/fc2")
+    return slots
+
+
+def set_ffn(layer: nn.Module, ffn: nn.Module) -> None:
+    """Make `ffn` the FFN of a decoder layer. OPT applies fc1, its activation and fc2 inline: `ffn` does all three."""
+    if hasattr(layer, "mlp"):
+        layer.mlp = ffn
+    else:
+        layer.fc1, layer.activation_fn, layer.fc2 = ffn, nn.Identity(), nn.Identity()
+
 
 def install_flash_ffn(model: nn.Module, store: FlashStore | str | os.PathLike,
-                      make: Callable[[FlashStore, int], FlashFFN] | None = None) -> list[FlashFFN]:
-    """Replace every FFN of a Llama-family (layer.mlp) or OPT (fc1 -> act -> fc2) model by a FlashFFN over
-    `store`; make(store, layer) builds each (default: exact mode, one shared reader). Returns the modules."""
+                      make: Callable[[FlashStore, int], nn.Module] | None = None) -> list[nn.Module]:
+    """Replace every FFN of a Llama-family (layer.mlp) or OPT (fc1 -> act -> fc2) model by make(store, layer)
+    (default: FlashFFN in exact mode, one shared reader). Returns the modules."""
     store = store if isinstance(store, FlashStore) else FlashStore(store)
+    slots = ffn_slots(model)
+    if len(slots) != store.n_layers:
+        raise ValueError(f"{type(model).__name__} has {len(slots)} decoder layers, the store {store.n_layers}")
     if make is None:
         reader = FlashReader(store)
         make = lambda s, layer: FlashFFN(s, layer, reader=reader)  # noqa: E731
-    layers = decoder_layers(model)
-    if layers is None or len(layers) != store.n_layers:
-        raise ValueError(f"{type(model).__name__}: expected {store.n_layers} decoder layers matching the store")
     modules = []
-    for i, layer in enumerate(layers):
+    for i, (layer, _) in enumerate(slots):
         ffn = make(store, i)
-        if hasattr(layer, "mlp"):
-            layer.mlp = ffn
-        elif hasattr(layer, "fc1") and hasattr(layer, "fc2"):
-            # OPT applies fc1, its activation and fc2 inline: FlashFFN does all three.
-            layer.fc1, layer.activation_fn, layer.fc2 = ffn, nn.Identity(), nn.Identity()
-        else:
-            raise ValueError(f"layer {i} ({type(layer).__name__}) has neither mlp nor fc1/fc2")
+        set_ffn(layer, ffn)
         modules.append(ffn)
     return modules

@@ -1,14 +1,16 @@
 """Activation sparsity on real models: capture, per-layer thresholds (SwiGLU) and low-rank neuron predictors.
 
-Terms, per FFN layer with n neurons:
-  predictor input  x [T, d]: the layer's attention output after the residual (the FFN's input before its norm),
-                   as in 'LLM in a flash'.
-  activation       h [T, n]: what the down projection reads. SwiGLU: act(gate(x')) * up(x'); OPT: relu(fc1(x')).
-  score            |h| ("glu") or |act(gate(x'))| ("gate"); a neuron is active for a token when its score is
-                   above the layer's threshold. ReLU models have exact zeros, so threshold 0 gives their natural
-                   sparsity; SwiGLU has none, so the threshold is calibrated to a target sparsity.
-A predictor guesses the active set from x. The patched FFN used for perplexity computes h densely, then zeroes
-the inactive neurons: it measures accuracy, not speed.
+The one active-neuron rule (shared by calibration, training, `evaluate`, FlashFFN and the sparse_ffn kernel),
+per FFN layer with n neurons:
+  input   x [T, d]: what the FFN itself receives (after its norm: Llama's post_attention_layernorm, OPT's
+          final_layer_norm); the predictor sees exactly this.
+  score   |act(x . gate + b)| for GLU models (SwiGLU), |act(x . up + b)| otherwise (OPT's |relu(fc1(x))|): the
+          activation sparse_ffn thresholds, before the GLU product.
+  active  score > the layer's threshold (strictly: ties are inactive, as in every kernel). ReLU models have exact
+          zeros, so threshold 0 gives their natural sparsity; SwiGLU has none, so the threshold is calibrated to a
+          target sparsity.
+A predictor guesses the active set from x. The patched FFN used for perplexity computes h = act(gate) * up
+densely, then zeroes the inactive neurons: it measures accuracy, not speed.
 """
 from __future__ import annotations
 
@@ -32,9 +34,8 @@ from .errors import FormatError
 from .models.hf import decoder_layers
 from .models.text import perplexity
 
-SCORES = ("glu", "gate")
 FORMAT_NAME = "flashllm-predictors"
-FORMAT_VERSION = "1"
+FORMAT_VERSION = "2"  # 2: predictors see the FFN's normalised input and the gate-activation score
 TENSOR_PREFIX = "predictor."
 
 
@@ -43,7 +44,7 @@ TENSOR_PREFIX = "predictor."
 @dataclass
 class FFNModules:
     """The modules of one FFN layer the hooks attach to."""
-    predictor_input: nn.Module  # its (first) input is x
+    ffn_input: nn.Module  # its (first) input is x, the FFN's own input
     down: nn.Module  # its input is h
     gate: nn.Module | None  # SwiGLU gate projection (None for ReLU FFNs)
     act: Callable[[torch.Tensor], torch.Tensor] | None
@@ -53,22 +54,16 @@ def ffn_modules(model: nn.Module) -> list[FFNModules]:
     """Per-layer FFN modules of a Hugging Face Llama-family or OPT causal LM."""
     layers = decoder_layers(model)
     if layers and hasattr(layers[0], "mlp") and hasattr(layers[0].mlp, "gate_proj"):
-        return [FFNModules(layer.post_attention_layernorm, layer.mlp.down_proj, layer.mlp.gate_proj, layer.mlp.act_fn)
+        return [FFNModules(layer.mlp, layer.mlp.down_proj, layer.mlp.gate_proj, layer.mlp.act_fn)
                 for layer in layers]
     if layers and hasattr(layers[0], "fc2"):
-        # OPT-350m normalises after the FFN; there the FFN input itself is the post-attention residual.
-        return [FFNModules(layer.final_layer_norm if layer.do_layer_norm_before else layer.fc1, layer.fc2, None, None)
-                for layer in layers]
+        return [FFNModules(layer.fc1, layer.fc2, None, None) for layer in layers]
     raise ValueError(f"{type(model).__name__}: not a Llama-family (mlp.gate_proj) or OPT (fc1/fc2) causal LM")
 
 
-def _score(kind: str, h: torch.Tensor, gate_act: torch.Tensor | None) -> torch.Tensor:
-    return (gate_act if kind == "gate" and gate_act is not None else h).abs()
-
-
-def _check_score(score: str) -> None:
-    if score not in SCORES:
-        raise ValueError(f"score must be one of {SCORES}, got {score!r}")
+def activation_score(h: torch.Tensor, gate_act: torch.Tensor | None) -> torch.Tensor:
+    """The rule's score [N, n]: |act(gate)| for GLU layers (gate_act given), |h| = |act(up)| otherwise."""
+    return (h if gate_act is None else gate_act).abs()
 
 
 # Callback of `ffn_hooks`: (layer, x [N, d], h [N, n], gate activation [N, n] or None) -> replacement h or None.
@@ -76,7 +71,7 @@ FFNCallback = Callable[[int, torch.Tensor, torch.Tensor, "torch.Tensor | None"],
 
 
 @contextmanager
-def ffn_hooks(model: nn.Module, callback: FFNCallback, need_gate: bool = False) -> Iterator[list[FFNModules]]:
+def ffn_hooks(model: nn.Module, callback: FFNCallback) -> Iterator[list[FFNModules]]:
     """Calls `callback` at every FFN layer's down projection during forward passes; a returned tensor replaces
     the down projection's input. Hooks are removed on exit, even on error."""
     modules = ffn_modules(model)
@@ -101,8 +96,8 @@ def ffn_hooks(model: nn.Module, callback: FFNCallback, need_gate: bool = False) 
 
     try:
         for i, m in enumerate(modules):
-            handles.append(m.predictor_input.register_forward_pre_hook(keep_x(i)))
-            if need_gate and m.gate is not None:
+            handles.append(m.ffn_input.register_forward_pre_hook(keep_x(i)))
+            if m.gate is not None:
                 handles.append(m.gate.register_forward_hook(keep_gate(i, m.act)))
             handles.append(m.down.register_forward_pre_hook(at_down(i)))
         yield modules
@@ -124,14 +119,13 @@ def _run_windows(model: nn.Module, token_ids: torch.Tensor, window: int, progres
 # --------------------------------------------------------------------------------------------- thresholds
 
 def calibrate_thresholds(model: nn.Module, token_ids: torch.Tensor, target: float | Sequence[float] = 0.5,
-                         score: str = "glu", window: int = 512, progress: bool = True
-                         ) -> torch.Tensor | dict[float, torch.Tensor]:
-    """Per-layer thresholds on the score so that a fraction `target` of (token, neuron) scores lies at or below.
+                         window: int = 512, progress: bool = True) -> torch.Tensor | dict[float, torch.Tensor]:
+    """Per-layer thresholds on the rule's score so that a fraction `target` of (token, neuron) scores lies at or
+    below.
 
     Returns fp32 [L] for one target, or {target: [L]} for several (one forward pass serves all).
     ReLU layers whose natural sparsity already exceeds a target get threshold 0 (exact zeros only).
     """
-    _check_score(score)
     targets = [target] if isinstance(target, (int, float)) else list(target)
     if not targets or not all(0.0 <= t < 1.0 for t in targets):
         raise ValueError(f"targets must be in [0, 1), got {target}")
@@ -139,9 +133,9 @@ def calibrate_thresholds(model: nn.Module, token_ids: torch.Tensor, target: floa
 
     def collect(i, x, h, gate_act):
         # fp16 halves the memory of the kept scores; a threshold does not need more precision.
-        scores.setdefault(i, []).append(_score(score, h, gate_act).half())
+        scores.setdefault(i, []).append(activation_score(h, gate_act).half())
 
-    with ffn_hooks(model, collect, need_gate=score == "gate"):
+    with ffn_hooks(model, collect):
         _run_windows(model, token_ids, window, progress, "calibrating thresholds")
     result = {t: torch.zeros(len(scores)) for t in targets}
     for i, chunks in scores.items():
@@ -164,7 +158,6 @@ class ActivationCapture:
     bitmaps: list[torch.Tensor]
     n_neurons: int
     thresholds: torch.Tensor
-    score: str
     scores: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def mask(self, layer: int) -> torch.Tensor:
@@ -175,11 +168,9 @@ class ActivationCapture:
         return self.mask(layer).float().mean().item()
 
 
-def capture_activations(model: nn.Module, token_ids: torch.Tensor, thresholds: torch.Tensor, score: str = "glu",
-                        window: int = 512, keep_scores: Sequence[int] = (), progress: bool = True
-                        ) -> ActivationCapture:
+def capture_activations(model: nn.Module, token_ids: torch.Tensor, thresholds: torch.Tensor, window: int = 512,
+                        keep_scores: Sequence[int] = (), progress: bool = True) -> ActivationCapture:
     """Record every layer's predictor input and active set (score > threshold) over `token_ids` [T]."""
-    _check_score(score)
     n_layers = len(ffn_modules(model))
     if thresholds.shape != (n_layers,):
         raise ValueError(f"thresholds must have shape ({n_layers},) (one per layer), got {tuple(thresholds.shape)}")
@@ -190,17 +181,17 @@ def capture_activations(model: nn.Module, token_ids: torch.Tensor, thresholds: t
 
     def record(i, x, h, gate_act):
         nonlocal n_neurons
-        s = _score(score, h, gate_act)
+        s = activation_score(h, gate_act)
         n_neurons = s.shape[1]
         inputs[i].append(x.half())
         bitmaps[i].append(pack_bitmap(s > thresholds[i]))
         if i in kept:
             kept[i].append(s.float())
 
-    with ffn_hooks(model, record, need_gate=score == "gate"):
+    with ffn_hooks(model, record):
         _run_windows(model, token_ids, window, progress, "capturing activations")
     return ActivationCapture([torch.cat(c) for c in inputs], [torch.cat(c) for c in bitmaps], n_neurons,
-                             thresholds.clone(), score, {i: torch.cat(c) for i, c in kept.items()})
+                             thresholds.clone(), {i: torch.cat(c) for i, c in kept.items()})
 
 
 # -------------------------------------------------------------------------------------------- predictors
@@ -270,14 +261,12 @@ class PredictorSet(nn.Module):
     top_k             predict the k most likely neurons per token instead
     """
 
-    def __init__(self, predictors: Sequence[LowRankPredictor], thresholds: torch.Tensor, score: str = "glu",
+    def __init__(self, predictors: Sequence[LowRankPredictor], thresholds: torch.Tensor,
                  prob_thresholds: torch.Tensor | None = None, top_k: int | None = None):
         super().__init__()
-        _check_score(score)
         if thresholds.shape != (len(predictors),):
             raise ValueError(f"need one threshold per predictor ({len(predictors)}), got {tuple(thresholds.shape)}")
         self.predictors = nn.ModuleList(predictors)
-        self.score = score
         self.top_k = top_k
         self.register_buffer("thresholds", thresholds.float().clone())
         probs = torch.full((len(predictors),), 0.5) if prob_thresholds is None else prob_thresholds.float().clone()
@@ -295,7 +284,7 @@ class PredictorSet(nn.Module):
     def _tensors_and_metadata(self) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         tensors = {f"{TENSOR_PREFIX}{k}": v.detach().contiguous() for k, v in self.state_dict().items()}
         meta = {"ranks": [p.rank for p in self.predictors], "d": self.predictors[0].down.in_features,
-                "n_neurons": self.predictors[0].up.out_features, "score": self.score, "top_k": self.top_k}
+                "n_neurons": self.predictors[0].up.out_features, "top_k": self.top_k}
         return tensors, {"predictors": json.dumps(meta), "predictors_version": FORMAT_VERSION}
 
     def save(self, path: str | os.PathLike) -> None:
@@ -346,7 +335,7 @@ class PredictorSet(nn.Module):
         try:
             meta = json.loads(metadata["predictors"])
             ranks, d, n = [int(r) for r in meta["ranks"]], int(meta["d"]), int(meta["n_neurons"])
-            score, top_k = meta["score"], meta["top_k"]
+            top_k = meta["top_k"]
         except (KeyError, TypeError, ValueError) as e:
             raise FormatError("__metadata__.predictors", f"bad value ({e!r})", path) from None
         predictors = [LowRankPredictor(d, n, r) for r in ranks]
@@ -354,7 +343,7 @@ class PredictorSet(nn.Module):
         for key in ("thresholds", "prob_thresholds"):
             if key not in state:
                 raise FormatError(f"predictor.{key}", "missing", path)
-        out = cls(predictors, state["thresholds"], score, state["prob_thresholds"], top_k)
+        out = cls(predictors, state["thresholds"], state["prob_thresholds"], top_k)
         try:
             out.load_state_dict(state)
         except RuntimeError as e:
@@ -379,15 +368,15 @@ def choose_prob_thresholds(predictors: Sequence[LowRankPredictor], inputs: Seque
 
 
 def train_predictors(model: nn.Module, token_ids: torch.Tensor, target_sparsity: float = 0.7,
-                     rank: int | Sequence[int] | None = None, score: str = "glu", epochs: int = 10,
+                     rank: int | Sequence[int] | None = None, epochs: int = 10,
                      recall: float | None = 0.95, top_k: int | None = None, window: int = 512,
                      validation_fraction: float = 0.1, progress: bool = True) -> PredictorSet:
     """Calibrate thresholds at `target_sparsity`, capture activations over `token_ids` and train one predictor
     per layer. rank: one for all layers, one per layer, or None (auto_rank from each layer's density).
     recall: pick each layer's probability threshold to reach it on the last `validation_fraction` of the tokens
     (None keeps 0.5)."""
-    thresholds = calibrate_thresholds(model, token_ids, target_sparsity, score, window, progress)
-    capture = capture_activations(model, token_ids, thresholds, score, window, progress=progress)
+    thresholds = calibrate_thresholds(model, token_ids, target_sparsity, window, progress)
+    capture = capture_activations(model, token_ids, thresholds, window, progress=progress)
     n_layers = len(capture.inputs)
     if isinstance(rank, Sequence) and len(rank) != n_layers:
         raise ValueError(f"need one rank per layer ({n_layers}), got {len(rank)}")
@@ -401,7 +390,7 @@ def train_predictors(model: nn.Module, token_ids: torch.Tensor, target_sparsity:
         val_inputs.append(x[n_train:])
         val_masks.append(mask[n_train:])
     probs = None if recall is None else choose_prob_thresholds(predictors, val_inputs, val_masks, recall)
-    return PredictorSet(predictors, thresholds, score, probs, top_k)
+    return PredictorSet(predictors, thresholds, probs, top_k)
 
 
 # -------------------------------------------------------------------------------------- patched FFN, evaluation
@@ -418,11 +407,10 @@ class SparsityCounter:
 
 
 @contextmanager
-def patched_ffn(model: nn.Module, thresholds: torch.Tensor, score: str = "glu",
+def patched_ffn(model: nn.Module, thresholds: torch.Tensor,
                 predictors: PredictorSet | None = None) -> Iterator[SparsityCounter]:
     """Within the block, every FFN zeroes the neurons that are not active: score <= threshold, or (with
     predictors) not predicted active. Yields the achieved sparsity counter."""
-    _check_score(score)
     n_layers = len(ffn_modules(model))
     if thresholds.shape != (n_layers,):
         raise ValueError(f"thresholds must have shape ({n_layers},), got {tuple(thresholds.shape)}")
@@ -431,14 +419,14 @@ def patched_ffn(model: nn.Module, thresholds: torch.Tensor, score: str = "glu",
     counter = SparsityCounter([0] * n_layers, [0] * n_layers)
 
     def sparsify(i, x, h, gate_act):
-        keep = _score(score, h, gate_act) > thresholds[i]
+        keep = activation_score(h, gate_act) > thresholds[i]
         if predictors is not None:
             keep &= predictors.predict(i, x)
         counter.kept[i] += int(keep.sum())
         counter.total[i] += keep.numel()
         return h * keep
 
-    with ffn_hooks(model, sparsify, need_gate=score == "gate"):
+    with ffn_hooks(model, sparsify):
         yield counter
 
 
@@ -458,14 +446,14 @@ def evaluate(model: nn.Module, predictors: PredictorSet, token_ids: torch.Tensor
     sums = torch.zeros(n_layers, 5, dtype=torch.float64)  # tp, fp, fn, fn mass, active mass
 
     def measure(i, x, h, gate_act):
-        s = _score(predictors.score, h, gate_act)
+        s = activation_score(h, gate_act)
         true = s > predictors.thresholds[i]
         pred = predictors.predict(i, x)
         sums[i] += torch.tensor([(true & pred).sum().item(), (~true & pred).sum().item(),
                                  (true & ~pred).sum().item(), s[true & ~pred].sum().item(), s[true].sum().item()],
                                 dtype=torch.float64)
 
-    with ffn_hooks(model, measure, need_gate=predictors.score == "gate"):
+    with ffn_hooks(model, measure):
         _run_windows(model, ids, window, progress, "evaluating predictors")
     layers = []
     n_neurons = predictors.predictors[0].up.out_features
@@ -474,9 +462,9 @@ def evaluate(model: nn.Module, predictors: PredictorSet, token_ids: torch.Tensor
                        "precision": tp / max(tp + fp, 1), "density": (tp + fp) / (ids.numel() * n_neurons),
                        "true_density": (tp + fn) / (ids.numel() * n_neurons), "fn_mass": fn_mass / max(mass, 1e-30)})
     ppl_dense = perplexity(model, ids, window, n_windows, progress)
-    with patched_ffn(model, predictors.thresholds, predictors.score) as threshold_only:
+    with patched_ffn(model, predictors.thresholds) as threshold_only:
         ppl_threshold = perplexity(model, ids, window, n_windows, progress)
-    with patched_ffn(model, predictors.thresholds, predictors.score, predictors) as with_predictor:
+    with patched_ffn(model, predictors.thresholds, predictors) as with_predictor:
         ppl_predictor = perplexity(model, ids, window, n_windows, progress)
     return {"layers": layers, "ppl_dense": ppl_dense, "ppl_threshold": ppl_threshold,
             "ppl_predictor": ppl_predictor, "sparsity_threshold": threshold_only.sparsity,

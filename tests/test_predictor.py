@@ -7,9 +7,9 @@ from safetensors.torch import save_file
 from transformers import LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM
 
 from flashllm_ext import FormatError, cli
-from flashllm_ext.predictor import (LowRankPredictor, PredictorSet, auto_rank, calibrate_thresholds,
-                                    capture_activations, choose_prob_thresholds, evaluate, ffn_hooks, ffn_modules,
-                                    patched_ffn, train_predictor)
+from flashllm_ext.predictor import (LowRankPredictor, PredictorSet, activation_score, auto_rank,
+                                    calibrate_thresholds, capture_activations, choose_prob_thresholds, evaluate,
+                                    ffn_hooks, ffn_modules, patched_ffn, train_predictor)
 
 LLAMA = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
              vocab_size=128, max_position_embeddings=256, rms_norm_eps=1e-6)
@@ -43,7 +43,7 @@ def _predictor_set(model, n_layers: int, d: int, n: int, thresholds: torch.Tenso
 def test_capture_matches_manual_forward_llama(llama):
     ids = _ids(40, 1)
     thresholds = torch.tensor([0.01, 0.02, 0.03])
-    cap = capture_activations(llama, ids, thresholds, "glu", window=16, keep_scores=[1], progress=False)
+    cap = capture_activations(llama, ids, thresholds, window=16, keep_scores=[1], progress=False)
     with torch.no_grad():
         hidden = llama(ids.unsqueeze(0), output_hidden_states=True).hidden_states
     # Windows of 16 tokens are scored independently: rebuild the hidden states window by window.
@@ -51,31 +51,25 @@ def test_capture_matches_manual_forward_llama(llama):
         hidden = [torch.cat([llama(w.unsqueeze(0), output_hidden_states=True).hidden_states[i][0]
                              for w in ids.split(16)]) for i in range(len(hidden))]
     for i, layer in enumerate(llama.model.layers):
-        x = cap.inputs[i].float()
-        assert cap.inputs[i].dtype == torch.float16 and x.shape == (40, 64)
+        # The captured input is the FFN's own input: the residual stream after post_attention_layernorm.
+        xn = cap.inputs[i].float()
+        assert cap.inputs[i].dtype == torch.float16 and xn.shape == (40, 64)
         with torch.no_grad():
-            xn = layer.post_attention_layernorm(x)
-            h = F.silu(layer.mlp.gate_proj(xn)) * layer.mlp.up_proj(xn)
-            if i + 1 < len(llama.model.layers):  # the last hidden state has the final norm applied
-                assert torch.allclose(hidden[i + 1], x + layer.mlp.down_proj(h), atol=2e-3)
-        expected = h.abs() > thresholds[i]
+            residual = hidden[i + 1] - layer.mlp(xn) if i + 1 < len(llama.model.layers) else None
+            if residual is not None:  # the last hidden state has the final norm applied
+                assert torch.allclose(layer.post_attention_layernorm(residual), xn, atol=2e-2)
+            gate = F.silu(layer.mlp.gate_proj(xn)).abs()
+        expected = gate > thresholds[i]
         # x went through fp16, so a score within rounding of the threshold may flip; nothing else may differ.
-        borderline = (h.abs() - thresholds[i]).abs() < 2e-3
+        borderline = (gate - thresholds[i]).abs() < 2e-3
         assert torch.equal(cap.mask(i)[~borderline], expected[~borderline])
         assert cap.bitmaps[i].dtype == torch.uint8 and cap.bitmaps[i].shape == (40, 12)
-    assert torch.allclose(cap.scores[1], (F.silu(llama.model.layers[1].mlp.gate_proj(
-        llama.model.layers[1].post_attention_layernorm(cap.inputs[1].float()))) * llama.model.layers[1].mlp.up_proj(
-        llama.model.layers[1].post_attention_layernorm(cap.inputs[1].float()))).abs().detach(), atol=2e-3)
-    assert set(cap.scores) == {1}
-
-
-def test_capture_gate_score_uses_gate_activation(llama):
-    ids = _ids(16, 2)
-    cap = capture_activations(llama, ids, torch.zeros(3), "gate", window=16, keep_scores=[0], progress=False)
-    layer = llama.model.layers[0]
+    # The score is the rule's: |act(gate)|, not |act(gate) * up|.
+    layer = llama.model.layers[1]
     with torch.no_grad():
-        gate = F.silu(layer.mlp.gate_proj(layer.post_attention_layernorm(cap.inputs[0].float()))).abs()
-    assert torch.allclose(cap.scores[0], gate, atol=2e-3)
+        gate = F.silu(layer.mlp.gate_proj(cap.inputs[1].float())).abs()
+    assert torch.allclose(cap.scores[1], gate, atol=2e-3)
+    assert set(cap.scores) == {1}
 
 
 def test_opt_relu_exact_zeros(opt):
@@ -99,13 +93,12 @@ def test_opt_relu_exact_zeros(opt):
 
 # ------------------------------------------------------------------------------------------------ thresholds
 
-@pytest.mark.parametrize("score", ["glu", "gate"])
-def test_thresholds_hit_target_on_held_out_tokens(llama, score):
+def test_thresholds_hit_target_on_held_out_tokens(llama):
     targets = [0.5, 0.7, 0.9]
-    thresholds = calibrate_thresholds(llama, _ids(512, 4), targets, score, window=128, progress=False)
+    thresholds = calibrate_thresholds(llama, _ids(512, 4), targets, window=128, progress=False)
     for target in targets:
         assert thresholds[target].shape == (3,) and (thresholds[target] > 0).all()
-        with torch.no_grad(), patched_ffn(llama, thresholds[target], score) as counter:
+        with torch.no_grad(), patched_ffn(llama, thresholds[target]) as counter:
             llama(_ids(256, 5).unsqueeze(0))
         assert abs(counter.sparsity - target) <= 0.02, (target, counter.sparsity)
     assert (thresholds[0.5] < thresholds[0.7]).all() and (thresholds[0.7] < thresholds[0.9]).all()
@@ -116,7 +109,7 @@ def test_patched_ffn_zeroes_inactive_neurons(llama):
     seen = {}
 
     def record(i, x, h, gate_act):
-        seen[i] = h.clone()
+        seen[i] = h.clone(), gate_act.abs()
 
     thresholds = calibrate_thresholds(llama, ids, 0.6, window=16, progress=False)
     with patched_ffn(llama, thresholds), ffn_hooks(llama, record):
@@ -124,16 +117,15 @@ def test_patched_ffn_zeroes_inactive_neurons(llama):
             llama(ids.unsqueeze(0))
     # `record` runs after the patch's hook: it sees what the down projection reads.
     for i in range(3):
-        kept = seen[i] != 0
+        h, score = seen[i]
+        kept = h != 0
         assert abs(kept.float().mean().item() - 0.4) < 0.02
-        assert (seen[i][kept].abs() > thresholds[i]).all()
+        assert torch.equal(kept, score > thresholds[i])
 
 
 def test_bad_inputs_raise_clear_errors(llama):
     with pytest.raises(ValueError, match="one per layer"):
         capture_activations(llama, _ids(8, 0), torch.zeros(2), progress=False)
-    with pytest.raises(ValueError, match="score"):
-        calibrate_thresholds(llama, _ids(8, 0), 0.5, score="relu")
     with pytest.raises(ValueError, match=r"\[0, 1\)"):
         calibrate_thresholds(llama, _ids(8, 0), 1.5)
     with pytest.raises(ValueError, match="1-D"):
@@ -161,7 +153,7 @@ def test_hooks_removed_on_error(llama):
     def boom(i, x, h, gate_act):
         raise KeyError("boom")
 
-    with pytest.raises(KeyError), ffn_hooks(llama, boom, need_gate=True), torch.no_grad():
+    with pytest.raises(KeyError), ffn_hooks(llama, boom), torch.no_grad():
         llama(_ids(4, 0).unsqueeze(0))
     assert count() == before
 
@@ -208,11 +200,11 @@ def test_auto_rank_grows_with_density():
 
 
 def test_save_load_round_trip(tmp_path, llama):
-    predictors = _predictor_set(llama, 3, 64, 96, torch.tensor([0.1, 0.2, 0.3]), score="gate",
+    predictors = _predictor_set(llama, 3, 64, 96, torch.tensor([0.1, 0.2, 0.3]),
                                 prob_thresholds=torch.tensor([0.4, 0.5, 0.6]))
     predictors.save(tmp_path / "p.safetensors")
     loaded = PredictorSet.load(tmp_path / "p.safetensors")
-    assert loaded.score == "gate" and loaded.top_k is None
+    assert loaded.top_k is None
     for (k, v), (k2, v2) in zip(predictors.state_dict().items(), loaded.state_dict().items()):
         assert k == k2 and torch.equal(v, v2)
     x = torch.randn(5, 64)
@@ -311,9 +303,10 @@ def test_default_model_thresholds_hit_target_on_held_out_text(default_model):
 
     def count(i, x, h, gate_act):
         nonlocal seen
-        seen += h.numel()
+        score = activation_score(h, gate_act)
+        seen += score.numel()
         for target in targets:
-            inactive[target] += int((h.abs() <= thresholds[target][i]).sum())
+            inactive[target] += int((score <= thresholds[target][i]).sum())
 
     with torch.no_grad(), ffn_hooks(model, count):  # one held-out pass serves every target
         for window in heldout.view(2, 512):

@@ -1,0 +1,323 @@
+"""The engine: a Hugging Face causal LM whose FFNs are served from a flash store within a DRAM budget.
+
+    model = flashllm_ext.load_flash(store_dir, dram_budget="50%", mode="flash")   # builds the model from the store
+    handle = flashllm_ext.patch_model(model, store_dir, mode="flash")            # or patches a loaded model
+    model.generate(...); model.flash_stats(); handle.unpatch()
+
+Modes (the paper's Table 3 rows):
+  dense   every weight in DRAM, the FFNs as nn.Linear: the reference (no budget applies)
+  naive   every FFN bundle re-read from flash for every forward (one staging buffer shared by the layers)
+  hybrid  as many bundles of each layer resident as the budget allows, the rest re-read every forward
+  flash   predictor + sliding-window NeuronCache + coalesced parallel direct reads of the missing bundles
+  exact   flash's cache and reads with every neuron active and no threshold: dense results through the flash path
+
+The budget covers what the model holds: resident tensors (embeddings, attention, norms), predictors, the caches /
+resident bundles / staging buffers. Its split: resident tensors first, then predictors, then the FFN state, equal
+per layer. A budget that cannot hold one bundle per layer raises ValueError naming the minimum.
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+from torch import nn
+
+from .ffn import FFNStats, FlashFFN, StreamingFFN, ffn_slots, set_ffn
+from .reader import FlashReader
+from .store import FlashStore
+
+MODES = ("dense", "naive", "hybrid", "flash", "exact")
+_UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
+
+
+def parse_budget(budget: int | float | str, model_bytes: int) -> int:
+    """Bytes from a budget: an int (bytes), "50%" (of the model's bytes: resident tensors + every FFN bundle),
+    or a size like "200MB" / "1.5GiB"."""
+    if isinstance(budget, (int, float)) and not isinstance(budget, bool):
+        value = int(budget)
+    else:
+        text = str(budget).strip().lower().replace(" ", "")
+        match = re.fullmatch(r"(\d+(?:\.\d+)?)(%|[kmg]i?b|b)?", text)
+        if match is None:
+            raise ValueError(f"dram_budget must be bytes, a percentage like '50%' or a size like '200MB', "
+                             f"got {budget!r}")
+        number, unit = float(match.group(1)), match.group(2) or ""
+        value = int(number / 100 * model_bytes) if unit == "%" else int(number * _UNITS[unit])
+    if value <= 0:
+        raise ValueError(f"dram_budget must be positive, got {budget!r}")
+    return value
+
+
+def store_ffn_bytes(store: FlashStore) -> int:
+    return store.n_layers * store.n_neurons * store.row_bytes
+
+
+def _tensor_bytes(tensors) -> int:
+    seen, total = set(), 0
+    for t in tensors:
+        if t is None or t.device.type == "meta":
+            continue
+        key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+        if key not in seen:  # tied weights share a storage: count it once
+            seen.add(key)
+            total += key[1]
+    return total
+
+
+@dataclass
+class FlashRuntime:
+    """What the engine installed in a model: mode, budget split, modules and their accumulated stats."""
+    store: FlashStore
+    mode: str
+    budget_bytes: int | None
+    resident_bytes: int  # the model's own tensors outside the FFNs
+    predictor_bytes: int
+    ffn_bytes: int  # caches / resident bundles / staging
+    modules: list[nn.Module]
+    stats: FFNStats
+    reader: FlashReader | None
+    originals: list[tuple[nn.Module, dict[str, nn.Module]]] = field(default_factory=list)
+    predictors: nn.Module | None = None
+
+    @property
+    def accounted_bytes(self) -> int:
+        return self.resident_bytes + self.predictor_bytes + self.ffn_bytes
+
+    def flash_stats(self) -> dict:
+        """Per generated/processed token: I/O, memory-management, predictor and FFN compute milliseconds, bytes
+        read and cache hit rate, plus the accounted DRAM. A token is counted once per model forward position."""
+        s, layers = self.stats, max(1, self.store.n_layers)
+        tokens = s.tokens // layers
+        per = 1e3 / max(tokens, 1)
+        return {"mode": self.mode, "tokens": tokens, "io_ms": s.io_s * per, "mem_ms": s.mem_s * per,
+                "predictor_ms": s.predictor_s * per, "compute_ms": s.compute_s * per,
+                "bytes_per_token": s.bytes_read / max(tokens, 1), "bytes_read": s.bytes_read,
+                "hit_rate": s.hit_rate, "steps": s.steps, "budget_bytes": self.budget_bytes,
+                "accounted_bytes": self.accounted_bytes, "resident_bytes": self.resident_bytes,
+                "predictor_bytes": self.predictor_bytes, "ffn_bytes": self.ffn_bytes}
+
+    def unpatch(self, model: nn.Module) -> None:
+        """Put the original FFN modules back (patch_model only) and release the reader."""
+        if not self.originals:
+            raise RuntimeError("this model was built by load_flash: it has no original FFNs to restore")
+        for layer, modules in self.originals:
+            for name, module in modules.items():
+                setattr(layer, name, module)
+        self.close()
+        for attr in ("flash", "flash_stats"):
+            model.__dict__.pop(attr, None)
+
+    def close(self) -> None:
+        if self.reader is not None:
+            self.reader.close()
+            self.reader = None
+
+
+def _resident_bytes(model: nn.Module, ffn_params: set[int]) -> int:
+    tensors = [p for p in model.parameters() if id(p) not in ffn_params] + list(model.buffers())
+    return _tensor_bytes(tensors)
+
+
+def _check_model_matches(model: nn.Module, store: FlashStore,
+                         slots: list[tuple[nn.Module, dict[str, nn.Module]]]) -> None:
+    if len(slots) != store.n_layers:
+        raise ValueError(f"{type(model).__name__} has {len(slots)} decoder layers, the store {store.path} has "
+                         f"{store.n_layers}")
+    hidden = getattr(model.config, "hidden_size", None) or getattr(model.config, "word_embed_proj_dim", None)
+    ffn = getattr(model.config, "intermediate_size", None) or getattr(model.config, "ffn_dim", None)
+    if (hidden, ffn) != (store.hidden_size, store.n_neurons):
+        raise ValueError(f"the model has hidden size {hidden} and {ffn} FFN neurons, the store {store.path} "
+                         f"{store.hidden_size} and {store.n_neurons}: not the same model")
+
+
+def _install(model: nn.Module, store: FlashStore, mode: str, budget_bytes: int | None, window: int,
+             predictors: nn.Module | None, threads: int, keep_originals: bool) -> FlashRuntime:
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if mode == "dense":
+        raise ValueError("dense mode keeps the model's own FFNs: nothing to install")
+    slots = ffn_slots(model)
+    _check_model_matches(model, store, slots)
+    ffn_params = {id(p) for _, modules in slots for m in modules.values() for p in m.parameters()}
+    resident = _resident_bytes(model, ffn_params)
+    predictor_bytes = 0
+    if mode == "flash":
+        if predictors is None:
+            raise ValueError(f"flash mode needs predictors: train them into the store (flashllm train-predictors "
+                             f"--store {store.path}) or pass predictors=")
+        if len(predictors.predictors) != store.n_layers:
+            raise ValueError(f"predictors cover {len(predictors.predictors)} layers, the store {store.n_layers}")
+        predictor_bytes = _tensor_bytes(list(predictors.parameters()) + list(predictors.buffers()))
+    n_layers, n, row = store.n_layers, store.n_neurons, store.row_bytes
+    ffn_budget = None if budget_bytes is None else budget_bytes - resident - predictor_bytes
+    reader = FlashReader(store, threads=threads)
+    stats = FFNStats()
+    try:
+        modules, ffn_bytes = _make_modules(store, mode, ffn_budget, window, predictors, reader, stats, budget_bytes,
+                                           resident + predictor_bytes)
+    except BaseException:
+        reader.close()
+        raise
+    originals = [(layer, dict(mods)) for layer, mods in slots] if keep_originals else []
+    for (layer, _), module in zip(slots, modules):
+        set_ffn(layer, module)
+    runtime = FlashRuntime(store, mode, budget_bytes, resident, predictor_bytes, ffn_bytes, modules, stats, reader,
+                           originals, predictors)
+    model.flash = runtime
+    model.flash_stats = runtime.flash_stats
+    return runtime
+
+
+def _make_modules(store: FlashStore, mode: str, ffn_budget: int | None, window: int, predictors, reader, stats,
+                  budget_bytes, fixed_bytes) -> tuple[list[nn.Module], int]:
+    n_layers, n, row = store.n_layers, store.n_neurons, store.row_bytes
+
+    def too_small(need: int) -> ValueError:
+        return ValueError(f"dram_budget of {budget_bytes} bytes is below the minimum of {fixed_bytes + need} for "
+                          f"{mode} mode ({fixed_bytes} resident tensors and predictors + {need} for the FFNs)")
+
+    if mode in ("flash", "exact"):
+        fixed, per_row = FlashFFN.bytes_for(store)
+        per_layer = None if ffn_budget is None else ffn_budget // n_layers
+        if per_layer is not None and per_layer < fixed + per_row:
+            raise too_small(n_layers * (fixed + per_row))
+        flash = mode == "flash"
+        modules = [FlashFFN(store, i, predictor=partial(predictors.predict, i) if flash else None,
+                            threshold=float(predictors.thresholds[i]) if flash else 0.0, budget_bytes=per_layer,
+                            capacity=None if per_layer else n, window=window, reader=reader, stats=stats)
+                   for i in range(n_layers)]
+        return modules, sum(m.nbytes for m in modules)
+    # naive / hybrid: a staging buffer for the streamed bundles, shared by every layer, plus resident bundles.
+    def streaming_bytes(resident_rows: int) -> int:
+        return n_layers * StreamingFFN.bytes_for(store, resident_rows) + (n - resident_rows) * row
+
+    resident_rows = 0
+    if mode == "hybrid":
+        if ffn_budget is None:
+            resident_rows = n // 2
+        else:  # the most resident rows per layer that fit (streaming_bytes falls as they grow only if L = 1)
+            low, high = 0, n
+            while low < high:
+                mid = (low + high + 1) // 2
+                low, high = (mid, high) if streaming_bytes(mid) <= ffn_budget else (low, mid - 1)
+            resident_rows = low
+    if ffn_budget is not None and streaming_bytes(resident_rows) > ffn_budget:
+        raise too_small(streaming_bytes(0))
+    staging = torch.empty((n - resident_rows, store.bundle_width), dtype=store.dtype)
+    modules = [StreamingFFN(store, i, resident_rows, staging, reader, stats) for i in range(n_layers)]
+    return modules, staging.nbytes + sum(m.nbytes for m in modules)
+
+
+def model_bytes(model: nn.Module, store: FlashStore) -> int:
+    """What the whole model weighs: its resident tensors plus every FFN bundle of the store."""
+    slots = ffn_slots(model)
+    ffn_params = {id(p) for _, modules in slots for m in modules.values() for p in m.parameters()}
+    return _resident_bytes(model, ffn_params) + store_ffn_bytes(store)
+
+
+def _load_predictors(store: FlashStore, predictors, mode: str):
+    if mode != "flash" or predictors is not None:
+        return predictors
+    from .predictor import PredictorSet
+
+    try:
+        return PredictorSet.load(store.path)
+    except Exception as e:  # FormatError: no predictors in the store
+        raise ValueError(f"flash mode needs predictors and {store.path} has none usable ({e}); train them with "
+                         f"`flashllm train-predictors CHECKPOINT --store {store.path}`") from None
+
+
+def patch_model(model: nn.Module, store: FlashStore | str | os.PathLike, *, mode: str = "flash",
+                dram_budget: int | float | str | None = None, window: int = 5, predictors=None,
+                threads: int = 32) -> FlashRuntime:
+    """Serve the FFNs of an already loaded Llama-family or OPT model from `store` (converted from the same
+    checkpoint). The original FFN modules are kept for `unpatch` (so they still occupy memory: for a real budget
+    use load_flash). dram_budget (default: none) bounds what the engine accounts, as in load_flash. Returns the
+    runtime; `model.flash_stats()` reports the costs; `runtime.unpatch(model)` restores the model."""
+    store = store if isinstance(store, FlashStore) else FlashStore(store)
+    if getattr(model, "flash", None) is not None:
+        raise ValueError("this model is already patched: unpatch it first")
+    predictors = _load_predictors(store, predictors, mode)
+    budget = None if dram_budget is None else parse_budget(dram_budget, model_bytes(model, store))
+    return _install(model, store, mode, budget, window, predictors, threads, keep_originals=True)
+
+
+def load_flash(store_dir: str | os.PathLike, dram_budget: int | float | str | None = "50%", *,
+               mode: str = "flash", window: int = 5, predictors=None, dtype: torch.dtype | None = None,
+               threads: int = 32) -> nn.Module:
+    """A Hugging Face causal LM built from a flash store, its FFNs served by `mode` within `dram_budget` (bytes,
+    "50%" of the model, or "200MB"; None: no limit). Only resident tensors are materialised (in `dtype`, default
+    the store's); in dense
+    mode the FFN weights are read from the store into ordinary nn.Linear layers. Predictors come from the store
+    unless given. `model.flash_stats()` reports per-token costs."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    store = FlashStore(store_dir)
+    dtype = dtype or store.dtype
+    config = dict(store.config)
+    model_type = config.pop("model_type", None)
+    if model_type is None:
+        raise ValueError(f"{store.path}: the store's config has no model_type")
+    hf_config = AutoConfig.for_model(model_type, **config)
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(hf_config, torch_dtype=dtype)
+    predictors = _load_predictors(store, predictors, mode)
+    _assign_resident(model, store, dtype)
+    if mode == "dense":
+        _assign_dense_ffn(model, store, dtype)
+        model.flash = None
+    else:
+        total = _resident_bytes(model, set()) + store_ffn_bytes(store)  # the meta FFN weights count nothing
+        budget = None if dram_budget is None else parse_budget(dram_budget, total)
+        _install(model, store, mode, budget, window, predictors, threads, keep_originals=False)
+    leftover = [name for name, p in model.named_parameters() if p.device.type == "meta"]
+    if leftover:
+        raise ValueError(f"{store.path}: the store has no tensor for {leftover[:3]} ({len(leftover)} in all)")
+    return model.eval()
+
+
+def _assign_resident(model: nn.Module, store: FlashStore, dtype: torch.dtype) -> None:
+    """Load the store's resident tensors into the (meta) model under their names; tie the LM head if the
+    checkpoint shares it with the embedding."""
+    from safetensors import safe_open
+
+    params = dict(model.named_parameters(remove_duplicate=False))
+    with safe_open(store.resident_path, framework="pt") as f:
+        for name in f.keys():
+            if name.startswith("predictor."):
+                continue
+            target = name if name in params else f"model.{name}"
+            if target not in params:
+                raise ValueError(f"{store.path}: resident tensor {name!r} has no place in "
+                                 f"{type(model).__name__}")
+            module_name, _, attr = target.rpartition(".")
+            module = model.get_submodule(module_name)
+            value = f.get_tensor(name).to(dtype)
+            if tuple(value.shape) != tuple(params[target].shape):
+                raise ValueError(f"{store.path}: {name} has shape {tuple(value.shape)}, the model expects "
+                                 f"{tuple(params[target].shape)}")
+            setattr(module, attr, nn.Parameter(value, requires_grad=False))
+    if getattr(model.config, "tie_word_embeddings", False):
+        model.tie_weights()
+
+
+def _assign_dense_ffn(model: nn.Module, store: FlashStore, dtype: torch.dtype) -> None:
+    """FFN weights of every layer from the store's bundles into the model's own Linear layers."""
+    d = store.hidden_size
+    with FlashReader(store) as reader:
+        for i, (layer, modules) in enumerate(ffn_slots(model)):
+            bundles = reader.read(i, torch.arange(store.n_neurons)).to(dtype)
+            up, down = bundles[:, :d], bundles[:, -d:].t()
+            if "mlp" in modules:
+                mlp = modules["mlp"]
+                weights = {mlp.up_proj: up, mlp.down_proj: down}
+                if store.glu:
+                    weights[mlp.gate_proj] = bundles[:, d:2 * d]
+            else:
+                weights = {modules["fc1"]: up, modules["fc2"]: down}
+            for linear, w in weights.items():
+                linear.weight = nn.Parameter(w.contiguous(), requires_grad=False)

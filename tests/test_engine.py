@@ -1,0 +1,189 @@
+"""The engine (flashllm_ext.engine): load_flash / patch_model in every mode against transformers' own outputs,
+the one active-neuron rule end to end (FlashFFN's perplexity equals predictor.evaluate's), budget accounting,
+undo, clear errors, and a read failure mid-generation."""
+import copy
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM
+
+import flashllm_ext
+from flashllm_ext import store
+from flashllm_ext.engine import MODES, parse_budget
+from flashllm_ext.models import perplexity
+from flashllm_ext.predictor import LowRankPredictor, PredictorSet, calibrate_thresholds, evaluate
+
+
+def _llama():
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=160, num_hidden_layers=3,
+                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                                        max_position_embeddings=256)).eval()
+
+
+def _opt():
+    torch.manual_seed(1)
+    return OPTForCausalLM(OPTConfig(hidden_size=48, ffn_dim=136, num_hidden_layers=2, num_attention_heads=4,
+                                    vocab_size=100, word_embed_proj_dim=48, max_position_embeddings=256,
+                                    dropout=0.0)).eval()
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """name -> (transformers model, fp32 store path)."""
+    root = tmp_path_factory.mktemp("engine")
+    out = {}
+    for name, model in (("llama", _llama()), ("opt", _opt())):
+        model.save_pretrained(root / name)
+        out[name] = (model, store.convert(root / name, root / f"{name}-fp32", dtype="fp32", progress=False))
+    return out
+
+
+def _random_predictors(model, n_layers: int, d: int, n: int, sparsity: float, seed: int = 0) -> PredictorSet:
+    """Untrained predictors with calibrated thresholds: the rule must hold for any predictor, good or bad."""
+    torch.manual_seed(seed)
+    ids = torch.randint(0, 100, (64,), generator=torch.Generator().manual_seed(seed))
+    thresholds = calibrate_thresholds(model, ids, sparsity, window=32, progress=False)
+    return PredictorSet([LowRankPredictor(d, n, 8) for _ in range(n_layers)], thresholds)
+
+
+def _greedy(model, prompt, n: int = 32):
+    return model.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+
+
+@pytest.mark.parametrize("name", ["llama", "opt"])
+@pytest.mark.parametrize("mode", ["dense", "naive", "hybrid", "exact"])
+@torch.no_grad()
+def test_load_flash_generates_the_tokens_of_transformers(models, name, mode):
+    model, path = models[name]
+    prompt = torch.randint(3, 90, (1, 7), generator=torch.Generator().manual_seed(2))
+    want = _greedy(model, prompt)
+    budget = None if mode == "dense" else "85%"
+    flash = flashllm_ext.load_flash(path, dram_budget=budget, mode=mode)
+    assert torch.equal(_greedy(flash, prompt), want)
+    torch.testing.assert_close(flash(prompt).logits, model(prompt).logits, rtol=1e-4, atol=1e-4)
+    if mode != "dense":
+        stats = flash.flash_stats()
+        assert stats["mode"] == mode and stats["tokens"] == 7 + 31 + 7  # prompt, 31 decode steps, one more forward
+        assert stats["accounted_bytes"] <= stats["budget_bytes"]
+        assert stats["bytes_read"] > 0 and stats["io_ms"] > 0
+
+
+@torch.no_grad()
+def test_exact_mode_under_a_small_budget_reads_in_parts(models):
+    """A cache smaller than one token's active set still computes every neuron (capacity-sized parts)."""
+    model, path = models["llama"]
+    prompt = torch.randint(3, 90, (1, 5), generator=torch.Generator().manual_seed(3))
+    s = store.FlashStore(path)
+    resident = sum(p.numel() * 4 for n, p in model.named_parameters() if "mlp" not in n)
+    fixed, per_row = flashllm_ext.engine.FlashFFN.bytes_for(s)
+    budget = resident + s.n_layers * (fixed + per_row * (s.n_neurons // 3))
+    flash = flashllm_ext.load_flash(path, dram_budget=budget, mode="exact")
+    assert all(m.cache.capacity == s.n_neurons // 3 for m in flash.flash.modules)
+    assert torch.equal(_greedy(flash, prompt, 8), _greedy(model, prompt, 8))
+    assert flash.flash_stats()["accounted_bytes"] <= budget
+
+
+@pytest.mark.parametrize("name", ["llama", "opt"])
+@torch.no_grad()
+def test_flash_perplexity_equals_evaluate(models, name):
+    """One rule: the model running through FlashFFN in flash mode scores what `evaluate` reports for the same
+    predictors and thresholds (evaluate masks a dense FFN; FlashFFN reads and computes only the predicted rows)."""
+    model, path = models[name]
+    s = store.FlashStore(path)
+    predictors = _random_predictors(model, s.n_layers, s.hidden_size, s.n_neurons, 0.5)
+    predictors.prob_thresholds.fill_(0.45)  # an untrained predictor: about half the neurons predicted active
+    ids = torch.randint(0, 90, (64,), generator=torch.Generator().manual_seed(4))
+    result = evaluate(model, predictors, ids, window=32, n_windows=2, progress=False)
+    assert abs(result["ppl_predictor"] / result["ppl_dense"] - 1) > 2e-4  # the masks matter here
+    patched = copy.deepcopy(model)
+    runtime = flashllm_ext.patch_model(patched, path, mode="flash", predictors=predictors, window=3)
+    got = perplexity(patched, ids, 32, 2, progress=False)
+    assert got == pytest.approx(result["ppl_predictor"], rel=2e-5)
+    stats = patched.flash_stats()
+    assert 0 < stats["hit_rate"] < 1 and stats["predictor_ms"] > 0
+    runtime.unpatch(patched)
+
+
+@torch.no_grad()
+def test_flash_mode_stays_within_its_budget(models):
+    model, path = models["llama"]
+    s = store.FlashStore(path)
+    predictors = _random_predictors(model, s.n_layers, s.hidden_size, s.n_neurons, 0.7)
+    predictors.prob_thresholds.fill_(0.5)
+    total = flashllm_ext.engine.model_bytes(model, s)
+    for budget in ("50%", "80%", int(total * 0.6)):
+        flash = flashllm_ext.load_flash(path, dram_budget=budget, mode="flash", predictors=predictors)
+        _greedy(flash, torch.tensor([[5, 6, 7]]), 6)
+        stats = flash.flash_stats()
+        assert stats["accounted_bytes"] <= stats["budget_bytes"] == parse_budget(budget, total)
+        assert stats["predictor_bytes"] > 0 and stats["ffn_bytes"] > 0
+
+
+@torch.no_grad()
+def test_patch_generate_unpatch_leaves_the_model_as_it_was(models):
+    model, path = models["opt"]
+    prompt = torch.tensor([[4, 8, 15, 16]])
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    modules_before = list(model.modules())
+    want = _greedy(model, prompt, 8)
+    runtime = flashllm_ext.patch_model(model, path, mode="exact", dram_budget="70%")
+    assert torch.equal(_greedy(model, prompt, 8), want)
+    runtime.unpatch(model)
+    assert list(model.modules()) == modules_before and not hasattr(model, "flash_stats")
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert torch.equal(_greedy(model, prompt, 8), want)
+
+
+def test_clear_errors(models, tmp_path):
+    llama, llama_path = models["llama"]
+    opt, opt_path = models["opt"]
+    with pytest.raises(ValueError, match="decoder layers|not the same model"):
+        flashllm_ext.patch_model(copy.deepcopy(llama), opt_path, mode="exact")
+    with pytest.raises(ValueError, match="below the minimum"):
+        flashllm_ext.load_flash(llama_path, dram_budget="1%", mode="exact")
+    with pytest.raises(ValueError, match="below the minimum"):
+        flashllm_ext.load_flash(llama_path, dram_budget="1%", mode="naive")
+    with pytest.raises(ValueError, match="needs predictors"):
+        flashllm_ext.load_flash(llama_path, mode="flash")
+    with pytest.raises(ValueError, match="mode must be one of"):
+        flashllm_ext.load_flash(llama_path, mode="fast")
+    with pytest.raises(ValueError, match="dram_budget must be"):
+        flashllm_ext.load_flash(llama_path, dram_budget="lots", mode="exact")
+    patched = copy.deepcopy(llama)
+    runtime = flashllm_ext.patch_model(patched, llama_path, mode="exact")
+    with pytest.raises(ValueError, match="already patched"):
+        flashllm_ext.patch_model(patched, llama_path, mode="exact")
+    runtime.unpatch(patched)
+    assert set(MODES) == {"dense", "naive", "hybrid", "flash", "exact"}
+
+
+@torch.no_grad()
+def test_read_failure_mid_generation_raises_and_leaves_the_model_usable(models):
+    model, path = models["llama"]
+    prompt = torch.tensor([[9, 10, 11]])
+    flash = flashllm_ext.load_flash(path, dram_budget="60%", mode="exact")
+    reader = flash.flash.reader
+    real_read, calls = reader.read, [0]
+
+    def failing_read(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 5:
+            raise OSError(5, "Input/output error (injected)")
+        return real_read(*args, **kwargs)
+
+    reader.read = failing_read
+    with pytest.raises(OSError, match="injected"):
+        _greedy(flash, prompt, 8)
+    reader.read = real_read
+    assert torch.equal(_greedy(flash, prompt, 8), _greedy(model, prompt, 8))
+
+
+def test_parse_budget():
+    assert parse_budget("50%", 1000) == 500
+    assert parse_budget("2MiB", 0) == 2 << 20
+    assert parse_budget("1.5GB", 0) == 1_500_000_000
+    assert parse_budget(1234, 0) == 1234
+    for bad in ("", "-5", "0", "ten", "5 parsecs"):
+        with pytest.raises(ValueError, match="dram_budget must be"):
+            parse_budget(bad, 1000)
