@@ -40,6 +40,6 @@ def _pick_backend() -> str:
 
 backend: str = _pick_backend()
 
-from . import endor  # noqa: E402
+from . import endor, ops  # noqa: E402
 
-__all__ = ["FormatError", "backend", "endor", "native_available"]
+__all__ = ["FormatError", "backend", "endor", "native_available", "ops"]

@@ -1,7 +1,7 @@
 """FlashFFN: an nn.Module that takes the place of a model's MLP and computes it from a flash store.
 
 Per step (a group of `tokens_per_step` tokens): active neuron ids (a predictor, a fixed set, or every neuron) ->
-NeuronCache.step (evict, read the missing bundles) -> torch.ops.flashllm.sparse_ffn over the cached rows (+ the
+NeuronCache.step (evict, read the missing bundles) -> ops.sparse_ffn over the cached rows (+ the
 output projection's bias). Exact mode (every neuron active, threshold 0, capacity >= n_neurons) reproduces the
 dense MLP of the same weights up to float rounding.
 
@@ -16,14 +16,12 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from . import ops
+from ._ops import ACTIVATIONS
 from .cache import NeuronCache, StepStats
 from .models.hf import decoder_layers
 from .reader import FlashReader
 from .store import FlashStore
-
-# Model config activation names -> sparse_ffn activations. Only exact matches: tanh-approximated GELU variants would
-# silently differ from the model.
-_ACTIVATIONS = {"relu": "relu", "silu": "silu", "swish": "silu", "gelu": "gelu"}
 
 # What a predictor may return: int64 ids [k], or a bool mask [n] or [T, n] (a neuron is active if any token needs it).
 Predictor = Callable[[torch.Tensor], torch.Tensor]
@@ -34,9 +32,11 @@ def store_activation(store: FlashStore) -> str:
     name = store.config.get("hidden_act") or store.config.get("activation_function")
     if name is None:
         raise ValueError(f"{store.path}: the model config names no activation (hidden_act / activation_function)")
-    if name not in _ACTIVATIONS:
-        raise ValueError(f"{store.path}: activation {name!r} is not supported (one of {sorted(_ACTIVATIONS)})")
-    return _ACTIVATIONS[name]
+    for activation, spec in ACTIVATIONS.items():
+        if name in spec.config_names:
+            return activation
+    supported = sorted(n for spec in ACTIVATIONS.values() for n in spec.config_names)
+    raise ValueError(f"{store.path}: activation {name!r} is not supported (one of {supported})")
 
 
 def _output_bias(store: FlashStore, layer: int) -> torch.Tensor | None:
@@ -106,8 +106,9 @@ class FlashFFN(nn.Module):
                                                                                self.store.n_neurons)
             self.last_stats.append(self.cache.step(ids))
             cache = self.cache
-            y = torch.ops.flashllm.sparse_ffn(chunk.to(self.store.dtype).contiguous(), cache.matrix, cache.num_used,
-                                              cache.bias, self.activation, self.store.glu, None, self.threshold)
+            y = ops.sparse_ffn(chunk.to(self.store.dtype).contiguous(), cache.matrix, num_used=cache.num_used,
+                               activation=self.activation, glu=self.store.glu, bias=cache.bias,
+                               threshold=self.threshold)
             out[start:start + chunk.shape[0]] = y.float()
         if self.out_bias is not None:
             out += self.out_bias
