@@ -16,12 +16,12 @@ import torch
 from common import device_name, arg_parser, emit, time_interleaved
 
 import flashllm_ext
-from flashllm_ext import endor
+from flashllm_ext import endor, store
 from flashllm_ext._ops import endor_decompress_reference
 
 SHAPES = {"opt-6.7b fc1": (16384, 4096), "opt-6.7b fc2": (4096, 16384),
           "llama-2-7b up": (11008, 4096), "llama-2-7b down": (4096, 11008)}
-DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+DTYPES = {name: store.DTYPES[name] for name in ("fp16", "bf16")}
 
 
 def pruned_weight(shape: tuple[int, int], dtype: torch.dtype, sparsity: float, device: str) -> torch.Tensor:

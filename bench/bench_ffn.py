@@ -1,6 +1,6 @@
 """Sparse FFN and neuron-cache benchmarks ('LLM in a flash' §3.3 / Figure 4a).
 
-bench "ffn": torch.ops.flashllm.sparse_ffn over the cached active rows vs the dense FFN (torch linear layers, same
+bench "ffn": flashllm_ext.ops.sparse_ffn over the cached active rows vs the dense FFN (torch linear layers, same
 dtype) on the layer shapes of OPT-6.7B (d=4096, 16384 neurons, ReLU) and Llama-2-7B (d=4096, 11008, SwiGLU) at
 90/95/97% sparsity, T=1 and 4 tokens; and vs the memory-bandwidth bound: the active rows' bytes divided by the
 read bandwidth of a 512 MiB streaming sum measured interleaved in the same run. The sparse side rotates over
@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from common import device_name, arg_parser, emit, time_interleaved
 
+from flashllm_ext import ops
 from flashllm_ext.cache import NeuronCache
 from flashllm_ext.store import DTYPES, FlashStore, synthesize
 from flashllm_ext.traces import default_model_masks, tile_masks
@@ -78,7 +79,7 @@ def bench_ffn(dtype_name: str, rounds: int, quick: bool, device: str = "cpu") ->
 
                 def sparse():
                     turn[0] = (turn[0] + 1) % copies
-                    return torch.ops.flashllm.sparse_ffn(x, mats[turn[0]], used, bias, act, glu)
+                    return ops.sparse_ffn(x, mats[turn[0]], num_used=used, activation=act, glu=glu, bias=bias)
 
                 # The same sum, checked against dense math restricted to the active neurons.
                 want = dense_ffn(x.float(), w_up[active].float(), w_down[:, active].float(),
@@ -140,7 +141,7 @@ def bench_cache(rounds: int, quick: bool, dtype_name: str, store_dir: Path, plot
             for ids in trace_ids:
                 s = cache.step(ids)
                 t0 = time.perf_counter()
-                torch.ops.flashllm.sparse_ffn(x, cache.matrix, cache.num_used, cache.bias, "relu", False)
+                ops.sparse_ffn(x, cache.matrix, num_used=cache.num_used, activation="relu", glu=False, bias=cache.bias)
                 compute += time.perf_counter() - t0
                 inserted, evicted = inserted + s.inserted, evicted + s.total_evicted
                 mem, io = mem + s.mem_s, io + s.io_s

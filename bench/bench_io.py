@@ -27,11 +27,18 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from common import emit  # noqa: E402
 from flashllm_ext import store  # noqa: E402
 from flashllm_ext.paths import resolve_cache_dir  # noqa: E402
 from flashllm_ext.traces import default_model_mask_source  # noqa: E402
 from flashllm_ext.reader import FlashReader, has_io_uring, make_test_file, random_read_throughput  # noqa: E402
 
+# What the table (not --json) shows of each result row.
+TABLE_COLUMNS = {
+    "fig2b": ["engine", "threads", "read_kib", "reader_mbps", "fio_mbps", "ratio"],
+    "table2": ["config", "bytes_per_token", "bytes_vs_analytic", "reads_per_token", "mean_read_kib", "io_ms_per_token",
+               "mbps"],
+}
 RESULTS = Path(__file__).resolve().parent / "results"
 CACHE = Path(os.environ.get("FLASHLLM_BENCH_DIR") or resolve_cache_dir() / "bench")
 
@@ -77,7 +84,7 @@ def reader_mbps(reader: FlashReader, file_size: int, read_bytes: int, seconds: f
     return stats.mbps, next_n
 
 
-def fig2b(args: argparse.Namespace, emit: Callable[[dict], None]) -> list[dict]:
+def fig2b(args: argparse.Namespace, report: Callable[[dict], None]) -> list[dict]:
     path = ensure_file(CACHE / "fig2b.bin", args.file_gib << 30)
     size = path.stat().st_size
     engines = ["threads"] + (["io_uring"] if has_io_uring() and args.io_uring else [])
@@ -110,7 +117,7 @@ def fig2b(args: argparse.Namespace, emit: Callable[[dict], None]) -> list[dict]:
                        "reader_mbps": round(statistics.median(ours), 1), "fio_mbps": round(statistics.median(theirs), 1),
                        "ratio": round(statistics.median(a / b for a, b in zip(ours, theirs)), 3),
                        "reader_runs": [round(x, 1) for x in ours], "fio_runs": [round(x, 1) for x in theirs]}
-                emit(row)
+                report(row)
                 rows.append(row)
     plot_fig2b(rows)
     return rows
@@ -149,7 +156,7 @@ def _split_layout(path: Path, n_layers: int, n_neurons: int, half_row: int) -> P
     return ensure_file(path, n_layers * 2 * n_neurons * half_row)
 
 
-def table2(args: argparse.Namespace, emit: Callable[[dict], None],
+def table2(args: argparse.Namespace, report: Callable[[dict], None],
            mask_source: Callable[[int, int, int], torch.Tensor] | None = None) -> list[dict]:
     """mask_source(n_tokens, n_layers, n_neurons) -> bool [tokens, layers, neurons]: the active neurons per token.
 
@@ -227,7 +234,7 @@ def table2(args: argparse.Namespace, emit: Callable[[dict], None],
                   "threads": reader.threads, "max_gap": reader.max_gap, "tokens": n, "layers": args.layers,
                   "mask_density": round(density, 4), "window": window,
                   "mask_source": getattr(mask_source, "__name__", str(mask_source))}
-        emit(result)
+        report(result)
         rows.append(result)
         reader.close()
     return rows
@@ -264,24 +271,19 @@ def main(argv: list[str] | None = None) -> None:
     dropped = drop_page_cache()
     print(f"# page cache dropped: {dropped}; all reads O_DIRECT; machine: {os.cpu_count()} cores", file=sys.stderr)
 
-    def emit(row: dict) -> None:
-        if args.json:
-            print(json.dumps(row), flush=True)
-        elif row["bench"] == "fig2b":
-            print(f"fig2b  {row['engine']:>8} T={row['threads']:<3} {row['read_kib']:>5} KiB  reader "
-                  f"{row['reader_mbps']:8.1f} MB/s  fio {row['fio_mbps']:8.1f} MB/s  ratio {row['ratio']:.3f}",
-                  flush=True)
-        else:
-            print(f"table2 {row['config']:<28} {row['bytes_per_token'] / 2**20:9.2f} MiB/tok "
-                  f"(x{row['bytes_vs_analytic']:.3f} analytic) {row['reads_per_token']:8.1f} reads/tok "
-                  f"{row['mean_read_kib']:7.1f} KiB/read {row['io_ms_per_token']:9.2f} ms/tok {row['mbps']:8.1f} MB/s",
-                  flush=True)
+    for name, run in (("fig2b", fig2b), ("table2", table2)):
+        if args.only not in (None, name):
+            continue
+        rows: list[dict] = []
 
-    if args.only in (None, "fig2b"):
-        fig2b(args, emit)
-    if args.only in (None, "table2"):
-        table2(args, emit)
+        def report(row: dict) -> None:
+            rows.append(row)
+            if args.json:  # each result as soon as it is measured: a full run takes a long time
+                emit([row], True)
 
+        run(args, report)
+        if not args.json:
+            emit(rows, False, TABLE_COLUMNS[name])
 
 if __name__ == "__main__":
     main()

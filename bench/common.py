@@ -9,6 +9,7 @@ from collections.abc import Iterable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
+from flashllm_ext.report import print_table  # noqa: E402
 from flashllm_ext.timing import time_interleaved  # noqa: E402,F401  (re-exported for the bench scripts)
 
 
@@ -33,23 +34,9 @@ def arg_parser(description: str) -> argparse.ArgumentParser:
 
 
 def emit(rows: Iterable[dict], as_json: bool, columns: list[str] | None = None) -> None:
-    """Print result rows as JSON lines or as an aligned table (floats to 3 significant digits)."""
-    rows = list(rows)
+    """Print result rows as JSON lines or as an aligned table (flashllm_ext.report.print_table)."""
     if as_json:
         for row in rows:
             print(json.dumps(row), flush=True)
-        return
-    if not rows:
-        return
-    columns = columns or list(rows[0])
-    cells = [[_fmt(row.get(c, "")) for c in columns] for row in rows]
-    widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(columns)]
-    print("  ".join(c.rjust(w) for c, w in zip(columns, widths)))
-    for r in cells:
-        print("  ".join(v.rjust(w) for v, w in zip(r, widths)), flush=True)
-
-
-def _fmt(v: object) -> str:
-    if isinstance(v, float):
-        return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
-    return str(v)
+    else:
+        print_table(rows, columns)

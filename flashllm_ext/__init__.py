@@ -40,7 +40,7 @@ def _pick_backend() -> str:
 
 backend: str = _pick_backend()
 
-from . import endor  # noqa: E402
+from . import endor, ops  # noqa: E402
 from .engine import load_flash, patch_model  # noqa: E402
 
-__all__ = ["FormatError", "backend", "endor", "load_flash", "native_available", "patch_model"]
+__all__ = ["FormatError", "backend", "endor", "load_flash", "native_available", "ops", "patch_model"]

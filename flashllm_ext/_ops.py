@@ -2,14 +2,25 @@
 
 The reference kernels are registered as CompositeExplicitAutograd, so they serve every device that has no
 native kernel; the native library (flashllm_ext._C) overrides them per dispatch key. They are also the test
-oracle and the benchmark baseline.
+oracle and the benchmark baseline. Library code calls the ops through the typed wrappers of flashllm_ext/ops.py.
+One section per op: schema, checks, reference kernel, fake kernel.
 """
 from __future__ import annotations
 
+from typing import Callable, NamedTuple
+
 import torch
+import torch.nn.functional as F
+
+from .bits import BITS_VIEW, bitmap_row_counts, unpack_bitmap
 
 LIB = torch.library.Library("flashllm", "DEF")
 
+# Each op's checks come in two parts, worded as the native kernels word them (csrc/common/<op>_checks.h):
+# `_check_<op>_metadata` (dtypes, ranks, shapes, devices; messaged torch._check, so the fake kernels make them too,
+# at no cost and without reading data) and, in the reference kernels only, the data checks that need the values.
+
+# ------------------------------------------------------------------------------------------------ endor_decompress
 LIB.define(
     "endor_decompress(Tensor values, Tensor bitmap, Tensor row_offsets, int n_cols, Tensor? rows=None) -> Tensor"
 )
@@ -19,69 +30,73 @@ LIB.define(
 )
 # The .out overload returns nothing: torch.compile cannot functionalize custom ops whose outputs alias inputs.
 
-# Element sizes the Endor kernels move; they copy bits, so one integer view per width serves every dtype.
-ENDOR_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int8)
-_POPCOUNT_LUT = torch.tensor([bin(i).count("1") for i in range(256)], dtype=torch.int64)
-_BIT_SHIFTS = torch.arange(8, dtype=torch.uint8)
+# The Endor kernels copy bits, so they serve every element type that has a same-width integer view.
+ENDOR_DTYPES = tuple(BITS_VIEW)
 
 
-def _fail(msg: str) -> None:
+def _check_endor_metadata(values: torch.Tensor, bitmap: torch.Tensor, row_offsets: torch.Tensor, n_cols: int,
+                          rows: torch.Tensor | None, out: torch.Tensor | None) -> int:
+    """The metadata checks of csrc/common/endor_checks.h. Returns the number of output rows."""
+    torch._check(values.dtype in ENDOR_DTYPES,
+                 lambda: f"endor_decompress: values must be float32, float16, bfloat16 or int8, got {values.dtype}")
+    torch._check(values.dim() == 1, lambda: f"endor_decompress: values must be 1-D, got shape {tuple(values.shape)}")
+    torch._check(bitmap.dtype == torch.uint8 and bitmap.dim() == 2,
+                 lambda: f"endor_decompress: bitmap must be a 2-D uint8 tensor, got {bitmap.dtype} of shape "
+                         f"{tuple(bitmap.shape)}")
+    torch._check(n_cols >= 0 and bitmap.shape[1] == (n_cols + 7) // 8,
+                 lambda: f"endor_decompress: bitmap has {bitmap.shape[1]} bytes per row, n_cols={n_cols} needs "
+                         f"{(n_cols + 7) // 8}")
+    n_rows = bitmap.shape[0]
+    torch._check(row_offsets.dtype == torch.int64 and row_offsets.dim() == 1 and row_offsets.numel() == n_rows + 1,
+                 lambda: f"endor_decompress: row_offsets must be int64 of length rows+1={n_rows + 1}, got "
+                         f"{row_offsets.dtype} of shape {tuple(row_offsets.shape)}")
+    for name, t in (("bitmap", bitmap), ("row_offsets", row_offsets), ("rows", rows), ("out", out)):
+        torch._check(t is None or t.device == values.device,
+                     lambda: f"endor_decompress: {name} is on {t.device} but values is on {values.device}")
+    n_out = n_rows
+    if rows is not None:
+        torch._check(rows.dtype == torch.int64 and rows.dim() == 1,
+                     lambda: f"endor_decompress: rows must be a 1-D int64 tensor, got {rows.dtype} of shape "
+                             f"{tuple(rows.shape)}")
+        n_out = rows.shape[0]
+    if out is not None:
+        torch._check(out.dtype == values.dtype and tuple(out.shape) == (n_out, n_cols) and out.is_contiguous(),
+                     lambda: f"endor_decompress: out must be a contiguous {values.dtype} tensor of shape "
+                             f"{(n_out, n_cols)}, got {out.dtype} of shape {tuple(out.shape)}")
+    return n_out
+
+
+def _endor_fail(msg: str) -> None:
     raise RuntimeError(f"endor_decompress: {msg}")
-
-
-def bitmap_row_counts(bitmap: torch.Tensor) -> torch.Tensor:
-    """Number of set bits per row of a packed bitmap. bitmap: uint8 [rows, bytes] -> int64 [rows]."""
-    return _POPCOUNT_LUT.to(bitmap.device)[bitmap.long()].sum(dim=1)
-
-
-def unpack_bitmap(bitmap: torch.Tensor, n_cols: int) -> torch.Tensor:
-    """Little bit order, as numpy.packbits(..., bitorder="little"). uint8 [rows, bytes] -> bool [rows, n_cols]."""
-    bits = (bitmap.unsqueeze(-1) >> _BIT_SHIFTS.to(bitmap.device)) & 1
-    return bits.reshape(bitmap.shape[0], -1)[:, :n_cols].bool()
 
 
 def check_endor_args(values: torch.Tensor, bitmap: torch.Tensor, row_offsets: torch.Tensor, n_cols: int,
                      rows: torch.Tensor | None, out: torch.Tensor | None = None) -> int:
-    """Every check the native kernels make, in torch. Returns the number of output rows."""
-    if values.dtype not in ENDOR_DTYPES:
-        _fail(f"values must be one of {ENDOR_DTYPES}, got {values.dtype}")
-    if values.dim() != 1:
-        _fail(f"values must be 1-D, got shape {tuple(values.shape)}")
-    if bitmap.dtype != torch.uint8 or bitmap.dim() != 2:
-        _fail(f"bitmap must be a 2-D uint8 tensor, got {bitmap.dtype} of shape {tuple(bitmap.shape)}")
-    if n_cols < 0 or bitmap.shape[1] != (n_cols + 7) // 8:
-        _fail(f"bitmap has {bitmap.shape[1]} bytes per row, n_cols={n_cols} needs {(n_cols + 7) // 8}")
-    n_rows = bitmap.shape[0]
-    if row_offsets.dtype != torch.int64 or row_offsets.dim() != 1 or row_offsets.numel() != n_rows + 1:
-        _fail(f"row_offsets must be int64 of length rows+1={n_rows + 1}, got {row_offsets.dtype} "
-              f"of shape {tuple(row_offsets.shape)}")
-    for name, t in (("bitmap", bitmap), ("row_offsets", row_offsets), ("rows", rows), ("out", out)):
-        if t is not None and t.device != values.device:
-            _fail(f"{name} is on {t.device} but values is on {values.device}")
-    if int(row_offsets[0]) != 0 or int(row_offsets[-1]) != values.numel():
-        _fail(f"row_offsets must start at 0 and end at values.numel()={values.numel()}, "
-              f"got {int(row_offsets[0])}..{int(row_offsets[-1])}")
-    if n_cols % 8 and n_rows and bool((bitmap[:, -1] >> (n_cols % 8)).any()):
-        bad = int((bitmap[:, -1] >> (n_cols % 8)).nonzero()[0])
-        _fail(f"row {bad}: bitmap has bits set past n_cols={n_cols}")
-    counts = row_offsets.diff()
-    if bool((counts < 0).any()):
-        _fail("row_offsets must be non-decreasing")
-    if not torch.equal(counts, bitmap_row_counts(bitmap)):
-        bad = int((counts != bitmap_row_counts(bitmap)).nonzero()[0])
-        _fail(f"row {bad}: row_offsets says {int(counts[bad])} values but the bitmap has "
-              f"{int(bitmap_row_counts(bitmap[bad:bad + 1]))} set bits")
-    n_out = n_rows
-    if rows is not None:
-        if rows.dtype != torch.int64 or rows.dim() != 1:
-            _fail(f"rows must be a 1-D int64 tensor, got {rows.dtype} of shape {tuple(rows.shape)}")
-        if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= n_rows):
-            _fail(f"rows holds indices outside [0, {n_rows})")
-        n_out = rows.numel()
-    if out is not None:
-        if out.dtype != values.dtype or tuple(out.shape) != (n_out, n_cols) or not out.is_contiguous():
-            _fail(f"out must be a contiguous {values.dtype} tensor of shape {(n_out, n_cols)}, "
-                  f"got {out.dtype} of shape {tuple(out.shape)}")
+    """Every check the native kernels make, in torch (data included). Returns the number of output rows."""
+    n_out = _check_endor_metadata(values, bitmap, row_offsets, n_cols, rows, out)
+    n_rows, nnz = bitmap.shape[0], values.numel()
+    if int(row_offsets[0]) != 0 or int(row_offsets[-1]) != nnz:
+        _endor_fail(f"row_offsets must start at 0 and end at values.numel()={nnz}, "
+                    f"got {int(row_offsets[0])}..{int(row_offsets[-1])}")
+    # Per row, in the order and words of the native kernels (csrc/common/endor_report.h): the first bad row raises.
+    starts, ends = row_offsets[:-1], row_offsets[1:]
+    bad_range = (starts < 0) | (starts > ends) | (ends > nnz)
+    bad_padding = (bitmap[:, -1] >> (n_cols % 8)) != 0 if n_cols % 8 else torch.zeros_like(bad_range)
+    set_bits = bitmap_row_counts(bitmap)
+    bad = bad_range | bad_padding | (ends - starts != set_bits)
+    if bool(bad.any()):
+        r = int(bad.nonzero()[0])
+        start, end = int(starts[r]), int(ends[r])
+        if bad_range[r]:
+            _endor_fail(f"row {r}: row_offsets [{start}, {end}) is not a range inside values ({nnz} elements)")
+        if bad_padding[r]:
+            _endor_fail(f"row {r}: bitmap has bits set past n_cols={n_cols}")
+        _endor_fail(f"row {r}: row_offsets says {end - start} values but the bitmap has {int(set_bits[r])} set bits")
+    if rows is not None and rows.numel():
+        outside = (rows < 0) | (rows >= n_rows)
+        if bool(outside.any()):
+            k = int(outside.nonzero()[0])
+            _endor_fail(f"rows[{k}]={int(rows[k])} is outside [0, {n_rows})")
     return n_out
 
 
@@ -115,13 +130,13 @@ def _endor_decompress_out_default(values, bitmap, row_offsets, n_cols, rows=None
 
 @torch.library.register_fake("flashllm::endor_decompress")
 def _endor_decompress_fake(values, bitmap, row_offsets, n_cols, rows=None):
-    n_out = bitmap.shape[0] if rows is None else rows.shape[0]
+    n_out = _check_endor_metadata(values, bitmap, row_offsets, n_cols, rows, None)
     return values.new_empty((n_out, n_cols))
 
 
 @torch.library.register_fake("flashllm::endor_decompress.out")
 def _endor_decompress_out_fake(values, bitmap, row_offsets, n_cols, rows=None, *, out):
-    return None
+    _check_endor_metadata(values, bitmap, row_offsets, n_cols, rows, out)
 
 
 # ------------------------------------------------------------------------------------------------ sparse_ffn
@@ -138,62 +153,66 @@ LIB.define(
     "sparse_ffn(Tensor x, Tensor matrix, int num_used, Tensor? bias, str activation, bool glu, Tensor? index=None, "
     "float threshold=0.0) -> Tensor"
 )
-# Swap-delete of cache rows: the rows listed in `rows` (distinct, < num_used) are removed and the last used rows
-# move into the holes, carrying their pointer entry and bias; slot_of (neuron id -> row, -1 when absent) follows.
-# Returns the new num_used (= num_used - rows.numel()).
-LIB.define(
-    "cache_compact(Tensor(a!) matrix, Tensor(b!) pointer, Tensor(c!)? bias, Tensor(d!)? slot_of, int num_used, "
-    "Tensor rows) -> int"
-)
 
 FFN_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-ACTIVATIONS = ("relu", "silu", "gelu")
 
 
-def _ffn_fail(msg: str) -> None:
-    raise RuntimeError(f"sparse_ffn: {msg}")
+class Activation(NamedTuple):
+    """One activation of sparse_ffn."""
+    code: int  # what the native and Metal kernels take: FfnActivation in csrc/common/sparse_ffn_checks.h
+    fn: Callable[[torch.Tensor], torch.Tensor]  # exact float32 math, as the reference kernel computes it
+    config_names: tuple[str, ...]  # Hugging Face config names (hidden_act / activation_function) meaning exactly it
+
+
+# The one activation table. Only exact config names: tanh-approximated GELU variants would silently differ.
+ACTIVATIONS = {
+    "relu": Activation(0, torch.relu, ("relu",)),
+    "silu": Activation(1, F.silu, ("silu", "swish")),
+    "gelu": Activation(2, F.gelu, ("gelu",)),  # erf form
+}
+
+
+def _check_sparse_ffn_metadata(x: torch.Tensor, matrix: torch.Tensor, num_used: int, bias: torch.Tensor | None,
+                               activation: str, glu: bool, index: torch.Tensor | None, threshold: float) -> int:
+    """The metadata checks of csrc/common/sparse_ffn_checks.h. Returns d (the hidden size)."""
+    torch._check(x.dtype in FFN_DTYPES and x.dim() == 2,
+                 lambda: f"sparse_ffn: x must be a 2-D float32/float16/bfloat16 tensor [T, d], got {x.dtype} of "
+                         f"shape {tuple(x.shape)}")
+    d = x.shape[1]
+    width = (3 if glu else 2) * d
+    torch._check(matrix.dtype == x.dtype and matrix.dim() == 2 and matrix.shape[1] == width,
+                 lambda: f"sparse_ffn: matrix must be {x.dtype} of shape [capacity, {width}] ({'3' if glu else '2'} "
+                         f"x d={d}), got {matrix.dtype} of shape {tuple(matrix.shape)}")
+    torch._check(matrix.stride(1) == 1 and (matrix.shape[0] <= 1 or matrix.stride(0) == width),
+                 lambda: "sparse_ffn: matrix must be contiguous")
+    torch._check(0 <= num_used <= matrix.shape[0],
+                 lambda: f"sparse_ffn: num_used={num_used} is outside [0, capacity={matrix.shape[0]}]")
+    torch._check(activation in ACTIVATIONS,
+                 lambda: f"sparse_ffn: activation must be one of {tuple(ACTIVATIONS)}, got {activation!r}")
+    torch._check(threshold >= 0 and threshold != float("inf"),  # NaN fails the first comparison
+                 lambda: f"sparse_ffn: threshold must be finite and >= 0, got {threshold}")
+    for name, t in (("matrix", matrix), ("bias", bias), ("index", index)):
+        torch._check(t is None or t.device == x.device,
+                     lambda: f"sparse_ffn: {name} is on {t.device} but x is on {x.device}")
+    torch._check(bias is None or (bias.dtype == x.dtype and bias.dim() == 1 and bias.shape[0] == matrix.shape[0]),
+                 lambda: f"sparse_ffn: bias must be {x.dtype} of shape [capacity={matrix.shape[0]}], got "
+                         f"{bias.dtype} of shape {tuple(bias.shape)}")
+    torch._check(index is None or (index.dtype == torch.int64 and index.dim() == 1),
+                 lambda: f"sparse_ffn: index must be a 1-D int64 tensor, got {index.dtype} of shape "
+                         f"{tuple(index.shape)}")
+    return d
 
 
 def check_sparse_ffn_args(x: torch.Tensor, matrix: torch.Tensor, num_used: int, bias: torch.Tensor | None,
                           activation: str, glu: bool, index: torch.Tensor | None, threshold: float) -> int:
-    """Every check the native kernels make, in torch. Returns d (the hidden size)."""
-    if x.dtype not in FFN_DTYPES or x.dim() != 2:
-        _ffn_fail(f"x must be a 2-D float32/float16/bfloat16 tensor [T, d], got {x.dtype} of shape {tuple(x.shape)}")
-    d = x.shape[1]
-    width = (3 if glu else 2) * d
-    if matrix.dtype != x.dtype or matrix.dim() != 2 or matrix.shape[1] != width:
-        _ffn_fail(f"matrix must be {x.dtype} of shape [capacity, {width}] ({'3' if glu else '2'} x d={d}), got "
-                  f"{matrix.dtype} of shape {tuple(matrix.shape)}")
-    if matrix.stride(1) != 1 or (matrix.shape[0] > 1 and matrix.stride(0) != width):
-        _ffn_fail("matrix must be contiguous")
-    if not 0 <= num_used <= matrix.shape[0]:
-        _ffn_fail(f"num_used={num_used} is outside [0, capacity={matrix.shape[0]}]")
-    if activation not in ACTIVATIONS:
-        _ffn_fail(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
-    if not threshold >= 0 or threshold == float("inf"):
-        _ffn_fail(f"threshold must be finite and >= 0, got {threshold}")
-    for name, t in (("matrix", matrix), ("bias", bias), ("index", index)):
-        if t is not None and t.device != x.device:
-            _ffn_fail(f"{name} is on {t.device} but x is on {x.device}")
-    if bias is not None and (bias.dtype != x.dtype or bias.dim() != 1 or bias.shape[0] != matrix.shape[0]):
-        _ffn_fail(f"bias must be {x.dtype} of shape [capacity={matrix.shape[0]}], got {bias.dtype} of shape "
-                  f"{tuple(bias.shape)}")
-    if index is not None:
-        if index.dtype != torch.int64 or index.dim() != 1:
-            _ffn_fail(f"index must be a 1-D int64 tensor, got {index.dtype} of shape {tuple(index.shape)}")
-        if index.numel() and (int(index.min()) < 0 or int(index.max()) >= num_used):
-            bad = int(((index < 0) | (index >= num_used)).nonzero()[0])
-            _ffn_fail(f"index[{bad}]={int(index[bad])} is outside [0, num_used={num_used})")
+    """Every check the native kernels make, in torch (index range included). Returns d (the hidden size)."""
+    d = _check_sparse_ffn_metadata(x, matrix, num_used, bias, activation, glu, index, threshold)
+    if index is not None and index.numel():
+        outside = (index < 0) | (index >= num_used)
+        if bool(outside.any()):
+            k = int(outside.nonzero()[0])
+            raise RuntimeError(f"sparse_ffn: index[{k}]={int(index[k])} is outside [0, num_used={num_used})")
     return d
-
-
-def apply_activation(pre: torch.Tensor, activation: str) -> torch.Tensor:
-    """relu | silu | gelu (exact, erf form) of a float32 tensor."""
-    if activation == "relu":
-        return torch.relu(pre)
-    if activation == "silu":
-        return torch.nn.functional.silu(pre)
-    return torch.nn.functional.gelu(pre)
 
 
 def sparse_ffn_reference(x: torch.Tensor, matrix: torch.Tensor, num_used: int, bias: torch.Tensor | None,
@@ -209,7 +228,7 @@ def sparse_ffn_reference(x: torch.Tensor, matrix: torch.Tensor, num_used: int, b
     if bias is not None:
         row_bias = bias[:num_used] if index is None else bias[index]
         pre = pre + row_bias.float()
-    h = apply_activation(pre, activation)
+    h = ACTIVATIONS[activation].fn(pre)
     if threshold > 0:
         h = torch.where(h.abs() > threshold, h, torch.zeros((), dtype=h.dtype, device=h.device))
     if glu:
@@ -224,43 +243,64 @@ def _sparse_ffn_default(x, matrix, num_used, bias, activation, glu, index=None, 
 
 @torch.library.register_fake("flashllm::sparse_ffn")
 def _sparse_ffn_fake(x, matrix, num_used, bias, activation, glu, index=None, threshold=0.0):
+    _check_sparse_ffn_metadata(x, matrix, num_used, bias, activation, glu, index, threshold)
     return x.new_empty(x.shape)
 
 
-def _compact_fail(msg: str) -> None:
-    raise RuntimeError(f"cache_compact: {msg}")
+# ------------------------------------------------------------------------------------------------ cache_compact
+# Swap-delete of cache rows: the rows listed in `rows` (distinct, < num_used) are removed and the last used rows
+# move into the holes, carrying their pointer entry and bias; slot_of (neuron id -> row, -1 when absent) follows.
+# Returns the new num_used (= num_used - rows.numel()).
+LIB.define(
+    "cache_compact(Tensor(a!) matrix, Tensor(b!) pointer, Tensor(c!)? bias, Tensor(d!)? slot_of, int num_used, "
+    "Tensor rows) -> int"
+)
+
+
+def _check_cache_compact_metadata(matrix: torch.Tensor, pointer: torch.Tensor, bias: torch.Tensor | None,
+                                  slot_of: torch.Tensor | None, num_used: int, rows: torch.Tensor) -> None:
+    """The metadata checks of csrc/common/cache_compact_checks.h."""
+    torch._check(matrix.dim() == 2 and matrix.is_contiguous(),
+                 lambda: f"cache_compact: matrix must be a contiguous 2-D tensor, got shape {tuple(matrix.shape)}")
+    capacity = matrix.shape[0]
+    torch._check(pointer.dtype == torch.int64 and tuple(pointer.shape) == (capacity,),
+                 lambda: f"cache_compact: pointer must be int64 of shape [capacity={capacity}], got {pointer.dtype} "
+                         f"of shape {tuple(pointer.shape)}")
+    torch._check(bias is None or (bias.dim() == 1 and bias.shape[0] == capacity),
+                 lambda: f"cache_compact: bias must be 1-D of shape [capacity={capacity}], got shape "
+                         f"{tuple(bias.shape)}")
+    torch._check(slot_of is None or (slot_of.dtype == torch.int64 and slot_of.dim() == 1),
+                 lambda: f"cache_compact: slot_of must be a 1-D int64 tensor, got {slot_of.dtype} of shape "
+                         f"{tuple(slot_of.shape)}")
+    torch._check(rows.dtype == torch.int64 and rows.dim() == 1,
+                 lambda: f"cache_compact: rows must be a 1-D int64 tensor, got {rows.dtype} of shape "
+                         f"{tuple(rows.shape)}")
+    for name, t in (("pointer", pointer), ("bias", bias), ("slot_of", slot_of), ("rows", rows)):
+        torch._check(t is None or t.device == matrix.device,
+                     lambda: f"cache_compact: {name} is on {t.device} but matrix is on {matrix.device}")
+    torch._check(0 <= num_used <= capacity,
+                 lambda: f"cache_compact: num_used={num_used} is outside [0, capacity={capacity}]")
+    # Contiguity is what lets the native kernels move rows and entries with plain pointer arithmetic.
+    torch._check(all(t is None or t.is_contiguous() for t in (pointer, bias, slot_of)),
+                 lambda: "cache_compact: pointer, bias and slot_of must be contiguous (they are updated in place)")
 
 
 def check_cache_compact_args(matrix: torch.Tensor, pointer: torch.Tensor, bias: torch.Tensor | None,
                              slot_of: torch.Tensor | None, num_used: int, rows: torch.Tensor) -> None:
-    """The checks of the native kernels, in torch (data checks included: rows distinct and < num_used)."""
-    if matrix.dim() != 2 or not matrix.is_contiguous():
-        _compact_fail(f"matrix must be a contiguous 2-D tensor, got shape {tuple(matrix.shape)}")
-    capacity = matrix.shape[0]
-    if pointer.dtype != torch.int64 or tuple(pointer.shape) != (capacity,):
-        _compact_fail(f"pointer must be int64 of shape [capacity={capacity}], got {pointer.dtype} of shape "
-                      f"{tuple(pointer.shape)}")
-    if bias is not None and (bias.dim() != 1 or bias.shape[0] != capacity):
-        _compact_fail(f"bias must be 1-D of shape [capacity={capacity}], got shape {tuple(bias.shape)}")
-    if slot_of is not None and (slot_of.dtype != torch.int64 or slot_of.dim() != 1):
-        _compact_fail(f"slot_of must be a 1-D int64 tensor, got {slot_of.dtype} of shape {tuple(slot_of.shape)}")
-    if rows.dtype != torch.int64 or rows.dim() != 1:
-        _compact_fail(f"rows must be a 1-D int64 tensor, got {rows.dtype} of shape {tuple(rows.shape)}")
-    for name, t in (("pointer", pointer), ("bias", bias), ("slot_of", slot_of), ("rows", rows)):
-        if t is not None and t.device != matrix.device:
-            _compact_fail(f"{name} is on {t.device} but matrix is on {matrix.device}")
-    if not 0 <= num_used <= capacity:
-        _compact_fail(f"num_used={num_used} is outside [0, capacity={capacity}]")
+    """Every check the native kernels make, in torch (data included: rows distinct and < num_used)."""
+    _check_cache_compact_metadata(matrix, pointer, bias, slot_of, num_used, rows)
     if rows.numel():
-        if int(rows.min()) < 0 or int(rows.max()) >= num_used:
-            bad = int(((rows < 0) | (rows >= num_used)).nonzero()[0])
-            _compact_fail(f"rows[{bad}]={int(rows[bad])} is outside [0, num_used={num_used})")
+        outside = (rows < 0) | (rows >= num_used)
+        if bool(outside.any()):
+            k = int(outside.nonzero()[0])
+            raise RuntimeError(f"cache_compact: rows[{k}]={int(rows[k])} is outside [0, num_used={num_used})")
         if torch.unique(rows).numel() != rows.numel():
-            _compact_fail("rows holds a row twice")
+            raise RuntimeError("cache_compact: rows holds a row twice")
     if slot_of is not None and num_used:
         ids = pointer[:num_used]
         if int(ids.min()) < 0 or int(ids.max()) >= slot_of.numel():
-            _compact_fail(f"pointer[:num_used] holds neuron ids outside [0, slot_of.numel()={slot_of.numel()})")
+            raise RuntimeError(f"cache_compact: pointer[:num_used] holds neuron ids outside [0, "
+                               f"slot_of.numel()={slot_of.numel()})")
 
 
 def compaction_moves(num_used: int, rows: list[int]) -> list[tuple[int, int]]:
@@ -299,9 +339,11 @@ def _cache_compact_default(matrix, pointer, bias, slot_of, num_used, rows):
 
 @torch.library.register_fake("flashllm::cache_compact")
 def _cache_compact_fake(matrix, pointer, bias, slot_of, num_used, rows):
+    _check_cache_compact_metadata(matrix, pointer, bias, slot_of, num_used, rows)
     return num_used - rows.shape[0]
 
 
+# ------------------------------------------------------------------------------------------------ cache_plan
 # One token's decisions of the neuron cache (flashllm_ext/cache.py), in place on its preallocated state:
 # last_active[n] = step for the active ids; evict_rows[:w] = rows whose neuron was not active in the last `window`
 # steps, evict_rows[w:w+b] = the least recently active other rows when the window's union would not fit (never a row
@@ -309,21 +351,47 @@ def _cache_compact_fake(matrix, pointer, bias, slot_of, num_used, rows):
 # the token alone has more distinct active neurons than the cache has rows. CPU only (the state is small).
 LIB.define(
     "cache_plan(Tensor active_ids, Tensor(a!) last_active, Tensor slot_of, Tensor pointer, int num_used, int step, "
-    "int window, Tensor(b!) evict_rows, Tensor(c!) missing) -> int[]"
+    "int window, Tensor(b!) evict_rows, Tensor(c!) missing) -> SymInt[]"
 )
+
+
+def _check_cache_plan_metadata(active_ids: torch.Tensor, last_active: torch.Tensor, slot_of: torch.Tensor,
+                               pointer: torch.Tensor, num_used: int, window: int, evict_rows: torch.Tensor,
+                               missing: torch.Tensor) -> None:
+    """The metadata checks of csrc/common/cache_plan_checks.h."""
+    tensors = (active_ids, last_active, slot_of, pointer, evict_rows, missing)
+    for t in tensors:
+        torch._check(t.dtype == torch.int64 and t.dim() == 1 and t.device.type == "cpu",
+                     lambda: f"cache_plan: every argument must be a 1-D int64 CPU tensor, got {t.dtype} of shape "
+                             f"{tuple(t.shape)} on {t.device}")
+    torch._check(all(t.is_contiguous() for t in tensors[1:]), lambda: "cache_plan: state tensors must be contiguous")
+    torch._check(last_active.numel() == slot_of.numel(),
+                 lambda: f"cache_plan: last_active and slot_of must both have one entry per neuron, got "
+                         f"{last_active.numel()} and {slot_of.numel()}")
+    capacity = pointer.numel()
+    torch._check(evict_rows.numel() >= capacity and missing.numel() >= capacity,
+                 lambda: f"cache_plan: evict_rows and missing need capacity={capacity} entries")
+    torch._check(0 <= num_used <= capacity,
+                 lambda: f"cache_plan: num_used={num_used} is outside [0, capacity={capacity}]")
+    torch._check(window >= 1, lambda: f"cache_plan: window must be >= 1, got {window}")
 
 
 def cache_plan_reference(active_ids: torch.Tensor, last_active: torch.Tensor, slot_of: torch.Tensor,
                          pointer: torch.Tensor, num_used: int, step: int, window: int, evict_rows: torch.Tensor,
                          missing: torch.Tensor) -> list[int]:
     """Pure-torch cache_plan (ties among least recently active rows go to the lower row)."""
+    _check_cache_plan_metadata(active_ids, last_active, slot_of, pointer, num_used, window, evict_rows, missing)
     n_neurons, capacity = slot_of.numel(), pointer.numel()
-    if window < 1:
-        raise RuntimeError(f"cache_plan: window must be >= 1, got {window}")
     ids = active_ids.tolist()
     for i, n in enumerate(ids):
         if not 0 <= n < n_neurons:
             raise RuntimeError(f"cache_plan: active_ids[{i}]={n} is outside [0, n_neurons={n_neurons})")
+    cached = pointer[:num_used]
+    if num_used and not (bool(((cached >= 0) & (cached < n_neurons)).all())
+                         and torch.equal(slot_of[cached], torch.arange(num_used))):
+        i = next(i for i, n in enumerate(cached.tolist()) if not 0 <= n < n_neurons or int(slot_of[n]) != i)
+        raise RuntimeError(f"cache_plan: pointer[{i}]={int(cached[i])} disagrees with slot_of: the cache state is "
+                           "corrupt")
     distinct = list(dict.fromkeys(ids))
     if len(distinct) > capacity:
         raise RuntimeError(f"cache_plan: the token has {len(distinct)} distinct active neurons but the cache holds "
@@ -331,7 +399,7 @@ def cache_plan_reference(active_ids: torch.Tensor, last_active: torch.Tensor, sl
     absent = [n for n in distinct if int(slot_of[n]) < 0]
     if ids:
         last_active[active_ids] = step
-    when = last_active[pointer[:num_used]].tolist() if num_used else []
+    when = last_active[cached].tolist()
     window_out = [i for i in range(num_used) if when[i] <= step - window]
     over = num_used - len(window_out) + len(absent) - capacity
     budget_out = []
@@ -347,3 +415,11 @@ def cache_plan_reference(active_ids: torch.Tensor, last_active: torch.Tensor, sl
 @torch.library.impl(LIB, "cache_plan", "CompositeExplicitAutograd")
 def _cache_plan_default(active_ids, last_active, slot_of, pointer, num_used, step, window, evict_rows, missing):
     return cache_plan_reference(active_ids, last_active, slot_of, pointer, num_used, step, window, evict_rows, missing)
+
+
+@torch.library.register_fake("flashllm::cache_plan")
+def _cache_plan_fake(active_ids, last_active, slot_of, pointer, num_used, step, window, evict_rows, missing):
+    _check_cache_plan_metadata(active_ids, last_active, slot_of, pointer, num_used, window, evict_rows, missing)
+    # The three counts depend on the data: unbacked sizes (hence SymInt[] in the schema).
+    ctx = torch.library.get_ctx()
+    return [ctx.new_dynamic_size() for _ in range(3)]

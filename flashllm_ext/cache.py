@@ -10,8 +10,8 @@ The cache holds, preallocated once, the bundles of the neurons active in the las
                                      tokens are {n : last_active[n] > step - window}, which is also the recency
                                      order the budget rule needs
 `step(active_ids)` evicts rows whose neuron left the window by swap-delete (the last used rows move into the
-holes, torch.ops.flashllm.cache_compact), reads the missing bundles with FlashReader straight into the free rows
-at the end, and appends their ids. Rows [0, num_used) then feed torch.ops.flashllm.sparse_ffn.
+holes, ops.cache_compact), reads the missing bundles with FlashReader straight into the free rows at the end, and
+appends their ids. Rows [0, num_used) then feed ops.sparse_ffn.
 
 Capacity comes from a byte budget (or is given); when the window's union does not fit, the least recently active
 rows that the current token does not need are evicted early and counted in StepStats.evicted_budget. A token
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import _ops  # noqa: F401  (cache_plan / cache_compact schemas)
+from . import ops
 from .reader import FlashReader
 from .store import FlashStore
 
@@ -137,14 +137,14 @@ class NeuronCache:
             raise ValueError(f"active_ids must be on the CPU, got {active_ids.device}")
         t0 = time.perf_counter()
         try:
-            n_window, n_budget, n_missing = torch.ops.flashllm.cache_plan(
-                active_ids, self.last_active, self.slot_of, self.pointer, self.num_used, self.steps + 1, self.window,
-                self._evict_rows, self._missing)
+            n_window, n_budget, n_missing = ops.cache_plan(
+                active_ids, self.last_active, self.slot_of, self.pointer, self._evict_rows, self._missing,
+                num_used=self.num_used, step=self.steps + 1, window=self.window)
         except RuntimeError as e:
             raise ValueError(str(e)) from None
         self.steps += 1
-        kept = torch.ops.flashllm.cache_compact(self.matrix, self.pointer, self.bias, self.slot_of, self.num_used,
-                                                self._evict_rows[:n_window + n_budget])
+        kept = ops.cache_compact(self.matrix, self.pointer, self._evict_rows[:n_window + n_budget],
+                                 num_used=self.num_used, bias=self.bias, slot_of=self.slot_of)
         end = kept + n_missing
         ids = self._missing[:n_missing]
         t1 = time.perf_counter()

@@ -17,6 +17,8 @@ import torch
 from tqdm.auto import tqdm
 
 from . import endor
+from .bits import BITS_VIEW
+from .report import print_table
 from .timing import time_interleaved
 from .models import (FFN_KINDS, collect_linear_inputs, corpus_token_ids, fetch_default, ffn_linear_names,
                      load_hf_model, perplexity, replace_weights, resolve_cache_dir)
@@ -41,7 +43,7 @@ def _native_cpu_kernel() -> bool:
     return torch._C._dispatch_has_kernel_for_dispatch_key("flashllm::endor_decompress", "CPU")
 
 
-def _size_rows(compressed: dict[str, endor.EndorTensor], per_matrix: bool) -> list[tuple]:
+def _size_rows(compressed: dict[str, endor.EndorTensor], per_matrix: bool) -> list[dict]:
     groups: dict[str, list[endor.EndorTensor]] = {}
     for name, t in compressed.items():
         key = name if per_matrix else next(k for k in FFN_KINDS if f".{k}." in name)
@@ -51,17 +53,10 @@ def _size_rows(compressed: dict[str, endor.EndorTensor], per_matrix: bool) -> li
         dense = sum(t.dense_nbytes for t in ts)
         comp = sum(t.nbytes for t in ts)
         density = sum(t.values.numel() for t in ts) / sum(t.shape[0] * t.shape[1] for t in ts)
-        rows.append((key, len(ts), "x".join(map(str, ts[0].shape)), dense, comp, comp / dense, density))
+        rows.append({"matrix" if per_matrix else "kind": key, "count": len(ts),
+                     "shape": "x".join(map(str, ts[0].shape)), "dense_bytes": dense, "endor_bytes": comp,
+                     "ratio": comp / dense, "density": density})
     return rows
-
-
-def _print_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
-    cells = [list(map(str, header))] + [[f"{c:.3f}" if isinstance(c, float) else str(c) for c in r] for r in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-    for j, r in enumerate(cells):
-        print("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))))
-        if j == 0:
-            print("  ".join("-" * w for w in widths))
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -99,16 +94,16 @@ def run(model: torch.nn.Module, tokenizer, args: argparse.Namespace) -> None:
     loaded = endor.load(store)
     restored = {name: loaded[name].decompress() for name in compressed}
     if set(loaded) != set(compressed) or not all(
-            torch.equal(restored[n].view(torch.int16), pruned[n].view(torch.int16)) for n in pruned):
+            torch.equal(restored[n].view(BITS_VIEW[restored[n].dtype]), pruned[n].view(BITS_VIEW[pruned[n].dtype]))
+            for n in pruned):
         raise RuntimeError(f"{store}: Endor save/load round trip changed the pruned weights")
     print(f"saved and reloaded {len(loaded)} Endor tensors: {store} ({store.stat().st_size / 2**20:.1f} MiB), "
           "bitwise equal to the pruned weights")
 
     print()
     rows = _size_rows(compressed, args.per_matrix)
-    _print_table(("matrix" if args.per_matrix else "kind", "count", "shape", "dense_bytes", "endor_bytes", "ratio",
-                  "density"), rows)
-    dense_total, comp_total = sum(r[3] for r in rows), sum(r[4] for r in rows)
+    print_table(rows)
+    dense_total, comp_total = sum(r["dense_bytes"] for r in rows), sum(r["endor_bytes"] for r in rows)
     print(f"total: {dense_total / 2**20:.1f} MiB fp16 dense -> {comp_total / 2**20:.1f} MiB Endor, "
           f"ratio {comp_total / dense_total:.3f} (compressed / dense)")
 
@@ -130,16 +125,16 @@ def run(model: torch.nn.Module, tokenizer, args: argparse.Namespace) -> None:
     kernel = "native CPU kernel" if _native_cpu_kernel() else "pure-torch reference kernel (no native CPU kernel)"
     print(f"\ndecompress all FFN matrices ({dense_total / 1e6:.1f} MB dense fp16 output, {kernel}, "
           f"{torch.get_num_threads()} threads, median of {args.repeats}):")
-    _print_table(("op", "median_ms", "GB/s"), [("endor_decompress", t_dec * 1e3, dense_total / t_dec / 1e9),
-                                               ("memcpy (out.copy_)", t_copy * 1e3, dense_total / t_copy / 1e9)])
+    print_table([{"op": "endor_decompress", "median_ms": t_dec * 1e3, "GB/s": dense_total / t_dec / 1e9},
+                 {"op": "memcpy (out.copy_)", "median_ms": t_copy * 1e3, "GB/s": dense_total / t_copy / 1e9}])
     print(f"decompress / memcpy throughput: {t_copy / t_dec:.3f}")
 
     ppl_dense = perplexity(model, heldout, args.window, args.windows)
     replace_weights(model, restored)
     ppl_pruned = perplexity(model, heldout, args.window, args.windows)
     print(f"\nheld-out perplexity ({args.windows}x{args.window} tokens, transformers on the same GGUF):")
-    _print_table(("model", "perplexity"), [("dense (fp32 dequantized Q4_1)", ppl_dense),
-                                          (f"FFN Wanda {args.sparsity:.0%} (fp16, from the Endor file)", ppl_pruned)])
+    print_table([{"model": "dense (fp32 dequantized Q4_1)", "perplexity": ppl_dense},
+                 {"model": f"FFN Wanda {args.sparsity:.0%} (fp16, from the Endor file)", "perplexity": ppl_pruned}])
 
 
 if __name__ == "__main__":

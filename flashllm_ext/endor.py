@@ -17,15 +17,14 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from . import _ops
+from . import _ops, ops
+from .bits import BITS_VIEW, pack_bitmap
 from .errors import FormatError
 from .safetensors_io import read_header
 
 FORMAT_NAME = "flashllm-endor"
 FORMAT_VERSION = "1"
 PARTS = ("values", "bitmap", "row_offsets")
-_BITS_VIEW = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16,
-              torch.int8: torch.int8}
 _DTYPE_NAMES = {str(d).removeprefix("torch."): d for d in _ops.ENDOR_DTYPES}
 
 
@@ -88,11 +87,8 @@ class EndorTensor:
         """
         if rows is not None:
             rows = torch.as_tensor(rows, dtype=torch.int64, device=self.device)
-        if out is None:
-            return torch.ops.flashllm.endor_decompress(self.values, self.bitmap, self.row_offsets, self.shape[1], rows)
-        torch.ops.flashllm.endor_decompress.out(self.values, self.bitmap, self.row_offsets, self.shape[1], rows,
-                                                out=out)
-        return out
+        return ops.endor_decompress(self.values, self.bitmap, self.row_offsets, n_cols=self.shape[1], rows=rows,
+                                    out=out)
 
     def to(self, device: torch.device | str) -> EndorTensor:
         # Already validated: checking again on the target device would cost a synchronising pass.
@@ -104,23 +100,14 @@ class EndorTensor:
                 f"ratio={self.nbytes / max(1, self.dense_nbytes):.3f}, device={self.device})")
 
 
-def pack_bitmap(mask: torch.Tensor) -> torch.Tensor:
-    """bool [rows, cols] -> uint8 [rows, ceil(cols/8)], little bit order (numpy.packbits(..., "little"))."""
-    rows, cols = mask.shape
-    padded = torch.zeros((rows, (cols + 7) // 8 * 8), dtype=torch.uint8, device=mask.device)
-    padded[:, :cols] = mask
-    weights = (1 << torch.arange(8, dtype=torch.int32, device=mask.device))
-    return (padded.view(rows, -1, 8).to(torch.int32) * weights).sum(-1).to(torch.uint8)
-
-
 def compress(w: torch.Tensor) -> EndorTensor:
     """Compress a 2-D fp32/fp16/bf16/int8 tensor (any layout, any sparsity pattern)."""
     if not isinstance(w, torch.Tensor) or w.dim() != 2:
         raise ValueError(f"compress expects a 2-D tensor, got {getattr(w, 'shape', type(w))}")
-    if w.dtype not in _BITS_VIEW:
-        raise ValueError(f"compress supports {tuple(_BITS_VIEW)}, got {w.dtype}")
+    if w.dtype not in BITS_VIEW:
+        raise ValueError(f"compress supports {tuple(BITS_VIEW)}, got {w.dtype}")
     w = w.contiguous()
-    mask = w.view(_BITS_VIEW[w.dtype]) != 0
+    mask = w.view(BITS_VIEW[w.dtype]) != 0
     counts = mask.sum(dim=1)
     row_offsets = torch.zeros(w.shape[0] + 1, dtype=torch.int64, device=w.device)
     torch.cumsum(counts, 0, out=row_offsets[1:])

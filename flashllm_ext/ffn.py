@@ -26,14 +26,12 @@ from dataclasses import dataclass, fields
 import torch
 from torch import nn
 
+from . import ops
+from ._ops import ACTIVATIONS
 from .cache import NeuronCache, StepStats, layer_input_bias
 from .models.hf import decoder_layers
 from .reader import FlashReader
 from .store import FlashStore
-
-# Model config activation names -> sparse_ffn activations. Only exact matches: tanh-approximated GELU variants would
-# silently differ from the model.
-_ACTIVATIONS = {"relu": "relu", "silu": "silu", "swish": "silu", "gelu": "gelu"}
 
 # What a predictor returns for x [T, d]: a bool mask [T, n] (per-token active sets), or one set shared by every
 # token as int64 ids [k] or a bool mask [n].
@@ -45,9 +43,11 @@ def store_activation(store: FlashStore) -> str:
     name = store.config.get("hidden_act") or store.config.get("activation_function")
     if name is None:
         raise ValueError(f"{store.path}: the model config names no activation (hidden_act / activation_function)")
-    if name not in _ACTIVATIONS:
-        raise ValueError(f"{store.path}: activation {name!r} is not supported (one of {sorted(_ACTIVATIONS)})")
-    return _ACTIVATIONS[name]
+    for activation, spec in ACTIVATIONS.items():
+        if name in spec.config_names:
+            return activation
+    supported = sorted(n for spec in ACTIVATIONS.values() for n in spec.config_names)
+    raise ValueError(f"{store.path}: activation {name!r} is not supported (one of {supported})")
 
 
 def _output_bias(store: FlashStore, layer: int) -> torch.Tensor | None:
@@ -178,8 +178,8 @@ class FlashFFN(nn.Module):
         start = time.perf_counter()
         cache = self.cache
         rows = cache.slot_of[ids]
-        y = torch.ops.flashllm.sparse_ffn(x, cache.matrix, cache.num_used, cache.bias, self.activation,
-                                          self.store.glu, rows, self.threshold)
+        y = ops.sparse_ffn(x, cache.matrix, num_used=cache.num_used, bias=cache.bias, activation=self.activation,
+                           glu=self.store.glu, index=rows, threshold=self.threshold)
         out += y.float()
         self.stats.compute_s += time.perf_counter() - start
 
@@ -276,11 +276,11 @@ class StreamingFFN(nn.Module):
         start = time.perf_counter()
         glu, act = self.store.glu, self.activation
         if self.resident is not None:
-            out += torch.ops.flashllm.sparse_ffn(xs, self.resident, self.resident.shape[0], self.resident_bias, act,
-                                                 glu, None, 0.0).float()
+            out += ops.sparse_ffn(xs, self.resident, num_used=self.resident.shape[0], bias=self.resident_bias,
+                                  activation=act, glu=glu).float()
         if n_streamed:
-            out += torch.ops.flashllm.sparse_ffn(xs, self.staging, n_streamed, self.streamed_bias, act, glu, None,
-                                                 0.0).float()
+            out += ops.sparse_ffn(xs, self.staging, num_used=n_streamed, bias=self.streamed_bias, activation=act,
+                                  glu=glu).float()
         if self.out_bias is not None:
             out += self.out_bias
         self.stats.compute_s += time.perf_counter() - start

@@ -28,8 +28,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from tqdm.auto import tqdm
 
-from ._ops import unpack_bitmap
-from .endor import pack_bitmap
+from .bits import pack_bitmap, unpack_bitmap
 from .errors import FormatError
 from .models.hf import decoder_layers
 from .models.text import perplexity

@@ -191,10 +191,12 @@ def _tensor_bytes(tensor: object) -> memoryview:
     import numpy as np
     import torch
 
+    from .bits import BITS_VIEW
+
     if isinstance(tensor, torch.Tensor):
         flat = tensor.detach().cpu().contiguous().reshape(-1)
         # numpy has no bfloat16: move the bits through a same-width integer view.
-        array = flat.view(torch.int16).numpy() if flat.dtype == torch.bfloat16 else flat.numpy()
+        array = flat.view(BITS_VIEW[flat.dtype]).numpy() if flat.dtype == torch.bfloat16 else flat.numpy()
     else:
         array = np.ascontiguousarray(tensor)
     return memoryview(array).cast("B")

@@ -5,9 +5,10 @@ from __future__ import annotations
 import torch
 
 from flashllm_ext import endor
-from test_endor_decompress import DTYPES, INT_VIEW, _bad_cases, assert_bitwise_equal, make_weight
+from flashllm_ext.bits import BITS_VIEW
+from test_endor_decompress import DTYPES, _bad_cases, assert_bitwise_equal, make_weight
 
-__all__ = ["BAD_CASES", "DTYPES", "SHAPES", "assert_bitwise_equal", "endor_case", "INT_VIEW"]
+__all__ = ["BAD_CASES", "DTYPES", "SHAPES", "assert_bitwise_equal", "endor_case"]
 
 # (rows, cols): single element, single row/column, odd sizes, rows whose byte offset is and is not a multiple of
 # 16 for each width, rows longer than one warp step (256 columns) and than one CUDA iteration (1024 columns).
@@ -23,7 +24,7 @@ def endor_case(shape: tuple[int, int], dtype: torch.dtype, seed: int = 0,
     row 0 is all zeros and row 1 has no zero."""
     w = make_weight(shape, dtype, density, seed)
     if 0.0 < density < 1.0 and shape[0] >= 3:
-        bits = w.view(INT_VIEW[dtype])
+        bits = w.view(BITS_VIEW[dtype])
         bits[0] = 0
         bits[1] = torch.where(bits[1] == 0, torch.ones_like(bits[1]), bits[1])
     return w, endor.compress(w)

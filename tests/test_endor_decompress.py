@@ -3,15 +3,13 @@ original weights, bitwise; opcheck; bad inputs. The CUDA and Metal bodies are te
 import pytest
 import torch
 
-import flashllm_ext  # noqa: F401
-from flashllm_ext import _C, endor
-from flashllm_ext._ops import endor_decompress_reference
+from flashllm_ext import _C, endor, ops
+from flashllm_ext._ops import ENDOR_DTYPES, endor_decompress_reference
+from flashllm_ext.bits import BITS_VIEW
 
 from conftest import cpu_isas, forced_isa_fixture
 
-DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int8]
-INT_VIEW = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16,
-            torch.int8: torch.int8}
+DTYPES = list(ENDOR_DTYPES)
 SPECIAL_BITS = {  # -0.0, NaN with payload, +inf, -inf, smallest subnormal, largest subnormal
     torch.float32: [-(2**31), 0x7FC12345, 0x7F800000, -8388608, 1, 0x007FFFFF],
     torch.float16: [-(2**15), 0x7E01, 0x7C00, -1024, 1, 0x03FF],
@@ -26,7 +24,7 @@ isa = forced_isa_fixture(cpu_isas())
 def make_weight(shape, dtype, density=0.5, seed=0):
     """Random bit patterns (so every value is exercised, specials included), zeroed at random."""
     g = torch.Generator().manual_seed(seed)
-    itype = INT_VIEW[dtype]
+    itype = BITS_VIEW[dtype]
     info = torch.iinfo(itype)
     bits = torch.randint(info.min, info.max, shape, generator=g, dtype=torch.int64).to(itype)
     specials = torch.tensor(SPECIAL_BITS[dtype], dtype=torch.int64).to(itype)
@@ -39,7 +37,7 @@ def make_weight(shape, dtype, density=0.5, seed=0):
 
 def assert_bitwise_equal(a, b):
     assert a.dtype == b.dtype and a.shape == b.shape
-    assert torch.equal(a.view(INT_VIEW[a.dtype]), b.view(INT_VIEW[b.dtype]))
+    assert torch.equal(a.view(BITS_VIEW[a.dtype]), b.view(BITS_VIEW[b.dtype]))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -48,7 +46,7 @@ def assert_bitwise_equal(a, b):
 def test_native_matches_weights_and_reference(isa, dtype, shape, density):
     w = make_weight(shape, dtype, density, seed=hash((shape, density)) % 1000)
     e = endor.compress(w)
-    got = torch.ops.flashllm.endor_decompress(e.values, e.bitmap, e.row_offsets, shape[1])
+    got = ops.endor_decompress(e.values, e.bitmap, e.row_offsets, n_cols=shape[1])
     assert_bitwise_equal(got, w)
     assert_bitwise_equal(endor_decompress_reference(e.values, e.bitmap, e.row_offsets, shape[1]), w)
 
@@ -86,7 +84,7 @@ def test_non_contiguous_inputs(isa):
     spread = torch.zeros(2 * e.values.numel(), dtype=e.values.dtype)
     spread[::2] = e.values
     rows = torch.arange(40)[::2] // 2  # strided view
-    got = torch.ops.flashllm.endor_decompress(spread[::2], e.bitmap, e.row_offsets, 31, rows)
+    got = ops.endor_decompress(spread[::2], e.bitmap, e.row_offsets, n_cols=31, rows=rows)
     assert_bitwise_equal(got, w[rows])
 
 
@@ -95,6 +93,9 @@ def test_out_variant_writes_into_buffer():
     e = endor.compress(w)
     out = torch.full((8, 24), 7.0)
     assert torch.ops.flashllm.endor_decompress.out(e.values, e.bitmap, e.row_offsets, 24, None, out=out) is None
+    assert_bitwise_equal(out, w)
+    out.fill_(7.0)
+    assert ops.endor_decompress(e.values, e.bitmap, e.row_offsets, n_cols=24, out=out) is out
     assert_bitwise_equal(out, w)
 
 
@@ -115,9 +116,24 @@ def test_meta_tensors_give_shapes():
     vals = torch.empty(10, device="meta", dtype=torch.float16)
     bm = torch.empty(4, 2, device="meta", dtype=torch.uint8)
     off = torch.empty(5, device="meta", dtype=torch.int64)
-    assert torch.ops.flashllm.endor_decompress(vals, bm, off, 13).shape == (4, 13)
-    assert torch.ops.flashllm.endor_decompress(vals, bm, off, 13, torch.empty(7, device="meta",
-                                                                              dtype=torch.int64)).shape == (7, 13)
+    assert ops.endor_decompress(vals, bm, off, n_cols=13).shape == (4, 13)
+    assert ops.endor_decompress(vals, bm, off, n_cols=13, rows=torch.empty(7, device="meta",
+                                                                           dtype=torch.int64)).shape == (7, 13)
+
+
+def test_fake_kernel_checks_metadata():
+    # The fake kernel makes the metadata checks of the native ones, without data: meta tensors raise the same errors.
+    vals = torch.empty(10, device="meta", dtype=torch.float16)
+    bm = torch.empty(4, 2, device="meta", dtype=torch.uint8)
+    off = torch.empty(5, device="meta", dtype=torch.int64)
+    with pytest.raises(RuntimeError, match="bitmap has 2 bytes per row, n_cols=20 needs 3"):
+        ops.endor_decompress(vals, bm, off, n_cols=20)
+    with pytest.raises(RuntimeError, match="row_offsets must be int64 of length rows\\+1=5"):
+        ops.endor_decompress(vals, bm, off[:4], n_cols=13)
+    with pytest.raises(RuntimeError, match="rows must be a 1-D int64 tensor"):
+        ops.endor_decompress(vals, bm, off, n_cols=13, rows=torch.empty(3, device="meta"))
+    with pytest.raises(RuntimeError, match="out must be a contiguous"):
+        ops.endor_decompress(vals, bm, off, n_cols=13, out=torch.empty(3, 13, device="meta", dtype=torch.float16))
 
 
 def _arrays():
@@ -130,28 +146,28 @@ def _bad_cases():
     v, b, o = _arrays()
     yield "bitmap has 2 bytes per row", (v, b[:, :2], o, 20, None)
     yield "bitmap must be a 2-D uint8", (v, b.to(torch.int16), o, 20, None)
-    yield "values must be", (v.to(torch.float64), b, o, 20, None)
+    yield "values must be float32, float16, bfloat16 or int8, got", (v.to(torch.float64), b, o, 20, None)
     yield "values must be 1-D", (v.view(1, -1), b, o, 20, None)
     yield "row_offsets must be int64", (v, b, o.to(torch.int32), 20, None)
     yield "row_offsets must be int64 of length", (v, b, o[:-1], 20, None)
-    yield "end at values.numel()", (v[:-3], b, o, 20, None)  # values too short
-    o2 = o.clone(); o2[2], o2[3] = o[3], o[2]  # not monotone
-    yield "row", (v, b, o2, 20, None)
+    yield r"row_offsets must start at 0 and end at values.numel\(\)=\d+", (v[:-3], b, o, 20, None)  # values too short
+    o2 = o.clone(); o2[2], o2[3] = o[3], o[2]  # not monotone: row 1 spans rows 1 and 2, row 2 ends before it starts
+    yield r"row 1: row_offsets says \d+ values but the bitmap has \d+ set bits", (v, b, o2, 20, None)
     o3 = o.clone(); o3[1] += 1  # disagrees with the popcounts of rows 0 and 1
-    yield "set bits", (v, b, o3, 20, None)
+    yield r"row 0: row_offsets says \d+ values but the bitmap has \d+ set bits", (v, b, o3, 20, None)
     b2 = b.clone(); b2[4, 0] ^= 1  # one bit flipped: counts disagree
-    yield "set bits", (v, b2, o, 20, None)
+    yield r"row 4: row_offsets says \d+ values but the bitmap has \d+ set bits", (v, b2, o, 20, None)
     b3 = b.clone(); b3[0, -1] |= 0x80  # padding bit past n_cols
-    yield "past n_cols", (v, b3, o, 20, None)
-    yield "outside", (v, b, o, 20, torch.tensor([0, 6]))
-    yield "outside", (v, b, o, 20, torch.tensor([-1]))
+    yield "row 0: bitmap has bits set past n_cols=20", (v, b3, o, 20, None)
+    yield r"rows\[1\]=6 is outside \[0, 6\)", (v, b, o, 20, torch.tensor([0, 6]))
+    yield r"rows\[0\]=-1 is outside \[0, 6\)", (v, b, o, 20, torch.tensor([-1]))
     yield "rows must be a 1-D int64", (v, b, o, 20, torch.tensor([0.0]))
 
 
 @pytest.mark.parametrize("kernel", ["native", "reference"])
-@pytest.mark.parametrize("case", list(range(14)))
+@pytest.mark.parametrize("case", list(_bad_cases()), ids=lambda case: case[0][:40])
 def test_bad_input_raises_clear_error(kernel, case):
-    expected, args = list(_bad_cases())[case]
+    expected, args = case
     fn = torch.ops.flashllm.endor_decompress if kernel == "native" else endor_decompress_reference
     with pytest.raises(RuntimeError, match=expected):
         fn(*args)

@@ -1,7 +1,6 @@
-"""The MLX backend (flashllm_ext.mlx): on Linux its mlx-op fallback, against the torch reference, bitwise.
-
-The Metal kernel it dispatches on Apple Silicon is metal/endor_decompress.metal, tested on this machine through
-the SIMT emulation in tests/test_simt.py.
+"""The MLX backend (flashllm_ext.mlx): its mlx-op fallback everywhere and, on Apple Silicon, its Metal kernel
+(metal/endor_decompress.metal), against the torch reference, bitwise. Off Apple Silicon the Metal kernel body is
+tested through the SIMT emulation in tests/test_simt.py.
 """
 from __future__ import annotations
 
@@ -10,7 +9,8 @@ import pytest
 import torch
 
 from flashllm_ext._ops import endor_decompress_reference
-from kernel_cases import BAD_CASES, DTYPES, INT_VIEW, SHAPES, assert_bitwise_equal, endor_case
+from flashllm_ext.bits import BITS_VIEW
+from kernel_cases import BAD_CASES, DTYPES, SHAPES, assert_bitwise_equal, endor_case
 
 mx = pytest.importorskip("mlx.core", reason="mlx is not importable (install the [mlx] extra)")
 fmlx = pytest.importorskip("flashllm_ext.mlx")
@@ -24,13 +24,13 @@ _MX_BITS = {mx.float32: mx.uint32, mx.float16: mx.uint16, mx.bfloat16: mx.uint16
 def to_mx(t: torch.Tensor) -> "mx.array":
     """Bit-exact torch -> mlx (through an integer view: numpy has no bfloat16)."""
     t = t.contiguous()
-    if t.dtype in INT_VIEW:
-        return mx.array(t.view(INT_VIEW[t.dtype]).numpy()).view(_MX_DTYPE[t.dtype])
+    if t.dtype in BITS_VIEW:
+        return mx.array(t.view(BITS_VIEW[t.dtype]).numpy()).view(_MX_DTYPE[t.dtype])
     return mx.array(t.numpy(), dtype=_MX_DTYPE[t.dtype])
 
 
 def to_torch(a: "mx.array", dtype: torch.dtype) -> torch.Tensor:
-    return torch.from_numpy(np.array(a.view(_MX_BITS[a.dtype]))).view(INT_VIEW[dtype]).view(dtype)
+    return torch.from_numpy(np.array(a.view(_MX_BITS[a.dtype]))).view(BITS_VIEW[dtype]).view(dtype)
 
 
 def decompress(values, bitmap, row_offsets, n_cols, rows=None) -> torch.Tensor:
@@ -39,8 +39,14 @@ def decompress(values, bitmap, row_offsets, n_cols, rows=None) -> torch.Tensor:
     return to_torch(out, values.dtype)
 
 
-def test_runs_the_fallback_here():
-    assert not fmlx.metal_available(), "this test file documents the Linux path"
+@pytest.fixture(autouse=True, params=["mlx_ops", "metal"])
+def path(request, monkeypatch):
+    """Each test runs the mlx-op fallback (forced where Metal exists) and, on Apple Silicon, the Metal kernel."""
+    if request.param == "mlx_ops":
+        monkeypatch.setattr(fmlx, "metal_available", lambda: False)
+    elif not fmlx.metal_available():
+        pytest.skip("no Metal device (Apple Silicon only)")
+    return request.param
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -61,9 +67,9 @@ def test_edge_inputs():
         assert_bitwise_equal(decompress(e.values, e.bitmap, e.row_offsets, 40), w)
 
 
-@pytest.mark.parametrize("case", range(len(BAD_CASES)))
+@pytest.mark.parametrize("case", BAD_CASES, ids=lambda case: case[0][:40])
 def test_refuses_bad_input(case):
-    expected, args = BAD_CASES[case]
+    expected, args = case
     with pytest.raises(RuntimeError, match=expected):
         decompress(*args)
 

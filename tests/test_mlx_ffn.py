@@ -1,11 +1,11 @@
-"""flashllm_ext.mlx.sparse_ffn: on Linux its mlx-op fallback, against the torch reference (the Metal bodies it
-dispatches on Apple Silicon are tested through the SIMT emulation in test_ffn_simt.py)."""
+"""flashllm_ext.mlx.sparse_ffn: its mlx-op fallback everywhere and, on Apple Silicon, its Metal kernels, against
+the torch reference (off Apple Silicon the Metal bodies are tested through the SIMT emulation in test_ffn_simt.py)."""
 import pytest
 import torch
 
 from flashllm_ext._ops import sparse_ffn_reference
 from ffn_cases import FFN_DTYPES, assert_close, bad_ffn_cases, ffn_case
-from test_mlx import to_mx, to_torch
+from test_mlx import path, to_mx, to_torch  # noqa: F401  (path: the fallback and, where it exists, Metal)
 
 mx = pytest.importorskip("mlx.core", reason="mlx is not importable (install the [mlx] extra)")
 fmlx = pytest.importorskip("flashllm_ext.mlx")

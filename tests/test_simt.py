@@ -225,9 +225,9 @@ def test_endor_body_edge_inputs(body):
 
 
 @pytest.mark.parametrize("body", BODIES)
-@pytest.mark.parametrize("case", range(len(BAD_CASES)))
+@pytest.mark.parametrize("case", BAD_CASES, ids=lambda case: case[0][:40])
 def test_endor_body_refuses_bad_input(body, case):
-    expected, args = BAD_CASES[case]
+    expected, args = case
     with pytest.raises(RuntimeError, match=expected):
         BODIES[body](*args)
 

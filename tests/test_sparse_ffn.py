@@ -1,15 +1,17 @@
-"""flashllm::sparse_ffn, cache_compact and cache_plan on the CPU: native kernels (every ISA path) against the
-pure-torch references and dense math; opcheck; bad inputs; the default model's real FFN weights (slow).
+"""flashllm::sparse_ffn on the CPU: native kernel (every ISA path) against the pure-torch reference and dense
+math; opcheck and the fake kernel; bad inputs; the default model's real FFN weights (slow).
 The CUDA and Metal bodies are tested in test_ffn_simt.py."""
+import re
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-import flashllm_ext  # noqa: F401
-from flashllm_ext._ops import (cache_compact_reference, cache_plan_reference, compaction_moves,
-                               sparse_ffn_reference)
+from flashllm_ext import ops
+from flashllm_ext._ops import ACTIVATIONS, sparse_ffn_reference
 from conftest import cpu_isas, forced_isa_fixture
-from ffn_cases import FFN_DTYPES, assert_close, bad_ffn_cases, compact_state, ffn_case
+from ffn_cases import FFN_DTYPES, assert_close, bad_ffn_cases, ffn_case
 
 OPS = torch.ops.flashllm
 
@@ -23,7 +25,7 @@ def dense_ffn(x, up, down, gate, bias, act):
     pre = xf @ (gate if gate is not None else up).float().t()
     if bias is not None:
         pre = pre + bias.float()
-    h = {"relu": F.relu, "silu": F.silu, "gelu": F.gelu}[act](pre)
+    h = ACTIVATIONS[act].fn(pre)
     if gate is not None:
         h = h * (xf @ up.float().t())
     return h @ down.float().t()
@@ -39,7 +41,7 @@ def test_native_matches_reference(isa, dtype, glu, act, n_tok):
     for kwargs in ({}, {"index": index}, {"threshold": 0.2}, {"index": index, "threshold": 0.05}):
         for bias in (b, None):
             want = sparse_ffn_reference(x, m, num_used, bias, act, glu, **kwargs)
-            assert_close(OPS.sparse_ffn(x, m, num_used, bias, act, glu, **kwargs), want)
+            assert_close(ops.sparse_ffn(x, m, num_used=num_used, activation=act, glu=glu, bias=bias, **kwargs), want)
 
 
 @pytest.mark.parametrize("shape", [(1, 1, 1), (1, 7, 13), (3, 16, 1), (2, 64, 0), (8, 130, 5)])
@@ -49,10 +51,11 @@ def test_odd_shapes(isa, shape):
         x, m, b = ffn_case(n_tok, d, max(capacity, 1), glu, torch.float32)
         m, b = m[:capacity], b[:capacity]
         for num_used in {0, capacity}:
-            assert_close(OPS.sparse_ffn(x, m, num_used, b, "silu", glu),
+            assert_close(ops.sparse_ffn(x, m, num_used=num_used, activation="silu", glu=glu, bias=b),
                          sparse_ffn_reference(x, m, num_used, b, "silu", glu))
     empty = torch.empty(0, dtype=torch.int64)
-    assert torch.equal(OPS.sparse_ffn(x, m, capacity, b, "relu", glu, empty), torch.zeros_like(x))
+    assert torch.equal(ops.sparse_ffn(x, m, num_used=capacity, activation="relu", glu=glu, bias=b, index=empty),
+                       torch.zeros_like(x))
 
 
 @pytest.mark.parametrize("dtype", FFN_DTYPES)
@@ -64,7 +67,7 @@ def test_parallel_path_and_dense_math(isa, dtype):
     down = (torch.randn(d, n, generator=g) / 16).to(dtype)
     x = torch.randn(4, d, generator=g).to(dtype)
     matrix = torch.cat([up, gate, down.t()], dim=1).contiguous()
-    got = OPS.sparse_ffn(x, matrix, n, None, "silu", True)
+    got = ops.sparse_ffn(x, matrix, num_used=n, activation="silu", glu=True)
     assert_close(got, dense_ffn(x, up, down, gate, None, "silu").to(dtype))
 
 
@@ -72,26 +75,37 @@ def test_non_contiguous_x_and_bias():
     x, m, b = ffn_case(4, 24, 30, False, torch.float32)
     xt = torch.randn(24, 4).t()
     bias = torch.randn(60)[::2]
-    assert_close(OPS.sparse_ffn(xt, m, 30, bias, "relu", False), sparse_ffn_reference(xt, m, 30, bias, "relu", False))
+    assert_close(ops.sparse_ffn(xt, m, num_used=30, activation="relu", glu=False, bias=bias),
+                 sparse_ffn_reference(xt, m, 30, bias, "relu", False))
 
 
-def test_threshold_skips_small_activations():
-    x, m, b = ffn_case(3, 16, 20, True, torch.float32, seed=5)
-    full = OPS.sparse_ffn(x, m, 20, None, "silu", True)
-    # A threshold above every |activation| skips everything; 0 skips nothing.
-    assert torch.equal(OPS.sparse_ffn(x, m, 20, None, "silu", True, None, 1e9), torch.zeros_like(full))
-    assert torch.equal(OPS.sparse_ffn(x, m, 20, None, "silu", True, None, 0.0), full)
+def test_threshold_skips_small_activations(isa):
+    d = 16
+    x, m, _ = ffn_case(3, d, 20, True, torch.float32, seed=5)
+    up, gate, down = m[:, :d], m[:, d:2 * d], m[:, 2 * d:].t()
+    act = F.silu(x @ gate.t())  # [T, 20]: the activation the threshold applies to
+    for threshold in (0.0, act.abs().median().item(), 1e9):  # nothing, about half, everything skipped
+        kept = torch.where(act.abs() > threshold, act, 0.0)
+        want = (kept * (x @ up.t())) @ down.t()
+        got = ops.sparse_ffn(x, m, num_used=20, activation="silu", glu=True, threshold=threshold)
+        assert_close(got, want)
+    assert torch.equal(got, torch.zeros_like(got))
 
 
 def test_opcheck():
     x, m, b = ffn_case(3, 16, 12, True, torch.float32)
     torch.library.opcheck(OPS.sparse_ffn, (x, m, 10, b, "silu", True), {"index": torch.tensor([1, 4]),
                                                                      "threshold": 0.1})
-    matrix, pointer, bias, slot_of = compact_state(12, 8, 9, 30, torch.float16, seed=1)
-    # AOT dispatch cannot functionalize an in-place op that returns an int (torch refuses before running it): the
-    # schema, autograd registration and fake kernel are checked.
-    torch.library.opcheck(OPS.cache_compact, (matrix, pointer, bias, slot_of, 9, torch.tensor([2, 8, 0])),
-                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+
+
+@pytest.mark.parametrize("case", [c for c in bad_ffn_cases() if not c[0].startswith(r"index\[")],
+                         ids=lambda c: c[0][:30])
+def test_fake_kernel_refuses_bad_metadata(case):
+    # Every check but the index range (data) is made on meta tensors too, with the same words.
+    match, args, kwargs = case
+    meta = lambda v: v.to("meta") if isinstance(v, torch.Tensor) else v  # noqa: E731
+    with pytest.raises(RuntimeError, match=match):
+        OPS.sparse_ffn(*map(meta, args), **{k: meta(v) for k, v in kwargs.items()})
 
 
 @pytest.mark.parametrize("case", bad_ffn_cases(), ids=lambda c: c[0][:30])
@@ -100,91 +114,6 @@ def test_bad_inputs(case):
     for fn in (OPS.sparse_ffn, sparse_ffn_reference):
         with pytest.raises(RuntimeError, match=match):
             fn(*args, **kwargs)
-
-
-# ------------------------------------------------------------------------------------------------ cache_compact
-def test_compaction_moves_are_swap_delete():
-    # Rows 1 and 3 are holes below the new end (6); survivors 6 and 8 fill them, ascending; 7 is deleted.
-    assert compaction_moves(9, [7, 3, 1]) == [(6, 1), (8, 3)]
-    assert compaction_moves(5, []) == []
-    assert compaction_moves(4, [0, 1, 2, 3]) == []
-
-
-@pytest.mark.parametrize("seed", range(12))
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
-def test_cache_compact_matches_reference(seed, dtype):
-    g = torch.Generator().manual_seed(seed)
-    capacity = int(torch.randint(1, 40, (1,), generator=g))
-    num_used = int(torch.randint(0, capacity + 1, (1,), generator=g))
-    c = int(torch.randint(0, num_used + 1, (1,), generator=g))
-    rows = torch.randperm(num_used, generator=g)[:c]
-    state = compact_state(capacity, 11, num_used, 60, torch.float32, seed)
-    state = (state[0].to(dtype), state[1], state[2], state[3])
-    want = [t.clone() for t in state]
-    for with_bias, with_slots in ((True, True), (False, False)):
-        got = [t.clone() for t in state]
-        kept = OPS.cache_compact(got[0], got[1], got[2] if with_bias else None, got[3] if with_slots else None,
-                                 num_used, rows)
-        ref = [t.clone() for t in want]
-        assert kept == cache_compact_reference(ref[0], ref[1], ref[2] if with_bias else None,
-                                               ref[3] if with_slots else None, num_used, rows)
-        assert kept == num_used - c
-        for a, b in zip(got, ref):
-            assert torch.equal(a, b)
-    survivors = set(state[1][:num_used].tolist()) - set(state[1][rows].tolist())
-    assert set(got[1][:kept].tolist()) == survivors
-
-
-def test_cache_compact_bad_inputs():
-    matrix, pointer, bias, slot_of = compact_state(10, 4, 6, 20, torch.float32, seed=0)
-    for fn in (OPS.cache_compact, cache_compact_reference):
-        for rows, match in ((torch.tensor([1, 1]), "twice"), (torch.tensor([6]), "outside"),
-                            (torch.tensor([-1]), "outside"), (torch.tensor([0.0]), "rows must be a 1-D int64")):
-            with pytest.raises(RuntimeError, match=match):
-                fn(matrix, pointer, bias, slot_of, 6, rows)
-        with pytest.raises(RuntimeError, match="num_used=11 is outside"):
-            fn(matrix, pointer, bias, slot_of, 11, torch.tensor([0]))
-        with pytest.raises(RuntimeError, match="pointer must be int64"):
-            fn(matrix, pointer[:5], bias, slot_of, 5, torch.tensor([0]))
-        with pytest.raises(RuntimeError, match="bias must be 1-D"):
-            fn(matrix, pointer, bias[:3], slot_of, 5, torch.tensor([0]))
-    assert torch.equal(pointer[:6], compact_state(10, 4, 6, 20, torch.float32, seed=0)[1][:6])  # untouched
-
-
-# ------------------------------------------------------------------------------------------------ cache_plan
-@pytest.mark.parametrize("seed", range(20))
-def test_cache_plan_matches_reference(seed):
-    g = torch.Generator().manual_seed(seed)
-    n, capacity, window = 40, int(torch.randint(8, 30, (1,), generator=g)), int(torch.randint(1, 4, (1,),
-                                                                                              generator=g))
-    num_used = int(torch.randint(0, capacity + 1, (1,), generator=g))
-    _, pointer, _, slot_of = compact_state(capacity, 1, num_used, n, torch.float32, seed)
-    step = 10
-    last = torch.randint(step - 5, step, (n,), generator=g)  # distinct recency per cached row: no LRU ties
-    last[pointer[:num_used]] = step - 1 - torch.randperm(num_used, generator=g)
-    active = torch.randint(0, n, (int(torch.randint(0, capacity, (1,), generator=g)),), generator=g)
-    outs = []
-    for fn in (OPS.cache_plan, cache_plan_reference):
-        last_c, evict, missing = last.clone(), torch.full((capacity,), -7), torch.full((capacity,), -7)
-        counts = fn(active, last_c, slot_of, pointer, num_used, step, window, evict, missing)
-        w, b, m = counts
-        outs.append((list(counts), last_c, sorted(evict[:w].tolist()), evict[w:w + b].sort().values,
-                     sorted(missing[:m].tolist())))
-    (c1, l1, e1, b1, m1), (c2, l2, e2, b2, m2) = outs
-    assert c1 == c2 and torch.equal(l1, l2) and e1 == e2 and torch.equal(b1, b2) and m1 == m2
-
-
-def test_cache_plan_refuses_too_many_active_and_changes_nothing():
-    _, pointer, _, slot_of = compact_state(4, 1, 2, 10, torch.float32, seed=0)
-    last = torch.zeros(10, dtype=torch.int64)
-    for fn in (OPS.cache_plan, cache_plan_reference):
-        with pytest.raises(RuntimeError, match="5 distinct active neurons but the cache holds 4"):
-            fn(torch.tensor([0, 1, 2, 3, 4, 4]), last, slot_of, pointer, 2, 1, 2, torch.empty(4, dtype=torch.int64),
-               torch.empty(4, dtype=torch.int64))
-        with pytest.raises(RuntimeError, match="outside"):
-            fn(torch.tensor([10]), last, slot_of, pointer, 2, 1, 2, torch.empty(4, dtype=torch.int64),
-               torch.empty(4, dtype=torch.int64))
-        assert not last.any()
 
 
 # ------------------------------------------------------------------------------------------------ real weights
@@ -205,14 +134,15 @@ def test_default_model_ffn_weights():
             for n_tok in (1, 8):
                 x = torch.randn(n_tok, up.shape[1], generator=g).to(dtype)
                 want = dense_ffn(x, up.to(dtype), down.to(dtype), gate.to(dtype), None, "silu")
-                got = OPS.sparse_ffn(x, matrix, matrix.shape[0], None, "silu", True)
+                got = ops.sparse_ffn(x, matrix, num_used=matrix.shape[0], activation="silu", glu=True)
                 torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=2e-2 * want.abs().max().item())
                 half = torch.randperm(matrix.shape[0], generator=g)[: matrix.shape[0] // 2]
                 mask = torch.zeros(matrix.shape[0], dtype=torch.bool)
                 mask[half] = True
                 want_half = dense_ffn(x, up.to(dtype)[mask], down.to(dtype)[:, mask], gate.to(dtype)[mask], None,
                                       "silu")
-                got_half = OPS.sparse_ffn(x, matrix, matrix.shape[0], None, "silu", True, half)
+                got_half = ops.sparse_ffn(x, matrix, num_used=matrix.shape[0], activation="silu", glu=True,
+                                          index=half)
                 torch.testing.assert_close(got_half.float(), want_half, rtol=1e-2,
                                            atol=2e-2 * want_half.abs().max().item())
 
@@ -225,3 +155,10 @@ def test_threshold_tie_is_dropped_as_the_predictor_does(isa, kernel):
     fn = OPS.sparse_ffn if kernel == "native" else sparse_ffn_reference
     y = fn(x, row, 2, None, "relu", False, None, 0.5)
     assert torch.equal(y, torch.full((1, 4), 0.75))  # only the 0.75 row survives
+
+
+def test_activation_codes_match_the_native_header():
+    """ACTIVATIONS' codes are what the native and Metal kernels switch on (FfnActivation in the C header)."""
+    header = (Path(__file__).parents[1] / "csrc/common/sparse_ffn_checks.h").read_text()
+    codes = dict(re.findall(r"kAct(\w+) = (\d+)", header))
+    assert {name: spec.code for name, spec in ACTIVATIONS.items()} == {k.lower(): int(v) for k, v in codes.items()}

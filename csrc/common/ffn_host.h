@@ -7,8 +7,9 @@
 #include <optional>
 #include <string>
 
-#include "common/ffn_checks.h"
+#include "common/cache_compact_checks.h"
 #include "common/ffn_grid.h"
+#include "common/sparse_ffn_checks.h"
 
 namespace flashllm {
 

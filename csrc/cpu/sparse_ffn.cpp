@@ -25,7 +25,7 @@
 #include <vector>
 
 #include "common/cpu_isa.h"
-#include "common/ffn_checks.h"
+#include "common/sparse_ffn_checks.h"
 
 // GCC 12's masked-load intrinsics start from _mm512_undefined_*, which -Wall reports as uninitialised use.
 #pragma GCC diagnostic ignored "-Wuninitialized"

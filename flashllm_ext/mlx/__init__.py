@@ -12,6 +12,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from .._ops import ACTIVATIONS
+
 __all__ = ["endor_decompress", "metal_available", "metal_source", "sparse_ffn"]
 
 # Unsigned view of each element type: the kernels copy bits.
@@ -181,7 +183,6 @@ def endor_decompress(values: mx.array, bitmap: mx.array, row_offsets: mx.array, 
 
 # ------------------------------------------------------------------------------------------------ sparse_ffn
 _FFN_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
-_ACTIVATION_CODES = {"relu": 0, "silu": 1, "gelu": 2}
 # Launch geometry of metal/sparse_ffn_*.metal; csrc/common/ffn_grid.h and csrc/simt/ffn_bodies.h hold the same.
 _FFN_MAX_TOKENS = 8
 _FFN_ROWS_PER_CHUNK = 16
@@ -195,7 +196,7 @@ def _ffn_fail(msg: str) -> None:
 
 def _check_ffn(x: mx.array, matrix: mx.array, num_used: int, bias: mx.array | None, activation: str, glu: bool,
                index: mx.array | None, threshold: float) -> int:
-    """The checks of csrc/common/ffn_checks.h plus the index range. Returns d."""
+    """The checks of csrc/common/sparse_ffn_checks.h plus the index range. Returns d."""
     if x.dtype not in _FFN_DTYPES or x.ndim != 2:
         _ffn_fail(f"x must be a 2-D float32/float16/bfloat16 tensor [T, d], got {x.dtype} of shape {tuple(x.shape)}")
     d = x.shape[1]
@@ -205,8 +206,8 @@ def _check_ffn(x: mx.array, matrix: mx.array, num_used: int, bias: mx.array | No
                   f"{tuple(matrix.shape)}")
     if not 0 <= num_used <= matrix.shape[0]:
         _ffn_fail(f"num_used={num_used} is outside [0, capacity={matrix.shape[0]}]")
-    if activation not in _ACTIVATION_CODES:
-        _ffn_fail(f"activation must be one of {tuple(_ACTIVATION_CODES)}, got {activation!r}")
+    if activation not in ACTIVATIONS:
+        _ffn_fail(f"activation must be one of {tuple(ACTIVATIONS)}, got {activation!r}")
     if not threshold >= 0 or threshold == float("inf"):
         _ffn_fail(f"threshold must be finite and >= 0, got {threshold}")
     if bias is not None and (bias.dtype != x.dtype or bias.ndim != 1 or bias.shape[0] != matrix.shape[0]):
@@ -275,7 +276,7 @@ def _sparse_ffn_metal(x, matrix, num_used, bias, activation, glu, index, thresho
         template = [("T", matrix.dtype), ("HAS_INDEX", index is not None)]
         (act,) = act_kernel(
             inputs=[xs.reshape(-1), flat, b, idx,
-                    mx.array([n_rows, num_used, d, nt, _ACTIVATION_CODES[activation], int(glu)], dtype=mx.int64),
+                    mx.array([n_rows, num_used, d, nt, ACTIVATIONS[activation].code, int(glu)], dtype=mx.int64),
                     mx.array([threshold], dtype=mx.float32)],
             template=template + [("HAS_BIAS", bias is not None)],
             grid=(-(-32 * n_rows // _FFN_THREADGROUP) * _FFN_THREADGROUP, 1, 1), threadgroup=(_FFN_THREADGROUP, 1, 1),

@@ -1,0 +1,78 @@
+"""The flashllm ops, one typed function per op: the only way library code calls them.
+
+Each function is a thin wrapper over `torch.ops.flashllm.<op>` (schemas, fake and reference kernels in
+flashllm_ext/_ops.py; native kernels in csrc/<device>/<op>*): the tensors come first, every other argument is a
+keyword. Shapes below use T tokens, d hidden size, R rows, C cache capacity, N neurons.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import _ops  # noqa: F401  (registers the schemas, fake and reference kernels)
+
+__all__ = ["cache_compact", "cache_plan", "endor_decompress", "sparse_ffn"]
+
+
+def endor_decompress(values: torch.Tensor, bitmap: torch.Tensor, row_offsets: torch.Tensor, *, n_cols: int,
+                     rows: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Dense rows of an Endor tensor (DESIGN.md §5), bit for bit.
+
+    values: [nnz] float32 | float16 | bfloat16 | int8, the non-zeros in row-major order
+    bitmap: uint8 [R, ceil(n_cols/8)], little bit order, each row starting on a byte
+    row_offsets: int64 [R + 1], start of each row in `values`; the last entry is nnz
+    rows: int64 [K] (any order, repeats allowed) to decompress only those rows, in that order; None for all R
+    out: contiguous [K or R, n_cols] of values.dtype to write into (the `.out` overload); None to allocate
+    Returns [K or R, n_cols] of values.dtype (`out` when given). Raises RuntimeError naming the bad row.
+    """
+    if out is None:
+        return torch.ops.flashllm.endor_decompress.default(values, bitmap, row_offsets, n_cols, rows)
+    torch.ops.flashllm.endor_decompress.out(values, bitmap, row_offsets, n_cols, rows, out=out)
+    return out
+
+
+def sparse_ffn(x: torch.Tensor, matrix: torch.Tensor, *, num_used: int, activation: str, glu: bool,
+               bias: torch.Tensor | None = None, index: torch.Tensor | None = None,
+               threshold: float = 0.0) -> torch.Tensor:
+    """The FFN of x over the neuron bundles in the rows of `matrix` (float32 accumulation).
+
+    x: [T, d] float32 | float16 | bfloat16
+    matrix: [C, 2d] (up | down) or, glu=True, [C, 3d] (up | gate | down), contiguous, x.dtype
+    num_used: rows [0, num_used) are in use
+    activation: "relu" | "silu" | "gelu" (flashllm_ext._ops.ACTIVATIONS); applied to x.up (x.gate with GLU) + bias
+    bias: [C] of x.dtype, the input projection's bias of each row; None for none
+    index: int64 [K] of rows < num_used (any order; a repeat counts twice); None for rows [0, num_used)
+    threshold: a (token, row) term counts only when |act(...)| > threshold; 0 skips only exact zeros
+    Returns y: [T, d] of x.dtype, sum over the rows of h * down (h = act(...), times x.up with GLU).
+    """
+    return torch.ops.flashllm.sparse_ffn.default(x, matrix, num_used, bias, activation, glu, index, threshold)
+
+
+def cache_compact(matrix: torch.Tensor, pointer: torch.Tensor, rows: torch.Tensor, *, num_used: int,
+                  bias: torch.Tensor | None = None, slot_of: torch.Tensor | None = None) -> int:
+    """Swap-delete cache rows in place: the last used rows move into the holes (flashllm_ext._ops.compaction_moves).
+
+    matrix: [C, W], contiguous; the rows move
+    pointer: int64 [C], neuron id of each row; entries [new num_used, num_used) become -1
+    rows: int64 [K], distinct rows < num_used to delete
+    bias: [C] moved with its rows; None for none
+    slot_of: int64 [N], row of each neuron (-1 when absent), kept the inverse of pointer; None for none
+    Returns the new num_used (num_used - K).
+    """
+    return torch.ops.flashllm.cache_compact.default(matrix, pointer, bias, slot_of, num_used, rows)
+
+
+def cache_plan(active_ids: torch.Tensor, last_active: torch.Tensor, slot_of: torch.Tensor, pointer: torch.Tensor,
+               evict_rows: torch.Tensor, missing: torch.Tensor, *, num_used: int, step: int,
+               window: int) -> list[int]:
+    """One token's decisions of the neuron cache (flashllm_ext/cache.py), in place; CPU only.
+
+    active_ids: int64 [k], this token's active neurons (any order, repeats allowed)
+    last_active: int64 [N], last step each neuron was active; set to `step` for the active ids
+    slot_of: int64 [N], row of each neuron (-1 when absent); pointer: int64 [C], neuron of each row
+    evict_rows: int64 [>= C], receives the rows to evict; missing: int64 [>= C], receives the ids to read
+    Returns [w, b, m]: evict_rows[:w] left the `window`, evict_rows[w:w+b] are evicted early (least recently
+    active first) because the window's union does not fit, missing[:m] are the distinct active ids not cached.
+    Raises RuntimeError, changing nothing, when the token has more distinct active neurons than C.
+    """
+    return torch.ops.flashllm.cache_plan.default(active_ids, last_active, slot_of, pointer, num_used, step, window,
+                                                 evict_rows, missing)
