@@ -202,7 +202,7 @@ class FlashFFN(nn.Module):
             for first, last in self._groups(masks):
                 group_union = masks[first:last].any(dim=0).nonzero().flatten()
                 if group_union.numel() > self.cache.capacity:  # a single token larger than the cache
-                    self._run_set(xs[first:last], group_union, out)
+                    self._run_set(xs[first:last], group_union, out[first:last])
                     continue
                 self._step(group_union)
                 for t in range(first, last):
