@@ -153,8 +153,7 @@ class NeuronCache:
             # Rows [kept, end) are free after the compaction. The new neurons are recorded only once their bundles
             # are in: a failed read leaves a consistent cache of `kept` rows, and the next step retries them.
             self.num_used = kept
-            self.reader.read(self.layer, ids, self.matrix[kept:end])
-            bytes_read = self.reader.stats.bytes_read
+            bytes_read = self.reader.read(self.layer, ids, self.matrix[kept:end]).stats.bytes_read
         t2 = time.perf_counter()
         self.pointer[kept:end].copy_(ids)
         self.slot_of.index_copy_(0, ids, self._row_ids[kept:end])

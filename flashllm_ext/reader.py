@@ -22,6 +22,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -65,6 +66,13 @@ class ReadStats:
     def mbps(self) -> float:
         """Throughput of the bytes read from the device, in MB/s (10^6 bytes)."""
         return self.bytes_read / self.wall_s / 1e6 if self.wall_s > 0 else 0.0
+
+
+class ReadResult(NamedTuple):
+    """What one FlashReader.read call returns: `bundles, stats = reader.read(layer, ids)`. Each call has its own
+    stats, so concurrent calls (read_async, several caches sharing a reader) never see each other's."""
+    data: torch.Tensor  # [len(ids), bundle_width], the `out` tensor when one was given
+    stats: ReadStats
 
 
 @dataclass(frozen=True)
@@ -118,7 +126,6 @@ class FlashReader:
         self.path, self.threads, self.min_read, self.max_gap, self.max_read = path, threads, min_read, max_gap, max_read
         self.engine = engine
         self.direct: bool = bool(self._native.direct())
-        self.stats: ReadStats | None = None
         self._executor: ThreadPoolExecutor | None = None
 
     @classmethod
@@ -127,14 +134,14 @@ class FlashReader:
         return cls(None, file=path, **kwargs)
 
     def read_rows(self, base: int, row_bytes: int, n_rows: int, ids: torch.Tensor, out: torch.Tensor) -> ReadStats:
-        """out (CPU, contiguous, len(ids) * row_bytes bytes) row i = file[base + ids[i]*row_bytes :][:row_bytes]."""
+        """out (CPU, contiguous, len(ids) * row_bytes bytes) row i = file[base + ids[i]*row_bytes :][:row_bytes].
+        Returns the stats of this call."""
         raw = self._native.read_rows(base, row_bytes, n_rows, ids, out)
-        self.stats = ReadStats(raw[0], raw[1], raw[2], raw[3] / 1e9)
-        return self.stats
+        return ReadStats(raw[0], raw[1], raw[2], raw[3] / 1e9)
 
-    def read(self, layer: int, ids: torch.Tensor | list[int], out: torch.Tensor | None = None) -> torch.Tensor:
-        """Bundles `ids` (any order, repeats allowed) of `layer` into out [len(ids), bundle_width] (allocated when
-        None; CPU, or CUDA through a pinned bounce buffer). Returns out; `self.stats` describes the call."""
+    def read(self, layer: int, ids: torch.Tensor | list[int], out: torch.Tensor | None = None) -> ReadResult:
+        """Bundles `ids` [k] (any order, repeats allowed) of `layer` into out [k, bundle_width] (allocated when
+        None; CPU, or CUDA through a pinned bounce buffer). Returns (out, the stats of this call)."""
         if self.store is None:
             raise ValueError("read() needs a store; this reader was opened on a plain file (use read_rows)")
         loc = self.store.layer_location(layer)
@@ -148,17 +155,16 @@ class FlashReader:
             # Untested here (no GPU on the build machine). The caching host allocator keeps the pinned buffer
             # alive until the asynchronous copy on the current stream has finished.
             host = torch.empty(shape, dtype=out.dtype, pin_memory=True)
-            self.read_rows(loc.offset, loc.row_bytes, loc.n_neurons, ids, host)
+            stats = self.read_rows(loc.offset, loc.row_bytes, loc.n_neurons, ids, host)
             out.copy_(host, non_blocking=True)
-            return out
+            return ReadResult(out, stats)
         if out.device.type != "cpu" or not out.is_contiguous():
             raise ValueError(f"out must be a contiguous CPU or CUDA tensor, got {out.device} "
                              f"contiguous={out.is_contiguous()}")
-        self.read_rows(loc.offset, loc.row_bytes, loc.n_neurons, ids, out)
-        return out
+        return ReadResult(out, self.read_rows(loc.offset, loc.row_bytes, loc.n_neurons, ids, out))
 
     def read_async(self, layer: int, ids: torch.Tensor | list[int], out: torch.Tensor | None = None) -> Future:
-        """Like read, in the background (the GIL is released during I/O); the future's result is out.
+        """Like read, in the background (the GIL is released during I/O); the future's result is read's ReadResult.
         Calls complete in submission order."""
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flashllm-reader")
