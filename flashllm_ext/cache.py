@@ -78,7 +78,7 @@ class NeuronCache:
 
     store: FlashStore (or its path). capacity: rows; or budget_bytes: the byte budget of everything the cache
     holds (matrix, pointer, bias, per-neuron state, scratch), from which the capacity follows. window: tokens.
-    reader: a FlashReader to share between layers (default: one of its own).
+    reader: the FlashReader to read bundles with (default: the store's shared one, store.reader()).
     """
 
     def __init__(self, store: FlashStore | str | os.PathLike, layer: int, capacity: int | None = None,
@@ -116,7 +116,7 @@ class NeuronCache:
         self.nbytes = fixed + per_row * capacity
         self.num_used = 0
         self.steps = 0
-        self.reader = reader if reader is not None else FlashReader(self.store)
+        self.reader = reader if reader is not None else self.store.reader()
 
     @staticmethod
     def bytes_for(store: FlashStore, with_bias: bool) -> tuple[int, int]:

@@ -117,11 +117,10 @@ class FlashFFN(nn.Module):
 def install_flash_ffn(model: nn.Module, store: FlashStore | str | os.PathLike,
                       make: Callable[[FlashStore, int], FlashFFN] | None = None) -> list[FlashFFN]:
     """Replace every FFN of a Llama-family (layer.mlp) or OPT (fc1 -> act -> fc2) model by a FlashFFN over
-    `store`; make(store, layer) builds each (default: exact mode, one shared reader). Returns the modules."""
+    `store`; make(store, layer) builds each (default: exact mode). Every cache reads through the store's one
+    reader, store.reader(), unless `make` passes another. Returns the modules."""
     store = store if isinstance(store, FlashStore) else FlashStore(store)
-    if make is None:
-        reader = FlashReader(store)
-        make = lambda s, layer: FlashFFN(s, layer, reader=reader)  # noqa: E731
+    make = make or FlashFFN
     layers = decoder_layers(model)
     if layers is None or len(layers) != store.n_layers:
         raise ValueError(f"{type(model).__name__}: expected {store.n_layers} decoder layers matching the store")

@@ -104,7 +104,8 @@ def load_disk_profile() -> DiskProfile | None:
 class FlashReader:
     """Reads bundles of a FlashStore: `read(layer, ids, out)` fills out[i] with bundle ids[i].
 
-    store: a FlashStore or its directory. threads: worker threads (the io_uring engine: reads in flight).
+    store: a FlashStore or its directory (a model's caches share `store.reader()` rather than opening their own).
+    threads: worker threads (the io_uring engine: reads in flight).
     min_read: reads shorter than this absorb the next requested neuron whatever the gap. max_gap: largest gap in
     bytes read through to merge two reads (None: calibrated profile, else DEFAULT_MAX_GAP; -1 with min_read=0:
     no coalescing at all, one read per distinct neuron). max_read: cap on one coalesced read. direct: O_DIRECT (falls back to buffered where refused, see `.direct`).
@@ -136,6 +137,8 @@ class FlashReader:
     def read_rows(self, base: int, row_bytes: int, n_rows: int, ids: torch.Tensor, out: torch.Tensor) -> ReadStats:
         """out (CPU, contiguous, len(ids) * row_bytes bytes) row i = file[base + ids[i]*row_bytes :][:row_bytes].
         Returns the stats of this call."""
+        if self._native is None:
+            raise ValueError(f"{self!r} is closed")
         raw = self._native.read_rows(base, row_bytes, n_rows, ids, out)
         return ReadStats(raw[0], raw[1], raw[2], raw[3] / 1e9)
 
@@ -171,9 +174,12 @@ class FlashReader:
         return self._executor.submit(self.read, layer, ids, out)
 
     def close(self) -> None:
+        """Waits for the background reads, then frees the native reader: its worker threads end and its file is
+        closed now rather than whenever the object is collected. Reads after close raise ValueError."""
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
+        self._native = None
 
     def __enter__(self) -> FlashReader:
         return self

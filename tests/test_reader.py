@@ -295,3 +295,14 @@ def test_read_rows_refuses_an_output_size_that_overflows(flash_store):
         with pytest.raises(RuntimeError, match="overflow"):  # 4 x 2^62 wraps to 0 == out.nbytes() in int64
             r.read_rows(0, 1 << 62, 1, torch.zeros(4, dtype=torch.int64), torch.empty(0, dtype=torch.uint8))
 
+
+def test_store_shares_one_reader_until_closed(store_dir):
+    fs = store.FlashStore(store_dir)
+    first = fs.reader()
+    assert fs.reader() is first
+    fs.close()
+    with pytest.raises(ValueError, match="closed"):
+        first.read(0, [1])
+    with fs:
+        assert fs.reader() is not first
+        assert torch.equal(fs.reader().read(0, [1]).data, fs.bundle(0, [1]))
