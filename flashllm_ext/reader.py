@@ -1,8 +1,9 @@
 """FlashReader: parallel direct reads of neuron bundles from a flash store into a tensor.
 
 The native engine (csrc/io/flash_reader.cpp) opens the file with O_DIRECT, coalesces nearby neurons into one
-read, widens reads to 4 KiB alignment, runs them on a pool of pread workers (or one io_uring ring when built with
-liburing) with the GIL released, and copies each bundle from an aligned bounce buffer into its output row.
+read, widens reads to the file's direct-I/O alignment (statx, else 4 KiB; see `dio_offset_align`), runs them on a
+pool of pread workers (or one io_uring ring when built with liburing) with the GIL released, and copies each
+bundle from an aligned bounce buffer into its output row.
 
 On a filesystem that refuses O_DIRECT the reader falls back to buffered reads and says so in `reader.direct`
 (tmpfs accepts O_DIRECT on recent kernels, so on this machine /dev/shm keeps direct I/O).
@@ -108,8 +109,13 @@ class FlashReader:
     threads: worker threads (the io_uring engine: reads in flight).
     min_read: reads shorter than this absorb the next requested neuron whatever the gap. max_gap: largest gap in
     bytes read through to merge two reads (None: calibrated profile, else DEFAULT_MAX_GAP; -1 with min_read=0:
-    no coalescing at all, one read per distinct neuron). max_read: cap on one coalesced read. direct: O_DIRECT (falls back to buffered where refused, see `.direct`).
-    engine: "threads" or "io_uring" (needs a liburing build, see has_io_uring()).
+    no coalescing at all, one read per distinct neuron). max_read: cap on one coalesced read; the io_uring engine
+    also issues a longer single row as several requests of at most max_read bytes. direct: O_DIRECT (falls back to
+    buffered where refused, see `.direct`). engine: "threads" or "io_uring" (needs a liburing build, see
+    has_io_uring()).
+
+    dio_offset_align / dio_mem_align: the alignment in bytes that direct reads of this file keep for offsets and
+    lengths / for buffers, as statx reports it (STATX_DIOALIGN), else 4096.
     """
 
     def __init__(self, store: FlashStore | str | os.PathLike | None, threads: int = DEFAULT_THREADS,
@@ -127,6 +133,8 @@ class FlashReader:
         self.path, self.threads, self.min_read, self.max_gap, self.max_read = path, threads, min_read, max_gap, max_read
         self.engine = engine
         self.direct: bool = bool(self._native.direct())
+        self.dio_offset_align: int = int(self._native.dio_offset_align())
+        self.dio_mem_align: int = int(self._native.dio_mem_align())
         self._executor: ThreadPoolExecutor | None = None
 
     @classmethod

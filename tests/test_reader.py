@@ -1,6 +1,9 @@
+import ctypes
 import errno
 import os
 import shutil
+import struct
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -306,3 +309,47 @@ def test_store_shares_one_reader_until_closed(store_dir):
     with fs:
         assert fs.reader() is not first
         assert torch.equal(fs.reader().read(0, [1]).data, fs.bundle(0, [1]))
+
+
+def _statx_dio_align(path: str) -> tuple[int, int] | None:
+    """(offset, memory) direct-I/O alignment as statx(2) reports it through libc, None where it reports none."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if not hasattr(libc, "statx"):
+        return None
+    buf = ctypes.create_string_buffer(256)  # struct statx
+    at_fdcwd, statx_dioalign = -100, 0x2000
+    if libc.statx(at_fdcwd, os.fsencode(path), 0, statx_dioalign, buf) != 0:
+        return None
+    mask, = struct.unpack_from("I", buf, 0)
+    mem_align, offset_align = struct.unpack_from("II", buf, 152)  # stx_dio_mem_align, stx_dio_offset_align
+    return (offset_align, mem_align) if mask & statx_dioalign and offset_align and mem_align else None
+
+
+def test_direct_alignment_comes_from_statx(flash_store):
+    with FlashReader(flash_store, threads=1) as r:
+        assert r.direct
+        for align in (r.dio_offset_align, r.dio_mem_align):
+            assert align & (align - 1) == 0 and align >= 1
+        assert r.dio_offset_align >= 512
+        reported = _statx_dio_align(flash_store.bundles_path) if sys.platform == "linux" else None
+        assert (r.dio_offset_align, r.dio_mem_align) == (reported or (4096, 4096))
+    with FlashReader(flash_store, threads=1, direct=False) as r:
+        assert (r.dio_offset_align, r.dio_mem_align) == (4096, 4096)  # buffered reads stay on page boundaries
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_rows_longer_than_one_request(tmp_path, engine):
+    """Rows of 5 blocks and a bit at unaligned offsets with max_read of one block: the io_uring engine issues each
+    row as several bounded requests (the bound that keeps its 32-bit length from wrapping), the data is whole."""
+    path = tmp_path / "f.bin"
+    reader.make_test_file(path, 1 << 20, chunk=1 << 18)
+    data = torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8)
+    row_bytes, base = 5 * 4096 + 300, 777
+    n_rows = (data.numel() - base) // row_bytes
+    ids = torch.tensor([3, 0, 7, 8, 3, n_rows - 1])
+    with FlashReader.for_file(path, threads=2, min_read=0, max_gap=0, max_read=4096, engine=engine) as r:
+        out = torch.empty(ids.numel() * row_bytes, dtype=torch.uint8)
+        stats = r.read_rows(base, row_bytes, n_rows, ids, out)
+    want = torch.cat([data[base + i * row_bytes: base + (i + 1) * row_bytes] for i in ids.tolist()])
+    assert torch.equal(out, want)
+    assert stats.n_reads == 5 and stats.bytes_requested == 5 * row_bytes  # merging 7 and 8 would pass max_read
