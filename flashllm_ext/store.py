@@ -173,7 +173,7 @@ def convert(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, dtype: st
         expected = _write_bundles(tmp / BUNDLES_FILE, ckpt, layers, torch_dtype, endor, ffn, width, metadata,
                                   progress)
         ffn_names = {n for roles in layers.values() for n in roles.values()}
-        resident = {n: ckpt[n].to(torch_dtype).contiguous() for n in ckpt.names if n not in ffn_names}
+        resident = {n: _to_store_dtype(ckpt[n], torch_dtype).contiguous() for n in ckpt.names if n not in ffn_names}
         save_file(resident, str(tmp / RESIDENT_FILE),
                   metadata={"magic": MAGIC, "format_version": FORMAT_VERSION, "dtype": dtype})
         _verify(FlashStore(tmp), expected, resident)
@@ -188,6 +188,13 @@ def convert(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, dtype: st
         if tmp.exists():
             shutil.rmtree(tmp)
     return out_dir
+
+
+def _to_store_dtype(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A resident tensor in the store's float dtype if it is a float tensor. Integer and bool buffers (position ids,
+    index tables, masks) keep their dtype: a float cast would change what they mean and lose values (fp16 holds
+    integers exactly only up to 2048)."""
+    return tensor.to(dtype) if tensor.is_floating_point() else tensor
 
 
 def _bundles_metadata(config: dict, dtype: str, n_layers: int, n_neurons: int, hidden: int, glu: bool,
