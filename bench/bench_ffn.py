@@ -146,7 +146,6 @@ def bench_cache(rounds: int, quick: bool, dtype_name: str, store_dir: Path, plot
                 inserted, evicted = inserted + s.inserted, evicted + s.total_evicted
                 mem, io = mem + s.mem_s, io + s.io_s
                 load.append(s.inserted)
-            cache.reader.close()
             t = len(trace_ids)
             per_round.append((inserted / t, evicted / t, mem / t * 1e3, io / t * 1e3, compute / t * 1e3))
             loads[window] = load
@@ -154,6 +153,7 @@ def bench_cache(rounds: int, quick: bool, dtype_name: str, store_dir: Path, plot
         rows.append({"bench": "cache", "window": window, "insert_per_token": med[0], "evict_per_token": med[1],
                      "mem_ms_per_token": med[2], "io_ms_per_token": med[3], "compute_ms_per_token": med[4],
                      "mem_over_compute": med[2] / med[4], "trace": info, "device": device_name()})
+    store.close()  # every cache read through the store's one reader
     if plots:
         plot_cache(trace, loads, info)
     return rows

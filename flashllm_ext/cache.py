@@ -78,7 +78,7 @@ class NeuronCache:
 
     store: FlashStore (or its path). capacity: rows; or budget_bytes: the byte budget of everything the cache
     holds (matrix, pointer, bias, per-neuron state, scratch), from which the capacity follows. window: tokens.
-    reader: a FlashReader to share between layers (default: one of its own).
+    reader: the FlashReader to read bundles with (default: the store's shared one, store.reader()).
     """
 
     def __init__(self, store: FlashStore | str | os.PathLike, layer: int, capacity: int | None = None,
@@ -116,7 +116,7 @@ class NeuronCache:
         self.nbytes = fixed + per_row * capacity
         self.num_used = 0
         self.steps = 0
-        self.reader = reader if reader is not None else FlashReader(self.store)
+        self.reader = reader if reader is not None else self.store.reader()
 
     @staticmethod
     def bytes_for(store: FlashStore, with_bias: bool) -> tuple[int, int]:
@@ -153,8 +153,7 @@ class NeuronCache:
             # Rows [kept, end) are free after the compaction. The new neurons are recorded only once their bundles
             # are in: a failed read leaves a consistent cache of `kept` rows, and the next step retries them.
             self.num_used = kept
-            self.reader.read(self.layer, ids, self.matrix[kept:end])
-            bytes_read = self.reader.stats.bytes_read
+            bytes_read = self.reader.read(self.layer, ids, self.matrix[kept:end]).stats.bytes_read
         t2 = time.perf_counter()
         self.pointer[kept:end].copy_(ids)
         self.slot_of.index_copy_(0, ids, self._row_ids[kept:end])

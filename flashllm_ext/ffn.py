@@ -245,7 +245,7 @@ class StreamingFFN(nn.Module):
         self.activation = store_activation(store)
         self.stats = stats if stats is not None else FFNStats()
         bias = layer_input_bias(store, layer)
-        self.resident = reader.read(layer, torch.arange(resident_rows)) if resident_rows else None
+        self.resident = reader.read(layer, torch.arange(resident_rows)).data if resident_rows else None
         self.resident_bias = None if bias is None else bias[:resident_rows].contiguous()
         self.streamed_ids = torch.arange(resident_rows, n)
         self.streamed_bias = None if bias is None else bias[resident_rows:].contiguous()
@@ -267,9 +267,9 @@ class StreamingFFN(nn.Module):
         n_streamed = self.streamed_ids.numel()
         if n_streamed:
             start = time.perf_counter()
-            self.reader.read(self.layer, self.streamed_ids, self.staging[:n_streamed])
+            read = self.reader.read(self.layer, self.streamed_ids, self.staging[:n_streamed])
             self.stats.io_s += time.perf_counter() - start
-            self.stats.bytes_read += self.reader.stats.bytes_read
+            self.stats.bytes_read += read.stats.bytes_read
             self.stats.inserted += n_streamed
             self.stats.steps += 1
         self.stats.needed += self.store.n_neurons
@@ -316,14 +316,13 @@ def set_ffn(layer: nn.Module, ffn: nn.Module) -> None:
 def install_flash_ffn(model: nn.Module, store: FlashStore | str | os.PathLike,
                       make: Callable[[FlashStore, int], nn.Module] | None = None) -> list[nn.Module]:
     """Replace every FFN of a Llama-family (layer.mlp) or OPT (fc1 -> act -> fc2) model by make(store, layer)
-    (default: FlashFFN in exact mode, one shared reader). Returns the modules."""
+    (default: FlashFFN in exact mode). Every cache reads through the store's one reader, store.reader(), unless
+    `make` passes another. Returns the modules."""
     store = store if isinstance(store, FlashStore) else FlashStore(store)
+    make = make or FlashFFN
     slots = ffn_slots(model)
     if len(slots) != store.n_layers:
         raise ValueError(f"{type(model).__name__} has {len(slots)} decoder layers, the store {store.n_layers}")
-    if make is None:
-        reader = FlashReader(store)
-        make = lambda s, layer: FlashFFN(s, layer, reader=reader)  # noqa: E731
     modules = []
     for i, (layer, _) in enumerate(slots):
         ffn = make(store, i)

@@ -1,8 +1,9 @@
 """FlashReader: parallel direct reads of neuron bundles from a flash store into a tensor.
 
 The native engine (csrc/io/flash_reader.cpp) opens the file with O_DIRECT, coalesces nearby neurons into one
-read, widens reads to 4 KiB alignment, runs them on a pool of pread workers (or one io_uring ring when built with
-liburing) with the GIL released, and copies each bundle from an aligned bounce buffer into its output row.
+read, widens reads to the file's direct-I/O alignment (statx, else 4 KiB; see `dio_offset_align`), runs them on a
+pool of pread workers (or one io_uring ring when built with liburing) with the GIL released, and copies each
+bundle from an aligned bounce buffer into its output row.
 
 On a filesystem that refuses O_DIRECT the reader falls back to buffered reads and says so in `reader.direct`
 (tmpfs accepts O_DIRECT on recent kernels, so on this machine /dev/shm keeps direct I/O).
@@ -22,6 +23,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -67,6 +69,13 @@ class ReadStats:
         return self.bytes_read / self.wall_s / 1e6 if self.wall_s > 0 else 0.0
 
 
+class ReadResult(NamedTuple):
+    """What one FlashReader.read call returns: `bundles, stats = reader.read(layer, ids)`. Each call has its own
+    stats, so concurrent calls (read_async, several caches sharing a reader) never see each other's."""
+    data: torch.Tensor  # [len(ids), bundle_width], the `out` tensor when one was given
+    stats: ReadStats
+
+
 @dataclass(frozen=True)
 class DiskProfile:
     latency_s: float  # time to first byte of a small random direct read, one at a time
@@ -96,11 +105,17 @@ def load_disk_profile() -> DiskProfile | None:
 class FlashReader:
     """Reads bundles of a FlashStore: `read(layer, ids, out)` fills out[i] with bundle ids[i].
 
-    store: a FlashStore or its directory. threads: worker threads (the io_uring engine: reads in flight).
+    store: a FlashStore or its directory (a model's caches share `store.reader()` rather than opening their own).
+    threads: worker threads (the io_uring engine: reads in flight).
     min_read: reads shorter than this absorb the next requested neuron whatever the gap. max_gap: largest gap in
     bytes read through to merge two reads (None: calibrated profile, else DEFAULT_MAX_GAP; -1 with min_read=0:
-    no coalescing at all, one read per distinct neuron). max_read: cap on one coalesced read. direct: O_DIRECT (falls back to buffered where refused, see `.direct`).
-    engine: "threads" or "io_uring" (needs a liburing build, see has_io_uring()).
+    no coalescing at all, one read per distinct neuron). max_read: cap on one coalesced read; the io_uring engine
+    also issues a longer single row as several requests of at most max_read bytes. direct: O_DIRECT (falls back to
+    buffered where refused, see `.direct`). engine: "threads" or "io_uring" (needs a liburing build, see
+    has_io_uring()).
+
+    dio_offset_align / dio_mem_align: the alignment in bytes that direct reads of this file keep for offsets and
+    lengths / for buffers, as statx reports it (STATX_DIOALIGN), else 4096.
     """
 
     def __init__(self, store: FlashStore | str | os.PathLike | None, threads: int = DEFAULT_THREADS,
@@ -118,7 +133,8 @@ class FlashReader:
         self.path, self.threads, self.min_read, self.max_gap, self.max_read = path, threads, min_read, max_gap, max_read
         self.engine = engine
         self.direct: bool = bool(self._native.direct())
-        self.stats: ReadStats | None = None
+        self.dio_offset_align: int = int(self._native.dio_offset_align())
+        self.dio_mem_align: int = int(self._native.dio_mem_align())
         self._executor: ThreadPoolExecutor | None = None
 
     @classmethod
@@ -127,14 +143,16 @@ class FlashReader:
         return cls(None, file=path, **kwargs)
 
     def read_rows(self, base: int, row_bytes: int, n_rows: int, ids: torch.Tensor, out: torch.Tensor) -> ReadStats:
-        """out (CPU, contiguous, len(ids) * row_bytes bytes) row i = file[base + ids[i]*row_bytes :][:row_bytes]."""
+        """out (CPU, contiguous, len(ids) * row_bytes bytes) row i = file[base + ids[i]*row_bytes :][:row_bytes].
+        Returns the stats of this call."""
+        if self._native is None:
+            raise ValueError(f"{self!r} is closed")
         raw = self._native.read_rows(base, row_bytes, n_rows, ids, out)
-        self.stats = ReadStats(raw[0], raw[1], raw[2], raw[3] / 1e9)
-        return self.stats
+        return ReadStats(raw[0], raw[1], raw[2], raw[3] / 1e9)
 
-    def read(self, layer: int, ids: torch.Tensor | list[int], out: torch.Tensor | None = None) -> torch.Tensor:
-        """Bundles `ids` (any order, repeats allowed) of `layer` into out [len(ids), bundle_width] (allocated when
-        None; CPU, or CUDA through a pinned bounce buffer). Returns out; `self.stats` describes the call."""
+    def read(self, layer: int, ids: torch.Tensor | list[int], out: torch.Tensor | None = None) -> ReadResult:
+        """Bundles `ids` [k] (any order, repeats allowed) of `layer` into out [k, bundle_width] (allocated when
+        None; CPU, or CUDA through a pinned bounce buffer). Returns (out, the stats of this call)."""
         if self.store is None:
             raise ValueError("read() needs a store; this reader was opened on a plain file (use read_rows)")
         loc = self.store.layer_location(layer)
@@ -148,26 +166,28 @@ class FlashReader:
             # Untested here (no GPU on the build machine). The caching host allocator keeps the pinned buffer
             # alive until the asynchronous copy on the current stream has finished.
             host = torch.empty(shape, dtype=out.dtype, pin_memory=True)
-            self.read_rows(loc.offset, loc.row_bytes, loc.n_neurons, ids, host)
+            stats = self.read_rows(loc.offset, loc.row_bytes, loc.n_neurons, ids, host)
             out.copy_(host, non_blocking=True)
-            return out
+            return ReadResult(out, stats)
         if out.device.type != "cpu" or not out.is_contiguous():
             raise ValueError(f"out must be a contiguous CPU or CUDA tensor, got {out.device} "
                              f"contiguous={out.is_contiguous()}")
-        self.read_rows(loc.offset, loc.row_bytes, loc.n_neurons, ids, out)
-        return out
+        return ReadResult(out, self.read_rows(loc.offset, loc.row_bytes, loc.n_neurons, ids, out))
 
     def read_async(self, layer: int, ids: torch.Tensor | list[int], out: torch.Tensor | None = None) -> Future:
-        """Like read, in the background (the GIL is released during I/O); the future's result is out.
+        """Like read, in the background (the GIL is released during I/O); the future's result is read's ReadResult.
         Calls complete in submission order."""
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flashllm-reader")
         return self._executor.submit(self.read, layer, ids, out)
 
     def close(self) -> None:
+        """Waits for the background reads, then frees the native reader: its worker threads end and its file is
+        closed now rather than whenever the object is collected. Reads after close raise ValueError."""
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
+        self._native = None
 
     def __enter__(self) -> FlashReader:
         return self

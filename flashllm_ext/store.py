@@ -16,9 +16,11 @@ import os
 import re
 import shutil
 import tempfile
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
@@ -27,6 +29,9 @@ from safetensors.torch import save_file
 from . import endor
 from .errors import FormatError
 from .safetensors_io import AlignedWriter, TensorSpec, dtype_name, read_header
+
+if TYPE_CHECKING:
+    from .reader import FlashReader
 
 MAGIC = "flashllm-store"
 FORMAT_VERSION = "1"
@@ -168,7 +173,7 @@ def convert(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, dtype: st
         expected = _write_bundles(tmp / BUNDLES_FILE, ckpt, layers, torch_dtype, endor, ffn, width, metadata,
                                   progress)
         ffn_names = {n for roles in layers.values() for n in roles.values()}
-        resident = {n: ckpt[n].to(torch_dtype).contiguous() for n in ckpt.names if n not in ffn_names}
+        resident = {n: _to_store_dtype(ckpt[n], torch_dtype).contiguous() for n in ckpt.names if n not in ffn_names}
         save_file(resident, str(tmp / RESIDENT_FILE),
                   metadata={"magic": MAGIC, "format_version": FORMAT_VERSION, "dtype": dtype})
         _verify(FlashStore(tmp), expected, resident)
@@ -183,6 +188,13 @@ def convert(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, dtype: st
         if tmp.exists():
             shutil.rmtree(tmp)
     return out_dir
+
+
+def _to_store_dtype(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A resident tensor in the store's float dtype if it is a float tensor. Integer and bool buffers (position ids,
+    index tables, masks) keep their dtype: a float cast would change what they mean and lose values (fp16 holds
+    integers exactly only up to 2048)."""
+    return tensor.to(dtype) if tensor.is_floating_point() else tensor
 
 
 def _bundles_metadata(config: dict, dtype: str, n_layers: int, n_neurons: int, hidden: int, glu: bool,
@@ -284,7 +296,11 @@ class LayerLocation:
 
 
 class FlashStore:
-    """An opened, validated flash store. Raises FormatError naming file and field on any inconsistency."""
+    """An opened, validated flash store. Raises FormatError naming file and field on any inconsistency.
+
+    `reader()` is the store's one FlashReader, shared by every NeuronCache over it; `close()` (or leaving a `with`
+    block) shuts it down.
+    """
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
@@ -320,6 +336,32 @@ class FlashStore:
         for layer in range(self.n_layers):
             for spec in _layer_specs(layer, self.n_neurons, self.bundle_width, self.dtype, -1 if self.endor else None):
                 self._check_entry(spec)
+        self._reader: FlashReader | None = None
+        self._reader_lock = threading.Lock()
+
+    def reader(self) -> FlashReader:
+        """The store's shared FlashReader (default settings), opened on first use. One per store: each reader owns a
+        pool of worker threads and a file descriptor, so a cache per layer must not each start its own; concurrent
+        calls are safe and each returns its own stats."""
+        with self._reader_lock:
+            if self._reader is None:
+                from .reader import FlashReader  # reader.py imports this module
+
+                self._reader = FlashReader(self)
+            return self._reader
+
+    def close(self) -> None:
+        """Closes the shared reader (its threads and file descriptor) if one was opened; reader() opens a new one."""
+        with self._reader_lock:
+            reader, self._reader = self._reader, None
+        if reader is not None:
+            reader.close()
+
+    def __enter__(self) -> FlashStore:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def _check_magic(self, meta: dict[str, str], path: str) -> None:
         if meta.get("magic") != MAGIC:

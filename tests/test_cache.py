@@ -157,6 +157,14 @@ def test_byte_budget(stores):
     assert NeuronCache(s, 0, budget_bytes=10**9).capacity == s.n_neurons
 
 
+def test_caches_of_a_store_share_its_reader(stores):
+    s = stores["opt"]
+    caches = [NeuronCache(s, layer, capacity=8) for layer in range(s.n_layers)] + [NeuronCache(s, 0, capacity=8)]
+    assert all(c.reader is s.reader() for c in caches)
+    own = FlashReader(s, threads=2)
+    assert NeuronCache(s, 0, capacity=8, reader=own).reader is own
+
+
 def test_bad_input(stores):
     s = stores["opt"]
     cache = NeuronCache(s, 0, capacity=10, window=2)
@@ -180,21 +188,21 @@ def test_bad_input(stores):
         NeuronCache(s, 0, capacity=4, window=0)
 
 
-def test_failed_read_leaves_a_consistent_cache(stores):
+def test_failed_read_leaves_a_consistent_cache(stores, monkeypatch):
     cache = NeuronCache(stores["opt"], 0, capacity=50, window=1)
     cache.step(torch.tensor([1, 2, 3]))
-    good_read = cache.reader.read
 
     def failing_read(*args, **kwargs):
         raise OSError("injected read failure")
 
-    cache.reader.read = failing_read
+    # The reader is the store's shared one: monkeypatch restores it for the other tests even if this one fails.
+    monkeypatch.setattr(cache.reader, "read", failing_read)
     with pytest.raises(OSError, match="injected"):
         cache.step(torch.tensor([3, 40, 41]))  # window 1: 1 and 2 are evicted, 40 and 41 must be read
     cached = cache.cached_ids()
     assert set(cached.tolist()) == {3}  # the neurons whose bundles never arrived are not claimed
     assert torch.equal(cache.matrix[:cache.num_used], stores["opt"].bundle(0, cached))
-    cache.reader.read = good_read
+    monkeypatch.undo()
     cache.step(torch.tensor([3, 40, 41]))  # the next step loads what the failed one could not
     assert sorted(cache.cached_ids().tolist()) == [3, 40, 41]
     assert torch.equal(cache.matrix[:cache.num_used], stores["opt"].bundle(0, cache.cached_ids()))

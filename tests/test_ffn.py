@@ -1,6 +1,7 @@
 """FlashFFN: exact mode reproduces transformers' LlamaMLP and OPT fc1-fc2 (and whole-model logits) on random
 weights; fixed active sets, predictors and thresholds match masked dense math; budgets and bad input."""
 import copy
+import os
 
 import pytest
 import torch
@@ -69,6 +70,31 @@ def test_exact_mode_whole_model_logits(models, name):
     ffns = install_flash_ffn(patched, fp32)
     torch.testing.assert_close(patched(ids).logits, want, rtol=1e-4, atol=1e-4)
     assert all(len(f.last_stats) == 1 for f in ffns)  # the 10-token prompt is one cache step, not 10
+
+
+def _threads_of_this_process() -> int:
+    """Native threads included (a FlashReader's pool is std::threads, invisible to `threading`)."""
+    return len(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through /proc (Linux)")
+@torch.no_grad()
+def test_install_on_a_30_layer_model_opens_one_reader(tmp_path):
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=24, num_hidden_layers=30,
+                                         num_attention_heads=2, num_key_value_heads=1, vocab_size=32)).eval()
+    model.save_pretrained(tmp_path / "ckpt")
+    ids = torch.randint(0, 32, (1, 4))
+    want = model(ids).logits  # also starts torch's own worker threads before the count
+    with store.FlashStore(store.convert(tmp_path / "ckpt", tmp_path / "s", dtype="fp32", progress=False)) as fs:
+        before = _threads_of_this_process()
+        ffns = install_flash_ffn(model, fs)
+        assert len(ffns) == 30 and all(f.cache.reader is fs.reader() for f in ffns)
+        assert _threads_of_this_process() - before == fs.reader().threads  # one pool, not one per layer
+        torch.testing.assert_close(model(ids).logits, want, rtol=1e-4, atol=1e-4)
+        pool = fs.reader().threads
+        running = _threads_of_this_process()
+    assert running - _threads_of_this_process() == pool  # closing the store ended the pool
 
 
 @pytest.mark.parametrize("name", ["llama", "opt"])

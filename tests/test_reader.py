@@ -1,9 +1,12 @@
+import ctypes
 import errno
 import os
 import shutil
+import struct
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -12,7 +15,7 @@ from hypothesis import strategies as st
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from flashllm_ext import cli, reader, store
-from flashllm_ext.reader import FlashReader, has_io_uring
+from flashllm_ext.reader import FlashReader, ReadResult, has_io_uring
 
 ENGINES = ["threads"] + (["io_uring"] if has_io_uring() else [])
 
@@ -48,9 +51,9 @@ def test_reader_matches_buffered_reads(flash_store, engine, threads, coalescing)
     with FlashReader(flash_store, threads=threads, engine=engine, min_read=min_read, max_gap=max_gap) as r:
         for name, ids in _id_sets(flash_store.n_neurons).items():
             for layer in range(flash_store.n_layers):
-                out = r.read(layer, ids)
+                out, stats = r.read(layer, ids)
                 assert torch.equal(out, flash_store.bundle(layer, ids)), (name, layer)
-                _check_stats(r.stats, ids, flash_store.row_bytes)
+                _check_stats(stats, ids, flash_store.row_bytes)
 
 
 def _check_stats(stats: reader.ReadStats, ids: torch.Tensor, row_bytes: int) -> None:
@@ -66,23 +69,20 @@ def test_coalescing_follows_the_gap_rule(flash_store):
     row = flash_store.row_bytes  # 384 bytes
     ids = torch.tensor([10, 11, 12, 20, 21, 400])  # runs {10-12}, {20-21}, {400}; gaps of 7 and 378 rows
     with FlashReader(flash_store, threads=2, min_read=0, max_gap=-1) as r:
-        r.read(0, ids)
-        assert r.stats.n_reads == 6  # coalescing off: even adjacent neurons are separate reads
+        assert r.read(0, ids).stats.n_reads == 6  # coalescing off: even adjacent neurons are separate reads
     with FlashReader(flash_store, threads=2, min_read=0, max_gap=0) as r:
-        r.read(0, ids)
-        assert r.stats.n_reads == 3
+        assert r.read(0, ids).stats.n_reads == 3
     with FlashReader(flash_store, threads=2, min_read=0, max_gap=7 * row) as r:
-        r.read(0, ids)
-        assert r.stats.n_reads == 2
+        assert r.read(0, ids).stats.n_reads == 2
     with FlashReader(flash_store, threads=2, min_read=0, max_gap=400 * row) as r:
-        out = r.read(0, ids)
-        assert r.stats.n_reads == 1 and torch.equal(out, flash_store.bundle(0, ids))
+        out, stats = r.read(0, ids)
+        assert stats.n_reads == 1 and torch.equal(out, flash_store.bundle(0, ids))
     with FlashReader(flash_store, threads=2, min_read=12 * row, max_gap=0) as r:
-        r.read(0, ids)  # the first read is short enough to absorb the second run, not the far neuron
-        assert r.stats.n_reads == 2
+        # The first read is short enough to absorb the second run, not the far neuron.
+        assert r.read(0, ids).stats.n_reads == 2
     with FlashReader(flash_store, threads=2, min_read=0, max_gap=1 << 30, max_read=8192) as r:
-        out = r.read(0, torch.arange(flash_store.n_neurons))
-        assert r.stats.n_reads == -(-flash_store.n_neurons // (8192 // row))
+        out, stats = r.read(0, torch.arange(flash_store.n_neurons))
+        assert stats.n_reads == -(-flash_store.n_neurons // (8192 // row))
         assert torch.equal(out, flash_store.bundle(0, torch.arange(flash_store.n_neurons)))
 
 
@@ -93,14 +93,15 @@ def test_coalescing_follows_the_gap_rule(flash_store):
 def test_random_id_sets(flash_store, ids, layer, max_gap, min_read, engine):
     ids = torch.tensor(ids, dtype=torch.int64)
     with FlashReader(flash_store, threads=4, engine=engine, min_read=min_read, max_gap=max_gap) as r:
-        assert torch.equal(r.read(layer, ids), flash_store.bundle(layer, ids))
-        _check_stats(r.stats, ids, flash_store.row_bytes)
+        out, stats = r.read(layer, ids)
+        assert torch.equal(out, flash_store.bundle(layer, ids))
+        _check_stats(stats, ids, flash_store.row_bytes)
 
 
 def test_out_argument_and_bad_arguments(flash_store):
     with FlashReader(flash_store, threads=2) as r:
         out = torch.full((3, flash_store.bundle_width), 7.0, dtype=torch.float16)
-        assert r.read(1, [5, 1, 5], out) is out
+        assert r.read(1, [5, 1, 5], out).data is out
         assert torch.equal(out, flash_store.bundle(1, [5, 1, 5]))
         with pytest.raises(RuntimeError, match="outside"):
             r.read(0, [0, flash_store.n_neurons])
@@ -118,7 +119,7 @@ def test_out_argument_and_bad_arguments(flash_store):
             r.read_rows(0, 384, 10, torch.tensor([1]), torch.empty(100, dtype=torch.uint8))
         with pytest.raises(RuntimeError, match="overflows"):
             r.read_rows(1 << 62, 1 << 40, 1 << 30, torch.tensor([1]), torch.empty(0, dtype=torch.uint8))
-        assert torch.equal(r.read(0, [3]), flash_store.bundle(0, [3]))  # still usable after every error
+        assert torch.equal(r.read(0, [3]).data, flash_store.bundle(0, [3]))  # still usable after every error
 
 
 def test_bad_construction(tmp_path, flash_store):
@@ -147,8 +148,8 @@ def test_file_truncated_behind_the_readers_back(store_dir, tmp_path, engine):
         with pytest.raises(RuntimeError, match="end of file"):
             r.read_async(1, [600]).result(timeout=30)
         # Neurons before the cut and the other layer still read correctly: nothing is left stuck.
-        assert torch.equal(r.read(1, torch.arange(0, 100)), fs.bundle(1, torch.arange(0, 100)))
-        assert torch.equal(r.read(0, torch.arange(700)), fs.bundle(0, torch.arange(700)))
+        assert torch.equal(r.read(1, torch.arange(0, 100)).data, fs.bundle(1, torch.arange(0, 100)))
+        assert torch.equal(r.read(0, torch.arange(700)).data, fs.bundle(0, torch.arange(700)))
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"),
@@ -168,7 +169,7 @@ def test_tmpfs(flash_store, tmp_path):
     try:
         with FlashReader(target, threads=4) as r:
             ids = torch.randint(0, 700, (64,))
-            assert torch.equal(r.read(1, ids), flash_store.bundle(1, ids))
+            assert torch.equal(r.read(1, ids).data, flash_store.bundle(1, ids))
             assert isinstance(r.direct, bool)
     finally:
         shutil.rmtree(target)
@@ -178,7 +179,7 @@ def test_buffered_mode(flash_store):
     with FlashReader(flash_store, threads=4, direct=False) as r:
         assert not r.direct
         ids = torch.randint(0, 700, (64,))
-        assert torch.equal(r.read(0, ids), flash_store.bundle(0, ids))
+        assert torch.equal(r.read(0, ids).data, flash_store.bundle(0, ids))
 
 
 def test_read_async_overlaps_python_work(tmp_path):
@@ -210,7 +211,26 @@ def test_read_async_returns_future(flash_store):
         ids = torch.arange(0, 700, 3)
         futures = [r.read_async(layer, ids) for layer in (0, 1, 0)]
         for layer, fut in zip((0, 1, 0), futures):
-            assert torch.equal(fut.result(timeout=30), flash_store.bundle(layer, ids))
+            out, stats = fut.result(timeout=30)
+            assert torch.equal(out, flash_store.bundle(layer, ids))
+            _check_stats(stats, ids, flash_store.row_bytes)
+
+
+def test_concurrent_calls_keep_their_own_stats(flash_store):
+    """A background read and calls from another thread on the same reader: each result carries the stats of
+    its own call (distinct id counts make them tell apart), never those of a call that finished later."""
+    with FlashReader(flash_store, threads=4, min_read=0, max_gap=-1) as r:
+        def many_reads(n: int) -> list[tuple[int, ReadResult]]:
+            return [(k, r.read(k % 2, torch.arange(0, 7 * k, 7))) for k in range(n, 0, -1)]
+
+        background = [(k, r.read_async(k % 2, torch.arange(0, 5 * k, 5))) for k in range(1, 60)]
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            results = [res for batch in pool.map(many_reads, [60, 45]) for res in batch]
+        for k, future in background:
+            out, stats = future.result(timeout=30)
+            assert stats.n_reads == k and torch.equal(out, flash_store.bundle(k % 2, torch.arange(0, 5 * k, 5)))
+        for k, (out, stats) in results:
+            assert stats.n_reads == k and stats.bytes_requested == k * flash_store.row_bytes
 
 
 def test_raw_file_contents(tmp_path):
@@ -267,8 +287,9 @@ def test_calibrate_disk_and_profile(tmp_path, monkeypatch, flash_store, capsys):
 def test_read_into_cuda(flash_store):
     with FlashReader(flash_store, threads=4) as r:
         ids = torch.randint(0, 700, (64,))
-        out = r.read(0, ids, torch.empty((64, flash_store.bundle_width), dtype=torch.float16, device="cuda"))
+        out, stats = r.read(0, ids, torch.empty((64, flash_store.bundle_width), dtype=torch.float16, device="cuda"))
         assert torch.equal(out.cpu(), flash_store.bundle(0, ids))
+        _check_stats(stats, ids, flash_store.row_bytes)
 
 
 def test_coalescing_gap_shrinks_with_reads_in_flight():
@@ -282,3 +303,59 @@ def test_read_rows_refuses_an_output_size_that_overflows(flash_store):
     with FlashReader.for_file(flash_store.bundles_path, threads=1) as r:
         with pytest.raises(RuntimeError, match="overflow"):  # 4 x 2^62 wraps to 0 == out.nbytes() in int64
             r.read_rows(0, 1 << 62, 1, torch.zeros(4, dtype=torch.int64), torch.empty(0, dtype=torch.uint8))
+
+
+def test_store_shares_one_reader_until_closed(store_dir):
+    fs = store.FlashStore(store_dir)
+    first = fs.reader()
+    assert fs.reader() is first
+    fs.close()
+    with pytest.raises(ValueError, match="closed"):
+        first.read(0, [1])
+    with fs:
+        assert fs.reader() is not first
+        assert torch.equal(fs.reader().read(0, [1]).data, fs.bundle(0, [1]))
+
+
+def _statx_dio_align(path: str) -> tuple[int, int] | None:
+    """(offset, memory) direct-I/O alignment as statx(2) reports it through libc, None where it reports none."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if not hasattr(libc, "statx"):
+        return None
+    buf = ctypes.create_string_buffer(256)  # struct statx
+    at_fdcwd, statx_dioalign = -100, 0x2000
+    if libc.statx(at_fdcwd, os.fsencode(path), 0, statx_dioalign, buf) != 0:
+        return None
+    mask, = struct.unpack_from("I", buf, 0)
+    mem_align, offset_align = struct.unpack_from("II", buf, 152)  # stx_dio_mem_align, stx_dio_offset_align
+    return (offset_align, mem_align) if mask & statx_dioalign and offset_align and mem_align else None
+
+
+def test_direct_alignment_comes_from_statx(flash_store):
+    with FlashReader(flash_store, threads=1) as r:
+        assert r.direct
+        for align in (r.dio_offset_align, r.dio_mem_align):
+            assert align & (align - 1) == 0 and align >= 1
+        assert r.dio_offset_align >= 512
+        reported = _statx_dio_align(flash_store.bundles_path) if sys.platform == "linux" else None
+        assert (r.dio_offset_align, r.dio_mem_align) == (reported or (4096, 4096))
+    with FlashReader(flash_store, threads=1, direct=False) as r:
+        assert (r.dio_offset_align, r.dio_mem_align) == (4096, 4096)  # buffered reads stay on page boundaries
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_rows_longer_than_one_request(tmp_path, engine):
+    """Rows of 5 blocks and a bit at unaligned offsets with max_read of one block: the io_uring engine issues each
+    row as several bounded requests (the bound that keeps its 32-bit length from wrapping), the data is whole."""
+    path = tmp_path / "f.bin"
+    reader.make_test_file(path, 1 << 20, chunk=1 << 18)
+    data = torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8)
+    row_bytes, base = 5 * 4096 + 300, 777
+    n_rows = (data.numel() - base) // row_bytes
+    ids = torch.tensor([3, 0, 7, 8, 3, n_rows - 1])
+    with FlashReader.for_file(path, threads=2, min_read=0, max_gap=0, max_read=4096, engine=engine) as r:
+        out = torch.empty(ids.numel() * row_bytes, dtype=torch.uint8)
+        stats = r.read_rows(base, row_bytes, n_rows, ids, out)
+    want = torch.cat([data[base + i * row_bytes: base + (i + 1) * row_bytes] for i in ids.tolist()])
+    assert torch.equal(out, want)
+    assert stats.n_reads == 5 and stats.bytes_requested == 5 * row_bytes  # merging 7 and 8 would pass max_read

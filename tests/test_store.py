@@ -101,6 +101,27 @@ def test_resident_holds_everything_but_ffn_weights(checkpoints, stores):
     assert fs.config["model_type"] == "opt" and fs.config["ffn_dim"] == 136
 
 
+def test_integer_and_bool_resident_buffers_keep_their_dtype(checkpoints, tmp_path):
+    """Only float tensors take the store dtype: int64 ids past fp16's exact range and bool masks come back as
+    they were saved."""
+    from safetensors.torch import load_file, save_file
+
+    source, state = checkpoints["llama"]
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text((source / "config.json").read_text())
+    tensors = load_file(source / "model.safetensors")
+    buffers = {"model.position_ids": torch.arange(5000, dtype=torch.int64).unsqueeze(0),
+               "model.layers.0.self_attn.index_table": torch.tensor([[-7, 70000], [3, 2049]], dtype=torch.int32),
+               "model.layers.0.self_attn.causal_mask": torch.ones(4, 4, dtype=torch.bool).tril()}
+    save_file({**tensors, **buffers}, str(ckpt / "model.safetensors"), metadata={"format": "pt"})
+    resident = store.FlashStore(store.convert(ckpt, tmp_path / "s", dtype="fp16", progress=False)).resident()
+    for name, buffer in buffers.items():
+        assert resident[name].dtype == buffer.dtype and torch.equal(resident[name], buffer), name
+    norm = "model.layers.0.input_layernorm.weight"
+    assert resident[norm].dtype == torch.float16 and torch.equal(resident[norm], state[norm].half())
+
+
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 def test_dtypes(checkpoints, tmp_path, dtype):
     path, state = checkpoints["llama"]

@@ -1,30 +1,64 @@
 #include "common/cpu_isa.h"
 
 #include <atomic>
+#include <set>
 #include <stdexcept>
+#include <string>
 
 namespace flashllm {
 namespace {
 
-CpuIsa detect() {
+// Every feature a path's kernels are compiled with, and the lowest path that needs it: the target attributes in
+// csrc/cpu/*.cpp (sparse_ffn: "avx2,fma,f16c" and "avx512f,avx512bw,avx512vl,fma,f16c"; endor_decompress:
+// "avx2,popcnt", "avx512f,avx512bw,avx512vl,popcnt" and "+avx512vbmi2"). A path needs the features of every
+// path below it too (a kernel with no code of its own at one level runs the level below), so a CPU or VM that
+// masks FMA or F16C gets the scalar path rather than SIGILL. One list, used both to probe the CPU and to decide.
+#define FLASHLLM_CPU_FEATURES(X)                                  \
+  X("avx2", kAvx2) X("fma", kAvx2) X("f16c", kAvx2) X("popcnt", kAvx2) \
+  X("avx512f", kAvx512) X("avx512bw", kAvx512) X("avx512vl", kAvx512)  \
+  X("avx512vbmi2", kAvx512Vbmi2)
+
+struct CpuFeature {
+  const char* name;
+  CpuIsa needed_from;
+};
+
+#define FLASHLLM_FEATURE_ENTRY(name, isa) CpuFeature{name, CpuIsa::isa},
+constexpr CpuFeature kCpuFeatures[] = {FLASHLLM_CPU_FEATURES(FLASHLLM_FEATURE_ENTRY)};
+#undef FLASHLLM_FEATURE_ENTRY
+
+std::set<std::string> supported_features() {
+  std::set<std::string> supported;
 #if defined(__x86_64__)
   __builtin_cpu_init();
-  // libgcc's checks include the OS state (XCR0) for the AVX and AVX-512 registers.
-  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("popcnt");
-  if (avx512 && __builtin_cpu_supports("avx512vbmi2")) return CpuIsa::kAvx512Vbmi2;
-  if (avx512) return CpuIsa::kAvx512;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("popcnt")) return CpuIsa::kAvx2;
+  // __builtin_cpu_supports takes only string literals, hence the macro. libgcc's answers include the OS state
+  // (XCR0) for the AVX and AVX-512 registers: FMA and F16C count as absent where the OS does not save YMM.
+#define FLASHLLM_PROBE(name, isa) \
+  if (__builtin_cpu_supports(name)) supported.insert(name);
+  FLASHLLM_CPU_FEATURES(FLASHLLM_PROBE)
+#undef FLASHLLM_PROBE
 #endif
-  return CpuIsa::kScalar;
+  return supported;
 }
+#undef FLASHLLM_CPU_FEATURES
 
 std::atomic<int> forced{-1};
 
 }  // namespace
 
+CpuIsa isa_for_features(const std::set<std::string>& features) {
+  CpuIsa best = CpuIsa::kAvx512Vbmi2;
+  for (const CpuFeature& f : kCpuFeatures) {
+    // A missing feature caps the choice just below the lowest path compiled with it.
+    if (!features.count(f.name) && f.needed_from <= best) {
+      best = static_cast<CpuIsa>(static_cast<int>(f.needed_from) - 1);
+    }
+  }
+  return best;
+}
+
 CpuIsa detected_cpu_isa() {
-  static const CpuIsa isa = detect();
+  static const CpuIsa isa = isa_for_features(supported_features());
   return isa;
 }
 

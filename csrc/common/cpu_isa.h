@@ -1,6 +1,7 @@
 // Runtime choice of the CPU instruction set. Kernels are compiled for every ISA with function-level target
 // attributes and pick one at call time, so one binary runs on any x86-64 CPU (and tests can force each path).
 #pragma once
+#include <set>
 #include <string>
 
 namespace flashllm {
@@ -12,5 +13,10 @@ CpuIsa active_cpu_isa();             // what kernels use now: detected, or lower
 void force_cpu_isa(CpuIsa isa);      // throws std::invalid_argument above the detected ISA
 const char* cpu_isa_name(CpuIsa isa);
 CpuIsa cpu_isa_from_name(const std::string& name);  // throws std::invalid_argument on an unknown name
+
+// The best path for a CPU with `features` (GCC target names: "avx2", "fma", "f16c", "avx512vbmi2", ...): the
+// highest ISA whose kernels' every compiled-with feature, and every lower ISA's, is present. detected_cpu_isa()
+// is this function of what the CPU and OS report; tests call it on made-up feature sets.
+CpuIsa isa_for_features(const std::set<std::string>& features);
 
 }  // namespace flashllm

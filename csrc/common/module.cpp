@@ -1,8 +1,10 @@
 // The Python module object of flashllm_ext._C. Importing it runs the static TORCH_LIBRARY_IMPL registrations of
-// every kernel linked into the library; its two functions let tests and benchmarks choose the CPU code path.
+// every kernel linked into the library; its functions let tests and benchmarks see and choose the CPU code path.
 #include <Python.h>
 
+#include <set>
 #include <stdexcept>
+#include <string>
 
 #include "common/cpu_isa.h"
 
@@ -28,10 +30,27 @@ PyObject* set_cpu_isa(PyObject*, PyObject* arg) {
   Py_RETURN_NONE;
 }
 
+PyObject* isa_for_features(PyObject*, PyObject* arg) {
+  PyObject* iterator = PyObject_GetIter(arg);
+  if (iterator == nullptr) return nullptr;
+  std::set<std::string> features;
+  while (PyObject* item = PyIter_Next(iterator)) {
+    const char* name = PyUnicode_AsUTF8(item);
+    if (name != nullptr) features.insert(name);
+    Py_DECREF(item);
+    if (name == nullptr) break;
+  }
+  Py_DECREF(iterator);
+  if (PyErr_Occurred()) return nullptr;
+  return PyUnicode_FromString(flashllm::cpu_isa_name(flashllm::isa_for_features(features)));
+}
+
 PyMethodDef methods[] = {
     {"cpu_isa", cpu_isa, METH_NOARGS, "The CPU instruction set the kernels use now."},
     {"detected_cpu_isa", detected_cpu_isa, METH_NOARGS, "The best CPU instruction set available."},
     {"set_cpu_isa", set_cpu_isa, METH_O, "Use a lower instruction set (scalar, avx2, avx512, avx512vbmi2)."},
+    {"isa_for_features", isa_for_features, METH_O,
+     "The instruction set chosen for a CPU with these features (GCC target names, e.g. 'avx2', 'fma')."},
     {nullptr, nullptr, 0, nullptr}};
 
 }  // namespace

@@ -3,9 +3,9 @@
 //
 // One call = one batch: ids are sorted and deduplicated, runs of nearby ids are coalesced into one read when the
 // bytes of the gap cost less than a separate read (gap <= max_gap) or the merged read is still below min_read,
-// reads are widened to the 4 KiB direct-I/O alignment, executed by the engine (a pool of pread workers, or one
-// io_uring ring when built with liburing), and each row is copied from the aligned bounce buffer into every
-// output slot that asked for it.
+// reads are widened to the file's direct-I/O alignment (statx STATX_DIOALIGN, else 4 KiB), executed by the engine
+// (a pool of pread workers, or one io_uring ring when built with liburing), and each row is copied from the aligned
+// bounce buffer into every output slot that asked for it.
 #include <Python.h>
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -38,32 +38,52 @@
 namespace flashllm::io {
 namespace {
 
-constexpr int64_t kAlign = 4096;  // O_DIRECT needs block-aligned offsets, sizes and buffers; 4 KiB covers all
+// O_DIRECT needs offsets, sizes and buffers aligned as the file's filesystem and device require. statx reports
+// it (STATX_DIOALIGN, Linux 6.1+); where it does not (older kernels, filesystems without the field, buffered
+// reads), 4 KiB covers every device.
+constexpr int64_t kDefaultDirectAlign = 4096;
+// One io_uring request reads at most this much: the SQE length is an unsigned 32-bit field and the CQE result a
+// signed 32-bit byte count, so longer reads are split (1 GiB keeps both far from overflow).
+constexpr int64_t kMaxUringRequest = int64_t{1} << 30;
 
-int64_t align_down(int64_t x) { return x / kAlign * kAlign; }
-int64_t align_up(int64_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
+bool is_power_of_two(int64_t x) { return x > 0 && (x & (x - 1)) == 0; }
+
+// The direct-I/O alignment of one open file: `offset` for file offsets and lengths, `memory` for buffers.
+struct DirectAlign {
+  int64_t offset = kDefaultDirectAlign;
+  int64_t memory = kDefaultDirectAlign;
+
+  int64_t down(int64_t x) const { return x / offset * offset; }
+  int64_t up(int64_t x) const { return (x + offset - 1) / offset * offset; }
+};
 
 struct AlignedBuffer {
   char* data = nullptr;
   int64_t size = 0;
+  int64_t alignment = 0;
   AlignedBuffer() = default;
   AlignedBuffer(const AlignedBuffer&) = delete;
   AlignedBuffer& operator=(const AlignedBuffer&) = delete;
-  AlignedBuffer(AlignedBuffer&& other) noexcept : data(other.data), size(other.size) {
+  AlignedBuffer(AlignedBuffer&& other) noexcept : data(other.data), size(other.size), alignment(other.alignment) {
     other.data = nullptr;
     other.size = 0;
+    other.alignment = 0;
   }
   ~AlignedBuffer() { std::free(data); }
-  char* reserve(int64_t n) {
-    if (n > size) {
+  // At least n bytes starting on an `align` boundary (a power of two); reallocates only to grow or align further.
+  char* reserve(int64_t n, int64_t align) {
+    if (n > size || align > alignment) {
       std::free(data);
       data = nullptr;
-      size = 0;
+      size = alignment = 0;
       void* p = nullptr;
-      TORCH_CHECK(posix_memalign(&p, kAlign, static_cast<size_t>(n)) == 0, "FlashReader: cannot allocate ",
-                  n, " bytes of aligned bounce buffer");
+      // posix_memalign wants a power-of-two multiple of sizeof(void*); a smaller alignment is met by that too.
+      const auto effective = static_cast<size_t>(std::max<int64_t>(align, sizeof(void*)));
+      TORCH_CHECK(posix_memalign(&p, effective, static_cast<size_t>(n)) == 0, "FlashReader: cannot allocate ", n,
+                  " bytes of bounce buffer aligned to ", effective);
       data = static_cast<char*>(p);
       size = n;
+      alignment = static_cast<int64_t>(effective);
     }
     return data;
   }
@@ -96,9 +116,8 @@ struct Batch {
     std::lock_guard<std::mutex> lock(mutex);
     if (!failed.exchange(true)) error = std::move(message);
   }
-  // Copies the rows of read `r` out of the bounce buffer `buf`, which holds the file from align_down(r.offset).
-  void scatter(const Read& r, const char* buf) const {
-    const int64_t buf_start = align_down(r.offset);
+  // Copies the rows of read `r` out of the bounce buffer `buf`, which holds the file from byte `buf_start` on.
+  void scatter(const Read& r, const char* buf, int64_t buf_start) const {
     for (int64_t k = r.first; k < r.last; ++k) {
       const auto [id, slot] = rows[k];
       std::memcpy(out + slot * row_bytes, buf + (base + id * row_bytes - buf_start), row_bytes);
@@ -171,7 +190,8 @@ class FlashReader : public torch::CustomClassHolder {
     TORCH_CHECK(threads >= 1 && threads <= 1024, "FlashReader: threads must be in [1, 1024], got ", threads);
     TORCH_CHECK(min_read >= 0 && max_gap >= -1, "FlashReader: min_read must be >= 0 and max_gap >= -1, got ",
                 min_read, " and ", max_gap);
-    TORCH_CHECK(max_read >= kAlign, "FlashReader: max_read must be at least ", kAlign, " bytes, got ", max_read);
+    TORCH_CHECK(max_read >= kDefaultDirectAlign, "FlashReader: max_read must be at least ", kDefaultDirectAlign,
+                " bytes, got ", max_read);
     TORCH_CHECK(engine == "threads" || engine == "io_uring", "FlashReader: engine must be 'threads' or 'io_uring', got '",
                 engine, "'");
 #ifndef FLASHLLM_WITH_URING
@@ -192,7 +212,8 @@ class FlashReader : public torch::CustomClassHolder {
       ::close(fd_);
       TORCH_CHECK(false, "FlashReader: ", path_, " is a directory");
     }
-    query_direct_alignment();
+    align_ = query_direct_alignment(fd_, direct_);
+    max_request_ = std::max(align_.offset, align_.down(std::min(max_read_, kMaxUringRequest)));
     threads_ = threads;
     if (engine_ == "threads") pool_ = std::make_unique<ThreadPool>(threads);
 #ifdef FLASHLLM_WITH_URING
@@ -268,6 +289,8 @@ class FlashReader : public torch::CustomClassHolder {
   int64_t threads() const { return threads_; }
   std::string engine() const { return engine_; }
   std::string path() const { return path_; }
+  int64_t dio_offset_align() const { return align_.offset; }
+  int64_t dio_mem_align() const { return align_.memory; }
 
  private:
   [[noreturn]] void open_failed() {
@@ -325,7 +348,7 @@ class FlashReader : public torch::CustomClassHolder {
       // makes no progress. Only such reads count as stalls: a long read may legitimately arrive in many pieces.
       const int64_t before = got;
       got += n;
-      if (got < need && direct_) got = got / dio_offset_align_ * dio_offset_align_;
+      if (got < need && direct_) got = align_.down(got);
       stalls = got > before ? 0 : stalls + 1;
       if (n == 0 || stalls > 16) {
         b.fail(io_error("unexpected end of file (file shorter than the store says?)", EIO, start + got, want - got));
@@ -343,20 +366,27 @@ class FlashReader : public torch::CustomClassHolder {
       if (b.rows[k].first != first.first + (k - r.first) || b.rows[k].second != first.second + (k - r.first))
         return nullptr;
     char* dst = b.out + first.second * b.row_bytes;
-    const bool aligned = r.offset % dio_offset_align_ == 0 && r.length % dio_offset_align_ == 0 &&
-                         reinterpret_cast<uintptr_t>(dst) % dio_mem_align_ == 0;
+    const bool aligned = r.offset % align_.offset == 0 && r.length % align_.offset == 0 &&
+                         reinterpret_cast<uintptr_t>(dst) % align_.memory == 0;
     return aligned || !direct_ ? dst : nullptr;
   }
 
-  void query_direct_alignment() {
-#ifdef STATX_DIOALIGN
+  // The file's direct-I/O alignment from statx; the 4 KiB default where the kernel or filesystem reports none (or
+  // something unusable), and for buffered reads, where 4 KiB keeps reads on page boundaries.
+  static DirectAlign query_direct_alignment(int fd, bool direct) {
+    DirectAlign align;
+#ifdef STATX_DIOALIGN  // Linux 6.1 headers; older ones lack the field and the flag
     struct statx sx;
-    if (direct_ && ::statx(fd_, "", AT_EMPTY_PATH, STATX_DIOALIGN, &sx) == 0 && (sx.stx_mask & STATX_DIOALIGN) &&
-        sx.stx_dio_mem_align > 0 && sx.stx_dio_offset_align > 0) {
-      dio_mem_align_ = sx.stx_dio_mem_align;
-      dio_offset_align_ = sx.stx_dio_offset_align;
+    if (direct && ::statx(fd, "", AT_EMPTY_PATH, STATX_DIOALIGN, &sx) == 0 && (sx.stx_mask & STATX_DIOALIGN) &&
+        is_power_of_two(sx.stx_dio_offset_align) && is_power_of_two(sx.stx_dio_mem_align)) {
+      align.offset = sx.stx_dio_offset_align;
+      align.memory = sx.stx_dio_mem_align;
     }
+#else
+    (void)fd;
+    (void)direct;
 #endif
+    return align;
   }
 
   void run_threads(const std::shared_ptr<Batch>& batch) {
@@ -373,10 +403,11 @@ class FlashReader : public torch::CustomClassHolder {
               b.bytes_read += read_span(b, r.offset, r.length, r.length, dst);
               continue;
             }
-            const int64_t start = align_down(r.offset);
-            char* buf = buffer.reserve(align_up(r.offset + r.length) - start);
-            b.bytes_read += read_span(b, start, align_up(r.offset + r.length) - start, r.offset + r.length - start, buf);
-            if (!b.failed.load()) b.scatter(r, buf);
+            const int64_t start = align_.down(r.offset);
+            const int64_t want = align_.up(r.offset + r.length) - start;
+            char* buf = buffer.reserve(want, align_.memory);
+            b.bytes_read += read_span(b, start, want, r.offset + r.length - start, buf);
+            if (!b.failed.load()) b.scatter(r, buf, start);
           }
         } catch (const std::exception& e) {
           b.fail(e.what());
@@ -391,13 +422,14 @@ class FlashReader : public torch::CustomClassHolder {
 
 #ifdef FLASHLLM_WITH_URING
   // One ring with `threads` reads in flight and one bounce buffer per slot; calls on the ring are serialized.
-  // The buffers belong to the reader, so a ring that fails mid-batch can never write into freed memory.
+  // The buffers belong to the reader, so a ring that fails mid-batch can never write into freed memory. A read
+  // longer than max_request_ is issued as several requests, one after another in its slot.
   void run_uring(Batch& b) {
     std::lock_guard<std::mutex> ring_lock(ring_mutex_);
     TORCH_CHECK(!ring_broken_, "FlashReader: the io_uring ring failed earlier; open a new reader");
     const int64_t depth = std::min<int64_t>(threads_, b.reads.size());
     int64_t max_span = 0;
-    for (const Read& r : b.reads) max_span = std::max(max_span, align_up(r.offset + r.length) - align_down(r.offset));
+    for (const Read& r : b.reads) max_span = std::max(max_span, align_.up(r.offset + r.length) - align_.down(r.offset));
     if (static_cast<int64_t>(ring_buffers_.size()) < depth) ring_buffers_.resize(depth);
     struct Slot {
       int64_t read = -1;
@@ -408,16 +440,17 @@ class FlashReader : public torch::CustomClassHolder {
     int64_t next = 0, in_flight = 0;
     auto submit = [&](int64_t s) {
       const Read& r = b.reads[slots[s].read];
-      const int64_t start = align_down(r.offset);
-      const int64_t want = align_up(r.offset + r.length) - start;
+      const int64_t start = align_.down(r.offset);
+      const int64_t want = align_.up(r.offset + r.length) - start;
+      const int64_t length = std::min(want - slots[s].got, max_request_);
       io_uring_sqe* sqe = io_uring_get_sqe(&ring_);  // never null: at most `depth` <= ring size in flight
-      io_uring_prep_read(sqe, fd_, ring_buffers_[s].data + slots[s].got, static_cast<unsigned>(want - slots[s].got),
+      io_uring_prep_read(sqe, fd_, ring_buffers_[s].data + slots[s].got, static_cast<unsigned>(length),
                          start + slots[s].got);
       io_uring_sqe_set_data64(sqe, static_cast<uint64_t>(s));
       ++in_flight;
     };
     for (int64_t s = 0; s < depth; ++s) {
-      ring_buffers_[s].reserve(max_span);
+      ring_buffers_[s].reserve(max_span, align_.memory);
       slots[s] = {next++, 0, 0};
       submit(s);
     }
@@ -436,7 +469,7 @@ class FlashReader : public torch::CustomClassHolder {
         --in_flight;
         Slot& slot = slots[s];
         const Read& r = b.reads[slot.read];
-        const int64_t start = align_down(r.offset);
+        const int64_t start = align_.down(r.offset);
         const int64_t need = r.offset + r.length - start;
         if (res == -EINTR || res == -EAGAIN) {
           submit(s);
@@ -448,7 +481,7 @@ class FlashReader : public torch::CustomClassHolder {
           const int64_t before = slot.got;
           slot.got += res;
           b.bytes_read += res;
-          if (slot.got < need && direct_) slot.got = align_down(slot.got);
+          if (slot.got < need && direct_) slot.got = align_.down(slot.got);
           slot.stalls = slot.got > before ? 0 : slot.stalls + 1;  // as in read_span: only no-progress reads count
           if (res == 0 || slot.stalls > 16) {
             b.fail(io_error("unexpected end of file (file shorter than the store says?)", EIO, start + slot.got,
@@ -457,7 +490,7 @@ class FlashReader : public torch::CustomClassHolder {
             submit(s);
             continue;
           } else {
-            b.scatter(r, ring_buffers_[s].data);
+            b.scatter(r, ring_buffers_[s].data, start);
           }
         }
         if (!b.failed.load() && next < static_cast<int64_t>(b.reads.size())) {
@@ -475,9 +508,9 @@ class FlashReader : public torch::CustomClassHolder {
   int fd_ = -1;
   bool direct_ = false;
   int64_t threads_ = 0;
-  int64_t dio_mem_align_ = kAlign;  // direct-I/O alignment of buffers and offsets (statx, else 4 KiB)
-  int64_t dio_offset_align_ = kAlign;
+  DirectAlign align_;
   int64_t min_read_, max_gap_, max_read_;
+  int64_t max_request_ = 0;  // io_uring: bytes of one request (max_read, aligned, at most kMaxUringRequest)
   std::string engine_;
   std::unique_ptr<ThreadPool> pool_;
 #ifdef FLASHLLM_WITH_URING
@@ -503,7 +536,9 @@ TORCH_LIBRARY_FRAGMENT(flashllm, m) {
       .def("direct", &FlashReader::direct)
       .def("threads", &FlashReader::threads)
       .def("engine", &FlashReader::engine)
-      .def("path", &FlashReader::path);
+      .def("path", &FlashReader::path)
+      .def("dio_offset_align", &FlashReader::dio_offset_align)
+      .def("dio_mem_align", &FlashReader::dio_mem_align);
   m.def("reader_has_io_uring() -> bool", &has_io_uring);
 }
 

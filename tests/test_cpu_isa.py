@@ -1,0 +1,45 @@
+"""CPU ISA dispatch: a path is chosen only when the CPU has every feature its kernels are compiled with (the target
+attributes in csrc/cpu/*.cpp), and those of the paths below it."""
+import os
+
+import pytest
+
+from flashllm_ext import _C
+
+AVX2 = {"avx2", "fma", "f16c", "popcnt"}
+AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512vl"}
+AVX512_VBMI2 = AVX512 | {"avx512vbmi2"}
+
+
+@pytest.mark.parametrize("features,isa", [
+    (set(), "scalar"), (AVX2, "avx2"), (AVX512, "avx512"), (AVX512_VBMI2, "avx512vbmi2"),
+    (AVX512_VBMI2 | {"avx512_fp16", "sse4.2"}, "avx512vbmi2"),  # features no path needs change nothing
+    ({"avx2"}, "scalar"), (AVX512 - {"avx512vl"}, "avx2"), (AVX512_VBMI2 - {"avx512bw"}, "avx2"),
+    (AVX2 | {"avx512vbmi2"}, "avx2"),
+])
+def test_isa_for_features(features, isa):
+    assert _C.isa_for_features(sorted(features)) == isa
+
+
+@pytest.mark.parametrize("masked", sorted(AVX2))
+def test_a_cpu_that_masks_an_avx2_feature_gets_the_scalar_path(masked):
+    """A VM may report AVX2 and AVX-512 while masking FMA or F16C: the AVX2 and AVX-512 kernels are compiled with
+    them (SIGILL), so only the scalar path is safe."""
+    assert _C.isa_for_features(AVX512_VBMI2 - {masked}) == "scalar"
+
+
+def test_bad_feature_lists_are_refused():
+    with pytest.raises(TypeError):
+        _C.isa_for_features(3)
+    with pytest.raises(TypeError):
+        _C.isa_for_features(["avx2", 3])
+
+
+@pytest.mark.skipif(not os.path.isfile("/proc/cpuinfo"), reason="reads the CPU flags the Linux kernel reports")
+def test_detected_isa_follows_the_cpu_flags():
+    with open("/proc/cpuinfo") as f:
+        flags = next(line for line in f if line.startswith("flags")).split(":", 1)[1].split()
+    # The kernel spells one name differently from GCC; it also clears flags whose register state the OS does not
+    # save, as libgcc's own check does.
+    features = {"avx512vbmi2" if flag == "avx512_vbmi2" else flag for flag in flags}
+    assert _C.detected_cpu_isa() == _C.isa_for_features(features)
