@@ -28,7 +28,9 @@ test: build
 test-fast: build
 	$(PYTHON) -m pytest -q -m "not slow"
 
+# The main job (text generated with the FFN weights on flash, every engine mode), then Endor compression.
 demo: build
+	$(PYTHON) -m flashllm_ext.demo_flash
 	$(PYTHON) -m flashllm_ext.demo
 
 bench: build
