@@ -245,6 +245,20 @@ def test_endor_body_names_the_first_bad_row(body):
         BODIES[body](*args[:2], e.row_offsets, 13, torch.tensor([0, 7, 9]))
 
 
+def test_cuda_launcher_without_checks_zeroes_refused_rows():
+    # What the CUDA glue does without kernel checks: no error, refused rows come out as zeros, the others decoded.
+    w, e = endor_case((7, 13), torch.float32, seed=11)
+    offsets = e.row_offsets.clone()
+    offsets[3] += 1  # rows 2 and 3 disagree with their popcounts
+    rows = torch.tensor([0, 7, 2, -1, 6, 3])
+    got = OPS.endor_decompress_cuda(e.values, e.bitmap, offsets, 13, rows, check_data=False)
+    refused = torch.tensor([False, True, True, True, False, True])
+    assert torch.equal(got[refused], torch.zeros(4, 13))
+    assert_bitwise_equal(got[~refused], w[rows[~refused]])
+    with pytest.raises(RuntimeError, match=r"rows\[1\]=7 is outside"):
+        OPS.endor_decompress_cuda(e.values, e.bitmap, offsets, 13, rows)
+
+
 def test_import_alone_does_not_load_the_test_extension():
     # flashllm_ext._simt registers test-only ops; the package must not pull it in.
     import subprocess
