@@ -4,9 +4,10 @@ import pytest
 import torch
 
 from flashllm_ext._ops import cache_compact_reference, sparse_ffn_reference
+from conftest import require_simt
 from ffn_cases import FFN_DTYPES, assert_close, bad_ffn_cases, compact_state, ffn_case
 
-pytest.importorskip("flashllm_ext._simt", reason="the test-only extension flashllm_ext._simt is not built")
+require_simt()
 OPS = torch.ops.flashllm_simt
 BODIES = {"cuda": OPS.sparse_ffn_cuda, "metal": OPS.sparse_ffn_metal}
 INDEX = torch.tensor([30, 2, 2, 0, 17, 29, 8])

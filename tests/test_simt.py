@@ -11,9 +11,10 @@ import torch
 
 import flashllm_ext
 from flashllm_ext._ops import endor_decompress_reference
+from conftest import require_simt
 from kernel_cases import BAD_CASES, DTYPES, SHAPES, assert_bitwise_equal, endor_case
 
-simt_ext = pytest.importorskip("flashllm_ext._simt", reason="the test-only extension flashllm_ext._simt is not built")
+require_simt()
 OPS = torch.ops.flashllm_simt
 FULL = 0xFFFFFFFF
 BODIES = {"cuda": OPS.endor_decompress_cuda, "metal": OPS.endor_decompress_metal}
