@@ -3,7 +3,7 @@ PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 export MAX_JOBS ?= 2
 
-.PHONY: deps build test test-fast demo bench cuda-check clean
+.PHONY: deps build test test-fast demo bench cuda-check cuda-glue-check clean
 
 # Installs what the project needs. torch is installed only when absent, so a CUDA torch already on the
 # machine is never replaced (pip would otherwise pull the newest CUDA wheel, several GB).
@@ -47,6 +47,11 @@ cuda-check:
 		echo "nvcc $$arch $$f"; \
 		nvcc -std=c++17 -O3 -arch=$$arch -Xptxas -v -Icsrc -c $$f -o /dev/null || exit 1; \
 	done; done
+
+# Builds the real _C with its CUDA kernels and torch glue against torch 2.13.0+cu130 (a cached environment under
+# $$FLASHLLM_CACHE) and checks the CUDA registrations; needs nvcc only, no driver. See .ci/cuda-glue-check.
+cuda-glue-check:
+	.ci/cuda-glue-check
 
 clean:
 	rm -rf build flashllm_ext/*.so .deps.stamp

@@ -50,8 +50,7 @@ def _extensions() -> list:
     if _want_cuda():
         ext_cls = cpp_extension.CUDAExtension
         sources += _sources("csrc/cuda/*.cu") + _sources("csrc/cuda/*.cpp")
-        extra["nvcc"] = ["-O3", "-std=c++17", "-DFLASHLLM_WITH_CUDA"]
-        extra["cxx"] = CXX_FLAGS + ["-DFLASHLLM_WITH_CUDA"]
+        extra["nvcc"] = ["-O3", "-std=c++17"]
     link = list(LINK_FLAGS)
     if _want_uring():
         extra = {key: flags + ["-DFLASHLLM_WITH_URING"] for key, flags in extra.items()}

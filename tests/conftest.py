@@ -1,3 +1,5 @@
+import importlib
+import os
 import sys
 from pathlib import Path
 
@@ -41,3 +43,12 @@ def forced_isa_fixture(isas: list[str]):
         _C.set_cpu_isa(previous)
 
     return isa
+
+
+def require_simt():
+    """flashllm_ext._simt, the test-only SIMT extension. The tests of a module that calls this at import are skipped
+    only when FLASHLLM_NATIVE=0 asks for no native build; otherwise a build without _simt is broken and its import
+    error fails the run, as a missing _C does."""
+    if os.environ.get("FLASHLLM_NATIVE", "1") == "0":
+        pytest.skip("FLASHLLM_NATIVE=0: the native extensions are not built", allow_module_level=True)
+    return importlib.import_module("flashllm_ext._simt")

@@ -40,3 +40,19 @@ def test_bad_backend_request_is_refused():
 
 def test_ops_registered():
     assert hasattr(torch.ops.flashllm, "endor_decompress")
+
+
+def test_kernel_checks_switch():
+    # The CUDA ops' host-side data checks (csrc/common/kernel_checks.h): off by default, FLASHLLM_CHECK_KERNELS=1
+    # turns them on at load, _C.set_kernel_checks at run time.
+    code = "from flashllm_ext import _C; print(_C.kernel_checks())"
+    for value, want in (("0", "False"), ("1", "True")):
+        env = dict(os.environ, FLASHLLM_CHECK_KERNELS=value)
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+        assert out.stdout.strip() == want
+    from flashllm_ext import _C
+
+    before = _C.kernel_checks()
+    _C.set_kernel_checks(not before)
+    assert _C.kernel_checks() is (not before)
+    _C.set_kernel_checks(before)

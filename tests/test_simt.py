@@ -11,9 +11,10 @@ import torch
 
 import flashllm_ext
 from flashllm_ext._ops import endor_decompress_reference
+from conftest import require_simt
 from kernel_cases import BAD_CASES, DTYPES, SHAPES, assert_bitwise_equal, endor_case
 
-simt_ext = pytest.importorskip("flashllm_ext._simt", reason="the test-only extension flashllm_ext._simt is not built")
+require_simt()
 OPS = torch.ops.flashllm_simt
 FULL = 0xFFFFFFFF
 BODIES = {"cuda": OPS.endor_decompress_cuda, "metal": OPS.endor_decompress_metal}
@@ -243,6 +244,20 @@ def test_endor_body_names_the_first_bad_row(body):
         BODIES[body](*args, torch.tensor([6, 3, 2]))
     with pytest.raises(RuntimeError, match=r"rows\[1\]=7 is outside \[0, 7\)"):
         BODIES[body](*args[:2], e.row_offsets, 13, torch.tensor([0, 7, 9]))
+
+
+def test_cuda_launcher_without_checks_zeroes_refused_rows():
+    # What the CUDA glue does without kernel checks: no error, refused rows come out as zeros, the others decoded.
+    w, e = endor_case((7, 13), torch.float32, seed=11)
+    offsets = e.row_offsets.clone()
+    offsets[3] += 1  # rows 2 and 3 disagree with their popcounts
+    rows = torch.tensor([0, 7, 2, -1, 6, 3])
+    got = OPS.endor_decompress_cuda(e.values, e.bitmap, offsets, 13, rows, check_data=False)
+    refused = torch.tensor([False, True, True, True, False, True])
+    assert torch.equal(got[refused], torch.zeros(4, 13))
+    assert_bitwise_equal(got[~refused], w[rows[~refused]])
+    with pytest.raises(RuntimeError, match=r"rows\[1\]=7 is outside"):
+        OPS.endor_decompress_cuda(e.values, e.bitmap, offsets, 13, rows)
 
 
 def test_import_alone_does_not_load_the_test_extension():

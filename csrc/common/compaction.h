@@ -28,10 +28,14 @@ FLASHLLM_HD inline int64_t lower_bound_i64(const int64_t* sorted, int64_t c, int
 }
 
 // The hole survivor row j moves into, or -1 when j is itself deleted. n_new = n - c, holes = deleted rows < n_new.
+// On rows nobody checked (the CUDA kernel without kernel checks: a row repeated or outside [0, n)), the position or
+// the hole may fall outside sorted or [0, n_new): -1 then too, so no caller reads or writes out of bounds.
 FLASHLLM_HD inline int64_t compaction_hole(const int64_t* sorted, int64_t c, int64_t holes, int64_t n_new, int64_t j) {
   const int64_t below = lower_bound_i64(sorted, c, j);
   if (below < c && sorted[below] == j) return -1;
-  return sorted[(j - n_new) - (below - holes)];
+  const int64_t k = (j - n_new) - (below - holes);
+  if (k < 0 || k >= c) return -1;
+  return sorted[k] >= 0 && sorted[k] < n_new ? sorted[k] : -1;
 }
 
 }  // namespace flashllm

@@ -1,6 +1,7 @@
 // Host side of the GPU-style sparse_ffn and cache_compact kernels (the CUDA glue and the SIMT test ops run the same
-// code with a different launcher): data checks made with tensor ops on the kernels' device, one small copy back,
-// scratch allocation, and the float32 -> dtype cast of the result.
+// code with a different launcher): argument checks, the data checks when asked for (check_data: tensor ops on the
+// kernels' device and small copies back, which synchronise; see common/kernel_checks.h), scratch allocation, and the
+// float32 -> dtype cast of the result.
 #pragma once
 #include <ATen/ATen.h>
 
@@ -27,18 +28,19 @@ inline void check_ids_below(const at::Tensor& ids, int64_t limit, const char* op
 inline FfnKind ffn_kind(at::ScalarType t) { return t == at::kFloat ? kFfnF32 : t == at::kHalf ? kFfnF16 : kFfnBF16; }
 
 // launch(x_f32 [T, d], n_rows, index or nullptr, act code, y_f32 [T, d]) runs the kernels; the result is cast to x's
-// dtype.
+// dtype. Unchecked index entries outside [0, num_used) contribute nothing (sparse_ffn_kernel.cuh).
 template <class Launch>
 at::Tensor sparse_ffn_gpu_style(const at::Tensor& x, const at::Tensor& matrix, int64_t num_used,
                                 const std::optional<at::Tensor>& bias, c10::string_view activation, bool glu,
-                                const std::optional<at::Tensor>& index, double threshold, Launch&& launch) {
+                                const std::optional<at::Tensor>& index, double threshold, bool check_data,
+                                Launch&& launch) {
   const int64_t d = check_sparse_ffn_args(x, matrix, num_used, bias, glu, index, threshold);
   const int act = parse_ffn_activation(std::string(activation));
   std::optional<at::Tensor> index_c;
   int64_t n_rows = num_used;
   if (index.has_value()) {
     index_c = index->contiguous();
-    check_ids_below(*index_c, num_used, "sparse_ffn", "index", "num_used");
+    if (check_data) check_ids_below(*index_c, num_used, "sparse_ffn", "index", "num_used");
     n_rows = index_c->numel();
   }
   const at::Tensor xf = x.to(at::kFloat).contiguous();
@@ -48,23 +50,28 @@ at::Tensor sparse_ffn_gpu_style(const at::Tensor& x, const at::Tensor& matrix, i
   return y.to(x.scalar_type());
 }
 
-// What the compaction kernels need: the deleted rows sorted, and how many lie below the new end.
-struct CompactPlan {
-  at::Tensor sorted;
-  int64_t holes;
-};
-
-inline CompactPlan plan_cache_compact(const at::Tensor& pointer, const std::optional<at::Tensor>& slot_of,
-                                      int64_t num_used, const at::Tensor& rows) {
-  CompactPlan plan{std::get<0>(at::sort(rows.contiguous())), 0};
+// launch(sorted rows, c) runs the compaction kernels on the deleted rows sorted ascending (at::sort on their device:
+// no copy back); returns the new num_used. Without check_data, rows repeated or outside [0, num_used) leave the cache
+// in an unspecified state but are never followed out of bounds (cache_compact_kernel.cuh); how many rows there are is
+// metadata, checked always, so the kernels' grid never starts below row 0.
+template <class Launch>
+int64_t cache_compact_gpu_style(at::Tensor& matrix, at::Tensor& pointer, const std::optional<at::Tensor>& bias,
+                                const std::optional<at::Tensor>& slot_of, int64_t num_used, const at::Tensor& rows,
+                                bool check_data, Launch&& launch) {
+  check_cache_compact_args(matrix, pointer, bias, slot_of, num_used, rows);
   const int64_t c = rows.numel();
-  if (c == 0) return plan;
-  check_ids_below(plan.sorted, num_used, "cache_compact", "rows (sorted)", "num_used");
-  TORCH_CHECK(c == 1 || !plan.sorted.diff().eq(0).any().item<bool>(), "cache_compact: rows holds a row twice");
-  if (slot_of.has_value())
-    check_ids_below(pointer.slice(0, 0, num_used), slot_of->numel(), "cache_compact", "pointer", "slot_of.numel()");
-  plan.holes = plan.sorted.lt(num_used - c).sum().item<int64_t>();
-  return plan;
+  if (c == 0) return num_used;
+  const at::Tensor sorted = std::get<0>(at::sort(rows.contiguous()));
+  if (check_data) {
+    check_ids_below(sorted, num_used, "cache_compact", "rows (sorted)", "num_used");
+    TORCH_CHECK(c == 1 || !sorted.diff().eq(0).any().item<bool>(), "cache_compact: rows holds a row twice");
+    if (slot_of.has_value())
+      check_ids_below(pointer.slice(0, 0, num_used), slot_of->numel(), "cache_compact", "pointer", "slot_of.numel()");
+  }
+  TORCH_CHECK(c <= num_used, "cache_compact: rows holds ", c, " entries but only num_used=", num_used,
+              " rows are used");
+  launch(sorted.data_ptr<int64_t>(), c);
+  return num_used - c;
 }
 
 }  // namespace flashllm

@@ -1,5 +1,6 @@
 // The Python module object of flashllm_ext._C. Importing it runs the static TORCH_LIBRARY_IMPL registrations of
-// every kernel linked into the library; its functions let tests and benchmarks see and choose the CPU code path.
+// every kernel linked into the library; its functions let tests and benchmarks see and choose the CPU code path and turn the
+// CUDA glue's host-side data checks on or off (common/kernel_checks.h).
 #include <Python.h>
 
 #include <set>
@@ -7,6 +8,7 @@
 #include <string>
 
 #include "common/cpu_isa.h"
+#include "common/kernel_checks.h"
 
 namespace {
 
@@ -45,12 +47,24 @@ PyObject* isa_for_features(PyObject*, PyObject* arg) {
   return PyUnicode_FromString(flashllm::cpu_isa_name(flashllm::isa_for_features(features)));
 }
 
+PyObject* kernel_checks(PyObject*, PyObject*) { return PyBool_FromLong(flashllm::kernel_checks_enabled()); }
+
+PyObject* set_kernel_checks(PyObject*, PyObject* arg) {
+  const int enabled = PyObject_IsTrue(arg);
+  if (enabled < 0) return nullptr;
+  flashllm::set_kernel_checks(enabled != 0);
+  Py_RETURN_NONE;
+}
+
 PyMethodDef methods[] = {
     {"cpu_isa", cpu_isa, METH_NOARGS, "The CPU instruction set the kernels use now."},
     {"detected_cpu_isa", detected_cpu_isa, METH_NOARGS, "The best CPU instruction set available."},
     {"set_cpu_isa", set_cpu_isa, METH_O, "Use a lower instruction set (scalar, avx2, avx512, avx512vbmi2)."},
     {"isa_for_features", isa_for_features, METH_O,
      "The instruction set chosen for a CPU with these features (GCC target names, e.g. 'avx2', 'fma')."},
+    {"kernel_checks", kernel_checks, METH_NOARGS, "Whether the CUDA ops check their data on the host (synchronising)."},
+    {"set_kernel_checks", set_kernel_checks, METH_O,
+     "Turn the CUDA ops' host-side data checks on (debugging; synchronises, not for CUDA graphs) or off."},
     {nullptr, nullptr, 0, nullptr}};
 
 }  // namespace

@@ -2,7 +2,7 @@
 // flashllm_ext/_ops.py makes the same checks for the reference kernel, with the same words.
 //
 // Metadata only (dtypes, shapes, devices). Index ranges are data: the CPU kernels check them as they go, the CUDA
-// glue checks them on the device before launching (one small copy back).
+// glue only with kernel checks on (common/kernel_checks.h), the SIMT test ops always (common/ffn_host.h).
 #pragma once
 #include <ATen/ATen.h>
 #include <torch/library.h>

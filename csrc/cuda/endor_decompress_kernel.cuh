@@ -1,5 +1,7 @@
-// The CUDA Endor decompression kernel body: plain CUDA C++ over raw pointers. Included by endor_decompress.cu and,
-// through the CPU SIMT emulation (csrc/simt/simt.h), by the test-only extension flashllm_ext._simt.
+// The CUDA Endor decompression kernel and its launcher: plain CUDA C++ over raw pointers. Included by
+// endor_decompress.cu and, through the CPU SIMT emulation (csrc/simt/simt.h), by the test-only extension
+// flashllm_ext._simt, which runs the same launcher with the emulation's launch policy. Include cuda_runtime.h or
+// simt/simt.h first (dim3, cudaError_t).
 //
 // Layout (DESIGN.md §5): row r's non-zeros are values[row_offsets[r] : row_offsets[r+1]] in column order; bit j of
 // bitmap byte b of row r marks column 8b+j. W is an unsigned integer as wide as the element: the kernel moves bits.
@@ -12,13 +14,14 @@
 //
 // Safety: before reading a row's values the warp checks that the row index is in range, that row_offsets gives a
 // range inside `values`, that no padding bit past n_cols is set, and that the range's length equals the popcount of
-// the row's bitmap. A bad row is skipped and reported through `report` (endor_codes.h), which also carries
+// the row's bitmap. A bad row is written as zeros and reported through `report` (endor_codes.h), which also carries
 // row_offsets[0] and row_offsets[n_rows] back for the host's check.
 #pragma once
 
 #include <cstdint>
 
 #include "common/endor_codes.h"
+#include "common/word_dispatch.h"
 
 namespace flashllm {
 
@@ -91,6 +94,24 @@ __device__ __forceinline__ void decode_byte(const W* __restrict__ row_values, un
   }
 }
 
+// Why row r may not be decoded, or kEndorRowOk, with the checks in the CPU kernel's order; on kEndorRowOk, `start`
+// is the row's first value. Every argument is the same in all lanes, so the whole warp returns at the same check.
+__device__ __forceinline__ int check_row(const uint8_t* __restrict__ bitmap, const int64_t* __restrict__ row_offsets,
+                                         int64_t r, int64_t n_rows, int64_t n_cols, int64_t nnz, int lane,
+                                         int64_t& start) {
+  if (r < 0 || r >= n_rows) return kEndorRowIndexOutOfRange;
+  start = row_offsets[r];
+  const int64_t end = row_offsets[r + 1];
+  if (start < 0 || start > end || end > nnz) return kEndorRowOffsetsInvalid;
+  const int64_t row_bytes = (n_cols + 7) / 8;
+  const uint8_t* row_bitmap = bitmap + r * row_bytes;
+  if ((n_cols & 7) && (row_bitmap[row_bytes - 1] >> (n_cols & 7))) return kEndorRowPaddingBits;
+  unsigned long long set_bits = 0;
+  for (int64_t b = lane; b < row_bytes; b += 32) set_bits += __popc(row_bitmap[b]);
+  if (warp_sum(set_bits) != static_cast<unsigned long long>(end - start)) return kEndorRowCountMismatch;
+  return kEndorRowOk;
+}
+
 __device__ __forceinline__ void report_row(EndorReport* report, int64_t out_row, int code) {
   atomicMin(&report->bad_row, (static_cast<unsigned long long>(out_row) << kEndorCodeBits) | static_cast<unsigned long long>(code));
 }
@@ -116,31 +137,18 @@ __global__ void __launch_bounds__(kEndorThreadsPerBlock)
   }
   for (int64_t o = int64_t(blockIdx.x) * warps_per_block + threadIdx.x / 32; o < n_out;
        o += int64_t(gridDim.x) * warps_per_block) {
-    // Every value below is the same in all lanes, so each `continue` is taken by the whole warp.
     const int64_t r = rows != nullptr ? rows[o] : o;
-    if (r < 0 || r >= n_rows) {
-      if (lane == 0) report_row(report, o, kEndorRowIndexOutOfRange);
-      continue;
-    }
-    const int64_t start = row_offsets[r];
-    const int64_t end = row_offsets[r + 1];
-    if (start < 0 || start > end || end > nnz) {
-      if (lane == 0) report_row(report, o, kEndorRowOffsetsInvalid);
+    W* dst = out + o * n_cols;
+    int64_t start = 0;
+    const int code = check_row(bitmap, row_offsets, r, n_rows, n_cols, nnz, lane, start);
+    if (code != kEndorRowOk) {
+      // A refused row comes out as zeros rather than whatever `out` held: the CUDA glue reads the report back only
+      // when kernel checks are on (common/kernel_checks.h).
+      if (lane == 0) report_row(report, o, code);
+      for (int64_t c = lane; c < n_cols; c += 32) dst[c] = W(0);
       continue;
     }
     const uint8_t* row_bitmap = bitmap + r * row_bytes;
-    if ((n_cols & 7) && (row_bitmap[row_bytes - 1] >> (n_cols & 7))) {
-      if (lane == 0) report_row(report, o, kEndorRowPaddingBits);
-      continue;
-    }
-    unsigned long long set_bits = 0;
-    for (int64_t b = lane; b < row_bytes; b += 32) set_bits += __popc(row_bitmap[b]);
-    if (warp_sum(set_bits) != static_cast<unsigned long long>(end - start)) {
-      if (lane == 0) report_row(report, o, kEndorRowCountMismatch);
-      continue;
-    }
-
-    W* dst = out + o * n_cols;
     const bool aligned = reinterpret_cast<uintptr_t>(dst) % kStoreBytes<W> == 0;
     const W* row_values = values + start;
     for (int64_t b0 = 0; b0 < row_bytes; b0 += 32 * kEndorStepsPerIter) {
@@ -165,6 +173,25 @@ __global__ void __launch_bounds__(kEndorThreadsPerBlock)
       row_values += consumed;
     }
   }
+}
+
+// Decompresses n_out rows of an Endor tensor into the contiguous [n_out, n_cols] `out` through `launch` (a launch
+// policy: CudaLaunch, simt::EmulatedLaunch). elem_bytes is 1, 2 or 4: elements are moved as bits. rows may be null
+// (all rows, n_out == n_rows). `report` is memory of the kernel's device that this initialises; once the kernel has
+// run, it says which rows were refused (EndorReport, endor_codes.h).
+template <class Launch>
+cudaError_t launch_endor_decompress(const Launch& launch, const void* values, int elem_bytes, const uint8_t* bitmap,
+                                    const int64_t* row_offsets, const int64_t* rows, int64_t n_rows, int64_t n_cols,
+                                    int64_t nnz, int64_t n_out, void* out, EndorReport* report) {
+  if (elem_bytes != 1 && elem_bytes != 2 && elem_bytes != 4) return cudaErrorInvalidValue;
+  const cudaError_t reset = launch.fill_bytes(&report->bad_row, 0xff, sizeof(report->bad_row));  // kEndorNoError
+  if (reset != cudaSuccess) return reset;
+  return dispatch_word(elem_bytes, [&](auto word) {
+    using W = decltype(word);
+    return launch(endor_decompress_kernel<W>, dim3(static_cast<unsigned>(endor_grid_blocks(n_out))),
+                  dim3(kEndorThreadsPerBlock), static_cast<const W*>(values), bitmap, row_offsets, rows, n_rows,
+                  n_cols, nnz, n_out, static_cast<W*>(out), report);
+  });
 }
 
 }  // namespace flashllm

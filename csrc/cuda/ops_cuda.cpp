@@ -1,5 +1,6 @@
-// Torch glue of the CUDA kernels: argument checks, launch on the current stream, errors reported by the kernel
-// turned into RuntimeError. Compiled only when torch has CUDA.
+// Torch glue of the CUDA kernels: argument checks, launch on the current stream. Compiled only when torch has CUDA.
+// Nothing here synchronises with the host unless kernel checks are on (common/kernel_checks.h): then the data is
+// checked on the host and errors reported by the kernels become RuntimeErrors, as on the CPU.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -13,6 +14,7 @@
 #include "common/endor_report.h"
 #include "common/ffn_grid.h"
 #include "common/ffn_host.h"
+#include "common/kernel_checks.h"
 #include "cuda/kernels.cuh"
 
 namespace flashllm {
@@ -28,7 +30,6 @@ void endor_decompress_out_cuda(const at::Tensor& values, const at::Tensor& bitma
   const at::Tensor offsets_c = row_offsets.contiguous();
   std::optional<at::Tensor> rows_c;
   if (rows.has_value()) rows_c = rows->contiguous();
-  // The kernel's report comes back in one copy, which synchronises: a RuntimeError about the data needs that anyway.
   static_assert(sizeof(EndorReport) % sizeof(int64_t) == 0);
   at::Tensor report = at::empty({int64_t(sizeof(EndorReport) / sizeof(int64_t))}, values.options().dtype(at::kLong));
   C10_CUDA_CHECK(launch_endor_decompress(
@@ -36,6 +37,8 @@ void endor_decompress_out_cuda(const at::Tensor& values, const at::Tensor& bitma
       offsets_c.data_ptr<int64_t>(), rows_c.has_value() ? rows_c->data_ptr<int64_t>() : nullptr, bitmap_c.size(0),
       n_cols, values_c.numel(), n_out, out.data_ptr(), reinterpret_cast<EndorReport*>(report.data_ptr<int64_t>()),
       c10::cuda::getCurrentCUDAStream()));
+  // Reading the report back synchronises, so only kernel checks do it; otherwise refused rows stay zeros in `out`.
+  if (!kernel_checks_enabled()) return;
   const at::Tensor report_host = report.cpu();
   check_endor_report(*reinterpret_cast<const EndorReport*>(report_host.data_ptr<int64_t>()), values_c, bitmap_c,
                      offsets_c, n_cols, rows_c);
@@ -47,7 +50,7 @@ at::Tensor sparse_ffn_cuda(const at::Tensor& x, const at::Tensor& matrix, int64_
   const c10::cuda::CUDAGuard guard(x.device());
   const std::optional<at::Tensor> bias_c = bias.has_value() ? std::optional<at::Tensor>(bias->contiguous()) : bias;
   return sparse_ffn_gpu_style(
-      x, matrix, num_used, bias_c, activation, glu, index, threshold,
+      x, matrix, num_used, bias_c, activation, glu, index, threshold, kernel_checks_enabled(),
       [&](const at::Tensor& xf, int64_t n_rows, const int64_t* ids, int act, at::Tensor& y) {
         const int64_t n_tok = xf.size(0), d = xf.size(1), group = std::min<int64_t>(n_tok, kFfnMaxTokens);
         const int64_t chunks = ffn_grid(n_rows, d, static_cast<int>(matrix.element_size())).chunks;
@@ -63,16 +66,15 @@ at::Tensor sparse_ffn_cuda(const at::Tensor& x, const at::Tensor& matrix, int64_
 
 int64_t cache_compact_cuda(at::Tensor& matrix, at::Tensor& pointer, const std::optional<at::Tensor>& bias,
                            const std::optional<at::Tensor>& slot_of, int64_t num_used, const at::Tensor& rows) {
-  check_cache_compact_args(matrix, pointer, bias, slot_of, num_used, rows);
   const c10::cuda::CUDAGuard guard(matrix.device());
-  const CompactPlan plan = plan_cache_compact(pointer, slot_of, num_used, rows);
-  const int64_t c = rows.numel();
-  C10_CUDA_CHECK(launch_cache_compact(
-      static_cast<uint8_t*>(matrix.data_ptr()), matrix.size(1) * matrix.element_size(), pointer.data_ptr<int64_t>(),
-      bias ? static_cast<uint8_t*>(bias->data_ptr()) : nullptr, bias ? static_cast<int>(bias->element_size()) : 0,
-      slot_of ? slot_of->data_ptr<int64_t>() : nullptr, plan.sorted.data_ptr<int64_t>(), c, plan.holes, num_used,
-      c10::cuda::getCurrentCUDAStream()));
-  return num_used - c;
+  return cache_compact_gpu_style(
+      matrix, pointer, bias, slot_of, num_used, rows, kernel_checks_enabled(), [&](const int64_t* sorted, int64_t c) {
+        C10_CUDA_CHECK(launch_cache_compact(
+            static_cast<uint8_t*>(matrix.data_ptr()), matrix.size(1) * matrix.element_size(),
+            pointer.data_ptr<int64_t>(), bias ? static_cast<uint8_t*>(bias->data_ptr()) : nullptr,
+            bias ? static_cast<int>(bias->element_size()) : 0, slot_of ? slot_of->data_ptr<int64_t>() : nullptr,
+            slot_of ? slot_of->numel() : 0, sorted, c, num_used, c10::cuda::getCurrentCUDAStream()));
+      });
 }
 
 }  // namespace

@@ -1,5 +1,6 @@
-// The CUDA kernel bodies of flashllm::sparse_ffn and flashllm::cache_compact: plain CUDA C++ over raw pointers.
-// Included by sparse_ffn.cu and, through the CPU SIMT emulation (csrc/simt/simt.h), by flashllm_ext._simt.
+// The CUDA kernels of flashllm::sparse_ffn and their launcher: plain CUDA C++ over raw pointers. Included by
+// sparse_ffn.cu and, through the CPU SIMT emulation (csrc/simt/simt.h), by flashllm_ext._simt, which runs the same
+// launcher with the emulation's launch policy. Include cuda_runtime.h or simt/simt.h first (dim3, cudaError_t).
 //
 // sparse_ffn (semantics in flashllm_ext/_ops.py) runs as three kernels for up to kFfnMaxTokens tokens:
 //   1. ffn_act_kernel: one warp per row (rows across blocks, grid-stride). Lanes stride over the row's input
@@ -19,7 +20,6 @@
 #include <cstring>
 #include <type_traits>
 
-#include "common/compaction.h"
 #include "common/ffn_grid.h"
 #include "common/half_bits.h"
 
@@ -101,8 +101,9 @@ __device__ __forceinline__ void lane_dots(const Storage<KIND>* col, const float*
 }  // namespace ffn_detail
 
 // act[t * n_rows + o] for row o of the problem (rows[o] of matrix when index is not null): the activation of the
-// row's input column for token t, zero where |activation| <= threshold; times x . up for GLU. Index entries outside
-// [0, num_used) are never read (the host checks them first; the kernel writes 0 for them).
+// row's input column for token t, zero where |activation| <= threshold; times x . up for GLU. The rows of index
+// entries outside [0, num_used) are never read: the kernel writes 0 for them (the CUDA glue checks index on the host
+// only when kernel checks are on, common/kernel_checks.h).
 template <int KIND>
 __global__ void __launch_bounds__(kFfnActWarps * 32)
     ffn_act_kernel(const float* __restrict__ x, const ffn_detail::Storage<KIND>* __restrict__ matrix,
@@ -208,42 +209,53 @@ __global__ void __launch_bounds__(kFfnReduceThreads)
   }
 }
 
-// ---- cache_compact: the moves of csrc/common/compaction.h, one block per row in [n_new, num_used) ----------------
-constexpr int kCompactThreads = 128;
-
-// Clears slot_of for the neurons of the deleted rows (before any row moves: pointer entries are read here).
-__global__ void compact_forget_kernel(const int64_t* __restrict__ sorted, int64_t c, const int64_t* __restrict__ pointer,
-                                      int64_t* __restrict__ slot_of) {
-  for (int64_t k = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; k < c; k += int64_t(gridDim.x) * blockDim.x)
-    slot_of[pointer[sorted[k]]] = -1;
+// y [n_tok, d] float32 = flashllm::sparse_ffn of x [n_tok, d] float32 over n_rows rows of the bundle matrix, through
+// `launch` (a launch policy: CudaLaunch, simt::EmulatedLaunch). KIND: FfnKind of matrix and bias. index may be null
+// (rows [0, n_rows)); entries outside [0, num_used) contribute nothing (the kernels never read their rows). Scratch:
+// act_buf [min(n_tok, 8) * n_rows] and partial [ffn_grid(...).chunks * min(n_tok, 8) * d] floats.
+template <int KIND, class Launch>
+cudaError_t launch_sparse_ffn_typed(const Launch& launch, const float* x, int64_t n_tok, int64_t d, const void* matrix,
+                                    const void* bias, const int64_t* index, int64_t n_rows, int64_t num_used, int act,
+                                    bool glu, float threshold, float* act_buf, float* partial, float* y) {
+  using S = ffn_detail::Storage<KIND>;
+  const S* bundles = static_cast<const S*>(matrix);
+  const FfnGrid g = ffn_grid(n_rows, d, int(sizeof(S)));
+  const bool vector = reinterpret_cast<uintptr_t>(matrix) % 16 == 0 && (d * int64_t(sizeof(S))) % 16 == 0;
+  for (int64_t t0 = 0; t0 < n_tok; t0 += kFfnMaxTokens) {
+    const int nt = int(n_tok - t0 < kFfnMaxTokens ? n_tok - t0 : kFfnMaxTokens);
+    cudaError_t err = launch(ffn_act_kernel<KIND>, dim3(unsigned(g.act_blocks)), dim3(kFfnActWarps * 32), x + t0 * d,
+                             bundles, static_cast<const S*>(bias), index, n_rows, num_used, d, nt, act, glu, threshold,
+                             vector, act_buf);
+    if (err != cudaSuccess) return err;
+    err = launch(ffn_down_kernel<KIND>, dim3(unsigned(g.col_blocks), unsigned(g.chunks)), dim3(kFfnDownThreads),
+                 bundles, index, act_buf, n_rows, num_used, d, nt, glu, g.rows_per_chunk, vector, partial);
+    if (err != cudaSuccess) return err;
+    const int64_t n = nt * d;
+    const int64_t blocks = (n + kFfnReduceThreads - 1) / kFfnReduceThreads;
+    err = launch(ffn_reduce_kernel, dim3(unsigned(blocks < kFfnMaxBlocks ? blocks : kFfnMaxBlocks)),
+                 dim3(kFfnReduceThreads), partial, g.chunks, n, y + t0 * d);
+    if (err != cudaSuccess) return err;
+  }
+  return cudaSuccess;
 }
 
-// Block j - n_new moves survivor row j into its hole (row_bytes per row, 16-byte copies when `vector`); every row
-// past the new end gets pointer -1. Holes lie below n_new and sources at or past it, so blocks never collide.
-__global__ void __launch_bounds__(kCompactThreads)
-    compact_move_kernel(uint8_t* __restrict__ matrix, int64_t row_bytes, bool vector, int64_t* __restrict__ pointer,
-                        uint8_t* __restrict__ bias, int bias_bytes, int64_t* __restrict__ slot_of,
-                        const int64_t* __restrict__ sorted, int64_t c, int64_t holes, int64_t n_new) {
-  const int64_t j = n_new + blockIdx.x;
-  const int64_t hole = compaction_hole(sorted, c, holes, n_new, j);
-  if (hole >= 0) {
-    uint8_t* dst = matrix + hole * row_bytes;
-    const uint8_t* src = matrix + j * row_bytes;
-    if (vector) {
-      for (int64_t b = int64_t(threadIdx.x) * 16; b < row_bytes; b += kCompactThreads * 16)
-        *reinterpret_cast<uint4*>(dst + b) = *reinterpret_cast<const uint4*>(src + b);
-    } else {
-      for (int64_t b = threadIdx.x; b < row_bytes; b += kCompactThreads) dst[b] = src[b];
-    }
-  }
-  if (threadIdx.x == 0) {
-    const int64_t neuron = pointer[j];
-    pointer[j] = -1;
-    if (hole >= 0) {
-      pointer[hole] = neuron;
-      if (slot_of != nullptr) slot_of[neuron] = hole;
-      for (int b = 0; b < bias_bytes; ++b) bias[hole * bias_bytes + b] = bias[j * bias_bytes + b];
-    }
+// launch_sparse_ffn_typed for the element kind `kind` known at run time.
+template <class Launch>
+cudaError_t launch_sparse_ffn(const Launch& launch, const float* x, int64_t n_tok, int64_t d, const void* matrix,
+                              int kind, const void* bias, const int64_t* index, int64_t n_rows, int64_t num_used,
+                              int act, bool glu, float threshold, float* act_buf, float* partial, float* y) {
+  switch (kind) {
+    case kFfnF32:
+      return launch_sparse_ffn_typed<kFfnF32>(launch, x, n_tok, d, matrix, bias, index, n_rows, num_used, act, glu,
+                                              threshold, act_buf, partial, y);
+    case kFfnF16:
+      return launch_sparse_ffn_typed<kFfnF16>(launch, x, n_tok, d, matrix, bias, index, n_rows, num_used, act, glu,
+                                              threshold, act_buf, partial, y);
+    case kFfnBF16:
+      return launch_sparse_ffn_typed<kFfnBF16>(launch, x, n_tok, d, matrix, bias, index, n_rows, num_used, act, glu,
+                                               threshold, act_buf, partial, y);
+    default:
+      return cudaErrorInvalidValue;
   }
 }
 

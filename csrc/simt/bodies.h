@@ -7,10 +7,9 @@
 
 namespace flashllm::simt_bodies {
 
-// Runs csrc/cuda/endor_decompress_kernel.cuh exactly as launch_endor_decompress would. Returns its report.
+// Runs the CUDA build's launch_endor_decompress (csrc/cuda/endor_decompress_kernel.cuh). Returns its report.
 EndorReport run_endor_cuda(const void* values, int elem_bytes, const uint8_t* bitmap, const int64_t* row_offsets,
-                                  const int64_t* rows, int64_t n_rows, int64_t n_cols, int64_t nnz, int64_t n_out,
-                                  void* out);
+                           const int64_t* rows, int64_t n_rows, int64_t n_cols, int64_t nnz, int64_t n_out, void* out);
 
 // Runs metal/endor_decompress.metal with the grid flashllm_ext/mlx uses. row_status: [n_out] int32.
 void run_endor_metal(const void* values, int elem_bytes, const uint8_t* bitmap, const int64_t* row_offsets,

@@ -1,6 +1,7 @@
-// torch.ops.flashllm_simt.{sparse_ffn_cuda, sparse_ffn_metal, cache_compact_cuda}: the GPU sparse FFN and cache
-// compaction kernel bodies run on CPU tensors through the SIMT emulation, behind the host code of the real glue
-// (common/ffn_host.h: the same checks, scratch sizes and result cast as csrc/cuda/ops_cuda.cpp).
+// torch.ops.flashllm_simt.{sparse_ffn_cuda, sparse_ffn_metal, cache_compact_cuda}: the CUDA build's sparse FFN and
+// cache compaction launchers and the Metal sparse FFN kernel bodies run on CPU tensors through the SIMT emulation,
+// behind the host code of the real glue (common/ffn_host.h: the same checks, scratch sizes and result cast as
+// csrc/cuda/ops_cuda.cpp).
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -24,11 +25,11 @@ void require_cpu(const at::Tensor& t, const char* op) {
 template <Body body>
 at::Tensor sparse_ffn_simt(const at::Tensor& x, const at::Tensor& matrix, int64_t num_used,
                            const std::optional<at::Tensor>& bias, c10::string_view activation, bool glu,
-                           const std::optional<at::Tensor>& index, double threshold) {
+                           const std::optional<at::Tensor>& index, double threshold, bool check_data) {
   require_cpu(x, "sparse_ffn");
   const std::optional<at::Tensor> bias_c = bias.has_value() ? std::optional<at::Tensor>(bias->contiguous()) : bias;
   return sparse_ffn_gpu_style(
-      x, matrix, num_used, bias_c, activation, glu, index, threshold,
+      x, matrix, num_used, bias_c, activation, glu, index, threshold, check_data,
       [&](const at::Tensor& xf, int64_t n_rows, const int64_t* ids, int act, at::Tensor& y) {
         const int64_t n_tok = xf.size(0), d = xf.size(1), group = std::min<int64_t>(n_tok, kFfnMaxTokens);
         const FfnGrid g = ffn_grid(n_rows, d, static_cast<int>(matrix.element_size()));
@@ -59,37 +60,53 @@ at::Tensor sparse_ffn_simt(const at::Tensor& x, const at::Tensor& matrix, int64_
       });
 }
 
+// check_data=false: unchecked rows, as the CUDA glue runs them without kernel checks.
+// check_data=false runs the kernels on unchecked index entries, as the CUDA glue does without kernel checks.
+at::Tensor sparse_ffn_simt_cuda(const at::Tensor& x, const at::Tensor& matrix, int64_t num_used,
+                                const std::optional<at::Tensor>& bias, c10::string_view activation, bool glu,
+                                const std::optional<at::Tensor>& index, double threshold, bool check_data) {
+  return sparse_ffn_simt<Body::cuda>(x, matrix, num_used, bias, activation, glu, index, threshold, check_data);
+}
+
+// Always checked: flashllm_ext.mlx checks index on the host before dispatching the Metal kernels.
+at::Tensor sparse_ffn_simt_metal(const at::Tensor& x, const at::Tensor& matrix, int64_t num_used,
+                                 const std::optional<at::Tensor>& bias, c10::string_view activation, bool glu,
+                                 const std::optional<at::Tensor>& index, double threshold) {
+  return sparse_ffn_simt<Body::metal>(x, matrix, num_used, bias, activation, glu, index, threshold, true);
+}
+
 int64_t cache_compact_simt(at::Tensor& matrix, at::Tensor& pointer, const std::optional<at::Tensor>& bias,
-                           const std::optional<at::Tensor>& slot_of, int64_t num_used, const at::Tensor& rows) {
-  check_cache_compact_args(matrix, pointer, bias, slot_of, num_used, rows);
+                           const std::optional<at::Tensor>& slot_of, int64_t num_used, const at::Tensor& rows,
+                           bool check_data) {
   require_cpu(matrix, "cache_compact");
-  const CompactPlan plan = plan_cache_compact(pointer, slot_of, num_used, rows);
-  const int64_t c = rows.numel();
-  try {
-    simt_bodies::run_cache_compact_cuda(
-        static_cast<uint8_t*>(matrix.data_ptr()), matrix.size(1) * matrix.element_size(), pointer.data_ptr<int64_t>(),
-        bias ? static_cast<uint8_t*>(bias->data_ptr()) : nullptr, bias ? static_cast<int>(bias->element_size()) : 0,
-        slot_of ? slot_of->data_ptr<int64_t>() : nullptr, plan.sorted.data_ptr<int64_t>(), c, plan.holes, num_used);
-  } catch (const std::runtime_error& e) {
-    TORCH_CHECK(false, "cache_compact: SIMT emulation failed: ", e.what());
-  }
-  return num_used - c;
+  return cache_compact_gpu_style(
+      matrix, pointer, bias, slot_of, num_used, rows, check_data, [&](const int64_t* sorted, int64_t c) {
+        try {
+          simt_bodies::run_cache_compact_cuda(
+              static_cast<uint8_t*>(matrix.data_ptr()), matrix.size(1) * matrix.element_size(),
+              pointer.data_ptr<int64_t>(), bias ? static_cast<uint8_t*>(bias->data_ptr()) : nullptr,
+              bias ? static_cast<int>(bias->element_size()) : 0, slot_of ? slot_of->data_ptr<int64_t>() : nullptr,
+              slot_of ? slot_of->numel() : 0, sorted, c, num_used);
+        } catch (const std::runtime_error& e) {
+          TORCH_CHECK(false, "cache_compact: SIMT emulation failed: ", e.what());
+        }
+      });
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(flashllm_simt, m) {
   m.def("sparse_ffn_cuda(Tensor x, Tensor matrix, int num_used, Tensor? bias, str activation, bool glu, "
-        "Tensor? index=None, float threshold=0.0) -> Tensor");
+        "Tensor? index=None, float threshold=0.0, bool check_data=True) -> Tensor");
   m.def("sparse_ffn_metal(Tensor x, Tensor matrix, int num_used, Tensor? bias, str activation, bool glu, "
         "Tensor? index=None, float threshold=0.0) -> Tensor");
   m.def("cache_compact_cuda(Tensor(a!) matrix, Tensor(b!) pointer, Tensor(c!)? bias, Tensor(d!)? slot_of, "
-        "int num_used, Tensor rows) -> int");
+        "int num_used, Tensor rows, bool check_data=True) -> int");
 }
 
 TORCH_LIBRARY_IMPL(flashllm_simt, CPU, m) {
-  m.impl("sparse_ffn_cuda", &sparse_ffn_simt<Body::cuda>);
-  m.impl("sparse_ffn_metal", &sparse_ffn_simt<Body::metal>);
+  m.impl("sparse_ffn_cuda", &sparse_ffn_simt_cuda);
+  m.impl("sparse_ffn_metal", &sparse_ffn_simt_metal);
   m.impl("cache_compact_cuda", &cache_compact_simt);
 }
 

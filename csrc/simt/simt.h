@@ -22,6 +22,7 @@
 #include <sys/types.h>
 
 #include <condition_variable>
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <exception>
@@ -78,6 +79,9 @@ inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) {
   v.x = x, v.y = y, v.z = z, v.w = w;
   return v;
 }
+
+// The CUDA runtime's status codes the launchers return (the few they use).
+enum cudaError_t { cudaSuccess = 0, cudaErrorInvalidValue = 1 };
 
 #define __global__
 #define __device__
@@ -418,6 +422,21 @@ void launch(dim3 grid, dim3 block, Body&& body) {
       },
       [](uint64_t, unsigned) { return true; });
 }
+
+// The launch policy the shipped CUDA launchers (csrc/cuda/*_kernel.cuh) are instantiated with on the emulation;
+// csrc/cuda/cuda_launch.cuh has the real one. A misbehaving kernel throws LaunchError from here, so the returned
+// status is always cudaSuccess.
+struct EmulatedLaunch {
+  template <class... Params, class... Args>
+  cudaError_t operator()(void (*kernel)(Params...), dim3 grid, dim3 block, const Args&... args) const {
+    launch(grid, block, [&] { kernel(args...); });
+    return cudaSuccess;
+  }
+  cudaError_t fill_bytes(void* dst, int value, std::size_t bytes) const {
+    std::memset(dst, value, bytes);
+    return cudaSuccess;
+  }
+};
 
 }  // namespace simt
 

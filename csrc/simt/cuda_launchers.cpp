@@ -1,0 +1,49 @@
+// The shipped CUDA launchers (the launch_* templates of csrc/cuda/*_kernel.cuh) instantiated with the SIMT
+// emulation's launch policy: the grids, token loop and path choices tested here are the CUDA build's own.
+#include "simt/simt.h"
+
+#include <string>
+
+#include "cuda/cache_compact_kernel.cuh"
+#include "cuda/endor_decompress_kernel.cuh"
+#include "cuda/sparse_ffn_kernel.cuh"
+#include "simt/bodies.h"
+#include "simt/ffn_bodies.h"
+
+namespace flashllm::simt_bodies {
+namespace {
+
+// The emulation throws when a kernel misbehaves; a status is left only for arguments the launcher refused.
+void require_success(cudaError_t status, const char* launcher) {
+  if (status != cudaSuccess) throw simt::LaunchError(std::string(launcher) + " refused its arguments");
+}
+
+}  // namespace
+
+EndorReport run_endor_cuda(const void* values, int elem_bytes, const uint8_t* bitmap, const int64_t* row_offsets,
+                           const int64_t* rows, int64_t n_rows, int64_t n_cols, int64_t nnz, int64_t n_out,
+                           void* out) {
+  EndorReport report{};
+  require_success(launch_endor_decompress(simt::EmulatedLaunch{}, values, elem_bytes, bitmap, row_offsets, rows,
+                                          n_rows, n_cols, nnz, n_out, out, &report),
+                  "launch_endor_decompress");
+  return report;
+}
+
+void run_sparse_ffn_cuda(const float* x, int64_t n_tok, int64_t d, const void* matrix, int kind, const void* bias,
+                         const int64_t* index, int64_t n_rows, int64_t num_used, int act, bool glu, float threshold,
+                         float* act_buf, float* partial, float* y) {
+  require_success(launch_sparse_ffn(simt::EmulatedLaunch{}, x, n_tok, d, matrix, kind, bias, index, n_rows, num_used,
+                                    act, glu, threshold, act_buf, partial, y),
+                  "launch_sparse_ffn");
+}
+
+void run_cache_compact_cuda(uint8_t* matrix, int64_t row_bytes, int64_t* pointer, uint8_t* bias, int bias_bytes,
+                            int64_t* slot_of, int64_t n_slots, const int64_t* sorted_rows, int64_t c,
+                            int64_t num_used) {
+  require_success(launch_cache_compact(simt::EmulatedLaunch{}, matrix, row_bytes, pointer, bias, bias_bytes, slot_of,
+                                       n_slots, sorted_rows, c, num_used),
+                  "launch_cache_compact");
+}
+
+}  // namespace flashllm::simt_bodies
