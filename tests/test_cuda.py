@@ -1,6 +1,7 @@
 """The shipped CUDA kernels (flashllm_ext._C built with CUDA) on a real GPU, against the pure-torch references:
 endor_decompress bitwise, sparse_ffn within the float32-accumulation tolerance, cache_compact exactly, and the
-same bad inputs every other backend refuses. The same problems as the SIMT tests (test_simt.py,
+same bad inputs every other backend refuses (with the glue's debug data checks on; without them metadata is still
+checked and bad data never reads out of bounds). The same problems as the SIMT tests (test_simt.py,
 test_ffn_simt.py), plus shapes too large to emulate.
 
 Runs only where torch sees a CUDA device and the native library was built with CUDA kernels; elsewhere the
@@ -24,6 +25,15 @@ if not (flashllm_ext.native_available and torch._C._dispatch_has_kernel_for_disp
 
 OPS = torch.ops.flashllm
 CUDA = torch.device("cuda")
+
+
+@pytest.fixture
+def kernel_checks():
+    """The CUDA glue checks data (offsets, ids) on the host only in debug mode (common/kernel_checks.h)."""
+    previous = flashllm_ext._C.kernel_checks()
+    flashllm_ext._C.set_kernel_checks(True)
+    yield
+    flashllm_ext._C.set_kernel_checks(previous)
 
 
 def to_cuda(args):
@@ -58,7 +68,7 @@ def test_endor_out_variant_writes_in_place():
 
 
 @pytest.mark.parametrize("case", BAD_CASES, ids=lambda c: c[0][:30])
-def test_endor_refuses_bad_input(case):
+def test_endor_refuses_bad_input(kernel_checks, case):
     expected, args = case
     with pytest.raises(RuntimeError, match=expected):
         OPS.endor_decompress(*to_cuda(args))
@@ -102,7 +112,7 @@ def test_sparse_ffn_zero_rows_and_non_contiguous_x():
 
 
 @pytest.mark.parametrize("case", bad_ffn_cases(), ids=lambda c: c[0][:30])
-def test_sparse_ffn_refuses_bad_input(case):
+def test_sparse_ffn_refuses_bad_input(kernel_checks, case):
     match, args, kwargs = case
     kwargs = {k: v.to(CUDA) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
     with pytest.raises(RuntimeError, match=match):
@@ -127,7 +137,7 @@ def test_cache_compact_matches_reference(seed, width, dtype):
     assert all(torch.equal(a.cpu(), b) for a, b in zip(got, want))
 
 
-def test_cache_compact_refuses_bad_rows():
+def test_cache_compact_refuses_bad_rows(kernel_checks):
     state = [t.to(CUDA) for t in compact_state(10, 4, 6, 20, torch.float32, seed=0)]
     for rows, match in ((torch.tensor([1, 1]), "twice"), (torch.tensor([6]), "outside"),
                         (torch.tensor([-1]), "outside")):
