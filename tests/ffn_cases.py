@@ -57,3 +57,14 @@ def compact_state(capacity: int, width: int, num_used: int, n_neurons: int, dtyp
     slot_of[pointer[:num_used]] = torch.arange(num_used)
     bias = torch.randn(capacity, generator=g).to(dtype)
     return matrix, pointer, bias, slot_of
+
+
+def random_compact_case(seed: int, width: int, dtype: torch.dtype, max_capacity: int = 30, n_neurons: int = 50):
+    """A random consistent cache state of random capacity (< max_capacity) and fill, and distinct rows to evict:
+    ([matrix of dtype, pointer, bias, slot_of], num_used, rows)."""
+    g = torch.Generator().manual_seed(seed)
+    capacity = int(torch.randint(1, max_capacity, (1,), generator=g))
+    num_used = int(torch.randint(0, capacity + 1, (1,), generator=g))
+    rows = torch.randperm(num_used, generator=g)[:int(torch.randint(0, num_used + 1, (1,), generator=g))]
+    matrix, pointer, bias, slot_of = compact_state(capacity, width, num_used, n_neurons, torch.float32, seed)
+    return [matrix.to(dtype), pointer, bias, slot_of], num_used, rows

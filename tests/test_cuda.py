@@ -13,7 +13,7 @@ import torch
 import flashllm_ext
 from flashllm_ext import endor
 from flashllm_ext._ops import cache_compact_reference, endor_decompress_reference, sparse_ffn_reference
-from ffn_cases import FFN_DTYPES, assert_close, bad_ffn_cases, compact_state, ffn_case
+from ffn_cases import FFN_DTYPES, assert_close, bad_ffn_cases, compact_state, ffn_case, random_compact_case
 from kernel_cases import BAD_CASES, DTYPES, SHAPES, assert_bitwise_equal, endor_case
 
 if not torch.cuda.is_available():
@@ -125,14 +125,9 @@ def test_sparse_ffn_refuses_bad_input(kernel_checks, case):
 @pytest.mark.parametrize("width,dtype", [(8, torch.float32), (5, torch.float16), (12, torch.int8),
                                          (3 * 576, torch.float16)])
 def test_cache_compact_matches_reference(seed, width, dtype):
-    g = torch.Generator().manual_seed(seed)
-    capacity = int(torch.randint(1, 300, (1,), generator=g))
-    num_used = int(torch.randint(0, capacity + 1, (1,), generator=g))
-    rows = torch.randperm(num_used, generator=g)[:int(torch.randint(0, num_used + 1, (1,), generator=g))]
-    matrix, pointer, bias, slot_of = compact_state(capacity, width, num_used, 500, torch.float32, seed)
-    matrix = matrix.to(dtype)
-    got = [t.to(CUDA) for t in (matrix, pointer, bias, slot_of)]
-    want = [t.clone() for t in (matrix, pointer, bias, slot_of)]
+    state, num_used, rows = random_compact_case(seed, width, dtype, max_capacity=300, n_neurons=500)
+    got = [t.to(CUDA) for t in state]
+    want = [t.clone() for t in state]
     assert OPS.cache_compact(*got, num_used, rows.to(CUDA)) == cache_compact_reference(*want, num_used, rows)
     assert all(torch.equal(a.cpu(), b) for a, b in zip(got, want))
 

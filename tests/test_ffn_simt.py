@@ -5,7 +5,7 @@ import torch
 
 from flashllm_ext._ops import cache_compact_reference, sparse_ffn_reference
 from conftest import require_simt
-from ffn_cases import FFN_DTYPES, assert_close, bad_ffn_cases, compact_state, ffn_case
+from ffn_cases import FFN_DTYPES, assert_close, bad_ffn_cases, compact_state, ffn_case, random_compact_case
 
 require_simt()
 OPS = torch.ops.flashllm_simt
@@ -49,14 +49,9 @@ def test_body_bad_inputs(body, case):
 @pytest.mark.parametrize("width,dtype", [(8, torch.float32), (5, torch.float16), (12, torch.int8)])
 def test_cuda_compact_matches_reference(seed, width, dtype):
     # width x element size: 32 bytes (16-byte vector copies) or 10 and 12 (byte copies).
-    g = torch.Generator().manual_seed(seed)
-    capacity = int(torch.randint(1, 30, (1,), generator=g))
-    num_used = int(torch.randint(0, capacity + 1, (1,), generator=g))
-    rows = torch.randperm(num_used, generator=g)[:int(torch.randint(0, num_used + 1, (1,), generator=g))]
-    matrix, pointer, bias, slot_of = compact_state(capacity, width, num_used, 50, torch.float32, seed)
-    matrix = matrix.to(dtype)
-    got = [t.clone() for t in (matrix, pointer, bias, slot_of)]
-    want = [t.clone() for t in (matrix, pointer, bias, slot_of)]
+    state, num_used, rows = random_compact_case(seed, width, dtype)
+    got = [t.clone() for t in state]
+    want = [t.clone() for t in state]
     assert OPS.cache_compact_cuda(*got, num_used, rows) == cache_compact_reference(*want, num_used, rows)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
 
