@@ -22,12 +22,13 @@ from __future__ import annotations
 import os
 import re
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
 
 from . import ops
-from .reader import FlashReader
+from .reader import FlashReader, ReadResult
 from .store import FlashStore
 
 _NEVER = -(1 << 62)  # last_active of a neuron never seen: outside every window
@@ -40,9 +41,10 @@ class StepStats:
     evicted_budget: int  # rows evicted early (least recently active first) because the window's union did not fit
     inserted: int  # bundles read from flash
     bytes_read: int  # bytes the reader read (alignment padding and coalesced gaps included)
-    io_s: float  # time in FlashReader
+    io_s: float  # time spent waiting for the reads (all of the read time unless the step was begun in the background)
     mem_s: float  # time in memory management: planning, swap-delete compaction, pointer/bias bookkeeping
     num_used: int  # rows in use after the step
+    hidden_io_s: float = 0.0  # read time that overlapped other work (begin_step(background=True) ... finish)
 
     @property
     def total_evicted(self) -> int:
@@ -131,6 +133,12 @@ class NeuronCache:
         """Make the cache hold the neurons active in the last `window` tokens, this token's `active_ids` (int64
         [k], any order, repeats allowed, in [0, n_neurons)) included. Raises ValueError, changing nothing, for ids
         out of range or more distinct ids than the capacity."""
+        return self.begin_step(active_ids).finish()
+
+    def begin_step(self, active_ids: torch.Tensor, background: bool = False) -> PendingStep:
+        """The first half of `step`: plan, evict (swap-delete) and start reading the missing bundles, in a reader
+        thread if `background`. Until `finish()`, rows [0, num_used) hold the neurons that were already cached
+        (their slot_of is valid; the missing ids still map to -1), so work on them overlaps the reads."""
         if not isinstance(active_ids, torch.Tensor) or active_ids.dtype != torch.int64 or active_ids.dim() != 1:
             raise ValueError("active_ids must be a 1-D int64 tensor")
         if active_ids.device.type != "cpu":
@@ -145,23 +153,27 @@ class NeuronCache:
         self.steps += 1
         kept = ops.cache_compact(self.matrix, self.pointer, self._evict_rows[:n_window + n_budget],
                                  num_used=self.num_used, bias=self.bias, slot_of=self.slot_of)
-        end = kept + n_missing
+        # Rows [kept, kept + n_missing) are free after the compaction. The new neurons are recorded only once their
+        # bundles are in (PendingStep.finish): a failed read leaves a consistent cache of `kept` rows, and the next
+        # step retries them.
+        self.num_used = kept
         ids = self._missing[:n_missing]
-        t1 = time.perf_counter()
-        bytes_read = 0
+        out = self.matrix[kept:kept + n_missing]
+        mem_s = time.perf_counter() - t0
+        read: Future | ReadResult | None = None
         if n_missing:
-            # Rows [kept, end) are free after the compaction. The new neurons are recorded only once their bundles
-            # are in: a failed read leaves a consistent cache of `kept` rows, and the next step retries them.
-            self.num_used = kept
-            bytes_read = self.reader.read(self.layer, ids, self.matrix[kept:end]).stats.bytes_read
-        t2 = time.perf_counter()
+            read = self.reader.read_async(self.layer, ids, out) if background else self.reader.read(self.layer, ids,
+                                                                                                      out)
+        return PendingStep(self, n_window, n_budget, ids, read, mem_s)
+
+    def _record(self, ids: torch.Tensor) -> None:
+        """Append the neurons whose bundles were just read into rows [num_used, num_used + len(ids))."""
+        kept, end = self.num_used, self.num_used + ids.numel()
         self.pointer[kept:end].copy_(ids)
         self.slot_of.index_copy_(0, ids, self._row_ids[kept:end])
         if self.bias is not None:
             torch.index_select(self._bias_all, 0, ids, out=self.bias[kept:end])
         self.num_used = end
-        t3 = time.perf_counter()
-        return StepStats(n_window, n_budget, n_missing, bytes_read, t2 - t1, (t1 - t0) + (t3 - t2), end)
 
     def cached_ids(self) -> torch.Tensor:
         """Neuron ids of rows [0, num_used), in row order (a view)."""
@@ -170,3 +182,28 @@ class NeuronCache:
     def __repr__(self) -> str:
         return (f"NeuronCache(layer={self.layer}, capacity={self.capacity}, window={self.window}, "
                 f"num_used={self.num_used}, nbytes={self.nbytes})")
+
+
+class PendingStep:
+    """A NeuronCache step begun by `begin_step`: evictions done, reads of the missing bundles issued."""
+
+    def __init__(self, cache: NeuronCache, evicted: int, evicted_budget: int, ids: torch.Tensor,
+                 read: Future | ReadResult | None, mem_s: float):
+        self.cache, self.evicted, self.evicted_budget, self.ids = cache, evicted, evicted_budget, ids
+        self._read, self._mem_s = read, mem_s
+
+    def finish(self) -> StepStats:
+        """Wait for the reads, then record the new neurons. A failed read raises here, leaving the cache holding
+        what it held before minus the evictions (consistent), and the next step reads them again."""
+        start = time.perf_counter()
+        result = self._read.result() if isinstance(self._read, Future) else self._read
+        waited = time.perf_counter() - start
+        if self._read is not None and not isinstance(self._read, Future):
+            waited = result.stats.wall_s  # read inline in begin_step: all of it was waited for
+        self._read = None
+        start = time.perf_counter()
+        self.cache._record(self.ids)
+        mem_s = self._mem_s + time.perf_counter() - start
+        read_s, bytes_read = (result.stats.wall_s, result.stats.bytes_read) if result is not None else (0.0, 0)
+        return StepStats(self.evicted, self.evicted_budget, self.ids.numel(), bytes_read, waited, mem_s,
+                         self.cache.num_used, max(0.0, read_s - waited))

@@ -82,7 +82,8 @@ class FFNStats:
     needed: int = 0  # neurons the steps needed (a cache hit when already cached)
     inserted: int = 0  # bundles read from flash
     bytes_read: int = 0
-    io_s: float = 0.0  # waiting for reads
+    io_s: float = 0.0  # waiting for reads (exposed)
+    hidden_io_s: float = 0.0  # read time that overlapped compute
     mem_s: float = 0.0  # cache bookkeeping: planning, swap-delete, pointer/bias updates
     predictor_s: float = 0.0
     compute_s: float = 0.0  # sparse_ffn and the output bias
@@ -93,6 +94,7 @@ class FFNStats:
         self.inserted += step.inserted
         self.bytes_read += step.bytes_read
         self.io_s += step.io_s
+        self.hidden_io_s += step.hidden_io_s
         self.mem_s += step.mem_s
 
     def reset(self) -> None:
@@ -117,14 +119,15 @@ class FlashFFN(nn.Module):
     predictor: callable x [T, d] -> bool [T, n] per-token sets (or one shared set, see Predictor); active_ids: a
     fixed set used for every token; neither: every neuron (exact mode). threshold: sparse_ffn's activation
     threshold (the rule's; 0: none). capacity / budget_bytes / window / reader: NeuronCache's. stats: an FFNStats
-    to accumulate into (shared by the layers of a model). Input x [..., d] of any float dtype; computed in the
+    to accumulate into (shared by the layers of a model). overlap: a single token's reads run in a reader thread
+    while its already-cached neurons are computed (the exposed and hidden read times are both reported). Input x [..., d] of any float dtype; computed in the
     store's dtype with float32 accumulation; output in x's dtype.
     """
 
     def __init__(self, store: FlashStore | str | os.PathLike, layer: int, *, predictor: Predictor | None = None,
                  active_ids: torch.Tensor | None = None, threshold: float = 0.0, capacity: int | None = None,
                  budget_bytes: int | None = None, window: int = 5, reader: FlashReader | None = None,
-                 stats: FFNStats | None = None):
+                 stats: FFNStats | None = None, overlap: bool = True):
         super().__init__()
         self.store = store if isinstance(store, FlashStore) else FlashStore(store)
         if predictor is not None and active_ids is not None:
@@ -133,6 +136,7 @@ class FlashFFN(nn.Module):
             capacity = self.store.n_neurons
         self.cache = NeuronCache(self.store, layer, capacity, window, budget_bytes=budget_bytes, reader=reader)
         self.layer, self.predictor, self.threshold = layer, predictor, float(threshold)
+        self.overlap = overlap
         self.activation = store_activation(self.store)
         n = self.store.n_neurons
         fixed = torch.arange(n) if active_ids is None else active_ids_of(active_ids, n)
@@ -169,9 +173,24 @@ class FlashFFN(nn.Module):
         return None, self.store.check_ids(active_ids_of(selection, n))
 
     def _step(self, ids: torch.Tensor) -> None:
-        step = self.cache.step(ids)
+        self._record_step(self.cache.step(ids), ids.numel())
+
+    def _record_step(self, step: StepStats, needed: int) -> None:
         self.last_stats.append(step)
-        self.stats.add_step(step, ids.numel())
+        self.stats.add_step(step, needed)
+
+    def _step_overlapped(self, x: torch.Tensor, ids: torch.Tensor, out: torch.Tensor) -> None:
+        """One token's step with its reads in flight while the FFN of its already-cached neurons is computed,
+        then the FFN of the neurons just read: the same sum, in two parts."""
+        ids = ids.unique()
+        pending = self.cache.begin_step(ids, background=True)
+        cached = self.cache.slot_of[ids] >= 0  # the missing ids map to -1 until finish()
+        try:
+            self._compute(x, ids[cached], out)
+        finally:
+            step = pending.finish()  # never leave a read in flight: its rows would be reused
+        self._record_step(step, ids.numel())
+        self._compute(x, ids[~cached], out)
 
     def _compute(self, x: torch.Tensor, ids: torch.Tensor, out: torch.Tensor) -> None:
         """out [T, d] float32 += the FFN of x [T, d] over neurons `ids`, all of them cached now."""
@@ -203,6 +222,9 @@ class FlashFFN(nn.Module):
                 group_union = masks[first:last].any(dim=0).nonzero().flatten()
                 if group_union.numel() > self.cache.capacity:  # a single token larger than the cache
                     self._run_set(xs[first:last], group_union, out[first:last])
+                    continue
+                if last - first == 1 and self.overlap:  # a decode step: hide the reads behind the hits' compute
+                    self._step_overlapped(xs[first:last], group_union, out[first:last])
                     continue
                 self._step(group_union)
                 for t in range(first, last):

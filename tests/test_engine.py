@@ -187,3 +187,16 @@ def test_parse_budget():
     for bad in ("", "-5", "0", "ten", "5 parsecs"):
         with pytest.raises(ValueError, match="dram_budget must be"):
             parse_budget(bad, 1000)
+
+
+@torch.no_grad()
+def test_sampling_matches_transformers_with_the_same_seed(models):
+    model, path = models["llama"]
+    prompt = torch.tensor([[3, 14, 15, 92]])
+    flash = flashllm_ext.load_flash(path, dram_budget="85%", mode="exact")
+
+    def sample(m):
+        torch.manual_seed(123)
+        return m.generate(prompt, max_new_tokens=16, min_new_tokens=16, do_sample=True, top_k=20, temperature=0.9)
+
+    assert torch.equal(sample(flash), sample(model))

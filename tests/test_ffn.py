@@ -151,3 +151,50 @@ def test_budget_and_bad_input(models):
     bad_predictor = FlashFFN(fp32, 0, predictor=lambda chunk: torch.tensor([n + 5]))
     with pytest.raises(ValueError, match=rf"neuron ids must lie in \[0, {n}\), got min {n + 5}"):
         bad_predictor(torch.randn(1, fp32.hidden_size))
+
+
+@pytest.mark.parametrize("name", ["llama", "opt"])
+@torch.no_grad()
+def test_overlapped_decode_step_matches_the_synchronous_one(models, name):
+    """A single token's reads run in the background while its cached neurons are computed: same output."""
+    model, fp32, _ = models[name]
+    n = fp32.n_neurons
+    g = torch.Generator().manual_seed(7)
+    masks = torch.rand(6, n, generator=g) < 0.4
+
+    def predictor_at(step):
+        return lambda chunk: masks[step[0]:step[0] + chunk.shape[0]]
+
+    step_a, step_b = [0], [0]
+    overlapped = FlashFFN(fp32, 1, predictor=predictor_at(step_a), capacity=n // 2, window=2)
+    synchronous = FlashFFN(fp32, 1, predictor=predictor_at(step_b), capacity=n // 2, window=2, overlap=False)
+    for t in range(6):
+        x = torch.randn(1, fp32.hidden_size, generator=g)
+        step_a[0] = step_b[0] = t
+        got = overlapped(x)
+        torch.testing.assert_close(got, synchronous(x), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got, dense_mlp(model, 1, x, masks[t].float()), rtol=1e-5, atol=1e-5)
+    assert overlapped.stats.inserted == synchronous.stats.inserted > 0
+    assert overlapped.stats.hidden_io_s >= 0 and synchronous.stats.hidden_io_s == 0
+
+
+@torch.no_grad()
+def test_failed_background_read_leaves_a_consistent_cache(models):
+    model, fp32, _ = models["llama"]
+    n = fp32.n_neurons
+    mask = torch.zeros(1, n, dtype=torch.bool)
+    mask[0, : n // 4] = True
+    ffn = FlashFFN(fp32, 0, predictor=lambda chunk: mask, capacity=n // 2, reader=fp32.reader())
+    x = torch.randn(1, fp32.hidden_size)
+    real = ffn.cache.reader.read_async
+
+    def failing(*args, **kwargs):
+        raise OSError(5, "Input/output error (injected)")
+
+    ffn.cache.reader.read_async = failing
+    with pytest.raises(OSError, match="injected"):
+        ffn(x)
+    ffn.cache.reader.read_async = real
+    cache = ffn.cache
+    assert all(cache.slot_of[int(i)] == r for r, i in enumerate(cache.cached_ids()))
+    torch.testing.assert_close(ffn(x), dense_mlp(model, 0, x, mask[0].float()), rtol=1e-5, atol=1e-5)
