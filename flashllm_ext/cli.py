@@ -3,6 +3,7 @@
   flashllm convert CHECKPOINT OUT_DIR [--dtype fp16|bf16|fp32] [--endor] [--force]
   flashllm calibrate-disk [--dir DIR] [--size-mib N]
   flashllm train-predictors CHECKPOINT [--store DIR] [--rank R] [--target-sparsity S] ...
+  flashllm run STORE_DIR --tokenizer PATH [--prompt TEXT] [--mode flash] [--budget 50%] [--tokens N] [--sample]
 
 Each subcommand registers itself with `add_parser` functions below; main() only dispatches.
 """
@@ -107,10 +108,53 @@ def _add_train_predictors(sub: argparse._SubParsersAction) -> None:
     train.set_defaults(func=_train_predictors)
 
 
+def _run(args: argparse.Namespace) -> int:
+    import time
+
+    import torch
+    from transformers import AutoTokenizer
+
+    from .engine import load_flash
+
+    tokenizer_path = Path(args.tokenizer)
+    kwargs = {"gguf_file": tokenizer_path.name} if tokenizer_path.suffix == ".gguf" else {}
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path.parent if kwargs else tokenizer_path,
+                                              local_files_only=True, **kwargs)
+    model = load_flash(args.store, dram_budget=None if args.mode == "dense" else args.budget, mode=args.mode,
+                       window=args.window)
+    prompt = tokenizer(args.prompt, return_tensors="pt").input_ids
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(prompt, max_new_tokens=args.tokens, do_sample=args.sample,
+                             pad_token_id=tokenizer.eos_token_id)
+    seconds = time.perf_counter() - start
+    print(tokenizer.decode(out[0], skip_special_tokens=True))
+    print(f"\n{out.shape[1] - prompt.shape[1]} tokens in {seconds:.2f} s ({args.mode}, prompt {prompt.shape[1]} tokens)")
+    if model.flash is not None:
+        stats = model.flash_stats()
+        print(", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in stats.items()))
+    return 0
+
+
+def _add_run(sub: argparse._SubParsersAction) -> None:
+    from .engine import MODES
+
+    run = sub.add_parser("run", help="generate text with a model served from a flash store")
+    run.add_argument("store", help="a flash store directory (flashllm convert)")
+    run.add_argument("--tokenizer", required=True, help="the checkpoint's .gguf file or Hugging Face directory")
+    run.add_argument("--prompt", default="The three primary colors are")
+    run.add_argument("--mode", choices=MODES, default="flash")
+    run.add_argument("--budget", default="50%", help="DRAM budget: bytes, a share of the model like 50%%, or 200MB")
+    run.add_argument("--window", type=int, default=5, help="tokens whose active neurons stay cached (flash)")
+    run.add_argument("--tokens", type=int, default=32, help="tokens to generate")
+    run.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
+    run.set_defaults(func=_run)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flashllm", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (_add_convert, _add_calibrate_disk, _add_train_predictors):
+    for add in (_add_convert, _add_calibrate_disk, _add_train_predictors, _add_run):
         add(sub)
     return parser
 

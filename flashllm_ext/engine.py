@@ -265,7 +265,7 @@ def load_flash(store_dir: str | os.PathLike, dram_budget: int | float | str | No
         raise ValueError(f"{store.path}: the store's config has no model_type")
     hf_config = AutoConfig.for_model(model_type, **config)
     with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(hf_config, torch_dtype=dtype)
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
     predictors = _load_predictors(store, predictors, mode)
     _assign_resident(model, store, dtype)
     if mode == "dense":

@@ -200,3 +200,22 @@ def test_sampling_matches_transformers_with_the_same_seed(models):
         return m.generate(prompt, max_new_tokens=16, min_new_tokens=16, do_sample=True, top_k=20, temperature=0.9)
 
     assert torch.equal(sample(flash), sample(model))
+
+
+@pytest.mark.slow
+@torch.no_grad()
+def test_default_model_exact_mode_and_cli_run(default_model, tmp_path, capsys):
+    """The real model: exact mode under a budget generates transformers' 32 greedy tokens; `flashllm run` works."""
+    from flashllm_ext import cli
+
+    gguf, model, tokenizer = default_model
+    path = store.convert(gguf, tmp_path / "store", dtype="fp32", progress=False)
+    prompt = tokenizer("The capital of France is", return_tensors="pt").input_ids
+    flash = flashllm_ext.load_flash(path, dram_budget="75%", mode="exact")
+    assert flash.flash_stats()["accounted_bytes"] <= flash.flash_stats()["budget_bytes"]
+    assert torch.equal(_greedy(flash, prompt), _greedy(model, prompt))
+    flash.flash.close()
+    assert cli.main(["run", str(path), "--tokenizer", str(gguf), "--mode", "naive", "--budget", "75%",
+                     "--tokens", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "4 tokens in" in out and "bytes_per_token" in out
