@@ -146,9 +146,8 @@ def _endor_decompress_out_fake(values, bitmap, row_offsets, n_cols, rows=None, *
 #   GLU (SwiGLU):    h_i = act(x . gate_i + bias_i) * (x . up_i)
 # `bias` is the per-row bias of the input projection (OPT's fc1.bias), held by the neuron cache next to its rows
 # so swap-delete moves it with them; the output projection's bias (fc2.bias) is one [d] vector added by the
-# caller. Thresholded variant: a (token, row) term is kept only when |act(...)| > threshold (the activation before
-# the GLU product, the "gate" score of flashllm_ext.predictor, which calls a neuron active when its score is above
-# the threshold); threshold 0 skips only exact zeros, which contribute nothing.
+# caller. Thresholded variant: a (token, row) term is kept only when |h_i| > threshold (the active-neuron rule of
+# flashllm_ext.predictor: the GLU product for SwiGLU); threshold 0 skips only exact zeros, which contribute nothing.
 LIB.define(
     "sparse_ffn(Tensor x, Tensor matrix, int num_used, Tensor? bias, str activation, bool glu, Tensor? index=None, "
     "float threshold=0.0) -> Tensor"
@@ -229,10 +228,10 @@ def sparse_ffn_reference(x: torch.Tensor, matrix: torch.Tensor, num_used: int, b
         row_bias = bias[:num_used] if index is None else bias[index]
         pre = pre + row_bias.float()
     h = ACTIVATIONS[activation].fn(pre)
-    if threshold > 0:
-        h = torch.where(h.abs() > threshold, h, torch.zeros((), dtype=h.dtype, device=h.device))
     if glu:
         h = h * (xf @ rows[:, :d].t())
+    if threshold > 0:  # the active-neuron rule: |h| > threshold, h = act(...) (times x.up for GLU)
+        h = torch.where(h.abs() > threshold, h, torch.zeros((), dtype=h.dtype, device=h.device))
     return (h @ rows[:, -d:]).to(x.dtype)
 
 

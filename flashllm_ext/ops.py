@@ -41,7 +41,7 @@ def sparse_ffn(x: torch.Tensor, matrix: torch.Tensor, *, num_used: int, activati
     activation: "relu" | "silu" | "gelu" (flashllm_ext._ops.ACTIVATIONS); applied to x.up (x.gate with GLU) + bias
     bias: [C] of x.dtype, the input projection's bias of each row; None for none
     index: int64 [K] of rows < num_used (any order; a repeat counts twice); None for rows [0, num_used)
-    threshold: a (token, row) term counts only when |act(...)| > threshold; 0 skips only exact zeros
+    threshold: a (token, row) term counts only when |h| > threshold; 0 skips only exact zeros
     Returns y: [T, d] of x.dtype, sum over the rows of h * down (h = act(...), times x.up with GLU).
     """
     return torch.ops.flashllm.sparse_ffn.default(x, matrix, num_used, bias, activation, glu, index, threshold)

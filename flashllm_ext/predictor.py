@@ -4,8 +4,9 @@ The one active-neuron rule (shared by calibration, training, `evaluate`, FlashFF
 per FFN layer with n neurons:
   input   x [T, d]: what the FFN itself receives (after its norm: Llama's post_attention_layernorm, OPT's
           final_layer_norm); the predictor sees exactly this.
-  score   |act(x . gate + b)| for GLU models (SwiGLU), |act(x . up + b)| otherwise (OPT's |relu(fc1(x))|): the
-          activation sparse_ffn thresholds, before the GLU product.
+  score   |h|: h = act(x . gate + b) * (x . up) for GLU models (SwiGLU), act(x . up + b) otherwise (OPT's
+          relu(fc1(x))): what the down projection multiplies, and what sparse_ffn thresholds. (|act(gate)| alone,
+          CATS' score, costs far more perplexity at the same sparsity: BENCHMARKS.md.)
   active  score > the layer's threshold (strictly: ties are inactive, as in every kernel). ReLU models have exact
           zeros, so threshold 0 gives their natural sparsity; SwiGLU has none, so the threshold is calibrated to a
           target sparsity.
@@ -34,7 +35,7 @@ from .models.hf import decoder_layers
 from .models.text import perplexity
 
 FORMAT_NAME = "flashllm-predictors"
-FORMAT_VERSION = "2"  # 2: predictors see the FFN's normalised input and the gate-activation score
+FORMAT_VERSION = "3"  # 3: predictors see the FFN's normalised input; the score is |h|
 TENSOR_PREFIX = "predictor."
 
 
@@ -45,28 +46,25 @@ class FFNModules:
     """The modules of one FFN layer the hooks attach to."""
     ffn_input: nn.Module  # its (first) input is x, the FFN's own input
     down: nn.Module  # its input is h
-    gate: nn.Module | None  # SwiGLU gate projection (None for ReLU FFNs)
-    act: Callable[[torch.Tensor], torch.Tensor] | None
 
 
 def ffn_modules(model: nn.Module) -> list[FFNModules]:
     """Per-layer FFN modules of a Hugging Face Llama-family or OPT causal LM."""
     layers = decoder_layers(model)
     if layers and hasattr(layers[0], "mlp") and hasattr(layers[0].mlp, "gate_proj"):
-        return [FFNModules(layer.mlp, layer.mlp.down_proj, layer.mlp.gate_proj, layer.mlp.act_fn)
-                for layer in layers]
+        return [FFNModules(layer.mlp, layer.mlp.down_proj) for layer in layers]
     if layers and hasattr(layers[0], "fc2"):
-        return [FFNModules(layer.fc1, layer.fc2, None, None) for layer in layers]
+        return [FFNModules(layer.fc1, layer.fc2) for layer in layers]
     raise ValueError(f"{type(model).__name__}: not a Llama-family (mlp.gate_proj) or OPT (fc1/fc2) causal LM")
 
 
-def activation_score(h: torch.Tensor, gate_act: torch.Tensor | None) -> torch.Tensor:
-    """The rule's score [N, n]: |act(gate)| for GLU layers (gate_act given), |h| = |act(up)| otherwise."""
-    return (h if gate_act is None else gate_act).abs()
+def activation_score(h: torch.Tensor) -> torch.Tensor:
+    """The rule's score [N, n] of the activations h [N, n] the down projection multiplies: |h|."""
+    return h.abs()
 
 
-# Callback of `ffn_hooks`: (layer, x [N, d], h [N, n], gate activation [N, n] or None) -> replacement h or None.
-FFNCallback = Callable[[int, torch.Tensor, torch.Tensor, "torch.Tensor | None"], "torch.Tensor | None"]
+# Callback of `ffn_hooks`: (layer, x [N, d], h [N, n]) -> replacement h or None.
+FFNCallback = Callable[[int, torch.Tensor, torch.Tensor], "torch.Tensor | None"]
 
 
 @contextmanager
@@ -80,24 +78,17 @@ def ffn_hooks(model: nn.Module, callback: FFNCallback) -> Iterator[list[FFNModul
     def keep_x(i: int):
         return lambda module, args: stash.__setitem__(("x", i), args[0])
 
-    def keep_gate(i: int, act: Callable):
-        return lambda module, args, out: stash.__setitem__(("gate", i), act(out))
-
     def at_down(i: int):
         def hook(module, args):
             h = args[0]
             x = stash.pop(("x", i))
-            gate_act = stash.pop(("gate", i), None)
-            flat = callback(i, x.reshape(-1, x.shape[-1]), h.reshape(-1, h.shape[-1]),
-                            None if gate_act is None else gate_act.reshape(-1, gate_act.shape[-1]))
+            flat = callback(i, x.reshape(-1, x.shape[-1]), h.reshape(-1, h.shape[-1]))
             return None if flat is None else (flat.view_as(h),)
         return hook
 
     try:
         for i, m in enumerate(modules):
             handles.append(m.ffn_input.register_forward_pre_hook(keep_x(i)))
-            if m.gate is not None:
-                handles.append(m.gate.register_forward_hook(keep_gate(i, m.act)))
             handles.append(m.down.register_forward_pre_hook(at_down(i)))
         yield modules
     finally:
@@ -130,9 +121,9 @@ def calibrate_thresholds(model: nn.Module, token_ids: torch.Tensor, target: floa
         raise ValueError(f"targets must be in [0, 1), got {target}")
     scores: dict[int, list[torch.Tensor]] = {}
 
-    def collect(i, x, h, gate_act):
+    def collect(i, x, h):
         # fp16 halves the memory of the kept scores; a threshold does not need more precision.
-        scores.setdefault(i, []).append(activation_score(h, gate_act).half())
+        scores.setdefault(i, []).append(activation_score(h).half())
 
     with ffn_hooks(model, collect):
         _run_windows(model, token_ids, window, progress, "calibrating thresholds")
@@ -178,9 +169,9 @@ def capture_activations(model: nn.Module, token_ids: torch.Tensor, thresholds: t
     kept: dict[int, list[torch.Tensor]] = {i: [] for i in keep_scores}
     n_neurons = 0
 
-    def record(i, x, h, gate_act):
+    def record(i, x, h):
         nonlocal n_neurons
-        s = activation_score(h, gate_act)
+        s = activation_score(h)
         n_neurons = s.shape[1]
         inputs[i].append(x.half())
         bitmaps[i].append(pack_bitmap(s > thresholds[i]))
@@ -417,8 +408,8 @@ def patched_ffn(model: nn.Module, thresholds: torch.Tensor,
         raise ValueError(f"model has {n_layers} FFN layers, predictors cover {len(predictors.predictors)}")
     counter = SparsityCounter([0] * n_layers, [0] * n_layers)
 
-    def sparsify(i, x, h, gate_act):
-        keep = activation_score(h, gate_act) > thresholds[i]
+    def sparsify(i, x, h):
+        keep = activation_score(h) > thresholds[i]
         if predictors is not None:
             keep &= predictors.predict(i, x)
         counter.kept[i] += int(keep.sum())
@@ -444,8 +435,8 @@ def evaluate(model: nn.Module, predictors: PredictorSet, token_ids: torch.Tensor
     n_layers = len(predictors.predictors)
     sums = torch.zeros(n_layers, 5, dtype=torch.float64)  # tp, fp, fn, fn mass, active mass
 
-    def measure(i, x, h, gate_act):
-        s = activation_score(h, gate_act)
+    def measure(i, x, h):
+        s = activation_score(h)
         true = s > predictors.thresholds[i]
         pred = predictors.predict(i, x)
         sums[i] += torch.tensor([(true & pred).sum().item(), (~true & pred).sum().item(),

@@ -6,7 +6,8 @@
 //          bias [capacity] T (1-element placeholder when !HAS_BIAS), index [n_rows] int64_t (placeholder when
 //          !HAS_INDEX), params [6] int64_t = {n_rows, num_used, d, n_tok, activation (0 relu, 1 silu, 2 gelu), glu},
 //          threshold [1] float.
-// Output:  act [n_tok * n_rows] float: act[t * n_rows + o], zero where |activation| <= threshold; for GLU times x.up.
+// Output:  act [n_tok * n_rows] float: act[t * n_rows + o] = h, the activation (times x.up for GLU), zero where
+//          |h| <= threshold (the active-neuron rule).
 // Grid: 32 * n_rows threads rounded up to the threadgroup (a multiple of 32): one simdgroup per row. Lanes stride
 // over the columns (consecutive lanes read consecutive elements), simd_sum reduces. Index entries outside
 // [0, num_used) are checked by the host first; the kernel writes 0 for them and reads nothing.
@@ -52,11 +53,10 @@ if (r >= 0 && r < num_used) {
       const float erf_z = 1.f - poly * exp(-z * z);
       a = 0.5f * v * (1.f + (v < 0.f ? -erf_z : erf_z));
     }
-    a = fabs(a) > threshold[0] ? a : 0.f;
     if (glu) {
       a *= simd_sum(up[t]);
     }
-    h[t] = a;
+    h[t] = fabs(a) > threshold[0] ? a : 0.f;
   }
 }
 if (lane == 0) {

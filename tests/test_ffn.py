@@ -116,12 +116,13 @@ def test_fixed_set_predictor_and_threshold(models, name):
     assert [s.inserted for s in ffn.last_stats] == [n // 3]  # 4 tokens, one union: one step
     torch.testing.assert_close(ffn(x[:1]), want[:1], rtol=1e-5, atol=1e-5)
     assert [s.inserted for s in ffn.last_stats] == [0] and ffn.stats.hit_rate == pytest.approx(0.5)
-    # Threshold: only the (token, neuron) terms whose |activation| is above t are kept (every kernel's rule).
+    # Threshold: only the (token, neuron) terms whose |h| is above t are kept (every kernel's rule; h is the GLU
+    # product for Llama).
     t = 0.05
     if name == "llama":
         mlp = model.model.layers[1].mlp
-        a = mlp.act_fn(mlp.gate_proj(x))
-        want_t = mlp.down_proj(torch.where(a.abs() > t, a, 0) * mlp.up_proj(x))
+        h = mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x)
+        want_t = mlp.down_proj(torch.where(h.abs() > t, h, 0))
     else:
         dec = model.model.decoder.layers[1]
         a = dec.activation_fn(dec.fc1(x))

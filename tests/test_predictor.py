@@ -58,17 +58,18 @@ def test_capture_matches_manual_forward_llama(llama):
             residual = hidden[i + 1] - layer.mlp(xn) if i + 1 < len(llama.model.layers) else None
             if residual is not None:  # the last hidden state has the final norm applied
                 assert torch.allclose(layer.post_attention_layernorm(residual), xn, atol=2e-2)
-            gate = F.silu(layer.mlp.gate_proj(xn)).abs()
-        expected = gate > thresholds[i]
+            score = (F.silu(layer.mlp.gate_proj(xn)) * layer.mlp.up_proj(xn)).abs()
+        expected = score > thresholds[i]
         # x went through fp16, so a score within rounding of the threshold may flip; nothing else may differ.
-        borderline = (gate - thresholds[i]).abs() < 2e-3
+        borderline = (score - thresholds[i]).abs() < 2e-3
         assert torch.equal(cap.mask(i)[~borderline], expected[~borderline])
         assert cap.bitmaps[i].dtype == torch.uint8 and cap.bitmaps[i].shape == (40, 12)
-    # The score is the rule's: |act(gate)|, not |act(gate) * up|.
+    # The score is the rule's: |act(gate) * up|, what the down projection multiplies.
     layer = llama.model.layers[1]
     with torch.no_grad():
-        gate = F.silu(layer.mlp.gate_proj(cap.inputs[1].float())).abs()
-    assert torch.allclose(cap.scores[1], gate, atol=2e-3)
+        xn = cap.inputs[1].float()
+        score = (F.silu(layer.mlp.gate_proj(xn)) * layer.mlp.up_proj(xn)).abs()
+    assert torch.allclose(cap.scores[1], score, atol=2e-3)
     assert set(cap.scores) == {1}
 
 
@@ -108,8 +109,8 @@ def test_patched_ffn_zeroes_inactive_neurons(llama):
     ids = _ids(16, 6)
     seen = {}
 
-    def record(i, x, h, gate_act):
-        seen[i] = h.clone(), gate_act.abs()
+    def record(i, x, h):
+        seen[i] = h.clone()
 
     thresholds = calibrate_thresholds(llama, ids, 0.6, window=16, progress=False)
     with patched_ffn(llama, thresholds), ffn_hooks(llama, record):
@@ -117,10 +118,9 @@ def test_patched_ffn_zeroes_inactive_neurons(llama):
             llama(ids.unsqueeze(0))
     # `record` runs after the patch's hook: it sees what the down projection reads.
     for i in range(3):
-        h, score = seen[i]
-        kept = h != 0
+        kept = seen[i] != 0
         assert abs(kept.float().mean().item() - 0.4) < 0.02
-        assert torch.equal(kept, score > thresholds[i])
+        assert (seen[i][kept].abs() > thresholds[i]).all()
 
 
 def test_bad_inputs_raise_clear_errors(llama):
@@ -150,7 +150,7 @@ def test_hooks_removed_on_error(llama):
         llama(_ids(4, 0).unsqueeze(0))  # transformers installs its own hooks lazily on the first call
     before = count()
 
-    def boom(i, x, h, gate_act):
+    def boom(i, x, h):
         raise KeyError("boom")
 
     with pytest.raises(KeyError), ffn_hooks(llama, boom), torch.no_grad():
@@ -301,9 +301,9 @@ def test_default_model_thresholds_hit_target_on_held_out_text(default_model):
     inactive = dict.fromkeys(targets, 0)
     seen = 0
 
-    def count(i, x, h, gate_act):
+    def count(i, x, h):
         nonlocal seen
-        score = activation_score(h, gate_act)
+        score = activation_score(h)
         seen += score.numel()
         for target in targets:
             inactive[target] += int((score <= thresholds[target][i]).sum())

@@ -79,14 +79,13 @@ def test_non_contiguous_x_and_bias():
                  sparse_ffn_reference(xt, m, 30, bias, "relu", False))
 
 
-def test_threshold_skips_small_activations(isa):
+def test_threshold_skips_small_glu_products(isa):
     d = 16
     x, m, _ = ffn_case(3, d, 20, True, torch.float32, seed=5)
     up, gate, down = m[:, :d], m[:, d:2 * d], m[:, 2 * d:].t()
-    act = F.silu(x @ gate.t())  # [T, 20]: the activation the threshold applies to
-    for threshold in (0.0, act.abs().median().item(), 1e9):  # nothing, about half, everything skipped
-        kept = torch.where(act.abs() > threshold, act, 0.0)
-        want = (kept * (x @ up.t())) @ down.t()
+    h = F.silu(x @ gate.t()) * (x @ up.t())  # [T, 20]: the GLU product the threshold applies to
+    for threshold in (0.0, h.abs().median().item(), 1e9):  # nothing, about half, everything skipped
+        want = torch.where(h.abs() > threshold, h, 0.0) @ down.t()
         got = ops.sparse_ffn(x, m, num_used=20, activation="silu", glu=True, threshold=threshold)
         assert_close(got, want)
     assert torch.equal(got, torch.zeros_like(got))

@@ -4,7 +4,8 @@
 // each thread accumulates its rows' contributions for every token into its own float32 [T, d] buffer, and the
 // buffers are summed into the output at the end. Per row: the dot products of the row's input column(s) with
 // the T tokens (one pass over the column, T accumulators), the activation, then one axpy pass over the down row
-// for all T tokens; a row whose activations are all zero (ReLU, threshold) never reads its down row.
+// for all T tokens; a row whose activations are all exact zeros (ReLU) never reads its up row, and one whose
+// every term h (activation, times x.up for GLU) is at or below the threshold never reads its down row.
 //
 // Per ISA, one step of a dot product or axpy (fp16 and bf16 are widened to fp32, all math in fp32 FMA):
 //   avx512  16 elements, masked loads/stores for the row tail
@@ -220,16 +221,21 @@ void accumulate_rows(const FfnProblem<T>& p, RowOps<T, NT> ops, int64_t begin, i
     const float b = p.bias ? to_float(p.bias[r]) : 0.f;
     bool any = false;
     for (int t = 0; t < NT; ++t) {
-      const float a = activate(h[t] + b, p.act);
-      h[t] = std::fabs(a) > p.threshold ? a : 0.f;
+      h[t] = activate(h[t] + b, p.act);
       any |= h[t] != 0.f;
     }
-    if (!any) continue;  // contributes nothing: skip the reads of the up and down rows
+    if (!any) continue;  // exact zeros (ReLU) contribute nothing: skip the reads of the up and down rows
     if (p.glu) {
       float up[NT];
       ops.dots(row, p.x, d, up);
       for (int t = 0; t < NT; ++t) h[t] *= up[t];
     }
+    any = false;
+    for (int t = 0; t < NT; ++t) {  // the active-neuron rule: |h| > threshold, h = act (times x.up for GLU)
+      h[t] = std::fabs(h[t]) > p.threshold ? h[t] : 0.f;
+      any |= h[t] != 0.f;
+    }
+    if (!any) continue;  // every token's term is below the threshold: skip the read of the down row
     ops.axpy(row + (p.glu ? 2 : 1) * d, h, acc, d);
   }
 }

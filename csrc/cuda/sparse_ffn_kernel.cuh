@@ -100,8 +100,8 @@ __device__ __forceinline__ void lane_dots(const Storage<KIND>* col, const float*
 
 }  // namespace ffn_detail
 
-// act[t * n_rows + o] for row o of the problem (rows[o] of matrix when index is not null): the activation of the
-// row's input column for token t, zero where |activation| <= threshold; times x . up for GLU. The rows of index
+// act[t * n_rows + o] for row o of the problem (rows[o] of matrix when index is not null): h, the activation of the
+// row's input column for token t (times x . up for GLU), zero where |h| <= threshold. The rows of index
 // entries outside [0, num_used) are never read: the kernel writes 0 for them (the CUDA glue checks index on the host
 // only when kernel checks are on, common/kernel_checks.h).
 template <int KIND>
@@ -125,8 +125,8 @@ __global__ void __launch_bounds__(kFfnActWarps * 32)
 #pragma unroll
       for (int t = 0; t < kFfnMaxTokens; ++t) {
         const float a = activate(warp_sum(h[t]) + b, act);
-        h[t] = fabsf(a) > threshold ? a : 0.f;
-        if (glu) h[t] *= warp_sum(up[t]);
+        const float value = glu ? a * warp_sum(up[t]) : a;
+        h[t] = fabsf(value) > threshold ? value : 0.f;  // the active-neuron rule: |h| > threshold
       }
     }
     if (lane == 0) {

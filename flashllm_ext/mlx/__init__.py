@@ -241,10 +241,10 @@ def _sparse_ffn_mlx_ops(x, matrix, num_used, bias, activation, glu, index, thres
     if bias is not None:
         pre = pre + bias[ids].astype(mx.float32)
     h = _activate(pre, activation)
-    if threshold > 0:
-        h = mx.where(mx.abs(h) > threshold, h, 0.0)
     if glu:
         h = h * (xf @ rows[:, :d].T)
+    if threshold > 0:
+        h = mx.where(mx.abs(h) > threshold, h, 0.0)
     return (h @ rows[:, -d:]).astype(x.dtype)
 
 
