@@ -33,7 +33,8 @@ from common import device_name, arg_parser, emit, time_interleaved
 
 from flashllm_ext import ops
 from flashllm_ext.cache import NeuronCache
-from flashllm_ext.store import DTYPES, FlashStore, synthesize
+from flashllm_ext.convert import synthesize
+from flashllm_ext.store import DTYPES, FlashStore
 from flashllm_ext.traces import default_model_masks, tile_masks
 
 SHAPES = {"opt-6.7b": (4096, 16384, False, "relu"), "llama-2-7b": (4096, 11008, True, "silu")}

@@ -29,6 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common import emit  # noqa: E402
 from flashllm_ext import store  # noqa: E402
+from flashllm_ext.convert import synthesize  # noqa: E402
 from flashllm_ext.paths import resolve_cache_dir  # noqa: E402
 from flashllm_ext.traces import default_model_mask_source  # noqa: E402
 from flashllm_ext.reader import FlashReader, has_io_uring, make_test_file, random_read_throughput  # noqa: E402
@@ -170,7 +171,7 @@ def table2(args: argparse.Namespace, report: Callable[[dict], None],
     if not (bundled_dir / store.BUNDLES_FILE).is_file():
         print(f"synthesizing {args.layers}-layer OPT-6.7B-shaped store in {bundled_dir}", file=sys.stderr)
         shutil.rmtree(bundled_dir, ignore_errors=True)
-        store.synthesize(bundled_dir, args.layers, d, ffn)
+        synthesize(bundled_dir, args.layers, d, ffn)
     fs = store.FlashStore(bundled_dir)
     split = _split_layout(CACHE / f"opt67b_ffn_split_{args.layers}l.bin", args.layers, ffn, half)
     masks = mask_source(args.tokens, args.layers, ffn)

@@ -18,7 +18,8 @@ WINDOW = 512  # tokens per forward pass while calibrating and capturing
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from .store import FlashStore, convert
+    from .convert import convert
+    from .store import FlashStore
 
     out = convert(args.checkpoint, args.out_dir, dtype=args.dtype, endor=args.endor, force=args.force)
     print(FlashStore(out))

@@ -22,7 +22,7 @@ from .engine import load_flash
 from .models import corpus_token_ids, fetch_default, load_hf_model, resolve_cache_dir, spread_windows
 from .predictor import PredictorSet, train_predictors
 from .report import print_table
-from .store import convert
+from .convert import convert
 
 TARGET_SPARSITY = 0.6  # the rule's threshold: 60% of (token, neuron) gate activations below it on calibration text
 

@@ -9,6 +9,7 @@ from torch.profiler import ProfilerActivity, profile
 from transformers import LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM
 
 from flashllm_ext import store
+from flashllm_ext.convert import convert
 from flashllm_ext.cache import NeuronCache
 from flashllm_ext.reader import FlashReader
 
@@ -27,7 +28,7 @@ def stores(tmp_path_factory):
     out = {}
     for name, model in (("opt", opt), ("llama", llama)):
         model.save_pretrained(root / f"{name}-ckpt")
-        out[name] = store.FlashStore(store.convert(root / f"{name}-ckpt", root / name, progress=False))
+        out[name] = store.FlashStore(convert(root / f"{name}-ckpt", root / name, progress=False))
         out[name + "_state"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return out
 

@@ -9,6 +9,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalL
 
 import flashllm_ext
 from flashllm_ext import store
+from flashllm_ext.convert import convert
 from flashllm_ext.engine import MODES, parse_budget
 from flashllm_ext.models import perplexity
 from flashllm_ext.predictor import LowRankPredictor, PredictorSet, calibrate_thresholds, evaluate
@@ -35,7 +36,7 @@ def models(tmp_path_factory):
     out = {}
     for name, model in (("llama", _llama()), ("opt", _opt())):
         model.save_pretrained(root / name)
-        out[name] = (model, store.convert(root / name, root / f"{name}-fp32", dtype="fp32", progress=False))
+        out[name] = (model, convert(root / name, root / f"{name}-fp32", dtype="fp32", progress=False))
     return out
 
 
@@ -209,7 +210,7 @@ def test_default_model_exact_mode_and_cli_run(default_model, tmp_path, capsys):
     from flashllm_ext import cli
 
     gguf, model, tokenizer = default_model
-    path = store.convert(gguf, tmp_path / "store", dtype="fp32", progress=False)
+    path = convert(gguf, tmp_path / "store", dtype="fp32", progress=False)
     prompt = tokenizer("The capital of France is", return_tensors="pt").input_ids
     flash = flashllm_ext.load_flash(path, dram_budget="75%", mode="exact")
     assert flash.flash_stats()["accounted_bytes"] <= flash.flash_stats()["budget_bytes"]

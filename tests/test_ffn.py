@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM
 
 from flashllm_ext import store
+from flashllm_ext.convert import convert
 from flashllm_ext.ffn import FlashFFN, active_ids_of, install_flash_ffn
 
 
@@ -31,7 +32,7 @@ def models(tmp_path_factory):
     out = {}
     for name, model in (("llama", _llama()), ("opt", _opt())):
         model.save_pretrained(root / name)
-        out[name] = (model, *(store.FlashStore(store.convert(root / name, root / f"{name}-{dt}", dtype=dt,
+        out[name] = (model, *(store.FlashStore(convert(root / name, root / f"{name}-{dt}", dtype=dt,
                                                              progress=False)) for dt in ("fp32", "fp16")))
     return out
 
@@ -86,7 +87,7 @@ def test_install_on_a_30_layer_model_opens_one_reader(tmp_path):
     model.save_pretrained(tmp_path / "ckpt")
     ids = torch.randint(0, 32, (1, 4))
     want = model(ids).logits  # also starts torch's own worker threads before the count
-    with store.FlashStore(store.convert(tmp_path / "ckpt", tmp_path / "s", dtype="fp32", progress=False)) as fs:
+    with store.FlashStore(convert(tmp_path / "ckpt", tmp_path / "s", dtype="fp32", progress=False)) as fs:
         before = _threads_of_this_process()
         ffns = install_flash_ffn(model, fs)
         assert len(ffns) == 30 and all(f.cache.reader is fs.reader() for f in ffns)

@@ -212,7 +212,8 @@ def test_save_load_round_trip(tmp_path, llama):
 
 
 def test_save_to_store_keeps_the_store_valid(tmp_path, llama):
-    from flashllm_ext.store import FlashStore, synthesize
+    from flashllm_ext.convert import synthesize
+    from flashllm_ext.store import FlashStore
 
     store_dir = synthesize(tmp_path / "store", n_layers=3, hidden_size=64, n_neurons=96, glu=True)
     predictors = _predictor_set(llama, 3, 64, 96, torch.tensor([0.1, 0.2, 0.3]), top_k=5)
@@ -320,7 +321,7 @@ def test_cli_train_predictors_writes_a_loadable_file(default_model, tmp_path, mo
     import flashllm_ext.models
 
     path, model, tokenizer = default_model
-    from flashllm_ext.store import synthesize
+    from flashllm_ext.convert import synthesize
 
     monkeypatch.setattr(flashllm_ext.models, "load_hf_model", lambda p: (model, tokenizer))  # reuse the loaded one
     # A store with the default model's FFN shapes; converting the real model would only add minutes.

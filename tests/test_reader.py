@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from flashllm_ext import cli, reader, store
+from flashllm_ext.convert import convert
 from flashllm_ext.reader import FlashReader, ReadResult, has_io_uring
 
 ENGINES = ["threads"] + (["io_uring"] if has_io_uring() else [])
@@ -28,7 +29,7 @@ def store_dir(tmp_path_factory):
                                          num_attention_heads=4, num_key_value_heads=2, vocab_size=64))
     root = tmp_path_factory.mktemp("reader")
     model.save_pretrained(root / "ckpt")
-    return store.convert(root / "ckpt", root / "store", progress=False)
+    return convert(root / "ckpt", root / "store", progress=False)
 
 
 @pytest.fixture(scope="module")

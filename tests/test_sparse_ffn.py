@@ -120,8 +120,9 @@ def test_bad_inputs(case):
 def test_default_model_ffn_weights():
     """Layers of SmolLM2-135M (d=576, 1536 neurons, SwiGLU): sparse_ffn over all rows and over a random half,
     against dense math on the same weights, fp32 and bf16, T = 1 and 8."""
-    from flashllm_ext.models import fetch_default, load_gguf
-    from flashllm_ext.store import bundle_layer
+    from flashllm_ext.checkpoint import load_gguf
+    from flashllm_ext.convert import bundle_layer
+    from flashllm_ext.models import fetch_default
 
     weights = load_gguf(fetch_default(), progress=False)
     g = torch.Generator().manual_seed(0)

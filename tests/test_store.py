@@ -1,229 +1,30 @@
+"""FlashStore: reads what convert wrote, and refuses stores whose headers lie (FormatError naming file and field)."""
 import json
 import struct
-import sys
-import types
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from safetensors import safe_open
-from transformers import LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM
 
-from flashllm_ext import FormatError, cli, endor, store
-from flashllm_ext.safetensors_io import PADDING_PREFIX, AlignedWriter, TensorSpec, read_header
-
-
-def _llama() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=160, num_hidden_layers=3,
-                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=128))
-
-
-def _opt() -> OPTForCausalLM:
-    torch.manual_seed(1)
-    return OPTForCausalLM(OPTConfig(hidden_size=48, ffn_dim=136, num_hidden_layers=2, num_attention_heads=4,
-                                    vocab_size=100, word_embed_proj_dim=48, max_position_embeddings=64))
+from flashllm_ext import FormatError, store
+from flashllm_ext.convert import convert
+from flashllm_ext.safetensors_io import AlignedWriter, TensorSpec, read_header
+from test_convert import _llama
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    """name -> (checkpoint dir, state dict); the sharded Llama is split over several safetensors files."""
-    root = tmp_path_factory.mktemp("ckpt")
-    out = {}
-    for name, model, shard in (("llama", _llama(), None), ("llama_sharded", _llama(), "60KB"), ("opt", _opt(), None)):
-        kwargs = {"max_shard_size": shard} if shard else {}
-        model.save_pretrained(root / name, **kwargs)
-        out[name] = (root / name, {k: v.detach().clone() for k, v in model.state_dict().items()})
-    assert (root / "llama_sharded" / "model.safetensors.index.json").is_file()
-    return out
+def llama_store(tmp_path_factory):
+    root = tmp_path_factory.mktemp("store")
+    _llama().save_pretrained(root / "ckpt")
+    return convert(root / "ckpt", root / "store", progress=False)
 
 
-@pytest.fixture(scope="module")
-def stores(checkpoints, tmp_path_factory):
-    root = tmp_path_factory.mktemp("stores")
-    return {name: store.convert(path, root / name, progress=False) for name, (path, _) in checkpoints.items()}
-
-
-def _expected_bundles(state: dict[str, torch.Tensor], layer: int, dtype: torch.dtype) -> torch.Tensor:
-    """Bundles computed independently of the converter, straight from the nn.Linear weights."""
-    if any(".fc1." in k for k in state):
-        prefix = f"model.decoder.layers.{layer}."
-        up, gate, down = state[prefix + "fc1.weight"], None, state[prefix + "fc2.weight"]
-    else:
-        prefix = f"model.layers.{layer}.mlp."
-        up, gate, down = (state[prefix + f"{p}_proj.weight"] for p in ("up", "gate", "down"))
-    rows = []
-    for i in range(up.shape[0]):
-        parts = [up[i, :]] + ([gate[i, :]] if gate is not None else []) + [down[:, i]]
-        rows.append(torch.cat(parts))
-    return torch.stack(rows).to(dtype)
-
-
-@pytest.mark.parametrize("name", ["llama", "llama_sharded", "opt"])
-def test_every_bundle_equals_original_weights(checkpoints, stores, name):
-    _, state = checkpoints[name]
-    fs = store.FlashStore(stores[name])
-    assert fs.glu == (name != "opt")
-    assert fs.n_layers == (2 if name == "opt" else 3)
-    for layer in range(fs.n_layers):
-        want = _expected_bundles(state, layer, torch.float16)
-        assert torch.equal(fs.bundle(layer, torch.arange(fs.n_neurons)), want)
-        ids = torch.tensor([5, 0, 5, fs.n_neurons - 1])
-        assert torch.equal(fs.bundle(layer, ids), want[ids])
-    assert fs.bundle(0, []).shape == (0, fs.bundle_width)
-
-
-@pytest.mark.parametrize("name", ["llama", "opt"])
-def test_plain_safetensors_opens_store_and_tensors_are_aligned(checkpoints, stores, name):
-    fs = store.FlashStore(stores[name])
-    header = read_header(fs.bundles_path)
-    with safe_open(fs.bundles_path, framework="pt") as f:
-        names = [k for k in f.keys() if not k.startswith(PADDING_PREFIX)]
-        assert sorted(names) == sorted(store.layer_tensor_name(l) for l in range(fs.n_layers))
-        for layer in range(fs.n_layers):
-            t = f.get_tensor(store.layer_tensor_name(layer))
-            assert torch.equal(t, fs.bundle(layer, torch.arange(fs.n_neurons)))
-            assert fs.layer_location(layer).offset == header.tensors[store.layer_tensor_name(layer)].begin
-    assert header.data_start % store.ALIGNMENT == 0
-    assert all(e.begin % store.ALIGNMENT == 0 for n, e in header.tensors.items() if not n.startswith(PADDING_PREFIX))
-
-
-def test_resident_holds_everything_but_ffn_weights(checkpoints, stores):
-    _, state = checkpoints["opt"]
-    fs = store.FlashStore(stores["opt"])
-    resident = fs.resident()
-    ffn = {k for k in state if k.endswith(("fc1.weight", "fc2.weight"))}
-    saved = set(read_header(checkpoints["opt"][0] / "model.safetensors").tensors)
-    assert set(resident) == saved - ffn
-    assert "model.decoder.layers.0.fc1.bias" in resident
-    assert torch.equal(resident["model.decoder.layers.1.fc1.bias"], state["model.decoder.layers.1.fc1.bias"].half())
-    assert fs.config["model_type"] == "opt" and fs.config["ffn_dim"] == 136
-
-
-def test_integer_and_bool_resident_buffers_keep_their_dtype(checkpoints, tmp_path):
-    """Only float tensors take the store dtype: int64 ids past fp16's exact range and bool masks come back as
-    they were saved."""
-    from safetensors.torch import load_file, save_file
-
-    source, state = checkpoints["llama"]
-    ckpt = tmp_path / "ckpt"
-    ckpt.mkdir()
-    (ckpt / "config.json").write_text((source / "config.json").read_text())
-    tensors = load_file(source / "model.safetensors")
-    buffers = {"model.position_ids": torch.arange(5000, dtype=torch.int64).unsqueeze(0),
-               "model.layers.0.self_attn.index_table": torch.tensor([[-7, 70000], [3, 2049]], dtype=torch.int32),
-               "model.layers.0.self_attn.causal_mask": torch.ones(4, 4, dtype=torch.bool).tril()}
-    save_file({**tensors, **buffers}, str(ckpt / "model.safetensors"), metadata={"format": "pt"})
-    resident = store.FlashStore(store.convert(ckpt, tmp_path / "s", dtype="fp16", progress=False)).resident()
-    for name, buffer in buffers.items():
-        assert resident[name].dtype == buffer.dtype and torch.equal(resident[name], buffer), name
-    norm = "model.layers.0.input_layernorm.weight"
-    assert resident[norm].dtype == torch.float16 and torch.equal(resident[norm], state[norm].half())
-
-
-@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
-def test_dtypes(checkpoints, tmp_path, dtype):
-    path, state = checkpoints["llama"]
-    fs = store.FlashStore(store.convert(path, tmp_path / "s", dtype=dtype, progress=False))
-    assert fs.dtype == store.DTYPES[dtype]
-    assert torch.equal(fs.bundle(2, torch.arange(fs.n_neurons)), _expected_bundles(state, 2, fs.dtype))
-
-
-def test_endor_store_round_trips_pruned_weights(tmp_path):
-    model = _llama()
-    with torch.no_grad():
-        for layer in model.model.layers:
-            for proj in (layer.mlp.up_proj, layer.mlp.gate_proj, layer.mlp.down_proj):
-                proj.weight.copy_(endor.prune(proj.weight, 0.7))
-    model.save_pretrained(tmp_path / "ckpt")
-    state = model.state_dict()
-    store.convert(tmp_path / "ckpt", tmp_path / "dense", progress=False)
-    fs = store.FlashStore(store.convert(tmp_path / "ckpt", tmp_path / "endor", endor=True, progress=False))
-    assert fs.endor
-    for layer in range(fs.n_layers):
-        want = _expected_bundles(state, layer, torch.float16)
-        assert torch.equal(fs.bundle(layer, torch.arange(fs.n_neurons)), want)
-        ids = torch.tensor([7, 3, 7, 0])
-        assert torch.equal(fs.bundle(layer, ids), want[ids])
-    assert (tmp_path / "endor" / store.BUNDLES_FILE).stat().st_size < \
-        0.6 * (tmp_path / "dense" / store.BUNDLES_FILE).stat().st_size
-    with pytest.raises(ValueError, match="Endor"):
-        fs.layer_location(0)
-
-
-def test_refuses_to_overwrite_and_force_replaces(checkpoints, tmp_path):
-    path, _ = checkpoints["opt"]
-    out = store.convert(path, tmp_path / "s", progress=False)
-    with pytest.raises(FileExistsError, match="force"):
-        store.convert(path, out, progress=False)
-    store.convert(checkpoints["llama"][0], out, force=True, progress=False)
-    assert store.FlashStore(out).glu
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["s"]  # no temporary or old directory left
-
-
-def test_failed_conversion_leaves_nothing(checkpoints, tmp_path, monkeypatch):
-    def broken_verify(*args):
-        raise RuntimeError("read-back differs")
-
-    monkeypatch.setattr(store, "_verify", broken_verify)
-    with pytest.raises(RuntimeError, match="read-back"):
-        store.convert(checkpoints["opt"][0], tmp_path / "s", progress=False)
-    assert list(tmp_path.iterdir()) == []
-
-
-def test_verification_catches_corrupt_write(checkpoints, tmp_path, monkeypatch):
-    real_write = AlignedWriter.write
-
-    def corrupting_write(self, name, tensor):
-        real_write(self, name, tensor.clone().fill_(1) if name.endswith("1.bundles") else tensor)
-
-    monkeypatch.setattr(AlignedWriter, "write", corrupting_write)
-    with pytest.raises(RuntimeError, match="layer 1"):
-        store.convert(checkpoints["llama"][0], tmp_path / "s", progress=False)
-
-
-def test_gguf_input_goes_through_models_api(checkpoints, tmp_path, monkeypatch):
-    path, state = checkpoints["llama"]
-    gguf = tmp_path / "model.gguf"
-    gguf.write_bytes(b"GGUF")
-    fake = types.ModuleType("flashllm_ext.models")
-    fake.gguf_config = lambda p: json.loads((path / "config.json").read_text())
-    fake.load_gguf = lambda p: {k: v.float() for k, v in state.items()}
-    monkeypatch.setitem(sys.modules, "flashllm_ext.models", fake)
-    fs = store.FlashStore(store.convert(gguf, tmp_path / "s", progress=False))
-    assert torch.equal(fs.bundle(1, torch.arange(fs.n_neurons)), _expected_bundles(state, 1, torch.float16))
-
-
-def test_cli_convert(checkpoints, tmp_path, capsys):
-    assert cli.main(["convert", str(checkpoints["opt"][0]), str(tmp_path / "s"), "--dtype", "fp32"]) == 0
-    assert "FlashStore" in capsys.readouterr().out
-    assert store.FlashStore(tmp_path / "s").dtype == torch.float32
-
-
-def test_bad_checkpoints(tmp_path):
-    with pytest.raises(FileNotFoundError):
-        store.convert(tmp_path / "missing", tmp_path / "s")
-    (tmp_path / "empty").mkdir()
-    with pytest.raises(FormatError, match="config.json"):
-        store.convert(tmp_path / "empty", tmp_path / "s")
-    with pytest.raises(ValueError, match="dtype"):
-        store.convert(tmp_path / "empty", tmp_path / "s", dtype="fp8")
-    (tmp_path / "empty" / "config.json").write_text("{not json")
-    with pytest.raises(FormatError, match="config.json: not readable JSON"):
-        store.convert(tmp_path / "empty", tmp_path / "s")
-    (tmp_path / "empty" / "config.json").write_text("{}")
-    (tmp_path / "empty" / "model.safetensors.index.json").write_text("[1, 2]")
-    with pytest.raises(FormatError, match="must be a JSON object"):
-        store.convert(tmp_path / "empty", tmp_path / "s")
-
-
-# ------------------------------------------------------------------------------------------ bad stores
 @pytest.fixture
-def store_copy(stores, tmp_path):
+def store_copy(llama_store, tmp_path):
     import shutil
 
-    return shutil.copytree(stores["llama"], tmp_path / "copy")
+    return shutil.copytree(llama_store, tmp_path / "copy")
 
 
 def _rewrite_header(path, mutate) -> None:
@@ -272,12 +73,12 @@ def test_header_lies_about_sizes(store_copy):
         store.FlashStore(store_copy)
 
 
-def test_misaligned_tensor(tmp_path, stores):
+def test_misaligned_tensor(tmp_path, llama_store):
     # A store written with 64-byte alignment but claiming 4096: the loader must check offsets, not trust metadata.
-    header = read_header(store.FlashStore(stores["llama"]).bundles_path)
+    header = read_header(store.FlashStore(llama_store).bundles_path)
     d = tmp_path / "s"
     d.mkdir()
-    (d / store.RESIDENT_FILE).write_bytes((stores["llama"] / store.RESIDENT_FILE).read_bytes())
+    (d / store.RESIDENT_FILE).write_bytes((llama_store / store.RESIDENT_FILE).read_bytes())
     entry = header.tensors[store.layer_tensor_name(0)]
     specs = [TensorSpec("small", "U8", (3,))] + [TensorSpec(store.layer_tensor_name(l), entry.dtype, entry.shape)
                                                   for l in range(3)]
@@ -313,8 +114,8 @@ def test_missing_file(store_copy):
         store.FlashStore(store_copy)
 
 
-def test_bad_ids_and_layers(stores):
-    fs = store.FlashStore(stores["llama"])
+def test_bad_ids_and_layers(llama_store):
+    fs = store.FlashStore(llama_store)
     with pytest.raises(ValueError, match="neuron ids"):
         fs.bundle(0, [fs.n_neurons])
     with pytest.raises(ValueError, match="neuron ids"):
@@ -344,43 +145,3 @@ def test_fuzzed_headers_raise_format_error_or_load(store_copy, data):
         fs.bundle(0, [0, fs.n_neurons - 1])  # what loads must be consistent enough to read
     finally:
         bundles.write_bytes(original)
-
-
-def test_synthesized_store(tmp_path):
-    fs = store.FlashStore(store.synthesize(tmp_path / "s", n_layers=2, hidden_size=40, n_neurons=300, glu=True))
-    assert (fs.n_layers, fs.n_neurons, fs.bundle_width, fs.glu) == (2, 300, 120, True)
-    with safe_open(fs.bundles_path, framework="pt") as f:
-        assert torch.equal(f.get_tensor("layers.1.bundles")[[4, 2]], fs.bundle(1, [4, 2]))
-    assert fs.resident() == {}
-
-
-@pytest.mark.slow
-def test_convert_the_default_model(default_model, tmp_path):
-    """The embedded default model's GGUF: every checked bundle equals transformers' own weights (fp16)."""
-    path, model, _ = default_model
-    s = store.FlashStore(store.convert(path, tmp_path / "smollm2", progress=False))
-    d = model.config.hidden_size
-    assert (s.n_layers, s.n_neurons, s.hidden_size, s.glu, s.bundle_width) == (30, 1536, d, True, 3 * d)
-    state = model.state_dict()
-    ids = torch.tensor([1535, 0, 7, 800, 801])
-    for layer in (0, 15, 29):
-        mlp = f"model.layers.{layer}.mlp."
-        up, gate, down = (state[f"{mlp}{k}_proj.weight"].half() for k in ("up", "gate", "down"))
-        got = s.bundle(layer, ids)
-        assert torch.equal(got[:, :d], up[ids]) and torch.equal(got[:, d:2 * d], gate[ids])
-        assert torch.equal(got[:, 2 * d:], down[:, ids].t())
-    assert torch.equal(s.resident()["model.embed_tokens.weight"], state["model.embed_tokens.weight"].half())
-    with safe_open(s.bundles_path, "pt") as f:  # any safetensors reader opens the store
-        assert torch.equal(f.get_tensor(store.layer_tensor_name(3))[5], s.bundle(3, [5])[0])
-
-
-def test_convert_more_than_ten_layers(tmp_path):
-    # tensor names sort as strings (layers.10 before layers.2); the store must still be written in layer order
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(hidden_size=8, intermediate_size=16, num_hidden_layers=11,
-                                         num_attention_heads=2, num_key_value_heads=1, vocab_size=32))
-    model.save_pretrained(tmp_path / "ckpt")
-    s = store.FlashStore(store.convert(tmp_path / "ckpt", tmp_path / "s", dtype="fp32", progress=False))
-    for layer in (2, 10):
-        up = model.state_dict()[f"model.layers.{layer}.mlp.up_proj.weight"]
-        assert torch.equal(s.bundle(layer, [3])[0, :8], up[3])

@@ -1,10 +1,9 @@
-"""The embedded default model (SmolLM2-135M-Instruct, GGUF) and the tools around it: fetching, GGUF loading
-under Hugging Face names, the `transformers` reference model, offline English text and perplexity."""
+"""The embedded default model (SmolLM2-135M-Instruct, GGUF) and the tools around it: fetching, the
+`transformers` reference model, offline English text and perplexity."""
 from .fetch import fetch_default, resolve_cache_dir
-from .gguf_io import gguf_config, load_gguf
 from .hf import FFN_KINDS, collect_linear_inputs, decoder_layers, ffn_linear_names, load_hf_model, replace_weights
 from .text import corpus_text, corpus_token_ids, perplexity, spread_windows
 
 __all__ = ["FFN_KINDS", "collect_linear_inputs", "corpus_text", "decoder_layers", "corpus_token_ids", "fetch_default",
-           "ffn_linear_names", "gguf_config", "load_gguf", "load_hf_model", "perplexity", "replace_weights",
+           "ffn_linear_names", "load_hf_model", "perplexity", "replace_weights",
            "resolve_cache_dir", "spread_windows"]

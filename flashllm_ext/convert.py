@@ -1,0 +1,194 @@
+"""Writing flash stores: `convert` (a checkpoint into a store, verified by reading it back) and `synthesize`
+(random weights with a real model's FFN shapes, for benchmarks). The layout is `flashllm_ext.store`'s.
+
+convert reads the checkpoint one tensor at a time (flashllm_ext.checkpoint) and writes one FFN layer at a time:
+per layer, the up/gate/down weights become one bundle matrix [n_neurons, bundle_width] (bundle_layer), everything
+else goes to the resident file in the store dtype (float tensors only).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from . import endor
+from .checkpoint import Checkpoint, open_checkpoint
+from .errors import FormatError
+from .safetensors_io import AlignedWriter, dtype_name
+from .store import (ALIGNMENT, BUNDLES_FILE, DTYPES, FORMAT_VERSION, MAGIC, RESIDENT_FILE, FlashStore,
+                    layer_specs, layer_tensor_name)
+
+# FFN weight names of the supported families: Llama/Mistral/SmolLM (gate/up/down) and OPT (fc1/fc2).
+_FFN_NAME = re.compile(r"^(?:.*\.)?layers\.(\d+)\.(?:mlp\.)?(gate_proj|up_proj|down_proj|fc1|fc2)\.weight$")
+_ROLE = {"gate_proj": "gate", "up_proj": "up", "fc1": "up", "down_proj": "down", "fc2": "down"}
+_VERIFY_SAMPLES = 4  # neurons per layer read back after writing
+
+
+def _ffn_layout(names: list[str]) -> tuple[dict[int, dict[str, str]], bool]:
+    """Per layer in layer order, the tensor names of its up/gate/down weights; and whether the model is gated (GLU)."""
+    layers: dict[int, dict[str, str]] = {}
+    for name in names:
+        m = _FFN_NAME.match(name)
+        if m:
+            layers.setdefault(int(m.group(1)), {})[_ROLE[m.group(2)]] = name
+    if not layers or sorted(layers) != list(range(len(layers))):
+        raise FormatError("layers", f"no FFN weights or non-contiguous layer numbers {sorted(layers)[:8]}")
+    # Numeric order: tensor names sort as strings (layers.10 before layers.2), and the header's declaration order
+    # must be the order the layers are written in.
+    layers = dict(sorted(layers.items()))
+    glu = "gate" in layers[0]
+    for layer, roles in layers.items():
+        needed = {"up", "down"} | ({"gate"} if glu else set())
+        if set(roles) != needed:
+            raise FormatError(f"layers.{layer}", f"FFN weights {sorted(roles)}, expected {sorted(needed)}")
+    return layers, glu
+
+
+def bundle_layer(up: torch.Tensor, down: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
+    """Row-column bundling of one FFN layer.
+
+    up, gate: nn.Linear weights [ffn, d] (neuron i's input column is row i); down: [d, ffn] (its output row is
+    column i). Returns [ffn, bundle_width] with row i = [up[i] | gate[i] | down[:, i]], bundle_width = 2d or 3d.
+    """
+    parts = [up] + ([gate] if gate is not None else []) + [down.t()]
+    ffn = up.shape[0]
+    if any(p.dim() != 2 or p.shape[0] != ffn for p in parts):
+        raise ValueError(f"FFN shapes disagree: up {tuple(up.shape)}, down {tuple(down.shape)}, "
+                         f"gate {None if gate is None else tuple(gate.shape)}")
+    return torch.cat(parts, dim=1).contiguous()
+
+
+def convert(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, dtype: str = "fp16", endor: bool = False,
+            force: bool = False, progress: bool = True) -> Path:
+    """Convert a Hugging Face safetensors directory (OPT, Llama/Mistral/SmolLM; sharded or not) or a GGUF file
+    into a flash store at `out_dir`. Atomic: written under a temporary name and renamed at the end, then a sample
+    of every layer is read back and compared. Refuses to replace an existing `out_dir` unless `force`.
+    """
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not force:
+        raise FileExistsError(f"{out_dir} exists; pass force=True (--force) to replace it")
+    ckpt = open_checkpoint(checkpoint)
+    layers, glu = _ffn_layout(ckpt.names)
+    torch_dtype = DTYPES[dtype]
+    first = layers[0]
+    ffn, hidden = ckpt.shape(first["up"])
+    width = (3 if glu else 2) * hidden
+    metadata = _bundles_metadata(ckpt.config, dtype, len(layers), ffn, hidden, glu, endor)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        expected = _write_bundles(tmp / BUNDLES_FILE, ckpt, layers, torch_dtype, endor, ffn, width, metadata,
+                                  progress)
+        ffn_names = {n for roles in layers.values() for n in roles.values()}
+        resident = {n: _to_store_dtype(ckpt[n], torch_dtype).contiguous() for n in ckpt.names if n not in ffn_names}
+        save_file(resident, str(tmp / RESIDENT_FILE),
+                  metadata={"magic": MAGIC, "format_version": FORMAT_VERSION, "dtype": dtype})
+        _verify(FlashStore(tmp), expected, resident)
+        if out_dir.exists():
+            old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
+            out_dir.rename(old)
+            tmp.rename(out_dir)
+            shutil.rmtree(old)
+        else:
+            tmp.rename(out_dir)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+    return out_dir
+
+
+def _to_store_dtype(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A resident tensor in the store's float dtype if it is a float tensor. Integer and bool buffers (position ids,
+    index tables, masks) keep their dtype: a float cast would change what they mean and lose values (fp16 holds
+    integers exactly only up to 2048)."""
+    return tensor.to(dtype) if tensor.is_floating_point() else tensor
+
+
+def _bundles_metadata(config: dict, dtype: str, n_layers: int, n_neurons: int, hidden: int, glu: bool,
+                      use_endor: bool) -> dict[str, str]:
+    width = (3 if glu else 2) * hidden
+    return {"magic": MAGIC, "format_version": FORMAT_VERSION, "config": json.dumps(config), "dtype": dtype,
+            "bundle_width": str(width), "n_layers": str(n_layers), "n_neurons": str(n_neurons),
+            "hidden_size": str(hidden), "glu": str(int(glu)), "alignment": str(ALIGNMENT),
+            "endor": str(int(use_endor))}
+
+
+def synthesize(out_dir: str | os.PathLike, n_layers: int, hidden_size: int, n_neurons: int, glu: bool = False,
+               dtype: str = "fp16", seed: int = 0) -> Path:
+    """A store of random weights with a real model's FFN shapes (e.g. OPT-6.7B: hidden 4096, 16384 neurons), for
+    I/O benchmarks at a scale no checkpoint here has. No resident tensors. Written one layer at a time."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    torch_dtype = DTYPES[dtype]
+    width = (3 if glu else 2) * hidden_size
+    config = {"model_type": "synthetic", "hidden_size": hidden_size, "intermediate_size": n_neurons,
+              "num_hidden_layers": n_layers}
+    specs = [spec for layer in range(n_layers) for spec in layer_specs(layer, n_neurons, width, torch_dtype, None)]
+    generator = torch.Generator().manual_seed(seed)
+    metadata = _bundles_metadata(config, dtype, n_layers, n_neurons, hidden_size, glu, False)
+    with AlignedWriter(out_dir / BUNDLES_FILE, specs, metadata, ALIGNMENT) as writer:
+        for layer in range(n_layers):
+            writer.write(layer_tensor_name(layer),
+                         torch.randn((n_neurons, width), generator=generator, dtype=torch.float32).to(torch_dtype))
+    save_file({}, str(out_dir / RESIDENT_FILE), metadata={"magic": MAGIC, "format_version": FORMAT_VERSION,
+                                                           "dtype": dtype})
+    return out_dir
+
+
+def _write_bundles(path: Path, ckpt: Checkpoint, layers: dict[int, dict[str, str]], dtype: torch.dtype,
+                   use_endor: bool, ffn: int, width: int, metadata: dict[str, str],
+                   progress: bool) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """Writes every layer; returns per layer (sample neuron ids, their expected bundles) for verification."""
+    from tqdm.auto import tqdm
+
+    def bundles(layer: int) -> torch.Tensor:
+        roles = layers[layer]
+        gate = ckpt[roles["gate"]].to(dtype) if "gate" in roles else None
+        return bundle_layer(ckpt[roles["up"]].to(dtype), ckpt[roles["down"]].to(dtype), gate)
+
+    # Endor sizes are only known after compressing, and the header (written first) needs them: compress every
+    # layer up front. Endor stores are for pruned models, whose compressed layers are small.
+    compressed = {l: endor.compress(bundles(l)) for l in layers} if use_endor else {}
+    specs = [s for l in layers for s in layer_specs(l, ffn, width, dtype,
+                                                     compressed[l].values.numel() if use_endor else None)]
+    expected = {}
+    generator = torch.Generator().manual_seed(0)
+    with AlignedWriter(path, specs, metadata, ALIGNMENT) as writer:
+        for layer in tqdm(layers, desc="bundling FFN layers", unit="layer", disable=not progress):
+            ids = torch.cat([torch.tensor([0, ffn - 1]), torch.randint(0, ffn, (_VERIFY_SAMPLES - 2,),
+                                                                       generator=generator)])
+            name = layer_tensor_name(layer)
+            if use_endor:
+                t = compressed.pop(layer)
+                for part in endor.PARTS:
+                    writer.write(f"{name}.{part}", getattr(t, part))
+                expected[layer] = (ids, t.decompress(ids))
+            else:
+                layer_bundles = bundles(layer)
+                if tuple(layer_bundles.shape) != (ffn, width):
+                    raise FormatError(name, f"shape {tuple(layer_bundles.shape)} differs from layer 0's {(ffn, width)}")
+                writer.write(name, layer_bundles)
+                expected[layer] = (ids, layer_bundles[ids].clone())
+    return expected
+
+
+def _verify(store: FlashStore, expected: dict[int, tuple[torch.Tensor, torch.Tensor]],
+            resident: dict[str, torch.Tensor]) -> None:
+    for layer, (ids, want) in expected.items():
+        if not torch.equal(store.bundle(layer, ids).view(torch.uint8), want.view(torch.uint8)):
+            raise RuntimeError(f"{store.path}: read-back of layer {layer} neurons {ids.tolist()} differs from "
+                               "what was written")
+    if resident:
+        name = next(iter(resident))
+        if not torch.equal(store.resident_tensor(name), resident[name]):
+            raise RuntimeError(f"{store.path}: read-back of resident tensor {name} differs from what was written")
+
+

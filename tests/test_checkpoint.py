@@ -1,0 +1,179 @@
+"""Checkpoint readers: GGUF files under Hugging Face names (equal to what transformers loads), dequantized one
+tensor at a time; Hugging Face safetensors directories; bad files raise FormatError naming file and field."""
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+from flashllm_ext import FormatError
+from flashllm_ext.checkpoint import GGUFCheckpoint, gguf_config, load_gguf, open_checkpoint
+from test_models import TINY, tiny_llama  # noqa: F401  (tiny_llama: a fixture)
+
+_GGUF_BLOCK = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+               "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+               "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+
+
+def _llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    # The rule of llama.cpp's convert_hf_to_gguf.py, written independently of the code under test.
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _gguf_name(hf: str) -> str:
+    if hf == "model.embed_tokens.weight":
+        return "token_embd.weight"
+    if hf == "model.norm.weight":
+        return "output_norm.weight"
+    parts = hf.split(".")
+    module = ".".join(parts[3:5]) if parts[3] in ("self_attn", "mlp") else parts[3]
+    return f"blk.{parts[2]}.{_GGUF_BLOCK[module]}.weight"
+
+
+def write_tiny_gguf(path: Path, model: LlamaForCausalLM, qtype=gguf.GGMLQuantizationType.F32, arch: str = "llama",
+                    drop: tuple[str, ...] = (), transpose: tuple[str, ...] = ()) -> Path:
+    """A GGUF laid out as llama.cpp writes Llama models (Q/K rows permuted, 2-D weights quantized to qtype)."""
+    cfg = model.config
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    writer.add_vocab_size(cfg.vocab_size)
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" or name in drop:
+            continue
+        array = tensor.numpy()
+        if ".q_proj." in name:
+            array = _llama_cpp_permute(array, cfg.num_attention_heads)
+        elif ".k_proj." in name:
+            array = _llama_cpp_permute(array, cfg.num_key_value_heads)
+        if name in transpose:
+            array = np.ascontiguousarray(array.T)
+        if array.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(_gguf_name(name), gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(_gguf_name(name), array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+
+# ------------------------------------------------------------------------------------------ GGUF on a tiny Llama
+
+def test_load_gguf_undoes_rotary_permutation_exactly(tmp_path, tiny_llama):
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", tiny_llama)
+    loaded = load_gguf(path, progress=False)
+    expected = {k: v for k, v in tiny_llama.state_dict().items() if k != "lm_head.weight"}
+    assert loaded.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert loaded[name].dtype == torch.float32 and torch.equal(loaded[name], tensor), name
+
+
+def test_load_gguf_quantized_equals_transformers(tmp_path, tiny_llama):
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", tiny_llama, qtype=gguf.GGMLQuantizationType.Q8_0)
+    loaded = load_gguf(path, progress=False)
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, local_files_only=True)
+    for name, tensor in reference.state_dict().items():
+        if name != "lm_head.weight":
+            assert torch.equal(loaded[name], tensor), name
+    # Quantized, so not the original weights, but close to them.
+    q = loaded["model.layers.0.self_attn.q_proj.weight"]
+    original = tiny_llama.state_dict()["model.layers.0.self_attn.q_proj.weight"]
+    assert not torch.equal(q, original) and torch.allclose(q, original, atol=2e-3)
+
+
+def test_gguf_config_matches_transformers(tmp_path, tiny_llama):
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", tiny_llama)
+    config = gguf_config(path)
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, local_files_only=True).config
+    _assert_config_matches(config, reference)
+    assert config["hidden_size"] == TINY["hidden_size"] and config["num_key_value_heads"] == 2
+
+
+def _assert_config_matches(config: dict, reference) -> None:
+    for key, value in config.items():
+        if key == "rope_theta":
+            assert reference.rope_parameters["rope_theta"] == value
+        elif key != "architectures":
+            assert getattr(reference, key) == pytest.approx(value), key
+
+
+def test_not_gguf_raises_format_error(tmp_path):
+    path = tmp_path / "model.gguf"
+    path.write_text("this is not a model\n")
+    with pytest.raises(FormatError, match=r"model\.gguf: magic"):
+        load_gguf(path)
+    with pytest.raises(FormatError, match="magic"):
+        gguf_config(path)
+
+
+@pytest.mark.parametrize("keep_fraction", [0.01, 0.3, 0.9])
+def test_truncated_gguf_raises_format_error(tmp_path, tiny_llama, keep_fraction):
+    data = write_tiny_gguf(tmp_path / "full.gguf", tiny_llama).read_bytes()
+    path = tmp_path / "cut.gguf"
+    path.write_bytes(data[: int(len(data) * keep_fraction)])
+    with pytest.raises(FormatError, match="cut.gguf"):
+        load_gguf(path, progress=False)
+
+
+def test_missing_tensor_raises_format_error(tmp_path, tiny_llama):
+    path = write_tiny_gguf(tmp_path / "t.gguf", tiny_llama, drop=("model.layers.1.mlp.down_proj.weight",))
+    with pytest.raises(FormatError, match=r"model\.layers\.1\.mlp\.down_proj\.weight: missing"):
+        load_gguf(path, progress=False)
+
+
+def test_wrong_shape_raises_format_error(tmp_path, tiny_llama):
+    path = write_tiny_gguf(tmp_path / "t.gguf", tiny_llama, transpose=("model.layers.0.mlp.up_proj.weight",))
+    with pytest.raises(FormatError, match=r"blk\.0\.ffn_up\.weight: shape"):
+        load_gguf(path, progress=False)
+
+
+def test_unsupported_architecture_raises_format_error(tmp_path, tiny_llama):
+    path = write_tiny_gguf(tmp_path / "t.gguf", tiny_llama, arch="gpt2")
+    with pytest.raises(FormatError, match="general.architecture"):
+        gguf_config(path)
+
+
+@pytest.mark.slow
+def test_default_load_gguf_equals_transformers(default_model):
+    path, model, _ = default_model
+    loaded = load_gguf(path, progress=False)
+    reference = model.state_dict()
+    assert set(reference) - set(loaded) == {"lm_head.weight"} and len(loaded) == 272
+    for name, tensor in loaded.items():
+        assert torch.equal(tensor, reference[name]), name
+    _assert_config_matches(gguf_config(path), model.config)
+
+
+def test_gguf_checkpoint_dequantizes_one_tensor_at_a_time(tmp_path, tiny_llama, monkeypatch):
+    """Opening reads the header only; each tensor is dequantized when asked for, and nothing keeps it."""
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", tiny_llama, qtype=gguf.GGMLQuantizationType.Q8_0)
+    calls = []
+    real = gguf.quants.dequantize
+    monkeypatch.setattr(gguf.quants, "dequantize", lambda data, qtype: calls.append(qtype) or real(data, qtype))
+    ckpt = open_checkpoint(path)
+    assert isinstance(ckpt, GGUFCheckpoint) and calls == []
+    name = "model.layers.1.mlp.up_proj.weight"
+    assert ckpt.shape(name) == (TINY["intermediate_size"], TINY["hidden_size"]) and calls == []
+    first, second = ckpt[name], ckpt[name]
+    assert len(calls) == 2 and torch.equal(first, second) and first.data_ptr() != second.data_ptr()
+    assert set(ckpt.names) == set(load_gguf(path, progress=False))
+
+
+def test_safetensors_checkpoint_shapes_come_from_the_header(tmp_path, tiny_llama):
+    tiny_llama.save_pretrained(tmp_path / "ckpt")
+    ckpt = open_checkpoint(tmp_path / "ckpt")
+    state = tiny_llama.state_dict()
+    assert ckpt.config["hidden_size"] == TINY["hidden_size"]
+    for name in ckpt.names:
+        assert ckpt.shape(name) == tuple(state[name].shape) and torch.equal(ckpt[name], state[name]), name
