@@ -20,7 +20,6 @@ whose own active set exceeds the capacity raises ValueError. After construction 
 from __future__ import annotations
 
 import os
-import re
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -51,28 +50,20 @@ class StepStats:
         return self.evicted + self.evicted_budget
 
 
-def _bias_name_pattern(layer: int) -> re.Pattern:
-    return re.compile(rf"^(?:.*\.)?layers\.{layer}\.(?:mlp\.)?(fc1|gate_proj|up_proj)\.bias$")
+def input_bias_role(store: FlashStore) -> str:
+    """The role of the bias added before the activation: a GLU gate's (Llama mlp_bias gate_proj.bias), else the up
+    projection's (OPT's fc1.bias)."""
+    return "gate_bias" if store.glu else "up_bias"
 
 
 def layer_input_bias(store: FlashStore, layer: int) -> torch.Tensor | None:
-    """The per-neuron bias of layer `layer`'s activation input ([n_neurons], store dtype) from the resident file:
-    OPT's fc1.bias, a Llama mlp_bias gate_proj.bias; None when the model has none. A GLU model's up_proj bias has
-    no place in the bundle kernel and raises ValueError."""
-    from safetensors import safe_open
-
-    pattern = _bias_name_pattern(layer)
-    with safe_open(store.resident_path, framework="pt") as f:
-        found = {m.group(1): name for name in f.keys() if (m := pattern.match(name))}
-        if "up_proj" in found and store.glu:
-            raise ValueError(f"{store.path}: layer {layer} has an up_proj bias, which sparse_ffn does not support")
-        name = found.get("gate_proj" if store.glu else "fc1", found.get("up_proj"))
-        if name is None:
-            return None
-        bias = f.get_tensor(name).to(store.dtype)
-    if tuple(bias.shape) != (store.n_neurons,):
-        raise ValueError(f"{store.resident_path}: {name} has shape {tuple(bias.shape)}, expected ({store.n_neurons},)")
-    return bias
+    """The per-neuron bias of layer `layer`'s activation input ([n_neurons], store dtype) from the resident file;
+    None when the model has none. A GLU model's up_proj bias has no place in the bundle kernel and raises
+    ValueError."""
+    if store.glu and store.layer_bias(layer, "up_bias") is not None:
+        raise ValueError(f"{store.path}: layer {layer} has an up_proj bias, which sparse_ffn does not support")
+    bias = store.layer_bias(layer, input_bias_role(store))
+    return None if bias is None else bias.to(store.dtype)
 
 
 class NeuronCache:

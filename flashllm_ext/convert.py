@@ -21,22 +21,25 @@ from . import endor
 from .checkpoint import Checkpoint, open_checkpoint
 from .errors import FormatError
 from .safetensors_io import AlignedWriter, dtype_name
-from .store import (ALIGNMENT, BUNDLES_FILE, DTYPES, FORMAT_VERSION, MAGIC, RESIDENT_FILE, FlashStore,
+from .store import (ALIGNMENT, BUNDLES_FILE, DTYPES, FORMAT_VERSION, MAGIC, RESIDENT_FILE, WEIGHT_ROLES, FlashStore,
                     layer_specs, layer_tensor_name)
 
-# FFN weight names of the supported families: Llama/Mistral/SmolLM (gate/up/down) and OPT (fc1/fc2).
-_FFN_NAME = re.compile(r"^(?:.*\.)?layers\.(\d+)\.(?:mlp\.)?(gate_proj|up_proj|down_proj|fc1|fc2)\.weight$")
+# FFN tensor names of the supported families: Llama/Mistral/SmolLM (gate/up/down) and OPT (fc1/fc2). The only place
+# a family's naming scheme is read: the store records the names it finds per layer and role (store.ffn_roles).
+_FFN_NAME = re.compile(r"^(?:.*\.)?layers\.(\d+)\.(?:mlp\.)?(gate_proj|up_proj|down_proj|fc1|fc2)\.(weight|bias)$")
 _ROLE = {"gate_proj": "gate", "up_proj": "up", "fc1": "up", "down_proj": "down", "fc2": "down"}
 _VERIFY_SAMPLES = 4  # neurons per layer read back after writing
 
 
 def _ffn_layout(names: list[str]) -> tuple[dict[int, dict[str, str]], bool]:
-    """Per layer in layer order, the tensor names of its up/gate/down weights; and whether the model is gated (GLU)."""
+    """Per layer in layer order, role -> tensor name of its FFN weights (up, gate, down) and biases (up_bias, ...);
+    and whether the model is gated (GLU)."""
     layers: dict[int, dict[str, str]] = {}
     for name in names:
         m = _FFN_NAME.match(name)
         if m:
-            layers.setdefault(int(m.group(1)), {})[_ROLE[m.group(2)]] = name
+            role = _ROLE[m.group(2)] + ("_bias" if m.group(3) == "bias" else "")
+            layers.setdefault(int(m.group(1)), {})[role] = name
     if not layers or sorted(layers) != list(range(len(layers))):
         raise FormatError("layers", f"no FFN weights or non-contiguous layer numbers {sorted(layers)[:8]}")
     # Numeric order: tensor names sort as strings (layers.10 before layers.2), and the header's declaration order
@@ -45,8 +48,9 @@ def _ffn_layout(names: list[str]) -> tuple[dict[int, dict[str, str]], bool]:
     glu = "gate" in layers[0]
     for layer, roles in layers.items():
         needed = {"up", "down"} | ({"gate"} if glu else set())
-        if set(roles) != needed:
-            raise FormatError(f"layers.{layer}", f"FFN weights {sorted(roles)}, expected {sorted(needed)}")
+        weights = set(roles) & set(WEIGHT_ROLES)
+        if weights != needed:
+            raise FormatError(f"layers.{layer}", f"FFN weights {sorted(weights)}, expected {sorted(needed)}")
     return layers, glu
 
 
@@ -81,17 +85,18 @@ def convert(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, dtype: st
     first = layers[0]
     ffn, hidden = ckpt.shape(first["up"])
     width = (3 if glu else 2) * hidden
-    metadata = _bundles_metadata(ckpt.config, dtype, len(layers), ffn, hidden, glu, endor)
+    metadata = _bundles_metadata(ckpt.config, dtype, ffn, hidden, glu, endor, list(layers.values()))
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
         expected = _write_bundles(tmp / BUNDLES_FILE, ckpt, layers, torch_dtype, endor, ffn, width, metadata,
                                   progress)
-        ffn_names = {n for roles in layers.values() for n in roles.values()}
-        resident = {n: _to_store_dtype(ckpt[n], torch_dtype).contiguous() for n in ckpt.names if n not in ffn_names}
+        bundled = {name for roles in layers.values() for role, name in roles.items() if role in WEIGHT_ROLES}
+        resident = {n: _to_store_dtype(ckpt[n], torch_dtype).contiguous() for n in ckpt.names if n not in bundled}
         save_file(resident, str(tmp / RESIDENT_FILE),
                   metadata={"magic": MAGIC, "format_version": FORMAT_VERSION, "dtype": dtype})
-        _verify(FlashStore(tmp), expected, resident)
+        with FlashStore(tmp) as written:
+            _verify(written, expected, resident)
         if out_dir.exists():
             old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
             out_dir.rename(old)
@@ -112,13 +117,13 @@ def _to_store_dtype(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return tensor.to(dtype) if tensor.is_floating_point() else tensor
 
 
-def _bundles_metadata(config: dict, dtype: str, n_layers: int, n_neurons: int, hidden: int, glu: bool,
-                      use_endor: bool) -> dict[str, str]:
+def _bundles_metadata(config: dict, dtype: str, n_neurons: int, hidden: int, glu: bool, use_endor: bool,
+                      ffn_roles: list[dict[str, str]]) -> dict[str, str]:
     width = (3 if glu else 2) * hidden
     return {"magic": MAGIC, "format_version": FORMAT_VERSION, "config": json.dumps(config), "dtype": dtype,
-            "bundle_width": str(width), "n_layers": str(n_layers), "n_neurons": str(n_neurons),
+            "bundle_width": str(width), "n_layers": str(len(ffn_roles)), "n_neurons": str(n_neurons),
             "hidden_size": str(hidden), "glu": str(int(glu)), "alignment": str(ALIGNMENT),
-            "endor": str(int(use_endor))}
+            "endor": str(int(use_endor)), "ffn_roles": json.dumps(ffn_roles)}
 
 
 def synthesize(out_dir: str | os.PathLike, n_layers: int, hidden_size: int, n_neurons: int, glu: bool = False,
@@ -133,7 +138,10 @@ def synthesize(out_dir: str | os.PathLike, n_layers: int, hidden_size: int, n_ne
               "num_hidden_layers": n_layers}
     specs = [spec for layer in range(n_layers) for spec in layer_specs(layer, n_neurons, width, torch_dtype, None)]
     generator = torch.Generator().manual_seed(seed)
-    metadata = _bundles_metadata(config, dtype, n_layers, n_neurons, hidden_size, glu, False)
+    # No checkpoint: the weight roles are named after the bundle tensor that holds them; no biases.
+    roles = [{role: f"{layer_tensor_name(layer)}.{role}" for role in WEIGHT_ROLES if glu or role != "gate"}
+             for layer in range(n_layers)]
+    metadata = _bundles_metadata(config, dtype, n_neurons, hidden_size, glu, False, roles)
     with AlignedWriter(out_dir / BUNDLES_FILE, specs, metadata, ALIGNMENT) as writer:
         for layer in range(n_layers):
             writer.write(layer_tensor_name(layer),

@@ -284,24 +284,20 @@ def load_flash(store_dir: str | os.PathLike, dram_budget: int | float | str | No
 def _assign_resident(model: nn.Module, store: FlashStore, dtype: torch.dtype) -> None:
     """Load the store's resident tensors into the (meta) model under their names; tie the LM head if the
     checkpoint shares it with the embedding."""
-    from safetensors import safe_open
-
     params = dict(model.named_parameters(remove_duplicate=False))
-    with safe_open(store.resident_path, framework="pt") as f:
-        for name in f.keys():
-            if name.startswith("predictor."):
-                continue
-            target = name if name in params else f"model.{name}"
-            if target not in params:
-                raise ValueError(f"{store.path}: resident tensor {name!r} has no place in "
-                                 f"{type(model).__name__}")
-            module_name, _, attr = target.rpartition(".")
-            module = model.get_submodule(module_name)
-            value = f.get_tensor(name).to(dtype)
-            if tuple(value.shape) != tuple(params[target].shape):
-                raise ValueError(f"{store.path}: {name} has shape {tuple(value.shape)}, the model expects "
-                                 f"{tuple(params[target].shape)}")
-            setattr(module, attr, nn.Parameter(value, requires_grad=False))
+    for name in store.resident_names():
+        if name.startswith("predictor."):
+            continue
+        target = name if name in params else f"model.{name}"
+        if target not in params:
+            raise ValueError(f"{store.path}: resident tensor {name!r} has no place in {type(model).__name__}")
+        module_name, _, attr = target.rpartition(".")
+        module = model.get_submodule(module_name)
+        value = store.resident_tensor(name).to(dtype)
+        if tuple(value.shape) != tuple(params[target].shape):
+            raise ValueError(f"{store.path}: {name} has shape {tuple(value.shape)}, the model expects "
+                             f"{tuple(params[target].shape)}")
+        setattr(module, attr, nn.Parameter(value, requires_grad=False))
     if getattr(model.config, "tie_word_embeddings", False):
         model.tie_weights()
 

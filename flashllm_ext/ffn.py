@@ -18,7 +18,6 @@ time per token.
 from __future__ import annotations
 
 import os
-import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, fields
@@ -28,7 +27,7 @@ from torch import nn
 
 from . import ops
 from ._ops import ACTIVATIONS
-from .cache import NeuronCache, StepStats, layer_input_bias
+from .cache import NeuronCache, StepStats, input_bias_role, layer_input_bias
 from .models.hf import decoder_layers
 from .reader import FlashReader
 from .store import FlashStore
@@ -51,12 +50,9 @@ def store_activation(store: FlashStore) -> str:
 
 
 def _output_bias(store: FlashStore, layer: int) -> torch.Tensor | None:
-    from safetensors import safe_open
-
-    pattern = re.compile(rf"^(?:.*\.)?layers\.{layer}\.(?:mlp\.)?(fc2|down_proj)\.bias$")
-    with safe_open(store.resident_path, framework="pt") as f:
-        name = next((n for n in f.keys() if pattern.match(n)), None)
-        return None if name is None else f.get_tensor(name).float()
+    """The down projection's bias (OPT's fc2.bias) in float32, added to the float32 accumulator; None if none."""
+    bias = store.layer_bias(layer, "down_bias")
+    return None if bias is None else bias.float()
 
 
 def active_ids_of(selection: torch.Tensor, n_neurons: int) -> torch.Tensor:
@@ -154,7 +150,7 @@ class FlashFFN(nn.Module):
     def bytes_for(store: FlashStore) -> tuple[int, int]:
         """(fixed bytes, bytes per cache row) of one FlashFFN layer over `store`: NeuronCache.bytes_for plus an
         output bias (float32 [d], counted whether or not the model has one)."""
-        fixed, per_row = NeuronCache.bytes_for(store, with_bias=layer_input_bias(store, 0) is not None)
+        fixed, per_row = NeuronCache.bytes_for(store, with_bias=input_bias_role(store) in store.ffn_roles[0])
         return fixed + 4 * store.hidden_size, per_row
 
     def _token_sets(self, flat: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
@@ -279,7 +275,7 @@ class StreamingFFN(nn.Module):
         """DRAM one layer holds on its own (the shared staging buffer is counted once by its owner): resident
         bundles, the ids of the streamed ones, the input bias (if any) and a float32 output bias (counted always)."""
         n = store.n_neurons
-        bias = store.dtype.itemsize * n if layer_input_bias(store, 0) is not None else 0
+        bias = store.dtype.itemsize * n if input_bias_role(store) in store.ffn_roles[0] else 0
         return resident_rows * store.row_bytes + 8 * (n - resident_rows) + bias + 4 * store.hidden_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -6,8 +6,10 @@ A store is a directory with two safetensors files (DESIGN.md §5):
                         neuron i of layer l is one contiguous, direct-I/O-friendly range. With Endor compression the
                         layer is stored as `layers.{l}.bundles.values/.bitmap/.row_offsets` (row = neuron).
   resident.safetensors  embeddings, attention, norms, biases: what stays in memory.
-Both headers carry `magic` and `format_version`; bundles.safetensors also the model config, dtype, widths and
-alignment. `flashllm_ext.convert` writes a store, `FlashStore` opens and validates one.
+Both headers carry `magic` and `format_version`; bundles.safetensors also the model config, dtype, widths,
+alignment and `ffn_roles`: per layer, the checkpoint tensor name of each FFN role (WEIGHT_ROLES, whose weights are
+the bundles, and BIAS_ROLES present in the model, which are resident tensors under that name), so nothing reading a
+store re-derives names from a model family's naming scheme. `flashllm_ext.convert` writes a store, `FlashStore` opens and validates one.
 """
 from __future__ import annotations
 
@@ -30,11 +32,13 @@ if TYPE_CHECKING:
     from .reader import FlashReader
 
 MAGIC = "flashllm-store"
-FORMAT_VERSION = "1"
+FORMAT_VERSION = "2"  # 2: ffn_roles
 ALIGNMENT = 4096
 BUNDLES_FILE = "bundles.safetensors"
 RESIDENT_FILE = "resident.safetensors"
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+WEIGHT_ROLES = ("up", "gate", "down")  # gate only in GLU models
+BIAS_ROLES = ("up_bias", "gate_bias", "down_bias")
 
 
 def layer_tensor_name(layer: int) -> str:
@@ -74,7 +78,9 @@ class FlashStore:
         header = read_header(self.bundles_path)
         meta = header.metadata
         self._check_magic(meta, self.bundles_path)
-        self._check_magic(read_header(self.resident_path).metadata, self.resident_path)
+        resident_header = read_header(self.resident_path)
+        self._check_magic(resident_header.metadata, self.resident_path)
+        self._resident_entries = resident_header.tensors
         self.dtype_name = meta.get("dtype")
         if self.dtype_name not in DTYPES:
             raise FormatError("__metadata__.dtype", f"must be one of {sorted(DTYPES)}, got {self.dtype_name!r}",
@@ -101,8 +107,11 @@ class FlashStore:
         for layer in range(self.n_layers):
             for spec in layer_specs(layer, self.n_neurons, self.bundle_width, self.dtype, -1 if self.endor else None):
                 self._check_entry(spec)
+        self.ffn_roles = self._parse_ffn_roles(meta.get("ffn_roles"))
         self._reader: FlashReader | None = None
         self._reader_lock = threading.Lock()
+        self._resident_file = None  # safe_open handle of resident.safetensors, opened on first use
+        self._resident_lock = threading.Lock()
 
     def reader(self) -> FlashReader:
         """The store's shared FlashReader (default settings), opened on first use. One per store: each reader owns a
@@ -116,11 +125,14 @@ class FlashStore:
             return self._reader
 
     def close(self) -> None:
-        """Closes the shared reader (its threads and file descriptor) if one was opened; reader() opens a new one."""
+        """Closes the shared reader (its threads and file descriptor) and the resident file if they were opened;
+        later calls open them again."""
         with self._reader_lock:
             reader, self._reader = self._reader, None
         if reader is not None:
             reader.close()
+        with self._resident_lock:
+            self._resident_file = None
 
     def __enter__(self) -> FlashStore:
         return self
@@ -135,6 +147,34 @@ class FlashStore:
             raise FormatError("__metadata__.format_version",
                               f"unsupported version {meta.get('format_version')!r} (this library reads "
                               f"{FORMAT_VERSION})", path)
+
+    def _parse_ffn_roles(self, raw: str | None) -> list[dict[str, str]]:
+        """Per layer, role -> checkpoint tensor name: the weight roles of this model exactly, bias roles only for
+        resident tensors of the right shape ([n_neurons] before the activation, [hidden_size] after down)."""
+        field = "__metadata__.ffn_roles"
+        try:
+            roles = json.loads(raw) if raw is not None else None
+        except json.JSONDecodeError as e:
+            raise FormatError(field, f"not JSON ({e})", self.bundles_path) from None
+        if not isinstance(roles, list) or len(roles) != self.n_layers:
+            raise FormatError(field, f"must list the roles of each of the {self.n_layers} layers, got "
+                              f"{str(roles)[:80]}", self.bundles_path)
+        weights = {"up", "down"} | ({"gate"} if self.glu else set())
+        for layer, names in enumerate(roles):
+            where = f"{field}[{layer}]"
+            if not isinstance(names, dict) or not all(isinstance(v, str) for v in names.values()):
+                raise FormatError(where, "must map roles to tensor names", self.bundles_path)
+            unknown = set(names) - set(WEIGHT_ROLES) - set(BIAS_ROLES)
+            if unknown or weights - set(names) or set(names) & set(WEIGHT_ROLES) - weights:
+                raise FormatError(where, f"roles {sorted(names)}: needs exactly the weights {sorted(weights)} "
+                                  f"and biases among {BIAS_ROLES}", self.bundles_path)
+            for role in set(names) & set(BIAS_ROLES):
+                entry = self._resident_entries.get(names[role])
+                size = self.hidden_size if role == "down_bias" else self.n_neurons
+                if entry is None or entry.shape != (size,):
+                    raise FormatError(f"{where}.{role}", f"{names[role]!r} is not a resident tensor of shape "
+                                      f"({size},)", self.bundles_path)
+        return roles
 
     def _int_field(self, meta: dict[str, str], key: str) -> int:
         try:
@@ -235,15 +275,29 @@ class FlashStore:
             self._endor_index[layer] = (bitmap, row_offsets)
         return self._endor_index[layer]
 
-    def resident(self) -> dict[str, torch.Tensor]:
-        """Every resident tensor (embeddings, attention, norms, biases) under its checkpoint name."""
-        from safetensors.torch import load_file
+    def layer_bias(self, layer: int, role: str) -> torch.Tensor | None:
+        """The resident bias of `layer` in `role` (one of BIAS_ROLES) as stored, None when the model has none."""
+        self._check_layer(layer)
+        if role not in BIAS_ROLES:
+            raise ValueError(f"role must be one of {BIAS_ROLES}, got {role!r}")
+        name = self.ffn_roles[layer].get(role)
+        return None if name is None else self.resident_tensor(name)
 
-        return load_file(self.resident_path)
+    def resident_names(self) -> list[str]:
+        """Names of the resident tensors (embeddings, attention, norms, biases; predictors under `predictor.*`)."""
+        return list(self._resident_entries)
+
+    def resident(self) -> dict[str, torch.Tensor]:
+        """Every resident tensor under its checkpoint name."""
+        return {name: self.resident_tensor(name) for name in self._resident_entries}
 
     def resident_tensor(self, name: str) -> torch.Tensor:
-        with safe_open(self.resident_path, framework="pt") as f:
-            return f.get_tensor(name)
+        """One resident tensor, read through the store's one handle of resident.safetensors."""
+        with self._resident_lock:
+            if self._resident_file is None:
+                self._resident_file = safe_open(self.resident_path, framework="pt")
+            handle = self._resident_file
+        return handle.get_tensor(name)
 
     def __repr__(self) -> str:
         return (f"FlashStore({str(self.path)!r}, layers={self.n_layers}, neurons={self.n_neurons}, "

@@ -98,6 +98,38 @@ def test_resident_holds_everything_but_ffn_weights(checkpoints, stores):
     assert fs.config["model_type"] == "opt" and fs.config["ffn_dim"] == 136
 
 
+def test_ffn_roles_name_every_layers_weights_and_biases(checkpoints, stores):
+    """The store records each layer's FFN tensor names by role; biases are read back through them."""
+    opt, llama = store.FlashStore(stores["opt"]), store.FlashStore(stores["llama"])
+    prefix = "model.decoder.layers.1."
+    assert opt.ffn_roles[1] == {"up": prefix + "fc1.weight", "down": prefix + "fc2.weight",
+                                "up_bias": prefix + "fc1.bias", "down_bias": prefix + "fc2.bias"}
+    state = checkpoints["opt"][1]
+    assert torch.equal(opt.layer_bias(1, "up_bias"), state[prefix + "fc1.bias"].half())
+    assert torch.equal(opt.layer_bias(1, "down_bias"), state[prefix + "fc2.bias"].half())
+    assert opt.layer_bias(1, "gate_bias") is None
+    mlp = "model.layers.2.mlp."
+    assert llama.ffn_roles[2] == {r: f"{mlp}{r}_proj.weight" for r in ("up", "gate", "down")}
+
+
+def test_glu_biases(tmp_path):
+    """Llama with mlp_bias: the gate bias feeds the activation, the down bias the output; an up_proj bias has no
+    place in the bundle kernel and the cache refuses it."""
+    from flashllm_ext.cache import NeuronCache, layer_input_bias
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+                                         num_attention_heads=2, num_key_value_heads=1, vocab_size=32, mlp_bias=True))
+    model.save_pretrained(tmp_path / "ckpt")
+    fs = store.FlashStore(convert(tmp_path / "ckpt", tmp_path / "s", dtype="fp32", progress=False))
+    assert set(fs.ffn_roles[1]) == {"up", "gate", "down", "up_bias", "gate_bias", "down_bias"}
+    assert torch.equal(fs.layer_bias(1, "gate_bias"), model.model.layers[1].mlp.gate_proj.bias)
+    with pytest.raises(ValueError, match="up_proj bias"):
+        layer_input_bias(fs, 1)
+    with pytest.raises(ValueError, match="up_proj bias"):
+        NeuronCache(fs, 0, capacity=4)
+
+
 def test_integer_and_bool_resident_buffers_keep_their_dtype(checkpoints, tmp_path):
     """Only float tensors take the store dtype: int64 ids past fp16's exact range and bool masks come back as
     they were saved."""

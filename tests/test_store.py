@@ -48,6 +48,10 @@ def _rewrite_header(path, mutate) -> None:
     ("n_layers", "4", "layers.3.bundles"),
     ("n_neurons", "161", r"layers\.0\.bundles\.shape"),
     ("config", "{", "config"),
+    ("format_version", "1", "format_version"),  # stores written before ffn_roles
+    ("ffn_roles", "{", "ffn_roles"),
+    ("ffn_roles", "[]", "ffn_roles"),
+    ("ffn_roles", '[{"up":"a"},{"up":"a"},{"up":"a"}]', r"ffn_roles\[0\]"),
 ])
 def test_metadata_lies_raise_format_error(store_copy, field, value, match):
     bundles = store_copy / store.BUNDLES_FILE
@@ -145,3 +149,38 @@ def test_fuzzed_headers_raise_format_error_or_load(store_copy, data):
         fs.bundle(0, [0, fs.n_neurons - 1])  # what loads must be consistent enough to read
     finally:
         bundles.write_bytes(original)
+
+
+@pytest.mark.parametrize("role,name,match", [
+    ("gate_bias", "model.layers.0.no_such.bias", "not a resident tensor"),
+    ("up_bias", "model.norm.weight", r"shape \(160,\)"),  # [d], not [n_neurons]
+    ("bias", "model.norm.weight", "needs exactly the weights"),
+])
+def test_ffn_roles_must_name_resident_tensors_of_the_right_shape(store_copy, role, name, match):
+    def add_role(h):
+        roles = json.loads(h["__metadata__"]["ffn_roles"])
+        roles[0][role] = name
+        h["__metadata__"]["ffn_roles"] = json.dumps(roles)
+        h["__metadata__"]["config"] = "{}"  # room in the header for the longer roles
+
+    _rewrite_header(store_copy / store.BUNDLES_FILE, add_role)
+    with pytest.raises(FormatError, match=match):
+        store.FlashStore(store_copy)
+
+
+def test_resident_file_is_opened_once(llama_store, monkeypatch):
+    import flashllm_ext.store as store_module
+
+    opened = []
+    real = store_module.safe_open
+    monkeypatch.setattr(store_module, "safe_open", lambda *a, **k: opened.append(a[0]) or real(*a, **k))
+    fs = store.FlashStore(llama_store)
+    names = fs.resident_names()
+    assert all(torch.equal(fs.resident_tensor(n), fs.resident()[n]) for n in names[:3])
+    assert [fs.layer_bias(layer, "down_bias") for layer in range(fs.n_layers)] == [None] * fs.n_layers
+    assert opened == [fs.resident_path]
+    fs.close()  # closes the handle; the next read opens it again
+    fs.resident_tensor(names[0])
+    assert opened == [fs.resident_path] * 2
+    with pytest.raises(ValueError, match="role"):
+        fs.layer_bias(0, "up")
