@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+from tqdm.auto import tqdm
 
 from . import endor
 from .checkpoint import Checkpoint, open_checkpoint
@@ -155,18 +156,23 @@ def _write_bundles(path: Path, ckpt: Checkpoint, layers: dict[int, dict[str, str
                    use_endor: bool, ffn: int, width: int, metadata: dict[str, str],
                    progress: bool) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
     """Writes every layer; returns per layer (sample neuron ids, their expected bundles) for verification."""
-    from tqdm.auto import tqdm
-
     def bundles(layer: int) -> torch.Tensor:
         roles = layers[layer]
         gate = ckpt[roles["gate"]].to(dtype) if "gate" in roles else None
-        return bundle_layer(ckpt[roles["up"]].to(dtype), ckpt[roles["down"]].to(dtype), gate)
+        layer_bundles = bundle_layer(ckpt[roles["up"]].to(dtype), ckpt[roles["down"]].to(dtype), gate)
+        if tuple(layer_bundles.shape) != (ffn, width):
+            raise FormatError(layer_tensor_name(layer), f"shape {tuple(layer_bundles.shape)} differs from layer 0's "
+                              f"{(ffn, width)}")
+        return layer_bundles
 
-    # Endor sizes are only known after compressing, and the header (written first) needs them: compress every
-    # layer up front. Endor stores are for pruned models, whose compressed layers are small.
-    compressed = {l: endor.compress(bundles(l)) for l in layers} if use_endor else {}
-    specs = [s for l in layers for s in layer_specs(l, ffn, width, dtype,
-                                                     compressed[l].values.numel() if use_endor else None)]
+    # The header (written first) declares the length of each layer's Endor values: a first pass counts them, one
+    # layer's dense bundles at a time; the second compresses and writes. Never more than one compressed layer in
+    # memory (a model bigger than memory converts).
+    nnz: dict[int, int] = {}
+    if use_endor:
+        for layer in tqdm(layers, desc="sizing Endor layers", unit="layer", disable=not progress):
+            nnz[layer] = endor.count_nonzero(bundles(layer))
+    specs = [s for l in layers for s in layer_specs(l, ffn, width, dtype, nnz.get(l))]
     expected = {}
     generator = torch.Generator().manual_seed(0)
     with AlignedWriter(path, specs, metadata, ALIGNMENT) as writer:
@@ -175,17 +181,22 @@ def _write_bundles(path: Path, ckpt: Checkpoint, layers: dict[int, dict[str, str
                                                                        generator=generator)])
             name = layer_tensor_name(layer)
             if use_endor:
-                t = compressed.pop(layer)
-                for part in endor.PARTS:
-                    writer.write(f"{name}.{part}", getattr(t, part))
-                expected[layer] = (ids, t.decompress(ids))
+                expected[layer] = (ids, _write_endor_layer(writer, name, bundles(layer), ids))
             else:
                 layer_bundles = bundles(layer)
-                if tuple(layer_bundles.shape) != (ffn, width):
-                    raise FormatError(name, f"shape {tuple(layer_bundles.shape)} differs from layer 0's {(ffn, width)}")
                 writer.write(name, layer_bundles)
                 expected[layer] = (ids, layer_bundles[ids].clone())
     return expected
+
+
+def _write_endor_layer(writer: AlignedWriter, name: str, layer_bundles: torch.Tensor, ids: torch.Tensor
+                       ) -> torch.Tensor:
+    """Compress and write one layer; returns its rows `ids` for verification. The compressed layer is freed on
+    return, before the next is built."""
+    compressed = endor.compress(layer_bundles)
+    for part in endor.PARTS:
+        writer.write(f"{name}.{part}", getattr(compressed, part))
+    return compressed.decompress(ids)
 
 
 def _verify(store: FlashStore, expected: dict[int, tuple[torch.Tensor, torch.Tensor]],

@@ -100,6 +100,16 @@ class EndorTensor:
                 f"ratio={self.nbytes / max(1, self.dense_nbytes):.3f}, device={self.device})")
 
 
+def _nonzero_mask(w: torch.Tensor) -> torch.Tensor:
+    """Which elements Endor stores: a non-zero bit pattern (so -0.0 and NaN payloads are kept)."""
+    return w.contiguous().view(BITS_VIEW[w.dtype]) != 0
+
+
+def count_nonzero(w: torch.Tensor) -> int:
+    """The number of values `compress(w)` stores, without building them (sizes a file before writing it)."""
+    return int(_nonzero_mask(w).sum())
+
+
 def compress(w: torch.Tensor) -> EndorTensor:
     """Compress a 2-D fp32/fp16/bf16/int8 tensor (any layout, any sparsity pattern)."""
     if not isinstance(w, torch.Tensor) or w.dim() != 2:
@@ -107,7 +117,7 @@ def compress(w: torch.Tensor) -> EndorTensor:
     if w.dtype not in BITS_VIEW:
         raise ValueError(f"compress supports {tuple(BITS_VIEW)}, got {w.dtype}")
     w = w.contiguous()
-    mask = w.view(BITS_VIEW[w.dtype]) != 0
+    mask = _nonzero_mask(w)
     counts = mask.sum(dim=1)
     row_offsets = torch.zeros(w.shape[0] + 1, dtype=torch.int64, device=w.device)
     torch.cumsum(counts, 0, out=row_offsets[1:])

@@ -181,6 +181,34 @@ def test_endor_store_round_trips_pruned_weights(tmp_path):
         fs.layer_location(0)
 
 
+def test_endor_convert_holds_one_compressed_layer_at_a_time(tmp_path, monkeypatch):
+    """convert(endor=True) sizes the layers first (counting, not compressing), then compresses and writes one layer
+    at a time: no two layers' EndorTensors are ever alive together."""
+    model = _llama()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for proj in (layer.mlp.up_proj, layer.mlp.gate_proj, layer.mlp.down_proj):
+                proj.weight.copy_(endor.prune(proj.weight, 0.5))
+    model.save_pretrained(tmp_path / "ckpt")
+    alive: weakref.WeakSet = weakref.WeakSet()
+    most_alive, compressed = [0], []
+    real_compress = endor.compress
+
+    def tracked_compress(w):
+        t = real_compress(w)
+        alive.add(t)
+        compressed.append(t.shape)
+        most_alive[0] = max(most_alive[0], len(alive))
+        return t
+
+    monkeypatch.setattr(endor, "compress", tracked_compress)
+    fs = store.FlashStore(convert(tmp_path / "ckpt", tmp_path / "s", endor=True, progress=False))
+    assert len(compressed) == fs.n_layers and most_alive[0] == 1
+    state = model.state_dict()
+    for layer in range(fs.n_layers):
+        assert torch.equal(fs.bundle(layer, torch.arange(fs.n_neurons)), _expected_bundles(state, layer, torch.float16))
+
+
 def test_refuses_to_overwrite_and_force_replaces(checkpoints, tmp_path):
     path, _ = checkpoints["opt"]
     out = convert(path, tmp_path / "s", progress=False)
