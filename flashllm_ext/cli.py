@@ -45,7 +45,7 @@ def _ranks(text: str) -> int | list[int]:
 
 def _train_predictors(args: argparse.Namespace) -> int:
     from .models import corpus_token_ids, fetch_default, load_hf_model, resolve_cache_dir, spread_windows
-    from .predictor import train_predictors
+    from .predictor import save_predictors, save_predictors_to_store, train_predictors
 
     gguf_path = fetch_default() if args.source == "default" else Path(args.source)
     if not gguf_path.is_file():
@@ -63,9 +63,9 @@ def _train_predictors(args: argparse.Namespace) -> int:
     predictors = train_predictors(model, token_ids, args.target_sparsity, args.rank, args.epochs,
                                   None if args.recall <= 0 else args.recall, args.top_k, window=WINDOW)
     if args.store:
-        out = predictors.save_to_store(args.store)
+        out = save_predictors_to_store(predictors, args.store)
     else:
-        predictors.save(out)
+        save_predictors(predictors, out)
     ranks = sorted({p.rank for p in predictors.predictors})
     print(f"wrote {len(predictors.predictors)} predictors (ranks {ranks}, target sparsity {args.target_sparsity}, "
           f"{token_ids.numel()} calibration tokens) to {out}")

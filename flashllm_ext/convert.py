@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 from . import endor
 from .checkpoint import Checkpoint, open_checkpoint
 from .errors import FormatError
-from .safetensors_io import AlignedWriter, dtype_name
+from .safetensors_io import AlignedWriter
 from .store import (ALIGNMENT, BUNDLES_FILE, DTYPES, FORMAT_VERSION, MAGIC, RESIDENT_FILE, WEIGHT_ROLES, FlashStore,
                     layer_specs, layer_tensor_name)
 

@@ -20,7 +20,7 @@ import torch
 
 from .engine import load_flash
 from .models import corpus_token_ids, fetch_default, load_hf_model, resolve_cache_dir, spread_windows
-from .predictor import PredictorSet, train_predictors
+from .predictor import load_predictors, save_predictors_to_store, train_predictors
 from .report import print_table
 from .convert import convert
 
@@ -34,12 +34,12 @@ def prepare_store(gguf: Path, cache_dir: Path) -> Path:
         print(f"converting {gguf.name} into a flash store at {store_dir}")
         convert(gguf, store_dir, dtype="fp16")
     try:
-        PredictorSet.load(store_dir)
+        load_predictors(store_dir)
     except Exception:  # noqa: BLE001  (no predictors yet, or from an older format: train them)
         print(f"training neuron predictors (target sparsity {TARGET_SPARSITY}) into {store_dir}")
         model, tokenizer = load_hf_model(gguf)
         ids = spread_windows(corpus_token_ids(tokenizer, "calibration"), 4, 512)
-        train_predictors(model, ids, TARGET_SPARSITY, epochs=6, window=512).save_to_store(store_dir)
+        save_predictors_to_store(train_predictors(model, ids, TARGET_SPARSITY, epochs=6, window=512), store_dir)
     return store_dir
 
 

@@ -222,10 +222,10 @@ def model_bytes(model: nn.Module, store: FlashStore) -> int:
 def _load_predictors(store: FlashStore, predictors, mode: str):
     if mode != "flash" or predictors is not None:
         return predictors
-    from .predictor import PredictorSet
+    from .predictor import load_predictors
 
     try:
-        return PredictorSet.load(store.path)
+        return load_predictors(store.path)
     except Exception as e:  # FormatError: no predictors in the store
         raise ValueError(f"flash mode needs predictors and {store.path} has none usable ({e}); train them with "
                          f"`flashllm train-predictors CHECKPOINT --store {store.path}`") from None

@@ -5,7 +5,7 @@ NeuronCache.step (evict what left the window, read the missing bundles) -> spars
 rows of the cache (+ the output projection's bias). A forward of T tokens (a prompt) groups its tokens so that
 each group's union of active sets fits the cache: one cache step (one batch of coalesced reads) per group, then
 one sparse_ffn call per token with that token's own rows, so a prompt costs a few large reads, not T steps, and
-every token still follows the active-neuron rule exactly (flashllm_ext.predictor). A token whose own set exceeds
+every token still follows the active-neuron rule exactly (flashllm_ext.predictor.rule). A token whose own set exceeds
 the cache is computed in capacity-sized parts.
 
 StreamingFFN (the paper's baselines): the first `resident_rows` bundles of the layer are read once and kept, the

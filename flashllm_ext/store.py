@@ -9,7 +9,8 @@ A store is a directory with two safetensors files (DESIGN.md §5):
 Both headers carry `magic` and `format_version`; bundles.safetensors also the model config, dtype, widths,
 alignment and `ffn_roles`: per layer, the checkpoint tensor name of each FFN role (WEIGHT_ROLES, whose weights are
 the bundles, and BIAS_ROLES present in the model, which are resident tensors under that name), so nothing reading a
-store re-derives names from a model family's naming scheme. `flashllm_ext.convert` writes a store, `FlashStore` opens and validates one.
+store re-derives names from a model family's naming scheme.
+`flashllm_ext.convert` writes a store, `FlashStore` opens and validates one.
 """
 from __future__ import annotations
 

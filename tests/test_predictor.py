@@ -9,7 +9,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalL
 from flashllm_ext import FormatError, cli
 from flashllm_ext.predictor import (LowRankPredictor, PredictorSet, activation_score, auto_rank,
                                     calibrate_thresholds, capture_activations, choose_prob_thresholds, evaluate,
-                                    ffn_hooks, ffn_modules, patched_ffn, train_predictor)
+                                    ffn_hooks, ffn_modules, load_predictors, patched_ffn, save_predictors,
+                                    save_predictors_to_store, train_predictor)
 
 LLAMA = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
              vocab_size=128, max_position_embeddings=256, rms_norm_eps=1e-6)
@@ -202,8 +203,8 @@ def test_auto_rank_grows_with_density():
 def test_save_load_round_trip(tmp_path, llama):
     predictors = _predictor_set(llama, 3, 64, 96, torch.tensor([0.1, 0.2, 0.3]),
                                 prob_thresholds=torch.tensor([0.4, 0.5, 0.6]))
-    predictors.save(tmp_path / "p.safetensors")
-    loaded = PredictorSet.load(tmp_path / "p.safetensors")
+    save_predictors(predictors, tmp_path / "p.safetensors")
+    loaded = load_predictors(tmp_path / "p.safetensors")
     assert loaded.top_k is None
     for (k, v), (k2, v2) in zip(predictors.state_dict().items(), loaded.state_dict().items()):
         assert k == k2 and torch.equal(v, v2)
@@ -217,23 +218,23 @@ def test_save_to_store_keeps_the_store_valid(tmp_path, llama):
 
     store_dir = synthesize(tmp_path / "store", n_layers=3, hidden_size=64, n_neurons=96, glu=True)
     predictors = _predictor_set(llama, 3, 64, 96, torch.tensor([0.1, 0.2, 0.3]), top_k=5)
-    predictors.save_to_store(store_dir)
-    predictors.save_to_store(store_dir)  # replacing them keeps one copy
-    loaded = PredictorSet.load(store_dir)
+    save_predictors_to_store(predictors, store_dir)
+    save_predictors_to_store(predictors, store_dir)  # replacing them keeps one copy
+    loaded = load_predictors(store_dir)
     assert loaded.top_k == 5 and torch.equal(loaded.thresholds, predictors.thresholds)
     x = torch.randn(4, 64)
     assert torch.equal(loaded.predict(1, x), predictors.predict(1, x))
     store = FlashStore(store_dir)
     assert store.n_layers == 3 and all(k.startswith("predictor.") for k in store.resident())
     with pytest.raises(ValueError, match="predictors"):
-        _predictor_set(llama, 2, 64, 96, torch.zeros(2)).save_to_store(store_dir)
+        save_predictors_to_store(_predictor_set(llama, 2, 64, 96, torch.zeros(2)), store_dir)
     with pytest.raises(FormatError):
-        PredictorSet.load(synthesize(tmp_path / "bare", n_layers=1, hidden_size=64, n_neurons=96))
+        load_predictors(synthesize(tmp_path / "bare", n_layers=1, hidden_size=64, n_neurons=96))
 
 
 def test_load_rejects_malformed_files(tmp_path, llama):
     path = tmp_path / "p.safetensors"
-    _predictor_set(llama, 2, 64, 96, torch.zeros(2)).save(path)
+    save_predictors(_predictor_set(llama, 2, 64, 96, torch.zeros(2)), path)
     from safetensors import safe_open
     from safetensors.torch import load_file
 
@@ -243,19 +244,19 @@ def test_load_rejects_malformed_files(tmp_path, llama):
     bad = tmp_path / "bad.safetensors"
     save_file(tensors, bad, metadata={**metadata, "format": "other", "predictors_version": "0"})
     with pytest.raises(FormatError, match="bad.safetensors: __metadata__.format"):
-        PredictorSet.load(bad)
+        load_predictors(bad)
     save_file({k: v for k, v in tensors.items() if k != "predictor.predictors.1.up.weight"}, bad, metadata=metadata)
     with pytest.raises(FormatError, match=r"predictor\.\*"):
-        PredictorSet.load(bad)
+        load_predictors(bad)
     save_file({k: v for k, v in tensors.items() if k != "predictor.thresholds"}, bad, metadata=metadata)
     with pytest.raises(FormatError, match="predictor.thresholds: missing"):
-        PredictorSet.load(bad)
+        load_predictors(bad)
     save_file(tensors, bad, metadata={**metadata, "predictors": "{not json"})
     with pytest.raises(FormatError, match="__metadata__.predictors"):
-        PredictorSet.load(bad)
+        load_predictors(bad)
     bad.write_bytes(b"\x00" * 7)
     with pytest.raises(FormatError, match="header"):
-        PredictorSet.load(bad)
+        load_predictors(bad)
 
 
 # ------------------------------------------------------------------------------------------------- evaluation
@@ -329,6 +330,6 @@ def test_cli_train_predictors_writes_a_loadable_file(default_model, tmp_path, mo
     cli.main(["train-predictors", str(path), "--store", str(store_dir), "--tokens", "512", "--epochs", "1",
               "--rank", "16", "--target-sparsity", "0.8"])
     assert "wrote 30 predictors" in capsys.readouterr().out
-    predictors = PredictorSet.load(store_dir)
+    predictors = load_predictors(store_dir)
     assert [p.rank for p in predictors.predictors] == [16] * 30 and (predictors.thresholds > 0).all()
     assert predictors.predict(3, torch.randn(2, 576)).shape == (2, 1536)
