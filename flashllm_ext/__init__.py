@@ -1,7 +1,7 @@
 """flashllm_ext: run LLMs whose weights do not fit in memory.
 
 Importing this package registers the `torch.ops.flashllm.*` schemas with pure-torch reference kernels, then
-loads the native library if it was built (CPU kernels, and CUDA kernels when built with CUDA). It never
+loads the native library once if it was built (`_native`: CPU kernels, and CUDA kernels when built with CUDA). It never
 initialises CUDA and imports mlx only on Apple Silicon with Metal, or when FLASHLLM_BACKEND=mlx asks for it.
 """
 from __future__ import annotations
@@ -11,14 +11,8 @@ import platform
 import sys
 
 from . import _ops  # noqa: F401  (registers schemas, fake and reference kernels)
+from ._native import native_available  # loads _C: native kernels for the schemas above
 from .errors import FormatError
-
-try:
-    from . import _C  # noqa: F401  (registers native kernels for the schemas above)
-
-    native_available = True
-except ImportError:
-    native_available = False
 
 
 def _pick_backend() -> str:

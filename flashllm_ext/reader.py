@@ -27,6 +27,7 @@ from typing import NamedTuple
 
 import torch
 
+from ._native import require_native
 from .paths import resolve_cache_dir
 from .store import FlashStore
 
@@ -36,17 +37,14 @@ DEFAULT_MAX_READ = 1 << 20
 DEFAULT_MAX_GAP = 64 << 10  # ~100 us x ~1 GB/s, the order of magnitude of a cloud SSD; calibrate to replace it
 
 
-def _native():
-    import flashllm_ext
-
-    if not flashllm_ext.native_available:
-        raise RuntimeError("FlashReader needs the native library flashllm_ext._C (build it: make build)")
+def _native_reader_class():
+    require_native("FlashReader")
     return torch.classes.flashllm.FlashReader
 
 
 def has_io_uring() -> bool:
     """Whether this build has the io_uring engine (liburing present at build time)."""
-    _native()
+    require_native("FlashReader")
     return bool(torch.ops.flashllm.reader_has_io_uring())
 
 
@@ -128,7 +126,7 @@ class FlashReader:
         if max_gap is None:
             profile = load_disk_profile()
             max_gap = profile.max_gap_bytes(threads) if profile else DEFAULT_MAX_GAP
-        self._native = _native()(path, int(threads), int(min_read), int(max_gap), int(max_read), bool(direct),
+        self._native = _native_reader_class()(path, int(threads), int(min_read), int(max_gap), int(max_read), bool(direct),
                                  engine)
         self.path, self.threads, self.min_read, self.max_gap, self.max_read = path, threads, min_read, max_gap, max_read
         self.engine = engine

@@ -56,3 +56,16 @@ def test_kernel_checks_switch():
     _C.set_kernel_checks(not before)
     assert _C.kernel_checks() is (not before)
     _C.set_kernel_checks(before)
+
+
+def test_native_library_is_loaded_in_one_place():
+    """_native.py alone imports _C; the reader asks it rather than importing the package root."""
+    from pathlib import Path
+
+    from flashllm_ext import _native, reader
+
+    assert _native.native_available == flashllm_ext.native_available
+    package = Path(_native.__file__).parent
+    importers = [p.name for p in package.rglob("*.py") if "import _C" in p.read_text()]
+    assert importers == ["_native.py"]
+    assert "import flashllm_ext" not in Path(reader.__file__).read_text()
