@@ -10,7 +10,7 @@ positive (with random data half would be zero and their down rows skipped, flatt
 
 bench "cache": NeuronCache memory management per token over a real activation trace: SmolLM2-135M (the default
 model) on held-out text, |act(gate)*up| thresholded per layer to 95% sparsity (calibrated on the calibration
-text), whole layers' masks side by side cut to 16384 neurons (flashllm_ext.traces) so each token drives an
+text), whole layers' masks side by side cut to 16384 neurons (bench/traces.py) so each token drives an
 OPT-6.7B-shaped layer (synthetic random weights in a flash store on disk, read with O_DIRECT). Per window
 k = 1..8: neurons inserted and evicted per token, memory-management time (planning + swap-delete + bookkeeping,
 StepStats.mem_s), I/O time, and the sparse_ffn compute time on the cache after each step. Plots: Figure 4a
@@ -30,12 +30,12 @@ import torch
 import torch.nn.functional as F
 
 from common import device_name, arg_parser, emit, time_interleaved
+from traces import default_model_masks, tile_masks
 
 from flashllm_ext import ops
 from flashllm_ext.cache import NeuronCache
 from flashllm_ext.convert import synthesize
 from flashllm_ext.store import DTYPES, FlashStore
-from flashllm_ext.traces import default_model_masks, tile_masks
 
 SHAPES = {"opt-6.7b": (4096, 16384, False, "relu"), "llama-2-7b": (4096, 11008, True, "silu")}
 RESULTS = Path(__file__).resolve().parent / "results"

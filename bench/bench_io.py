@@ -5,7 +5,7 @@ fig2b   random-read throughput vs read size and threads: FlashReader (O_DIRECT, 
         which goes first; medians of the repeats, ratio = median of the paired ratios. Plot: bench/results/fig2b.png.
 table2  bytes / reads / I/O ms per token on a synthesized store with OPT-6.7B FFN shapes (d=4096, ffn=16384,
         fp16, --layers layers), driven by the default model's activation masks on held-out text, thresholded to
-        --sparsity and tiled onto the larger layers (flashllm_ext.traces).
+        --sparsity and tiled onto the larger layers (bench/traces.py).
 
 fig2b pairs each reader run with a fio run and compares the throughputs each reports, so it keeps its own paired
 loop instead of bench/common.py's timer. The page cache is dropped at start (root) and every read is O_DIRECT.
@@ -31,7 +31,7 @@ from common import emit  # noqa: E402
 from flashllm_ext import store  # noqa: E402
 from flashllm_ext.convert import synthesize  # noqa: E402
 from flashllm_ext.paths import resolve_cache_dir  # noqa: E402
-from flashllm_ext.traces import default_model_mask_source  # noqa: E402
+from traces import default_model_mask_source  # noqa: E402
 from flashllm_ext.reader import FlashReader, has_io_uring, make_test_file, random_read_throughput  # noqa: E402
 
 # What the table (not --json) shows of each result row.
@@ -161,7 +161,7 @@ def table2(args: argparse.Namespace, report: Callable[[dict], None],
            mask_source: Callable[[int, int, int], torch.Tensor] | None = None) -> list[dict]:
     """mask_source(n_tokens, n_layers, n_neurons) -> bool [tokens, layers, neurons]: the active neurons per token.
 
-    Default: the default model's real masks at --sparsity, tiled onto the OPT-6.7B layers (flashllm_ext.traces).
+    Default: the default model's real masks at --sparsity, tiled onto the OPT-6.7B layers (bench/traces.py).
     """
     mask_source = mask_source or default_model_mask_source(args.sparsity)
     d, ffn, item = 4096, 16384, 2

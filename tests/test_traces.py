@@ -1,7 +1,8 @@
+"""bench/traces.py: the benchmarks' activation masks (benchmark support, imported from the checkout root)."""
 import pytest
 import torch
 
-from flashllm_ext.traces import default_model_masks, tile_masks
+from bench.traces import default_model_masks, tile_masks
 
 
 def test_tile_masks_concatenates_whole_small_layers():

@@ -3,13 +3,14 @@
 Benchmarks at the scale of a 7B model (bigger than the DRAM budget) run on synthesized stores with real layer
 shapes; what decides their I/O and cache behaviour is which neurons fire token after token. These come from the
 default model (SmolLM2-135M, 30 layers of 1536 SwiGLU neurons) on held-out English, thresholded per layer to a
-target sparsity (DESIGN.md §6), then tiled onto the larger layers.
+target sparsity (DESIGN.md §6), then tiled onto the larger layers. Benchmark support (bench_io, bench_ffn), not
+library code: nothing in flashllm_ext uses it.
 """
 from __future__ import annotations
 
 import torch
 
-from .paths import resolve_cache_dir
+from flashllm_ext.paths import resolve_cache_dir
 
 CALIBRATION_TOKENS = 2048
 
@@ -23,8 +24,8 @@ def default_model_masks(n_tokens: int, target_sparsity: float = 0.9, progress: b
     cached = resolve_cache_dir() / f"masks-smollm2-135m-{n_tokens}tok-sparsity{target_sparsity:g}.pt"
     if cached.is_file():
         return torch.load(cached)
-    from .models import corpus_token_ids, load_hf_model, spread_windows
-    from .predictor import calibrate_thresholds, capture_activations
+    from flashllm_ext.models import corpus_token_ids, load_hf_model, spread_windows
+    from flashllm_ext.predictor import calibrate_thresholds, capture_activations
 
     model, tokenizer = load_hf_model()
     calibration = spread_windows(corpus_token_ids(tokenizer, "calibration"), CALIBRATION_TOKENS // 512, 512)
