@@ -32,7 +32,8 @@ from flashllm_ext import store  # noqa: E402
 from flashllm_ext.convert import synthesize  # noqa: E402
 from flashllm_ext.paths import resolve_cache_dir  # noqa: E402
 from traces import default_model_mask_source  # noqa: E402
-from flashllm_ext.reader import FlashReader, has_io_uring, make_test_file, random_read_throughput  # noqa: E402
+from flashllm_ext.disk import make_test_file, random_read_throughput  # noqa: E402
+from flashllm_ext.reader import FlashReader, has_io_uring  # noqa: E402
 
 # What the table (not --json) shows of each result row.
 TABLE_COLUMNS = {

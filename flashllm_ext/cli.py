@@ -27,7 +27,7 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def _calibrate_disk(args: argparse.Namespace) -> int:
-    from .reader import calibrate_disk, disk_profile_path
+    from .disk import calibrate_disk, disk_profile_path
 
     profile = calibrate_disk(args.dir, size=args.size_mib << 20)
     print(f"latency {profile.latency_s * 1e6:.0f} us, bandwidth {profile.bandwidth_bps / 1e6:.0f} MB/s, "

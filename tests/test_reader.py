@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from flashllm_ext import cli, reader, store
+from flashllm_ext import cli, disk, reader, store
 from flashllm_ext.convert import convert
 from flashllm_ext.reader import FlashReader, ReadResult, has_io_uring
 
@@ -186,7 +186,7 @@ def test_buffered_mode(flash_store):
 def test_read_async_overlaps_python_work(tmp_path):
     """The GIL is released during I/O: a Python thread keeps running while a large read is in flight."""
     path = tmp_path / "big.bin"
-    reader.make_test_file(path, 64 << 20)
+    disk.make_test_file(path, 64 << 20)
     with FlashReader.for_file(path, threads=1, min_read=0, max_gap=-1) as r:
         counter, stop = [0], threading.Event()
 
@@ -198,7 +198,7 @@ def test_read_async_overlaps_python_work(tmp_path):
         spinner.start()
         time.sleep(0.05)
         before = counter[0]
-        stats = reader.random_read_throughput(r, 64 << 20, 4096, 4000)
+        stats = disk.random_read_throughput(r, 64 << 20, 4096, 4000)
         during = counter[0] - before
         stop.set()
         spinner.join()
@@ -236,7 +236,7 @@ def test_concurrent_calls_keep_their_own_stats(flash_store):
 
 def test_raw_file_contents(tmp_path):
     path = tmp_path / "f.bin"
-    reader.make_test_file(path, 1 << 20, chunk=1 << 18)
+    disk.make_test_file(path, 1 << 20, chunk=1 << 18)
     data = torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8)
     with FlashReader.for_file(path, threads=3, min_read=0, max_gap=0) as r:
         for row_bytes, base in ((4096, 0), (1000, 77), (65536, 4096)):
@@ -259,7 +259,7 @@ def _page_aligned(nbytes: int) -> torch.Tensor:
 def test_reads_straight_into_aligned_out(tmp_path, ids):
     """Aligned rows into an aligned buffer skip the bounce buffer (in-order runs) or use it (other orders)."""
     path = tmp_path / "f.bin"
-    reader.make_test_file(path, 1 << 20, chunk=1 << 18)
+    disk.make_test_file(path, 1 << 20, chunk=1 << 18)
     data = torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8).view(-1, 8192)
     with FlashReader.for_file(path, threads=2, min_read=0, max_gap=0) as r:
         out = _page_aligned(len(ids) * 8192)
@@ -275,7 +275,7 @@ def test_calibrate_disk_and_profile(tmp_path, monkeypatch, flash_store, capsys):
     monkeypatch.setenv("FLASHLLM_DISK_PROFILE", str(tmp_path / "disk.json"))
     assert cli.main(["calibrate-disk", "--dir", str(tmp_path), "--size-mib", "32"]) == 0
     assert "latency" in capsys.readouterr().out
-    profile = reader.load_disk_profile()
+    profile = disk.load_disk_profile()
     assert profile.latency_s > 0 and profile.bandwidth_bps > 0
     assert [p.name for p in tmp_path.iterdir()] == ["disk.json"]  # the test file is gone
     assert FlashReader(flash_store, threads=1).max_gap == profile.max_gap_bytes(1)
@@ -294,7 +294,7 @@ def test_read_into_cuda(flash_store):
 
 
 def test_coalescing_gap_shrinks_with_reads_in_flight():
-    profile = reader.DiskProfile(latency_s=100e-6, bandwidth_bps=1e9, path="/x")
+    profile = disk.DiskProfile(latency_s=100e-6, bandwidth_bps=1e9, path="/x")
     assert profile.max_gap_bytes(1) == 100_000 // 4096 * 4096  # 100 us x 1 GB/s, whole 4 KiB blocks
     assert profile.max_gap_bytes(8) == 12_500 // 4096 * 4096
     assert profile.max_gap_bytes(32) == 0  # latency hidden by 31 other reads: merge adjacent neurons only
@@ -349,7 +349,7 @@ def test_rows_longer_than_one_request(tmp_path, engine):
     """Rows of 5 blocks and a bit at unaligned offsets with max_read of one block: the io_uring engine issues each
     row as several bounded requests (the bound that keeps its 32-bit length from wrapping), the data is whole."""
     path = tmp_path / "f.bin"
-    reader.make_test_file(path, 1 << 20, chunk=1 << 18)
+    disk.make_test_file(path, 1 << 20, chunk=1 << 18)
     data = torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8)
     row_bytes, base = 5 * 4096 + 300, 777
     n_rows = (data.numel() - base) // row_bytes

@@ -1,0 +1,101 @@
+"""The disk under a store: its latency and bandwidth (a DiskProfile, measured by `calibrate_disk` and saved in the
+cache directory), from which FlashReader sizes the gap it reads through to merge two reads (see flashllm_ext.reader).
+
+`flashllm calibrate-disk` runs calibrate_disk, so it is library code; `make_test_file` and `random_read_throughput`
+are its measuring tools, shared with bench/bench_io.py.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from .paths import resolve_cache_dir
+
+if TYPE_CHECKING:
+    from .reader import FlashReader, ReadStats
+
+
+@dataclass(frozen=True)
+class DiskProfile:
+    latency_s: float  # time to first byte of a small random direct read, one at a time
+    bandwidth_bps: float  # random 1 MiB direct reads with 32 threads
+    path: str  # the file the profile was measured on
+
+    def max_gap_bytes(self, threads: int = 1) -> int:
+        """Largest gap worth reading through rather than issuing a separate read, with `threads` reads in flight."""
+        return int(self.latency_s * self.bandwidth_bps / max(1, threads)) // 4096 * 4096
+
+
+def disk_profile_path() -> Path:
+    return Path(os.environ.get("FLASHLLM_DISK_PROFILE") or resolve_cache_dir() / "disk.json")
+
+
+def load_disk_profile() -> DiskProfile | None:
+    path = disk_profile_path()
+    if not path.is_file():
+        return None
+    try:
+        raw = json.loads(path.read_text())
+        return DiskProfile(float(raw["latency_s"]), float(raw["bandwidth_bps"]), str(raw["path"]))
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+        return None  # a damaged profile only loses the tuning; the default gap still works
+
+
+def make_test_file(path: str | os.PathLike, size: int, chunk: int = 64 << 20) -> None:
+    """A file of `size` bytes of non-repeating data, written for real (not sparse: holes read without I/O)."""
+    generator = torch.Generator().manual_seed(0)
+    with open(path, "wb") as f:
+        block = torch.randint(0, 256, (chunk,), dtype=torch.uint8, generator=generator).numpy()
+        written = 0
+        while written < size:
+            n = min(chunk, size - written)
+            block[:8] = list(written.to_bytes(8, "little"))  # distinct chunks, so nothing can dedupe them
+            f.write(block[:n].tobytes())
+            written += n
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def random_read_throughput(reader: FlashReader, file_size: int, read_bytes: int, n_reads: int,
+                           generator: torch.Generator | None = None, out: torch.Tensor | None = None) -> ReadStats:
+    """One batch of n_reads distinct random aligned reads of read_bytes each over the whole file, as fio's
+    randread does; a reader with min_read=0 and max_gap=-1 (no coalescing) issues exactly n_reads reads. The bench
+    and calibrate_disk use it. out: an optional uint8 buffer of at least n_reads * read_bytes bytes."""
+    n_slots = file_size // read_bytes
+    ids = torch.randperm(n_slots, generator=generator)[:n_reads]
+    nbytes = ids.numel() * read_bytes
+    out = torch.empty(nbytes, dtype=torch.uint8) if out is None else out.view(torch.uint8).reshape(-1)[:nbytes]
+    return reader.read_rows(0, read_bytes, n_slots, ids, out)
+
+
+def calibrate_disk(directory: str | os.PathLike = ".", size: int = 1 << 30, save: bool = True) -> DiskProfile:
+    """Measure latency to first byte (4 KiB direct reads, one thread) and bandwidth (1 MiB direct reads,
+    32 threads) on a temporary test file of `size` bytes in `directory`; save the profile for FlashReader."""
+    path = Path(directory) / f".flashllm-calibrate-{os.getpid()}.bin"
+    try:
+        make_test_file(path, size)
+        generator = torch.Generator().manual_seed(1)
+        from .reader import FlashReader  # reader.py imports this module
+
+        with FlashReader.for_file(path, threads=1, min_read=0, max_gap=-1) as one:
+            latency = random_read_throughput(one, size, 4096, min(2000, size // 4096), generator)
+        with FlashReader.for_file(path, threads=32, min_read=0, max_gap=-1) as many:
+            bandwidth = random_read_throughput(many, size, 1 << 20, min(512, size >> 20), generator)
+    finally:
+        path.unlink(missing_ok=True)
+    profile = DiskProfile(latency.wall_s / latency.n_reads, bandwidth.bytes_read / bandwidth.wall_s,
+                          str(Path(directory).resolve()))
+    if save:
+        target = disk_profile_path()
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_suffix(f".tmp-{os.getpid()}")
+        tmp.write_text(json.dumps({**asdict(profile), "max_gap_bytes_1_thread": profile.max_gap_bytes(1),
+                                   "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}, indent=1))
+        tmp.rename(target)
+    return profile
