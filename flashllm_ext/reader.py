@@ -97,8 +97,8 @@ class FlashReader:
         if max_gap is None:
             profile = load_disk_profile()
             max_gap = profile.max_gap_bytes(threads) if profile else DEFAULT_MAX_GAP
-        self._native = _native_reader_class()(path, int(threads), int(min_read), int(max_gap), int(max_read), bool(direct),
-                                 engine)
+        self._native = _native_reader_class()(path, int(threads), int(min_read), int(max_gap), int(max_read),
+                                              bool(direct), engine)
         self.path, self.threads, self.min_read, self.max_gap, self.max_read = path, threads, min_read, max_gap, max_read
         self.engine = engine
         self.direct: bool = bool(self._native.direct())
