@@ -18,11 +18,13 @@ from pathlib import Path
 
 import torch
 
+from .convert import convert
 from .engine import load_flash
+from .errors import FormatError
 from .models import corpus_token_ids, fetch_default, load_hf_model, resolve_cache_dir, spread_windows
 from .predictor import load_predictors, save_predictors_to_store, train_predictors
 from .report import print_table
-from .convert import convert
+from .store import FlashStore
 
 TARGET_SPARSITY = 0.6  # the rule's threshold: 60% of (token, neuron) gate activations below it on calibration text
 
@@ -30,9 +32,11 @@ TARGET_SPARSITY = 0.6  # the rule's threshold: 60% of (token, neuron) gate activ
 def prepare_store(gguf: Path, cache_dir: Path) -> Path:
     """The default model's fp16 flash store with predictors, built once."""
     store_dir = cache_dir / f"{gguf.stem}.store-fp16"
-    if not store_dir.exists():
+    try:
+        FlashStore(store_dir).close()
+    except FormatError:  # no store yet, or one in an older format: (re)convert
         print(f"converting {gguf.name} into a flash store at {store_dir}")
-        convert(gguf, store_dir, dtype="fp16")
+        convert(gguf, store_dir, dtype="fp16", force=True)
     try:
         load_predictors(store_dir)
     except Exception:  # noqa: BLE001  (no predictors yet, or from an older format: train them)
