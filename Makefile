@@ -38,6 +38,7 @@ bench: build
 	$(PYTHON) bench/bench_io.py
 	$(PYTHON) bench/bench_ffn.py
 	$(PYTHON) bench/bench_predictor.py
+	$(PYTHON) bench/bench_e2e.py
 
 # Compiles every CUDA source for Ampere and Hopper without torch headers; needs nvcc only, no driver.
 CUDA_SOURCES := $(wildcard csrc/cuda/*.cu)

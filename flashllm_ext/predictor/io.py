@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from ..errors import FormatError
 from ..store import RESIDENT_FILE, FlashStore
@@ -61,9 +61,9 @@ def load_predictors(path: str | os.PathLike) -> PredictorSet:
         path = path / RESIDENT_FILE
     path = os.fspath(path)
     try:
-        with safe_open(path, "pt") as f:
+        with safe_open(path, "pt") as f:  # only the predictor tensors: a store's resident file holds the model too
             metadata = f.metadata() or {}
-        tensors = load_file(path)
+            tensors = {k: f.get_tensor(k) for k in f.keys() if k.startswith(TENSOR_PREFIX)}
     except (SafetensorError, OSError) as e:
         raise FormatError("header", str(e), path) from e
     standalone = metadata.get("format") == FORMAT_NAME and metadata.get("version") == FORMAT_VERSION

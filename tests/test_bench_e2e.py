@@ -1,0 +1,44 @@
+"""bench/bench_e2e.py cannot rot: a quick run on a tiny random Llama store, each mode in its own memory cgroup,
+gives rows with the issue's keys (or an error row that says why)."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from flashllm_ext.convert import convert
+from flashllm_ext.predictor import LowRankPredictor, PredictorSet, save_predictors_to_store
+
+BENCH = Path(__file__).resolve().parent.parent / "bench" / "bench_e2e.py"
+KEYS = {"bench", "model", "mode", "budget_mb", "cgroup_limit_mb", "cgroup_peak_mb", "ms_per_token", "io_ms", "mem_ms",
+        "predictor_ms", "compute_ms", "hidden_io_ms", "bytes_per_token", "tokens", "hit_rate", "oom_killed"}
+
+
+@pytest.mark.slow
+def test_quick_run_reports_every_mode_with_its_keys(tmp_path):
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=128, max_position_embeddings=128)
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "hf")
+    path = convert(tmp_path / "hf", tmp_path / "store", dtype="fp16", progress=False)
+    save_predictors_to_store(PredictorSet([LowRankPredictor(64, 160, 8) for _ in range(2)], torch.full((2,), 0.05)),
+                             path)
+    modes = ["dense", "naive", "hybrid", "flash", "flash-oracle"]
+    out = subprocess.run([sys.executable, str(BENCH), "--quick", "--json", "--no-plot", "--store", str(path),
+                          "--budget", "95%", "--modes", ",".join(modes)], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [json.loads(line) for line in out.stdout.splitlines()]
+    medians = [r for r in rows if r["bench"] == "e2e_median"]
+    rows = [r for r in rows if r["bench"] == "e2e"]
+    assert [r["mode"] for r in rows] == modes and [r["mode"] for r in medians] == modes
+    for row in rows:
+        assert KEYS <= row.keys(), KEYS - row.keys()
+        assert row.get("error") is None, row["error"]
+        assert row["tokens"] == 4 and row["ms_per_token"] > 0 and row["oom_killed"] is False
+        if row["cgroup_note"] is None and row["cgroup_limit_mb"] is not None:
+            assert row["cgroup_peak_mb"] <= row["cgroup_limit_mb"]
+    dense = rows[0]["generated"]
+    assert all(r["generated"] == dense for r in rows if r["mode"] in ("naive", "hybrid"))  # same greedy tokens
