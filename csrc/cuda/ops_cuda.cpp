@@ -40,8 +40,8 @@ void endor_decompress_out_cuda(const at::Tensor& values, const at::Tensor& bitma
   // Reading the report back synchronises, so only kernel checks do it; otherwise refused rows stay zeros in `out`.
   if (!kernel_checks_enabled()) return;
   const at::Tensor report_host = report.cpu();
-  check_endor_report(*reinterpret_cast<const EndorReport*>(report_host.data_ptr<int64_t>()), values_c, bitmap_c,
-                     offsets_c, n_cols, rows_c);
+  check_endor_report("endor_decompress", *reinterpret_cast<const EndorReport*>(report_host.data_ptr<int64_t>()),
+                     values_c, bitmap_c, offsets_c, n_cols, rows_c);
 }
 
 at::Tensor sparse_ffn_cuda(const at::Tensor& x, const at::Tensor& matrix, int64_t num_used,
