@@ -162,6 +162,64 @@ def _endor_decompress_out_fake(values, bitmap, row_offsets, n_cols, rows=None, *
     _check_endor_metadata(values, bitmap, row_offsets, n_cols, rows, out)
 
 
+# ------------------------------------------------------------------------------------------------ endor_linear
+# y = x W^T (+ bias) with W the Endor tensor [rows, n_cols], computed from values + bitmap without materialising W:
+# the decode-time matrix-vector product of an Endor-compressed linear layer (T = 1..8 tokens is the case it is
+# built for; more tokens run in groups of 8, each re-reading the weight). Float32 accumulation.
+# Dtype rules: values float32 | float16 | bfloat16 (int8 would need a per-row scale the format does not carry yet:
+# refused); x is values' dtype or float32; bias (optional) and the output are x's dtype.
+LIB.define(
+    "endor_linear(Tensor x, Tensor values, Tensor bitmap, Tensor row_offsets, int n_cols, Tensor? bias=None) -> Tensor"
+)
+
+ENDOR_LINEAR_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _check_endor_linear_metadata(x: torch.Tensor, values: torch.Tensor, bitmap: torch.Tensor,
+                                 row_offsets: torch.Tensor, n_cols: int, bias: torch.Tensor | None) -> int:
+    """The metadata checks of check_endor_linear_args (csrc/common/endor_checks.h). Returns rows."""
+    torch._check(values.dtype in ENDOR_LINEAR_DTYPES,
+                 lambda: f"endor_linear: values must be float32, float16 or bfloat16 (int8 is not supported: it "
+                         f"needs a scale), got {values.dtype}")
+    torch._check(x.dim() == 2 and x.dtype in (values.dtype, torch.float32),
+                 lambda: f"endor_linear: x must be a 2-D {values.dtype} or float32 tensor [T, n_cols], got "
+                         f"{x.dtype} of shape {tuple(x.shape)}")
+    _check_endor_tensor_metadata("endor_linear", values, bitmap, row_offsets, n_cols)
+    torch._check(x.shape[1] == n_cols,
+                 lambda: f"endor_linear: x has {x.shape[1]} columns but the weight has n_cols={n_cols}")
+    n_rows = bitmap.shape[0]
+    for name, t in (("x", x), ("bias", bias)):
+        torch._check(t is None or t.device == values.device,
+                     lambda: f"endor_linear: {name} is on {t.device} but values is on {values.device}")
+    torch._check(bias is None or (bias.dtype == x.dtype and bias.dim() == 1 and bias.shape[0] == n_rows),
+                 lambda: f"endor_linear: bias must be {x.dtype} of shape [rows={n_rows}], got {bias.dtype} of "
+                         f"shape {tuple(bias.shape)}")
+    return n_rows
+
+
+def endor_linear_reference(x: torch.Tensor, values: torch.Tensor, bitmap: torch.Tensor, row_offsets: torch.Tensor,
+                           n_cols: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Pure-torch y = x W^T (+ bias): decompress W, then a float32 matmul. x [T, n_cols] -> [T, rows] of x.dtype."""
+    _check_endor_linear_metadata(x, values, bitmap, row_offsets, n_cols, bias)
+    _check_endor_tensor_data("endor_linear", values, bitmap, row_offsets, n_cols)
+    w = _scatter_rows(values, bitmap, row_offsets[:-1], n_cols, values.new_empty((bitmap.shape[0], n_cols)))
+    y = x.float() @ w.float().t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+@torch.library.impl(LIB, "endor_linear", "CompositeExplicitAutograd")
+def _endor_linear_default(x, values, bitmap, row_offsets, n_cols, bias=None):
+    return endor_linear_reference(x, values, bitmap, row_offsets, n_cols, bias)
+
+
+@torch.library.register_fake("flashllm::endor_linear")
+def _endor_linear_fake(x, values, bitmap, row_offsets, n_cols, bias=None):
+    n_rows = _check_endor_linear_metadata(x, values, bitmap, row_offsets, n_cols, bias)
+    return x.new_empty((x.shape[0], n_rows))
+
+
 # ------------------------------------------------------------------------------------------------ sparse_ffn
 # y = sum over cached neuron rows i of h_i * down_i, where a row of `matrix` is one neuron's bundle
 # [up_col | gate_col (GLU only) | down_row] (the flash store's layout, DESIGN.md §5) and, per token,

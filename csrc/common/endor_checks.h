@@ -1,4 +1,5 @@
-// Argument checks of the Endor ops shared by every native kernel (CPU, CUDA, SIMT test ops).
+// Argument checks of the Endor ops (flashllm::endor_decompress, flashllm::endor_linear) shared by every native kernel
+// (CPU, CUDA, SIMT test ops).
 //
 // Only metadata is checked here (dtypes, ranks, shapes, devices): it costs nothing. The data checks (row offsets
 // inside `values`, each row's count equal to its bitmap popcount, row indices in range) are made by the kernels
@@ -73,6 +74,36 @@ at::Tensor endor_decompress_allocating(const at::Tensor& values, const at::Tenso
   at::Tensor out = at::empty({n_out, n_cols}, values.options());
   kOut(values, bitmap, row_offsets, n_cols, rows, out);
   return out;
+}
+
+// ---------------------------------------------------------------------------------------------- endor_linear
+// Float element types endor_linear computes with; int8 values would need a scale the format does not carry.
+inline bool is_endor_linear_dtype(at::ScalarType t) {
+  return t == at::kFloat || t == at::kHalf || t == at::kBFloat16;
+}
+
+// The metadata checks of flashllm::endor_linear (flashllm_ext/_ops.py words them the same). Returns the number of
+// rows of the weight (columns of y).
+inline int64_t check_endor_linear_args(const at::Tensor& x, const at::Tensor& values, const at::Tensor& bitmap,
+                                       const at::Tensor& row_offsets, int64_t n_cols,
+                                       const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(is_endor_linear_dtype(values.scalar_type()),
+              "endor_linear: values must be float32, float16 or bfloat16 (int8 is not supported: it needs a scale), "
+              "got ", values.scalar_type());
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == values.scalar_type() || x.scalar_type() == at::kFloat),
+              "endor_linear: x must be a 2-D ", values.scalar_type(), " or float32 tensor [T, n_cols], got ",
+              x.scalar_type(), " of shape ", x.sizes());
+  check_endor_tensor("endor_linear", values, bitmap, row_offsets, n_cols);
+  TORCH_CHECK(x.size(1) == n_cols, "endor_linear: x has ", x.size(1), " columns but the weight has n_cols=", n_cols);
+  const int64_t n_rows = bitmap.size(0);
+  check_same_device("endor_linear", x, "x", values);
+  if (bias.has_value()) {
+    check_same_device("endor_linear", *bias, "bias", values);
+    TORCH_CHECK(bias->scalar_type() == x.scalar_type() && bias->dim() == 1 && bias->size(0) == n_rows,
+                "endor_linear: bias must be ", x.scalar_type(), " of shape [rows=", n_rows, "], got ",
+                bias->scalar_type(), " of shape ", bias->sizes());
+  }
+  return n_rows;
 }
 
 }  // namespace flashllm
