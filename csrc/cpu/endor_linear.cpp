@@ -7,7 +7,7 @@
 //
 // Per ISA, one step of a row (fp16 and bf16 values widened to fp32, all math in fp32 FMA):
 //   avx512  16 columns: masked load of popcount(m) values, widen, vexpandps by the bitmap word, FMA with x
-//           (32 columns per loop trip, two accumulators per token to hide the FMA latency)
+//           (64 columns per loop trip, two accumulators per token to hide the FMA latency)
 //   avx2    8 columns: load 8 values, widen, a permutation looked up by the bitmap byte, mask, FMA with x
 //   scalar  the set bits of the row (count-trailing-zeros walk), one FMA per value and token
 // Masked loads stop at the row's values; the AVX2 path's 8-value loads stop at the end of `values` (the scalar walk
@@ -144,19 +144,24 @@ FLASHLLM_AVX512 void row_dots_avx512(const T* v, const uint8_t* bm, int64_t n_co
   __m512 acc0[NT], acc1[NT];
   for (int t = 0; t < NT; ++t) acc0[t] = acc1[t] = _mm512_setzero_ps();
   int64_t c = 0;
-  for (; c + 32 <= n_cols; c += 32) {
-    const uint32_t m = load_word<uint32_t>(bm + c / 8);
-    const __mmask16 m0 = static_cast<__mmask16>(m), m1 = static_cast<__mmask16>(m >> 16);
-    const __m512 w0 = expand16_avx512(v, m0);
-    v += __builtin_popcount(m0);
-    const __m512 w1 = expand16_avx512(v, m1);
-    v += __builtin_popcount(m1);
+  // 64 columns per trip: the four 16-column steps find their values from popcounts of the word's prefixes, which
+  // do not depend on each other, so only one popcount per trip is on the loop-carried chain through v.
+  for (; c + 64 <= n_cols; c += 64) {
+    const uint64_t m = load_word<uint64_t>(bm + c / 8);
+    const __m512 w0 = expand16_avx512(v, static_cast<__mmask16>(m));
+    const __m512 w1 = expand16_avx512(v + __builtin_popcountll(m & 0xFFFFull), static_cast<__mmask16>(m >> 16));
+    const __m512 w2 = expand16_avx512(v + __builtin_popcountll(m & 0xFFFFFFFFull), static_cast<__mmask16>(m >> 32));
+    const __m512 w3 = expand16_avx512(v + __builtin_popcountll(m & 0xFFFFFFFFFFFFull), static_cast<__mmask16>(m >> 48));
+    v += __builtin_popcountll(m);
     for (int t = 0; t < NT; ++t) {
-      acc0[t] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + t * n_cols + c), acc0[t]);
-      acc1[t] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + t * n_cols + c + 16), acc1[t]);
+      const float* xt = x + t * n_cols + c;
+      acc0[t] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xt), acc0[t]);
+      acc1[t] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xt + 16), acc1[t]);
+      acc0[t] = _mm512_fmadd_ps(w2, _mm512_loadu_ps(xt + 32), acc0[t]);
+      acc1[t] = _mm512_fmadd_ps(w3, _mm512_loadu_ps(xt + 48), acc1[t]);
     }
   }
-  for (; c < n_cols; c += 16) {  // at most two steps; bits past n_cols are clear (checked), so m needs no masking
+  for (; c < n_cols; c += 16) {  // at most four steps; bits past n_cols are clear (checked), so m needs no mask
     const int64_t left = n_cols - c;
     const __mmask16 keep = left >= 16 ? static_cast<__mmask16>(0xFFFF) : first_k16(static_cast<int>(left));
     const __mmask16 m = static_cast<__mmask16>(load_mask_bytes(bm + c / 8, std::min<int64_t>(2, (left + 7) / 8)));
