@@ -1,7 +1,7 @@
 """The shipped CUDA kernels (flashllm_ext._C built with CUDA) on a real GPU, against the pure-torch references:
-endor_decompress bitwise, endor_linear exactly (on values whose float32 sums are exact), sparse_ffn within the float32-accumulation tolerance, cache_compact exactly, and the
-same bad inputs every other backend refuses (with the glue's debug data checks on; without them metadata is still
-checked and bad data never reads out of bounds). The same problems as the SIMT tests (test_simt.py,
+endor_decompress bitwise, endor_linear exactly (on values whose float32 sums are exact), sparse_ffn within the
+float32-accumulation tolerance, cache_compact exactly, and the same bad inputs every other backend refuses (with the
+glue's debug data checks on; without them metadata is still checked and bad data never reads out of bounds). The same problems as the SIMT tests (test_simt.py,
 test_ffn_simt.py), plus shapes too large to emulate.
 
 Runs only where torch sees a CUDA device and the native library was built with CUDA kernels; elsewhere the
