@@ -9,7 +9,7 @@ op "linear": the decode GEMV y = x W^T, T = 1 and 4 tokens, fp16: endor_linear (
 vs dense F.linear on the dense fp16 weight and vs decompress (into a preallocated buffer) + F.linear, same
 threads, interleaved. Each side's bytes (compressed: values + bitmap + row offsets; dense: the weight) divided by
 the read bandwidth of a streaming sum measured in the same run (common.stream_probe) give its bandwidth bound;
-bound_ratio = time / bound (1.0 = at the bound). One weight is >= 44 MiB, beyond the L3, so it streams from DRAM.
+bound_ratio = time / bound (1.0 = at the bound). A weight is 51-134 MB (compressed 51-76 MB), read once per call.
 
     python bench/bench_endor.py [--json] [--device cuda] [--all-isas] [--quick] [--only decompress|linear]
 """
