@@ -1,22 +1,30 @@
-"""Endor decompression throughput: native kernel vs memcpy of the same output, the pure-torch reference, and
-torch's sparse CSR to_dense, on the FFN shapes of OPT-6.7B and Llama-2-7B at 50% unstructured sparsity.
+"""Endor kernels on the FFN shapes of OPT-6.7B and Llama-2-7B at 50% unstructured sparsity.
 
-decompress_gbps is GB/s of dense output written into a preallocated `out`; memcpy_gbps is `out.copy_(dense)`
-into the same buffer, timed interleaved in the same process. Nothing allocates inside the timed region, except
-CSR to_dense, which has no out= variant (its row says so).
+op "decompress": throughput of the native kernel vs memcpy of the same output, the pure-torch reference, and
+torch's sparse CSR to_dense. decompress_gbps is GB/s of dense output written into a preallocated `out`;
+memcpy_gbps is `out.copy_(dense)` into the same buffer, timed interleaved in the same process. Nothing allocates
+inside the timed region, except CSR to_dense, which has no out= variant (its row says so).
 
-    python bench/bench_endor.py [--json] [--device cuda] [--all-isas] [--quick]
+op "linear": the decode GEMV y = x W^T, T = 1 and 4 tokens, fp16: endor_linear (straight from values + bitmap)
+vs dense F.linear on the dense fp16 weight and vs decompress (into a preallocated buffer) + F.linear, same
+threads, interleaved. Each side's bytes (compressed: values + bitmap + row offsets; dense: the weight) divided by
+the read bandwidth of a streaming sum measured in the same run (common.stream_probe) give its bandwidth bound;
+bound_ratio = time / bound (1.0 = at the bound). A weight is 51-134 MB (compressed 51-76 MB), read once per call.
+
+    python bench/bench_endor.py [--json] [--device cuda] [--all-isas] [--quick] [--only decompress|linear]
 """
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
-from common import device_name, arg_parser, emit, time_interleaved
+from common import device_name, arg_parser, emit, stream_probe, time_interleaved
 
 import flashllm_ext
-from flashllm_ext import endor, store
+from flashllm_ext import endor, ops, store
 from flashllm_ext._ops import endor_decompress_reference
 
 SHAPES = {"opt-6.7b fc1": (16384, 4096), "opt-6.7b fc2": (4096, 16384),
@@ -65,12 +73,42 @@ def bench_case(name: str, shape: tuple[int, int], dtype_name: str, sparsity: flo
     return row
 
 
+def bench_linear_case(name: str, shape: tuple[int, int], n_tok: int, sparsity: float, device: str, rounds: int,
+                      stream: tuple[int, Callable[[], object]]) -> dict:
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    dense = pruned_weight(shape, torch.float16, sparsity, device)
+    e = endor.compress(dense)
+    x = torch.randn(n_tok, shape[1], generator=torch.Generator().manual_seed(2)).to(device, torch.float16)
+    buffer = torch.zeros_like(dense)  # touched now: page faults stay out of the timed region
+    want = F.linear(x.float(), dense.float())
+    got = ops.endor_linear(x, e.values, e.bitmap, e.row_offsets, n_cols=shape[1])
+    assert torch.allclose(got.float(), want, rtol=1e-2, atol=1e-2 * want.abs().max().item()), "endor_linear wrong"
+    probe_bytes, probe = stream
+    times = time_interleaved({
+        "endor_linear": lambda: ops.endor_linear(x, e.values, e.bitmap, e.row_offsets, n_cols=shape[1]),
+        "dense": lambda: F.linear(x, dense),
+        "decompress_linear": lambda: F.linear(x, e.decompress(out=buffer)),
+        "stream": probe}, rounds=rounds, sync=sync)
+    bandwidth = probe_bytes / times["stream"]
+    dense_bytes = dense.numel() * dense.element_size()
+    return {"bench": "endor", "op": "linear", "shape": f"{shape[0]}x{shape[1]}", "matrix": name, "dtype": "fp16",
+            "sparsity": sparsity, "tokens": n_tok, "endor_mb": e.nbytes / 1e6, "dense_mb": dense_bytes / 1e6,
+            "bytes_ratio": e.nbytes / dense_bytes, "endor_ms": times["endor_linear"] * 1e3,
+            "dense_ms": times["dense"] * 1e3, "decompress_linear_ms": times["decompress_linear"] * 1e3,
+            "vs_dense": times["dense"] / times["endor_linear"],
+            "vs_decompress_linear": times["decompress_linear"] / times["endor_linear"],
+            "stream_gbps": bandwidth / 1e9, "endor_gbps": e.nbytes / times["endor_linear"] / 1e9,
+            "bound_ratio": times["endor_linear"] / (e.nbytes / bandwidth),
+            "dense_bound_ratio": times["dense"] / (dense_bytes / bandwidth), "device": device_name(device)}
+
+
 def main() -> None:
     parser = arg_parser(__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--all-isas", action="store_true", help="repeat the CPU runs for every ISA path")
     parser.add_argument("--quick", action="store_true", help="one shape, fp16 only")
     parser.add_argument("--no-baselines", action="store_true", help="skip the slow reference and CSR baselines")
+    parser.add_argument("--only", choices=["decompress", "linear"], help="run one op's rows")
     args = parser.parse_args()
     warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
     isas = [flashllm_ext._C.detected_cpu_isa()]
@@ -83,17 +121,30 @@ def main() -> None:
     for isa in isas if args.device == "cpu" else [None]:
         if isa:
             flashllm_ext._C.set_cpu_isa(isa)
-        for name, shape in shapes.items():
-            for dtype_name in dtypes:
-                for fraction in (None, 0.05):
-                    row = bench_case(name, shape, dtype_name, 0.5, fraction, args.device, args.rounds,
-                                     with_baselines=not args.no_baselines)
+        if args.only != "linear":
+            for name, shape in shapes.items():
+                for dtype_name in dtypes:
+                    for fraction in (None, 0.05):
+                        row = bench_case(name, shape, dtype_name, 0.5, fraction, args.device, args.rounds,
+                                         with_baselines=not args.no_baselines)
+                        rows.append(row)
+                        if args.json:
+                            emit([row], True)
+        if args.only != "decompress":
+            stream = stream_probe(args.device)
+            for name, shape in shapes.items():
+                for n_tok in (1,) if args.quick else (1, 4):
+                    row = bench_linear_case(name, shape, n_tok, 0.5, args.device, args.rounds, stream)
                     rows.append(row)
                     if args.json:
                         emit([row], True)
     if not args.json:
-        emit(rows, False, ["op", "matrix", "shape", "dtype", "compressed_ratio", "decompress_gbps", "memcpy_gbps",
-                           "vs_memcpy", "reference_gbps", "vs_reference", "csr_gbps", "device"])
+        emit([r for r in rows if r["op"] != "linear"], False,
+             ["op", "matrix", "shape", "dtype", "compressed_ratio", "decompress_gbps", "memcpy_gbps", "vs_memcpy",
+              "reference_gbps", "vs_reference", "csr_gbps", "device"])
+        emit([r for r in rows if r["op"] == "linear"], False,
+             ["matrix", "shape", "tokens", "bytes_ratio", "endor_ms", "dense_ms", "decompress_linear_ms", "vs_dense",
+              "vs_decompress_linear", "endor_gbps", "stream_gbps", "bound_ratio", "dense_bound_ratio", "device"])
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from common import device_name, arg_parser, emit, time_interleaved
+from common import device_name, arg_parser, emit, stream_probe, time_interleaved
 from traces import default_model_masks, tile_masks
 
 from flashllm_ext import ops
@@ -39,7 +39,6 @@ from flashllm_ext.store import DTYPES, FlashStore
 
 SHAPES = {"opt-6.7b": (4096, 16384, False, "relu"), "llama-2-7b": (4096, 11008, True, "silu")}
 RESULTS = Path(__file__).resolve().parent / "results"
-PROBE_BYTES = 512 << 20
 ROTATE_BYTES = 256 << 20
 
 
@@ -54,11 +53,8 @@ def bench_ffn(dtype_name: str, rounds: int, quick: bool, device: str = "cpu") ->
     dtype = DTYPES[dtype_name]
     on_gpu = device == "cuda"
     sync = torch.cuda.synchronize if on_gpu else (lambda: None)
+    probe_bytes, stream = stream_probe(device)
     g = torch.Generator().manual_seed(0)
-    # The bandwidth probe: a streaming sum, 4x the 50-60 MB L2 of an H100/H200 on the GPU.
-    probe_bytes = (2048 << 20) if on_gpu else PROBE_BYTES
-    probe_buf = torch.randint(0, 1 << 20, (probe_bytes // 4,), dtype=torch.int32, generator=g).view(torch.float32)
-    probe_buf = probe_buf.nan_to_num_(0.0).to(device)  # random bits: keep the sum finite (cheap either way; the bytes are what count)
     rows = []
     for shape_name, (d, n, glu, act) in SHAPES.items():
         width = (3 if glu else 2) * d
@@ -99,7 +95,7 @@ def bench_ffn(dtype_name: str, rounds: int, quick: bool, device: str = "cpu") ->
                     torch.set_num_threads(threads)
 
                 candidates = {"sparse": sparse, "dense": lambda: dense_ffn(x, w_up, w_down, w_gate, act),
-                              "stream": lambda: probe_buf.sum()}
+                              "stream": stream}
                 if not on_gpu:
                     candidates["sparse_1t"] = sparse_one_thread
                 times = time_interleaved(candidates, rounds=rounds, sync=sync)

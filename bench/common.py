@@ -26,6 +26,18 @@ def device_name(device: str = "cpu") -> str:
             f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')})")
 
 
+def stream_probe(device: str = "cpu"):
+    """The memory-bandwidth probe: (bytes, fn), fn a streaming sum over that many bytes (512 MiB on the CPU, several
+    times any L3; 2 GiB on a GPU, 4x the 50-60 MB L2 of an H100/H200). Bytes / its time is the read bandwidth."""
+    import torch
+
+    probe_bytes = (2048 << 20) if device == "cuda" else (512 << 20)
+    g = torch.Generator().manual_seed(0)
+    buf = torch.randint(0, 1 << 20, (probe_bytes // 4,), dtype=torch.int32, generator=g).view(torch.float32)
+    buf = buf.nan_to_num_(0.0).to(device)  # random bits: keep the sum finite (cheap either way; the bytes count)
+    return probe_bytes, lambda: buf.sum()
+
+
 def arg_parser(description: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--json", action="store_true", help="one JSON object per result line")

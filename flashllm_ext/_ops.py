@@ -34,26 +34,36 @@ LIB.define(
 ENDOR_DTYPES = tuple(BITS_VIEW)
 
 
+def _check_endor_tensor_metadata(op: str, values: torch.Tensor, bitmap: torch.Tensor, row_offsets: torch.Tensor,
+                                 n_cols: int) -> None:
+    """The metadata checks of an Endor tensor's arrays every Endor op makes (check_endor_tensor in
+    csrc/common/endor_checks.h), after its own check of values' dtype."""
+    torch._check(values.dim() == 1, lambda: f"{op}: values must be 1-D, got shape {tuple(values.shape)}")
+    torch._check(bitmap.dtype == torch.uint8 and bitmap.dim() == 2,
+                 lambda: f"{op}: bitmap must be a 2-D uint8 tensor, got {bitmap.dtype} of shape "
+                         f"{tuple(bitmap.shape)}")
+    torch._check(n_cols >= 0 and bitmap.shape[1] == (n_cols + 7) // 8,
+                 lambda: f"{op}: bitmap has {bitmap.shape[1]} bytes per row, n_cols={n_cols} needs "
+                         f"{(n_cols + 7) // 8}")
+    n_rows = bitmap.shape[0]
+    torch._check(row_offsets.dtype == torch.int64 and row_offsets.dim() == 1 and row_offsets.numel() == n_rows + 1,
+                 lambda: f"{op}: row_offsets must be int64 of length rows+1={n_rows + 1}, got "
+                         f"{row_offsets.dtype} of shape {tuple(row_offsets.shape)}")
+    for name, t in (("bitmap", bitmap), ("row_offsets", row_offsets)):
+        torch._check(t.device == values.device,
+                     lambda: f"{op}: {name} is on {t.device} but values is on {values.device}")
+
+
 def _check_endor_metadata(values: torch.Tensor, bitmap: torch.Tensor, row_offsets: torch.Tensor, n_cols: int,
                           rows: torch.Tensor | None, out: torch.Tensor | None) -> int:
     """The metadata checks of csrc/common/endor_checks.h. Returns the number of output rows."""
     torch._check(values.dtype in ENDOR_DTYPES,
                  lambda: f"endor_decompress: values must be float32, float16, bfloat16 or int8, got {values.dtype}")
-    torch._check(values.dim() == 1, lambda: f"endor_decompress: values must be 1-D, got shape {tuple(values.shape)}")
-    torch._check(bitmap.dtype == torch.uint8 and bitmap.dim() == 2,
-                 lambda: f"endor_decompress: bitmap must be a 2-D uint8 tensor, got {bitmap.dtype} of shape "
-                         f"{tuple(bitmap.shape)}")
-    torch._check(n_cols >= 0 and bitmap.shape[1] == (n_cols + 7) // 8,
-                 lambda: f"endor_decompress: bitmap has {bitmap.shape[1]} bytes per row, n_cols={n_cols} needs "
-                         f"{(n_cols + 7) // 8}")
-    n_rows = bitmap.shape[0]
-    torch._check(row_offsets.dtype == torch.int64 and row_offsets.dim() == 1 and row_offsets.numel() == n_rows + 1,
-                 lambda: f"endor_decompress: row_offsets must be int64 of length rows+1={n_rows + 1}, got "
-                         f"{row_offsets.dtype} of shape {tuple(row_offsets.shape)}")
-    for name, t in (("bitmap", bitmap), ("row_offsets", row_offsets), ("rows", rows), ("out", out)):
+    _check_endor_tensor_metadata("endor_decompress", values, bitmap, row_offsets, n_cols)
+    for name, t in (("rows", rows), ("out", out)):
         torch._check(t is None or t.device == values.device,
                      lambda: f"endor_decompress: {name} is on {t.device} but values is on {values.device}")
-    n_out = n_rows
+    n_out = bitmap.shape[0]
     if rows is not None:
         torch._check(rows.dtype == torch.int64 and rows.dim() == 1,
                      lambda: f"endor_decompress: rows must be a 1-D int64 tensor, got {rows.dtype} of shape "
@@ -66,19 +76,17 @@ def _check_endor_metadata(values: torch.Tensor, bitmap: torch.Tensor, row_offset
     return n_out
 
 
-def _endor_fail(msg: str) -> None:
-    raise RuntimeError(f"endor_decompress: {msg}")
+def _check_endor_tensor_data(op: str, values: torch.Tensor, bitmap: torch.Tensor, row_offsets: torch.Tensor,
+                             n_cols: int) -> None:
+    """The data checks of an Endor tensor the native kernels make, worded as they word them
+    (csrc/common/endor_report.h): row_offsets spans values, then per row, the first bad row raising."""
+    def fail(msg: str) -> None:
+        raise RuntimeError(f"{op}: {msg}")
 
-
-def check_endor_args(values: torch.Tensor, bitmap: torch.Tensor, row_offsets: torch.Tensor, n_cols: int,
-                     rows: torch.Tensor | None, out: torch.Tensor | None = None) -> int:
-    """Every check the native kernels make, in torch (data included). Returns the number of output rows."""
-    n_out = _check_endor_metadata(values, bitmap, row_offsets, n_cols, rows, out)
-    n_rows, nnz = bitmap.shape[0], values.numel()
+    nnz = values.numel()
     if int(row_offsets[0]) != 0 or int(row_offsets[-1]) != nnz:
-        _endor_fail(f"row_offsets must start at 0 and end at values.numel()={nnz}, "
-                    f"got {int(row_offsets[0])}..{int(row_offsets[-1])}")
-    # Per row, in the order and words of the native kernels (csrc/common/endor_report.h): the first bad row raises.
+        fail(f"row_offsets must start at 0 and end at values.numel()={nnz}, "
+             f"got {int(row_offsets[0])}..{int(row_offsets[-1])}")
     starts, ends = row_offsets[:-1], row_offsets[1:]
     bad_range = (starts < 0) | (starts > ends) | (ends > nnz)
     bad_padding = (bitmap[:, -1] >> (n_cols % 8)) != 0 if n_cols % 8 else torch.zeros_like(bad_range)
@@ -88,16 +96,35 @@ def check_endor_args(values: torch.Tensor, bitmap: torch.Tensor, row_offsets: to
         r = int(bad.nonzero()[0])
         start, end = int(starts[r]), int(ends[r])
         if bad_range[r]:
-            _endor_fail(f"row {r}: row_offsets [{start}, {end}) is not a range inside values ({nnz} elements)")
+            fail(f"row {r}: row_offsets [{start}, {end}) is not a range inside values ({nnz} elements)")
         if bad_padding[r]:
-            _endor_fail(f"row {r}: bitmap has bits set past n_cols={n_cols}")
-        _endor_fail(f"row {r}: row_offsets says {end - start} values but the bitmap has {int(set_bits[r])} set bits")
+            fail(f"row {r}: bitmap has bits set past n_cols={n_cols}")
+        fail(f"row {r}: row_offsets says {end - start} values but the bitmap has {int(set_bits[r])} set bits")
+
+
+def check_endor_args(values: torch.Tensor, bitmap: torch.Tensor, row_offsets: torch.Tensor, n_cols: int,
+                     rows: torch.Tensor | None, out: torch.Tensor | None = None) -> int:
+    """Every check the native kernels make, in torch (data included). Returns the number of output rows."""
+    n_out = _check_endor_metadata(values, bitmap, row_offsets, n_cols, rows, out)
+    _check_endor_tensor_data("endor_decompress", values, bitmap, row_offsets, n_cols)
     if rows is not None and rows.numel():
+        n_rows = bitmap.shape[0]
         outside = (rows < 0) | (rows >= n_rows)
         if bool(outside.any()):
             k = int(outside.nonzero()[0])
-            _endor_fail(f"rows[{k}]={int(rows[k])} is outside [0, {n_rows})")
+            raise RuntimeError(f"endor_decompress: rows[{k}]={int(rows[k])} is outside [0, {n_rows})")
     return n_out
+
+
+def _scatter_rows(values: torch.Tensor, bitmap: torch.Tensor, starts: torch.Tensor, n_cols: int,
+                  out: torch.Tensor) -> torch.Tensor:
+    """Dense rows of checked Endor arrays: each row's values scattered to its set bits. bitmap [K, bytes] and
+    starts [K] (each row's first value) of the rows wanted -> out [K, n_cols]. Copies bits, never does math."""
+    bits = unpack_bitmap(bitmap, n_cols)
+    positions = torch.cumsum(bits, dim=1) - 1 + starts[:, None]
+    out.zero_()
+    out[bits] = values[positions[bits]]
+    return out
 
 
 def endor_decompress_reference(values: torch.Tensor, bitmap: torch.Tensor, row_offsets: torch.Tensor,
@@ -111,11 +138,7 @@ def endor_decompress_reference(values: torch.Tensor, bitmap: torch.Tensor, row_o
         bitmap, starts = bitmap.index_select(0, rows), row_offsets.index_select(0, rows)
     else:
         starts = row_offsets[:-1]
-    bits = unpack_bitmap(bitmap, n_cols)
-    positions = torch.cumsum(bits, dim=1) - 1 + starts[:, None]
-    out.zero_()
-    out[bits] = values[positions[bits]]
-    return out
+    return _scatter_rows(values, bitmap, starts, n_cols, out)
 
 
 @torch.library.impl(LIB, "endor_decompress", "CompositeExplicitAutograd")
@@ -137,6 +160,64 @@ def _endor_decompress_fake(values, bitmap, row_offsets, n_cols, rows=None):
 @torch.library.register_fake("flashllm::endor_decompress.out")
 def _endor_decompress_out_fake(values, bitmap, row_offsets, n_cols, rows=None, *, out):
     _check_endor_metadata(values, bitmap, row_offsets, n_cols, rows, out)
+
+
+# ------------------------------------------------------------------------------------------------ endor_linear
+# y = x W^T (+ bias) with W the Endor tensor [rows, n_cols], computed from values + bitmap without materialising W:
+# the decode-time matrix-vector product of an Endor-compressed linear layer (T = 1..8 tokens is the case it is
+# built for; more tokens run in groups of 8, each re-reading the weight). Float32 accumulation.
+# Dtype rules: values float32 | float16 | bfloat16 (int8 would need a per-row scale the format does not carry yet:
+# refused); x is values' dtype or float32; bias (optional) and the output are x's dtype.
+LIB.define(
+    "endor_linear(Tensor x, Tensor values, Tensor bitmap, Tensor row_offsets, int n_cols, Tensor? bias=None) -> Tensor"
+)
+
+ENDOR_LINEAR_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _check_endor_linear_metadata(x: torch.Tensor, values: torch.Tensor, bitmap: torch.Tensor,
+                                 row_offsets: torch.Tensor, n_cols: int, bias: torch.Tensor | None) -> int:
+    """The metadata checks of check_endor_linear_args (csrc/common/endor_checks.h). Returns rows."""
+    torch._check(values.dtype in ENDOR_LINEAR_DTYPES,
+                 lambda: f"endor_linear: values must be float32, float16 or bfloat16 (int8 is not supported: it "
+                         f"needs a scale), got {values.dtype}")
+    torch._check(x.dim() == 2 and x.dtype in (values.dtype, torch.float32),
+                 lambda: f"endor_linear: x must be a 2-D {values.dtype} or float32 tensor [T, n_cols], got "
+                         f"{x.dtype} of shape {tuple(x.shape)}")
+    _check_endor_tensor_metadata("endor_linear", values, bitmap, row_offsets, n_cols)
+    torch._check(x.shape[1] == n_cols,
+                 lambda: f"endor_linear: x has {x.shape[1]} columns but the weight has n_cols={n_cols}")
+    n_rows = bitmap.shape[0]
+    for name, t in (("x", x), ("bias", bias)):
+        torch._check(t is None or t.device == values.device,
+                     lambda: f"endor_linear: {name} is on {t.device} but values is on {values.device}")
+    torch._check(bias is None or (bias.dtype == x.dtype and bias.dim() == 1 and bias.shape[0] == n_rows),
+                 lambda: f"endor_linear: bias must be {x.dtype} of shape [rows={n_rows}], got {bias.dtype} of "
+                         f"shape {tuple(bias.shape)}")
+    return n_rows
+
+
+def endor_linear_reference(x: torch.Tensor, values: torch.Tensor, bitmap: torch.Tensor, row_offsets: torch.Tensor,
+                           n_cols: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Pure-torch y = x W^T (+ bias): decompress W, then a float32 matmul. x [T, n_cols] -> [T, rows] of x.dtype."""
+    _check_endor_linear_metadata(x, values, bitmap, row_offsets, n_cols, bias)
+    _check_endor_tensor_data("endor_linear", values, bitmap, row_offsets, n_cols)
+    w = _scatter_rows(values, bitmap, row_offsets[:-1], n_cols, values.new_empty((bitmap.shape[0], n_cols)))
+    y = x.float() @ w.float().t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+@torch.library.impl(LIB, "endor_linear", "CompositeExplicitAutograd")
+def _endor_linear_default(x, values, bitmap, row_offsets, n_cols, bias=None):
+    return endor_linear_reference(x, values, bitmap, row_offsets, n_cols, bias)
+
+
+@torch.library.register_fake("flashllm::endor_linear")
+def _endor_linear_fake(x, values, bitmap, row_offsets, n_cols, bias=None):
+    n_rows = _check_endor_linear_metadata(x, values, bitmap, row_offsets, n_cols, bias)
+    return x.new_empty((x.shape[0], n_rows))
 
 
 # ------------------------------------------------------------------------------------------------ sparse_ffn

@@ -23,7 +23,7 @@ def pack_bitmap(mask: torch.Tensor) -> torch.Tensor:
     padded = torch.zeros((rows, (cols + 7) // 8 * 8), dtype=torch.uint8, device=mask.device)
     padded[:, :cols] = mask
     weights = 1 << torch.arange(8, dtype=torch.int32, device=mask.device)
-    return (padded.view(rows, -1, 8).to(torch.int32) * weights).sum(-1).to(torch.uint8)
+    return (padded.view(rows, (cols + 7) // 8, 8).to(torch.int32) * weights).sum(-1).to(torch.uint8)
 
 
 def unpack_bitmap(bitmap: torch.Tensor, n_cols: int) -> torch.Tensor:

@@ -10,7 +10,7 @@ import torch
 
 from . import _ops  # noqa: F401  (registers the schemas, fake and reference kernels)
 
-__all__ = ["cache_compact", "cache_plan", "endor_decompress", "sparse_ffn"]
+__all__ = ["cache_compact", "cache_plan", "endor_decompress", "endor_linear", "sparse_ffn"]
 
 
 def endor_decompress(values: torch.Tensor, bitmap: torch.Tensor, row_offsets: torch.Tensor, *, n_cols: int,
@@ -28,6 +28,20 @@ def endor_decompress(values: torch.Tensor, bitmap: torch.Tensor, row_offsets: to
         return torch.ops.flashllm.endor_decompress.default(values, bitmap, row_offsets, n_cols, rows)
     torch.ops.flashllm.endor_decompress.out(values, bitmap, row_offsets, n_cols, rows, out=out)
     return out
+
+
+def endor_linear(x: torch.Tensor, values: torch.Tensor, bitmap: torch.Tensor, row_offsets: torch.Tensor, *,
+                 n_cols: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x W^T (+ bias) straight from an Endor tensor W [R, n_cols] (DESIGN.md §5), never materialising W.
+
+    x: [T, n_cols] of values.dtype or float32 (any strides); T = 1..8 is the decode case it is built for
+    values: [nnz] float32 | float16 | bfloat16 (int8 is refused: it would need a scale)
+    bitmap: uint8 [R, ceil(n_cols/8)]; row_offsets: int64 [R + 1], as endor_decompress takes them
+    bias: [R] of x.dtype; None for none
+    Returns y: [T, R] of x.dtype, accumulated in float32. Raises RuntimeError naming the bad row (CUDA: with kernel
+    checks on; without them a bad row comes out as zeros, common/kernel_checks.h).
+    """
+    return torch.ops.flashllm.endor_linear.default(x, values, bitmap, row_offsets, n_cols, bias)
 
 
 def sparse_ffn(x: torch.Tensor, matrix: torch.Tensor, *, num_used: int, activation: str, glu: bool,

@@ -1,7 +1,7 @@
 """The shipped CUDA kernels (flashllm_ext._C built with CUDA) on a real GPU, against the pure-torch references:
-endor_decompress bitwise, sparse_ffn within the float32-accumulation tolerance, cache_compact exactly, and the
-same bad inputs every other backend refuses (with the glue's debug data checks on; without them metadata is still
-checked and bad data never reads out of bounds). The same problems as the SIMT tests (test_simt.py,
+endor_decompress bitwise, endor_linear exactly (on values whose float32 sums are exact), sparse_ffn within the
+float32-accumulation tolerance, cache_compact exactly, and the same bad inputs every other backend refuses (with the
+glue's debug data checks on; without them metadata is still checked and bad data never reads out of bounds). The same problems as the SIMT tests (test_simt.py,
 test_ffn_simt.py), plus shapes too large to emulate.
 
 Runs only where torch sees a CUDA device and the native library was built with CUDA kernels; elsewhere the
@@ -12,9 +12,11 @@ import torch
 
 import flashllm_ext
 from flashllm_ext import endor
-from flashllm_ext._ops import cache_compact_reference, endor_decompress_reference, sparse_ffn_reference
+from flashllm_ext._ops import (cache_compact_reference, endor_decompress_reference, endor_linear_reference,
+                               sparse_ffn_reference)
 from ffn_cases import FFN_DTYPES, assert_close, bad_ffn_cases, compact_state, ffn_case, random_compact_case
-from kernel_cases import BAD_CASES, DTYPES, SHAPES, assert_bitwise_equal, endor_case
+from kernel_cases import (BAD_CASES, BAD_LINEAR_CASES, DTYPES, LINEAR_DTYPES, SHAPES, assert_bitwise_equal,
+                          endor_case, linear_case)
 
 if not torch.cuda.is_available():
     pytest.skip("no CUDA device", allow_module_level=True)
@@ -79,6 +81,34 @@ def test_endor_module_api_on_cuda():
     e = endor.compress(w.to(CUDA))
     assert e.values.is_cuda
     assert_bitwise_equal(e.decompress().cpu(), w)
+
+
+# ---- endor_linear -------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", LINEAR_DTYPES)
+@pytest.mark.parametrize("shape", [(1, 1), (7, 13), (19, 64), (3, 300), (2, 2100), (257, 4099), (1024, 11008)])
+def test_endor_linear_matches_reference_exactly(dtype, shape):
+    # linear_case's values make every float32 sum exact, so any summation order matches the reference.
+    for n_tok in (1, 4, 8, 11):
+        x, _, e, b = linear_case(n_tok, shape, dtype, seed=n_tok + shape[1])
+        for bias in (b, None):
+            want = endor_linear_reference(x, e.values, e.bitmap, e.row_offsets, shape[1], bias)
+            got = OPS.endor_linear(*to_cuda((x, e.values, e.bitmap, e.row_offsets, shape[1], bias)))
+            assert got.is_cuda and torch.equal(got.cpu(), want)
+
+
+def test_endor_linear_float32_x_and_non_contiguous():
+    x, _, e, b = linear_case(4, (33, 517), torch.float16, x_dtype=torch.float32)
+    xt = x.t().contiguous().t().to(CUDA)
+    got = OPS.endor_linear(xt, *to_cuda((e.values, e.bitmap, e.row_offsets, 517, b)))
+    assert torch.equal(got.cpu(), endor_linear_reference(x, e.values, e.bitmap, e.row_offsets, 517, b))
+
+
+@pytest.mark.parametrize("case", BAD_LINEAR_CASES, ids=lambda c: c[0][:40])
+def test_endor_linear_refuses_bad_input(kernel_checks, case):
+    expected, args = case
+    with pytest.raises(RuntimeError, match=expected):
+        OPS.endor_linear(*to_cuda(args))
 
 
 # ---- sparse_ffn ---------------------------------------------------------------------------------------------

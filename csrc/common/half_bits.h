@@ -1,8 +1,12 @@
 // Float bits of half and bfloat16 storage, for kernels that keep 16-bit elements as uint16_t: hardware conversion
-// on a GPU, an exact software one when a body runs on the CPU SIMT emulation (every half is a float).
+// on a GPU, an exact software one when a body runs on the CPU SIMT emulation (every half is a float). Storage<KIND>
+// and to_float<KIND> serve the GPU kernels that compute on float32, float16 or bfloat16 elements (FfnKind).
 #pragma once
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
+
+#include "common/ffn_grid.h"
 
 #if defined(__CUDACC__)
 #include <cuda_fp16.h>
@@ -39,6 +43,16 @@ FLASHLLM_CONVERT float half_to_float(uint16_t h) {
   }
   return bits_to_float(sign | ((exp + 112) << 23) | (man << 13));
 #endif
+}
+
+template <int KIND>
+using Storage = typename std::conditional<KIND == kFfnF32, float, uint16_t>::type;
+
+template <int KIND>
+FLASHLLM_CONVERT float to_float(Storage<KIND> v) {
+  if constexpr (KIND == kFfnF32) return v;
+  else if constexpr (KIND == kFfnF16) return half_to_float(v);
+  else return bits_to_float(uint32_t(v) << 16);
 }
 
 }  // namespace flashllm::ffn_detail

@@ -13,8 +13,6 @@
 #include <immintrin.h>
 #include <omp.h>
 
-#include <algorithm>
-#include <array>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -22,71 +20,24 @@
 #include "common/cpu_isa.h"
 #include "common/endor_checks.h"
 #include "common/endor_report.h"
+#include "common/endor_rows.h"
 #include "common/word_dispatch.h"
 
 namespace flashllm {
 namespace {
 
-template <typename T>
-inline T load_word(const uint8_t* p) {  // fixed-size copy: compiles to one load, unlike a variable-size memcpy
-  T m;
-  std::memcpy(&m, p, sizeof(T));
-  return m;
-}
-
-// Reads up to 8 bitmap bytes as a little-endian word without reading past `n_bytes` (for row tails only: the
-// variable-size copy is a library call).
-inline uint64_t load_mask_bytes(const uint8_t* p, int64_t n_bytes) {
-  uint64_t m = 0;
-  std::memcpy(&m, p, static_cast<size_t>(std::min<int64_t>(n_bytes, 8)));
-  return m;
-}
-
 // ---------------------------------------------------------------------------------------------- scalar
 template <typename W>
 void decode_row_scalar(const W* v, const uint8_t* bm, int64_t n_cols, W* out) {
   std::memset(out, 0, static_cast<size_t>(n_cols) * sizeof(W));
-  const int64_t n_bytes = (n_cols + 7) / 8;
-  for (int64_t b = 0; b < n_bytes; b += 8) {
-    uint64_t m = b + 8 <= n_bytes ? load_word<uint64_t>(bm + b) : load_mask_bytes(bm + b, n_bytes - b);
-    W* dst = out + b * 8;
-    while (m) {
-      dst[__builtin_ctzll(m)] = *v++;
-      m &= m - 1;
-    }
-  }
+  for_each_set_column(bm, n_cols, [&](int64_t col) { out[col] = *v++; });
 }
 
 // ---------------------------------------------------------------------------------------------- AVX2
-// For each bitmap byte: the rank of each set bit among the set bits (the source lane of each output lane).
-struct Avx2Tables {
-  alignas(32) std::array<std::array<int32_t, 8>, 256> perm32;
-  alignas(16) std::array<std::array<uint8_t, 16>, 256> shuffle16;  // pshufb indices, 0x80 = zero
-  alignas(16) std::array<std::array<uint8_t, 16>, 256> shuffle8;
-  Avx2Tables() {
-    for (int byte = 0; byte < 256; ++byte) {
-      int rank = 0;
-      for (int j = 0; j < 8; ++j) {
-        const bool set = (byte >> j) & 1;
-        perm32[byte][j] = set ? rank : 0;
-        shuffle16[byte][2 * j] = set ? static_cast<uint8_t>(2 * rank) : 0x80;
-        shuffle16[byte][2 * j + 1] = set ? static_cast<uint8_t>(2 * rank + 1) : 0x80;
-        shuffle8[byte][j] = set ? static_cast<uint8_t>(rank) : 0x80;
-        shuffle8[byte][j + 8] = 0x80;
-        rank += set;
-      }
-    }
-  }
-};
-const Avx2Tables& avx2_tables() {
-  static const Avx2Tables tables;
-  return tables;
-}
-
 template <typename W>
 __attribute__((target("avx2,popcnt"))) void decode_row_avx2(const W* v, const uint8_t* bm, int64_t n_cols, W* out,
                                                              const W* v_end) {
-  const Avx2Tables& t = avx2_tables();
+  const EndorAvx2Tables& t = endor_avx2_tables();
   const __m256i lane_bits = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
   int64_t c = 0;
   // Each step reads 8 elements; near the end of `values` that could pass the buffer, so the scalar loop finishes.
@@ -190,15 +141,6 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi2,popcnt"))) void dec
 }
 
 // ---------------------------------------------------------------------------------------------- driver
-// Set bits of one bitmap row; -1 when a padding bit past n_cols is set (the row would not decode to n_cols).
-__attribute__((target_clones("popcnt", "default"))) int64_t row_popcount(const uint8_t* bm, int64_t n_cols) {
-  const int64_t n_bytes = (n_cols + 7) / 8;
-  if ((n_cols % 8) && (bm[n_bytes - 1] >> (n_cols % 8))) return -1;
-  int64_t count = 0, b = 0;
-  for (; b + 8 <= n_bytes; b += 8) count += __builtin_popcountll(load_word<uint64_t>(bm + b));
-  return count + __builtin_popcountll(load_mask_bytes(bm + b, n_bytes - b));
-}
-
 // Decodes every output row; returns the lowest refused output row and why, packed as in EndorReport::bad_row
 // (row << kEndorCodeBits | EndorRowCode), or kEndorNoError. The caller words the error (common/endor_report.h).
 template <typename W>
@@ -206,7 +148,7 @@ unsigned long long decompress(const W* values, int64_t nnz, const uint8_t* bitma
                               int64_t n_rows, int64_t n_cols, const int64_t* rows, int64_t n_out, W* out) {
   const CpuIsa isa = active_cpu_isa();
   const int64_t n_bytes = (n_cols + 7) / 8;
-  unsigned long long bad_row = kEndorNoError;
+  LowestBadRow bad_row;
   // Rows are independent; a small dynamic chunk balances rows of uneven density across threads. Below ~256 KiB of
   // output, waking the thread team costs more than it saves.
   const bool parallel = n_out * n_cols * static_cast<int64_t>(sizeof(W)) >= (256 << 10);
@@ -220,37 +162,23 @@ unsigned long long decompress(const W* values, int64_t nnz, const uint8_t* bitma
         __builtin_prefetch(values + offsets[next]);
       }
     }
-    int code = kEndorRowOk;
-    if (r < 0 || r >= n_rows) {
-      code = kEndorRowIndexOutOfRange;
-    } else {
-      const int64_t start = offsets[r], end = offsets[r + 1];
-      const uint8_t* bm = bitmap + r * n_bytes;
-      const int64_t count = row_popcount(bm, n_cols);
-      if (start < 0 || end < start || end > nnz) {
-        code = kEndorRowOffsetsInvalid;
-      } else if (count < 0) {
-        code = kEndorRowPaddingBits;
-      } else if (count != end - start) {
-        code = kEndorRowCountMismatch;
-      } else {
-        const W* v = values + start;
-        W* dst = out + i * n_cols;
-        switch (isa) {
-          case CpuIsa::kAvx512Vbmi2: decode_row_avx512_vbmi2(v, bm, n_cols, dst); break;
-          case CpuIsa::kAvx512: decode_row_avx512(v, bm, n_cols, dst); break;
-          case CpuIsa::kAvx2: decode_row_avx2(v, bm, n_cols, dst, values + nnz); break;
-          default: decode_row_scalar(v, bm, n_cols, dst);
-        }
-      }
-    }
+    int64_t start = 0;
+    const int code = endor_row_code(bitmap, offsets, r, n_rows, n_cols, nnz, &start);
     if (code != kEndorRowOk) {
-      const unsigned long long packed = static_cast<unsigned long long>(i) << kEndorCodeBits | code;
-#pragma omp critical(flashllm_endor_error)
-      bad_row = packed < bad_row ? packed : bad_row;
+      bad_row.note(i, code);
+      continue;
+    }
+    const W* v = values + start;
+    const uint8_t* bm = bitmap + r * n_bytes;
+    W* dst = out + i * n_cols;
+    switch (isa) {
+      case CpuIsa::kAvx512Vbmi2: decode_row_avx512_vbmi2(v, bm, n_cols, dst); break;
+      case CpuIsa::kAvx512: decode_row_avx512(v, bm, n_cols, dst); break;
+      case CpuIsa::kAvx2: decode_row_avx2(v, bm, n_cols, dst, values + nnz); break;
+      default: decode_row_scalar(v, bm, n_cols, dst);
     }
   }
-  return bad_row;
+  return bad_row.packed();
 }
 
 void endor_decompress_out_cpu(const at::Tensor& values_in, const at::Tensor& bitmap_in,
@@ -262,7 +190,7 @@ void endor_decompress_out_cpu(const at::Tensor& values_in, const at::Tensor& bit
   const std::optional<at::Tensor> rows = rows_in ? std::optional<at::Tensor>(rows_in->contiguous()) : std::nullopt;
   const int64_t n_rows = bitmap.size(0), nnz = values.numel();
   const int64_t* off = offsets.data_ptr<int64_t>();
-  check_endor_offset_ends(off[0], off[n_rows], nnz);
+  check_endor_offset_ends("endor_decompress", off[0], off[n_rows], nnz);
   const int64_t* row_ids = rows ? rows->data_ptr<int64_t>() : nullptr;
   const int64_t n_out = out.size(0);
   const uint8_t* bm = bitmap.data_ptr<uint8_t>();
@@ -271,11 +199,7 @@ void endor_decompress_out_cpu(const at::Tensor& values_in, const at::Tensor& bit
     return decompress(static_cast<const W*>(values.data_ptr()), nnz, bm, off, n_rows, n_cols, row_ids, n_out,
                       static_cast<W*>(out.data_ptr()));
   });
-  if (bad_row != kEndorNoError) {
-    throw_endor_row_error(static_cast<int64_t>(bad_row >> kEndorCodeBits),
-                          static_cast<int>(bad_row & ((1ull << kEndorCodeBits) - 1)), values, bitmap, offsets, n_cols,
-                          rows);
-  }
+  throw_if_endor_bad_row("endor_decompress", bad_row, values, bitmap, offsets, n_cols, rows);
 }
 
 }  // namespace

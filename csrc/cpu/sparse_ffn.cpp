@@ -27,6 +27,7 @@
 
 #include "common/cpu_isa.h"
 #include "common/sparse_ffn_checks.h"
+#include "common/token_groups.h"
 
 // GCC 12's masked-load intrinsics start from _mm512_undefined_*, which -Wall reports as uninitialised use.
 #pragma GCC diagnostic ignored "-Wuninitialized"
@@ -35,7 +36,6 @@
 namespace flashllm {
 namespace {
 
-constexpr int kMaxTokens = 8;
 using Half = c10::Half;
 using BF16 = c10::BFloat16;
 
@@ -240,20 +240,6 @@ void accumulate_rows(const FfnProblem<T>& p, RowOps<T, NT> ops, int64_t begin, i
   }
 }
 
-template <class F>
-void with_tokens(int n, F&& f) {
-  switch (n) {
-    case 1: return f(std::integral_constant<int, 1>{});
-    case 2: return f(std::integral_constant<int, 2>{});
-    case 3: return f(std::integral_constant<int, 3>{});
-    case 4: return f(std::integral_constant<int, 4>{});
-    case 5: return f(std::integral_constant<int, 5>{});
-    case 6: return f(std::integral_constant<int, 6>{});
-    case 7: return f(std::integral_constant<int, 7>{});
-    default: return f(std::integral_constant<int, 8>{});
-  }
-}
-
 // y [nt, d] = the problem's rows for nt tokens. Threads own row chunks and their own accumulator.
 template <class T, int NT>
 void run_group(const FfnProblem<T>& p, float* y) {
@@ -297,8 +283,8 @@ void sparse_ffn_typed(const at::Tensor& x, const at::Tensor& matrix, int64_t n_r
   at::Tensor yf = at::empty({n_tok, d}, x.options().dtype(at::kFloat));
   FfnProblem<T> p{nullptr, matrix.data_ptr<T>(), bias ? bias->data_ptr<T>() : nullptr, index, n_rows, d,
                   matrix.size(1), act, glu, threshold};
-  for (int64_t t0 = 0; t0 < n_tok; t0 += kMaxTokens) {
-    const int nt = static_cast<int>(std::min<int64_t>(kMaxTokens, n_tok - t0));
+  for (int64_t t0 = 0; t0 < n_tok; t0 += kCpuMaxTokens) {
+    const int nt = static_cast<int>(std::min<int64_t>(kCpuMaxTokens, n_tok - t0));
     p.x = xf.data_ptr<float>() + t0 * d;
     float* y = yf.data_ptr<float>() + t0 * d;
     with_tokens(nt, [&](auto nt_c) { run_group<T, decltype(nt_c)::value>(p, y); });

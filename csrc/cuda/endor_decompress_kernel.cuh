@@ -22,12 +22,12 @@
 
 #include "common/endor_codes.h"
 #include "common/word_dispatch.h"
+#include "cuda/endor_warp.cuh"
 
 namespace flashllm {
 
 constexpr int kEndorWarpsPerBlock = 8;
 constexpr int kEndorThreadsPerBlock = kEndorWarpsPerBlock * 32;
-constexpr int kEndorStepsPerIter = 4;
 constexpr int64_t kEndorMaxBlocks = int64_t(1) << 16;
 
 // Blocks for n_out rows: one warp per row up to kEndorMaxBlocks, then warps loop over rows. At least one, which
@@ -38,23 +38,6 @@ inline int64_t endor_grid_blocks(int64_t n_out) {
 }
 
 namespace endor_detail {
-
-constexpr unsigned kFullMask = 0xffffffffu;
-
-__device__ __forceinline__ unsigned long long warp_sum(unsigned long long v) {
-#pragma unroll
-  for (int d = 16; d > 0; d >>= 1) v += __shfl_xor_sync(kFullMask, v, d);
-  return v;
-}
-
-__device__ __forceinline__ unsigned warp_inclusive_scan(unsigned v, int lane) {
-#pragma unroll
-  for (int d = 1; d < 32; d <<= 1) {
-    const unsigned below = __shfl_up_sync(kFullMask, v, d);
-    if (lane >= d) v += below;
-  }
-  return v;
-}
 
 // Bytes of one vector store: the 8 elements of a bitmap byte, at most 16.
 template <class W>
@@ -94,28 +77,6 @@ __device__ __forceinline__ void decode_byte(const W* __restrict__ row_values, un
   }
 }
 
-// Why row r may not be decoded, or kEndorRowOk, with the checks in the CPU kernel's order; on kEndorRowOk, `start`
-// is the row's first value. Every argument is the same in all lanes, so the whole warp returns at the same check.
-__device__ __forceinline__ int check_row(const uint8_t* __restrict__ bitmap, const int64_t* __restrict__ row_offsets,
-                                         int64_t r, int64_t n_rows, int64_t n_cols, int64_t nnz, int lane,
-                                         int64_t& start) {
-  if (r < 0 || r >= n_rows) return kEndorRowIndexOutOfRange;
-  start = row_offsets[r];
-  const int64_t end = row_offsets[r + 1];
-  if (start < 0 || start > end || end > nnz) return kEndorRowOffsetsInvalid;
-  const int64_t row_bytes = (n_cols + 7) / 8;
-  const uint8_t* row_bitmap = bitmap + r * row_bytes;
-  if ((n_cols & 7) && (row_bitmap[row_bytes - 1] >> (n_cols & 7))) return kEndorRowPaddingBits;
-  unsigned long long set_bits = 0;
-  for (int64_t b = lane; b < row_bytes; b += 32) set_bits += __popc(row_bitmap[b]);
-  if (warp_sum(set_bits) != static_cast<unsigned long long>(end - start)) return kEndorRowCountMismatch;
-  return kEndorRowOk;
-}
-
-__device__ __forceinline__ void report_row(EndorReport* report, int64_t out_row, int code) {
-  atomicMin(&report->bad_row, (static_cast<unsigned long long>(out_row) << kEndorCodeBits) | static_cast<unsigned long long>(code));
-}
-
 }  // namespace endor_detail
 
 // out[o, :] = row rows[o] (or o when rows is null) of the Endor tensor, for o in [0, n_out).
@@ -152,25 +113,11 @@ __global__ void __launch_bounds__(kEndorThreadsPerBlock)
     const bool aligned = reinterpret_cast<uintptr_t>(dst) % kStoreBytes<W> == 0;
     const W* row_values = values + start;
     for (int64_t b0 = 0; b0 < row_bytes; b0 += 32 * kEndorStepsPerIter) {
-      unsigned bits[kEndorStepsPerIter];
-      unsigned first[kEndorStepsPerIter];
-#pragma unroll
-      for (int s = 0; s < kEndorStepsPerIter; ++s) {
-        const int64_t b = b0 + 32 * s + lane;
-        bits[s] = b < row_bytes ? row_bitmap[b] : 0u;
-      }
-      unsigned consumed = 0;
-#pragma unroll
-      for (int s = 0; s < kEndorStepsPerIter; ++s) {
-        const unsigned count = __popc(bits[s]);
-        const unsigned inclusive = warp_inclusive_scan(count, lane);
-        first[s] = consumed + inclusive - count;
-        consumed += __shfl_sync(kFullMask, inclusive, 31);
-      }
+      const BitmapIteration it = load_bitmap_iteration(row_bitmap, row_bytes, b0, lane);
 #pragma unroll
       for (int s = 0; s < kEndorStepsPerIter; ++s)
-        decode_byte(row_values, bits[s], first[s], dst, 8 * (b0 + 32 * s + lane), n_cols, aligned);
-      row_values += consumed;
+        decode_byte(row_values, it.bits[s], it.first[s], dst, 8 * (b0 + 32 * s + lane), n_cols, aligned);
+      row_values += it.consumed;
     }
   }
 }

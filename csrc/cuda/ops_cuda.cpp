@@ -11,6 +11,7 @@
 #include <optional>
 
 #include "common/endor_checks.h"
+#include "common/endor_linear_host.h"
 #include "common/endor_report.h"
 #include "common/ffn_grid.h"
 #include "common/ffn_host.h"
@@ -40,8 +41,21 @@ void endor_decompress_out_cuda(const at::Tensor& values, const at::Tensor& bitma
   // Reading the report back synchronises, so only kernel checks do it; otherwise refused rows stay zeros in `out`.
   if (!kernel_checks_enabled()) return;
   const at::Tensor report_host = report.cpu();
-  check_endor_report(*reinterpret_cast<const EndorReport*>(report_host.data_ptr<int64_t>()), values_c, bitmap_c,
-                     offsets_c, n_cols, rows_c);
+  check_endor_report("endor_decompress", *reinterpret_cast<const EndorReport*>(report_host.data_ptr<int64_t>()),
+                     values_c, bitmap_c, offsets_c, n_cols, rows_c);
+}
+
+at::Tensor endor_linear_cuda(const at::Tensor& x, const at::Tensor& values, const at::Tensor& bitmap,
+                             const at::Tensor& row_offsets, int64_t n_cols, const std::optional<at::Tensor>& bias) {
+  const c10::cuda::CUDAGuard guard(values.device());
+  return endor_linear_gpu_style(
+      x, values, bitmap, row_offsets, n_cols, bias, kernel_checks_enabled(), [&](const EndorLinearCall& call) {
+        C10_CUDA_CHECK(launch_endor_linear(call.x.data_ptr<float>(), call.x.size(0), call.values.data_ptr(),
+                                           call.kind(), call.bitmap.data_ptr<uint8_t>(),
+                                           call.offsets.data_ptr<int64_t>(), call.bitmap.size(0), n_cols,
+                                           call.values.numel(), call.bias_ptr(), call.y.data_ptr<float>(),
+                                           call.report, c10::cuda::getCurrentCUDAStream()));
+      });
 }
 
 at::Tensor sparse_ffn_cuda(const at::Tensor& x, const at::Tensor& matrix, int64_t num_used,
@@ -82,6 +96,7 @@ int64_t cache_compact_cuda(at::Tensor& matrix, at::Tensor& pointer, const std::o
 TORCH_LIBRARY_IMPL(flashllm, CUDA, m) {
   m.impl("endor_decompress", &endor_decompress_allocating<&endor_decompress_out_cuda>);
   m.impl("endor_decompress.out", &endor_decompress_out_cuda);
+  m.impl("endor_linear", &endor_linear_cuda);
   m.impl("sparse_ffn", &sparse_ffn_cuda);
   m.impl("cache_compact", &cache_compact_cuda);
 }

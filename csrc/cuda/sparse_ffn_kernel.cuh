@@ -29,16 +29,6 @@ namespace ffn_detail {
 
 constexpr unsigned kFullMask = 0xffffffffu;
 
-template <int KIND>
-using Storage = typename std::conditional<KIND == kFfnF32, float, uint16_t>::type;
-
-template <int KIND>
-__device__ __forceinline__ float to_float(Storage<KIND> v) {
-  if constexpr (KIND == kFfnF32) return v;
-  else if constexpr (KIND == kFfnF16) return half_to_float(v);
-  else return bits_to_float(uint32_t(v) << 16);
-}
-
 // Elements per 16-byte vector.
 template <int KIND>
 constexpr int kVec = 16 / int(sizeof(Storage<KIND>));

@@ -6,6 +6,7 @@
 
 #include "cuda/cache_compact_kernel.cuh"
 #include "cuda/endor_decompress_kernel.cuh"
+#include "cuda/endor_linear_kernel.cuh"
 #include "cuda/sparse_ffn_kernel.cuh"
 #include "simt/bodies.h"
 #include "simt/ffn_bodies.h"
@@ -28,6 +29,14 @@ EndorReport run_endor_cuda(const void* values, int elem_bytes, const uint8_t* bi
                                           n_rows, n_cols, nnz, n_out, out, &report),
                   "launch_endor_decompress");
   return report;
+}
+
+void run_endor_linear_cuda(const float* x, int64_t n_tok, const void* values, int kind, const uint8_t* bitmap,
+                           const int64_t* row_offsets, int64_t n_rows, int64_t n_cols, int64_t nnz, const float* bias,
+                           float* y, EndorReport* report) {
+  require_success(launch_endor_linear(simt::EmulatedLaunch{}, x, n_tok, values, kind, bitmap, row_offsets, n_rows,
+                                      n_cols, nnz, bias, y, report),
+                  "launch_endor_linear");
 }
 
 void run_sparse_ffn_cuda(const float* x, int64_t n_tok, int64_t d, const void* matrix, int kind, const void* bias,

@@ -45,7 +45,8 @@ at::Tensor endor_decompress_simt_cuda(const at::Tensor& values, const at::Tensor
     // A failed emulated launch (simt::LaunchError) is a kernel bug: say so rather than blame the input.
     TORCH_CHECK(false, "endor_decompress: SIMT emulation failed: ", e.what());
   }
-  if (check_data) check_endor_report(report, call.values, call.bitmap, call.offsets, n_cols, call.rows);
+  if (check_data)
+    check_endor_report("endor_decompress", report, call.values, call.bitmap, call.offsets, n_cols, call.rows);
   return call.out;
 }
 
@@ -55,7 +56,7 @@ at::Tensor endor_decompress_simt_metal(const at::Tensor& values, const at::Tenso
   const EndorCall call = prepare_endor_call(values, bitmap, row_offsets, n_cols, rows);
   // What flashllm_ext.mlx checks on the host before dispatching the Metal kernel.
   const int64_t* offsets = call.offsets.data_ptr<int64_t>();
-  check_endor_offset_ends(offsets[0], offsets[call.bitmap.size(0)], call.values.numel());
+  check_endor_offset_ends("endor_decompress", offsets[0], offsets[call.bitmap.size(0)], call.values.numel());
   const int64_t n_out = call.out.size(0);
   if (n_out == 0) return call.out;
   at::Tensor status = at::empty({n_out}, values.options().dtype(at::kInt));
@@ -69,7 +70,8 @@ at::Tensor endor_decompress_simt_metal(const at::Tensor& values, const at::Tenso
   const at::Tensor bad = status.nonzero();
   if (bad.numel() > 0) {
     const int64_t o = bad[0][0].item<int64_t>();
-    throw_endor_row_error(o, status[o].item<int32_t>(), call.values, call.bitmap, call.offsets, n_cols, call.rows);
+    throw_endor_row_error("endor_decompress", o, status[o].item<int32_t>(), call.values, call.bitmap, call.offsets,
+                          n_cols, call.rows);
   }
   return call.out;
 }

@@ -7,8 +7,8 @@
 #include <stdexcept>
 
 #include "common/ffn_grid.h"
-#include "common/half_bits.h"
 #include "simt/ffn_bodies.h"
+#include "simt/metal_types.h"
 
 namespace metal {
 // What the bodies use from the Metal standard library.
@@ -19,16 +19,6 @@ using std::min;
 
 namespace flashllm::simt_bodies {
 namespace {
-
-// Metal's half and bfloat16_t as far as the bodies use them: storage bits read as float.
-struct half {
-  uint16_t bits;
-  explicit operator float() const { return ffn_detail::half_to_float(bits); }
-};
-struct bfloat16_t {
-  uint16_t bits;
-  explicit operator float() const { return ffn_detail::bits_to_float(uint32_t(bits) << 16); }
-};
 
 template <class T, bool HAS_INDEX, bool HAS_BIAS>
 void ffn_act_metal(const float* x, const T* matrix, const T* bias, const int64_t* index, const int64_t* params,

@@ -1,0 +1,243 @@
+// flashllm::endor_linear on the CPU: y = x W^T (+ bias) straight from an Endor tensor W, never materialising W.
+//
+// OpenMP over the weight's rows (dynamic chunks: rows differ in density); each row is checked as endor_decompress
+// checks it (common/endor_rows.h) before any of its values is read, then its T dot products are computed in one pass
+// over its bitmap and values, the T accumulators in registers (tokens in groups of at most 8, common/token_groups.h).
+// x is read dense and stays in cache (T x n_cols float32); the weight is read once per token group, compressed.
+//
+// Per ISA, one step of a row (fp16 and bf16 values widened to fp32, all math in fp32 FMA):
+//   avx512  16 columns: masked load of popcount(m) values, widen, vexpandps by the bitmap word, FMA with x
+//           (64 columns per loop trip, two accumulators per token to hide the FMA latency)
+//   avx2    8 columns: load 8 values, widen, a permutation looked up by the bitmap byte, mask, FMA with x
+//   scalar  the set bits of the row (count-trailing-zeros walk), one FMA per value and token
+// Masked loads stop at the row's values; the AVX2 path's 8-value loads stop at the end of `values` (the scalar walk
+// finishes the row), so no path reads out of bounds.
+#include <ATen/ATen.h>
+#include <immintrin.h>
+#include <omp.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <optional>
+#include <type_traits>
+
+#include "common/cpu_isa.h"
+#include "common/endor_checks.h"
+#include "common/endor_report.h"
+#include "common/endor_rows.h"
+#include "common/token_groups.h"
+
+// GCC 12's masked-load intrinsics start from _mm512_undefined_*, which -Wall reports as uninitialised use.
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+
+namespace flashllm {
+namespace {
+
+using Half = c10::Half;
+using BF16 = c10::BFloat16;
+
+// One token group's problem: x [NT, n_cols] float32 contiguous, y [NT, n_rows] float32.
+template <class T>
+struct LinearProblem {
+  const T* values;
+  int64_t nnz;
+  const uint8_t* bitmap;
+  const int64_t* offsets;
+  int64_t n_rows, n_cols;
+  const float* bias;  // [n_rows] float32, or null
+};
+
+// ---------------------------------------------------------------------------------------------- scalar
+// dots[t] = sum over the first n_cols columns of w * x[t * x_stride + column].
+template <class T, int NT>
+void row_dots_scalar(const T* v, const uint8_t* bm, int64_t n_cols, const float* x, int64_t x_stride, float* dots) {
+  float acc[NT] = {};
+  for_each_set_column(bm, n_cols, [&](int64_t col) {
+    const float w = static_cast<float>(*v++);
+    for (int t = 0; t < NT; ++t) acc[t] += w * x[t * x_stride + col];
+  });
+  for (int t = 0; t < NT; ++t) dots[t] = acc[t];
+}
+
+// ---------------------------------------------------------------------------------------------- AVX2
+#define FLASHLLM_AVX2 __attribute__((target("avx2,fma,f16c,popcnt")))
+
+// 8 consecutive values as fp32.
+template <class T>
+FLASHLLM_AVX2 inline __m256 load8_avx2(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm256_loadu_ps(p);
+  } else if constexpr (std::is_same_v<T, Half>) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  } else {  // bf16 is the high half of an fp32
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+  }
+}
+
+FLASHLLM_AVX2 inline float hsum_avx2(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// The weights of the 8 columns of one bitmap byte, from the values starting at v (zeros where bits are clear).
+template <class T>
+FLASHLLM_AVX2 inline __m256 expand8_avx2(const T* v, unsigned byte, const EndorAvx2Tables& tables) {
+  const __m256i lane_bits = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  const __m256i perm = _mm256_load_si256(reinterpret_cast<const __m256i*>(tables.perm32[byte].data()));
+  const __m256i set = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(static_cast<int>(byte)), lane_bits),
+                                         lane_bits);
+  return _mm256_and_ps(_mm256_permutevar8x32_ps(load8_avx2(v), perm), _mm256_castsi256_ps(set));
+}
+
+template <class T, int NT>
+FLASHLLM_AVX2 void row_dots_avx2(const T* v, const uint8_t* bm, int64_t n_cols, const float* x, const T* v_end,
+                                 float* dots) {
+  const EndorAvx2Tables& tables = endor_avx2_tables();
+  __m256 acc0[NT], acc1[NT];
+  for (int t = 0; t < NT; ++t) acc0[t] = acc1[t] = _mm256_setzero_ps();
+  int64_t c = 0;
+  // Two bytes per trip, each reading 8 values: stop where that could pass the end of `values`.
+  for (; c + 16 <= n_cols && v + 16 <= v_end; c += 16) {
+    const unsigned b0 = bm[c / 8], b1 = bm[c / 8 + 1];
+    const __m256 w0 = expand8_avx2(v, b0, tables);
+    v += __builtin_popcount(b0);
+    const __m256 w1 = expand8_avx2(v, b1, tables);
+    v += __builtin_popcount(b1);
+    for (int t = 0; t < NT; ++t) {
+      acc0[t] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + t * n_cols + c), acc0[t]);
+      acc1[t] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + t * n_cols + c + 8), acc1[t]);
+    }
+  }
+  float tail[NT];
+  row_dots_scalar<T, NT>(v, bm + c / 8, n_cols - c, x + c, n_cols, tail);
+  for (int t = 0; t < NT; ++t) dots[t] = hsum_avx2(_mm256_add_ps(acc0[t], acc1[t])) + tail[t];
+}
+
+// ---------------------------------------------------------------------------------------------- AVX-512
+#define FLASHLLM_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,fma,f16c,popcnt")))
+
+inline __mmask16 first_k16(int k) { return static_cast<__mmask16>((1u << k) - 1u); }  // k <= 16
+
+// The weights of the 16 columns of bitmap word m, from the values starting at v (zeros where bits are clear); reads
+// exactly popcount(m) values.
+template <class T>
+FLASHLLM_AVX512 inline __m512 expand16_avx512(const T* v, __mmask16 m) {
+  const __mmask16 first = first_k16(__builtin_popcount(m));
+  __m512 packed;
+  if constexpr (std::is_same_v<T, float>) {
+    packed = _mm512_maskz_loadu_ps(first, v);
+  } else if constexpr (std::is_same_v<T, Half>) {
+    packed = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(first, v));
+  } else {
+    packed = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(first, v)), 16));
+  }
+  return _mm512_maskz_expand_ps(m, packed);
+}
+
+template <class T, int NT>
+FLASHLLM_AVX512 void row_dots_avx512(const T* v, const uint8_t* bm, int64_t n_cols, const float* x, float* dots) {
+  __m512 acc0[NT], acc1[NT];
+  for (int t = 0; t < NT; ++t) acc0[t] = acc1[t] = _mm512_setzero_ps();
+  int64_t c = 0;
+  // 64 columns per trip: the four 16-column steps find their values from popcounts of the word's prefixes, which
+  // do not depend on each other, so only one popcount per trip is on the loop-carried chain through v.
+  for (; c + 64 <= n_cols; c += 64) {
+    const uint64_t m = load_word<uint64_t>(bm + c / 8);
+    const __m512 w0 = expand16_avx512(v, static_cast<__mmask16>(m));
+    const __m512 w1 = expand16_avx512(v + __builtin_popcountll(m & 0xFFFFull), static_cast<__mmask16>(m >> 16));
+    const __m512 w2 = expand16_avx512(v + __builtin_popcountll(m & 0xFFFFFFFFull), static_cast<__mmask16>(m >> 32));
+    const __m512 w3 = expand16_avx512(v + __builtin_popcountll(m & 0xFFFFFFFFFFFFull), static_cast<__mmask16>(m >> 48));
+    v += __builtin_popcountll(m);
+    for (int t = 0; t < NT; ++t) {
+      const float* xt = x + t * n_cols + c;
+      acc0[t] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xt), acc0[t]);
+      acc1[t] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xt + 16), acc1[t]);
+      acc0[t] = _mm512_fmadd_ps(w2, _mm512_loadu_ps(xt + 32), acc0[t]);
+      acc1[t] = _mm512_fmadd_ps(w3, _mm512_loadu_ps(xt + 48), acc1[t]);
+    }
+  }
+  for (; c < n_cols; c += 16) {  // at most four steps; bits past n_cols are clear (checked), so m needs no mask
+    const int64_t left = n_cols - c;
+    const __mmask16 keep = left >= 16 ? static_cast<__mmask16>(0xFFFF) : first_k16(static_cast<int>(left));
+    const __mmask16 m = static_cast<__mmask16>(load_mask_bytes(bm + c / 8, std::min<int64_t>(2, (left + 7) / 8)));
+    const __m512 w = expand16_avx512(v, m);
+    v += __builtin_popcount(m);
+    for (int t = 0; t < NT; ++t) acc0[t] = _mm512_fmadd_ps(w, _mm512_maskz_loadu_ps(keep, x + t * n_cols + c), acc0[t]);
+  }
+  for (int t = 0; t < NT; ++t) dots[t] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[t], acc1[t]));
+}
+
+// ---------------------------------------------------------------------------------------------- driver
+// y[t * n_rows + r] for the NT tokens of x; refused rows are noted in bad_row and left unwritten.
+template <class T, int NT>
+void linear_group(const LinearProblem<T>& p, const float* x, float* y, LowestBadRow& bad_row) {
+  const CpuIsa isa = active_cpu_isa();
+  const int64_t n_bytes = (p.n_cols + 7) / 8;
+  // Waking the thread team costs more than it saves below ~256 KiB of weight.
+  const int64_t weight_bytes = p.nnz * static_cast<int64_t>(sizeof(T)) + p.n_rows * n_bytes;
+#pragma omp parallel for schedule(dynamic, 16) if (weight_bytes >= (256 << 10))
+  for (int64_t r = 0; r < p.n_rows; ++r) {
+    int64_t start = 0;
+    const int code = endor_row_code(p.bitmap, p.offsets, r, p.n_rows, p.n_cols, p.nnz, &start);
+    if (code != kEndorRowOk) {
+      bad_row.note(r, code);
+      continue;
+    }
+    const T* v = p.values + start;
+    const uint8_t* bm = p.bitmap + r * n_bytes;
+    float dots[NT];
+    switch (isa) {
+      case CpuIsa::kAvx512Vbmi2:
+      case CpuIsa::kAvx512: row_dots_avx512<T, NT>(v, bm, p.n_cols, x, dots); break;
+      case CpuIsa::kAvx2: row_dots_avx2<T, NT>(v, bm, p.n_cols, x, p.values + p.nnz, dots); break;
+      default: row_dots_scalar<T, NT>(v, bm, p.n_cols, x, p.n_cols, dots);
+    }
+    const float b = p.bias ? p.bias[r] : 0.f;
+    for (int t = 0; t < NT; ++t) y[t * p.n_rows + r] = dots[t] + b;
+  }
+}
+
+at::Tensor endor_linear_cpu(const at::Tensor& x, const at::Tensor& values_in, const at::Tensor& bitmap_in,
+                            const at::Tensor& row_offsets_in, int64_t n_cols, const std::optional<at::Tensor>& bias) {
+  const int64_t n_rows = check_endor_linear_args(x, values_in, bitmap_in, row_offsets_in, n_cols, bias);
+  const at::Tensor values = values_in.contiguous(), bitmap = bitmap_in.contiguous();
+  const at::Tensor offsets = row_offsets_in.contiguous();
+  const int64_t nnz = values.numel(), n_tok = x.size(0);
+  const int64_t* off = offsets.data_ptr<int64_t>();
+  check_endor_offset_ends("endor_linear", off[0], off[n_rows], nnz);
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const std::optional<at::Tensor> bias_f =
+      bias.has_value() ? std::optional<at::Tensor>(bias->to(at::kFloat).contiguous()) : std::nullopt;
+  at::Tensor yf = at::empty({n_tok, n_rows}, xf.options());
+  LowestBadRow bad_row;
+  auto run = [&](auto element) {
+    using T = decltype(element);
+    const LinearProblem<T> p{values.data_ptr<T>(), nnz, bitmap.data_ptr<uint8_t>(), off, n_rows, n_cols,
+                             bias_f ? bias_f->data_ptr<float>() : nullptr};
+    for (int64_t t0 = 0; t0 < n_tok && bad_row.packed() == kEndorNoError; t0 += kCpuMaxTokens) {
+      const int nt = static_cast<int>(std::min<int64_t>(kCpuMaxTokens, n_tok - t0));
+      with_tokens(nt, [&](auto nt_c) {
+        linear_group<T, decltype(nt_c)::value>(p, xf.data_ptr<float>() + t0 * n_cols,
+                                                 yf.data_ptr<float>() + t0 * n_rows, bad_row);
+      });
+    }
+  };
+  switch (values.scalar_type()) {
+    case at::kFloat: run(float{}); break;
+    case at::kHalf: run(Half{}); break;
+    default: run(BF16{});
+  }
+  throw_if_endor_bad_row("endor_linear", bad_row.packed(), values, bitmap, offsets, n_cols, std::nullopt);
+  return yf.to(x.scalar_type());
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(flashllm, CPU, m) { m.impl("endor_linear", &endor_linear_cpu); }
+
+}  // namespace flashllm
