@@ -293,6 +293,125 @@ def plot_breakdown(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+# ------------------------------------------------------------------------------------------- the scale run
+
+SCALE_SHAPE = {"name": "opt-6.7b-ffn", "layers": 32, "hidden": 4096, "neurons": 16384}  # OPT-6.7B's FFN stack
+SCALE_MODES = ("naive", "hybrid", "flash-oracle", "flash")
+
+
+class ReplayedSets(nn.Module):
+    """A predictor that replays precomputed active sets (bool [tokens, layers, neurons]) for the token `at[0]`:
+    the default model's sets on held-out text, tiled onto the larger layers. Holds no weights (masks are counted
+    by nobody: a real predictor's memory is not part of these rows)."""
+
+    def __init__(self, masks: torch.Tensor, at: list[int]):
+        super().__init__()
+        self.masks, self.at = masks, at
+        self.thresholds = torch.zeros(masks.shape[1])  # ReLU: exact zeros only
+
+    @property
+    def predictors(self) -> list[int]:
+        return list(range(self.masks.shape[1]))
+
+    def predict(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        return self.masks[self.at[0]:self.at[0] + x.shape[0], layer]
+
+
+def scale_masks(config: dict, n_layers: int, n_neurons: int) -> torch.Tensor:
+    """bool [tokens, layers, neurons] for the scale run: the true sets of the default model at the threshold
+    sparsity (flash-oracle), or the sets its trained predictors choose on the same tokens (flash), tiled."""
+    from traces import default_model_masks, tile_masks
+
+    n_tokens, sparsity = config["tokens"] + 1, config["sparsity"]
+    if config["mode"] == "flash-oracle":
+        small = default_model_masks(max(n_tokens, 64), sparsity, progress=False)[:n_tokens]
+    else:  # the trained predictors' choices on the held-out tokens
+        from flashllm_ext.models import corpus_token_ids, load_hf_model
+        from flashllm_ext.predictor import capture_activations, load_predictors
+
+        predictors = load_predictors(config["predictor_store"])
+        model, tokenizer = load_hf_model()
+        ids = corpus_token_ids(tokenizer, "heldout", max_tokens=n_tokens)
+        capture = capture_activations(model, ids, predictors.thresholds, progress=False)
+        small = torch.stack([predictors.predict(i, capture.inputs[i].float()) for i in range(len(capture.inputs))],
+                            dim=1)
+        del model
+    return tile_masks(small, n_layers, n_neurons)
+
+
+def run_scale_child(config: dict) -> dict:
+    """FFN-only decoding of the scale store: per token, every layer's FFN on a fresh random hidden state."""
+    from flashllm_ext.engine import ffn_stack
+    from flashllm_ext.store import FlashStore
+
+    row = {"bench": "e2e", "model": SCALE_SHAPE["name"] + " (synthetic weights, FFN only)", "mode": config["mode"],
+           "operating_point": config["operating_point"], "budget_mb": config["budget_bytes"] / 1e6}
+    try:
+        store, at = FlashStore(config["store"]), [0]
+        masks = scale_masks(config, store.n_layers, store.n_neurons) if config["mode"].startswith("flash") else None
+        predictors = None if masks is None else ReplayedSets(masks, at)
+        runtime = ffn_stack(store, "flash" if predictors is not None else config["mode"], config["budget_bytes"],
+                            predictors=predictors)
+        generator = torch.Generator().manual_seed(0)
+        times = []
+        with torch.inference_mode():
+            for token in range(config["tokens"] + 1):  # token 0 warms the cache up: not timed
+                at[0] = token
+                xs = [torch.randn(1, store.hidden_size, generator=generator).to(store.dtype)
+                      for _ in runtime.modules]
+                if token == 1:
+                    runtime.stats.reset()
+                start = time.perf_counter()
+                for module, x in zip(runtime.modules, xs):
+                    module(x)
+                if token:
+                    times.append(time.perf_counter() - start)
+        stats = runtime.flash_stats()
+        per = 1e3 / len(times)  # the stats cover the timed tokens: per-token milliseconds
+        row.update(ms_per_token=statistics.median(times) * 1e3, tokens=len(times),
+                   bytes_per_token=stats["bytes_read"] / len(times), hit_rate=stats["hit_rate"],
+                   accounted_bytes=stats["accounted_bytes"],
+                   **{k: getattr(runtime.stats, k.removesuffix("_ms") + "_s") * per
+                      for k in ("io_ms", "hidden_io_ms", "mem_ms", "predictor_ms", "compute_ms")})
+        if masks is not None:
+            row["loaded_density"] = masks[1:].float().mean().item()
+        runtime.close()
+    except Exception as e:  # the row says why
+        row["error"] = f"{type(e).__name__}: {e}"
+    return row
+
+
+def run_scale(args, baseline: int) -> list[dict]:
+    """The scale rows: OPT-6.7B's FFN shapes (synthetic weights, a store written once), 50% of the FFN bytes."""
+    from flashllm_ext.convert import synthesize
+    from flashllm_ext.engine import parse_budget, store_ffn_bytes
+    from flashllm_ext.store import FlashStore
+
+    path = resolve_cache_dir() / "e2e" / SCALE_SHAPE["name"]
+    try:
+        FlashStore(path)
+    except (OSError, FormatError):
+        print(f"writing the synthetic {SCALE_SHAPE['name']} store at {path} (once)", file=sys.stderr)
+        synthesize(path, SCALE_SHAPE["layers"], SCALE_SHAPE["hidden"], SCALE_SHAPE["neurons"], glu=False)
+    budget = parse_budget(args.budget, store_ffn_bytes(FlashStore(path)))
+    points = [("a: threshold sparsity 0.97 (OPT-like), true sets", "flash-oracle", 0.97),
+              (f"b: trained predictors at target sparsity {TARGET_SPARSITY}", "flash", TARGET_SPARSITY)]
+    configs = [{"mode": m, "operating_point": "dense compute", "sparsity": None} for m in ("naive", "hybrid")]
+    configs += [{"mode": m, "operating_point": point, "sparsity": s} for point, m, s in points]
+    rows = []
+    for round_index, config in [(r, c) for r in range(args.rounds) for c in configs]:
+        config = {**config, "scale": True, "store": str(path), "budget_bytes": budget, "tokens": args.tokens,
+                  "predictor_store": str(default_store(resolve_cache_dir() / "e2e"))}
+        child_rows, facts = run_limited_child(_child_argv(config), budget, baseline, f"e2e-scale-{config['mode']}",
+                                              args.child_timeout)
+        row = {**(child_rows[0] if child_rows else {"mode": config["mode"], "error": "the child printed no row"}),
+               **facts, "round": round_index, "budget_spec": args.budget}
+        row = {**{k: row.get(k) for k in KEYS}, **row}
+        rows.append(row)
+        emit([row], args.json, COLUMNS)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = arg_parser(__doc__.splitlines()[0])
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -309,6 +428,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--child-timeout", type=float, default=900, help="seconds before a child is killed")
     parser.add_argument("--quick", action="store_true", help="smoke run: 4 tokens, 16-token prompt")
     parser.add_argument("--no-plot", action="store_true")
+    parser.add_argument("--scale", action="store_true", help="the OPT-6.7B-shaped FFN-only rows instead (FFN budget)")
     parser.set_defaults(rounds=3)
     args = parser.parse_args(argv)
     if args.child:
@@ -318,10 +438,17 @@ def main(argv: list[str] | None = None) -> None:
             import transformers  # noqa: F401
             print(json.dumps({"probe": True}))
             return
-        print(json.dumps(run_child(config)), flush=True)
+        print(json.dumps(run_scale_child(config) if config.get("scale") else run_child(config)), flush=True)
         return
     if args.quick:
         args.tokens, args.prompt_tokens, args.rounds = 4, 16, 1
+    if args.scale:
+        medians = median_rows(run_scale(args, measure_baseline()))
+        emit(medians, args.json, COLUMNS)
+        if not args.no_plot:
+            RESULTS.mkdir(exist_ok=True)
+            plot_breakdown(medians, RESULTS / "e2e_scale_breakdown.png")
+        return
     from flashllm_ext.engine import parse_budget
 
     cache = resolve_cache_dir() / "e2e"

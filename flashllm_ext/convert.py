@@ -135,8 +135,9 @@ def synthesize(out_dir: str | os.PathLike, n_layers: int, hidden_size: int, n_ne
     out_dir.mkdir(parents=True, exist_ok=True)
     torch_dtype = DTYPES[dtype]
     width = (3 if glu else 2) * hidden_size
+    # The activation of the families these shapes come from: OPT's ReLU, Llama's SiLU (SwiGLU).
     config = {"model_type": "synthetic", "hidden_size": hidden_size, "intermediate_size": n_neurons,
-              "num_hidden_layers": n_layers}
+              "num_hidden_layers": n_layers, "hidden_act": "silu" if glu else "relu"}
     specs = [spec for layer in range(n_layers) for spec in layer_specs(layer, n_neurons, width, torch_dtype, None)]
     generator = torch.Generator().manual_seed(seed)
     # No checkpoint: the weight roles are named after the bundle tensor that holds them; no biases.

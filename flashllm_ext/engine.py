@@ -212,6 +212,29 @@ def _make_modules(store: FlashStore, mode: str, ffn_budget: int | None, window: 
     return modules, staging.nbytes + sum(m.nbytes for m in modules)
 
 
+def ffn_stack(store: FlashStore, mode: str, budget_bytes: int | None, *, window: int = 5, predictors=None,
+              threads: int = 32) -> FlashRuntime:
+    """Every FFN layer of `store` served by `mode` within `budget_bytes` (predictors + FFN state: there is no model
+    around them), for FFN-only benchmarks at scales no checkpoint here has: runtime.modules[i](x) computes layer i
+    of x [T, d]. The same modules, budget split and stats as load_flash."""
+    if mode not in MODES or mode == "dense":
+        raise ValueError(f"mode must be one of {MODES[1:]}, got {mode!r}")
+    if mode == "flash" and predictors is None:
+        raise ValueError("flash mode needs predictors")
+    predictor_bytes = 0 if predictors is None else _tensor_bytes(list(predictors.parameters()) +
+                                                                 list(predictors.buffers()))
+    ffn_budget = None if budget_bytes is None else budget_bytes - predictor_bytes
+    reader, stats = FlashReader(store, threads=threads), FFNStats()
+    try:
+        modules, ffn_bytes = _make_modules(store, mode, ffn_budget, window, predictors, reader, stats, budget_bytes,
+                                           predictor_bytes)
+    except BaseException:
+        reader.close()
+        raise
+    return FlashRuntime(store, mode, budget_bytes, 0, predictor_bytes, ffn_bytes, modules, stats, reader,
+                        predictors=predictors)
+
+
 def model_bytes(model: nn.Module, store: FlashStore) -> int:
     """What the whole model weighs: its resident tensors plus every FFN bundle of the store."""
     slots = ffn_slots(model)

@@ -220,3 +220,23 @@ def test_default_model_exact_mode_and_cli_run(default_model, tmp_path, capsys):
                      "--tokens", "4"]) == 0
     out = capsys.readouterr().out
     assert "4 tokens in" in out and "bytes_per_token" in out
+
+
+@torch.no_grad()
+def test_ffn_stack_serves_every_layer_within_its_budget(models):
+    """The FFN-only stack of the scale benchmark: the same modules as load_flash, layer i = the model's FFN i."""
+    from flashllm_ext.engine import ffn_stack, store_ffn_bytes
+
+    model, path = models["llama"]
+    s = store.FlashStore(path)
+    budget = store_ffn_bytes(s) // 2
+    for mode in ("naive", "hybrid", "exact"):
+        runtime = ffn_stack(s, mode, budget)
+        assert runtime.accounted_bytes <= budget and len(runtime.modules) == s.n_layers
+        x = torch.randn(3, s.hidden_size, generator=torch.Generator().manual_seed(5))
+        for i, layer in enumerate(model.model.layers):
+            torch.testing.assert_close(runtime.modules[i](x), layer.mlp(x), rtol=1e-5, atol=1e-5)
+        assert runtime.stats.bytes_read > 0
+        runtime.close()
+    with pytest.raises(ValueError, match="needs predictors"):
+        ffn_stack(s, "flash", budget)
