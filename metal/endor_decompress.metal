@@ -28,7 +28,7 @@ if (o >= n_out) {
 const int64_t r = HAS_ROWS ? rows[o] : o;
 if (r < 0 || r >= n_rows) {
   if (lane == 0) {
-    row_status[o] = 1;
+    row_status[o] = kEndorRowIndexOutOfRange;
   }
   return;
 }
@@ -36,14 +36,14 @@ const int64_t start = row_offsets[r];
 const int64_t end = row_offsets[r + 1];
 if (start < 0 || start > end || end > nnz) {
   if (lane == 0) {
-    row_status[o] = 2;
+    row_status[o] = kEndorRowOffsetsInvalid;
   }
   return;
 }
 const device uint8_t* row_bitmap = bitmap + r * row_bytes;
 if ((n_cols & 7) != 0 && (row_bitmap[row_bytes - 1] >> (n_cols & 7)) != 0) {
   if (lane == 0) {
-    row_status[o] = 3;
+    row_status[o] = kEndorRowPaddingBits;
   }
   return;
 }
@@ -53,7 +53,7 @@ for (int64_t b = lane; b < row_bytes; b += 32) {
 }
 if (int64_t(simd_sum(set_bits)) != end - start) {
   if (lane == 0) {
-    row_status[o] = 4;
+    row_status[o] = kEndorRowCountMismatch;
   }
   return;
 }
@@ -78,5 +78,5 @@ for (int64_t b0 = 0; b0 < row_bytes; b0 += 32) {
   row_values += simd_sum(count);
 }
 if (lane == 0) {
-  row_status[o] = 0;
+  row_status[o] = kEndorRowOk;
 }

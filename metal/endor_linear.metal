@@ -29,14 +29,14 @@ const int64_t start = row_offsets[r];
 const int64_t end = row_offsets[r + 1];
 if (start < 0 || start > end || end > nnz) {
   if (lane == 0) {
-    row_status[r] = 2;
+    row_status[r] = kEndorRowOffsetsInvalid;
   }
   return;
 }
 const device uint8_t* row_bitmap = bitmap + r * row_bytes;
 if ((n_cols & 7) != 0 && (row_bitmap[row_bytes - 1] >> (n_cols & 7)) != 0) {
   if (lane == 0) {
-    row_status[r] = 3;
+    row_status[r] = kEndorRowPaddingBits;
   }
   return;
 }
@@ -46,12 +46,12 @@ for (int64_t b = lane; b < row_bytes; b += 32) {
 }
 if (int64_t(simd_sum(set_bits)) != end - start) {
   if (lane == 0) {
-    row_status[r] = 4;
+    row_status[r] = kEndorRowCountMismatch;
   }
   return;
 }
 const device T* row_values = values + start;
-float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+float acc[kFfnMaxTokens] = {};
 for (int64_t b0 = 0; b0 < row_bytes; b0 += 32) {
   const int64_t b = b0 + lane;
   const uint bits = b < row_bytes ? uint(row_bitmap[b]) : 0u;
@@ -68,12 +68,12 @@ for (int64_t b0 = 0; b0 < row_bytes; b0 += 32) {
   }
   row_values += simd_sum(count);
 }
-for (int t = 0; t < 8; ++t) {
+for (int t = 0; t < kFfnMaxTokens; ++t) {
   const float sum = simd_sum(acc[t]);
   if (lane == 0 && t < n_tok) {
     y[t * n_rows + r] = HAS_BIAS ? sum + bias[r] : sum;
   }
 }
 if (lane == 0) {
-  row_status[r] = 0;
+  row_status[r] = kEndorRowOk;
 }

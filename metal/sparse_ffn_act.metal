@@ -23,11 +23,11 @@ if (o >= n_rows) {
   return;
 }
 const int64_t r = HAS_INDEX ? index[o] : o;
-float h[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+float h[kFfnMaxTokens] = {};
 if (r >= 0 && r < num_used) {
   const device T* row = matrix + r * (glu ? 3 : 2) * d;
   const device T* first = glu ? row + d : row;
-  float up[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  float up[kFfnMaxTokens] = {};
   for (int64_t c = lane; c < d; c += 32) {
     const float w = float(first[c]);
     const float u = glu ? float(row[c]) : 0.f;
@@ -37,7 +37,7 @@ if (r >= 0 && r < num_used) {
     }
   }
   const float b = HAS_BIAS ? float(bias[r]) : 0.f;
-  for (int t = 0; t < 8; ++t) {
+  for (int t = 0; t < kFfnMaxTokens; ++t) {
     const float v = simd_sum(h[t]) + b;
     float a;
     if (activation == 0) {

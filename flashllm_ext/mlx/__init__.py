@@ -13,6 +13,8 @@ from pathlib import Path
 import mlx.core as mx
 
 from .._ops import ACTIVATIONS
+from ..kernel_constants import (ENDOR_ROW_CODES, FFN_MAX_CHUNKS, FFN_MAX_TOKENS, FFN_ROWS_PER_CHUNK,
+                                METAL_THREADGROUP, metal_header)
 
 __all__ = ["endor_decompress", "endor_linear", "metal_available", "metal_source", "sparse_ffn"]
 
@@ -21,10 +23,9 @@ _BITS = {mx.float32: mx.uint32, mx.float16: mx.uint16, mx.bfloat16: mx.uint16, m
 # Metal kernel bodies: `flashllm_ext/metal` is a link to the top-level `metal/` in a checkout and a real folder in
 # a wheel (package data), so one path serves both.
 METAL_DIR = Path(__file__).resolve().parent.parent / "metal"
-# Threads per threadgroup of the Endor kernel; csrc/simt/bodies.h emulates the same launch.
-_ENDOR_THREADGROUP = 256
-# EndorRowCode (csrc/common/endor_codes.h), as the Metal kernel writes it into row_status.
-_ROW_INDEX, _ROW_OFFSETS, _ROW_PADDING, _ROW_COUNT = 1, 2, 3, 4
+# EndorRowCode (csrc/common/endor_codes.h), as the Metal kernels write it into row_status.
+_ROW_INDEX, _ROW_OFFSETS, _ROW_PADDING, _ROW_COUNT = (ENDOR_ROW_CODES[name] for name in (
+    "kEndorRowIndexOutOfRange", "kEndorRowOffsetsInvalid", "kEndorRowPaddingBits", "kEndorRowCountMismatch"))
 
 
 def metal_available() -> bool:
@@ -141,7 +142,7 @@ def _endor_kernel():
         name="flashllm_endor_decompress",
         input_names=["values", "bitmap", "row_offsets", "rows", "params"],
         output_names=["out", "row_status"],
-        source=metal_source("endor_decompress.metal"),
+        header=metal_header(), source=metal_source("endor_decompress.metal"),
     )
 
 
@@ -155,13 +156,13 @@ def _decompress_metal(values: mx.array, bitmap: mx.array, row_offsets: mx.array,
     bits = values.view(bits_dtype) if nnz else mx.zeros((1,), dtype=bits_dtype)
     params = mx.array([n_rows, n_cols, nnz, n_out], dtype=mx.int64)
     threads = 32 * n_out
-    grid = (threads + _ENDOR_THREADGROUP - 1) // _ENDOR_THREADGROUP * _ENDOR_THREADGROUP
+    grid = (threads + METAL_THREADGROUP - 1) // METAL_THREADGROUP * METAL_THREADGROUP
     out, status = _endor_kernel()(
         inputs=[bits, bitmap.reshape(-1) if bitmap.size else mx.zeros((1,), dtype=mx.uint8), row_offsets,
                 rows if rows is not None else mx.zeros((1,), dtype=mx.int64), params],
         template=[("T", bits_dtype), ("HAS_ROWS", rows is not None)],
         grid=(grid, 1, 1),
-        threadgroup=(_ENDOR_THREADGROUP, 1, 1),
+        threadgroup=(METAL_THREADGROUP, 1, 1),
         output_shapes=[(n_out, n_cols), (n_out,)],
         output_dtypes=[bits_dtype, mx.int32],
     )
@@ -189,7 +190,6 @@ def endor_decompress(values: mx.array, bitmap: mx.array, row_offsets: mx.array, 
 
 # ------------------------------------------------------------------------------------------------ endor_linear
 _LINEAR_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
-_LINEAR_MAX_TOKENS = 8  # tokens per dispatch of metal/endor_linear.metal; csrc/simt/endor_linear_ops.cpp does the same
 
 
 def _check_linear(x: mx.array, values: mx.array, bitmap: mx.array, row_offsets: mx.array, n_cols: int,
@@ -217,7 +217,7 @@ def _linear_kernel():
         name="flashllm_endor_linear",
         input_names=["x", "values", "bitmap", "row_offsets", "bias", "params"],
         output_names=["y", "row_status"],
-        source=metal_source("endor_linear.metal"),
+        header=metal_header(), source=metal_source("endor_linear.metal"),
     )
 
 
@@ -227,16 +227,16 @@ def _linear_metal(x: mx.array, values: mx.array, bitmap: mx.array, row_offsets: 
     xf = x.astype(mx.float32)
     b = bias.astype(mx.float32) if bias is not None else mx.zeros((1,), dtype=mx.float32)
     vals = values if values.size else mx.zeros((1,), dtype=values.dtype)
-    grid = (32 * n_rows + _ENDOR_THREADGROUP - 1) // _ENDOR_THREADGROUP * _ENDOR_THREADGROUP
+    grid = (32 * n_rows + METAL_THREADGROUP - 1) // METAL_THREADGROUP * METAL_THREADGROUP
     outs = []
-    for t0 in range(0, x.shape[0], _LINEAR_MAX_TOKENS):
-        xs = xf[t0:t0 + _LINEAR_MAX_TOKENS]
+    for t0 in range(0, x.shape[0], FFN_MAX_TOKENS):
+        xs = xf[t0:t0 + FFN_MAX_TOKENS]
         nt = xs.shape[0]
         y, status = _linear_kernel()(
             inputs=[xs.reshape(-1), vals, bitmap.reshape(-1), row_offsets, b,
                     mx.array([n_rows, n_cols, values.size, nt], dtype=mx.int64)],
             template=[("T", values.dtype), ("HAS_BIAS", bias is not None)],
-            grid=(grid, 1, 1), threadgroup=(_ENDOR_THREADGROUP, 1, 1),
+            grid=(grid, 1, 1), threadgroup=(METAL_THREADGROUP, 1, 1),
             output_shapes=[(nt, n_rows), (n_rows,)], output_dtypes=[mx.float32, mx.int32])
         _check_status(status, values, bitmap, row_offsets, n_cols, None, "endor_linear")
         outs.append(y)
@@ -264,11 +264,7 @@ def endor_linear(x: mx.array, values: mx.array, bitmap: mx.array, row_offsets: m
 
 # ------------------------------------------------------------------------------------------------ sparse_ffn
 _FFN_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
-# Launch geometry of metal/sparse_ffn_*.metal; csrc/common/ffn_grid.h and csrc/simt/ffn_bodies.h hold the same.
-_FFN_MAX_TOKENS = 8
-_FFN_ROWS_PER_CHUNK = 16
-_FFN_MAX_CHUNKS = 32
-_FFN_THREADGROUP = 256
+# Launch geometry of metal/sparse_ffn_*.metal (csrc/common/ffn_grid.h, mirrored in flashllm_ext.kernel_constants).
 
 
 def _ffn_fail(msg: str) -> None:
@@ -333,9 +329,9 @@ def _sparse_ffn_mlx_ops(x, matrix, num_used, bias, activation, glu, index, thres
 def _ffn_kernels():
     act = mx.fast.metal_kernel(name="flashllm_sparse_ffn_act",
                                input_names=["x", "matrix", "bias", "index", "params", "threshold"],
-                               output_names=["act"], source=metal_source("sparse_ffn_act.metal"))
+                               output_names=["act"], header=metal_header(), source=metal_source("sparse_ffn_act.metal"))
     down = mx.fast.metal_kernel(name="flashllm_sparse_ffn_down", input_names=["matrix", "index", "act", "params"],
-                                output_names=["partial"], source=metal_source("sparse_ffn_down.metal"))
+                                output_names=["partial"], header=metal_header(), source=metal_source("sparse_ffn_down.metal"))
     return act, down
 
 
@@ -343,7 +339,7 @@ def _sparse_ffn_metal(x, matrix, num_used, bias, activation, glu, index, thresho
     """metal/sparse_ffn_act.metal + sparse_ffn_down.metal per group of 8 tokens, then the sum over chunks."""
     act_kernel, down_kernel = _ffn_kernels()
     n_rows = index.size if index is not None else num_used
-    chunks = max(1, min(_FFN_MAX_CHUNKS, -(-n_rows // _FFN_ROWS_PER_CHUNK)))
+    chunks = max(1, min(FFN_MAX_CHUNKS, -(-n_rows // FFN_ROWS_PER_CHUNK)))
     rows_per_chunk = -(-n_rows // chunks)
     placeholder_index = mx.zeros((1,), dtype=mx.int64)
     idx = index if index is not None else placeholder_index
@@ -351,8 +347,8 @@ def _sparse_ffn_metal(x, matrix, num_used, bias, activation, glu, index, thresho
     flat = matrix.reshape(-1)
     xf = x.astype(mx.float32)
     outs = []
-    for t0 in range(0, x.shape[0], _FFN_MAX_TOKENS):
-        xs = xf[t0:t0 + _FFN_MAX_TOKENS]
+    for t0 in range(0, x.shape[0], FFN_MAX_TOKENS):
+        xs = xf[t0:t0 + FFN_MAX_TOKENS]
         nt = xs.shape[0]
         template = [("T", matrix.dtype), ("HAS_INDEX", index is not None)]
         (act,) = act_kernel(
@@ -360,11 +356,11 @@ def _sparse_ffn_metal(x, matrix, num_used, bias, activation, glu, index, thresho
                     mx.array([n_rows, num_used, d, nt, ACTIVATIONS[activation].code, int(glu)], dtype=mx.int64),
                     mx.array([threshold], dtype=mx.float32)],
             template=template + [("HAS_BIAS", bias is not None)],
-            grid=(-(-32 * n_rows // _FFN_THREADGROUP) * _FFN_THREADGROUP, 1, 1), threadgroup=(_FFN_THREADGROUP, 1, 1),
+            grid=(-(-32 * n_rows // METAL_THREADGROUP) * METAL_THREADGROUP, 1, 1), threadgroup=(METAL_THREADGROUP, 1, 1),
             output_shapes=[(nt * n_rows,)], output_dtypes=[mx.float32])
         (partial,) = down_kernel(
             inputs=[flat, idx, act, mx.array([n_rows, num_used, d, nt, int(glu), rows_per_chunk], dtype=mx.int64)],
-            template=template, grid=(d, chunks, 1), threadgroup=(min(_FFN_THREADGROUP, d), 1, 1),
+            template=template, grid=(d, chunks, 1), threadgroup=(min(METAL_THREADGROUP, d), 1, 1),
             output_shapes=[(chunks * nt * d,)], output_dtypes=[mx.float32])
         outs.append(partial.reshape(chunks, nt, d).sum(axis=0))
     return mx.concatenate(outs).astype(x.dtype)
