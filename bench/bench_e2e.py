@@ -319,10 +319,14 @@ class ReplayedSets(nn.Module):
 
 def scale_masks(config: dict, n_layers: int, n_neurons: int) -> torch.Tensor:
     """bool [tokens, layers, neurons] for the scale run: the true sets of the default model at the threshold
-    sparsity (flash-oracle), or the sets its trained predictors choose on the same tokens (flash), tiled."""
+    sparsity (flash-oracle), or the sets its trained predictors choose on the same tokens (flash), tiled. Computed
+    by the parent (it loads the default model, which a limited child has no room for), cached in a file."""
     from traces import default_model_masks, tile_masks
 
     n_tokens, sparsity = config["tokens"] + 1, config["sparsity"]
+    cached = resolve_cache_dir() / "e2e" / f"scale-sets-{config['mode']}-{sparsity:g}-{n_tokens}tok.pt"
+    if cached.is_file():
+        return tile_masks(torch.load(cached), n_layers, n_neurons)
     if config["mode"] == "flash-oracle":
         small = default_model_masks(max(n_tokens, 64), sparsity, progress=False)[:n_tokens]
     else:  # the trained predictors' choices on the held-out tokens
@@ -336,6 +340,7 @@ def scale_masks(config: dict, n_layers: int, n_neurons: int) -> torch.Tensor:
         small = torch.stack([predictors.predict(i, capture.inputs[i].float()) for i in range(len(capture.inputs))],
                             dim=1)
         del model
+    torch.save(small, cached)
     return tile_masks(small, n_layers, n_neurons)
 
 
@@ -398,10 +403,15 @@ def run_scale(args, baseline: int) -> list[dict]:
               (f"b: trained predictors at target sparsity {TARGET_SPARSITY}", "flash", TARGET_SPARSITY)]
     configs = [{"mode": m, "operating_point": "dense compute", "sparsity": None} for m in ("naive", "hybrid")]
     configs += [{"mode": m, "operating_point": point, "sparsity": s} for point, m, s in points]
+    configs = [c for c in configs if c["mode"] in args.modes.split(",")]
+    base = {"scale": True, "store": str(path), "budget_bytes": budget, "tokens": args.tokens,
+            "predictor_store": str(default_store(resolve_cache_dir() / "e2e"))}
+    for config in configs:  # the sets, computed here: the children are limited to the budget
+        if config["mode"].startswith("flash"):
+            scale_masks({**base, **config}, 1, 1)
     rows = []
     for round_index, config in [(r, c) for r in range(args.rounds) for c in configs]:
-        config = {**config, "scale": True, "store": str(path), "budget_bytes": budget, "tokens": args.tokens,
-                  "predictor_store": str(default_store(resolve_cache_dir() / "e2e"))}
+        config = {**base, **config}
         child_rows, facts = run_limited_child(_child_argv(config), budget, baseline, f"e2e-scale-{config['mode']}",
                                               args.child_timeout)
         row = {**(child_rows[0] if child_rows else {"mode": config["mode"], "error": "the child printed no row"}),
