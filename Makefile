@@ -10,8 +10,10 @@ export MAX_JOBS ?= 2
 deps: .deps.stamp
 .deps.stamp: pyproject.toml Makefile
 	$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install -q torch==2.13.0
+	# compressed-tensors 0.13.0: the newest release that still ships the sparse-bitmask compressor tests/test_endor.py
+	# checks interop with (0.15 removed it) and that accepts transformers 5 (0.14 pins transformers<5).
 	$(PIP) install -q numpy "safetensors>=0.4" tqdm "transformers>=4.45" accelerate "gguf>=0.10" \
-		pytest hypothesis matplotlib ninja compressed-tensors
+		pytest hypothesis matplotlib ninja compressed-tensors==0.13.0
 	$(PYTHON) -c "import sys; sys.exit(sys.platform != 'linux')" && $(PIP) install -q "mlx[cpu]" || true
 	# fio: the disk baseline of bench/bench_io.py; liburing-dev: optional io_uring engine of the FlashReader.
 	@command -v fio >/dev/null && test -f /usr/include/liburing.h || { command -v apt-get >/dev/null && \
