@@ -20,9 +20,14 @@ deps: .deps.stamp
 		apt-get update -qq && apt-get install -y -qq fio liburing-dev; } || echo "warning: fio/liburing-dev not installed"
 	touch $@
 
-# Incremental native build (ninja), in place so tests and bench run from the checkout.
+# Incremental native build (ninja), in place so tests and bench run from the checkout; then the checkout installed
+# as editable, for the `flashllm` command and imports from any folder. The install builds nothing
+# (FLASHLLM_NATIVE=0): pip's editable build would compile everything again in a throwaway folder, and the in-place
+# _C and _simt are already where the editable install points. pyenv sees a new command only after a rehash.
 build: deps
 	$(PYTHON) setup.py -q build_ext --inplace
+	FLASHLLM_NATIVE=0 $(PIP) install -q --no-build-isolation --no-deps -e .
+	@! command -v pyenv >/dev/null || pyenv rehash
 
 test: build
 	$(PYTHON) -m pytest -q

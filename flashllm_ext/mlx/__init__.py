@@ -8,7 +8,7 @@ raising the same RuntimeError messages.
 from __future__ import annotations
 
 from functools import lru_cache
-from pathlib import Path
+from importlib import resources
 
 import mlx.core as mx
 
@@ -19,8 +19,8 @@ __all__ = ["endor_decompress", "endor_linear", "metal_available", "metal_source"
 # Unsigned view of each element type: the kernels copy bits.
 _BITS = {mx.float32: mx.uint32, mx.float16: mx.uint16, mx.bfloat16: mx.uint16, mx.int8: mx.uint8}
 # Metal kernel bodies: `flashllm_ext/metal` is a link to the top-level `metal/` in a checkout and a real folder in
-# a wheel (package data), so one path serves both.
-METAL_DIR = Path(__file__).resolve().parent.parent / "metal"
+# an installed package (package data in pyproject.toml), so one resource path serves both.
+METAL_DIR = resources.files("flashllm_ext") / "metal"
 # Threads per threadgroup of the Endor kernel; csrc/simt/bodies.h emulates the same launch.
 _ENDOR_THREADGROUP = 256
 # EndorRowCode (csrc/common/endor_codes.h), as the Metal kernel writes it into row_status.
