@@ -13,7 +13,7 @@ deps: .deps.stamp
 	# compressed-tensors 0.13.0: the newest release that still ships the sparse-bitmask compressor tests/test_endor.py
 	# checks interop with (0.15 removed it) and that accepts transformers 5 (0.14 pins transformers<5).
 	$(PIP) install -q numpy "safetensors>=0.4" tqdm "transformers>=4.45" accelerate "gguf>=0.10" \
-		pytest hypothesis matplotlib ninja compressed-tensors==0.13.0
+		pytest hypothesis matplotlib ninja compressed-tensors==0.13.0 "setuptools>=64" wheel
 	$(PYTHON) -c "import sys; sys.exit(sys.platform != 'linux')" && $(PIP) install -q "mlx[cpu]" || true
 	# fio: the disk baseline of bench/bench_io.py; liburing-dev: optional io_uring engine of the FlashReader.
 	@command -v fio >/dev/null && test -f /usr/include/liburing.h || { command -v apt-get >/dev/null && \
@@ -21,7 +21,7 @@ deps: .deps.stamp
 	touch $@
 
 # Incremental native build (ninja), in place so tests and bench run from the checkout; then the checkout installed
-# as editable, for the `flashllm` command and imports from any folder. The install builds nothing
+# as editable (setuptools >= 64, in deps), for the `flashllm` command and imports from any folder. The install builds nothing
 # (FLASHLLM_NATIVE=0): pip's editable build would compile everything again in a throwaway folder, and the in-place
 # _C and _simt are already where the editable install points. pyenv sees a new command only after a rehash.
 build: deps
