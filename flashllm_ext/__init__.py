@@ -9,7 +9,6 @@ from __future__ import annotations
 from . import _ops  # noqa: F401  (registers schemas, fake and reference kernels)
 from ._native import native_available  # loads _C: native kernels for the schemas above
 from .errors import FormatError
-
 from . import endor, ops
 from .engine import load_flash, patch_model
 
