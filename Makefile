@@ -3,30 +3,54 @@ PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 export MAX_JOBS ?= 2
 
-.PHONY: deps build test test-fast demo bench cuda-check cuda-glue-check clean
+.PHONY: deps build test test-fast sanitize demo bench cuda-check cuda-glue-check clean
 
 # Installs what the project needs. torch is installed only when absent, so a CUDA torch already on the
 # machine is never replaced (pip would otherwise pull the newest CUDA wheel, several GB).
 deps: .deps.stamp
 .deps.stamp: pyproject.toml Makefile
 	$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install -q torch==2.13.0
+	# compressed-tensors 0.13.0: the newest release that still ships the sparse-bitmask compressor tests/test_endor.py
+	# checks interop with (0.15 removed it) and that accepts transformers 5 (0.14 pins transformers<5).
 	$(PIP) install -q numpy "safetensors>=0.4" tqdm "transformers>=4.45" accelerate "gguf>=0.10" \
-		pytest hypothesis matplotlib ninja compressed-tensors
+		pytest hypothesis matplotlib ninja compressed-tensors==0.13.0 "setuptools>=64" wheel
 	$(PYTHON) -c "import sys; sys.exit(sys.platform != 'linux')" && $(PIP) install -q "mlx[cpu]" || true
 	# fio: the disk baseline of bench/bench_io.py; liburing-dev: optional io_uring engine of the FlashReader.
 	@command -v fio >/dev/null && test -f /usr/include/liburing.h || { command -v apt-get >/dev/null && \
 		apt-get update -qq && apt-get install -y -qq fio liburing-dev; } || echo "warning: fio/liburing-dev not installed"
 	touch $@
 
-# Incremental native build (ninja), in place so tests and bench run from the checkout.
+# Incremental native build (ninja), in place so tests and bench run from the checkout; then the checkout installed
+# as editable (setuptools >= 64, in deps), for the `flashllm` command and imports from any folder. The install builds nothing
+# (FLASHLLM_NATIVE=0): pip's editable build would compile everything again in a throwaway folder, and the in-place
+# _C and _simt are already where the editable install points. pyenv sees a new command only after a rehash.
 build: deps
 	$(PYTHON) setup.py -q build_ext --inplace
+	FLASHLLM_NATIVE=0 $(PIP) install -q --no-build-isolation --no-deps -e .
+	@! command -v pyenv >/dev/null || pyenv rehash
 
 test: build
 	$(PYTHON) -m pytest -q
 
 test-fast: build
 	$(PYTHON) -m pytest -q -m "not slow"
+
+# The native extensions built with AddressSanitizer and UndefinedBehaviorSanitizer in their own folder
+# (build-asan/lib holds a whole package, which the tests import first), then the fast tests against them (about
+# 2 minutes; the slow ones load the real model or build the wheel, no native code the fast ones miss).
+# python itself is not instrumented, so libasan is preloaded, and libstdc++ with it: python does not link libstdc++,
+# and ASan must find the real __cxa_throw when it starts or it aborts at the first C++ exception.
+# LeakSanitizer is off: python and torch keep interned objects, caches and op registries alive until exit on
+# purpose, and it would report those. halt_on_error: a UBSan report fails the run. --capture=sys leaves the
+# sanitizers' reports (written to file descriptor 2) on the terminal; pytest would otherwise capture and lose them
+# when a report aborts the process.
+SANITIZE := -fsanitize=address,undefined -fno-omit-frame-pointer
+sanitize: build
+	CFLAGS="-g $(SANITIZE)" LDFLAGS="$(SANITIZE)" $(PYTHON) setup.py -q build --build-base build-asan \
+		--build-lib build-asan/lib
+	LD_PRELOAD="$$($${CXX:-c++} -print-file-name=libasan.so) $$($${CXX:-c++} -print-file-name=libstdc++.so)" \
+		ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
+		$(PYTHON) -m pytest -q -m "not slow" -o pythonpath=build-asan/lib --capture=sys
 
 # The main job (text generated with the FFN weights on flash, every engine mode), then Endor compression.
 demo: build
@@ -55,4 +79,4 @@ cuda-glue-check:
 	.ci/cuda-glue-check
 
 clean:
-	rm -rf build flashllm_ext/*.so .deps.stamp
+	rm -rf build build-asan flashllm_ext/*.so .deps.stamp

@@ -23,7 +23,8 @@ inline T load_word(const uint8_t* p) {  // fixed-size copy: compiles to one load
 // variable-size copy is a library call).
 inline uint64_t load_mask_bytes(const uint8_t* p, int64_t n_bytes) {
   uint64_t m = 0;
-  std::memcpy(&m, p, static_cast<size_t>(std::min<int64_t>(n_bytes, 8)));
+  // The bitmap of a matrix without columns may be a null pointer, and memcpy from null is undefined even for 0 bytes.
+  if (n_bytes > 0) std::memcpy(&m, p, static_cast<size_t>(std::min<int64_t>(n_bytes, 8)));
   return m;
 }
 

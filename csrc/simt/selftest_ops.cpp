@@ -154,6 +154,13 @@ at::Tensor barrier_rounds(int64_t n_blocks, int64_t n_threads, int64_t n_active,
   return out;
 }
 
+// The misaligned vector store the emulation must refuse, as a GPU faults on it. A uint4 member call on a misaligned
+// address is undefined in C++, which is the point here: UBSan's alignment check is off for this function so that the
+// emulation's own check (check_vector_aligned in simt.h) is the one under test.
+__attribute__((no_sanitize("alignment"))) void store_misaligned_uint4(unsigned char* buf, unsigned offset) {
+  *reinterpret_cast<uint4*>(buf + offset) = make_uint4(1, 2, 3, 4);
+}
+
 // Kernels that misuse the model; each must make the launch fail with a message naming the problem.
 void misuse(const std::string& what) {
   rethrow_as_torch([&] {
@@ -175,7 +182,7 @@ void misuse(const std::string& what) {
         if (lane == 0) __shfl_sync(0x2u, 1, 1);
       } else if (what == "misaligned_vector_store") {
         alignas(16) unsigned char buf[32] = {};
-        *reinterpret_cast<uint4*>(buf + 4 * (threadIdx.x % 2)) = make_uint4(1, 2, 3, 4);
+        store_misaligned_uint4(buf, 4 * (threadIdx.x % 2));
       } else if (what == "kernel_throws") {
         if (threadIdx.x == 40) throw std::out_of_range("index 99 past the end");
         __syncthreads();

@@ -41,6 +41,18 @@ using simt::detail::from_bits;
 using simt::detail::kWarp;
 using simt::detail::to_bits;
 
+// a + b as a GPU adds: integers wrap. Signed overflow is undefined in C++, so integers add in their unsigned type
+// (the conversion back wraps, C++20).
+template <class T>
+T wrapping_add(T a, T b) {
+  if constexpr (std::is_integral_v<T>) {
+    using U = std::make_unsigned_t<T>;
+    return T(U(a) + U(b));
+  } else {
+    return T(a + b);
+  }
+}
+
 // Sum over the members, or over the members below `lane` (exclusive) / up to it (inclusive).
 enum class Span { all, below, upto };
 template <class T, Span span>
@@ -48,7 +60,7 @@ uint64_t sum_fn(const uint64_t* vals, const int64_t*, uint32_t members, int lane
   T acc = T(0);
   for (int l = 0; l < kWarp; ++l) {
     const bool in = span == Span::all || (span == Span::below ? l < lane : l <= lane);
-    if (in && (members >> l & 1)) acc = T(acc + from_bits<T>(vals[l]));
+    if (in && (members >> l & 1)) acc = wrapping_add(acc, from_bits<T>(vals[l]));
   }
   return to_bits(acc);
 }

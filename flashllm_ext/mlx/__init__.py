@@ -8,7 +8,7 @@ raising the same RuntimeError messages.
 from __future__ import annotations
 
 from functools import lru_cache
-from pathlib import Path
+from importlib import resources
 
 import mlx.core as mx
 
@@ -21,8 +21,8 @@ __all__ = ["endor_decompress", "endor_linear", "metal_available", "metal_source"
 # Unsigned view of each element type: the kernels copy bits.
 _BITS = {mx.float32: mx.uint32, mx.float16: mx.uint16, mx.bfloat16: mx.uint16, mx.int8: mx.uint8}
 # Metal kernel bodies: `flashllm_ext/metal` is a link to the top-level `metal/` in a checkout and a real folder in
-# a wheel (package data), so one path serves both.
-METAL_DIR = Path(__file__).resolve().parent.parent / "metal"
+# an installed package (package data in pyproject.toml), so one resource path serves both.
+METAL_DIR = resources.files("flashllm_ext") / "metal"
 # EndorRowCode (csrc/common/endor_codes.h), as the Metal kernels write it into row_status.
 _ROW_INDEX, _ROW_OFFSETS, _ROW_PADDING, _ROW_COUNT = (ENDOR_ROW_CODES[name] for name in (
     "kEndorRowIndexOutOfRange", "kEndorRowOffsetsInvalid", "kEndorRowPaddingBits", "kEndorRowCountMismatch"))
