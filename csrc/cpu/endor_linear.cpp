@@ -26,6 +26,7 @@
 #include "common/endor_checks.h"
 #include "common/endor_report.h"
 #include "common/endor_rows.h"
+#include "common/simd_float.h"
 #include "common/token_groups.h"
 
 // GCC 12's masked-load intrinsics start from _mm512_undefined_*, which -Wall reports as uninitialised use.
@@ -64,25 +65,8 @@ void row_dots_scalar(const T* v, const uint8_t* bm, int64_t n_cols, const float*
 // ---------------------------------------------------------------------------------------------- AVX2
 #define FLASHLLM_AVX2 __attribute__((target("avx2,fma,f16c,popcnt")))
 
-// 8 consecutive values as fp32.
-template <class T>
-FLASHLLM_AVX2 inline __m256 load8_avx2(const T* p) {
-  if constexpr (std::is_same_v<T, float>) {
-    return _mm256_loadu_ps(p);
-  } else if constexpr (std::is_same_v<T, Half>) {
-    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  } else {  // bf16 is the high half of an fp32
-    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-  }
-}
-
-FLASHLLM_AVX2 inline float hsum_avx2(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
+using simd::hsum_avx2;
+using simd::load8_avx2;
 
 // The weights of the 8 columns of one bitmap byte, from the values starting at v (zeros where bits are clear).
 template <class T>
@@ -121,21 +105,11 @@ FLASHLLM_AVX2 void row_dots_avx2(const T* v, const uint8_t* bm, int64_t n_cols, 
 // ---------------------------------------------------------------------------------------------- AVX-512
 #define FLASHLLM_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,fma,f16c,popcnt")))
 
-inline __mmask16 first_k16(int k) { return static_cast<__mmask16>((1u << k) - 1u); }  // k <= 16
-
 // The weights of the 16 columns of bitmap word m, from the values starting at v (zeros where bits are clear); reads
 // exactly popcount(m) values.
 template <class T>
 FLASHLLM_AVX512 inline __m512 expand16_avx512(const T* v, __mmask16 m) {
-  const __mmask16 first = first_k16(__builtin_popcount(m));
-  __m512 packed;
-  if constexpr (std::is_same_v<T, float>) {
-    packed = _mm512_maskz_loadu_ps(first, v);
-  } else if constexpr (std::is_same_v<T, Half>) {
-    packed = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(first, v));
-  } else {
-    packed = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(first, v)), 16));
-  }
+  const __m512 packed = simd::load16_avx512(v, simd::first_lanes16(__builtin_popcount(m)));
   return _mm512_maskz_expand_ps(m, packed);
 }
 
@@ -163,7 +137,7 @@ FLASHLLM_AVX512 void row_dots_avx512(const T* v, const uint8_t* bm, int64_t n_co
   }
   for (; c < n_cols; c += 16) {  // at most four steps; bits past n_cols are clear (checked), so m needs no mask
     const int64_t left = n_cols - c;
-    const __mmask16 keep = left >= 16 ? static_cast<__mmask16>(0xFFFF) : first_k16(static_cast<int>(left));
+    const __mmask16 keep = left >= 16 ? static_cast<__mmask16>(0xFFFF) : simd::first_lanes16(left);
     const __mmask16 m = static_cast<__mmask16>(load_mask_bytes(bm + c / 8, std::min<int64_t>(2, (left + 7) / 8)));
     const __m512 w = expand16_avx512(v, m);
     v += __builtin_popcount(m);

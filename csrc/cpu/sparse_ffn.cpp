@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "common/cpu_isa.h"
+#include "common/simd_float.h"
 #include "common/sparse_ffn_checks.h"
 #include "common/token_groups.h"
 
@@ -66,24 +67,8 @@ void axpy_scalar(const T* row, const float* h, float* acc, int64_t d) {
 // ---------------------------------------------------------------------------------------------- AVX2
 #define FLASHLLM_AVX2 __attribute__((target("avx2,fma,f16c")))
 
-template <class T>
-FLASHLLM_AVX2 inline __m256 load8_avx2(const T* p) {
-  if constexpr (std::is_same_v<T, float>) {
-    return _mm256_loadu_ps(p);
-  } else if constexpr (std::is_same_v<T, Half>) {
-    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  } else {  // bf16 is the high half of an fp32
-    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-  }
-}
-
-FLASHLLM_AVX2 inline float hsum_avx2(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
+using simd::hsum_avx2;
+using simd::load8_avx2;
 
 template <class T, int NT>
 FLASHLLM_AVX2 void dots_avx2(const T* col, const float* x, int64_t d, float* dots) {
@@ -122,20 +107,8 @@ FLASHLLM_AVX2 void axpy_avx2(const T* row, const float* h, float* acc, int64_t d
 // ---------------------------------------------------------------------------------------------- AVX-512
 #define FLASHLLM_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,fma,f16c")))
 
-// Loads the first `n` (<= 16) elements at p, zeros past them; never touches memory past p + n.
-template <class T>
-FLASHLLM_AVX512 inline __m512 load16_avx512(const T* p, __mmask16 m) {
-  if constexpr (std::is_same_v<T, float>) {
-    return _mm512_maskz_loadu_ps(m, p);
-  } else if constexpr (std::is_same_v<T, Half>) {
-    return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p));
-  } else {
-    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-  }
-}
-
-inline __mmask16 tail_mask(int64_t n) { return static_cast<__mmask16>((1u << n) - 1u); }  // n < 16
+using simd::load16_avx512;
+constexpr auto tail_mask = simd::first_lanes16;
 
 // Two accumulators per token hide the FMA latency when there are few tokens (T = 1 is the decoding case).
 template <class T, int NT>
