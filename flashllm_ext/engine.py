@@ -152,7 +152,6 @@ def _install(model: nn.Module, store: FlashStore, mode: str, budget_bytes: int |
         if len(predictors.predictors) != store.n_layers:
             raise ValueError(f"predictors cover {len(predictors.predictors)} layers, the store {store.n_layers}")
         predictor_bytes = _tensor_bytes(list(predictors.parameters()) + list(predictors.buffers()))
-    n_layers, n, row = store.n_layers, store.n_neurons, store.row_bytes
     ffn_budget = None if budget_bytes is None else budget_bytes - resident - predictor_bytes
     reader = FlashReader(store, threads=threads)
     stats = FFNStats()
