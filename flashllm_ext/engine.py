@@ -117,9 +117,14 @@ class FlashRuntime:
             self.reader = None
 
 
-def _resident_bytes(model: nn.Module, ffn_params: set[int]) -> int:
-    tensors = [p for p in model.parameters() if id(p) not in ffn_params] + list(model.buffers())
-    return _tensor_bytes(tensors)
+def _ffn_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    return [(name, p) for _, modules in ffn_slots(model) for m in modules.values() for name, p in m.named_parameters()]
+
+
+def _resident_bytes(model: nn.Module) -> int:
+    """Bytes of the model's own tensors outside its FFNs (meta tensors count nothing)."""
+    ffn = {id(p) for _, p in _ffn_parameters(model)}
+    return _tensor_bytes([p for p in model.parameters() if id(p) not in ffn] + list(model.buffers()))
 
 
 def _check_model_matches(model: nn.Module, store: FlashStore,
@@ -142,30 +147,12 @@ def _install(model: nn.Module, store: FlashStore, mode: str, budget_bytes: int |
         raise ValueError("dense mode keeps the model's own FFNs: nothing to install")
     slots = ffn_slots(model)
     _check_model_matches(model, store, slots)
-    ffn_params = {id(p) for _, modules in slots for m in modules.values() for p in m.parameters()}
-    resident = _resident_bytes(model, ffn_params)
-    predictor_bytes = 0
-    if mode == "flash":
-        if predictors is None:
-            raise ValueError(f"flash mode needs predictors: train them into the store (flashllm train-predictors "
-                             f"--store {store.path}) or pass predictors=")
-        if len(predictors.predictors) != store.n_layers:
-            raise ValueError(f"predictors cover {len(predictors.predictors)} layers, the store {store.n_layers}")
-        predictor_bytes = _tensor_bytes(list(predictors.parameters()) + list(predictors.buffers()))
-    ffn_budget = None if budget_bytes is None else budget_bytes - resident - predictor_bytes
-    reader = FlashReader(store, threads=threads)
-    stats = FFNStats()
-    try:
-        modules, ffn_bytes = _make_modules(store, mode, ffn_budget, window, predictors, reader, stats, budget_bytes,
-                                           resident + predictor_bytes)
-    except BaseException:
-        reader.close()
-        raise
-    originals = [(layer, dict(mods)) for layer, mods in slots] if keep_originals else []
-    for (layer, _), module in zip(slots, modules):
+    runtime = ffn_stack(store, mode, budget_bytes, window=window, predictors=predictors, threads=threads,
+                        resident_bytes=_resident_bytes(model))
+    if keep_originals:
+        runtime.originals = [(layer, dict(mods)) for layer, mods in slots]
+    for (layer, _), module in zip(slots, runtime.modules):
         set_ffn(layer, module)
-    runtime = FlashRuntime(store, mode, budget_bytes, resident, predictor_bytes, ffn_bytes, modules, stats, reader,
-                           originals, predictors)
     model.flash = runtime
     model.flash_stats = runtime.flash_stats
     return runtime
@@ -212,33 +199,37 @@ def _make_modules(store: FlashStore, mode: str, ffn_budget: int | None, window: 
 
 
 def ffn_stack(store: FlashStore, mode: str, budget_bytes: int | None, *, window: int = 5, predictors=None,
-              threads: int = 32) -> FlashRuntime:
-    """Every FFN layer of `store` served by `mode` within `budget_bytes` (predictors + FFN state: there is no model
-    around them), for FFN-only benchmarks at scales no checkpoint here has: runtime.modules[i](x) computes layer i
-    of x [T, d]. The same modules, budget split and stats as load_flash."""
+              threads: int = 32, resident_bytes: int = 0) -> FlashRuntime:
+    """Every FFN layer of `store` served by `mode` within `budget_bytes`, of which `resident_bytes` are already
+    taken (a model's own tensors; 0 for a bare stack): runtime.modules[i](x) computes layer i of x [T, d]. The
+    builder behind load_flash and patch_model, and alone for FFN-only benchmarks at scales no checkpoint here has."""
     if mode not in MODES or mode == "dense":
         raise ValueError(f"mode must be one of {MODES[1:]}, got {mode!r}")
-    if mode == "flash" and predictors is None:
-        raise ValueError("flash mode needs predictors")
-    predictor_bytes = 0 if predictors is None else _tensor_bytes(list(predictors.parameters()) +
-                                                                 list(predictors.buffers()))
-    ffn_budget = None if budget_bytes is None else budget_bytes - predictor_bytes
+    predictor_bytes = 0
+    if mode == "flash":
+        if predictors is None:
+            raise ValueError(f"flash mode needs predictors: train them into the store (flashllm train-predictors "
+                             f"--store {store.path}) or pass predictors=")
+        if len(predictors.predictors) != store.n_layers:
+            raise ValueError(f"predictors cover {len(predictors.predictors)} layers, the store {store.n_layers}")
+        predictor_bytes = _tensor_bytes(list(predictors.parameters()) + list(predictors.buffers()))
+    fixed = resident_bytes + predictor_bytes
+    ffn_budget = None if budget_bytes is None else budget_bytes - fixed
     reader, stats = FlashReader(store, threads=threads), FFNStats()
     try:
         modules, ffn_bytes = _make_modules(store, mode, ffn_budget, window, predictors, reader, stats, budget_bytes,
-                                           predictor_bytes)
+                                           fixed)
     except BaseException:
         reader.close()
         raise
-    return FlashRuntime(store, mode, budget_bytes, 0, predictor_bytes, ffn_bytes, modules, stats, reader,
-                        predictors=predictors)
+    return FlashRuntime(store, mode, budget_bytes, resident_bytes, predictor_bytes, ffn_bytes, modules, stats,
+                        reader, predictors=predictors)
 
 
 def model_bytes(model: nn.Module, store: FlashStore) -> int:
-    """What the whole model weighs: its resident tensors plus every FFN bundle of the store."""
-    slots = ffn_slots(model)
-    ffn_params = {id(p) for _, modules in slots for m in modules.values() for p in m.parameters()}
-    return _resident_bytes(model, ffn_params) + store_ffn_bytes(store)
+    """What the whole model weighs: its resident tensors, its FFN biases and every FFN bundle of the store."""
+    biases = [p for name, p in _ffn_parameters(model) if name.endswith("bias")]
+    return _resident_bytes(model) + _tensor_bytes(biases) + store_ffn_bytes(store)
 
 
 def _load_predictors(store: FlashStore, predictors, mode: str):
@@ -294,8 +285,7 @@ def load_flash(store_dir: str | os.PathLike, dram_budget: int | float | str | No
         _assign_dense_ffn(model, store, dtype)
         model.flash = None
     else:
-        total = _resident_bytes(model, set()) + store_ffn_bytes(store)  # the meta FFN weights count nothing
-        budget = None if dram_budget is None else parse_budget(dram_budget, total)
+        budget = None if dram_budget is None else parse_budget(dram_budget, model_bytes(model, store))
         _install(model, store, mode, budget, window, predictors, threads, keep_originals=False)
     leftover = [name for name, p in model.named_parameters() if p.device.type == "meta"]
     if leftover:

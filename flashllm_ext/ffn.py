@@ -136,7 +136,8 @@ class FlashFFN(nn.Module):
         self.activation = store_activation(self.store)
         n = self.store.n_neurons
         fixed = torch.arange(n) if active_ids is None else active_ids_of(active_ids, n)
-        self.fixed_ids = None if predictor is not None else self.store.check_ids(fixed)
+        # Distinct ids, once: the cache steps and the per-row compute take each neuron once.
+        self.fixed_ids = None if predictor is not None else self.store.check_ids(fixed).unique()
         self.register_buffer("out_bias", _output_bias(self.store, layer), persistent=False)
         self.stats = stats if stats is not None else FFNStats()
         self.last_stats: list[StepStats] = []  # the cache steps of the last forward
@@ -166,7 +167,7 @@ class FlashFFN(nn.Module):
                 raise ValueError(f"the predictor returned a mask of shape {tuple(selection.shape)}, expected "
                                  f"{(flat.shape[0], n)}")
             return selection, active_ids_of(selection, n)
-        return None, self.store.check_ids(active_ids_of(selection, n))
+        return None, self.store.check_ids(active_ids_of(selection, n)).unique()
 
     def _step(self, ids: torch.Tensor) -> None:
         self._record_step(self.cache.step(ids), ids.numel())
@@ -176,9 +177,8 @@ class FlashFFN(nn.Module):
         self.stats.add_step(step, needed)
 
     def _step_overlapped(self, x: torch.Tensor, ids: torch.Tensor, out: torch.Tensor) -> None:
-        """One token's step with its reads in flight while the FFN of its already-cached neurons is computed,
-        then the FFN of the neurons just read: the same sum, in two parts."""
-        ids = ids.unique()
+        """One token's step over its distinct neuron `ids`, with the reads in flight while the FFN of the
+        already-cached neurons is computed, then the FFN of the neurons just read: the same sum, in two parts."""
         pending = self.cache.begin_step(ids, background=True)
         cached = self.cache.slot_of[ids] >= 0  # the missing ids map to -1 until finish()
         try:
@@ -199,8 +199,7 @@ class FlashFFN(nn.Module):
         self.stats.compute_s += time.perf_counter() - start
 
     def _run_set(self, x: torch.Tensor, ids: torch.Tensor, out: torch.Tensor) -> None:
-        """The FFN of x over one set of neurons, in capacity-sized parts if the set does not fit the cache."""
-        ids = ids.unique()
+        """The FFN of x over distinct neuron `ids`, in capacity-sized parts if they do not fit the cache."""
         for part in ids.split(self.cache.capacity):
             self._step(part)
             self._compute(x, part, out)
