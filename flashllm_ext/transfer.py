@@ -15,6 +15,7 @@ a time), as they share one FlashReader.
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import torch
@@ -35,6 +36,15 @@ def cuda_device(device: str | torch.device) -> torch.device:
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"device must be cpu or cuda, got {device}")
     return device
+
+
+def device_clock(device: torch.device) -> float:
+    """time.perf_counter(), once the work queued on `device`'s current stream has run (on CUDA): the engine's
+    per-token breakdown then attributes device time to its parts (I/O, memory management, compute), not launch time.
+    The cache's decisions never wait on the device; only these timing points do."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+    return time.perf_counter()
 
 
 class HostTransfer:

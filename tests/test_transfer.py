@@ -205,6 +205,10 @@ def test_cuda_is_refused_clearly_without_a_gpu(stores):
             make()
     with pytest.raises(ValueError, match="must be cpu or cuda"):
         cuda_device("meta")
+    from flashllm_ext import cli
+
+    with pytest.raises(SystemExit, match="flashllm run: .*CUDA is not available"):
+        cli.main(["run", str(stores["opt32"].path), "--tokenizer", "unused", "--device", "cuda"])
 
 
 def test_flash_ffn_refuses_input_on_another_device(stores):
