@@ -36,7 +36,7 @@ import torch
 from . import ops
 from .reader import FlashReader, ReadResult
 from .store import FlashStore
-from .transfer import Transfer, device_clock, make_transfer
+from .transfer import Transfer, make_transfer
 
 _NEVER = -(1 << 62)  # last_active of a neuron never seen: outside every window
 
@@ -181,7 +181,7 @@ class NeuronCache:
         ids = self._missing[:n_missing]
         out = (self.transfer.staging((n_missing, self.store.bundle_width), self.store.dtype) if self.transfer.staged
                else self.matrix[kept:kept + n_missing])
-        mem_s = device_clock(self.device) - t0
+        mem_s = self.transfer.clock() - t0
         read: Future | ReadResult | None = None
         if n_missing:
             read = self.reader.read_async(self.layer, ids, out) if background else self.reader.read(self.layer, ids,
@@ -232,7 +232,7 @@ class PendingStep:
         self._read = None
         start = time.perf_counter()
         self.cache._record(self.ids, result.data if result is not None and self.cache.transfer.staged else None)
-        mem_s = self._mem_s + device_clock(self.cache.device) - start
+        mem_s = self._mem_s + self.cache.transfer.clock() - start
         read_s, bytes_read = (result.stats.wall_s, result.stats.bytes_read) if result is not None else (0.0, 0)
         return StepStats(self.evicted, self.evicted_budget, self.ids.numel(), bytes_read, waited, mem_s,
                          self.cache.num_used, max(0.0, read_s - waited))

@@ -20,7 +20,7 @@ input, the float32 accumulator and the output stay on the input's device; only t
 where the cache plans. Per-token work is not capturable in a CUDA graph: which neurons are read, and so how many rows
 each kernel covers, is decided on the host from the predictor's answer of this very token (one device-to-host copy of
 the mask per layer), and the reads are host I/O. A part boundary of the breakdown synchronises the compute stream on
-CUDA (transfer.device_clock), so each part is device time rather than launch time.
+CUDA (the transfer's clock), so each part is device time rather than launch time.
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ from .cache import NeuronCache, StepStats, input_bias_role, layer_input_bias
 from .models.hf import decoder_layers
 from .reader import FlashReader
 from .store import FlashStore
-from .transfer import HostTransfer, Transfer, device_clock
+from .transfer import HostTransfer, Transfer
 
 # What a predictor returns for x [T, d]: a bool mask [T, n] (per-token active sets), or one set shared by every
 # token as int64 ids [k] or a bool mask [n].
@@ -174,10 +174,10 @@ class FlashFFN(nn.Module):
         n = self.store.n_neurons
         if self.predictor is None:
             return None, self.fixed_ids
-        start = device_clock(flat.device)
+        start = self.cache.transfer.clock()
         # The cache plans on the host: the answer crosses once (on a GPU, the one wait of a layer's step).
         selection = self.predictor(flat).cpu()
-        self.stats.predictor_s += device_clock(flat.device) - start
+        self.stats.predictor_s += self.cache.transfer.clock() - start
         if selection.dtype == torch.bool and selection.dim() == 2:
             if tuple(selection.shape) != (flat.shape[0], n):
                 raise ValueError(f"the predictor returned a mask of shape {tuple(selection.shape)}, expected "
@@ -206,13 +206,13 @@ class FlashFFN(nn.Module):
 
     def _compute(self, x: torch.Tensor, ids: torch.Tensor, out: torch.Tensor) -> None:
         """out [T, d] float32 += the FFN of x [T, d] over neurons `ids`, all of them cached now."""
-        start = device_clock(x.device)
+        start = self.cache.transfer.clock()
         cache = self.cache
         rows = cache.transfer.to_device(cache.slot_of[ids])
         y = ops.sparse_ffn(x, cache.matrix, num_used=cache.num_used, bias=cache.bias, activation=self.activation,
                            glu=self.store.glu, index=rows, threshold=self.threshold)
         out += y.float()
-        self.stats.compute_s += device_clock(x.device) - start
+        self.stats.compute_s += self.cache.transfer.clock() - start
 
     def _run_set(self, x: torch.Tensor, ids: torch.Tensor, out: torch.Tensor) -> None:
         """The FFN of x over distinct neuron `ids`, in capacity-sized parts if they do not fit the cache."""
@@ -308,19 +308,19 @@ class StreamingFFN(nn.Module):
         out = torch.zeros(flat.shape, dtype=torch.float32, device=flat.device)
         n_streamed = self.streamed_ids.numel()
         if n_streamed:
-            start = device_clock(flat.device)
+            start = self.transfer.clock()
             if self.transfer.staged:
                 landing = self.transfer.staging((n_streamed, self.store.bundle_width), self.store.dtype)
                 read = self.reader.read(self.layer, self.streamed_ids, landing)
                 self.transfer.upload(landing, self.staging[:n_streamed])
             else:
                 read = self.reader.read(self.layer, self.streamed_ids, self.staging[:n_streamed])
-            self.stats.io_s += device_clock(flat.device) - start
+            self.stats.io_s += self.transfer.clock() - start
             self.stats.bytes_read += read.stats.bytes_read
             self.stats.inserted += n_streamed
             self.stats.steps += 1
         self.stats.needed += self.store.n_neurons
-        start = device_clock(flat.device)
+        start = self.transfer.clock()
         glu, act = self.store.glu, self.activation
         if self.resident is not None:
             out += ops.sparse_ffn(xs, self.resident, num_used=self.resident.shape[0], bias=self.resident_bias,
@@ -330,7 +330,7 @@ class StreamingFFN(nn.Module):
                                   glu=glu).float()
         if self.out_bias is not None:
             out += self.out_bias
-        self.stats.compute_s += device_clock(flat.device) - start
+        self.stats.compute_s += self.transfer.clock() - start
         self.stats.tokens += flat.shape[0]
         return out.to(x.dtype).reshape(x.shape)
 

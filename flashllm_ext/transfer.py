@@ -38,21 +38,16 @@ def cuda_device(device: str | torch.device) -> torch.device:
     return device
 
 
-def device_clock(device: torch.device) -> float:
-    """time.perf_counter(), once the work queued on `device`'s current stream has run (on CUDA): the engine's
-    per-token breakdown then attributes device time to its parts (I/O, memory management, compute), not launch time.
-    The cache's decisions never wait on the device; only these timing points do."""
-    if device.type == "cuda":
-        torch.cuda.current_stream(device).synchronize()
-    return time.perf_counter()
-
-
 class HostTransfer:
     """The CPU cache: its rows are host memory, a read writes straight into them."""
 
     staged = False
     device = torch.device("cpu")
     nbytes = 0
+
+    def clock(self) -> float:
+        """The clock of the engine's per-token breakdown."""
+        return time.perf_counter()
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype)
@@ -70,13 +65,16 @@ class StagedTransfer:
 
     device: "cuda" (pinned staging, a dedicated copy stream, events) or "cpu" (plain staging, no streams: the same
     state machine, for tests). compact: the swap-delete to run on the device rows (default ops.cache_compact; tests
-    pass the SIMT emulation of the shipped CUDA launcher).
+    pass the SIMT emulation of the shipped CUDA launcher). sync_timing: the breakdown's clock waits for the device
+    (see `clock`); False leaves the host free to run ahead, and the parts then count launch time only.
     """
 
     staged = True
 
-    def __init__(self, device: str | torch.device = "cuda", *, compact: CompactFn | None = None):
+    def __init__(self, device: str | torch.device = "cuda", *, compact: CompactFn | None = None,
+                 sync_timing: bool = True):
         self.device = cuda_device(device)
+        self.sync_timing = sync_timing
         self._cuda = self.device.type == "cuda"
         self._compact = compact or ops.cache_compact
         self._staging = torch.empty(0, dtype=torch.uint8, pin_memory=self._cuda)
@@ -129,6 +127,14 @@ class StagedTransfer:
         # dst was allocated on the compute stream and is written on the copy stream: keep the caching allocator
         # from reusing its memory before the copy is done (it lives as long as the cache anyway).
         dst.record_stream(self._copy_stream)
+
+    def clock(self) -> float:
+        """time.perf_counter(), on CUDA (with sync_timing) once the work queued on the compute stream has run: the
+        engine's per-token breakdown then gives device time to its parts (I/O, memory management, compute), not
+        launch time. The cache's decisions never wait on the device; only these timing points do."""
+        if self._cuda and self.sync_timing:
+            torch.cuda.current_stream(self.device).synchronize()
+        return time.perf_counter()
 
     def to_device(self, host: torch.Tensor) -> torch.Tensor:
         """A small host tensor (row indices, ids, bias values) on the device, copied asynchronously on the compute
