@@ -55,10 +55,6 @@ class HostTransfer:
     def to_device(self, host: torch.Tensor) -> torch.Tensor:
         return host
 
-    def compact(self, matrix: torch.Tensor, pointer: torch.Tensor, rows: torch.Tensor, *, num_used: int,
-                bias: torch.Tensor | None = None, slot_of: torch.Tensor | None = None) -> int:
-        return ops.cache_compact(matrix, pointer, rows, num_used=num_used, bias=bias, slot_of=slot_of)
-
 
 class StagedTransfer:
     """Rows on `device`; reads through a host staging buffer and a copy stream (see the module doc).
@@ -145,6 +141,7 @@ class StagedTransfer:
 
     def compact(self, matrix: torch.Tensor, pointer: torch.Tensor, rows: torch.Tensor, *, num_used: int,
                 bias: torch.Tensor | None = None, slot_of: torch.Tensor | None = None) -> int:
+        """The swap-delete of the host `rows` on the device's rows (queued on the compute stream)."""
         kept = self._compact(matrix, pointer, self.to_device(rows), num_used=num_used, bias=bias, slot_of=slot_of)
         if self._cuda:
             self._compacted = torch.cuda.Event()
