@@ -10,7 +10,12 @@ the decode tokens (stats reset after prefill); hidden_io_ms is the read time the
 The configurations run round-robin for --rounds rounds (each in a fresh process); the summary rows
 (bench:"e2e_median") are per-mode medians over the rounds, and ratios are taken between those medians.
 
+--device cuda runs every mode on the GPU (issue 12): the model and the neuron caches in GPU memory, reads staged
+through pinned host memory (flashllm_ext/transfer.py); the cgroup still limits host memory (its baseline includes the
+CUDA context), and the budget still sizes the caches; accelerate's peer then offloads from the GPU.
+
     python bench/bench_e2e.py [--json] [--budget 50%] [--tokens 32] [--rounds 3] [--quick] [--store DIR]
+                              [--device cpu|cuda] [--scale]
 """
 from __future__ import annotations
 
@@ -25,7 +30,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from common import arg_parser, emit, run_limited_child
+from common import arg_parser, device_name, emit, run_limited_child
 
 from flashllm_ext.errors import FormatError
 from flashllm_ext.paths import resolve_cache_dir
@@ -33,8 +38,8 @@ from flashllm_ext.paths import resolve_cache_dir
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 MODES = ("dense", "naive", "hybrid", "flash", "flash-oracle", "accelerate")
-KEYS = ("bench", "model", "mode", "budget_mb", "cgroup_limit_mb", "cgroup_peak_mb", "ms_per_token", "io_ms", "mem_ms",
-        "predictor_ms", "compute_ms", "hidden_io_ms", "bytes_per_token", "tokens", "hit_rate")
+KEYS = ("bench", "model", "device", "mode", "budget_mb", "cgroup_limit_mb", "cgroup_peak_mb", "ms_per_token", "io_ms",
+        "mem_ms", "predictor_ms", "compute_ms", "hidden_io_ms", "bytes_per_token", "tokens", "hit_rate")
 COLUMNS = ["mode", "budget_mb", "cgroup_limit_mb", "cgroup_peak_mb", "oom_killed", "ms_per_token", "io_ms", "mem_ms",
            "predictor_ms", "compute_ms", "bytes_per_token", "hit_rate", "error"]
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -77,10 +82,12 @@ class OraclePredictors(nn.Module):
 
     @torch.no_grad()
     def predict(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        if self.scoring_rows[layer].device != x.device:  # plain attributes: Module.to does not move them
+            self.scoring_rows[layer] = self.scoring_rows[layer].to(x.device)
         rows, d, xf = self.scoring_rows[layer].float(), self.d, x.float()
         pre = xf @ rows[:, d:2 * d].t() if self.glu else xf @ rows[:, :d].t()
         if self.biases[layer] is not None:
-            pre += self.biases[layer].float()
+            pre += self.biases[layer].to(x.device).float()
         h = self.activation(pre)
         if self.glu:
             h = h * (xf @ rows[:, :d].t())
@@ -127,34 +134,37 @@ def _load(config: dict):
     from flashllm_ext.predictor import load_predictors
     from flashllm_ext.store import FlashStore
 
-    mode, budget = config["mode"], config["budget_bytes"]
+    mode, budget, device = config["mode"], config["budget_bytes"], config.get("device", "cpu")
     if mode == "accelerate":
         from transformers import AutoModelForCausalLM
 
         offload = Path(config["offload_dir"])
         offload.mkdir(parents=True, exist_ok=True)
+        memory = {0: budget} if device == "cuda" else {"cpu": budget}  # on the GPU: GPU, then disk
         model = AutoModelForCausalLM.from_pretrained(config["hf_dir"], dtype=torch.float16, device_map="auto",
-                                                     max_memory={"cpu": budget}, offload_folder=str(offload),
+                                                     max_memory=memory, offload_folder=str(offload),
                                                      offload_state_dict=True).eval()
         return model, lambda: None
     if mode == "dense":
-        return flashllm_ext.load_flash(config["store"], None, mode="dense"), lambda: None
+        return flashllm_ext.load_flash(config["store"], None, mode="dense", device=device), lambda: None
     predictors = None
     if mode == "flash-oracle":
         store = FlashStore(config["store"])
         predictors = OraclePredictors(store, load_predictors(store.path).thresholds)
     model = flashllm_ext.load_flash(config["store"], budget, mode="flash" if mode == "flash-oracle" else mode,
-                                    predictors=predictors)
+                                    predictors=predictors, device=device)
     return model, model.flash.stats.reset
 
 
 def run_child(config: dict) -> dict:
     """One configuration, in this process: load, prefill, decode; the row (without the cgroup facts)."""
-    row = {"bench": "e2e", "model": config["model"], "mode": config["mode"],
+    device = config.get("device", "cpu")
+    row = {"bench": "e2e", "model": config["model"], "device": device_name(device), "mode": config["mode"],
            "budget_mb": None if config["budget_bytes"] is None else config["budget_bytes"] / 1e6}
     try:
         model, reset_stats = _load(config)
-        times, tokens = _decode(model, torch.tensor([config["prompt_ids"]]), config["tokens"], reset_stats)
+        prompt = torch.tensor([config["prompt_ids"]], device=device)
+        times, tokens = _decode(model, prompt, config["tokens"], reset_stats)
     except Exception as e:  # the row says why this configuration could not run
         return {**row, "error": f"{type(e).__name__}: {e}"}
     row.update(ms_per_token=statistics.median(times) * 1e3, mean_ms_per_token=statistics.mean(times) * 1e3,
@@ -217,10 +227,11 @@ def _child_argv(config: dict) -> list[str]:
     return [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(config)]
 
 
-def measure_baseline(timeout_s: float = 600) -> int:
+def measure_baseline(device: str = "cpu", timeout_s: float = 600) -> int:
     """Bytes a child holds before loading a model: python + torch + transformers + flashllm_ext imported (page cache
-    of their files counted), the peak of an unlimited probe child's cgroup."""
-    rows, facts = run_limited_child(_child_argv({"mode": "probe"}), None, None, "e2e-probe", timeout_s)
+    of their files counted; on CUDA, the CUDA context too), the peak of an unlimited probe child's cgroup."""
+    rows, facts = run_limited_child(_child_argv({"mode": "probe", "device": device}), None, None, "e2e-probe",
+                                    timeout_s)
     if facts["cgroup_peak_mb"] is None:
         raise RuntimeError(f"no cgroup to measure the baseline: {facts['cgroup_note']}")
     return int(facts["cgroup_peak_mb"] * 1e6)
@@ -349,26 +360,32 @@ def run_scale_child(config: dict) -> dict:
     from flashllm_ext.engine import ffn_stack
     from flashllm_ext.store import FlashStore
 
-    row = {"bench": "e2e", "model": SCALE_SHAPE["name"] + " (synthetic weights, FFN only)", "mode": config["mode"],
-           "operating_point": config["operating_point"], "budget_mb": config["budget_bytes"] / 1e6}
+    device = config.get("device", "cpu")
+    row = {"bench": "e2e", "model": SCALE_SHAPE["name"] + " (synthetic weights, FFN only)",
+           "device": device_name(device), "mode": config["mode"], "operating_point": config["operating_point"],
+           "budget_mb": config["budget_bytes"] / 1e6}
     try:
         store, at = FlashStore(config["store"]), [0]
         masks = scale_masks(config, store.n_layers, store.n_neurons) if config["mode"].startswith("flash") else None
         predictors = None if masks is None else ReplayedSets(masks, at)
         runtime = ffn_stack(store, "flash" if predictors is not None else config["mode"], config["budget_bytes"],
-                            predictors=predictors)
+                            predictors=predictors, device=device)
         generator = torch.Generator().manual_seed(0)
         times = []
         with torch.inference_mode():
             for token in range(config["tokens"] + 1):  # token 0 warms the cache up: not timed
                 at[0] = token
-                xs = [torch.randn(1, store.hidden_size, generator=generator).to(store.dtype)
+                xs = [torch.randn(1, store.hidden_size, generator=generator).to(device, store.dtype)
                       for _ in runtime.modules]
                 if token == 1:
                     runtime.stats.reset()
+                if device == "cuda":
+                    torch.cuda.synchronize()
                 start = time.perf_counter()
                 for module, x in zip(runtime.modules, xs):
                     module(x)
+                if device == "cuda":  # the token is done when its last kernel is
+                    torch.cuda.synchronize()
                 if token:
                     times.append(time.perf_counter() - start)
         stats = runtime.flash_stats()
@@ -404,7 +421,7 @@ def run_scale(args, baseline: int) -> list[dict]:
     configs = [{"mode": m, "operating_point": "dense compute", "sparsity": None} for m in ("naive", "hybrid")]
     configs += [{"mode": m, "operating_point": point, "sparsity": s} for point, m, s in points]
     configs = [c for c in configs if c["mode"] in args.modes.split(",")]
-    base = {"scale": True, "store": str(path), "budget_bytes": budget, "tokens": args.tokens,
+    base = {"scale": True, "store": str(path), "budget_bytes": budget, "tokens": args.tokens, "device": args.device,
             "predictor_store": str(default_store(resolve_cache_dir() / "e2e"))}
     for config in configs:  # the sets, computed here: the children are limited to the budget
         if config["mode"].startswith("flash"):
@@ -439,6 +456,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="smoke run: 4 tokens, 16-token prompt")
     parser.add_argument("--no-plot", action="store_true")
     parser.add_argument("--scale", action="store_true", help="the OPT-6.7B-shaped FFN-only rows instead (FFN budget)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="where the model and its neuron caches live (cuda: the GPU)")
     parser.set_defaults(rounds=3)
     args = parser.parse_args(argv)
     if args.child:
@@ -446,14 +465,22 @@ def main(argv: list[str] | None = None) -> None:
         if config["mode"] == "probe":
             import flashllm_ext  # noqa: F401  (what every child imports before loading its model)
             import transformers  # noqa: F401
+            if config.get("device") == "cuda":  # the CUDA context's host memory is every GPU child's
+                torch.zeros(1, device="cuda")
             print(json.dumps({"probe": True}))
             return
         print(json.dumps(run_scale_child(config) if config.get("scale") else run_child(config)), flush=True)
         return
     if args.quick:
         args.tokens, args.prompt_tokens, args.rounds = 4, 16, 1
+    from flashllm_ext.transfer import cuda_device
+
+    try:
+        cuda_device(args.device)
+    except ValueError as e:
+        parser.error(str(e))
     if args.scale:
-        medians = median_rows(run_scale(args, measure_baseline()))
+        medians = median_rows(run_scale(args, measure_baseline(args.device)))
         emit(medians, args.json, COLUMNS)
         if not args.no_plot:
             RESULTS.mkdir(exist_ok=True)
@@ -467,11 +494,12 @@ def main(argv: list[str] | None = None) -> None:
     hf_dir = Path(args.hf_dir) if args.hf_dir else (hf_checkpoint(cache) if "accelerate" in modes and
                                                     not args.store else None)
     total = model_bytes_of(store)
-    baseline = measure_baseline()
+    baseline = measure_baseline(args.device)
     from flashllm_ext.store import FlashStore
 
     ids, prompt_note = prompt_ids(args.prompt_tokens, FlashStore(store).config["vocab_size"])
-    base = {"model": DEFAULT_MODEL if not args.store else store.name, "store": str(store), "tokens": args.tokens,
+    base = {"model": DEFAULT_MODEL if not args.store else store.name, "device": args.device, "store": str(store),
+            "tokens": args.tokens,
             "prompt_ids": ids, "timeout_s": args.child_timeout, "offload_dir": str(cache / "accelerate-offload"),
             "hf_dir": None if hf_dir is None else str(hf_dir)}
     rows = []

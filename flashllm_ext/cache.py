@@ -13,6 +13,13 @@ The cache holds, preallocated once, the bundles of the neurons active in the las
 holes, ops.cache_compact), reads the missing bundles with FlashReader straight into the free rows at the end, and
 appends their ids. Rows [0, num_used) then feed ops.sparse_ffn.
 
+On a GPU (device="cuda", or any flashllm_ext.transfer.StagedTransfer) matrix, bias and `device_pointer` live on the
+device; pointer, slot_of and last_active stay in host memory as the mirror every decision is made on (cache_plan and a
+swap-delete of the mirror, on the CPU), so no step waits on the device. The same rows are then swap-deleted on the
+device (ops.cache_compact's CUDA kernel), the missing bundles are read into the transfer's pinned staging buffer and
+copied to their rows on a copy stream; events order that copy after the compaction and before the compute that uses
+the rows (flashllm_ext/transfer.py). Row order, and so every row's content, is the CPU cache's.
+
 Capacity comes from a byte budget (or is given); when the window's union does not fit, the least recently active
 rows that the current token does not need are evicted early and counted in StepStats.evicted_budget. A token
 whose own active set exceeds the capacity raises ValueError. After construction a step allocates no tensor memory.
@@ -29,6 +36,7 @@ import torch
 from . import ops
 from .reader import FlashReader, ReadResult
 from .store import FlashStore
+from .transfer import Transfer, make_transfer
 
 _NEVER = -(1 << 62)  # last_active of a neuron never seen: outside every window
 
@@ -41,7 +49,8 @@ class StepStats:
     inserted: int  # bundles read from flash
     bytes_read: int  # bytes the reader read (alignment padding and coalesced gaps included)
     io_s: float  # time spent waiting for the reads (all of the read time unless the step was begun in the background)
-    mem_s: float  # time in memory management: planning, swap-delete compaction, pointer/bias bookkeeping
+    mem_s: float  # time in memory management: planning, swap-delete compaction, pointer/bias bookkeeping (on a
+    # device: its compaction and the copy of the new rows from the staging buffer included)
     num_used: int  # rows in use after the step
     hidden_io_s: float = 0.0  # read time that overlapped other work (begin_step(background=True) ... finish)
 
@@ -72,10 +81,13 @@ class NeuronCache:
     store: FlashStore (or its path). capacity: rows; or budget_bytes: the byte budget of everything the cache
     holds (matrix, pointer, bias, per-neuron state, scratch), from which the capacity follows. window: tokens.
     reader: the FlashReader to read bundles with (default: the store's shared one, store.reader()).
+    device: where the rows live ("cpu" or "cuda"); transfer: the flashllm_ext.transfer object that places them
+    (default: a new one for `device`; a model's caches share one).
     """
 
     def __init__(self, store: FlashStore | str | os.PathLike, layer: int, capacity: int | None = None,
-                 window: int = 5, *, budget_bytes: int | None = None, reader: FlashReader | None = None):
+                 window: int = 5, *, budget_bytes: int | None = None, reader: FlashReader | None = None,
+                 device: str | torch.device | None = None, transfer: Transfer | None = None):
         self.store = store if isinstance(store, FlashStore) else FlashStore(store)
         if self.store.endor:
             raise ValueError(f"{self.store.path}: NeuronCache reads dense bundles; this store is Endor-compressed")
@@ -86,7 +98,12 @@ class NeuronCache:
         self.layer, self.window = layer, window
         n = self.store.n_neurons
         bias_all = layer_input_bias(self.store, layer)
-        fixed, per_row = self.bytes_for(self.store, with_bias=bias_all is not None)
+        if transfer is None:
+            transfer = make_transfer(device or "cpu")
+        elif device is not None and torch.device(device) != transfer.device:
+            raise ValueError(f"device {device} disagrees with the transfer's {transfer.device}")
+        self.transfer, self.device = transfer, transfer.device
+        fixed, per_row = self.bytes_for(self.store, with_bias=bias_all is not None, staged=transfer.staged)
         if (capacity is None) == (budget_bytes is None):
             raise ValueError("give exactly one of capacity and budget_bytes")
         if budget_bytes is not None:
@@ -97,9 +114,15 @@ class NeuronCache:
         if not 1 <= capacity <= n:
             raise ValueError(f"capacity must be in [1, n_neurons={n}], got {capacity}")
         self.capacity = capacity
-        self.matrix = torch.zeros((capacity, self.store.bundle_width), dtype=self.store.dtype)
+        self.matrix = transfer.empty((capacity, self.store.bundle_width), self.store.dtype).zero_()
         self.pointer = torch.full((capacity,), -1, dtype=torch.int64)
-        self.bias = None if bias_all is None else torch.zeros(capacity, dtype=self.store.dtype)
+        # The device's copy of the pointer; on the CPU the same tensor. The host mirror, `pointer`, is planned on.
+        self.device_pointer = transfer.empty((capacity,), torch.int64).fill_(-1) if transfer.staged else self.pointer
+        self.bias = None if bias_all is None else transfer.empty((capacity,), self.store.dtype).zero_()
+        # The host mirror's swap-delete moves pointer and slot_of only: a matrix of rows 0 bytes wide.
+        self._mirror_rows = torch.empty((capacity, 0), dtype=torch.uint8) if transfer.staged else None
+        if transfer.staged:
+            transfer.reserve(capacity * self.store.row_bytes)
         self._bias_all = bias_all
         self.slot_of = torch.full((n,), -1, dtype=torch.int64)
         self.last_active = torch.full((n,), _NEVER, dtype=torch.int64)
@@ -112,12 +135,13 @@ class NeuronCache:
         self.reader = reader if reader is not None else self.store.reader()
 
     @staticmethod
-    def bytes_for(store: FlashStore, with_bias: bool) -> tuple[int, int]:
+    def bytes_for(store: FlashStore, with_bias: bool, staged: bool = False) -> tuple[int, int]:
         """(fixed bytes, bytes per row) of a cache over `store`: per-neuron state (slot_of, last_active, the
-        resident bias vector) and per row (bundle, pointer, bias, two int64 scratch entries, a row id)."""
+        resident bias vector) and per row (bundle, pointer, bias, two int64 scratch entries, a row id; staged on a
+        device: the device's pointer too). The transfer's shared staging buffer is counted by its owner."""
         item = store.dtype.itemsize
         fixed = store.n_neurons * (8 + 8 + (item if with_bias else 0))
-        per_row = store.row_bytes + 8 * 4 + (item if with_bias else 0)
+        per_row = store.row_bytes + 8 * (5 if staged else 4) + (item if with_bias else 0)
         return fixed, per_row
 
     def step(self, active_ids: torch.Tensor) -> StepStats:
@@ -142,27 +166,41 @@ class NeuronCache:
         except RuntimeError as e:
             raise ValueError(str(e)) from None
         self.steps += 1
-        kept = ops.cache_compact(self.matrix, self.pointer, self._evict_rows[:n_window + n_budget],
-                                 num_used=self.num_used, bias=self.bias, slot_of=self.slot_of)
+        evict = self._evict_rows[:n_window + n_budget]
+        if self.transfer.staged:  # the mirror first (host), then the same moves on the device, queued
+            kept = ops.cache_compact(self._mirror_rows, self.pointer, evict, num_used=self.num_used,
+                                     slot_of=self.slot_of)
+            self.transfer.compact(self.matrix, self.device_pointer, evict, num_used=self.num_used, bias=self.bias)
+        else:
+            kept = ops.cache_compact(self.matrix, self.pointer, evict, num_used=self.num_used, bias=self.bias,
+                                     slot_of=self.slot_of)
         # Rows [kept, kept + n_missing) are free after the compaction. The new neurons are recorded only once their
         # bundles are in (PendingStep.finish): a failed read leaves a consistent cache of `kept` rows, and the next
         # step retries them.
         self.num_used = kept
         ids = self._missing[:n_missing]
-        out = self.matrix[kept:kept + n_missing]
-        mem_s = time.perf_counter() - t0
+        out = (self.transfer.staging((n_missing, self.store.bundle_width), self.store.dtype) if self.transfer.staged
+               else self.matrix[kept:kept + n_missing])
+        mem_s = self.transfer.clock() - t0
         read: Future | ReadResult | None = None
         if n_missing:
             read = self.reader.read_async(self.layer, ids, out) if background else self.reader.read(self.layer, ids,
                                                                                                       out)
         return PendingStep(self, n_window, n_budget, ids, read, mem_s)
 
-    def _record(self, ids: torch.Tensor) -> None:
-        """Append the neurons whose bundles were just read into rows [num_used, num_used + len(ids))."""
+    def _record(self, ids: torch.Tensor, staged: torch.Tensor | None) -> None:
+        """Append the neurons whose bundles were just read (into `staged` host rows, when the cache is on a device;
+        else into their rows already) into rows [num_used, num_used + len(ids))."""
         kept, end = self.num_used, self.num_used + ids.numel()
+        if staged is not None and ids.numel():
+            self.transfer.upload(staged, self.matrix[kept:end])
         self.pointer[kept:end].copy_(ids)
         self.slot_of.index_copy_(0, ids, self._row_ids[kept:end])
-        if self.bias is not None:
+        if self.transfer.staged and ids.numel():
+            self.device_pointer[kept:end].copy_(self.transfer.to_device(ids), non_blocking=True)
+            if self.bias is not None:
+                self.bias[kept:end].copy_(self.transfer.to_device(self._bias_all[ids]), non_blocking=True)
+        elif self.bias is not None:
             torch.index_select(self._bias_all, 0, ids, out=self.bias[kept:end])
         self.num_used = end
 
@@ -193,8 +231,8 @@ class PendingStep:
             waited = result.stats.wall_s  # read inline in begin_step: all of it was waited for
         self._read = None
         start = time.perf_counter()
-        self.cache._record(self.ids)
-        mem_s = self._mem_s + time.perf_counter() - start
+        self.cache._record(self.ids, result.data if result is not None and self.cache.transfer.staged else None)
+        mem_s = self._mem_s + self.cache.transfer.clock() - start
         read_s, bytes_read = (result.stats.wall_s, result.stats.bytes_read) if result is not None else (0.0, 0)
         return StepStats(self.evicted, self.evicted_budget, self.ids.numel(), bytes_read, waited, mem_s,
                          self.cache.num_used, max(0.0, read_s - waited))

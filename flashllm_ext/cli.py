@@ -4,6 +4,7 @@
   flashllm calibrate-disk [--dir DIR] [--size-mib N]
   flashllm train-predictors CHECKPOINT [--store DIR] [--rank R] [--target-sparsity S] ...
   flashllm run STORE_DIR --tokenizer PATH [--prompt TEXT] [--mode flash] [--budget 50%] [--tokens N] [--sample]
+               [--device cpu|cuda]
 
 Each subcommand registers itself with `add_parser` functions below; main() only dispatches.
 """
@@ -116,21 +117,27 @@ def _run(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
     from .engine import load_flash
+    from .transfer import cuda_device
 
+    try:
+        device = cuda_device(args.device)
+    except ValueError as e:
+        raise SystemExit(f"flashllm run: {e}") from None
     tokenizer_path = Path(args.tokenizer)
     kwargs = {"gguf_file": tokenizer_path.name} if tokenizer_path.suffix == ".gguf" else {}
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path.parent if kwargs else tokenizer_path,
                                               local_files_only=True, **kwargs)
     model = load_flash(args.store, dram_budget=None if args.mode == "dense" else args.budget, mode=args.mode,
-                       window=args.window)
-    prompt = tokenizer(args.prompt, return_tensors="pt").input_ids
+                       window=args.window, device=device)
+    prompt = tokenizer(args.prompt, return_tensors="pt").input_ids.to(device)
     start = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(prompt, max_new_tokens=args.tokens, do_sample=args.sample,
                              pad_token_id=tokenizer.eos_token_id)
     seconds = time.perf_counter() - start
     print(tokenizer.decode(out[0], skip_special_tokens=True))
-    print(f"\n{out.shape[1] - prompt.shape[1]} tokens in {seconds:.2f} s ({args.mode}, prompt {prompt.shape[1]} tokens)")
+    print(f"\n{out.shape[1] - prompt.shape[1]} tokens in {seconds:.2f} s ({args.mode} on {device}, prompt "
+          f"{prompt.shape[1]} tokens)")
     if model.flash is not None:
         stats = model.flash_stats()
         print(", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in stats.items()))
@@ -149,6 +156,9 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     run.add_argument("--window", type=int, default=5, help="tokens whose active neurons stay cached (flash)")
     run.add_argument("--tokens", type=int, default=32, help="tokens to generate")
     run.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
+    run.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                     help="where the model and the neuron caches live (cuda: the GPU, reads staged through pinned "
+                          "host memory)")
     run.set_defaults(func=_run)
 
 

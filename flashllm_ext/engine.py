@@ -14,6 +14,10 @@ Modes (the paper's Table 3 rows):
 The budget covers what the model holds: resident tensors (embeddings, attention, norms), predictors, the caches /
 resident bundles / staging buffers. Its split: resident tensors first, then predictors, then the FFN state, equal
 per layer. A budget that cannot hold one bundle per layer raises ValueError naming the minimum.
+
+device="cuda" puts the model, the caches (flashllm_ext/transfer.py) and the resident bundles on the GPU; the budget
+then sizes them as on the CPU (what the model holds, wherever), and the host keeps the cache's planning state and
+one pinned staging buffer shared by every layer (counted in ffn_bytes).
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ from torch import nn
 from .ffn import FFNStats, FlashFFN, StreamingFFN, ffn_slots, set_ffn
 from .reader import FlashReader
 from .store import FlashStore
+from .transfer import Transfer, cuda_device, make_transfer
 
 MODES = ("dense", "naive", "hybrid", "flash", "exact")
 _UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
@@ -140,7 +145,8 @@ def _check_model_matches(model: nn.Module, store: FlashStore,
 
 
 def _install(model: nn.Module, store: FlashStore, mode: str, budget_bytes: int | None, window: int,
-             predictors: nn.Module | None, threads: int, keep_originals: bool) -> FlashRuntime:
+             predictors: nn.Module | None, threads: int, keep_originals: bool,
+             device: torch.device) -> FlashRuntime:
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if mode == "dense":
@@ -148,7 +154,7 @@ def _install(model: nn.Module, store: FlashStore, mode: str, budget_bytes: int |
     slots = ffn_slots(model)
     _check_model_matches(model, store, slots)
     runtime = ffn_stack(store, mode, budget_bytes, window=window, predictors=predictors, threads=threads,
-                        resident_bytes=_resident_bytes(model))
+                        resident_bytes=_resident_bytes(model), device=device)
     if keep_originals:
         runtime.originals = [(layer, dict(mods)) for layer, mods in slots]
     for (layer, _), module in zip(slots, runtime.modules):
@@ -159,7 +165,7 @@ def _install(model: nn.Module, store: FlashStore, mode: str, budget_bytes: int |
 
 
 def _make_modules(store: FlashStore, mode: str, ffn_budget: int | None, window: int, predictors, reader, stats,
-                  budget_bytes, fixed_bytes) -> tuple[list[nn.Module], int]:
+                  budget_bytes, fixed_bytes, transfer: Transfer) -> tuple[list[nn.Module], int]:
     n_layers, n, row = store.n_layers, store.n_neurons, store.row_bytes
 
     def too_small(need: int) -> ValueError:
@@ -167,19 +173,23 @@ def _make_modules(store: FlashStore, mode: str, ffn_budget: int | None, window: 
                           f"{mode} mode ({fixed_bytes} resident tensors and predictors + {need} for the FFNs)")
 
     if mode in ("flash", "exact"):
-        fixed, per_row = FlashFFN.bytes_for(store)
+        fixed, per_row = FlashFFN.bytes_for(store, staged=transfer.staged)
         per_layer = None if ffn_budget is None else ffn_budget // n_layers
+        if transfer.staged and per_layer is not None:  # + the host staging buffer, one bundle per cache row
+            per_layer = fixed + max(0, ffn_budget - n_layers * fixed) // (n_layers * per_row + row) * per_row
         if per_layer is not None and per_layer < fixed + per_row:
             raise too_small(n_layers * (fixed + per_row))
         flash = mode == "flash"
         modules = [FlashFFN(store, i, predictor=partial(predictors.predict, i) if flash else None,
                             threshold=float(predictors.thresholds[i]) if flash else 0.0, budget_bytes=per_layer,
-                            capacity=None if per_layer else n, window=window, reader=reader, stats=stats)
+                            capacity=None if per_layer else n, window=window, reader=reader, stats=stats,
+                            transfer=transfer)
                    for i in range(n_layers)]
-        return modules, sum(m.nbytes for m in modules)
+        return modules, sum(m.nbytes for m in modules) + transfer.nbytes
     # naive / hybrid: a staging buffer for the streamed bundles, shared by every layer, plus resident bundles.
-    def streaming_bytes(resident_rows: int) -> int:
-        return n_layers * StreamingFFN.bytes_for(store, resident_rows) + (n - resident_rows) * row
+    def streaming_bytes(resident_rows: int) -> int:  # (a staged transfer's host staging: once more)
+        staging_copies = 2 if transfer.staged else 1
+        return n_layers * StreamingFFN.bytes_for(store, resident_rows) + staging_copies * (n - resident_rows) * row
 
     resident_rows = 0
     if mode == "hybrid":
@@ -193,16 +203,19 @@ def _make_modules(store: FlashStore, mode: str, ffn_budget: int | None, window: 
             resident_rows = low
     if ffn_budget is not None and streaming_bytes(resident_rows) > ffn_budget:
         raise too_small(streaming_bytes(0))
-    staging = torch.empty((n - resident_rows, store.bundle_width), dtype=store.dtype)
-    modules = [StreamingFFN(store, i, resident_rows, staging, reader, stats) for i in range(n_layers)]
-    return modules, staging.nbytes + sum(m.nbytes for m in modules)
+    staging = transfer.empty((n - resident_rows, store.bundle_width), store.dtype)
+    modules = [StreamingFFN(store, i, resident_rows, staging, reader, stats, transfer) for i in range(n_layers)]
+    return modules, staging.nbytes + transfer.nbytes + sum(m.nbytes for m in modules)
 
 
 def ffn_stack(store: FlashStore, mode: str, budget_bytes: int | None, *, window: int = 5, predictors=None,
-              threads: int = 32, resident_bytes: int = 0) -> FlashRuntime:
+              threads: int = 32, resident_bytes: int = 0, device: str | torch.device = "cpu",
+              transfer: Transfer | None = None) -> FlashRuntime:
     """Every FFN layer of `store` served by `mode` within `budget_bytes`, of which `resident_bytes` are already
     taken (a model's own tensors; 0 for a bare stack): runtime.modules[i](x) computes layer i of x [T, d]. The
-    builder behind load_flash and patch_model, and alone for FFN-only benchmarks at scales no checkpoint here has."""
+    builder behind load_flash and patch_model, and alone for FFN-only benchmarks at scales no checkpoint here has.
+    device: where the FFN state lives ("cuda": the GPU; predictors are moved there); transfer: the one that places
+    it (default make_transfer(device); tests pass a StagedTransfer on the CPU)."""
     if mode not in MODES or mode == "dense":
         raise ValueError(f"mode must be one of {MODES[1:]}, got {mode!r}")
     predictor_bytes = 0
@@ -213,12 +226,15 @@ def ffn_stack(store: FlashStore, mode: str, budget_bytes: int | None, *, window:
         if len(predictors.predictors) != store.n_layers:
             raise ValueError(f"predictors cover {len(predictors.predictors)} layers, the store {store.n_layers}")
         predictor_bytes = _tensor_bytes(list(predictors.parameters()) + list(predictors.buffers()))
+    transfer = transfer if transfer is not None else make_transfer(device)
+    if mode == "flash":
+        predictors.to(transfer.device)
     fixed = resident_bytes + predictor_bytes
     ffn_budget = None if budget_bytes is None else budget_bytes - fixed
     reader, stats = FlashReader(store, threads=threads), FFNStats()
     try:
         modules, ffn_bytes = _make_modules(store, mode, ffn_budget, window, predictors, reader, stats, budget_bytes,
-                                           fixed)
+                                           fixed, transfer)
     except BaseException:
         reader.close()
         raise
@@ -249,27 +265,31 @@ def patch_model(model: nn.Module, store: FlashStore | str | os.PathLike, *, mode
                 threads: int = 32) -> FlashRuntime:
     """Serve the FFNs of an already loaded Llama-family or OPT model from `store` (converted from the same
     checkpoint). The original FFN modules are kept for `unpatch` (so they still occupy memory: for a real budget
-    use load_flash). dram_budget (default: none) bounds what the engine accounts, as in load_flash. Returns the
-    runtime; `model.flash_stats()` reports the costs; `runtime.unpatch(model)` restores the model."""
+    use load_flash). dram_budget (default: none) bounds what the engine accounts, as in load_flash. The FFNs go on
+    the device of the model's parameters. Returns the runtime; `model.flash_stats()` reports the costs;
+    `runtime.unpatch(model)` restores the model."""
     store = store if isinstance(store, FlashStore) else FlashStore(store)
     if getattr(model, "flash", None) is not None:
         raise ValueError("this model is already patched: unpatch it first")
     predictors = _load_predictors(store, predictors, mode)
     budget = None if dram_budget is None else parse_budget(dram_budget, model_bytes(model, store))
-    return _install(model, store, mode, budget, window, predictors, threads, keep_originals=True)
+    device = cuda_device(next(model.parameters()).device)
+    return _install(model, store, mode, budget, window, predictors, threads, keep_originals=True, device=device)
 
 
 def load_flash(store_dir: str | os.PathLike, dram_budget: int | float | str | None = "50%", *,
                mode: str = "flash", window: int = 5, predictors=None, dtype: torch.dtype | None = None,
-               threads: int = 32) -> nn.Module:
+               threads: int = 32, device: str | torch.device = "cpu") -> nn.Module:
     """A Hugging Face causal LM built from a flash store, its FFNs served by `mode` within `dram_budget` (bytes,
     "50%" of the model, or "200MB"; None: no limit). Only resident tensors are materialised (in `dtype`, default
     the store's); in dense
     mode the FFN weights are read from the store into ordinary nn.Linear layers. Predictors come from the store
-    unless given. `model.flash_stats()` reports per-token costs."""
+    unless given. `model.flash_stats()` reports per-token costs. device: "cpu" or "cuda" (the whole model, its
+    caches included, on the GPU; ValueError when CUDA is not available)."""
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    device = cuda_device(device)
     store = FlashStore(store_dir)
     dtype = dtype or store.dtype
     config = dict(store.config)
@@ -286,11 +306,11 @@ def load_flash(store_dir: str | os.PathLike, dram_budget: int | float | str | No
         model.flash = None
     else:
         budget = None if dram_budget is None else parse_budget(dram_budget, model_bytes(model, store))
-        _install(model, store, mode, budget, window, predictors, threads, keep_originals=False)
+        _install(model, store, mode, budget, window, predictors, threads, keep_originals=False, device=device)
     leftover = [name for name, p in model.named_parameters() if p.device.type == "meta"]
     if leftover:
         raise ValueError(f"{store.path}: the store has no tensor for {leftover[:3]} ({len(leftover)} in all)")
-    return model.eval()
+    return model.to(device).eval()
 
 
 def _assign_resident(model: nn.Module, store: FlashStore, dtype: torch.dtype) -> None:

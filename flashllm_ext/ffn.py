@@ -14,11 +14,17 @@ computed. resident_rows = 0 is "naive" (everything re-read per token), a budget-
 
 Both accumulate their costs in an FFNStats, so an engine can report I/O, memory-management, predictor and compute
 time per token.
+
+On a GPU (device="cuda": the cache rows, resident bundles and staging on the device, flashllm_ext/transfer.py) the
+input, the float32 accumulator and the output stay on the input's device; only the active set crosses to the host,
+where the cache plans. Per-token work is not capturable in a CUDA graph: which neurons are read, and so how many rows
+each kernel covers, is decided on the host from the predictor's answer of this very token (one device-to-host copy of
+the mask per layer), and the reads are host I/O. A part boundary of the breakdown synchronises the compute stream on
+CUDA (the transfer's clock), so each part is device time rather than launch time.
 """
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 
@@ -31,6 +37,7 @@ from .cache import NeuronCache, StepStats, input_bias_role, layer_input_bias
 from .models.hf import decoder_layers
 from .reader import FlashReader
 from .store import FlashStore
+from .transfer import HostTransfer, Transfer
 
 # What a predictor returns for x [T, d]: a bool mask [T, n] (per-token active sets), or one set shared by every
 # token as int64 ids [k] or a bool mask [n].
@@ -103,9 +110,11 @@ class FFNStats:
         return 1.0 - self.inserted / self.needed if self.needed else 1.0
 
 
-def _check_input(x: torch.Tensor, d: int) -> torch.Tensor:
+def _check_input(x: torch.Tensor, d: int, device: torch.device) -> torch.Tensor:
     if x.shape[-1] != d:
         raise ValueError(f"x must end in the hidden size {d}, got shape {tuple(x.shape)}")
+    if x.device.type != device.type:
+        raise ValueError(f"x is on {x.device} but this FFN's weights are on {device}")
     return x.reshape(-1, d)
 
 
@@ -117,20 +126,23 @@ class FlashFFN(nn.Module):
     threshold (the rule's; 0: none). capacity / budget_bytes / window / reader: NeuronCache's. stats: an FFNStats
     to accumulate into (shared by the layers of a model). overlap: a single token's reads run in a reader thread
     while its already-cached neurons are computed (the exposed and hidden read times are both reported). Input x [..., d] of any float dtype; computed in the
-    store's dtype with float32 accumulation; output in x's dtype.
+    store's dtype with float32 accumulation; output in x's dtype. device / transfer: where the cache rows live
+    (NeuronCache's); x must be on that device, and the output is too.
     """
 
     def __init__(self, store: FlashStore | str | os.PathLike, layer: int, *, predictor: Predictor | None = None,
                  active_ids: torch.Tensor | None = None, threshold: float = 0.0, capacity: int | None = None,
                  budget_bytes: int | None = None, window: int = 5, reader: FlashReader | None = None,
-                 stats: FFNStats | None = None, overlap: bool = True):
+                 stats: FFNStats | None = None, overlap: bool = True, device: str | torch.device | None = None,
+                 transfer: Transfer | None = None):
         super().__init__()
         self.store = store if isinstance(store, FlashStore) else FlashStore(store)
         if predictor is not None and active_ids is not None:
             raise ValueError("give a predictor or a fixed active_ids set, not both")
         if capacity is None and budget_bytes is None:
             capacity = self.store.n_neurons
-        self.cache = NeuronCache(self.store, layer, capacity, window, budget_bytes=budget_bytes, reader=reader)
+        self.cache = NeuronCache(self.store, layer, capacity, window, budget_bytes=budget_bytes, reader=reader,
+                                 device=device, transfer=transfer)
         self.layer, self.predictor, self.threshold = layer, predictor, float(threshold)
         self.overlap = overlap
         self.activation = store_activation(self.store)
@@ -138,7 +150,9 @@ class FlashFFN(nn.Module):
         fixed = torch.arange(n) if active_ids is None else active_ids_of(active_ids, n)
         # Distinct ids, once: the cache steps and the per-row compute take each neuron once.
         self.fixed_ids = None if predictor is not None else self.store.check_ids(fixed).unique()
-        self.register_buffer("out_bias", _output_bias(self.store, layer), persistent=False)
+        out_bias = _output_bias(self.store, layer)
+        self.register_buffer("out_bias", None if out_bias is None else out_bias.to(self.cache.device),
+                             persistent=False)
         self.stats = stats if stats is not None else FFNStats()
         self.last_stats: list[StepStats] = []  # the cache steps of the last forward
 
@@ -148,10 +162,11 @@ class FlashFFN(nn.Module):
         return self.cache.nbytes + (self.out_bias.nbytes if self.out_bias is not None else 0)
 
     @staticmethod
-    def bytes_for(store: FlashStore) -> tuple[int, int]:
+    def bytes_for(store: FlashStore, staged: bool = False) -> tuple[int, int]:
         """(fixed bytes, bytes per cache row) of one FlashFFN layer over `store`: NeuronCache.bytes_for plus an
         output bias (float32 [d], counted whether or not the model has one)."""
-        fixed, per_row = NeuronCache.bytes_for(store, with_bias=input_bias_role(store) in store.ffn_roles[0])
+        fixed, per_row = NeuronCache.bytes_for(store, with_bias=input_bias_role(store) in store.ffn_roles[0],
+                                               staged=staged)
         return fixed + 4 * store.hidden_size, per_row
 
     def _token_sets(self, flat: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
@@ -159,9 +174,10 @@ class FlashFFN(nn.Module):
         n = self.store.n_neurons
         if self.predictor is None:
             return None, self.fixed_ids
-        start = time.perf_counter()
-        selection = self.predictor(flat)
-        self.stats.predictor_s += time.perf_counter() - start
+        start = self.cache.transfer.clock()
+        # The cache plans on the host: the answer crosses once (on a GPU, the one wait of a layer's step).
+        selection = self.predictor(flat).cpu()
+        self.stats.predictor_s += self.cache.transfer.clock() - start
         if selection.dtype == torch.bool and selection.dim() == 2:
             if tuple(selection.shape) != (flat.shape[0], n):
                 raise ValueError(f"the predictor returned a mask of shape {tuple(selection.shape)}, expected "
@@ -190,13 +206,13 @@ class FlashFFN(nn.Module):
 
     def _compute(self, x: torch.Tensor, ids: torch.Tensor, out: torch.Tensor) -> None:
         """out [T, d] float32 += the FFN of x [T, d] over neurons `ids`, all of them cached now."""
-        start = time.perf_counter()
+        start = self.cache.transfer.clock()
         cache = self.cache
-        rows = cache.slot_of[ids]
+        rows = cache.transfer.to_device(cache.slot_of[ids])
         y = ops.sparse_ffn(x, cache.matrix, num_used=cache.num_used, bias=cache.bias, activation=self.activation,
                            glu=self.store.glu, index=rows, threshold=self.threshold)
         out += y.float()
-        self.stats.compute_s += time.perf_counter() - start
+        self.stats.compute_s += self.cache.transfer.clock() - start
 
     def _run_set(self, x: torch.Tensor, ids: torch.Tensor, out: torch.Tensor) -> None:
         """The FFN of x over distinct neuron `ids`, in capacity-sized parts if they do not fit the cache."""
@@ -205,9 +221,9 @@ class FlashFFN(nn.Module):
             self._compute(x, part, out)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = _check_input(x, self.store.hidden_size)
+        flat = _check_input(x, self.store.hidden_size, self.cache.device)
         xs = flat.to(self.store.dtype).contiguous()
-        out = torch.zeros(flat.shape, dtype=torch.float32)
+        out = torch.zeros(flat.shape, dtype=torch.float32, device=flat.device)
         self.last_stats = []
         masks, union = self._token_sets(flat)
         if masks is None:  # one set for every token
@@ -247,10 +263,12 @@ class FlashFFN(nn.Module):
 
 class StreamingFFN(nn.Module):
     """One FFN layer computed densely: bundles [0, resident_rows) held in DRAM, the rest re-read from flash on every
-    forward into `staging` (shared between layers: [>= n - resident_rows, bundle_width] of the store dtype)."""
+    forward into `staging` (shared between layers: [>= n - resident_rows, bundle_width] of the store dtype). On a
+    device, resident bundles and `staging` live there and the reads reach it through `transfer` (a StagedTransfer
+    with the same device as `staging`)."""
 
     def __init__(self, store: FlashStore, layer: int, resident_rows: int, staging: torch.Tensor,
-                 reader: FlashReader, stats: FFNStats | None = None):
+                 reader: FlashReader, stats: FFNStats | None = None, transfer: Transfer | None = None):
         super().__init__()
         n = store.n_neurons
         if not 0 <= resident_rows <= n:
@@ -258,15 +276,22 @@ class StreamingFFN(nn.Module):
         if staging.shape[0] < n - resident_rows or staging.shape[1:] != (store.bundle_width,):
             raise ValueError(f"staging must hold {n - resident_rows} bundles of width {store.bundle_width}, got "
                              f"{tuple(staging.shape)}")
+        self.transfer = transfer if transfer is not None else HostTransfer()
+        if staging.device.type != self.transfer.device.type:
+            raise ValueError(f"staging is on {staging.device} but the transfer places rows on {self.transfer.device}")
+        if self.transfer.staged:
+            self.transfer.reserve((n - resident_rows) * store.row_bytes)
         self.store, self.layer, self.reader, self.staging = store, layer, reader, staging
         self.activation = store_activation(store)
         self.stats = stats if stats is not None else FFNStats()
         bias = layer_input_bias(store, layer)
-        self.resident = reader.read(layer, torch.arange(resident_rows)).data if resident_rows else None
-        self.resident_bias = None if bias is None else bias[:resident_rows].contiguous()
+        device = staging.device
+        self.resident = reader.read(layer, torch.arange(resident_rows)).data.to(device) if resident_rows else None
+        self.resident_bias = None if bias is None else bias[:resident_rows].to(device)
         self.streamed_ids = torch.arange(resident_rows, n)
-        self.streamed_bias = None if bias is None else bias[resident_rows:].contiguous()
-        self.register_buffer("out_bias", _output_bias(store, layer), persistent=False)
+        self.streamed_bias = None if bias is None else bias[resident_rows:].to(device)
+        out_bias = _output_bias(store, layer)
+        self.register_buffer("out_bias", None if out_bias is None else out_bias.to(device), persistent=False)
         self.nbytes = self.bytes_for(store, resident_rows)
 
     @staticmethod
@@ -278,19 +303,24 @@ class StreamingFFN(nn.Module):
         return resident_rows * store.row_bytes + 8 * (n - resident_rows) + bias + 4 * store.hidden_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = _check_input(x, self.store.hidden_size)
+        flat = _check_input(x, self.store.hidden_size, self.staging.device)
         xs = flat.to(self.store.dtype).contiguous()
-        out = torch.zeros(flat.shape, dtype=torch.float32)
+        out = torch.zeros(flat.shape, dtype=torch.float32, device=flat.device)
         n_streamed = self.streamed_ids.numel()
         if n_streamed:
-            start = time.perf_counter()
-            read = self.reader.read(self.layer, self.streamed_ids, self.staging[:n_streamed])
-            self.stats.io_s += time.perf_counter() - start
+            start = self.transfer.clock()
+            if self.transfer.staged:
+                landing = self.transfer.staging((n_streamed, self.store.bundle_width), self.store.dtype)
+                read = self.reader.read(self.layer, self.streamed_ids, landing)
+                self.transfer.upload(landing, self.staging[:n_streamed])
+            else:
+                read = self.reader.read(self.layer, self.streamed_ids, self.staging[:n_streamed])
+            self.stats.io_s += self.transfer.clock() - start
             self.stats.bytes_read += read.stats.bytes_read
             self.stats.inserted += n_streamed
             self.stats.steps += 1
         self.stats.needed += self.store.n_neurons
-        start = time.perf_counter()
+        start = self.transfer.clock()
         glu, act = self.store.glu, self.activation
         if self.resident is not None:
             out += ops.sparse_ffn(xs, self.resident, num_used=self.resident.shape[0], bias=self.resident_bias,
@@ -300,7 +330,7 @@ class StreamingFFN(nn.Module):
                                   glu=glu).float()
         if self.out_bias is not None:
             out += self.out_bias
-        self.stats.compute_s += time.perf_counter() - start
+        self.stats.compute_s += self.transfer.clock() - start
         self.stats.tokens += flat.shape[0]
         return out.to(x.dtype).reshape(x.shape)
 

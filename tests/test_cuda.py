@@ -168,3 +168,113 @@ def test_cache_compact_refuses_bad_rows(kernel_checks):
                         (torch.tensor([-1]), "outside")):
         with pytest.raises(RuntimeError, match=match):
             OPS.cache_compact(*state, 6, rows.to(CUDA))
+
+
+# ---- the engine on the GPU: NeuronCache(device="cuda"), FlashFFN, load_flash(device="cuda") ---------------------
+
+@pytest.fixture(scope="module")
+def tiny_stores(tmp_path_factory):
+    """name -> (transformers model, fp32 store, fp16 store) of tiny random Llama and OPT models."""
+    from transformers import LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM
+
+    from flashllm_ext.convert import convert
+    from flashllm_ext.store import FlashStore
+
+    root = tmp_path_factory.mktemp("cuda-engine")
+    torch.manual_seed(0)
+    models = {"llama": LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=160, num_hidden_layers=3,
+                                                    num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                                                    max_position_embeddings=256)).eval(),
+              "opt": OPTForCausalLM(OPTConfig(hidden_size=48, ffn_dim=136, num_hidden_layers=2, num_attention_heads=4,
+                                              vocab_size=100, word_embed_proj_dim=48, max_position_embeddings=256,
+                                              dropout=0.0)).eval()}
+    out = {}
+    for name, model in models.items():
+        model.save_pretrained(root / name)
+        out[name] = (model, *(FlashStore(convert(root / name, root / f"{name}-{dt}", dtype=dt, progress=False))
+                              for dt in ("fp32", "fp16")))
+    return out
+
+
+@pytest.mark.parametrize("name", ["llama", "opt"])
+@pytest.mark.parametrize("capacity,window", [(160, 3), (40, 2), (12, 1)])
+def test_cuda_cache_matches_the_cpu_cache_step_by_step(tiny_stores, name, capacity, window):
+    from flashllm_ext.cache import NeuronCache
+    from test_transfer import step_both
+
+    flash_store = tiny_stores[name][2]
+    capacity = min(capacity, flash_store.n_neurons)
+    g = torch.Generator().manual_seed(capacity + window)
+    host = NeuronCache(flash_store, 0, capacity, window)
+    dev = NeuronCache(flash_store, 0, capacity, window, device="cuda")
+    assert dev.matrix.is_cuda and dev.device_pointer.is_cuda and not dev.pointer.is_cuda
+    for t in range(40):
+        ids = torch.randint(0, flash_store.n_neurons, (int(torch.randint(0, 40, (1,), generator=g)),), generator=g)
+        step_both(host, dev, ids.tolist(), background=bool(t % 2))
+    assert dev.transfer.uploads > 0
+
+
+def test_failed_read_leaves_the_cuda_cache_consistent(tiny_stores, monkeypatch):
+    from flashllm_ext.cache import NeuronCache
+
+    s = tiny_stores["opt"][2]
+    dev = NeuronCache(s, 0, capacity=50, window=1, device="cuda")
+    dev.step(torch.tensor([1, 2, 3]))
+
+    def failing_read(*args, **kwargs):
+        raise OSError("injected read failure")
+
+    monkeypatch.setattr(dev.reader, "read", failing_read)
+    with pytest.raises(OSError, match="injected"):
+        dev.step(torch.tensor([3, 40, 41]))
+    assert dev.cached_ids().tolist() == [3]
+    assert torch.equal(dev.device_pointer.cpu(), dev.pointer)
+    assert torch.equal(dev.matrix[:1].cpu(), s.bundle(0, torch.tensor([3])))
+    monkeypatch.undo()
+    dev.step(torch.tensor([3, 40, 41]))
+    assert torch.equal(dev.matrix[:3].cpu(), s.bundle(0, dev.cached_ids()))
+    assert torch.equal(dev.device_pointer.cpu(), dev.pointer)
+
+
+@pytest.mark.parametrize("name", ["llama", "opt"])
+@torch.no_grad()
+def test_flash_ffn_on_cuda_matches_the_cpu_one(tiny_stores, name):
+    from flashllm_ext.ffn import FlashFFN
+
+    s = tiny_stores[name][2]
+    g = torch.Generator().manual_seed(3)
+    masks = torch.rand(12, s.n_neurons, generator=g) < 0.3
+    at = [0]
+
+    def predictor(chunk):
+        return masks[at[0]:at[0] + chunk.shape[0]].to(chunk.device)
+
+    host = FlashFFN(s, 0, predictor=predictor, capacity=60, window=2)
+    dev = FlashFFN(s, 0, predictor=predictor, capacity=60, window=2, device="cuda")
+    x = torch.randn(12, s.hidden_size, generator=g).half()
+    want, got = host(x[:6]), dev(x[:6].to(CUDA))
+    assert got.is_cuda and got.dtype == x.dtype
+    assert_close(got.cpu(), want)
+    for t in range(6, 12):
+        at[0] = t
+        assert_close(dev(x[t:t + 1].to(CUDA)).cpu(), host(x[t:t + 1]))
+    assert dev.stats.inserted == host.stats.inserted > 0
+
+
+@pytest.mark.parametrize("name", ["llama", "opt"])
+@pytest.mark.parametrize("mode", ["naive", "hybrid", "exact"])
+@torch.no_grad()
+def test_load_flash_on_cuda_generates_the_tokens_of_transformers(tiny_stores, name, mode):
+    model, fp32, _ = tiny_stores[name]
+    prompt = torch.randint(3, 90, (1, 7), generator=torch.Generator().manual_seed(2))
+    dense = model.to(CUDA)
+    try:
+        want = dense.generate(prompt.to(CUDA), max_new_tokens=24, min_new_tokens=24, do_sample=False)
+    finally:
+        model.to("cpu")
+    budget = "85%" if mode == "exact" else None  # streamed bundles are staged twice: see test_transfer.py
+    flash = flashllm_ext.load_flash(fp32.path, dram_budget=budget, mode=mode, device="cuda")
+    got = flash.generate(prompt.to(CUDA), max_new_tokens=24, min_new_tokens=24, do_sample=False)
+    assert torch.equal(got, want)
+    stats = flash.flash_stats()
+    assert stats["bytes_read"] > 0 and (budget is None or stats["accounted_bytes"] <= stats["budget_bytes"])
