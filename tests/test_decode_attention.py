@@ -1,0 +1,82 @@
+"""flashllm::decode_attention (one query token per sequence over token-major K/V, GQA aware): the reference against
+torch SDPA and a float64 direct computation; the native CPU kernel against the reference over many shapes and
+dtypes; opcheck and the fake kernel; bad inputs. The CUDA kernel is tested in test_attention_simt.py."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from flashllm_ext import ops
+from flashllm_ext._ops import decode_attention_reference
+from attention_cases import DTYPES, TOLERANCE, attention_case, attention_float64
+
+OPS = torch.ops.flashllm
+
+
+def sdpa(q, k, v, scale=None):
+    """torch's scaled_dot_product_attention on the same inputs, kv heads repeated for GQA: out [B, Hq, D]."""
+    group = q.shape[1] // k.shape[2]
+    keys = k.float().permute(1, 2, 0, 3).repeat_interleave(group, dim=1)
+    values = v.float().permute(1, 2, 0, 3).repeat_interleave(group, dim=1)
+    return F.scaled_dot_product_attention(q.float()[:, :, None], keys, values, scale=scale)[:, :, 0]
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 1, 1, 1), (2, 4, 2, 8, 5), (3, 8, 1, 64, 64), (2, 6, 6, 128, 300),
+                                   (1, 14, 2, 7, 33)])
+def test_reference_matches_sdpa_and_float64(shape):
+    batch, n_q, n_kv, head_dim, seq = shape
+    q, k, v = attention_case(batch, n_q, n_kv, head_dim, seq, torch.float32, seed=seq)
+    for scale in (None, 0.3):
+        out, lse = decode_attention_reference(q, k, v, scale)
+        assert out.dtype == lse.dtype == torch.float32
+        torch.testing.assert_close(out, sdpa(q, k, v, scale), atol=1e-5, rtol=1e-5)
+        want_out, want_lse = attention_float64(q, k, v, scale)
+        torch.testing.assert_close(out, want_out.float(), **TOLERANCE)
+        torch.testing.assert_close(lse, want_lse.float(), **TOLERANCE)
+
+
+def test_empty_sequence_gives_zeros_and_minus_inf():
+    q, k, v = attention_case(2, 4, 2, 8, 0, torch.float16)
+    for fn in (ops.decode_attention, decode_attention_reference):
+        out, lse = fn(q, k, v)
+        assert torch.equal(out, torch.zeros(2, 4, 8)) and torch.equal(lse, torch.full((2, 4), -math.inf))
+
+
+def bad_cases():
+    """(expected message, (q, k, v, scale)): the inputs every kernel refuses."""
+    q, k, v = attention_case(2, 4, 2, 8, 3, torch.float32)
+    yield "q must be a 3-D", (q[0], k, v, None)
+    yield "q must be a 3-D float32/float16/bfloat16", (q.double(), k.double(), v.double(), None)
+    yield "k must be a 4-D torch.float32", (q, k[0], v, None)
+    yield "v must be a 4-D torch.float32", (q, k, v.half(), None)
+    yield "k must be a 4-D torch.float32", (q, k.bfloat16(), v.bfloat16(), None)
+    yield "k and v must have the same shape", (q, k, v[:2], None)
+    yield r"k and v must be \[S, B=2, Hkv, D=8\]", (q, k[:, :1], v[:, :1], None)
+    yield r"k and v must be \[S, B=2, Hkv, D=8\]", (q, k[..., :4], v[..., :4], None)
+    yield "Hq=4 must be a positive multiple of the kv heads Hkv=3", (q, k[:, :, [0, 1, 0]], v[:, :, [0, 1, 0]], None)
+    yield "Hq=4 must be a positive multiple of the kv heads Hkv=0", (q, k[:, :, :0], v[:, :, :0], None)
+    yield "head_dim D must be >= 1", (q[..., :0], k[..., :0], v[..., :0], None)
+    yield "scale must be finite", (q, k, v, math.nan)
+
+
+@pytest.mark.parametrize("match,args", list(bad_cases()))
+def test_bad_inputs_are_refused(match, args):
+    for fn in (OPS.decode_attention, decode_attention_reference):
+        with pytest.raises(RuntimeError, match=match):
+            fn(*args)
+
+
+def test_fake_kernel_checks_metadata():
+    q, k, v = (t.to("meta") for t in attention_case(3, 8, 2, 16, 7, torch.bfloat16))
+    out, lse = OPS.decode_attention(q, k, v)
+    assert out.shape == (3, 8, 16) and lse.shape == (3, 8) and out.dtype == lse.dtype == torch.float32
+    with pytest.raises(RuntimeError, match="positive multiple"):
+        OPS.decode_attention(q[:, :7], k, v)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_opcheck(dtype):
+    q, k, v = attention_case(2, 4, 2, 16, 9, dtype)
+    torch.library.opcheck(OPS.decode_attention.default, (q, k, v, None))
+    torch.library.opcheck(OPS.decode_attention.default, (q, k, v, 0.5))
