@@ -139,3 +139,21 @@ def test_native_large_scores_do_not_overflow(isa):
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
     torch.testing.assert_close(out, want_out.float(), atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(lse, want_lse.float(), atol=1e-4, rtol=1e-5)
+
+
+def test_native_far_below_the_max_and_nan(isa):
+    """Scores 100s below the max underflow to weight 0 (the vector exp's cut-off) and nothing else changes; a NaN
+    in q makes only its own (b, h) NaN."""
+    q, k, v = attention_case(2, 4, 2, 16, 70, torch.float32, seed=4)
+    k[3] *= 200  # one token's scores far above or below the others
+    for fn in (ops.decode_attention, decode_attention_reference):
+        out, lse = fn(q, k, v, scale=1.0)
+        want_out, want_lse = attention_float64(q, k, v, 1.0)
+        torch.testing.assert_close(out, want_out.float(), **TOLERANCE)
+        torch.testing.assert_close(lse, want_lse.float(), **TOLERANCE)
+    q[1, 2, 5] = math.nan
+    for fn in (ops.decode_attention, decode_attention_reference):
+        out, lse = fn(q, k, v)
+        assert out[1, 2].isnan().all() and lse[1, 2].isnan()
+        out[1, 2], lse[1, 2] = 0, 0
+        assert torch.isfinite(out).all() and torch.isfinite(lse).all()
