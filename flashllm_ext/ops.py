@@ -2,7 +2,8 @@
 
 Each function is a thin wrapper over `torch.ops.flashllm.<op>` (schemas, fake and reference kernels in
 flashllm_ext/_ops.py; native kernels in csrc/<device>/<op>*): the tensors come first, every other argument is a
-keyword. Shapes below use T tokens, d hidden size, R rows, C cache capacity, N neurons.
+keyword. Shapes below use T tokens, d hidden size, R rows, C cache capacity, N neurons; for attention B
+sequences, S keys per sequence, Hq query heads, Hkv kv heads, D head size, P partial results.
 """
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import torch
 
 from . import _ops  # noqa: F401  (registers the schemas, fake and reference kernels)
 
-__all__ = ["cache_compact", "cache_plan", "endor_decompress", "endor_linear", "sparse_ffn"]
+__all__ = ["cache_compact", "cache_plan", "decode_attention", "endor_decompress", "endor_linear",
+           "merge_attention_states", "sparse_ffn"]
 
 
 def endor_decompress(values: torch.Tensor, bitmap: torch.Tensor, row_offsets: torch.Tensor, *, n_cols: int,
@@ -90,3 +92,31 @@ def cache_plan(active_ids: torch.Tensor, last_active: torch.Tensor, slot_of: tor
     """
     return torch.ops.flashllm.cache_plan.default(active_ids, last_active, slot_of, pointer, num_used, step, window,
                                                  evict_rows, missing)
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                     scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of one new query token per sequence over S keys/values in INF²'s token-major KV block layout.
+
+    q: [B, Hq, D] float32 | float16 | bfloat16
+    k, v: [S, B, Hkv, D] of q.dtype ([token][batch x head][head_dim], the on-disk layout); S >= 0; Hq a multiple
+      of Hkv: query head h reads kv head h // (Hq // Hkv) (MHA, GQA, MQA). No masking.
+    scale: multiplies q.k; None for 1/sqrt(D)
+    Any strides are accepted (the native kernels copy an input whose last dimension is not contiguous).
+    Returns (out [B, Hq, D] float32, lse [B, Hq] float32): out = softmax(scale q.k) @ v accumulated in float32,
+    lse = log sum_j exp(scale q.k_j) (natural log). S = 0 gives out 0 and lse -inf. merge_attention_states
+    combines results over disjoint key sets exactly. inf or NaN inputs give NaN in the affected (b, h) (a score of
+    exactly -inf gets weight 0). The CUDA kernel takes D <= 256.
+    """
+    return torch.ops.flashllm.decode_attention.default(q, k, v, scale)
+
+
+def merge_attention_states(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The exact log-sum-exp merge of P partial attention results over disjoint key sets.
+
+    outs: [P, B, H, D] float32; lses: [P, B, H] float32 (decode_attention's outputs, stacked); any strides; P >= 0
+    Returns (out [B, H, D], lse [B, H]) float32: lse = log sum_p exp(lse_p), out = sum_p exp(lse_p - lse) out_p.
+    A part with lse_p = -inf (no keys) contributes nothing and its out_p is not read; every part empty (or P = 0)
+    gives out 0 and lse -inf, never NaN. A NaN or +inf lse_p makes that (b, h)'s out and lse NaN.
+    """
+    return torch.ops.flashllm.merge_attention_states.default(outs, lses)
