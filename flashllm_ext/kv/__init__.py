@@ -1,9 +1,18 @@
 """INF²: batched decoding with the KV cache on storage (DESIGN.md §1), one module per job.
 
-files: KVFile, one preallocated O_DIRECT file of token rows. store: KVShard, a shard's K/V files with the
-delayed-writeback buffer, and split_pairs.
+files: KVFile, one preallocated O_DIRECT file of token rows. store: KVShard, one shard's K/V files with the
+delayed-writeback buffer. attention: ShardAttention, block-wise attention over a shard (what runs near storage).
+worker: the shard worker process and its shared-memory channel. near_storage: NearStorageAttention, the host side.
+traffic: byte counters per layer, step and shard. link: token-bucket bandwidth emulation.
 """
+from .attention import ShardAttention
 from .files import IOCounters, KVFile
+from .link import Link
+from .near_storage import NearStorageAttention
 from .store import KVShard, KVView, SpillError, default_writeback, split_pairs
+from .traffic import PREFILL, Traffic, TrafficLog
+from .worker import LocalShard, ShardSpec, ShardWorker, WorkerError
 
-__all__ = ["IOCounters", "KVFile", "KVShard", "KVView", "SpillError", "default_writeback", "split_pairs"]
+__all__ = ["IOCounters", "KVFile", "KVShard", "KVView", "Link", "LocalShard", "NearStorageAttention", "PREFILL",
+           "ShardAttention", "ShardSpec", "ShardWorker", "SpillError", "Traffic", "TrafficLog", "WorkerError",
+           "default_writeback", "split_pairs"]

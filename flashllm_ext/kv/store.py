@@ -98,6 +98,7 @@ class KVShard:
         self._lock = threading.Lock()
         self._spiller = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flashllm-kv-spill")
         self._pending: list[Future] = []
+        self._last_spill: list[Future | None] = [None] * n_layers
         self._assigned = [0] * n_layers  # buffered tokens already handed to a queued spill
         self._error: BaseException | None = None
         self._closed = False
@@ -198,8 +199,14 @@ class KVShard:
         the new ones included). Schedules a background spill once `writeback` tokens are buffered. Raises
         SpillError first if an earlier spill failed (the call then changes nothing)."""
         self._check_open()
-        self._raise_error()
         self._check_layer(layer)
+        # the previous spill of this layer ends before its next step: a view's disk rows are then exactly the
+        # tokens of the groups handed to spills so far (traffic per step is deterministic), and the buffer stays
+        # below 2 x writeback tokens. It had a whole step of every other layer to finish.
+        if self._last_spill[layer] is not None:
+            self._last_spill[layer].result()
+            self._last_spill[layer] = None
+        self._raise_error()
         expected = (self.pairs, self.head_dim)
         for name, t in (("k", k), ("v", v)):
             if t.dim() != 3 or tuple(t.shape[1:]) != expected or t.dtype != self.dtype or t.device.type != "cpu":
@@ -221,7 +228,8 @@ class KVShard:
             self._assigned[layer] += n_spill
         if n_spill:
             self._pending = [f for f in self._pending if not f.done()]
-            self._pending.append(self._spiller.submit(self._spill, layer, n_spill))
+            self._last_spill[layer] = self._spiller.submit(self._spill, layer, n_spill)
+            self._pending.append(self._last_spill[layer])
         return view
 
     def view(self, layer: int) -> KVView:
@@ -307,6 +315,7 @@ class KVShard:
         for future in self._pending:
             future.result()
         self._pending = []
+        self._last_spill = [None] * self.n_layers
 
     def _raise_error(self) -> None:
         if self._error is not None:
