@@ -15,8 +15,8 @@ import torch
 
 from .files import IOCounters
 from .link import Link
-from .store import DTYPES, split_pairs
-from .traffic import PREFILL, TrafficLog
+from .store import DTYPES, default_writeback, split_pairs
+from .traffic import FLUSH, PREFILL, TrafficLog
 from .worker import FLUSH, RESET, LocalShard, ShardSpec, ShardWorker
 
 
@@ -49,8 +49,9 @@ class NearStorageAttention:
         make = ShardWorker if processes else LocalShard
         try:
             for i, ((p0, p1), directory) in enumerate(zip(self.ranges, directories)):
+                c = writeback or default_writeback((p1 - p0) * head_dim * dtype.itemsize)
                 spec = ShardSpec(str(Path(directory)), n_layers, p1 - p0, self.group, head_dim, dtype_name,
-                                 max_tokens, writeback=writeback, scale=scale, **worker_kwargs)
+                                 max_tokens, writeback=c, scale=scale, **worker_kwargs)
                 self.shards.append(make(spec, timeout_s=timeout_s, name=f"shard{i}"))
         except BaseException:
             self.terminate()
@@ -132,6 +133,8 @@ class NearStorageAttention:
     def flush(self) -> None:
         """Every shard spills its buffer (raises WorkerError naming a shard whose spill failed)."""
         self._all(FLUSH)
+        for i in range(len(self.shards)):
+            self._record_io(FLUSH, FLUSH, i)
 
     def reset(self) -> None:
         """Forgets every token (a new batch); the traffic log is cleared too."""

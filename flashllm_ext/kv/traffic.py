@@ -5,6 +5,7 @@ Interconnect (host <-> storage side) bytes are payload bytes, as INF² Eq. 3 cou
 - baseline: the KV history read over the link, and the new K/V written back over it;
 - prefill K/V (step PREFILL), which both send once.
 `x_bytes`: X-cache values the host reads from its own memory to regenerate K/V (not interconnect).
+Background spills are counted when they have finished, in the record of the step then running (or FLUSH).
 Storage bytes are what the device moves: direct-I/O blocks, padding and rewritten tail blocks included, with the
 number of requests, so mean read/write sizes follow.
 """
@@ -17,6 +18,7 @@ from dataclasses import dataclass, fields
 from .files import IOCounters
 
 PREFILL = -1  # the step index of prefill traffic
+FLUSH = -2  # the step (and layer) index of what flush() wrote: spills still in flight after the last step, and the rest
 
 
 @dataclass
@@ -78,7 +80,7 @@ class TrafficLog:
 
     def steps(self) -> list[int]:
         """The decode steps recorded (prefill excluded), in order."""
-        return sorted({s for _, s, _ in self.records if s != PREFILL})
+        return sorted({s for _, s, _ in self.records if s >= 0})
 
     def clear(self) -> None:
         self.records.clear()
