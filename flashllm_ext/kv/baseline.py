@@ -35,7 +35,8 @@ class HostKVAttention:
                  read_threads: int = 4):
         if q_heads % kv_heads:
             raise ValueError(f"q_heads {q_heads} is not a multiple of kv_heads {kv_heads}")
-        self.n_layers, self.batch, self.q_heads, self.kv_heads, self.head_dim = n_layers, batch, q_heads, kv_heads, head_dim
+        self.n_layers, self.batch, self.head_dim = n_layers, batch, head_dim
+        self.q_heads, self.kv_heads = q_heads, kv_heads
         self.group, self.dtype, self.scale, self.link = q_heads // kv_heads, dtype, scale, link
         self.ranges = split_pairs(batch * kv_heads, len(directories))
         self.shards: list[KVShard] = []

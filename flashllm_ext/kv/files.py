@@ -196,4 +196,5 @@ class KVFile:
             self._fd = -1
 
     def __repr__(self) -> str:
-        return f"KVFile({self.path!r}, {self.length}/{self.max_tokens} rows of {self.row_bytes} B, direct={self.direct})"
+        return (f"KVFile({self.path!r}, {self.length}/{self.max_tokens} rows of {self.row_bytes} B, "
+                f"direct={self.direct})")

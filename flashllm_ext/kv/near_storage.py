@@ -17,7 +17,7 @@ from .files import IOCounters
 from .link import Link
 from .store import DTYPES, default_writeback, split_pairs
 from .traffic import FLUSH, PREFILL, TrafficLog
-from .worker import FLUSH, RESET, LocalShard, ShardSpec, ShardWorker
+from .worker import OP_FLUSH, OP_RESET, LocalShard, ShardSpec, ShardWorker
 
 
 class NearStorageAttention:
@@ -39,7 +39,8 @@ class NearStorageAttention:
         dtype_name = next((n for n, d in DTYPES.items() if d == dtype), None)
         if dtype_name is None:
             raise ValueError(f"dtype must be one of {list(DTYPES)}, got {dtype}")
-        self.n_layers, self.batch, self.q_heads, self.kv_heads, self.head_dim = n_layers, batch, q_heads, kv_heads, head_dim
+        self.n_layers, self.batch, self.head_dim = n_layers, batch, head_dim
+        self.q_heads, self.kv_heads = q_heads, kv_heads
         self.group, self.dtype, self.link = q_heads // kv_heads, dtype, link
         self.ranges = split_pairs(batch * kv_heads, len(directories))
         self.traffic = TrafficLog()
@@ -132,13 +133,13 @@ class NearStorageAttention:
 
     def flush(self) -> None:
         """Every shard spills its buffer (raises WorkerError naming a shard whose spill failed)."""
-        self._all(FLUSH)
+        self._all(OP_FLUSH)
         for i in range(len(self.shards)):
             self._record_io(FLUSH, FLUSH, i)
 
     def reset(self) -> None:
         """Forgets every token (a new batch); the traffic log is cleared too."""
-        self._all(RESET)
+        self._all(OP_RESET)
         self._step = [0] * self.n_layers
         self._io = [s.counters.copy() for s in self.shards]
         self.traffic.clear()

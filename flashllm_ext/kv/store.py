@@ -72,7 +72,8 @@ class KVShard:
         if dtype not in DTYPES.values():
             raise ValueError(f"dtype must be one of {list(DTYPES)}, got {dtype}")
         self.directory = Path(directory)
-        self.n_layers, self.pairs, self.head_dim, self.dtype, self.max_tokens = n_layers, pairs, head_dim, dtype, max_tokens
+        self.n_layers, self.pairs, self.head_dim = n_layers, pairs, head_dim
+        self.dtype, self.max_tokens = dtype, max_tokens
         self.token_bytes = pairs * head_dim * dtype.itemsize
         self.writeback = default_writeback(self.token_bytes) if writeback is None else int(writeback)
         if self.writeback < 1:
@@ -129,8 +130,8 @@ class KVShard:
         if not isinstance(lengths, list) or len(lengths) != meta.get("n_layers"):
             raise FormatError("lengths", f"expected one length per layer, got {lengths!r}", str(path))
         return cls(directory, meta["n_layers"], meta["pairs"], meta["head_dim"], DTYPES[meta["dtype"]],
-                   meta["max_tokens"], create=False, lengths=lengths, writeback=kwargs.pop("writeback", meta["writeback"]),
-                   **kwargs)
+                   meta["max_tokens"], create=False, lengths=lengths,
+                   writeback=kwargs.pop("writeback", meta["writeback"]), **kwargs)
 
     def _write_manifest(self) -> None:
         dtype_name = next(name for name, d in DTYPES.items() if d == self.dtype)

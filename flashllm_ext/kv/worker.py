@@ -28,12 +28,13 @@ from .link import Link
 from .store import DTYPES, KVShard
 
 # ops
-STEP, APPEND, FLUSH, RESET, CLOSE = 1, 2, 3, 4, 5
-OP_NAMES = {STEP: "step", APPEND: "append", FLUSH: "flush", RESET: "reset", CLOSE: "close"}
-REQUEST = struct.Struct("<iiqq")  # op, layer, sequence number, tokens (APPEND)
+OP_STEP, OP_APPEND, OP_FLUSH, OP_RESET, OP_CLOSE = 1, 2, 3, 4, 5
+OP_NAMES = {OP_STEP: "step", OP_APPEND: "append", OP_FLUSH: "flush", OP_RESET: "reset",
+            OP_CLOSE: "close"}
+REQUEST = struct.Struct("<iiqq")  # op, layer, sequence number, tokens (OP_APPEND)
 REPLY = struct.Struct("<iqqqqqq")  # status (0 ok, 1 error: the message is in the reply region), sequence number,
 #                                    bytes read, reads, bytes written, writes (the shard's totals), message bytes
-DEFAULT_CHUNK_BYTES = 8 << 20  # prefill K+V per APPEND message
+DEFAULT_CHUNK_BYTES = 8 << 20  # prefill K+V per OP_APPEND message
 POLL_S = 0.05
 
 
@@ -130,7 +131,7 @@ class _Regions:
 
 
 def worker_main(spec: ShardSpec, shm_name: str, conn) -> None:
-    """The worker process: owns the shard, serves requests until CLOSE or until the host goes away."""
+    """The worker process: owns the shard, serves requests until OP_CLOSE or until the host goes away."""
     torch.set_num_threads(spec.torch_threads)
     shm = shared_memory.SharedMemory(name=shm_name)
     regions = _Regions(spec, shm.buf)
@@ -149,20 +150,20 @@ def worker_main(spec: ShardSpec, shm_name: str, conn) -> None:
             break
         status, n_msg = 0, 0
         try:
-            if op == STEP:
+            if op == OP_STEP:
                 q, k, v = regions.step_request()
                 out, lse = engine.step(layer, q, k, v)
                 out_region, lse_region = regions.reply()
                 out_region.copy_(out)
                 lse_region.copy_(lse)
-            elif op == APPEND:
+            elif op == OP_APPEND:
                 k, v = regions.append_request(tokens)
                 engine.append(layer, k.clone(), v.clone())  # the buffer must not alias the request region
-            elif op == FLUSH:
+            elif op == OP_FLUSH:
                 engine.shard.flush()
-            elif op == RESET:
+            elif op == OP_RESET:
                 engine.shard.reset()
-            elif op == CLOSE:
+            elif op == OP_CLOSE:
                 engine.shard.close()
                 engine.close()
         except Exception:
@@ -170,7 +171,7 @@ def worker_main(spec: ShardSpec, shm_name: str, conn) -> None:
             n_msg = int(regions.message(text=traceback.format_exc()))
         c = engine.shard.counters()
         conn.send_bytes(REPLY.pack(status, seq, c.bytes_read, c.n_reads, c.bytes_written, c.n_writes, n_msg))
-        if op == CLOSE and status == 0:
+        if op == OP_CLOSE and status == 0:
             break
     del regions
     shm.close()
@@ -254,7 +255,7 @@ class ShardWorker:
         q_r.copy_(q)
         k_r.copy_(k_new)
         v_r.copy_(v_new)
-        self._send(STEP, layer)
+        self._send(OP_STEP, layer)
 
     def step_result(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(out [pairs, group, D] in the shard's dtype, lse [pairs, group] float32), copied out of the region."""
@@ -269,18 +270,18 @@ class ShardWorker:
             k_r, v_r = self._regions.append_request(t1 - t0)
             k_r.copy_(k[t0:t1])
             v_r.copy_(v[t0:t1])
-            self._send(APPEND, layer, t1 - t0)
+            self._send(OP_APPEND, layer, t1 - t0)
             self.wait()
 
     def submit(self, op: int) -> None:
-        """FLUSH, RESET or CLOSE; wait() for the reply."""
+        """OP_FLUSH, OP_RESET or OP_CLOSE; wait() for the reply."""
         self._send(op, -1)
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Spills what is buffered and stops the worker (a dead one is only reaped)."""
         try:
             if self._dead is None and self._proc.is_alive():
-                self._send(CLOSE, -1)
+                self._send(OP_CLOSE, -1)
                 self.wait()
         finally:
             self.terminate(timeout_s)
@@ -321,11 +322,11 @@ class LocalShard:
         self.engine.append(layer, k.to(self.spec.torch_dtype).contiguous(), v.to(self.spec.torch_dtype).contiguous())
 
     def submit(self, op: int) -> None:
-        if op == FLUSH:
+        if op == OP_FLUSH:
             self.engine.shard.flush()
-        elif op == RESET:
+        elif op == OP_RESET:
             self.engine.shard.reset()
-        elif op == CLOSE:
+        elif op == OP_CLOSE:
             self.close()
 
     def wait(self) -> None:
