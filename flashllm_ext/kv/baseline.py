@@ -37,7 +37,8 @@ class HostKVAttention:
             raise ValueError(f"q_heads {q_heads} is not a multiple of kv_heads {kv_heads}")
         self.n_layers, self.batch, self.head_dim = n_layers, batch, head_dim
         self.q_heads, self.kv_heads = q_heads, kv_heads
-        self.group, self.dtype, self.scale, self.link = q_heads // kv_heads, dtype, scale, link
+        self.group, self.dtype, self.link = q_heads // kv_heads, dtype, link
+        self.scale = head_dim ** -0.5 if scale is None else scale
         self.ranges = split_pairs(batch * kv_heads, len(directories))
         self.shards: list[KVShard] = []
         try:

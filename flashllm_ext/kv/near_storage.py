@@ -42,6 +42,7 @@ class NearStorageAttention:
         self.n_layers, self.batch, self.head_dim = n_layers, batch, head_dim
         self.q_heads, self.kv_heads = q_heads, kv_heads
         self.group, self.dtype, self.link = q_heads // kv_heads, dtype, link
+        self.scale = head_dim ** -0.5 if scale is None else scale
         self.ranges = split_pairs(batch * kv_heads, len(directories))
         self.traffic = TrafficLog()
         self._step = [0] * n_layers
