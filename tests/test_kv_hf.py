@@ -75,3 +75,15 @@ def test_default_model_batched_greedy_equals_transformers(tmp_path, default_mode
                               processes=False) as backend:
         out = hf.generate(model, ids, backend, max_new_tokens=8, do_sample=False)
     assert torch.equal(out, ref), (tokenizer.batch_decode(out), tokenizer.batch_decode(ref))
+
+
+@pytest.mark.parametrize("model_kind", ["llama", "opt"])
+def test_tiny_generate_with_xcache_equals_transformers(tmp_path, model_kind):
+    """Two of three sequences keep X: their K/V are regenerated (k_proj, v_proj, biases, RoPE) every step."""
+    model = tiny(model_kind)
+    ids = torch.randint(3, 97, (3, 6), generator=torch.Generator().manual_seed(3))
+    ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=9, do_sample=False)
+    with hf.storage_attention(model, [tmp_path / "a"], batch=3, max_tokens=32, x_cache=2, processes=False,
+                              writeback=2) as backend:
+        assert torch.equal(hf.generate(model, ids, backend, max_new_tokens=9, do_sample=False), ref)
+        assert backend.traffic.total().x_bytes > 0

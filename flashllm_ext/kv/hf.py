@@ -6,7 +6,8 @@
 - the attention function "storage_kv" (registered with transformers' AttentionInterface): prefill attention is
   transformers' own SDPA over the prompt (the host has the prompt's K/V anyway), each decode step is
   `backend.step(layer, q, k_new, v_new)`: attention near storage (NearStorageAttention), the FlexGen-style
-  baseline (HostKVAttention) or the X-cache split (XCacheAttention), all with the same interface.
+  baseline (HostKVAttention) or the X-cache split (XCacheAttention, which a forward pre-hook on each attention
+  module gives the attention input X), all with the same interface.
 
 Batches must not be padded (the storage kernels have no mask): give every sequence the same prompt length.
 """
@@ -43,17 +44,52 @@ def attention_shape(model: nn.Module) -> dict:
 
 
 def storage_attention(model: nn.Module, directories: list[str | os.PathLike], *, batch: int, max_tokens: int,
-                      kind: str = "near_storage", dtype: torch.dtype | None = None, **kwargs):
+                      kind: str = "near_storage", dtype: torch.dtype | None = None, x_cache: int = 0, **kwargs):
     """A backend shaped for `model`: kind "near_storage" (NearStorageAttention; kwargs: processes, writeback, link,
-    block_tokens, ...) or "baseline" (HostKVAttention). dtype: KV storage dtype (default: the model's)."""
+    block_tokens, ...) or "baseline" (HostKVAttention). dtype: KV storage dtype (default: the model's).
+    x_cache: sequences (the first of the batch) kept as X on the host (XCacheAttention; 0: none)."""
     from .baseline import HostKVAttention
     from .near_storage import NearStorageAttention
+    from .xcache import XCacheAttention
 
     cls = {"near_storage": NearStorageAttention, "baseline": HostKVAttention}.get(kind)
     if cls is None:
         raise ValueError(f"kind must be 'near_storage' or 'baseline', got {kind!r}")
-    return cls(directories, batch=batch, max_tokens=max_tokens, dtype=dtype or next(model.parameters()).dtype,
-               **attention_shape(model), **kwargs)
+    if not 0 <= x_cache < batch:
+        raise ValueError(f"x_cache must be in [0, batch), got {x_cache} of {batch}")
+    dtype = dtype or next(model.parameters()).dtype
+    storage = cls(directories, batch=batch - x_cache, max_tokens=max_tokens, dtype=dtype, **attention_shape(model),
+                  **kwargs)
+    if not x_cache:
+        return storage
+    return XCacheAttention(storage, hf_projector(model), n_x=x_cache, hidden=model.config.hidden_size,
+                           max_tokens=max_tokens)
+
+
+def hf_projector(model: nn.Module):
+    """K/V of X for `model`'s layers: its k_proj / v_proj (with their biases) and, for the Llama family, the rotary
+    embedding of the positions (OPT adds positions to the embeddings instead)."""
+    from .xcache import linear_projector
+
+    modules = attention_modules(model)
+    shape = attention_shape(model)
+    bias = modules[0].k_proj.bias is not None
+    rotary = getattr(getattr(model, "model", None), "rotary_emb", None)
+    if model.config.model_type != "opt" and rotary is None:
+        raise ValueError(f"{type(model).__name__}: no rotary embedding found at model.model.rotary_emb")
+
+    def rope(k: torch.Tensor, start: int) -> torch.Tensor:
+        """transformers' rotate-half RoPE of k [n, kv_heads, s, head_dim] at positions start.."""
+        positions = torch.arange(start, start + k.shape[2])[None]
+        cos, sin = rotary(k, positions)  # [1, s, head_dim]
+        cos, sin = cos[:, None].to(k.dtype), sin[:, None].to(k.dtype)
+        half = k.shape[-1] // 2
+        rotated = torch.cat([-k[..., half:], k[..., :half]], dim=-1)
+        return k * cos + rotated * sin
+    return linear_projector([m.k_proj.weight for m in modules], [m.v_proj.weight for m in modules],
+                            kv_heads=shape["kv_heads"], bk=[m.k_proj.bias for m in modules] if bias else None,
+                            bv=[m.v_proj.bias for m in modules] if bias else None,
+                            rope=None if rotary is None or model.config.model_type == "opt" else rope)
 
 
 def _register() -> None:
@@ -78,6 +114,11 @@ def _attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value:
         raise ValueError(f"the model's attention scale {scaling} differs from the backend's {backend.scale}")
     out, _ = backend.step(module.layer_idx, query[:, :, 0], key[:, :, 0], value[:, :, 0])
     return out.to(query.dtype)[:, None], None
+
+
+def _capture_input(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    x = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+    module._flashllm_kv_backend.set_input(module.layer_idx, x)
 
 
 def _storage_layer_class():
@@ -145,8 +186,11 @@ def generate(model: nn.Module, input_ids: torch.Tensor, backend, *, attention_ma
     modules = attention_modules(model)
     previous = model.config._attn_implementation
     backend.reset()
+    hooks = []
     for m in modules:
         m._flashllm_kv_backend = backend
+        if hasattr(backend, "set_input"):  # X-cache: the attention input, seen before the K/V it makes
+            hooks.append(m.register_forward_pre_hook(_capture_input, with_kwargs=True))
     try:
         model.set_attn_implementation(ATTN_NAME)
         cache = storage_cache(backend, len(modules))
@@ -154,5 +198,7 @@ def generate(model: nn.Module, input_ids: torch.Tensor, backend, *, attention_ma
                               **generate_kwargs)
     finally:
         model.set_attn_implementation(previous)
+        for hook in hooks:
+            hook.remove()
         for m in modules:
             del m._flashllm_kv_backend

@@ -80,8 +80,13 @@ class NearStorageAttention:
              ) -> tuple[torch.Tensor, torch.Tensor]:
         """One decode step of `layer`: q [batch, q_heads, D], k_new / v_new [batch, kv_heads, D].
         Returns (out [batch, q_heads, D] float32, lse [batch, q_heads] float32)."""
+        self.submit(layer, q, k_new, v_new)
+        return self.collect(layer)
+
+    def submit(self, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
+        """The first half of step: sends every shard its request and returns at once (the host can compute
+        something else, e.g. the X-cache part, while the workers run); collect() gives the result."""
         step = self._step[layer]
-        self._step[layer] += 1
         q = q.to(self.dtype).reshape(self.batch * self.kv_heads, self.group, self.head_dim)
         k_new = k_new.to(self.dtype).reshape(self.batch * self.kv_heads, self.head_dim)
         v_new = v_new.to(self.dtype).reshape(self.batch * self.kv_heads, self.head_dim)
@@ -92,7 +97,16 @@ class NearStorageAttention:
                 t.kv_new_bytes += k_new[p0:p1].nbytes + v_new[p0:p1].nbytes
                 self._transfer(q[p0:p1].nbytes + k_new[p0:p1].nbytes + v_new[p0:p1].nbytes)
                 shard.submit_step(layer, q[p0:p1], k_new[p0:p1], v_new[p0:p1])
-            outs, lses = [], []
+        except BaseException:
+            self._drain()
+            raise
+
+    def collect(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The second half of step: waits for every shard's (out, lse) of `layer`."""
+        step = self._step[layer]
+        self._step[layer] += 1
+        outs, lses = [], []
+        try:
             for i, shard in enumerate(self.shards):
                 out, lse = shard.step_result()
                 t = self.traffic.at(layer, step, i)
