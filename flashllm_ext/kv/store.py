@@ -3,9 +3,11 @@ writeback.
 
 Per layer two KVFiles (`layer{l}.k`, `layer{l}.v`), each `[token][pair][head_dim]`, preallocated to the maximum
 sequence length. New tokens go to a host buffer first; attention reads the disk rows and the buffer (a `KVView`
-taken under the lock, so a spill finishing meanwhile never changes what one attention call sees). Once a layer's
-buffer holds `writeback` tokens, a background thread spills whole multiples of `writeback` in one bulk write per
-file, off the critical path. `flush()`/`close()` spill whatever is left.
+taken under the lock, so a spill finishing meanwhile never changes what one attention call sees). Each time a
+layer's buffer completes a group of `writeback` tokens, a background thread spills the group in one bulk write per
+file, off the critical path; the layer's next append waits for it (a whole step of the other layers later), so
+the buffer stays below 2 x writeback tokens and the disk rows of each step are deterministic. `flush()`/`close()`
+spill whatever is left.
 
 A failed spill keeps the buffer (nothing is lost, attention still sees every token) and surfaces as `SpillError`
 from the next call on the shard; `flush()` then retries. The manifest `shard.json` records the rows on disk per

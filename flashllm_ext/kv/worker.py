@@ -278,13 +278,16 @@ class ShardWorker:
         self._send(op, -1)
 
     def close(self, timeout_s: float = 30.0) -> None:
-        """Spills what is buffered and stops the worker (a dead one is only reaped)."""
-        try:
-            if self._dead is None and self._proc.is_alive():
+        """Spills what is buffered and stops the worker (a dead one is only reaped). If the spill fails the worker
+        stays up with its buffer (WorkerError; close() again retries, terminate() gives up on the buffer)."""
+        if self._dead is None and self._proc.is_alive():
+            try:
                 self._send(OP_CLOSE, -1)
                 self.wait()
-        finally:
-            self.terminate(timeout_s)
+            except WorkerError:
+                if self._dead is None:
+                    raise
+        self.terminate(timeout_s)
 
     def terminate(self, timeout_s: float = 5.0) -> None:
         self._proc.join(timeout=timeout_s if self._dead is None else 0.1)
