@@ -104,7 +104,7 @@ def test_shard_attention_blocks_merge_exactly(tmp_path, prefetch):
 def test_worker_processes_equal_dense(tmp_path):
     dirs = [tmp_path / "a", tmp_path / "b"]
     with NearStorageAttention(dirs, n_layers=2, batch=2, q_heads=4, kv_heads=2, head_dim=8, dtype=torch.float16,
-                              max_tokens=64, writeback=3, processes=True, block_tokens=4, timeout_s=120) as attn:
+                              max_tokens=64, writeback=3, processes=True, block_tokens=4, timeout_s=300) as attn:
         run_decode(attn, n_layers=2, batch=2, q_heads=4, kv_heads=2, dim=8, dtype=torch.float16, prompt=9, steps=4)
     for d in dirs:  # close() left nothing unspilled: every token is on disk
         shard = KVShard.open(d)
@@ -114,7 +114,7 @@ def test_worker_processes_equal_dense(tmp_path):
 
 def test_dead_worker_gives_clear_error(tmp_path):
     attn = NearStorageAttention([tmp_path / "a", tmp_path / "b"], n_layers=1, batch=2, q_heads=2, kv_heads=2,
-                                head_dim=8, dtype=torch.float32, max_tokens=16, processes=True, timeout_s=60)
+                                head_dim=8, dtype=torch.float32, max_tokens=16, processes=True, timeout_s=300)
     try:
         attn.prefill(0, *random_kv(2, 2, 3, 8, torch.float32, 0))
         os.kill(attn.shards[1].pid, signal.SIGKILL)
@@ -128,7 +128,7 @@ def test_dead_worker_gives_clear_error(tmp_path):
 
 def test_worker_exception_is_reported(tmp_path):
     with NearStorageAttention([tmp_path / "a"], n_layers=1, batch=1, q_heads=2, kv_heads=2, head_dim=8,
-                              dtype=torch.float32, max_tokens=4, processes=True, timeout_s=60) as attn:
+                              dtype=torch.float32, max_tokens=4, processes=True, timeout_s=300) as attn:
         attn.prefill(0, *random_kv(1, 2, 4, 8, torch.float32, 0))
         with pytest.raises(WorkerError, match="exceed max_tokens"):  # the worker's ValueError, with its traceback
             attn.step(0, torch.randn(1, 2, 8), torch.randn(1, 2, 8), torch.randn(1, 2, 8))

@@ -45,7 +45,7 @@ def test_generate_with_worker_processes(tmp_path):
     ids = torch.randint(3, 97, (2, 5), generator=torch.Generator().manual_seed(2))
     ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False)
     with hf.storage_attention(model, [tmp_path / "a", tmp_path / "b"], batch=2, max_tokens=16,
-                              processes=True, timeout_s=120) as backend:
+                              processes=True, timeout_s=300) as backend:
         assert torch.equal(hf.generate(model, ids, backend, max_new_tokens=6, do_sample=False), ref)
 
 
