@@ -523,19 +523,19 @@ def _check_decode_attention_metadata(q: torch.Tensor, k: torch.Tensor, v: torch.
     """The metadata checks of csrc/common/decode_attention_checks.h. Returns the scale to use."""
     torch._check(q.dtype in ATTENTION_DTYPES and q.dim() == 3,
                  lambda: f"decode_attention: q must be a 3-D float32/float16/bfloat16 tensor [B, Hq, D], got "
-                         f"{q.dtype} of shape {tuple(q.shape)}")
+                         f"{q.dtype} of shape {list(q.shape)}")
     batch, n_q_heads, head_dim = q.shape
     for name, t in (("k", k), ("v", v)):
         torch._check(t.dtype == q.dtype and t.dim() == 4,
-                     lambda: f"decode_attention: {name} must be a 4-D {q.dtype} tensor [S, B, Hkv, D] (q's dtype), "
-                             f"got {t.dtype} of shape {tuple(t.shape)}")
+                     lambda: f"decode_attention: {name} must be a 4-D tensor [S, B, Hkv, D] of q's dtype, got "
+                             f"{t.dtype} of shape {list(t.shape)}")
         torch._check(t.device == q.device, lambda: f"decode_attention: {name} is on {t.device} but q is on {q.device}")
     torch._check(k.shape == v.shape,
-                 lambda: f"decode_attention: k and v must have the same shape, got {tuple(k.shape)} and "
-                         f"{tuple(v.shape)}")
+                 lambda: f"decode_attention: k and v must have the same shape, got {list(k.shape)} and "
+                         f"{list(v.shape)}")
     torch._check(k.shape[1] == batch and k.shape[3] == head_dim,
                  lambda: f"decode_attention: k and v must be [S, B={batch}, Hkv, D={head_dim}] to match q "
-                         f"{tuple(q.shape)}, got {tuple(k.shape)}")
+                         f"{list(q.shape)}, got {list(k.shape)}")
     torch._check(head_dim >= 1, lambda: "decode_attention: head_dim D must be >= 1")
     n_kv_heads = k.shape[2]
     torch._check(n_kv_heads >= 1 and n_q_heads >= 1 and n_q_heads % n_kv_heads == 0,
@@ -586,13 +586,13 @@ def _check_merge_attention_states_metadata(outs: torch.Tensor, lses: torch.Tenso
     """The metadata checks of csrc/common/merge_attention_states_checks.h."""
     torch._check(outs.dtype == torch.float32 and outs.dim() == 4,
                  lambda: f"merge_attention_states: outs must be a 4-D float32 tensor [P, B, H, D], got {outs.dtype} "
-                         f"of shape {tuple(outs.shape)}")
+                         f"of shape {list(outs.shape)}")
     torch._check(lses.dtype == torch.float32 and lses.dim() == 3,
                  lambda: f"merge_attention_states: lses must be a 3-D float32 tensor [P, B, H], got {lses.dtype} "
-                         f"of shape {tuple(lses.shape)}")
+                         f"of shape {list(lses.shape)}")
     torch._check(lses.shape == outs.shape[:3],
-                 lambda: f"merge_attention_states: lses must be [P, B, H] = {tuple(outs.shape[:3])} to match outs "
-                         f"{tuple(outs.shape)}, got {tuple(lses.shape)}")
+                 lambda: f"merge_attention_states: lses must be [P, B, H] = {list(outs.shape[:3])} to match outs "
+                         f"{list(outs.shape)}, got {list(lses.shape)}")
     torch._check(lses.device == outs.device,
                  lambda: f"merge_attention_states: lses is on {lses.device} but outs is on {outs.device}")
 

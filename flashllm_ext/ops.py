@@ -105,7 +105,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     Any strides are accepted (the native kernels copy an input whose last dimension is not contiguous).
     Returns (out [B, Hq, D] float32, lse [B, Hq] float32): out = softmax(scale q.k) @ v accumulated in float32,
     lse = log sum_j exp(scale q.k_j) (natural log). S = 0 gives out 0 and lse -inf. merge_attention_states
-    combines results over disjoint key sets exactly.
+    combines results over disjoint key sets exactly. inf or NaN inputs give NaN in the affected (b, h) (a score of
+    exactly -inf gets weight 0). The CUDA kernel takes D <= 256.
     """
     return torch.ops.flashllm.decode_attention.default(q, k, v, scale)
 

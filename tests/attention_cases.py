@@ -27,19 +27,14 @@ def attention_case(batch: int, n_q_heads: int, n_kv_heads: int, head_dim: int, s
 
 def attention_float64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decode attention computed directly in float64, query head by query head: (out [B, Hq, D], lse [B, Hq])."""
-    batch, n_q_heads, head_dim = q.shape
-    group = n_q_heads // k.shape[2]
-    scale = 1 / math.sqrt(head_dim) if scale is None else scale
-    out = torch.zeros(batch, n_q_heads, head_dim, dtype=torch.float64)
-    lse = torch.full((batch, n_q_heads), -math.inf, dtype=torch.float64)
-    for b in range(batch):
-        for h in range(n_q_heads):
-            keys, values = k[:, b, h // group].double(), v[:, b, h // group].double()
-            if keys.shape[0]:
-                scores = keys @ q[b, h].double() * scale
-                lse[b, h] = torch.logsumexp(scores, 0)
-                out[b, h] = torch.softmax(scores, 0) @ values
+    """Decode attention computed directly in float64, kv heads repeated for GQA: (out [B, Hq, D], lse [B, Hq])."""
+    group = q.shape[1] // k.shape[2]
+    scale = 1 / math.sqrt(q.shape[2]) if scale is None else scale
+    keys = k.double().repeat_interleave(group, dim=2)  # [S, B, Hq, D]
+    values = v.double().repeat_interleave(group, dim=2)
+    scores = (keys * q.double()).sum(-1) * scale  # [S, B, Hq]
+    lse = torch.logsumexp(scores, 0)  # -inf when S = 0
+    out = (torch.softmax(scores, 0)[..., None] * values).sum(0) if k.shape[0] else torch.zeros(q.shape).double()
     return out, lse
 
 

@@ -81,8 +81,8 @@ def bad_cases():
     yield "outs must be a 4-D float32", (outs.half(), lses)
     yield "lses must be a 3-D float32", (outs, lses[0])
     yield "lses must be a 3-D float32", (outs, lses.double())
-    yield r"lses must be \[P, B, H\] = \(2, 3, 4\)", (outs, lses[:, :, :3])
-    yield r"lses must be \[P, B, H\] = \(2, 3, 4\)", (outs, lses[:1])
+    yield r"lses must be \[P, B, H\] = \[2, 3, 4\]", (outs, lses[:, :, :3])
+    yield r"lses must be \[P, B, H\] = \[2, 3, 4\]", (outs, lses[:1])
 
 
 @pytest.mark.parametrize("match,args", list(bad_cases()))

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 
+#include "common/attention_grid.h"
 #include "common/endor_codes.h"
 
 namespace flashllm {
@@ -29,5 +30,11 @@ cudaError_t launch_sparse_ffn(const float* x, int64_t n_tok, int64_t d, const vo
 cudaError_t launch_cache_compact(uint8_t* matrix, int64_t row_bytes, int64_t* pointer, uint8_t* bias, int bias_bytes,
                                  int64_t* slot_of, int64_t n_slots, const int64_t* sorted_rows, int64_t c,
                                  int64_t num_used, cudaStream_t stream);
+
+cudaError_t launch_decode_attention(const float* q, const void* k, const void* v, int kind, const AttentionArgs& args,
+                                    float* out, float* lse, cudaStream_t stream);
+
+cudaError_t launch_merge_attention_states(const float* outs, const float* lses, int64_t n_parts, int64_t n_rows,
+                                          int64_t head_dim, float* out, float* lse, cudaStream_t stream);
 
 }  // namespace flashllm

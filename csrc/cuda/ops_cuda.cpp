@@ -9,7 +9,9 @@
 
 #include <algorithm>
 #include <optional>
+#include <tuple>
 
+#include "common/attention_host.h"
 #include "common/endor_checks.h"
 #include "common/endor_linear_host.h"
 #include "common/endor_report.h"
@@ -91,6 +93,29 @@ int64_t cache_compact_cuda(at::Tensor& matrix, at::Tensor& pointer, const std::o
       });
 }
 
+std::tuple<at::Tensor, at::Tensor> decode_attention_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                         std::optional<double> scale) {
+  const c10::cuda::CUDAGuard guard(q.device());
+  return decode_attention_gpu_style(
+      q, k, v, scale, [&](const at::Tensor& qf, const at::Tensor& kc, const at::Tensor& vc, int kind,
+                          const AttentionArgs& args, at::Tensor& out, at::Tensor& lse) {
+        C10_CUDA_CHECK(launch_decode_attention(qf.data_ptr<float>(), kc.data_ptr(), vc.data_ptr(), kind, args,
+                                               out.data_ptr<float>(), lse.data_ptr<float>(),
+                                               c10::cuda::getCurrentCUDAStream()));
+      });
+}
+
+std::tuple<at::Tensor, at::Tensor> merge_attention_states_cuda(const at::Tensor& outs, const at::Tensor& lses) {
+  const c10::cuda::CUDAGuard guard(outs.device());
+  return merge_attention_states_gpu_style(
+      outs, lses, [&](const at::Tensor& oc, const at::Tensor& lc, int64_t n_parts, int64_t n_rows, int64_t head_dim,
+                      at::Tensor& out, at::Tensor& lse) {
+        C10_CUDA_CHECK(launch_merge_attention_states(oc.data_ptr<float>(), lc.data_ptr<float>(), n_parts, n_rows,
+                                                     head_dim, out.data_ptr<float>(), lse.data_ptr<float>(),
+                                                     c10::cuda::getCurrentCUDAStream()));
+      });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(flashllm, CUDA, m) {
@@ -99,6 +124,8 @@ TORCH_LIBRARY_IMPL(flashllm, CUDA, m) {
   m.impl("endor_linear", &endor_linear_cuda);
   m.impl("sparse_ffn", &sparse_ffn_cuda);
   m.impl("cache_compact", &cache_compact_cuda);
+  m.impl("decode_attention", &decode_attention_cuda);
+  m.impl("merge_attention_states", &merge_attention_states_cuda);
 }
 
 }  // namespace flashllm

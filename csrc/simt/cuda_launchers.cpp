@@ -5,9 +5,12 @@
 #include <string>
 
 #include "cuda/cache_compact_kernel.cuh"
+#include "cuda/decode_attention_kernel.cuh"
 #include "cuda/endor_decompress_kernel.cuh"
 #include "cuda/endor_linear_kernel.cuh"
+#include "cuda/merge_attention_states_kernel.cuh"
 #include "cuda/sparse_ffn_kernel.cuh"
+#include "simt/attention_bodies.h"
 #include "simt/bodies.h"
 #include "simt/ffn_bodies.h"
 
@@ -53,6 +56,19 @@ void run_cache_compact_cuda(uint8_t* matrix, int64_t row_bytes, int64_t* pointer
   require_success(launch_cache_compact(simt::EmulatedLaunch{}, matrix, row_bytes, pointer, bias, bias_bytes, slot_of,
                                        n_slots, sorted_rows, c, num_used),
                   "launch_cache_compact");
+}
+
+void run_decode_attention_cuda(const float* q, const void* k, const void* v, int kind, const AttentionArgs& args,
+                               float* out, float* lse) {
+  require_success(launch_decode_attention(simt::EmulatedLaunch{}, q, k, v, kind, args, out, lse),
+                  "launch_decode_attention");
+}
+
+void run_merge_attention_states_cuda(const float* outs, const float* lses, int64_t n_parts, int64_t n_rows,
+                                     int64_t head_dim, float* out, float* lse) {
+  require_success(launch_merge_attention_states(simt::EmulatedLaunch{}, outs, lses, n_parts, n_rows, head_dim, out,
+                                                lse),
+                  "launch_merge_attention_states");
 }
 
 }  // namespace flashllm::simt_bodies
