@@ -1,0 +1,265 @@
+"""INF² benchmark: batched decoding with the KV cache on storage (ablation: INF² Figure 11; scaling: Figures 3c/16).
+
+Configs: `baseline` (FlexGen-style: the host reads every layer's whole KV history over the link each step, next
+layer prefetched, writes each step's K/V back: c = 1), `ans` (attention near storage: one worker process per
+device, c = 1), `ans+wb` (+ delayed writeback, default c: one spill per shard and file >= 4 KiB), `ans+x` and
+`ans+wb+x` (+ X-cache, alpha from HILOS' formula over the emulated bandwidths; X regenerated on the host CPU).
+
+Every device is a directory on this machine's one disk, its bandwidth emulated by a token bucket (--device-gbps),
+all of them behind one emulated host link (--link-devices x the device bandwidth); tokens/s counts decode steps
+only (prefill excluded). Bytes are exact counters (kv/traffic.py): interconnect per step (lse included; the
+Eq. 3 check excludes it), storage bytes with direct-I/O padding, writes per step and mean write size after the
+prompt (flushed before the clock starts, so the decode writes are counted alone).
+
+    python bench/bench_kv.py [--json] [--only ablation|scaling] [--workers 1,2,4,8,16] [--context 1024]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from common import device_name, emit  # noqa: E402
+from flashllm_ext.kv import (HostKVAttention, Link, NearStorageAttention, XCacheAttention, choose_alpha,  # noqa: E402
+                             linear_projector)
+from flashllm_ext.kv.traffic import Traffic  # noqa: E402
+from flashllm_ext.paths import resolve_cache_dir  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+CONFIGS = ["baseline", "ans", "ans+wb", "ans+x", "ans+wb+x"]
+COLUMNS = ["config", "workers", "batch", "context", "tokens_per_s", "interconnect_bytes_per_step",
+           "storage_read_bytes_per_step", "writes_per_step", "mean_write_kib", "link_gbps", "n_x"]
+
+
+def make_backend(config: str, workers: int, args, root: Path):
+    dirs = [root / f"dev{i}" for i in range(workers)]
+    for d in dirs:
+        shutil.rmtree(d, ignore_errors=True)
+    link = Link(args.link_gbps)
+    writeback = None if "+wb" in config else 1
+    shape = dict(n_layers=args.layers, q_heads=args.heads, kv_heads=args.heads, head_dim=args.head_dim,
+                 dtype=torch.float16, max_tokens=args.context + args.steps + 1, writeback=writeback, link=link)
+    n_x = 0
+    if "+x" in config:
+        choice = choose_alpha(link_gbps=args.link_gbps, storage_gbps=args.device_gbps * workers,
+                              hidden=args.heads * args.head_dim, kv_heads=args.heads, head_dim=args.head_dim)
+        n_x = min(args.batch - 1, round(choice.alpha * args.batch))
+    if config == "baseline":
+        backend = HostKVAttention(dirs, batch=args.batch, storage_gbps=args.device_gbps, **shape)
+    else:
+        backend = NearStorageAttention(dirs, batch=args.batch - n_x, processes=True, storage_gbps=args.device_gbps,
+                                       torch_threads=1, **shape)
+    if "+x" in config:
+        hidden, kv = args.heads * args.head_dim, args.heads * args.head_dim
+        g = torch.Generator().manual_seed(1)
+        wk = [torch.randn(kv, hidden, generator=g) / hidden ** 0.5 for _ in range(args.layers)]
+        wv = [torch.randn(kv, hidden, generator=g) / hidden ** 0.5 for _ in range(args.layers)]
+        backend = XCacheAttention(backend, linear_projector(wk, wv, kv_heads=args.heads), n_x=n_x, hidden=hidden,
+                                  max_tokens=args.context + args.steps + 1, x_dtype=torch.float16)
+    return backend, link, n_x
+
+
+def run(config: str, workers: int, args, root: Path) -> dict:
+    backend, link, n_x = make_backend(config, workers, args, root)
+    b, h, d, s = args.batch, args.heads, args.head_dim, args.context
+    g = torch.Generator().manual_seed(0)
+    hidden = h * d
+    try:
+        for layer in range(args.layers):
+            k = torch.randn(b, h, s, d, generator=g).half()
+            v = torch.randn(b, h, s, d, generator=g).half()
+            if n_x:
+                backend.prefill(layer, k, v, torch.randn(b, s, hidden, generator=g).half())
+            else:
+                backend.prefill(layer, k, v)
+        backend.flush()
+        before = backend.traffic.total()
+        inputs = [[(torch.randn(b, h, d, generator=g), torch.randn(b, h, d, generator=g).half(),
+                    torch.randn(b, h, d, generator=g).half(), torch.randn(b, hidden, generator=g).half())
+                   for _ in range(args.layers)] for _ in range(args.steps)]
+        start = time.perf_counter()
+        for step in inputs:
+            for layer, (q, k_new, v_new, x) in enumerate(step):
+                if n_x:
+                    backend.step(layer, q, k_new, v_new, x)
+                else:
+                    backend.step(layer, q, k_new, v_new)
+        elapsed = time.perf_counter() - start
+        backend.flush()
+        traffic = backend.traffic
+        decode = traffic.total(steps=range(args.steps))
+        after = traffic.total()
+        writes = Traffic()
+        writes.add(after)
+        for f in ("storage_write_bytes", "storage_writes"):
+            setattr(writes, f, getattr(after, f) - getattr(before, f))
+        row = {"bench": "kv", "config": config, "workers": workers, "batch": b, "context": s,
+               "layers": args.layers, "heads": h, "head_dim": d, "steps": args.steps,
+               "tokens_per_s": b * args.steps / elapsed,
+               "interconnect_bytes_per_step": decode.interconnect_bytes() / args.steps,
+               "interconnect_bytes_no_lse": decode.interconnect_bytes(include_lse=False),
+               "storage_read_bytes_per_step": decode.storage_read_bytes / args.steps,
+               "storage_reads_per_step": decode.storage_reads / args.steps,
+               "writes_per_step": writes.storage_writes / args.steps,
+               "mean_write_kib": writes.mean_write_bytes / 1024,
+               "x_bytes_per_step": decode.x_bytes / args.steps,
+               "link_gbps": link.gbps, "device_gbps": args.device_gbps, "n_x": n_x,
+               "writeback": backend.storage.writeback[0] if n_x else backend.writeback[0]}
+        backend.close()
+        return row
+    except BaseException:
+        backend.terminate()
+        raise
+
+
+def median_rows(rows: list[dict]) -> dict:
+    """The median-tokens/s row of repeated runs (the byte counters are the same in every run)."""
+    rows = sorted(rows, key=lambda r: r["tokens_per_s"])
+    row = dict(rows[len(rows) // 2])
+    row["tokens_per_s_runs"] = [round(r["tokens_per_s"], 3) for r in rows]
+    return row
+
+
+def interleaved(jobs: list[tuple[str, int]], args, root: Path) -> list[dict]:
+    runs: dict[tuple[str, int], list[dict]] = {job: [] for job in jobs}
+    for r in range(args.rounds):
+        for job in jobs[r % len(jobs):] + jobs[:r % len(jobs)]:
+            print(f"round {r + 1}/{args.rounds}: {job[0]} x{job[1]}", file=sys.stderr, flush=True)
+            runs[job].append(run(*job, args, root))
+    return [median_rows(runs[job]) for job in jobs]
+
+
+def eq3_check(rows: list[dict], args) -> dict:
+    """INF² Eq. 3 on the measured counters: baseline / ans interconnect bytes (lse excluded) against the mean of
+    (s + 1) / 2 over the decode steps (c = 1, MHA, fp16, no X-cache)."""
+    base = next(r for r in rows if r["config"] == "baseline")
+    ans = next(r for r in rows if r["config"] == "ans")
+    expected = statistics.mean(args.context + i + 1 for i in range(args.steps)) / 2
+    measured = base["interconnect_bytes_no_lse"] / ans["interconnect_bytes_no_lse"]
+    exact = 2 * base["interconnect_bytes_no_lse"] * args.steps == ans["interconnect_bytes_no_lse"] * sum(
+        args.context + i + 1 for i in range(args.steps))
+    return {"bench": "kv", "check": "eq3", "measured_ratio": measured, "expected_ratio": expected,
+            "exact_integers": exact}
+
+
+def kernel_vs_storage(args, root: Path) -> dict:
+    """One worker's attention kernel against the storage read bandwidth it is fed: the same shard's blocks read
+    with direct I/O (no compute) and attended in memory (no I/O), interleaved, medians. Target: kernel >= 0.8x."""
+    from flashllm_ext.kv import KVShard, ShardAttention
+    from flashllm_ext.timing import time_interleaved
+
+    shutil.rmtree(root / "kernel", ignore_errors=True)
+    pairs = args.batch * args.heads
+    shard = KVShard.create(root / "kernel", 1, pairs, args.head_dim, torch.float16, args.context, writeback=1)
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(args.context, pairs, args.head_dim, generator=g).half()
+    shard.append(0, k, k.clone())
+    shard.flush()
+    attn = ShardAttention(shard, group=1)
+    view = shard.view(0)
+    q = torch.randn(pairs, 1, args.head_dim, generator=g).half()
+    blocks = [(t0, min(t0 + attn.block_tokens, view.disk_len)) for t0 in range(0, view.disk_len, attn.block_tokens)]
+    kb, vb = torch.empty(attn.block_tokens, pairs, args.head_dim).half(), torch.empty(attn.block_tokens, pairs,
+                                                                                     args.head_dim).half()
+
+    def read_only():
+        for t0, t1 in blocks:
+            shard.read(0, t0, t1, kb[:t1 - t0], vb[:t1 - t0])
+
+    def compute_only():
+        for t0, t1 in blocks:
+            attn._part(q, k[t0:t1], k[t0:t1])
+
+    times = time_interleaved({"read": read_only, "kernel": compute_only, "both": lambda: attn.attend(view, q)},
+                             rounds=args.rounds, min_seconds=0.0)
+    nbytes = 2 * k.nbytes
+    # a native CPU kernel registered for the op (else its pure-torch reference ran)
+    native = torch._C._dispatch_has_kernel_for_dispatch_key("flashllm::decode_attention", "CPU")
+    attn.close()
+    shard.close()
+    shutil.rmtree(root / "kernel", ignore_errors=True)
+    return {"bench": "kv", "check": "kernel_vs_storage", "bytes": nbytes, "pairs": pairs, "context": args.context,
+            "read_gbps": nbytes / times["read"] / 1e9, "kernel_gbps": nbytes / times["kernel"] / 1e9,
+            "attend_gbps": nbytes / times["both"] / 1e9, "kernel_over_read": times["read"] / times["kernel"],
+            "native_kernel": native, "torch_threads": torch.get_num_threads()}
+
+
+def plot(rows: list[dict], scaling: list[dict]) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    RESULTS.mkdir(exist_ok=True)
+    if rows:
+        base = next(r["tokens_per_s"] for r in rows if r["config"] == "baseline")
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        ax.bar([r["config"] for r in rows], [r["tokens_per_s"] / base for r in rows], color="tab:blue")
+        ax.set_ylabel("tokens/s vs baseline")
+        ax.set_title(f"INF² ablation ({rows[0]['workers']} devices, context {rows[0]['context']})")
+        fig.tight_layout()
+        fig.savefig(RESULTS / "kv_ablation.png", dpi=120)
+    if scaling:
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        for config in sorted({r["config"] for r in scaling}):
+            pts = sorted((r["workers"], r["tokens_per_s"]) for r in scaling if r["config"] == config)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=config)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("devices (workers) behind one link of 2 devices' bandwidth")
+        ax.set_ylabel("tokens/s")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(RESULTS / "kv_scaling.png", dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--only", choices=["ablation", "scaling", "kernel"])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=56)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=1)
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--workers", default="1,2,4,8,16", help="device counts of the scaling study")
+    parser.add_argument("--ablation-workers", type=int, default=4)
+    parser.add_argument("--device-gbps", type=float, default=0.128, help="emulated read bandwidth of one device")
+    parser.add_argument("--link-devices", type=float, default=2.0, help="the link's bandwidth in devices")
+    parser.add_argument("--dir", type=Path, default=None)
+    parser.add_argument("--no-plot", action="store_true")
+    args = parser.parse_args()
+    args.link_gbps = args.link_devices * args.device_gbps
+    root = args.dir or resolve_cache_dir() / "kv-bench"
+    root.mkdir(parents=True, exist_ok=True)
+    print(f"machine: {device_name()}", file=sys.stderr)
+    ablation, scaling, out = [], [], []
+    if args.only in (None, "ablation"):
+        ablation = interleaved([(c, args.ablation_workers) for c in CONFIGS], args, root)
+        out += ablation + [eq3_check(ablation, args)]
+    if args.only in (None, "kernel"):
+        out.append(kernel_vs_storage(args, root))
+    if args.only in (None, "scaling"):
+        counts = [int(n) for n in args.workers.split(",")]
+        scaling = interleaved([("ans+wb", n) for n in counts] + [("baseline", counts[0]), ("baseline", counts[-1])],
+                              args, root)
+        out += scaling
+    shutil.rmtree(root, ignore_errors=True)
+    emit(out if args.json else [r for r in out if "config" in r], args.json, None if args.json else COLUMNS)
+    if not args.json:
+        for r in out:
+            if "check" in r:
+                print(json.dumps(r))
+    if not args.no_plot:
+        plot(ablation, scaling)
+
+
+if __name__ == "__main__":
+    main()

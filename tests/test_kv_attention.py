@@ -1,0 +1,134 @@
+"""Attention near storage equals dense attention (SDPA over the full K/V), for shards x writeback x GQA x prompt
+lengths that do and do not fill a read block; worker processes; a dead or failing worker gives a clear error."""
+import os
+import signal
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from flashllm_ext.kv import KVShard, NearStorageAttention, ShardAttention, WorkerError
+
+
+def dense_attention(q, k, v, scale=None):
+    """q [B, Hq, D] over k, v [B, Hkv, S, D] (GQA: head h reads kv head h // (Hq // Hkv))."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1).float(), v.repeat_interleave(group, dim=1).float()
+    return F.scaled_dot_product_attention(q.float()[:, :, None], k, v, scale=scale)[:, :, 0]
+
+
+def random_kv(batch, kv_heads, s, dim, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(batch, kv_heads, s, dim, generator=g).to(dtype),
+            torch.randn(batch, kv_heads, s, dim, generator=g).to(dtype))
+
+
+def run_decode(attn, *, n_layers, batch, q_heads, kv_heads, dim, dtype, prompt, steps, scale=None, seed=0):
+    """Prefill + `steps` decode steps through `attn`; checks every step against dense attention. Returns the
+    full K/V of layer 0."""
+    g = torch.Generator().manual_seed(seed + 100)
+    ks, vs = [], []
+    for layer in range(n_layers):
+        k, v = random_kv(batch, kv_heads, prompt, dim, dtype, seed + layer)
+        attn.prefill(layer, k, v)
+        ks.append(k)
+        vs.append(v)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for _ in range(steps):
+        for layer in range(n_layers):
+            q = torch.randn(batch, q_heads, dim, generator=g).to(dtype)
+            k_new = torch.randn(batch, kv_heads, dim, generator=g).to(dtype)
+            v_new = torch.randn(batch, kv_heads, dim, generator=g).to(dtype)
+            ks[layer] = torch.cat([ks[layer], k_new[:, :, None]], dim=2)
+            vs[layer] = torch.cat([vs[layer], v_new[:, :, None]], dim=2)
+            out, lse = attn.step(layer, q, k_new, v_new)
+            assert out.shape == (batch, q_heads, dim) and lse.shape == (batch, q_heads)
+            torch.testing.assert_close(out, dense_attention(q, ks[layer], vs[layer], scale), atol=tol, rtol=tol)
+    return ks[0], vs[0]
+
+
+@pytest.mark.parametrize("shards", [1, 3])
+@pytest.mark.parametrize("writeback", [1, 4, None])
+@pytest.mark.parametrize("heads", [(4, 4), (6, 2), (4, 1)])  # MHA, GQA, MQA
+@pytest.mark.parametrize("prompt", [1, 16, 37])  # block_tokens 16: a prompt that fills a block and ones that don't
+def test_near_storage_equals_dense(tmp_path, shards, writeback, heads, prompt):
+    q_heads, kv_heads = heads
+    batch, dim, n_layers, steps = 3, 8, 2, 5
+    dirs = [tmp_path / f"dev{i}" for i in range(shards)]
+    with NearStorageAttention(dirs, n_layers=n_layers, batch=batch, q_heads=q_heads, kv_heads=kv_heads,
+                              head_dim=dim, dtype=torch.float32, max_tokens=64, writeback=writeback,
+                              processes=False, block_tokens=16) as attn:
+        k0, v0 = run_decode(attn, n_layers=n_layers, batch=batch, q_heads=q_heads, kv_heads=kv_heads, dim=dim,
+                            dtype=torch.float32, prompt=prompt, steps=steps)
+    # close() spilled everything: each shard's files hold its pairs' tokens, [token][pair][head_dim]
+    flat_k = k0.reshape(batch * kv_heads, -1, dim)
+    for (p0, p1), d in zip(attn.ranges, dirs):
+        shard = KVShard.open(d)
+        assert shard.view(0).length == prompt + steps and shard.buffered(0) == 0
+        assert torch.equal(shard.tokens(0)[0], flat_k[p0:p1].transpose(0, 1))
+        shard.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_storage_and_scale(tmp_path, dtype):
+    with NearStorageAttention([tmp_path / "a", tmp_path / "b"], n_layers=1, batch=3, q_heads=4, kv_heads=2,
+                              head_dim=16, dtype=dtype, max_tokens=100, processes=False, scale=0.3,
+                              block_tokens=8) as attn:
+        run_decode(attn, n_layers=1, batch=3, q_heads=4, kv_heads=2, dim=16, dtype=dtype, prompt=20, steps=4,
+                   scale=0.3)
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_shard_attention_blocks_merge_exactly(tmp_path, prefetch):
+    """Many blocks (block_tokens 3) + a buffer, merged: equal to one dense pass at float32 precision."""
+    shard = KVShard.create(tmp_path, 1, 4, 8, torch.float32, 64, writeback=5)
+    attn = ShardAttention(shard, group=2, block_tokens=3, prefetch=prefetch)
+    k = torch.randn(23, 4, 8)
+    v = torch.randn(23, 4, 8)
+    attn.append(0, k[:20], v[:20])
+    for t in range(20, 23):
+        view = shard.append(0, k[t:t + 1], v[t:t + 1])
+    assert view.disk_len == 20 and view.k_buf.shape[0] == 3
+    q = torch.randn(4, 2, 8)
+    out, lse = attn.attend(view, q)
+    ref = dense_attention(q, k.transpose(0, 1)[:, None], v.transpose(0, 1)[:, None])
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    scores = torch.einsum("pgd,tpd->pgt", q, k) / 8 ** 0.5
+    torch.testing.assert_close(lse, torch.logsumexp(scores, -1), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="q must be"):
+        attn.attend(view, torch.randn(4, 3, 8))
+    attn.close()
+    shard.close()
+
+
+def test_worker_processes_equal_dense(tmp_path):
+    dirs = [tmp_path / "a", tmp_path / "b"]
+    with NearStorageAttention(dirs, n_layers=2, batch=2, q_heads=4, kv_heads=2, head_dim=8, dtype=torch.float16,
+                              max_tokens=64, writeback=3, processes=True, block_tokens=4, timeout_s=300) as attn:
+        run_decode(attn, n_layers=2, batch=2, q_heads=4, kv_heads=2, dim=8, dtype=torch.float16, prompt=9, steps=4)
+    for d in dirs:  # close() left nothing unspilled: every token is on disk
+        shard = KVShard.open(d)
+        assert [shard.view(layer).disk_len for layer in range(2)] == [13, 13]
+        shard.close()
+
+
+def test_dead_worker_gives_clear_error(tmp_path):
+    attn = NearStorageAttention([tmp_path / "a", tmp_path / "b"], n_layers=1, batch=2, q_heads=2, kv_heads=2,
+                                head_dim=8, dtype=torch.float32, max_tokens=16, processes=True, timeout_s=300)
+    try:
+        attn.prefill(0, *random_kv(2, 2, 3, 8, torch.float32, 0))
+        os.kill(attn.shards[1].pid, signal.SIGKILL)
+        with pytest.raises(WorkerError, match=r"shard1 .*exited with code -9"):
+            attn.step(0, torch.randn(2, 2, 8), torch.randn(2, 2, 8), torch.randn(2, 2, 8))
+        with pytest.raises(WorkerError, match="shard1"):  # and stays failed, at once
+            attn.step(0, torch.randn(2, 2, 8), torch.randn(2, 2, 8), torch.randn(2, 2, 8))
+    finally:
+        attn.terminate()
+
+
+def test_worker_exception_is_reported(tmp_path):
+    with NearStorageAttention([tmp_path / "a"], n_layers=1, batch=1, q_heads=2, kv_heads=2, head_dim=8,
+                              dtype=torch.float32, max_tokens=4, processes=True, timeout_s=300) as attn:
+        attn.prefill(0, *random_kv(1, 2, 4, 8, torch.float32, 0))
+        with pytest.raises(WorkerError, match="exceed max_tokens"):  # the worker's ValueError, with its traceback
+            attn.step(0, torch.randn(1, 2, 8), torch.randn(1, 2, 8), torch.randn(1, 2, 8))

@@ -1,0 +1,177 @@
+"""KVFile and KVShard: the on-disk layout, direct-I/O appends with tail blocks, delayed writeback, faults, restart."""
+import errno
+import json
+
+import pytest
+import torch
+
+from flashllm_ext.kv import KVFile, KVShard, SpillError, default_writeback, split_pairs
+from flashllm_ext.kv.files import BLOCK
+
+
+def rand_tokens(n, pairs, dim, dtype=torch.float16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, pairs, dim, generator=g).to(dtype)
+
+
+@pytest.mark.parametrize("row_bytes", [96, 4096, 5000])
+def test_kvfile_appends_of_any_size_read_back(tmp_path, row_bytes):
+    f = KVFile(tmp_path / "x", row_bytes, 40, create=True)
+    rows = torch.randint(0, 255, (40, row_bytes), dtype=torch.uint8)
+    pos = 0
+    for n in (1, 3, 0, 7, 1, 20, 8):
+        f.append(rows[pos:pos + n])
+        pos += n
+    out = torch.empty(pos, row_bytes, dtype=torch.uint8)
+    f.read(0, pos, out)
+    assert torch.equal(out, rows[:pos])
+    # every write starts and ends on a block: the rewritten tail and the zero padding are counted
+    assert f.counters.bytes_written % BLOCK == 0 and f.counters.n_writes == 6
+    part = torch.empty(5, row_bytes, dtype=torch.uint8)
+    f.read(3, 8, part)
+    assert torch.equal(part, rows[3:8])
+    with pytest.raises(ValueError, match="exceed the preallocated"):
+        f.append(rows[:1].repeat(5, 1))
+    with pytest.raises(ValueError, match="outside"):
+        f.read(0, pos + 1, torch.empty(pos + 1, row_bytes, dtype=torch.uint8))
+    f.close()
+
+
+def test_kvfile_is_preallocated(tmp_path):
+    f = KVFile(tmp_path / "x", 100, 1000, create=True)
+    assert (tmp_path / "x").stat().st_size == 102400 and (tmp_path / "x").stat().st_blocks * 512 >= 100000
+    f.close()
+
+
+def test_shard_layout_and_writeback(tmp_path):
+    pairs, dim = 3, 8  # 48 bytes per token: default writeback 86 steps for a 4 KiB spill
+    assert default_writeback(pairs * dim * 2) == 86
+    shard = KVShard.create(tmp_path, 2, pairs, dim, torch.float16, 64, writeback=4)
+    k, v = rand_tokens(23, pairs, dim, seed=1), rand_tokens(23, pairs, dim, seed=2)
+    shard.append(0, k[:5], v[:5])  # prefill of 5: 4 spilled in bulk, 1 stays
+    for t in range(5, 23):
+        view = shard.append(0, k[t:t + 1], v[t:t + 1])
+        assert view.length == t + 1
+    shard.flush()
+    assert shard.buffered(0) == 0 and shard.length(0) == 23
+    got_k, got_v = shard.tokens(0)
+    assert torch.equal(got_k, k) and torch.equal(got_v, v)
+    # the file is [token][pair][head_dim]: row t is token t of every pair
+    raw = (tmp_path / "layer0.k").read_bytes()[:23 * pairs * dim * 2]
+    assert torch.equal(torch.frombuffer(bytearray(raw), dtype=torch.float16).view(23, pairs, dim), k)
+    # spills: 4 (prefill) + 4 x 4 steps + the flush of the last 2: 6 writes per file
+    assert shard.counters().n_writes == 2 * 6
+    shard.close()
+
+
+def test_views_are_stable_while_spilling(tmp_path):
+    shard = KVShard.create(tmp_path, 1, 2, 4, torch.float32, 100, writeback=1)
+    k = rand_tokens(30, 2, 4, torch.float32)
+    views = [shard.append(0, k[t:t + 1], k[t:t + 1]) for t in range(30)]
+    shard.flush()
+    for t, view in enumerate(views):  # each view: its disk rows then its buffer, exactly tokens [0, t]
+        disk = torch.empty(view.disk_len, 2, 4)
+        shard.read(0, 0, view.disk_len, disk, disk.clone())
+        assert torch.equal(torch.cat([disk, view.k_buf]), k[:t + 1])
+    shard.close()
+
+
+def inject(errno_code, fail_after=0):
+    calls = {"n": 0, "on": True}
+
+    def hook(path, offset, nbytes):
+        calls["n"] += 1
+        if calls["on"] and calls["n"] > fail_after:
+            raise OSError(errno_code, "injected")
+    return hook, calls
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EIO])
+@pytest.mark.parametrize("fail_after", [0, 1])  # fail on K's write, or on V's after K's succeeded
+def test_failed_spill_keeps_buffer_and_surfaces(tmp_path, code, fail_after):
+    hook, calls = inject(code, fail_after)
+    shard = KVShard.create(tmp_path, 1, 2, 4, torch.float16, 50, writeback=3, fault_injector=hook)
+    k, v = rand_tokens(10, 2, 4, seed=3), rand_tokens(10, 2, 4, seed=4)
+    for t in range(3):
+        shard.append(0, k[t:t + 1], v[t:t + 1])
+    with pytest.raises(SpillError, match="3 buffered tokens are kept") as info:
+        shard.flush()
+    assert info.value.__cause__.errno == code and "offset" in str(info.value)
+    assert shard.buffered(0) == 3 and shard.view(0).disk_len == 0
+    got_k, got_v = shard.tokens(0)
+    assert torch.equal(got_k, k[:3]) and torch.equal(got_v, v[:3])
+    with pytest.raises(SpillError):
+        shard.close()  # close refuses to drop the buffer
+    calls["on"] = False
+    for t in range(3, 10):
+        shard.append(0, k[t:t + 1], v[t:t + 1])
+    shard.close()
+    reopened = KVShard.open(tmp_path)
+    got_k, got_v = reopened.tokens(0)
+    assert torch.equal(got_k, k) and torch.equal(got_v, v)
+    reopened.close()
+
+
+def test_background_spill_error_surfaces_on_next_append(tmp_path):
+    hook, calls = inject(errno.ENOSPC)
+    shard = KVShard.create(tmp_path, 1, 2, 4, torch.float16, 50, writeback=2, fault_injector=hook)
+    k = rand_tokens(4, 2, 4)
+    shard.append(0, k[:2], k[:2])  # schedules the failing spill
+    shard._wait_pending()
+    with pytest.raises(SpillError):
+        shard.append(0, k[2:3], k[2:3])
+    assert shard.length(0) == 2  # the failed call changed nothing
+    calls["on"] = False
+    shard.append(0, k[2:4], k[2:4])
+    shard.close()
+
+
+def test_restart_recovers_spilled_tokens_and_tail(tmp_path):
+    pairs, dim = 5, 6  # 60-byte rows: the last block on disk is partial
+    shard = KVShard.create(tmp_path, 3, pairs, dim, torch.bfloat16, 200, writeback=7)
+    ks = [rand_tokens(90, pairs, dim, torch.bfloat16, seed=layer) for layer in range(3)]
+    for t in range(90):
+        for layer in range(3):
+            shard.append(layer, ks[layer][t:t + 1], -ks[layer][t:t + 1])
+    shard._wait_pending()
+    spilled = [shard.view(layer).disk_len for layer in range(3)]
+    assert spilled == [84] * 3
+    # a crash now loses only the buffer: the manifest names what is on disk
+    meta = json.loads((tmp_path / "shard.json").read_text())
+    assert meta["lengths"] == spilled
+    shard.close()
+    again = KVShard.open(tmp_path)
+    for layer in range(3):
+        k, v = again.tokens(layer)
+        assert torch.equal(k, ks[layer]) and torch.equal(v, -ks[layer])
+    # appending after a restart keeps the partial tail block intact
+    extra = rand_tokens(3, pairs, dim, torch.bfloat16, seed=9)
+    again.append(0, extra, extra)
+    again.flush()
+    assert torch.equal(again.tokens(0)[0], torch.cat([ks[0], extra]))
+    again.reset()
+    assert again.length(0) == 0
+    again.close()
+
+
+def test_bad_inputs(tmp_path):
+    shard = KVShard.create(tmp_path, 1, 2, 4, torch.float16, 4)
+    with pytest.raises(ValueError, match="must be a CPU"):
+        shard.append(0, torch.zeros(1, 2, 4), torch.zeros(1, 2, 4))
+    with pytest.raises(ValueError, match="layer 1 outside"):
+        shard.append(1, torch.zeros(1, 2, 4, dtype=torch.float16), torch.zeros(1, 2, 4, dtype=torch.float16))
+    with pytest.raises(ValueError, match="exceed max_tokens"):
+        shard.append(0, torch.zeros(5, 2, 4, dtype=torch.float16), torch.zeros(5, 2, 4, dtype=torch.float16))
+    shard.close()
+    with pytest.raises(ValueError, match="closed"):
+        shard.view(0)
+    (tmp_path / "shard.json").write_text("{}")
+    with pytest.raises(ValueError, match="format_version"):
+        KVShard.open(tmp_path)
+
+
+def test_split_pairs():
+    assert split_pairs(10, 3) == [(0, 4), (4, 7), (7, 10)]
+    assert split_pairs(4, 4) == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    with pytest.raises(ValueError):
+        split_pairs(2, 3)
