@@ -152,6 +152,20 @@ class Checkpoint(ABC):
         """Tensor `name`, read (GGUF: dequantized to fp32) now; nothing of it is kept."""
 
 
+class TensorsCheckpoint(Checkpoint):
+    """Tensors already in memory (a loaded model's state_dict, pruned weights) as a Checkpoint, so the store
+    writers take them like a file."""
+
+    def __init__(self, config: dict[str, Any], tensors: dict[str, torch.Tensor]):
+        self.config, self._tensors, self.names = dict(config), dict(tensors), list(tensors)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._tensors[name].shape)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._tensors[name]
+
+
 def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
     """A Hugging Face safetensors directory (sharded or not) or a Llama .gguf file."""
     path = Path(path)
