@@ -66,6 +66,7 @@ def run_child(config: dict) -> dict:
     """One configuration in this process: load, prefill, decode; the row (without the cgroup facts)."""
     from flashllm_ext.offload import load_offloaded
 
+    torch.set_num_threads(config["compute_threads"])  # before any op: every mode computes on the same threads
     mode = config["mode"]
     row = {"bench": "offload", "model": config["model"], "mode": mode, "device": device_name("cpu"),
            "budget_mb": config["budget_bytes"] / 1e6}
@@ -199,6 +200,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--threads", type=int, default=32, help="reader threads")
+    parser.add_argument("--compute-threads", type=int, default=1,
+                        help="torch / OpenMP threads of every child (1: OpenMP barriers on a shared, oversubscribed "
+                             "machine cost 10-50x on these small matrices)")
     parser.add_argument("--scale", action="store_true", help="the synthesized OPT-6.7B-shaped pruned checkpoint")
     parser.add_argument("--hf-dir", help="a pruned Hugging Face checkpoint to run instead")
     parser.add_argument("--child-timeout", type=float, default=1800)
@@ -227,6 +231,7 @@ def main(argv: list[str] | None = None) -> None:
 
     ids, prompt_note = prompt_ids(args.prompt_tokens, AutoConfig.from_pretrained(hf_dir).vocab_size)
     base = {"model": name, "tokens": args.tokens, "prompt_ids": ids, "budget_bytes": budget, "threads": args.threads,
+            "compute_threads": args.compute_threads,
             "hf_dir": str(hf_dir), "offload_dir": str(cache / f"accelerate-{hf_dir.name}")}
     modes = [m for m in args.modes.split(",") if m]
     rows = []

@@ -203,7 +203,7 @@ def test_default_model_wanda_pruned_greedy_tokens(default_model, tmp_path):
         ckpt = model_checkpoint(reference_model)
         prompt = corpus_token_ids(tokenizer, "heldout", 16).view(1, -1)
         reference = reference_model.generate(prompt, max_new_tokens=12, do_sample=False)
-        for mode, compress in (("dense", False), ("endor", True), ("endor+more-resident", True)):
+        for mode, compress in (("dense", False), ("endor", True)):
             store = convert_offload(ckpt, tmp_path / mode, dtype="fp16", endor_compress=compress, force=True,
                                     progress=False)
             offloaded = load_offloaded(store, "30%", mode=mode)
