@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from bench_e2e import _decode, _load, measure_baseline, prompt_ids
+from bench_e2e import _decode, _load, prompt_ids
 from common import arg_parser, device_name, emit, run_limited_child
 
 from flashllm_ext.errors import FormatError
@@ -161,6 +161,26 @@ def _child_argv(config: dict) -> list[str]:
     return [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(config)]
 
 
+def probe_child(config: dict) -> dict:
+    """What every child holds before its weights: python, torch, transformers, accelerate and flashllm_ext imported,
+    and the model's modules built on the meta device (its modeling code imported, its buffers real)."""
+    from transformers import AutoConfig
+
+    from flashllm_ext.engine import empty_model
+
+    torch.set_num_threads(config["compute_threads"])
+    empty_model(AutoConfig.from_pretrained(config["hf_dir"]).to_dict(), torch.float16, config["hf_dir"])
+    return {"probe": True}
+
+
+def measure_baseline(base: dict, timeout_s: float = 600) -> int:
+    """The peak of an unlimited probe child's cgroup (probe_child), page cache of what it imports counted."""
+    _, facts = run_limited_child(_child_argv({**base, "mode": "probe"}), None, None, "offload-probe", timeout_s)
+    if facts["cgroup_peak_mb"] is None:
+        raise RuntimeError(f"no cgroup to measure the baseline: {facts['cgroup_note']}")
+    return int(facts["cgroup_peak_mb"] * 1e6)
+
+
 def median_rows(rows: list[dict]) -> list[dict]:
     """One bench:"offload_median" row per mode that ran without error: the median of every number."""
     groups: dict[str, list[dict]] = {}
@@ -209,7 +229,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.set_defaults(rounds=3)
     args = parser.parse_args(argv)
     if args.child:
-        print(json.dumps(run_child(json.loads(args.child))), flush=True)
+        config = json.loads(args.child)
+        print(json.dumps(probe_child(config) if config["mode"] == "probe" else run_child(config)), flush=True)
         return
     from flashllm_ext.engine import parse_budget
 
@@ -226,21 +247,21 @@ def main(argv: list[str] | None = None) -> None:
     stores = layer_stores(hf_dir, cache)
     total = model_bytes(stores["dense"])
     budget = parse_budget(args.budget, total)
-    baseline = measure_baseline()
     from transformers import AutoConfig
 
     ids, prompt_note = prompt_ids(args.prompt_tokens, AutoConfig.from_pretrained(hf_dir).vocab_size)
     base = {"model": name, "tokens": args.tokens, "prompt_ids": ids, "budget_bytes": budget, "threads": args.threads,
             "compute_threads": args.compute_threads,
             "hf_dir": str(hf_dir), "offload_dir": str(cache / f"accelerate-{hf_dir.name}")}
+    baseline = measure_baseline(base)
     modes = [m for m in args.modes.split(",") if m]
     rows = []
     for round_index, mode in [(r, m) for r in range(args.rounds) for m in modes]:  # round-robin over processes
         config = {**base, "mode": mode, "store": str(stores["dense" if mode == "dense" else "endor"])}
         child_rows, facts = run_limited_child(_child_argv(config), budget, baseline, f"offload-{mode}",
                                               args.child_timeout)
-        row = {**(child_rows[0] if child_rows else {"bench": "offload", "model": name, "mode": mode,
-                                                     "error": "the child printed no row"}), **facts}
+        row = {"bench": "offload", "model": name, "mode": mode, "budget_mb": budget / 1e6,
+               **(child_rows[0] if child_rows else {"error": "the child printed no row"}), **facts}
         if len(child_rows) > 1 and not row.get("error"):
             row["error"] = child_rows[-1].get("error")
         row.update(round=round_index, budget_spec=args.budget, model_mb=total / 1e6, baseline_mb=baseline / 1e6,

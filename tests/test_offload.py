@@ -185,14 +185,31 @@ def test_bad_arguments_and_stores(case, tmp_path):
         LayerStore(broken)
 
 
+def test_cli_converts_a_hugging_face_directory(tmp_path, capsys):
+    from flashllm_ext import cli
+
+    model = tiny_model("opt")
+    model.save_pretrained(tmp_path / "hf")
+    assert cli.main(["offload", str(tmp_path / "store"), "--convert", str(tmp_path / "hf"), "--endor",
+                     "--dtype", "fp32"]) == 0
+    assert "endor=True" in capsys.readouterr().out
+    offloaded = load_offloaded(tmp_path / "store", "60%", mode="endor")
+    prompt = torch.tensor([[5, 7, 11, 13]])
+    assert torch.equal(offloaded.generate(prompt, max_new_tokens=4, do_sample=False),
+                       model.generate(prompt, max_new_tokens=4, do_sample=False))
+    offloaded.offload.close()
+
+
 @pytest.mark.slow
-def test_default_model_wanda_pruned_greedy_tokens(default_model, tmp_path):
+def test_default_model_wanda_pruned_greedy_tokens(default_model, tmp_path, capsys):
     """The Wanda-50%-pruned default model (attention and FFN), fp16: offloaded at 30% in dense and Endor modes gives
     transformers' greedy tokens."""
     from flashllm_ext.demo import decoder_linear_names, wanda_prune
     from flashllm_ext.models import corpus_token_ids, replace_weights
 
-    _, model, tokenizer = default_model
+    from flashllm_ext import cli
+
+    gguf, model, tokenizer = default_model
     names = decoder_linear_names(model)
     originals = {f"{n}.weight": model.get_submodule(n).weight.detach().clone() for n in names}
     pruned = wanda_prune(model, corpus_token_ids(tokenizer, "calibration", 128), names, 0.5, torch.float16,
@@ -211,6 +228,9 @@ def test_default_model_wanda_pruned_greedy_tokens(default_model, tmp_path):
             out = offloaded.generate(prompt, max_new_tokens=12, do_sample=False)
             assert out.tolist() == reference.tolist(), mode
             offloaded.offload.close()
+        assert cli.main(["offload", str(store), "--tokenizer", str(gguf), "--mode", "endor", "--tokens", "4"]) == 0
+        out = capsys.readouterr().out
+        assert "tokens in" in out and "bytes_read_per_token" in out
     finally:
         model.to(torch.float32)
         replace_weights(model, originals)
