@@ -22,7 +22,7 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from .errors import FormatError
-from .safetensors_io import TensorEntry, read_header
+from .safetensors_io import TensorEntry, dtype_name, read_header
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_ARCHITECTURES = ("llama",)
@@ -165,6 +165,9 @@ class TensorsCheckpoint(Checkpoint):
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._tensors[name].shape)
+
+    def dtype(self, name: str) -> str:
+        return dtype_name(self._tensors[name].dtype)
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self._tensors[name]

@@ -22,10 +22,10 @@ compressed weight once, measured 1.2-2x dense F.linear and 2-3.5x decompress + F
 `endor_decompress` into one reused buffer + F.linear for prompts (a GEMM amortises the decompression).
 
 The store (`LayerStore`): a directory with
-  layers.safetensors    every decoder-layer Linear weight (attention and FFN), layer by layer, each tensor on a
-                        4096-byte boundary (the flash store's AlignedWriter): `<name>` dense, or Endor as
-                        `<name>.values/.bitmap/.row_offsets` where that is smaller than dense. A layer's tensors are
-                        contiguous, so one layer is one read range.
+  layers.safetensors    every decoder-layer Linear weight (attention and FFN), layer by layer (the flash store's
+                        AlignedWriter): `<name>` dense, or Endor as `<name>.values/.bitmap/.row_offsets` where that
+                        is smaller than dense. A layer's tensors are contiguous, its first on a 4096-byte boundary,
+                        the others 64 bytes apart, so one layer is one aligned read range with little padding.
   resident.safetensors  everything else (embeddings, norms, biases, LM head), in the store dtype.
 """
 from __future__ import annotations
@@ -61,7 +61,8 @@ MAGIC = "flashllm-offload"
 FORMAT_VERSION = "1"
 LAYERS_FILE = "layers.safetensors"
 RESIDENT_FILE = "resident.safetensors"
-END_TENSOR = "layers.end"  # zero-length, aligned: pads the file so the last layer's range ends on a block
+END_TENSOR = "layers.end"  # zero bytes up to the next block: the last layer's range ends inside the file
+TENSOR_ALIGNMENT = 64  # inside a layer: every element size and a cache line; layer starts are ALIGNMENT-aligned
 MODES = ("dense", "endor", "endor+more-resident")
 COMPUTES = ("auto", "linear", "decompress")
 LINEAR_MAX_TOKENS = 8  # endor_linear keeps up to 8 tokens in registers; longer inputs decompress + GEMM
@@ -132,16 +133,31 @@ def convert_offload(checkpoint: str | os.PathLike | Checkpoint, out_dir: str | o
             compressed = name in nnz and nnz[name] * item + rows * ((cols + 7) // 8) + (rows + 1) * 8 < rows * cols * item
             layer.append(MatrixEntry(name, (rows, cols), compressed))
         entries.append(layer)
-    specs = [s for layer in entries for e in layer for s in e.specs(torch_dtype, nnz.get(e.name, 0))]
-    specs.append(TensorSpec(END_TENSOR, "U8", (0,)))
+    # A layer is one read range: its first tensor starts on a block (a zero-filled `layers.{l}.align` tensor fills
+    # the gap), the rest follow TENSOR_ALIGNMENT apart, so the padding costs at most a block per layer.
+    specs, offset, pads = [], 0, []
+    for i, layer in enumerate(entries):
+        start = _round_up(offset, TENSOR_ALIGNMENT)
+        gap = _round_up(start, ALIGNMENT) - start
+        pads.append(TensorSpec(f"layers.{i}.align", "U8", (gap,)) if gap else None)
+        specs += [pads[-1]] if gap else []
+        offset = start + gap
+        for spec in (s for e in layer for s in e.specs(torch_dtype, nnz.get(e.name, 0))):
+            specs.append(spec)
+            offset = _round_up(offset, TENSOR_ALIGNMENT) + spec.nbytes
+    start = _round_up(offset, TENSOR_ALIGNMENT)
+    specs.append(TensorSpec(END_TENSOR, "U8", (_round_up(start, ALIGNMENT) - start,)))
     metadata = {"magic": MAGIC, "format_version": FORMAT_VERSION, "config": json.dumps(ckpt.config),
-                "dtype": dtype, "alignment": str(ALIGNMENT),
+                "dtype": dtype, "alignment": str(ALIGNMENT), "tensor_alignment": str(TENSOR_ALIGNMENT),
                 "layers": json.dumps([[[e.name, list(e.shape), int(e.endor)] for e in layer] for layer in entries])}
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
-        with AlignedWriter(tmp / LAYERS_FILE, specs, metadata, ALIGNMENT) as writer:
-            for layer in tqdm(entries, desc="writing layers", unit="layer", disable=not progress):
+        with AlignedWriter(tmp / LAYERS_FILE, specs, metadata, ALIGNMENT, TENSOR_ALIGNMENT) as writer:
+            for pad, layer in tqdm(list(zip(pads, entries)), desc="writing layers", unit="layer",
+                                   disable=not progress):
+                if pad is not None:
+                    writer.write(pad.name, torch.zeros(pad.shape, dtype=torch.uint8))
                 for e in layer:
                     w = ckpt[e.name].to(torch_dtype)
                     if e.endor:
@@ -150,7 +166,7 @@ def convert_offload(checkpoint: str | os.PathLike | Checkpoint, out_dir: str | o
                             writer.write(f"{e.name}.{part}", getattr(compressed, part))
                     else:
                         writer.write(e.name, w)
-            writer.write(END_TENSOR, torch.empty(0, dtype=torch.uint8))
+            writer.write(END_TENSOR, torch.zeros(specs[-1].shape, dtype=torch.uint8))
         in_layers = {e.name for layer in entries for e in layer}
         resident = {n: (ckpt[n].to(torch_dtype) if ckpt[n].is_floating_point() else ckpt[n]).contiguous()
                     for n in ckpt.names if n not in in_layers}
@@ -199,9 +215,9 @@ class LayerStore:
             raise FormatError("__metadata__.dtype", f"must be one of {sorted(DTYPES)}, got {meta.get('dtype')!r}",
                               self.layers_path)
         self.dtype = DTYPES[meta["dtype"]]
-        if meta.get("alignment") != str(ALIGNMENT):
-            raise FormatError("__metadata__.alignment", f"must be {ALIGNMENT}, got {meta.get('alignment')!r}",
-                              self.layers_path)
+        for key, value in (("alignment", ALIGNMENT), ("tensor_alignment", TENSOR_ALIGNMENT)):
+            if meta.get(key) != str(value):
+                raise FormatError(f"__metadata__.{key}", f"must be {value}, got {meta.get(key)!r}", self.layers_path)
         try:
             self.config: dict = json.loads(meta.get("config", ""))
             raw_layers = json.loads(meta.get("layers", ""))
@@ -223,11 +239,14 @@ class LayerStore:
                     if not shape_ok or t.dtype != spec.dtype:
                         raise FormatError(spec.name, f"missing or not {spec.dtype}{list(spec.shape)}",
                                           self.layers_path)
-                    if t.begin % ALIGNMENT:
+                    if t.begin % TENSOR_ALIGNMENT:
                         raise FormatError(f"{spec.name}.data_offsets", f"starts at byte {t.begin}, not on a "
-                                          f"{ALIGNMENT}-byte boundary", self.layers_path)
+                                          f"{TENSOR_ALIGNMENT}-byte boundary", self.layers_path)
                     begin = t.begin if begin is None else min(begin, t.begin)
                     end = t.end if end is None else max(end, t.end)
+            if begin % ALIGNMENT:
+                raise FormatError(f"layers[{i}]", f"starts at byte {begin}, not on a {ALIGNMENT}-byte boundary",
+                                  self.layers_path)
             self._ranges.append((begin, _round_up(end, ALIGNMENT) - begin))
         last = self._ranges[-1][0] + self._ranges[-1][1]
         if os.path.getsize(self.layers_path) < last:
