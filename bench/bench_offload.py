@@ -2,8 +2,8 @@
 DRAM budget, each mode and the accelerate disk-offload peer in its own process inside a memory cgroup of that
 process's baseline + the budget (page cache counted, dropped first; bench/common.py run_limited_child).
 
-Modes (flashllm_ext.offload): dense (dense layer store), endor (Endor store, same placement: in-memory layers
-dense), endor+more-resident (in-memory layers kept compressed: more of them fit), and accelerate (transformers +
+Modes (flashllm_ext.offload): dense (dense layer store), endor (Endor store on dense's placement: the same layers in
+memory, dense), endor+more-resident (in-memory layers kept compressed: more of them fit), and accelerate (transformers +
 accelerate device_map disk offload of the same pruned checkpoint, max_memory = the budget). Same prompt, same number
 of greedy decode tokens; ms_per_token is the median decode token; read_ms (exposed read wait), decompress_ms,
 compute_ms (decoder-layer time minus both), bytes_read_per_token and reads are the runtime's per-token means over the
@@ -74,7 +74,8 @@ def run_child(config: dict) -> dict:
         if mode == "accelerate":
             model, reset = _load(config)
         else:
-            model = load_offloaded(config["store"], config["budget_bytes"], mode=mode, threads=config["threads"])
+            model = load_offloaded(config["store"], config["budget_bytes"], mode=mode, threads=config["threads"],
+                                   layers_in_memory=config.get("layers_in_memory"))
             reset = model.offload.stats.reset
         read_before = [0]
 
@@ -145,8 +146,8 @@ def layer_stores(hf_dir: Path, cache: Path) -> dict[str, Path]:
     return stores
 
 
-def model_bytes(store_dir: Path) -> int:
-    """What a share budget is a share of: the resident tensors + every decoder layer's weights, dense."""
+def resident_and_layer_bytes(store_dir: Path) -> tuple[int, int]:
+    """(the resident tensors' bytes, every decoder layer's weights dense): what a share budget is a share of."""
     import math
 
     from flashllm_ext.offload import LayerStore
@@ -154,7 +155,7 @@ def model_bytes(store_dir: Path) -> int:
 
     store = LayerStore(store_dir)
     resident = sum(math.prod(t.shape) * DTYPE_SIZES[t.dtype] for t in read_header(store.resident_path).tensors.values())
-    return resident + sum(store.dense_bytes(i) for i in range(store.n_layers))
+    return resident, sum(store.dense_bytes(i) for i in range(store.n_layers))
 
 
 def _child_argv(config: dict) -> list[str]:
@@ -245,8 +246,14 @@ def main(argv: list[str] | None = None) -> None:
     else:
         hf_dir, name = pruned_default(cache), "SmolLM2-135M-Instruct (Wanda 50%, attention + FFN)"
     stores = layer_stores(hf_dir, cache)
-    total = model_bytes(stores["dense"])
+    from flashllm_ext.offload import LayerStore, plan_placement
+
+    resident, layers = resident_and_layer_bytes(stores["dense"])
+    total = resident + layers
     budget = parse_budget(args.budget, total)
+    # endor runs on dense's placement (the issue's "same placement"): with smaller staging buffers the budget may
+    # hold one more dense layer, which would credit Endor with more than its reads.
+    dense_in_memory = plan_placement(LayerStore(stores["dense"]), "dense", budget - resident)[0]
     from transformers import AutoConfig
 
     ids, prompt_note = prompt_ids(args.prompt_tokens, AutoConfig.from_pretrained(hf_dir).vocab_size)
@@ -257,7 +264,8 @@ def main(argv: list[str] | None = None) -> None:
     modes = [m for m in args.modes.split(",") if m]
     rows = []
     for round_index, mode in [(r, m) for r in range(args.rounds) for m in modes]:  # round-robin over processes
-        config = {**base, "mode": mode, "store": str(stores["dense" if mode == "dense" else "endor"])}
+        config = {**base, "mode": mode, "store": str(stores["dense" if mode == "dense" else "endor"]),
+                  "layers_in_memory": dense_in_memory if mode == "endor" else None}
         child_rows, facts = run_limited_child(_child_argv(config), budget, baseline, f"offload-{mode}",
                                               args.child_timeout)
         row = {"bench": "offload", "model": name, "mode": mode, "budget_mb": budget / 1e6,

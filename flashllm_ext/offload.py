@@ -539,10 +539,12 @@ def _aligned_buffer(nbytes: int) -> torch.Tensor:
 
 # ------------------------------------------------------------------------------------------ placement, install
 
-def plan_placement(store: LayerStore, mode: str, layer_budget: int | None) -> tuple[int, int, int]:
+def plan_placement(store: LayerStore, mode: str, layer_budget: int | None,
+                   layers_in_memory: int | None = None) -> tuple[int, int, int]:
     """(layers in memory k, their bytes, staging bytes): the largest k, nearest first, with the first k layers'
-    in-memory bytes + the staging for layers k.. within `layer_budget` (None: every layer in memory). Raises
-    ValueError when not even k = 0 fits."""
+    in-memory bytes + the staging for layers k.. within `layer_budget` (None: every layer in memory); or k =
+    `layers_in_memory` when given (a placement to compare modes on), if it fits. Raises ValueError when it does not
+    fit (_BudgetTooSmall when not even k = 0 does)."""
     n = store.n_layers
     keep_compressed = mode == "endor+more-resident"
     cost = [store.stored_bytes(i) if keep_compressed else store.dense_bytes(i) for i in range(n)]
@@ -558,6 +560,14 @@ def plan_placement(store: LayerStore, mode: str, layer_budget: int | None) -> tu
     def total(k: int) -> int:
         return sum(cost[:k]) + staging(k)
 
+    if layers_in_memory is not None:
+        k = layers_in_memory
+        if not 0 <= k <= n:
+            raise ValueError(f"layers_in_memory must lie in [0, {n}], got {k}")
+        if layer_budget is not None and total(k) > layer_budget:
+            raise ValueError(f"{k} layers in memory in {mode} mode need {total(k)} bytes for the layers and staging, "
+                             f"{layer_budget} are left of the budget")
+        return k, sum(cost[:k]), staging(k)
     if layer_budget is None:
         return n, sum(cost), 0
     if total(0) > layer_budget:
@@ -601,7 +611,7 @@ def _linear_slots(model: nn.Module, store: LayerStore) -> list[list[tuple[nn.Mod
 
 
 def _install(model: nn.Module, store: LayerStore, mode: str, budget: int | float | str | None, compute: str,
-             threads: int, keep_originals: bool) -> OffloadRuntime:
+             threads: int, keep_originals: bool, layers_in_memory: int | None = None) -> OffloadRuntime:
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if compute not in COMPUTES:
@@ -622,7 +632,7 @@ def _install(model: nn.Module, store: LayerStore, mode: str, budget: int | float
         store.dense_bytes(i) for i in range(store.n_layers)))
     try:
         k, memory_bytes, staging = plan_placement(store, mode, None if budget_bytes is None else
-                                                  budget_bytes - resident)
+                                                  budget_bytes - resident, layers_in_memory)
     except _BudgetTooSmall as e:
         raise ValueError(f"dram_budget of {budget_bytes} bytes is below the minimum of {resident + e.need} for "
                          f"{mode} offload ({resident} resident tensors + {e.need} for two staging buffers of the "
@@ -662,14 +672,18 @@ def patch_offload(model: nn.Module, store: LayerStore | str | os.PathLike, *, mo
 
 
 def load_offloaded(store_dir: str | os.PathLike, dram_budget: int | float | str | None = "30%", *,
-                   mode: str = "endor", compute: str = "auto", threads: int = 32) -> nn.Module:
+                   mode: str = "endor", compute: str = "auto", threads: int = 32,
+                   layers_in_memory: int | None = None) -> nn.Module:
     """A Hugging Face causal LM built from a layer store, its decoder layers in memory or on SSD by `dram_budget`
-    (bytes, "30%" of the dense model, or "2GB"; None: every layer in memory). Only the resident tensors and the
-    in-memory layers are materialised, in the store's dtype. `model.offload_stats()` reports per-token costs."""
+    (bytes, "30%" of the dense model, or "2GB"; None: no limit): the most layers that fit, or `layers_in_memory`
+    (e.g. another mode's placement, to compare on the same one; ValueError if it does not fit). Only the resident
+    tensors and the in-memory layers are materialised, in the store's dtype. `model.offload_stats()` reports
+    per-token costs."""
     store = LayerStore(store_dir)
     model = empty_model(store.config, store.dtype, store.path)
     assign_resident(model, store, store.dtype)
-    _install(model, store, mode, dram_budget, compute, threads, keep_originals=False)
+    _install(model, store, mode, dram_budget, compute, threads, keep_originals=False,
+             layers_in_memory=layers_in_memory)
     leftover = [name for name, p in model.named_parameters() if p.device.type == "meta"]
     if leftover:
         raise ValueError(f"{store.path}: the store has no tensor for {leftover[:3]} ({len(leftover)} in all)")

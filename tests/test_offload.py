@@ -234,3 +234,15 @@ def test_default_model_wanda_pruned_greedy_tokens(default_model, tmp_path, capsy
     finally:
         model.to(torch.float32)
         replace_weights(model, originals)
+
+
+def test_forced_placement_compares_modes_on_the_same_layers(case):
+    store = LayerStore(case["endor"])
+    resident = load_offloaded(store.path, None, mode="endor").offload.resident_bytes
+    budget = budget_for(store, "endor", 2, resident)
+    model = load_offloaded(store.path, budget, mode="endor", layers_in_memory=1)
+    assert model.offload.layers_in_memory == 1 and model.offload.accounted_bytes <= budget
+    assert torch.equal(model.generate(case["prompt"], max_new_tokens=8, do_sample=False), case["reference"])
+    model.offload.close()
+    with pytest.raises(ValueError, match="3 layers in memory in endor mode need"):
+        load_offloaded(store.path, budget, mode="endor", layers_in_memory=3)
