@@ -1,4 +1,4 @@
-"""Endor kernels on the FFN shapes of OPT-6.7B and Llama-2-7B at 50% unstructured sparsity.
+"""Endor kernels on the FFN and attention shapes of OPT-6.7B and Llama-2-7B at 50% unstructured sparsity.
 
 op "decompress": throughput of the native kernel vs memcpy of the same output, the pure-torch reference, and
 torch's sparse CSR to_dense. decompress_gbps is GB/s of dense output written into a preallocated `out`;
@@ -9,7 +9,7 @@ op "linear": the decode GEMV y = x W^T, T = 1 and 4 tokens, fp16: endor_linear (
 vs dense F.linear on the dense fp16 weight and vs decompress (into a preallocated buffer) + F.linear, same
 threads, interleaved. Each side's bytes (compressed: values + bitmap + row offsets; dense: the weight) divided by
 the read bandwidth of a streaming sum measured in the same run (common.stream_probe) give its bandwidth bound;
-bound_ratio = time / bound (1.0 = at the bound). A weight is 51-134 MB (compressed 51-76 MB), read once per call.
+bound_ratio = time / bound (1.0 = at the bound). A weight is 34-134 MB (compressed 19-76 MB), read once per call.
 
     python bench/bench_endor.py [--json] [--device cuda] [--all-isas] [--quick] [--only decompress|linear]
 """
@@ -28,7 +28,9 @@ from flashllm_ext import endor, ops, store
 from flashllm_ext._ops import endor_decompress_reference
 
 SHAPES = {"opt-6.7b fc1": (16384, 4096), "opt-6.7b fc2": (4096, 16384),
-          "llama-2-7b up": (11008, 4096), "llama-2-7b down": (4096, 11008)}
+          "llama-2-7b up": (11008, 4096), "llama-2-7b down": (4096, 11008),
+          # q/k/v/o of both (d = 4096, 32 heads of 128): what offloaded inference also computes per layer
+          "opt-6.7b / llama-2-7b attn": (4096, 4096)}
 DTYPES = {name: store.DTYPES[name] for name in ("fp16", "bf16")}
 
 

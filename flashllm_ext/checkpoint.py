@@ -22,7 +22,7 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from .errors import FormatError
-from .safetensors_io import read_header
+from .safetensors_io import TensorEntry, dtype_name, read_header
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_ARCHITECTURES = ("llama",)
@@ -148,8 +148,29 @@ class Checkpoint(ABC):
         """The shape of tensor `name`, from the header (nothing is read)."""
 
     @abstractmethod
+    def dtype(self, name: str) -> str:
+        """The safetensors dtype name ("F16", "I64", ...) `ckpt[name]` returns, from the header."""
+
+    @abstractmethod
     def __getitem__(self, name: str) -> torch.Tensor:
         """Tensor `name`, read (GGUF: dequantized to fp32) now; nothing of it is kept."""
+
+
+class TensorsCheckpoint(Checkpoint):
+    """Tensors already in memory (a loaded model's state_dict, pruned weights) as a Checkpoint, so the store
+    writers take them like a file."""
+
+    def __init__(self, config: dict[str, Any], tensors: dict[str, torch.Tensor]):
+        self.config, self._tensors, self.names = dict(config), dict(tensors), list(tensors)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._tensors[name].shape)
+
+    def dtype(self, name: str) -> str:
+        return dtype_name(self._tensors[name].dtype)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._tensors[name]
 
 
 def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
@@ -182,13 +203,13 @@ class SafetensorsCheckpoint(Checkpoint):
         if not config_path.is_file():
             raise FormatError("config.json", "missing", str(path))
         self.config = _read_json(config_path)
-        self._shard_of, self._shapes = self._index(path)
+        self._shard_of, self._entries = self._index(path)
         self.names = list(self._shard_of)
         self._handles: dict[Path, Any] = {}  # shard -> open safe_open handle
 
     @staticmethod
-    def _index(path: Path) -> tuple[dict[str, Path], dict[str, tuple[int, ...]]]:
-        """(tensor name -> shard, tensor name -> shape), every shard header validated before any data is read."""
+    def _index(path: Path) -> tuple[dict[str, Path], dict[str, TensorEntry]]:
+        """(tensor name -> shard, tensor name -> header entry), every shard header validated before any data is read."""
         index = path / "model.safetensors.index.json"
         if index.is_file():
             weight_map = _read_json(index).get("weight_map")
@@ -200,14 +221,17 @@ class SafetensorsCheckpoint(Checkpoint):
         if not shards:
             raise FormatError("model.safetensors", "no safetensors file in the checkpoint", str(path))
         shard_of: dict[str, Path] = {}
-        shapes: dict[str, tuple[int, ...]] = {}
+        entries: dict[str, TensorEntry] = {}
         for shard in sorted(shards):
             for name, entry in read_header(shard).tensors.items():
-                shard_of[name], shapes[name] = shard, entry.shape
-        return shard_of, shapes
+                shard_of[name], entries[name] = shard, entry
+        return shard_of, entries
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return self._shapes[name]
+        return self._entries[name].shape
+
+    def dtype(self, name: str) -> str:
+        return self._entries[name].dtype
 
     def __getitem__(self, name: str) -> torch.Tensor:
         shard = self._shard_of[name]
@@ -243,6 +267,9 @@ class GGUFCheckpoint(Checkpoint):
 
     def shape(self, name: str) -> tuple[int, ...]:
         return self._shapes[name]
+
+    def dtype(self, name: str) -> str:
+        return "F32"  # every tensor is dequantized to fp32
 
     def __getitem__(self, name: str) -> torch.Tensor:
         import gguf

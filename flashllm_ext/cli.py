@@ -5,6 +5,7 @@
   flashllm train-predictors CHECKPOINT [--store DIR] [--rank R] [--target-sparsity S] ...
   flashllm run STORE_DIR --tokenizer PATH [--prompt TEXT] [--mode flash] [--budget 50%] [--tokens N] [--sample]
                [--device cpu|cuda]
+  flashllm offload STORE_DIR --convert CHECKPOINT [--endor] | --tokenizer PATH [--mode endor] [--budget 30%] ...
 
 Each subcommand registers itself with `add_parser` functions below; main() only dispatches.
 """
@@ -110,25 +111,18 @@ def _add_train_predictors(sub: argparse._SubParsersAction) -> None:
     train.set_defaults(func=_train_predictors)
 
 
-def _run(args: argparse.Namespace) -> int:
+def _generate(args: argparse.Namespace, model, stats) -> int:
+    """Greedy (or sampled) text from `model` for `flashllm run` / `flashllm offload`; prints `stats()` if given."""
     import time
 
     import torch
     from transformers import AutoTokenizer
 
-    from .engine import load_flash
-    from .transfer import cuda_device
-
-    try:
-        device = cuda_device(args.device)
-    except ValueError as e:
-        raise SystemExit(f"flashllm run: {e}") from None
     tokenizer_path = Path(args.tokenizer)
     kwargs = {"gguf_file": tokenizer_path.name} if tokenizer_path.suffix == ".gguf" else {}
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path.parent if kwargs else tokenizer_path,
                                               local_files_only=True, **kwargs)
-    model = load_flash(args.store, dram_budget=None if args.mode == "dense" else args.budget, mode=args.mode,
-                       window=args.window, device=device)
+    device = model.get_input_embeddings().weight.device
     prompt = tokenizer(args.prompt, return_tensors="pt").input_ids.to(device)
     start = time.perf_counter()
     with torch.inference_mode():
@@ -138,10 +132,54 @@ def _run(args: argparse.Namespace) -> int:
     print(tokenizer.decode(out[0], skip_special_tokens=True))
     print(f"\n{out.shape[1] - prompt.shape[1]} tokens in {seconds:.2f} s ({args.mode} on {device}, prompt "
           f"{prompt.shape[1]} tokens)")
-    if model.flash is not None:
-        stats = model.flash_stats()
-        print(", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in stats.items()))
+    if stats is not None:
+        print(", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in stats().items()))
     return 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    from .engine import load_flash
+    from .transfer import cuda_device
+
+    try:
+        device = cuda_device(args.device)
+    except ValueError as e:
+        raise SystemExit(f"flashllm run: {e}") from None
+    model = load_flash(args.store, dram_budget=None if args.mode == "dense" else args.budget, mode=args.mode,
+                       window=args.window, device=device)
+    return _generate(args, model, model.flash_stats if model.flash is not None else None)
+
+
+def _offload(args: argparse.Namespace) -> int:
+    from .offload import LayerStore, convert_offload, load_offloaded
+
+    if args.convert:
+        print(LayerStore(convert_offload(args.convert, args.store, dtype=args.dtype, endor_compress=args.endor,
+                                         force=args.force)))
+        return 0
+    if not args.tokenizer:
+        raise SystemExit("flashllm offload: --tokenizer is needed to generate (or --convert CHECKPOINT to write)")
+    model = load_offloaded(args.store, args.budget, mode=args.mode, compute=args.compute)
+    return _generate(args, model, model.offload_stats)
+
+
+def _add_offload(sub: argparse._SubParsersAction) -> None:
+    from .offload import COMPUTES, MODES
+
+    p = sub.add_parser("offload", help="offloaded inference: whole decoder layers in memory or on SSD by a budget")
+    p.add_argument("store", help="a layer store directory (written by --convert)")
+    p.add_argument("--convert", metavar="CHECKPOINT", help="write the store from this HF directory or .gguf file")
+    p.add_argument("--endor", action="store_true", help="with --convert: Endor-compress the matrices (pruned models)")
+    p.add_argument("--dtype", choices=("fp16", "bf16", "fp32"), default="fp16")
+    p.add_argument("--force", action="store_true", help="with --convert: replace the store if it exists")
+    p.add_argument("--tokenizer", help="the checkpoint's .gguf file or Hugging Face directory")
+    p.add_argument("--prompt", default="The three primary colors are")
+    p.add_argument("--mode", choices=MODES, default="endor")
+    p.add_argument("--compute", choices=COMPUTES, default="auto", help="Endor matrices: endor_linear, decompress+GEMM")
+    p.add_argument("--budget", default="30%", help="DRAM budget: bytes, a share of the dense model like 30%%, or 2GB")
+    p.add_argument("--tokens", type=int, default=32, help="tokens to generate")
+    p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
+    p.set_defaults(func=_offload)
 
 
 def _add_run(sub: argparse._SubParsersAction) -> None:
@@ -165,7 +203,7 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flashllm", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (_add_convert, _add_calibrate_disk, _add_train_predictors, _add_run):
+    for add in (_add_convert, _add_calibrate_disk, _add_train_predictors, _add_run, _add_offload):
         add(sub)
     return parser
 

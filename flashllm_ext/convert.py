@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 from . import endor
 from .checkpoint import Checkpoint, open_checkpoint
 from .errors import FormatError
-from .safetensors_io import AlignedWriter
+from .safetensors_io import DTYPE_SIZES, FLOAT_DTYPES, AlignedWriter, TensorSpec, dtype_name
 from .store import (ALIGNMENT, BUNDLES_FILE, DTYPES, FORMAT_VERSION, MAGIC, RESIDENT_FILE, WEIGHT_ROLES, FlashStore,
                     layer_specs, layer_tensor_name)
 
@@ -93,9 +93,8 @@ def convert(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, dtype: st
         expected = _write_bundles(tmp / BUNDLES_FILE, ckpt, layers, torch_dtype, endor, ffn, width, metadata,
                                   progress)
         bundled = {name for roles in layers.values() for role, name in roles.items() if role in WEIGHT_ROLES}
-        resident = {n: _to_store_dtype(ckpt[n], torch_dtype).contiguous() for n in ckpt.names if n not in bundled}
-        save_file(resident, str(tmp / RESIDENT_FILE),
-                  metadata={"magic": MAGIC, "format_version": FORMAT_VERSION, "dtype": dtype})
+        resident = _write_resident(tmp / RESIDENT_FILE, ckpt, [n for n in ckpt.names if n not in bundled],
+                                   torch_dtype, dtype, progress)
         with FlashStore(tmp) as written:
             _verify(written, expected, resident)
         if out_dir.exists():
@@ -109,6 +108,26 @@ def convert(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, dtype: st
         if tmp.exists():
             shutil.rmtree(tmp)
     return out_dir
+
+
+def _write_resident(path: Path, ckpt: Checkpoint, names: list[str], dtype: torch.dtype, dtype_key: str,
+                    progress: bool) -> dict[str, torch.Tensor]:
+    """Write the resident tensors one at a time (a 7B model's attention is gigabytes); returns the first one for
+    verification. Packed as the safetensors library packs them: widest element size first, so each tensor is
+    aligned to its element size without padding tensors."""
+    store_name = dtype_name(dtype)
+    specs = [TensorSpec(n, store_name if ckpt.dtype(n) in FLOAT_DTYPES else ckpt.dtype(n), ckpt.shape(n))
+             for n in names]
+    specs.sort(key=lambda spec: -DTYPE_SIZES[spec.dtype])
+    first: dict[str, torch.Tensor] = {}
+    metadata = {"magic": MAGIC, "format_version": FORMAT_VERSION, "dtype": dtype_key}
+    with AlignedWriter(path, specs, metadata, alignment=8, tensor_alignment=1) as writer:
+        for spec in tqdm(specs, desc="writing resident tensors", unit="t", disable=not progress):
+            tensor = _to_store_dtype(ckpt[spec.name], dtype).contiguous()
+            writer.write(spec.name, tensor)
+            if not first:
+                first[spec.name] = tensor
+    return first
 
 
 def _to_store_dtype(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

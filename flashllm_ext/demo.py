@@ -30,7 +30,19 @@ def wanda_prune_ffn(model: torch.nn.Module, calibration_ids: torch.Tensor, spars
 
     calibration_ids: int64 [T]; each Linear's Wanda score uses its inputs over these T tokens.
     """
-    names = ffn_linear_names(model.config.num_hidden_layers)
+    return wanda_prune(model, calibration_ids, ffn_linear_names(model.config.num_hidden_layers), sparsity, dtype,
+                       progress)
+
+
+def decoder_linear_names(model: torch.nn.Module) -> list[str]:
+    """Module names of every Linear inside the decoder layers (attention and FFN), in module order."""
+    return [name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and ".layers." in name]
+
+
+def wanda_prune(model: torch.nn.Module, calibration_ids: torch.Tensor, names: list[str], sparsity: float = 0.5,
+                dtype: torch.dtype = torch.float16, progress: bool = True) -> dict[str, torch.Tensor]:
+    """Wanda-pruned copies (cast to `dtype`) of the weights of the Linear modules `names`, keyed `<name>.weight`
+    (one-shot: every input comes from the dense model)."""
     inputs = collect_linear_inputs(model, calibration_ids, names)
     pruned = {}
     for name in tqdm(names, desc=f"wanda {sparsity:.0%}", disable=not progress):

@@ -286,21 +286,12 @@ def load_flash(store_dir: str | os.PathLike, dram_budget: int | float | str | No
     mode the FFN weights are read from the store into ordinary nn.Linear layers. Predictors come from the store
     unless given. `model.flash_stats()` reports per-token costs. device: "cpu" or "cuda" (the whole model, its
     caches included, on the GPU; ValueError when CUDA is not available)."""
-    from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     device = cuda_device(device)
     store = FlashStore(store_dir)
     dtype = dtype or store.dtype
-    config = dict(store.config)
-    model_type = config.pop("model_type", None)
-    if model_type is None:
-        raise ValueError(f"{store.path}: the store's config has no model_type")
-    hf_config = AutoConfig.for_model(model_type, **config)
-    with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+    model = empty_model(store.config, dtype, store.path)
     predictors = _load_predictors(store, predictors, mode)
-    _assign_resident(model, store, dtype)
+    assign_resident(model, store, dtype)
     if mode == "dense":
         _assign_dense_ffn(model, store, dtype)
         model.flash = None
@@ -313,9 +304,25 @@ def load_flash(store_dir: str | os.PathLike, dram_budget: int | float | str | No
     return model.to(device).eval()
 
 
-def _assign_resident(model: nn.Module, store: FlashStore, dtype: torch.dtype) -> None:
+def empty_model(config: dict, dtype: torch.dtype, source: str | os.PathLike) -> nn.Module:
+    """A Hugging Face causal LM of a store's `config` (a checkpoint's config.json fields) with its parameters on the
+    meta device (buffers real), to be filled by assign_resident; `source` names the store in errors."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = dict(config)
+    model_type = config.pop("model_type", None)
+    if model_type is None:
+        raise ValueError(f"{source}: the store's config has no model_type")
+    hf_config = AutoConfig.for_model(model_type, **config)
+    with init_empty_weights(include_buffers=False):
+        return AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+
+
+def assign_resident(model: nn.Module, store, dtype: torch.dtype) -> None:
     """Load the store's resident tensors into the (meta) model under their names; tie the LM head if the
-    checkpoint shares it with the embedding."""
+    checkpoint shares it with the embedding. `store`: anything with `path`, `resident_names()` and
+    `resident_tensor(name)` (a FlashStore, an offload LayerStore)."""
     params = dict(model.named_parameters(remove_duplicate=False))
     for name in store.resident_names():
         if name.startswith("predictor."):

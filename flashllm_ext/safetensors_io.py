@@ -17,6 +17,8 @@ MAX_HEADER_BYTES = 100 << 20  # the limit the safetensors library itself enforce
 DTYPE_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
                "BOOL": 1, "U16": 2, "U32": 4, "U64": 8, "F8_E4M3": 1, "F8_E5M2": 1}
 
+FLOAT_DTYPES = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")
+
 
 @dataclass(frozen=True)
 class TensorEntry:
@@ -127,19 +129,24 @@ class AlignedWriter:
     reject gaps), so every tensor stays aligned and any safetensors reader opens the result. The
     tensors are declared up front and streamed in that order with `write`, so a store larger than memory can
     be written one tensor at a time. Use as a context manager; `close()` checks every tensor was written.
+    `tensor_alignment` (default `alignment`) aligns the tensors apart from the data section: 1 packs them as the
+    safetensors library does (no padding tensors; each tensor stays aligned to its element size when the specs
+    go from the widest element size to the narrowest), the data section still starting `alignment`-aligned.
     """
 
     def __init__(self, path: str | os.PathLike, specs: list[TensorSpec], metadata: dict[str, str] | None = None,
-                 alignment: int = 4096):
-        if alignment <= 0 or alignment & (alignment - 1):
-            raise ValueError(f"alignment must be a power of two, got {alignment}")
+                 alignment: int = 4096, tensor_alignment: int | None = None):
+        tensor_alignment = alignment if tensor_alignment is None else tensor_alignment
+        for value in (alignment, tensor_alignment):
+            if value <= 0 or value & (value - 1):
+                raise ValueError(f"alignment must be a power of two, got {value}")
         self.path = os.fspath(path)
         self.specs = list(specs)
         header: dict[str, object] = {"__metadata__": dict(metadata or {})}
         offset = 0
         self.offsets: dict[str, int] = {}  # relative to the data section, as in the header
         for spec in self.specs:
-            gap = _round_up(offset, alignment) - offset
+            gap = _round_up(offset, tensor_alignment) - offset
             if gap:
                 # safetensors rejects gaps between tensors, so the padding is itself a (zero-filled) tensor.
                 name = f"{PADDING_PREFIX}{len(self.offsets)}"

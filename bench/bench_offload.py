@@ -1,0 +1,291 @@
+"""Endor offloaded inference (issue 11 item 2): greedy decoding with whole decoder layers in memory or on SSD under a
+DRAM budget, each mode and the accelerate disk-offload peer in its own process inside a memory cgroup of that
+process's baseline + the budget (page cache counted, dropped first; bench/common.py run_limited_child).
+
+Modes (flashllm_ext.offload): dense (dense layer store), endor (Endor store on dense's placement: the same layers in
+memory, dense), endor+more-resident (in-memory layers kept compressed: more of them fit), and accelerate (transformers +
+accelerate device_map disk offload of the same pruned checkpoint, max_memory = the budget). Same prompt, same number
+of greedy decode tokens; ms_per_token is the median decode token; read_ms (exposed read wait), decompress_ms,
+compute_ms (decoder-layer time minus both), bytes_read_per_token and reads are the runtime's per-token means over the
+decode tokens; proc_read_mb_per_token is the child's storage reads from /proc/self/io (every mode, accelerate
+included). Configurations run round-robin for --rounds rounds (each in a fresh process); bench:"offload_median"
+rows are per-mode medians.
+
+Default: the default model (SmolLM2-135M) Wanda-pruned to 50% in every decoder Linear (attention and FFN), fp16,
+at 30% of the dense model's bytes. --scale: a synthesized OPT-6.7B-shaped checkpoint pruned 50% (bench/
+synth_checkpoint.py, shared with the other scale runs) at the same share.
+
+    python bench/bench_offload.py [--json] [--budget 30%] [--tokens 16] [--rounds 3] [--scale] [--modes ...]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+from bench_e2e import _decode, _load, prompt_ids
+from common import arg_parser, device_name, emit, run_limited_child
+
+from flashllm_ext.errors import FormatError
+from flashllm_ext.paths import resolve_cache_dir
+
+MODES = ("accelerate", "dense", "endor", "endor+more-resident")
+KEYS = ("bench", "model", "mode", "device", "budget_mb", "cgroup_peak_mb", "ms_per_token", "read_ms", "decompress_ms",
+        "compute_ms", "bytes_read_per_token", "layers_in_memory", "layers_on_ssd")
+COLUMNS = ["mode", "budget_mb", "cgroup_limit_mb", "cgroup_peak_mb", "oom_killed", "ms_per_token", "read_ms",
+           "hidden_read_ms", "decompress_ms", "compute_ms", "bytes_read_per_token", "proc_read_mb_per_token",
+           "layers_in_memory", "layers_on_ssd", "error"]
+
+
+# ------------------------------------------------------------------------------------------- the child runs
+
+def _proc_read_bytes() -> int:
+    """Bytes this process has caused to be read from storage (/proc/self/io read_bytes; page-cache hits excluded)."""
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("read_bytes:"))
+
+
+def _accelerate_placement(model) -> tuple[int, int]:
+    """(decoder layers accelerate keeps in memory, decoder layers it offloads to disk) from its device map."""
+    import re
+
+    placed = {}
+    for name, device in model.hf_device_map.items():
+        m = re.search(r"layers\.(\d+)", name)
+        if m:
+            placed.setdefault(int(m.group(1)), set()).add(str(device))
+    on_disk = sum(1 for devices in placed.values() if "disk" in devices)
+    return len(placed) - on_disk, on_disk
+
+
+def run_child(config: dict) -> dict:
+    """One configuration in this process: load, prefill, decode; the row (without the cgroup facts)."""
+    from flashllm_ext.offload import load_offloaded
+
+    torch.set_num_threads(config["compute_threads"])  # before any op: every mode computes on the same threads
+    mode = config["mode"]
+    row = {"bench": "offload", "model": config["model"], "mode": mode, "device": device_name("cpu"),
+           "budget_mb": config["budget_bytes"] / 1e6}
+    try:
+        if mode == "accelerate":
+            model, reset = _load(config)
+        else:
+            model = load_offloaded(config["store"], config["budget_bytes"], mode=mode, threads=config["threads"],
+                                   layers_in_memory=config.get("layers_in_memory"))
+            reset = model.offload.stats.reset
+        read_before = [0]
+
+        def reset_all() -> None:  # after the prefill: the stats and the storage reads cover the decode tokens
+            reset()
+            read_before[0] = _proc_read_bytes()
+
+        times, tokens = _decode(model, torch.tensor([config["prompt_ids"]]), config["tokens"], reset_all)
+        proc_read = _proc_read_bytes() - read_before[0]
+    except Exception as e:  # the row says why this configuration could not run
+        return {**row, "error": f"{type(e).__name__}: {e}"}
+    row.update(ms_per_token=statistics.median(times) * 1e3, mean_ms_per_token=statistics.mean(times) * 1e3,
+               tokens=len(times), generated=tokens, proc_read_mb_per_token=proc_read / len(times) / 1e6)
+    if mode == "accelerate":
+        in_memory, on_disk = _accelerate_placement(model)
+        row.update(read_ms=None, decompress_ms=None, compute_ms=None, bytes_read_per_token=None,
+                   layers_in_memory=in_memory, layers_on_ssd=on_disk)
+    else:
+        stats = model.offload_stats()
+        row.update(read_ms=stats["read_ms"], hidden_read_ms=max(0.0, stats["read_wall_ms"] - stats["read_ms"]),
+                   decompress_ms=stats["decompress_ms"], compute_ms=stats["compute_ms"],
+                   bytes_read_per_token=stats["bytes_read_per_token"], reads_per_token=stats["reads_per_token"],
+                   mean_read_bytes=stats["bytes_read_per_token"] / max(stats["reads_per_token"], 1),
+                   layers_in_memory=stats["layers_in_memory"], layers_on_ssd=stats["layers_on_ssd"],
+                   accounted_mb=stats["accounted_bytes"] / 1e6, staging_mb=stats["staging_bytes"] / 1e6)
+        model.offload.close()
+    return row
+
+
+# ------------------------------------------------------------------------------------------------- the parent
+
+def pruned_default(cache: Path, sparsity: float = 0.5, calibration_tokens: int = 512) -> Path:
+    """The default model with every decoder Linear Wanda-pruned (fp16) as a Hugging Face directory (accelerate's
+    input and the stores' source), written once."""
+    from transformers import AutoModelForCausalLM
+
+    from flashllm_ext.demo import decoder_linear_names, wanda_prune
+    from flashllm_ext.models import corpus_token_ids, load_hf_model, replace_weights
+
+    path = cache / f"smollm2-135m-wanda{round(sparsity * 100)}-hf"
+    if not (path / "config.json").is_file():
+        model, tokenizer = load_hf_model()
+        ids = corpus_token_ids(tokenizer, "calibration", calibration_tokens)
+        replace_weights(model, wanda_prune(model, ids, decoder_linear_names(model), sparsity, torch.float16))
+        # transformers refuses to serialise a model loaded from GGUF: copy its weights into a plain one.
+        config = model.config
+        config.__dict__.pop("quantization_config", None)
+        plain = AutoModelForCausalLM.from_config(config, dtype=torch.float16)
+        plain.load_state_dict(model.state_dict())
+        plain.save_pretrained(path)
+        tokenizer.save_pretrained(path)
+    return path
+
+
+def layer_stores(hf_dir: Path, cache: Path) -> dict[str, Path]:
+    """The dense and Endor layer stores of a checkpoint, converted once."""
+    from flashllm_ext.offload import LayerStore, convert_offload
+
+    stores = {}
+    for kind, compress in (("dense", False), ("endor", True)):
+        path = cache / f"{hf_dir.name.removesuffix('-hf')}-{kind}"
+        try:
+            LayerStore(path)
+        except (OSError, FormatError):
+            print(f"converting {hf_dir} into the {kind} layer store {path} (once)", file=sys.stderr)
+            convert_offload(hf_dir, path, dtype="fp16", endor_compress=compress, force=True)
+        stores[kind] = path
+    return stores
+
+
+def resident_and_layer_bytes(store_dir: Path) -> tuple[int, int]:
+    """(the resident tensors' bytes, every decoder layer's weights dense): what a share budget is a share of."""
+    import math
+
+    from flashllm_ext.offload import LayerStore
+    from flashllm_ext.safetensors_io import DTYPE_SIZES, read_header
+
+    store = LayerStore(store_dir)
+    resident = sum(math.prod(t.shape) * DTYPE_SIZES[t.dtype] for t in read_header(store.resident_path).tensors.values())
+    return resident, sum(store.dense_bytes(i) for i in range(store.n_layers))
+
+
+def _child_argv(config: dict) -> list[str]:
+    return [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(config)]
+
+
+def probe_child(config: dict) -> dict:
+    """What every child holds before its weights: python, torch, transformers, accelerate and flashllm_ext imported,
+    and the model's modules built on the meta device (its modeling code imported, its buffers real)."""
+    from transformers import AutoConfig
+
+    from flashllm_ext.engine import empty_model
+
+    torch.set_num_threads(config["compute_threads"])
+    empty_model(AutoConfig.from_pretrained(config["hf_dir"]).to_dict(), torch.float16, config["hf_dir"])
+    return {"probe": True}
+
+
+def measure_baseline(base: dict, timeout_s: float = 600) -> int:
+    """The peak of an unlimited probe child's cgroup (probe_child), page cache of what it imports counted."""
+    _, facts = run_limited_child(_child_argv({**base, "mode": "probe"}), None, None, "offload-probe", timeout_s)
+    if facts["cgroup_peak_mb"] is None:
+        raise RuntimeError(f"no cgroup to measure the baseline: {facts['cgroup_note']}")
+    return int(facts["cgroup_peak_mb"] * 1e6)
+
+
+def median_rows(rows: list[dict]) -> list[dict]:
+    """One bench:"offload_median" row per mode that ran without error: the median of every number."""
+    groups: dict[str, list[dict]] = {}
+    for row in rows:
+        if not row.get("error"):
+            groups.setdefault(row["mode"], []).append(row)
+    out = []
+    for mode, group in groups.items():
+        numbers = {k for r in group for k, v in r.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        median = {k: statistics.median(r[k] for r in group if r.get(k) is not None) for k in numbers
+                  if any(r.get(k) is not None for r in group)}
+        out.append({**group[0], **median, "bench": "offload_median", "rounds": len(group),
+                    "oom_killed": any(r.get("oom_killed") for r in group)})
+    return out
+
+
+def ratios(medians: list[dict]) -> dict:
+    """The issue's targets from the medians: endor vs accelerate and vs dense per token, bytes endor / dense."""
+    by = {r["mode"]: r for r in medians}
+    out = {"bench": "offload_ratios"}
+    for name, (a, b, key) in {"endor_vs_accelerate": ("accelerate", "endor", "ms_per_token"),
+                              "endor_vs_dense": ("dense", "endor", "ms_per_token"),
+                              "more_resident_vs_accelerate": ("accelerate", "endor+more-resident", "ms_per_token"),
+                              "more_resident_vs_dense": ("dense", "endor+more-resident", "ms_per_token")}.items():
+        if a in by and b in by:
+            out[name] = by[a][key] / by[b][key]
+    if "dense" in by and "endor" in by and by["dense"]["bytes_read_per_token"]:
+        out["endor_bytes_vs_dense"] = by["endor"]["bytes_read_per_token"] / by["dense"]["bytes_read_per_token"]
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = arg_parser(__doc__.splitlines()[0])
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--budget", default="30%", help="DRAM budget: a share of the dense model's bytes, or a size")
+    parser.add_argument("--tokens", type=int, default=16, help="greedy decode tokens after the prompt")
+    parser.add_argument("--prompt-tokens", type=int, default=32)
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--threads", type=int, default=32, help="reader threads")
+    parser.add_argument("--compute-threads", type=int, default=1,
+                        help="torch / OpenMP threads of every child (1: OpenMP barriers on a shared, oversubscribed "
+                             "machine cost 10-50x on these small matrices)")
+    parser.add_argument("--scale", action="store_true", help="the synthesized OPT-6.7B-shaped pruned checkpoint")
+    parser.add_argument("--hf-dir", help="a pruned Hugging Face checkpoint to run instead")
+    parser.add_argument("--child-timeout", type=float, default=1800)
+    parser.set_defaults(rounds=3)
+    args = parser.parse_args(argv)
+    if args.child:
+        config = json.loads(args.child)
+        print(json.dumps(probe_child(config) if config["mode"] == "probe" else run_child(config)), flush=True)
+        return
+    from flashllm_ext.engine import parse_budget
+
+    cache = resolve_cache_dir() / "offload"
+    cache.mkdir(exist_ok=True)
+    if args.hf_dir:
+        hf_dir, name = Path(args.hf_dir), Path(args.hf_dir).name
+    elif args.scale:
+        from synth_checkpoint import shared_checkpoint
+
+        hf_dir, name = shared_checkpoint("opt-6.7b"), "OPT-6.7B shapes (synthesized, 50% pruned)"
+    else:
+        hf_dir, name = pruned_default(cache), "SmolLM2-135M-Instruct (Wanda 50%, attention + FFN)"
+    stores = layer_stores(hf_dir, cache)
+    from flashllm_ext.offload import LayerStore, plan_placement
+
+    resident, layers = resident_and_layer_bytes(stores["dense"])
+    total = resident + layers
+    budget = parse_budget(args.budget, total)
+    # endor runs on dense's placement (the issue's "same placement"): with smaller staging buffers the budget may
+    # hold one more dense layer, which would credit Endor with more than its reads.
+    dense_in_memory = plan_placement(LayerStore(stores["dense"]), "dense", budget - resident)[0]
+    from transformers import AutoConfig
+
+    ids, prompt_note = prompt_ids(args.prompt_tokens, AutoConfig.from_pretrained(hf_dir).vocab_size)
+    base = {"model": name, "tokens": args.tokens, "prompt_ids": ids, "budget_bytes": budget, "threads": args.threads,
+            "compute_threads": args.compute_threads,
+            "hf_dir": str(hf_dir), "offload_dir": str(cache / f"accelerate-{hf_dir.name}")}
+    baseline = measure_baseline(base)
+    modes = [m for m in args.modes.split(",") if m]
+    rows = []
+    for round_index, mode in [(r, m) for r in range(args.rounds) for m in modes]:  # round-robin over processes
+        config = {**base, "mode": mode, "store": str(stores["dense" if mode == "dense" else "endor"]),
+                  "layers_in_memory": dense_in_memory if mode == "endor" else None}
+        child_rows, facts = run_limited_child(_child_argv(config), budget, baseline, f"offload-{mode}",
+                                              args.child_timeout)
+        row = {"bench": "offload", "model": name, "mode": mode, "budget_mb": budget / 1e6,
+               **(child_rows[0] if child_rows else {"error": "the child printed no row"}), **facts}
+        if len(child_rows) > 1 and not row.get("error"):
+            row["error"] = child_rows[-1].get("error")
+        row.update(round=round_index, budget_spec=args.budget, model_mb=total / 1e6, baseline_mb=baseline / 1e6,
+                   prompt_tokens=len(ids), prompt_note=prompt_note)
+        row = {**{k: row.get(k) for k in KEYS}, **row}
+        rows.append(row)
+        emit([row], args.json, COLUMNS)
+    medians = median_rows(rows)
+    for row in medians:  # the modes' greedy tokens should agree (same pruned weights; fp16 rounding may differ)
+        row["same_tokens_as_dense"] = row.get("generated") == next(
+            (m.get("generated") for m in medians if m["mode"] == "dense"), None)
+    if not args.json:
+        print(f"\nmedians over {args.rounds} round(s):")
+    emit(medians, args.json, COLUMNS)
+    emit([ratios(medians)], args.json)
+
+
+if __name__ == "__main__":
+    main()

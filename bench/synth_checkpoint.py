@@ -1,0 +1,161 @@
+"""Hugging Face-format checkpoints of synthesized weights with the shapes of real 7B models, for the scale runs.
+
+    synthesize_checkpoint("opt-6.7b", out_dir, prune=0.5)      # OPT-6.7B: ReLU FFN, d 4096, 16384 neurons
+    synthesize_checkpoint("llama-2-7b", out_dir)               # Llama-2-7B: SwiGLU FFN, d 4096, 11008 neurons
+
+A checkpoint is what `save_pretrained` writes: config.json, safetensors shards and model.safetensors.index.json,
+loadable by `transformers.AutoModelForCausalLM.from_pretrained` and convertible by `flashllm_ext.convert`. The
+tensor names and shapes are those of a `transformers` model built from the config on the meta device (tied weights
+written once, as save_pretrained does), so nothing here restates a family's naming scheme. Written one tensor at a
+time (the largest, the embedding, is ~0.4 GB in fp16): the model is never in memory.
+
+Weights are random (normal, std 0.02; norms 1, biases 0): a flash store's read sizes, read counts and compute do not
+depend on weight values, so naive/hybrid/flash speeds measured on them are those of the real model with the same
+active sets (the active sets of the scale run come from the default model, bench/traces.py). `prune` zeroes that
+fraction of every decoder-layer Linear weight per output row, smallest magnitudes first: the layout of a Wanda or
+magnitude-pruned checkpoint (with random weights Wanda's |W| * ||X|| order is the magnitude order up to the input
+norms), which changes what Endor compression stores, not what flash reads.
+
+The shared copies on this machine (written once by `python bench/synth_checkpoint.py`, ~13 GB each):
+    ~/.cache/flashllm_ext/scale/opt-6.7b-hf      OPT-6.7B shapes, prune=0.5 (fp16)
+    ~/.cache/flashllm_ext/scale/llama-2-7b-hf    Llama-2-7B shapes, dense (fp16)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+
+from flashllm_ext.paths import resolve_cache_dir  # noqa: E402
+from flashllm_ext.safetensors_io import AlignedWriter, TensorSpec, dtype_name  # noqa: E402
+from flashllm_ext.store import DTYPES  # noqa: E402
+
+# The published config.json of facebook/opt-6.7b and meta-llama/Llama-2-7b-hf (architecture fields).
+CONFIGS: dict[str, dict] = {
+    "opt-6.7b": {"model_type": "opt", "architectures": ["OPTForCausalLM"], "activation_function": "relu",
+                 "hidden_size": 4096, "ffn_dim": 16384, "num_hidden_layers": 32, "num_attention_heads": 32,
+                 "vocab_size": 50272, "word_embed_proj_dim": 4096, "max_position_embeddings": 2048,
+                 "do_layer_norm_before": True, "enable_bias": True, "layer_norm_elementwise_affine": True,
+                 "bos_token_id": 2, "eos_token_id": 2, "pad_token_id": 1, "tie_word_embeddings": True},
+    "llama-2-7b": {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_act": "silu",
+                   "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+                   "num_attention_heads": 32, "num_key_value_heads": 32, "vocab_size": 32000,
+                   "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+                   "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False},
+}
+SHARED_DIRS = {"opt-6.7b": ("opt-6.7b-hf", 0.5), "llama-2-7b": ("llama-2-7b-hf", None)}  # name -> (dir, prune)
+INIT_STD = 0.02
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def checkpoint_specs(config: dict, dtype: torch.dtype) -> list[TensorSpec]:
+    """Every tensor a `transformers` model of `config` saves (tied weights once), in its parameter order."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = dict(config)
+    hf_config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config)
+    # named_parameters drops the second name of a tied weight (lm_head.weight of OPT): save_pretrained does too.
+    tensors = list(model.named_parameters()) + [(n, b) for n, b in model.named_buffers()
+                                                if n in model.state_dict()]
+    return [TensorSpec(name, dtype_name(dtype), tuple(t.shape)) for name, t in tensors]
+
+
+def _is_pruned(spec: TensorSpec) -> bool:
+    """Decoder-layer Linear weights: what Wanda prunes (not embeddings, norms, biases or the LM head)."""
+    return ".layers." in spec.name and spec.name.endswith(".weight") and len(spec.shape) == 2
+
+
+def synth_tensor(spec: TensorSpec, generator: torch.Generator, prune: float | None) -> torch.Tensor:
+    """One synthesized tensor: norms (1-D `*norm*.weight`) 1, biases 0, else normal(0, INIT_STD); decoder-layer
+    weights with `prune` of each row's smallest magnitudes zeroed."""
+    dtype = DTYPES[{"F16": "fp16", "BF16": "bf16", "F32": "fp32"}[spec.dtype]]
+    if len(spec.shape) == 1:
+        fill = 1.0 if "norm" in spec.name and spec.name.endswith(".weight") else 0.0
+        return torch.full(spec.shape, fill, dtype=dtype)
+    weight = torch.randn(spec.shape, generator=generator, dtype=torch.float32).mul_(INIT_STD)
+    if prune and _is_pruned(spec):
+        k = int(prune * spec.shape[1])  # zeroed per row
+        if k:
+            magnitude = weight.abs()
+            cut = magnitude.kthvalue(k, dim=1, keepdim=True).values
+            weight.masked_fill_(magnitude <= cut, 0.0)
+    return weight.to(dtype)
+
+
+def synthesize_checkpoint(name: str, out_dir: str | os.PathLike, *, prune: float | None = None,
+                          dtype: str = "fp16", seed: int = 0, overrides: dict | None = None,
+                          shard_bytes: int = 2 << 30, progress: bool = True) -> Path:
+    """Write a Hugging Face checkpoint with the shapes of `name` ("opt-6.7b" or "llama-2-7b"; `overrides` replaces
+    config fields, e.g. a tiny config for tests) at `out_dir`: config.json, safetensors shards of at most
+    `shard_bytes` (a larger tensor gets a shard of its own) and model.safetensors.index.json. Written under a
+    temporary name and renamed at the end; an existing `out_dir` is replaced. Returns out_dir."""
+    if name not in CONFIGS:
+        raise ValueError(f"name must be one of {sorted(CONFIGS)}, got {name!r}")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    if prune is not None and not 0.0 <= prune < 1.0:
+        raise ValueError(f"prune must be in [0, 1), got {prune}")
+    config = {**CONFIGS[name], **(overrides or {}), "torch_dtype": str(DTYPES[dtype]).removeprefix("torch.")}
+    specs = checkpoint_specs(config, DTYPES[dtype])
+    shards: list[list[TensorSpec]] = [[]]
+    for spec in specs:
+        if shards[-1] and sum(s.nbytes for s in shards[-1]) + spec.nbytes > shard_bytes:
+            shards.append([])
+        shards[-1].append(spec)
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    generator = torch.Generator().manual_seed(seed)
+    weight_map: dict[str, str] = {}
+    try:
+        with tqdm(total=sum(s.nbytes for s in specs), unit="B", unit_scale=True, disable=not progress,
+                  desc=f"synthesizing {name}" + (f" (pruned {prune:g})" if prune else "")) as bar:
+            for index, shard in enumerate(shards):
+                file = f"model-{index + 1:05d}-of-{len(shards):05d}.safetensors"
+                with AlignedWriter(tmp / file, shard, {"format": "pt"}, alignment=8, tensor_alignment=1) as writer:
+                    for spec in shard:
+                        writer.write(spec.name, synth_tensor(spec, generator, prune))
+                        weight_map[spec.name] = file
+                        bar.update(spec.nbytes)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        (tmp / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": sum(s.nbytes for s in specs)},
+                                                  "weight_map": weight_map}, indent=2) + "\n")
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        tmp.rename(out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
+
+
+def shared_checkpoint(name: str, progress: bool = True) -> Path:
+    """The shared copy of `name` under the cache's scale/ directory (see the module doc), written if missing."""
+    directory, prune = SHARED_DIRS[name]
+    path = resolve_cache_dir() / "scale" / directory
+    if not (path / INDEX_FILE).is_file():
+        synthesize_checkpoint(name, path, prune=prune, progress=progress)
+    return path
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("names", nargs="*", default=sorted(CONFIGS), help=f"among {sorted(CONFIGS)}")
+    args = parser.parse_args(argv)
+    for name in args.names:
+        print(shared_checkpoint(name))
+
+
+if __name__ == "__main__":
+    main()

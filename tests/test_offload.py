@@ -1,0 +1,248 @@
+"""Offloaded inference (flashllm_ext.offload): greedy tokens equal to transformers' in every mode, placement by the
+budget (nearest first, more layers when kept compressed), the minimum budget, read failures, the store format."""
+import os
+import re
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM
+
+from flashllm_ext import FormatError, endor
+from flashllm_ext.checkpoint import TensorsCheckpoint
+from flashllm_ext.offload import LayerStore, OffloadedLinear, convert_offload, load_offloaded, patch_offload
+
+N_LAYERS = 6
+
+
+def tiny_model(kind: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if kind == "llama":
+        config = LlamaConfig(hidden_size=128, intermediate_size=352, num_hidden_layers=N_LAYERS, num_attention_heads=4,
+                             num_key_value_heads=2, vocab_size=96, max_position_embeddings=64)
+        model = LlamaForCausalLM(config)
+    else:
+        config = OPTConfig(hidden_size=128, ffn_dim=352, num_hidden_layers=N_LAYERS, num_attention_heads=4,
+                           vocab_size=96, word_embed_proj_dim=128, max_position_embeddings=64)
+        model = OPTForCausalLM(config)
+    with torch.no_grad():  # 50% magnitude pruning of every decoder-layer Linear, as a pruned checkpoint has
+        for name, p in model.named_parameters():
+            if ".layers." in name and name.endswith(".weight") and p.dim() == 2:
+                p.copy_(endor.prune(p, 0.5))
+    return model.eval()
+
+
+def model_checkpoint(model: torch.nn.Module) -> TensorsCheckpoint:
+    # named_parameters lists a tied weight once, as save_pretrained writes it.
+    return TensorsCheckpoint(model.config.to_dict(), {n: p.detach() for n, p in model.named_parameters()})
+
+
+@pytest.fixture(scope="module", params=["llama", "opt"])
+def case(request, tmp_path_factory):
+    model = tiny_model(request.param)
+    root = tmp_path_factory.mktemp(request.param)
+    ckpt = model_checkpoint(model)
+    dense = convert_offload(ckpt, root / "dense", dtype="fp32", progress=False)
+    compressed = convert_offload(ckpt, root / "endor", dtype="fp32", endor_compress=True, progress=False)
+    prompt = torch.randint(0, 96, (1, 11), generator=torch.Generator().manual_seed(1))
+    reference = model.generate(prompt, max_new_tokens=8, do_sample=False)
+    return {"model": model, "dense": dense, "endor": compressed, "prompt": prompt, "reference": reference}
+
+
+def store_of(case, mode):
+    return case["dense"] if mode == "dense" else case["endor"]
+
+
+def budget_for(store: LayerStore, mode: str, in_memory: int, resident: int) -> int:
+    """The least budget that keeps `in_memory` layers in memory in `mode`."""
+    keep = mode == "endor+more-resident"
+    cost = sum(store.stored_bytes(i) if keep else store.dense_bytes(i) for i in range(in_memory))
+    return resident + cost + _staging(store, mode, in_memory)
+
+
+def _staging(store: LayerStore, mode: str, k: int) -> int:
+    """Two read buffers of the largest SSD layer + a decompression buffer for the largest Endor matrix computed
+    from its compressed form."""
+    rest = [store.stored_bytes(i) for i in range(k, store.n_layers)]
+    if not rest:
+        return 0
+    decompress = max((e.shape[0] * e.shape[1] * store.dtype.itemsize for i in range(store.n_layers) for e in store.layers[i]
+                      if e.endor and (i >= k or mode == "endor+more-resident")), default=0)
+    return 2 * max(rest) + decompress
+
+
+@pytest.mark.parametrize("mode", ["dense", "endor", "endor+more-resident"])
+@pytest.mark.parametrize("in_memory", [0, 2, N_LAYERS])
+def test_greedy_tokens_equal_transformers(case, mode, in_memory):
+    store = LayerStore(store_of(case, mode))
+    model = load_offloaded(store.path, None, mode=mode)  # resident bytes of the built model, for the budget
+    resident = model.offload.resident_bytes
+    model = load_offloaded(store.path, budget_for(store, mode, in_memory, resident), mode=mode)
+    assert model.offload.layers_in_memory == in_memory and model.offload.layers_on_ssd == N_LAYERS - in_memory
+    out = model.generate(case["prompt"], max_new_tokens=8, do_sample=False)
+    assert torch.equal(out, case["reference"])
+    stats = model.offload_stats()
+    tokens = stats["forwards"]
+    assert tokens == 8
+    want = sum(store.stored_bytes(i) for i in range(in_memory, N_LAYERS))
+    assert stats["bytes_read_per_token"] == want  # every SSD layer, every token, once
+    assert stats["accounted_bytes"] <= stats["budget_bytes"]
+    model.offload.close()
+
+
+def test_endor_reads_fewer_bytes_and_decode_paths_agree(case):
+    dense, compressed = LayerStore(case["dense"]), LayerStore(case["endor"])
+    assert compressed.endor and not dense.endor
+    assert sum(map(compressed.stored_bytes, range(N_LAYERS))) < 0.75 * sum(map(dense.stored_bytes, range(N_LAYERS)))
+    outs = []
+    for compute in ("linear", "decompress"):
+        model = load_offloaded(case["endor"], None, mode="endor+more-resident", compute=compute)
+        outs.append(model.generate(case["prompt"], max_new_tokens=8, do_sample=False))
+    assert torch.equal(outs[0], case["reference"]) and torch.equal(outs[1], case["reference"])
+
+
+def test_placement_nearest_first_and_more_layers_when_compressed(case):
+    store = LayerStore(case["endor"])
+    resident = load_offloaded(store.path, None, mode="endor").offload.resident_bytes
+    counts = {}
+    for budget in range(resident + _staging(store, "endor", 0), resident + 4 * store.dense_bytes(0),
+                        store.dense_bytes(0) // 8):
+        for mode in ("endor", "endor+more-resident"):
+            model = load_offloaded(store.path, budget, mode=mode)
+            counts.setdefault(mode, []).append(model.offload.layers_in_memory)
+            linears = [m for m in model.modules() if isinstance(m, OffloadedLinear)]
+            # nearest first: exactly the first layers_in_memory layers are in memory
+            assert {m.layer for m in linears if "memory" in m.extra_repr()} == \
+                set(range(model.offload.layers_in_memory))
+            assert model.offload.accounted_bytes <= budget
+            model.offload.close()
+    assert counts["endor"] == sorted(counts["endor"])
+    assert all(c >= e for c, e in zip(counts["endor+more-resident"], counts["endor"]))
+    assert any(c > e for c, e in zip(counts["endor+more-resident"], counts["endor"]))
+
+
+@pytest.mark.parametrize("mode", ["dense", "endor+more-resident"])
+def test_budget_below_minimum_is_refused_naming_it(case, mode):
+    store = LayerStore(store_of(case, mode))
+    resident = load_offloaded(store.path, None, mode=mode).offload.resident_bytes
+    minimum = resident + _staging(store, mode, 0)
+    with pytest.raises(ValueError, match=re.escape(f"below the minimum of {minimum} for {mode} offload")):
+        load_offloaded(store.path, minimum - 1, mode=mode)
+    load_offloaded(store.path, minimum, mode=mode).offload.close()
+
+
+def test_read_failure_raises_and_model_stays_usable(case):
+    path = os.path.join(case["endor"], "layers.safetensors")
+    with open(path, "rb") as f:
+        original = f.read()
+    model = load_offloaded(case["endor"], None, mode="endor")
+    model.offload.close()
+    store = LayerStore(case["endor"])
+    model = load_offloaded(case["endor"], budget_for(store, "endor", 1, model.offload.resident_bytes), mode="endor")
+    last_offset, _ = store.layer_range(N_LAYERS - 1)
+    try:
+        with open(path, "r+b") as f:
+            f.truncate(last_offset)  # the last layer's range is gone: its read hits the end of the file
+        with pytest.raises(RuntimeError, match=f"reading layer {N_LAYERS - 1} from .*layers.safetensors failed"):
+            model.generate(case["prompt"], max_new_tokens=8, do_sample=False)
+    finally:
+        with open(path, "wb") as f:
+            f.write(original)
+    out = model.generate(case["prompt"], max_new_tokens=8, do_sample=False)
+    assert torch.equal(out, case["reference"])
+    model.offload.close()
+
+
+def test_patch_and_unpatch(case):
+    model = case["model"]
+    runtime = patch_offload(model, case["endor"], mode="endor", dram_budget="60%")
+    assert runtime.layers_on_ssd > 0
+    with pytest.raises(ValueError, match="already offloaded"):
+        patch_offload(model, case["endor"], mode="endor")
+    assert torch.equal(model.generate(case["prompt"], max_new_tokens=8, do_sample=False), case["reference"])
+    runtime.unpatch(model)
+    assert not any(isinstance(m, OffloadedLinear) for m in model.modules()) and not hasattr(model, "offload")
+    assert torch.equal(model.generate(case["prompt"], max_new_tokens=8, do_sample=False), case["reference"])
+
+
+def test_bad_arguments_and_stores(case, tmp_path):
+    with pytest.raises(ValueError, match="needs an Endor layer store"):
+        load_offloaded(case["dense"], None, mode="endor")
+    with pytest.raises(ValueError, match="mode must be one of"):
+        load_offloaded(case["endor"], None, mode="flash")
+    with pytest.raises(ValueError, match="compute must be one of"):
+        load_offloaded(case["endor"], None, mode="endor", compute="gemm")
+    with pytest.raises(ValueError, match="differ from the store's"):
+        patch_offload(tiny_model("llama" if "opt" in str(case["endor"]) else "opt"), case["endor"])
+    with pytest.raises(FileExistsError):
+        convert_offload(model_checkpoint(case["model"]), case["dense"], dtype="fp32")
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    data = open(os.path.join(case["endor"], "layers.safetensors"), "rb").read()
+    (broken / "resident.safetensors").write_bytes(open(os.path.join(case["endor"], "resident.safetensors"),
+                                                       "rb").read())
+    (broken / "layers.safetensors").write_bytes(data[:len(data) // 2])
+    with pytest.raises(FormatError, match="layers.safetensors"):
+        LayerStore(broken)
+
+
+def test_cli_converts_a_hugging_face_directory(tmp_path, capsys):
+    from flashllm_ext import cli
+
+    model = tiny_model("opt")
+    model.save_pretrained(tmp_path / "hf")
+    assert cli.main(["offload", str(tmp_path / "store"), "--convert", str(tmp_path / "hf"), "--endor",
+                     "--dtype", "fp32"]) == 0
+    assert "endor=True" in capsys.readouterr().out
+    offloaded = load_offloaded(tmp_path / "store", "60%", mode="endor")
+    prompt = torch.tensor([[5, 7, 11, 13]])
+    assert torch.equal(offloaded.generate(prompt, max_new_tokens=4, do_sample=False),
+                       model.generate(prompt, max_new_tokens=4, do_sample=False))
+    offloaded.offload.close()
+
+
+@pytest.mark.slow
+def test_default_model_wanda_pruned_greedy_tokens(default_model, tmp_path, capsys):
+    """The Wanda-50%-pruned default model (attention and FFN), fp16: offloaded at 30% in dense and Endor modes gives
+    transformers' greedy tokens."""
+    from flashllm_ext.demo import decoder_linear_names, wanda_prune
+    from flashllm_ext.models import corpus_token_ids, replace_weights
+
+    from flashllm_ext import cli
+
+    gguf, model, tokenizer = default_model
+    names = decoder_linear_names(model)
+    originals = {f"{n}.weight": model.get_submodule(n).weight.detach().clone() for n in names}
+    pruned = wanda_prune(model, corpus_token_ids(tokenizer, "calibration", 128), names, 0.5, torch.float16,
+                         progress=False)
+    try:
+        replace_weights(model, pruned)
+        reference_model = model.to(torch.float16)
+        ckpt = model_checkpoint(reference_model)
+        prompt = corpus_token_ids(tokenizer, "heldout", 16).view(1, -1)
+        reference = reference_model.generate(prompt, max_new_tokens=12, do_sample=False)
+        for mode, compress in (("dense", False), ("endor", True)):
+            store = convert_offload(ckpt, tmp_path / mode, dtype="fp16", endor_compress=compress, force=True,
+                                    progress=False)
+            offloaded = load_offloaded(store, "30%", mode=mode)
+            assert offloaded.offload.layers_on_ssd > 0
+            out = offloaded.generate(prompt, max_new_tokens=12, do_sample=False)
+            assert out.tolist() == reference.tolist(), mode
+            offloaded.offload.close()
+        assert cli.main(["offload", str(store), "--tokenizer", str(gguf), "--mode", "endor", "--tokens", "4"]) == 0
+        out = capsys.readouterr().out
+        assert "tokens in" in out and "bytes_read_per_token" in out
+    finally:
+        model.to(torch.float32)
+        replace_weights(model, originals)
+
+
+def test_forced_placement_compares_modes_on_the_same_layers(case):
+    store = LayerStore(case["endor"])
+    resident = load_offloaded(store.path, None, mode="endor").offload.resident_bytes
+    budget = budget_for(store, "endor", 2, resident)
+    model = load_offloaded(store.path, budget, mode="endor", layers_in_memory=1)
+    assert model.offload.layers_in_memory == 1 and model.offload.accounted_bytes <= budget
+    assert torch.equal(model.generate(case["prompt"], max_new_tokens=8, do_sample=False), case["reference"])
+    model.offload.close()
+    with pytest.raises(ValueError, match="3 layers in memory in endor mode need"):
+        load_offloaded(store.path, budget, mode="endor", layers_in_memory=3)
