@@ -10,7 +10,12 @@ the decode tokens (stats reset after prefill); hidden_io_ms is the read time the
 The configurations run round-robin for --rounds rounds (each in a fresh process); the summary rows
 (bench:"e2e_median") are per-mode medians over the rounds, and ratios are taken between those medians.
 
-    python bench/bench_e2e.py [--json] [--budget 50%] [--tokens 32] [--rounds 3] [--quick] [--store DIR]
+With --endor (issue 11): flash mode on two stores of the same Wanda-50%-pruned default model, dense bundles and
+Endor rows (store_format "dense" / "endor"), same budget, prompt, predictors (the unpruned model's, trained once
+into the default store and copied into both) and tokens, each in its own limited process, interleaved: bytes read
+per token and ms/token of the Endor store against the dense one.
+
+    python bench/bench_e2e.py [--json] [--budget 50%] [--tokens 32] [--rounds 3] [--quick] [--store DIR] [--endor]
 """
 from __future__ import annotations
 
@@ -151,7 +156,8 @@ def _load(config: dict):
 def run_child(config: dict) -> dict:
     """One configuration, in this process: load, prefill, decode; the row (without the cgroup facts)."""
     row = {"bench": "e2e", "model": config["model"], "mode": config["mode"],
-           "budget_mb": None if config["budget_bytes"] is None else config["budget_bytes"] / 1e6}
+           "budget_mb": None if config["budget_bytes"] is None else config["budget_bytes"] / 1e6,
+           **({"store_format": config["store_format"]} if "store_format" in config else {})}
     try:
         model, reset_stats = _load(config)
         times, tokens = _decode(model, torch.tensor([config["prompt_ids"]]), config["tokens"], reset_stats)
@@ -194,15 +200,23 @@ def default_store(cache: Path, train_predictors: bool = True) -> Path:
     return path
 
 
-def hf_checkpoint(cache: Path) -> Path:
-    """The default model as a Hugging Face fp16 safetensors directory (accelerate's input), saved once."""
+def hf_checkpoint(cache: Path, wanda_sparsity: float | None = None) -> Path:
+    """The default model as a Hugging Face fp16 safetensors directory (accelerate's input), saved once; with
+    wanda_sparsity, its FFN weights Wanda-pruned first (flashllm_ext.demo.wanda_prune_ffn, 512 calibration tokens)."""
     from flashllm_ext.models import load_hf_model
 
-    path = cache / "smollm2-135m-hf-fp16"
+    pruned = "" if wanda_sparsity is None else f"-wanda{round(wanda_sparsity * 100)}"
+    path = cache / f"smollm2-135m-hf-fp16{pruned}"
     if not (path / "config.json").is_file():
         from transformers import AutoModelForCausalLM
 
         gguf_model, tokenizer = load_hf_model()
+        if wanda_sparsity is not None:
+            from flashllm_ext.demo import wanda_prune_ffn
+            from flashllm_ext.models import corpus_token_ids, replace_weights
+
+            calibration = corpus_token_ids(tokenizer, "calibration", 512)
+            replace_weights(gguf_model, wanda_prune_ffn(gguf_model, calibration, wanda_sparsity))
         # transformers refuses to serialise a model loaded from GGUF: copy its weights into a plain one.
         config = gguf_model.config
         config.__dict__.pop("quantization_config", None)
@@ -422,6 +436,62 @@ def run_scale(args, baseline: int) -> list[dict]:
     return rows
 
 
+# ----------------------------------------------------------------------------------------- the Endor store run
+
+def endor_stores(cache: Path) -> dict[str, Path]:
+    """store_format -> fp16 store of the Wanda-50%-pruned default model (cached), both with the default store's
+    trained predictors (the same sets on both: the comparison is of the formats alone)."""
+    from flashllm_ext.convert import convert
+    from flashllm_ext.predictor import load_predictors, save_predictors_to_store
+    from flashllm_ext.store import FlashStore
+
+    checkpoint = hf_checkpoint(cache, wanda_sparsity=0.5)
+    predictors = load_predictors(default_store(cache))
+    stores = {}
+    for fmt in ("dense", "endor"):
+        path = cache / f"smollm2-135m-wanda50-{fmt}-fp16"
+        try:
+            FlashStore(path)
+            load_predictors(path)
+        except Exception:  # none yet, an older format, or no predictors: (re)convert
+            convert(checkpoint, path, dtype="fp16", endor=fmt == "endor", force=True)
+            save_predictors_to_store(predictors, path)
+        stores[fmt] = path
+    return stores
+
+
+def run_endor(args, cache: Path, baseline: int) -> list[dict]:
+    """Flash mode on the dense and the Endor store of the pruned model, round-robin, each in its own process."""
+    from flashllm_ext.engine import parse_budget
+    from flashllm_ext.store import FlashStore
+
+    stores = endor_stores(cache)
+    total = model_bytes_of(stores["dense"])  # the same for both: an Endor model decompresses to the same bundles
+    budget = parse_budget(args.budget, total)
+    ids, prompt_note = prompt_ids(args.prompt_tokens, FlashStore(stores["dense"]).config["vocab_size"])
+    rows = []
+    for round_index, fmt in [(r, f) for r in range(args.rounds) for f in stores]:
+        config = {"model": f"{DEFAULT_MODEL} Wanda 50%", "store": str(stores[fmt]), "store_format": fmt,
+                  "mode": "flash", "budget_bytes": budget, "tokens": args.tokens, "prompt_ids": ids,
+                  "timeout_s": args.child_timeout}
+        row = run_configuration(config, baseline)
+        row.update(model_bytes_mb=total / 1e6, baseline_mb=baseline / 1e6, budget_spec=args.budget,
+                   prompt_tokens=len(ids), prompt_note=prompt_note, round=round_index, store_format=fmt)
+        row = {**{k: row.get(k) for k in KEYS}, **row}
+        rows.append(row)
+        emit([row], args.json, ["store_format"] + COLUMNS)
+    medians = median_rows(rows)
+    by_format = {m["store_format"]: m for m in medians}
+    if set(by_format) == {"dense", "endor"}:
+        dense, comp = by_format["dense"], by_format["endor"]
+        same = [r["generated"] for r in rows if r.get("generated")]
+        medians.append({"bench": "e2e_endor_ratio", "model": dense["model"], "budget_mb": budget / 1e6,
+                        "bytes_per_token_ratio": comp["bytes_per_token"] / dense["bytes_per_token"],
+                        "ms_per_token_ratio": comp["ms_per_token"] / dense["ms_per_token"],
+                        "same_tokens": all(g == same[0] for g in same), "rounds": args.rounds})
+    return medians
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = arg_parser(__doc__.splitlines()[0])
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -439,6 +509,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="smoke run: 4 tokens, 16-token prompt")
     parser.add_argument("--no-plot", action="store_true")
     parser.add_argument("--scale", action="store_true", help="the OPT-6.7B-shaped FFN-only rows instead (FFN budget)")
+    parser.add_argument("--endor", action="store_true", help="flash mode on the Wanda-50%%-pruned default model's "
+                                                             "dense and Endor stores instead")
     parser.set_defaults(rounds=3)
     args = parser.parse_args(argv)
     if args.child:
@@ -462,6 +534,13 @@ def main(argv: list[str] | None = None) -> None:
     from flashllm_ext.engine import parse_budget
 
     cache = resolve_cache_dir() / "e2e"
+    if args.endor:
+        medians = run_endor(args, cache, measure_baseline())
+        if not args.json:
+            print(f"\nmedians over {args.rounds} round(s):")
+        emit(medians, args.json, ["store_format", "bytes_per_token_ratio", "ms_per_token_ratio", "same_tokens"] +
+             COLUMNS)
+        return
     modes = [m for m in args.modes.split(",") if m]
     store = Path(args.store) if args.store else default_store(cache, any(m.startswith("flash") for m in modes))
     hf_dir = Path(args.hf_dir) if args.hf_dir else (hf_checkpoint(cache) if "accelerate" in modes and
@@ -508,9 +587,9 @@ def median_rows(rows: list[dict]) -> list[dict]:
     groups: dict[tuple, list[dict]] = {}
     for row in rows:
         if not row.get("error"):
-            groups.setdefault((row["mode"], row.get("budget_spec")), []).append(row)
+            groups.setdefault((row["mode"], row.get("budget_spec"), row.get("store_format")), []).append(row)
     out = []
-    for (mode, spec), group in groups.items():
+    for group in groups.values():
         numbers = {k for r in group for k, v in r.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
         median = {k: statistics.median(r[k] for r in group if r.get(k) is not None) for k in numbers
                   if any(r.get(k) is not None for r in group)}

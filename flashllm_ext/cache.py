@@ -11,7 +11,9 @@ The cache holds, preallocated once, the bundles of the neurons active in the las
                                      order the budget rule needs
 `step(active_ids)` evicts rows whose neuron left the window by swap-delete (the last used rows move into the
 holes, ops.cache_compact), reads the missing bundles with FlashReader straight into the free rows at the end, and
-appends their ids. Rows [0, num_used) then feed ops.sparse_ffn.
+appends their ids. Rows [0, num_used) then feed ops.sparse_ffn. Over an Endor store the reader decompresses each
+missing neuron's compressed row straight into its free cache row (endor_decompress(rows=..., out=...)), so the
+cache holds dense bundles and reads ~56% of the bytes at 50% sparsity.
 
 Capacity comes from a byte budget (or is given); when the window's union does not fit, the least recently active
 rows that the current token does not need are evicted early and counted in StepStats.evicted_budget. A token
@@ -77,8 +79,6 @@ class NeuronCache:
     def __init__(self, store: FlashStore | str | os.PathLike, layer: int, capacity: int | None = None,
                  window: int = 5, *, budget_bytes: int | None = None, reader: FlashReader | None = None):
         self.store = store if isinstance(store, FlashStore) else FlashStore(store)
-        if self.store.endor:
-            raise ValueError(f"{self.store.path}: NeuronCache reads dense bundles; this store is Endor-compressed")
         if not 0 <= layer < self.store.n_layers:
             raise ValueError(f"layer {layer} out of range [0, {self.store.n_layers})")
         if window < 1:

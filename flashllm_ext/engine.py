@@ -12,8 +12,9 @@ Modes (the paper's Table 3 rows):
   exact   flash's cache and reads with every neuron active and no threshold: dense results through the flash path
 
 The budget covers what the model holds: resident tensors (embeddings, attention, norms), predictors, the caches /
-resident bundles / staging buffers. Its split: resident tensors first, then predictors, then the FFN state, equal
-per layer. A budget that cannot hold one bundle per layer raises ValueError naming the minimum.
+resident bundles / staging buffers (an Endor store's compressed staging included: FlashReader.staging_bound). Its
+split: resident tensors first, then predictors, then the FFN state, equal per layer. A budget that cannot hold one
+bundle per layer raises ValueError naming the minimum.
 """
 from __future__ import annotations
 
@@ -164,7 +165,8 @@ def _make_modules(store: FlashStore, mode: str, ffn_budget: int | None, window: 
 
     def too_small(need: int) -> ValueError:
         return ValueError(f"dram_budget of {budget_bytes} bytes is below the minimum of {fixed_bytes + need} for "
-                          f"{mode} mode ({fixed_bytes} resident tensors and predictors + {need} for the FFNs)")
+                          f"{mode} mode ({fixed_bytes} resident tensors, predictors and read staging + {need} for "
+                          "the FFNs)")
 
     if mode in ("flash", "exact"):
         fixed, per_row = FlashFFN.bytes_for(store)
@@ -213,12 +215,14 @@ def ffn_stack(store: FlashStore, mode: str, budget_bytes: int | None, *, window:
         if len(predictors.predictors) != store.n_layers:
             raise ValueError(f"predictors cover {len(predictors.predictors)} layers, the store {store.n_layers}")
         predictor_bytes = _tensor_bytes(list(predictors.parameters()) + list(predictors.buffers()))
-    fixed = resident_bytes + predictor_bytes
-    ffn_budget = None if budget_bytes is None else budget_bytes - fixed
     reader, stats = FlashReader(store, threads=threads), FFNStats()
+    # An Endor store's reads stage compressed rows before decompressing them: one read at a time, a fixed cost.
+    fixed = resident_bytes + predictor_bytes + reader.staging_bound()
+    ffn_budget = None if budget_bytes is None else budget_bytes - fixed
     try:
         modules, ffn_bytes = _make_modules(store, mode, ffn_budget, window, predictors, reader, stats, budget_bytes,
                                            fixed)
+        ffn_bytes += reader.staging_bound()
     except BaseException:
         reader.close()
         raise
