@@ -11,9 +11,10 @@ The configurations run round-robin for --rounds rounds (each in a fresh process)
 (bench:"e2e_median") are per-mode medians over the rounds, and ratios are taken between those medians.
 
 With --endor (issue 11): flash mode on two stores of the same Wanda-50%-pruned default model, dense bundles and
-Endor rows (store_format "dense" / "endor"), same budget, prompt, predictors (the unpruned model's, trained once
-into the default store and copied into both) and tokens, each in its own limited process, interleaved: bytes read
-per token and ms/token of the Endor store against the dense one.
+Endor rows (store_format "dense" / "endor"), same budget, prompt and tokens, each in its own limited process,
+interleaved: bytes read per token and ms/token of the Endor store against the dense one. Both run flash-oracle
+(the true active sets of the rule, thresholds calibrated on the pruned model at TARGET_SPARSITY): the same sets on
+both stores, so the comparison is of the formats alone, with no predictor to train.
 
     python bench/bench_e2e.py [--json] [--budget 50%] [--tokens 32] [--rounds 3] [--quick] [--store DIR] [--endor]
 """
@@ -42,6 +43,7 @@ KEYS = ("bench", "model", "mode", "budget_mb", "cgroup_limit_mb", "cgroup_peak_m
         "predictor_ms", "compute_ms", "hidden_io_ms", "bytes_per_token", "tokens", "hit_rate")
 COLUMNS = ["mode", "budget_mb", "cgroup_limit_mb", "cgroup_peak_mb", "oom_killed", "ms_per_token", "io_ms", "mem_ms",
            "predictor_ms", "compute_ms", "bytes_per_token", "hit_rate", "error"]
+ENDOR_COLUMNS = ["store_format", "decompress_ms"] + COLUMNS
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 TARGET_SPARSITY = 0.6  # the default-model predictors' operating point (trained once into the cached store):
 # the rule's threshold alone costs ~+5% held-out perplexity there (BENCHMARKS.md)
@@ -147,7 +149,9 @@ def _load(config: dict):
     predictors = None
     if mode == "flash-oracle":
         store = FlashStore(config["store"])
-        predictors = OraclePredictors(store, load_predictors(store.path).thresholds)
+        thresholds = torch.tensor(config["thresholds"]) if "thresholds" in config else \
+            load_predictors(store.path).thresholds
+        predictors = OraclePredictors(store, thresholds)
     model = flashllm_ext.load_flash(config["store"], budget, mode="flash" if mode == "flash-oracle" else mode,
                                     predictors=predictors)
     return model, model.flash.stats.reset
@@ -167,8 +171,8 @@ def run_child(config: dict) -> dict:
                tokens=len(times), generated=tokens)
     stats = model.flash_stats() if getattr(model, "flash", None) is not None else None
     if stats is not None:
-        row.update({k: stats[k] for k in ("io_ms", "hidden_io_ms", "mem_ms", "predictor_ms", "compute_ms",
-                                          "bytes_per_token", "hit_rate", "accounted_bytes")})
+        row.update({k: stats[k] for k in ("io_ms", "hidden_io_ms", "decompress_ms", "mem_ms", "predictor_ms",
+                                          "compute_ms", "bytes_per_token", "hit_rate", "accounted_bytes")})
     else:  # dense / accelerate: no engine stats; the whole decode time is compute (accelerate's reads included)
         row.update(io_ms=None, mem_ms=None, predictor_ms=None, compute_ms=None, bytes_per_token=0 if
                    config["mode"] == "dense" else None, hit_rate=None)
@@ -438,48 +442,54 @@ def run_scale(args, baseline: int) -> list[dict]:
 
 # ----------------------------------------------------------------------------------------- the Endor store run
 
-def endor_stores(cache: Path) -> dict[str, Path]:
-    """store_format -> fp16 store of the Wanda-50%-pruned default model (cached), both with the default store's
-    trained predictors (the same sets on both: the comparison is of the formats alone)."""
+def endor_stores(cache: Path) -> tuple[dict[str, Path], list[float]]:
+    """(store_format -> fp16 store of the Wanda-50%-pruned default model, the pruned model's per-layer thresholds at
+    TARGET_SPARSITY on the calibration text); all cached."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     from flashllm_ext.convert import convert
-    from flashllm_ext.predictor import load_predictors, save_predictors_to_store
+    from flashllm_ext.models import corpus_token_ids
+    from flashllm_ext.predictor import calibrate_thresholds
     from flashllm_ext.store import FlashStore
 
     checkpoint = hf_checkpoint(cache, wanda_sparsity=0.5)
-    predictors = load_predictors(default_store(cache))
     stores = {}
     for fmt in ("dense", "endor"):
         path = cache / f"smollm2-135m-wanda50-{fmt}-fp16"
         try:
             FlashStore(path)
-            load_predictors(path)
-        except Exception:  # none yet, an older format, or no predictors: (re)convert
+        except (OSError, FormatError):  # none yet, or written by an older format: (re)convert
             convert(checkpoint, path, dtype="fp16", endor=fmt == "endor", force=True)
-            save_predictors_to_store(predictors, path)
         stores[fmt] = path
-    return stores
+    cached = cache / f"smollm2-135m-wanda50-thresholds-{TARGET_SPARSITY:g}.pt"
+    if not cached.is_file():
+        model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+        ids = corpus_token_ids(AutoTokenizer.from_pretrained(checkpoint), "calibration", max_tokens=2048)
+        torch.save(calibrate_thresholds(model, ids, TARGET_SPARSITY), cached)
+    return stores, torch.load(cached).tolist()
 
 
 def run_endor(args, cache: Path, baseline: int) -> list[dict]:
-    """Flash mode on the dense and the Endor store of the pruned model, round-robin, each in its own process."""
+    """Flash mode (true active sets) on the dense and the Endor store of the pruned model, round-robin, each in its
+    own process."""
     from flashllm_ext.engine import parse_budget
     from flashllm_ext.store import FlashStore
 
-    stores = endor_stores(cache)
+    stores, thresholds = endor_stores(cache)
     total = model_bytes_of(stores["dense"])  # the same for both: an Endor model decompresses to the same bundles
     budget = parse_budget(args.budget, total)
     ids, prompt_note = prompt_ids(args.prompt_tokens, FlashStore(stores["dense"]).config["vocab_size"])
     rows = []
     for round_index, fmt in [(r, f) for r in range(args.rounds) for f in stores]:
         config = {"model": f"{DEFAULT_MODEL} Wanda 50%", "store": str(stores[fmt]), "store_format": fmt,
-                  "mode": "flash", "budget_bytes": budget, "tokens": args.tokens, "prompt_ids": ids,
-                  "timeout_s": args.child_timeout}
+                  "mode": "flash-oracle", "thresholds": thresholds, "budget_bytes": budget, "tokens": args.tokens,
+                  "prompt_ids": ids, "timeout_s": args.child_timeout}
         row = run_configuration(config, baseline)
         row.update(model_bytes_mb=total / 1e6, baseline_mb=baseline / 1e6, budget_spec=args.budget,
                    prompt_tokens=len(ids), prompt_note=prompt_note, round=round_index, store_format=fmt)
         row = {**{k: row.get(k) for k in KEYS}, **row}
         rows.append(row)
-        emit([row], args.json, ["store_format"] + COLUMNS)
+        emit([row], args.json, ENDOR_COLUMNS)
     medians = median_rows(rows)
     by_format = {m["store_format"]: m for m in medians}
     if set(by_format) == {"dense", "endor"}:
@@ -538,8 +548,7 @@ def main(argv: list[str] | None = None) -> None:
         medians = run_endor(args, cache, measure_baseline())
         if not args.json:
             print(f"\nmedians over {args.rounds} round(s):")
-        emit(medians, args.json, ["store_format", "bytes_per_token_ratio", "ms_per_token_ratio", "same_tokens"] +
-             COLUMNS)
+        emit(medians, args.json, ["bytes_per_token_ratio", "ms_per_token_ratio", "same_tokens"] + ENDOR_COLUMNS)
         return
     modes = [m for m in args.modes.split(",") if m]
     store = Path(args.store) if args.store else default_store(cache, any(m.startswith("flash") for m in modes))

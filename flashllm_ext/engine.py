@@ -88,13 +88,13 @@ class FlashRuntime:
         return self.resident_bytes + self.predictor_bytes + self.ffn_bytes
 
     def flash_stats(self) -> dict:
-        """Per generated/processed token: I/O (exposed, and hidden behind compute), memory-management, predictor and
-        FFN compute milliseconds, bytes read and cache hit rate, plus the accounted DRAM. A token is counted once per model forward position."""
+        """Per generated/processed token: I/O (exposed, and hidden behind compute; Endor decompression, part of the
+        I/O time, also alone), memory-management, predictor and FFN compute milliseconds, bytes read and cache hit rate, plus the accounted DRAM. A token is counted once per model forward position."""
         s, layers = self.stats, max(1, self.store.n_layers)
         tokens = s.tokens // layers
         per = 1e3 / max(tokens, 1)
         return {"mode": self.mode, "tokens": tokens, "io_ms": s.io_s * per, "hidden_io_ms": s.hidden_io_s * per,
-                "mem_ms": s.mem_s * per,
+                "decompress_ms": s.decompress_s * per, "mem_ms": s.mem_s * per,
                 "predictor_ms": s.predictor_s * per, "compute_ms": s.compute_s * per,
                 "bytes_per_token": s.bytes_read / max(tokens, 1), "bytes_read": s.bytes_read,
                 "hit_rate": s.hit_rate, "steps": s.steps, "budget_bytes": self.budget_bytes,

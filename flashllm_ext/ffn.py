@@ -80,6 +80,7 @@ class FFNStats:
     bytes_read: int = 0
     io_s: float = 0.0  # waiting for reads (exposed)
     hidden_io_s: float = 0.0  # read time that overlapped compute
+    decompress_s: float = 0.0  # Endor stores: the part of the read time (exposed or hidden) spent decompressing
     mem_s: float = 0.0  # cache bookkeeping: planning, swap-delete, pointer/bias updates
     predictor_s: float = 0.0
     compute_s: float = 0.0  # sparse_ffn and the output bias
@@ -91,6 +92,7 @@ class FFNStats:
         self.bytes_read += step.bytes_read
         self.io_s += step.io_s
         self.hidden_io_s += step.hidden_io_s
+        self.decompress_s += step.decompress_s
         self.mem_s += step.mem_s
 
     def reset(self) -> None:
@@ -287,6 +289,7 @@ class StreamingFFN(nn.Module):
             read = self.reader.read(self.layer, self.streamed_ids, self.staging[:n_streamed])
             self.stats.io_s += time.perf_counter() - start
             self.stats.bytes_read += read.stats.bytes_read
+            self.stats.decompress_s += read.stats.decompress_s
             self.stats.inserted += n_streamed
             self.stats.steps += 1
         self.stats.needed += self.store.n_neurons
