@@ -47,7 +47,7 @@ DEFAULT_THREADS = 32
 DEFAULT_MIN_READ = 32 << 10  # the paper's minimum useful read size on flash
 DEFAULT_MAX_READ = 1 << 20
 DEFAULT_MAX_GAP = 64 << 10  # ~100 us x ~1 GB/s, the order of magnitude of a cloud SSD; calibrate to replace it
-DEFAULT_ENDOR_STAGING = 8 << 20  # compressed bytes staged per piece of an Endor read (bounds its extra memory)
+DEFAULT_ENDOR_STAGING = 2 << 20  # compressed bytes staged per piece of an Endor read (bounds its extra memory)
 READ_PATHS = ("host", "kvikio", "pinned")
 
 
