@@ -47,6 +47,7 @@ class StepStats:
     num_used: int  # rows in use after the step
     hidden_io_s: float = 0.0  # read time that overlapped other work (begin_step(background=True) ... finish)
     decompress_s: float = 0.0  # Endor stores: the part of the read time spent decompressing into the cache rows
+    bytes_requested: int = 0  # bytes of the bundles read (compressed for Endor), without padding or coalesced gaps
 
     @property
     def total_evicted(self) -> int:
@@ -200,4 +201,5 @@ class PendingStep:
         read_s, bytes_read = (read.wall_s, read.bytes_read) if read is not None else (0.0, 0)
         return StepStats(self.evicted, self.evicted_budget, self.ids.numel(), bytes_read, waited, mem_s,
                          self.cache.num_used, max(0.0, read_s - waited),
-                         read.decompress_s if read is not None else 0.0)
+                         read.decompress_s if read is not None else 0.0,
+                         read.bytes_requested if read is not None else 0)

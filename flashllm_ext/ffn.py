@@ -78,6 +78,7 @@ class FFNStats:
     needed: int = 0  # neurons the steps needed (a cache hit when already cached)
     inserted: int = 0  # bundles read from flash
     bytes_read: int = 0
+    bytes_requested: int = 0  # the bundles' own bytes (compressed for Endor): bytes_read less padding and gaps
     io_s: float = 0.0  # waiting for reads (exposed)
     hidden_io_s: float = 0.0  # read time that overlapped compute
     decompress_s: float = 0.0  # Endor stores: the part of the read time (exposed or hidden) spent decompressing
@@ -90,6 +91,7 @@ class FFNStats:
         self.needed += needed
         self.inserted += step.inserted
         self.bytes_read += step.bytes_read
+        self.bytes_requested += step.bytes_requested
         self.io_s += step.io_s
         self.hidden_io_s += step.hidden_io_s
         self.decompress_s += step.decompress_s
@@ -289,6 +291,7 @@ class StreamingFFN(nn.Module):
             read = self.reader.read(self.layer, self.streamed_ids, self.staging[:n_streamed])
             self.stats.io_s += time.perf_counter() - start
             self.stats.bytes_read += read.stats.bytes_read
+            self.stats.bytes_requested += read.stats.bytes_requested
             self.stats.decompress_s += read.stats.decompress_s
             self.stats.inserted += n_streamed
             self.stats.steps += 1

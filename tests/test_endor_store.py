@@ -254,16 +254,19 @@ def test_neuron_cache_over_endor_equals_the_dense_cache(pruned):
     endor_store, dense_store = store.FlashStore(stores["fp32"]), store.FlashStore(dense_path)
     caches = [NeuronCache(s, 1, capacity=90, window=2) for s in (endor_store, dense_store)]
     g = torch.Generator().manual_seed(9)
-    endor_bytes = dense_bytes = 0
+    endor_bytes = dense_bytes = endor_requested = dense_requested = 0
     for _ in range(12):
         ids = torch.randint(0, 300, (40,), generator=g)
         a, b = (c.step(ids) for c in caches)
         assert (a.inserted, a.evicted, a.num_used) == (b.inserted, b.evicted, b.num_used)
         endor_bytes, dense_bytes = endor_bytes + a.bytes_read, dense_bytes + b.bytes_read
+        endor_requested, dense_requested = endor_requested + a.bytes_requested, dense_requested + b.bytes_requested
+        assert b.bytes_requested == b.inserted * dense_store.row_bytes
         assert torch.equal(caches[0].pointer, caches[1].pointer)
         n = caches[0].num_used
         _assert_bitwise(caches[0].matrix[:n], caches[1].matrix[:n])
     assert endor_bytes < dense_bytes
+    assert 0.5 < endor_requested / dense_requested < 0.56  # fp32 at 50%: half the values + a 1/32 bitmap
 
 
 @pytest.mark.parametrize("mode", ["naive", "hybrid", "exact"])
