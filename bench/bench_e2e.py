@@ -153,7 +153,8 @@ def _load(config: dict):
             load_predictors(store.path).thresholds
         predictors = OraclePredictors(store, thresholds)
     model = flashllm_ext.load_flash(config["store"], budget, mode="flash" if mode == "flash-oracle" else mode,
-                                    predictors=predictors)
+                                    predictors=predictors,
+                                    reader_options=config.get("reader_options"))
     return model, model.flash.stats.reset
 
 
@@ -484,12 +485,14 @@ def run_endor(args, cache: Path, baseline: int) -> list[dict]:
     for round_index, fmt in [(r, f) for r in range(args.rounds) for f in stores]:
         config = {"model": f"{DEFAULT_MODEL} Wanda 50%", "store": str(stores[fmt]), "store_format": fmt,
                   "mode": "flash-oracle", "thresholds": thresholds, "budget_bytes": budget, "tokens": args.tokens,
-                  "prompt_ids": ids, "timeout_s": args.child_timeout}
+                  "prompt_ids": ids, "timeout_s": args.child_timeout,
+                  "reader_options": None if args.max_gap is None else {"max_gap": args.max_gap, "min_read": 0}}
         row = run_configuration(config, None if args.no_limit else baseline)
         if args.no_limit:
             row["cgroup_note"] = "--no-limit: the engine's budget applies, the cgroup only measures the peak"
         row.update(model_bytes_mb=total / 1e6, baseline_mb=baseline / 1e6, budget_spec=args.budget,
-                   prompt_tokens=len(ids), prompt_note=prompt_note, round=round_index, store_format=fmt)
+                   prompt_tokens=len(ids), prompt_note=prompt_note, round=round_index, store_format=fmt,
+                   max_gap=args.max_gap)
         row = {**{k: row.get(k) for k in KEYS}, **row}
         rows.append(row)
         emit([row], args.json, ENDOR_COLUMNS)
@@ -526,6 +529,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--scale", action="store_true", help="the OPT-6.7B-shaped FFN-only rows instead (FFN budget)")
     parser.add_argument("--endor", action="store_true", help="flash mode on the Wanda-50%%-pruned default model's "
                                                              "dense and Endor stores instead")
+    parser.add_argument("--max-gap", type=int, help="--endor: the reader's coalescing gap in bytes, with no minimum "
+                                                    "read size (default: the reader's defaults)")
     parser.add_argument("--no-limit", action="store_true", help="--endor: measure each child's cgroup peak without "
                                                                 "enforcing baseline + budget")
     parser.set_defaults(rounds=3)

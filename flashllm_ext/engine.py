@@ -89,7 +89,9 @@ class FlashRuntime:
 
     def flash_stats(self) -> dict:
         """Per generated/processed token: I/O (exposed, and hidden behind compute; Endor decompression, part of the
-        I/O time, also alone), memory-management, predictor and FFN compute milliseconds, bytes read and cache hit rate, plus the accounted DRAM. A token is counted once per model forward position."""
+        I/O time, also alone), memory-management, predictor and FFN compute milliseconds, bytes read (and the
+        bundles' own bytes among them) and cache hit rate, plus the accounted DRAM. A token is counted once per model
+        forward position."""
         s, layers = self.stats, max(1, self.store.n_layers)
         tokens = s.tokens // layers
         per = 1e3 / max(tokens, 1)
@@ -142,7 +144,8 @@ def _check_model_matches(model: nn.Module, store: FlashStore,
 
 
 def _install(model: nn.Module, store: FlashStore, mode: str, budget_bytes: int | None, window: int,
-             predictors: nn.Module | None, threads: int, keep_originals: bool) -> FlashRuntime:
+             predictors: nn.Module | None, threads: int, keep_originals: bool,
+             reader_options: dict | None = None) -> FlashRuntime:
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if mode == "dense":
@@ -150,7 +153,7 @@ def _install(model: nn.Module, store: FlashStore, mode: str, budget_bytes: int |
     slots = ffn_slots(model)
     _check_model_matches(model, store, slots)
     runtime = ffn_stack(store, mode, budget_bytes, window=window, predictors=predictors, threads=threads,
-                        resident_bytes=_resident_bytes(model))
+                        resident_bytes=_resident_bytes(model), reader_options=reader_options)
     if keep_originals:
         runtime.originals = [(layer, dict(mods)) for layer, mods in slots]
     for (layer, _), module in zip(slots, runtime.modules):
@@ -202,7 +205,7 @@ def _make_modules(store: FlashStore, mode: str, ffn_budget: int | None, window: 
 
 
 def ffn_stack(store: FlashStore, mode: str, budget_bytes: int | None, *, window: int = 5, predictors=None,
-              threads: int = 32, resident_bytes: int = 0) -> FlashRuntime:
+              threads: int = 32, resident_bytes: int = 0, reader_options: dict | None = None) -> FlashRuntime:
     """Every FFN layer of `store` served by `mode` within `budget_bytes`, of which `resident_bytes` are already
     taken (a model's own tensors; 0 for a bare stack): runtime.modules[i](x) computes layer i of x [T, d]. The
     builder behind load_flash and patch_model, and alone for FFN-only benchmarks at scales no checkpoint here has."""
@@ -216,7 +219,7 @@ def ffn_stack(store: FlashStore, mode: str, budget_bytes: int | None, *, window:
         if len(predictors.predictors) != store.n_layers:
             raise ValueError(f"predictors cover {len(predictors.predictors)} layers, the store {store.n_layers}")
         predictor_bytes = _tensor_bytes(list(predictors.parameters()) + list(predictors.buffers()))
-    reader, stats = FlashReader(store, threads=threads), FFNStats()
+    reader, stats = FlashReader(store, threads=threads, **(reader_options or {})), FFNStats()
     # An Endor store's reads stage compressed rows before decompressing them: one read at a time, a fixed cost.
     fixed = resident_bytes + predictor_bytes + reader.staging_bound()
     ffn_budget = None if budget_bytes is None else budget_bytes - fixed
@@ -266,12 +269,13 @@ def patch_model(model: nn.Module, store: FlashStore | str | os.PathLike, *, mode
 
 def load_flash(store_dir: str | os.PathLike, dram_budget: int | float | str | None = "50%", *,
                mode: str = "flash", window: int = 5, predictors=None, dtype: torch.dtype | None = None,
-               threads: int = 32) -> nn.Module:
+               threads: int = 32, reader_options: dict | None = None) -> nn.Module:
     """A Hugging Face causal LM built from a flash store, its FFNs served by `mode` within `dram_budget` (bytes,
     "50%" of the model, or "200MB"; None: no limit). Only resident tensors are materialised (in `dtype`, default
     the store's); in dense
     mode the FFN weights are read from the store into ordinary nn.Linear layers. Predictors come from the store
-    unless given. `model.flash_stats()` reports per-token costs."""
+    unless given. threads and reader_options (e.g. {"max_gap": 0, "min_read": 0}): the FlashReader's.
+    `model.flash_stats()` reports per-token costs."""
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -291,7 +295,8 @@ def load_flash(store_dir: str | os.PathLike, dram_budget: int | float | str | No
         model.flash = None
     else:
         budget = None if dram_budget is None else parse_budget(dram_budget, model_bytes(model, store))
-        _install(model, store, mode, budget, window, predictors, threads, keep_originals=False)
+        _install(model, store, mode, budget, window, predictors, threads, keep_originals=False,
+                 reader_options=reader_options)
     leftover = [name for name, p in model.named_parameters() if p.device.type == "meta"]
     if leftover:
         raise ValueError(f"{store.path}: the store has no tensor for {leftover[:3]} ({len(leftover)} in all)")

@@ -295,7 +295,9 @@ def test_load_flash_on_endor_generates_the_tokens_of_transformers(pruned, mode):
         torch.manual_seed(0)
         predictors = PredictorSet([LowRankPredictor(64, 300, 4) for _ in range(2)], torch.zeros(2))
         predictors.prob_thresholds.fill_(-1.0)
-    flash = flashllm_ext.load_flash(stores["fp32"], dram_budget="85%", mode=mode, predictors=predictors)
+    flash = flashllm_ext.load_flash(stores["fp32"], dram_budget="85%", mode=mode, predictors=predictors,
+                                    reader_options={"max_gap": 0, "min_read": 0})
+    assert (flash.flash.reader.max_gap, flash.flash.reader.min_read) == (0, 0)
     got = flash.generate(prompt, max_new_tokens=12, min_new_tokens=12, do_sample=False)
     assert torch.equal(got, want)
     stats = flash.flash_stats()
