@@ -15,6 +15,9 @@ deps: .deps.stamp
 	$(PIP) install -q numpy "safetensors>=0.4" tqdm "transformers>=4.45" accelerate "gguf>=0.10" \
 		pytest hypothesis matplotlib ninja compressed-tensors==0.13.0 "setuptools>=64" wheel
 	$(PYTHON) -c "import sys; sys.exit(sys.platform != 'linux')" && $(PIP) install -q "mlx[cpu]" || true
+	# kvikio (the [gpu] extra): FlashReader's SSD -> GPU reads, only where a CUDA torch sees a GPU.
+	$(PYTHON) -c "import sys, torch; sys.exit(not torch.cuda.is_available())" 2>/dev/null && \
+		$(PIP) install -q kvikio-cu13 || true
 	# fio: the disk baseline of bench/bench_io.py; liburing-dev: optional io_uring engine of the FlashReader.
 	@command -v fio >/dev/null && test -f /usr/include/liburing.h || { command -v apt-get >/dev/null && \
 		apt-get update -qq && apt-get install -y -qq fio liburing-dev; } || echo "warning: fio/liburing-dev not installed"

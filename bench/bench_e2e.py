@@ -14,8 +14,14 @@ The configurations run round-robin for --rounds rounds (each in a fresh process)
 through pinned host memory (flashllm_ext/transfer.py); the cgroup still limits host memory (its baseline includes the
 CUDA context), and the budget still sizes the caches; accelerate's peer then offloads from the GPU.
 
+With --endor (issue 11): flash mode on two stores of the same Wanda-50%-pruned default model, dense bundles and
+Endor rows (store_format "dense" / "endor"), same budget, prompt and tokens, each in its own limited process,
+interleaved: bytes read per token and ms/token of the Endor store against the dense one. Both run flash-oracle
+(the true active sets of the rule, thresholds calibrated on the pruned model at TARGET_SPARSITY): the same sets on
+both stores, so the comparison is of the formats alone, with no predictor to train.
+
     python bench/bench_e2e.py [--json] [--budget 50%] [--tokens 32] [--rounds 3] [--quick] [--store DIR]
-                              [--device cpu|cuda] [--scale]
+                              [--device cpu|cuda] [--scale] [--endor]
 """
 from __future__ import annotations
 
@@ -42,6 +48,7 @@ KEYS = ("bench", "model", "device", "mode", "budget_mb", "cgroup_limit_mb", "cgr
         "mem_ms", "predictor_ms", "compute_ms", "hidden_io_ms", "bytes_per_token", "tokens", "hit_rate")
 COLUMNS = ["mode", "budget_mb", "cgroup_limit_mb", "cgroup_peak_mb", "oom_killed", "ms_per_token", "io_ms", "mem_ms",
            "predictor_ms", "compute_ms", "bytes_per_token", "hit_rate", "error"]
+ENDOR_COLUMNS = ["store_format", "decompress_ms", "requested_bytes_per_token"] + COLUMNS
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 TARGET_SPARSITY = 0.6  # the default-model predictors' operating point (trained once into the cached store):
 # the rule's threshold alone costs ~+5% held-out perplexity there (BENCHMARKS.md)
@@ -150,9 +157,12 @@ def _load(config: dict):
     predictors = None
     if mode == "flash-oracle":
         store = FlashStore(config["store"])
-        predictors = OraclePredictors(store, load_predictors(store.path).thresholds)
+        thresholds = torch.tensor(config["thresholds"]) if "thresholds" in config else \
+            load_predictors(store.path).thresholds
+        predictors = OraclePredictors(store, thresholds)
     model = flashllm_ext.load_flash(config["store"], budget, mode="flash" if mode == "flash-oracle" else mode,
-                                    predictors=predictors, device=device)
+                                    predictors=predictors, device=device,
+                                    reader_options=config.get("reader_options"))
     return model, model.flash.stats.reset
 
 
@@ -160,7 +170,8 @@ def run_child(config: dict) -> dict:
     """One configuration, in this process: load, prefill, decode; the row (without the cgroup facts)."""
     device = config.get("device", "cpu")
     row = {"bench": "e2e", "model": config["model"], "device": device_name(device), "mode": config["mode"],
-           "budget_mb": None if config["budget_bytes"] is None else config["budget_bytes"] / 1e6}
+           "budget_mb": None if config["budget_bytes"] is None else config["budget_bytes"] / 1e6,
+           **({"store_format": config["store_format"]} if "store_format" in config else {})}
     try:
         model, reset_stats = _load(config)
         prompt = torch.tensor([config["prompt_ids"]], device=device)
@@ -171,8 +182,9 @@ def run_child(config: dict) -> dict:
                tokens=len(times), generated=tokens)
     stats = model.flash_stats() if getattr(model, "flash", None) is not None else None
     if stats is not None:
-        row.update({k: stats[k] for k in ("io_ms", "hidden_io_ms", "mem_ms", "predictor_ms", "compute_ms",
-                                          "bytes_per_token", "hit_rate", "accounted_bytes")})
+        row.update({k: stats[k] for k in ("io_ms", "hidden_io_ms", "decompress_ms", "mem_ms", "predictor_ms",
+                                          "compute_ms", "bytes_per_token", "requested_bytes_per_token", "hit_rate",
+                                          "accounted_bytes")})
     else:  # dense / accelerate: no engine stats; the whole decode time is compute (accelerate's reads included)
         row.update(io_ms=None, mem_ms=None, predictor_ms=None, compute_ms=None, bytes_per_token=0 if
                    config["mode"] == "dense" else None, hit_rate=None)
@@ -204,15 +216,23 @@ def default_store(cache: Path, train_predictors: bool = True) -> Path:
     return path
 
 
-def hf_checkpoint(cache: Path) -> Path:
-    """The default model as a Hugging Face fp16 safetensors directory (accelerate's input), saved once."""
+def hf_checkpoint(cache: Path, wanda_sparsity: float | None = None) -> Path:
+    """The default model as a Hugging Face fp16 safetensors directory (accelerate's input), saved once; with
+    wanda_sparsity, its FFN weights Wanda-pruned first (flashllm_ext.demo.wanda_prune_ffn, 512 calibration tokens)."""
     from flashllm_ext.models import load_hf_model
 
-    path = cache / "smollm2-135m-hf-fp16"
+    pruned = "" if wanda_sparsity is None else f"-wanda{round(wanda_sparsity * 100)}"
+    path = cache / f"smollm2-135m-hf-fp16{pruned}"
     if not (path / "config.json").is_file():
         from transformers import AutoModelForCausalLM
 
         gguf_model, tokenizer = load_hf_model()
+        if wanda_sparsity is not None:
+            from flashllm_ext.demo import wanda_prune_ffn
+            from flashllm_ext.models import corpus_token_ids, replace_weights
+
+            calibration = corpus_token_ids(tokenizer, "calibration", 512)
+            replace_weights(gguf_model, wanda_prune_ffn(gguf_model, calibration, wanda_sparsity))
         # transformers refuses to serialise a model loaded from GGUF: copy its weights into a plain one.
         config = gguf_model.config
         config.__dict__.pop("quantization_config", None)
@@ -439,6 +459,74 @@ def run_scale(args, baseline: int) -> list[dict]:
     return rows
 
 
+# ----------------------------------------------------------------------------------------- the Endor store run
+
+def endor_stores(cache: Path) -> tuple[dict[str, Path], list[float]]:
+    """(store_format -> fp16 store of the Wanda-50%-pruned default model, the pruned model's per-layer thresholds at
+    TARGET_SPARSITY on the calibration text); all cached."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from flashllm_ext.convert import convert
+    from flashllm_ext.models import corpus_token_ids
+    from flashllm_ext.predictor import calibrate_thresholds
+    from flashllm_ext.store import FlashStore
+
+    checkpoint = hf_checkpoint(cache, wanda_sparsity=0.5)
+    stores = {}
+    for fmt in ("dense", "endor"):
+        path = cache / f"smollm2-135m-wanda50-{fmt}-fp16"
+        try:
+            FlashStore(path)
+        except (OSError, FormatError):  # none yet, or written by an older format: (re)convert
+            convert(checkpoint, path, dtype="fp16", endor=fmt == "endor", force=True)
+        stores[fmt] = path
+    cached = cache / f"smollm2-135m-wanda50-thresholds-{TARGET_SPARSITY:g}.pt"
+    if not cached.is_file():
+        model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+        ids = corpus_token_ids(AutoTokenizer.from_pretrained(checkpoint), "calibration", max_tokens=2048)
+        torch.save(calibrate_thresholds(model, ids, TARGET_SPARSITY), cached)
+    return stores, torch.load(cached).tolist()
+
+
+def run_endor(args, cache: Path, baseline: int) -> list[dict]:
+    """Flash mode (true active sets) on the dense and the Endor store of the pruned model, round-robin, each in its
+    own process."""
+    from flashllm_ext.engine import parse_budget
+    from flashllm_ext.store import FlashStore
+
+    stores, thresholds = endor_stores(cache)
+    total = model_bytes_of(stores["dense"])  # the same for both: an Endor model decompresses to the same bundles
+    budget = parse_budget(args.budget, total)
+    ids, prompt_note = prompt_ids(args.prompt_tokens, FlashStore(stores["dense"]).config["vocab_size"])
+    rows = []
+    for round_index, fmt in [(r, f) for r in range(args.rounds) for f in stores]:
+        config = {"model": f"{DEFAULT_MODEL} Wanda 50%", "store": str(stores[fmt]), "store_format": fmt,
+                  "mode": "flash-oracle", "thresholds": thresholds, "budget_bytes": budget, "tokens": args.tokens,
+                  "prompt_ids": ids, "timeout_s": args.child_timeout,
+                  "reader_options": None if args.max_gap is None else {"max_gap": args.max_gap, "min_read": 0}}
+        row = run_configuration(config, None if args.no_limit else baseline)
+        if args.no_limit:
+            row["cgroup_note"] = "--no-limit: the engine's budget applies, the cgroup only measures the peak"
+        row.update(model_bytes_mb=total / 1e6, baseline_mb=baseline / 1e6, budget_spec=args.budget,
+                   prompt_tokens=len(ids), prompt_note=prompt_note, round=round_index, store_format=fmt,
+                   max_gap=args.max_gap)
+        row = {**{k: row.get(k) for k in KEYS}, **row}
+        rows.append(row)
+        emit([row], args.json, ENDOR_COLUMNS)
+    medians = median_rows(rows)
+    by_format = {m["store_format"]: m for m in medians}
+    if set(by_format) == {"dense", "endor"}:
+        dense, comp = by_format["dense"], by_format["endor"]
+        same = [r["generated"] for r in rows if r.get("generated")]
+        medians.append({"bench": "e2e_endor_ratio", "model": dense["model"], "budget_mb": budget / 1e6,
+                        "bytes_per_token_ratio": comp["bytes_per_token"] / dense["bytes_per_token"],
+                        "requested_bytes_ratio": comp["requested_bytes_per_token"] /
+                        dense["requested_bytes_per_token"],
+                        "ms_per_token_ratio": comp["ms_per_token"] / dense["ms_per_token"],
+                        "same_tokens": all(g == same[0] for g in same), "rounds": args.rounds})
+    return medians
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = arg_parser(__doc__.splitlines()[0])
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -458,6 +546,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--scale", action="store_true", help="the OPT-6.7B-shaped FFN-only rows instead (FFN budget)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="where the model and its neuron caches live (cuda: the GPU)")
+    parser.add_argument("--endor", action="store_true", help="flash mode on the Wanda-50%%-pruned default model's "
+                                                             "dense and Endor stores instead")
+    parser.add_argument("--max-gap", type=int, help="--endor: the reader's coalescing gap in bytes, with no minimum "
+                                                    "read size (default: the reader's defaults)")
+    parser.add_argument("--no-limit", action="store_true", help="--endor: measure each child's cgroup peak without "
+                                                                "enforcing baseline + budget")
     parser.set_defaults(rounds=3)
     args = parser.parse_args(argv)
     if args.child:
@@ -489,6 +583,13 @@ def main(argv: list[str] | None = None) -> None:
     from flashllm_ext.engine import parse_budget
 
     cache = resolve_cache_dir() / "e2e"
+    if args.endor:
+        medians = run_endor(args, cache, measure_baseline())
+        if not args.json:
+            print(f"\nmedians over {args.rounds} round(s):")
+        emit(medians, args.json, ["bytes_per_token_ratio", "requested_bytes_ratio", "ms_per_token_ratio",
+                                  "same_tokens"] + ENDOR_COLUMNS)
+        return
     modes = [m for m in args.modes.split(",") if m]
     store = Path(args.store) if args.store else default_store(cache, any(m.startswith("flash") for m in modes))
     hf_dir = Path(args.hf_dir) if args.hf_dir else (hf_checkpoint(cache) if "accelerate" in modes and
@@ -536,9 +637,9 @@ def median_rows(rows: list[dict]) -> list[dict]:
     groups: dict[tuple, list[dict]] = {}
     for row in rows:
         if not row.get("error"):
-            groups.setdefault((row["mode"], row.get("budget_spec")), []).append(row)
+            groups.setdefault((row["mode"], row.get("budget_spec"), row.get("store_format")), []).append(row)
     out = []
-    for (mode, spec), group in groups.items():
+    for group in groups.values():
         numbers = {k for r in group for k, v in r.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
         median = {k: statistics.median(r[k] for r in group if r.get(k) is not None) for k in numbers
                   if any(r.get(k) is not None for r in group)}

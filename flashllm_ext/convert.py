@@ -185,7 +185,7 @@ def _write_bundles(path: Path, ckpt: Checkpoint, layers: dict[int, dict[str, str
                               f"{(ffn, width)}")
         return layer_bundles
 
-    # The header (written first) declares the length of each layer's Endor values: a first pass counts them, one
+    # The header (written first) declares the length of each layer's Endor rows: a first pass counts the values, one
     # layer's dense bundles at a time; the second compresses and writes. Never more than one compressed layer in
     # memory (a model bigger than memory converts).
     nnz: dict[int, int] = {}
@@ -211,11 +211,11 @@ def _write_bundles(path: Path, ckpt: Checkpoint, layers: dict[int, dict[str, str
 
 def _write_endor_layer(writer: AlignedWriter, name: str, layer_bundles: torch.Tensor, ids: torch.Tensor
                        ) -> torch.Tensor:
-    """Compress and write one layer; returns its rows `ids` for verification. The compressed layer is freed on
-    return, before the next is built."""
+    """Compress and write one layer in the rows layout (endor.pack_rows); returns its rows `ids` for verification.
+    The compressed layer is freed on return, before the next is built."""
     compressed = endor.compress(layer_bundles)
-    for part in endor.PARTS:
-        writer.write(f"{name}.{part}", getattr(compressed, part))
+    writer.write(f"{name}.rows", endor.pack_rows(compressed))
+    writer.write(f"{name}.row_offsets", compressed.row_offsets)
     return compressed.decompress(ids)
 
 

@@ -124,6 +124,47 @@ def compress(w: torch.Tensor) -> EndorTensor:
     return EndorTensor(w[mask], pack_bitmap(mask), row_offsets, tuple(w.shape))
 
 
+def row_starts(row_offsets: torch.Tensor, bitmap_bytes: int, itemsize: int) -> torch.Tensor:
+    """Byte offset of each row in the rows layout (`pack_rows`): row i = [bitmap row i | values of row i].
+    row_offsets int64 [rows + 1] -> int64 [rows + 1]; the last entry is the layout's size."""
+    return torch.arange(row_offsets.numel(), dtype=torch.int64) * bitmap_bytes + row_offsets.cpu() * itemsize
+
+
+def pack_rows(t: EndorTensor) -> torch.Tensor:
+    """The rows layout of a flash store's Endor layer: for each row, its bitmap bytes then its values, back to back,
+    so one row (one neuron's bundle) is one contiguous read. Returns uint8 [row_starts(...)[-1]]."""
+    bitmap = t.bitmap.cpu().contiguous().numpy()
+    item = t.values.element_size()
+    value_bytes = t.values.cpu().contiguous().view(torch.uint8).numpy()
+    starts = row_starts(t.row_offsets, bitmap.shape[1], item).tolist()
+    value_at = (t.row_offsets.cpu() * item).tolist()
+    blob = torch.empty(starts[-1], dtype=torch.uint8)
+    out, width = blob.numpy(), bitmap.shape[1]
+    for i in range(t.shape[0]):
+        out[starts[i]:starts[i] + width] = bitmap[i]
+        out[starts[i] + width:starts[i + 1]] = value_bytes[value_at[i]:value_at[i + 1]]
+    return blob
+
+
+def unpack_rows(rows: torch.Tensor, counts: torch.Tensor, n_cols: int, dtype: torch.dtype,
+                source: str | None = None) -> EndorTensor:
+    """The EndorTensor of rows in the rows layout read back to back: rows uint8 [total bytes], counts int64 [k]
+    (values per row). Validated like any EndorTensor (FormatError naming `source`)."""
+    width = (n_cols + 7) // 8
+    item = torch.empty((), dtype=dtype).element_size()
+    offsets = torch.zeros(counts.numel() + 1, dtype=torch.int64)
+    torch.cumsum(counts, 0, out=offsets[1:])
+    starts = row_starts(offsets, width, item)
+    if rows.numel() != int(starts[-1]):
+        raise FormatError("rows", f"{rows.numel()} bytes, the row counts need {int(starts[-1])}", source)
+    heads = starts[:-1, None] + torch.arange(width)
+    is_head = torch.zeros(rows.numel(), dtype=torch.bool)
+    is_head[heads.reshape(-1)] = True
+    bitmap = rows[heads.reshape(-1)].reshape(-1, width)
+    values = rows[~is_head].view(dtype)
+    return EndorTensor(values, bitmap, offsets, (counts.numel(), n_cols), source=source)
+
+
 def to_compressed_tensors(t: EndorTensor) -> dict[str, torch.Tensor]:
     """The arrays of compressed-tensors' sparse-bitmask format: compressed, bitmask, shape, row_offsets."""
     return {"compressed": t.values, "bitmask": t.bitmap, "shape": torch.tensor(t.shape),

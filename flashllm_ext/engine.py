@@ -12,8 +12,9 @@ Modes (the paper's Table 3 rows):
   exact   flash's cache and reads with every neuron active and no threshold: dense results through the flash path
 
 The budget covers what the model holds: resident tensors (embeddings, attention, norms), predictors, the caches /
-resident bundles / staging buffers. Its split: resident tensors first, then predictors, then the FFN state, equal
-per layer. A budget that cannot hold one bundle per layer raises ValueError naming the minimum.
+resident bundles / staging buffers (an Endor store's compressed staging included: FlashReader.staging_bound). Its
+split: resident tensors first, then predictors, then the FFN state, equal per layer. A budget that cannot hold one
+bundle per layer raises ValueError naming the minimum.
 
 device="cuda" puts the model, the caches (flashllm_ext/transfer.py) and the resident bundles on the GPU; the budget
 then sizes them as on the CPU (what the model holds, wherever), and the host keeps the cache's planning state and
@@ -92,15 +93,18 @@ class FlashRuntime:
         return self.resident_bytes + self.predictor_bytes + self.ffn_bytes
 
     def flash_stats(self) -> dict:
-        """Per generated/processed token: I/O (exposed, and hidden behind compute), memory-management, predictor and
-        FFN compute milliseconds, bytes read and cache hit rate, plus the accounted DRAM. A token is counted once per model forward position."""
+        """Per generated/processed token: I/O (exposed, and hidden behind compute; Endor decompression, part of the
+        I/O time, also alone), memory-management, predictor and FFN compute milliseconds, bytes read (and the
+        bundles' own bytes among them) and cache hit rate, plus the accounted DRAM. A token is counted once per model
+        forward position."""
         s, layers = self.stats, max(1, self.store.n_layers)
         tokens = s.tokens // layers
         per = 1e3 / max(tokens, 1)
         return {"mode": self.mode, "tokens": tokens, "io_ms": s.io_s * per, "hidden_io_ms": s.hidden_io_s * per,
-                "mem_ms": s.mem_s * per,
+                "decompress_ms": s.decompress_s * per, "mem_ms": s.mem_s * per,
                 "predictor_ms": s.predictor_s * per, "compute_ms": s.compute_s * per,
                 "bytes_per_token": s.bytes_read / max(tokens, 1), "bytes_read": s.bytes_read,
+                "requested_bytes_per_token": s.bytes_requested / max(tokens, 1),
                 "hit_rate": s.hit_rate, "steps": s.steps, "budget_bytes": self.budget_bytes,
                 "accounted_bytes": self.accounted_bytes, "resident_bytes": self.resident_bytes,
                 "predictor_bytes": self.predictor_bytes, "ffn_bytes": self.ffn_bytes}
@@ -146,7 +150,7 @@ def _check_model_matches(model: nn.Module, store: FlashStore,
 
 def _install(model: nn.Module, store: FlashStore, mode: str, budget_bytes: int | None, window: int,
              predictors: nn.Module | None, threads: int, keep_originals: bool,
-             device: torch.device) -> FlashRuntime:
+             device: torch.device, reader_options: dict | None = None) -> FlashRuntime:
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if mode == "dense":
@@ -154,7 +158,7 @@ def _install(model: nn.Module, store: FlashStore, mode: str, budget_bytes: int |
     slots = ffn_slots(model)
     _check_model_matches(model, store, slots)
     runtime = ffn_stack(store, mode, budget_bytes, window=window, predictors=predictors, threads=threads,
-                        resident_bytes=_resident_bytes(model), device=device)
+                        resident_bytes=_resident_bytes(model), device=device, reader_options=reader_options)
     if keep_originals:
         runtime.originals = [(layer, dict(mods)) for layer, mods in slots]
     for (layer, _), module in zip(slots, runtime.modules):
@@ -170,7 +174,8 @@ def _make_modules(store: FlashStore, mode: str, ffn_budget: int | None, window: 
 
     def too_small(need: int) -> ValueError:
         return ValueError(f"dram_budget of {budget_bytes} bytes is below the minimum of {fixed_bytes + need} for "
-                          f"{mode} mode ({fixed_bytes} resident tensors and predictors + {need} for the FFNs)")
+                          f"{mode} mode ({fixed_bytes} resident tensors, predictors and read staging + {need} for "
+                          "the FFNs)")
 
     if mode in ("flash", "exact"):
         fixed, per_row = FlashFFN.bytes_for(store, staged=transfer.staged)
@@ -210,7 +215,7 @@ def _make_modules(store: FlashStore, mode: str, ffn_budget: int | None, window: 
 
 def ffn_stack(store: FlashStore, mode: str, budget_bytes: int | None, *, window: int = 5, predictors=None,
               threads: int = 32, resident_bytes: int = 0, device: str | torch.device = "cpu",
-              transfer: Transfer | None = None) -> FlashRuntime:
+              transfer: Transfer | None = None, reader_options: dict | None = None) -> FlashRuntime:
     """Every FFN layer of `store` served by `mode` within `budget_bytes`, of which `resident_bytes` are already
     taken (a model's own tensors; 0 for a bare stack): runtime.modules[i](x) computes layer i of x [T, d]. The
     builder behind load_flash and patch_model, and alone for FFN-only benchmarks at scales no checkpoint here has.
@@ -229,12 +234,14 @@ def ffn_stack(store: FlashStore, mode: str, budget_bytes: int | None, *, window:
     transfer = transfer if transfer is not None else make_transfer(device)
     if mode == "flash":
         predictors.to(transfer.device)
-    fixed = resident_bytes + predictor_bytes
+    reader, stats = FlashReader(store, threads=threads, **(reader_options or {})), FFNStats()
+    # An Endor store's reads stage compressed rows before decompressing them: one read at a time, a fixed cost.
+    fixed = resident_bytes + predictor_bytes + reader.staging_bound()
     ffn_budget = None if budget_bytes is None else budget_bytes - fixed
-    reader, stats = FlashReader(store, threads=threads), FFNStats()
     try:
         modules, ffn_bytes = _make_modules(store, mode, ffn_budget, window, predictors, reader, stats, budget_bytes,
                                            fixed, transfer)
+        ffn_bytes += reader.staging_bound()
     except BaseException:
         reader.close()
         raise
@@ -279,13 +286,15 @@ def patch_model(model: nn.Module, store: FlashStore | str | os.PathLike, *, mode
 
 def load_flash(store_dir: str | os.PathLike, dram_budget: int | float | str | None = "50%", *,
                mode: str = "flash", window: int = 5, predictors=None, dtype: torch.dtype | None = None,
-               threads: int = 32, device: str | torch.device = "cpu") -> nn.Module:
+               threads: int = 32, device: str | torch.device = "cpu", reader_options: dict | None = None
+               ) -> nn.Module:
     """A Hugging Face causal LM built from a flash store, its FFNs served by `mode` within `dram_budget` (bytes,
     "50%" of the model, or "200MB"; None: no limit). Only resident tensors are materialised (in `dtype`, default
     the store's); in dense
     mode the FFN weights are read from the store into ordinary nn.Linear layers. Predictors come from the store
     unless given. `model.flash_stats()` reports per-token costs. device: "cpu" or "cuda" (the whole model, its
-    caches included, on the GPU; ValueError when CUDA is not available)."""
+    caches included, on the GPU; ValueError when CUDA is not available). threads and reader_options (e.g.
+    {"max_gap": 0, "min_read": 0}): the FlashReader's."""
     device = cuda_device(device)
     store = FlashStore(store_dir)
     dtype = dtype or store.dtype
@@ -297,7 +306,8 @@ def load_flash(store_dir: str | os.PathLike, dram_budget: int | float | str | No
         model.flash = None
     else:
         budget = None if dram_budget is None else parse_budget(dram_budget, model_bytes(model, store))
-        _install(model, store, mode, budget, window, predictors, threads, keep_originals=False, device=device)
+        _install(model, store, mode, budget, window, predictors, threads, keep_originals=False, device=device,
+                 reader_options=reader_options)
     leftover = [name for name, p in model.named_parameters() if p.device.type == "meta"]
     if leftover:
         raise ValueError(f"{store.path}: the store has no tensor for {leftover[:3]} ({len(leftover)} in all)")

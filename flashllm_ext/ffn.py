@@ -85,8 +85,10 @@ class FFNStats:
     needed: int = 0  # neurons the steps needed (a cache hit when already cached)
     inserted: int = 0  # bundles read from flash
     bytes_read: int = 0
+    bytes_requested: int = 0  # the bundles' own bytes (compressed for Endor): bytes_read less padding and gaps
     io_s: float = 0.0  # waiting for reads (exposed)
     hidden_io_s: float = 0.0  # read time that overlapped compute
+    decompress_s: float = 0.0  # Endor stores: the part of the read time (exposed or hidden) spent decompressing
     mem_s: float = 0.0  # cache bookkeeping: planning, swap-delete, pointer/bias updates
     predictor_s: float = 0.0
     compute_s: float = 0.0  # sparse_ffn and the output bias
@@ -96,8 +98,10 @@ class FFNStats:
         self.needed += needed
         self.inserted += step.inserted
         self.bytes_read += step.bytes_read
+        self.bytes_requested += step.bytes_requested
         self.io_s += step.io_s
         self.hidden_io_s += step.hidden_io_s
+        self.decompress_s += step.decompress_s
         self.mem_s += step.mem_s
 
     def reset(self) -> None:
@@ -317,6 +321,8 @@ class StreamingFFN(nn.Module):
                 read = self.reader.read(self.layer, self.streamed_ids, self.staging[:n_streamed])
             self.stats.io_s += self.transfer.clock() - start
             self.stats.bytes_read += read.stats.bytes_read
+            self.stats.bytes_requested += read.stats.bytes_requested
+            self.stats.decompress_s += read.stats.decompress_s
             self.stats.inserted += n_streamed
             self.stats.steps += 1
         self.stats.needed += self.store.n_neurons

@@ -5,6 +5,17 @@ read, widens reads to the file's direct-I/O alignment (statx, else 4 KiB; see `d
 pool of pread workers (or one io_uring ring when built with liburing) with the GIL released, and copies each
 bundle from an aligned bounce buffer into its output row.
 
+Endor stores (store.endor): a neuron's bundle is one variable-length row [bitmap | values] (store.EndorLocation);
+the reader reads the distinct requested rows (coalesced by the same rule), splitting each into a bitmap and a
+values staging buffer, then `endor_decompress(rows=..., out=...)` writes the dense bundles straight into `out` in
+the requested order (repeats included): ~56% of the bytes of a dense bundle move at 50% sparsity.
+
+Destinations: a CPU `out` is filled by the native reader ("host" path). A CUDA `out` (select_read_path) goes
+through kvikio's CuFile when kvikio imports ("kvikio": straight into GPU memory, GPUDirect Storage where the
+machine has it, kvikio's POSIX compatibility mode otherwise; coalesced reads planned by the native reader) or,
+without kvikio, through pinned host buffers and an asynchronous copy ("pinned"); Endor rows are decompressed on
+the destination device, so only compressed bytes cross to the GPU. ReadStats.path says which was taken.
+
 On a filesystem that refuses O_DIRECT the reader falls back to buffered reads and says so in `reader.direct`
 (tmpfs accepts O_DIRECT on recent kernels, so on this machine /dev/shm keeps direct I/O).
 
@@ -17,21 +28,27 @@ without an explicit `max_gap` use the saved profile, else DEFAULT_MAX_GAP.
 """
 from __future__ import annotations
 
+import importlib
 import os
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import torch
 
+from . import ops
 from ._native import require_native
 from .disk import load_disk_profile
-from .store import FlashStore
+from .errors import FormatError
+from .store import EndorLocation, FlashStore, layer_tensor_name
 
 DEFAULT_THREADS = 32
 DEFAULT_MIN_READ = 32 << 10  # the paper's minimum useful read size on flash
 DEFAULT_MAX_READ = 1 << 20
 DEFAULT_MAX_GAP = 64 << 10  # ~100 us x ~1 GB/s, the order of magnitude of a cloud SSD; calibrate to replace it
+DEFAULT_ENDOR_STAGING = 2 << 20  # compressed bytes staged per piece of an Endor read (bounds its extra memory)
+READ_PATHS = ("host", "kvikio", "pinned")
 
 
 def _native_reader_class():
@@ -45,14 +62,37 @@ def has_io_uring() -> bool:
     return bool(torch.ops.flashllm.reader_has_io_uring())
 
 
+def kvikio_available() -> bool:
+    """Whether kvikio imports (the `[gpu]` extra)."""
+    try:
+        importlib.import_module("kvikio")
+    except ImportError:
+        return False
+    return True
+
+
+def select_read_path(device: torch.device | str) -> str:
+    """How a read lands in a tensor on `device` (one of READ_PATHS): "host" for the CPU; for CUDA "kvikio" when
+    kvikio imports, else "pinned" (pinned host buffers + an asynchronous copy). Other devices raise ValueError."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return "host"
+    if device.type == "cuda":
+        return "kvikio" if kvikio_available() else "pinned"
+    raise ValueError(f"FlashReader reads into CPU or CUDA tensors, got a tensor on {device}")
+
+
 @dataclass(frozen=True)
 class ReadStats:
     """What one read call did. bytes_read counts alignment padding and coalesced gaps; bytes_requested counts
-    each distinct requested bundle once."""
+    each distinct requested bundle once (compressed bytes for an Endor store). wall_s is the whole call, Endor
+    decompression (decompress_s) included; path is how the data reached `out` (READ_PATHS)."""
     bytes_requested: int
     bytes_read: int
     n_reads: int
     wall_s: float
+    path: str = "host"
+    decompress_s: float = 0.0
 
     @property
     def mean_read_bytes(self) -> float:
@@ -83,13 +123,17 @@ class FlashReader:
     buffered where refused, see `.direct`). engine: "threads" or "io_uring" (needs a liburing build, see
     has_io_uring()).
 
+    staging_bytes: an Endor read is split into pieces of about this many compressed bytes, each staged (bitmap +
+    values) and decompressed before the next: the most extra memory a read takes (one row more at worst).
+
     dio_offset_align / dio_mem_align: the alignment in bytes that direct reads of this file keep for offsets and
     lengths / for buffers, as statx reports it (STATX_DIOALIGN), else 4096.
     """
 
     def __init__(self, store: FlashStore | str | os.PathLike | None, threads: int = DEFAULT_THREADS,
                  min_read: int = DEFAULT_MIN_READ, max_gap: int | None = None, max_read: int = DEFAULT_MAX_READ,
-                 direct: bool = True, engine: str = "threads", *, file: str | os.PathLike | None = None):
+                 direct: bool = True, engine: str = "threads", *, file: str | os.PathLike | None = None,
+                 staging_bytes: int = DEFAULT_ENDOR_STAGING):
         if (store is None) == (file is None):
             raise ValueError("give exactly one of store and file")
         self.store = None if store is None else store if isinstance(store, FlashStore) else FlashStore(store)
@@ -104,7 +148,11 @@ class FlashReader:
         self.direct: bool = bool(self._native.direct())
         self.dio_offset_align: int = int(self._native.dio_offset_align())
         self.dio_mem_align: int = int(self._native.dio_mem_align())
+        self.staging_bytes = int(staging_bytes)
+        if self.staging_bytes < 1:
+            raise ValueError(f"staging_bytes must be positive, got {staging_bytes}")
         self._executor: ThreadPoolExecutor | None = None
+        self._cufile_handle = None
 
     @classmethod
     def for_file(cls, path: str | os.PathLike, **kwargs) -> FlashReader:
@@ -114,34 +162,167 @@ class FlashReader:
     def read_rows(self, base: int, row_bytes: int, n_rows: int, ids: torch.Tensor, out: torch.Tensor) -> ReadStats:
         """out (CPU, contiguous, len(ids) * row_bytes bytes) row i = file[base + ids[i]*row_bytes :][:row_bytes].
         Returns the stats of this call."""
-        if self._native is None:
-            raise ValueError(f"{self!r} is closed")
-        raw = self._native.read_rows(base, row_bytes, n_rows, ids, out)
+        raw = self._native_reader().read_rows(base, row_bytes, n_rows, ids, out)
         return ReadStats(raw[0], raw[1], raw[2], raw[3] / 1e9)
 
+    def _native_reader(self):
+        if self._native is None:
+            raise ValueError(f"{self!r} is closed")
+        return self._native
+
     def read(self, layer: int, ids: torch.Tensor | list[int], out: torch.Tensor | None = None) -> ReadResult:
-        """Bundles `ids` [k] (any order, repeats allowed) of `layer` into out [k, bundle_width] (allocated when
-        None; CPU, or CUDA through a pinned bounce buffer). Returns (out, the stats of this call)."""
+        """Bundles `ids` [k] (any order, repeats allowed) of `layer` into out [k, bundle_width] (allocated on the CPU
+        when None; a contiguous CPU or CUDA tensor, see select_read_path). Endor stores are decompressed into out.
+        Returns (out, the stats of this call)."""
         if self.store is None:
             raise ValueError("read() needs a store; this reader was opened on a plain file (use read_rows)")
-        loc = self.store.layer_location(layer)
-        ids = torch.as_tensor(ids, dtype=torch.int64).reshape(-1)
+        ids = torch.as_tensor(ids, dtype=torch.int64).reshape(-1).contiguous()
         shape = (ids.numel(), self.store.bundle_width)
         if out is None:
             out = torch.empty(shape, dtype=self.store.dtype)
         if tuple(out.shape) != shape or out.dtype != self.store.dtype:
             raise ValueError(f"out must be {self.store.dtype} of shape {shape}, got {out.dtype} {tuple(out.shape)}")
-        if out.device.type == "cuda":
-            # Untested here (no GPU on the build machine). The caching host allocator keeps the pinned buffer
-            # alive until the asynchronous copy on the current stream has finished.
+        path = select_read_path(out.device)
+        if not out.is_contiguous():
+            raise ValueError(f"out must be contiguous, got strides {out.stride()}")
+        if self.store.endor:
+            return ReadResult(out, self._read_endor(layer, ids, out, path))
+        loc = self.store.layer_location(layer)
+        if path == "kvikio":
+            return ReadResult(out, self._read_cufile(loc.offset, loc.row_bytes, loc.n_neurons, ids, out))
+        if path == "pinned":
+            # The caching host allocator keeps the pinned buffer alive until the asynchronous copy on the current
+            # stream has finished.
             host = torch.empty(shape, dtype=out.dtype, pin_memory=True)
             stats = self.read_rows(loc.offset, loc.row_bytes, loc.n_neurons, ids, host)
             out.copy_(host, non_blocking=True)
-            return ReadResult(out, stats)
-        if out.device.type != "cpu" or not out.is_contiguous():
-            raise ValueError(f"out must be a contiguous CPU or CUDA tensor, got {out.device} "
-                             f"contiguous={out.is_contiguous()}")
+            return ReadResult(out, replace(stats, path=path))
         return ReadResult(out, self.read_rows(loc.offset, loc.row_bytes, loc.n_neurons, ids, out))
+
+    def staging_bound(self) -> int:
+        """The most memory one read stages beyond its `out` on the CPU: 0 for a dense store; for an Endor store a
+        piece of about staging_bytes of compressed rows (at most a whole layer) plus one row, split into bitmap
+        and values."""
+        if self.store is None or not self.store.endor:
+            return 0
+        largest = max(int(self.store.endor_location(layer).starts[-1]) for layer in range(self.store.n_layers))
+        one_row = (self.store.bundle_width + 7) // 8 + self.store.row_bytes
+        return min(self.staging_bytes, largest) + one_row
+
+    def _read_endor(self, layer: int, ids: torch.Tensor, out: torch.Tensor, path: str) -> ReadStats:
+        """Endor rows `ids` decompressed into out, in pieces of about staging_bytes of compressed rows (each piece
+        a contiguous part of out, so decompression writes its rows in place)."""
+        start = time.perf_counter()
+        loc = self.store.endor_location(layer)
+        ids = self.store.check_ids(ids)
+        lengths = loc.starts[ids + 1] - loc.starts[ids]
+        first_byte = torch.cumsum(lengths, 0) - lengths
+        _, sizes = torch.unique_consecutive(first_byte // self.staging_bytes, return_counts=True)
+        totals = [0, 0, 0]
+        decompress_s, begin = 0.0, 0
+        for size in sizes.tolist():
+            piece = slice(begin, begin + size)
+            requested, read, n_reads, piece_decompress_s = self._read_endor_piece(layer, loc, ids[piece], out[piece],
+                                                                                  path)
+            totals = [totals[0] + requested, totals[1] + read, totals[2] + n_reads]
+            decompress_s += piece_decompress_s
+            begin += size
+        return ReadStats(*totals, time.perf_counter() - start, path, decompress_s)
+
+    def _read_endor_piece(self, layer: int, loc: EndorLocation, ids: torch.Tensor, out: torch.Tensor,
+                          path: str) -> tuple[int, int, int, float]:
+        """One piece: the distinct rows, coalesced, into bitmap + values staging; then decompression into out on its
+        device. Returns (bytes requested, bytes read, reads, decompression seconds)."""
+        unique, inverse = torch.unique(ids, return_inverse=True)
+        item = self.store.dtype.itemsize
+        tail_offsets = torch.zeros(unique.numel() + 1, dtype=torch.int64)
+        torch.cumsum(loc.counts[unique] * item, 0, out=tail_offsets[1:])
+        pinned = path != "host"
+        if path == "kvikio":
+            bitmap, values, raw = self._read_endor_cufile(loc, unique, tail_offsets, out.device)
+        else:
+            bitmap = torch.empty((unique.numel(), loc.head_bytes), dtype=torch.uint8, pin_memory=pinned)
+            values = torch.empty(int(tail_offsets[-1]), dtype=torch.uint8, pin_memory=pinned)
+            raw = self._native_reader().read_var_rows(loc.offset, loc.starts, loc.head_bytes, unique, bitmap, values,
+                                                      tail_offsets)
+        start = time.perf_counter()
+        row_offsets, rows = tail_offsets // item, inverse
+        if out.device != bitmap.device:
+            bitmap, values = bitmap.to(out.device, non_blocking=True), values.to(out.device, non_blocking=True)
+        if out.device != row_offsets.device:
+            row_offsets, rows = row_offsets.to(out.device), rows.to(out.device)
+        try:
+            ops.endor_decompress(values.view(self.store.dtype), bitmap, row_offsets, n_cols=self.store.bundle_width,
+                                 rows=rows, out=out)
+        except RuntimeError as e:
+            raise FormatError(f"{layer_tensor_name(layer)}.rows", f"neuron rows {unique.tolist()[:8]}"
+                              f"{'...' if unique.numel() > 8 else ''} are inconsistent: {e}",
+                              self.store.bundles_path) from None
+        return raw[0], raw[1], raw[2], time.perf_counter() - start
+
+    def _cufile(self):
+        """kvikio's CuFile over the store's file (opened on first use), with `threads` I/O threads."""
+        if self._cufile_handle is None:
+            import kvikio
+            import kvikio.defaults
+
+            if hasattr(kvikio.defaults, "set"):  # kvikio >= 25.02
+                kvikio.defaults.set("num_threads", self.threads)
+            else:
+                kvikio.defaults.num_threads_reset(self.threads)
+            self._cufile_handle = kvikio.CuFile(self.path, "r")
+        return self._cufile_handle
+
+    def _cufile_stage(self, plan: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """The coalesced reads `plan` [n, 2] (offset, length) back to back into one uint8 buffer on `device`,
+        through kvikio (its thread pool runs them in parallel). Returns the buffer."""
+        handle = self._cufile()
+        staging = torch.empty(int(plan[:, 1].sum()), dtype=torch.uint8, device=device)
+        futures, at = [], 0
+        for offset, length in plan.tolist():
+            futures.append((handle.pread(staging[at:at + length], length, offset), length, offset))
+            at += length
+        for future, length, offset in futures:
+            got = future.get()
+            if got != length:
+                raise OSError(f"{self.path}: kvikio read {got} of {length} bytes at offset {offset} (file truncated?)")
+        return staging
+
+    @staticmethod
+    def _staged_positions(plan: torch.Tensor, begins: torch.Tensor) -> torch.Tensor:
+        """Where the file bytes `begins` (each inside one read of `plan`) lie in the staging buffer of the plan."""
+        offsets, lengths = plan[:, 0].contiguous(), plan[:, 1]
+        at = torch.cumsum(lengths, 0) - lengths
+        read = torch.searchsorted(offsets, begins, right=True) - 1
+        return at[read] + begins - offsets[read]
+
+    def _read_cufile(self, base: int, row_bytes: int, n_rows: int, ids: torch.Tensor, out: torch.Tensor) -> ReadStats:
+        """Dense rows through kvikio: the native reader's coalesced plan read into a staging buffer on out's device,
+        then one gather of the requested rows (every read covers whole rows, so the staging is a matrix of rows)."""
+        start = time.perf_counter()
+        plan = self._native_reader().plan_reads(base, row_bytes, n_rows, None, ids)
+        staging = self._cufile_stage(plan, out.device)
+        rows = self._staged_positions(plan, base + ids * row_bytes) // row_bytes
+        torch.index_select(staging.view(-1, row_bytes), 0, rows.to(out.device),
+                           out=out.view(torch.uint8).view(-1, row_bytes))
+        return ReadStats(torch.unique(ids).numel() * row_bytes, staging.numel(), plan.shape[0],
+                         time.perf_counter() - start, "kvikio")
+
+    def _read_endor_cufile(self, loc: EndorLocation, unique: torch.Tensor, tail_offsets: torch.Tensor,
+                           device: torch.device) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """Distinct Endor rows through kvikio into a staging buffer on `device`, split there into the bitmap rows
+        and the values (gathers by index). Returns (bitmap, values bytes, [bytes requested, bytes read, reads])."""
+        plan = self._native_reader().plan_reads(loc.offset, 0, 0, loc.starts, unique)
+        staging = self._cufile_stage(plan, device)
+        at = self._staged_positions(plan, loc.offset + loc.starts[unique]).to(device)
+        heads = at[:, None] + torch.arange(loc.head_bytes, device=device)
+        bitmap = staging[heads]
+        tail_lengths = (tail_offsets[1:] - tail_offsets[:-1]).to(device)
+        row_of_byte = torch.repeat_interleave(torch.arange(unique.numel(), device=device), tail_lengths)
+        within = torch.arange(row_of_byte.numel(), device=device) - tail_offsets[:-1].to(device)[row_of_byte]
+        values = staging[at[row_of_byte] + loc.head_bytes + within]
+        requested = int((loc.starts[unique + 1] - loc.starts[unique]).sum())
+        return bitmap, values, [requested, staging.numel(), plan.shape[0]]
 
     def read_async(self, layer: int, ids: torch.Tensor | list[int], out: torch.Tensor | None = None) -> Future:
         """Like read, in the background (the GIL is released during I/O); the future's result is read's ReadResult.
@@ -156,6 +337,9 @@ class FlashReader:
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
+        if self._cufile_handle is not None:
+            self._cufile_handle.close()
+            self._cufile_handle = None
         self._native = None
 
     def __enter__(self) -> FlashReader:

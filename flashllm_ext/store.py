@@ -4,7 +4,11 @@ A store is a directory with two safetensors files (DESIGN.md §5):
   bundles.safetensors   per layer `layers.{l}.bundles` [n_neurons, bundle_width], bundle = [up_col | gate_col | down_row]
                         (gate only for GLU models), each tensor on an `alignment`-byte boundary of the file so that
                         neuron i of layer l is one contiguous, direct-I/O-friendly range. With Endor compression the
-                        layer is stored as `layers.{l}.bundles.values/.bitmap/.row_offsets` (row = neuron).
+                        layer is `layers.{l}.bundles.rows` (uint8: per neuron its bitmap row, then its non-zero
+                        values, back to back, so a neuron is still one contiguous read, of ~56% of the bytes at
+                        50% sparsity) and `layers.{l}.bundles.row_offsets` (int64 [n_neurons + 1], the Endor
+                        row offsets of the values; neuron i starts at byte i * ceil(width/8) + row_offsets[i] *
+                        itemsize of `.rows`, endor.row_starts).
   resident.safetensors  embeddings, attention, norms, biases: what stays in memory.
 Both headers carry `magic` and `format_version`; bundles.safetensors also the model config, dtype, widths,
 alignment and `ffn_roles`: per layer, the checkpoint tensor name of each FFN role (WEIGHT_ROLES, whose weights are
@@ -47,14 +51,13 @@ def layer_tensor_name(layer: int) -> str:
 
 
 def layer_specs(layer: int, ffn: int, width: int, dtype: torch.dtype, endor_nnz: int | None) -> list[TensorSpec]:
-    """The tensors of one layer in bundles.safetensors: dense bundles, or the three Endor parts (values of
-    `endor_nnz` elements; -1 where the reader does not know it yet)."""
+    """The tensors of one layer in bundles.safetensors: dense bundles, or the Endor rows and row offsets (rows
+    holding `endor_nnz` values; -1 where the reader does not know it yet)."""
     name = layer_tensor_name(layer)
     if endor_nnz is None:
         return [TensorSpec(name, dtype_name(dtype), (ffn, width))]
-    return [TensorSpec(f"{name}.values", dtype_name(dtype), (endor_nnz,)),
-            TensorSpec(f"{name}.bitmap", "U8", (ffn, (width + 7) // 8)),
-            TensorSpec(f"{name}.row_offsets", "I64", (ffn + 1,))]
+    rows_bytes = -1 if endor_nnz < 0 else ffn * ((width + 7) // 8) + endor_nnz * dtype.itemsize
+    return [TensorSpec(f"{name}.rows", "U8", (rows_bytes,)), TensorSpec(f"{name}.row_offsets", "I64", (ffn + 1,))]
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,21 @@ class LayerLocation:
     offset: int
     row_bytes: int
     n_neurons: int
+
+
+@dataclass(frozen=True)
+class EndorLocation:
+    """Where an Endor layer's rows lie in bundles.safetensors, for the native reader: neuron i spans bytes
+    [offset + starts[i], offset + starts[i + 1]), its bitmap (head_bytes) then its values."""
+    offset: int
+    starts: torch.Tensor  # int64 [n_neurons + 1], relative to offset
+    row_offsets: torch.Tensor  # int64 [n_neurons + 1], the Endor row offsets of the values
+    head_bytes: int
+
+    @property
+    def counts(self) -> torch.Tensor:
+        """Values per neuron, int64 [n_neurons]."""
+        return self.row_offsets.diff()
 
 
 class FlashStore:
@@ -104,7 +122,10 @@ class FlashStore:
             raise FormatError("__metadata__.config", f"not JSON ({e})", self.bundles_path) from None
         self.row_bytes = self.bundle_width * self.dtype.itemsize
         self._entries = header.tensors
-        self._endor_index: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._endor_index: dict[int, EndorLocation] = {}
+        if self.endor and f"{layer_tensor_name(0)}.values" in self._entries:
+            raise FormatError("__metadata__.endor", "Endor layers in the older layout (separate values and bitmap "
+                              "tensors): convert the checkpoint again", self.bundles_path)
         for layer in range(self.n_layers):
             for spec in layer_specs(layer, self.n_neurons, self.bundle_width, self.dtype, -1 if self.endor else None):
                 self._check_entry(spec)
@@ -204,7 +225,7 @@ class FlashStore:
         """Absolute file offset and row size of a dense layer, for FlashReader."""
         self._check_layer(layer)
         if self.endor:
-            raise ValueError(f"{self.bundles_path}: Endor stores have variable-size bundles; use bundle()")
+            raise ValueError(f"{self.bundles_path}: Endor stores have variable-size bundles; use endor_location()")
         entry = self._entries[layer_tensor_name(layer)]
         return LayerLocation(entry.begin, self.row_bytes, self.n_neurons)
 
@@ -251,30 +272,43 @@ class FlashStore:
             torch.empty(0, dtype=torch.uint8)
 
     def _endor_rows(self, layer: int, sorted_ids: torch.Tensor) -> torch.Tensor:
-        bitmap, row_offsets = self._endor_layer_index(layer)
-        values_entry = self._entries[f"{layer_tensor_name(layer)}.values"]
-        item = self.dtype.itemsize
-        values = self._read_runs(sorted_ids, lambda a, b: (values_entry.begin + int(row_offsets[a]) * item,
-                                                           values_entry.begin + int(row_offsets[b]) * item))
-        counts = row_offsets[sorted_ids + 1] - row_offsets[sorted_ids]
-        offsets = torch.zeros(sorted_ids.numel() + 1, dtype=torch.int64)
-        torch.cumsum(counts, 0, out=offsets[1:])
-        subset = endor.EndorTensor(values.view(self.dtype), bitmap[sorted_ids], offsets,
-                                   (sorted_ids.numel(), self.bundle_width), source=self.bundles_path)
-        return subset.decompress()
+        loc = self.endor_location(layer)
+        rows = self._read_runs(sorted_ids, lambda a, b: (loc.offset + int(loc.starts[a]),
+                                                         loc.offset + int(loc.starts[b])))
+        try:
+            return endor.unpack_rows(rows, loc.counts[sorted_ids], self.bundle_width, self.dtype).decompress()
+        except (FormatError, RuntimeError) as e:  # a row's bitmap disagrees with its value count
+            raise FormatError(f"{layer_tensor_name(layer)}.rows", f"neurons {sorted_ids.tolist()[:8]} (row k of the "
+                              f"message is the k-th of them) are inconsistent: {e}", self.bundles_path) from None
 
-    def _endor_layer_index(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Bitmap and row offsets of an Endor layer (small: kept in memory once read and validated)."""
-        if layer not in self._endor_index:
+    def endor_location(self, layer: int) -> EndorLocation:
+        """Where an Endor layer's neuron rows lie, for FlashReader. Its row offsets are read and validated once
+        (FormatError naming the field on any inconsistency) and kept: [n_neurons + 1] int64, small."""
+        self._check_layer(layer)
+        if not self.endor:
+            raise ValueError(f"{self.bundles_path}: not an Endor store; use layer_location()")
+        location = self._endor_index.get(layer)
+        if location is None:
             name = layer_tensor_name(layer)
-            with safe_open(self.bundles_path, framework="pt") as f:
-                bitmap, row_offsets = f.get_tensor(f"{name}.bitmap"), f.get_tensor(f"{name}.row_offsets")
-            nnz = self._entries[f"{name}.values"].shape[0]
+            rows = self._entries[f"{name}.rows"]
+            entry = self._entries[f"{name}.row_offsets"]
+            with open(self.bundles_path, "rb", buffering=0) as f:
+                raw = os.pread(f.fileno(), entry.end - entry.begin, entry.begin)
+            if len(raw) != entry.end - entry.begin:
+                raise FormatError(f"{name}.row_offsets", "short read (file truncated?)", self.bundles_path)
+            row_offsets = torch.frombuffer(bytearray(raw), dtype=torch.int64)
+            width, item = (self.bundle_width + 7) // 8, self.dtype.itemsize
             counts = row_offsets.diff()
-            if int(row_offsets[0]) != 0 or int(row_offsets[-1]) != nnz or bool((counts < 0).any()):
-                raise FormatError(f"{name}.row_offsets", f"must rise from 0 to the {nnz} values", self.bundles_path)
-            self._endor_index[layer] = (bitmap, row_offsets)
-        return self._endor_index[layer]
+            if int(row_offsets[0]) != 0 or bool((counts < 0).any()) or bool((counts > self.bundle_width).any()):
+                raise FormatError(f"{name}.row_offsets", f"must rise from 0 by at most the bundle width "
+                                  f"{self.bundle_width} per neuron", self.bundles_path)
+            starts = endor.row_starts(row_offsets, width, item)
+            if int(starts[-1]) != rows.end - rows.begin:
+                raise FormatError(f"{name}.row_offsets", f"describe {int(starts[-1])} bytes of rows, "
+                                  f"{name}.rows holds {rows.end - rows.begin}", self.bundles_path)
+            location = EndorLocation(rows.begin, starts, row_offsets, width)
+            self._endor_index[layer] = location
+        return location
 
     def layer_bias(self, layer: int, role: str) -> torch.Tensor | None:
         """The resident bias of `layer` in `role` (one of BIAS_ROLES) as stored, None when the model has none."""

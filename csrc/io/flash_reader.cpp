@@ -1,11 +1,14 @@
-// FlashReader: fills rows of a tensor with fixed-size rows of a file ("bundles" of FFN neurons), with many
-// parallel direct reads. Exposed to Python as the TorchScript custom class torch.classes.flashllm.FlashReader.
+// FlashReader: fills rows of a tensor with rows of a file ("bundles" of FFN neurons), with many parallel direct
+// reads. Exposed to Python as the TorchScript custom class torch.classes.flashllm.FlashReader.
 //
-// One call = one batch: ids are sorted and deduplicated, runs of nearby ids are coalesced into one read when the
-// bytes of the gap cost less than a separate read (gap <= max_gap) or the merged read is still below min_read,
-// reads are widened to the file's direct-I/O alignment (statx STATX_DIOALIGN, else 4 KiB), executed by the engine
-// (a pool of pread workers, or one io_uring ring when built with liburing), and each row is copied from the aligned
-// bounce buffer into every output slot that asked for it.
+// Rows are fixed-size (read_rows: row i at base + i * row_bytes) or variable-length (read_var_rows: row i spans
+// [base + starts[i], base + starts[i + 1]), an Endor neuron: a fixed-size head, its bitmap, then its values). One
+// call = one batch: ids are sorted and deduplicated, runs of nearby ids are coalesced into one read when the bytes
+// of the gap cost less than a separate read (gap <= max_gap) or the merged read is still below min_read, reads are
+// widened to the file's direct-I/O alignment (statx STATX_DIOALIGN, else 4 KiB), executed by the engine (a pool of
+// pread workers, or one io_uring ring when built with liburing), and each row is copied from the aligned bounce
+// buffer into every output slot that asked for it (a variable row: its head into the head output, the rest into
+// the tail output at that slot's offset).
 #include <Python.h>
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -102,8 +105,14 @@ struct Batch {
   std::vector<Read> reads;
   std::vector<std::pair<int64_t, int64_t>> rows;  // (id, output slot), sorted by id
   int64_t base = 0;
-  int64_t row_bytes = 0;
-  char* out = nullptr;
+  int64_t row_bytes = 0;  // fixed rows; unused when `starts` is set
+  char* out = nullptr;    // fixed rows: slot i at out + i * row_bytes; variable rows: the heads, head_bytes each
+  // Variable rows: row id spans [base + starts[id], base + starts[id + 1]); its first head_bytes go to the head
+  // output, the rest to tail + tail_offsets[slot].
+  const int64_t* starts = nullptr;
+  int64_t head_bytes = 0;
+  char* tail = nullptr;
+  const int64_t* tail_offsets = nullptr;
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> bytes_read{0};
   std::atomic<bool> failed{false};
@@ -111,16 +120,26 @@ struct Batch {
   std::condition_variable done_cv;
   int64_t pending = 0;
   std::string error;
+  std::vector<at::Tensor> keep;  // tensors the raw pointers above point into, alive until the reads are done
 
   void fail(std::string message) {
     std::lock_guard<std::mutex> lock(mutex);
     if (!failed.exchange(true)) error = std::move(message);
   }
+  // File range [begin(id), end(id)) of a row.
+  int64_t begin(int64_t id) const { return base + (starts ? starts[id] : id * row_bytes); }
+  int64_t end(int64_t id) const { return base + (starts ? starts[id + 1] : (id + 1) * row_bytes); }
   // Copies the rows of read `r` out of the bounce buffer `buf`, which holds the file from byte `buf_start` on.
   void scatter(const Read& r, const char* buf, int64_t buf_start) const {
     for (int64_t k = r.first; k < r.last; ++k) {
       const auto [id, slot] = rows[k];
-      std::memcpy(out + slot * row_bytes, buf + (base + id * row_bytes - buf_start), row_bytes);
+      const char* src = buf + (begin(id) - buf_start);
+      if (starts == nullptr) {
+        std::memcpy(out + slot * row_bytes, src, row_bytes);
+      } else {
+        std::memcpy(out + slot * head_bytes, src, head_bytes);
+        std::memcpy(tail + tail_offsets[slot], src + head_bytes, end(id) - begin(id) - head_bytes);
+      }
     }
   }
 };
@@ -241,48 +260,66 @@ class FlashReader : public torch::CustomClassHolder {
   std::vector<int64_t> read_rows(int64_t base, int64_t row_bytes, int64_t n_rows, const at::Tensor& ids,
                                  const at::Tensor& out) {
     const auto start = std::chrono::steady_clock::now();
-    TORCH_CHECK(base >= 0 && row_bytes > 0 && n_rows >= 0, "FlashReader: need base >= 0, row_bytes > 0, "
-                "n_rows >= 0, got ", base, ", ", row_bytes, ", ", n_rows);
-    TORCH_CHECK(n_rows == 0 || row_bytes <= (std::numeric_limits<int64_t>::max() - base) / n_rows,
-                "FlashReader: base + n_rows * row_bytes overflows a file offset");
-    TORCH_CHECK(ids.device().is_cpu() && ids.scalar_type() == at::kLong && ids.dim() == 1,
-                "FlashReader: ids must be a 1-D int64 CPU tensor, got ", ids.scalar_type(), " ", ids.sizes(), " on ",
-                ids.device());
-    TORCH_CHECK(out.device().is_cpu() && out.is_contiguous(), "FlashReader: out must be a contiguous CPU tensor");
+    auto batch = fixed_batch(base, row_bytes, n_rows, ids);
     const int64_t n = ids.numel();
-    // ids may repeat, so n can exceed n_rows: the check above does not bound n * row_bytes.
+    TORCH_CHECK(out.device().is_cpu() && out.is_contiguous(), "FlashReader: out must be a contiguous CPU tensor");
+    // ids may repeat, so n can exceed n_rows: the checks of fixed_batch do not bound n * row_bytes.
     TORCH_CHECK(n == 0 || row_bytes <= std::numeric_limits<int64_t>::max() / n, "FlashReader: ", n, " rows of ",
                 row_bytes, " bytes overflow an output size");
     TORCH_CHECK(out.nbytes() == static_cast<size_t>(n * row_bytes), "FlashReader: out holds ", out.nbytes(),
                 " bytes, ", n, " rows of ", row_bytes, " bytes need ", n * row_bytes);
-    auto batch = std::make_shared<Batch>();
-    batch->base = base;
-    batch->row_bytes = row_bytes;
     batch->out = static_cast<char*>(out.data_ptr());
-    const at::Tensor ids_c = ids.contiguous();
-    const int64_t* id = ids_c.data_ptr<int64_t>();
-    batch->rows.reserve(n);
-    for (int64_t i = 0; i < n; ++i) {
-      TORCH_CHECK(id[i] >= 0 && id[i] < n_rows, "FlashReader: neuron id ", id[i], " at position ", i,
-                  " outside [0, ", n_rows, ")");
-      batch->rows.emplace_back(id[i], i);
+    return execute(batch, start);
+  }
+
+  // Variable-length rows: row id of the file spans [base + starts[id], base + starts[id + 1]) (starts int64
+  // [n_rows + 1], non-decreasing where read); its first head_bytes go to head_out[i] (uint8 [k * head_bytes]), the
+  // rest to tail_out[tail_offsets[i]:] (tail_offsets int64 [k + 1], each slot's share exactly the row's rest).
+  // Returns read_rows' stats.
+  std::vector<int64_t> read_var_rows(int64_t base, const at::Tensor& starts, int64_t head_bytes, const at::Tensor& ids,
+                                     const at::Tensor& head_out, const at::Tensor& tail_out,
+                                     const at::Tensor& tail_offsets) {
+    const auto start = std::chrono::steady_clock::now();
+    auto batch = var_batch(base, starts, head_bytes, ids);
+    const int64_t n = ids.numel();
+    for (const auto* t : {&head_out, &tail_out})
+      TORCH_CHECK(t->device().is_cpu() && t->is_contiguous(), "FlashReader: head_out and tail_out must be contiguous "
+                  "CPU tensors");
+    TORCH_CHECK(n == 0 || head_bytes <= std::numeric_limits<int64_t>::max() / n, "FlashReader: ", n,
+                " heads overflow an output size");
+    TORCH_CHECK(head_out.nbytes() == static_cast<size_t>(n * head_bytes), "FlashReader: head_out holds ",
+                head_out.nbytes(), " bytes, ", n, " heads of ", head_bytes, " bytes need ", n * head_bytes);
+    TORCH_CHECK(tail_offsets.device().is_cpu() && tail_offsets.scalar_type() == at::kLong &&
+                    tail_offsets.dim() == 1 && tail_offsets.numel() == n + 1 && tail_offsets.is_contiguous(),
+                "FlashReader: tail_offsets must be a contiguous 1-D int64 CPU tensor of ", n + 1, " entries");
+    const int64_t* tail_at = tail_offsets.data_ptr<int64_t>();
+    const auto tail_bytes = static_cast<int64_t>(tail_out.nbytes());
+    for (const auto& [id, slot] : batch->rows) {
+      const int64_t rest = batch->end(id) - batch->begin(id) - head_bytes;
+      TORCH_CHECK(tail_at[slot] >= 0 && tail_at[slot] <= tail_bytes - rest && tail_at[slot + 1] - tail_at[slot] == rest,
+                  "FlashReader: tail_offsets[", slot, "]=", tail_at[slot], " does not hold the ", rest,
+                  " bytes of row ", id, " inside tail_out's ", tail_bytes, " bytes");
     }
-    {
-      GilRelease no_gil;
-      std::sort(batch->rows.begin(), batch->rows.end());
-      plan(*batch);
-      if (!batch->reads.empty()) {
-        if (engine_ == "threads") run_threads(batch);
-        else run_uring(*batch);
-      }
+    batch->out = static_cast<char*>(head_out.data_ptr());
+    batch->tail = static_cast<char*>(tail_out.data_ptr());
+    batch->tail_offsets = tail_at;
+    return execute(batch, start);
+  }
+
+  // The coalesced reads a call would issue, without reading: int64 [n_reads, 2] of (file offset, length), in file
+  // order, before widening to the direct-I/O alignment. Rows are fixed (starts undefined) or variable as above.
+  at::Tensor plan_reads(int64_t base, int64_t row_bytes, int64_t n_rows, const c10::optional<at::Tensor>& starts,
+                        const at::Tensor& ids) {
+    auto batch = starts ? var_batch(base, *starts, 0, ids) : fixed_batch(base, row_bytes, n_rows, ids);
+    std::sort(batch->rows.begin(), batch->rows.end());
+    plan(*batch);
+    auto out = at::empty({static_cast<int64_t>(batch->reads.size()), 2}, at::kLong);
+    auto* p = out.data_ptr<int64_t>();
+    for (const Read& r : batch->reads) {
+      *p++ = r.offset;
+      *p++ = r.length;
     }
-    TORCH_CHECK(!batch->failed.load(), batch->error);
-    int64_t requested = 0;
-    for (size_t k = 0; k < batch->rows.size(); ++k)
-      if (k == 0 || batch->rows[k].first != batch->rows[k - 1].first) requested += row_bytes;
-    const auto wall = std::chrono::steady_clock::now() - start;
-    return {requested, batch->bytes_read.load(), static_cast<int64_t>(batch->reads.size()),
-            std::chrono::duration_cast<std::chrono::nanoseconds>(wall).count()};
+    return out;
   }
 
   bool direct() const { return direct_; }
@@ -293,6 +330,83 @@ class FlashReader : public torch::CustomClassHolder {
   int64_t dio_mem_align() const { return align_.memory; }
 
  private:
+  // The (id, slot) pairs of a call, ids checked against [0, n_rows).
+  static std::shared_ptr<Batch> new_batch(const at::Tensor& ids, int64_t n_rows) {
+    TORCH_CHECK(ids.device().is_cpu() && ids.scalar_type() == at::kLong && ids.dim() == 1,
+                "FlashReader: ids must be a 1-D int64 CPU tensor, got ", ids.scalar_type(), " ", ids.sizes(), " on ",
+                ids.device());
+    auto batch = std::make_shared<Batch>();
+    const int64_t n = ids.numel();
+    const at::Tensor ids_c = ids.contiguous();
+    const int64_t* id = ids_c.data_ptr<int64_t>();
+    batch->rows.reserve(n);
+    for (int64_t i = 0; i < n; ++i) {
+      TORCH_CHECK(id[i] >= 0 && id[i] < n_rows, "FlashReader: neuron id ", id[i], " at position ", i,
+                  " outside [0, ", n_rows, ")");
+      batch->rows.emplace_back(id[i], i);
+    }
+    return batch;
+  }
+
+  static std::shared_ptr<Batch> fixed_batch(int64_t base, int64_t row_bytes, int64_t n_rows, const at::Tensor& ids) {
+    TORCH_CHECK(base >= 0 && row_bytes > 0 && n_rows >= 0, "FlashReader: need base >= 0, row_bytes > 0, "
+                "n_rows >= 0, got ", base, ", ", row_bytes, ", ", n_rows);
+    TORCH_CHECK(n_rows == 0 || row_bytes <= (std::numeric_limits<int64_t>::max() - base) / n_rows,
+                "FlashReader: base + n_rows * row_bytes overflows a file offset");
+    auto batch = new_batch(ids, n_rows);
+    batch->base = base;
+    batch->row_bytes = row_bytes;
+    return batch;
+  }
+
+  // Checks every row the call touches: it starts at or after 0, holds its head and ends inside a file offset.
+  static std::shared_ptr<Batch> var_batch(int64_t base, const at::Tensor& starts, int64_t head_bytes,
+                                          const at::Tensor& ids) {
+    TORCH_CHECK(starts.device().is_cpu() && starts.scalar_type() == at::kLong && starts.dim() == 1 &&
+                    starts.numel() >= 1, "FlashReader: starts must be a 1-D int64 CPU tensor of n_rows + 1 entries");
+    TORCH_CHECK(base >= 0 && head_bytes >= 0, "FlashReader: need base >= 0 and head_bytes >= 0, got ", base, ", ",
+                head_bytes);
+    auto batch = new_batch(ids, starts.numel() - 1);
+    batch->base = base;
+    batch->head_bytes = head_bytes;
+    batch->keep = {starts.contiguous()};
+    const int64_t* at = batch->keep[0].data_ptr<int64_t>();
+    batch->starts = at;
+    for (const auto& [id, slot] : batch->rows) {
+      TORCH_CHECK(at[id] >= 0 && at[id + 1] - at[id] >= head_bytes &&
+                      at[id + 1] <= std::numeric_limits<int64_t>::max() - base,
+                  "FlashReader: row ", id, " spans [", at[id], ", ", at[id + 1], "): needs 0 <= start, at least ",
+                  head_bytes, " bytes, and an end inside a file offset");
+    }
+    return batch;
+  }
+
+  // Plans, runs and checks a batch; returns the stats of read_rows.
+  std::vector<int64_t> execute(const std::shared_ptr<Batch>& batch, std::chrono::steady_clock::time_point start) {
+    int64_t requested = 0;
+    {
+      GilRelease no_gil;
+      std::sort(batch->rows.begin(), batch->rows.end());
+      plan(*batch);
+      if (!batch->reads.empty()) {
+        if (engine_ == "threads") run_threads(batch);
+        else run_uring(*batch);
+      }
+      const auto& rows = batch->rows;
+      for (size_t k = 0; k < rows.size(); ++k)
+        if (k == 0 || rows[k].first != rows[k - 1].first)
+          requested += batch->end(rows[k].first) - batch->begin(rows[k].first);
+    }
+    // A worker may drop the last reference to the batch: the tensors must not go with it (one that Python also
+    // holds needs the GIL to be freed, which this thread holds while a reader closes and joins its workers).
+    batch->keep.clear();
+    batch->starts = nullptr;
+    TORCH_CHECK(!batch->failed.load(), batch->error);
+    const auto wall = std::chrono::steady_clock::now() - start;
+    return {requested, batch->bytes_read.load(), static_cast<int64_t>(batch->reads.size()),
+            std::chrono::duration_cast<std::chrono::nanoseconds>(wall).count()};
+  }
+
   [[noreturn]] void open_failed() {
     const int err = errno;
     TORCH_CHECK(false, "FlashReader: cannot open ", path_, ": ", std::strerror(err), " (errno ", err, ")");
@@ -305,7 +419,6 @@ class FlashReader : public torch::CustomClassHolder {
   // min_read = 0 turns coalescing off: one read per distinct row, even for adjacent rows (baselines).
   void plan(Batch& b) const {
     const auto& rows = b.rows;
-    const int64_t rb = b.row_bytes;
     int64_t k = 0;
     const int64_t n = static_cast<int64_t>(rows.size());
     while (k < n) {
@@ -315,14 +428,14 @@ class FlashReader : public torch::CustomClassHolder {
       while (end < n) {
         const int64_t next_id = rows[end].first;
         if (next_id != last_id) {
-          const int64_t gap = (next_id - last_id - 1) * rb;
-          const int64_t merged = (next_id - first_id + 1) * rb;
+          const int64_t gap = b.begin(next_id) - b.end(last_id);
+          const int64_t merged = b.end(next_id) - b.begin(first_id);
           if (merged > max_read_ || (gap > max_gap_ && merged > min_read_)) break;
           last_id = next_id;
         }
         ++end;
       }
-      b.reads.push_back({b.base + first_id * rb, (last_id - first_id + 1) * rb, k, end});
+      b.reads.push_back({b.begin(first_id), b.end(last_id) - b.begin(first_id), k, end});
       k = end;
     }
   }
@@ -361,6 +474,7 @@ class FlashReader : public torch::CustomClassHolder {
   // Where a read can land straight in `out`: its rows are distinct consecutive neurons going to consecutive
   // output slots, and offset, length and destination meet the direct-I/O alignment. Else nullptr (bounce buffer).
   char* zero_copy_target(const Batch& b, const Read& r) const {
+    if (b.starts != nullptr) return nullptr;  // variable rows are split into head and tail: always a bounce buffer
     const auto& first = b.rows[r.first];
     for (int64_t k = r.first + 1; k < r.last; ++k)
       if (b.rows[k].first != first.first + (k - r.first) || b.rows[k].second != first.second + (k - r.first))
@@ -533,6 +647,8 @@ TORCH_LIBRARY_FRAGMENT(flashllm, m) {
   m.class_<FlashReader>("FlashReader")
       .def(torch::init<std::string, int64_t, int64_t, int64_t, int64_t, bool, std::string>())
       .def("read_rows", &FlashReader::read_rows)
+      .def("read_var_rows", &FlashReader::read_var_rows)
+      .def("plan_reads", &FlashReader::plan_reads)
       .def("direct", &FlashReader::direct)
       .def("threads", &FlashReader::threads)
       .def("engine", &FlashReader::engine)
