@@ -44,6 +44,7 @@ class StepStats:
     mem_s: float  # time in memory management: planning, swap-delete compaction, pointer/bias bookkeeping
     num_used: int  # rows in use after the step
     hidden_io_s: float = 0.0  # read time that overlapped other work (begin_step(background=True) ... finish)
+    n_reads: int = 0  # read requests the reader issued (after coalescing)
 
     @property
     def total_evicted(self) -> int:
@@ -195,6 +196,7 @@ class PendingStep:
         start = time.perf_counter()
         self.cache._record(self.ids)
         mem_s = self._mem_s + time.perf_counter() - start
-        read_s, bytes_read = (result.stats.wall_s, result.stats.bytes_read) if result is not None else (0.0, 0)
+        read_s, bytes_read, n_reads = ((result.stats.wall_s, result.stats.bytes_read, result.stats.n_reads)
+                                       if result is not None else (0.0, 0, 0))
         return StepStats(self.evicted, self.evicted_budget, self.ids.numel(), bytes_read, waited, mem_s,
-                         self.cache.num_used, max(0.0, read_s - waited))
+                         self.cache.num_used, max(0.0, read_s - waited), n_reads)

@@ -78,6 +78,7 @@ class FFNStats:
     needed: int = 0  # neurons the steps needed (a cache hit when already cached)
     inserted: int = 0  # bundles read from flash
     bytes_read: int = 0
+    n_reads: int = 0  # read requests issued (after coalescing)
     io_s: float = 0.0  # waiting for reads (exposed)
     hidden_io_s: float = 0.0  # read time that overlapped compute
     mem_s: float = 0.0  # cache bookkeeping: planning, swap-delete, pointer/bias updates
@@ -89,6 +90,7 @@ class FFNStats:
         self.needed += needed
         self.inserted += step.inserted
         self.bytes_read += step.bytes_read
+        self.n_reads += step.n_reads
         self.io_s += step.io_s
         self.hidden_io_s += step.hidden_io_s
         self.mem_s += step.mem_s
@@ -287,6 +289,7 @@ class StreamingFFN(nn.Module):
             read = self.reader.read(self.layer, self.streamed_ids, self.staging[:n_streamed])
             self.stats.io_s += time.perf_counter() - start
             self.stats.bytes_read += read.stats.bytes_read
+            self.stats.n_reads += read.stats.n_reads
             self.stats.inserted += n_streamed
             self.stats.steps += 1
         self.stats.needed += self.store.n_neurons
