@@ -42,8 +42,9 @@ SCALE_COLUMNS = ["model", "operating_point", *COLUMNS]
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 TARGET_SPARSITY = 0.6  # the default-model predictors' operating point (trained once into the cached store):
 # the rule's threshold alone costs ~+5% held-out perplexity there (BENCHMARKS.md)
-SCALE_PREDICTOR_EPOCHS = 3  # predictors for other sparsities (operating point (a)): fewer epochs than the CLI's 10,
-# so that training fits a benchmark session on a shared 2-core machine (~1-2 min a layer there at 10 epochs)
+SCALE_PREDICTOR_TRAINING = ("--tokens", "1024", "--epochs", "2")  # the scale run's predictors: less training than
+# the CLI's 4096 tokens x 10 epochs (the default store's), so that both operating points train within a benchmark
+# session on a shared 2-core machine (there ~3 min a layer at the CLI's settings)
 
 
 # ------------------------------------------------------------------------------------------------ the oracle
@@ -213,16 +214,14 @@ def default_store(cache: Path, train_predictors: bool = True) -> Path:
 
 
 def trained_predictors(cache: Path, target_sparsity: float) -> Path:
-    """The default model's predictors trained for `target_sparsity`: the default store's own (TARGET_SPARSITY), or a
-    predictors file trained once beside it (load_predictors reads either)."""
+    """A predictors file of the default model trained (once) for `target_sparsity` with SCALE_PREDICTOR_TRAINING."""
     import subprocess
 
-    if target_sparsity == TARGET_SPARSITY:
-        return default_store(cache)
-    path = cache / f"smollm2-135m-predictors-s{target_sparsity:g}.safetensors"
+    path = cache / f"smollm2-135m-predictors-s{target_sparsity:g}-{'-'.join(SCALE_PREDICTOR_TRAINING[1::2])}" \
+                   ".safetensors"
     if not path.is_file():
         subprocess.run([sys.executable, "-m", "flashllm_ext.cli", "train-predictors", "default", "--out", str(path),
-                        "--target-sparsity", str(target_sparsity), "--epochs", str(SCALE_PREDICTOR_EPOCHS)], check=True)
+                        "--target-sparsity", str(target_sparsity), *SCALE_PREDICTOR_TRAINING], check=True)
     return path
 
 
@@ -470,7 +469,7 @@ def run_scale(args, baseline: int) -> list[dict]:
             label, sparsity = POINTS[point] if point else ("dense compute", None)
             common = {"scale": True, "store": str(store), "mode": mode, "operating_point": label,
                       "sparsity": sparsity, "model_budget_mb": model_budget / 1e6, "resident_mb": resident / 1e6,
-                      "predictors": None if point is None else str(trained_predictors(cache, sparsity))}
+                      "predictors": str(trained_predictors(cache, sparsity)) if mode == "flash" else None}
             configs.append({**common, "model": f"{name} (synthesized checkpoint, FFN stack)",
                             "budget_bytes": model_budget - resident, "tokens": args.tokens})
             if args.full:
