@@ -457,7 +457,7 @@ def run_scale(args, baseline: int) -> list[dict]:
     for name in [m for m in args.scale_models.split(",") if m]:
         store = scale_store(name)
         total = model_bytes_of(store)
-        resident = total - model_bytes_of(store, ffn=False)
+        resident = model_bytes_of(store, ffn=False)
         model_budget = parse_budget(args.budget, total)
         if model_budget <= resident:
             raise SystemExit(f"{name}: a budget of {args.budget} does not cover the {resident / 1e6:.0f} MB of "
@@ -497,6 +497,73 @@ def run_scale(args, baseline: int) -> list[dict]:
     return rows
 
 
+# ------------------------------------------------------------------------------------------------ prefill
+
+PREFILL_COLUMNS = ["prefill", "round", "cgroup_limit_mb", "cgroup_peak_mb", "prefill_ms", "io_ms", "compute_ms",
+                   "bytes_read", "reads", "mean_read_kib", "paths", "error"]
+
+
+def run_prefill_child(config: dict) -> dict:
+    """One prompt forward (prefill) of the default model in flash mode with the FFNs' prefill path forced or auto:
+    its time and reads."""
+    import flashllm_ext
+    from flashllm_ext.predictor import load_predictors
+
+    row = {"bench": "e2e_prefill", "model": DEFAULT_MODEL, "prefill": config["prefill"],
+           "prompt_tokens": len(config["prompt_ids"]), "budget_mb": config["budget_bytes"] / 1e6}
+    try:
+        model = flashllm_ext.load_flash(config["store"], config["budget_bytes"], mode="flash",
+                                        predictors=load_predictors(config["predictors"]))
+        for module in model.flash.modules:
+            module.prefill = config["prefill"]
+        with torch.inference_mode():
+            start = time.perf_counter()
+            model(torch.tensor([config["prompt_ids"]]), use_cache=True)
+            elapsed = time.perf_counter() - start
+    except Exception as e:  # the row says why
+        return {**row, "error": f"{type(e).__name__}: {e}"}
+    s = model.flash.stats
+    paths = {p: sum(m.prefill_paths[p] for m in model.flash.modules) for p in ("union", "sequential")}
+    return {**row, "prefill_ms": elapsed * 1e3, "io_ms": s.io_s * 1e3, "compute_ms": s.compute_s * 1e3,
+            "mem_ms": s.mem_s * 1e3, "bytes_read": s.bytes_read, "reads": s.n_reads,
+            "mean_read_kib": s.bytes_read / max(1, s.n_reads) / 1024, "paths": paths}
+
+
+def run_prefill(args, baseline: int) -> list[dict]:
+    """Union-of-active-sets prefill vs whole-layer sequential prefill vs the engine's auto choice, on the default
+    model (flash mode, operating point (b) predictors, --budget), a prompt of --prompt-tokens held-out tokens; each in
+    its own cgroup-limited process, rounds interleaved. The auto rows use the disk profile of $FLASHLLM_DISK_PROFILE
+    (or the cache's disk.json), which --calibrate measures into a file of this benchmark's own."""
+    from flashllm_ext.engine import parse_budget
+    from flashllm_ext.store import FlashStore
+
+    cache = resolve_cache_dir() / "e2e"
+    store = default_store(cache, train_predictors=False)
+    if args.calibrate:
+        import os
+
+        from flashllm_ext.disk import calibrate_disk
+
+        profile = calibrate_disk(cache, save=False)
+        path = cache / "prefill-disk.json"
+        path.write_text(json.dumps({"latency_s": profile.latency_s, "bandwidth_bps": profile.bandwidth_bps,
+                                    "path": profile.path}))
+        os.environ["FLASHLLM_DISK_PROFILE"] = str(path)  # the children inherit it
+    ids, _ = prompt_ids(args.prompt_tokens, FlashStore(store).config["vocab_size"])
+    base = {"prefill_bench": True, "mode": "flash", "store": str(store), "prompt_ids": ids,
+            "budget_bytes": parse_budget(args.budget, model_bytes_of(store)),
+            "predictors": str(trained_predictors(cache, TARGET_SPARSITY))}
+    rows = []
+    for round_index, path in [(r, p) for r in range(args.rounds) for p in ("union", "sequential", "auto")]:
+        child_rows, facts = run_limited_child(_child_argv({**base, "prefill": path}), base["budget_bytes"], baseline,
+                                              f"e2e-prefill-{path}", args.child_timeout)
+        row = {"prefill": path, **(child_rows[0] if child_rows else {"error": "the child printed no row"}), **facts,
+               "round": round_index}
+        rows.append(row)
+        emit([row], args.json, PREFILL_COLUMNS)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = arg_parser(__doc__.splitlines()[0])
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -516,6 +583,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--scale", action="store_true", help="the 7B-scale FFN-stack rows instead (see run_scale)")
     parser.add_argument("--scale-models", default=",".join(SCALE_MODELS), help="--scale: among " + ",".join(SCALE_MODELS))
     parser.add_argument("--points", default=",".join(POINTS), help="--scale: operating points of the flash rows")
+    parser.add_argument("--prefill", action="store_true", help="union vs sequential vs auto prefill (default model)")
+    parser.add_argument("--calibrate", action="store_true", help="--prefill: measure the disk profile auto uses")
     parser.add_argument("--full", action="store_true", help="--scale: whole-model rows too (load_flash)")
     parser.add_argument("--full-tokens", type=int, default=4, help="--scale --full: greedy decode tokens")
     parser.set_defaults(rounds=3)
@@ -528,10 +597,20 @@ def main(argv: list[str] | None = None) -> None:
             print(json.dumps({"probe": True}))
             return
         scale_ffn = config.get("scale") and not config.get("full")
-        print(json.dumps(run_scale_child(config) if scale_ffn else run_child(config)), flush=True)
+        child = run_prefill_child if config.get("prefill_bench") else run_scale_child if scale_ffn else run_child
+        print(json.dumps(child(config)), flush=True)
         return
     if args.quick:
         args.tokens, args.prompt_tokens, args.rounds = 4, 16, 1
+    if args.prefill:
+        rows = run_prefill(args, measure_baseline())
+        if not args.json:
+            print("\nmedians:")
+        emit([{"prefill": p, **{k: statistics.median(r[k] for r in rows if r["prefill"] == p and not r.get("error"))
+                                for k in ("prefill_ms", "io_ms", "compute_ms", "bytes_read", "reads", "mean_read_kib")}}
+              for p in ("union", "sequential", "auto") if any(r["prefill"] == p and not r.get("error") for r in rows)],
+             args.json, PREFILL_COLUMNS)
+        return
     if args.scale:
         medians = median_rows(run_scale(args, measure_baseline()))
         emit(medians, args.json, SCALE_COLUMNS)

@@ -70,8 +70,11 @@ def test_scale_run_on_tiny_checkpoints_at_the_shared_paths(tmp_path):
         assert row["tokens"] == 2 and row["operating_point"] == "dense compute"
         if row["cgroup_note"] is None:
             assert row["cgroup_peak_mb"] <= row["cgroup_limit_mb"] and not row["oom_killed"]
-        if row["mode"] == "naive":  # every bundle of every layer, every token
-            store = FlashStore(tmp_path / "scale" / f"{row['model'].split()[0]}-store")
-            assert row["bytes_per_token"] >= store_ffn_bytes(store)
+        store = FlashStore(tmp_path / "scale" / f"{row['model'].split()[0]}-store")
+        resident = sum(t.nbytes for t in store.resident().values())
+        assert row["resident_mb"] * 1e6 == pytest.approx(resident) and row["model_budget_mb"] == 300
+        if "FFN stack" in row["model"]:  # the FFNs get what the resident tensors leave of the model's budget
+            assert row["budget_mb"] == pytest.approx(300 - resident / 1e6)
+        assert row["bytes_per_token"] >= store_ffn_bytes(store)  # naive: every bundle, every token
     assert {r["model"].split(" (")[1] for r in runs} == {"synthesized checkpoint, FFN stack)",
                                                           "synthesized checkpoint, whole model)"}
