@@ -31,6 +31,7 @@ import math
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -47,11 +48,15 @@ MODES = ("dense", "naive", "hybrid", "flash", "flash-oracle", "accelerate")
 KEYS = ("bench", "model", "device", "mode", "budget_mb", "cgroup_limit_mb", "cgroup_peak_mb", "ms_per_token", "io_ms",
         "mem_ms", "predictor_ms", "compute_ms", "hidden_io_ms", "bytes_per_token", "tokens", "hit_rate")
 COLUMNS = ["mode", "budget_mb", "cgroup_limit_mb", "cgroup_peak_mb", "oom_killed", "ms_per_token", "io_ms", "mem_ms",
-           "predictor_ms", "compute_ms", "bytes_per_token", "hit_rate", "error"]
+           "predictor_ms", "compute_ms", "bytes_per_token", "reads_per_token", "hit_rate", "error"]
 ENDOR_COLUMNS = ["store_format", "decompress_ms", "requested_bytes_per_token"] + COLUMNS
+SCALE_COLUMNS = ["model", "operating_point", *COLUMNS]
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 TARGET_SPARSITY = 0.6  # the default-model predictors' operating point (trained once into the cached store):
 # the rule's threshold alone costs ~+5% held-out perplexity there (BENCHMARKS.md)
+SCALE_PREDICTOR_TRAINING = ("--tokens", "1024", "--epochs", "2")  # the scale run's predictors: less training than
+# the CLI's 4096 tokens x 10 epochs (the default store's), so that both operating points train within a benchmark
+# session on a shared 2-core machine (there ~3 min a layer at the CLI's settings)
 
 
 # ------------------------------------------------------------------------------------------------ the oracle
@@ -155,6 +160,14 @@ def _load(config: dict):
     if mode == "dense":
         return flashllm_ext.load_flash(config["store"], None, mode="dense", device=device), lambda: None
     predictors = None
+    if config.get("scale") and mode.startswith("flash"):  # the tiled sets of the default model, replayed
+        store, at = FlashStore(config["store"]), [0]
+        n_tokens = len(config["prompt_ids"]) + config["tokens"] + 1
+        predictors = ReplayedSets(scale_masks(config, n_tokens, store.n_layers, store.n_neurons), at)
+        model = flashllm_ext.load_flash(store, budget, mode="flash", predictors=predictors)
+        # The sets of the tokens at the positions this forward computes: after the cached ones.
+        model.register_forward_pre_hook(partial(_track_position, at), with_kwargs=True)
+        return model, model.flash.stats.reset
     if mode == "flash-oracle":
         store = FlashStore(config["store"])
         thresholds = torch.tensor(config["thresholds"]) if "thresholds" in config else \
@@ -164,6 +177,11 @@ def _load(config: dict):
                                     predictors=predictors, device=device,
                                     reader_options=config.get("reader_options"))
     return model, model.flash.stats.reset
+
+
+def _track_position(at: list[int], _module, _args, kwargs) -> None:
+    past = kwargs.get("past_key_values")
+    at[0] = 0 if past is None else past.get_seq_length()
 
 
 def run_child(config: dict) -> dict:
@@ -183,7 +201,8 @@ def run_child(config: dict) -> dict:
     stats = model.flash_stats() if getattr(model, "flash", None) is not None else None
     if stats is not None:
         row.update({k: stats[k] for k in ("io_ms", "hidden_io_ms", "decompress_ms", "mem_ms", "predictor_ms",
-                                          "compute_ms", "bytes_per_token", "requested_bytes_per_token", "hit_rate",
+                                          "compute_ms", "bytes_per_token", "requested_bytes_per_token",
+                                          "reads_per_token", "mean_read_bytes", "hit_rate",
                                           "accounted_bytes")})
     else:  # dense / accelerate: no engine stats; the whole decode time is compute (accelerate's reads included)
         row.update(io_ms=None, mem_ms=None, predictor_ms=None, compute_ms=None, bytes_per_token=0 if
@@ -213,6 +232,18 @@ def default_store(cache: Path, train_predictors: bool = True) -> Path:
         except Exception:  # none yet: `flashllm train-predictors` writes them into the store
             subprocess.run([sys.executable, "-m", "flashllm_ext.cli", "train-predictors", "default", "--store",
                             str(path), "--target-sparsity", str(TARGET_SPARSITY)], check=True)
+    return path
+
+
+def trained_predictors(cache: Path, target_sparsity: float) -> Path:
+    """A predictors file of the default model trained (once) for `target_sparsity` with SCALE_PREDICTOR_TRAINING."""
+    import subprocess
+
+    path = cache / f"smollm2-135m-predictors-s{target_sparsity:g}-{'-'.join(SCALE_PREDICTOR_TRAINING[1::2])}" \
+                   ".safetensors"
+    if not path.is_file():
+        subprocess.run([sys.executable, "-m", "flashllm_ext.cli", "train-predictors", "default", "--out", str(path),
+                        "--target-sparsity", str(target_sparsity), *SCALE_PREDICTOR_TRAINING], check=True)
     return path
 
 
@@ -284,8 +315,9 @@ def run_configuration(config: dict, baseline: int | None) -> dict:
     return row
 
 
-def model_bytes_of(store_path: Path) -> int:
-    """Resident tensors (without predictors) + every FFN bundle of the store: what '50%' is a share of."""
+def model_bytes_of(store_path: Path, ffn: bool = True) -> int:
+    """Resident tensors (without predictors) + every FFN bundle of the store (ffn=False: without the bundles): what
+    '50%' is a share of."""
     from safetensors import safe_open
 
     from flashllm_ext.engine import store_ffn_bytes
@@ -295,7 +327,7 @@ def model_bytes_of(store_path: Path) -> int:
     with safe_open(store.resident_path, framework="pt") as f:
         resident = sum(math.prod(f.get_slice(n).get_shape()) * store.dtype.itemsize
                        for n in f.keys() if not n.startswith("predictor."))
-    return resident + store_ffn_bytes(store)
+    return resident + (store_ffn_bytes(store) if ffn else 0)
 
 
 def plot_breakdown(rows: list[dict], path: Path) -> None:
@@ -326,8 +358,13 @@ def plot_breakdown(rows: list[dict], path: Path) -> None:
 
 # ------------------------------------------------------------------------------------------- the scale run
 
-SCALE_SHAPE = {"name": "opt-6.7b-ffn", "layers": 32, "hidden": 4096, "neurons": 16384}  # OPT-6.7B's FFN stack
-SCALE_MODES = ("naive", "hybrid", "flash-oracle", "flash")
+SCALE_MODELS = ("opt-6.7b", "llama-2-7b")  # bench/synth_checkpoint.py's checkpoints, converted once
+# The operating points of issue 9: (a) OPT-like, the rule's threshold sparsity 0.97 (what the paper measured for
+# OPT's ReLU FFNs); (b) SwiGLU-real, TARGET_SPARSITY, where the default model's held-out perplexity stays within ~5%
+# of dense. Per point: the sparsity the predictors are trained for and the one the true sets are thresholded at.
+POINTS = {"a": ("a (OPT-like): threshold sparsity 0.97", 0.97),
+          "b": (f"b (SwiGLU-real): target sparsity {TARGET_SPARSITY:g}", TARGET_SPARSITY)}
+SCALE_CONFIGS = (("naive", None), ("hybrid", None), ("flash-oracle", "a"), ("flash", "a"), ("flash", "b"))
 
 
 class ReplayedSets(nn.Module):
@@ -348,13 +385,13 @@ class ReplayedSets(nn.Module):
         return self.masks[self.at[0]:self.at[0] + x.shape[0], layer]
 
 
-def scale_masks(config: dict, n_layers: int, n_neurons: int) -> torch.Tensor:
-    """bool [tokens, layers, neurons] for the scale run: the true sets of the default model at the threshold
-    sparsity (flash-oracle), or the sets its trained predictors choose on the same tokens (flash), tiled. Computed
-    by the parent (it loads the default model, which a limited child has no room for), cached in a file."""
+def scale_masks(config: dict, n_tokens: int, n_layers: int, n_neurons: int) -> torch.Tensor:
+    """bool [n_tokens, layers, neurons] for the scale run: the true sets of the default model at the threshold
+    sparsity (flash-oracle), or the sets its predictors trained for that sparsity choose on the same tokens (flash),
+    tiled. Computed by the parent (it loads the default model, which a limited child has no room for), cached."""
     from traces import default_model_masks, tile_masks
 
-    n_tokens, sparsity = config["tokens"] + 1, config["sparsity"]
+    sparsity = config["sparsity"]
     cached = resolve_cache_dir() / "e2e" / f"scale-sets-{config['mode']}-{sparsity:g}-{n_tokens}tok.pt"
     if cached.is_file():
         return tile_masks(torch.load(cached), n_layers, n_neurons)
@@ -364,7 +401,7 @@ def scale_masks(config: dict, n_layers: int, n_neurons: int) -> torch.Tensor:
         from flashllm_ext.models import corpus_token_ids, load_hf_model
         from flashllm_ext.predictor import capture_activations, load_predictors
 
-        predictors = load_predictors(config["predictor_store"])
+        predictors = load_predictors(config["predictors"])
         model, tokenizer = load_hf_model()
         ids = corpus_token_ids(tokenizer, "heldout", max_tokens=n_tokens)
         capture = capture_activations(model, ids, predictors.thresholds, progress=False)
@@ -376,17 +413,18 @@ def scale_masks(config: dict, n_layers: int, n_neurons: int) -> torch.Tensor:
 
 
 def run_scale_child(config: dict) -> dict:
-    """FFN-only decoding of the scale store: per token, every layer's FFN on a fresh random hidden state."""
+    """FFN-only decoding of a scale store: per token, every layer's FFN on a fresh random hidden state, within the
+    FFN's share of the model's budget."""
     from flashllm_ext.engine import ffn_stack
     from flashllm_ext.store import FlashStore
 
     device = config.get("device", "cpu")
-    row = {"bench": "e2e", "model": SCALE_SHAPE["name"] + " (synthetic weights, FFN only)",
-           "device": device_name(device), "mode": config["mode"], "operating_point": config["operating_point"],
-           "budget_mb": config["budget_bytes"] / 1e6}
+    row = {"bench": "e2e", "model": config["model"], "device": device_name(device), "mode": config["mode"],
+           "operating_point": config["operating_point"], "budget_mb": config["budget_bytes"] / 1e6}
     try:
         store, at = FlashStore(config["store"]), [0]
-        masks = scale_masks(config, store.n_layers, store.n_neurons) if config["mode"].startswith("flash") else None
+        masks = (scale_masks(config, config["tokens"] + 1, store.n_layers, store.n_neurons)
+                 if config["mode"].startswith("flash") else None)
         predictors = None if masks is None else ReplayedSets(masks, at)
         runtime = ffn_stack(store, "flash" if predictors is not None else config["mode"], config["budget_bytes"],
                             predictors=predictors, device=device)
@@ -412,7 +450,8 @@ def run_scale_child(config: dict) -> dict:
         per = 1e3 / len(times)  # the stats cover the timed tokens: per-token milliseconds
         row.update(ms_per_token=statistics.median(times) * 1e3, tokens=len(times),
                    bytes_per_token=stats["bytes_read"] / len(times), hit_rate=stats["hit_rate"],
-                   accounted_bytes=stats["accounted_bytes"],
+                   accounted_bytes=stats["accounted_bytes"], reads_per_token=runtime.stats.n_reads / len(times),
+                   mean_read_bytes=stats["mean_read_bytes"],
                    **{k: getattr(runtime.stats, k.removesuffix("_ms") + "_s") * per
                       for k in ("io_ms", "hidden_io_ms", "mem_ms", "predictor_ms", "compute_ms")})
         if masks is not None:
@@ -423,39 +462,141 @@ def run_scale_child(config: dict) -> dict:
     return row
 
 
-def run_scale(args, baseline: int) -> list[dict]:
-    """The scale rows: OPT-6.7B's FFN shapes (synthetic weights, a store written once), 50% of the FFN bytes."""
-    from flashllm_ext.convert import synthesize
-    from flashllm_ext.engine import parse_budget, store_ffn_bytes
+def scale_store(name: str) -> Path:
+    """The flash store converted (once) from the shared synthesized checkpoint of `name`."""
+    from synth_checkpoint import shared_checkpoint
+
+    from flashllm_ext.convert import convert
     from flashllm_ext.store import FlashStore
 
-    path = resolve_cache_dir() / "e2e" / SCALE_SHAPE["name"]
+    checkpoint = shared_checkpoint(name)
+    path = checkpoint.with_name(f"{name}-store")
     try:
         FlashStore(path)
     except (OSError, FormatError):
-        print(f"writing the synthetic {SCALE_SHAPE['name']} store at {path} (once)", file=sys.stderr)
-        synthesize(path, SCALE_SHAPE["layers"], SCALE_SHAPE["hidden"], SCALE_SHAPE["neurons"], glu=False)
-    budget = parse_budget(args.budget, store_ffn_bytes(FlashStore(path)))
-    points = [("a: threshold sparsity 0.97 (OPT-like), true sets", "flash-oracle", 0.97),
-              (f"b: trained predictors at target sparsity {TARGET_SPARSITY}", "flash", TARGET_SPARSITY)]
-    configs = [{"mode": m, "operating_point": "dense compute", "sparsity": None} for m in ("naive", "hybrid")]
-    configs += [{"mode": m, "operating_point": point, "sparsity": s} for point, m, s in points]
-    configs = [c for c in configs if c["mode"] in args.modes.split(",")]
-    base = {"scale": True, "store": str(path), "budget_bytes": budget, "tokens": args.tokens, "device": args.device,
-            "predictor_store": str(default_store(resolve_cache_dir() / "e2e"))}
+        print(f"converting {checkpoint} to {path} (once)", file=sys.stderr)
+        convert(checkpoint, path, dtype="fp16", force=True)
+    return path
+
+
+def run_scale(args, baseline: int) -> list[dict]:
+    """The scale rows: per model of --scale-models, its synthesized checkpoint converted to a store. FFN-stack rows:
+    the FFNs decoded within the FFN's share of --budget (of the whole model's weight bytes, the resident tensors
+    taken first as load_flash takes them). With --full, whole-model rows too: load_flash at --budget, a prompt of
+    --prompt-tokens held-out tokens, then --full-tokens greedy tokens."""
+    from flashllm_ext.engine import parse_budget
+    from flashllm_ext.store import FlashStore
+
+    cache = resolve_cache_dir() / "e2e"
+    wanted = [m for m in args.modes.split(",") if m]
+    configs = []
+    for name in [m for m in args.scale_models.split(",") if m]:
+        store = scale_store(name)
+        total = model_bytes_of(store)
+        resident = model_bytes_of(store, ffn=False)
+        model_budget = parse_budget(args.budget, total)
+        if model_budget <= resident:
+            raise SystemExit(f"{name}: a budget of {args.budget} does not cover the {resident / 1e6:.0f} MB of "
+                             "resident tensors")
+        ids, prompt_note = prompt_ids(args.prompt_tokens, FlashStore(store).config["vocab_size"])
+        for mode, point in SCALE_CONFIGS:
+            if mode not in wanted or (point is not None and point not in args.points.split(",")):
+                continue
+            label, sparsity = POINTS[point] if point else ("dense compute", None)
+            common = {"scale": True, "store": str(store), "mode": mode, "device": args.device, "operating_point": label,
+                      "sparsity": sparsity, "model_budget_mb": model_budget / 1e6, "resident_mb": resident / 1e6,
+                      "predictors": str(trained_predictors(cache, sparsity)) if mode == "flash" else None}
+            configs.append({**common, "model": f"{name} (synthesized checkpoint, FFN stack)",
+                            "budget_bytes": model_budget - resident, "tokens": args.tokens})
+            if args.full:
+                configs.append({**common, "model": f"{name} (synthesized checkpoint, whole model)", "full": True,
+                                "budget_bytes": model_budget, "tokens": args.full_tokens, "prompt_ids": ids,
+                                "prompt_note": prompt_note, "timeout_s": args.child_timeout})
     for config in configs:  # the sets, computed here: the children are limited to the budget
         if config["mode"].startswith("flash"):
-            scale_masks({**base, **config}, 1, 1)
+            scale_masks(config, len(config.get("prompt_ids", ())) + config["tokens"] + 1, 1, 1)
     rows = []
     for round_index, config in [(r, c) for r in range(args.rounds) for c in configs]:
-        config = {**base, **config}
-        child_rows, facts = run_limited_child(_child_argv(config), budget, baseline, f"e2e-scale-{config['mode']}",
-                                              args.child_timeout)
-        row = {**(child_rows[0] if child_rows else {"mode": config["mode"], "error": "the child printed no row"}),
-               **facts, "round": round_index, "budget_spec": args.budget}
-        row = {**{k: row.get(k) for k in KEYS}, **row}
+        child_rows, facts = run_limited_child(_child_argv(config), config["budget_bytes"], baseline,
+                                              f"e2e-scale-{config['mode']}", args.child_timeout)
+        row = {"model": config["model"], "mode": config["mode"], "budget_mb": config["budget_bytes"] / 1e6,
+               **(child_rows[0] if child_rows else {"error": "the child printed no row"}),
+               **facts, "operating_point": config["operating_point"], "round": round_index,
+               "budget_spec": args.budget, "model_budget_mb": config["model_budget_mb"],
+               "resident_mb": config["resident_mb"], "baseline_mb": baseline / 1e6,
+               "prompt_tokens": len(config.get("prompt_ids", ())), "prompt_note": config.get("prompt_note")}
+        if len(child_rows) > 1 and not row.get("error"):
+            row["error"] = child_rows[-1].get("error")
+        row = {**{k: row.get(k) for k in KEYS}, **row, "bench": "e2e"}
         rows.append(row)
-        emit([row], args.json, COLUMNS)
+        emit([row], args.json, SCALE_COLUMNS)
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------ prefill
+
+PREFILL_COLUMNS = ["prefill", "round", "cgroup_limit_mb", "cgroup_peak_mb", "prefill_ms", "io_ms", "compute_ms",
+                   "bytes_read", "reads", "mean_read_kib", "paths", "error"]
+
+
+def run_prefill_child(config: dict) -> dict:
+    """One prompt forward (prefill) of the default model in flash mode with the FFNs' prefill path forced or auto:
+    its time and reads."""
+    import flashllm_ext
+    from flashllm_ext.predictor import load_predictors
+
+    row = {"bench": "e2e_prefill", "model": DEFAULT_MODEL, "prefill": config["prefill"],
+           "prompt_tokens": len(config["prompt_ids"]), "budget_mb": config["budget_bytes"] / 1e6}
+    try:
+        model = flashllm_ext.load_flash(config["store"], config["budget_bytes"], mode="flash",
+                                        predictors=load_predictors(config["predictors"]))
+        for module in model.flash.modules:
+            module.prefill = config["prefill"]
+        with torch.inference_mode():
+            start = time.perf_counter()
+            model(torch.tensor([config["prompt_ids"]]), use_cache=True)
+            elapsed = time.perf_counter() - start
+    except Exception as e:  # the row says why
+        return {**row, "error": f"{type(e).__name__}: {e}"}
+    s = model.flash.stats
+    paths = {p: sum(m.prefill_paths[p] for m in model.flash.modules) for p in ("union", "sequential")}
+    return {**row, "prefill_ms": elapsed * 1e3, "io_ms": s.io_s * 1e3, "compute_ms": s.compute_s * 1e3,
+            "mem_ms": s.mem_s * 1e3, "bytes_read": s.bytes_read, "reads": s.n_reads,
+            "mean_read_kib": s.bytes_read / max(1, s.n_reads) / 1024, "paths": paths}
+
+
+def run_prefill(args, baseline: int) -> list[dict]:
+    """Union-of-active-sets prefill vs whole-layer sequential prefill vs the engine's auto choice, on the default
+    model (flash mode, operating point (b) predictors, --budget), a prompt of --prompt-tokens held-out tokens; each in
+    its own cgroup-limited process, rounds interleaved. The auto rows use the disk profile of $FLASHLLM_DISK_PROFILE
+    (or the cache's disk.json), which --calibrate measures into a file of this benchmark's own."""
+    from flashllm_ext.engine import parse_budget
+    from flashllm_ext.store import FlashStore
+
+    cache = resolve_cache_dir() / "e2e"
+    store = default_store(cache, train_predictors=False)
+    if args.calibrate:
+        import os
+
+        from flashllm_ext.disk import calibrate_disk
+
+        profile = calibrate_disk(cache, save=False)
+        path = cache / "prefill-disk.json"
+        path.write_text(json.dumps({"latency_s": profile.latency_s, "bandwidth_bps": profile.bandwidth_bps,
+                                    "path": profile.path}))
+        os.environ["FLASHLLM_DISK_PROFILE"] = str(path)  # the children inherit it
+    ids, _ = prompt_ids(args.prompt_tokens, FlashStore(store).config["vocab_size"])
+    base = {"prefill_bench": True, "mode": "flash", "store": str(store), "prompt_ids": ids,
+            "budget_bytes": parse_budget(args.budget, model_bytes_of(store)),
+            "predictors": str(trained_predictors(cache, TARGET_SPARSITY))}
+    rows = []
+    for round_index, path in [(r, p) for r in range(args.rounds) for p in ("union", "sequential", "auto")]:
+        child_rows, facts = run_limited_child(_child_argv({**base, "prefill": path}), base["budget_bytes"], baseline,
+                                              f"e2e-prefill-{path}", args.child_timeout)
+        row = {"prefill": path, **(child_rows[0] if child_rows else {"error": "the child printed no row"}), **facts,
+               "round": round_index}
+        rows.append(row)
+        emit([row], args.json, PREFILL_COLUMNS)
     return rows
 
 
@@ -543,7 +684,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--child-timeout", type=float, default=900, help="seconds before a child is killed")
     parser.add_argument("--quick", action="store_true", help="smoke run: 4 tokens, 16-token prompt")
     parser.add_argument("--no-plot", action="store_true")
-    parser.add_argument("--scale", action="store_true", help="the OPT-6.7B-shaped FFN-only rows instead (FFN budget)")
+    parser.add_argument("--scale", action="store_true", help="the 7B-scale FFN-stack rows instead (see run_scale)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="where the model and its neuron caches live (cuda: the GPU)")
     parser.add_argument("--endor", action="store_true", help="flash mode on the Wanda-50%%-pruned default model's "
@@ -552,6 +693,12 @@ def main(argv: list[str] | None = None) -> None:
                                                     "read size (default: the reader's defaults)")
     parser.add_argument("--no-limit", action="store_true", help="--endor: measure each child's cgroup peak without "
                                                                 "enforcing baseline + budget")
+    parser.add_argument("--scale-models", default=",".join(SCALE_MODELS), help="--scale: among " + ",".join(SCALE_MODELS))
+    parser.add_argument("--points", default=",".join(POINTS), help="--scale: operating points of the flash rows")
+    parser.add_argument("--prefill", action="store_true", help="union vs sequential vs auto prefill (default model)")
+    parser.add_argument("--calibrate", action="store_true", help="--prefill: measure the disk profile auto uses")
+    parser.add_argument("--full", action="store_true", help="--scale: whole-model rows too (load_flash)")
+    parser.add_argument("--full-tokens", type=int, default=4, help="--scale --full: greedy decode tokens")
     parser.set_defaults(rounds=3)
     args = parser.parse_args(argv)
     if args.child:
@@ -563,7 +710,9 @@ def main(argv: list[str] | None = None) -> None:
                 torch.zeros(1, device="cuda")
             print(json.dumps({"probe": True}))
             return
-        print(json.dumps(run_scale_child(config) if config.get("scale") else run_child(config)), flush=True)
+        scale_ffn = config.get("scale") and not config.get("full")
+        child = run_prefill_child if config.get("prefill_bench") else run_scale_child if scale_ffn else run_child
+        print(json.dumps(child(config)), flush=True)
         return
     if args.quick:
         args.tokens, args.prompt_tokens, args.rounds = 4, 16, 1
@@ -573,12 +722,23 @@ def main(argv: list[str] | None = None) -> None:
         cuda_device(args.device)
     except ValueError as e:
         parser.error(str(e))
+    if args.prefill:
+        rows = run_prefill(args, measure_baseline())
+        if not args.json:
+            print("\nmedians:")
+        emit([{"prefill": p, **{k: statistics.median(r[k] for r in rows if r["prefill"] == p and not r.get("error"))
+                                for k in ("prefill_ms", "io_ms", "compute_ms", "bytes_read", "reads", "mean_read_kib")}}
+              for p in ("union", "sequential", "auto") if any(r["prefill"] == p and not r.get("error") for r in rows)],
+             args.json, PREFILL_COLUMNS)
+        return
     if args.scale:
         medians = median_rows(run_scale(args, measure_baseline(args.device)))
-        emit(medians, args.json, COLUMNS)
+        emit(medians, args.json, SCALE_COLUMNS)
         if not args.no_plot:
             RESULTS.mkdir(exist_ok=True)
-            plot_breakdown(medians, RESULTS / "e2e_scale_breakdown.png")
+            for model in dict.fromkeys(r["model"] for r in medians):
+                plot_breakdown([r for r in medians if r["model"] == model],
+                               RESULTS / f"e2e_scale_{model.split()[0]}_breakdown.png")
         return
     from flashllm_ext.engine import parse_budget
 
@@ -637,7 +797,9 @@ def median_rows(rows: list[dict]) -> list[dict]:
     groups: dict[tuple, list[dict]] = {}
     for row in rows:
         if not row.get("error"):
-            groups.setdefault((row["mode"], row.get("budget_spec"), row.get("store_format")), []).append(row)
+            key = (row.get("model"), row["mode"], row.get("operating_point"), row.get("budget_spec"),
+                   row.get("store_format"))
+            groups.setdefault(key, []).append(row)
     out = []
     for group in groups.values():
         numbers = {k for r in group for k, v in r.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}

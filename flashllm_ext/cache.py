@@ -57,6 +57,7 @@ class StepStats:
     hidden_io_s: float = 0.0  # read time that overlapped other work (begin_step(background=True) ... finish)
     decompress_s: float = 0.0  # Endor stores: the part of the read time spent decompressing into the cache rows
     bytes_requested: int = 0  # bytes of the bundles read (compressed for Endor), without padding or coalesced gaps
+    n_reads: int = 0  # read requests the reader issued (after coalescing)
 
     @property
     def total_evicted(self) -> int:
@@ -240,4 +241,5 @@ class PendingStep:
         return StepStats(self.evicted, self.evicted_budget, self.ids.numel(), bytes_read, waited, mem_s,
                          self.cache.num_used, max(0.0, read_s - waited),
                          read.decompress_s if read is not None else 0.0,
-                         read.bytes_requested if read is not None else 0)
+                         read.bytes_requested if read is not None else 0,
+                         read.n_reads if read is not None else 0)

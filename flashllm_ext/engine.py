@@ -105,6 +105,8 @@ class FlashRuntime:
                 "predictor_ms": s.predictor_s * per, "compute_ms": s.compute_s * per,
                 "bytes_per_token": s.bytes_read / max(tokens, 1), "bytes_read": s.bytes_read,
                 "requested_bytes_per_token": s.bytes_requested / max(tokens, 1),
+                "reads_per_token": s.n_reads / max(tokens, 1),
+                "mean_read_bytes": s.bytes_read / s.n_reads if s.n_reads else 0.0,
                 "hit_rate": s.hit_rate, "steps": s.steps, "budget_bytes": self.budget_bytes,
                 "accounted_bytes": self.accounted_bytes, "resident_bytes": self.resident_bytes,
                 "predictor_bytes": self.predictor_bytes, "ffn_bytes": self.ffn_bytes}

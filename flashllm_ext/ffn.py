@@ -34,11 +34,13 @@ from torch import nn
 from . import ops
 from ._ops import ACTIVATIONS
 from .cache import NeuronCache, StepStats, input_bias_role, layer_input_bias
+from .disk import load_disk_profile
 from .models.hf import decoder_layers
 from .reader import FlashReader
 from .store import FlashStore
 from .transfer import HostTransfer, Transfer
 
+PREFILL_PATHS = ("auto", "union", "sequential")
 # What a predictor returns for x [T, d]: a bool mask [T, n] (per-token active sets), or one set shared by every
 # token as int64 ids [k] or a bool mask [n].
 Predictor = Callable[[torch.Tensor], torch.Tensor]
@@ -86,6 +88,7 @@ class FFNStats:
     inserted: int = 0  # bundles read from flash
     bytes_read: int = 0
     bytes_requested: int = 0  # the bundles' own bytes (compressed for Endor): bytes_read less padding and gaps
+    n_reads: int = 0  # read requests issued (after coalescing)
     io_s: float = 0.0  # waiting for reads (exposed)
     hidden_io_s: float = 0.0  # read time that overlapped compute
     decompress_s: float = 0.0  # Endor stores: the part of the read time (exposed or hidden) spent decompressing
@@ -99,6 +102,7 @@ class FFNStats:
         self.inserted += step.inserted
         self.bytes_read += step.bytes_read
         self.bytes_requested += step.bytes_requested
+        self.n_reads += step.n_reads
         self.io_s += step.io_s
         self.hidden_io_s += step.hidden_io_s
         self.decompress_s += step.decompress_s
@@ -129,17 +133,22 @@ class FlashFFN(nn.Module):
     fixed set used for every token; neither: every neuron (exact mode). threshold: sparse_ffn's activation
     threshold (the rule's; 0: none). capacity / budget_bytes / window / reader: NeuronCache's. stats: an FFNStats
     to accumulate into (shared by the layers of a model). overlap: a single token's reads run in a reader thread
-    while its already-cached neurons are computed (the exposed and hidden read times are both reported). Input x [..., d] of any float dtype; computed in the
-    store's dtype with float32 accumulation; output in x's dtype. device / transfer: where the cache rows live
-    (NeuronCache's); x must be on that device, and the output is too.
+    while its already-cached neurons are computed (the exposed and hidden read times are both reported). prefill:
+    how several tokens with per-token sets read the layer ("union", "sequential" or "auto", see prefill_path). Input
+    x [..., d] of any float dtype; computed in the store's dtype with float32 accumulation; output in x's dtype.
+    device / transfer: where the cache rows live (NeuronCache's); x must be on that device, and the output is too.
     """
 
     def __init__(self, store: FlashStore | str | os.PathLike, layer: int, *, predictor: Predictor | None = None,
                  active_ids: torch.Tensor | None = None, threshold: float = 0.0, capacity: int | None = None,
                  budget_bytes: int | None = None, window: int = 5, reader: FlashReader | None = None,
                  stats: FFNStats | None = None, overlap: bool = True, device: str | torch.device | None = None,
-                 transfer: Transfer | None = None):
+                 transfer: Transfer | None = None, prefill: str = "auto"):
         super().__init__()
+        if prefill not in PREFILL_PATHS:
+            raise ValueError(f"prefill must be one of {PREFILL_PATHS}, got {prefill!r}")
+        self.prefill = prefill
+        self.prefill_paths = {"union": 0, "sequential": 0}  # multi-token forwards per path taken
         self.store = store if isinstance(store, FlashStore) else FlashStore(store)
         if predictor is not None and active_ids is not None:
             raise ValueError("give a predictor or a fixed active_ids set, not both")
@@ -232,6 +241,8 @@ class FlashFFN(nn.Module):
         masks, union = self._token_sets(flat)
         if masks is None:  # one set for every token
             self._run_set(xs, union, out)
+        elif masks.shape[0] > 1 and self._record_prefill(self.prefill_path(masks)) == "sequential":
+            self._prefill_sequential(xs, masks, out)
         else:
             for first, last in self._groups(masks):
                 group_union = masks[first:last].any(dim=0).nonzero().flatten()
@@ -248,6 +259,51 @@ class FlashFFN(nn.Module):
         if self.out_bias is not None:
             out += self.out_bias
         return out.to(x.dtype).reshape(x.shape)
+
+    def _record_prefill(self, path: str) -> str:
+        self.prefill_paths[path] += 1
+        return path
+
+    def _prefill_sequential(self, xs: torch.Tensor, masks: torch.Tensor, out: torch.Tensor) -> None:
+        """Every bundle of the layer read in capacity-sized runs of consecutive neurons (a few long reads), each token
+        computed over its own active neurons of each run: the same sums as the union path."""
+        for part in torch.arange(self.store.n_neurons).split(self.cache.capacity):
+            self._step(part)
+            first = int(part[0])
+            for t in range(xs.shape[0]):
+                ids = masks[t, first:first + part.numel()].nonzero().flatten() + first
+                if ids.numel():
+                    self._compute(xs[t:t + 1], ids, out[t:t + 1])
+
+    def prefill_path(self, masks: torch.Tensor) -> str:
+        """How a forward of several tokens with per-token sets masks bool [T, n] reads the layer: "union" (each group
+        of tokens reads its union's missing bundles, coalesced) or "sequential" (every bundle, in long reads), as
+        `prefill` says; "auto" takes the one with the lower estimated read time on the calibrated disk
+        (reads x latency / threads + bytes / bandwidth, flashllm_ext.disk), without a calibration the one that reads
+        fewer bytes (union on a tie). The union path's bytes count every group's union in full after the first:
+        groups that do not fit the cache together re-read what an earlier group evicted."""
+        if self.prefill != "auto":
+            return self.prefill
+        profile, reader = load_disk_profile(), self.cache.reader
+        latency_s, bandwidth_bps = (0.0, 1.0) if profile is None else (profile.latency_s, profile.bandwidth_bps)
+        row, n = self.store.row_bytes, self.store.n_neurons
+        union_reads = union_bytes = 0
+        cached = self.cache.slot_of >= 0
+        for first, last in self._groups(masks):
+            missing = masks[first:last].any(dim=0) & ~cached
+            cached = torch.zeros_like(cached)  # a later group finds the earlier ones' rows evicted (upper bound)
+            ids = missing.nonzero().flatten()
+            union_bytes += ids.numel() * row
+            # one read per run of neurons whose gaps the reader does not read through
+            union_reads += int((ids.diff() * row > reader.max_gap + row).sum()) + 1 if ids.numel() else 0
+        sequential_bytes = n * row
+        sequential_reads = -(-sequential_bytes // max(reader.max_read, row))
+
+        def seconds(reads: int, nbytes: int) -> float:
+            return reads * latency_s / reader.threads + nbytes / bandwidth_bps
+
+        return "sequential" if seconds(sequential_reads, sequential_bytes) < seconds(union_reads, union_bytes) \
+            else "union"
 
     def _groups(self, masks: torch.Tensor) -> list[tuple[int, int]]:
         """Consecutive token ranges [first, last) whose union of active sets fits the cache (a token whose own
@@ -323,6 +379,7 @@ class StreamingFFN(nn.Module):
             self.stats.bytes_read += read.stats.bytes_read
             self.stats.bytes_requested += read.stats.bytes_requested
             self.stats.decompress_s += read.stats.decompress_s
+            self.stats.n_reads += read.stats.n_reads
             self.stats.inserted += n_streamed
             self.stats.steps += 1
         self.stats.needed += self.store.n_neurons

@@ -1,6 +1,7 @@
 """bench/bench_e2e.py cannot rot: a quick run on a tiny random Llama store, each mode in its own memory cgroup,
 gives rows with the issue's keys (or an error row that says why)."""
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -42,3 +43,38 @@ def test_quick_run_reports_every_mode_with_its_keys(tmp_path):
             assert row["cgroup_peak_mb"] <= row["cgroup_limit_mb"]
     dense = rows[0]["generated"]
     assert all(r["generated"] == dense for r in rows if r["mode"] in ("naive", "hybrid"))  # same greedy tokens
+
+
+@pytest.mark.slow
+def test_scale_run_on_tiny_checkpoints_at_the_shared_paths(tmp_path):
+    """--scale end to end (checkpoint -> store -> FFN-stack and whole-model rows in cgroups) on tiny checkpoints put
+    where the shared 7B ones live, in a private cache; naive only (each row is a child process; the flash rows
+    need the default model's trained predictors)."""
+    from bench.synth_checkpoint import SHARED_DIRS, synthesize_checkpoint
+    from flashllm_ext.engine import store_ffn_bytes
+    from flashllm_ext.store import FlashStore
+    from test_synth_checkpoint import TINY
+
+    for name, (directory, prune) in SHARED_DIRS.items():
+        synthesize_checkpoint(name, tmp_path / "scale" / directory, prune=prune, overrides=TINY[name], progress=False)
+    out = subprocess.run([sys.executable, str(BENCH), "--scale", "--json", "--no-plot", "--modes", "naive",
+                          "--tokens", "2", "--rounds", "1", "--full", "--full-tokens", "2", "--prompt-tokens", "4",
+                          "--budget", "300MB"], capture_output=True, text=True, timeout=900,
+                         env={**os.environ, "FLASHLLM_CACHE": str(tmp_path)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [json.loads(line) for line in out.stdout.splitlines()]
+    runs = [r for r in rows if r["bench"] == "e2e"]
+    assert len(runs) == 2 * 2  # models x (FFN stack, whole model)
+    for row in runs:
+        assert KEYS <= row.keys() and row.get("error") is None, row.get("error")
+        assert row["tokens"] == 2 and row["operating_point"] == "dense compute"
+        if row["cgroup_note"] is None:
+            assert row["cgroup_peak_mb"] <= row["cgroup_limit_mb"] and not row["oom_killed"]
+        store = FlashStore(tmp_path / "scale" / f"{row['model'].split()[0]}-store")
+        resident = sum(t.nbytes for t in store.resident().values())
+        assert row["resident_mb"] * 1e6 == pytest.approx(resident) and row["model_budget_mb"] == 300
+        if "FFN stack" in row["model"]:  # the FFNs get what the resident tensors leave of the model's budget
+            assert row["budget_mb"] == pytest.approx(300 - resident / 1e6)
+        assert row["bytes_per_token"] >= store_ffn_bytes(store)  # naive: every bundle, every token
+    assert {r["model"].split(" (")[1] for r in runs} == {"synthesized checkpoint, FFN stack)",
+                                                          "synthesized checkpoint, whole model)"}

@@ -200,3 +200,33 @@ def test_failed_background_read_leaves_a_consistent_cache(models):
     cache = ffn.cache
     assert all(cache.slot_of[int(i)] == r for r, i in enumerate(cache.cached_ids()))
     torch.testing.assert_close(ffn(x), dense_mlp(model, 0, x, mask[0].float()), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["llama", "opt"])
+@torch.no_grad()
+def test_prefill_paths_agree_and_auto_follows_the_disk(models, name, tmp_path, monkeypatch):
+    """A prompt with per-token sets: the union path and the sequential (whole layer, long reads) path give the
+    masked dense result; sequential reads every bundle in a few reads; auto picks by the calibrated disk."""
+    model, fp32, _ = models[name]
+    n = fp32.n_neurons
+    g = torch.Generator().manual_seed(3)
+    masks = torch.rand(7, n, generator=g) < 0.1
+    x = torch.randn(7, fp32.hidden_size, generator=g)
+    want = torch.stack([dense_mlp(model, 1, x[t:t + 1], masks[t].float())[0] for t in range(7)])
+    results = {}
+    for path in ("union", "sequential"):
+        ffn = FlashFFN(fp32, 1, predictor=lambda chunk: masks, capacity=n // 3, window=2, prefill=path)
+        torch.testing.assert_close(ffn(x), want, rtol=1e-5, atol=1e-5)
+        results[path] = ffn.stats
+    assert results["sequential"].inserted == n and results["sequential"].n_reads <= 3 + results["union"].n_reads
+    assert int(masks.any(0).sum()) <= results["union"].inserted < n  # groups of tokens: their unions only
+    ffn = FlashFFN(fp32, 1, predictor=lambda chunk: masks, capacity=n // 3)
+    monkeypatch.setenv("FLASHLLM_DISK_PROFILE", str(tmp_path / "none.json"))
+    assert ffn.prefill_path(masks) == "union"  # not calibrated: fewer bytes
+    assert ffn.prefill_path(torch.ones(7, n, dtype=torch.bool)) == "sequential"  # every token reads every neuron
+    for latency, path in ((1.0, "sequential"), (1e-9, "union")):  # per-read cost dominates / bandwidth dominates
+        (tmp_path / "disk.json").write_text(f'{{"latency_s": {latency}, "bandwidth_bps": 1e9, "path": "x"}}')
+        monkeypatch.setenv("FLASHLLM_DISK_PROFILE", str(tmp_path / "disk.json"))
+        assert ffn.prefill_path(masks) == path
+    with pytest.raises(ValueError, match="prefill must be one of"):
+        FlashFFN(fp32, 1, prefill="both")
