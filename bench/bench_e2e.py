@@ -23,12 +23,12 @@ import time
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from common import arg_parser, emit, run_limited_child
 
 from flashllm_ext.errors import FormatError
 from flashllm_ext.paths import resolve_cache_dir
+from flashllm_ext.predictor import DEFAULT_DENSITY, DEFAULT_METHOD, NeuronPredictor
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -38,23 +38,21 @@ KEYS = ("bench", "model", "mode", "budget_mb", "cgroup_limit_mb", "cgroup_peak_m
 COLUMNS = ["mode", "budget_mb", "cgroup_limit_mb", "cgroup_peak_mb", "oom_killed", "ms_per_token", "io_ms", "mem_ms",
            "predictor_ms", "compute_ms", "bytes_per_token", "hit_rate", "error"]
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
-TARGET_SPARSITY = 0.6  # the default-model predictors' operating point (trained once into the cached store):
-# the rule's threshold alone costs ~+5% held-out perplexity there (BENCHMARKS.md)
 
 
 # ------------------------------------------------------------------------------------------------ the oracle
 
-class OraclePredictors(nn.Module):
-    """A PredictorSet stand-in whose prediction is the true active set of the one rule (flashllm_ext.predictor):
+class OraclePredictors(NeuronPredictor):
+    """A predictor whose prediction is the true active set of the one rule (flashllm_ext.predictor):
     |h| > threshold, h = act(x . gate + b) * (x . up) (act(x . up + b) for non-GLU stores), x the FFN's input.
 
     An oracle is hypothetical: the rows it scores with ([up | gate] of every layer, read from the store's bundles)
-    are held as plain attributes, not parameters or buffers, so the engine does not charge them to the budget;
+    are held as plain attributes and memory_bytes is 0, so the engine does not charge them to the budget;
     the harness raises the cgroup limit by `nbytes` instead and the row reports it (oracle_mb). Its predictor_ms
     is the cost of that dense scoring, not of a real predictor."""
 
     def __init__(self, store, thresholds: torch.Tensor):
-        super().__init__()
+        super().__init__(store.n_layers, store.hidden_size, store.n_neurons, thresholds, thresholds)
         from flashllm_ext._ops import ACTIVATIONS
         from flashllm_ext.cache import layer_input_bias
         from flashllm_ext.ffn import store_activation
@@ -64,7 +62,6 @@ class OraclePredictors(nn.Module):
                              for i in range(store.n_layers)]
         self.biases = [layer_input_bias(store, i) for i in range(store.n_layers)]
         self.glu, self.d = store.glu, store.hidden_size
-        self.register_buffer("thresholds", thresholds.float().clone())
         self.activation = ACTIVATIONS[store_activation(store)].fn
 
     @property
@@ -72,11 +69,11 @@ class OraclePredictors(nn.Module):
         return sum(r.nbytes for r in self.scoring_rows)
 
     @property
-    def predictors(self) -> list[int]:  # the engine checks one predictor per layer
-        return list(range(len(self.scoring_rows)))
+    def memory_bytes(self) -> int:  # hypothetical: see the class doc
+        return 0
 
     @torch.no_grad()
-    def predict(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+    def scores(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         rows, d, xf = self.scoring_rows[layer].float(), self.d, x.float()
         pre = xf @ rows[:, d:2 * d].t() if self.glu else xf @ rows[:, :d].t()
         if self.biases[layer] is not None:
@@ -84,7 +81,7 @@ class OraclePredictors(nn.Module):
         h = self.activation(pre)
         if self.glu:
             h = h * (xf @ rows[:, :d].t())
-        return h.abs() > self.thresholds[layer]
+        return h.abs()
 
 
 # ------------------------------------------------------------------------------------------- the child runs
@@ -142,7 +139,9 @@ def _load(config: dict):
     predictors = None
     if mode == "flash-oracle":
         store = FlashStore(config["store"])
-        predictors = OraclePredictors(store, load_predictors(store.path).thresholds)
+        trained = load_predictors(store.path)  # the oracle at the trained predictors' loaded density
+        predictors = OraclePredictors(store, trained.true_thresholds if trained.true_thresholds.any() else
+                                      trained.thresholds)
     model = flashllm_ext.load_flash(config["store"], budget, mode="flash" if mode == "flash-oracle" else mode,
                                     predictors=predictors)
     return model, model.flash.stats.reset
@@ -190,7 +189,7 @@ def default_store(cache: Path, train_predictors: bool = True) -> Path:
             load_predictors(path)
         except Exception:  # none yet: `flashllm train-predictors` writes them into the store
             subprocess.run([sys.executable, "-m", "flashllm_ext.cli", "train-predictors", "default", "--store",
-                            str(path), "--target-sparsity", str(TARGET_SPARSITY)], check=True)
+                            str(path)], check=True)  # the default method and density (BENCHMARKS.md, issue 10)
     return path
 
 
@@ -299,19 +298,18 @@ SCALE_SHAPE = {"name": "opt-6.7b-ffn", "layers": 32, "hidden": 4096, "neurons": 
 SCALE_MODES = ("naive", "hybrid", "flash-oracle", "flash")
 
 
-class ReplayedSets(nn.Module):
+class ReplayedSets(NeuronPredictor):
     """A predictor that replays precomputed active sets (bool [tokens, layers, neurons]) for the token `at[0]`:
     the default model's sets on held-out text, tiled onto the larger layers. Holds no weights (masks are counted
     by nobody: a real predictor's memory is not part of these rows)."""
 
-    def __init__(self, masks: torch.Tensor, at: list[int]):
-        super().__init__()
+    def __init__(self, masks: torch.Tensor, at: list[int], hidden_size: int):
+        super().__init__(masks.shape[1], hidden_size, masks.shape[2])  # thresholds 0 (ReLU: exact zeros only)
         self.masks, self.at = masks, at
-        self.thresholds = torch.zeros(masks.shape[1])  # ReLU: exact zeros only
 
     @property
-    def predictors(self) -> list[int]:
-        return list(range(self.masks.shape[1]))
+    def memory_bytes(self) -> int:
+        return 0
 
     def predict(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         return self.masks[self.at[0]:self.at[0] + x.shape[0], layer]
@@ -354,7 +352,7 @@ def run_scale_child(config: dict) -> dict:
     try:
         store, at = FlashStore(config["store"]), [0]
         masks = scale_masks(config, store.n_layers, store.n_neurons) if config["mode"].startswith("flash") else None
-        predictors = None if masks is None else ReplayedSets(masks, at)
+        predictors = None if masks is None else ReplayedSets(masks, at, store.hidden_size)
         runtime = ffn_stack(store, "flash" if predictors is not None else config["mode"], config["budget_bytes"],
                             predictors=predictors)
         generator = torch.Generator().manual_seed(0)
@@ -400,7 +398,8 @@ def run_scale(args, baseline: int) -> list[dict]:
         synthesize(path, SCALE_SHAPE["layers"], SCALE_SHAPE["hidden"], SCALE_SHAPE["neurons"], glu=False)
     budget = parse_budget(args.budget, store_ffn_bytes(FlashStore(path)))
     points = [("a: threshold sparsity 0.97 (OPT-like), true sets", "flash-oracle", 0.97),
-              (f"b: trained predictors at target sparsity {TARGET_SPARSITY}", "flash", TARGET_SPARSITY)]
+              (f"b: trained predictors ({DEFAULT_METHOD}, loaded density {DEFAULT_DENSITY})", "flash",
+               1.0 - DEFAULT_DENSITY)]
     configs = [{"mode": m, "operating_point": "dense compute", "sparsity": None} for m in ("naive", "hybrid")]
     configs += [{"mode": m, "operating_point": point, "sparsity": s} for point, m, s in points]
     configs = [c for c in configs if c["mode"] in args.modes.split(",")]

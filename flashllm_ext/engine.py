@@ -210,9 +210,8 @@ def ffn_stack(store: FlashStore, mode: str, budget_bytes: int | None, *, window:
         if predictors is None:
             raise ValueError(f"flash mode needs predictors: train them into the store (flashllm train-predictors "
                              f"--store {store.path}) or pass predictors=")
-        if len(predictors.predictors) != store.n_layers:
-            raise ValueError(f"predictors cover {len(predictors.predictors)} layers, the store {store.n_layers}")
-        predictor_bytes = _tensor_bytes(list(predictors.parameters()) + list(predictors.buffers()))
+        predictors.check_shape(store.n_layers, store.hidden_size, store.n_neurons, f"the store {store.path}")
+        predictor_bytes = predictors.memory_bytes
     fixed = resident_bytes + predictor_bytes
     ffn_budget = None if budget_bytes is None else budget_bytes - fixed
     reader, stats = FlashReader(store, threads=threads), FFNStats()
