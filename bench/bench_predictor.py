@@ -18,6 +18,7 @@
 """
 from __future__ import annotations
 
+import json
 import os
 import time
 
@@ -47,24 +48,32 @@ def threshold_sweep(model, calibration, heldout, targets, n_windows, as_json) ->
     emit(rows, as_json)
 
 
-def method_sweep(model, calibration, heldout, args, ffn_bytes: int) -> tuple[list[dict], dict]:
-    """Rows bench:"method" for every method and density, and the built predictors by method."""
-    densities = [float(d) for d in args.densities.split(",")]
+def build_methods(model, calibration, args) -> tuple[dict, list[torch.Tensor]]:
+    """Every method of --methods built once from the calibration text: ({spec: predictors}, calibration inputs).
+    A spec is a method name, with ':G/U' for quant's (or context's quant base's) bits of W_gate / W_up."""
     thresholds = calibrate_thresholds(model, calibration, args.target_sparsity, WINDOW, progress=False)
     capture = capture_activations(model, calibration, thresholds, WINDOW, progress=False)
-    true_thresholds = calibrate_thresholds(model, calibration, [1.0 - d for d in densities], WINDOW, progress=False)
-    ppl_dense = perplexity(model, heldout, WINDOW, args.eval_windows, progress=False)
-    rows, built = [], {}
+    built = {}
     for spec in args.methods.split(","):
-        method, _, bits = spec.partition(":")  # quant:G/U sets the bits of W_gate / W_up
+        method, _, bits = spec.partition(":")
         gate_bits, up_bits = (int(b) for b in bits.split("/")) if bits else (4, 2)
         start = time.perf_counter()
-        predictors = predictors_from_capture(model, capture, method, rank=args.rank, epochs=args.epochs,
-                                             gate_bits=gate_bits, up_bits=up_bits, progress=False)
-        build_seconds = time.perf_counter() - start
-        built[spec] = predictors
+        built[spec] = predictors_from_capture(model, capture, method, rank=args.rank, epochs=args.epochs,
+                                              gate_bits=gate_bits, up_bits=up_bits, block=args.block,
+                                              progress=False)
+        built[spec].build_seconds = time.perf_counter() - start
+    return built, capture.inputs
+
+
+def method_sweep(model, calibration, heldout, built, inputs, args, ffn_bytes: int) -> list[dict]:
+    """Rows bench:"method" for every built method and density of --densities."""
+    densities = [float(d) for d in args.densities.split(",")]
+    true_thresholds = calibrate_thresholds(model, calibration, [1.0 - d for d in densities], WINDOW, progress=False)
+    ppl_dense = perplexity(model, heldout, WINDOW, args.eval_windows, progress=False)
+    rows = []
+    for spec, predictors in built.items():
         for density in densities:
-            predictors.set_density(capture.inputs, density)
+            predictors.set_density(inputs, density)
             predictors.thresholds.zero_()
             predictors.true_thresholds.copy_(true_thresholds[1.0 - density])
             point = operating_point(model, predictors, heldout, predictors.true_thresholds, WINDOW,
@@ -74,20 +83,21 @@ def method_sweep(model, calibration, heldout, args, ffn_bytes: int) -> tuple[lis
                          "max_layer_error": max(abs(d - density) for d in layer_densities),
                          "ppl": point["ppl"], "ppl_vs_dense": point["ppl"] / ppl_dense, "recall": point["recall"],
                          "mass_recall": point["mass_recall"], "memory_mb": predictors.memory_bytes / 1e6,
-                         "memory_frac": predictors.memory_bytes / ffn_bytes, "build_s": build_seconds})
+                         "memory_frac": predictors.memory_bytes / ffn_bytes, "build_s": predictors.build_seconds})
             emit(rows[-1:], args.json)
-    return rows, built
+    return rows
 
 
-def flash_path(model, tokenizer, heldout, predictors, density: float, store_dir, args) -> dict:
-    """Decode held-out tokens one at a time through FlashFFN (flash mode, 50% budget) with `predictors` at
-    `density`; bytes read per token after the first window+1 tokens, predictor and compute time per token."""
+def flash_path(model, predictors, store_dir, args) -> dict:
+    """Decode held-out tokens one at a time through FlashFFN (flash mode, 50% budget) with `predictors`: bytes
+    read per token after the first window+1 tokens, predictor and compute time per token."""
     from flashllm_ext import patch_model
 
+    predictors.reset()
     runtime = patch_model(model, store_dir, mode="flash", dram_budget="50%", predictors=predictors,
                           window=args.window)
     try:
-        ids = heldout[:args.decode_tokens].unsqueeze(0)
+        ids = args.heldout[:args.decode_tokens].unsqueeze(0)
         with torch.inference_mode():
             past = None
             for t in range(ids.shape[1]):
@@ -95,20 +105,23 @@ def flash_path(model, tokenizer, heldout, predictors, density: float, store_dir,
                     runtime.stats.reset()
                 past = model(ids[:, t:t + 1], past_key_values=past, use_cache=True).past_key_values
         stats = runtime.flash_stats()
+        loaded = runtime.stats.needed / max(1, runtime.stats.tokens * runtime.store.n_neurons)
     finally:
         runtime.unpatch(model)
-    return {"bench": "flash", "density": density, "bytes_per_token": stats["bytes_per_token"],
+    return {"bench": "flash", "loaded_density": loaded, "bytes_per_token": stats["bytes_per_token"],
             "predictor_ms": stats["predictor_ms"], "compute_ms": stats["compute_ms"],
             "predictor_vs_compute": stats["predictor_ms"] / max(stats["compute_ms"], 1e-9),
             "hit_rate": stats["hit_rate"], "predictor_bytes": stats["predictor_bytes"], "tokens": stats["tokens"]}
 
 
-def plot_methods(rows: list[dict], ppl_dense: float, path: str) -> None:
+def plot_methods(rows: list[dict], path: str) -> None:
+    """Perplexity vs mean loaded density per method (rows bench:"method", possibly from several runs)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    ppl_dense = rows[0]["ppl"] / rows[0]["ppl_vs_dense"]
     fig, ax = plt.subplots(figsize=(6, 4.5))
     for method in dict.fromkeys(r["method"] for r in rows):
         points = sorted((r["density"], r["ppl"]) for r in rows if r["method"] == method)
@@ -135,10 +148,22 @@ def main() -> None:
     parser.add_argument("--densities", default="0.3,0.35,0.4,0.45,0.5,0.6,0.7")
     parser.add_argument("--decode-tokens", type=int, default=48, help="held-out tokens decoded through FlashFFN")
     parser.add_argument("--window", type=int, default=5, help="the neuron cache's window")
+    parser.add_argument("--block", type=int, default=16, help="context: decoded tokens per neuron set")
     parser.add_argument("--sweep-targets", default="0.5,0.6,0.7,0.8,0.9")
-    parser.add_argument("--no-sweep", action="store_true")
+    parser.add_argument("--no-sweep", action="store_true", help="skip the threshold sweep")
     parser.add_argument("--no-flash", action="store_true", help="skip the FlashFFN decode")
+    parser.add_argument("--flash-densities", default=None,
+                        help="only the FlashFFN decode, at these densities for every method (no method sweep)")
+    parser.add_argument("--plot", nargs="+", metavar="JSONL", default=None,
+                        help="only the figure, from the bench:\"method\" rows of these --json outputs")
     args = parser.parse_args()
+    os.makedirs(RESULTS, exist_ok=True)
+    figure = os.path.join(RESULTS, "predictor_methods.png")
+    if args.plot:
+        rows = [json.loads(line) for path in args.plot for line in open(path) if line.startswith("{")]
+        plot_methods([r for r in rows if r.get("bench") == "method"], figure)
+        print(f"figure: {figure}", flush=True)
+        return
 
     from bench_e2e import default_store
 
@@ -147,36 +172,35 @@ def main() -> None:
 
     model, tokenizer = load_hf_model()
     calibration = spread_windows(corpus_token_ids(tokenizer, "calibration"), -(-args.tokens // WINDOW), WINDOW)
-    heldout = corpus_token_ids(tokenizer, "heldout")
+    heldout = args.heldout = corpus_token_ids(tokenizer, "heldout")
     if not args.no_sweep:
         threshold_sweep(model, calibration, heldout, [float(t) for t in args.sweep_targets.split(",")],
                         args.eval_windows, args.json)
     store_dir = default_store(resolve_cache_dir() / "e2e", train_predictors=False)
     with FlashStore(store_dir) as store:
         ffn_bytes = store_ffn_bytes(store)
-    rows, built = method_sweep(model, calibration, heldout, args, ffn_bytes)
-    ppl_dense = rows[0]["ppl"] / rows[0]["ppl_vs_dense"]
-    os.makedirs(RESULTS, exist_ok=True)
-    path = os.path.join(RESULTS, "predictor_methods.png")
-    plot_methods(rows, ppl_dense, path)
-    print(f"figure: {path}", flush=True)
-    if args.no_flash:
-        return
-    capture_inputs = None
-    for method, predictors in built.items():
-        good = [r for r in rows if r["method"] == method and r["ppl_vs_dense"] <= 1.05]
-        if not good:
-            emit([{"bench": "flash", "method": method, "error": "no swept density reaches ppl <= 1.05x dense"}],
-                 args.json)
-            continue
-        best = min(good, key=lambda r: r["density"])
-        if capture_inputs is None:
-            capture_inputs = capture_activations(model, calibration, torch.zeros(predictors.n_layers), WINDOW,
-                                                 progress=False).inputs
-        predictors.set_density(capture_inputs, best["target_density"])
-        predictors.thresholds.zero_()
-        emit([{**flash_path(model, tokenizer, heldout, predictors, best["density"], store_dir, args),
-               "method": method, "ppl_vs_dense": best["ppl_vs_dense"]}], args.json)
+    built, inputs = build_methods(model, calibration, args)
+    if args.flash_densities:
+        points = {spec: [float(d) for d in args.flash_densities.split(",")] for spec in built}
+    else:
+        rows = method_sweep(model, calibration, heldout, built, inputs, args, ffn_bytes)
+        plot_methods(rows, figure)
+        print(f"figure: {figure}", flush=True)
+        if args.no_flash:
+            return
+        points = {}  # each method at its smallest swept density within 1.05x dense perplexity
+        for spec in built:
+            good = [r for r in rows if r["method"] == spec and r["ppl_vs_dense"] <= 1.05]
+            if good:
+                points[spec] = [min(good, key=lambda r: r["density"])["target_density"]]
+            else:
+                emit([{"bench": "flash", "method": spec, "error": "no swept density within 1.05x dense"}], args.json)
+    for spec, densities in points.items():
+        for density in densities:
+            built[spec].set_density(inputs, density)
+            built[spec].thresholds.zero_()
+            emit([{**flash_path(model, built[spec], store_dir, args), "method": spec, "target_density": density,
+                   "memory_frac": built[spec].memory_bytes / ffn_bytes}], args.json)
 
 
 if __name__ == "__main__":

@@ -52,6 +52,9 @@ class NeuronPredictor(nn.Module):
         """bool [T, n]: neurons predicted active (to load) for inputs x [T, d]."""
         return self.scores(layer, x) > self.cutoffs[layer]
 
+    def reset(self) -> None:
+        """Forget any per-sequence state before a new sequence (stateless methods have none)."""
+
     def set_cutoffs(self, cutoffs: torch.Tensor) -> None:
         """Per-layer cut-offs [L] in score units: a neuron is predicted active when its score is above."""
         self.cutoffs.copy_(_per_layer(cutoffs, self.n_layers, "cutoffs", 0.0))
