@@ -88,14 +88,15 @@ def method_sweep(model, calibration, heldout, built, inputs, args, ffn_bytes: in
     return rows
 
 
-def flash_path(model, predictors, store_dir, args) -> dict:
-    """Decode held-out tokens one at a time through FlashFFN (flash mode, 50% budget) with `predictors`: bytes
-    read per token after the first window+1 tokens, predictor and compute time per token."""
-    from flashllm_ext import patch_model
+def flash_path(predictors, store_dir, args) -> dict:
+    """Decode held-out tokens one at a time with the model built from the store by load_flash (flash mode, 50%
+    DRAM budget, fp16 resident tensors) and `predictors`: bytes read per token after the first window+1 tokens,
+    predictor and compute time per token."""
+    from flashllm_ext import load_flash
 
     predictors.reset()
-    runtime = patch_model(model, store_dir, mode="flash", dram_budget="50%", predictors=predictors,
-                          window=args.window)
+    model = load_flash(store_dir, "50%", mode="flash", predictors=predictors, window=args.window)
+    runtime = model.flash
     try:
         ids = args.heldout[:args.decode_tokens].unsqueeze(0)
         with torch.inference_mode():
@@ -107,7 +108,7 @@ def flash_path(model, predictors, store_dir, args) -> dict:
         stats = runtime.flash_stats()
         loaded = runtime.stats.needed / max(1, runtime.stats.tokens * runtime.store.n_neurons)
     finally:
-        runtime.unpatch(model)
+        runtime.close()
     return {"bench": "flash", "loaded_density": loaded, "bytes_per_token": stats["bytes_per_token"],
             "predictor_ms": stats["predictor_ms"], "compute_ms": stats["compute_ms"],
             "predictor_vs_compute": stats["predictor_ms"] / max(stats["compute_ms"], 1e-9),
@@ -199,7 +200,7 @@ def main() -> None:
         for density in densities:
             built[spec].set_density(inputs, density)
             built[spec].thresholds.zero_()
-            emit([{**flash_path(model, built[spec], store_dir, args), "method": spec, "target_density": density,
+            emit([{**flash_path(built[spec], store_dir, args), "method": spec, "target_density": density,
                    "memory_frac": built[spec].memory_bytes / ffn_bytes}], args.json)
 
 
