@@ -35,12 +35,12 @@ from functools import partial
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from common import arg_parser, device_name, emit, run_limited_child
 
 from flashllm_ext.errors import FormatError
 from flashllm_ext.paths import resolve_cache_dir
+from flashllm_ext.predictor import DEFAULT_DENSITY, DEFAULT_METHOD, NeuronPredictor
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -54,24 +54,25 @@ SCALE_COLUMNS = ["model", "operating_point", *COLUMNS]
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 TARGET_SPARSITY = 0.6  # the default-model predictors' operating point (trained once into the cached store):
 # the rule's threshold alone costs ~+5% held-out perplexity there (BENCHMARKS.md)
-SCALE_PREDICTOR_TRAINING = ("--tokens", "1024", "--epochs", "2")  # the scale run's predictors: less training than
-# the CLI's 4096 tokens x 10 epochs (the default store's), so that both operating points train within a benchmark
-# session on a shared 2-core machine (there ~3 min a layer at the CLI's settings)
+# The scale run's predictors: the low-rank method its figures were measured with (BENCHMARKS.md, issue 9), with less
+# training than the CLI's 4096 tokens x 10 epochs, so that both operating points train within a benchmark session on
+# a shared 2-core machine (there ~3 min a layer at the CLI's settings).
+SCALE_PREDICTOR_TRAINING = ("--method", "lowrank", "--tokens", "1024", "--epochs", "2")
 
 
 # ------------------------------------------------------------------------------------------------ the oracle
 
-class OraclePredictors(nn.Module):
-    """A PredictorSet stand-in whose prediction is the true active set of the one rule (flashllm_ext.predictor):
+class OraclePredictors(NeuronPredictor):
+    """A predictor whose prediction is the true active set of the one rule (flashllm_ext.predictor):
     |h| > threshold, h = act(x . gate + b) * (x . up) (act(x . up + b) for non-GLU stores), x the FFN's input.
 
     An oracle is hypothetical: the rows it scores with ([up | gate] of every layer, read from the store's bundles)
-    are held as plain attributes, not parameters or buffers, so the engine does not charge them to the budget;
+    are held as plain attributes and memory_bytes is 0, so the engine does not charge them to the budget;
     the harness raises the cgroup limit by `nbytes` instead and the row reports it (oracle_mb). Its predictor_ms
     is the cost of that dense scoring, not of a real predictor."""
 
     def __init__(self, store, thresholds: torch.Tensor):
-        super().__init__()
+        super().__init__(store.n_layers, store.hidden_size, store.n_neurons, thresholds, thresholds)
         from flashllm_ext._ops import ACTIVATIONS
         from flashllm_ext.cache import layer_input_bias
         from flashllm_ext.ffn import store_activation
@@ -81,7 +82,6 @@ class OraclePredictors(nn.Module):
                              for i in range(store.n_layers)]
         self.biases = [layer_input_bias(store, i) for i in range(store.n_layers)]
         self.glu, self.d = store.glu, store.hidden_size
-        self.register_buffer("thresholds", thresholds.float().clone())
         self.activation = ACTIVATIONS[store_activation(store)].fn
 
     @property
@@ -89,11 +89,11 @@ class OraclePredictors(nn.Module):
         return sum(r.nbytes for r in self.scoring_rows)
 
     @property
-    def predictors(self) -> list[int]:  # the engine checks one predictor per layer
-        return list(range(len(self.scoring_rows)))
+    def memory_bytes(self) -> int:  # hypothetical: see the class doc
+        return 0
 
     @torch.no_grad()
-    def predict(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+    def scores(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         if self.scoring_rows[layer].device != x.device:  # plain attributes: Module.to does not move them
             self.scoring_rows[layer] = self.scoring_rows[layer].to(x.device)
         rows, d, xf = self.scoring_rows[layer].float(), self.d, x.float()
@@ -103,7 +103,7 @@ class OraclePredictors(nn.Module):
         h = self.activation(pre)
         if self.glu:
             h = h * (xf @ rows[:, :d].t())
-        return h.abs() > self.thresholds[layer]
+        return h.abs()
 
 
 # ------------------------------------------------------------------------------------------- the child runs
@@ -163,15 +163,19 @@ def _load(config: dict):
     if config.get("scale") and mode.startswith("flash"):  # the tiled sets of the default model, replayed
         store, at = FlashStore(config["store"]), [0]
         n_tokens = len(config["prompt_ids"]) + config["tokens"] + 1
-        predictors = ReplayedSets(scale_masks(config, n_tokens, store.n_layers, store.n_neurons), at)
+        masks = scale_masks(config, n_tokens, store.n_layers, store.n_neurons)
+        predictors = ReplayedSets(masks, at, store.hidden_size)
         model = flashllm_ext.load_flash(store, budget, mode="flash", predictors=predictors)
         # The sets of the tokens at the positions this forward computes: after the cached ones.
         model.register_forward_pre_hook(partial(_track_position, at), with_kwargs=True)
         return model, model.flash.stats.reset
     if mode == "flash-oracle":
         store = FlashStore(config["store"])
-        thresholds = torch.tensor(config["thresholds"]) if "thresholds" in config else \
-            load_predictors(store.path).thresholds
+        if "thresholds" in config:
+            thresholds = torch.tensor(config["thresholds"])
+        else:  # the oracle at the trained predictors' loaded density
+            trained = load_predictors(store.path)
+            thresholds = trained.true_thresholds if trained.true_thresholds.any() else trained.thresholds
         predictors = OraclePredictors(store, thresholds)
     model = flashllm_ext.load_flash(config["store"], budget, mode="flash" if mode == "flash-oracle" else mode,
                                     predictors=predictors, device=device,
@@ -231,7 +235,7 @@ def default_store(cache: Path, train_predictors: bool = True) -> Path:
             load_predictors(path)
         except Exception:  # none yet: `flashllm train-predictors` writes them into the store
             subprocess.run([sys.executable, "-m", "flashllm_ext.cli", "train-predictors", "default", "--store",
-                            str(path), "--target-sparsity", str(TARGET_SPARSITY)], check=True)
+                            str(path)], check=True)  # the default method and density (BENCHMARKS.md, issue 10)
     return path
 
 
@@ -367,19 +371,18 @@ POINTS = {"a": ("a (OPT-like): threshold sparsity 0.97", 0.97),
 SCALE_CONFIGS = (("naive", None), ("hybrid", None), ("flash-oracle", "a"), ("flash", "a"), ("flash", "b"))
 
 
-class ReplayedSets(nn.Module):
+class ReplayedSets(NeuronPredictor):
     """A predictor that replays precomputed active sets (bool [tokens, layers, neurons]) for the token `at[0]`:
     the default model's sets on held-out text, tiled onto the larger layers. Holds no weights (masks are counted
     by nobody: a real predictor's memory is not part of these rows)."""
 
-    def __init__(self, masks: torch.Tensor, at: list[int]):
-        super().__init__()
+    def __init__(self, masks: torch.Tensor, at: list[int], hidden_size: int):
+        super().__init__(masks.shape[1], hidden_size, masks.shape[2])  # thresholds 0 (ReLU: exact zeros only)
         self.masks, self.at = masks, at
-        self.thresholds = torch.zeros(masks.shape[1])  # ReLU: exact zeros only
 
     @property
-    def predictors(self) -> list[int]:
-        return list(range(self.masks.shape[1]))
+    def memory_bytes(self) -> int:
+        return 0
 
     def predict(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         return self.masks[self.at[0]:self.at[0] + x.shape[0], layer]
@@ -425,7 +428,7 @@ def run_scale_child(config: dict) -> dict:
         store, at = FlashStore(config["store"]), [0]
         masks = (scale_masks(config, config["tokens"] + 1, store.n_layers, store.n_neurons)
                  if config["mode"].startswith("flash") else None)
-        predictors = None if masks is None else ReplayedSets(masks, at)
+        predictors = None if masks is None else ReplayedSets(masks, at, store.hidden_size)
         runtime = ffn_stack(store, "flash" if predictors is not None else config["mode"], config["budget_bytes"],
                             predictors=predictors, device=device)
         generator = torch.Generator().manual_seed(0)

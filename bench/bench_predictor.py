@@ -1,20 +1,24 @@
 """Activation sparsity of the default model (SmolLM2-135M-Instruct) on held-out text: thresholds and predictors.
 
-1. Threshold sweep: per-layer thresholds on the active-neuron rule's score |act(gate)| (flashllm_ext.predictor)
-   calibrated on the calibration text for each target sparsity; held-out perplexity with the thresholded FFN patched in and
-   the sparsity reached on held-out text (rows bench:"threshold").
-2. Predictors at the operating point (--target-sparsity): per-layer recall, precision, predicted (loaded)
-   density, true density, false-negative mass (rows bench:"predictor"), and one bench:"predictor_ppl" line with
-   held-out perplexity dense / threshold only / threshold + predictor and the FFN sparsity reached.
-3. Figure: predictor output vs true activation for one layer ('LLM in a flash' Fig. 3a analogue) in
-   bench/results/.
+1. Threshold sweep: per-layer thresholds on the active-neuron rule's score |act(gate)*up| (flashllm_ext.predictor)
+   calibrated on the calibration text for each target sparsity; held-out perplexity with the thresholded FFN patched
+   in and the sparsity reached on held-out text (rows bench:"threshold").
+2. Method sweep (issue 10): every predictor method (--methods) built once from the calibration text, then put at
+   each target loaded density (--densities, cut-offs calibrated on the calibration text only); per point one
+   held-out pass with the predictor patched in (rows bench:"method"): perplexity, loaded density (mean, and the
+   worst layer's distance from the target), recall of the oracle's active set at the same density and of the output
+   mass, predictor memory as a fraction of the store's FFN bytes. The oracle (true sets) is the frontier. The
+   patched FFN computes exactly what FlashFFN computes in flash mode (tests/test_engine.py checks equal perplexity).
+3. Through FlashFFN (rows bench:"flash"): per method, at its smallest swept density with perplexity <= 1.05x dense,
+   the default model's fp16 store served in flash mode at a 50% DRAM budget decodes --decode-tokens held-out tokens
+   one at a time: bytes read per token after the first `window` tokens, predictor and FFN compute ms per token.
+4. Figure: perplexity vs loaded density per method with the oracle frontier, bench/results/predictor_methods.png.
 
-No timing: these are accuracy figures. The patched FFN computes every neuron and zeroes the inactive ones.
-
-    python bench/bench_predictor.py [--json] [--target-sparsity 0.6] [--tokens 4096] [--no-sweep]
+    python bench/bench_predictor.py [--json] [--methods quant,lowrank-reg,lowrank,oracle] [--densities ...]
 """
 from __future__ import annotations
 
+import json
 import os
 import time
 
@@ -22,8 +26,11 @@ import torch
 
 from common import arg_parser, emit
 
+from flashllm_ext.paths import resolve_cache_dir
+
 from flashllm_ext.models import corpus_token_ids, load_hf_model, perplexity, spread_windows
-from flashllm_ext.predictor import calibrate_thresholds, capture_activations, evaluate, patched_ffn, train_predictors
+from flashllm_ext.predictor import (calibrate_thresholds, capture_activations, operating_point, patched_ffn,
+                                    predictors_from_capture)
 
 WINDOW = 512
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -41,25 +48,91 @@ def threshold_sweep(model, calibration, heldout, targets, n_windows, as_json) ->
     emit(rows, as_json)
 
 
-def plot_layer(model, predictors, heldout, layer: int, path: str) -> None:
+def build_methods(model, calibration, args) -> tuple[dict, list[torch.Tensor]]:
+    """Every method of --methods built once from the calibration text: ({spec: predictors}, calibration inputs).
+    A spec is a method name, with ':G/U' for quant's (or context's quant base's) bits of W_gate / W_up."""
+    thresholds = calibrate_thresholds(model, calibration, args.target_sparsity, WINDOW, progress=False)
+    capture = capture_activations(model, calibration, thresholds, WINDOW, progress=False)
+    built = {}
+    for spec in args.methods.split(","):
+        method, _, bits = spec.partition(":")
+        gate_bits, up_bits = (int(b) for b in bits.split("/")) if bits else (4, 2)
+        start = time.perf_counter()
+        built[spec] = predictors_from_capture(model, capture, method, rank=args.rank, epochs=args.epochs,
+                                              gate_bits=gate_bits, up_bits=up_bits, block=args.block,
+                                              progress=False)
+        built[spec].build_seconds = time.perf_counter() - start
+    return built, capture.inputs
+
+
+def method_sweep(model, calibration, heldout, built, inputs, args, ffn_bytes: int) -> list[dict]:
+    """Rows bench:"method" for every built method and density of --densities."""
+    densities = [float(d) for d in args.densities.split(",")]
+    true_thresholds = calibrate_thresholds(model, calibration, [1.0 - d for d in densities], WINDOW, progress=False)
+    ppl_dense = perplexity(model, heldout, WINDOW, args.eval_windows, progress=False)
+    rows = []
+    for spec, predictors in built.items():
+        for density in densities:
+            predictors.set_density(inputs, density)
+            predictors.thresholds.zero_()
+            predictors.true_thresholds.copy_(true_thresholds[1.0 - density])
+            point = operating_point(model, predictors, heldout, predictors.true_thresholds, WINDOW,
+                                    args.eval_windows, progress=False)
+            layer_densities = [layer["density"] for layer in point["layers"]]
+            rows.append({"bench": "method", "method": spec, "target_density": density, "density": point["density"],
+                         "max_layer_error": max(abs(d - density) for d in layer_densities),
+                         "ppl": point["ppl"], "ppl_vs_dense": point["ppl"] / ppl_dense, "recall": point["recall"],
+                         "mass_recall": point["mass_recall"], "memory_mb": predictors.memory_bytes / 1e6,
+                         "memory_frac": predictors.memory_bytes / ffn_bytes, "build_s": predictors.build_seconds})
+            emit(rows[-1:], args.json)
+    return rows
+
+
+def flash_path(predictors, store_dir, args) -> dict:
+    """Decode held-out tokens one at a time with the model built from the store by load_flash (flash mode, 50%
+    DRAM budget, fp16 resident tensors) and `predictors`: bytes read per token after the first window+1 tokens,
+    predictor and compute time per token."""
+    from flashllm_ext import load_flash
+
+    predictors.reset()
+    model = load_flash(store_dir, "50%", mode="flash", predictors=predictors, window=args.window)
+    runtime = model.flash
+    try:
+        ids = args.heldout[:args.decode_tokens].unsqueeze(0)
+        with torch.inference_mode():
+            past = None
+            for t in range(ids.shape[1]):
+                if t == args.window + 1:  # the window is full: what follows is the steady state
+                    runtime.stats.reset()
+                past = model(ids[:, t:t + 1], past_key_values=past, use_cache=True).past_key_values
+        stats = runtime.flash_stats()
+        loaded = runtime.stats.needed / max(1, runtime.stats.tokens * runtime.store.n_neurons)
+    finally:
+        runtime.close()
+    return {"bench": "flash", "loaded_density": loaded, "bytes_per_token": stats["bytes_per_token"],
+            "predictor_ms": stats["predictor_ms"], "compute_ms": stats["compute_ms"],
+            "predictor_vs_compute": stats["predictor_ms"] / max(stats["compute_ms"], 1e-9),
+            "hit_rate": stats["hit_rate"], "predictor_bytes": stats["predictor_bytes"], "tokens": stats["tokens"]}
+
+
+def plot_methods(rows: list[dict], path: str) -> None:
+    """Perplexity vs mean loaded density per method (rows bench:"method", possibly from several runs)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    capture = capture_activations(model, heldout[:WINDOW], predictors.thresholds, WINDOW,
-                                  keep_scores=[layer], progress=False)
-    with torch.no_grad():
-        prob = torch.sigmoid(predictors.predictors[layer](capture.inputs[layer].float())).flatten()
-    true = capture.scores[layer].flatten()
-    pick = torch.randperm(true.numel(), generator=torch.Generator().manual_seed(0))[:20000]
-    fig, ax = plt.subplots(figsize=(5, 4))
-    ax.scatter(prob[pick], true[pick], s=1, alpha=0.3)
-    ax.axhline(predictors.thresholds[layer].item(), color="r", lw=1, label="activation threshold")
-    ax.axvline(predictors.prob_thresholds[layer].item(), color="k", lw=1, ls="--", label="probability threshold")
-    ax.set(xlabel="predictor output (probability)", ylabel="true |act(gate)|", yscale="log",
-           title=f"SmolLM2-135M layer {layer}, held-out tokens")
-    ax.legend(loc="lower right", fontsize=8)
+    ppl_dense = rows[0]["ppl"] / rows[0]["ppl_vs_dense"]
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    for method in dict.fromkeys(r["method"] for r in rows):
+        points = sorted((r["density"], r["ppl"]) for r in rows if r["method"] == method)
+        style = dict(color="k", lw=2, marker="s") if method == "oracle" else dict(marker="o")
+        ax.plot(*zip(*points), label=method + (" (frontier)" if method == "oracle" else ""), **style)
+    ax.axhline(ppl_dense * 1.05, color="r", ls="--", lw=1, label="1.05 x dense")
+    ax.axhline(ppl_dense, color="gray", ls=":", lw=1, label="dense")
+    ax.set(xlabel="mean loaded density (held-out)", ylabel="held-out perplexity", yscale="log",
+           title="SmolLM2-135M: predictors at target loaded densities")
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -67,46 +140,68 @@ def plot_layer(model, predictors, heldout, layer: int, path: str) -> None:
 
 def main() -> None:
     parser = arg_parser(__doc__.splitlines()[0])
-    parser.add_argument("--target-sparsity", type=float, default=0.6, help="operating point for the predictors")
+    parser.add_argument("--target-sparsity", type=float, default=0.6, help="the active sets lowrank learns")
     parser.add_argument("--tokens", type=int, default=4096, help="calibration/training tokens")
     parser.add_argument("--eval-windows", type=int, default=4, help=f"held-out windows of {WINDOW} tokens")
     parser.add_argument("--epochs", type=int, default=10)
-    parser.add_argument("--rank", type=int, default=None, help="default: chosen from each layer's density")
-    parser.add_argument("--recall", type=float, default=0.95, help="per-layer probability thresholds for this")
+    parser.add_argument("--rank", type=int, default=None, help="lowrank: from each layer's density; lowrank-reg: 96")
+    parser.add_argument("--methods", default="oracle,quant:4/2,quant:4/4,quant:2/2,lowrank-reg,lowrank")
+    parser.add_argument("--densities", default="0.3,0.35,0.4,0.45,0.5,0.6,0.7")
+    parser.add_argument("--decode-tokens", type=int, default=48, help="held-out tokens decoded through FlashFFN")
+    parser.add_argument("--window", type=int, default=5, help="the neuron cache's window")
+    parser.add_argument("--block", type=int, default=16, help="context: decoded tokens per neuron set")
     parser.add_argument("--sweep-targets", default="0.5,0.6,0.7,0.8,0.9")
-    parser.add_argument("--no-sweep", action="store_true")
-    parser.add_argument("--plot-layer", type=int, default=15)
+    parser.add_argument("--no-sweep", action="store_true", help="skip the threshold sweep")
+    parser.add_argument("--no-flash", action="store_true", help="skip the FlashFFN decode")
+    parser.add_argument("--flash-densities", default=None,
+                        help="only the FlashFFN decode, at these densities for every method (no method sweep)")
+    parser.add_argument("--plot", nargs="+", metavar="JSONL", default=None,
+                        help="only the figure, from the bench:\"method\" rows of these --json outputs")
     args = parser.parse_args()
+    os.makedirs(RESULTS, exist_ok=True)
+    figure = os.path.join(RESULTS, "predictor_methods.png")
+    if args.plot:
+        rows = [json.loads(line) for path in args.plot for line in open(path) if line.startswith("{")]
+        plot_methods([r for r in rows if r.get("bench") == "method"], figure)
+        print(f"figure: {figure}", flush=True)
+        return
+
+    from bench_e2e import default_store
+
+    from flashllm_ext.engine import store_ffn_bytes
+    from flashllm_ext.store import FlashStore
 
     model, tokenizer = load_hf_model()
     calibration = spread_windows(corpus_token_ids(tokenizer, "calibration"), -(-args.tokens // WINDOW), WINDOW)
-    heldout = corpus_token_ids(tokenizer, "heldout")
+    heldout = args.heldout = corpus_token_ids(tokenizer, "heldout")
     if not args.no_sweep:
         threshold_sweep(model, calibration, heldout, [float(t) for t in args.sweep_targets.split(",")],
                         args.eval_windows, args.json)
-
-    start = time.perf_counter()
-    predictors = train_predictors(model, calibration, args.target_sparsity, args.rank, args.epochs,
-                                  args.recall, window=WINDOW)
-    train_seconds = time.perf_counter() - start
-    result = evaluate(model, predictors, heldout, WINDOW, args.eval_windows)
-    emit([{"bench": "predictor", **{k: layer[k] for k in ("layer", "rank", "recall", "precision", "density",
-                                                           "true_density", "fn_mass")},
-           "prob_threshold": predictors.prob_thresholds[layer["layer"]].item()} for layer in result["layers"]],
-         args.json)
-    layers = result["layers"]
-    emit([{"bench": "predictor_ppl", "target_sparsity": args.target_sparsity,
-           "ppl_dense": result["ppl_dense"], "ppl_threshold": result["ppl_threshold"],
-           "ppl_predictor": result["ppl_predictor"], "sparsity_threshold": result["sparsity_threshold"],
-           "sparsity": result["sparsity"], "loaded_density": sum(l["density"] for l in layers) / len(layers),
-           "min_recall": min(l["recall"] for l in layers),
-           "max_density_ratio": max(l["density"] / l["true_density"] for l in layers),
-           "train_tokens": calibration.numel(), "train_seconds": train_seconds}], args.json)
-
-    os.makedirs(RESULTS, exist_ok=True)
-    path = os.path.join(RESULTS, f"predictor_layer{args.plot_layer}.png")
-    plot_layer(model, predictors, heldout, args.plot_layer, path)
-    print(f"figure: {path}", flush=True)
+    store_dir = default_store(resolve_cache_dir() / "e2e", train_predictors=False)
+    with FlashStore(store_dir) as store:
+        ffn_bytes = store_ffn_bytes(store)
+    built, inputs = build_methods(model, calibration, args)
+    if args.flash_densities:
+        points = {spec: [float(d) for d in args.flash_densities.split(",")] for spec in built}
+    else:
+        rows = method_sweep(model, calibration, heldout, built, inputs, args, ffn_bytes)
+        plot_methods(rows, figure)
+        print(f"figure: {figure}", flush=True)
+        if args.no_flash:
+            return
+        points = {}  # each method at its smallest swept density within 1.05x dense perplexity
+        for spec in built:
+            good = [r for r in rows if r["method"] == spec and r["ppl_vs_dense"] <= 1.05]
+            if good:
+                points[spec] = [min(good, key=lambda r: r["density"])["target_density"]]
+            else:
+                emit([{"bench": "flash", "method": spec, "error": "no swept density within 1.05x dense"}], args.json)
+    for spec, densities in points.items():
+        for density in densities:
+            built[spec].set_density(inputs, density)
+            built[spec].thresholds.zero_()
+            emit([{**flash_path(built[spec], store_dir, args), "method": spec, "target_density": density,
+                   "memory_frac": built[spec].memory_bytes / ffn_bytes}], args.json)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
   flashllm convert CHECKPOINT OUT_DIR [--dtype fp16|bf16|fp32] [--endor] [--force]
   flashllm calibrate-disk [--dir DIR] [--size-mib N]
-  flashllm train-predictors CHECKPOINT [--store DIR] [--rank R] [--target-sparsity S] ...
+  flashllm train-predictors CHECKPOINT [--store DIR] [--method M] [--density D] [--rank R] ...
   flashllm run STORE_DIR --tokenizer PATH [--prompt TEXT] [--mode flash] [--budget 50%] [--tokens N] [--sample]
                [--device cpu|cuda]
   flashllm offload STORE_DIR --convert CHECKPOINT [--endor] | --tokenizer PATH [--mode endor] [--budget 30%] ...
@@ -47,7 +47,8 @@ def _ranks(text: str) -> int | list[int]:
 
 def _train_predictors(args: argparse.Namespace) -> int:
     from .models import corpus_token_ids, fetch_default, load_hf_model, resolve_cache_dir, spread_windows
-    from .predictor import save_predictors, save_predictors_to_store, train_predictors
+    from .predictor import (DEFAULT_DENSITY, build_predictors, save_predictors, save_predictors_to_store,
+                            train_predictors)
 
     gguf_path = fetch_default() if args.source == "default" else Path(args.source)
     if not gguf_path.is_file():
@@ -62,15 +63,24 @@ def _train_predictors(args: argparse.Namespace) -> int:
         out = out / "predictors.safetensors"
     model, tokenizer = load_hf_model(gguf_path)
     token_ids = spread_windows(corpus_token_ids(tokenizer, "calibration"), -(-args.tokens // WINDOW), WINDOW)
-    predictors = train_predictors(model, token_ids, args.target_sparsity, args.rank, args.epochs,
-                                  None if args.recall <= 0 else args.recall, args.top_k, window=WINDOW)
+    recall = None if args.recall <= 0 else args.recall
+    if args.method == "lowrank" and (args.density is None or args.top_k is not None):  # the classic operating point
+        predictors = train_predictors(model, token_ids, args.target_sparsity, args.rank, args.epochs, recall,
+                                      args.top_k, window=WINDOW)
+    else:
+        predictors = build_predictors(model, token_ids, args.method, density=args.density or DEFAULT_DENSITY,
+                                      target_sparsity=args.target_sparsity, rank=args.rank, epochs=args.epochs,
+                                      recall=recall, gate_bits=args.gate_bits, up_bits=args.up_bits,
+                                      base=args.base_method, block=args.block, window=WINDOW)
     if args.store:
         out = save_predictors_to_store(predictors, args.store)
     else:
         save_predictors(predictors, out)
-    ranks = sorted({p.rank for p in predictors.predictors})
-    print(f"wrote {len(predictors.predictors)} predictors (ranks {ranks}, target sparsity {args.target_sparsity}, "
-          f"{token_ids.numel()} calibration tokens) to {out}")
+    config = {k: v for k, v in predictors.config().items() if k not in ("method", "n_layers", "ranks")}
+    if "ranks" in predictors.config():
+        config["ranks"] = sorted(set(predictors.config()["ranks"]))
+    print(f"wrote {predictors.n_layers} {predictors.method} predictors ({config}, "
+          f"{predictors.memory_bytes / 1e6:.1f} MB, {token_ids.numel()} calibration tokens) to {out}")
     return 0
 
 
@@ -92,16 +102,29 @@ def _add_calibrate_disk(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_train_predictors(sub: argparse._SubParsersAction) -> None:
-    train = sub.add_parser("train-predictors", help="train per-layer low-rank neuron predictors")
+    from .predictor import DEFAULT_DENSITY, DEFAULT_METHOD, PREDICTOR_METHODS
+
+    train = sub.add_parser("train-predictors", help="build per-layer neuron predictors of one method")
     train.add_argument("source", metavar="CHECKPOINT",
                        help="a Llama GGUF checkpoint, or 'default' for the embedded default model")
     train.add_argument("--out", help="output file, or a directory to write predictors.safetensors into "
                                      "(default: the cache dir)")
     train.add_argument("--store", help="write the predictors into this flash store's resident file instead "
                                        "(a store converted from the same checkpoint)")
+    train.add_argument("--method", choices=sorted(PREDICTOR_METHODS), default=DEFAULT_METHOD,
+                       help=f"predictor method (default {DEFAULT_METHOD}: BENCHMARKS.md, issue 10)")
+    train.add_argument("--density", type=float, default=None,
+                       help=f"target loaded density per layer, calibrated on the calibration text (default "
+                            f"{DEFAULT_DENSITY}; lowrank without it: the recall operating point)")
+    train.add_argument("--gate-bits", type=int, default=4, help="quant: bits per W_gate weight (1, 2, 4)")
+    train.add_argument("--up-bits", type=int, default=2, help="quant: bits per W_up weight (1, 2, 4)")
+    train.add_argument("--base-method", default="quant", help="context: the method that scores the neurons")
+    train.add_argument("--block", type=int, default=16, help="context: decoded tokens per neuron set")
     train.add_argument("--rank", type=_ranks, default=None,
-                       help="one rank, or one per layer (comma separated); default: from each layer's density")
-    train.add_argument("--target-sparsity", type=float, default=0.7)
+                       help="lowrank / lowrank-reg: one rank, or one per layer (comma separated); default: from "
+                            "each layer's density (lowrank), 96 (lowrank-reg)")
+    train.add_argument("--target-sparsity", type=float, default=0.7,
+                       help="lowrank: the rule's threshold sparsity of the active sets it learns")
     train.add_argument("--tokens", type=int, default=4096,
                        help=f"calibration tokens (rounded up to windows of {WINDOW} spread over the calibration text)")
     train.add_argument("--epochs", type=int, default=10)

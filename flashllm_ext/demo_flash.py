@@ -1,7 +1,7 @@
 """`make demo`, part 1: generate text with the default model while its FFN weights stay on flash.
 
 Steps (each cached in the cache dir after the first run): convert SmolLM2-135M-Instruct (GGUF) into an fp16 flash
-store; train its neuron predictors (the active-neuron rule of flashllm_ext.predictor) into the store; then
+store; build its neuron predictors (the default method of flashllm_ext.predictor) into the store; then
 generate the same greedy continuation of one prompt in every engine mode, each model built from the store by
 `load_flash` within the same DRAM budget (dense, the reference, holds everything), and print the text, the decode
 time per token with its I/O / memory-management / predictor / compute breakdown, bytes read per token and the
@@ -22,11 +22,10 @@ from .convert import convert
 from .engine import load_flash
 from .errors import FormatError
 from .models import corpus_token_ids, fetch_default, load_hf_model, resolve_cache_dir, spread_windows
-from .predictor import load_predictors, save_predictors_to_store, train_predictors
+from .predictor import DEFAULT_DENSITY, DEFAULT_METHOD, build_predictors, load_predictors, save_predictors_to_store
 from .report import print_table
 from .store import FlashStore
 
-TARGET_SPARSITY = 0.6  # the rule's threshold: 60% of (token, neuron) gate activations below it on calibration text
 
 
 def prepare_store(gguf: Path, cache_dir: Path) -> Path:
@@ -40,10 +39,10 @@ def prepare_store(gguf: Path, cache_dir: Path) -> Path:
     try:
         load_predictors(store_dir)
     except Exception:  # noqa: BLE001  (no predictors yet, or from an older format: train them)
-        print(f"training neuron predictors (target sparsity {TARGET_SPARSITY}) into {store_dir}")
+        print(f"building {DEFAULT_METHOD} neuron predictors (loaded density {DEFAULT_DENSITY}) into {store_dir}")
         model, tokenizer = load_hf_model(gguf)
         ids = spread_windows(corpus_token_ids(tokenizer, "calibration"), 4, 512)
-        save_predictors_to_store(train_predictors(model, ids, TARGET_SPARSITY, epochs=6, window=512), store_dir)
+        save_predictors_to_store(build_predictors(model, ids, window=512), store_dir)
     return store_dir
 
 

@@ -230,9 +230,8 @@ def ffn_stack(store: FlashStore, mode: str, budget_bytes: int | None, *, window:
         if predictors is None:
             raise ValueError(f"flash mode needs predictors: train them into the store (flashllm train-predictors "
                              f"--store {store.path}) or pass predictors=")
-        if len(predictors.predictors) != store.n_layers:
-            raise ValueError(f"predictors cover {len(predictors.predictors)} layers, the store {store.n_layers}")
-        predictor_bytes = _tensor_bytes(list(predictors.parameters()) + list(predictors.buffers()))
+        predictors.check_shape(store.n_layers, store.hidden_size, store.n_neurons, f"the store {store.path}")
+        predictor_bytes = predictors.memory_bytes
     transfer = transfer if transfer is not None else make_transfer(device)
     if mode == "flash":
         predictors.to(transfer.device)

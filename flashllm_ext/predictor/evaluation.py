@@ -1,5 +1,7 @@
-"""Measuring predictors: the patched FFN (inactive neurons zeroed, for perplexity) and `evaluate` (recall,
-precision, density, false-negative mass per layer; perplexity dense / threshold / threshold + predictor)."""
+"""Measuring predictors: the patched FFN (inactive neurons zeroed, for perplexity), `evaluate` (recall,
+precision, density, false-negative mass per layer; perplexity dense / threshold / threshold + predictor) and
+`operating_point` (one pass: perplexity with the predictor, loaded density and recall of the true active set and of
+its output mass, per layer)."""
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -10,7 +12,7 @@ import torch
 from torch import nn
 
 from ..models.text import perplexity
-from .lowrank import PredictorSet
+from .base import NeuronPredictor
 from .rule import activation_score, ffn_hooks, ffn_modules, run_windows
 
 
@@ -27,14 +29,14 @@ class SparsityCounter:
 
 @contextmanager
 def patched_ffn(model: nn.Module, thresholds: torch.Tensor,
-                predictors: PredictorSet | None = None) -> Iterator[SparsityCounter]:
+                predictors: NeuronPredictor | None = None) -> Iterator[SparsityCounter]:
     """Within the block, every FFN zeroes the neurons that are not active: score <= threshold, or (with
     predictors) not predicted active. Yields the achieved sparsity counter."""
     n_layers = len(ffn_modules(model))
     if thresholds.shape != (n_layers,):
         raise ValueError(f"thresholds must have shape ({n_layers},), got {tuple(thresholds.shape)}")
-    if predictors is not None and len(predictors.predictors) != n_layers:
-        raise ValueError(f"model has {n_layers} FFN layers, predictors cover {len(predictors.predictors)}")
+    if predictors is not None and predictors.n_layers != n_layers:
+        raise ValueError(f"model has {n_layers} FFN layers, predictors cover {predictors.n_layers}")
     counter = SparsityCounter([0] * n_layers, [0] * n_layers)
 
     def sparsify(i, x, h):
@@ -50,18 +52,18 @@ def patched_ffn(model: nn.Module, thresholds: torch.Tensor,
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, predictors: PredictorSet, token_ids: torch.Tensor, window: int = 512,
+def evaluate(model: nn.Module, predictors: NeuronPredictor, token_ids: torch.Tensor, window: int = 512,
              n_windows: int = 4, progress: bool = True) -> dict:
     """Predictor quality on held-out `token_ids` and end-to-end perplexity.
 
-    Returns {"layers": [{layer, rank, recall, precision, density, true_density, fn_mass}], "ppl_dense",
+    Returns {"layers": [{layer, recall, precision, density, true_density, fn_mass}], "ppl_dense",
     "ppl_threshold", "ppl_predictor", "sparsity_threshold", "sparsity"}. Per-layer figures are measured on the
     dense model's activations; `density` is the predicted (loaded) fraction, `fn_mass` the share of the active
     neurons' |score| mass that false negatives lose; `sparsity` the FFN sparsity with predictor and threshold.
     """
     n_tokens = window * n_windows
     ids = token_ids[:n_tokens]
-    n_layers = len(predictors.predictors)
+    n_layers = predictors.n_layers
     sums = torch.zeros(n_layers, 5, dtype=torch.float64)  # tp, fp, fn, fn mass, active mass
 
     def measure(i, x, h):
@@ -75,9 +77,9 @@ def evaluate(model: nn.Module, predictors: PredictorSet, token_ids: torch.Tensor
     with ffn_hooks(model, measure):
         run_windows(model, ids, window, progress, "evaluating predictors")
     layers = []
-    n_neurons = predictors.predictors[0].up.out_features
+    n_neurons = predictors.n_neurons
     for i, (tp, fp, fn, fn_mass, mass) in enumerate(sums.tolist()):
-        layers.append({"layer": i, "rank": predictors.predictors[i].rank, "recall": tp / max(tp + fn, 1),
+        layers.append({"layer": i, "recall": tp / max(tp + fn, 1),
                        "precision": tp / max(tp + fp, 1), "density": (tp + fp) / (ids.numel() * n_neurons),
                        "true_density": (tp + fn) / (ids.numel() * n_neurons), "fn_mass": fn_mass / max(mass, 1e-30)})
     ppl_dense = perplexity(model, ids, window, n_windows, progress)
@@ -88,3 +90,35 @@ def evaluate(model: nn.Module, predictors: PredictorSet, token_ids: torch.Tensor
     return {"layers": layers, "ppl_dense": ppl_dense, "ppl_threshold": ppl_threshold,
             "ppl_predictor": ppl_predictor, "sparsity_threshold": threshold_only.sparsity,
             "sparsity": with_predictor.sparsity}
+
+
+@torch.no_grad()
+def operating_point(model: nn.Module, predictors: NeuronPredictor, token_ids: torch.Tensor,
+                    true_thresholds: torch.Tensor, window: int = 512, n_windows: int = 4,
+                    progress: bool = True) -> dict:
+    """One pass over held-out `token_ids` with the predictors patched in (as patched_ffn): perplexity, and per
+    layer the loaded density (predicted / all pairs), the recall of the true active set (score > true_thresholds
+    [L], e.g. the oracle's at the same density) and of the output mass (share of sum |h| the loaded neurons carry).
+
+    Returns {"ppl", "density", "recall", "mass_recall" (means over layers), "layers": [{layer, density, recall,
+    mass_recall}]}."""
+    n_layers = predictors.n_layers
+    if true_thresholds.shape != (n_layers,):
+        raise ValueError(f"true_thresholds must have shape ({n_layers},), got {tuple(true_thresholds.shape)}")
+    sums = torch.zeros(n_layers, 6, dtype=torch.float64)  # loaded, pairs, true & loaded, true, loaded mass, mass
+
+    def measure(i, x, h):
+        s = activation_score(h)
+        loaded = predictors.predict(i, x)
+        true = s > true_thresholds[i]
+        sums[i] += torch.tensor([loaded.sum().item(), loaded.numel(), (true & loaded).sum().item(),
+                                 true.sum().item(), s[loaded].sum().item(), s.sum().item()], dtype=torch.float64)
+        return h * (loaded & (s > predictors.thresholds[i]))
+
+    with ffn_hooks(model, measure):
+        ppl = perplexity(model, token_ids, window, n_windows, progress)
+    layers = [{"layer": i, "density": loaded / pairs, "recall": hit / max(true, 1),
+               "mass_recall": loaded_mass / max(mass, 1e-30)}
+              for i, (loaded, pairs, hit, true, loaded_mass, mass) in enumerate(sums.tolist())]
+    return {"ppl": ppl, "layers": layers,
+            **{k: sum(layer[k] for layer in layers) / n_layers for k in ("density", "recall", "mass_recall")}}

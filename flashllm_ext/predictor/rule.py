@@ -20,9 +20,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
+from .._ops import ACTIVATIONS
 from ..models.hf import decoder_layers
 
 
@@ -41,6 +43,46 @@ def ffn_modules(model: nn.Module) -> list[FFNModules]:
     if layers and hasattr(layers[0], "fc2"):
         return [FFNModules(layer.fc1, layer.fc2) for layer in layers]
     raise ValueError(f"{type(model).__name__}: not a Llama-family (mlp.gate_proj) or OPT (fc1/fc2) causal LM")
+
+
+@dataclass
+class FFNWeights:
+    """One FFN layer's input projections as the model computes h (float32 copies): act(x . gate + gate_bias) *
+    (x . up + up_bias) for GLU layers (gate not None), act(x . up + up_bias) otherwise (biases None if absent)."""
+    gate: torch.Tensor | None  # [n, d]
+    gate_bias: torch.Tensor | None  # [n]
+    up: torch.Tensor  # [n, d]
+    up_bias: torch.Tensor | None  # [n]
+
+    def h(self, x: torch.Tensor, activation: str) -> torch.Tensor:
+        """float32 [T, n]: what the down projection multiplies, for x [T, d] (as the model computes it)."""
+        act = ACTIVATIONS[activation].fn
+        up = F.linear(x.float(), self.up, self.up_bias)
+        return act(up) if self.gate is None else act(F.linear(x.float(), self.gate, self.gate_bias)) * up
+
+
+def ffn_weights(model: nn.Module) -> tuple[list[FFNWeights], str]:
+    """Per-layer input projections of a Llama-family or OPT model and the name of its activation (a key of
+    flashllm_ext._ops.ACTIVATIONS)."""
+    config = model.config
+    name = getattr(config, "hidden_act", None) or getattr(config, "activation_function", None)
+    activation = next((a for a, spec in ACTIVATIONS.items() if name in spec.config_names), None)
+    if activation is None:
+        raise ValueError(f"activation {name!r} is not supported (one of {sorted(ACTIVATIONS)})")
+
+    def copy(linear: nn.Module, part: str) -> torch.Tensor | None:
+        t = getattr(linear, part, None)
+        return None if t is None else t.detach().float().clone()
+
+    out = []
+    for layer in decoder_layers(model):
+        if hasattr(layer, "mlp") and hasattr(layer.mlp, "gate_proj"):
+            mlp = layer.mlp
+            out.append(FFNWeights(copy(mlp.gate_proj, "weight"), copy(mlp.gate_proj, "bias"),
+                                  copy(mlp.up_proj, "weight"), copy(mlp.up_proj, "bias")))
+        else:
+            out.append(FFNWeights(None, None, copy(layer.fc1, "weight"), copy(layer.fc1, "bias")))
+    return out, activation
 
 
 def activation_score(h: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,7 @@
-"""Training predictors: one LowRankPredictor per layer fitted to the captured active sets with a class-balanced
-loss, probability thresholds chosen for a recall on held-out tokens."""
+"""Building predictors: `build_predictors` makes any method from calibration text (selected by a target loaded
+density); `train_predictors` is the low-rank classifier's training ('LLM in a flash': one LowRankPredictor per
+layer fitted to the captured active sets with a class-balanced loss, probability thresholds chosen for a recall on
+held-out tokens)."""
 from __future__ import annotations
 
 import math
@@ -9,9 +11,20 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from .capture import capture_activations
-from .lowrank import LowRankPredictor, PredictorSet
+from .base import NeuronPredictor, predictor_class
+from .capture import ActivationCapture, capture_activations
+from .context import ContextPredictor
+from .lowrank import LowRankPredictor, PredictorSet, RegressionPredictorSet, fit_log_regression
+from .oracle import OraclePredictor
+from .quant import QuantPredictor
+from .rule import ffn_weights
 from .thresholds import calibrate_thresholds
+
+# BENCHMARKS.md, "SwiGLU predictors (issue 10)": quant (4-bit W_gate, 2-bit W_up, 12.6% of the FFN bytes) is
+# the measured method with the least loaded density at held-out perplexity <= 1.05x dense, at density 0.7
+# (1.042x); the low-rank classifier needed 0.94 for 1.059x.
+DEFAULT_METHOD = "quant"
+DEFAULT_DENSITY = 0.7
 
 
 def auto_rank(density: float, d: int, base_rank: int = 64, base_density: float = 0.3) -> int:
@@ -64,16 +77,8 @@ def choose_prob_thresholds(predictors: Sequence[LowRankPredictor], inputs: Seque
     return out
 
 
-def train_predictors(model: nn.Module, token_ids: torch.Tensor, target_sparsity: float = 0.7,
-                     rank: int | Sequence[int] | None = None, epochs: int = 10,
-                     recall: float | None = 0.95, top_k: int | None = None, window: int = 512,
-                     validation_fraction: float = 0.1, progress: bool = True) -> PredictorSet:
-    """Calibrate thresholds at `target_sparsity`, capture activations over `token_ids` and train one predictor
-    per layer. rank: one for all layers, one per layer, or None (auto_rank from each layer's density).
-    recall: pick each layer's probability threshold to reach it on the last `validation_fraction` of the tokens
-    (None keeps 0.5)."""
-    thresholds = calibrate_thresholds(model, token_ids, target_sparsity, window, progress)
-    capture = capture_activations(model, token_ids, thresholds, window, progress=progress)
+def _train_lowrank(capture: ActivationCapture, rank, epochs: int, recall: float | None, top_k: int | None,
+                   validation_fraction: float, progress: bool) -> PredictorSet:
     n_layers = len(capture.inputs)
     if isinstance(rank, Sequence) and len(rank) != n_layers:
         raise ValueError(f"need one rank per layer ({n_layers}), got {len(rank)}")
@@ -87,4 +92,90 @@ def train_predictors(model: nn.Module, token_ids: torch.Tensor, target_sparsity:
         val_inputs.append(x[n_train:])
         val_masks.append(mask[n_train:])
     probs = None if recall is None else choose_prob_thresholds(predictors, val_inputs, val_masks, recall)
-    return PredictorSet(predictors, thresholds, probs, top_k)
+    return PredictorSet(predictors, capture.thresholds, probs, top_k)
+
+
+def build_predictors(model: nn.Module, token_ids: torch.Tensor, method: str = DEFAULT_METHOD, *,
+                     density: float | Sequence[float] | None = DEFAULT_DENSITY, target_sparsity: float = 0.6,
+                     rank: int | Sequence[int] | None = None, epochs: int = 10, recall: float | None = 0.95,
+                     gate_bits: int = 4, up_bits: int = 2, base: str = "quant", block: int = 16,
+                     window: int = 512, progress: bool = True) -> NeuronPredictor:
+    """Predictors of `method` (a name of PREDICTOR_METHODS) for `model`, from the calibration `token_ids` [T].
+
+    density: the loaded density (one for all layers or one per layer): each layer's cut-off keeps this fraction
+    of the calibration text's (token, neuron) pairs, and the rule's thresholds are 0 (every loaded neuron is
+    computed: the density alone sets the I/O); true_thresholds are the oracle's at that density. None (lowrank
+    only): the classic operating point, thresholds at `target_sparsity`, probability thresholds for `recall`.
+    target_sparsity: the active sets the lowrank classifier learns (and, with density None, the thresholds).
+    rank: lowrank / lowrank-reg (None: auto_rank for lowrank, 96 for lowrank-reg). gate_bits, up_bits: quant.
+    base, block: context (the method that scores, and the tokens per set).
+    """
+    predictor_class(method)  # an unknown name fails before minutes of work
+    if density is None and method != "lowrank":
+        raise ValueError(f"method {method!r} is selected by a target density: give density=")
+    thresholds = calibrate_thresholds(model, token_ids, target_sparsity, window, progress)
+    capture = capture_activations(model, token_ids, thresholds, window, progress=progress)
+    predictors = predictors_from_capture(model, capture, method, rank=rank, epochs=epochs, recall=recall,
+                                         gate_bits=gate_bits, up_bits=up_bits, base=base, block=block,
+                                         progress=progress)
+    if density is not None:
+        select_density(model, predictors, capture.inputs, token_ids, density, window, progress)
+    return predictors
+
+
+def predictors_from_capture(model: nn.Module, capture: ActivationCapture, method: str, *,
+                            rank: int | Sequence[int] | None = None, epochs: int = 10, recall: float | None = 0.95,
+                            gate_bits: int = 4, up_bits: int = 2, base: str = "quant", block: int = 16,
+                            progress: bool = True) -> NeuronPredictor:
+    """Predictors of `method` from a capture of the calibration text (lowrank learns its active sets; the others
+    use its inputs or the model's weights), at their own default operating point (see select_density)."""
+    n_layers = len(capture.inputs)
+    if method == "context":
+        if base == "context":
+            raise ValueError("a context predictor needs another method as its base")
+        return ContextPredictor(predictors_from_capture(model, capture, base, rank=rank, epochs=epochs,
+                                                        recall=recall, gate_bits=gate_bits, up_bits=up_bits,
+                                                        progress=progress), block)
+    if method == "lowrank":
+        return _train_lowrank(capture, rank, epochs, recall, None, 0.1, progress)
+    if method == "lowrank-reg":
+        weights, activation = ffn_weights(model)
+        layer_rank = list(rank) if isinstance(rank, Sequence) else [rank or 96] * n_layers
+        return RegressionPredictorSet(
+            [fit_log_regression(x.float(), w.h(x.float(), activation).abs(), r)
+             for x, w, r in tqdm(list(zip(capture.inputs, weights, layer_rank)), desc="fitting predictors",
+                                 disable=not progress)], torch.zeros(n_layers))
+    if method == "quant":
+        return QuantPredictor.from_model(model, gate_bits, up_bits)
+    if method == "oracle":
+        return OraclePredictor.from_model(model, capture.thresholds)
+    predictor_class(method)
+    raise ValueError(f"method {method!r} cannot be built from a capture")
+
+
+def select_density(model: nn.Module, predictors: NeuronPredictor, inputs: Sequence[torch.Tensor],
+                   token_ids: torch.Tensor, density: float | Sequence[float], window: int = 512,
+                   progress: bool = True) -> None:
+    """Put `predictors` at a target loaded density (one, or one per layer) calibrated on the calibration `inputs`
+    (per layer [N, d]) and `token_ids` (the text they came from): cut-offs for the density, thresholds 0 (every
+    loaded neuron computed), true_thresholds the oracle's at that density."""
+    predictors.set_density(inputs, density)
+    predictors.thresholds.zero_()
+    densities = torch.as_tensor(density, dtype=torch.float64).expand(predictors.n_layers)
+    for target in densities.unique().tolist():  # one calibration pass per distinct density
+        same = densities == target
+        predictors.true_thresholds[same] = calibrate_thresholds(model, token_ids, 1.0 - target, window,
+                                                                progress)[same].float()
+
+
+def train_predictors(model: nn.Module, token_ids: torch.Tensor, target_sparsity: float = 0.7,
+                     rank: int | Sequence[int] | None = None, epochs: int = 10,
+                     recall: float | None = 0.95, top_k: int | None = None, window: int = 512,
+                     validation_fraction: float = 0.1, progress: bool = True) -> PredictorSet:
+    """Calibrate thresholds at `target_sparsity`, capture activations over `token_ids` and train one predictor
+    per layer. rank: one for all layers, one per layer, or None (auto_rank from each layer's density).
+    recall: pick each layer's probability threshold to reach it on the last `validation_fraction` of the tokens
+    (None keeps 0.5)."""
+    thresholds = calibrate_thresholds(model, token_ids, target_sparsity, window, progress)
+    capture = capture_activations(model, token_ids, thresholds, window, progress=progress)
+    return _train_lowrank(capture, rank, epochs, recall, top_k, validation_fraction, progress)

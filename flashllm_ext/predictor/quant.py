@@ -1,0 +1,124 @@
+"""Low-bit copies of the input projections (method "quant"): W_gate and W_up quantised per row to 1, 2 or 4 bits
+(1 bit = sign and scale), resident in DRAM, from which the score |act(x . gate + b) * (x . up)| is computed exactly
+in form and approximately in value.
+
+A row w [d] is stored as codes q in [0, 2^b) packed little-end first into bytes and one float16 scale s:
+w ~ (q - (2^b - 1) / 2) * s, s chosen per row to minimise the squared error (a grid over fractions of max|w|).
+Scoring dequantises the codes of the layer on every call (pure torch: no low-bit GEMV kernel yet)."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .base import NeuronPredictor
+from .rule import FFNWeights, ffn_weights
+
+BITS = (1, 2, 4)
+
+
+def quantize_rows(w: torch.Tensor, bits: int, grid: int = 20) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes uint8 [n, ceil(d * bits / 8)], scales float16 [n]) of w [n, d] (see the module doc)."""
+    if bits not in BITS:
+        raise ValueError(f"bits must be one of {BITS}, got {bits}")
+    w = w.float()
+    levels, center = 1 << bits, ((1 << bits) - 1) / 2
+    peak = w.abs().amax(1, keepdim=True).clamp_min(1e-12)
+    best_err, best_scale = None, None
+    for fraction in torch.linspace(1.0 / grid, 1.0, grid):
+        scale = (fraction * peak / center).half().float()  # the error of the scale as stored
+        deq = (torch.clamp(torch.round(w / scale + center), 0, levels - 1) - center) * scale
+        err = (deq - w).pow(2).sum(1, keepdim=True)
+        if best_err is None:
+            best_err, best_scale = err, scale
+        else:
+            better = err < best_err
+            best_err, best_scale = torch.where(better, err, best_err), torch.where(better, scale, best_scale)
+    codes = torch.clamp(torch.round(w / best_scale + center), 0, levels - 1).to(torch.uint8)
+    return pack_codes(codes, bits), best_scale.squeeze(1).half()
+
+
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 [n, ceil(d * bits / 8)]: codes uint8 [n, d] (< 2^bits), 8 / bits per byte, the first in the low bits."""
+    per = 8 // bits
+    n, d = codes.shape
+    padded = torch.zeros(n, -(-d // per) * per, dtype=torch.uint8)
+    padded[:, :d] = codes
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8)
+    return (padded.view(n, -1, per) << shifts).sum(-1, dtype=torch.uint8)
+
+
+def unpack_codes(packed: torch.Tensor, bits: int, d: int) -> torch.Tensor:
+    """uint8 [n, d]: the codes `pack_codes` packed."""
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8)
+    return ((packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).view(packed.shape[0], -1)[:, :d]
+
+
+class _QuantLayer(nn.Module):
+    def __init__(self, d: int, n: int, glu: bool, gate_bits: int, up_bits: int, gate_bias: bool, up_bias: bool):
+        super().__init__()
+        self.d = d
+        self.register_buffer("up_codes", torch.zeros(n, -(-d * up_bits // 8), dtype=torch.uint8))
+        self.register_buffer("up_scale", torch.zeros(n, dtype=torch.float16))
+        self.register_buffer("up_bias", torch.zeros(n) if up_bias else None)
+        self.register_buffer("gate_codes", torch.zeros(n, -(-d * gate_bits // 8), dtype=torch.uint8) if glu else None)
+        self.register_buffer("gate_scale", torch.zeros(n, dtype=torch.float16) if glu else None)
+        self.register_buffer("gate_bias", torch.zeros(n) if glu and gate_bias else None)
+
+
+class QuantPredictor(NeuronPredictor):
+    """scores = |h| computed from per-row low-bit copies of W_gate (gate_bits) and W_up (up_bits)."""
+    method = "quant"
+
+    def __init__(self, n_layers: int, hidden_size: int, n_neurons: int, activation: str, glu: bool,
+                 gate_bits: int = 4, up_bits: int = 2, gate_bias: bool = False, up_bias: bool = False,
+                 thresholds: torch.Tensor | None = None):
+        for bits in (gate_bits, up_bits):
+            if bits not in BITS:
+                raise ValueError(f"bits must be one of {BITS}, got {bits}")
+        super().__init__(n_layers, hidden_size, n_neurons, thresholds)
+        self.activation, self.glu = activation, glu
+        self.gate_bits, self.up_bits, self.gate_bias, self.up_bias = gate_bits, up_bits, gate_bias, up_bias
+        self.layers = nn.ModuleList(_QuantLayer(hidden_size, n_neurons, glu, gate_bits, up_bits, gate_bias, up_bias)
+                                    for _ in range(n_layers))
+
+    @classmethod
+    def from_model(cls, model: nn.Module, gate_bits: int = 4, up_bits: int = 2,
+                   thresholds: torch.Tensor | None = None) -> QuantPredictor:
+        """Quantise the input projections of a Llama-family or OPT model."""
+        weights, activation = ffn_weights(model)
+        first = weights[0]
+        out = cls(len(weights), first.up.shape[1], first.up.shape[0], activation, first.gate is not None, gate_bits,
+                  up_bits, first.gate_bias is not None, first.up_bias is not None, thresholds)
+        for layer, w in zip(out.layers, weights):
+            codes, scale = quantize_rows(w.up, up_bits)
+            layer.up_codes.copy_(codes)
+            layer.up_scale.copy_(scale)
+            if w.gate is not None:
+                codes, scale = quantize_rows(w.gate, gate_bits)
+                layer.gate_codes.copy_(codes)
+                layer.gate_scale.copy_(scale)
+            for name in ("up_bias", "gate_bias"):
+                if getattr(w, name) is not None:
+                    getattr(layer, name).copy_(getattr(w, name))
+        return out.eval()
+
+    def _dequantize(self, codes: torch.Tensor, scale: torch.Tensor, bits: int, d: int) -> torch.Tensor:
+        center = ((1 << bits) - 1) / 2
+        return (unpack_codes(codes, bits, d).float() - center) * scale.float().unsqueeze(1)
+
+    @torch.no_grad()
+    def scores(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        q, d = self.layers[layer], self.hidden_size
+        gate = None if q.gate_codes is None else self._dequantize(q.gate_codes, q.gate_scale, self.gate_bits, d)
+        up = self._dequantize(q.up_codes, q.up_scale, self.up_bits, d)
+        return FFNWeights(gate, q.gate_bias, up, q.up_bias).h(x, self.activation).abs()
+
+    def config(self) -> dict:
+        return {**super().config(), "activation": self.activation, "glu": self.glu, "gate_bits": self.gate_bits,
+                "up_bits": self.up_bits, "gate_bias": self.gate_bias, "up_bias": self.up_bias}
+
+    @classmethod
+    def from_config(cls, config: dict) -> QuantPredictor:
+        return cls(int(config["n_layers"]), int(config["hidden_size"]), int(config["n_neurons"]),
+                   str(config["activation"]), bool(config["glu"]), int(config["gate_bits"]), int(config["up_bits"]),
+                   bool(config["gate_bias"]), bool(config["up_bias"]))
