@@ -235,7 +235,14 @@ def main() -> None:
     parser.add_argument("--link-devices", type=float, default=2.0, help="the link's bandwidth in devices")
     parser.add_argument("--dir", type=Path, default=None)
     parser.add_argument("--no-plot", action="store_true")
+    parser.add_argument("--plot", type=Path, nargs=2, metavar=("ABLATION_JSONL", "SCALING_JSONL"),
+                        help="only draw the plots from two earlier --json outputs")
     args = parser.parse_args()
+    if args.plot:
+        ablation, scaling = ([json.loads(line) for line in f.read_text().splitlines() if '"config"' in line]
+                             for f in args.plot)
+        plot(ablation, scaling)
+        return
     args.link_gbps = args.link_devices * args.device_gbps
     root = args.dir or resolve_cache_dir() / "kv-bench"
     root.mkdir(parents=True, exist_ok=True)

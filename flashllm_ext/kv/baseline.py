@@ -117,11 +117,15 @@ class HostKVAttention:
             views.append(shard.append(layer, kk.contiguous(), vv.contiguous()))
             # the new token crosses the link once, when it is written back (FlexGen stores it every step)
             self.traffic.at(layer, step, i).writeback_bytes += kk.nbytes + vv.nbytes
+            if self.link is not None:
+                self.link.transfer(kk.nbytes + vv.nbytes)
         prefetched = self._prefetch.pop(layer, [None] * len(self.shards))
+        histories = [self._history(i, layer, view, prefetched[i]) for i, view in enumerate(views)]
+        # the next layer's read starts once this layer's is in, so the two never share the link or the devices;
+        # it overlaps this layer's attention and everything up to the next layer's step
         self._start_prefetch((layer + 1) % self.n_layers)
         outs, lses = [], []
-        for i, ((p0, p1), view) in enumerate(zip(self.ranges, views)):
-            k, v = self._history(i, layer, view, prefetched[i])
+        for i, ((p0, p1), view, (k, v)) in enumerate(zip(self.ranges, views, histories)):
             self.traffic.at(layer, step, i).kv_read_bytes += k.nbytes + v.nbytes
             parts = [ops.decode_attention(q[p0:p1], k.unsqueeze(2), v.unsqueeze(2), scale=self.scale),
                      ops.decode_attention(q[p0:p1], view.k_buf.unsqueeze(2), view.v_buf.unsqueeze(2),
