@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from .. import ops
+from .attention import DEFAULT_BLOCK_BYTES
 from .files import IOCounters
 from .link import Link
 from .store import KVShard, KVView, split_pairs
@@ -76,13 +77,20 @@ class HostKVAttention:
             self._record_io(layer, PREFILL, i)
 
     def _read(self, i: int, layer: int, t0: int, t1: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows [t0, t1) of shard i, in blocks of about DEFAULT_BLOCK_BYTES per file: each block crosses the
+        device and then the link, so with emulated bandwidths the shards' blocks pipeline through the shared link
+        as the workers' blocks do (a whole-history transfer would serialise device and link time)."""
         shard = self.shards[i]
         shape = (t1 - t0, shard.pairs, self.head_dim)
         k, v = torch.empty(shape, dtype=self.dtype), torch.empty(shape, dtype=self.dtype)
-        shard.read(layer, t0, t1, k, v)
-        for link in (self.storage_links[i], self.link):
-            if link is not None:
-                link.transfer(k.nbytes + v.nbytes)
+        block = max(1, DEFAULT_BLOCK_BYTES // shard.token_bytes)
+        for b0 in range(t0, t1, block):
+            b1 = min(b0 + block, t1)
+            kb, vb = k[b0 - t0:b1 - t0], v[b0 - t0:b1 - t0]
+            shard.read(layer, b0, b1, kb, vb)
+            for link in (self.storage_links[i], self.link):
+                if link is not None:
+                    link.transfer(kb.nbytes + vb.nbytes)
         return k, v
 
     def _start_prefetch(self, layer: int) -> None:
