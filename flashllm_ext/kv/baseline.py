@@ -100,10 +100,8 @@ class HostKVAttention:
             self._readers[i].submit(lambda i=i, d=shard.view(layer).disk_len: (d, *self._read(i, layer, 0, d)))
             for i, shard in enumerate(self.shards)]
 
-    def _history(self, i: int, layer: int, view: KVView, prefetched: Future | None):
+    def _history(self, i: int, layer: int, view: KVView, prefetched: Future):
         """Disk rows [0, view.disk_len) of shard i: the prefetched ones plus any spilled since the prefetch."""
-        if prefetched is None:
-            return self._read(i, layer, 0, view.disk_len)
         d, k, v = prefetched.result()
         if d < view.disk_len:
             k2, v2 = self._read(i, layer, d, view.disk_len)
@@ -127,7 +125,10 @@ class HostKVAttention:
             self.traffic.at(layer, step, i).writeback_bytes += kk.nbytes + vv.nbytes
             if self.link is not None:
                 self.link.transfer(kk.nbytes + vv.nbytes)
-        prefetched = self._prefetch.pop(layer, [None] * len(self.shards))
+        prefetched = self._prefetch.pop(layer, None)
+        if prefetched is None:  # the first step of a layer: read the shards now, in parallel
+            prefetched = [self._readers[i].submit(lambda i=i, d=view.disk_len: (d, *self._read(i, layer, 0, d)))
+                          for i, view in enumerate(views)]
         histories = [self._history(i, layer, view, prefetched[i]) for i, view in enumerate(views)]
         # the next layer's read starts once this layer's is in, so the two never share the link or the devices;
         # it overlaps this layer's attention and everything up to the next layer's step
