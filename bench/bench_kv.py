@@ -11,7 +11,9 @@ only (prefill excluded). Bytes are exact counters (kv/traffic.py): interconnect 
 Eq. 3 check excludes it), storage bytes with direct-I/O padding, writes per step and mean write size after the
 prompt (flushed before the clock starts, so the decode writes are counted alone).
 
-    python bench/bench_kv.py [--json] [--only ablation|scaling] [--workers 1,2,4,8,16] [--context 1024]
+    python bench/bench_kv.py [--json] [--only ablation|scaling|kernel] [--workers 1,2,4,8,16] [--context 1024]
+                             [--dir /dev/shm/kv-bench]   # emulated devices need no disk: tmpfs keeps O_DIRECT
+    python bench/bench_kv.py --plot ABLATION.jsonl SCALING.jsonl   # the two plots from earlier --json runs
 """
 from __future__ import annotations
 
