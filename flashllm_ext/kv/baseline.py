@@ -172,7 +172,9 @@ class HostKVAttention:
         self.traffic.clear()
 
     def close(self) -> None:
+        """Spills (recording the writes in `traffic`), then closes the shards; a failed spill raises first."""
         self._drop_prefetch()
+        self.flush()
         for reader in self._readers:
             reader.shutdown(wait=True)
         for shard in self.shards:
