@@ -11,7 +11,9 @@ only (prefill excluded). Bytes are exact counters (kv/traffic.py): interconnect 
 Eq. 3 check excludes it), storage bytes with direct-I/O padding, writes per step and mean write size after the
 prompt (flushed before the clock starts, so the decode writes are counted alone).
 
-    python bench/bench_kv.py [--json] [--only ablation|scaling] [--workers 1,2,4,8,16] [--context 1024]
+    python bench/bench_kv.py [--json] [--only ablation|scaling|kernel] [--workers 1,2,4,8,16] [--context 1024]
+                             [--dir /dev/shm/kv-bench]   # emulated devices need no disk: tmpfs keeps O_DIRECT
+    python bench/bench_kv.py --plot ABLATION.jsonl SCALING.jsonl   # the two plots from earlier --json runs
 """
 from __future__ import annotations
 
@@ -235,7 +237,14 @@ def main() -> None:
     parser.add_argument("--link-devices", type=float, default=2.0, help="the link's bandwidth in devices")
     parser.add_argument("--dir", type=Path, default=None)
     parser.add_argument("--no-plot", action="store_true")
+    parser.add_argument("--plot", type=Path, nargs=2, metavar=("ABLATION_JSONL", "SCALING_JSONL"),
+                        help="only draw the plots from two earlier --json outputs")
     args = parser.parse_args()
+    if args.plot:
+        ablation, scaling = ([json.loads(line) for line in f.read_text().splitlines() if '"config"' in line]
+                             for f in args.plot)
+        plot(ablation, scaling)
+        return
     args.link_gbps = args.link_devices * args.device_gbps
     root = args.dir or resolve_cache_dir() / "kv-bench"
     root.mkdir(parents=True, exist_ok=True)

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from .. import ops
+from .attention import DEFAULT_BLOCK_BYTES
 from .files import IOCounters
 from .link import Link
 from .store import KVShard, KVView, split_pairs
@@ -76,13 +77,20 @@ class HostKVAttention:
             self._record_io(layer, PREFILL, i)
 
     def _read(self, i: int, layer: int, t0: int, t1: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows [t0, t1) of shard i, in blocks of about DEFAULT_BLOCK_BYTES per file: each block crosses the
+        device and then the link, so with emulated bandwidths the shards' blocks pipeline through the shared link
+        as the workers' blocks do (a whole-history transfer would serialise device and link time)."""
         shard = self.shards[i]
         shape = (t1 - t0, shard.pairs, self.head_dim)
         k, v = torch.empty(shape, dtype=self.dtype), torch.empty(shape, dtype=self.dtype)
-        shard.read(layer, t0, t1, k, v)
-        for link in (self.storage_links[i], self.link):
-            if link is not None:
-                link.transfer(k.nbytes + v.nbytes)
+        block = max(1, DEFAULT_BLOCK_BYTES // shard.token_bytes)
+        for b0 in range(t0, t1, block):
+            b1 = min(b0 + block, t1)
+            kb, vb = k[b0 - t0:b1 - t0], v[b0 - t0:b1 - t0]
+            shard.read(layer, b0, b1, kb, vb)
+            for link in (self.storage_links[i], self.link):
+                if link is not None:
+                    link.transfer(kb.nbytes + vb.nbytes)
         return k, v
 
     def _start_prefetch(self, layer: int) -> None:
@@ -92,10 +100,8 @@ class HostKVAttention:
             self._readers[i].submit(lambda i=i, d=shard.view(layer).disk_len: (d, *self._read(i, layer, 0, d)))
             for i, shard in enumerate(self.shards)]
 
-    def _history(self, i: int, layer: int, view: KVView, prefetched: Future | None):
+    def _history(self, i: int, layer: int, view: KVView, prefetched: Future):
         """Disk rows [0, view.disk_len) of shard i: the prefetched ones plus any spilled since the prefetch."""
-        if prefetched is None:
-            return self._read(i, layer, 0, view.disk_len)
         d, k, v = prefetched.result()
         if d < view.disk_len:
             k2, v2 = self._read(i, layer, d, view.disk_len)
@@ -117,11 +123,18 @@ class HostKVAttention:
             views.append(shard.append(layer, kk.contiguous(), vv.contiguous()))
             # the new token crosses the link once, when it is written back (FlexGen stores it every step)
             self.traffic.at(layer, step, i).writeback_bytes += kk.nbytes + vv.nbytes
-        prefetched = self._prefetch.pop(layer, [None] * len(self.shards))
+            if self.link is not None:
+                self.link.transfer(kk.nbytes + vv.nbytes)
+        prefetched = self._prefetch.pop(layer, None)
+        if prefetched is None:  # the first step of a layer: read the shards now, in parallel
+            prefetched = [self._readers[i].submit(lambda i=i, d=view.disk_len: (d, *self._read(i, layer, 0, d)))
+                          for i, view in enumerate(views)]
+        histories = [self._history(i, layer, view, prefetched[i]) for i, view in enumerate(views)]
+        # the next layer's read starts once this layer's is in, so the two never share the link or the devices;
+        # it overlaps this layer's attention and everything up to the next layer's step
         self._start_prefetch((layer + 1) % self.n_layers)
         outs, lses = [], []
-        for i, ((p0, p1), view) in enumerate(zip(self.ranges, views)):
-            k, v = self._history(i, layer, view, prefetched[i])
+        for i, ((p0, p1), view, (k, v)) in enumerate(zip(self.ranges, views, histories)):
             self.traffic.at(layer, step, i).kv_read_bytes += k.nbytes + v.nbytes
             parts = [ops.decode_attention(q[p0:p1], k.unsqueeze(2), v.unsqueeze(2), scale=self.scale),
                      ops.decode_attention(q[p0:p1], view.k_buf.unsqueeze(2), view.v_buf.unsqueeze(2),
@@ -159,7 +172,9 @@ class HostKVAttention:
         self.traffic.clear()
 
     def close(self) -> None:
+        """Spills (recording the writes in `traffic`), then closes the shards; a failed spill raises first."""
         self._drop_prefetch()
+        self.flush()
         for reader in self._readers:
             reader.shutdown(wait=True)
         for shard in self.shards:

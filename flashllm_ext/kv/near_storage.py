@@ -160,7 +160,10 @@ class NearStorageAttention:
         self.traffic.clear()
 
     def close(self) -> None:
-        """Spills and stops every worker. Raises the first failure after stopping them all."""
+        """Spills (recording the writes in `traffic`) and stops every worker. A failed spill raises with every
+        worker still up (nothing lost); a failure to stop one is raised after stopping the others."""
+        if self.shards:
+            self.flush()
         error = None
         for shard in self.shards:
             try:
