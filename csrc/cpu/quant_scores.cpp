@@ -1,0 +1,157 @@
+// flashllm::quant_scores on the CPU: |act(x . gate + b) * (x . up + b)| (or |act(x . up + b)|) per neuron from
+// per-row low-bit codes, never dequantising a row. A code byte holds 8 / bits codes, so the dot product of a row with
+// one token is a sum over its bytes of a per-(byte position, byte value) partial dot product: those lookup tables
+// (256 entries per byte position, built once per call from x in ~256 adds each) turn d multiply-adds per row into
+// d * bits / 8 table reads. Up to 8 tokens share one pass over the codes (the tables hold the 8 tokens side by side),
+// so the codes, the bytes that matter, are read once per 8 tokens.
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <optional>
+#include <vector>
+
+#include "common/quant_scores_checks.h"
+#include "common/sparse_ffn_checks.h"
+
+namespace flashllm {
+namespace {
+
+constexpr int64_t kMaxTokens = 8;  // tokens per pass over the codes
+
+// table[(j * 256 + byte) * tb + t] = sum over the codes q_k of `byte` of (q_k - center) * x[t][j * per + k] (columns
+// past d count as zero: the padding codes of the last byte never contribute).
+void build_tables(const float* x, int64_t x_stride, int64_t tb, int64_t d, int64_t bits, float* table) {
+  const int64_t per = 8 / bits, levels = int64_t{1} << bits, width = (d * bits + 7) / 8;
+  const float center = static_cast<float>(levels - 1) / 2.f;
+  // Serial: the tables are ~300 adds per byte position and token, a few percent of the row pass.
+  for (int64_t j = 0; j < width; ++j) {
+    float* entry = table + j * 256 * tb;
+    for (int64_t t = 0; t < tb; ++t) entry[t] = 0.f;
+    // Extend the table of the first k codes (size entries) to k + 1 codes: entry[q * size + b] = entry[b] + (q - c) x.
+    // q = 0 last, as it overwrites the entries the others read.
+    int64_t size = 1;
+    for (int64_t k = 0; k < per; ++k, size *= levels) {
+      const int64_t col = j * per + k;
+      for (int64_t q = levels - 1; q >= 0; --q) {
+        for (int64_t b = 0; b < size; ++b) {
+          for (int64_t t = 0; t < tb; ++t) {
+            const float xv = col < d ? x[t * x_stride + col] : 0.f;
+            entry[(q * size + b) * tb + t] = entry[b * tb + t] + (static_cast<float>(q) - center) * xv;
+          }
+        }
+      }
+    }
+  }
+}
+
+// acc[t] = sum over the row's bytes of its table entries. Four partial sums per token break the add chain (T = 1).
+template <int TB>
+inline void row_dots(const uint8_t* codes, int64_t width, const float* table, float* acc) {
+  float part[4][TB] = {};
+  int64_t j = 0;
+  for (; j + 4 <= width; j += 4)
+    for (int u = 0; u < 4; ++u) {
+      const float* e = table + ((j + u) * 256 + codes[j + u]) * TB;
+      for (int t = 0; t < TB; ++t) part[u][t] += e[t];
+    }
+  for (; j < width; ++j) {
+    const float* e = table + (j * 256 + codes[j]) * TB;
+    for (int t = 0; t < TB; ++t) part[0][t] += e[t];
+  }
+  for (int t = 0; t < TB; ++t) acc[t] = (part[0][t] + part[1][t]) + (part[2][t] + part[3][t]);
+}
+
+inline float activate(float v, int act) {
+  switch (act) {
+    case kActRelu: return v > 0.f ? v : 0.f;
+    case kActSilu: return v / (1.f + std::exp(-v));
+    default: return 0.5f * v * (1.f + std::erf(v * 0.70710678118654752f));
+  }
+}
+
+struct Matrix {
+  const uint8_t* codes;
+  const c10::Half* scale;
+  const float* bias;  // nullptr for none
+  int64_t bits, width;
+};
+
+Matrix matrix_of(const at::Tensor& codes, const at::Tensor& scale, const std::optional<at::Tensor>& bias,
+                 int64_t bits, int64_t d) {
+  return {codes.data_ptr<uint8_t>(), scale.data_ptr<c10::Half>(), bias ? bias->data_ptr<float>() : nullptr, bits,
+          (d * bits + 7) / 8};
+}
+
+template <int TB>
+void score_rows(const Matrix& up, const float* up_table, const Matrix* gate, const float* gate_table, int act,
+                int64_t n, float* out, int64_t out_stride) {
+  // Threads only past ~1M table reads: below that (one decode token of a small model, ~0.7M) a fork/join costs more
+  // than it saves on a loaded machine.
+#pragma omp parallel for schedule(static) if (n * (up.width + (gate ? gate->width : 0)) * TB >= (1 << 20))
+  for (int64_t r = 0; r < n; ++r) {
+    float u[TB], g[TB];
+    row_dots<TB>(up.codes + r * up.width, up.width, up_table, u);
+    const float us = static_cast<float>(up.scale[r]), ub = up.bias ? up.bias[r] : 0.f;
+    if (gate) {
+      row_dots<TB>(gate->codes + r * gate->width, gate->width, gate_table, g);
+      const float gs = static_cast<float>(gate->scale[r]), gb = gate->bias ? gate->bias[r] : 0.f;
+      for (int t = 0; t < TB; ++t) out[t * out_stride + r] = std::abs(activate(g[t] * gs + gb, act) * (u[t] * us + ub));
+    } else {
+      for (int t = 0; t < TB; ++t) out[t * out_stride + r] = std::abs(activate(u[t] * us + ub, act));
+    }
+  }
+}
+
+at::Tensor quant_scores_cpu(const at::Tensor& x_in, const at::Tensor& up_codes_in, const at::Tensor& up_scale_in,
+                            const std::optional<at::Tensor>& up_bias_in, const std::optional<at::Tensor>& gate_codes_in,
+                            const std::optional<at::Tensor>& gate_scale_in,
+                            const std::optional<at::Tensor>& gate_bias_in, int64_t up_bits, int64_t gate_bits,
+                            c10::string_view activation) {
+  check_quant_scores_args(x_in, up_codes_in, up_scale_in, up_bias_in, gate_codes_in, gate_scale_in, gate_bias_in,
+                          up_bits, gate_bits, activation);
+  const int act = parse_ffn_activation(std::string(activation));
+  const at::Tensor x = x_in.to(at::kFloat).contiguous();  // converted to fp32 once
+  const int64_t T = x.size(0), d = x.size(1), n = up_scale_in.size(0);
+  at::Tensor out = at::empty({T, n}, x.options());
+  if (T == 0 || n == 0) return out;
+  const auto contiguous = [](const std::optional<at::Tensor>& t) -> std::optional<at::Tensor> {
+    return t ? std::optional<at::Tensor>(t->contiguous()) : std::nullopt;
+  };
+  const at::Tensor up_codes = up_codes_in.contiguous(), up_scale = up_scale_in.contiguous();
+  const std::optional<at::Tensor> up_bias = contiguous(up_bias_in), gate_codes = contiguous(gate_codes_in),
+                                  gate_scale = contiguous(gate_scale_in), gate_bias = contiguous(gate_bias_in);
+  const Matrix up = matrix_of(up_codes, up_scale, up_bias, up_bits, d);
+  std::optional<Matrix> gate;
+  if (gate_codes) gate = matrix_of(*gate_codes, *gate_scale, gate_bias, gate_bits, d);
+  thread_local std::vector<float> tables;
+  const int64_t up_size = up.width * 256 * kMaxTokens, gate_size = gate ? gate->width * 256 * kMaxTokens : 0;
+  tables.resize(up_size + gate_size);
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  for (int64_t t0 = 0; t0 < T; t0 += kMaxTokens) {
+    const int64_t tb = std::min(kMaxTokens, T - t0);
+    build_tables(xp + t0 * d, d, tb, d, up_bits, tables.data());
+    if (gate) build_tables(xp + t0 * d, d, tb, d, gate_bits, tables.data() + up_size);
+    const Matrix* g = gate ? &*gate : nullptr;
+    const float *ut = tables.data(), *gt = tables.data() + up_size;
+    float* o = op + t0 * n;
+    switch (tb) {
+      case 1: score_rows<1>(up, ut, g, gt, act, n, o, n); break;
+      case 2: score_rows<2>(up, ut, g, gt, act, n, o, n); break;
+      case 3: score_rows<3>(up, ut, g, gt, act, n, o, n); break;
+      case 4: score_rows<4>(up, ut, g, gt, act, n, o, n); break;
+      case 5: score_rows<5>(up, ut, g, gt, act, n, o, n); break;
+      case 6: score_rows<6>(up, ut, g, gt, act, n, o, n); break;
+      case 7: score_rows<7>(up, ut, g, gt, act, n, o, n); break;
+      default: score_rows<8>(up, ut, g, gt, act, n, o, n); break;
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(flashllm, CPU, m) { m.impl("quant_scores", &quant_scores_cpu); }
+
+}  // namespace flashllm
