@@ -1,5 +1,6 @@
 """flashllm::quant_scores (the quant predictor's scores from low-bit rows) on the CPU: native kernel against the
-pure-torch reference (dequantise, then matmul) to float32 rounding over shapes, bits, biases, gate and activations;
+pure-torch reference (dequantise, then matmul) to float32 rounding over shapes, bits, biases, gate and activations,
+on both CPU paths;
 opcheck and the fake kernel; bad inputs; the predictor calls it."""
 import itertools
 
@@ -9,8 +10,11 @@ import torch
 from flashllm_ext import ops
 from flashllm_ext._ops import ACTIVATIONS, dequantize_rows, quant_scores_reference
 from flashllm_ext.predictor.quant import pack_codes
+from conftest import cpu_isas, forced_isa_fixture
 
 OPS = torch.ops.flashllm
+# The table path (below AVX-512) and the in-register decode (AVX-512 and up).
+isa = forced_isa_fixture([i for i in cpu_isas() if i in ("avx2", "avx512")])
 
 
 def quant_matrix(n: int, d: int, bits: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,17 +59,17 @@ def assert_close_to_reference(args: tuple, activation: str) -> None:
 
 @pytest.mark.parametrize("T,d", [(1, 576), (1, 13), (2, 7), (3, 64), (5, 101), (8, 576), (9, 33), (17, 250)])
 @pytest.mark.parametrize("up_bits,gate_bits", [(2, 4), (1, 1), (4, 2), (2, None), (4, None), (1, None)])
-def test_matches_reference(T, d, up_bits, gate_bits):
+def test_matches_reference(isa, T, d, up_bits, gate_bits):
     for activation, biases in itertools.product(ACTIVATIONS, (False, True)):
         assert_close_to_reference(case(T, d, 37, up_bits, gate_bits, biases, seed=T * 1000 + d), activation)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_half_inputs_are_computed_in_float32(dtype):
+def test_half_inputs_are_computed_in_float32(isa, dtype):
     assert_close_to_reference(case(4, 96, 50, 2, 4, True, dtype=dtype), "silu")
 
 
-def test_empty_shapes():
+def test_empty_shapes(isa):
     assert OPS.quant_scores(*case(0, 16, 5, 2, 4, False), "silu").shape == (0, 5)
     assert OPS.quant_scores(*case(3, 16, 0, 2, 4, False), "silu").shape == (3, 0)
     assert OPS.quant_scores(*case(2, 0, 4, 2, 4, True), "relu").shape == (2, 4)

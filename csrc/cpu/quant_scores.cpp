@@ -3,14 +3,20 @@
 // one token is a sum over its bytes of a per-(byte position, byte value) partial dot product: those lookup tables
 // (256 entries per byte position, built once per call from x in ~256 adds each) turn d multiply-adds per row into
 // d * bits / 8 table reads. Up to 8 tokens share one pass over the codes (the tables hold the 8 tokens side by side),
-// so the codes, the bytes that matter, are read once per 8 tokens.
+// so the codes, the bytes that matter, are read once per 8 tokens. With AVX-512 (runtime dispatch, common/cpu_isa.h)
+// the codes are instead decoded 16 at a time in registers (shift, mask, convert) and multiplied into x: ~4x faster
+// than the table reads, which remain the path of CPUs without it.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <immintrin.h>
+
 #include <cmath>
+#include <cstring>
 #include <optional>
 #include <vector>
 
+#include "common/cpu_isa.h"
 #include "common/quant_scores_checks.h"
 #include "common/sparse_ffn_checks.h"
 
@@ -62,6 +68,34 @@ inline void row_dots(const uint8_t* codes, int64_t width, const float* table, fl
   for (int t = 0; t < TB; ++t) acc[t] = (part[0][t] + part[1][t]) + (part[2][t] + part[3][t]);
 }
 
+// AVX-512: 16 codes per step decoded in registers (per-lane shift and mask), centred, and multiplied into TB
+// token accumulators; xpad is x in fp32, [TB][dpad] with dpad a multiple of 16 and zeros past d (so the padding codes
+// of the last byte count for nothing). bits * 2 bytes hold 16 codes.
+template <int TB>
+__attribute__((target("avx512f"))) void row_dots_avx512(const uint8_t* codes, int64_t width, int64_t bits,
+                                                        const float* xpad, int64_t dpad, float* acc) {
+  const __m512i shifts = bits == 4 ? _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28)
+                                   : _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13,
+                                                                          14, 15), _mm512_set1_epi32(int(bits)));
+  const __m512i mask = _mm512_set1_epi32((1 << bits) - 1);
+  const __m512 center = _mm512_set1_ps(static_cast<float>((1 << bits) - 1) / 2.f);
+  const int64_t step = bits * 2;  // bytes per 16 codes
+  __m512 sum[TB];
+  for (int t = 0; t < TB; ++t) sum[t] = _mm512_setzero_ps();
+  for (int64_t off = 0, col = 0; off < width; off += step, col += 16) {
+    uint64_t raw = 0;
+    if (off + step <= width) std::memcpy(&raw, codes + off, step);
+    else std::memcpy(&raw, codes + off, width - off);
+    const __m512i lanes = bits == 4
+        ? _mm512_inserti64x4(_mm512_set1_epi32(static_cast<int>(raw)), _mm256_set1_epi32(static_cast<int>(raw >> 32)), 1)
+        : _mm512_set1_epi32(static_cast<int>(raw));
+    const __m512 w = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srlv_epi32(lanes, shifts), mask)),
+                                   center);
+    for (int t = 0; t < TB; ++t) sum[t] = _mm512_fmadd_ps(w, _mm512_loadu_ps(xpad + t * dpad + col), sum[t]);
+  }
+  for (int t = 0; t < TB; ++t) acc[t] = _mm512_reduce_add_ps(sum[t]);
+}
+
 inline float activate(float v, int act) {
   switch (act) {
     case kActRelu: return v > 0.f ? v : 0.f;
@@ -83,18 +117,23 @@ Matrix matrix_of(const at::Tensor& codes, const at::Tensor& scale, const std::op
           (d * bits + 7) / 8};
 }
 
+// One pass over the rows for TB tokens: AVX-512 decodes the codes against xpad (tables unused), otherwise the tables.
 template <int TB>
-void score_rows(const Matrix& up, const float* up_table, const Matrix* gate, const float* gate_table, int act,
-                int64_t n, float* out, int64_t out_stride) {
-  // Threads only past ~1M table reads: below that (one decode token of a small model, ~0.7M) a fork/join costs more
-  // than it saves on a loaded machine.
+void score_rows(const Matrix& up, const float* up_table, const Matrix* gate, const float* gate_table,
+                const float* xpad, int64_t dpad, bool avx512, int act, int64_t n, float* out, int64_t out_stride) {
+  const auto dots = [&](const Matrix& m, const float* table, int64_t r, float* acc) {
+    if (avx512) row_dots_avx512<TB>(m.codes + r * m.width, m.width, m.bits, xpad, dpad, acc);
+    else row_dots<TB>(m.codes + r * m.width, m.width, table, acc);
+  };
+  // Threads only past ~1M code bytes x tokens: below that (one decode token of a small model, ~0.7M) a fork/join
+  // costs more than it saves on a loaded machine.
 #pragma omp parallel for schedule(static) if (n * (up.width + (gate ? gate->width : 0)) * TB >= (1 << 20))
   for (int64_t r = 0; r < n; ++r) {
     float u[TB], g[TB];
-    row_dots<TB>(up.codes + r * up.width, up.width, up_table, u);
+    dots(up, up_table, r, u);
     const float us = static_cast<float>(up.scale[r]), ub = up.bias ? up.bias[r] : 0.f;
     if (gate) {
-      row_dots<TB>(gate->codes + r * gate->width, gate->width, gate_table, g);
+      dots(*gate, gate_table, r, g);
       const float gs = static_cast<float>(gate->scale[r]), gb = gate->bias ? gate->bias[r] : 0.f;
       for (int t = 0; t < TB; ++t) out[t * out_stride + r] = std::abs(activate(g[t] * gs + gb, act) * (u[t] * us + ub));
     } else {
@@ -124,27 +163,35 @@ at::Tensor quant_scores_cpu(const at::Tensor& x_in, const at::Tensor& up_codes_i
   const Matrix up = matrix_of(up_codes, up_scale, up_bias, up_bits, d);
   std::optional<Matrix> gate;
   if (gate_codes) gate = matrix_of(*gate_codes, *gate_scale, gate_bias, gate_bits, d);
-  thread_local std::vector<float> tables;
-  const int64_t up_size = up.width * 256 * kMaxTokens, gate_size = gate ? gate->width * 256 * kMaxTokens : 0;
+  const bool avx512 = active_cpu_isa() >= CpuIsa::kAvx512;
+  const int64_t dpad = (d + 15) / 16 * 16;
+  thread_local std::vector<float> tables, xpad;  // tables without AVX-512, xpad with it
+  const int64_t up_size = avx512 ? 0 : up.width * 256 * kMaxTokens;
+  const int64_t gate_size = avx512 || !gate ? 0 : gate->width * 256 * kMaxTokens;
   tables.resize(up_size + gate_size);
+  xpad.assign(avx512 ? kMaxTokens * dpad : 0, 0.f);
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
   for (int64_t t0 = 0; t0 < T; t0 += kMaxTokens) {
     const int64_t tb = std::min(kMaxTokens, T - t0);
-    build_tables(xp + t0 * d, d, tb, d, up_bits, tables.data());
-    if (gate) build_tables(xp + t0 * d, d, tb, d, gate_bits, tables.data() + up_size);
+    if (avx512) {
+      for (int64_t t = 0; t < tb; ++t) std::memcpy(xpad.data() + t * dpad, xp + (t0 + t) * d, d * sizeof(float));
+    } else {
+      build_tables(xp + t0 * d, d, tb, d, up_bits, tables.data());
+      if (gate) build_tables(xp + t0 * d, d, tb, d, gate_bits, tables.data() + up_size);
+    }
     const Matrix* g = gate ? &*gate : nullptr;
-    const float *ut = tables.data(), *gt = tables.data() + up_size;
+    const float *ut = tables.data(), *gt = tables.data() + up_size, *xq = xpad.data();
     float* o = op + t0 * n;
     switch (tb) {
-      case 1: score_rows<1>(up, ut, g, gt, act, n, o, n); break;
-      case 2: score_rows<2>(up, ut, g, gt, act, n, o, n); break;
-      case 3: score_rows<3>(up, ut, g, gt, act, n, o, n); break;
-      case 4: score_rows<4>(up, ut, g, gt, act, n, o, n); break;
-      case 5: score_rows<5>(up, ut, g, gt, act, n, o, n); break;
-      case 6: score_rows<6>(up, ut, g, gt, act, n, o, n); break;
-      case 7: score_rows<7>(up, ut, g, gt, act, n, o, n); break;
-      default: score_rows<8>(up, ut, g, gt, act, n, o, n); break;
+      case 1: score_rows<1>(up, ut, g, gt, xq, dpad, avx512, act, n, o, n); break;
+      case 2: score_rows<2>(up, ut, g, gt, xq, dpad, avx512, act, n, o, n); break;
+      case 3: score_rows<3>(up, ut, g, gt, xq, dpad, avx512, act, n, o, n); break;
+      case 4: score_rows<4>(up, ut, g, gt, xq, dpad, avx512, act, n, o, n); break;
+      case 5: score_rows<5>(up, ut, g, gt, xq, dpad, avx512, act, n, o, n); break;
+      case 6: score_rows<6>(up, ut, g, gt, xq, dpad, avx512, act, n, o, n); break;
+      case 7: score_rows<7>(up, ut, g, gt, xq, dpad, avx512, act, n, o, n); break;
+      default: score_rows<8>(up, ut, g, gt, xq, dpad, avx512, act, n, o, n); break;
     }
   }
   return out;
