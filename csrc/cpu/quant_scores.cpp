@@ -71,27 +71,35 @@ inline void row_dots(const uint8_t* codes, int64_t width, const float* table, fl
 // AVX-512: 16 codes per step decoded in registers (per-lane shift and mask), centred, and multiplied into TB
 // token accumulators; xpad is x in fp32, [TB][dpad] with dpad a multiple of 16 and zeros past d (so the padding codes
 // of the last byte count for nothing). bits * 2 bytes hold 16 codes.
-template <int TB>
-__attribute__((target("avx512f"))) void row_dots_avx512(const uint8_t* codes, int64_t width, int64_t bits,
-                                                        const float* xpad, int64_t dpad, float* acc) {
-  const __m512i shifts = bits == 4 ? _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28)
+template <int TB, int BITS>
+__attribute__((target("avx512f"))) void row_dots_avx512(const uint8_t* codes, int64_t width, const float* xpad,
+                                                        int64_t dpad, float* acc) {
+  const __m512i shifts = BITS == 4 ? _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28)
                                    : _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13,
-                                                                          14, 15), _mm512_set1_epi32(int(bits)));
-  const __m512i mask = _mm512_set1_epi32((1 << bits) - 1);
-  const __m512 center = _mm512_set1_ps(static_cast<float>((1 << bits) - 1) / 2.f);
-  const int64_t step = bits * 2;  // bytes per 16 codes
+                                                                          14, 15), _mm512_set1_epi32(BITS));
+  const __m512i mask = _mm512_set1_epi32((1 << BITS) - 1);
+  const __m512 center = _mm512_set1_ps(static_cast<float>((1 << BITS) - 1) / 2.f);
+  constexpr int64_t kStep = BITS * 2;  // bytes per 16 codes
   __m512 sum[TB];
   for (int t = 0; t < TB; ++t) sum[t] = _mm512_setzero_ps();
-  for (int64_t off = 0, col = 0; off < width; off += step, col += 16) {
-    uint64_t raw = 0;
-    if (off + step <= width) std::memcpy(&raw, codes + off, step);
-    else std::memcpy(&raw, codes + off, width - off);
-    const __m512i lanes = bits == 4
-        ? _mm512_inserti64x4(_mm512_set1_epi32(static_cast<int>(raw)), _mm256_set1_epi32(static_cast<int>(raw >> 32)), 1)
-        : _mm512_set1_epi32(static_cast<int>(raw));
+  const auto accumulate = [&](uint64_t raw, int64_t col) __attribute__((target("avx512f"))) {
+    const __m512i lanes = BITS == 4 ? _mm512_inserti64x4(_mm512_set1_epi32(static_cast<int>(raw)),
+                                                         _mm256_set1_epi32(static_cast<int>(raw >> 32)), 1)
+                                    : _mm512_set1_epi32(static_cast<int>(raw));
     const __m512 w = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srlv_epi32(lanes, shifts), mask)),
                                    center);
     for (int t = 0; t < TB; ++t) sum[t] = _mm512_fmadd_ps(w, _mm512_loadu_ps(xpad + t * dpad + col), sum[t]);
+  };
+  int64_t off = 0, col = 0;
+  for (; off + kStep <= width; off += kStep, col += 16) {
+    uint64_t raw = 0;
+    std::memcpy(&raw, codes + off, kStep);  // a constant size: one load
+    accumulate(raw, col);
+  }
+  if (off < width) {  // the row's last, partial group (never read past the row)
+    uint64_t raw = 0;
+    std::memcpy(&raw, codes + off, width - off);
+    accumulate(raw, col);
   }
   for (int t = 0; t < TB; ++t) acc[t] = _mm512_reduce_add_ps(sum[t]);
 }
@@ -122,8 +130,11 @@ template <int TB>
 void score_rows(const Matrix& up, const float* up_table, const Matrix* gate, const float* gate_table,
                 const float* xpad, int64_t dpad, bool avx512, int act, int64_t n, float* out, int64_t out_stride) {
   const auto dots = [&](const Matrix& m, const float* table, int64_t r, float* acc) {
-    if (avx512) row_dots_avx512<TB>(m.codes + r * m.width, m.width, m.bits, xpad, dpad, acc);
-    else row_dots<TB>(m.codes + r * m.width, m.width, table, acc);
+    const uint8_t* row = m.codes + r * m.width;
+    if (!avx512) row_dots<TB>(row, m.width, table, acc);
+    else if (m.bits == 4) row_dots_avx512<TB, 4>(row, m.width, xpad, dpad, acc);
+    else if (m.bits == 2) row_dots_avx512<TB, 2>(row, m.width, xpad, dpad, acc);
+    else row_dots_avx512<TB, 1>(row, m.width, xpad, dpad, acc);
   };
   // Threads only past ~1M code bytes x tokens: below that (one decode token of a small model, ~0.7M) a fork/join
   // costs more than it saves on a loaded machine.
