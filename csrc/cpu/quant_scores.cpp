@@ -4,8 +4,8 @@
 // (256 entries per byte position, built once per call from x in ~256 adds each) turn d multiply-adds per row into
 // d * bits / 8 table reads. Up to 8 tokens share one pass over the codes (the tables hold the 8 tokens side by side),
 // so the codes, the bytes that matter, are read once per 8 tokens. With AVX-512 (runtime dispatch, common/cpu_isa.h)
-// the codes are instead decoded 16 at a time in registers (shift, mask, convert) and multiplied into x: ~4x faster
-// than the table reads, which remain the path of CPUs without it.
+// the codes are instead decoded 16 at a time in registers (shift, mask, convert) and multiplied into x: ~5x faster
+// than the table reads at T=1 on one thread (1.1 vs 0.2 ms, default model shapes), which remain the path below it.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
