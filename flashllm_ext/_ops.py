@@ -506,6 +506,98 @@ def _cache_plan_fake(active_ids, last_active, slot_of, pointer, num_used, step, 
     return [ctx.new_dynamic_size() for _ in range(3)]
 
 
+# ------------------------------------------------------------------------------------------------ quant_scores
+# The quant predictor's scores (flashllm_ext/predictor/quant.py): |act(x . gate + gate_bias) * (x . up + up_bias)|
+# per neuron, or |act(x . up + up_bias)| without a gate, from rows stored as `bits`-bit codes q (8 / bits per byte,
+# the first in the low bits) and a float16 scale s per row: w = (q - (2^bits - 1) / 2) * s. CPU only (the low-bit
+# copies are the predictor's DRAM-resident state).
+LIB.define(
+    "quant_scores(Tensor x, Tensor up_codes, Tensor up_scale, Tensor? up_bias, Tensor? gate_codes, "
+    "Tensor? gate_scale, Tensor? gate_bias, int up_bits, int gate_bits, str activation) -> Tensor"
+)
+QUANT_BITS = (1, 2, 4)
+
+
+def _check_quant_matrix(name: str, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, bits: int,
+                        d: int, n: int, device: torch.device) -> None:
+    """One matrix's checks of csrc/common/quant_scores_checks.h."""
+    torch._check(bits in QUANT_BITS, lambda: f"quant_scores: {name}_bits must be 1, 2 or 4, got {bits}")
+    width = -(-d * bits // 8)
+    torch._check(codes.dtype == torch.uint8 and codes.dim() == 2 and tuple(codes.shape) == (n, width),
+                 lambda: f"quant_scores: {name}_codes must be uint8 of shape [n={n}, ceil(d={d} * {bits} / 8)="
+                         f"{width}], got {codes.dtype} of shape {tuple(codes.shape)}")
+    torch._check(scale.dtype == torch.float16 and scale.dim() == 1 and scale.shape[0] == n,
+                 lambda: f"quant_scores: {name}_scale must be float16 of shape [n={n}], got {scale.dtype} of shape "
+                         f"{tuple(scale.shape)}")
+    torch._check(bias is None or (bias.dtype == torch.float32 and bias.dim() == 1 and bias.shape[0] == n),
+                 lambda: f"quant_scores: {name}_bias must be float32 of shape [n={n}], got {bias.dtype} of shape "
+                         f"{tuple(bias.shape)}")
+    for t in (codes, scale, bias):
+        torch._check(t is None or t.device == device,
+                     lambda: f"quant_scores: {name} tensors are on {t.device} but x is on {device}")
+
+
+def _check_quant_scores_metadata(x: torch.Tensor, up_codes: torch.Tensor, up_scale: torch.Tensor,
+                                 up_bias: torch.Tensor | None, gate_codes: torch.Tensor | None,
+                                 gate_scale: torch.Tensor | None, gate_bias: torch.Tensor | None, up_bits: int,
+                                 gate_bits: int, activation: str) -> None:
+    """The checks of csrc/common/quant_scores_checks.h."""
+    torch._check(x.dtype in FFN_DTYPES and x.dim() == 2,
+                 lambda: f"quant_scores: x must be a 2-D float32/float16/bfloat16 tensor [T, d], got {x.dtype} "
+                         f"of shape {tuple(x.shape)}")
+    torch._check(up_scale.dim() == 1,
+                 lambda: f"quant_scores: up_scale must be float16 of shape [n], got shape {tuple(up_scale.shape)}")
+    d, n = x.shape[1], up_scale.shape[0]
+    _check_quant_matrix("up", up_codes, up_scale, up_bias, up_bits, d, n, x.device)
+    torch._check((gate_codes is None) == (gate_scale is None),
+                 lambda: "quant_scores: gate_codes and gate_scale come together (both for a GLU, neither otherwise)")
+    torch._check(gate_codes is not None or gate_bias is None, lambda: "quant_scores: gate_bias needs gate_codes")
+    if gate_codes is not None:
+        _check_quant_matrix("gate", gate_codes, gate_scale, gate_bias, gate_bits, d, n, x.device)
+    torch._check(activation in ACTIVATIONS,
+                 lambda: f"quant_scores: activation must be one of {tuple(ACTIVATIONS)}, got {activation!r}")
+
+
+def unpack_codes(packed: torch.Tensor, bits: int, d: int) -> torch.Tensor:
+    """uint8 [n, d]: the codes in packed uint8 [n, ceil(d * bits / 8)] (8 / bits per byte, the first in the low bits)."""
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8)
+    return ((packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).view(packed.shape[0], -1)[:, :d]
+
+
+def dequantize_rows(codes: torch.Tensor, scale: torch.Tensor, bits: int, d: int) -> torch.Tensor:
+    """float32 [n, d]: the rows that codes uint8 [n, ceil(d * bits / 8)] and scale float16 [n] stand for."""
+    return (unpack_codes(codes, bits, d).float() - ((1 << bits) - 1) / 2) * scale.float().unsqueeze(1)
+
+
+def quant_scores_reference(x: torch.Tensor, up_codes: torch.Tensor, up_scale: torch.Tensor,
+                           up_bias: torch.Tensor | None, gate_codes: torch.Tensor | None,
+                           gate_scale: torch.Tensor | None, gate_bias: torch.Tensor | None, up_bits: int,
+                           gate_bits: int, activation: str) -> torch.Tensor:
+    """Pure-torch quant_scores: dequantise every row, then two float32 matmuls. x [T, d] -> float32 [T, n]."""
+    _check_quant_scores_metadata(x, up_codes, up_scale, up_bias, gate_codes, gate_scale, gate_bias, up_bits,
+                                 gate_bits, activation)
+    d, xf, act = x.shape[1], x.float(), ACTIVATIONS[activation].fn
+    up = F.linear(xf, dequantize_rows(up_codes, up_scale, up_bits, d), up_bias)
+    if gate_codes is None:
+        return act(up).abs()
+    return (act(F.linear(xf, dequantize_rows(gate_codes, gate_scale, gate_bits, d), gate_bias)) * up).abs()
+
+
+@torch.library.impl(LIB, "quant_scores", "CompositeExplicitAutograd")
+def _quant_scores_default(x, up_codes, up_scale, up_bias, gate_codes, gate_scale, gate_bias, up_bits, gate_bits,
+                          activation):
+    return quant_scores_reference(x, up_codes, up_scale, up_bias, gate_codes, gate_scale, gate_bias, up_bits,
+                                  gate_bits, activation)
+
+
+@torch.library.register_fake("flashllm::quant_scores")
+def _quant_scores_fake(x, up_codes, up_scale, up_bias, gate_codes, gate_scale, gate_bias, up_bits, gate_bits,
+                       activation):
+    _check_quant_scores_metadata(x, up_codes, up_scale, up_bias, gate_codes, gate_scale, gate_bias, up_bits,
+                                 gate_bits, activation)
+    return x.new_empty((x.shape[0], up_scale.shape[0]), dtype=torch.float32)
+
+
 # ------------------------------------------------------------------------------------------------ decode_attention
 # One decode step of attention for a block of sequences: each sequence has one new query token and S keys/values
 # in the token-major layout of INF²'s on-disk KV blocks, k and v [S, B, Hkv, D] ([token][batch x head][head_dim]).

@@ -12,7 +12,7 @@ import torch
 from . import _ops  # noqa: F401  (registers the schemas, fake and reference kernels)
 
 __all__ = ["cache_compact", "cache_plan", "decode_attention", "endor_decompress", "endor_linear",
-           "merge_attention_states", "sparse_ffn"]
+           "merge_attention_states", "quant_scores", "sparse_ffn"]
 
 
 def endor_decompress(values: torch.Tensor, bitmap: torch.Tensor, row_offsets: torch.Tensor, *, n_cols: int,
@@ -61,6 +61,26 @@ def sparse_ffn(x: torch.Tensor, matrix: torch.Tensor, *, num_used: int, activati
     Returns y: [T, d] of x.dtype, sum over the rows of h * down (h = act(...), times x.up with GLU).
     """
     return torch.ops.flashllm.sparse_ffn.default(x, matrix, num_used, bias, activation, glu, index, threshold)
+
+
+def quant_scores(x: torch.Tensor, up_codes: torch.Tensor, up_scale: torch.Tensor, *, up_bits: int,
+                 up_bias: torch.Tensor | None = None, gate_codes: torch.Tensor | None = None,
+                 gate_scale: torch.Tensor | None = None, gate_bits: int = 4, gate_bias: torch.Tensor | None = None,
+                 activation: str = "silu") -> torch.Tensor:
+    """|act(x . gate + gate_bias) * (x . up + up_bias)| per neuron (|act(x . up + up_bias)| without a gate) from
+    per-row low-bit codes (the quant predictor's scores, flashllm_ext/predictor/quant.py); CPU only.
+
+    x: [T, d] float32 | float16 | bfloat16 (computed in float32); T = 1..8 share one pass over the codes
+    up_codes: uint8 [N, ceil(d * up_bits / 8)], 8 / up_bits codes q per byte, the first in the low bits
+    up_scale: float16 [N]; a row is (q - (2^up_bits - 1) / 2) * scale
+    up_bits, gate_bits: 1 | 2 | 4
+    up_bias, gate_bias: float32 [N]; None for none
+    gate_codes: uint8 [N, ceil(d * gate_bits / 8)] and gate_scale: float16 [N] for a GLU; None for none
+    activation: "relu" | "silu" | "gelu" (flashllm_ext._ops.ACTIVATIONS)
+    Returns float32 [T, N].
+    """
+    return torch.ops.flashllm.quant_scores.default(x, up_codes, up_scale, up_bias, gate_codes, gate_scale, gate_bias,
+                                                   up_bits, gate_bits, activation)
 
 
 def cache_compact(matrix: torch.Tensor, pointer: torch.Tensor, rows: torch.Tensor, *, num_used: int,

@@ -11,12 +11,13 @@ from transformers import LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalL
 
 import flashllm_ext
 from flashllm_ext import FormatError
+from flashllm_ext._ops import unpack_codes
 from flashllm_ext.convert import convert, synthesize
 from flashllm_ext.models import perplexity
 from flashllm_ext.predictor import (DEFAULT_DENSITY, PREDICTOR_METHODS, OraclePredictor, QuantPredictor, activation_score,
                                     build_predictors, calibrate_thresholds, ffn_hooks, load_predictors,
                                     operating_point, quantize_rows, save_predictors, save_predictors_to_store)
-from flashllm_ext.predictor.quant import pack_codes, unpack_codes
+from flashllm_ext.predictor.quant import pack_codes
 
 METHODS = ["lowrank", "lowrank-reg", "quant", "oracle", "context"]
 

@@ -4,14 +4,15 @@ in form and approximately in value.
 
 A row w [d] is stored as codes q in [0, 2^b) packed little-end first into bytes and one float16 scale s:
 w ~ (q - (2^b - 1) / 2) * s, s chosen per row to minimise the squared error (a grid over fractions of max|w|).
-Scoring dequantises the codes of the layer on every call (pure torch: no low-bit GEMV kernel yet)."""
+Scoring is the op quant_scores (flashllm_ext/ops.py): a CPU kernel reading each code once, never dequantising."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from .. import ops
 from .base import NeuronPredictor
-from .rule import FFNWeights, ffn_weights
+from .rule import ffn_weights
 
 BITS = (1, 2, 4)
 
@@ -45,12 +46,6 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     padded[:, :d] = codes
     shifts = torch.arange(0, 8, bits, dtype=torch.uint8)
     return (padded.view(n, -1, per) << shifts).sum(-1, dtype=torch.uint8)
-
-
-def unpack_codes(packed: torch.Tensor, bits: int, d: int) -> torch.Tensor:
-    """uint8 [n, d]: the codes `pack_codes` packed."""
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8)
-    return ((packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).view(packed.shape[0], -1)[:, :d]
 
 
 class _QuantLayer(nn.Module):
@@ -102,16 +97,12 @@ class QuantPredictor(NeuronPredictor):
                     getattr(layer, name).copy_(getattr(w, name))
         return out.eval()
 
-    def _dequantize(self, codes: torch.Tensor, scale: torch.Tensor, bits: int, d: int) -> torch.Tensor:
-        center = ((1 << bits) - 1) / 2
-        return (unpack_codes(codes, bits, d).float() - center) * scale.float().unsqueeze(1)
-
     @torch.no_grad()
     def scores(self, layer: int, x: torch.Tensor) -> torch.Tensor:
-        q, d = self.layers[layer], self.hidden_size
-        gate = None if q.gate_codes is None else self._dequantize(q.gate_codes, q.gate_scale, self.gate_bits, d)
-        up = self._dequantize(q.up_codes, q.up_scale, self.up_bits, d)
-        return FFNWeights(gate, q.gate_bias, up, q.up_bias).h(x, self.activation).abs()
+        q = self.layers[layer]
+        return ops.quant_scores(x, q.up_codes, q.up_scale, up_bits=self.up_bits, up_bias=q.up_bias,
+                                gate_codes=q.gate_codes, gate_scale=q.gate_scale, gate_bits=self.gate_bits,
+                                gate_bias=q.gate_bias, activation=self.activation)
 
     def config(self) -> dict:
         return {**super().config(), "activation": self.activation, "glu": self.glu, "gate_bits": self.gate_bits,

@@ -1,0 +1,145 @@
+"""flashllm::quant_scores (the quant predictor's scores from low-bit rows) on the CPU: native kernel against the
+pure-torch reference (dequantise, then matmul) to float32 rounding over shapes, bits, biases, gate and activations,
+on both CPU paths;
+opcheck and the fake kernel; bad inputs; the predictor calls it."""
+import itertools
+
+import pytest
+import torch
+
+from flashllm_ext import ops
+from flashllm_ext._ops import ACTIVATIONS, dequantize_rows, quant_scores_reference
+from flashllm_ext.predictor.quant import pack_codes
+from conftest import cpu_isas, forced_isa_fixture
+
+OPS = torch.ops.flashllm
+# The table path (below AVX-512) and the in-register decode (AVX-512 and up).
+isa = forced_isa_fixture([i for i in cpu_isas() if i in ("avx2", "avx512")])
+
+
+def quant_matrix(n: int, d: int, bits: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    codes = torch.randint(0, 1 << bits, (n, d), dtype=torch.uint8, generator=g)
+    packed = pack_codes(codes, bits) if n else torch.zeros(0, -(-d * bits // 8), dtype=torch.uint8)
+    if d % (8 // bits):  # garbage in the padding codes of the last byte must not count
+        used = (1 << (d % (8 // bits) * bits)) - 1  # the bits of the last byte's real codes
+        packed[:, -1] |= torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g) & (255 - used)
+    return packed, (torch.rand(n, generator=g) * 0.1 + 0.01).half()
+
+
+def case(T: int, d: int, n: int, up_bits: int, gate_bits: int | None, biases: bool, seed: int = 0,
+         dtype: torch.dtype = torch.float32) -> tuple:
+    """Positional args of the op: x, up_codes, up_scale, up_bias, gate_codes, gate_scale, gate_bias, bits..."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, d, generator=g).to(dtype)
+    up_codes, up_scale = quant_matrix(n, d, up_bits, g)
+    up_bias = torch.randn(n, generator=g) if biases else None
+    gate_codes = gate_scale = gate_bias = None
+    if gate_bits is not None:
+        gate_codes, gate_scale = quant_matrix(n, d, gate_bits, g)
+        gate_bias = torch.randn(n, generator=g) if biases else None
+    return (x, up_codes, up_scale, up_bias, gate_codes, gate_scale, gate_bias, up_bits, gate_bits or 4)
+
+
+def assert_close_to_reference(args: tuple, activation: str) -> None:
+    got = OPS.quant_scores(*args, activation)
+    want = quant_scores_reference(*args, activation)
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    # float32 rounding of a length-d dot product: relative to the sum of |terms| (the magnitude it rounds at)
+    x, up_codes, up_scale, up_bias, gate_codes, gate_scale, gate_bias, up_bits, gate_bits = args
+    d = x.shape[1]
+    mag_up = x.float().abs() @ dequantize_rows(up_codes, up_scale, up_bits, d).abs().t()
+    tol = 1.2 * (mag_up * 1e-5 + 1e-6)  # |act'| <= 1.2 for every activation
+    if gate_codes is not None:
+        mag_gate = x.float().abs() @ dequantize_rows(gate_codes, gate_scale, gate_bits, d).abs().t()
+        up = (x.float() @ dequantize_rows(up_codes, up_scale, up_bits, d).t()).abs() + mag_up * 1e-5
+        tol = (mag_gate * 1e-5 + 1e-6) * 1.2 * (up + (up_bias.abs() if up_bias is not None else 0)) + \
+            (mag_gate + (gate_bias.abs() if gate_bias is not None else 0)) * 1.2 * tol
+    assert bool(((got - want).abs() <= tol).all()), float(((got - want).abs() - tol).max())
+
+
+@pytest.mark.parametrize("T,d", [(1, 576), (1, 13), (2, 7), (3, 64), (5, 101), (8, 576), (9, 33), (17, 250)])
+@pytest.mark.parametrize("up_bits,gate_bits", [(2, 4), (1, 1), (4, 2), (2, None), (4, None), (1, None)])
+def test_matches_reference(isa, T, d, up_bits, gate_bits):
+    for activation, biases in itertools.product(ACTIVATIONS, (False, True)):
+        assert_close_to_reference(case(T, d, 37, up_bits, gate_bits, biases, seed=T * 1000 + d), activation)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_inputs_are_computed_in_float32(isa, dtype):
+    assert_close_to_reference(case(4, 96, 50, 2, 4, True, dtype=dtype), "silu")
+
+
+def test_empty_shapes(isa):
+    assert OPS.quant_scores(*case(0, 16, 5, 2, 4, False), "silu").shape == (0, 5)
+    assert OPS.quant_scores(*case(3, 16, 0, 2, 4, False), "silu").shape == (3, 0)
+    assert OPS.quant_scores(*case(2, 0, 4, 2, 4, True), "relu").shape == (2, 4)
+
+
+def test_wrapper_passes_arguments_by_name():
+    x, uc, us, ub, gc, gs, gb, up_bits, gate_bits = args = case(2, 40, 9, 2, 4, True)
+    got = ops.quant_scores(x, uc, us, up_bits=up_bits, up_bias=ub, gate_codes=gc, gate_scale=gs,
+                           gate_bits=gate_bits, gate_bias=gb, activation="gelu")
+    torch.testing.assert_close(got, quant_scores_reference(*args, "gelu"), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("gate_bits", [4, None])
+def test_opcheck(gate_bits):
+    torch.library.opcheck(OPS.quant_scores.default, case(3, 21, 11, 2, gate_bits, True) + ("silu",))
+
+
+def test_fake_kernel_gives_shapes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        args = tuple(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in case(6, 30, 17, 2, 4, True))
+        out = OPS.quant_scores(*args, "silu")
+    assert out.shape == (6, 17) and out.dtype == torch.float32
+
+
+def _replace(args: tuple, **changes) -> tuple:
+    names = ("x", "up_codes", "up_scale", "up_bias", "gate_codes", "gate_scale", "gate_bias", "up_bits", "gate_bits")
+    return tuple(changes.get(name, a) for name, a in zip(names, args))
+
+
+@pytest.mark.parametrize("changes,message", [
+    ({"up_bits": 3}, "up_bits must be 1, 2 or 4"),
+    ({"gate_bits": 8}, "gate_bits must be 1, 2 or 4"),
+    ({"x": torch.zeros(2, 30, dtype=torch.int32)}, "x must be a 2-D float32/float16/bfloat16"),
+    ({"x": torch.zeros(30)}, "x must be a 2-D"),
+    ({"x": torch.zeros(2, 33)}, r"up_codes must be uint8 of shape \[n=17, ceil\(d=33 \* 2 / 8\)=9\]"),
+    ({"up_codes": torch.zeros(17, 8, dtype=torch.int8)}, "up_codes must be uint8"),
+    ({"up_scale": torch.zeros(17)}, "up_scale must be float16"),
+    ({"up_scale": torch.zeros(17, 1, dtype=torch.float16)}, "up_scale must be float16 of shape"),
+    ({"up_bias": torch.zeros(16)}, r"up_bias must be float32 of shape \[n=17\]"),
+    ({"gate_bias": torch.zeros(17, dtype=torch.float16)}, "gate_bias must be float32"),
+    ({"gate_codes": torch.zeros(17, 14, dtype=torch.uint8)}, "gate_codes must be uint8 of shape"),
+    ({"gate_scale": None}, "gate_codes and gate_scale come together"),
+    ({"gate_codes": None, "gate_scale": None}, "gate_bias needs gate_codes"),
+])
+def test_bad_inputs_are_refused(changes, message):
+    args = _replace(case(2, 30, 17, 2, 4, True), **changes)
+    for fn in (OPS.quant_scores, quant_scores_reference):
+        with pytest.raises(RuntimeError, match=message):
+            fn(*args, "silu")
+
+
+def test_bad_activation_is_refused():
+    for fn in (OPS.quant_scores, quant_scores_reference):
+        with pytest.raises(RuntimeError, match="quant_scores: activation must be one of"):
+            fn(*case(2, 30, 17, 2, 4, True), "tanh")
+
+
+def test_predictor_scores_through_the_op():
+    from flashllm_ext.predictor.quant import QuantPredictor
+
+    p = QuantPredictor(2, 24, 10, "silu", True, gate_bits=4, up_bits=2, gate_bias=True, up_bias=True)
+    g = torch.Generator().manual_seed(3)
+    for layer in p.layers:
+        for buf in layer.buffers():
+            buf.copy_(torch.randint(0, 256, buf.shape, generator=g) if buf.dtype == torch.uint8
+                      else torch.rand(buf.shape, generator=g) * 0.1)
+    x = torch.randn(3, 24, generator=g)
+    q = p.layers[1]
+    want = quant_scores_reference(x, q.up_codes, q.up_scale, q.up_bias, q.gate_codes, q.gate_scale, q.gate_bias,
+                                  2, 4, "silu")
+    torch.testing.assert_close(p.scores(1, x), want, rtol=1e-5, atol=1e-6)
