@@ -40,7 +40,7 @@ from common import arg_parser, device_name, emit, run_limited_child
 
 from flashllm_ext.errors import FormatError
 from flashllm_ext.paths import resolve_cache_dir
-from flashllm_ext.predictor import DEFAULT_DENSITY, DEFAULT_METHOD, NeuronPredictor
+from flashllm_ext.predictor import NeuronPredictor
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -254,13 +254,11 @@ def trained_predictors(cache: Path, target_sparsity: float) -> Path:
 def hf_checkpoint(cache: Path, wanda_sparsity: float | None = None) -> Path:
     """The default model as a Hugging Face fp16 safetensors directory (accelerate's input), saved once; with
     wanda_sparsity, its FFN weights Wanda-pruned first (flashllm_ext.demo.wanda_prune_ffn, 512 calibration tokens)."""
-    from flashllm_ext.models import load_hf_model
+    from flashllm_ext.models import load_hf_model, save_hf_checkpoint
 
     pruned = "" if wanda_sparsity is None else f"-wanda{round(wanda_sparsity * 100)}"
     path = cache / f"smollm2-135m-hf-fp16{pruned}"
     if not (path / "config.json").is_file():
-        from transformers import AutoModelForCausalLM
-
         gguf_model, tokenizer = load_hf_model()
         if wanda_sparsity is not None:
             from flashllm_ext.demo import wanda_prune_ffn
@@ -268,13 +266,7 @@ def hf_checkpoint(cache: Path, wanda_sparsity: float | None = None) -> Path:
 
             calibration = corpus_token_ids(tokenizer, "calibration", 512)
             replace_weights(gguf_model, wanda_prune_ffn(gguf_model, calibration, wanda_sparsity))
-        # transformers refuses to serialise a model loaded from GGUF: copy its weights into a plain one.
-        config = gguf_model.config
-        config.__dict__.pop("quantization_config", None)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float16)
-        model.load_state_dict(gguf_model.state_dict())
-        model.save_pretrained(path)
-        tokenizer.save_pretrained(path)
+        save_hf_checkpoint(gguf_model, tokenizer, path)
     return path
 
 

@@ -110,23 +110,15 @@ def run_child(config: dict) -> dict:
 def pruned_default(cache: Path, sparsity: float = 0.5, calibration_tokens: int = 512) -> Path:
     """The default model with every decoder Linear Wanda-pruned (fp16) as a Hugging Face directory (accelerate's
     input and the stores' source), written once."""
-    from transformers import AutoModelForCausalLM
-
     from flashllm_ext.demo import decoder_linear_names, wanda_prune
-    from flashllm_ext.models import corpus_token_ids, load_hf_model, replace_weights
+    from flashllm_ext.models import corpus_token_ids, load_hf_model, replace_weights, save_hf_checkpoint
 
     path = cache / f"smollm2-135m-wanda{round(sparsity * 100)}-hf"
     if not (path / "config.json").is_file():
         model, tokenizer = load_hf_model()
         ids = corpus_token_ids(tokenizer, "calibration", calibration_tokens)
         replace_weights(model, wanda_prune(model, ids, decoder_linear_names(model), sparsity, torch.float16))
-        # transformers refuses to serialise a model loaded from GGUF: copy its weights into a plain one.
-        config = model.config
-        config.__dict__.pop("quantization_config", None)
-        plain = AutoModelForCausalLM.from_config(config, dtype=torch.float16)
-        plain.load_state_dict(model.state_dict())
-        plain.save_pretrained(path)
-        tokenizer.save_pretrained(path)
+        save_hf_checkpoint(model, tokenizer, path)
     return path
 
 

@@ -19,13 +19,14 @@ import torch
 
 from .. import ops
 from .attention import DEFAULT_BLOCK_BYTES
+from .backend import AttentionBackend
 from .files import IOCounters
 from .link import Link
 from .store import KVShard, KVView, split_pairs
 from .traffic import FLUSH, PREFILL, TrafficLog
 
 
-class HostKVAttention:
+class HostKVAttention(AttentionBackend):
     """Same constructor arguments and interface as NearStorageAttention (prefill, step, flush, reset, close,
     traffic), attention computed on the host. link: the emulated interconnect the history and the writeback cross;
     storage_gbps: emulated bandwidth of each directory's device."""
@@ -184,12 +185,3 @@ class HostKVAttention:
         self._drop_prefetch()
         for shard in self.shards:
             shard.abandon()
-
-    def __enter__(self) -> HostKVAttention:
-        return self
-
-    def __exit__(self, exc_type, *exc) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            self.terminate()

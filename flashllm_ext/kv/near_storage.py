@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from .backend import AttentionBackend
 from .files import IOCounters
 from .link import Link
 from .store import DTYPES, default_writeback, split_pairs
@@ -20,7 +21,7 @@ from .traffic import FLUSH, PREFILL, TrafficLog
 from .worker import OP_FLUSH, OP_RESET, LocalShard, ShardSpec, ShardWorker
 
 
-class NearStorageAttention:
+class NearStorageAttention(AttentionBackend):
     """Decode attention of `batch` sequences with `q_heads` query and `kv_heads` kv heads of `head_dim`, over
     `n_layers` layers, KV on storage in len(directories) shards (one worker each).
 
@@ -179,13 +180,3 @@ class NearStorageAttention:
         for shard in self.shards:
             shard.terminate()
         self.shards = []
-
-    def __enter__(self) -> NearStorageAttention:
-        return self
-
-    def __exit__(self, exc_type, *exc) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            self.terminate()
-

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 
 from .. import ops
+from .backend import AttentionBackend
+
 
 # project(layer, x [n, s, hidden], start) -> (k, v) [n, kv_heads, s, head_dim], positions start..start+s-1
 Projector = Callable[[int, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
@@ -63,7 +65,7 @@ def linear_projector(wk: list[torch.Tensor], wv: list[torch.Tensor], *, kv_heads
     return project
 
 
-class XCacheAttention:
+class XCacheAttention(AttentionBackend):
     """The first n_x sequences of the batch via X (host), the rest via `storage` (NearStorageAttention or
     HostKVAttention made for batch - n_x sequences). Same interface as the storage backends; prefill and step
     also take x, the attention input of the new tokens (or take it from set_input). x_dtype: how X is kept
@@ -146,13 +148,3 @@ class XCacheAttention:
 
     def terminate(self) -> None:
         self.storage.terminate()
-
-    def __enter__(self) -> XCacheAttention:
-        return self
-
-    def __exit__(self, exc_type, *exc) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            self.terminate()
-

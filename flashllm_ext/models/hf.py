@@ -48,6 +48,19 @@ def load_hf_model(path: str | os.PathLike | None = None,
     return model.eval(), tokenizer
 
 
+def save_hf_checkpoint(model: torch.nn.Module, tokenizer, path: str | os.PathLike) -> None:
+    """Write a model loaded from GGUF (load_hf_model) as a plain fp16 Hugging Face safetensors directory with its
+    tokenizer. transformers refuses to serialise a GGUF-loaded model, so its weights go into a fresh one first."""
+    from transformers import AutoModelForCausalLM
+
+    config = model.config
+    config.__dict__.pop("quantization_config", None)
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float16)
+    plain.load_state_dict(model.state_dict())
+    plain.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+
+
 @torch.no_grad()
 def replace_weights(model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor]) -> None:
     """Copy tensors into the model's parameters of the same names (cast to the parameter's dtype).
