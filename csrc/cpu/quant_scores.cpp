@@ -186,7 +186,10 @@ at::Tensor quant_scores_cpu(const at::Tensor& x_in, const at::Tensor& up_codes_i
   for (int64_t t0 = 0; t0 < T; t0 += kMaxTokens) {
     const int64_t tb = std::min(kMaxTokens, T - t0);
     if (avx512) {
-      for (int64_t t = 0; t < tb; ++t) std::memcpy(xpad.data() + t * dpad, xp + (t0 + t) * d, d * sizeof(float));
+      // d == 0: an empty x has no data pointer, and memcpy from null is undefined even for 0 bytes.
+      for (int64_t t = 0; t < tb && d > 0; ++t) {
+        std::memcpy(xpad.data() + t * dpad, xp + (t0 + t) * d, d * sizeof(float));
+      }
     } else {
       build_tables(xp + t0 * d, d, tb, d, up_bits, tables.data());
       if (gate) build_tables(xp + t0 * d, d, tb, d, gate_bits, tables.data() + up_size);
