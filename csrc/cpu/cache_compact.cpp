@@ -45,7 +45,8 @@ int64_t cache_compact_cpu(at::Tensor& matrix, at::Tensor& pointer, const std::op
   for (int64_t j = n_new; j < num_used; ++j) {
     const int64_t hole = compaction_hole(sorted.data(), c, holes, n_new, j);
     if (hole < 0) continue;
-    std::memcpy(base + hole * row_bytes, base + j * row_bytes, row_bytes);
+    // Zero-width rows (a host mirror that moves only pointers) have no data pointer: memcpy from null is undefined.
+    if (row_bytes != 0) std::memcpy(base + hole * row_bytes, base + j * row_bytes, row_bytes);
     if (bias_base != nullptr) std::memcpy(bias_base + hole * bias_bytes, bias_base + j * bias_bytes, bias_bytes);
     ptr[hole] = ptr[j];
     if (slots != nullptr) slots[ptr[hole]] = hole;
