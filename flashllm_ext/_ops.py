@@ -598,6 +598,46 @@ def _quant_scores_fake(x, up_codes, up_scale, up_bias, gate_codes, gate_scale, g
     return x.new_empty((x.shape[0], up_scale.shape[0]), dtype=torch.float32)
 
 
+# ------------------------------------------------------------------------------------------------ half_linear
+# y = x W^T + b with W (and b) stored in float16 / bfloat16 (float32 accepted), computed in float32 and returned in
+# x's dtype: the resident linears of a flash-loaded model on the CPU (flashllm_ext/linear.py), where PyTorch's fp16
+# matmul runs far below memory speed. CPU kernel only; elsewhere the reference.
+LIB.define("half_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
+
+
+def _check_half_linear_metadata(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """The checks of csrc/common/half_linear_checks.h."""
+    torch._check(x.dtype in FFN_DTYPES and x.dim() == 2,
+                 lambda: f"half_linear: x must be a 2-D float32/float16/bfloat16 tensor [T, d], got {x.dtype} of "
+                         f"shape {tuple(x.shape)}")
+    torch._check(weight.dtype in FFN_DTYPES and weight.dim() == 2 and weight.shape[1] == x.shape[1],
+                 lambda: f"half_linear: weight must be a 2-D float32/float16/bfloat16 tensor [n, d={x.shape[1]}], "
+                         f"got {weight.dtype} of shape {tuple(weight.shape)}")
+    torch._check(bias is None or (bias.dtype == weight.dtype and bias.dim() == 1 and bias.shape[0] == weight.shape[0]),
+                 lambda: f"half_linear: bias must be {weight.dtype} (the weight's dtype) of shape [n={weight.shape[0]}], "
+                         f"got {bias.dtype} of shape {tuple(bias.shape)}")
+    torch._check(weight.device == x.device and (bias is None or bias.device == x.device),
+                 lambda: f"half_linear: weight and bias must be on x's device ({x.device}), got {weight.device}"
+                         + ("" if bias is None else f" and {bias.device}"))
+
+
+def half_linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """Pure-torch half_linear: x [T, d], weight [n, d], bias [n] | None -> [T, n] of x.dtype, in float32."""
+    _check_half_linear_metadata(x, weight, bias)
+    return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
+
+
+@torch.library.impl(LIB, "half_linear", "CompositeExplicitAutograd")
+def _half_linear_default(x, weight, bias):
+    return half_linear_reference(x, weight, bias)
+
+
+@torch.library.register_fake("flashllm::half_linear")
+def _half_linear_fake(x, weight, bias):
+    _check_half_linear_metadata(x, weight, bias)
+    return x.new_empty((x.shape[0], weight.shape[0]))
+
+
 # ------------------------------------------------------------------------------------------------ decode_attention
 # One decode step of attention for a block of sequences: each sequence has one new query token and S keys/values
 # in the token-major layout of INF²'s on-disk KV blocks, k and v [S, B, Hkv, D] ([token][batch x head][head_dim]).

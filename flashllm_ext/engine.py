@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from .ffn import FFNStats, FlashFFN, StreamingFFN, ffn_slots, set_ffn
+from .linear import use_half_linears
 from .reader import FlashReader
 from .store import FlashStore
 from .transfer import Transfer, cuda_device, make_transfer
@@ -295,7 +296,8 @@ def load_flash(store_dir: str | os.PathLike, dram_budget: int | float | str | No
     mode the FFN weights are read from the store into ordinary nn.Linear layers. Predictors come from the store
     unless given. `model.flash_stats()` reports per-token costs. device: "cpu" or "cuda" (the whole model, its
     caches included, on the GPU; ValueError when CUDA is not available). threads and reader_options (e.g.
-    {"max_gap": 0, "min_read": 0}): the FlashReader's."""
+    {"max_gap": 0, "min_read": 0}): the FlashReader's. The model's half-precision nn.Linear layers become
+    HalfLinear (flashllm_ext/linear.py: the native half_linear kernel on the CPU, F.linear elsewhere)."""
     device = cuda_device(device)
     store = FlashStore(store_dir)
     dtype = dtype or store.dtype
@@ -312,6 +314,7 @@ def load_flash(store_dir: str | os.PathLike, dram_budget: int | float | str | No
     leftover = [name for name, p in model.named_parameters() if p.device.type == "meta"]
     if leftover:
         raise ValueError(f"{store.path}: the store has no tensor for {leftover[:3]} ({len(leftover)} in all)")
+    use_half_linears(model)  # the resident half-precision linears through flashllm::half_linear on the CPU
     return model.to(device).eval()
 
 

@@ -12,7 +12,7 @@ import torch
 from . import _ops  # noqa: F401  (registers the schemas, fake and reference kernels)
 
 __all__ = ["cache_compact", "cache_plan", "decode_attention", "endor_decompress", "endor_linear",
-           "merge_attention_states", "quant_scores", "sparse_ffn"]
+           "half_linear", "merge_attention_states", "quant_scores", "sparse_ffn"]
 
 
 def endor_decompress(values: torch.Tensor, bitmap: torch.Tensor, row_offsets: torch.Tensor, *, n_cols: int,
@@ -81,6 +81,18 @@ def quant_scores(x: torch.Tensor, up_codes: torch.Tensor, up_scale: torch.Tensor
     """
     return torch.ops.flashllm.quant_scores.default(x, up_codes, up_scale, up_bias, gate_codes, gate_scale, gate_bias,
                                                    up_bits, gate_bits, activation)
+
+
+def half_linear(x: torch.Tensor, weight: torch.Tensor, *, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x weight^T + bias, computed in float32 from float16 / bfloat16 (or float32) weights; the CPU kernel reads
+    each weight row once per 8 tokens (the resident linears of flashllm_ext/linear.py).
+
+    x: [T, d] float32 | float16 | bfloat16
+    weight: [n, d] float32 | float16 | bfloat16
+    bias: [n] of weight's dtype, or None
+    Returns [T, n] of x.dtype.
+    """
+    return torch.ops.flashllm.half_linear.default(x, weight, bias)
 
 
 def cache_compact(matrix: torch.Tensor, pointer: torch.Tensor, rows: torch.Tensor, *, num_used: int,

@@ -26,36 +26,19 @@
 #include <vector>
 
 #include "common/cpu_isa.h"
-#include "common/simd_float.h"
+#include "common/row_dots.h"
 #include "common/sparse_ffn_checks.h"
 #include "common/token_groups.h"
 
-// GCC 12's masked-load intrinsics start from _mm512_undefined_*, which -Wall reports as uninitialised use.
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-
 namespace flashllm {
 namespace {
+
+using namespace row_dots;  // to_float, dots_*, the ISA target macros
 
 using Half = c10::Half;
 using BF16 = c10::BFloat16;
 
 // ---------------------------------------------------------------------------------------------- scalar
-template <class T>
-inline float to_float(T v) {
-  return static_cast<float>(v);
-}
-
-template <class T, int NT>
-void dots_scalar(const T* col, const float* x, int64_t d, float* dots) {
-  float acc[NT] = {};
-  for (int64_t c = 0; c < d; ++c) {
-    const float w = to_float(col[c]);
-    for (int t = 0; t < NT; ++t) acc[t] += w * x[t * d + c];
-  }
-  for (int t = 0; t < NT; ++t) dots[t] = acc[t];
-}
-
 template <class T, int NT>
 void axpy_scalar(const T* row, const float* h, float* acc, int64_t d) {
   for (int64_t c = 0; c < d; ++c) {
@@ -65,27 +48,6 @@ void axpy_scalar(const T* row, const float* h, float* acc, int64_t d) {
 }
 
 // ---------------------------------------------------------------------------------------------- AVX2
-#define FLASHLLM_AVX2 __attribute__((target("avx2,fma,f16c")))
-
-using simd::hsum_avx2;
-using simd::load8_avx2;
-
-template <class T, int NT>
-FLASHLLM_AVX2 void dots_avx2(const T* col, const float* x, int64_t d, float* dots) {
-  __m256 acc[NT];
-  for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
-  int64_t c = 0;
-  for (; c + 8 <= d; c += 8) {
-    const __m256 w = load8_avx2(col + c);
-    for (int t = 0; t < NT; ++t) acc[t] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + t * d + c), acc[t]);
-  }
-  for (int t = 0; t < NT; ++t) dots[t] = hsum_avx2(acc[t]);
-  for (; c < d; ++c) {
-    const float w = to_float(col[c]);
-    for (int t = 0; t < NT; ++t) dots[t] += w * x[t * d + c];
-  }
-}
-
 template <class T, int NT>
 FLASHLLM_AVX2 void axpy_avx2(const T* row, const float* h, float* acc, int64_t d) {
   __m256 hv[NT];
@@ -105,33 +67,6 @@ FLASHLLM_AVX2 void axpy_avx2(const T* row, const float* h, float* acc, int64_t d
 }
 
 // ---------------------------------------------------------------------------------------------- AVX-512
-#define FLASHLLM_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,fma,f16c")))
-
-using simd::load16_avx512;
-constexpr auto tail_mask = simd::first_lanes16;
-
-// Two accumulators per token hide the FMA latency when there are few tokens (T = 1 is the decoding case).
-template <class T, int NT>
-FLASHLLM_AVX512 void dots_avx512(const T* col, const float* x, int64_t d, float* dots) {
-  __m512 acc0[NT], acc1[NT];
-  for (int t = 0; t < NT; ++t) acc0[t] = acc1[t] = _mm512_setzero_ps();
-  const __mmask16 all = 0xFFFF;
-  int64_t c = 0;
-  for (; c + 32 <= d; c += 32) {
-    const __m512 w0 = load16_avx512(col + c, all), w1 = load16_avx512(col + c + 16, all);
-    for (int t = 0; t < NT; ++t) {
-      acc0[t] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + t * d + c), acc0[t]);
-      acc1[t] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + t * d + c + 16), acc1[t]);
-    }
-  }
-  for (; c < d; c += 16) {
-    const __mmask16 m = d - c >= 16 ? all : tail_mask(d - c);
-    const __m512 w = load16_avx512(col + c, m);
-    for (int t = 0; t < NT; ++t) acc0[t] = _mm512_fmadd_ps(w, _mm512_maskz_loadu_ps(m, x + t * d + c), acc0[t]);
-  }
-  for (int t = 0; t < NT; ++t) dots[t] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[t], acc1[t]));
-}
-
 template <class T, int NT>
 FLASHLLM_AVX512 void axpy_avx512(const T* row, const float* h, float* acc, int64_t d) {
   __m512 hv[NT];

@@ -1,0 +1,53 @@
+"""flashllm::half_linear (y = x W^T + b from fp16 / bf16 weights, fp32 math) against PyTorch's F.linear on the same
+half-precision weights and on an fp32 copy, on the shapes a flash-loaded model keeps resident (the default model's
+attention projection and LM head, OPT-6.7B's / Llama-2-7B's attention projection), interleaved in one process
+(medians); the bound is the weight bytes over the read bandwidth of a streaming sum measured in the same run.
+
+    python bench/bench_half_linear.py [--tokens 1,8,64] [--dtype float16] [--json]
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from common import arg_parser, device_name, emit, stream_probe, time_interleaved
+
+from flashllm_ext import ops
+
+SHAPES = {"default q_proj (576 x 576)": (576, 576), "default lm_head (49152 x 576)": (49152, 576),
+          "7B q_proj (4096 x 4096)": (4096, 4096)}
+
+
+def main() -> None:
+    parser = arg_parser(__doc__.splitlines()[0])
+    parser.add_argument("--tokens", default="1,8,64", help="comma-separated T")
+    parser.add_argument("--dtype", default="float16", choices=("float16", "bfloat16"))
+    args = parser.parse_args()
+    dtype, g = getattr(torch, args.dtype), torch.Generator().manual_seed(0)
+    probe_bytes, stream = stream_probe()
+    rows = []
+    for name, (n, d) in SHAPES.items():
+        w32 = torch.randn(n, d, generator=g) / d ** 0.5
+        w = w32.to(dtype)
+        for T in (int(t) for t in args.tokens.split(",")):
+            x = torch.randn(T, d, generator=g).to(dtype)
+            x32 = x.float()
+            times = time_interleaved({
+                "native": lambda: ops.half_linear(x, w),
+                "torch": lambda: F.linear(x, w),
+                "torch fp32": lambda: F.linear(x32, w32),
+                "stream": stream,
+            }, rounds=args.rounds)
+            bound = w.nbytes / (probe_bytes / times["stream"])
+            rows.append({"shape": name, "T": T, "dtype": args.dtype,
+                         "native ms": round(times["native"] * 1e3, 3), "torch ms": round(times["torch"] * 1e3, 3),
+                         "torch / native": round(times["torch"] / times["native"], 2),
+                         "torch fp32 ms": round(times["torch fp32"] * 1e3, 3),
+                         "torch fp32 / native": round(times["torch fp32"] / times["native"], 2),
+                         "native / bound": round(times["native"] / bound, 2),
+                         "device": device_name()})
+    emit(rows, args.json)
+
+
+if __name__ == "__main__":
+    main()
