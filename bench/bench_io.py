@@ -329,6 +329,9 @@ def table2(args: argparse.Namespace, report: Callable[[dict], None],
         measured = slice(window, window + done)
         density = 1.0 if plan["masks"] is None else sets[config.sets][measured].float().mean().item()
         read_density = 1.0 if plan["masks"] is None else plan["masks"][measured].float().mean().item()
+        # What the window costs in DRAM (not timed here): the neurons of the current and previous `window` sets.
+        held = None if not config.window else statistics.fmean(
+            sets[config.sets][t - window:t + 1].any(0).float().mean().item() for t in range(window, window + done))
         row = {"bench": "table2", "config": config.name, "sets": config.sets,
                "layout": "bundled" if config.bundled else "split", "window": window if config.window else 0,
                "threads": reader.threads, "max_gap": reader.max_gap, "min_read": reader.min_read,
@@ -339,7 +342,8 @@ def table2(args: argparse.Namespace, report: Callable[[dict], None],
                "io_ms_per_token": round(median_ms, 2), "io_ms_mean": round(statistics.fmean(plan["tokens_ms"]), 2),
                "speedup_vs_naive": round(naive_ms / median_ms, 2),
                "mbps": round(plan["bytes_read"] / max(sum(plan["tokens_ms"]) / 1e3, 1e-9) / 1e6, 1),
-               "set_density": round(density, 4), "read_density": round(read_density, 4), "tokens": done, "layers": layers, "model_layers": model_layers,
+               "set_density": round(density, 4), "read_density": round(read_density, 4),
+               "window_density": None if held is None else round(held, 4), "tokens": done, "layers": layers, "model_layers": model_layers,
                "unit": unit, "documents": args.documents, "store": description, "file": str(plan["path"]),
                "set_source": "everything" if config.sets == "all" else
                getattr(set_sources[config.sets], "__name__", str(set_sources[config.sets]))}
