@@ -266,7 +266,7 @@ def table2(args: argparse.Namespace, report: Callable[[dict], None],
     chunk_rows = _chunk_rows(parts * n, part)
     copies: dict[str, int] = {}
     configs = table2_configs(args.base_threads, args.max_threads)
-    tag = f"{fs.path.name}-{layers}l"
+    tag = fs.path.name  # a bundled copy is the whole store file; a split one holds the first `layers` layers
     plans = []
     for index, config in enumerate(configs):
         if config.bundled:
@@ -275,7 +275,7 @@ def table2(args: argparse.Namespace, report: Callable[[dict], None],
                             lambda tmp: shutil.copyfile(fs.bundles_path, tmp))
             base_of = lambda layer: fs.layer_location(layer).offset  # noqa: E731
         else:
-            path = own_copy(CACHE / f"{tag}-{index:02d}-split.bin", layers * layer_bytes,
+            path = own_copy(CACHE / f"{tag}-{layers}l-{index:02d}-split.bin", layers * layer_bytes,
                             lambda tmp: make_test_file(tmp, layers * layer_bytes))
             base_of = lambda layer: layer * layer_bytes  # noqa: E731
         copies[str(path)] = path.stat().st_size
