@@ -41,6 +41,7 @@ from common import arg_parser, device_name, emit, run_limited_child
 from flashllm_ext.errors import FormatError
 from flashllm_ext.paths import resolve_cache_dir
 from flashllm_ext.predictor import NeuronPredictor
+from traces import trained_predictors
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -54,10 +55,6 @@ SCALE_COLUMNS = ["model", "operating_point", *COLUMNS]
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 TARGET_SPARSITY = 0.6  # the default-model predictors' operating point (trained once into the cached store):
 # the rule's threshold alone costs ~+5% held-out perplexity there (BENCHMARKS.md)
-# The scale run's predictors: the low-rank method its figures were measured with (BENCHMARKS.md, issue 9), with less
-# training than the CLI's 4096 tokens x 10 epochs, so that both operating points train within a benchmark session on
-# a shared 2-core machine (there ~3 min a layer at the CLI's settings).
-SCALE_PREDICTOR_TRAINING = ("--method", "lowrank", "--tokens", "1024", "--epochs", "2")
 
 
 # ------------------------------------------------------------------------------------------------ the oracle
@@ -239,18 +236,6 @@ def default_store(cache: Path, train_predictors: bool = True) -> Path:
     return path
 
 
-def trained_predictors(cache: Path, target_sparsity: float) -> Path:
-    """A predictors file of the default model trained (once) for `target_sparsity` with SCALE_PREDICTOR_TRAINING."""
-    import subprocess
-
-    path = cache / f"smollm2-135m-predictors-s{target_sparsity:g}-{'-'.join(SCALE_PREDICTOR_TRAINING[1::2])}" \
-                   ".safetensors"
-    if not path.is_file():
-        subprocess.run([sys.executable, "-m", "flashllm_ext.cli", "train-predictors", "default", "--out", str(path),
-                        "--target-sparsity", str(target_sparsity), *SCALE_PREDICTOR_TRAINING], check=True)
-    return path
-
-
 def hf_checkpoint(cache: Path, wanda_sparsity: float | None = None) -> Path:
     """The default model as a Hugging Face fp16 safetensors directory (accelerate's input), saved once; with
     wanda_sparsity, its FFN weights Wanda-pruned first (flashllm_ext.demo.wanda_prune_ffn, 512 calibration tokens)."""
@@ -383,28 +368,14 @@ class ReplayedSets(NeuronPredictor):
 def scale_masks(config: dict, n_tokens: int, n_layers: int, n_neurons: int) -> torch.Tensor:
     """bool [n_tokens, layers, neurons] for the scale run: the true sets of the default model at the threshold
     sparsity (flash-oracle), or the sets its predictors trained for that sparsity choose on the same tokens (flash),
-    tiled. Computed by the parent (it loads the default model, which a limited child has no room for), cached."""
-    from traces import default_model_masks, tile_masks
+    tiled (bench/traces.py). Computed by the parent (it loads the default model, which a limited child has no room
+    for), cached; at least 64 tokens, so that runs of a few tokens share one cached trace (a prefix of it)."""
+    from traces import default_model_masks, predicted_masks, tile_masks
 
-    sparsity = config["sparsity"]
-    cached = resolve_cache_dir() / "e2e" / f"scale-sets-{config['mode']}-{sparsity:g}-{n_tokens}tok.pt"
-    if cached.is_file():
-        return tile_masks(torch.load(cached), n_layers, n_neurons)
-    if config["mode"] == "flash-oracle":
-        small = default_model_masks(max(n_tokens, 64), sparsity, progress=False)[:n_tokens]
-    else:  # the trained predictors' choices on the held-out tokens
-        from flashllm_ext.models import corpus_token_ids, load_hf_model
-        from flashllm_ext.predictor import capture_activations, load_predictors
-
-        predictors = load_predictors(config["predictors"])
-        model, tokenizer = load_hf_model()
-        ids = corpus_token_ids(tokenizer, "heldout", max_tokens=n_tokens)
-        capture = capture_activations(model, ids, predictors.thresholds, progress=False)
-        small = torch.stack([predictors.predict(i, capture.inputs[i].float()) for i in range(len(capture.inputs))],
-                            dim=1)
-        del model
-    torch.save(small, cached)
-    return tile_masks(small, n_layers, n_neurons)
+    n = max(n_tokens, 64)
+    small = default_model_masks(n, config["sparsity"], progress=False) if config["mode"] == "flash-oracle" else \
+        predicted_masks(Path(config["predictors"]), n)
+    return tile_masks(small[:n_tokens], n_layers, n_neurons)
 
 
 def run_scale_child(config: dict) -> dict:

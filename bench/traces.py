@@ -5,40 +5,108 @@ shapes; what decides their I/O and cache behaviour is which neurons fire token a
 default model (SmolLM2-135M, 30 layers of 1536 SwiGLU neurons) on held-out English, thresholded per layer to a
 target sparsity (DESIGN.md §6), then tiled onto the larger layers. Benchmark support (bench_io, bench_ffn), not
 library code: nothing in flashllm_ext uses it.
+
+Two kinds of sets, on the same held-out tokens: the true sets of the one active-neuron rule (default_model_masks,
+"oracle" in the benchmarks) and the sets the default model's trained predictors choose (predicted_masks).
 """
 from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
 
 from flashllm_ext.paths import resolve_cache_dir
 
 CALIBRATION_TOKENS = 2048
+CONTEXT = 512  # tokens per forward pass over one piece of held-out text
+# The predictors the benchmarks drive flash reads with: the low-rank method, with less training than the CLI's 4096
+# tokens x 10 epochs, so that an operating point trains within a benchmark session on a shared 2-core machine
+# (there ~3 min a layer at the CLI's settings). The scale figures of issue 9 were measured with these.
+SCALE_PREDICTOR_TRAINING = ("--method", "lowrank", "--tokens", "1024", "--epochs", "2")
 
 
-def default_model_masks(n_tokens: int, target_sparsity: float = 0.9, progress: bool = True) -> torch.Tensor:
-    """bool [n_tokens, 30, 1536]: the default model's active FFN neurons per token of held-out text.
+def trained_predictors(cache: Path, target_sparsity: float) -> Path:
+    """A predictors file of the default model trained (once) for `target_sparsity` with SCALE_PREDICTOR_TRAINING."""
+    path = cache / f"smollm2-135m-predictors-s{target_sparsity:g}-{'-'.join(SCALE_PREDICTOR_TRAINING[1::2])}" \
+                   ".safetensors"
+    if not path.is_file():
+        subprocess.run([sys.executable, "-m", "flashllm_ext.cli", "train-predictors", "default", "--out", str(path),
+                        "--target-sparsity", str(target_sparsity), *SCALE_PREDICTOR_TRAINING], check=True)
+    return path
 
-    A neuron is active when |act(gate) * up| exceeds its layer's threshold, calibrated on the calibration text so
-    that a fraction `target_sparsity` of scores lies below. Cached in the cache directory after the first run.
-    """
-    cached = resolve_cache_dir() / f"masks-smollm2-135m-{n_tokens}tok-sparsity{target_sparsity:g}.pt"
-    if cached.is_file():
-        return torch.load(cached)
-    from flashllm_ext.models import corpus_token_ids, load_hf_model, spread_windows
-    from flashllm_ext.predictor import calibrate_thresholds, capture_activations
 
-    model, tokenizer = load_hf_model()
-    calibration = spread_windows(corpus_token_ids(tokenizer, "calibration"), CALIBRATION_TOKENS // 512, 512)
-    thresholds = calibrate_thresholds(model, calibration, target_sparsity, progress=progress)
-    heldout = corpus_token_ids(tokenizer, "heldout", max_tokens=n_tokens)
+def _heldout(tokenizer, n_tokens: int, documents: int) -> tuple[torch.Tensor, int]:
+    """(token ids [n_tokens], the context each forward pass sees): the first n_tokens of the held-out text
+    (documents=1, contexts of CONTEXT tokens), or `documents` pieces of n_tokens / documents tokens spread evenly over
+    it, each its own context (the held-out text is ~15 documents joined, so the pieces come from different ones)."""
+    from flashllm_ext.models import corpus_token_ids, spread_windows
+
+    if documents < 1 or n_tokens % documents:
+        raise ValueError(f"{n_tokens} tokens do not split into {documents} equal pieces")
+    heldout = corpus_token_ids(tokenizer, "heldout")
     if heldout.numel() < n_tokens:
         raise ValueError(f"the held-out text has {heldout.numel()} tokens, fewer than the {n_tokens} asked for")
-    capture = capture_activations(model, heldout, thresholds, progress=progress)
-    masks = torch.stack([capture.mask(layer) for layer in range(len(capture.bitmaps))], dim=1)
-    tmp = cached.with_suffix(".tmp")
-    torch.save(masks, tmp)
-    tmp.replace(cached)
-    return masks
+    if documents == 1:
+        return heldout[:n_tokens], CONTEXT
+    return spread_windows(heldout, documents, n_tokens // documents), n_tokens // documents
+
+
+def _cached(path: Path, compute) -> torch.Tensor:
+    if path.is_file():
+        return torch.load(path)
+    sets = compute()
+    tmp = path.with_suffix(".tmp")
+    torch.save(sets.clone(), tmp)  # clone: a slice would save its whole storage
+    tmp.replace(path)
+    return sets
+
+
+def _docs_suffix(documents: int) -> str:
+    return "" if documents == 1 else f"-{documents}docs"
+
+
+def default_model_masks(n_tokens: int, target_sparsity: float = 0.9, progress: bool = True,
+                        documents: int = 1) -> torch.Tensor:
+    """bool [n_tokens, 30, 1536]: the default model's active FFN neurons per token of held-out text (the true sets).
+
+    A neuron is active when |act(gate) * up| exceeds its layer's threshold, calibrated on the calibration text so
+    that a fraction `target_sparsity` of scores lies below. documents > 1: the tokens are that many pieces of
+    different held-out documents (see _heldout). Cached in the cache directory after the first run.
+    """
+    def compute() -> torch.Tensor:
+        from flashllm_ext.models import corpus_token_ids, load_hf_model, spread_windows
+        from flashllm_ext.predictor import calibrate_thresholds, capture_activations
+
+        model, tokenizer = load_hf_model()
+        calibration = spread_windows(corpus_token_ids(tokenizer, "calibration"), CALIBRATION_TOKENS // 512, 512)
+        thresholds = calibrate_thresholds(model, calibration, target_sparsity, progress=progress)
+        ids, context = _heldout(tokenizer, n_tokens, documents)
+        capture = capture_activations(model, ids, thresholds, window=context, progress=progress)
+        return torch.stack([capture.mask(layer) for layer in range(len(capture.bitmaps))], dim=1)
+
+    return _cached(resolve_cache_dir() / f"masks-smollm2-135m-{n_tokens}tok-sparsity{target_sparsity:g}"
+                                         f"{_docs_suffix(documents)}.pt", compute)
+
+
+def predicted_masks(predictors: Path, n_tokens: int, documents: int = 1, progress: bool = False) -> torch.Tensor:
+    """bool [n_tokens, 30, 1536]: the sets the default model's trained predictors (a predictors file) choose on the
+    same held-out tokens as default_model_masks(n_tokens, documents=documents), each layer's predictor fed the
+    FFN input the dense model computes there. Cached next to the predictors file."""
+    predictors = Path(predictors)
+
+    def compute() -> torch.Tensor:
+        from flashllm_ext.models import load_hf_model
+        from flashllm_ext.predictor import capture_activations, load_predictors
+
+        loaded = load_predictors(predictors)
+        model, tokenizer = load_hf_model()
+        ids, context = _heldout(tokenizer, n_tokens, documents)
+        capture = capture_activations(model, ids, loaded.thresholds, window=context, progress=progress)
+        return torch.stack([loaded.predict(i, capture.inputs[i].float()) for i in range(len(capture.inputs))], dim=1)
+
+    return _cached(predictors.with_name(f"sets-{predictors.stem}-{n_tokens}tok{_docs_suffix(documents)}.pt"), compute)
 
 
 def tile_masks(masks: torch.Tensor, n_layers: int, n_neurons: int) -> torch.Tensor:
@@ -59,10 +127,20 @@ def tile_masks(masks: torch.Tensor, n_layers: int, n_neurons: int) -> torch.Tens
     return torch.stack(layers, dim=1)
 
 
-def default_model_mask_source(target_sparsity: float = 0.9):
-    """A mask source for benchmarks: (n_tokens, n_layers, n_neurons) -> bool [tokens, layers, neurons]."""
+def default_model_mask_source(target_sparsity: float = 0.9, documents: int = 1):
+    """A mask source for benchmarks: (n_tokens, n_layers, n_neurons) -> bool [tokens, layers, neurons], the true
+    sets tiled (tile_masks: the identity on the default model's own 30 x 1536)."""
     def source(n_tokens: int, n_layers: int, n_neurons: int) -> torch.Tensor:
-        return tile_masks(default_model_masks(n_tokens, target_sparsity), n_layers, n_neurons)
+        return tile_masks(default_model_masks(n_tokens, target_sparsity, documents=documents), n_layers, n_neurons)
 
-    source.__name__ = f"default_model_masks(sparsity={target_sparsity:g}, tiled)"
+    source.__name__ = f"default_model_masks(sparsity={target_sparsity:g}, documents={documents}, tiled)"
+    return source
+
+
+def predicted_mask_source(predictors: Path, documents: int = 1):
+    """Like default_model_mask_source, with the sets the trained predictors in the file `predictors` choose."""
+    def source(n_tokens: int, n_layers: int, n_neurons: int) -> torch.Tensor:
+        return tile_masks(predicted_masks(predictors, n_tokens, documents), n_layers, n_neurons)
+
+    source.__name__ = f"predicted_masks({Path(predictors).name}, documents={documents}, tiled)"
     return source
