@@ -50,14 +50,22 @@ KEYS = ("bench", "model", "device", "mode", "budget_mb", "cgroup_limit_mb", "cgr
 COLUMNS = ["mode", "budget_mb", "cgroup_limit_mb", "cgroup_peak_mb", "oom_killed", "ms_per_token", "io_ms", "mem_ms",
            "predictor_ms", "compute_ms", "bytes_per_token", "reads_per_token", "hit_rate", "error"]
 ENDOR_COLUMNS = ["store_format", "decompress_ms", "requested_bytes_per_token"] + COLUMNS
-SCALE_COLUMNS = ["model", "operating_point", *COLUMNS]
+SCALE_COLUMNS = ["model", "operating_point", "predictor", *COLUMNS]
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 TARGET_SPARSITY = 0.6  # the default-model predictors' operating point (trained once into the cached store):
 # the rule's threshold alone costs ~+5% held-out perplexity there (BENCHMARKS.md)
-# The scale run's predictors: the low-rank method its figures were measured with (BENCHMARKS.md, issue 9), with less
-# training than the CLI's 4096 tokens x 10 epochs, so that both operating points train within a benchmark session on
-# a shared 2-core machine (there ~3 min a layer at the CLI's settings).
-SCALE_PREDICTOR_TRAINING = ("--method", "lowrank", "--tokens", "1024", "--epochs", "2")
+# The scale run's predictors per operating point and method: `flashllm train-predictors` arguments. The low-rank
+# ones train on less than the CLI's 4096 tokens x 10 epochs so that both points train within a benchmark session on
+# a shared 2-core machine (~3 min a layer at the CLI's settings). quant at (a): gate and up at 4 bits, loaded density
+# 0.06 (twice the true density at 0.97; held-out recall of the true sets ~0.93, BENCHMARKS.md); at (b): the library
+# default (gate 4 / up 2 bits, density 0.7, issue 10).
+LOWRANK_TRAINING = ("--method", "lowrank", "--tokens", "1024", "--epochs", "2")
+SCALE_PREDICTORS = {
+    "a": {"lowrank": (*LOWRANK_TRAINING, "--target-sparsity", "0.97"),
+          "quant": ("--method", "quant", "--gate-bits", "4", "--up-bits", "4", "--density", "0.06")},
+    "b": {"lowrank": (*LOWRANK_TRAINING, "--target-sparsity", str(TARGET_SPARSITY)),
+          "quant": ("--method", "quant")},
+}
 
 
 # ------------------------------------------------------------------------------------------------ the oracle
@@ -164,7 +172,8 @@ def _load(config: dict):
         store, at = FlashStore(config["store"]), [0]
         n_tokens = len(config["prompt_ids"]) + config["tokens"] + 1
         masks = scale_masks(config, n_tokens, store.n_layers, store.n_neurons)
-        predictors = ReplayedSets(masks, at, store.hidden_size)
+        cost = scale_cost_predictor(config["predictors"], store) if config.get("predictors") else None
+        predictors = ReplayedSets(masks, at, store.hidden_size, cost)
         model = flashllm_ext.load_flash(store, budget, mode="flash", predictors=predictors)
         # The sets of the tokens at the positions this forward computes: after the cached ones.
         model.register_forward_pre_hook(partial(_track_position, at), with_kwargs=True)
@@ -239,15 +248,14 @@ def default_store(cache: Path, train_predictors: bool = True) -> Path:
     return path
 
 
-def trained_predictors(cache: Path, target_sparsity: float) -> Path:
-    """A predictors file of the default model trained (once) for `target_sparsity` with SCALE_PREDICTOR_TRAINING."""
+def trained_predictors(cache: Path, train_args: tuple[str, ...]) -> Path:
+    """A predictors file of the default model built (once) by `flashllm train-predictors default *train_args`."""
     import subprocess
 
-    path = cache / f"smollm2-135m-predictors-s{target_sparsity:g}-{'-'.join(SCALE_PREDICTOR_TRAINING[1::2])}" \
-                   ".safetensors"
+    path = cache / f"smollm2-135m-predictors-{'-'.join(train_args[1::2])}.safetensors"
     if not path.is_file():
         subprocess.run([sys.executable, "-m", "flashllm_ext.cli", "train-predictors", "default", "--out", str(path),
-                        "--target-sparsity", str(target_sparsity), *SCALE_PREDICTOR_TRAINING], check=True)
+                        *train_args], check=True)
     return path
 
 
@@ -360,36 +368,76 @@ SCALE_MODELS = ("opt-6.7b", "llama-2-7b")  # bench/synth_checkpoint.py's checkpo
 # of dense. Per point: the sparsity the predictors are trained for and the one the true sets are thresholded at.
 POINTS = {"a": ("a (OPT-like): threshold sparsity 0.97", 0.97),
           "b": (f"b (SwiGLU-real): target sparsity {TARGET_SPARSITY:g}", TARGET_SPARSITY)}
-SCALE_CONFIGS = (("naive", None), ("hybrid", None), ("flash-oracle", "a"), ("flash", "a"), ("flash", "b"))
+# (mode, operating point, predictor method of SCALE_PREDICTORS)
+SCALE_CONFIGS = (("naive", None, None), ("hybrid", None, None), ("flash-oracle", "a", None), ("flash", "a", "lowrank"),
+                 ("flash", "a", "quant"), ("flash", "b", "lowrank"), ("flash", "b", "quant"))
 
 
 class ReplayedSets(NeuronPredictor):
     """A predictor that replays precomputed active sets (bool [tokens, layers, neurons]) for the token `at[0]`:
-    the default model's sets on held-out text, tiled onto the larger layers. Holds no weights (masks are counted
-    by nobody: a real predictor's memory is not part of these rows)."""
+    the default model's sets on held-out text, tiled onto the larger layers.
 
-    def __init__(self, masks: torch.Tensor, at: list[int], hidden_size: int):
+    cost: a predictor of the method that chose the sets, at the large model's shapes (`scale_cost_predictor`): its
+    memory is what this one holds (charged to the budget by the engine) and it scores every input (its answer
+    discarded), so a row pays what a real predictor would at that size. Without one (the oracle), nothing."""
+
+    def __init__(self, masks: torch.Tensor, at: list[int], hidden_size: int, cost: NeuronPredictor | None = None):
         super().__init__(masks.shape[1], hidden_size, masks.shape[2])  # thresholds 0 (ReLU: exact zeros only)
-        self.masks, self.at = masks, at
+        self.masks, self.at, self.cost = masks, at, cost
 
     @property
     def memory_bytes(self) -> int:
-        return 0
+        return 0 if self.cost is None else self.cost.memory_bytes
 
     def predict(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        if self.cost is not None:
+            self.cost.scores(layer, x)
         return self.masks[self.at[0]:self.at[0] + x.shape[0], layer]
 
 
+def scale_cost_predictor(predictors_path: str, store) -> NeuronPredictor:
+    """The predictors' method and settings at the store's shapes, every buffer filled with random values (so its
+    pages are resident, as trained weights' would be): what that predictor costs a layer of the large model.
+    Low-rank ranks repeat the small model's per-layer ranks; quant takes the store's gate / activation / biases."""
+    from flashllm_ext.ffn import store_activation
+    from flashllm_ext.predictor import load_predictors, predictor_class
+
+    small = load_predictors(predictors_path).config()
+    config = {**small, "n_layers": store.n_layers, "hidden_size": store.hidden_size, "n_neurons": store.n_neurons}
+    if "ranks" in small:
+        config["ranks"] = [small["ranks"][i % len(small["ranks"])] for i in range(store.n_layers)]
+    if small["method"] == "quant":
+        config.update(glu=store.glu, activation=store_activation(store),
+                      **{role: store.layer_bias(0, role) is not None for role in ("gate_bias", "up_bias")})
+    cost = predictor_class(small["method"]).from_config(config)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for t in list(cost.parameters()) + list(cost.buffers()):
+            if t.dtype == torch.uint8:
+                t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, generator=generator))
+            else:
+                t.copy_(torch.randn(t.shape, generator=generator).mul_(0.02))
+    return cost.eval()
+
+
 def scale_masks(config: dict, n_tokens: int, n_layers: int, n_neurons: int) -> torch.Tensor:
-    """bool [n_tokens, layers, neurons] for the scale run: the true sets of the default model at the threshold
-    sparsity (flash-oracle), or the sets its predictors trained for that sparsity choose on the same tokens (flash),
-    tiled. Computed by the parent (it loads the default model, which a limited child has no room for), cached."""
-    from traces import default_model_masks, tile_masks
+    """bool [n_tokens, n_layers, n_neurons]: `default_model_sets` tiled onto the large layers (bench/traces.py)."""
+    from traces import tile_masks
+
+    return tile_masks(default_model_sets(config, n_tokens), n_layers, n_neurons)
+
+
+def default_model_sets(config: dict, n_tokens: int) -> torch.Tensor:
+    """bool [n_tokens, 30, 1536]: the true sets of the default model at the threshold sparsity (flash-oracle), or
+    the sets its predictors choose on the same held-out tokens (flash). Computed by the parent (it loads the default
+    model, which a limited child has no room for), cached."""
+    from traces import default_model_masks
 
     sparsity = config["sparsity"]
-    cached = resolve_cache_dir() / "e2e" / f"scale-sets-{config['mode']}-{sparsity:g}-{n_tokens}tok.pt"
+    source = f"oracle-{sparsity:g}" if config["mode"] == "flash-oracle" else Path(config["predictors"]).stem
+    cached = resolve_cache_dir() / "e2e" / f"scale-sets-{source}-{n_tokens}tok.pt"
     if cached.is_file():
-        return tile_masks(torch.load(cached), n_layers, n_neurons)
+        return torch.load(cached)
     if config["mode"] == "flash-oracle":
         small = default_model_masks(max(n_tokens, 64), sparsity, progress=False)[:n_tokens]
     else:  # the trained predictors' choices on the held-out tokens
@@ -404,7 +452,7 @@ def scale_masks(config: dict, n_tokens: int, n_layers: int, n_neurons: int) -> t
                             dim=1)
         del model
     torch.save(small, cached)
-    return tile_masks(small, n_layers, n_neurons)
+    return small
 
 
 def run_scale_child(config: dict) -> dict:
@@ -420,7 +468,8 @@ def run_scale_child(config: dict) -> dict:
         store, at = FlashStore(config["store"]), [0]
         masks = (scale_masks(config, config["tokens"] + 1, store.n_layers, store.n_neurons)
                  if config["mode"].startswith("flash") else None)
-        predictors = None if masks is None else ReplayedSets(masks, at, store.hidden_size)
+        cost = scale_cost_predictor(config["predictors"], store) if config.get("predictors") else None
+        predictors = None if masks is None else ReplayedSets(masks, at, store.hidden_size, cost)
         runtime = ffn_stack(store, "flash" if predictors is not None else config["mode"], config["budget_bytes"],
                             predictors=predictors, device=device)
         generator = torch.Generator().manual_seed(0)
@@ -494,13 +543,16 @@ def run_scale(args, baseline: int) -> list[dict]:
             raise SystemExit(f"{name}: a budget of {args.budget} does not cover the {resident / 1e6:.0f} MB of "
                              "resident tensors")
         ids, prompt_note = prompt_ids(args.prompt_tokens, FlashStore(store).config["vocab_size"])
-        for mode, point in SCALE_CONFIGS:
-            if mode not in wanted or (point is not None and point not in args.points.split(",")):
+        for mode, point, method in SCALE_CONFIGS:
+            if mode not in wanted or (point is not None and point not in args.points.split(",")) or \
+                    (method is not None and method not in args.scale_predictors.split(",")):
                 continue
             label, sparsity = POINTS[point] if point else ("dense compute", None)
+            train_args = SCALE_PREDICTORS[point][method] if method else None
             common = {"scale": True, "store": str(store), "mode": mode, "device": args.device, "operating_point": label,
                       "sparsity": sparsity, "model_budget_mb": model_budget / 1e6, "resident_mb": resident / 1e6,
-                      "predictors": str(trained_predictors(cache, sparsity)) if mode == "flash" else None}
+                      "predictor": " ".join(train_args) if method else None,
+                      "predictors": str(trained_predictors(cache, train_args)) if method else None}
             configs.append({**common, "model": f"{name} (synthesized checkpoint, FFN stack)",
                             "budget_bytes": model_budget - resident, "tokens": args.tokens})
             if args.full:
@@ -509,14 +561,18 @@ def run_scale(args, baseline: int) -> list[dict]:
                                 "prompt_note": prompt_note, "timeout_s": args.child_timeout})
     for config in configs:  # the sets, computed here: the children are limited to the budget
         if config["mode"].startswith("flash"):
-            scale_masks(config, len(config.get("prompt_ids", ())) + config["tokens"] + 1, 1, 1)
+            n_tokens = len(config.get("prompt_ids", ())) + config["tokens"] + 1
+            chosen = default_model_sets(config, n_tokens)
+            true = default_model_sets({"mode": "flash-oracle", "sparsity": config["sparsity"]}, n_tokens)
+            config["recall"] = ((chosen & true).sum() / true.sum()).item()  # of the true sets, on these tokens
     rows = []
     for round_index, config in [(r, c) for r in range(args.rounds) for c in configs]:
         child_rows, facts = run_limited_child(_child_argv(config), config["budget_bytes"], baseline,
                                               f"e2e-scale-{config['mode']}", args.child_timeout)
         row = {"model": config["model"], "mode": config["mode"], "budget_mb": config["budget_bytes"] / 1e6,
                **(child_rows[0] if child_rows else {"error": "the child printed no row"}),
-               **facts, "operating_point": config["operating_point"], "round": round_index,
+               **facts, "operating_point": config["operating_point"], "predictor": config["predictor"],
+               "recall": config.get("recall"), "round": round_index,
                "budget_spec": args.budget, "model_budget_mb": config["model_budget_mb"],
                "resident_mb": config["resident_mb"], "baseline_mb": baseline / 1e6,
                "prompt_tokens": len(config.get("prompt_ids", ())), "prompt_note": config.get("prompt_note")}
@@ -583,7 +639,7 @@ def run_prefill(args, baseline: int) -> list[dict]:
     ids, _ = prompt_ids(args.prompt_tokens, FlashStore(store).config["vocab_size"])
     base = {"prefill_bench": True, "mode": "flash", "store": str(store), "prompt_ids": ids,
             "budget_bytes": parse_budget(args.budget, model_bytes_of(store)),
-            "predictors": str(trained_predictors(cache, TARGET_SPARSITY))}
+            "predictors": str(trained_predictors(cache, SCALE_PREDICTORS["b"]["lowrank"]))}
     rows = []
     for round_index, path in [(r, p) for r in range(args.rounds) for p in ("union", "sequential", "auto")]:
         child_rows, facts = run_limited_child(_child_argv({**base, "prefill": path}), base["budget_bytes"], baseline,
@@ -690,6 +746,8 @@ def main(argv: list[str] | None = None) -> None:
                                                                 "enforcing baseline + budget")
     parser.add_argument("--scale-models", default=",".join(SCALE_MODELS), help="--scale: among " + ",".join(SCALE_MODELS))
     parser.add_argument("--points", default=",".join(POINTS), help="--scale: operating points of the flash rows")
+    parser.add_argument("--scale-predictors", default=",".join(SCALE_PREDICTORS["a"]),
+                        help="--scale: predictor methods of the flash rows (SCALE_PREDICTORS)")
     parser.add_argument("--prefill", action="store_true", help="union vs sequential vs auto prefill (default model)")
     parser.add_argument("--calibrate", action="store_true", help="--prefill: measure the disk profile auto uses")
     parser.add_argument("--full", action="store_true", help="--scale: whole-model rows too (load_flash)")
