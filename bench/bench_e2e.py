@@ -369,7 +369,7 @@ POINTS = {"a": ("a (OPT-like): threshold sparsity 0.97", 0.97),
           "b": (f"b (SwiGLU-real): target sparsity {TARGET_SPARSITY:g}", TARGET_SPARSITY)}
 # (mode, operating point, predictor method of SCALE_PREDICTORS)
 SCALE_CONFIGS = (("naive", None, None), ("hybrid", None, None), ("flash-oracle", "a", None), ("flash", "a", "lowrank"),
-                 ("flash", "a", "quant"), ("flash", "b", "quant"))
+                 ("flash", "a", "quant"), ("flash", "b", "quant"), ("accelerate", None, None))  # accelerate: --full
 
 
 class ReplayedSets(NeuronPredictor):
@@ -552,12 +552,21 @@ def run_scale(args, baseline: int) -> list[dict]:
                       "sparsity": sparsity, "model_budget_mb": model_budget / 1e6, "resident_mb": resident / 1e6,
                       "predictor": " ".join(train_args) if method else None,
                       "predictors": str(trained_predictors(cache, train_args)) if method else None}
-            configs.append({**common, "model": f"{name} (synthesized checkpoint, FFN stack)",
-                            "budget_bytes": model_budget - resident, "tokens": args.tokens})
-            if args.full:
-                configs.append({**common, "model": f"{name} (synthesized checkpoint, whole model)", "full": True,
-                                "budget_bytes": model_budget, "tokens": args.full_tokens, "prompt_ids": ids,
-                                "prompt_note": prompt_note, "timeout_s": args.child_timeout})
+            whole = {**common, "model": f"{name} (synthesized checkpoint, whole model)", "full": True,
+                     "budget_bytes": model_budget, "tokens": args.full_tokens, "prompt_ids": ids,
+                     "prompt_note": prompt_note, "timeout_s": args.child_timeout}
+            if mode == "accelerate":  # the peer runs the Hugging Face checkpoint itself: whole-model rows only
+                if args.full or args.full_only:
+                    from synth_checkpoint import shared_checkpoint
+
+                    configs.append({**whole, "hf_dir": str(shared_checkpoint(name)),
+                                    "offload_dir": str(cache / f"accelerate-offload-{name}")})
+                continue
+            if not args.full_only:
+                configs.append({**common, "model": f"{name} (synthesized checkpoint, FFN stack)",
+                                "budget_bytes": model_budget - resident, "tokens": args.tokens})
+            if args.full or args.full_only:
+                configs.append(whole)
     for config in configs:  # the sets, computed here: the children are limited to the budget
         if config["mode"].startswith("flash"):
             n_tokens = len(config.get("prompt_ids", ())) + config["tokens"] + 1
@@ -750,6 +759,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prefill", action="store_true", help="union vs sequential vs auto prefill (default model)")
     parser.add_argument("--calibrate", action="store_true", help="--prefill: measure the disk profile auto uses")
     parser.add_argument("--full", action="store_true", help="--scale: whole-model rows too (load_flash)")
+    parser.add_argument("--full-only", action="store_true",
+                        help="--scale: whole-model rows only (load_flash; the accelerate peer on the checkpoint)")
     parser.add_argument("--full-tokens", type=int, default=4, help="--scale --full: greedy decode tokens")
     parser.set_defaults(rounds=3)
     args = parser.parse_args(argv)
