@@ -41,7 +41,7 @@ from common import arg_parser, device_name, emit, run_limited_child
 from flashllm_ext.errors import FormatError
 from flashllm_ext.paths import resolve_cache_dir
 from flashllm_ext.predictor import NeuronPredictor
-from traces import trained_predictors
+from traces import LOWRANK_TRAINING, trained_predictors
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -51,10 +51,19 @@ KEYS = ("bench", "model", "device", "mode", "budget_mb", "cgroup_limit_mb", "cgr
 COLUMNS = ["mode", "budget_mb", "cgroup_limit_mb", "cgroup_peak_mb", "oom_killed", "ms_per_token", "io_ms", "mem_ms",
            "predictor_ms", "compute_ms", "bytes_per_token", "reads_per_token", "hit_rate", "error"]
 ENDOR_COLUMNS = ["store_format", "decompress_ms", "requested_bytes_per_token"] + COLUMNS
-SCALE_COLUMNS = ["model", "operating_point", *COLUMNS]
+SCALE_COLUMNS = ["model", "operating_point", "predictor", *COLUMNS]
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 TARGET_SPARSITY = 0.6  # the default-model predictors' operating point (trained once into the cached store):
 # the rule's threshold alone costs ~+5% held-out perplexity there (BENCHMARKS.md)
+# The scale run's predictors per operating point and method: `flashllm train-predictors` arguments (the low-rank
+# ones with bench/traces.py's lighter LOWRANK_TRAINING). quant at (a): gate and up at 4 bits, loaded density
+# 0.06 (twice the true density at 0.97; held-out recall of the true sets ~0.93, BENCHMARKS.md); at (b): the library
+# default (gate 4 / up 2 bits, density 0.7, issue 10; the low-rank ones load 0.92 there, BENCHMARKS.md).
+SCALE_PREDICTORS = {
+    "a": {"lowrank": (*LOWRANK_TRAINING, "--target-sparsity", "0.97"),
+          "quant": ("--method", "quant", "--gate-bits", "4", "--up-bits", "4", "--density", "0.06")},
+    "b": {"quant": ("--method", "quant")},
+}
 
 
 # ------------------------------------------------------------------------------------------------ the oracle
@@ -161,7 +170,8 @@ def _load(config: dict):
         store, at = FlashStore(config["store"]), [0]
         n_tokens = len(config["prompt_ids"]) + config["tokens"] + 1
         masks = scale_masks(config, n_tokens, store.n_layers, store.n_neurons)
-        predictors = ReplayedSets(masks, at, store.hidden_size)
+        cost = scale_cost_predictor(config["predictors"], store) if config.get("predictors") else None
+        predictors = ReplayedSets(masks, at, store.hidden_size, cost)
         model = flashllm_ext.load_flash(store, budget, mode="flash", predictors=predictors)
         # The sets of the tokens at the positions this forward computes: after the cached ones.
         model.register_forward_pre_hook(partial(_track_position, at), with_kwargs=True)
@@ -345,37 +355,76 @@ SCALE_MODELS = ("opt-6.7b", "llama-2-7b")  # bench/synth_checkpoint.py's checkpo
 # of dense. Per point: the sparsity the predictors are trained for and the one the true sets are thresholded at.
 POINTS = {"a": ("a (OPT-like): threshold sparsity 0.97", 0.97),
           "b": (f"b (SwiGLU-real): target sparsity {TARGET_SPARSITY:g}", TARGET_SPARSITY)}
-SCALE_CONFIGS = (("naive", None), ("hybrid", None), ("flash-oracle", "a"), ("flash", "a"), ("flash", "b"))
+# (mode, operating point, predictor method of SCALE_PREDICTORS)
+SCALE_CONFIGS = (("naive", None, None), ("hybrid", None, None), ("flash-oracle", "a", None), ("flash", "a", "lowrank"),
+                 ("flash", "a", "quant"), ("flash", "b", "quant"), ("accelerate", None, None))  # accelerate: --full
 
 
 class ReplayedSets(NeuronPredictor):
     """A predictor that replays precomputed active sets (bool [tokens, layers, neurons]) for the token `at[0]`:
-    the default model's sets on held-out text, tiled onto the larger layers. Holds no weights (masks are counted
-    by nobody: a real predictor's memory is not part of these rows)."""
+    the default model's sets on held-out text, tiled onto the larger layers.
 
-    def __init__(self, masks: torch.Tensor, at: list[int], hidden_size: int):
+    cost: a predictor of the method that chose the sets, at the large model's shapes (`scale_cost_predictor`): its
+    memory is what this one holds (charged to the budget by the engine) and it scores every input (its answer
+    discarded), so a row pays what a real predictor would at that size. Without one (the oracle), nothing."""
+
+    def __init__(self, masks: torch.Tensor, at: list[int], hidden_size: int, cost: NeuronPredictor | None = None):
         super().__init__(masks.shape[1], hidden_size, masks.shape[2])  # thresholds 0 (ReLU: exact zeros only)
-        self.masks, self.at = masks, at
+        self.masks, self.at, self.cost = masks, at, cost
 
     @property
     def memory_bytes(self) -> int:
-        return 0
+        return 0 if self.cost is None else self.cost.memory_bytes
 
     def predict(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        if self.cost is not None:
+            self.cost.scores(layer, x)
         return self.masks[self.at[0]:self.at[0] + x.shape[0], layer]
 
 
+def scale_cost_predictor(predictors_path: str, store) -> NeuronPredictor:
+    """The predictors' method and settings at the store's shapes, every buffer filled with random values (so its
+    pages are resident, as trained weights' would be): what that predictor costs a layer of the large model.
+    Low-rank ranks repeat the small model's per-layer ranks; quant takes the store's gate / activation / biases."""
+    from flashllm_ext.ffn import store_activation
+    from flashllm_ext.predictor import load_predictors, predictor_class
+
+    small = load_predictors(predictors_path).config()
+    config = {**small, "n_layers": store.n_layers, "hidden_size": store.hidden_size, "n_neurons": store.n_neurons}
+    if "ranks" in small:
+        config["ranks"] = [small["ranks"][i % len(small["ranks"])] for i in range(store.n_layers)]
+    if small["method"] == "quant":
+        config.update(glu=store.glu, activation=store_activation(store),
+                      **{role: store.layer_bias(0, role) is not None for role in ("gate_bias", "up_bias")})
+    cost = predictor_class(small["method"]).from_config(config)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for t in list(cost.parameters()) + list(cost.buffers()):
+            if t.dtype == torch.uint8:
+                t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, generator=generator))
+            else:
+                t.copy_(torch.randn(t.shape, generator=generator).mul_(0.02))
+    return cost.eval()
+
+
 def scale_masks(config: dict, n_tokens: int, n_layers: int, n_neurons: int) -> torch.Tensor:
-    """bool [n_tokens, layers, neurons] for the scale run: the true sets of the default model at the threshold
-    sparsity (flash-oracle), or the sets its predictors trained for that sparsity choose on the same tokens (flash),
-    tiled (bench/traces.py). Computed by the parent (it loads the default model, which a limited child has no room
-    for), cached; at least 64 tokens, so that runs of a few tokens share one cached trace (a prefix of it)."""
-    from traces import default_model_masks, predicted_masks, tile_masks
+    """bool [n_tokens, n_layers, n_neurons]: `default_model_sets` tiled onto the large layers (bench/traces.py)."""
+    from traces import tile_masks
+
+    return tile_masks(default_model_sets(config, n_tokens), n_layers, n_neurons)
+
+
+def default_model_sets(config: dict, n_tokens: int) -> torch.Tensor:
+    """bool [n_tokens, 30, 1536]: the true sets of the default model at the threshold sparsity (flash-oracle), or
+    the sets its predictors choose on the same held-out tokens (flash). Computed by the parent (it loads the default
+    model, which a limited child has no room for), cached by bench/traces.py for at least 64 tokens, so that runs of
+    a few tokens share one cached trace (a prefix of it)."""
+    from traces import default_model_masks, predicted_masks
 
     n = max(n_tokens, 64)
     small = default_model_masks(n, config["sparsity"], progress=False) if config["mode"] == "flash-oracle" else \
         predicted_masks(Path(config["predictors"]), n)
-    return tile_masks(small[:n_tokens], n_layers, n_neurons)
+    return small[:n_tokens]
 
 
 def run_scale_child(config: dict) -> dict:
@@ -391,7 +440,8 @@ def run_scale_child(config: dict) -> dict:
         store, at = FlashStore(config["store"]), [0]
         masks = (scale_masks(config, config["tokens"] + 1, store.n_layers, store.n_neurons)
                  if config["mode"].startswith("flash") else None)
-        predictors = None if masks is None else ReplayedSets(masks, at, store.hidden_size)
+        cost = scale_cost_predictor(config["predictors"], store) if config.get("predictors") else None
+        predictors = None if masks is None else ReplayedSets(masks, at, store.hidden_size, cost)
         runtime = ffn_stack(store, "flash" if predictors is not None else config["mode"], config["budget_bytes"],
                             predictors=predictors, device=device)
         generator = torch.Generator().manual_seed(0)
@@ -465,29 +515,45 @@ def run_scale(args, baseline: int) -> list[dict]:
             raise SystemExit(f"{name}: a budget of {args.budget} does not cover the {resident / 1e6:.0f} MB of "
                              "resident tensors")
         ids, prompt_note = prompt_ids(args.prompt_tokens, FlashStore(store).config["vocab_size"])
-        for mode, point in SCALE_CONFIGS:
-            if mode not in wanted or (point is not None and point not in args.points.split(",")):
+        for mode, point, method in SCALE_CONFIGS:
+            if mode not in wanted or (point is not None and point not in args.points.split(",")) or \
+                    (method is not None and method not in args.scale_predictors.split(",")):
                 continue
             label, sparsity = POINTS[point] if point else ("dense compute", None)
+            train_args = SCALE_PREDICTORS[point][method] if method else None
             common = {"scale": True, "store": str(store), "mode": mode, "device": args.device, "operating_point": label,
                       "sparsity": sparsity, "model_budget_mb": model_budget / 1e6, "resident_mb": resident / 1e6,
-                      "predictors": str(trained_predictors(cache, sparsity)) if mode == "flash" else None}
-            configs.append({**common, "model": f"{name} (synthesized checkpoint, FFN stack)",
-                            "budget_bytes": model_budget - resident, "tokens": args.tokens})
-            if args.full:
-                configs.append({**common, "model": f"{name} (synthesized checkpoint, whole model)", "full": True,
-                                "budget_bytes": model_budget, "tokens": args.full_tokens, "prompt_ids": ids,
-                                "prompt_note": prompt_note, "timeout_s": args.child_timeout})
+                      "predictor": " ".join(train_args) if method else None,
+                      "predictors": str(trained_predictors(cache, train_args)) if method else None}
+            whole = {**common, "model": f"{name} (synthesized checkpoint, whole model)", "full": True,
+                     "budget_bytes": model_budget, "tokens": args.full_tokens, "prompt_ids": ids,
+                     "prompt_note": prompt_note, "timeout_s": args.child_timeout}
+            if mode == "accelerate":  # the peer runs the Hugging Face checkpoint itself: whole-model rows only
+                if args.full or args.full_only:
+                    from synth_checkpoint import shared_checkpoint
+
+                    configs.append({**whole, "hf_dir": str(shared_checkpoint(name)),
+                                    "offload_dir": str(cache / f"accelerate-offload-{name}")})
+                continue
+            if not args.full_only:
+                configs.append({**common, "model": f"{name} (synthesized checkpoint, FFN stack)",
+                                "budget_bytes": model_budget - resident, "tokens": args.tokens})
+            if args.full or args.full_only:
+                configs.append(whole)
     for config in configs:  # the sets, computed here: the children are limited to the budget
         if config["mode"].startswith("flash"):
-            scale_masks(config, len(config.get("prompt_ids", ())) + config["tokens"] + 1, 1, 1)
+            n_tokens = len(config.get("prompt_ids", ())) + config["tokens"] + 1
+            chosen = default_model_sets(config, n_tokens)
+            true = default_model_sets({"mode": "flash-oracle", "sparsity": config["sparsity"]}, n_tokens)
+            config["recall"] = ((chosen & true).sum() / true.sum()).item()  # of the true sets, on these tokens
     rows = []
     for round_index, config in [(r, c) for r in range(args.rounds) for c in configs]:
         child_rows, facts = run_limited_child(_child_argv(config), config["budget_bytes"], baseline,
                                               f"e2e-scale-{config['mode']}", args.child_timeout)
         row = {"model": config["model"], "mode": config["mode"], "budget_mb": config["budget_bytes"] / 1e6,
                **(child_rows[0] if child_rows else {"error": "the child printed no row"}),
-               **facts, "operating_point": config["operating_point"], "round": round_index,
+               **facts, "operating_point": config["operating_point"], "predictor": config["predictor"],
+               "recall": config.get("recall"), "round": round_index,
                "budget_spec": args.budget, "model_budget_mb": config["model_budget_mb"],
                "resident_mb": config["resident_mb"], "baseline_mb": baseline / 1e6,
                "prompt_tokens": len(config.get("prompt_ids", ())), "prompt_note": config.get("prompt_note")}
@@ -554,7 +620,7 @@ def run_prefill(args, baseline: int) -> list[dict]:
     ids, _ = prompt_ids(args.prompt_tokens, FlashStore(store).config["vocab_size"])
     base = {"prefill_bench": True, "mode": "flash", "store": str(store), "prompt_ids": ids,
             "budget_bytes": parse_budget(args.budget, model_bytes_of(store)),
-            "predictors": str(trained_predictors(cache, TARGET_SPARSITY))}
+            "predictors": str(trained_predictors(cache, (*LOWRANK_TRAINING, "--target-sparsity", str(TARGET_SPARSITY))))}
     rows = []
     for round_index, path in [(r, p) for r in range(args.rounds) for p in ("union", "sequential", "auto")]:
         child_rows, facts = run_limited_child(_child_argv({**base, "prefill": path}), base["budget_bytes"], baseline,
@@ -661,9 +727,13 @@ def main(argv: list[str] | None = None) -> None:
                                                                 "enforcing baseline + budget")
     parser.add_argument("--scale-models", default=",".join(SCALE_MODELS), help="--scale: among " + ",".join(SCALE_MODELS))
     parser.add_argument("--points", default=",".join(POINTS), help="--scale: operating points of the flash rows")
+    parser.add_argument("--scale-predictors", default=",".join(SCALE_PREDICTORS["a"]),
+                        help="--scale: predictor methods of the flash rows (SCALE_PREDICTORS)")
     parser.add_argument("--prefill", action="store_true", help="union vs sequential vs auto prefill (default model)")
     parser.add_argument("--calibrate", action="store_true", help="--prefill: measure the disk profile auto uses")
     parser.add_argument("--full", action="store_true", help="--scale: whole-model rows too (load_flash)")
+    parser.add_argument("--full-only", action="store_true",
+                        help="--scale: whole-model rows only (load_flash; the accelerate peer on the checkpoint)")
     parser.add_argument("--full-tokens", type=int, default=4, help="--scale --full: greedy decode tokens")
     parser.set_defaults(rounds=3)
     args = parser.parse_args(argv)

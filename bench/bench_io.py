@@ -39,7 +39,7 @@ from common import drop_page_cache, emit  # noqa: E402
 from flashllm_ext import store  # noqa: E402
 from flashllm_ext.convert import synthesize  # noqa: E402
 from flashllm_ext.paths import resolve_cache_dir  # noqa: E402
-from traces import default_model_mask_source, predicted_mask_source, trained_predictors  # noqa: E402
+from traces import LOWRANK_TRAINING, default_model_mask_source, predicted_mask_source, trained_predictors  # noqa: E402
 from flashllm_ext.disk import make_test_file, random_read_throughput  # noqa: E402
 from flashllm_ext.reader import FlashReader, has_io_uring  # noqa: E402
 
@@ -249,7 +249,9 @@ def table2(args: argparse.Namespace, report: Callable[[dict], None],
     if set_sources is None:
         cache = resolve_cache_dir() / "e2e"
         set_sources = {"oracle": default_model_mask_source(args.sparsity, args.documents),
-                       "predictor": predicted_mask_source(trained_predictors(cache, args.sparsity), args.documents)}
+                       "predictor": predicted_mask_source(
+                           trained_predictors(cache, (*LOWRANK_TRAINING, "--target-sparsity", str(args.sparsity))),
+                           args.documents)}
     window, n = args.window, fs.n_neurons
     pieces = -(-(args.tokens + window) // args.documents)
     n_tokens = pieces * args.documents  # the first `window` only fill the window: every row skips them

@@ -21,19 +21,18 @@ from flashllm_ext.paths import resolve_cache_dir
 
 CALIBRATION_TOKENS = 2048
 CONTEXT = 512  # tokens per forward pass over one piece of held-out text
-# The predictors the benchmarks drive flash reads with: the low-rank method, with less training than the CLI's 4096
-# tokens x 10 epochs, so that an operating point trains within a benchmark session on a shared 2-core machine
-# (there ~3 min a layer at the CLI's settings). The scale figures of issue 9 were measured with these.
-SCALE_PREDICTOR_TRAINING = ("--method", "lowrank", "--tokens", "1024", "--epochs", "2")
+# The low-rank predictors the benchmarks drive flash reads with train on less than the CLI's 4096 tokens x 10 epochs,
+# so that an operating point trains within a benchmark session on a shared 2-core machine (there ~3 min a layer at
+# the CLI's settings). The scale figures of issue 9 were measured with these.
+LOWRANK_TRAINING = ("--method", "lowrank", "--tokens", "1024", "--epochs", "2")
 
 
-def trained_predictors(cache: Path, target_sparsity: float) -> Path:
-    """A predictors file of the default model trained (once) for `target_sparsity` with SCALE_PREDICTOR_TRAINING."""
-    path = cache / f"smollm2-135m-predictors-s{target_sparsity:g}-{'-'.join(SCALE_PREDICTOR_TRAINING[1::2])}" \
-                   ".safetensors"
+def trained_predictors(cache: Path, train_args: tuple[str, ...]) -> Path:
+    """A predictors file of the default model built (once) by `flashllm train-predictors default *train_args`."""
+    path = cache / f"smollm2-135m-predictors-{'-'.join(train_args[1::2])}.safetensors"
     if not path.is_file():
         subprocess.run([sys.executable, "-m", "flashllm_ext.cli", "train-predictors", "default", "--out", str(path),
-                        "--target-sparsity", str(target_sparsity), *SCALE_PREDICTOR_TRAINING], check=True)
+                        *train_args], check=True)
     return path
 
 

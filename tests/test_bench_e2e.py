@@ -78,3 +78,42 @@ def test_scale_run_on_tiny_checkpoints_at_the_shared_paths(tmp_path):
         assert row["bytes_per_token"] >= store_ffn_bytes(store)  # naive: every bundle, every token
     assert {r["model"].split(" (")[1] for r in runs} == {"synthesized checkpoint, FFN stack)",
                                                           "synthesized checkpoint, whole model)"}
+
+
+def test_scale_rows_pay_for_a_predictor_of_the_large_shapes(tmp_path, monkeypatch):
+    """The scale rows replay the default model's sets but charge and run a predictor of the same method at the large
+    store's shapes (scale_cost_predictor): its memory is the replayed predictor's, its scoring runs every call."""
+    from transformers import OPTConfig, OPTForCausalLM
+
+    from flashllm_ext.predictor import QuantPredictor, load_predictors, save_predictors
+    from flashllm_ext.store import FlashStore
+
+    monkeypatch.syspath_prepend(str(BENCH.parent))
+    from bench_e2e import ReplayedSets, scale_cost_predictor
+
+    torch.manual_seed(0)
+    small = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+                                         num_attention_heads=4, vocab_size=64))
+    OPTForCausalLM(OPTConfig(hidden_size=64, ffn_dim=256, num_hidden_layers=2, num_attention_heads=4, vocab_size=64,
+                             word_embed_proj_dim=64, max_position_embeddings=64)).save_pretrained(tmp_path / "opt")
+    store = FlashStore(convert(tmp_path / "opt", tmp_path / "store", dtype="fp16", progress=False))
+    for trained in (QuantPredictor.from_model(small, gate_bits=4, up_bits=4),
+                    PredictorSet([LowRankPredictor(32, 48, r) for r in (2, 3, 4)], torch.zeros(3))):
+        path = tmp_path / f"{trained.method}.safetensors"
+        save_predictors(trained, path)
+        cost = scale_cost_predictor(str(path), store)
+        assert (cost.method, cost.n_layers, cost.hidden_size, cost.n_neurons) == (trained.method, 2, 64, 256)
+        if cost.method == "quant":  # OPT: no gate, ReLU, an fc1 bias; the bits as trained
+            assert (cost.glu, cost.activation, cost.up_bias, cost.up_bits) == (False, "relu", True, 4)
+            assert cost.layers[0].up_codes.any()  # filled: resident pages, as trained codes would be
+        else:
+            assert cost.config()["ranks"] == [2, 3]
+        assert cost.memory_bytes == type(cost).from_config(cost.config()).memory_bytes > 0
+        masks = torch.rand(4, 2, 256) < 0.1
+        replayed = ReplayedSets(masks, [1], 64, cost)
+        calls = []
+        monkeypatch.setattr(cost, "scores", lambda layer, x: calls.append((layer, x.shape)))
+        assert torch.equal(replayed.predict(1, torch.randn(2, 64)), masks[1:3, 1])
+        assert calls == [(1, (2, 64))] and replayed.memory_bytes == cost.memory_bytes
+        assert load_predictors(path).memory_bytes < cost.memory_bytes
+    assert ReplayedSets(masks, [0], 64).memory_bytes == 0  # the oracle's sets: nothing to pay
