@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from .backend import AttentionBackend
+from .backend import AttentionBackend, pair_starts
 from .files import IOCounters
 from .link import Link
 from .store import DTYPES, default_writeback, split_pairs
@@ -76,6 +76,17 @@ class NearStorageAttention(AttentionBackend):
             shard.append(layer, kk, vv)
             self.traffic.at(layer, PREFILL, i).kv_new_bytes += kk.nbytes + vv.nbytes
             self._record_io(layer, PREFILL, i)
+
+    def set_starts(self, starts: torch.Tensor | list[int] | None) -> None:
+        """Left padding (until reset()): sequence b attends only its tokens from starts[b] on (int [batch], the pad
+        tokens in front of it; None: none). Each worker gets its pairs' starts once."""
+        per_pair = pair_starts(starts, self.batch, self.kv_heads)
+        if per_pair is None:
+            per_pair = torch.zeros(self.batch * self.kv_heads, dtype=torch.int64)
+        for shard, (p0, p1) in zip(self.shards, self.ranges):
+            shard.submit_starts(per_pair[p0:p1])
+        for shard in self.shards:
+            shard.wait()
 
     def step(self, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor
              ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -154,7 +165,7 @@ class NearStorageAttention(AttentionBackend):
             self._record_io(FLUSH, FLUSH, i)
 
     def reset(self) -> None:
-        """Forgets every token (a new batch); the traffic log is cleared too."""
+        """Forgets every token and the padding (a new batch); the traffic log is cleared too."""
         self._all(OP_RESET)
         self._step = [0] * self.n_layers
         self._io = [s.counters.copy() for s in self.shards]

@@ -28,9 +28,9 @@ from .link import Link
 from .store import DTYPES, KVShard
 
 # ops
-OP_STEP, OP_APPEND, OP_FLUSH, OP_RESET, OP_CLOSE = 1, 2, 3, 4, 5
+OP_STEP, OP_APPEND, OP_FLUSH, OP_RESET, OP_CLOSE, OP_STARTS = 1, 2, 3, 4, 5, 6
 OP_NAMES = {OP_STEP: "step", OP_APPEND: "append", OP_FLUSH: "flush", OP_RESET: "reset",
-            OP_CLOSE: "close"}
+            OP_CLOSE: "close", OP_STARTS: "set_starts"}
 REQUEST = struct.Struct("<iiqq")  # op, layer, sequence number, tokens (OP_APPEND)
 REPLY = struct.Struct("<iqqqqqq")  # status (0 ok, 1 error: the message is in the reply region), sequence number,
 #                                    bytes read, reads, bytes written, writes (the shard's totals), message bytes
@@ -79,7 +79,8 @@ class ShardSpec:
         step_in = self.pairs * (self.group + 2) * self.head_dim * item
         append_in = 2 * self.chunk_tokens * self.token_bytes
         reply = self.pairs * self.group * (self.head_dim * item + 4)
-        return max(step_in, append_in), max(reply, 64 << 10)  # room for an error message
+        starts = self.pairs * 8
+        return max(step_in, append_in, starts), max(reply, 64 << 10)  # room for an error message
 
 
 def open_shard(spec: ShardSpec) -> ShardAttention:
@@ -115,6 +116,9 @@ class _Regions:
         s, dt = self.spec, self.spec.torch_dtype
         k = self._tensor(0, (n, s.pairs, s.head_dim), dt)
         return k, self._tensor(k.nbytes, (n, s.pairs, s.head_dim), dt)
+
+    def starts_request(self) -> torch.Tensor:
+        return self._tensor(0, (self.spec.pairs,), torch.int64)
 
     def reply(self) -> tuple[torch.Tensor, torch.Tensor]:
         s = self.spec
@@ -163,6 +167,9 @@ def worker_main(spec: ShardSpec, shm_name: str, conn) -> None:
                 engine.shard.flush()
             elif op == OP_RESET:
                 engine.shard.reset()
+                engine.set_starts(None)
+            elif op == OP_STARTS:
+                engine.set_starts(regions.starts_request().clone())
             elif op == OP_CLOSE:
                 engine.shard.close()
                 engine.close()
@@ -277,6 +284,11 @@ class ShardWorker:
         """OP_FLUSH, OP_RESET or OP_CLOSE; wait() for the reply."""
         self._send(op, -1)
 
+    def submit_starts(self, starts: torch.Tensor) -> None:
+        """Left padding: pair p attends only tokens >= starts[p] (int64 [pairs]); wait() for the reply."""
+        self._regions.starts_request().copy_(starts)
+        self._send(OP_STARTS, -1)
+
     def close(self, timeout_s: float = 30.0) -> None:
         """Spills what is buffered and stops the worker (a dead one is only reaped). If the spill fails the worker
         stays up with its buffer (WorkerError; close() again retries, terminate() gives up on the buffer)."""
@@ -329,8 +341,12 @@ class LocalShard:
             self.engine.shard.flush()
         elif op == OP_RESET:
             self.engine.shard.reset()
+            self.engine.set_starts(None)
         elif op == OP_CLOSE:
             self.close()
+
+    def submit_starts(self, starts: torch.Tensor) -> None:
+        self.engine.set_starts(starts)
 
     def wait(self) -> None:
         pass

@@ -17,12 +17,12 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import ops
-from .backend import AttentionBackend
+from .attention import masked_decode_attention
+from .backend import AttentionBackend, pair_starts
 
-
-# project(layer, x [n, s, hidden], start) -> (k, v) [n, kv_heads, s, head_dim], positions start..start+s-1
-Projector = Callable[[int, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
+# project(layer, x [n, s, hidden], start) -> (k, v) [n, kv_heads, s, head_dim] at positions start..start+s-1;
+# start: an int, or int64 [n] (per sequence: a left-padded sequence's tokens start at minus its padding)
+Projector = Callable[[int, torch.Tensor, "int | torch.Tensor"], tuple[torch.Tensor, torch.Tensor]]
 HOST = -1  # the shard index of the host's X-cache traffic records
 
 
@@ -52,10 +52,11 @@ def choose_alpha(*, link_gbps: float, storage_gbps: float, hidden: int, kv_heads
 
 def linear_projector(wk: list[torch.Tensor], wv: list[torch.Tensor], *, kv_heads: int,
                      bk: list[torch.Tensor] | None = None, bv: list[torch.Tensor] | None = None,
-                     rope: Callable[[torch.Tensor, int], torch.Tensor] | None = None) -> Projector:
+                     rope: Callable[[torch.Tensor, int | torch.Tensor], torch.Tensor] | None = None) -> Projector:
     """K = X Wk^T (+ bk), V = X Wv^T (+ bv) per layer (wk[layer]: [kv_heads x head_dim, hidden]); rope(k, start)
-    rotates k [n, kv_heads, s, head_dim] for positions start.. (None: no rotary embedding, e.g. OPT)."""
-    def project(layer: int, x: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+    rotates k [n, kv_heads, s, head_dim] for positions start.. (start: int or int64 [n]; None: no rotary
+    embedding, e.g. OPT)."""
+    def project(layer: int, x: torch.Tensor, start: int | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         n, s, _ = x.shape
         k = torch.nn.functional.linear(x, wk[layer].to(x.dtype), None if bk is None else bk[layer].to(x.dtype))
         v = torch.nn.functional.linear(x, wv[layer].to(x.dtype), None if bv is None else bv[layer].to(x.dtype))
@@ -86,6 +87,14 @@ class XCacheAttention(AttentionBackend):
         self._len = [0] * self.n_layers
         self._step = [0] * self.n_layers
         self._input: dict[int, torch.Tensor] = {}
+        self._starts: torch.Tensor | None = None  # left padding of the X sequences
+
+    def set_starts(self, starts: torch.Tensor | list[int] | None) -> None:
+        """Left padding (until reset()): sequence b attends only its tokens from starts[b] on, and its regenerated
+        K take positions from there (None: no padding)."""
+        per_seq = pair_starts(starts, self.batch, 1)
+        self._starts = None if per_seq is None or not bool(per_seq[:self.n_x].any()) else per_seq[:self.n_x]
+        self.storage.set_starts(None if per_seq is None else per_seq[self.n_x:])
 
     def set_input(self, layer: int, x: torch.Tensor) -> None:
         """The attention input of `layer` for the coming prefill/step (x [batch, s, hidden]), for callers (hooks)
@@ -124,9 +133,11 @@ class XCacheAttention(AttentionBackend):
         self._append_x(layer, x)
         n = self._len[layer]
         xs = self._x[layer][:, :n]
-        k, v = self.projector(layer, xs.to(q.dtype), 0)  # [n_x, kv_heads, n, D]
+        start = 0 if self._starts is None else -self._starts
+        k, v = self.projector(layer, xs.to(q.dtype), start)  # [n_x, kv_heads, n, D]
         qx = q[:self.n_x].to(k.dtype)
-        out_x, lse_x = ops.decode_attention(qx, k.permute(2, 0, 1, 3), v.permute(2, 0, 1, 3), scale=self.scale)
+        out_x, lse_x = masked_decode_attention(qx, k.permute(2, 0, 1, 3), v.permute(2, 0, 1, 3), scale=self.scale,
+                                               starts=self._starts)
         self.traffic.at(layer, step, HOST).x_bytes += xs.nbytes
         if overlap:
             out_s, lse_s = self.storage.collect(layer)
@@ -142,6 +153,7 @@ class XCacheAttention(AttentionBackend):
         self._len = [0] * self.n_layers
         self._step = [0] * self.n_layers
         self._input.clear()
+        self._starts = None
 
     def close(self) -> None:
         self.storage.close()
