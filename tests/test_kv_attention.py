@@ -1,7 +1,9 @@
 """Attention near storage equals dense attention (SDPA over the full K/V), for shards x writeback x GQA x prompt
 lengths that do and do not fill a read block; worker processes; a dead or failing worker gives a clear error."""
+import errno
 import os
 import signal
+import time
 
 import pytest
 import torch
@@ -170,3 +172,89 @@ def test_worker_exception_is_reported(tmp_path):
         attn.prefill(0, *random_kv(1, 2, 4, 8, torch.float32, 0))
         with pytest.raises(WorkerError, match="exceed max_tokens"):  # the worker's ValueError, with its traceback
             attn.step(0, torch.randn(1, 2, 8), torch.randn(1, 2, 8), torch.randn(1, 2, 8))
+
+
+class FailWhileExists:
+    """A worker-side fault injector (picklable: it crosses into the worker process): every write fails with ENOSPC
+    while `marker` exists, so the test switches the fault on and off from outside."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __call__(self, path, offset, nbytes):
+        if os.path.exists(self.marker):
+            raise OSError(errno.ENOSPC, "injected")
+
+
+def test_worker_io_error_mid_step(tmp_path):
+    """Shard 1's K file loses its data under the worker: the step's read fails there, the parent gets a WorkerError
+    naming the shard, the file and the errno at once, further steps are refused, and reset()/close() still work."""
+    dirs = [tmp_path / "a", tmp_path / "b"]
+    shape = dict(n_layers=1, batch=2, q_heads=2, kv_heads=2, dim=8, dtype=torch.float32)
+    with NearStorageAttention(dirs, n_layers=1, batch=2, q_heads=2, kv_heads=2, head_dim=8, dtype=torch.float32,
+                              max_tokens=32, writeback=2, processes=True, timeout_s=300) as attn:
+        attn.prefill(0, *random_kv(2, 2, 6, 8, torch.float32, 0))
+        attn.flush()
+        os.truncate(dirs[1] / "layer0.k", 0)
+        start = time.monotonic()
+        with pytest.raises(WorkerError, match=r"(?s)shard1 .*step of layer 0.*end of file.*layer0\.k.*errno 5"):
+            attn.step(0, torch.randn(2, 2, 8), torch.randn(2, 2, 8), torch.randn(2, 2, 8))
+        assert time.monotonic() - start < 30
+        with pytest.raises(WorkerError, match="an earlier step failed .layer 0, step 0: KV worker shard1"):
+            attn.step(0, torch.randn(2, 2, 8), torch.randn(2, 2, 8), torch.randn(2, 2, 8))
+        attn.reset()  # both workers are up: a new batch decodes correctly
+        run_decode(attn, prompt=5, steps=3, **shape)
+
+
+def test_worker_spill_fault_keeps_tokens_and_recovers(tmp_path):
+    """Writes fail (ENOSPC) inside the workers: the failed spill surfaces in the parent as a WorkerError carrying
+    the worker's SpillError, close() refuses to drop the buffers while it lasts, and once the device has room
+    again close() spills them: every token of the completed steps is on disk."""
+    marker = tmp_path / "full"
+    dirs = [tmp_path / "a", tmp_path / "b"]
+    attn = NearStorageAttention(dirs, n_layers=1, batch=2, q_heads=2, kv_heads=2, head_dim=8, dtype=torch.float32,
+                                max_tokens=32, writeback=2, processes=True, timeout_s=300,
+                                fault_injector=FailWhileExists(marker))
+    try:
+        k, v = random_kv(2, 2, 4, 8, torch.float32, 0)
+        attn.prefill(0, k, v)
+        attn.flush()
+        marker.touch()
+        g = torch.Generator().manual_seed(1)
+        done = 0
+        with pytest.raises(WorkerError, match=r"(?s)failed in step of layer 0.*SpillError.*buffered tokens are kept"):
+            for _ in range(4):  # step 2's spill (c = 2) fails in the background, step 3's append reports it
+                attn.step(0, torch.randn(2, 2, 8, generator=g), torch.randn(2, 2, 8, generator=g),
+                          torch.randn(2, 2, 8, generator=g))
+                done += 1
+        assert done == 2
+        with pytest.raises(WorkerError, match="SpillError"):
+            attn.close()  # nothing dropped: the workers stay up with their buffers
+        marker.unlink()
+        attn.close()
+    except BaseException:
+        attn.terminate()
+        raise
+    for d in dirs:  # the prompt and the two completed steps, all on disk
+        shard = KVShard.open(d)
+        assert shard.view(0).disk_len == 6 and shard.buffered(0) == 0
+        shard.close()
+
+
+def test_hung_worker_times_out(tmp_path):
+    """A worker that stops answering (SIGSTOP: stuck I/O, a deadlock) gives a WorkerError after timeout_s, not a
+    hang; terminate() then stops everything."""
+    attn = NearStorageAttention([tmp_path / "a", tmp_path / "b"], n_layers=1, batch=2, q_heads=2, kv_heads=2,
+                                head_dim=8, dtype=torch.float32, max_tokens=16, processes=True, timeout_s=300)
+    try:
+        attn.prefill(0, *random_kv(2, 2, 3, 8, torch.float32, 0))
+        for shard in attn.shards:
+            shard.timeout_s = 2.0
+        os.kill(attn.shards[0].pid, signal.SIGSTOP)
+        start = time.monotonic()
+        with pytest.raises(WorkerError, match=r"shard0 .*did not answer within 2 s \(killed\) during step"):
+            attn.step(0, torch.randn(2, 2, 8), torch.randn(2, 2, 8), torch.randn(2, 2, 8))
+        assert time.monotonic() - start < 20
+    finally:
+        attn.terminate()
+    assert all(not shard._proc.is_alive() for shard in attn.shards) or not attn.shards

@@ -23,7 +23,7 @@ from multiprocessing import shared_memory
 import torch
 
 from .attention import ShardAttention
-from .files import IOCounters
+from .files import FaultInjector, IOCounters
 from .link import Link
 from .store import DTYPES, KVShard
 
@@ -60,6 +60,7 @@ class ShardSpec:
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     torch_threads: int = 1
     storage_gbps: float | None = None  # emulated storage bandwidth of this shard's device (None: the real one)
+    fault_injector: FaultInjector | None = None  # runs before every write in the worker (picklable; tests)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -85,7 +86,8 @@ class ShardSpec:
 
 def open_shard(spec: ShardSpec) -> ShardAttention:
     shard = KVShard.create(spec.directory, spec.n_layers, spec.pairs, spec.head_dim, spec.torch_dtype,
-                           spec.max_tokens, writeback=spec.writeback, read_threads=spec.read_threads)
+                           spec.max_tokens, writeback=spec.writeback, read_threads=spec.read_threads,
+                           fault_injector=spec.fault_injector)
     return ShardAttention(shard, group=spec.group, scale=spec.scale, block_tokens=spec.block_tokens,
                           prefetch=spec.prefetch,
                           storage_link=None if spec.storage_gbps is None else Link(spec.storage_gbps))
@@ -221,11 +223,11 @@ class ShardWorker:
             self._inflight = None
             self._fail(op, layer)
 
-    def _fail(self, op: int, layer: int) -> None:
+    def _fail(self, op: int, layer: int, what: str | None = None) -> None:
         self._proc.join(timeout=1.0)
         code = self._proc.exitcode
-        self._dead = (f"KV worker {self.name} (pid {self._proc.pid}, {self.spec.directory}) "
-                      f"{'exited with code ' + str(code) if code is not None else 'stopped answering'} "
+        what = what or (f"exited with code {code}" if code is not None else "stopped answering")
+        self._dead = (f"KV worker {self.name} (pid {self._proc.pid}, {self.spec.directory}) {what} "
                       f"during {OP_NAMES[op]} of layer {layer}")
         raise WorkerError(self._dead)
 
@@ -234,11 +236,13 @@ class ShardWorker:
         op, layer, seq = self._inflight
         deadline = time.monotonic() + self.timeout_s
         while not self._conn.poll(POLL_S):
-            if not self._proc.is_alive() or time.monotonic() > deadline:
+            if not self._proc.is_alive():
                 self._inflight = None
-                if self._proc.is_alive():
-                    self._proc.kill()
                 self._fail(op, layer)
+            if time.monotonic() > deadline:  # hung (stopped, deadlocked, stuck in I/O): give up on it
+                self._inflight = None
+                self._proc.kill()
+                self._fail(op, layer, f"did not answer within {self.timeout_s:g} s (killed)")
         try:
             status, got_seq, *io, n_msg = REPLY.unpack(self._conn.recv_bytes())
         except (EOFError, OSError):
