@@ -8,7 +8,12 @@ groups are disjoint sequences, so their results are placed side by side, exactly
 X-cache pays only where X is smaller than K + V and the host's regeneration keeps up with the storage side:
 - per token, X holds `hidden` values and K + V hold 2 x kv_heads x head_dim; for MHA X is half of K + V, for GQA
   it can be larger (the default model: 576 against 384): then alpha = 0 (`choose_alpha` says why);
-- HILOS balances the link and the devices: alpha = 2 B_link / (B_ssd + B_link), capped by the memory for X.
+- HILOS balances the link and the devices: alpha = 2 B_link / (B_ssd + B_link), capped by the memory for X;
+- the host must regenerate faster than the devices read: per token, K/V cost 2 x hidden x (K+V values) flops to
+  regenerate against (K+V bytes) / B_ssd to read. Given the host's measured rate (`host_flops`), regeneration
+  slower than the read it replaces gives alpha = 0 (on a CPU host that also runs the storage workers, as on the
+  benchmark machine, there is no idle compute to hide it behind), and otherwise alpha is capped where the host's
+  regeneration time equals the devices' read time of the other sequences.
 """
 from __future__ import annotations
 
@@ -32,17 +37,35 @@ class AlphaChoice:
     reason: str
 
 
+def regeneration_flops(hidden: int, kv_heads: int, head_dim: int) -> int:
+    """Flops to regenerate one token's K and V from its X (two [hidden] x [hidden, kv_heads x head_dim] GEMVs)."""
+    return 2 * hidden * 2 * kv_heads * head_dim
+
+
 def choose_alpha(*, link_gbps: float, storage_gbps: float, hidden: int, kv_heads: int, head_dim: int,
                  memory_bytes: int | None = None, batch: int = 1, context: int = 1, n_layers: int = 1,
-                 itemsize: int = 2) -> AlphaChoice:
+                 itemsize: int = 2, host_flops: float | None = None) -> AlphaChoice:
     """The fraction of sequences to keep as X. storage_gbps: the devices' aggregate read bandwidth; memory_bytes:
-    host memory for X (None: unlimited), which must hold alpha x batch x context x hidden values per layer."""
+    host memory for X (None: unlimited), which must hold alpha x batch x context x hidden values per layer;
+    host_flops: the host's measured K/V regeneration rate in flop/s (None: not limited by compute)."""
     x, kv = hidden, 2 * kv_heads * head_dim
     if x >= kv:
         return AlphaChoice(0.0, f"X ({x} values per token) is not smaller than K+V ({kv}): regenerating K/V from X "
                                 f"moves more bytes than reading K/V (GQA); X-cache cannot pay")
     alpha = min(1.0, 2 * link_gbps / (storage_gbps + link_gbps))
     reason = f"HILOS: 2 x {link_gbps:g} / ({storage_gbps:g} + {link_gbps:g}) Gb/s"
+    if host_flops is not None:
+        t_read = kv * itemsize * 8 / (storage_gbps * 1e9)
+        t_regen = regeneration_flops(hidden, kv_heads, head_dim) / host_flops
+        if t_regen >= t_read:
+            return AlphaChoice(0.0, f"regenerating a token's K/V takes {t_regen * 1e9:.3g} ns at "
+                                    f"{host_flops / 1e9:.3g} GFLOP/s, reading them {t_read * 1e9:.3g} ns at "
+                                    f"{storage_gbps:g} Gb/s: the compute exceeds the transfer saved; X-cache "
+                                    f"cannot pay")
+        balance = t_read / (t_read + t_regen)
+        if balance < alpha:
+            alpha, reason = balance, (f"{reason}, capped where the host's regeneration ({t_regen * 1e9:.3g} ns per "
+                                      f"token) keeps pace with the devices' reads ({t_read * 1e9:.3g} ns)")
     if memory_bytes is not None:
         fits = memory_bytes / (batch * context * hidden * itemsize * n_layers)
         if fits < alpha:
