@@ -13,6 +13,14 @@ prompt (flushed before the clock starts, so the decode writes are counted alone)
 
     python bench/bench_kv.py [--json] [--only ablation|scaling|kernel] [--workers 1,2,4,8,16] [--context 1024]
                              [--dir /dev/shm/kv-bench]   # emulated devices need no disk: tmpfs keeps O_DIRECT
+    python bench/bench_kv.py --only generate [--batch 16 --context 2048 --new-tokens 6 --hidden 1024 ...]
+
+`--only generate`: batched greedy `generate()` of a synthesized Llama model (random weights; heads x head_dim as
+given, residual width --hidden, --layers layers) with its KV cache on the emulated devices, through
+`flashllm_ext.kv.hf`: prefill writes the store in bulk, every decode step runs each config's attention. tokens/s
+counts the decode steps (from the end of the last layer's prefill); the generated tokens of every config are
+compared with the baseline's. X-cache alpha: --x-alpha hilos (the paper's formula) or auto (choose_alpha given the
+host's measured K/V regeneration rate: alpha 0 where regenerating is slower than reading).
     python bench/bench_kv.py --plot ABLATION.jsonl SCALING.jsonl   # the two plots from earlier --json runs
 """
 from __future__ import annotations
@@ -129,13 +137,126 @@ def median_rows(rows: list[dict]) -> dict:
     return row
 
 
-def interleaved(jobs: list[tuple[str, int]], args, root: Path) -> list[dict]:
+def interleaved(jobs: list[tuple[str, int]], args, root: Path, run_job=None) -> list[dict]:
+    """Every job (config, workers) once per round, the order rotated each round; the median row of each."""
+    run_job = run_job or (lambda config, workers: run(config, workers, args, root))
     runs: dict[tuple[str, int], list[dict]] = {job: [] for job in jobs}
     for r in range(args.rounds):
         for job in jobs[r % len(jobs):] + jobs[:r % len(jobs)]:
             print(f"round {r + 1}/{args.rounds}: {job[0]} x{job[1]}", file=sys.stderr, flush=True)
-            runs[job].append(run(*job, args, root))
+            runs[job].append(run_job(*job))
     return [median_rows(runs[job]) for job in jobs]
+
+
+def host_regeneration_flops(hidden: int, kv_values: int, tokens: int = 2048, rounds: int = 5) -> float:
+    """The host's K/V regeneration rate (flop/s): X [tokens, hidden] @ [hidden, kv_values] in float32, as
+    XCacheAttention runs it, median of `rounds`."""
+    from flashllm_ext.timing import time_interleaved
+
+    x, w = torch.randn(tokens, hidden), torch.randn(kv_values, hidden)
+    seconds = time_interleaved({"regen": lambda: torch.nn.functional.linear(x, w)}, rounds=rounds)["regen"]
+    return 2 * tokens * hidden * kv_values / seconds
+
+
+def synthesized_llama(args):
+    """A Llama-architecture model with random weights: args.heads x args.head_dim attention (MHA), residual width
+    args.hidden, MLP width args.hidden, args.layers layers, a small vocabulary."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.hidden,
+                         num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                         num_key_value_heads=args.heads, head_dim=args.head_dim,
+                         max_position_embeddings=args.context + args.new_tokens + 1)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).eval()
+
+
+def x_sequences(args, workers: int) -> tuple[int, str]:
+    """(sequences kept as X, why) for the X-cache configs."""
+    kv_values = 2 * args.heads * args.head_dim
+    host_flops = None
+    if args.x_alpha == "auto":
+        host_flops = host_regeneration_flops(args.hidden, kv_values)
+    choice = choose_alpha(link_gbps=args.link_gbps, storage_gbps=args.device_gbps * workers, hidden=args.hidden,
+                          kv_heads=args.heads, head_dim=args.head_dim, host_flops=host_flops)
+    return min(args.batch - 1, round(choice.alpha * args.batch)), choice.reason
+
+
+def run_generate(config: str, workers: int, model, ids: torch.Tensor, args, root: Path, n_x: int) -> dict:
+    """One batched greedy generate() of `model` with its KV on `workers` emulated devices, as `config`."""
+    from flashllm_ext.kv import hf
+
+    dirs = [root / f"dev{i}" for i in range(workers)]
+    for d in dirs:
+        shutil.rmtree(d, ignore_errors=True)
+    link = Link(args.link_gbps)
+    kind = "baseline" if config == "baseline" else "near_storage"
+    kwargs = {"processes": True, "torch_threads": 1} if kind == "near_storage" else {}
+    n_x = n_x if "+x" in config else 0
+    b, s, n = args.batch, args.context, args.new_tokens
+    backend = hf.storage_attention(model, dirs, batch=b, max_tokens=s + n, kind=kind, dtype=torch.float16,
+                                   x_cache=n_x, link=link, storage_gbps=args.device_gbps,
+                                   writeback=args.writeback if "+wb" in config else 1, **kwargs)
+    marks = {}
+    prefill = backend.prefill
+
+    def timed_prefill(layer, *a, **kw):
+        prefill(layer, *a, **kw)
+        if layer == args.layers - 1:
+            marks["decode_start"] = time.perf_counter()
+    backend.prefill = timed_prefill
+    try:
+        backend.reset()  # waits for the workers to be up: their start is not the prefill's time
+        start = time.perf_counter()
+        out = hf.generate(model, ids, backend, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        end = time.perf_counter()
+        steps = n - 1  # the first new token comes from the prefill
+        traffic = backend.traffic
+        decode = traffic.total(steps=range(steps))
+        # writes of steps 1..: step 0's record also holds the prompt's bulk spill (finished during it)
+        later = traffic.total(steps=range(1, steps))
+        storage = backend.storage if n_x else backend
+        row = {"bench": "kv", "mode": "generate", "config": config, "workers": workers, "batch": b, "context": s,
+               "layers": args.layers, "heads": args.heads, "head_dim": args.head_dim, "hidden": args.hidden,
+               "new_tokens": n, "prefill_s": marks["decode_start"] - start,
+               "tokens_per_s": b * steps / (end - marks["decode_start"]),
+               "interconnect_bytes_per_step": decode.interconnect_bytes() / steps,
+               "storage_read_bytes_per_step": decode.storage_read_bytes / steps,
+               "storage_reads_per_step": decode.storage_reads / steps,
+               "writes_per_step": later.storage_writes / (steps - 1),
+               "mean_write_kib": later.mean_write_bytes / 1024,
+               "x_bytes_per_step": decode.x_bytes / steps, "link_gbps": link.gbps, "device_gbps": args.device_gbps,
+               "n_x": n_x, "writeback": storage.writeback[0], "tokens": out[:, s:].tolist()}
+        backend.close()
+        return row
+    except BaseException:
+        backend.terminate()
+        raise
+    finally:
+        for d in dirs:
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def generate_ablation(args, root: Path) -> list[dict]:
+    """baseline, ans, ans+wb, ans+wb+x through generate() of a synthesized model, interleaved, medians."""
+    workers = args.ablation_workers
+    model = synthesized_llama(args)
+    ids = torch.randint(0, args.vocab, (args.batch, args.context), generator=torch.Generator().manual_seed(0))
+    n_x, reason = x_sequences(args, workers)
+    auto = None
+    if args.x_alpha == "hilos":  # what the compute-aware choice would have done, for the record
+        auto = x_sequences(argparse.Namespace(**{**vars(args), "x_alpha": "auto"}), workers)
+    print(f"X-cache: {n_x} of {args.batch} sequences ({reason})", file=sys.stderr, flush=True)
+    configs = ["baseline", "ans", "ans+wb", "ans+wb+x"]
+    rows = interleaved([(c, workers) for c in configs], args, root,
+                       lambda config, w: run_generate(config, w, model, ids, args, root, n_x))
+    base_tokens = rows[0]["tokens"]
+    for row in rows:
+        row["tokens_equal_baseline"] = row.pop("tokens") == base_tokens
+        row["x_alpha_reason"] = reason if "+x" in row["config"] else None
+        if auto is not None and "+x" in row["config"]:
+            row["x_auto_n_x"], row["x_auto_reason"] = auto
+    return rows
 
 
 def eq3_check(rows: list[dict], args) -> dict:
@@ -223,7 +344,7 @@ def plot(rows: list[dict], scaling: list[dict]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true")
-    parser.add_argument("--only", choices=["ablation", "scaling", "kernel"])
+    parser.add_argument("--only", choices=["ablation", "scaling", "kernel", "generate"])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--heads", type=int, default=56)
@@ -231,6 +352,13 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=1)
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--new-tokens", type=int, default=6, help="generate: tokens generated per sequence")
+    parser.add_argument("--hidden", type=int, default=1024, help="generate: the synthesized model's residual width")
+    parser.add_argument("--vocab", type=int, default=512, help="generate: the synthesized model's vocabulary")
+    parser.add_argument("--writeback", type=int, default=None,
+                        help="generate: c of the +wb configs (default: one spill per shard and file >= 4 KiB)")
+    parser.add_argument("--x-alpha", choices=["hilos", "auto"], default="hilos",
+                        help="generate: X-cache fraction from HILOS' formula, or compute-aware (choose_alpha)")
     parser.add_argument("--workers", default="1,2,4,8,16", help="device counts of the scaling study")
     parser.add_argument("--ablation-workers", type=int, default=4)
     parser.add_argument("--device-gbps", type=float, default=0.128, help="emulated read bandwidth of one device")
@@ -253,6 +381,8 @@ def main() -> None:
     if args.only in (None, "ablation"):
         ablation = interleaved([(c, args.ablation_workers) for c in CONFIGS], args, root)
         out += ablation + [eq3_check(ablation, args)]
+    if args.only == "generate":
+        out += generate_ablation(args, root)
     if args.only in (None, "kernel"):
         out.append(kernel_vs_storage(args, root))
     if args.only in (None, "scaling"):

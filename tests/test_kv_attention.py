@@ -1,20 +1,26 @@
 """Attention near storage equals dense attention (SDPA over the full K/V), for shards x writeback x GQA x prompt
 lengths that do and do not fill a read block; worker processes; a dead or failing worker gives a clear error."""
+import errno
 import os
 import signal
+import time
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from flashllm_ext.kv import KVShard, NearStorageAttention, ShardAttention, WorkerError
+from flashllm_ext.kv import HostKVAttention, KVShard, NearStorageAttention, ShardAttention, WorkerError
+from flashllm_ext.kv.attention import masked_decode_attention
 
 
-def dense_attention(q, k, v, scale=None):
-    """q [B, Hq, D] over k, v [B, Hkv, S, D] (GQA: head h reads kv head h // (Hq // Hkv))."""
+def dense_attention(q, k, v, scale=None, starts=None):
+    """q [B, Hq, D] over k, v [B, Hkv, S, D] (GQA: head h reads kv head h // (Hq // Hkv)); sequence b attends only
+    tokens >= starts[b] (left padding; None: all)."""
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1).float(), v.repeat_interleave(group, dim=1).float()
-    return F.scaled_dot_product_attention(q.float()[:, :, None], k, v, scale=scale)[:, :, 0]
+    mask = None if starts is None else (torch.arange(k.shape[2])[None] >= torch.as_tensor(starts)[:, None])
+    mask = None if mask is None else mask[:, None, None]
+    return F.scaled_dot_product_attention(q.float()[:, :, None], k, v, attn_mask=mask, scale=scale)[:, :, 0]
 
 
 def random_kv(batch, kv_heads, s, dim, dtype, seed):
@@ -23,10 +29,13 @@ def random_kv(batch, kv_heads, s, dim, dtype, seed):
             torch.randn(batch, kv_heads, s, dim, generator=g).to(dtype))
 
 
-def run_decode(attn, *, n_layers, batch, q_heads, kv_heads, dim, dtype, prompt, steps, scale=None, seed=0):
-    """Prefill + `steps` decode steps through `attn`; checks every step against dense attention. Returns the
-    full K/V of layer 0."""
+def run_decode(attn, *, n_layers, batch, q_heads, kv_heads, dim, dtype, prompt, steps, scale=None, seed=0,
+               starts=None):
+    """Prefill + `steps` decode steps through `attn` (left padding `starts`, if given); checks every step against
+    dense attention. Returns the full K/V of layer 0."""
     g = torch.Generator().manual_seed(seed + 100)
+    if starts is not None:
+        attn.set_starts(starts)
     ks, vs = [], []
     for layer in range(n_layers):
         k, v = random_kv(batch, kv_heads, prompt, dim, dtype, seed + layer)
@@ -43,7 +52,8 @@ def run_decode(attn, *, n_layers, batch, q_heads, kv_heads, dim, dtype, prompt, 
             vs[layer] = torch.cat([vs[layer], v_new[:, :, None]], dim=2)
             out, lse = attn.step(layer, q, k_new, v_new)
             assert out.shape == (batch, q_heads, dim) and lse.shape == (batch, q_heads)
-            torch.testing.assert_close(out, dense_attention(q, ks[layer], vs[layer], scale), atol=tol, rtol=tol)
+            torch.testing.assert_close(out, dense_attention(q, ks[layer], vs[layer], scale, starts), atol=tol,
+                                       rtol=tol)
     return ks[0], vs[0]
 
 
@@ -67,6 +77,36 @@ def test_near_storage_equals_dense(tmp_path, shards, writeback, heads, prompt):
         assert shard.view(0).length == prompt + steps and shard.buffered(0) == 0
         assert torch.equal(shard.tokens(0)[0], flat_k[p0:p1].transpose(0, 1))
         shard.close()
+
+
+@pytest.mark.parametrize("kind", ["near_storage", "baseline"])
+@pytest.mark.parametrize("writeback", [1, 5])
+@pytest.mark.parametrize("heads", [(4, 4), (6, 2)])
+def test_left_padding_is_never_attended(tmp_path, kind, writeback, heads):
+    """Padding of 0, 3, 9 (a whole block and more) and 11 tokens in front of a 12-token prompt: each sequence
+    attends only its own tokens, over disk blocks (block_tokens 4), the block the padding ends in, and the buffer."""
+    q_heads, kv_heads = heads
+    cls, extra = (NearStorageAttention, {"processes": False, "block_tokens": 4}) if kind == "near_storage" else \
+        (HostKVAttention, {})
+    with cls([tmp_path / "a", tmp_path / "b"], n_layers=2, batch=4, q_heads=q_heads, kv_heads=kv_heads, head_dim=8,
+             dtype=torch.float32, max_tokens=32, writeback=writeback, **extra) as attn:
+        run_decode(attn, n_layers=2, batch=4, q_heads=q_heads, kv_heads=kv_heads, dim=8, dtype=torch.float32,
+                   prompt=12, steps=4, starts=[0, 3, 9, 11])
+        attn.reset()  # forgets the padding too
+        run_decode(attn, n_layers=2, batch=4, q_heads=q_heads, kv_heads=kv_heads, dim=8, dtype=torch.float32,
+                   prompt=5, steps=2, seed=1)
+
+
+def test_masked_part_with_no_visible_token():
+    """A range wholly inside a sequence's padding gives that row out 0, lse -inf (dropped by the merge)."""
+    q, k, v = torch.randn(3, 2, 8), torch.randn(5, 3, 1, 8), torch.randn(5, 3, 1, 8)
+    out, lse = masked_decode_attention(q, k, v, scale=None, starts=torch.tensor([0, 7, 12]), t0=5)
+    full, full_lse = masked_decode_attention(q[:1], k[:, :1], v[:, :1], scale=None)
+    torch.testing.assert_close(out[0], full[0])
+    torch.testing.assert_close(lse[0], full_lse[0])
+    part, _ = masked_decode_attention(q[1:2], k[2:, 1:2], v[2:, 1:2], scale=None)
+    torch.testing.assert_close(out[1], part[0])
+    assert torch.equal(out[2], torch.zeros(2, 8)) and bool((lse[2] == float("-inf")).all())
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -132,3 +172,89 @@ def test_worker_exception_is_reported(tmp_path):
         attn.prefill(0, *random_kv(1, 2, 4, 8, torch.float32, 0))
         with pytest.raises(WorkerError, match="exceed max_tokens"):  # the worker's ValueError, with its traceback
             attn.step(0, torch.randn(1, 2, 8), torch.randn(1, 2, 8), torch.randn(1, 2, 8))
+
+
+class FailWhileExists:
+    """A worker-side fault injector (picklable: it crosses into the worker process): every write fails with ENOSPC
+    while `marker` exists, so the test switches the fault on and off from outside."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __call__(self, path, offset, nbytes):
+        if os.path.exists(self.marker):
+            raise OSError(errno.ENOSPC, "injected")
+
+
+def test_worker_io_error_mid_step(tmp_path):
+    """Shard 1's K file loses its data under the worker: the step's read fails there, the parent gets a WorkerError
+    naming the shard, the file and the errno at once, further steps are refused, and reset()/close() still work."""
+    dirs = [tmp_path / "a", tmp_path / "b"]
+    shape = dict(n_layers=1, batch=2, q_heads=2, kv_heads=2, dim=8, dtype=torch.float32)
+    with NearStorageAttention(dirs, n_layers=1, batch=2, q_heads=2, kv_heads=2, head_dim=8, dtype=torch.float32,
+                              max_tokens=32, writeback=2, processes=True, timeout_s=300) as attn:
+        attn.prefill(0, *random_kv(2, 2, 6, 8, torch.float32, 0))
+        attn.flush()
+        os.truncate(dirs[1] / "layer0.k", 0)
+        start = time.monotonic()
+        with pytest.raises(WorkerError, match=r"(?s)shard1 .*step of layer 0.*end of file.*layer0\.k.*errno 5"):
+            attn.step(0, torch.randn(2, 2, 8), torch.randn(2, 2, 8), torch.randn(2, 2, 8))
+        assert time.monotonic() - start < 30
+        with pytest.raises(WorkerError, match="an earlier step failed .layer 0, step 0: KV worker shard1"):
+            attn.step(0, torch.randn(2, 2, 8), torch.randn(2, 2, 8), torch.randn(2, 2, 8))
+        attn.reset()  # both workers are up: a new batch decodes correctly
+        run_decode(attn, prompt=5, steps=3, **shape)
+
+
+def test_worker_spill_fault_keeps_tokens_and_recovers(tmp_path):
+    """Writes fail (ENOSPC) inside the workers: the failed spill surfaces in the parent as a WorkerError carrying
+    the worker's SpillError, close() refuses to drop the buffers while it lasts, and once the device has room
+    again close() spills them: every token of the completed steps is on disk."""
+    marker = tmp_path / "full"
+    dirs = [tmp_path / "a", tmp_path / "b"]
+    attn = NearStorageAttention(dirs, n_layers=1, batch=2, q_heads=2, kv_heads=2, head_dim=8, dtype=torch.float32,
+                                max_tokens=32, writeback=2, processes=True, timeout_s=300,
+                                fault_injector=FailWhileExists(marker))
+    try:
+        k, v = random_kv(2, 2, 4, 8, torch.float32, 0)
+        attn.prefill(0, k, v)
+        attn.flush()
+        marker.touch()
+        g = torch.Generator().manual_seed(1)
+        done = 0
+        with pytest.raises(WorkerError, match=r"(?s)failed in step of layer 0.*SpillError.*buffered tokens are kept"):
+            for _ in range(4):  # step 2's spill (c = 2) fails in the background, step 3's append reports it
+                attn.step(0, torch.randn(2, 2, 8, generator=g), torch.randn(2, 2, 8, generator=g),
+                          torch.randn(2, 2, 8, generator=g))
+                done += 1
+        assert done == 2
+        with pytest.raises(WorkerError, match="SpillError"):
+            attn.close()  # nothing dropped: the workers stay up with their buffers
+        marker.unlink()
+        attn.close()
+    except BaseException:
+        attn.terminate()
+        raise
+    for d in dirs:  # the prompt and the two completed steps, all on disk
+        shard = KVShard.open(d)
+        assert shard.view(0).disk_len == 6 and shard.buffered(0) == 0
+        shard.close()
+
+
+def test_hung_worker_times_out(tmp_path):
+    """A worker that stops answering (SIGSTOP: stuck I/O, a deadlock) gives a WorkerError after timeout_s, not a
+    hang; terminate() then stops everything."""
+    attn = NearStorageAttention([tmp_path / "a", tmp_path / "b"], n_layers=1, batch=2, q_heads=2, kv_heads=2,
+                                head_dim=8, dtype=torch.float32, max_tokens=16, processes=True, timeout_s=300)
+    try:
+        attn.prefill(0, *random_kv(2, 2, 3, 8, torch.float32, 0))
+        for shard in attn.shards:
+            shard.timeout_s = 2.0
+        os.kill(attn.shards[0].pid, signal.SIGSTOP)
+        start = time.monotonic()
+        with pytest.raises(WorkerError, match=r"shard0 .*did not answer within 2 s \(killed\) during step"):
+            attn.step(0, torch.randn(2, 2, 8), torch.randn(2, 2, 8), torch.randn(2, 2, 8))
+        assert time.monotonic() - start < 20
+    finally:
+        attn.terminate()
+    assert all(not shard._proc.is_alive() for shard in attn.shards) or not attn.shards

@@ -1,6 +1,7 @@
 """KVFile and KVShard: the on-disk layout, direct-I/O appends with tail blocks, delayed writeback, faults, restart."""
 import errno
 import json
+import os
 
 import pytest
 import torch
@@ -124,6 +125,91 @@ def test_background_spill_error_surfaces_on_next_append(tmp_path):
     calls["on"] = False
     shard.append(0, k[2:4], k[2:4])
     shard.close()
+
+
+class SyncLog:
+    """Watches os.pwrite / os.fdatasync / os.fsync / os.replace: which bytes of each file were written and then
+    synced, and what each manifest claimed when it was renamed into place (checked against the synced bytes)."""
+
+    def __init__(self, monkeypatch, row_bytes, fail_sync=None):
+        self.row_bytes, self.fail_sync = row_bytes, fail_sync
+        self.written, self.synced, self.events = {}, {}, []
+        real = {name: getattr(os, name) for name in ("pwrite", "fdatasync", "fsync", "replace")}
+
+        def path_of(fd):
+            return os.readlink(f"/proc/self/fd/{fd}")
+
+        def pwrite(fd, buf, offset):
+            n = real["pwrite"](fd, buf, offset)
+            path = path_of(fd)
+            self.written[path] = max(self.written.get(path, 0), offset + n)
+            return n
+
+        def fdatasync(fd):
+            path = path_of(fd)
+            if self.fail_sync is not None and self.fail_sync(path):
+                raise OSError(errno.EIO, "injected")
+            real["fdatasync"](fd)
+            self.synced[path] = self.written.get(path, 0)
+            self.events.append(("sync", path))
+
+        def fsync(fd):
+            real["fsync"](fd)
+            self.events.append(("fsync", path_of(fd)))
+
+        def replace(src, dst):
+            lengths = json.loads(open(src).read())["lengths"]
+            assert self.events[-1] == ("fsync", str(src)), "the manifest is synced before it replaces the old one"
+            for layer, n in enumerate(lengths):  # every row the manifest names is on the device
+                for kind in "kv":
+                    path = str(os.path.join(os.path.dirname(dst), f"layer{layer}.{kind}"))
+                    assert self.synced.get(path, 0) >= n * self.row_bytes, (path, n, self.synced)
+            real["replace"](src, dst)
+            self.events.append(("manifest", tuple(lengths)))
+        for name, fn in (("pwrite", pwrite), ("fdatasync", fdatasync), ("fsync", fsync), ("replace", replace)):
+            monkeypatch.setattr(os, name, fn)
+
+
+def test_spills_are_synced_before_the_manifest_records_them(tmp_path, monkeypatch):
+    pairs, dim = 3, 8
+    log = SyncLog(monkeypatch, pairs * dim * 2)
+    shard = KVShard.create(tmp_path, 2, pairs, dim, torch.float16, 64, writeback=4)
+    k = rand_tokens(19, pairs, dim)
+    for t in range(19):
+        for layer in range(2):
+            shard.append(layer, k[t:t + 1], -k[t:t + 1])
+    shard.close()
+    manifests = [e[1] for e in log.events if e[0] == "manifest"]
+    # creation, one per spill (4 per layer in the loop, then the flush of the last 3 per layer)
+    assert manifests[0] == (0, 0) and manifests[-1] == (19, 19) and len(manifests) == 1 + 2 * 4 + 2
+    # the rename is made durable too: a directory fsync after each manifest
+    for i, event in enumerate(log.events):
+        if event[0] == "manifest":
+            assert log.events[i + 1] == ("fsync", str(tmp_path))
+
+
+def test_failed_sync_keeps_buffer_and_rows_go_again(tmp_path, monkeypatch):
+    """fdatasync failing (EIO) is a failed spill: the buffer stays, the manifest is not advanced, the files are
+    rolled back so a retry writes the rows again; after it every token is recovered from disk."""
+    fail = {"on": True}
+    SyncLog(monkeypatch, 2 * 4 * 2, fail_sync=lambda path: fail["on"] and path.endswith(".v"))
+    shard = KVShard.create(tmp_path, 1, 2, 4, torch.float16, 50, writeback=3)
+    k, v = rand_tokens(8, 2, 4, seed=5), rand_tokens(8, 2, 4, seed=6)
+    for t in range(3):
+        shard.append(0, k[t:t + 1], v[t:t + 1])
+    with pytest.raises(SpillError, match="sync of .*layer0.v failed") as info:
+        shard.flush()
+    assert info.value.__cause__.errno == errno.EIO
+    assert shard.buffered(0) == 3 and shard.view(0).disk_len == 0
+    assert json.loads((tmp_path / "shard.json").read_text())["lengths"] == [0]
+    fail["on"] = False
+    for t in range(3, 8):
+        shard.append(0, k[t:t + 1], v[t:t + 1])
+    shard.close()
+    reopened = KVShard.open(tmp_path)
+    got_k, got_v = reopened.tokens(0)
+    assert torch.equal(got_k, k) and torch.equal(got_v, v)
+    reopened.close()
 
 
 def test_restart_recovers_spilled_tokens_and_tail(tmp_path):

@@ -5,7 +5,7 @@ import torch
 
 from flashllm_ext.kv import NearStorageAttention
 from flashllm_ext.kv.baseline import HostKVAttention
-from flashllm_ext.kv.xcache import HOST, XCacheAttention, choose_alpha, linear_projector
+from flashllm_ext.kv.xcache import HOST, XCacheAttention, choose_alpha, linear_projector, regeneration_flops
 from test_kv_attention import dense_attention
 
 
@@ -74,3 +74,25 @@ def test_choose_alpha():
     # the default model (GQA): X is 576 values per token, K+V 2 x 3 x 64 = 384: X-cache cannot pay
     gqa = choose_alpha(link_gbps=16, storage_gbps=48, hidden=576, kv_heads=3, head_dim=64)
     assert gqa.alpha == 0.0 and "cannot pay" in gqa.reason
+
+
+def test_choose_alpha_refuses_when_regeneration_is_slower_than_the_read():
+    """Per token, regenerating K/V costs 2 x hidden x (K+V) flops; reading them (K+V) x 2 bytes from the devices.
+    MHA 56 x 128 (hidden 7168): 411 MFLOP against 28 KiB."""
+    mha = dict(hidden=7168, kv_heads=56, head_dim=128)
+    assert regeneration_flops(**mha) == 2 * 7168 * 14336
+    t_read = 14336 * 2 * 8 / 48e9  # 48 Gb/s of devices
+    # a GPU-class host: regeneration is 10x faster than the read, HILOS' alpha (0.5) stands
+    fast = choose_alpha(link_gbps=16, storage_gbps=48, host_flops=regeneration_flops(**mha) / (t_read / 10), **mha)
+    assert fast.alpha == pytest.approx(0.5) and "capped" not in fast.reason
+    # 2x faster: the balance t_read / (t_read + t_regen) = 2/3 is above HILOS' 0.5, which stands; at 1.5x faster
+    # the balance (0.6) is below HILOS' 0.75 (link 24 Gb/s) and caps it
+    assert choose_alpha(link_gbps=16, storage_gbps=48, host_flops=regeneration_flops(**mha) / (t_read / 2),
+                        **mha).alpha == pytest.approx(0.5)
+    t_read_40 = 14336 * 2 * 8 / 40e9
+    capped = choose_alpha(link_gbps=24, storage_gbps=40, host_flops=regeneration_flops(**mha) / (t_read_40 / 1.5),
+                          **mha)
+    assert capped.alpha == pytest.approx(0.6) and "keeps pace" in capped.reason
+    # a CPU host at 40 GFLOP/s: 10 ms per token against 4.8 us of reads: refused, and the reason says why
+    slow = choose_alpha(link_gbps=16, storage_gbps=48, host_flops=40e9, **mha)
+    assert slow.alpha == 0.0 and "compute exceeds the transfer saved" in slow.reason

@@ -6,6 +6,10 @@ direct I/O on a reader thread, block i + 1's read overlapping block i's compute 
 partial results combined with the exact log-sum-exp merge (`ops.merge_attention_states`), the buffer last.
 The shard's pairs play the batch role of the kernel: q [pairs, group, D] against k [S, pairs, 1, D], so query head
 j of a pair reads that pair's kv head (GQA/MQA with group = Hq / Hkv).
+
+Left-padded batches: `starts[p]` is the first token pair p attends (its sequence's padding before it). The kernel
+has no mask; `masked_decode_attention` runs it per group of pairs sharing a start over the rows each may see, so a
+padded position never enters a softmax (only blocks that reach into the padding pay for the split).
 """
 from __future__ import annotations
 
@@ -18,6 +22,25 @@ from .link import Link
 from .store import KVShard, KVView
 
 DEFAULT_BLOCK_BYTES = 1 << 20  # per file and block: large direct reads, two blocks of K and V in flight at most
+
+
+def masked_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None,
+                            starts: torch.Tensor | None = None, t0: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """`ops.decode_attention(q, k, v)` (q [B, Hq, D], k / v [S, B, Hkv, D]) where k[i] is token t0 + i and batch
+    row b attends only tokens >= starts[b] (starts: int64 [B], None: every token). Rows that see no token of this
+    range get out 0, lse -inf (what merge_attention_states drops)."""
+    if starts is None or int(starts.max()) <= t0:
+        return ops.decode_attention(q, k, v, scale=scale)
+    n = k.shape[0]
+    skip = (starts - t0).clamp(0, n)
+    out = torch.zeros(q.shape, dtype=torch.float32)
+    lse = torch.full(q.shape[:2], float("-inf"))
+    for first in skip.unique().tolist():
+        if first == n:
+            continue
+        rows = (skip == first).nonzero().squeeze(1)
+        out[rows], lse[rows] = ops.decode_attention(q[rows], k[first:, rows], v[first:, rows], scale=scale)
+    return out, lse
 
 
 class ShardAttention:
@@ -37,6 +60,18 @@ class ShardAttention:
         self._blocks = [(torch.empty(shape, dtype=shard.dtype), torch.empty(shape, dtype=shard.dtype))
                         for _ in range(2)]
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flashllm-kv-read")
+        self.starts: torch.Tensor | None = None
+
+    def set_starts(self, starts: torch.Tensor | None) -> None:
+        """Left padding: pair p attends only tokens >= starts[p] (int64 [pairs]; None: no padding)."""
+        if starts is not None:
+            starts = torch.as_tensor(starts, dtype=torch.int64).reshape(-1)
+            if starts.numel() != self.shard.pairs or bool((starts < 0).any()):
+                raise ValueError(f"starts must be {self.shard.pairs} non-negative token indices, got "
+                                 f"{starts.tolist()}")
+            if not bool(starts.any()):
+                starts = None
+        self.starts = starts
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> KVView:
         """Adds tokens k, v [n, pairs, head_dim] (a prefill chunk, or one decode step)."""
@@ -57,13 +92,13 @@ class ShardAttention:
         q = q.to(self.shard.dtype)
         ranges = [(t0, min(t0 + self.block_tokens, view.disk_len))
                   for t0 in range(0, view.disk_len, self.block_tokens)]
-        out, lse = self._part(q, view.k_buf, view.v_buf)
+        out, lse = self._part(q, view.k_buf, view.v_buf, view.disk_len)
         pending = self._read(view.layer, ranges[0], 0) if ranges else None
         for i in range(len(ranges)):
             k, v = pending.result() if self.prefetch else pending
             if i + 1 < len(ranges):
                 pending = self._read(view.layer, ranges[i + 1], (i + 1) % 2)
-            out, lse = self._merge(out, lse, *self._part(q, k, v))
+            out, lse = self._merge(out, lse, *self._part(q, k, v, ranges[i][0]))
         return out, lse
 
     def _read(self, layer: int, rows: tuple[int, int], slot: int):
@@ -78,8 +113,9 @@ class ShardAttention:
             return k, v
         return self._reader.submit(read) if self.prefetch else read()
 
-    def _part(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return ops.decode_attention(q, k.unsqueeze(2), v.unsqueeze(2), scale=self.scale)
+    def _part(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, t0: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention over rows k, v [n, pairs, D] holding tokens t0.."""
+        return masked_decode_attention(q, k.unsqueeze(2), v.unsqueeze(2), scale=self.scale, starts=self.starts, t0=t0)
 
     @staticmethod
     def _merge(out_a, lse_a, out_b, lse_b) -> tuple[torch.Tensor, torch.Tensor]:

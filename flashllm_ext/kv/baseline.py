@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 
 from .. import ops
-from .attention import DEFAULT_BLOCK_BYTES
-from .backend import AttentionBackend
+from .attention import DEFAULT_BLOCK_BYTES, masked_decode_attention
+from .backend import AttentionBackend, pair_starts
 from .files import IOCounters
 from .link import Link
 from .store import KVShard, KVView, split_pairs
@@ -59,6 +59,7 @@ class HostKVAttention(AttentionBackend):
         self._readers = [ThreadPoolExecutor(max_workers=1, thread_name_prefix="flashllm-kv-prefetch")
                          for _ in self.shards]
         self._prefetch: dict[int, list[Future]] = {}
+        self._starts: torch.Tensor | None = None  # per pair (left padding)
 
     @property
     def writeback(self) -> list[int]:
@@ -109,6 +110,10 @@ class HostKVAttention(AttentionBackend):
             k, v = torch.cat([k, k2]), torch.cat([v, v2])
         return k, v
 
+    def set_starts(self, starts: torch.Tensor | list[int] | None) -> None:
+        """Left padding (until reset()): sequence b attends only its tokens from starts[b] on (None: no padding)."""
+        self._starts = pair_starts(starts, self.batch, self.kv_heads)
+
     def step(self, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor
              ) -> tuple[torch.Tensor, torch.Tensor]:
         """One decode step of `layer`: q [batch, q_heads, D], k_new / v_new [batch, kv_heads, D].
@@ -137,9 +142,11 @@ class HostKVAttention(AttentionBackend):
         outs, lses = [], []
         for i, ((p0, p1), view, (k, v)) in enumerate(zip(self.ranges, views, histories)):
             self.traffic.at(layer, step, i).kv_read_bytes += k.nbytes + v.nbytes
-            parts = [ops.decode_attention(q[p0:p1], k.unsqueeze(2), v.unsqueeze(2), scale=self.scale),
-                     ops.decode_attention(q[p0:p1], view.k_buf.unsqueeze(2), view.v_buf.unsqueeze(2),
-                                          scale=self.scale)]
+            starts = None if self._starts is None else self._starts[p0:p1]
+            parts = [masked_decode_attention(q[p0:p1], k.unsqueeze(2), v.unsqueeze(2), scale=self.scale,
+                                             starts=starts),
+                     masked_decode_attention(q[p0:p1], view.k_buf.unsqueeze(2), view.v_buf.unsqueeze(2),
+                                             scale=self.scale, starts=starts, t0=view.disk_len)]
             out, lse = ops.merge_attention_states(torch.stack([p[0] for p in parts]),
                                                   torch.stack([p[1] for p in parts]))
             outs.append(out)
@@ -168,6 +175,7 @@ class HostKVAttention(AttentionBackend):
         self._drop_prefetch()
         for shard in self.shards:
             shard.reset()
+        self._starts = None
         self._step = [0] * self.n_layers
         self._io = [s.counters().copy() for s in self.shards]
         self.traffic.clear()

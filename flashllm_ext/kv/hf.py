@@ -9,7 +9,10 @@
   baseline (HostKVAttention) or the X-cache split (XCacheAttention, which a forward pre-hook on each attention
   module gives the attention input X), all with the same interface.
 
-Batches must not be padded (the storage kernels have no mask): give every sequence the same prompt length.
+Batches of different prompt lengths are left-padded (a tokenizer with padding_side="left" and its attention_mask):
+the pad tokens' K/V are stored with the prompt (every pair's rows stay one token per step), and the backend is
+told each sequence's padding (`set_starts`), so no storage-side softmax ever includes a padded position; the
+model's own position ids already skip the padding (generate derives them from the mask).
 """
 from __future__ import annotations
 
@@ -78,10 +81,11 @@ def hf_projector(model: nn.Module):
     if model.config.model_type != "opt" and rotary is None:
         raise ValueError(f"{type(model).__name__}: no rotary embedding found at model.model.rotary_emb")
 
-    def rope(k: torch.Tensor, start: int) -> torch.Tensor:
-        """transformers' rotate-half RoPE of k [n, kv_heads, s, head_dim] at positions start.."""
-        positions = torch.arange(start, start + k.shape[2])[None]
-        cos, sin = rotary(k, positions)  # [1, s, head_dim]
+    def rope(k: torch.Tensor, start: int | torch.Tensor) -> torch.Tensor:
+        """transformers' rotate-half RoPE of k [n, kv_heads, s, head_dim] at positions start.. (start: int, or
+        int64 [n] per sequence)."""
+        positions = torch.arange(k.shape[2]) + torch.as_tensor(start, dtype=torch.int64).reshape(-1, 1)
+        cos, sin = rotary(k, positions)  # [1 or n, s, head_dim]
         cos, sin = cos[:, None].to(k.dtype), sin[:, None].to(k.dtype)
         half = k.shape[-1] // 2
         rotated = torch.cat([-k[..., half:], k[..., :half]], dim=-1)
@@ -94,8 +98,11 @@ def hf_projector(model: nn.Module):
 
 def _register() -> None:
     from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     AttentionInterface.register(ATTN_NAME, _attention)
+    # the prefill runs transformers' SDPA, so it takes SDPA's mask (padding included; an unknown name gets none)
+    AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
 
 
 def _attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -172,20 +179,42 @@ def storage_cache(backend, n_layers: int):
     return Cache(layers=[layer_class(backend, i) for i in range(n_layers)])
 
 
+def left_padding(attention_mask: torch.Tensor | None, shape: torch.Size) -> torch.Tensor | None:
+    """The pad tokens in front of each sequence (int64 [batch]) of a left-padded attention_mask [batch, prompt]
+    (None or all ones: None). Raises ValueError for right padding, holes, or a sequence of padding only."""
+    if attention_mask is None:
+        return None
+    if tuple(attention_mask.shape) != tuple(shape):
+        raise ValueError(f"attention_mask must be {list(shape)} like input_ids, got {list(attention_mask.shape)}")
+    mask = attention_mask.to(torch.int64)
+    if bool(((mask != 0) & (mask != 1)).any()):
+        raise ValueError("attention_mask must hold 0 (padding) and 1 (tokens) only")
+    starts = (mask == 0).sum(1)
+    valid = torch.arange(mask.shape[1])[None] >= starts[:, None]
+    if not torch.equal(valid, mask.bool()):
+        bad = int((valid != mask.bool()).any(1).nonzero()[0])
+        raise ValueError(f"sequence {bad}: the padding must all be on the left (tokenizer padding_side='left'), got "
+                         f"attention_mask {mask[bad].tolist()}")
+    if bool((starts == mask.shape[1]).any()):
+        raise ValueError(f"sequence {int((starts == mask.shape[1]).nonzero()[0])} is all padding")
+    return starts if bool(starts.any()) else None
+
+
 @torch.no_grad()
 def generate(model: nn.Module, input_ids: torch.Tensor, backend, *, attention_mask: torch.Tensor | None = None,
              **generate_kwargs) -> torch.Tensor:
     """`model.generate(input_ids, ...)` with the KV cache in `backend` (reset first; see storage_attention).
-    input_ids [batch, prompt] without padding (every attention_mask entry 1). Returns generate's token ids."""
-    if attention_mask is not None and not bool(attention_mask.all()):
-        raise ValueError("padded batches are not supported (the storage attention kernels have no mask): give every "
-                         "sequence the same prompt length")
+    input_ids [batch, prompt]; attention_mask [batch, prompt] (None: no padding): 0 for the pad tokens, which must
+    be on the left (a tokenizer with padding_side="left"). Returns generate's token ids."""
     if input_ids.shape[0] != backend.batch:
         raise ValueError(f"batch of {input_ids.shape[0]} sequences, the backend was made for {backend.batch}")
+    starts = left_padding(attention_mask, input_ids.shape)
     _register()
     modules = attention_modules(model)
     previous = model.config._attn_implementation
     backend.reset()
+    if starts is not None:
+        backend.set_starts(starts)
     hooks = []
     for m in modules:
         m._flashllm_kv_backend = backend
@@ -194,8 +223,8 @@ def generate(model: nn.Module, input_ids: torch.Tensor, backend, *, attention_ma
     try:
         model.set_attn_implementation(ATTN_NAME)
         cache = storage_cache(backend, len(modules))
-        return model.generate(input_ids, attention_mask=torch.ones_like(input_ids), past_key_values=cache,
-                              **generate_kwargs)
+        mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+        return model.generate(input_ids, attention_mask=mask, past_key_values=cache, **generate_kwargs)
     finally:
         model.set_attn_implementation(previous)
         for hook in hooks:

@@ -9,16 +9,21 @@ counted in `traffic` (kv/traffic.py), and an optional emulated link (kv/link.py)
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from .backend import AttentionBackend
+from .backend import AttentionBackend, pair_starts
 from .files import IOCounters
 from .link import Link
 from .store import DTYPES, default_writeback, split_pairs
 from .traffic import FLUSH, PREFILL, TrafficLog
-from .worker import OP_FLUSH, OP_RESET, LocalShard, ShardSpec, ShardWorker
+from .worker import OP_FLUSH, OP_RESET, LocalShard, ShardSpec, ShardWorker, WorkerError
+
+
+def first_line(error: BaseException) -> str:
+    return (str(error).splitlines() or [type(error).__name__])[0]
 
 
 class NearStorageAttention(AttentionBackend):
@@ -48,6 +53,9 @@ class NearStorageAttention(AttentionBackend):
         self.traffic = TrafficLog()
         self._step = [0] * n_layers
         self._io = [IOCounters() for _ in self.ranges]
+        # set by a failed step: some shards may hold that step's token and others not, so decoding on would
+        # attend different histories; flush/close still spill what each shard holds, reset starts afresh
+        self._failed: str | None = None
         self.shards: list[ShardWorker | LocalShard] = []
         make = ShardWorker if processes else LocalShard
         try:
@@ -77,6 +85,14 @@ class NearStorageAttention(AttentionBackend):
             self.traffic.at(layer, PREFILL, i).kv_new_bytes += kk.nbytes + vv.nbytes
             self._record_io(layer, PREFILL, i)
 
+    def set_starts(self, starts: torch.Tensor | list[int] | None) -> None:
+        """Left padding (until reset()): sequence b attends only its tokens from starts[b] on (int [batch], the pad
+        tokens in front of it; None: none). Each worker gets its pairs' starts once."""
+        per_pair = pair_starts(starts, self.batch, self.kv_heads)
+        if per_pair is None:
+            per_pair = torch.zeros(self.batch * self.kv_heads, dtype=torch.int64)
+        self._all(lambda i, shard: shard.submit_starts(per_pair[slice(*self.ranges[i])]))
+
     def step(self, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor
              ) -> tuple[torch.Tensor, torch.Tensor]:
         """One decode step of `layer`: q [batch, q_heads, D], k_new / v_new [batch, kv_heads, D].
@@ -87,6 +103,9 @@ class NearStorageAttention(AttentionBackend):
     def submit(self, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
         """The first half of step: sends every shard its request and returns at once (the host can compute
         something else, e.g. the X-cache part, while the workers run); collect() gives the result."""
+        if self._failed is not None:
+            raise WorkerError(f"an earlier step failed ({self._failed}); the shards no longer hold the same tokens: "
+                              f"reset() for a new batch, or close()")
         step = self._step[layer]
         q = q.to(self.dtype).reshape(self.batch * self.kv_heads, self.group, self.head_dim)
         k_new = k_new.to(self.dtype).reshape(self.batch * self.kv_heads, self.head_dim)
@@ -98,7 +117,8 @@ class NearStorageAttention(AttentionBackend):
                 t.kv_new_bytes += k_new[p0:p1].nbytes + v_new[p0:p1].nbytes
                 self._transfer(q[p0:p1].nbytes + k_new[p0:p1].nbytes + v_new[p0:p1].nbytes)
                 shard.submit_step(layer, q[p0:p1], k_new[p0:p1], v_new[p0:p1])
-        except BaseException:
+        except BaseException as e:
+            self._failed = f"layer {layer}, step {step}: {first_line(e)}"
             self._drain()
             raise
 
@@ -117,7 +137,8 @@ class NearStorageAttention(AttentionBackend):
                 self._record_io(layer, step, i)
                 outs.append(out)
                 lses.append(lse)
-        except BaseException:
+        except BaseException as e:
+            self._failed = f"layer {layer}, step {step}: {first_line(e)}"
             self._drain()
             raise
         out = torch.cat(outs).float().reshape(self.batch, self.q_heads, self.head_dim)
@@ -141,11 +162,26 @@ class NearStorageAttention(AttentionBackend):
                 except Exception:
                     pass
 
-    def _all(self, op: int) -> None:
+    def _all(self, op: int | Callable[[int, ShardWorker | LocalShard], None]) -> None:
+        """op (or submit(i, shard)) on every shard; every reply is collected before the first error is raised (a
+        shard whose reply were left pending would refuse the next request)."""
+        try:
+            for i, shard in enumerate(self.shards):
+                if callable(op):
+                    op(i, shard)
+                else:
+                    shard.submit(op)
+        except BaseException:
+            self._drain()
+            raise
+        error = None
         for shard in self.shards:
-            shard.submit(op)
-        for shard in self.shards:
-            shard.wait()
+            try:
+                shard.wait()
+            except WorkerError as e:
+                error = error or e
+        if error is not None:
+            raise error
 
     def flush(self) -> None:
         """Every shard spills its buffer (raises WorkerError naming a shard whose spill failed)."""
@@ -154,8 +190,9 @@ class NearStorageAttention(AttentionBackend):
             self._record_io(FLUSH, FLUSH, i)
 
     def reset(self) -> None:
-        """Forgets every token (a new batch); the traffic log is cleared too."""
+        """Forgets every token and the padding (a new batch); the traffic log is cleared too."""
         self._all(OP_RESET)
+        self._failed = None
         self._step = [0] * self.n_layers
         self._io = [s.counters.copy() for s in self.shards]
         self.traffic.clear()

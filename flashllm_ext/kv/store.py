@@ -9,6 +9,10 @@ file, off the critical path; the layer's next append waits for it (a whole step 
 the buffer stays below 2 x writeback tokens and the disk rows of each step are deterministic. `flush()`/`close()`
 spill whatever is left.
 
+Durability: a spill is done when its rows are synced (fdatasync of both files); only then does the manifest
+`shard.json` record them, itself written to a temporary file, synced, renamed over the old one and the directory
+synced, so after a crash the manifest never names rows the device does not hold.
+
 A failed spill keeps the buffer (nothing is lost, attention still sees every token) and surfaces as `SpillError`
 from the next call on the shard; `flush()` then retries. The manifest `shard.json` records the rows on disk per
 layer after every spill (written to a temporary file and renamed), so `KVShard.open(directory)` recovers every
@@ -135,14 +139,24 @@ class KVShard:
                    meta["max_tokens"], create=False, lengths=lengths,
                    writeback=kwargs.pop("writeback", meta["writeback"]), **kwargs)
 
-    def _write_manifest(self) -> None:
+    def _write_manifest(self, lengths: list[int] | None = None) -> None:
+        """Records `lengths` (default: the rows on disk now) durably. Writers never overlap: the spill thread, or
+        the caller once the spills are waited for."""
         dtype_name = next(name for name, d in DTYPES.items() if d == self.dtype)
         meta = {"format_version": FORMAT_VERSION, "n_layers": self.n_layers, "pairs": self.pairs,
                 "head_dim": self.head_dim, "dtype": dtype_name, "max_tokens": self.max_tokens,
-                "writeback": self.writeback, "lengths": list(self._disk_len)}
+                "writeback": self.writeback, "lengths": list(self._disk_len if lengths is None else lengths)}
         tmp = self.directory / (MANIFEST + ".tmp")
-        tmp.write_text(json.dumps(meta))
+        with open(tmp, "w") as f:
+            f.write(json.dumps(meta))
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, self.directory / MANIFEST)
+        fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)  # the rename itself
+        finally:
+            os.close(fd)
 
     def flush(self) -> None:
         """Spills every buffered token now (waits for the background spills first). Raises SpillError (buffer kept)
@@ -292,12 +306,16 @@ class KVShard:
         if n == 0:
             return
         k_file, v_file = self._files[layer]
+        k_len, v_len = k_file.length, v_file.length
         try:
-            k_file.append(k)
             try:
+                k_file.append(k)
                 v_file.append(v)
+                k_file.sync()  # durable before the manifest below says so
+                v_file.sync()
             except BaseException:
-                k_file.truncate(k_file.length - n)  # K and V stay the same length: the rows go again next time
+                k_file.truncate(k_len)  # K and V stay the same length: the rows go again next time
+                v_file.truncate(v_len)
                 raise
         except OSError as e:
             with self._lock:
@@ -312,7 +330,14 @@ class KVShard:
             self._v_buf[layer] = self._v_buf[layer][n:]
             self._disk_len[layer] += n
             self._assigned[layer] -= n if queued else 0
-            self._write_manifest()
+            lengths = list(self._disk_len)
+        try:  # outside the lock: its syncs must not hold up attention's views
+            self._write_manifest(lengths)
+        except OSError as e:  # the rows are on disk and nothing is lost here; a restart would not see them yet
+            if self._error is None:
+                self._error = SpillError(f"recording the spill of layer {layer} in {self.directory / MANIFEST} "
+                                         f"failed: {e}")
+                self._error.__cause__ = e
 
     def _wait_pending(self) -> None:
         for future in self._pending:

@@ -23,14 +23,14 @@ from multiprocessing import shared_memory
 import torch
 
 from .attention import ShardAttention
-from .files import IOCounters
+from .files import FaultInjector, IOCounters
 from .link import Link
 from .store import DTYPES, KVShard
 
 # ops
-OP_STEP, OP_APPEND, OP_FLUSH, OP_RESET, OP_CLOSE = 1, 2, 3, 4, 5
+OP_STEP, OP_APPEND, OP_FLUSH, OP_RESET, OP_CLOSE, OP_STARTS = 1, 2, 3, 4, 5, 6
 OP_NAMES = {OP_STEP: "step", OP_APPEND: "append", OP_FLUSH: "flush", OP_RESET: "reset",
-            OP_CLOSE: "close"}
+            OP_CLOSE: "close", OP_STARTS: "set_starts"}
 REQUEST = struct.Struct("<iiqq")  # op, layer, sequence number, tokens (OP_APPEND)
 REPLY = struct.Struct("<iqqqqqq")  # status (0 ok, 1 error: the message is in the reply region), sequence number,
 #                                    bytes read, reads, bytes written, writes (the shard's totals), message bytes
@@ -60,6 +60,7 @@ class ShardSpec:
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     torch_threads: int = 1
     storage_gbps: float | None = None  # emulated storage bandwidth of this shard's device (None: the real one)
+    fault_injector: FaultInjector | None = None  # runs before every write in the worker (picklable; tests)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -79,12 +80,14 @@ class ShardSpec:
         step_in = self.pairs * (self.group + 2) * self.head_dim * item
         append_in = 2 * self.chunk_tokens * self.token_bytes
         reply = self.pairs * self.group * (self.head_dim * item + 4)
-        return max(step_in, append_in), max(reply, 64 << 10)  # room for an error message
+        starts = self.pairs * 8
+        return max(step_in, append_in, starts), max(reply, 64 << 10)  # room for an error message
 
 
 def open_shard(spec: ShardSpec) -> ShardAttention:
     shard = KVShard.create(spec.directory, spec.n_layers, spec.pairs, spec.head_dim, spec.torch_dtype,
-                           spec.max_tokens, writeback=spec.writeback, read_threads=spec.read_threads)
+                           spec.max_tokens, writeback=spec.writeback, read_threads=spec.read_threads,
+                           fault_injector=spec.fault_injector)
     return ShardAttention(shard, group=spec.group, scale=spec.scale, block_tokens=spec.block_tokens,
                           prefetch=spec.prefetch,
                           storage_link=None if spec.storage_gbps is None else Link(spec.storage_gbps))
@@ -115,6 +118,9 @@ class _Regions:
         s, dt = self.spec, self.spec.torch_dtype
         k = self._tensor(0, (n, s.pairs, s.head_dim), dt)
         return k, self._tensor(k.nbytes, (n, s.pairs, s.head_dim), dt)
+
+    def starts_request(self) -> torch.Tensor:
+        return self._tensor(0, (self.spec.pairs,), torch.int64)
 
     def reply(self) -> tuple[torch.Tensor, torch.Tensor]:
         s = self.spec
@@ -163,6 +169,9 @@ def worker_main(spec: ShardSpec, shm_name: str, conn) -> None:
                 engine.shard.flush()
             elif op == OP_RESET:
                 engine.shard.reset()
+                engine.set_starts(None)
+            elif op == OP_STARTS:
+                engine.set_starts(regions.starts_request().clone())
             elif op == OP_CLOSE:
                 engine.shard.close()
                 engine.close()
@@ -214,11 +223,11 @@ class ShardWorker:
             self._inflight = None
             self._fail(op, layer)
 
-    def _fail(self, op: int, layer: int) -> None:
+    def _fail(self, op: int, layer: int, what: str | None = None) -> None:
         self._proc.join(timeout=1.0)
         code = self._proc.exitcode
-        self._dead = (f"KV worker {self.name} (pid {self._proc.pid}, {self.spec.directory}) "
-                      f"{'exited with code ' + str(code) if code is not None else 'stopped answering'} "
+        what = what or (f"exited with code {code}" if code is not None else "stopped answering")
+        self._dead = (f"KV worker {self.name} (pid {self._proc.pid}, {self.spec.directory}) {what} "
                       f"during {OP_NAMES[op]} of layer {layer}")
         raise WorkerError(self._dead)
 
@@ -227,11 +236,13 @@ class ShardWorker:
         op, layer, seq = self._inflight
         deadline = time.monotonic() + self.timeout_s
         while not self._conn.poll(POLL_S):
-            if not self._proc.is_alive() or time.monotonic() > deadline:
+            if not self._proc.is_alive():
                 self._inflight = None
-                if self._proc.is_alive():
-                    self._proc.kill()
                 self._fail(op, layer)
+            if time.monotonic() > deadline:  # hung (stopped, deadlocked, stuck in I/O): give up on it
+                self._inflight = None
+                self._proc.kill()
+                self._fail(op, layer, f"did not answer within {self.timeout_s:g} s (killed)")
         try:
             status, got_seq, *io, n_msg = REPLY.unpack(self._conn.recv_bytes())
         except (EOFError, OSError):
@@ -276,6 +287,11 @@ class ShardWorker:
     def submit(self, op: int) -> None:
         """OP_FLUSH, OP_RESET or OP_CLOSE; wait() for the reply."""
         self._send(op, -1)
+
+    def submit_starts(self, starts: torch.Tensor) -> None:
+        """Left padding: pair p attends only tokens >= starts[p] (int64 [pairs]); wait() for the reply."""
+        self._regions.starts_request().copy_(starts)
+        self._send(OP_STARTS, -1)
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Spills what is buffered and stops the worker (a dead one is only reaped). If the spill fails the worker
@@ -329,8 +345,12 @@ class LocalShard:
             self.engine.shard.flush()
         elif op == OP_RESET:
             self.engine.shard.reset()
+            self.engine.set_starts(None)
         elif op == OP_CLOSE:
             self.close()
+
+    def submit_starts(self, starts: torch.Tensor) -> None:
+        self.engine.set_starts(starts)
 
     def wait(self) -> None:
         pass

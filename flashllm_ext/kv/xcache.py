@@ -8,7 +8,12 @@ groups are disjoint sequences, so their results are placed side by side, exactly
 X-cache pays only where X is smaller than K + V and the host's regeneration keeps up with the storage side:
 - per token, X holds `hidden` values and K + V hold 2 x kv_heads x head_dim; for MHA X is half of K + V, for GQA
   it can be larger (the default model: 576 against 384): then alpha = 0 (`choose_alpha` says why);
-- HILOS balances the link and the devices: alpha = 2 B_link / (B_ssd + B_link), capped by the memory for X.
+- HILOS balances the link and the devices: alpha = 2 B_link / (B_ssd + B_link), capped by the memory for X;
+- the host must regenerate faster than the devices read: per token, K/V cost 2 x hidden x (K+V values) flops to
+  regenerate against (K+V bytes) / B_ssd to read. Given the host's measured rate (`host_flops`), regeneration
+  slower than the read it replaces gives alpha = 0 (on a CPU host that also runs the storage workers, as on the
+  benchmark machine, there is no idle compute to hide it behind), and otherwise alpha is capped where the host's
+  regeneration time equals the devices' read time of the other sequences.
 """
 from __future__ import annotations
 
@@ -17,12 +22,12 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import ops
-from .backend import AttentionBackend
+from .attention import masked_decode_attention
+from .backend import AttentionBackend, pair_starts
 
-
-# project(layer, x [n, s, hidden], start) -> (k, v) [n, kv_heads, s, head_dim], positions start..start+s-1
-Projector = Callable[[int, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
+# project(layer, x [n, s, hidden], start) -> (k, v) [n, kv_heads, s, head_dim] at positions start..start+s-1;
+# start: an int, or int64 [n] (per sequence: a left-padded sequence's tokens start at minus its padding)
+Projector = Callable[[int, torch.Tensor, "int | torch.Tensor"], tuple[torch.Tensor, torch.Tensor]]
 HOST = -1  # the shard index of the host's X-cache traffic records
 
 
@@ -32,17 +37,35 @@ class AlphaChoice:
     reason: str
 
 
+def regeneration_flops(hidden: int, kv_heads: int, head_dim: int) -> int:
+    """Flops to regenerate one token's K and V from its X (two [hidden] x [hidden, kv_heads x head_dim] GEMVs)."""
+    return 2 * hidden * 2 * kv_heads * head_dim
+
+
 def choose_alpha(*, link_gbps: float, storage_gbps: float, hidden: int, kv_heads: int, head_dim: int,
                  memory_bytes: int | None = None, batch: int = 1, context: int = 1, n_layers: int = 1,
-                 itemsize: int = 2) -> AlphaChoice:
+                 itemsize: int = 2, host_flops: float | None = None) -> AlphaChoice:
     """The fraction of sequences to keep as X. storage_gbps: the devices' aggregate read bandwidth; memory_bytes:
-    host memory for X (None: unlimited), which must hold alpha x batch x context x hidden values per layer."""
+    host memory for X (None: unlimited), which must hold alpha x batch x context x hidden values per layer;
+    host_flops: the host's measured K/V regeneration rate in flop/s (None: not limited by compute)."""
     x, kv = hidden, 2 * kv_heads * head_dim
     if x >= kv:
         return AlphaChoice(0.0, f"X ({x} values per token) is not smaller than K+V ({kv}): regenerating K/V from X "
                                 f"moves more bytes than reading K/V (GQA); X-cache cannot pay")
     alpha = min(1.0, 2 * link_gbps / (storage_gbps + link_gbps))
     reason = f"HILOS: 2 x {link_gbps:g} / ({storage_gbps:g} + {link_gbps:g}) Gb/s"
+    if host_flops is not None:
+        t_read = kv * itemsize * 8 / (storage_gbps * 1e9)
+        t_regen = regeneration_flops(hidden, kv_heads, head_dim) / host_flops
+        if t_regen >= t_read:
+            return AlphaChoice(0.0, f"regenerating a token's K/V takes {t_regen * 1e9:.3g} ns at "
+                                    f"{host_flops / 1e9:.3g} GFLOP/s, reading them {t_read * 1e9:.3g} ns at "
+                                    f"{storage_gbps:g} Gb/s: the compute exceeds the transfer saved; X-cache "
+                                    f"cannot pay")
+        balance = t_read / (t_read + t_regen)
+        if balance < alpha:
+            alpha, reason = balance, (f"{reason}, capped where the host's regeneration ({t_regen * 1e9:.3g} ns per "
+                                      f"token) keeps pace with the devices' reads ({t_read * 1e9:.3g} ns)")
     if memory_bytes is not None:
         fits = memory_bytes / (batch * context * hidden * itemsize * n_layers)
         if fits < alpha:
@@ -52,10 +75,11 @@ def choose_alpha(*, link_gbps: float, storage_gbps: float, hidden: int, kv_heads
 
 def linear_projector(wk: list[torch.Tensor], wv: list[torch.Tensor], *, kv_heads: int,
                      bk: list[torch.Tensor] | None = None, bv: list[torch.Tensor] | None = None,
-                     rope: Callable[[torch.Tensor, int], torch.Tensor] | None = None) -> Projector:
+                     rope: Callable[[torch.Tensor, int | torch.Tensor], torch.Tensor] | None = None) -> Projector:
     """K = X Wk^T (+ bk), V = X Wv^T (+ bv) per layer (wk[layer]: [kv_heads x head_dim, hidden]); rope(k, start)
-    rotates k [n, kv_heads, s, head_dim] for positions start.. (None: no rotary embedding, e.g. OPT)."""
-    def project(layer: int, x: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+    rotates k [n, kv_heads, s, head_dim] for positions start.. (start: int or int64 [n]; None: no rotary
+    embedding, e.g. OPT)."""
+    def project(layer: int, x: torch.Tensor, start: int | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         n, s, _ = x.shape
         k = torch.nn.functional.linear(x, wk[layer].to(x.dtype), None if bk is None else bk[layer].to(x.dtype))
         v = torch.nn.functional.linear(x, wv[layer].to(x.dtype), None if bv is None else bv[layer].to(x.dtype))
@@ -86,6 +110,14 @@ class XCacheAttention(AttentionBackend):
         self._len = [0] * self.n_layers
         self._step = [0] * self.n_layers
         self._input: dict[int, torch.Tensor] = {}
+        self._starts: torch.Tensor | None = None  # left padding of the X sequences
+
+    def set_starts(self, starts: torch.Tensor | list[int] | None) -> None:
+        """Left padding (until reset()): sequence b attends only its tokens from starts[b] on, and its regenerated
+        K take positions from there (None: no padding)."""
+        per_seq = pair_starts(starts, self.batch, 1)
+        self._starts = None if per_seq is None or not bool(per_seq[:self.n_x].any()) else per_seq[:self.n_x]
+        self.storage.set_starts(None if per_seq is None else per_seq[self.n_x:])
 
     def set_input(self, layer: int, x: torch.Tensor) -> None:
         """The attention input of `layer` for the coming prefill/step (x [batch, s, hidden]), for callers (hooks)
@@ -124,9 +156,11 @@ class XCacheAttention(AttentionBackend):
         self._append_x(layer, x)
         n = self._len[layer]
         xs = self._x[layer][:, :n]
-        k, v = self.projector(layer, xs.to(q.dtype), 0)  # [n_x, kv_heads, n, D]
+        start = 0 if self._starts is None else -self._starts
+        k, v = self.projector(layer, xs.to(q.dtype), start)  # [n_x, kv_heads, n, D]
         qx = q[:self.n_x].to(k.dtype)
-        out_x, lse_x = ops.decode_attention(qx, k.permute(2, 0, 1, 3), v.permute(2, 0, 1, 3), scale=self.scale)
+        out_x, lse_x = masked_decode_attention(qx, k.permute(2, 0, 1, 3), v.permute(2, 0, 1, 3), scale=self.scale,
+                                               starts=self._starts)
         self.traffic.at(layer, step, HOST).x_bytes += xs.nbytes
         if overlap:
             out_s, lse_s = self.storage.collect(layer)
@@ -142,6 +176,7 @@ class XCacheAttention(AttentionBackend):
         self._len = [0] * self.n_layers
         self._step = [0] * self.n_layers
         self._input.clear()
+        self._starts = None
 
     def close(self) -> None:
         self.storage.close()
