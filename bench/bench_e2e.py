@@ -321,6 +321,15 @@ def model_bytes_of(store_path: Path, ffn: bool = True) -> int:
     return resident + (store_ffn_bytes(store) if ffn else 0)
 
 
+def bar_label(row: dict) -> str:
+    """A bar's name: the mode, the scale run's operating point and predictor method where it has them, the budget."""
+    name = row["mode"]
+    if row.get("operating_point") and row["operating_point"] != "dense compute":
+        method = row["predictor"].split()[1] if row.get("predictor") else None
+        name += f" ({row['operating_point'][0]}{', ' + method if method else ''})"
+    return f"{name}\n{row['budget_mb']:.0f} MB" if row.get("budget_mb") else name
+
+
 def plot_breakdown(rows: list[dict], path: Path) -> None:
     """Stacked per-token bars (io / mem / predictor / compute) per mode; rows without parts show their total."""
     import matplotlib
@@ -329,7 +338,7 @@ def plot_breakdown(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = [r for r in rows if r.get("ms_per_token") is not None]
-    labels = [f"{r['mode']}\n{r['budget_mb']:.0f} MB" if r.get("budget_mb") else r["mode"] for r in rows]
+    labels = [bar_label(r) for r in rows]
     fig, ax = plt.subplots(figsize=(1.3 * len(rows) + 2, 4))
     bottom = [0.0] * len(rows)
     for part in ("io_ms", "mem_ms", "predictor_ms", "compute_ms"):
@@ -829,12 +838,13 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def median_rows(rows: list[dict]) -> list[dict]:
-    """One bench:"e2e_median" row per (mode, budget) that ran without error: the median of every number."""
+    """One bench:"e2e_median" row per configuration (model, mode, operating point, predictor, budget, store format)
+    that ran without error: the median of every number."""
     groups: dict[tuple, list[dict]] = {}
     for row in rows:
         if not row.get("error"):
-            key = (row.get("model"), row["mode"], row.get("operating_point"), row.get("budget_spec"),
-                   row.get("store_format"))
+            key = (row.get("model"), row["mode"], row.get("operating_point"), row.get("predictor"),
+                   row.get("budget_spec"), row.get("store_format"))
             groups.setdefault(key, []).append(row)
     out = []
     for group in groups.values():
