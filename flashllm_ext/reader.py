@@ -8,7 +8,10 @@ bundle from an aligned bounce buffer into its output row.
 Endor stores (store.endor): a neuron's bundle is one variable-length row [bitmap | values] (store.EndorLocation);
 the reader reads the distinct requested rows (coalesced by the same rule), splitting each into a bitmap and a
 values staging buffer, then `endor_decompress(rows=..., out=...)` writes the dense bundles straight into `out` in
-the requested order (repeats included): ~56% of the bytes of a dense bundle move at 50% sparsity.
+the requested order (repeats included): ~56% of the bytes of a dense bundle move at 50% sparsity. The coalescing
+rule counts rows, not the file's bytes: a row counts as its dense bundle (store.row_bytes), so max_gap, min_read and
+max_read mean the same neurons for the Endor and the dense store of a model, both merge the same runs, and the Endor
+store reads fewer bytes (counting its own, shorter rows would read through more unrequested neurons).
 
 Destinations: a CPU `out` is filled by the native reader ("host" path). A CUDA `out` (select_read_path) goes
 through kvikio's CuFile when kvikio imports ("kvikio": straight into GPU memory, GPUDirect Storage where the
@@ -117,7 +120,7 @@ class FlashReader:
     store: a FlashStore or its directory (a model's caches share `store.reader()` rather than opening their own).
     threads: worker threads (the io_uring engine: reads in flight).
     min_read: reads shorter than this absorb the next requested neuron whatever the gap. max_gap: largest gap in
-    bytes read through to merge two reads (None: calibrated profile, else DEFAULT_MAX_GAP; -1 with min_read=0:
+    bytes read through to merge two reads (for an Endor store, bytes of the dense bundles: the rule counts neurons) (None: calibrated profile, else DEFAULT_MAX_GAP; -1 with min_read=0:
     no coalescing at all, one read per distinct neuron). max_read: cap on one coalesced read; the io_uring engine
     also issues a longer single row as several requests of at most max_read bytes. direct: O_DIRECT (falls back to
     buffered where refused, see `.direct`). engine: "threads" or "io_uring" (needs a liburing build, see
@@ -243,8 +246,8 @@ class FlashReader:
         else:
             bitmap = torch.empty((unique.numel(), loc.head_bytes), dtype=torch.uint8, pin_memory=pinned)
             values = torch.empty(int(tail_offsets[-1]), dtype=torch.uint8, pin_memory=pinned)
-            raw = self._native_reader().read_var_rows(loc.offset, loc.starts, loc.head_bytes, unique, bitmap, values,
-                                                      tail_offsets)
+            raw = self._native_reader().read_var_rows(loc.offset, loc.starts, self.store.row_bytes, loc.head_bytes,
+                                                      unique, bitmap, values, tail_offsets)
         start = time.perf_counter()
         row_offsets, rows = tail_offsets // item, inverse
         if out.device != bitmap.device:
@@ -312,7 +315,7 @@ class FlashReader:
                            device: torch.device) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         """Distinct Endor rows through kvikio into a staging buffer on `device`, split there into the bitmap rows
         and the values (gathers by index). Returns (bitmap, values bytes, [bytes requested, bytes read, reads])."""
-        plan = self._native_reader().plan_reads(loc.offset, 0, 0, loc.starts, unique)
+        plan = self._native_reader().plan_reads(loc.offset, self.store.row_bytes, 0, loc.starts, unique)
         staging = self._cufile_stage(plan, device)
         at = self._staged_positions(plan, loc.offset + loc.starts[unique]).to(device)
         heads = at[:, None] + torch.arange(loc.head_bytes, device=device)

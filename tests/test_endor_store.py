@@ -98,6 +98,51 @@ def test_endor_rows_move_about_half_the_bytes(pruned):
     assert 0.5 < endor_bytes / dense_bytes < 0.56  # fp32: 1/32 bitmap + 1/2 values
 
 
+def _planned_runs(r: FlashReader, fs: store.FlashStore, layer: int, ids: torch.Tensor) -> tuple[list, int]:
+    """The neuron runs [first, end) of the reads the reader plans for `ids`, and their bytes (before alignment)."""
+    unique = torch.unique(ids)
+    if fs.endor:
+        loc = fs.endor_location(layer)
+        plan = r._native_reader().plan_reads(loc.offset, fs.row_bytes, 0, loc.starts, unique)
+        bounds = torch.searchsorted(loc.starts, torch.stack([plan[:, 0], plan.sum(1)], 1) - loc.offset)
+    else:
+        loc = fs.layer_location(layer)
+        plan = r._native_reader().plan_reads(loc.offset, loc.row_bytes, loc.n_neurons, None, unique)
+        bounds = torch.stack([plan[:, 0], plan.sum(1)], 1).sub(loc.offset).div(loc.row_bytes, rounding_mode="floor")
+    return bounds.tolist(), int(plan[:, 1].sum())
+
+
+@pytest.mark.parametrize("rule", [(0, -1, 1 << 20), (0, 0, 1 << 20), (0, 7, 1 << 20), (12, 0, 1 << 20),
+                                  (32 << 10, 64 << 10, 1 << 20), (0, 1 << 30, 8192)],
+                         ids=["none", "adjacent", "gap7rows", "min_read12rows", "default", "max_read"])
+def test_coalescing_counts_neurons_not_bytes(pruned, rule):
+    """The gap rule counts skipped neurons (a row counts as its dense bundle): for one active set the Endor store
+    merges exactly the dense store's neuron runs, each read shorter, so it reads fewer bytes. Counting the Endor
+    file's own bytes would read through more unrequested neurons (its rows are ~0.55x as long)."""
+    _, stores, dense_path = pruned
+    endor_fs, dense_fs = store.FlashStore(stores["fp32"]), store.FlashStore(dense_path)
+    min_read, max_gap, max_read = rule
+    row = dense_fs.row_bytes
+    if rule[:2] in ((0, 7), (12, 0)):  # given in rows: in bytes of the dense row
+        min_read, max_gap = min_read * row, max_gap * row
+    g = torch.Generator().manual_seed(5)
+    sets = [torch.randperm(300, generator=g)[:k] for k in (10, 40, 120, 240)] + [torch.arange(40, 120),
+                                                                                   torch.arange(300)]
+    options = dict(threads=2, min_read=min_read, max_gap=max_gap, max_read=max_read)
+    with FlashReader(endor_fs, **options) as endor_reader, FlashReader(dense_fs, **options) as dense_reader:
+        for layer in range(dense_fs.n_layers):
+            for ids in sets:
+                endor_runs, endor_bytes = _planned_runs(endor_reader, endor_fs, layer, ids)
+                dense_runs, dense_bytes = _planned_runs(dense_reader, dense_fs, layer, ids)
+                assert endor_runs == dense_runs
+                assert 0.5 * dense_bytes < endor_bytes < 0.6 * dense_bytes
+                if rule == (32 << 10, 64 << 10, 1 << 20):  # long reads: the 4 KiB alignment does not dominate
+                    endor_read = endor_reader.read(layer, ids).stats
+                    dense_read = dense_reader.read(layer, ids).stats
+                    assert endor_read.n_reads == dense_read.n_reads
+                    assert endor_read.bytes_read <= dense_read.bytes_read
+
+
 def test_small_staging_reads_in_pieces(pruned):
     """staging_bytes bounds the compressed bytes staged at once: a read is split into pieces, same result."""
     model, stores, _ = pruned

@@ -3,9 +3,9 @@
 //
 // Rows are fixed-size (read_rows: row i at base + i * row_bytes) or variable-length (read_var_rows: row i spans
 // [base + starts[i], base + starts[i + 1]), an Endor neuron: a fixed-size head, its bitmap, then its values). One
-// call = one batch: ids are sorted and deduplicated, runs of nearby ids are coalesced into one read when the bytes
-// of the gap cost less than a separate read (gap <= max_gap) or the merged read is still below min_read, reads are
-// widened to the file's direct-I/O alignment (statx STATX_DIOALIGN, else 4 KiB), executed by the engine (a pool of
+// call = one batch: ids are sorted and deduplicated, runs of nearby ids are coalesced into one read when the gap
+// costs less than a separate read (gap <= max_gap) or the merged read is still below min_read (see plan(): the
+// rule counts rows, so a compressed file merges the same runs as its dense twin), reads are widened to the file's direct-I/O alignment (statx STATX_DIOALIGN, else 4 KiB), executed by the engine (a pool of
 // pread workers, or one io_uring ring when built with liburing), and each row is copied from the aligned bounce
 // buffer into every output slot that asked for it (a variable row: its head into the head output, the rest into
 // the tail output at that slot's offset).
@@ -105,7 +105,9 @@ struct Batch {
   std::vector<Read> reads;
   std::vector<std::pair<int64_t, int64_t>> rows;  // (id, output slot), sorted by id
   int64_t base = 0;
-  int64_t row_bytes = 0;  // fixed rows; unused when `starts` is set
+  // Fixed rows: their size. Variable rows: the bytes one row counts for in the coalescing rule (the dense row an
+  // Endor row compresses), so the rule counts rows, whatever their stored length.
+  int64_t row_bytes = 0;
   char* out = nullptr;    // fixed rows: slot i at out + i * row_bytes; variable rows: the heads, head_bytes each
   // Variable rows: row id spans [base + starts[id], base + starts[id + 1]); its first head_bytes go to the head
   // output, the rest to tail + tail_offsets[slot].
@@ -275,12 +277,13 @@ class FlashReader : public torch::CustomClassHolder {
   // Variable-length rows: row id of the file spans [base + starts[id], base + starts[id + 1]) (starts int64
   // [n_rows + 1], non-decreasing where read); its first head_bytes go to head_out[i] (uint8 [k * head_bytes]), the
   // rest to tail_out[tail_offsets[i]:] (tail_offsets int64 [k + 1], each slot's share exactly the row's rest).
+  // unit_bytes: what one row counts for in the coalescing rule (the dense row it compresses; see plan()).
   // Returns read_rows' stats.
-  std::vector<int64_t> read_var_rows(int64_t base, const at::Tensor& starts, int64_t head_bytes, const at::Tensor& ids,
-                                     const at::Tensor& head_out, const at::Tensor& tail_out,
+  std::vector<int64_t> read_var_rows(int64_t base, const at::Tensor& starts, int64_t unit_bytes, int64_t head_bytes,
+                                     const at::Tensor& ids, const at::Tensor& head_out, const at::Tensor& tail_out,
                                      const at::Tensor& tail_offsets) {
     const auto start = std::chrono::steady_clock::now();
-    auto batch = var_batch(base, starts, head_bytes, ids);
+    auto batch = var_batch(base, starts, unit_bytes, head_bytes, ids);
     const int64_t n = ids.numel();
     for (const auto* t : {&head_out, &tail_out})
       TORCH_CHECK(t->device().is_cpu() && t->is_contiguous(), "FlashReader: head_out and tail_out must be contiguous "
@@ -307,10 +310,11 @@ class FlashReader : public torch::CustomClassHolder {
   }
 
   // The coalesced reads a call would issue, without reading: int64 [n_reads, 2] of (file offset, length), in file
-  // order, before widening to the direct-I/O alignment. Rows are fixed (starts undefined) or variable as above.
+  // order, before widening to the direct-I/O alignment. Rows are fixed (starts undefined) or variable as above
+  // (row_bytes then their unit_bytes; n_rows unused).
   at::Tensor plan_reads(int64_t base, int64_t row_bytes, int64_t n_rows, const c10::optional<at::Tensor>& starts,
                         const at::Tensor& ids) {
-    auto batch = starts ? var_batch(base, *starts, 0, ids) : fixed_batch(base, row_bytes, n_rows, ids);
+    auto batch = starts ? var_batch(base, *starts, row_bytes, 0, ids) : fixed_batch(base, row_bytes, n_rows, ids);
     std::sort(batch->rows.begin(), batch->rows.end());
     plan(*batch);
     auto out = at::empty({static_cast<int64_t>(batch->reads.size()), 2}, at::kLong);
@@ -360,14 +364,19 @@ class FlashReader : public torch::CustomClassHolder {
   }
 
   // Checks every row the call touches: it starts at or after 0, holds its head and ends inside a file offset.
-  static std::shared_ptr<Batch> var_batch(int64_t base, const at::Tensor& starts, int64_t head_bytes,
-                                          const at::Tensor& ids) {
+  static std::shared_ptr<Batch> var_batch(int64_t base, const at::Tensor& starts, int64_t unit_bytes,
+                                          int64_t head_bytes, const at::Tensor& ids) {
     TORCH_CHECK(starts.device().is_cpu() && starts.scalar_type() == at::kLong && starts.dim() == 1 &&
                     starts.numel() >= 1, "FlashReader: starts must be a 1-D int64 CPU tensor of n_rows + 1 entries");
-    TORCH_CHECK(base >= 0 && head_bytes >= 0, "FlashReader: need base >= 0 and head_bytes >= 0, got ", base, ", ",
-                head_bytes);
-    auto batch = new_batch(ids, starts.numel() - 1);
+    TORCH_CHECK(base >= 0 && head_bytes >= 0 && unit_bytes > 0, "FlashReader: need base >= 0, head_bytes >= 0 and "
+                "unit_bytes > 0, got ", base, ", ", head_bytes, ", ", unit_bytes);
+    const int64_t n_rows = starts.numel() - 1;
+    // plan() measures spans as rows x unit_bytes: keep that inside an int64 as fixed_batch does.
+    TORCH_CHECK(n_rows == 0 || unit_bytes <= std::numeric_limits<int64_t>::max() / (n_rows + 1),
+                "FlashReader: ", n_rows, " rows of ", unit_bytes, " unit bytes overflow an int64");
+    auto batch = new_batch(ids, n_rows);
     batch->base = base;
+    batch->row_bytes = unit_bytes;
     batch->head_bytes = head_bytes;
     batch->keep = {starts.contiguous()};
     const int64_t* at = batch->keep[0].data_ptr<int64_t>();
@@ -417,6 +426,11 @@ class FlashReader : public torch::CustomClassHolder {
   // their break-even (latency x bandwidth, from `flashllm calibrate-disk`). Reads below min_read absorb the next
   // row whatever the gap, since the device serves small reads at nearly the same cost. max_gap = -1 with
   // min_read = 0 turns coalescing off: one read per distinct row, even for adjacent rows (baselines).
+  // The rule counts rows: a gap or a read measures rows x row_bytes, which for fixed rows is their bytes and for
+  // variable rows their unit (the dense row). Counting a compressed file's own bytes would read through more
+  // unrequested rows than its dense twin (its rows are shorter, so more of them fit a gap); counting rows, both
+  // merge the same runs and the compressed one reads fewer bytes. max_read therefore caps a read at
+  // max_read / unit_bytes rows (a variable row longer than its unit, incompressible, makes the read that longer).
   void plan(Batch& b) const {
     const auto& rows = b.rows;
     int64_t k = 0;
@@ -428,8 +442,8 @@ class FlashReader : public torch::CustomClassHolder {
       while (end < n) {
         const int64_t next_id = rows[end].first;
         if (next_id != last_id) {
-          const int64_t gap = b.begin(next_id) - b.end(last_id);
-          const int64_t merged = b.end(next_id) - b.begin(first_id);
+          const int64_t gap = (next_id - last_id - 1) * b.row_bytes;
+          const int64_t merged = (next_id - first_id + 1) * b.row_bytes;
           if (merged > max_read_ || (gap > max_gap_ && merged > min_read_)) break;
           last_id = next_id;
         }
