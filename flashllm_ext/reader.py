@@ -129,6 +129,10 @@ class FlashReader:
     staging_bytes: an Endor read is split into pieces of about this many compressed bytes, each staged (bitmap +
     values) and decompressed before the next: the most extra memory a read takes (one row more at worst).
 
+    bounce_limit: the most bytes the native bounce buffers (a read lands in one before its rows are copied out) hold
+    at once, idle ones kept for the next call included; workers wait for room beyond it, and a read longer than the
+    limit runs alone. None: no limit, one buffer per thread. See bounce_bound().
+
     dio_offset_align / dio_mem_align: the alignment in bytes that direct reads of this file keep for offsets and
     lengths / for buffers, as statx reports it (STATX_DIOALIGN), else 4096.
     """
@@ -136,7 +140,7 @@ class FlashReader:
     def __init__(self, store: FlashStore | str | os.PathLike | None, threads: int = DEFAULT_THREADS,
                  min_read: int = DEFAULT_MIN_READ, max_gap: int | None = None, max_read: int = DEFAULT_MAX_READ,
                  direct: bool = True, engine: str = "threads", *, file: str | os.PathLike | None = None,
-                 staging_bytes: int = DEFAULT_ENDOR_STAGING):
+                 staging_bytes: int = DEFAULT_ENDOR_STAGING, bounce_limit: int | None = None):
         if (store is None) == (file is None):
             raise ValueError("give exactly one of store and file")
         self.store = None if store is None else store if isinstance(store, FlashStore) else FlashStore(store)
@@ -144,8 +148,11 @@ class FlashReader:
         if max_gap is None:
             profile = load_disk_profile()
             max_gap = profile.max_gap_bytes(threads) if profile else DEFAULT_MAX_GAP
+        if bounce_limit is not None and bounce_limit < 0:
+            raise ValueError(f"bounce_limit must be >= 0 or None, got {bounce_limit}")
         self._native = _native_reader_class()(path, int(threads), int(min_read), int(max_gap), int(max_read),
-                                              bool(direct), engine)
+                                              bool(direct), engine, -1 if bounce_limit is None else int(bounce_limit))
+        self.bounce_limit = bounce_limit
         self.path, self.threads, self.min_read, self.max_gap, self.max_read = path, threads, min_read, max_gap, max_read
         self.engine = engine
         self.direct: bool = bool(self._native.direct())
@@ -209,8 +216,35 @@ class FlashReader:
         if self.store is None or not self.store.endor:
             return 0
         largest = max(int(self.store.endor_location(layer).starts[-1]) for layer in range(self.store.n_layers))
-        one_row = (self.store.bundle_width + 7) // 8 + self.store.row_bytes
-        return min(self.staging_bytes, largest) + one_row
+        return min(self.staging_bytes, largest) + self._longest_row()
+
+    def _longest_row(self) -> int:
+        """Bytes of the longest row of the store in its file: an Endor row holds at most its bitmap and every value."""
+        bitmap = (self.store.bundle_width + 7) // 8 if self.store.endor else 0
+        return bitmap + self.store.row_bytes
+
+    def bounce_bound(self) -> int:
+        """The most memory the native reader's bounce buffers hold for reads of the store (kept between calls):
+        max(bounce_limit, the longest read's buffer), or without a limit one such buffer per thread. A read spans
+        at most max_read bytes of dense rows (at least one row, at most a layer: the coalescing rule counts rows),
+        i.e. that many of the file's longest rows, widened to the direct-I/O alignment."""
+        if self.store is None:
+            raise ValueError("bounce_bound() needs a store: a plain file's rows are the caller's")
+        rows_per_read = min(self.store.n_neurons, max(1, self.max_read // self.store.row_bytes))
+        align = self.dio_offset_align
+        longest_read = -(-rows_per_read * self._longest_row() // align) * align + align
+        if self.bounce_limit is None:
+            return self.threads * longest_read
+        return max(self.bounce_limit, longest_read)
+
+    def bounce_bytes(self) -> int:
+        """Bytes the native reader's bounce buffers hold now (at most bounce_bound() for store reads)."""
+        return int(self._native_reader().bounce_bytes())
+
+    def buffer_bound(self) -> int:
+        """Everything the reader holds beyond the `out` tensors it fills, on the CPU: bounce_bound() +
+        staging_bound(). What a DRAM budget charges for the reader (flashllm_ext.engine)."""
+        return self.bounce_bound() + self.staging_bound()
 
     def _read_endor(self, layer: int, ids: torch.Tensor, out: torch.Tensor, path: str) -> ReadStats:
         """Endor rows `ids` decompressed into out, in pieces of about staging_bytes of compressed rows (each piece

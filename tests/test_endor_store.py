@@ -143,6 +143,50 @@ def test_coalescing_counts_neurons_not_bytes(pruned, rule):
                     assert endor_read.bytes_read <= dense_read.bytes_read
 
 
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("limit", [None, 0, 20_000], ids=["unlimited", "one_read_at_a_time", "limit"])
+def test_bounce_buffers_stay_within_their_bound(pruned, engine, limit):
+    """The native bounce buffers (kept between calls) never hold more than bounce_bound(): one read's buffer per
+    thread without a limit, max(limit, one read's buffer) with one (limit 0: the reads take turns)."""
+    _, stores, dense_path = pruned
+    for path in (stores["fp16"], dense_path):
+        fs = store.FlashStore(path)
+        with FlashReader(fs, threads=4, engine=engine, min_read=0, max_gap=1 << 20, max_read=16384,
+                         bounce_limit=limit) as r:
+            assert r.bounce_bytes() == 0
+            held = []
+            for layer in range(fs.n_layers):
+                for ids in _id_sets(fs.n_neurons).values():
+                    r.read(layer, ids)
+                    held.append(r.bounce_bytes())
+            assert 0 < max(held) <= r.bounce_bound(), path
+
+
+def test_ffn_stack_charges_the_reader_buffers(pruned):
+    """Under a budget the engine limits the reader's bounce buffers (and an Endor store's staging) to a share of the
+    FFN budget and charges them to it: ffn_bytes = the modules + FlashReader.buffer_bound()."""
+    from flashllm_ext.engine import READER_BUFFER_SHARE, store_ffn_bytes
+
+    model, stores, dense_path = pruned
+    x = torch.randn(2, 64, generator=torch.Generator().manual_seed(2))
+    for path in (stores["fp32"], dense_path):
+        fs = store.FlashStore(path)
+        budget = store_ffn_bytes(fs) // 2
+        runtime = ffn_stack(fs, "exact", budget)
+        reader, share = runtime.reader, budget // READER_BUFFER_SHARE
+        assert reader.buffer_bound() == reader.bounce_bound() + reader.staging_bound()
+        assert (reader.staging_bound() > 0) == fs.endor
+        assert reader.bounce_limit + (reader.staging_bound() if fs.endor else 0) <= share
+        assert runtime.ffn_bytes == sum(m.nbytes for m in runtime.modules) + reader.buffer_bound()
+        assert runtime.accounted_bytes <= budget
+        with torch.no_grad():
+            for i, layer in enumerate(model.model.layers):
+                torch.testing.assert_close(runtime.modules[i](x), layer.mlp(x), rtol=1e-5, atol=1e-5)
+        assert 0 < reader.bounce_bytes() <= reader.bounce_bound()
+        runtime.close()
+    assert ffn_stack(store.FlashStore(dense_path), "exact", None).reader.bounce_limit is None  # no budget
+
+
 def test_small_staging_reads_in_pieces(pruned):
     """staging_bytes bounds the compressed bytes staged at once: a read is split into pieces, same result."""
     model, stores, _ = pruned

@@ -28,6 +28,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include <torch/custom_class.h>
@@ -72,6 +73,15 @@ struct AlignedBuffer {
     other.size = 0;
     other.alignment = 0;
   }
+  AlignedBuffer& operator=(AlignedBuffer&& other) noexcept {
+    if (this != &other) {
+      std::free(data);
+      data = std::exchange(other.data, nullptr);
+      size = std::exchange(other.size, 0);
+      alignment = std::exchange(other.alignment, 0);
+    }
+    return *this;
+  }
   ~AlignedBuffer() { std::free(data); }
   // At least n bytes starting on an `align` boundary (a power of two); reallocates only to grow or align further.
   char* reserve(int64_t n, int64_t align) {
@@ -90,6 +100,77 @@ struct AlignedBuffer {
     }
     return data;
   }
+};
+
+// The bounce buffers of one reader's workers, holding at most `limit` bytes at once (idle buffers included; -1: no
+// limit): a worker takes one for a read and gives it back, idle ones are reused, and a worker whose read does not fit
+// waits for the others to give theirs back. A read larger than the limit is served alone (nothing else held), so the
+// most the pool ever holds is max(limit, the longest read), and without a limit one buffer per worker of at most the
+// longest read. Every worker holds at most one buffer at a time, so a wait ends.
+class BouncePool {
+ public:
+  explicit BouncePool(int64_t limit) : limit_(limit) {}
+
+  AlignedBuffer acquire(int64_t n, int64_t align) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    for (;;) {
+      auto fits = std::find_if(idle_.begin(), idle_.end(),
+                               [&](const AlignedBuffer& b) { return b.size >= n && b.alignment >= align; });
+      if (fits != idle_.end()) {
+        AlignedBuffer taken = std::move(*fits);
+        idle_.erase(fits);
+        return taken;
+      }
+      if (!idle_.empty()) {  // none fits: one goes, so there are never more buffers than workers
+        held_ -= idle_.back().size;
+        idle_.pop_back();
+      }
+      while (limit_ >= 0 && held_ + n > limit_ && !idle_.empty()) {  // and more while they crowd out this one
+        held_ -= idle_.back().size;
+        idle_.pop_back();
+      }
+      if (limit_ < 0 || held_ + n <= limit_ || held_ == 0) break;
+      freed_.wait(lock);
+    }
+    held_ += n;
+    lock.unlock();
+    AlignedBuffer buffer;
+    try {
+      buffer.reserve(n, align);
+    } catch (...) {
+      give_back_bytes(n);
+      throw;
+    }
+    return buffer;
+  }
+
+  void release(AlignedBuffer buffer) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      idle_.push_back(std::move(buffer));
+    }
+    freed_.notify_all();
+  }
+
+  int64_t held() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return held_;
+  }
+
+ private:
+  void give_back_bytes(int64_t n) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      held_ -= n;
+    }
+    freed_.notify_all();
+  }
+
+  const int64_t limit_;
+  int64_t held_ = 0;  // bytes of every buffer handed out or idle
+  std::vector<AlignedBuffer> idle_;
+  mutable std::mutex mutex_;
+  std::condition_variable freed_;
 };
 
 // One coalesced read: the file range [offset, offset + length) covers sorted rows [first, last) of the batch.
@@ -205,9 +286,12 @@ class ThreadPool {
 
 class FlashReader : public torch::CustomClassHolder {
  public:
+  // bounce_limit: the most bytes the bounce buffers hold at once (-1: no limit; see BouncePool).
   FlashReader(std::string path, int64_t threads, int64_t min_read, int64_t max_gap, int64_t max_read, bool direct,
-              std::string engine)
-      : path_(std::move(path)), min_read_(min_read), max_gap_(max_gap), max_read_(max_read), engine_(engine) {
+              std::string engine, int64_t bounce_limit)
+      : path_(std::move(path)), min_read_(min_read), max_gap_(max_gap), max_read_(max_read),
+        bounce_limit_(bounce_limit), bounce_(bounce_limit), engine_(engine) {
+    TORCH_CHECK(bounce_limit >= -1, "FlashReader: bounce_limit must be >= -1, got ", bounce_limit);
     TORCH_CHECK(threads >= 1 && threads <= 1024, "FlashReader: threads must be in [1, 1024], got ", threads);
     TORCH_CHECK(min_read >= 0 && max_gap >= -1, "FlashReader: min_read must be >= 0 and max_gap >= -1, got ",
                 min_read, " and ", max_gap);
@@ -332,6 +416,16 @@ class FlashReader : public torch::CustomClassHolder {
   std::string path() const { return path_; }
   int64_t dio_offset_align() const { return align_.offset; }
   int64_t dio_mem_align() const { return align_.memory; }
+  // Bytes the reader's bounce buffers hold now (in use or idle, kept for the next call): at most
+  // max(bounce_limit, the longest read), what FlashReader.bounce_bound bounds.
+  int64_t bounce_bytes() const {
+    int64_t ring = 0;
+#ifdef FLASHLLM_WITH_URING
+    std::lock_guard<std::mutex> ring_lock(ring_mutex_);
+    for (const auto& buffer : ring_buffers_) ring += buffer.size;
+#endif
+    return bounce_.held() + ring;
+  }
 
  private:
   // The (id, slot) pairs of a call, ids checked against [0, n_rows).
@@ -522,7 +616,6 @@ class FlashReader : public torch::CustomClassHolder {
     batch->pending = n_tasks;
     for (int64_t t = 0; t < n_tasks; ++t) {
       pool_->submit([this, batch] {
-        thread_local AlignedBuffer buffer;
         Batch& b = *batch;
         try {
           for (int64_t i = b.next++; i < static_cast<int64_t>(b.reads.size()) && !b.failed.load(); i = b.next++) {
@@ -533,9 +626,10 @@ class FlashReader : public torch::CustomClassHolder {
             }
             const int64_t start = align_.down(r.offset);
             const int64_t want = align_.up(r.offset + r.length) - start;
-            char* buf = buffer.reserve(want, align_.memory);
-            b.bytes_read += read_span(b, start, want, r.offset + r.length - start, buf);
-            if (!b.failed.load()) b.scatter(r, buf, start);
+            AlignedBuffer buffer = bounce_.acquire(want, align_.memory);
+            b.bytes_read += read_span(b, start, want, r.offset + r.length - start, buffer.data);
+            if (!b.failed.load()) b.scatter(r, buffer.data, start);
+            bounce_.release(std::move(buffer));
           }
         } catch (const std::exception& e) {
           b.fail(e.what());
@@ -555,9 +649,16 @@ class FlashReader : public torch::CustomClassHolder {
   void run_uring(Batch& b) {
     std::lock_guard<std::mutex> ring_lock(ring_mutex_);
     TORCH_CHECK(!ring_broken_, "FlashReader: the io_uring ring failed earlier; open a new reader");
-    const int64_t depth = std::min<int64_t>(threads_, b.reads.size());
     int64_t max_span = 0;
     for (const Read& r : b.reads) max_span = std::max(max_span, align_.up(r.offset + r.length) - align_.down(r.offset));
+    // As many slots as the bounce limit holds buffers of the longest read (at least one); the ring's buffers are
+    // dropped and made anew when the ones kept from earlier calls would exceed the limit.
+    int64_t depth = std::min<int64_t>(threads_, b.reads.size());
+    if (bounce_limit_ >= 0) depth = std::max<int64_t>(1, std::min(depth, bounce_limit_ / max_span));
+    int64_t kept = 0;
+    for (int64_t s = 0; s < static_cast<int64_t>(ring_buffers_.size()); ++s)
+      kept += s < depth ? std::max(ring_buffers_[s].size, max_span) : ring_buffers_[s].size;
+    if (bounce_limit_ >= 0 && kept > std::max(bounce_limit_, max_span)) ring_buffers_.clear();
     if (static_cast<int64_t>(ring_buffers_.size()) < depth) ring_buffers_.resize(depth);
     struct Slot {
       int64_t read = -1;
@@ -639,11 +740,13 @@ class FlashReader : public torch::CustomClassHolder {
   DirectAlign align_;
   int64_t min_read_, max_gap_, max_read_;
   int64_t max_request_ = 0;  // io_uring: bytes of one request (max_read, aligned, at most kMaxUringRequest)
+  int64_t bounce_limit_;
+  BouncePool bounce_;
   std::string engine_;
   std::unique_ptr<ThreadPool> pool_;
 #ifdef FLASHLLM_WITH_URING
   io_uring ring_;
-  std::mutex ring_mutex_;
+  mutable std::mutex ring_mutex_;
   std::vector<AlignedBuffer> ring_buffers_;
   bool ring_broken_ = false;
 #endif
@@ -659,7 +762,7 @@ bool has_io_uring() {
 
 TORCH_LIBRARY_FRAGMENT(flashllm, m) {
   m.class_<FlashReader>("FlashReader")
-      .def(torch::init<std::string, int64_t, int64_t, int64_t, int64_t, bool, std::string>())
+      .def(torch::init<std::string, int64_t, int64_t, int64_t, int64_t, bool, std::string, int64_t>())
       .def("read_rows", &FlashReader::read_rows)
       .def("read_var_rows", &FlashReader::read_var_rows)
       .def("plan_reads", &FlashReader::plan_reads)
@@ -668,7 +771,8 @@ TORCH_LIBRARY_FRAGMENT(flashllm, m) {
       .def("engine", &FlashReader::engine)
       .def("path", &FlashReader::path)
       .def("dio_offset_align", &FlashReader::dio_offset_align)
-      .def("dio_mem_align", &FlashReader::dio_mem_align);
+      .def("dio_mem_align", &FlashReader::dio_mem_align)
+      .def("bounce_bytes", &FlashReader::bounce_bytes);
   m.def("reader_has_io_uring() -> bool", &has_io_uring);
 }
 
