@@ -36,11 +36,12 @@ from pathlib import Path
 
 import torch
 
-from common import arg_parser, device_name, emit, run_limited_child
+from common import arg_parser, device_name, emit, process_memory, run_limited_child
 
 from flashllm_ext.errors import FormatError
 from flashllm_ext.paths import resolve_cache_dir
 from flashllm_ext.predictor import NeuronPredictor
+from flashllm_ext.reader import FlashReader
 from traces import LOWRANK_TRAINING, trained_predictors
 
 HERE = Path(__file__).resolve().parent
@@ -84,8 +85,13 @@ class OraclePredictors(NeuronPredictor):
         from flashllm_ext.ffn import store_activation
 
         width = (2 if store.glu else 1) * store.hidden_size  # a bundle is [up | gate | down] or [up | down]
-        self.scoring_rows = [store.reader().read(i, torch.arange(store.n_neurons)).data[:, :width].contiguous()
-                             for i in range(store.n_layers)]
+        # Read in small parts into the kept rows, through a reader closed afterwards: no whole-layer transient and
+        # no idle reader threads with their bounce buffers outlive the construction (they would count in the cgroup).
+        self.scoring_rows = [torch.empty((store.n_neurons, width), dtype=store.dtype) for _ in range(store.n_layers)]
+        with FlashReader(store, threads=4) as reader:
+            for i, rows in enumerate(self.scoring_rows):
+                for part in torch.arange(store.n_neurons).split(256):
+                    rows[part] = reader.read(i, part).data[:, :width]
         self.biases = [layer_input_bias(store, i) for i in range(store.n_layers)]
         self.glu, self.d = store.glu, store.hidden_size
         self.activation = ACTIVATIONS[store_activation(store)].fn
@@ -201,20 +207,26 @@ def run_child(config: dict) -> dict:
     row = {"bench": "e2e", "model": config["model"], "device": device_name(device), "mode": config["mode"],
            "budget_mb": None if config["budget_bytes"] is None else config["budget_bytes"] / 1e6,
            **({"store_format": config["store_format"]} if "store_format" in config else {})}
+    before = process_memory()
     try:
         model, reset_stats = _load(config)
         prompt = torch.tensor([config["prompt_ids"]], device=device)
         times, tokens = _decode(model, prompt, config["tokens"], reset_stats)
     except Exception as e:  # the row says why this configuration could not run
         return {**row, "error": f"{type(e).__name__}: {e}"}
+    after = process_memory()
     row.update(ms_per_token=statistics.median(times) * 1e3, mean_ms_per_token=statistics.mean(times) * 1e3,
                tokens=len(times), generated=tokens)
+    if before and after:  # what loading and decoding added to the process, against what the engine accounts
+        row.update(rss_peak_growth_mb=(after["VmHWM"] - before["VmRSS"]) / 1e6,
+                   rss_anon_growth_mb=(after["RssAnon"] - before["RssAnon"]) / 1e6,
+                   rss_file_growth_mb=(after["RssFile"] - before["RssFile"]) / 1e6)
     stats = model.flash_stats() if getattr(model, "flash", None) is not None else None
     if stats is not None:
         row.update({k: stats[k] for k in ("io_ms", "hidden_io_ms", "decompress_ms", "mem_ms", "predictor_ms",
                                           "compute_ms", "bytes_per_token", "requested_bytes_per_token",
                                           "reads_per_token", "mean_read_bytes", "hit_rate",
-                                          "accounted_bytes")})
+                                          "accounted_bytes", "reader_bounce_bytes")})
     else:  # dense / accelerate: no engine stats; the whole decode time is compute (accelerate's reads included)
         row.update(io_ms=None, mem_ms=None, predictor_ms=None, compute_ms=None, bytes_per_token=0 if
                    config["mode"] == "dense" else None, hit_rate=None)
@@ -269,11 +281,13 @@ def _child_argv(config: dict) -> list[str]:
     return [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(config)]
 
 
-def measure_baseline(device: str = "cpu", timeout_s: float = 600) -> int:
+def measure_baseline(device: str = "cpu", store: Path | None = None, timeout_s: float = 600) -> int:
     """Bytes a child holds before loading a model: python + torch + transformers + flashllm_ext imported (page cache
-    of their files counted; on CUDA, the CUDA context too), the peak of an unlimited probe child's cgroup."""
-    rows, facts = run_limited_child(_child_argv({"mode": "probe", "device": device}), None, None, "e2e-probe",
-                                    timeout_s)
+    of their files counted; on CUDA, the CUDA context too) and, given the store, its model's modules built on the
+    meta device (the modeling code every child imports: ~120 MB for the default model); the peak of an unlimited
+    probe child's cgroup."""
+    probe = {"mode": "probe", "device": device, **({"store": str(store)} if store is not None else {})}
+    rows, facts = run_limited_child(_child_argv(probe), None, None, "e2e-probe", timeout_s)
     if facts["cgroup_peak_mb"] is None:
         raise RuntimeError(f"no cgroup to measure the baseline: {facts['cgroup_note']}")
     return int(facts["cgroup_peak_mb"] * 1e6)
@@ -670,13 +684,14 @@ def endor_stores(cache: Path) -> tuple[dict[str, Path], list[float]]:
     return stores, torch.load(cached).tolist()
 
 
-def run_endor(args, cache: Path, baseline: int) -> list[dict]:
+def run_endor(args, cache: Path) -> list[dict]:
     """Flash mode (true active sets) on the dense and the Endor store of the pruned model, round-robin, each in its
     own process."""
     from flashllm_ext.engine import parse_budget
     from flashllm_ext.store import FlashStore
 
     stores, thresholds = endor_stores(cache)
+    baseline = measure_baseline(store=stores["dense"])  # the same model class for both
     total = model_bytes_of(stores["dense"])  # the same for both: an Endor model decompresses to the same bundles
     budget = parse_budget(args.budget, total)
     ids, prompt_note = prompt_ids(args.prompt_tokens, FlashStore(stores["dense"]).config["vocab_size"])
@@ -753,6 +768,12 @@ def main(argv: list[str] | None = None) -> None:
             import transformers  # noqa: F401
             if config.get("device") == "cuda":  # the CUDA context's host memory is every GPU child's
                 torch.zeros(1, device="cuda")
+            if "store" in config:
+                from flashllm_ext.engine import empty_model
+                from flashllm_ext.store import FlashStore
+
+                store = FlashStore(config["store"])
+                empty_model(store.config, store.dtype, store.path)
             print(json.dumps({"probe": True}))
             return
         scale_ffn = config.get("scale") and not config.get("full")
@@ -789,7 +810,7 @@ def main(argv: list[str] | None = None) -> None:
 
     cache = resolve_cache_dir() / "e2e"
     if args.endor:
-        medians = run_endor(args, cache, measure_baseline())
+        medians = run_endor(args, cache)
         if not args.json:
             print(f"\nmedians over {args.rounds} round(s):")
         emit(medians, args.json, ["bytes_per_token_ratio", "requested_bytes_ratio", "ms_per_token_ratio",
@@ -800,7 +821,7 @@ def main(argv: list[str] | None = None) -> None:
     hf_dir = Path(args.hf_dir) if args.hf_dir else (hf_checkpoint(cache) if "accelerate" in modes and
                                                     not args.store else None)
     total = model_bytes_of(store)
-    baseline = measure_baseline(args.device)
+    baseline = measure_baseline(args.device, store)
     from flashllm_ext.store import FlashStore
 
     ids, prompt_note = prompt_ids(args.prompt_tokens, FlashStore(store).config["vocab_size"])

@@ -26,6 +26,18 @@ def device_name(device: str = "cpu") -> str:
             f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')})")
 
 
+def process_memory() -> dict[str, int]:
+    """This process's memory now, in bytes (Linux /proc/self/status): VmRSS, VmHWM (peak RSS), RssAnon, RssFile
+    (file pages mapped, e.g. mmapped weights). Empty where /proc is missing."""
+    try:
+        with open("/proc/self/status") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return {}
+    return {key: int(value.split()[0]) * 1024 for key, _, value in (line.partition(":") for line in lines)
+            if key in ("VmRSS", "VmHWM", "RssAnon", "RssFile")}
+
+
 def stream_probe(device: str = "cpu"):
     """The memory-bandwidth probe: (bytes, fn), fn a streaming sum over that many bytes (512 MiB on the CPU, several
     times any L3; 2 GiB on a GPU, 4x the 50-60 MB L2 of an H100/H200). Bytes / its time is the read bandwidth."""

@@ -12,7 +12,8 @@ Modes (the paper's Table 3 rows):
   exact   flash's cache and reads with every neuron active and no threshold: dense results through the flash path
 
 The budget covers what the model holds: resident tensors (embeddings, attention, norms), predictors, the caches /
-resident bundles / staging buffers (an Endor store's compressed staging included: FlashReader.staging_bound). Its
+resident bundles / staging buffers, and the reader's own buffers (FlashReader.buffer_bound: a bounce buffer per
+worker thread, an Endor store's compressed staging). Its
 split: resident tensors first, then predictors, then the FFN state, equal per layer. A budget that cannot hold one
 bundle per layer raises ValueError naming the minimum.
 
@@ -32,7 +33,7 @@ from torch import nn
 
 from .ffn import FFNStats, FlashFFN, StreamingFFN, ffn_slots, set_ffn
 from .linear import use_half_linears
-from .reader import FlashReader
+from .reader import DEFAULT_MAX_READ, FlashReader
 from .store import FlashStore
 from .transfer import Transfer, cuda_device, make_transfer
 
@@ -96,8 +97,9 @@ class FlashRuntime:
     def flash_stats(self) -> dict:
         """Per generated/processed token: I/O (exposed, and hidden behind compute; Endor decompression, part of the
         I/O time, also alone), memory-management, predictor and FFN compute milliseconds, bytes read (and the
-        bundles' own bytes among them) and cache hit rate, plus the accounted DRAM. A token is counted once per model
-        forward position."""
+        bundles' own bytes among them) and cache hit rate, plus the accounted DRAM and the bytes the reader's bounce
+        buffers hold now (within its buffer_bound, part of ffn_bytes). A token is counted once per model forward
+        position."""
         s, layers = self.stats, max(1, self.store.n_layers)
         tokens = s.tokens // layers
         per = 1e3 / max(tokens, 1)
@@ -110,7 +112,8 @@ class FlashRuntime:
                 "mean_read_bytes": s.bytes_read / s.n_reads if s.n_reads else 0.0,
                 "hit_rate": s.hit_rate, "steps": s.steps, "budget_bytes": self.budget_bytes,
                 "accounted_bytes": self.accounted_bytes, "resident_bytes": self.resident_bytes,
-                "predictor_bytes": self.predictor_bytes, "ffn_bytes": self.ffn_bytes}
+                "predictor_bytes": self.predictor_bytes, "ffn_bytes": self.ffn_bytes,
+                "reader_bounce_bytes": None if self.reader is None else self.reader.bounce_bytes()}
 
     def unpatch(self, model: nn.Module) -> None:
         """Put the original FFN modules back (patch_model only) and release the reader."""
@@ -216,6 +219,25 @@ def _make_modules(store: FlashStore, mode: str, ffn_budget: int | None, window: 
     return modules, staging.nbytes + transfer.nbytes + sum(m.nbytes for m in modules)
 
 
+READER_BUFFER_SHARE = 64  # the reader's buffers may take 1/64 of what the budget leaves for the FFNs
+
+
+def _bounded_reader_options(store: FlashStore, budget_bytes: int | None, taken: int) -> dict:
+    """The engine's reader options under a budget: the reader's buffers (FlashReader.buffer_bound, charged to the
+    budget) limited to a share of the FFN budget (READER_BUFFER_SHARE). A dense store's reader has only bounce
+    buffers; an Endor store's splits the share between them and its compressed staging, so both formats of a model
+    charge the same and keep caches of the same capacity. Reads are capped at the bounce limit too (4 KiB to
+    DEFAULT_MAX_READ): a longer read would get its own buffer beyond it. No budget: the reader's defaults."""
+    if budget_bytes is None:
+        return {}
+    share = max(0, budget_bytes - taken) // READER_BUFFER_SHARE
+    options = {"bounce_limit": share}
+    if store.endor:  # staging_bound adds one row (bitmap + values) to staging_bytes
+        one_row = (store.bundle_width + 7) // 8 + store.row_bytes
+        options = {"bounce_limit": share // 2, "staging_bytes": max(1, share - share // 2 - one_row)}
+    return {**options, "max_read": min(DEFAULT_MAX_READ, max(4096, options["bounce_limit"]))}
+
+
 def ffn_stack(store: FlashStore, mode: str, budget_bytes: int | None, *, window: int = 5, predictors=None,
               threads: int = 32, resident_bytes: int = 0, device: str | torch.device = "cpu",
               transfer: Transfer | None = None, reader_options: dict | None = None) -> FlashRuntime:
@@ -236,14 +258,17 @@ def ffn_stack(store: FlashStore, mode: str, budget_bytes: int | None, *, window:
     transfer = transfer if transfer is not None else make_transfer(device)
     if mode == "flash":
         predictors.to(transfer.device)
-    reader, stats = FlashReader(store, threads=threads, **(reader_options or {})), FFNStats()
-    # An Endor store's reads stage compressed rows before decompressing them: one read at a time, a fixed cost.
-    fixed = resident_bytes + predictor_bytes + reader.staging_bound()
+    reader_options = {**_bounded_reader_options(store, budget_bytes, resident_bytes + predictor_bytes),
+                      **(reader_options or {})}
+    reader, stats = FlashReader(store, threads=threads, **reader_options), FFNStats()
+    # The reader's bounce buffers (one per thread, kept between calls) and an Endor store's compressed staging (one
+    # read at a time): a fixed cost.
+    fixed = resident_bytes + predictor_bytes + reader.buffer_bound()
     ffn_budget = None if budget_bytes is None else budget_bytes - fixed
     try:
         modules, ffn_bytes = _make_modules(store, mode, ffn_budget, window, predictors, reader, stats, budget_bytes,
                                            fixed, transfer)
-        ffn_bytes += reader.staging_bound()
+        ffn_bytes += reader.buffer_bound()
     except BaseException:
         reader.close()
         raise

@@ -131,7 +131,8 @@ class FlashFFN(nn.Module):
 
     predictor: callable x [T, d] -> bool [T, n] per-token sets (or one shared set, see Predictor); active_ids: a
     fixed set used for every token; neither: every neuron (exact mode). threshold: sparse_ffn's activation
-    threshold (the rule's; 0: none). capacity / budget_bytes / window / reader: NeuronCache's. stats: an FFNStats
+    threshold (the rule's; 0: none). capacity / window / reader: NeuronCache's; budget_bytes: the layer's, output
+    bias included (FlashFFN.bytes_for), the rest the cache's. stats: an FFNStats
     to accumulate into (shared by the layers of a model). overlap: a single token's reads run in a reader thread
     while its already-cached neurons are computed (the exposed and hidden read times are both reported). prefill:
     how several tokens with per-token sets read the layer ("union", "sequential" or "auto", see prefill_path). Input
@@ -154,6 +155,8 @@ class FlashFFN(nn.Module):
             raise ValueError("give a predictor or a fixed active_ids set, not both")
         if capacity is None and budget_bytes is None:
             capacity = self.store.n_neurons
+        if budget_bytes is not None:  # the output bias (bytes_for's share) comes out of the budget too
+            budget_bytes -= 4 * self.store.hidden_size
         self.cache = NeuronCache(self.store, layer, capacity, window, budget_bytes=budget_bytes, reader=reader,
                                  device=device, transfer=transfer)
         self.layer, self.predictor, self.threshold = layer, predictor, float(threshold)

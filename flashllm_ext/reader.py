@@ -8,7 +8,10 @@ bundle from an aligned bounce buffer into its output row.
 Endor stores (store.endor): a neuron's bundle is one variable-length row [bitmap | values] (store.EndorLocation);
 the reader reads the distinct requested rows (coalesced by the same rule), splitting each into a bitmap and a
 values staging buffer, then `endor_decompress(rows=..., out=...)` writes the dense bundles straight into `out` in
-the requested order (repeats included): ~56% of the bytes of a dense bundle move at 50% sparsity.
+the requested order (repeats included): ~56% of the bytes of a dense bundle move at 50% sparsity. The coalescing
+rule counts rows, not the file's bytes: a row counts as its dense bundle (store.row_bytes), so max_gap, min_read and
+max_read mean the same neurons for the Endor and the dense store of a model, both merge the same runs, and the Endor
+store reads fewer bytes (counting its own, shorter rows would read through more unrequested neurons).
 
 Destinations: a CPU `out` is filled by the native reader ("host" path). A CUDA `out` (select_read_path) goes
 through kvikio's CuFile when kvikio imports ("kvikio": straight into GPU memory, GPUDirect Storage where the
@@ -117,7 +120,7 @@ class FlashReader:
     store: a FlashStore or its directory (a model's caches share `store.reader()` rather than opening their own).
     threads: worker threads (the io_uring engine: reads in flight).
     min_read: reads shorter than this absorb the next requested neuron whatever the gap. max_gap: largest gap in
-    bytes read through to merge two reads (None: calibrated profile, else DEFAULT_MAX_GAP; -1 with min_read=0:
+    bytes read through to merge two reads (for an Endor store, bytes of the dense bundles: the rule counts neurons) (None: calibrated profile, else DEFAULT_MAX_GAP; -1 with min_read=0:
     no coalescing at all, one read per distinct neuron). max_read: cap on one coalesced read; the io_uring engine
     also issues a longer single row as several requests of at most max_read bytes. direct: O_DIRECT (falls back to
     buffered where refused, see `.direct`). engine: "threads" or "io_uring" (needs a liburing build, see
@@ -126,6 +129,10 @@ class FlashReader:
     staging_bytes: an Endor read is split into pieces of about this many compressed bytes, each staged (bitmap +
     values) and decompressed before the next: the most extra memory a read takes (one row more at worst).
 
+    bounce_limit: the most bytes the native bounce buffers (a read lands in one before its rows are copied out) hold
+    at once, idle ones kept for the next call included; workers wait for room beyond it, and a read longer than the
+    limit runs alone. None: no limit, one buffer per thread. See bounce_bound().
+
     dio_offset_align / dio_mem_align: the alignment in bytes that direct reads of this file keep for offsets and
     lengths / for buffers, as statx reports it (STATX_DIOALIGN), else 4096.
     """
@@ -133,7 +140,7 @@ class FlashReader:
     def __init__(self, store: FlashStore | str | os.PathLike | None, threads: int = DEFAULT_THREADS,
                  min_read: int = DEFAULT_MIN_READ, max_gap: int | None = None, max_read: int = DEFAULT_MAX_READ,
                  direct: bool = True, engine: str = "threads", *, file: str | os.PathLike | None = None,
-                 staging_bytes: int = DEFAULT_ENDOR_STAGING):
+                 staging_bytes: int = DEFAULT_ENDOR_STAGING, bounce_limit: int | None = None):
         if (store is None) == (file is None):
             raise ValueError("give exactly one of store and file")
         self.store = None if store is None else store if isinstance(store, FlashStore) else FlashStore(store)
@@ -141,8 +148,11 @@ class FlashReader:
         if max_gap is None:
             profile = load_disk_profile()
             max_gap = profile.max_gap_bytes(threads) if profile else DEFAULT_MAX_GAP
+        if bounce_limit is not None and bounce_limit < 0:
+            raise ValueError(f"bounce_limit must be >= 0 or None, got {bounce_limit}")
         self._native = _native_reader_class()(path, int(threads), int(min_read), int(max_gap), int(max_read),
-                                              bool(direct), engine)
+                                              bool(direct), engine, -1 if bounce_limit is None else int(bounce_limit))
+        self.bounce_limit = bounce_limit
         self.path, self.threads, self.min_read, self.max_gap, self.max_read = path, threads, min_read, max_gap, max_read
         self.engine = engine
         self.direct: bool = bool(self._native.direct())
@@ -206,8 +216,35 @@ class FlashReader:
         if self.store is None or not self.store.endor:
             return 0
         largest = max(int(self.store.endor_location(layer).starts[-1]) for layer in range(self.store.n_layers))
-        one_row = (self.store.bundle_width + 7) // 8 + self.store.row_bytes
-        return min(self.staging_bytes, largest) + one_row
+        return min(self.staging_bytes, largest) + self._longest_row()
+
+    def _longest_row(self) -> int:
+        """Bytes of the longest row of the store in its file: an Endor row holds at most its bitmap and every value."""
+        bitmap = (self.store.bundle_width + 7) // 8 if self.store.endor else 0
+        return bitmap + self.store.row_bytes
+
+    def bounce_bound(self) -> int:
+        """The most memory the native reader's bounce buffers hold for reads of the store (kept between calls):
+        max(bounce_limit, the longest read's buffer), or without a limit one such buffer per thread. A read spans
+        at most max_read bytes of dense rows (at least one row, at most a layer: the coalescing rule counts rows),
+        i.e. that many of the file's longest rows, widened to the direct-I/O alignment."""
+        if self.store is None:
+            raise ValueError("bounce_bound() needs a store: a plain file's rows are the caller's")
+        rows_per_read = min(self.store.n_neurons, max(1, self.max_read // self.store.row_bytes))
+        align = self.dio_offset_align
+        longest_read = -(-rows_per_read * self._longest_row() // align) * align + align
+        if self.bounce_limit is None:
+            return self.threads * longest_read
+        return max(self.bounce_limit, longest_read)
+
+    def bounce_bytes(self) -> int:
+        """Bytes the native reader's bounce buffers hold now (at most bounce_bound() for store reads)."""
+        return int(self._native_reader().bounce_bytes())
+
+    def buffer_bound(self) -> int:
+        """Everything the reader holds beyond the `out` tensors it fills, on the CPU: bounce_bound() +
+        staging_bound(). What a DRAM budget charges for the reader (flashllm_ext.engine)."""
+        return self.bounce_bound() + self.staging_bound()
 
     def _read_endor(self, layer: int, ids: torch.Tensor, out: torch.Tensor, path: str) -> ReadStats:
         """Endor rows `ids` decompressed into out, in pieces of about staging_bytes of compressed rows (each piece
@@ -243,8 +280,8 @@ class FlashReader:
         else:
             bitmap = torch.empty((unique.numel(), loc.head_bytes), dtype=torch.uint8, pin_memory=pinned)
             values = torch.empty(int(tail_offsets[-1]), dtype=torch.uint8, pin_memory=pinned)
-            raw = self._native_reader().read_var_rows(loc.offset, loc.starts, loc.head_bytes, unique, bitmap, values,
-                                                      tail_offsets)
+            raw = self._native_reader().read_var_rows(loc.offset, loc.starts, self.store.row_bytes, loc.head_bytes,
+                                                      unique, bitmap, values, tail_offsets)
         start = time.perf_counter()
         row_offsets, rows = tail_offsets // item, inverse
         if out.device != bitmap.device:
@@ -312,7 +349,7 @@ class FlashReader:
                            device: torch.device) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         """Distinct Endor rows through kvikio into a staging buffer on `device`, split there into the bitmap rows
         and the values (gathers by index). Returns (bitmap, values bytes, [bytes requested, bytes read, reads])."""
-        plan = self._native_reader().plan_reads(loc.offset, 0, 0, loc.starts, unique)
+        plan = self._native_reader().plan_reads(loc.offset, self.store.row_bytes, 0, loc.starts, unique)
         staging = self._cufile_stage(plan, device)
         at = self._staged_positions(plan, loc.offset + loc.starts[unique]).to(device)
         heads = at[:, None] + torch.arange(loc.head_bytes, device=device)

@@ -98,6 +98,95 @@ def test_endor_rows_move_about_half_the_bytes(pruned):
     assert 0.5 < endor_bytes / dense_bytes < 0.56  # fp32: 1/32 bitmap + 1/2 values
 
 
+def _planned_runs(r: FlashReader, fs: store.FlashStore, layer: int, ids: torch.Tensor) -> tuple[list, int]:
+    """The neuron runs [first, end) of the reads the reader plans for `ids`, and their bytes (before alignment)."""
+    unique = torch.unique(ids)
+    if fs.endor:
+        loc = fs.endor_location(layer)
+        plan = r._native_reader().plan_reads(loc.offset, fs.row_bytes, 0, loc.starts, unique)
+        bounds = torch.searchsorted(loc.starts, torch.stack([plan[:, 0], plan.sum(1)], 1) - loc.offset)
+    else:
+        loc = fs.layer_location(layer)
+        plan = r._native_reader().plan_reads(loc.offset, loc.row_bytes, loc.n_neurons, None, unique)
+        bounds = torch.stack([plan[:, 0], plan.sum(1)], 1).sub(loc.offset).div(loc.row_bytes, rounding_mode="floor")
+    return bounds.tolist(), int(plan[:, 1].sum())
+
+
+@pytest.mark.parametrize("rule", [(0, -1, 1 << 20), (0, 0, 1 << 20), (0, 7, 1 << 20), (12, 0, 1 << 20),
+                                  (32 << 10, 64 << 10, 1 << 20), (0, 1 << 30, 8192)],
+                         ids=["none", "adjacent", "gap7rows", "min_read12rows", "default", "max_read"])
+def test_coalescing_counts_neurons_not_bytes(pruned, rule):
+    """The gap rule counts skipped neurons (a row counts as its dense bundle): for one active set the Endor store
+    merges exactly the dense store's neuron runs, each read shorter, so it reads fewer bytes. Counting the Endor
+    file's own bytes would read through more unrequested neurons (its rows are ~0.55x as long)."""
+    _, stores, dense_path = pruned
+    endor_fs, dense_fs = store.FlashStore(stores["fp32"]), store.FlashStore(dense_path)
+    min_read, max_gap, max_read = rule
+    row = dense_fs.row_bytes
+    if rule[:2] in ((0, 7), (12, 0)):  # given in rows: in bytes of the dense row
+        min_read, max_gap = min_read * row, max_gap * row
+    g = torch.Generator().manual_seed(5)
+    sets = [torch.randperm(300, generator=g)[:k] for k in (10, 40, 120, 240)] + [torch.arange(40, 120),
+                                                                                   torch.arange(300)]
+    options = dict(threads=2, min_read=min_read, max_gap=max_gap, max_read=max_read)
+    with FlashReader(endor_fs, **options) as endor_reader, FlashReader(dense_fs, **options) as dense_reader:
+        for layer in range(dense_fs.n_layers):
+            for ids in sets:
+                endor_runs, endor_bytes = _planned_runs(endor_reader, endor_fs, layer, ids)
+                dense_runs, dense_bytes = _planned_runs(dense_reader, dense_fs, layer, ids)
+                assert endor_runs == dense_runs
+                assert 0.5 * dense_bytes < endor_bytes < 0.6 * dense_bytes
+                if rule == (32 << 10, 64 << 10, 1 << 20):  # long reads: the 4 KiB alignment does not dominate
+                    endor_read = endor_reader.read(layer, ids).stats
+                    dense_read = dense_reader.read(layer, ids).stats
+                    assert endor_read.n_reads == dense_read.n_reads
+                    assert endor_read.bytes_read <= dense_read.bytes_read
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("limit", [None, 0, 20_000], ids=["unlimited", "one_read_at_a_time", "limit"])
+def test_bounce_buffers_stay_within_their_bound(pruned, engine, limit):
+    """The native bounce buffers (kept between calls) never hold more than bounce_bound(): one read's buffer per
+    thread without a limit, max(limit, one read's buffer) with one (limit 0: the reads take turns)."""
+    _, stores, dense_path = pruned
+    for path in (stores["fp16"], dense_path):
+        fs = store.FlashStore(path)
+        with FlashReader(fs, threads=4, engine=engine, min_read=0, max_gap=1 << 20, max_read=16384,
+                         bounce_limit=limit) as r:
+            assert r.bounce_bytes() == 0
+            held = []
+            for layer in range(fs.n_layers):
+                for ids in _id_sets(fs.n_neurons).values():
+                    r.read(layer, ids)
+                    held.append(r.bounce_bytes())
+            assert 0 < max(held) <= r.bounce_bound(), path
+
+
+def test_ffn_stack_charges_the_reader_buffers(pruned):
+    """Under a budget the engine limits the reader's bounce buffers (and an Endor store's staging) to a share of the
+    FFN budget and charges them to it: ffn_bytes = the modules + FlashReader.buffer_bound()."""
+    from flashllm_ext.engine import READER_BUFFER_SHARE, store_ffn_bytes
+
+    model, stores, dense_path = pruned
+    x = torch.randn(2, 64, generator=torch.Generator().manual_seed(2))
+    for path in (stores["fp32"], dense_path):
+        fs = store.FlashStore(path)
+        budget = store_ffn_bytes(fs) // 2
+        runtime = ffn_stack(fs, "exact", budget)
+        reader, share = runtime.reader, budget // READER_BUFFER_SHARE
+        assert reader.buffer_bound() == reader.bounce_bound() + reader.staging_bound()
+        assert (reader.staging_bound() > 0) == fs.endor
+        assert reader.bounce_limit + (reader.staging_bound() if fs.endor else 0) <= share
+        assert runtime.ffn_bytes == sum(m.nbytes for m in runtime.modules) + reader.buffer_bound()
+        assert runtime.accounted_bytes <= budget
+        with torch.no_grad():
+            for i, layer in enumerate(model.model.layers):
+                torch.testing.assert_close(runtime.modules[i](x), layer.mlp(x), rtol=1e-5, atol=1e-5)
+        assert 0 < reader.bounce_bytes() <= reader.bounce_bound()
+        runtime.close()
+    assert ffn_stack(store.FlashStore(dense_path), "exact", None).reader.bounce_limit is None  # no budget
+
+
 def test_small_staging_reads_in_pieces(pruned):
     """staging_bytes bounds the compressed bytes staged at once: a read is split into pieces, same result."""
     model, stores, _ = pruned

@@ -76,10 +76,14 @@ def test_exact_mode_under_a_small_budget_reads_in_parts(models):
     model, path = models["llama"]
     prompt = torch.randint(3, 90, (1, 5), generator=torch.Generator().manual_seed(3))
     s = store.FlashStore(path)
-    resident = sum(p.numel() * 4 for n, p in model.named_parameters() if "mlp" not in n)
+    resident = sum(p.numel() * 4 for n, p in model.named_parameters() if "mlp" not in n) + \
+        sum(b.nbytes for b in model.buffers())  # (the rotary frequencies)
     fixed, per_row = flashllm_ext.engine.FlashFFN.bytes_for(s)
-    budget = resident + s.n_layers * (fixed + per_row * (s.n_neurons // 3))
-    flash = flashllm_ext.load_flash(path, dram_budget=budget, mode="exact")
+    options = {"bounce_limit": 0, "max_read": 4096}  # the reader's buffers, charged too: one read's bounce buffer
+    with flashllm_ext.reader.FlashReader(s, **options) as reader:
+        buffers = reader.buffer_bound()
+    budget = resident + buffers + s.n_layers * (fixed + per_row * (s.n_neurons // 3))
+    flash = flashllm_ext.load_flash(path, dram_budget=budget, mode="exact", reader_options=options)
     assert all(m.cache.capacity == s.n_neurons // 3 for m in flash.flash.modules)
     assert torch.equal(_greedy(flash, prompt, 8), _greedy(model, prompt, 8))
     assert flash.flash_stats()["accounted_bytes"] <= budget

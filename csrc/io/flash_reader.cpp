@@ -3,9 +3,9 @@
 //
 // Rows are fixed-size (read_rows: row i at base + i * row_bytes) or variable-length (read_var_rows: row i spans
 // [base + starts[i], base + starts[i + 1]), an Endor neuron: a fixed-size head, its bitmap, then its values). One
-// call = one batch: ids are sorted and deduplicated, runs of nearby ids are coalesced into one read when the bytes
-// of the gap cost less than a separate read (gap <= max_gap) or the merged read is still below min_read, reads are
-// widened to the file's direct-I/O alignment (statx STATX_DIOALIGN, else 4 KiB), executed by the engine (a pool of
+// call = one batch: ids are sorted and deduplicated, runs of nearby ids are coalesced into one read when the gap
+// costs less than a separate read (gap <= max_gap) or the merged read is still below min_read (see plan(): the
+// rule counts rows, so a compressed file merges the same runs as its dense twin), reads are widened to the file's direct-I/O alignment (statx STATX_DIOALIGN, else 4 KiB), executed by the engine (a pool of
 // pread workers, or one io_uring ring when built with liburing), and each row is copied from the aligned bounce
 // buffer into every output slot that asked for it (a variable row: its head into the head output, the rest into
 // the tail output at that slot's offset).
@@ -28,6 +28,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include <torch/custom_class.h>
@@ -72,6 +73,15 @@ struct AlignedBuffer {
     other.size = 0;
     other.alignment = 0;
   }
+  AlignedBuffer& operator=(AlignedBuffer&& other) noexcept {
+    if (this != &other) {
+      std::free(data);
+      data = std::exchange(other.data, nullptr);
+      size = std::exchange(other.size, 0);
+      alignment = std::exchange(other.alignment, 0);
+    }
+    return *this;
+  }
   ~AlignedBuffer() { std::free(data); }
   // At least n bytes starting on an `align` boundary (a power of two); reallocates only to grow or align further.
   char* reserve(int64_t n, int64_t align) {
@@ -92,6 +102,77 @@ struct AlignedBuffer {
   }
 };
 
+// The bounce buffers of one reader's workers, holding at most `limit` bytes at once (idle buffers included; -1: no
+// limit): a worker takes one for a read and gives it back, idle ones are reused, and a worker whose read does not fit
+// waits for the others to give theirs back. A read larger than the limit is served alone (nothing else held), so the
+// most the pool ever holds is max(limit, the longest read), and without a limit one buffer per worker of at most the
+// longest read. Every worker holds at most one buffer at a time, so a wait ends.
+class BouncePool {
+ public:
+  explicit BouncePool(int64_t limit) : limit_(limit) {}
+
+  AlignedBuffer acquire(int64_t n, int64_t align) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    for (;;) {
+      auto fits = std::find_if(idle_.begin(), idle_.end(),
+                               [&](const AlignedBuffer& b) { return b.size >= n && b.alignment >= align; });
+      if (fits != idle_.end()) {
+        AlignedBuffer taken = std::move(*fits);
+        idle_.erase(fits);
+        return taken;
+      }
+      if (!idle_.empty()) {  // none fits: one goes, so there are never more buffers than workers
+        held_ -= idle_.back().size;
+        idle_.pop_back();
+      }
+      while (limit_ >= 0 && held_ + n > limit_ && !idle_.empty()) {  // and more while they crowd out this one
+        held_ -= idle_.back().size;
+        idle_.pop_back();
+      }
+      if (limit_ < 0 || held_ + n <= limit_ || held_ == 0) break;
+      freed_.wait(lock);
+    }
+    held_ += n;
+    lock.unlock();
+    AlignedBuffer buffer;
+    try {
+      buffer.reserve(n, align);
+    } catch (...) {
+      give_back_bytes(n);
+      throw;
+    }
+    return buffer;
+  }
+
+  void release(AlignedBuffer buffer) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      idle_.push_back(std::move(buffer));
+    }
+    freed_.notify_all();
+  }
+
+  int64_t held() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return held_;
+  }
+
+ private:
+  void give_back_bytes(int64_t n) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      held_ -= n;
+    }
+    freed_.notify_all();
+  }
+
+  const int64_t limit_;
+  int64_t held_ = 0;  // bytes of every buffer handed out or idle
+  std::vector<AlignedBuffer> idle_;
+  mutable std::mutex mutex_;
+  std::condition_variable freed_;
+};
+
 // One coalesced read: the file range [offset, offset + length) covers sorted rows [first, last) of the batch.
 struct Read {
   int64_t offset;
@@ -105,7 +186,9 @@ struct Batch {
   std::vector<Read> reads;
   std::vector<std::pair<int64_t, int64_t>> rows;  // (id, output slot), sorted by id
   int64_t base = 0;
-  int64_t row_bytes = 0;  // fixed rows; unused when `starts` is set
+  // Fixed rows: their size. Variable rows: the bytes one row counts for in the coalescing rule (the dense row an
+  // Endor row compresses), so the rule counts rows, whatever their stored length.
+  int64_t row_bytes = 0;
   char* out = nullptr;    // fixed rows: slot i at out + i * row_bytes; variable rows: the heads, head_bytes each
   // Variable rows: row id spans [base + starts[id], base + starts[id + 1]); its first head_bytes go to the head
   // output, the rest to tail + tail_offsets[slot].
@@ -203,9 +286,12 @@ class ThreadPool {
 
 class FlashReader : public torch::CustomClassHolder {
  public:
+  // bounce_limit: the most bytes the bounce buffers hold at once (-1: no limit; see BouncePool).
   FlashReader(std::string path, int64_t threads, int64_t min_read, int64_t max_gap, int64_t max_read, bool direct,
-              std::string engine)
-      : path_(std::move(path)), min_read_(min_read), max_gap_(max_gap), max_read_(max_read), engine_(engine) {
+              std::string engine, int64_t bounce_limit)
+      : path_(std::move(path)), min_read_(min_read), max_gap_(max_gap), max_read_(max_read),
+        bounce_limit_(bounce_limit), bounce_(bounce_limit), engine_(engine) {
+    TORCH_CHECK(bounce_limit >= -1, "FlashReader: bounce_limit must be >= -1, got ", bounce_limit);
     TORCH_CHECK(threads >= 1 && threads <= 1024, "FlashReader: threads must be in [1, 1024], got ", threads);
     TORCH_CHECK(min_read >= 0 && max_gap >= -1, "FlashReader: min_read must be >= 0 and max_gap >= -1, got ",
                 min_read, " and ", max_gap);
@@ -275,12 +361,13 @@ class FlashReader : public torch::CustomClassHolder {
   // Variable-length rows: row id of the file spans [base + starts[id], base + starts[id + 1]) (starts int64
   // [n_rows + 1], non-decreasing where read); its first head_bytes go to head_out[i] (uint8 [k * head_bytes]), the
   // rest to tail_out[tail_offsets[i]:] (tail_offsets int64 [k + 1], each slot's share exactly the row's rest).
+  // unit_bytes: what one row counts for in the coalescing rule (the dense row it compresses; see plan()).
   // Returns read_rows' stats.
-  std::vector<int64_t> read_var_rows(int64_t base, const at::Tensor& starts, int64_t head_bytes, const at::Tensor& ids,
-                                     const at::Tensor& head_out, const at::Tensor& tail_out,
+  std::vector<int64_t> read_var_rows(int64_t base, const at::Tensor& starts, int64_t unit_bytes, int64_t head_bytes,
+                                     const at::Tensor& ids, const at::Tensor& head_out, const at::Tensor& tail_out,
                                      const at::Tensor& tail_offsets) {
     const auto start = std::chrono::steady_clock::now();
-    auto batch = var_batch(base, starts, head_bytes, ids);
+    auto batch = var_batch(base, starts, unit_bytes, head_bytes, ids);
     const int64_t n = ids.numel();
     for (const auto* t : {&head_out, &tail_out})
       TORCH_CHECK(t->device().is_cpu() && t->is_contiguous(), "FlashReader: head_out and tail_out must be contiguous "
@@ -307,10 +394,11 @@ class FlashReader : public torch::CustomClassHolder {
   }
 
   // The coalesced reads a call would issue, without reading: int64 [n_reads, 2] of (file offset, length), in file
-  // order, before widening to the direct-I/O alignment. Rows are fixed (starts undefined) or variable as above.
+  // order, before widening to the direct-I/O alignment. Rows are fixed (starts undefined) or variable as above
+  // (row_bytes then their unit_bytes; n_rows unused).
   at::Tensor plan_reads(int64_t base, int64_t row_bytes, int64_t n_rows, const c10::optional<at::Tensor>& starts,
                         const at::Tensor& ids) {
-    auto batch = starts ? var_batch(base, *starts, 0, ids) : fixed_batch(base, row_bytes, n_rows, ids);
+    auto batch = starts ? var_batch(base, *starts, row_bytes, 0, ids) : fixed_batch(base, row_bytes, n_rows, ids);
     std::sort(batch->rows.begin(), batch->rows.end());
     plan(*batch);
     auto out = at::empty({static_cast<int64_t>(batch->reads.size()), 2}, at::kLong);
@@ -328,6 +416,16 @@ class FlashReader : public torch::CustomClassHolder {
   std::string path() const { return path_; }
   int64_t dio_offset_align() const { return align_.offset; }
   int64_t dio_mem_align() const { return align_.memory; }
+  // Bytes the reader's bounce buffers hold now (in use or idle, kept for the next call): at most
+  // max(bounce_limit, the longest read), what FlashReader.bounce_bound bounds.
+  int64_t bounce_bytes() const {
+    int64_t ring = 0;
+#ifdef FLASHLLM_WITH_URING
+    std::lock_guard<std::mutex> ring_lock(ring_mutex_);
+    for (const auto& buffer : ring_buffers_) ring += buffer.size;
+#endif
+    return bounce_.held() + ring;
+  }
 
  private:
   // The (id, slot) pairs of a call, ids checked against [0, n_rows).
@@ -360,14 +458,19 @@ class FlashReader : public torch::CustomClassHolder {
   }
 
   // Checks every row the call touches: it starts at or after 0, holds its head and ends inside a file offset.
-  static std::shared_ptr<Batch> var_batch(int64_t base, const at::Tensor& starts, int64_t head_bytes,
-                                          const at::Tensor& ids) {
+  static std::shared_ptr<Batch> var_batch(int64_t base, const at::Tensor& starts, int64_t unit_bytes,
+                                          int64_t head_bytes, const at::Tensor& ids) {
     TORCH_CHECK(starts.device().is_cpu() && starts.scalar_type() == at::kLong && starts.dim() == 1 &&
                     starts.numel() >= 1, "FlashReader: starts must be a 1-D int64 CPU tensor of n_rows + 1 entries");
-    TORCH_CHECK(base >= 0 && head_bytes >= 0, "FlashReader: need base >= 0 and head_bytes >= 0, got ", base, ", ",
-                head_bytes);
-    auto batch = new_batch(ids, starts.numel() - 1);
+    TORCH_CHECK(base >= 0 && head_bytes >= 0 && unit_bytes > 0, "FlashReader: need base >= 0, head_bytes >= 0 and "
+                "unit_bytes > 0, got ", base, ", ", head_bytes, ", ", unit_bytes);
+    const int64_t n_rows = starts.numel() - 1;
+    // plan() measures spans as rows x unit_bytes: keep that inside an int64 as fixed_batch does.
+    TORCH_CHECK(n_rows == 0 || unit_bytes <= std::numeric_limits<int64_t>::max() / (n_rows + 1),
+                "FlashReader: ", n_rows, " rows of ", unit_bytes, " unit bytes overflow an int64");
+    auto batch = new_batch(ids, n_rows);
     batch->base = base;
+    batch->row_bytes = unit_bytes;
     batch->head_bytes = head_bytes;
     batch->keep = {starts.contiguous()};
     const int64_t* at = batch->keep[0].data_ptr<int64_t>();
@@ -417,6 +520,11 @@ class FlashReader : public torch::CustomClassHolder {
   // their break-even (latency x bandwidth, from `flashllm calibrate-disk`). Reads below min_read absorb the next
   // row whatever the gap, since the device serves small reads at nearly the same cost. max_gap = -1 with
   // min_read = 0 turns coalescing off: one read per distinct row, even for adjacent rows (baselines).
+  // The rule counts rows: a gap or a read measures rows x row_bytes, which for fixed rows is their bytes and for
+  // variable rows their unit (the dense row). Counting a compressed file's own bytes would read through more
+  // unrequested rows than its dense twin (its rows are shorter, so more of them fit a gap); counting rows, both
+  // merge the same runs and the compressed one reads fewer bytes. max_read therefore caps a read at
+  // max_read / unit_bytes rows (a variable row longer than its unit, incompressible, makes the read that longer).
   void plan(Batch& b) const {
     const auto& rows = b.rows;
     int64_t k = 0;
@@ -428,8 +536,8 @@ class FlashReader : public torch::CustomClassHolder {
       while (end < n) {
         const int64_t next_id = rows[end].first;
         if (next_id != last_id) {
-          const int64_t gap = b.begin(next_id) - b.end(last_id);
-          const int64_t merged = b.end(next_id) - b.begin(first_id);
+          const int64_t gap = (next_id - last_id - 1) * b.row_bytes;
+          const int64_t merged = (next_id - first_id + 1) * b.row_bytes;
           if (merged > max_read_ || (gap > max_gap_ && merged > min_read_)) break;
           last_id = next_id;
         }
@@ -508,7 +616,6 @@ class FlashReader : public torch::CustomClassHolder {
     batch->pending = n_tasks;
     for (int64_t t = 0; t < n_tasks; ++t) {
       pool_->submit([this, batch] {
-        thread_local AlignedBuffer buffer;
         Batch& b = *batch;
         try {
           for (int64_t i = b.next++; i < static_cast<int64_t>(b.reads.size()) && !b.failed.load(); i = b.next++) {
@@ -519,9 +626,10 @@ class FlashReader : public torch::CustomClassHolder {
             }
             const int64_t start = align_.down(r.offset);
             const int64_t want = align_.up(r.offset + r.length) - start;
-            char* buf = buffer.reserve(want, align_.memory);
-            b.bytes_read += read_span(b, start, want, r.offset + r.length - start, buf);
-            if (!b.failed.load()) b.scatter(r, buf, start);
+            AlignedBuffer buffer = bounce_.acquire(want, align_.memory);
+            b.bytes_read += read_span(b, start, want, r.offset + r.length - start, buffer.data);
+            if (!b.failed.load()) b.scatter(r, buffer.data, start);
+            bounce_.release(std::move(buffer));
           }
         } catch (const std::exception& e) {
           b.fail(e.what());
@@ -541,9 +649,16 @@ class FlashReader : public torch::CustomClassHolder {
   void run_uring(Batch& b) {
     std::lock_guard<std::mutex> ring_lock(ring_mutex_);
     TORCH_CHECK(!ring_broken_, "FlashReader: the io_uring ring failed earlier; open a new reader");
-    const int64_t depth = std::min<int64_t>(threads_, b.reads.size());
     int64_t max_span = 0;
     for (const Read& r : b.reads) max_span = std::max(max_span, align_.up(r.offset + r.length) - align_.down(r.offset));
+    // As many slots as the bounce limit holds buffers of the longest read (at least one); the ring's buffers are
+    // dropped and made anew when the ones kept from earlier calls would exceed the limit.
+    int64_t depth = std::min<int64_t>(threads_, b.reads.size());
+    if (bounce_limit_ >= 0) depth = std::max<int64_t>(1, std::min(depth, bounce_limit_ / max_span));
+    int64_t kept = 0;
+    for (int64_t s = 0; s < static_cast<int64_t>(ring_buffers_.size()); ++s)
+      kept += s < depth ? std::max(ring_buffers_[s].size, max_span) : ring_buffers_[s].size;
+    if (bounce_limit_ >= 0 && kept > std::max(bounce_limit_, max_span)) ring_buffers_.clear();
     if (static_cast<int64_t>(ring_buffers_.size()) < depth) ring_buffers_.resize(depth);
     struct Slot {
       int64_t read = -1;
@@ -625,11 +740,13 @@ class FlashReader : public torch::CustomClassHolder {
   DirectAlign align_;
   int64_t min_read_, max_gap_, max_read_;
   int64_t max_request_ = 0;  // io_uring: bytes of one request (max_read, aligned, at most kMaxUringRequest)
+  int64_t bounce_limit_;
+  BouncePool bounce_;
   std::string engine_;
   std::unique_ptr<ThreadPool> pool_;
 #ifdef FLASHLLM_WITH_URING
   io_uring ring_;
-  std::mutex ring_mutex_;
+  mutable std::mutex ring_mutex_;
   std::vector<AlignedBuffer> ring_buffers_;
   bool ring_broken_ = false;
 #endif
@@ -645,7 +762,7 @@ bool has_io_uring() {
 
 TORCH_LIBRARY_FRAGMENT(flashllm, m) {
   m.class_<FlashReader>("FlashReader")
-      .def(torch::init<std::string, int64_t, int64_t, int64_t, int64_t, bool, std::string>())
+      .def(torch::init<std::string, int64_t, int64_t, int64_t, int64_t, bool, std::string, int64_t>())
       .def("read_rows", &FlashReader::read_rows)
       .def("read_var_rows", &FlashReader::read_var_rows)
       .def("plan_reads", &FlashReader::plan_reads)
@@ -654,7 +771,8 @@ TORCH_LIBRARY_FRAGMENT(flashllm, m) {
       .def("engine", &FlashReader::engine)
       .def("path", &FlashReader::path)
       .def("dio_offset_align", &FlashReader::dio_offset_align)
-      .def("dio_mem_align", &FlashReader::dio_mem_align);
+      .def("dio_mem_align", &FlashReader::dio_mem_align)
+      .def("bounce_bytes", &FlashReader::bounce_bytes);
   m.def("reader_has_io_uring() -> bool", &has_io_uring);
 }
 
