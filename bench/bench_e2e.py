@@ -178,7 +178,7 @@ def _load(config: dict):
         masks = scale_masks(config, n_tokens, store.n_layers, store.n_neurons)
         cost = scale_cost_predictor(config["predictors"], store) if config.get("predictors") else None
         predictors = ReplayedSets(masks, at, store.hidden_size, cost)
-        model = flashllm_ext.load_flash(store, budget, mode="flash", predictors=predictors)
+        model = flashllm_ext.load_flash(config["store"], budget, mode="flash", predictors=predictors)
         # The sets of the tokens at the positions this forward computes: after the cached ones.
         model.register_forward_pre_hook(partial(_track_position, at), with_kwargs=True)
         return model, model.flash.stats.reset
