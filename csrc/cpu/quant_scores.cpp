@@ -13,6 +13,7 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <optional>
@@ -115,14 +116,17 @@ __attribute__((target("avx512f"))) void row_dots_avx512(const uint8_t* codes, in
     for (int t = 0; t < TB; ++t) sum[t] = _mm512_fmadd_ps(w, _mm512_loadu_ps(xpad + t * dpad + col), sum[t]);
   };
   int64_t off = 0, col = 0;
-  for (; off + kStep <= width; off += kStep, col += 16) {
-    uint64_t raw = 0;
-    std::memcpy(&raw, codes + off, kStep);  // a constant size: one load
+  // One 8-byte load per step while it stays inside the row (accumulate ignores the bytes past kStep): copying
+  // kStep < 8 bytes into a wider integer goes through the stack and stalls store forwarding (3 bits: 6 bytes, 4x
+  // slower than the 8-byte steps of 4 bits).
+  for (; off + 8 <= width; off += kStep, col += 16) {
+    uint64_t raw;
+    std::memcpy(&raw, codes + off, 8);
     accumulate(raw, col);
   }
-  if (off < width) {  // the row's last, partial group (never read past the row)
+  for (; off < width; off += kStep, col += 16) {  // the row's last groups (never read past the row)
     uint64_t raw = 0;
-    std::memcpy(&raw, codes + off, width - off);
+    std::memcpy(&raw, codes + off, std::min<int64_t>(kStep, width - off));
     accumulate(raw, col);
   }
   for (int t = 0; t < TB; ++t) acc[t] = _mm512_reduce_add_ps(sum[t]);
