@@ -9,12 +9,16 @@
    worst layer's distance from the target), recall of the oracle's active set at the same density and of the output
    mass, predictor memory as a fraction of the store's FFN bytes. The oracle (true sets) is the frontier. The
    patched FFN computes exactly what FlashFFN computes in flash mode (tests/test_engine.py checks equal perplexity).
+   `teal` (TEAL / R-Sparse input sparsity, flashllm_ext.predictor.teal) is measured the same way, its loaded
+   density being the fraction of weight bytes read (W_gate / W_up columns of the kept input channels, W_down rows
+   of the kept neurons: columns neuron_density / input_density); it needs a store read by input channel, which
+   does not exist, so it has no FlashFFN row.
 3. Through FlashFFN (rows bench:"flash"): per method, at its smallest swept density with perplexity <= 1.05x dense,
    the default model's fp16 store served in flash mode at a 50% DRAM budget decodes --decode-tokens held-out tokens
    one at a time: bytes read per token after the first `window` tokens, predictor and FFN compute ms per token.
 4. Figure: perplexity vs loaded density per method with the oracle frontier, bench/results/predictor_methods.png.
 
-    python bench/bench_predictor.py [--json] [--methods quant,lowrank-reg,lowrank,oracle] [--densities ...]
+    python bench/bench_predictor.py [--json] [--methods quant,teal,lowrank-reg,lowrank,oracle] [--densities ...]
 """
 from __future__ import annotations
 
@@ -80,6 +84,7 @@ def method_sweep(model, calibration, heldout, built, inputs, args, ffn_bytes: in
                                     args.eval_windows, progress=False)
             layer_densities = [layer["density"] for layer in point["layers"]]
             rows.append({"bench": "method", "method": spec, "target_density": density, "density": point["density"],
+                         "neuron_density": point["neuron_density"], "input_density": point["input_density"],
                          "max_layer_error": max(abs(d - density) for d in layer_densities),
                          "ppl": point["ppl"], "ppl_vs_dense": point["ppl"] / ppl_dense, "recall": point["recall"],
                          "mass_recall": point["mass_recall"], "memory_mb": predictors.memory_bytes / 1e6,
@@ -145,7 +150,7 @@ def main() -> None:
     parser.add_argument("--eval-windows", type=int, default=4, help=f"held-out windows of {WINDOW} tokens")
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--rank", type=int, default=None, help="lowrank: from each layer's density; lowrank-reg: 96")
-    parser.add_argument("--methods", default="oracle,quant:4/2,quant:4/4,quant:2/2,lowrank-reg,lowrank")
+    parser.add_argument("--methods", default="oracle,quant:4/2,quant:4/4,quant:2/2,teal,lowrank-reg,lowrank")
     parser.add_argument("--densities", default="0.3,0.35,0.4,0.45,0.5,0.6,0.7")
     parser.add_argument("--decode-tokens", type=int, default=48, help="held-out tokens decoded through FlashFFN")
     parser.add_argument("--window", type=int, default=5, help="the neuron cache's window")
@@ -197,6 +202,10 @@ def main() -> None:
             else:
                 emit([{"bench": "flash", "method": spec, "error": "no swept density within 1.05x dense"}], args.json)
     for spec, densities in points.items():
+        if built[spec].store_layout != "bundles":
+            emit([{"bench": "flash", "method": spec, "error": f"needs a {built[spec].store_layout} store layout, "
+                   "which is not written (evaluation only)"}], args.json)
+            continue
         for density in densities:
             built[spec].set_density(inputs, density)
             built[spec].thresholds.zero_()

@@ -508,20 +508,21 @@ def _cache_plan_fake(active_ids, last_active, slot_of, pointer, num_used, step, 
 
 # ------------------------------------------------------------------------------------------------ quant_scores
 # The quant predictor's scores (flashllm_ext/predictor/quant.py): |act(x . gate + gate_bias) * (x . up + up_bias)|
-# per neuron, or |act(x . up + up_bias)| without a gate, from rows stored as `bits`-bit codes q (8 / bits per byte,
-# the first in the low bits) and a float16 scale s per row: w = (q - (2^bits - 1) / 2) * s. CPU only (the low-bit
-# copies are the predictor's DRAM-resident state).
+# per neuron, or |act(x . up + up_bias)| without a gate, from rows stored as `bits`-bit codes q (a little-endian bit
+# stream per row: code k at bits [k * bits, (k + 1) * bits), so 8 / bits codes per byte, the first in the low bits,
+# for 1, 2 and 4 bits, and 8 codes per 3 bytes for 3 bits) and a float16 scale s per row:
+# w = (q - (2^bits - 1) / 2) * s. CPU only (the low-bit copies are the predictor's DRAM-resident state).
 LIB.define(
     "quant_scores(Tensor x, Tensor up_codes, Tensor up_scale, Tensor? up_bias, Tensor? gate_codes, "
     "Tensor? gate_scale, Tensor? gate_bias, int up_bits, int gate_bits, str activation) -> Tensor"
 )
-QUANT_BITS = (1, 2, 4)
+QUANT_BITS = (1, 2, 3, 4)
 
 
 def _check_quant_matrix(name: str, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, bits: int,
                         d: int, n: int, device: torch.device) -> None:
     """One matrix's checks of csrc/common/quant_scores_checks.h."""
-    torch._check(bits in QUANT_BITS, lambda: f"quant_scores: {name}_bits must be 1, 2 or 4, got {bits}")
+    torch._check(bits in QUANT_BITS, lambda: f"quant_scores: {name}_bits must be 1, 2, 3 or 4, got {bits}")
     width = -(-d * bits // 8)
     torch._check(codes.dtype == torch.uint8 and codes.dim() == 2 and tuple(codes.shape) == (n, width),
                  lambda: f"quant_scores: {name}_codes must be uint8 of shape [n={n}, ceil(d={d} * {bits} / 8)="
@@ -559,9 +560,11 @@ def _check_quant_scores_metadata(x: torch.Tensor, up_codes: torch.Tensor, up_sca
 
 
 def unpack_codes(packed: torch.Tensor, bits: int, d: int) -> torch.Tensor:
-    """uint8 [n, d]: the codes in packed uint8 [n, ceil(d * bits / 8)] (8 / bits per byte, the first in the low bits)."""
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8)
-    return ((packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).view(packed.shape[0], -1)[:, :d]
+    """uint8 [n, d]: the codes in packed uint8 [n, ceil(d * bits / 8)] (a little-endian bit stream per row: code k
+    at bits [k * bits, (k + 1) * bits))."""
+    stream = (packed.unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8)) & 1  # [n, width, 8]: bit j of byte i
+    stream = stream.view(packed.shape[0], -1)[:, :d * bits].view(packed.shape[0], d, bits)
+    return (stream << torch.arange(bits, dtype=torch.uint8)).sum(-1, dtype=torch.uint8)
 
 
 def dequantize_rows(codes: torch.Tensor, scale: torch.Tensor, bits: int, d: int) -> torch.Tensor:

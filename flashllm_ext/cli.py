@@ -116,8 +116,8 @@ def _add_train_predictors(sub: argparse._SubParsersAction) -> None:
     train.add_argument("--density", type=float, default=None,
                        help=f"target loaded density per layer, calibrated on the calibration text (default "
                             f"{DEFAULT_DENSITY}; lowrank without it: the recall operating point)")
-    train.add_argument("--gate-bits", type=int, default=4, help="quant: bits per W_gate weight (1, 2, 4)")
-    train.add_argument("--up-bits", type=int, default=2, help="quant: bits per W_up weight (1, 2, 4)")
+    train.add_argument("--gate-bits", type=int, default=4, help="quant: bits per W_gate weight (1, 2, 3, 4)")
+    train.add_argument("--up-bits", type=int, default=2, help="quant: bits per W_up weight (1, 2, 3, 4)")
     train.add_argument("--base-method", default="quant", help="context: the method that scores the neurons")
     train.add_argument("--block", type=int, default=16, help="context: decoded tokens per neuron set")
     train.add_argument("--rank", type=_ranks, default=None,

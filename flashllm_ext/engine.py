@@ -254,6 +254,10 @@ def ffn_stack(store: FlashStore, mode: str, budget_bytes: int | None, *, window:
             raise ValueError(f"flash mode needs predictors: train them into the store (flashllm train-predictors "
                              f"--store {store.path}) or pass predictors=")
         predictors.check_shape(store.n_layers, store.hidden_size, store.n_neurons, f"the store {store.path}")
+        if getattr(predictors, "store_layout", "bundles") != "bundles":
+            raise ValueError(f"{predictors.method} predictors read W_gate / W_up by input channel, a store layout "
+                             f"({predictors.store_layout}) that is not written: they are for evaluation only "
+                             "(bench/bench_predictor.py); use a neuron method (e.g. quant)")
         predictor_bytes = predictors.memory_bytes
     transfer = transfer if transfer is not None else make_transfer(device)
     if mode == "flash":

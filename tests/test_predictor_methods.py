@@ -14,12 +14,13 @@ from flashllm_ext import FormatError
 from flashllm_ext._ops import unpack_codes
 from flashllm_ext.convert import convert, synthesize
 from flashllm_ext.models import perplexity
-from flashllm_ext.predictor import (DEFAULT_DENSITY, PREDICTOR_METHODS, OraclePredictor, QuantPredictor, activation_score,
-                                    build_predictors, calibrate_thresholds, ffn_hooks, load_predictors,
+from flashllm_ext.predictor import (DEFAULT_DENSITY, PREDICTOR_METHODS, OraclePredictor, QuantPredictor,
+                                    TealPredictor, activation_score, build_predictors, calibrate_thresholds, ffn_hooks, load_predictors,
                                     operating_point, quantize_rows, save_predictors, save_predictors_to_store)
 from flashllm_ext.predictor.quant import pack_codes
 
-METHODS = ["lowrank", "lowrank-reg", "quant", "oracle", "context"]
+METHODS = ["lowrank", "lowrank-reg", "quant", "oracle", "context"]  # neuron methods: the engine serves them
+ALL_METHODS = METHODS + ["teal"]  # teal: input sparsity, evaluation only (no store read by input channel)
 
 
 def _llama(n_layers: int = 3):
@@ -42,19 +43,23 @@ def llama():
 def built(llama):
     """method -> predictors at loaded density 0.4, from 1024 calibration tokens."""
     return {m: build_predictors(llama, _ids(1024, 0), m, density=0.4, rank=16, epochs=1, block=8, window=256,
-                                progress=False) for m in METHODS}
+                                progress=False) for m in ALL_METHODS}
 
 
 def test_every_method_is_registered():
-    assert set(METHODS) <= set(PREDICTOR_METHODS)
+    assert set(ALL_METHODS) <= set(PREDICTOR_METHODS)
 
 
-@pytest.mark.parametrize("method", METHODS)
-def test_round_trip_through_a_store(tmp_path, built, method):
+@pytest.mark.parametrize("method", ALL_METHODS)
+def test_round_trip_through_a_store(tmp_path, llama, built, method):
     predictors = built[method]
     store_dir = synthesize(tmp_path / "store", n_layers=3, hidden_size=64, n_neurons=96, glu=True)
     save_predictors_to_store(predictors, store_dir)
     loaded = load_predictors(store_dir)
+    if method == "teal":  # it stores thresholds only and computes h from the model's input projections
+        with pytest.raises(ValueError, match=r"call \.attach\(model\) after loading"):
+            loaded.scores(0, torch.randn(2, 64))
+        loaded.attach(llama)
     assert type(loaded) is type(predictors) and loaded.config() == predictors.config()
     for (k, v), (k2, v2) in zip(predictors.state_dict().items(), loaded.state_dict().items()):
         assert k == k2 and v.dtype == v2.dtype and torch.equal(v, v2)
@@ -65,7 +70,7 @@ def test_round_trip_through_a_store(tmp_path, built, method):
     assert loaded.memory_bytes == predictors.memory_bytes > 0
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", ALL_METHODS)
 def test_building_is_deterministic(llama, built, method):
     again = build_predictors(llama, _ids(1024, 0), method, density=0.4, rank=16, epochs=1, block=8, window=256,
                              progress=False)
@@ -123,28 +128,37 @@ def test_oracle_reproduces_the_true_masks_exactly(family):
     assert len(compared) == len(thresholds) and all(0.2 < c < 0.6 for c in compared)
 
 
-@pytest.mark.parametrize("bits", [1, 2, 4])
+@pytest.mark.parametrize("bits", [1, 2, 3, 4])
 def test_quantize_rows(bits):
     w = torch.randn(37, 64)
     codes, scale = quantize_rows(w, bits)
     assert codes.shape == (37, 64 * bits // 8) and scale.dtype == torch.float16
     raw = torch.randint(0, 1 << bits, (5, 13), dtype=torch.uint8)
-    assert torch.equal(unpack_codes(pack_codes(raw, bits), bits, 13), raw)
+    packed = pack_codes(raw, bits)
+    assert packed.shape == (5, -(-13 * bits // 8)) and torch.equal(unpack_codes(packed, bits, 13), raw)
+    # A little-endian bit stream: code k at bits [k * bits, (k + 1) * bits) of the row.
+    stream = [(int(packed[0, i // 8]) >> (i % 8)) & 1 for i in range(13 * bits)]
+    assert [sum(stream[k * bits + j] << j for j in range(bits)) for k in range(13)] == raw[0].tolist()
     center = ((1 << bits) - 1) / 2
     deq = (unpack_codes(codes, bits, 64).float() - center) * scale.float()[:, None]
     if bits == 1:  # sign and scale
         assert torch.equal(torch.sign(deq), torch.sign(w))
     error = (deq - w).pow(2).mean() / w.pow(2).mean()
-    assert error < {1: 0.4, 2: 0.15, 4: 0.01}[bits]
+    assert error < {1: 0.4, 2: 0.15, 3: 0.04, 4: 0.01}[bits]
     with pytest.raises(ValueError, match="bits must be one of"):
-        quantize_rows(w, 3)
+        quantize_rows(w, 5)
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", ALL_METHODS)
 def test_target_density_holds_on_held_out_text(llama, built, method):
     point = operating_point(llama, built[method], _ids(512, 9), built[method].true_thresholds, window=128,
                             n_windows=4, progress=False)
     assert all(abs(layer["density"] - 0.4) <= 0.02 for layer in point["layers"]), point["layers"]
+    if method == "teal":  # the same fraction of input entries and of neurons (TEAL's uniform allocation)
+        assert all(abs(layer[k] - 0.4) <= 0.02 for layer in point["layers"] for k in ("neuron_density",
+                                                                                     "input_density"))
+    else:  # whole neurons: every weight byte of a loaded neuron is read
+        assert point["input_density"] == pytest.approx(point["neuron_density"]) == pytest.approx(point["density"])
     if method == "oracle":
         assert point["recall"] > 0.95
 
@@ -163,6 +177,47 @@ def test_flash_mode_serves_every_method_by_the_rule(tmp_path, llama, built, meth
     assert perplexity(patched, ids, 32, 2, progress=False) == pytest.approx(expected, rel=2e-5)
     assert patched.flash_stats()["predictor_bytes"] == built[method].memory_bytes
     runtime.unpatch(patched)
+
+
+@torch.no_grad()
+def test_teal_computes_what_the_model_computes_from_the_kept_inputs(llama, built):
+    """h from the kept input entries, through the model's own MLP; loaded rows = |h| above the cut-off; the
+    loaded density counts W_gate / W_up columns per kept input channel and W_down rows per kept neuron."""
+    teal = built["teal"]
+    ids = _ids(64, 5)
+    seen = []
+
+    def check(i, x, h):
+        used, loaded, inputs = teal.read(i, x, h)
+        mlp = llama.model.layers[i].mlp
+        sparse_x = x * inputs
+        want = mlp.act_fn(mlp.gate_proj(sparse_x)) * mlp.up_proj(sparse_x)
+        torch.testing.assert_close(used, want, rtol=1e-5, atol=1e-6)
+        assert torch.equal(inputs, x.abs() > teal.input_thresholds[i])
+        assert torch.equal(loaded, used.abs() > teal.cutoffs[i])
+        assert torch.equal(teal.predict(i, x), loaded)
+        seen.append((inputs.float().mean().item(), loaded.float().mean().item()))
+
+    with ffn_hooks(llama, check):
+        llama(ids.view(1, 64))
+    assert len(seen) == 3 and all(0.2 < a < 0.6 and 0.2 < b < 0.6 for a, b in seen)
+    point = operating_point(llama, teal, ids, teal.true_thresholds, window=64, n_windows=1, progress=False)
+    for layer in point["layers"]:
+        want = 2 / 3 * layer["input_density"] + 1 / 3 * layer["neuron_density"]
+        assert layer["density"] == pytest.approx(want)
+    assert teal.memory_bytes == 4 * 4 * 3  # four fp32 thresholds per layer: no predictor weights
+
+
+def test_teal_is_refused_where_it_cannot_run(tmp_path, llama, built):
+    teal = built["teal"]
+    llama.save_pretrained(tmp_path / "hf")
+    path = convert(tmp_path / "hf", tmp_path / "store", dtype="fp32", progress=False)
+    with pytest.raises(ValueError, match="read W_gate / W_up by input channel.*evaluation only"):
+        flashllm_ext.patch_model(copy.deepcopy(llama), path, mode="flash", predictors=teal)
+    with pytest.raises(ValueError, match=r"\(layers, hidden, neurons\) = \(2, 64, 96\)"):
+        TealPredictor.from_config(teal.config()).attach(_llama(n_layers=2))
+    with pytest.raises(ValueError, match="densities must be in"):
+        teal.set_density([torch.randn(4, 64)] * 3, 0.0)
 
 
 def test_context_sets_change_only_every_block(built):

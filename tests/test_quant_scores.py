@@ -20,8 +20,9 @@ isa = forced_isa_fixture([i for i in cpu_isas() if i in ("avx2", "avx512")])
 def quant_matrix(n: int, d: int, bits: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     codes = torch.randint(0, 1 << bits, (n, d), dtype=torch.uint8, generator=g)
     packed = pack_codes(codes, bits) if n else torch.zeros(0, -(-d * bits // 8), dtype=torch.uint8)
-    if d % (8 // bits):  # garbage in the padding codes of the last byte must not count
-        used = (1 << (d % (8 // bits) * bits)) - 1  # the bits of the last byte's real codes
+    padding = packed.shape[1] * 8 - d * bits
+    if padding:  # garbage in the padding bits of the last byte must not count
+        used = (1 << (8 - padding)) - 1  # the bits of the last byte's real codes
         packed[:, -1] |= torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g) & (255 - used)
     return packed, (torch.rand(n, generator=g) * 0.1 + 0.01).half()
 
@@ -58,7 +59,8 @@ def assert_close_to_reference(args: tuple, activation: str) -> None:
 
 
 @pytest.mark.parametrize("T,d", [(1, 576), (1, 13), (2, 7), (3, 64), (5, 101), (8, 576), (9, 33), (17, 250)])
-@pytest.mark.parametrize("up_bits,gate_bits", [(2, 4), (1, 1), (4, 2), (2, None), (4, None), (1, None)])
+@pytest.mark.parametrize("up_bits,gate_bits", [(2, 4), (1, 1), (4, 2), (2, None), (4, None), (1, None), (3, 4),
+                                               (3, 3), (2, 3), (3, None)])
 def test_matches_reference(isa, T, d, up_bits, gate_bits):
     for activation, biases in itertools.product(ACTIVATIONS, (False, True)):
         assert_close_to_reference(case(T, d, 37, up_bits, gate_bits, biases, seed=T * 1000 + d), activation)
@@ -102,8 +104,8 @@ def _replace(args: tuple, **changes) -> tuple:
 
 
 @pytest.mark.parametrize("changes,message", [
-    ({"up_bits": 3}, "up_bits must be 1, 2 or 4"),
-    ({"gate_bits": 8}, "gate_bits must be 1, 2 or 4"),
+    ({"up_bits": 5}, "up_bits must be 1, 2, 3 or 4"),
+    ({"gate_bits": 8}, "gate_bits must be 1, 2, 3 or 4"),
     ({"x": torch.zeros(2, 30, dtype=torch.int32)}, "x must be a 2-D float32/float16/bfloat16"),
     ({"x": torch.zeros(30)}, "x must be a 2-D"),
     ({"x": torch.zeros(2, 33)}, r"up_codes must be uint8 of shape \[n=17, ceil\(d=33 \* 2 / 8\)=9\]"),

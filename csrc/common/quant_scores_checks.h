@@ -8,12 +8,12 @@
 
 namespace flashllm {
 
-inline bool is_quant_bits(int64_t bits) { return bits == 1 || bits == 2 || bits == 4; }
+inline bool is_quant_bits(int64_t bits) { return bits >= 1 && bits <= 4; }
 
 // One low-bit matrix: codes uint8 [n, ceil(d * bits / 8)], scale float16 [n], bias float32 [n] or none.
 inline void check_quant_matrix(const char* name, const at::Tensor& codes, const at::Tensor& scale,
                                const std::optional<at::Tensor>& bias, int64_t bits, int64_t d, int64_t n) {
-  TORCH_CHECK(is_quant_bits(bits), "quant_scores: ", name, "_bits must be 1, 2 or 4, got ", bits);
+  TORCH_CHECK(is_quant_bits(bits), "quant_scores: ", name, "_bits must be 1, 2, 3 or 4, got ", bits);
   const int64_t width = (d * bits + 7) / 8;
   TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 2 && codes.size(0) == n && codes.size(1) == width,
               "quant_scores: ", name, "_codes must be uint8 of shape [n=", n, ", ceil(d=", d, " * ", bits,

@@ -6,11 +6,14 @@
 // so the codes, the bytes that matter, are read once per 8 tokens. With AVX-512 (runtime dispatch, common/cpu_isa.h)
 // the codes are instead decoded 16 at a time in registers (shift, mask, convert) and multiplied into x: ~5x faster
 // than the table reads at T=1 on one thread (1.1 vs 0.2 ms, default model shapes), which remain the path below it.
+// A row is a little-endian bit stream of codes; 3-bit codes straddle bytes, so below AVX-512 they are decoded 8 at a
+// time (3 bytes) in scalar code instead of through byte tables.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <optional>
@@ -68,37 +71,62 @@ inline void row_dots(const uint8_t* codes, int64_t width, const float* table, fl
   for (int t = 0; t < TB; ++t) acc[t] = (part[0][t] + part[1][t]) + (part[2][t] + part[3][t]);
 }
 
+// 3-bit rows below AVX-512: 8 codes (3 bytes) per step, decoded by shifts; xpad as for row_dots_avx512.
+template <int TB>
+void row_dots_3bit(const uint8_t* codes, int64_t width, const float* xpad, int64_t dpad, float* acc) {
+  float sum[TB] = {};
+  for (int64_t off = 0, col = 0; off < width; off += 3, col += 8) {
+    uint32_t raw = 0;
+    for (int64_t b = 0; b < 3 && off + b < width; ++b) raw |= static_cast<uint32_t>(codes[off + b]) << (8 * b);
+    float w[8];
+    for (int k = 0; k < 8; ++k) w[k] = static_cast<float>((raw >> (3 * k)) & 7u) - 3.5f;
+    for (int t = 0; t < TB; ++t) {
+      const float* xt = xpad + t * dpad + col;
+      float part = 0.f;
+      for (int k = 0; k < 8; ++k) part += w[k] * xt[k];
+      sum[t] += part;
+    }
+  }
+  for (int t = 0; t < TB; ++t) acc[t] = sum[t];
+}
+
 // AVX-512: 16 codes per step decoded in registers (per-lane shift and mask), centred, and multiplied into TB
 // token accumulators; xpad is x in fp32, [TB][dpad] with dpad a multiple of 16 and zeros past d (so the padding codes
-// of the last byte count for nothing). bits * 2 bytes hold 16 codes.
+// of the last byte count for nothing). bits * 2 bytes hold 16 codes. 3 and 4 bits: the low 8 lanes decode the first
+// 8 codes from the low 32 bits, the high 8 lanes the next 8 from the bits after them (3 bytes or 4 bytes on).
 template <int TB, int BITS>
 __attribute__((target("avx512f"))) void row_dots_avx512(const uint8_t* codes, int64_t width, const float* xpad,
                                                         int64_t dpad, float* acc) {
-  const __m512i shifts = BITS == 4 ? _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28)
-                                   : _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13,
-                                                                          14, 15), _mm512_set1_epi32(BITS));
+  constexpr bool kHalves = BITS >= 3;  // 16 codes span more than 32 bits
+  const __m512i shifts = kHalves ? _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7),
+                                                      _mm512_set1_epi32(BITS))
+                                 : _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13,
+                                                                        14, 15), _mm512_set1_epi32(BITS));
   const __m512i mask = _mm512_set1_epi32((1 << BITS) - 1);
   const __m512 center = _mm512_set1_ps(static_cast<float>((1 << BITS) - 1) / 2.f);
   constexpr int64_t kStep = BITS * 2;  // bytes per 16 codes
   __m512 sum[TB];
   for (int t = 0; t < TB; ++t) sum[t] = _mm512_setzero_ps();
   const auto accumulate = [&](uint64_t raw, int64_t col) __attribute__((target("avx512f"))) {
-    const __m512i lanes = BITS == 4 ? _mm512_inserti64x4(_mm512_set1_epi32(static_cast<int>(raw)),
-                                                         _mm256_set1_epi32(static_cast<int>(raw >> 32)), 1)
-                                    : _mm512_set1_epi32(static_cast<int>(raw));
+    const __m512i lanes = kHalves ? _mm512_inserti64x4(_mm512_set1_epi32(static_cast<int>(raw)),
+                                                       _mm256_set1_epi32(static_cast<int>(raw >> (8 * BITS))), 1)
+                                  : _mm512_set1_epi32(static_cast<int>(raw));
     const __m512 w = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srlv_epi32(lanes, shifts), mask)),
                                    center);
     for (int t = 0; t < TB; ++t) sum[t] = _mm512_fmadd_ps(w, _mm512_loadu_ps(xpad + t * dpad + col), sum[t]);
   };
   int64_t off = 0, col = 0;
-  for (; off + kStep <= width; off += kStep, col += 16) {
-    uint64_t raw = 0;
-    std::memcpy(&raw, codes + off, kStep);  // a constant size: one load
+  // One 8-byte load per step while it stays inside the row (accumulate ignores the bytes past kStep): copying
+  // kStep < 8 bytes into a wider integer goes through the stack and stalls store forwarding (3 bits: 6 bytes, 4x
+  // slower than the 8-byte steps of 4 bits).
+  for (; off + 8 <= width; off += kStep, col += 16) {
+    uint64_t raw;
+    std::memcpy(&raw, codes + off, 8);
     accumulate(raw, col);
   }
-  if (off < width) {  // the row's last, partial group (never read past the row)
+  for (; off < width; off += kStep, col += 16) {  // the row's last groups (never read past the row)
     uint64_t raw = 0;
-    std::memcpy(&raw, codes + off, width - off);
+    std::memcpy(&raw, codes + off, std::min<int64_t>(kStep, width - off));
     accumulate(raw, col);
   }
   for (int t = 0; t < TB; ++t) acc[t] = _mm512_reduce_add_ps(sum[t]);
@@ -131,8 +159,10 @@ void score_rows(const Matrix& up, const float* up_table, const Matrix* gate, con
                 const float* xpad, int64_t dpad, bool avx512, int act, int64_t n, float* out, int64_t out_stride) {
   const auto dots = [&](const Matrix& m, const float* table, int64_t r, float* acc) {
     const uint8_t* row = m.codes + r * m.width;
-    if (!avx512) row_dots<TB>(row, m.width, table, acc);
+    if (!avx512 && m.bits == 3) row_dots_3bit<TB>(row, m.width, xpad, dpad, acc);
+    else if (!avx512) row_dots<TB>(row, m.width, table, acc);
     else if (m.bits == 4) row_dots_avx512<TB, 4>(row, m.width, xpad, dpad, acc);
+    else if (m.bits == 3) row_dots_avx512<TB, 3>(row, m.width, xpad, dpad, acc);
     else if (m.bits == 2) row_dots_avx512<TB, 2>(row, m.width, xpad, dpad, acc);
     else row_dots_avx512<TB, 1>(row, m.width, xpad, dpad, acc);
   };
@@ -175,25 +205,27 @@ at::Tensor quant_scores_cpu(const at::Tensor& x_in, const at::Tensor& up_codes_i
   std::optional<Matrix> gate;
   if (gate_codes) gate = matrix_of(*gate_codes, *gate_scale, gate_bias, gate_bits, d);
   const bool avx512 = active_cpu_isa() >= CpuIsa::kAvx512;
+  // Tables for the matrices of 1, 2 or 4 bits without AVX-512; x padded for the rest (3-bit rows always decode).
+  const bool up_tables = !avx512 && up_bits != 3, gate_tables = !avx512 && gate && gate_bits != 3;
+  const bool padded = !up_tables || (gate && !gate_tables);
   const int64_t dpad = (d + 15) / 16 * 16;
-  thread_local std::vector<float> tables, xpad;  // tables without AVX-512, xpad with it
-  const int64_t up_size = avx512 ? 0 : up.width * 256 * kMaxTokens;
-  const int64_t gate_size = avx512 || !gate ? 0 : gate->width * 256 * kMaxTokens;
+  thread_local std::vector<float> tables, xpad;
+  const int64_t up_size = up_tables ? up.width * 256 * kMaxTokens : 0;
+  const int64_t gate_size = gate_tables ? gate->width * 256 * kMaxTokens : 0;
   tables.resize(up_size + gate_size);
-  xpad.assign(avx512 ? kMaxTokens * dpad : 0, 0.f);
+  xpad.assign(padded ? kMaxTokens * dpad : 0, 0.f);
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
   for (int64_t t0 = 0; t0 < T; t0 += kMaxTokens) {
     const int64_t tb = std::min(kMaxTokens, T - t0);
-    if (avx512) {
+    if (padded) {
       // d == 0: an empty x has no data pointer, and memcpy from null is undefined even for 0 bytes.
       for (int64_t t = 0; t < tb && d > 0; ++t) {
         std::memcpy(xpad.data() + t * dpad, xp + (t0 + t) * d, d * sizeof(float));
       }
-    } else {
-      build_tables(xp + t0 * d, d, tb, d, up_bits, tables.data());
-      if (gate) build_tables(xp + t0 * d, d, tb, d, gate_bits, tables.data() + up_size);
     }
+    if (up_tables) build_tables(xp + t0 * d, d, tb, d, up_bits, tables.data());
+    if (gate_tables) build_tables(xp + t0 * d, d, tb, d, gate_bits, tables.data() + up_size);
     const Matrix* g = gate ? &*gate : nullptr;
     const float *ut = tables.data(), *gt = tables.data() + up_size, *xq = xpad.data();
     float* o = op + t0 * n;

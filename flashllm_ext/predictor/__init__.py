@@ -1,7 +1,7 @@
 """Activation sparsity on real models: the one active-neuron rule (`rule`), per-layer thresholds (`thresholds`),
 capture of inputs and active sets (`capture`), the predictor interface and its registry of methods (`base`): low-rank
 classifiers and regressions (`lowrank`), low-bit copies of the input projections (`quant`), the true sets
-(`oracle`), one set per block of tokens (`context`); building them (`training`), saving and loading (`io`),
+(`oracle`), one set per block of tokens (`context`), input sparsity (`teal`, evaluation only); building them (`training`), saving and loading (`io`),
 and evaluation (`evaluation`). The rule is documented in `rule`."""
 from .base import PREDICTOR_METHODS, NeuronPredictor, predictor_class
 from .capture import ActivationCapture, capture_activations
@@ -11,15 +11,16 @@ from .io import load_predictors, save_predictors, save_predictors_to_store
 from .lowrank import LowRankPredictor, PredictorSet, RegressionPredictorSet, fit_log_regression
 from .oracle import OraclePredictor
 from .quant import QuantPredictor, quantize_rows
-from .rule import FFNModules, FFNWeights, activation_score, ffn_hooks, ffn_modules, ffn_weights
+from .rule import FFNModules, FFNWeights, activation_score, ffn_hooks, ffn_modules, ffn_weights, input_weight_share
+from .teal import TealPredictor
 from .thresholds import calibrate_thresholds
 from .training import (DEFAULT_DENSITY, DEFAULT_METHOD, auto_rank, build_predictors, choose_prob_thresholds,
                        predictors_from_capture, select_density, train_predictor, train_predictors)
 
 __all__ = ["DEFAULT_DENSITY", "DEFAULT_METHOD", "PREDICTOR_METHODS", "ActivationCapture", "ContextPredictor",
            "FFNModules", "FFNWeights", "LowRankPredictor", "NeuronPredictor", "OraclePredictor", "PredictorSet",
-           "QuantPredictor", "RegressionPredictorSet", "SparsityCounter", "activation_score", "auto_rank",
+           "QuantPredictor", "RegressionPredictorSet", "SparsityCounter", "TealPredictor", "activation_score", "auto_rank",
            "build_predictors", "calibrate_thresholds", "capture_activations", "choose_prob_thresholds", "evaluate",
-           "ffn_hooks", "ffn_modules", "ffn_weights", "fit_log_regression", "load_predictors", "operating_point",
+           "ffn_hooks", "ffn_modules", "ffn_weights", "fit_log_regression", "input_weight_share", "load_predictors", "operating_point",
            "patched_ffn", "predictor_class", "predictors_from_capture", "quantize_rows", "save_predictors",
            "save_predictors_to_store", "select_density", "train_predictor", "train_predictors"]

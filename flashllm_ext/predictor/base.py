@@ -29,6 +29,9 @@ class NeuronPredictor(nn.Module):
     Subclasses define `method`, `scores`, `config` (adding their own keys to the base's) and `from_config`.
     """
     method: ClassVar[str] = ""
+    # The store layout its reads need: "bundles" (whole neurons, what convert.py writes and the engine serves), or
+    # "input-channels" (W_gate / W_up columns by input channel: no such store exists, evaluation only).
+    store_layout: ClassVar[str] = "bundles"
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -51,6 +54,15 @@ class NeuronPredictor(nn.Module):
     def predict(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         """bool [T, n]: neurons predicted active (to load) for inputs x [T, d]."""
         return self.scores(layer, x) > self.cutoffs[layer]
+
+    @torch.no_grad()
+    def read(self, layer: int, x: torch.Tensor, h: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """What the FFN computes from this method's reads, for inputs x [T, d] whose dense activations are h [T, n]:
+        (the activations it computes [T, n], bool [T, n] the neurons whose W_down rows are read, bool [T, d] the
+        input channels whose W_gate / W_up columns are read, or None: those of every loaded neuron). A neuron
+        method reads whole neurons (bundles), so its activations are h itself."""
+        return h, self.predict(layer, x), None
 
     def reset(self) -> None:
         """Forget any per-sequence state before a new sequence (stateless methods have none)."""

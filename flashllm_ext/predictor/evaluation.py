@@ -13,7 +13,7 @@ from torch import nn
 
 from ..models.text import perplexity
 from .base import NeuronPredictor
-from .rule import activation_score, ffn_hooks, ffn_modules, run_windows
+from .rule import activation_score, ffn_hooks, ffn_modules, input_weight_share, run_windows
 
 
 @dataclass
@@ -40,9 +40,12 @@ def patched_ffn(model: nn.Module, thresholds: torch.Tensor,
     counter = SparsityCounter([0] * n_layers, [0] * n_layers)
 
     def sparsify(i, x, h):
-        keep = activation_score(h) > thresholds[i]
+        loaded = None
         if predictors is not None:
-            keep &= predictors.predict(i, x)
+            h, loaded, _ = predictors.read(i, x, h)
+        keep = activation_score(h) > thresholds[i]
+        if loaded is not None:
+            keep &= loaded
         counter.kept[i] += int(keep.sum())
         counter.total[i] += keep.numel()
         return h * keep
@@ -97,28 +100,41 @@ def operating_point(model: nn.Module, predictors: NeuronPredictor, token_ids: to
                     true_thresholds: torch.Tensor, window: int = 512, n_windows: int = 4,
                     progress: bool = True) -> dict:
     """One pass over held-out `token_ids` with the predictors patched in (as patched_ffn): perplexity, and per
-    layer the loaded density (predicted / all pairs), the recall of the true active set (score > true_thresholds
-    [L], e.g. the oracle's at the same density) and of the output mass (share of sum |h| the loaded neurons carry).
+    layer the loaded density, the recall of the true active set (dense score > true_thresholds [L], e.g. the
+    oracle's at the same density) and of the output mass (share of the dense sum |h| the loaded neurons carry).
 
-    Returns {"ppl", "density", "recall", "mass_recall" (means over layers), "layers": [{layer, density, recall,
-    mass_recall}]}."""
+    The loaded density is the fraction of the FFN's weight bytes read: the loaded neurons' share for a neuron
+    method (a bundle holds all of a neuron's weights); for an input-sparse method (`NeuronPredictor.read`) the
+    input projections' share (rule.input_weight_share) times the fraction of input channels read plus the rest
+    times the fraction of W_down rows read. `neuron_density` and `input_density` are those two fractions.
+
+    Returns {"ppl", "density", "neuron_density", "input_density", "recall", "mass_recall" (means over layers),
+    "layers": [{layer, density, neuron_density, input_density, recall, mass_recall}]}."""
     n_layers = predictors.n_layers
     if true_thresholds.shape != (n_layers,):
         raise ValueError(f"true_thresholds must have shape ({n_layers},), got {tuple(true_thresholds.shape)}")
-    sums = torch.zeros(n_layers, 6, dtype=torch.float64)  # loaded, pairs, true & loaded, true, loaded mass, mass
+    share = input_weight_share(model)
+    # loaded, pairs, input channels read, input pairs, true & loaded, true, loaded mass, mass
+    sums = torch.zeros(n_layers, 8, dtype=torch.float64)
 
     def measure(i, x, h):
         s = activation_score(h)
-        loaded = predictors.predict(i, x)
+        used, loaded, inputs = predictors.read(i, x, h)
         true = s > true_thresholds[i]
-        sums[i] += torch.tensor([loaded.sum().item(), loaded.numel(), (true & loaded).sum().item(),
-                                 true.sum().item(), s[loaded].sum().item(), s.sum().item()], dtype=torch.float64)
-        return h * (loaded & (s > predictors.thresholds[i]))
+        # Whole neurons: the input projections' bytes read are the loaded neurons' share of them.
+        read_in = loaded.float().mean().item() * x.numel() if inputs is None else inputs.sum().item()
+        sums[i] += torch.tensor([loaded.sum().item(), loaded.numel(), read_in, x.numel(),
+                                 (true & loaded).sum().item(), true.sum().item(), s[loaded].sum().item(),
+                                 s.sum().item()], dtype=torch.float64)
+        return used * (loaded & (activation_score(used) > predictors.thresholds[i]))
 
     with ffn_hooks(model, measure):
         ppl = perplexity(model, token_ids, window, n_windows, progress)
-    layers = [{"layer": i, "density": loaded / pairs, "recall": hit / max(true, 1),
-               "mass_recall": loaded_mass / max(mass, 1e-30)}
-              for i, (loaded, pairs, hit, true, loaded_mass, mass) in enumerate(sums.tolist())]
-    return {"ppl": ppl, "layers": layers,
-            **{k: sum(layer[k] for layer in layers) / n_layers for k in ("density", "recall", "mass_recall")}}
+    layers = []
+    for i, (loaded, pairs, read_in, in_pairs, hit, true, loaded_mass, mass) in enumerate(sums.tolist()):
+        neuron_density, input_density = loaded / pairs, read_in / in_pairs
+        layers.append({"layer": i, "density": share * input_density + (1.0 - share) * neuron_density,
+                       "neuron_density": neuron_density, "input_density": input_density,
+                       "recall": hit / max(true, 1), "mass_recall": loaded_mass / max(mass, 1e-30)})
+    keys = ("density", "neuron_density", "input_density", "recall", "mass_recall")
+    return {"ppl": ppl, "layers": layers, **{k: sum(layer[k] for layer in layers) / n_layers for k in keys}}

@@ -1,8 +1,9 @@
-"""Low-bit copies of the input projections (method "quant"): W_gate and W_up quantised per row to 1, 2 or 4 bits
+"""Low-bit copies of the input projections (method "quant"): W_gate and W_up quantised per row to 1, 2, 3 or 4 bits
 (1 bit = sign and scale), resident in DRAM, from which the score |act(x . gate + b) * (x . up)| is computed exactly
 in form and approximately in value.
 
-A row w [d] is stored as codes q in [0, 2^b) packed little-end first into bytes and one float16 scale s:
+A row w [d] is stored as codes q in [0, 2^b) packed as a little-endian bit stream (code k at bits [k b, (k + 1) b)
+of the row's bytes) and one float16 scale s:
 w ~ (q - (2^b - 1) / 2) * s, s chosen per row to minimise the squared error (a grid over fractions of max|w|).
 Scoring is the op quant_scores (flashllm_ext/ops.py): a CPU kernel reading each code once, never dequantising."""
 from __future__ import annotations
@@ -14,7 +15,7 @@ from .. import ops
 from .base import NeuronPredictor
 from .rule import ffn_weights
 
-BITS = (1, 2, 4)
+BITS = (1, 2, 3, 4)
 
 
 def quantize_rows(w: torch.Tensor, bits: int, grid: int = 20) -> tuple[torch.Tensor, torch.Tensor]:
@@ -39,13 +40,13 @@ def quantize_rows(w: torch.Tensor, bits: int, grid: int = 20) -> tuple[torch.Ten
 
 
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """uint8 [n, ceil(d * bits / 8)]: codes uint8 [n, d] (< 2^bits), 8 / bits per byte, the first in the low bits."""
-    per = 8 // bits
+    """uint8 [n, ceil(d * bits / 8)]: codes uint8 [n, d] (< 2^bits) as a little-endian bit stream per row (code k at
+    bits [k * bits, (k + 1) * bits); for 1, 2 and 4 bits: 8 / bits per byte, the first in the low bits)."""
     n, d = codes.shape
-    padded = torch.zeros(n, -(-d // per) * per, dtype=torch.uint8)
-    padded[:, :d] = codes
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8)
-    return (padded.view(n, -1, per) << shifts).sum(-1, dtype=torch.uint8)
+    width = -(-d * bits // 8)
+    stream = torch.zeros(n, width * 8, dtype=torch.uint8)
+    stream[:, :d * bits] = ((codes.unsqueeze(-1) >> torch.arange(bits, dtype=torch.uint8)) & 1).view(n, d * bits)
+    return (stream.view(n, width, 8) << torch.arange(8, dtype=torch.uint8)).sum(-1, dtype=torch.uint8)
 
 
 class _QuantLayer(nn.Module):

@@ -85,6 +85,12 @@ def ffn_weights(model: nn.Module) -> tuple[list[FFNWeights], str]:
     return out, activation
 
 
+def input_weight_share(model: nn.Module) -> float:
+    """The share of an FFN layer's weights in its input projections: 2/3 for a GLU (W_gate and W_up against
+    W_down), 1/2 otherwise (OPT's fc1 against fc2); biases aside."""
+    return 2.0 / 3.0 if hasattr(ffn_modules(model)[0].ffn_input, "gate_proj") else 0.5
+
+
 def activation_score(h: torch.Tensor) -> torch.Tensor:
     """The rule's score [N, n] of the activations h [N, n] the down projection multiplies: |h|."""
     return h.abs()

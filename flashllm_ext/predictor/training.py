@@ -18,6 +18,7 @@ from .lowrank import LowRankPredictor, PredictorSet, RegressionPredictorSet, fit
 from .oracle import OraclePredictor
 from .quant import QuantPredictor
 from .rule import ffn_weights
+from .teal import TealPredictor
 from .thresholds import calibrate_thresholds
 
 # BENCHMARKS.md, "SwiGLU predictors (issue 10)": quant (4-bit W_gate, 2-bit W_up, 12.6% of the FFN bytes) is
@@ -108,6 +109,7 @@ def build_predictors(model: nn.Module, token_ids: torch.Tensor, method: str = DE
     only): the classic operating point, thresholds at `target_sparsity`, probability thresholds for `recall`.
     target_sparsity: the active sets the lowrank classifier learns (and, with density None, the thresholds).
     rank: lowrank / lowrank-reg (None: auto_rank for lowrank, 96 for lowrank-reg). gate_bits, up_bits: quant.
+    teal (input sparsity, evaluation only: predictor.teal) keeps the same fraction of input entries and of h.
     base, block: context (the method that scores, and the tokens per set).
     """
     predictor_class(method)  # an unknown name fails before minutes of work
@@ -149,6 +151,8 @@ def predictors_from_capture(model: nn.Module, capture: ActivationCapture, method
         return QuantPredictor.from_model(model, gate_bits, up_bits)
     if method == "oracle":
         return OraclePredictor.from_model(model, capture.thresholds)
+    if method == "teal":
+        return TealPredictor.from_model(model)
     predictor_class(method)
     raise ValueError(f"method {method!r} cannot be built from a capture")
 
