@@ -75,19 +75,21 @@ class NeuronPredictor(nn.Module):
     def set_density(self, inputs: Sequence[torch.Tensor], density: float | Sequence[float]) -> torch.Tensor:
         """Cut-offs so that a fraction `density` (one for all layers, or one per layer) of the (token, neuron)
         pairs of the calibration inputs (per layer [N, d]) is predicted active. Returns the cut-offs [L]."""
+        densities = self.layer_densities(inputs, density)
+        cutoffs = torch.stack([keep_cutoff(self.scores(i, x.float()), float(densities[i]))
+                               for i, x in enumerate(inputs)])
+        self.set_cutoffs(cutoffs)
+        return cutoffs
+
+    def layer_densities(self, inputs: Sequence[torch.Tensor], density: float | Sequence[float]) -> torch.Tensor:
+        """fp32 [L]: `density` (one for all layers, or one per layer), checked, for calibration inputs (per layer)."""
         if len(inputs) != self.n_layers:
             raise ValueError(f"need calibration inputs for {self.n_layers} layers, got {len(inputs)}")
         densities = _per_layer(None if isinstance(density, (int, float)) else torch.tensor(density), self.n_layers,
                                "density", float(density) if isinstance(density, (int, float)) else 0.0)
         if not ((densities > 0) & (densities <= 1)).all():
             raise ValueError(f"densities must be in (0, 1], got {densities.tolist()}")
-        cutoffs = torch.empty(self.n_layers)
-        for i, x in enumerate(inputs):
-            flat = self.scores(i, x.float()).flatten()
-            k = int(round((1.0 - float(densities[i])) * flat.numel()))  # pairs at or below the cut-off
-            cutoffs[i] = flat.kthvalue(k).values if k > 0 else torch.nextafter(flat.min(), torch.tensor(-1e30))
-        self.set_cutoffs(cutoffs)
-        return cutoffs
+        return densities
 
     def config(self) -> dict:
         """JSON-serialisable description from which `from_config` rebuilds an empty set of the same shapes."""
@@ -110,6 +112,13 @@ class NeuronPredictor(nn.Module):
         if mine != (n_layers, hidden_size, n_neurons):
             raise ValueError(f"{where} has (layers, hidden, neurons) = {(n_layers, hidden_size, n_neurons)}, the "
                              f"{self.method} predictors {mine}")
+
+
+def keep_cutoff(values: torch.Tensor, density: float) -> torch.Tensor:
+    """The scalar above which a fraction `density` of `values` lies (all of them for density 1)."""
+    flat = values.flatten()
+    k = int(round((1.0 - density) * flat.numel()))  # values at or below the cut-off
+    return flat.kthvalue(k).values if k > 0 else torch.nextafter(flat.min(), torch.tensor(-1e30))
 
 
 def _per_layer(values: torch.Tensor | None, n_layers: int, name: str, fill: float) -> torch.Tensor:

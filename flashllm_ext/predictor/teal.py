@@ -25,7 +25,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from .base import NeuronPredictor, _per_layer
+from .base import NeuronPredictor, keep_cutoff
 from .rule import FFNWeights, ffn_weights
 
 
@@ -87,16 +87,9 @@ class TealPredictor(NeuronPredictor):
     def set_density(self, inputs: Sequence[torch.Tensor], density: float | Sequence[float]) -> torch.Tensor:
         """Input thresholds keeping a fraction `density` of each layer's calibration input entries, then cut-offs
         on h (from the sparsified inputs) keeping that fraction of the (token, neuron) pairs. Returns the cut-offs."""
-        if len(inputs) != self.n_layers:
-            raise ValueError(f"need calibration inputs for {self.n_layers} layers, got {len(inputs)}")
-        densities = _per_layer(None if isinstance(density, (int, float)) else torch.tensor(density), self.n_layers,
-                               "density", float(density) if isinstance(density, (int, float)) else 0.0)
-        if not ((densities > 0) & (densities <= 1)).all():
-            raise ValueError(f"densities must be in (0, 1], got {densities.tolist()}")
+        densities = self.layer_densities(inputs, density)
         for i, x in enumerate(inputs):
-            flat = x.float().abs().flatten()
-            k = int(round((1.0 - float(densities[i])) * flat.numel()))  # entries at or below the threshold
-            self.input_thresholds[i] = flat.kthvalue(k).values if k > 0 else -1.0
+            self.input_thresholds[i] = keep_cutoff(x.float().abs(), float(densities[i]))
         return super().set_density(inputs, densities.tolist())
 
     def config(self) -> dict:
