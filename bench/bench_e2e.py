@@ -42,7 +42,7 @@ from flashllm_ext.errors import FormatError
 from flashllm_ext.paths import resolve_cache_dir
 from flashllm_ext.predictor import NeuronPredictor
 from flashllm_ext.reader import FlashReader
-from traces import LOWRANK_TRAINING, trained_predictors
+from traces import LOWRANK_TRAINING, predictor_training, trained_predictors
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -56,15 +56,12 @@ SCALE_COLUMNS = ["model", "operating_point", "predictor", *COLUMNS]
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 TARGET_SPARSITY = 0.6  # the default-model predictors' operating point (trained once into the cached store):
 # the rule's threshold alone costs ~+5% held-out perplexity there (BENCHMARKS.md)
-# The scale run's predictors per operating point and method: `flashllm train-predictors` arguments (the low-rank
-# ones with bench/traces.py's lighter LOWRANK_TRAINING). quant at (a): gate and up at 4 bits, loaded density
-# 0.06 (twice the true density at 0.97; held-out recall of the true sets ~0.93, BENCHMARKS.md); at (b): the library
-# default (gate 4 / up 2 bits, density 0.7, issue 10; the low-rank ones load 0.92 there, BENCHMARKS.md).
-SCALE_PREDICTORS = {
-    "a": {"lowrank": (*LOWRANK_TRAINING, "--target-sparsity", "0.97"),
-          "quant": ("--method", "quant", "--gate-bits", "4", "--up-bits", "4", "--density", "0.06")},
-    "b": {"quant": ("--method", "quant")},
-}
+# The scale run's predictors per operating point and method: `flashllm train-predictors` arguments. At (a), those of
+# bench/traces.py for the true sets at 0.97 (quant: gate and up at 4 bits, loaded density 0.06; held-out recall of
+# the true sets ~0.98, BENCHMARKS.md); at (b): the library default (gate 4 / up 2 bits, density 0.7, issue 10; the
+# low-rank ones load 0.92 there, BENCHMARKS.md).
+SCALE_PREDICTORS = {"a": {method: predictor_training(method, 0.97) for method in ("lowrank", "quant")},
+                    "b": {"quant": ("--method", "quant")}}
 
 
 # ------------------------------------------------------------------------------------------------ the oracle

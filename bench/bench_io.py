@@ -39,7 +39,8 @@ from common import drop_page_cache, emit  # noqa: E402
 from flashllm_ext import store  # noqa: E402
 from flashllm_ext.convert import synthesize  # noqa: E402
 from flashllm_ext.paths import resolve_cache_dir  # noqa: E402
-from traces import LOWRANK_TRAINING, default_model_mask_source, predicted_mask_source, trained_predictors  # noqa: E402
+from traces import (default_model_mask_source, predicted_mask_source, predictor_training,  # noqa: E402
+                    trained_predictors)
 from flashllm_ext.disk import make_test_file, random_read_throughput  # noqa: E402
 from flashllm_ext.reader import FlashReader, has_io_uring  # noqa: E402
 
@@ -235,7 +236,7 @@ def table2(args: argparse.Namespace, report: Callable[[dict], None],
     """Flash-to-DRAM I/O per token of the configurations of table2_configs on `fs` (default: --store).
 
     set_sources: "predictor" and "oracle" -> (n_tokens, n_layers, n_neurons) -> bool [tokens, layers, neurons], the
-    active neurons per token (default: the default model's trained predictors' and true sets at --sparsity on
+    active neurons per token (default: the default model's --predictor predictors' and true sets at --sparsity on
     --documents pieces of held-out text, bench/traces.py). Each configuration reads its own copy of the file(s) it
     reads (the bundled store file, or the same bytes in the split layout: per layer up rows, gate rows (GLU), down
     columns stored as rows), so no configuration finds blocks another just read in a device cache; all reads are
@@ -250,7 +251,7 @@ def table2(args: argparse.Namespace, report: Callable[[dict], None],
         cache = resolve_cache_dir() / "e2e"
         set_sources = {"oracle": default_model_mask_source(args.sparsity, args.documents),
                        "predictor": predicted_mask_source(
-                           trained_predictors(cache, (*LOWRANK_TRAINING, "--target-sparsity", str(args.sparsity))),
+                           trained_predictors(cache, predictor_training(args.predictor, args.sparsity)),
                            args.documents)}
     window, n = args.window, fs.n_neurons
     pieces = -(-(args.tokens + window) // args.documents)
@@ -384,6 +385,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--sparsity", type=float, default=0.97,
                    help="table2: threshold sparsity of the true sets and the one the predictors were trained for "
                         "(0.97: issue 9's OPT-like operating point, what the paper measured for OPT)")
+    p.add_argument("--predictor", choices=("lowrank", "quant"), default="quant",
+                   help="table2: the predictors of the predictor rows (bench/traces.py predictor_training)")
     p.add_argument("--naive-tokens", type=int, default=8)
     p.add_argument("--window", type=int, default=5)
     p.add_argument("--base-threads", type=int, default=8)

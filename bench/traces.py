@@ -27,6 +27,18 @@ CONTEXT = 512  # tokens per forward pass over one piece of held-out text
 LOWRANK_TRAINING = ("--method", "lowrank", "--tokens", "1024", "--epochs", "2")
 
 
+def predictor_training(method: str, target_sparsity: float) -> tuple[str, ...]:
+    """`flashllm train-predictors` arguments of the benchmarks' `method` predictors for the true sets at threshold
+    sparsity `target_sparsity`: lowrank, trained for them with LOWRANK_TRAINING; quant (W_gate and W_up at 4 bits),
+    at twice the true loaded density (1 - target_sparsity), calibrated on the calibration text (no training)."""
+    if method == "lowrank":
+        return (*LOWRANK_TRAINING, "--target-sparsity", str(target_sparsity))
+    if method == "quant":
+        return ("--method", "quant", "--gate-bits", "4", "--up-bits", "4",
+                "--density", f"{2 * (1 - target_sparsity):.4g}")
+    raise ValueError(f"method must be lowrank or quant, got {method!r}")
+
+
 def trained_predictors(cache: Path, train_args: tuple[str, ...]) -> Path:
     """A predictors file of the default model built (once) by `flashllm train-predictors default *train_args`."""
     path = cache / f"smollm2-135m-predictors-{'-'.join(train_args[1::2])}.safetensors"
