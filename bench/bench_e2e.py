@@ -515,7 +515,7 @@ def scale_store(name: str) -> Path:
     return path
 
 
-def run_scale(args, baseline: int) -> list[dict]:
+def run_scale(args) -> list[dict]:
     """The scale rows: per model of --scale-models, its synthesized checkpoint converted to a store. FFN-stack rows:
     the FFNs decoded within the FFN's share of --budget (of the whole model's weight bytes, the resident tensors
     taken first as load_flash takes them). With --full, whole-model rows too: load_flash at --budget, a prompt of
@@ -535,6 +535,7 @@ def run_scale(args, baseline: int) -> list[dict]:
             raise SystemExit(f"{name}: a budget of {args.budget} does not cover the {resident / 1e6:.0f} MB of "
                              "resident tensors")
         ids, prompt_note = prompt_ids(args.prompt_tokens, FlashStore(store).config["vocab_size"])
+        baseline = measure_baseline(args.device, store)  # this model's modules on the meta device included
         for mode, point, method in SCALE_CONFIGS:
             if mode not in wanted or (point is not None and point not in args.points.split(",")) or \
                     (method is not None and method not in args.scale_predictors.split(",")):
@@ -543,6 +544,7 @@ def run_scale(args, baseline: int) -> list[dict]:
             train_args = SCALE_PREDICTORS[point][method] if method else None
             common = {"scale": True, "store": str(store), "mode": mode, "device": args.device, "operating_point": label,
                       "sparsity": sparsity, "model_budget_mb": model_budget / 1e6, "resident_mb": resident / 1e6,
+                      "baseline": baseline,
                       "predictor": " ".join(train_args) if method else None,
                       "predictors": str(trained_predictors(cache, train_args)) if method else None}
             whole = {**common, "model": f"{name} (synthesized checkpoint, whole model)", "full": True,
@@ -568,14 +570,14 @@ def run_scale(args, baseline: int) -> list[dict]:
             config["recall"] = ((chosen & true).sum() / true.sum()).item()  # of the true sets, on these tokens
     rows = []
     for round_index, config in [(r, c) for r in range(args.rounds) for c in configs]:
-        child_rows, facts = run_limited_child(_child_argv(config), config["budget_bytes"], baseline,
+        child_rows, facts = run_limited_child(_child_argv(config), config["budget_bytes"], config["baseline"],
                                               f"e2e-scale-{config['mode']}", args.child_timeout)
         row = {"model": config["model"], "mode": config["mode"], "budget_mb": config["budget_bytes"] / 1e6,
                **(child_rows[0] if child_rows else {"error": "the child printed no row"}),
                **facts, "operating_point": config["operating_point"], "predictor": config["predictor"],
                "recall": config.get("recall"), "round": round_index,
                "budget_spec": args.budget, "model_budget_mb": config["model_budget_mb"],
-               "resident_mb": config["resident_mb"], "baseline_mb": baseline / 1e6,
+               "resident_mb": config["resident_mb"], "baseline_mb": config["baseline"] / 1e6,
                "prompt_tokens": len(config.get("prompt_ids", ())), "prompt_note": config.get("prompt_note")}
         if len(child_rows) > 1 and not row.get("error"):
             row["error"] = child_rows[-1].get("error")
@@ -795,7 +797,7 @@ def main(argv: list[str] | None = None) -> None:
              args.json, PREFILL_COLUMNS)
         return
     if args.scale:
-        medians = median_rows(run_scale(args, measure_baseline(args.device)))
+        medians = median_rows(run_scale(args))
         emit(medians, args.json, SCALE_COLUMNS)
         if not args.no_plot:
             RESULTS.mkdir(exist_ok=True)
