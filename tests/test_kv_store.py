@@ -77,6 +77,18 @@ def test_views_are_stable_while_spilling(tmp_path):
     shard.close()
 
 
+def append_rest_and_reopen(path, shard, k, v, start: int) -> None:
+    """After a failure is switched off: append layer 0's tokens start.. of k / v, close, reopen from `path`; every
+    token must be there (nothing the failure kept in the buffer was lost)."""
+    for t in range(start, k.shape[0]):
+        shard.append(0, k[t:t + 1], v[t:t + 1])
+    shard.close()
+    reopened = KVShard.open(path)
+    got_k, got_v = reopened.tokens(0)
+    assert torch.equal(got_k, k) and torch.equal(got_v, v)
+    reopened.close()
+
+
 def inject(errno_code, fail_after=0):
     calls = {"n": 0, "on": True}
 
@@ -104,13 +116,7 @@ def test_failed_spill_keeps_buffer_and_surfaces(tmp_path, code, fail_after):
     with pytest.raises(SpillError):
         shard.close()  # close refuses to drop the buffer
     calls["on"] = False
-    for t in range(3, 10):
-        shard.append(0, k[t:t + 1], v[t:t + 1])
-    shard.close()
-    reopened = KVShard.open(tmp_path)
-    got_k, got_v = reopened.tokens(0)
-    assert torch.equal(got_k, k) and torch.equal(got_v, v)
-    reopened.close()
+    append_rest_and_reopen(tmp_path, shard, k, v, 3)
 
 
 def test_background_spill_error_surfaces_on_next_append(tmp_path):
@@ -203,13 +209,7 @@ def test_failed_sync_keeps_buffer_and_rows_go_again(tmp_path, monkeypatch):
     assert shard.buffered(0) == 3 and shard.view(0).disk_len == 0
     assert json.loads((tmp_path / "shard.json").read_text())["lengths"] == [0]
     fail["on"] = False
-    for t in range(3, 8):
-        shard.append(0, k[t:t + 1], v[t:t + 1])
-    shard.close()
-    reopened = KVShard.open(tmp_path)
-    got_k, got_v = reopened.tokens(0)
-    assert torch.equal(got_k, k) and torch.equal(got_v, v)
-    reopened.close()
+    append_rest_and_reopen(tmp_path, shard, k, v, 3)
 
 
 def test_restart_recovers_spilled_tokens_and_tail(tmp_path):
