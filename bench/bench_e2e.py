@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from common import arg_parser, device_name, emit, process_memory, run_limited_child
+from common import arg_parser, device_name, emit, median_rows, process_memory, run_limited_child
 
 from flashllm_ext.errors import FormatError
 from flashllm_ext.paths import resolve_cache_dir
@@ -53,6 +53,8 @@ COLUMNS = ["mode", "budget_mb", "cgroup_limit_mb", "cgroup_peak_mb", "oom_killed
            "predictor_ms", "compute_ms", "bytes_per_token", "reads_per_token", "hit_rate", "error"]
 ENDOR_COLUMNS = ["store_format", "decompress_ms", "requested_bytes_per_token"] + COLUMNS
 SCALE_COLUMNS = ["model", "operating_point", "predictor", *COLUMNS]
+# What tells one configuration's rows from another's: the summary rows are medians over each one's rounds.
+CONFIG_FIELDS = ("model", "mode", "operating_point", "predictor", "budget_spec", "store_format")
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 TARGET_SPARSITY = 0.6  # the default-model predictors' operating point (trained once into the cached store):
 # the rule's threshold alone costs ~+5% held-out perplexity there (BENCHMARKS.md)
@@ -709,7 +711,7 @@ def run_endor(args, cache: Path) -> list[dict]:
         row = {**{k: row.get(k) for k in KEYS}, **row}
         rows.append(row)
         emit([row], args.json, ENDOR_COLUMNS)
-    medians = median_rows(rows)
+    medians = median_rows(rows, CONFIG_FIELDS, "e2e_median")
     by_format = {m["store_format"]: m for m in medians}
     if set(by_format) == {"dense", "endor"}:
         dense, comp = by_format["dense"], by_format["endor"]
@@ -797,7 +799,7 @@ def main(argv: list[str] | None = None) -> None:
              args.json, PREFILL_COLUMNS)
         return
     if args.scale:
-        medians = median_rows(run_scale(args))
+        medians = median_rows(run_scale(args), CONFIG_FIELDS, "e2e_median")
         emit(medians, args.json, SCALE_COLUMNS)
         if not args.no_plot:
             RESULTS.mkdir(exist_ok=True)
@@ -848,32 +850,13 @@ def main(argv: list[str] | None = None) -> None:
             fallback = parse_budget(args.fallback_budget, total)
             if row.get("error") and budget is not None and budget < fallback:  # below the minimum, or OOM
                 budgets.append(fallback)
-    medians = median_rows(rows)
+    medians = median_rows(rows, CONFIG_FIELDS, "e2e_median")
     if not args.json:
         print(f"\nmedians over {args.rounds} round(s):")
     emit(medians, args.json, COLUMNS)
     if not args.no_plot:
         RESULTS.mkdir(exist_ok=True)
         plot_breakdown(medians, RESULTS / "e2e_breakdown.png")
-
-
-def median_rows(rows: list[dict]) -> list[dict]:
-    """One bench:"e2e_median" row per configuration (model, mode, operating point, predictor, budget, store format)
-    that ran without error: the median of every number."""
-    groups: dict[tuple, list[dict]] = {}
-    for row in rows:
-        if not row.get("error"):
-            key = (row.get("model"), row["mode"], row.get("operating_point"), row.get("predictor"),
-                   row.get("budget_spec"), row.get("store_format"))
-            groups.setdefault(key, []).append(row)
-    out = []
-    for group in groups.values():
-        numbers = {k for r in group for k, v in r.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-        median = {k: statistics.median(r[k] for r in group if r.get(k) is not None) for k in numbers
-                  if any(r.get(k) is not None for r in group)}
-        out.append({**group[0], **median, "bench": "e2e_median", "rounds": len(group),
-                    "oom_killed": any(r.get("oom_killed") for r in group)})
-    return out
 
 
 if __name__ == "__main__":

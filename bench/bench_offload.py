@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from bench_e2e import _decode, _load, prompt_ids
-from common import arg_parser, device_name, emit, run_limited_child
+from common import arg_parser, device_name, emit, median_rows, run_limited_child
 
 from flashllm_ext.errors import FormatError
 from flashllm_ext.paths import resolve_cache_dir
@@ -174,22 +174,6 @@ def measure_baseline(base: dict, timeout_s: float = 600) -> int:
     return int(facts["cgroup_peak_mb"] * 1e6)
 
 
-def median_rows(rows: list[dict]) -> list[dict]:
-    """One bench:"offload_median" row per mode that ran without error: the median of every number."""
-    groups: dict[str, list[dict]] = {}
-    for row in rows:
-        if not row.get("error"):
-            groups.setdefault(row["mode"], []).append(row)
-    out = []
-    for mode, group in groups.items():
-        numbers = {k for r in group for k, v in r.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-        median = {k: statistics.median(r[k] for r in group if r.get(k) is not None) for k in numbers
-                  if any(r.get(k) is not None for r in group)}
-        out.append({**group[0], **median, "bench": "offload_median", "rounds": len(group),
-                    "oom_killed": any(r.get("oom_killed") for r in group)})
-    return out
-
-
 def ratios(medians: list[dict]) -> dict:
     """The issue's targets from the medians: endor vs accelerate and vs dense per token, bytes endor / dense."""
     by = {r["mode"]: r for r in medians}
@@ -269,7 +253,7 @@ def main(argv: list[str] | None = None) -> None:
         row = {**{k: row.get(k) for k in KEYS}, **row}
         rows.append(row)
         emit([row], args.json, COLUMNS)
-    medians = median_rows(rows)
+    medians = median_rows(rows, ("mode",), "offload_median")
     for row in medians:  # the modes' greedy tokens should agree (same pruned weights; fp16 rounding may differ)
         row["same_tokens_as_dense"] = row.get("generated") == next(
             (m.get("generated") for m in medians if m["mode"] == "dense"), None)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 from collections.abc import Iterable
 
@@ -181,3 +182,20 @@ def run_limited_child(argv: list[str], budget_bytes: int | None, baseline_bytes:
     if proc.returncode != 0 and not any("error" in r for r in rows):
         rows.append({"error": f"child exited with status {proc.returncode}: {proc.stderr.strip()[-400:]}"})
     return rows, facts
+
+
+def median_rows(rows: list[dict], fields: tuple[str, ...], bench: str) -> list[dict]:
+    """One `bench` row per configuration (the rows' values of `fields`) that ran without error: the median of every
+    number over its rounds, `rounds` their count, `oom_killed` if any round was."""
+    groups: dict[tuple, list[dict]] = {}
+    for row in rows:
+        if not row.get("error"):
+            groups.setdefault(tuple(row.get(f) for f in fields), []).append(row)
+    out = []
+    for group in groups.values():
+        numbers = {k for r in group for k, v in r.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        median = {k: statistics.median(r[k] for r in group if r.get(k) is not None) for k in numbers
+                  if any(r.get(k) is not None for r in group)}
+        out.append({**group[0], **median, "bench": bench, "rounds": len(group),
+                    "oom_killed": any(r.get("oom_killed") for r in group)})
+    return out
