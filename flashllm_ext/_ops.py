@@ -604,7 +604,7 @@ def _quant_scores_fake(x, up_codes, up_scale, up_bias, gate_codes, gate_scale, g
 # ------------------------------------------------------------------------------------------------ half_linear
 # y = x W^T + b with W (and b) stored in float16 / bfloat16 (float32 accepted), computed in float32 and returned in
 # x's dtype: the resident linears of a flash-loaded model on the CPU (flashllm_ext/linear.py), where PyTorch's fp16
-# matmul runs far below memory speed. CPU kernel only; elsewhere the reference.
+# matmul falls behind once several tokens share a weight pass. CPU kernel only; elsewhere the reference.
 LIB.define("half_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
 
 

@@ -1,9 +1,9 @@
 """HalfLinear: an nn.Linear whose CPU forward for float16 / bfloat16 weights is flashllm::half_linear.
 
-PyTorch's CPU matmul in float16 runs far below memory speed on CPUs without FP16 arithmetic (an fp16 4096 x 4096
-matrix-vector product took 6x its fp32 time on this project's AVX-512 machines: bench/bench_half_linear.py), and
-a flash-loaded model keeps its resident weights (attention, LM head, dense FFNs) in the store's half precision, so
-every token paid that. load_flash swaps its CPU model's half-precision nn.Linear layers to this class in place
+A flash-loaded model keeps its resident weights (attention, LM head, dense FFNs) in the store's half precision. For
+one token PyTorch's CPU fp16 matrix-vector product is already at the read bound, but where tokens share a pass
+(prompts, batches) it falls behind: the kernel was 1.5-1.9x faster at 8 tokens and 2.9-3.5x at 64 on this project's
+AVX-512 machines, one thread (bench/bench_half_linear.py, BENCHMARKS.md). load_flash swaps its CPU model's half-precision nn.Linear layers to this class in place
 (`use_half_linears`): same Parameters (tied weights stay tied), same state dict, F.linear on any other device.
 """
 from __future__ import annotations

@@ -1,8 +1,8 @@
 // flashllm::half_linear on the CPU: y = x W^T + b for weights stored in fp16 or bf16 (fp32 too), in fp32 FMA.
 //
-// Why: on CPUs without FP16 arithmetic PyTorch's fp16 matmul runs far below memory speed (an fp16 4096x4096
-// matrix-vector product took 6x its fp32 time on this project's AVX-512 machines), and a flash-offloaded model
-// keeps its resident weights (attention, LM head) in the store's fp16. Decoding is a matrix-vector product, bound by
+// Why: a flash-offloaded model keeps its resident weights (attention, LM head) in the store's fp16, and on CPUs
+// without FP16 arithmetic PyTorch's fp16 matmul falls behind once tokens share a weight pass (1.5-3.5x slower than
+// this kernel at 8-64 tokens; at one token both are at the read bound: bench/bench_half_linear.py). Decoding is a matrix-vector product, bound by
 // reading W once: each row is read once per group of up to 8 tokens (common/token_groups.h), widened to fp32 in
 // registers and dotted with every token of the group (common/row_dots.h, the loop sparse_ffn uses for its columns).
 // Rows are split across OpenMP threads in static chunks (every row costs the same); each writes its own outputs.
