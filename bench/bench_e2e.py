@@ -52,9 +52,9 @@ KEYS = ("bench", "model", "device", "mode", "budget_mb", "cgroup_limit_mb", "cgr
 COLUMNS = ["mode", "budget_mb", "cgroup_limit_mb", "cgroup_peak_mb", "oom_killed", "ms_per_token", "io_ms", "mem_ms",
            "predictor_ms", "compute_ms", "bytes_per_token", "reads_per_token", "hit_rate", "error"]
 ENDOR_COLUMNS = ["store_format", "decompress_ms", "requested_bytes_per_token"] + COLUMNS
-SCALE_COLUMNS = ["model", "operating_point", "predictor", *COLUMNS]
+SCALE_COLUMNS = ["model", "operating_point", "predictor", "lookahead", *COLUMNS]
 # What tells one configuration's rows from another's: the summary rows are medians over each one's rounds.
-CONFIG_FIELDS = ("model", "mode", "operating_point", "predictor", "budget_spec", "store_format")
+CONFIG_FIELDS = ("model", "mode", "operating_point", "predictor", "lookahead", "budget_spec", "store_format")
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 TARGET_SPARSITY = 0.6  # the default-model predictors' operating point (trained once into the cached store):
 # the rule's threshold alone costs ~+5% held-out perplexity there (BENCHMARKS.md)
@@ -177,7 +177,8 @@ def _load(config: dict):
         masks = scale_masks(config, n_tokens, store.n_layers, store.n_neurons)
         cost = scale_cost_predictor(config["predictors"], store) if config.get("predictors") else None
         predictors = ReplayedSets(masks, at, store.hidden_size, cost)
-        model = flashllm_ext.load_flash(config["store"], budget, mode="flash", predictors=predictors)
+        model = flashllm_ext.load_flash(config["store"], budget, mode="flash", predictors=predictors,
+                                        lookahead=config.get("lookahead", False))
         # The sets of the tokens at the positions this forward computes: after the cached ones.
         model.register_forward_pre_hook(partial(_track_position, at), with_kwargs=True)
         return model, model.flash.stats.reset
@@ -335,11 +336,14 @@ def model_bytes_of(store_path: Path, ffn: bool = True) -> int:
 
 
 def bar_label(row: dict) -> str:
-    """A bar's name: the mode, the scale run's operating point and predictor method where it has them, the budget."""
+    """A bar's name: the mode, the scale run's operating point and predictor method where it has them, look-ahead,
+    the budget."""
     name = row["mode"]
     if row.get("operating_point") and row["operating_point"] != "dense compute":
         method = row["predictor"].split()[1] if row.get("predictor") else None
         name += f" ({row['operating_point'][0]}{', ' + method if method else ''})"
+    if row.get("lookahead"):
+        name += " +ahead"
     return f"{name}\n{row['budget_mb']:.0f} MB" if row.get("budget_mb") else name
 
 
@@ -445,7 +449,7 @@ def default_model_sets(config: dict, n_tokens: int) -> torch.Tensor:
 
     n = max(n_tokens, 64)
     small = default_model_masks(n, config["sparsity"], progress=False) if config["mode"] == "flash-oracle" else \
-        predicted_masks(Path(config["predictors"]), n)
+        predicted_masks(Path(config["predictors"]), n, lookahead=config.get("lookahead", False))
     return small[:n_tokens]
 
 
@@ -564,6 +568,8 @@ def run_scale(args) -> list[dict]:
                                 "budget_bytes": model_budget - resident, "tokens": args.tokens})
             if args.full or args.full_only:
                 configs.append(whole)
+                if args.lookahead and mode == "flash":
+                    configs.append({**whole, "lookahead": True})
     for config in configs:  # the sets, computed here: the children are limited to the budget
         if config["mode"].startswith("flash"):
             n_tokens = len(config.get("prompt_ids", ())) + config["tokens"] + 1
@@ -577,7 +583,7 @@ def run_scale(args) -> list[dict]:
         row = {"model": config["model"], "mode": config["mode"], "budget_mb": config["budget_bytes"] / 1e6,
                **(child_rows[0] if child_rows else {"error": "the child printed no row"}),
                **facts, "operating_point": config["operating_point"], "predictor": config["predictor"],
-               "recall": config.get("recall"), "round": round_index,
+               "recall": config.get("recall"), "lookahead": config.get("lookahead", False), "round": round_index,
                "budget_spec": args.budget, "model_budget_mb": config["model_budget_mb"],
                "resident_mb": config["resident_mb"], "baseline_mb": config["baseline"] / 1e6,
                "prompt_tokens": len(config.get("prompt_ids", ())), "prompt_note": config.get("prompt_note")}
@@ -760,6 +766,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--full-only", action="store_true",
                         help="--scale: whole-model rows only (load_flash; the accelerate peer on the checkpoint)")
     parser.add_argument("--full-tokens", type=int, default=4, help="--scale --full: greedy decode tokens")
+    parser.add_argument("--lookahead", action="store_true", help="--scale --full: each whole-model flash row also "
+                        "with look-ahead (load_flash(lookahead=True), the sets its predictors choose ahead)")
     parser.set_defaults(rounds=3)
     args = parser.parse_args(argv)
     if args.child:

@@ -101,10 +101,12 @@ def default_model_masks(n_tokens: int, target_sparsity: float = 0.9, progress: b
                                          f"{_docs_suffix(documents)}.pt", compute)
 
 
-def predicted_masks(predictors: Path, n_tokens: int, documents: int = 1, progress: bool = False) -> torch.Tensor:
+def predicted_masks(predictors: Path, n_tokens: int, documents: int = 1, progress: bool = False,
+                    lookahead: bool = False) -> torch.Tensor:
     """bool [n_tokens, 30, 1536]: the sets the default model's trained predictors (a predictors file) choose on the
     same held-out tokens as default_model_masks(n_tokens, documents=documents), each layer's predictor fed the
-    FFN input the dense model computes there. Cached next to the predictors file."""
+    FFN input the dense model computes there (lookahead: the FFN's norm of the decoder layer's input instead, what
+    the engine's look-ahead predicts from). Cached next to the predictors file."""
     predictors = Path(predictors)
 
     def compute() -> torch.Tensor:
@@ -114,10 +116,12 @@ def predicted_masks(predictors: Path, n_tokens: int, documents: int = 1, progres
         loaded = load_predictors(predictors)
         model, tokenizer = load_hf_model()
         ids, context = _heldout(tokenizer, n_tokens, documents)
-        capture = capture_activations(model, ids, loaded.thresholds, window=context, progress=progress)
+        capture = capture_activations(model, ids, loaded.thresholds, window=context, progress=progress,
+                                      lookahead=lookahead)
         return torch.stack([loaded.predict(i, capture.inputs[i].float()) for i in range(len(capture.inputs))], dim=1)
 
-    return _cached(predictors.with_name(f"sets-{predictors.stem}-{n_tokens}tok{_docs_suffix(documents)}.pt"), compute)
+    name = f"sets-{predictors.stem}-{n_tokens}tok{_docs_suffix(documents)}{'-ahead' if lookahead else ''}.pt"
+    return _cached(predictors.with_name(name), compute)
 
 
 def tile_masks(masks: torch.Tensor, n_layers: int, n_neurons: int) -> torch.Tensor:

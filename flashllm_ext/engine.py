@@ -33,6 +33,7 @@ from torch import nn
 
 from .ffn import FFNStats, FlashFFN, StreamingFFN, ffn_slots, set_ffn
 from .linear import use_half_linears
+from .models.hf import ffn_norm
 from .reader import DEFAULT_MAX_READ, FlashReader
 from .store import FlashStore
 from .transfer import Transfer, cuda_device, make_transfer
@@ -89,6 +90,7 @@ class FlashRuntime:
     reader: FlashReader | None
     originals: list[tuple[nn.Module, dict[str, nn.Module]]] = field(default_factory=list)
     predictors: nn.Module | None = None
+    hooks: list = field(default_factory=list)  # the look-ahead hooks on the decoder layers (removable handles)
 
     @property
     def accounted_bytes(self) -> int:
@@ -122,6 +124,8 @@ class FlashRuntime:
         for layer, modules in self.originals:
             for name, module in modules.items():
                 setattr(layer, name, module)
+        for hook in self.hooks:
+            hook.remove()
         self.close()
         for attr in ("flash", "flash_stats"):
             model.__dict__.pop(attr, None)
@@ -156,11 +160,13 @@ def _check_model_matches(model: nn.Module, store: FlashStore,
 
 def _install(model: nn.Module, store: FlashStore, mode: str, budget_bytes: int | None, window: int,
              predictors: nn.Module | None, threads: int, keep_originals: bool,
-             device: torch.device, reader_options: dict | None = None) -> FlashRuntime:
+             device: torch.device, reader_options: dict | None = None, lookahead: bool = False) -> FlashRuntime:
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if mode == "dense":
         raise ValueError("dense mode keeps the model's own FFNs: nothing to install")
+    if lookahead and mode not in ("flash", "exact"):
+        raise ValueError(f"lookahead needs a neuron cache (flash or exact mode), not {mode} mode")
     slots = ffn_slots(model)
     _check_model_matches(model, store, slots)
     runtime = ffn_stack(store, mode, budget_bytes, window=window, predictors=predictors, threads=threads,
@@ -169,9 +175,20 @@ def _install(model: nn.Module, store: FlashStore, mode: str, budget_bytes: int |
         runtime.originals = [(layer, dict(mods)) for layer, mods in slots]
     for (layer, _), module in zip(slots, runtime.modules):
         set_ffn(layer, module)
+        if lookahead:
+            runtime.hooks.append(layer.register_forward_pre_hook(partial(_look_ahead, module, ffn_norm(layer)),
+                                                                 with_kwargs=True))
     model.flash = runtime
     model.flash_stats = runtime.flash_stats
     return runtime
+
+
+def _look_ahead(ffn: FlashFFN, norm: nn.Module, _layer: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Before a decoder layer's attention, for one token: its FFN's set chosen from the normed layer input and the
+    reads begun (FlashFFN.prefetch), so they run while the attention computes."""
+    hidden = args[0] if args else kwargs["hidden_states"]
+    if hidden.shape[:-1].numel() == 1:
+        ffn.prefetch(norm(hidden))
 
 
 def _make_modules(store: FlashStore, mode: str, ffn_budget: int | None, window: int, predictors, reader, stats,
@@ -300,25 +317,26 @@ def _load_predictors(store: FlashStore, predictors, mode: str):
 
 def patch_model(model: nn.Module, store: FlashStore | str | os.PathLike, *, mode: str = "flash",
                 dram_budget: int | float | str | None = None, window: int = 5, predictors=None,
-                threads: int = 32) -> FlashRuntime:
+                threads: int = 32, lookahead: bool = False) -> FlashRuntime:
     """Serve the FFNs of an already loaded Llama-family or OPT model from `store` (converted from the same
     checkpoint). The original FFN modules are kept for `unpatch` (so they still occupy memory: for a real budget
     use load_flash). dram_budget (default: none) bounds what the engine accounts, as in load_flash. The FFNs go on
     the device of the model's parameters. Returns the runtime; `model.flash_stats()` reports the costs;
-    `runtime.unpatch(model)` restores the model."""
+    `runtime.unpatch(model)` restores the model. lookahead: as in load_flash."""
     store = store if isinstance(store, FlashStore) else FlashStore(store)
     if getattr(model, "flash", None) is not None:
         raise ValueError("this model is already patched: unpatch it first")
     predictors = _load_predictors(store, predictors, mode)
     budget = None if dram_budget is None else parse_budget(dram_budget, model_bytes(model, store))
     device = cuda_device(next(model.parameters()).device)
-    return _install(model, store, mode, budget, window, predictors, threads, keep_originals=True, device=device)
+    return _install(model, store, mode, budget, window, predictors, threads, keep_originals=True, device=device,
+                    lookahead=lookahead)
 
 
 def load_flash(store_dir: str | os.PathLike, dram_budget: int | float | str | None = "50%", *,
                mode: str = "flash", window: int = 5, predictors=None, dtype: torch.dtype | None = None,
-               threads: int = 32, device: str | torch.device = "cpu", reader_options: dict | None = None
-               ) -> nn.Module:
+               threads: int = 32, device: str | torch.device = "cpu", reader_options: dict | None = None,
+               lookahead: bool = False) -> nn.Module:
     """A Hugging Face causal LM built from a flash store, its FFNs served by `mode` within `dram_budget` (bytes,
     "50%" of the model, or "200MB"; None: no limit). Only resident tensors are materialised (in `dtype`, default
     the store's); in dense
@@ -326,7 +344,11 @@ def load_flash(store_dir: str | os.PathLike, dram_budget: int | float | str | No
     unless given. `model.flash_stats()` reports per-token costs. device: "cpu" or "cuda" (the whole model, its
     caches included, on the GPU; ValueError when CUDA is not available). threads and reader_options (e.g.
     {"max_gap": 0, "min_read": 0}): the FlashReader's. The model's half-precision nn.Linear layers become
-    HalfLinear (flashllm_ext/linear.py: the native half_linear kernel on the CPU, F.linear elsewhere)."""
+    HalfLinear (flashllm_ext/linear.py: the native half_linear kernel on the CPU, F.linear elsewhere).
+    lookahead (flash / exact): each decode step's FFN set is chosen before the layer's attention, from the layer's
+    input through the FFN's norm, and its reads run during the attention (FlashFFN.prefetch, as DejaVu predicts
+    ahead); the FFN computes that set. It hides reads behind attention at the price of predicting from a slightly
+    earlier input (BENCHMARKS.md measures both)."""
     device = cuda_device(device)
     store = FlashStore(store_dir)
     dtype = dtype or store.dtype
@@ -339,7 +361,7 @@ def load_flash(store_dir: str | os.PathLike, dram_budget: int | float | str | No
     else:
         budget = None if dram_budget is None else parse_budget(dram_budget, model_bytes(model, store))
         _install(model, store, mode, budget, window, predictors, threads, keep_originals=False, device=device,
-                 reader_options=reader_options)
+                 reader_options=reader_options, lookahead=lookahead)
     leftover = [name for name, p in model.named_parameters() if p.device.type == "meta"]
     if leftover:
         raise ValueError(f"{store.path}: the store has no tensor for {leftover[:3]} ({len(leftover)} in all)")

@@ -33,7 +33,7 @@ from torch import nn
 
 from . import ops
 from ._ops import ACTIVATIONS
-from .cache import NeuronCache, StepStats, input_bias_role, layer_input_bias
+from .cache import NeuronCache, PendingStep, StepStats, input_bias_role, layer_input_bias
 from .disk import load_disk_profile
 from .models.hf import decoder_layers
 from .reader import FlashReader
@@ -171,6 +171,8 @@ class FlashFFN(nn.Module):
                              persistent=False)
         self.stats = stats if stats is not None else FFNStats()
         self.last_stats: list[StepStats] = []  # the cache steps of the last forward
+        # prefetch's (set, its cache step begun, or None when the set exceeds the cache) for the next forward
+        self._ahead: tuple[torch.Tensor, PendingStep | None] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -208,10 +210,31 @@ class FlashFFN(nn.Module):
         self.last_stats.append(step)
         self.stats.add_step(step, needed)
 
-    def _step_overlapped(self, x: torch.Tensor, ids: torch.Tensor, out: torch.Tensor) -> None:
-        """One token's step over its distinct neuron `ids`, with the reads in flight while the FFN of the
-        already-cached neurons is computed, then the FFN of the neurons just read: the same sum, in two parts."""
-        pending = self.cache.begin_step(ids, background=True)
+    def prefetch(self, x: torch.Tensor) -> None:
+        """Look ahead (as DejaVu does): choose the set of this layer's next forward of one token from x [1, d], an
+        estimate of its input known before the layer's attention runs (the engine passes the FFN's norm of the
+        layer's input), and begin that set's cache step with the reads in a reader thread, so they overlap the
+        attention. That forward then computes exactly this set (its own input only meets the kernel's threshold).
+        Several tokens: nothing (a prompt forward chooses its sets itself)."""
+        flat = _check_input(x, self.store.hidden_size, self.cache.device)
+        if flat.shape[0] != 1:
+            return
+        self._finish_ahead()  # a set chosen ahead that no forward took (that forward failed): land its reads
+        _, ids = self._token_sets(flat)
+        self._ahead = (ids, self.cache.begin_step(ids, background=True) if ids.numel() <= self.cache.capacity
+                       else None)
+
+    def _finish_ahead(self) -> None:
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead[1] is not None:
+            self._record_step(ahead[1].finish(), 0)
+
+    def _step_overlapped(self, x: torch.Tensor, ids: torch.Tensor, out: torch.Tensor,
+                         pending: PendingStep | None = None) -> None:
+        """One token's step over its distinct neuron `ids` (begun already when `pending` is given), with the reads
+        in flight while the FFN of the already-cached neurons is computed, then the FFN of the neurons just read:
+        the same sum, in two parts."""
+        pending = pending if pending is not None else self.cache.begin_step(ids, background=True)
         cached = self.cache.slot_of[ids] >= 0  # the missing ids map to -1 until finish()
         try:
             self._compute(x, ids[cached], out)
@@ -241,6 +264,14 @@ class FlashFFN(nn.Module):
         xs = flat.to(self.store.dtype).contiguous()
         out = torch.zeros(flat.shape, dtype=torch.float32, device=flat.device)
         self.last_stats = []
+        if self._ahead is not None and flat.shape[0] == 1:  # the set prefetch chose, its reads under way
+            (ids, pending), self._ahead = self._ahead, None
+            if pending is None:
+                self._run_set(xs, ids, out)
+            else:
+                self._step_overlapped(xs, ids, out, pending)
+            return self._finish_forward(x, flat, out)
+        self._finish_ahead()
         masks, union = self._token_sets(flat)
         if masks is None:  # one set for every token
             self._run_set(xs, union, out)
@@ -258,6 +289,9 @@ class FlashFFN(nn.Module):
                 self._step(group_union)
                 for t in range(first, last):
                     self._compute(xs[t:t + 1], masks[t].nonzero().flatten(), out[t:t + 1])
+        return self._finish_forward(x, flat, out)
+
+    def _finish_forward(self, x: torch.Tensor, flat: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         self.stats.tokens += flat.shape[0]
         if self.out_bias is not None:
             out += self.out_bias

@@ -244,3 +244,61 @@ def test_ffn_stack_serves_every_layer_within_its_budget(models):
         runtime.close()
     with pytest.raises(ValueError, match="needs predictors"):
         ffn_stack(s, "flash", budget)
+
+
+@pytest.mark.parametrize("name", ["llama", "opt"])
+@torch.no_grad()
+def test_lookahead_exact_mode_generates_the_tokens_of_transformers(models, name):
+    """Look-ahead only moves when the reads start: exact mode still computes every neuron, so dense's tokens."""
+    model, path = models[name]
+    prompt = torch.randint(3, 90, (1, 6), generator=torch.Generator().manual_seed(6))
+    flash = flashllm_ext.load_flash(path, dram_budget="85%", mode="exact", lookahead=True)
+    assert torch.equal(_greedy(flash, prompt, 12), _greedy(model, prompt, 12))
+    with pytest.raises(ValueError, match="lookahead needs a neuron cache"):
+        flashllm_ext.load_flash(path, dram_budget="85%", mode="naive", lookahead=True)
+
+
+@pytest.mark.parametrize("name", ["llama", "opt"])
+@torch.no_grad()
+def test_lookahead_computes_the_set_chosen_from_the_normed_layer_input(models, name):
+    """Flash mode with lookahead: each decode step's FFN computes the set its predictor chose from the FFN's norm
+    of the decoder layer's input (the rule's threshold still applied to the real activations); a prompt's tokens
+    use their own FFN inputs. The reference masks a dense FFN the same way (the rule's ffn_hooks)."""
+    from flashllm_ext.models.hf import decoder_layers, ffn_norm
+    from flashllm_ext.predictor.rule import ffn_hooks
+
+    model, path = models[name]
+    s = store.FlashStore(path)
+    predictors = _random_predictors(model, s.n_layers, s.hidden_size, s.n_neurons, 0.5)
+    predictors.prob_thresholds.fill_(0.45)
+    reference = copy.deepcopy(model)
+    ahead: dict[int, torch.Tensor] = {}
+
+    def choose_ahead(i, layer, args, kwargs):
+        hidden = args[0] if args else kwargs["hidden_states"]
+        if hidden.shape[1] == 1:
+            ahead[i] = predictors.predict(i, ffn_norm(layer)(hidden).reshape(1, -1))
+
+    def mask(i, x, h):
+        chosen = ahead.pop(i) if i in ahead else predictors.predict(i, x)
+        return h * (chosen & (h.abs() > predictors.thresholds[i]))
+
+    handles = [layer.register_forward_pre_hook(lambda m, a, k, i=i: choose_ahead(i, m, a, k), with_kwargs=True)
+               for i, layer in enumerate(decoder_layers(reference))]
+    patched = copy.deepcopy(model)
+    runtime = flashllm_ext.patch_model(patched, path, mode="flash", predictors=predictors, window=3, lookahead=True)
+    prompt = torch.randint(3, 90, (1, 5), generator=torch.Generator().manual_seed(7))
+    with ffn_hooks(reference, mask):
+        want, got = reference(prompt, use_cache=True), patched(prompt, use_cache=True)
+        torch.testing.assert_close(got.logits, want.logits, rtol=1e-4, atol=1e-4)
+        for step in range(6):
+            token = want.logits[:, -1:].argmax(-1)
+            want = reference(token, past_key_values=want.past_key_values, use_cache=True)
+            got = patched(token, past_key_values=got.past_key_values, use_cache=True)
+            torch.testing.assert_close(got.logits, want.logits, rtol=1e-4, atol=1e-4)
+    for handle in handles:
+        handle.remove()
+    stats = patched.flash_stats()
+    assert stats["hidden_io_ms"] > 0 and stats["predictor_ms"] > 0
+    runtime.unpatch(patched)
+    assert all(not layer._forward_pre_hooks for layer in decoder_layers(patched))

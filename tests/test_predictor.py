@@ -74,6 +74,23 @@ def test_capture_matches_manual_forward_llama(llama):
     assert set(cap.scores) == {1}
 
 
+def test_capture_lookahead_inputs_are_the_normed_layer_inputs(llama):
+    """lookahead=True: the inputs are post_attention_layernorm(the decoder layer's input), the sets the true ones."""
+    ids = _ids(24, 2)
+    thresholds = torch.tensor([0.01, 0.02, 0.03])
+    ffn = capture_activations(llama, ids, thresholds, window=24, progress=False)
+    ahead = capture_activations(llama, ids, thresholds, window=24, progress=False, lookahead=True)
+    with torch.no_grad():
+        hidden = llama(ids.unsqueeze(0), output_hidden_states=True).hidden_states
+    for i, layer in enumerate(llama.model.layers):
+        with torch.no_grad():
+            want = layer.post_attention_layernorm(hidden[i][0]).half()
+        torch.testing.assert_close(ahead.inputs[i], want, rtol=2e-3, atol=2e-3)
+        assert not torch.allclose(ahead.inputs[i], ffn.inputs[i], atol=1e-2)  # attention moved the FFN input
+        assert torch.equal(ahead.bitmaps[i], ffn.bitmaps[i])
+    assert not any(layer._forward_pre_hooks for layer in llama.model.layers)
+
+
 def test_opt_relu_exact_zeros(opt):
     ids = _ids(32, 3)
     thresholds = calibrate_thresholds(opt, ids, 0.2, window=32, progress=False)

@@ -28,6 +28,17 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList | None:
     return layers
 
 
+def ffn_norm(layer: nn.Module) -> nn.Module:
+    """The norm a decoder layer applies to its residual stream before its FFN (Llama's post_attention_layernorm,
+    OPT's final_layer_norm; Identity for an OPT that normalises after the FFN instead), so that norm(the layer's
+    input) is the FFN input the layer would see if attention added nothing: what a look-ahead predictor scores."""
+    if hasattr(layer, "post_attention_layernorm"):
+        return layer.post_attention_layernorm
+    if hasattr(layer, "final_layer_norm"):
+        return layer.final_layer_norm if getattr(layer, "do_layer_norm_before", True) else nn.Identity()
+    raise ValueError(f"{type(layer).__name__}: no post_attention_layernorm (Llama) or final_layer_norm (OPT)")
+
+
 def load_hf_model(path: str | os.PathLike | None = None,
                   state_dict: Mapping[str, torch.Tensor] | None = None):
     """(model, tokenizer) loaded offline by `transformers` from a GGUF file (default: the default model).
