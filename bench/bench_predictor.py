@@ -15,7 +15,8 @@
    does not exist, so it has no FlashFFN row.
 3. Through FlashFFN (rows bench:"flash"): per method, at its smallest swept density with perplexity <= 1.05x dense,
    the default model's fp16 store served in flash mode at a 50% DRAM budget decodes --decode-tokens held-out tokens
-   one at a time: bytes read per token after the first `window` tokens, predictor and FFN compute ms per token.
+   one at a time: bytes read per token after the first `window` tokens, predictor and FFN compute ms per token, the
+   decoded tokens' perplexity against dense decoding (with --lookahead: also with the engine's look-ahead).
 4. Figure: perplexity vs loaded density per method with the oracle frontier, bench/results/predictor_methods.png.
 
     python bench/bench_predictor.py [--json] [--methods quant,teal,lowrank-reg,lowrank,oracle] [--densities ...]
@@ -23,6 +24,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 
@@ -93,31 +95,52 @@ def method_sweep(model, calibration, heldout, built, inputs, args, ffn_bytes: in
     return rows
 
 
-def flash_path(predictors, store_dir, args) -> dict:
+def flash_path(predictors, store_dir, args, lookahead: bool = False) -> dict:
     """Decode held-out tokens one at a time with the model built from the store by load_flash (flash mode, 50%
-    DRAM budget, fp16 resident tensors) and `predictors`: bytes read per token after the first window+1 tokens,
-    predictor and compute time per token."""
+    DRAM budget, fp16 resident tensors) and `predictors` (lookahead: load_flash's look-ahead, each token's sets
+    chosen before attention): bytes read per token after the first window+1 tokens, predictor and compute time per
+    token, and the perplexity of the decoded tokens against dense decoding of the same tokens (dense_decode_nll)."""
     from flashllm_ext import load_flash
 
     predictors.reset()
-    model = load_flash(store_dir, "50%", mode="flash", predictors=predictors, window=args.window)
+    model = load_flash(store_dir, "50%", mode="flash", predictors=predictors, window=args.window, lookahead=lookahead)
     runtime = model.flash
     try:
-        ids = args.heldout[:args.decode_tokens].unsqueeze(0)
-        with torch.inference_mode():
-            past = None
-            for t in range(ids.shape[1]):
-                if t == args.window + 1:  # the window is full: what follows is the steady state
-                    runtime.stats.reset()
-                past = model(ids[:, t:t + 1], past_key_values=past, use_cache=True).past_key_values
+        nll = decode_nll(model, args.heldout[:args.decode_tokens], lambda t: t == args.window + 1 and
+                         runtime.stats.reset())  # the window is full: what follows is the steady state
         stats = runtime.flash_stats()
         loaded = runtime.stats.needed / max(1, runtime.stats.tokens * runtime.store.n_neurons)
     finally:
         runtime.close()
-    return {"bench": "flash", "loaded_density": loaded, "bytes_per_token": stats["bytes_per_token"],
+    dense = dense_decode_nll(store_dir, args)
+    return {"bench": "flash", "lookahead": lookahead, "loaded_density": loaded,
+            "bytes_per_token": stats["bytes_per_token"],
             "predictor_ms": stats["predictor_ms"], "compute_ms": stats["compute_ms"],
             "predictor_vs_compute": stats["predictor_ms"] / max(stats["compute_ms"], 1e-9),
-            "hit_rate": stats["hit_rate"], "predictor_bytes": stats["predictor_bytes"], "tokens": stats["tokens"]}
+            "hit_rate": stats["hit_rate"], "predictor_bytes": stats["predictor_bytes"], "tokens": stats["tokens"],
+            "ppl_decode": math.exp(nll), "ppl_decode_vs_dense": math.exp(nll - dense)}
+
+
+@torch.inference_mode()
+def decode_nll(model, ids: torch.Tensor, before_token=lambda t: None) -> float:
+    """Mean next-token NLL of ids [T] fed one token at a time through the KV cache (the path generation takes,
+    where the engine's per-token work such as look-ahead runs); before_token(t) is called before token t."""
+    past, total = None, 0.0
+    for t in range(ids.numel() - 1):
+        before_token(t)
+        out = model(ids[t:t + 1].unsqueeze(0), past_key_values=past, use_cache=True)
+        past = out.past_key_values
+        total += torch.nn.functional.cross_entropy(out.logits[0, -1:].float(), ids[t + 1:t + 2]).item()
+    return total / (ids.numel() - 1)
+
+
+def dense_decode_nll(store_dir, args) -> float:
+    """decode_nll of the store's dense model (fp16, everything in memory) on the flash rows' tokens (once)."""
+    if getattr(args, "dense_nll", None) is None:
+        from flashllm_ext import load_flash
+
+        args.dense_nll = decode_nll(load_flash(store_dir, None, mode="dense"), args.heldout[:args.decode_tokens])
+    return args.dense_nll
 
 
 def plot_methods(rows: list[dict], path: str) -> None:
@@ -158,6 +181,8 @@ def main() -> None:
     parser.add_argument("--sweep-targets", default="0.5,0.6,0.7,0.8,0.9")
     parser.add_argument("--no-sweep", action="store_true", help="skip the threshold sweep")
     parser.add_argument("--no-flash", action="store_true", help="skip the FlashFFN decode")
+    parser.add_argument("--lookahead", action="store_true", help="each FlashFFN decode also with the engine's "
+                        "look-ahead (sets chosen before attention), its perplexity against dense decoding")
     parser.add_argument("--flash-densities", default=None,
                         help="only the FlashFFN decode, at these densities for every method (no method sweep)")
     parser.add_argument("--plot", nargs="+", metavar="JSONL", default=None,
@@ -209,8 +234,9 @@ def main() -> None:
         for density in densities:
             built[spec].set_density(inputs, density)
             built[spec].thresholds.zero_()
-            emit([{**flash_path(built[spec], store_dir, args), "method": spec, "target_density": density,
-                   "memory_frac": built[spec].memory_bytes / ffn_bytes}], args.json)
+            for lookahead in (False, True) if args.lookahead else (False,):
+                emit([{**flash_path(built[spec], store_dir, args, lookahead), "method": spec,
+                       "target_density": density, "memory_frac": built[spec].memory_bytes / ffn_bytes}], args.json)
 
 
 if __name__ == "__main__":

@@ -168,8 +168,11 @@ def _run(args: argparse.Namespace) -> int:
         device = cuda_device(args.device)
     except ValueError as e:
         raise SystemExit(f"flashllm run: {e}") from None
-    model = load_flash(args.store, dram_budget=None if args.mode == "dense" else args.budget, mode=args.mode,
-                       window=args.window, device=device)
+    try:
+        model = load_flash(args.store, dram_budget=None if args.mode == "dense" else args.budget, mode=args.mode,
+                           window=args.window, device=device, lookahead=args.lookahead)
+    except ValueError as e:  # a budget below the minimum, a store without predictors, a mode that cannot look ahead
+        raise SystemExit(f"flashllm run: {e}") from None
     return _generate(args, model, model.flash_stats if model.flash is not None else None)
 
 
@@ -216,6 +219,8 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     run.add_argument("--budget", default="50%", help="DRAM budget: bytes, a share of the model like 50%%, or 200MB")
     run.add_argument("--window", type=int, default=5, help="tokens whose active neurons stay cached (flash)")
     run.add_argument("--tokens", type=int, default=32, help="tokens to generate")
+    run.add_argument("--lookahead", action="store_true", help="flash/exact: choose each layer's FFN set before its "
+                     "attention and read it during the attention (faster, predicts from an earlier input)")
     run.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     run.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                      help="where the model and the neuron caches live (cuda: the GPU, reads staged through pinned "

@@ -256,6 +256,10 @@ def test_lookahead_exact_mode_generates_the_tokens_of_transformers(models, name)
     assert torch.equal(_greedy(flash, prompt, 12), _greedy(model, prompt, 12))
     with pytest.raises(ValueError, match="lookahead needs a neuron cache"):
         flashllm_ext.load_flash(path, dram_budget="85%", mode="naive", lookahead=True)
+    from flashllm_ext import cli
+
+    with pytest.raises(SystemExit, match="flashllm run: lookahead needs a neuron cache"):
+        cli.main(["run", str(path), "--tokenizer", str(path), "--mode", "hybrid", "--lookahead"])
 
 
 @pytest.mark.parametrize("name", ["llama", "opt"])
