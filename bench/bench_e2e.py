@@ -174,11 +174,13 @@ def _load(config: dict):
     if config.get("scale") and mode.startswith("flash"):  # the tiled sets of the default model, replayed
         store, at = FlashStore(config["store"]), [0]
         n_tokens = len(config["prompt_ids"]) + config["tokens"] + 1
-        masks = scale_masks(config, n_tokens, store.n_layers, store.n_neurons)
+        masks = scale_masks(config, n_tokens, store.n_layers, store.n_neurons, ahead=False)
+        ahead = (scale_masks(config, n_tokens, store.n_layers, store.n_neurons, ahead=True)
+                 if config.get("lookahead") else None)
         cost = scale_cost_predictor(config["predictors"], store) if config.get("predictors") else None
-        predictors = ReplayedSets(masks, at, store.hidden_size, cost)
+        predictors = ReplayedSets(masks, at, store.hidden_size, cost, ahead)
         model = flashllm_ext.load_flash(config["store"], budget, mode="flash", predictors=predictors,
-                                        lookahead=config.get("lookahead", False))
+                                        lookahead=config.get("lookahead"))
         # The sets of the tokens at the positions this forward computes: after the cached ones.
         model.register_forward_pre_hook(partial(_track_position, at), with_kwargs=True)
         return model, model.flash.stats.reset
@@ -343,7 +345,7 @@ def bar_label(row: dict) -> str:
         method = row["predictor"].split()[1] if row.get("predictor") else None
         name += f" ({row['operating_point'][0]}{', ' + method if method else ''})"
     if row.get("lookahead"):
-        name += " +ahead"
+        name += f" +{row['lookahead']}"
     return f"{name}\n{row['budget_mb']:.0f} MB" if row.get("budget_mb") else name
 
 
@@ -392,11 +394,15 @@ class ReplayedSets(NeuronPredictor):
 
     cost: a predictor of the method that chose the sets, at the large model's shapes (`scale_cost_predictor`): its
     memory is what this one holds (charged to the budget by the engine) and it scores every input (its answer
-    discarded), so a row pays what a real predictor would at that size. Without one (the oracle), nothing."""
+    discarded), so a row pays what a real predictor would at that size. Without one (the oracle), nothing.
+    ahead_masks: the sets the predictors choose from the look-ahead input, replayed by predict_ahead (the engine's
+    prefetch, load_flash(lookahead=...)); without them, predict's."""
 
-    def __init__(self, masks: torch.Tensor, at: list[int], hidden_size: int, cost: NeuronPredictor | None = None):
+    def __init__(self, masks: torch.Tensor, at: list[int], hidden_size: int, cost: NeuronPredictor | None = None,
+                 ahead_masks: torch.Tensor | None = None):
         super().__init__(masks.shape[1], hidden_size, masks.shape[2])  # thresholds 0 (ReLU: exact zeros only)
         self.masks, self.at, self.cost = masks, at, cost
+        self.ahead_masks = masks if ahead_masks is None else ahead_masks
 
     @property
     def memory_bytes(self) -> int:
@@ -406,6 +412,11 @@ class ReplayedSets(NeuronPredictor):
         if self.cost is not None:
             self.cost.scores(layer, x)
         return self.masks[self.at[0]:self.at[0] + x.shape[0], layer]
+
+    def predict_ahead(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        if self.cost is not None:
+            self.cost.scores(layer, x)
+        return self.ahead_masks[self.at[0]:self.at[0] + x.shape[0], layer]
 
 
 def scale_cost_predictor(predictors_path: str, store) -> NeuronPredictor:
@@ -433,23 +444,26 @@ def scale_cost_predictor(predictors_path: str, store) -> NeuronPredictor:
     return cost.eval()
 
 
-def scale_masks(config: dict, n_tokens: int, n_layers: int, n_neurons: int) -> torch.Tensor:
+def scale_masks(config: dict, n_tokens: int, n_layers: int, n_neurons: int, ahead: bool | None = None
+                ) -> torch.Tensor:
     """bool [n_tokens, n_layers, n_neurons]: `default_model_sets` tiled onto the large layers (bench/traces.py)."""
     from traces import tile_masks
 
-    return tile_masks(default_model_sets(config, n_tokens), n_layers, n_neurons)
+    return tile_masks(default_model_sets(config, n_tokens, ahead), n_layers, n_neurons)
 
 
-def default_model_sets(config: dict, n_tokens: int) -> torch.Tensor:
+def default_model_sets(config: dict, n_tokens: int, ahead: bool | None = None) -> torch.Tensor:
     """bool [n_tokens, 30, 1536]: the true sets of the default model at the threshold sparsity (flash-oracle), or
-    the sets its predictors choose on the same held-out tokens (flash). Computed by the parent (it loads the default
-    model, which a limited child has no room for), cached by bench/traces.py for at least 64 tokens, so that runs of
-    a few tokens share one cached trace (a prefix of it)."""
+    the sets its predictors choose on the same held-out tokens (flash): from the FFN inputs, or from the look-ahead
+    inputs if `ahead` (default: whether the configuration computes those, lookahead "ahead"). Computed by the
+    parent (it loads the default model, which a limited child has no room for), cached by bench/traces.py for at
+    least 64 tokens, so that runs of a few tokens share one cached trace (a prefix of it)."""
     from traces import default_model_masks, predicted_masks
 
+    ahead = config.get("lookahead") == "ahead" if ahead is None else ahead
     n = max(n_tokens, 64)
     small = default_model_masks(n, config["sparsity"], progress=False) if config["mode"] == "flash-oracle" else \
-        predicted_masks(Path(config["predictors"]), n, lookahead=config.get("lookahead", False))
+        predicted_masks(Path(config["predictors"]), n, lookahead=ahead)
     return small[:n_tokens]
 
 
@@ -568,8 +582,8 @@ def run_scale(args) -> list[dict]:
                                 "budget_bytes": model_budget - resident, "tokens": args.tokens})
             if args.full or args.full_only:
                 configs.append(whole)
-                if args.lookahead and mode == "flash":
-                    configs.append({**whole, "lookahead": True})
+                if mode == "flash":
+                    configs += [{**whole, "lookahead": how} for how in args.lookahead.split(",") if how]
     for config in configs:  # the sets, computed here: the children are limited to the budget
         if config["mode"].startswith("flash"):
             n_tokens = len(config.get("prompt_ids", ())) + config["tokens"] + 1
@@ -583,7 +597,7 @@ def run_scale(args) -> list[dict]:
         row = {"model": config["model"], "mode": config["mode"], "budget_mb": config["budget_bytes"] / 1e6,
                **(child_rows[0] if child_rows else {"error": "the child printed no row"}),
                **facts, "operating_point": config["operating_point"], "predictor": config["predictor"],
-               "recall": config.get("recall"), "lookahead": config.get("lookahead", False), "round": round_index,
+               "recall": config.get("recall"), "lookahead": config.get("lookahead"), "round": round_index,
                "budget_spec": args.budget, "model_budget_mb": config["model_budget_mb"],
                "resident_mb": config["resident_mb"], "baseline_mb": config["baseline"] / 1e6,
                "prompt_tokens": len(config.get("prompt_ids", ())), "prompt_note": config.get("prompt_note")}
@@ -766,8 +780,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--full-only", action="store_true",
                         help="--scale: whole-model rows only (load_flash; the accelerate peer on the checkpoint)")
     parser.add_argument("--full-tokens", type=int, default=4, help="--scale --full: greedy decode tokens")
-    parser.add_argument("--lookahead", action="store_true", help="--scale --full: each whole-model flash row also "
-                        "with look-ahead (load_flash(lookahead=True), the sets its predictors choose ahead)")
+    parser.add_argument("--lookahead", default="", help="--scale --full: each whole-model flash row also with "
+                        "these look-ahead modes (ahead,prefetch: load_flash(lookahead=...))")
     parser.set_defaults(rounds=3)
     args = parser.parse_args(argv)
     if args.child:

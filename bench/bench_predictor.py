@@ -95,7 +95,7 @@ def method_sweep(model, calibration, heldout, built, inputs, args, ffn_bytes: in
     return rows
 
 
-def flash_path(predictors, store_dir, args, lookahead: bool = False) -> dict:
+def flash_path(predictors, store_dir, args, lookahead: str | None = None) -> dict:
     """Decode held-out tokens one at a time with the model built from the store by load_flash (flash mode, 50%
     DRAM budget, fp16 resident tensors) and `predictors` (lookahead: load_flash's look-ahead, each token's sets
     chosen before attention): bytes read per token after the first window+1 tokens, predictor and compute time per
@@ -181,8 +181,8 @@ def main() -> None:
     parser.add_argument("--sweep-targets", default="0.5,0.6,0.7,0.8,0.9")
     parser.add_argument("--no-sweep", action="store_true", help="skip the threshold sweep")
     parser.add_argument("--no-flash", action="store_true", help="skip the FlashFFN decode")
-    parser.add_argument("--lookahead", action="store_true", help="each FlashFFN decode also with the engine's "
-                        "look-ahead (sets chosen before attention), its perplexity against dense decoding")
+    parser.add_argument("--lookahead", default="", help="each FlashFFN decode also with these look-ahead modes of "
+                        "the engine (ahead,prefetch: sets chosen before attention), perplexity against dense decoding")
     parser.add_argument("--flash-densities", default=None,
                         help="only the FlashFFN decode, at these densities for every method (no method sweep)")
     parser.add_argument("--plot", nargs="+", metavar="JSONL", default=None,
@@ -234,7 +234,7 @@ def main() -> None:
         for density in densities:
             built[spec].set_density(inputs, density)
             built[spec].thresholds.zero_()
-            for lookahead in (False, True) if args.lookahead else (False,):
+            for lookahead in [None] + [how for how in args.lookahead.split(",") if how]:
                 emit([{**flash_path(built[spec], store_dir, args, lookahead), "method": spec,
                        "target_density": density, "memory_frac": built[spec].memory_bytes / ffn_bytes}], args.json)
 

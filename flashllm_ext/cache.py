@@ -153,22 +153,29 @@ class NeuronCache:
         out of range or more distinct ids than the capacity."""
         return self.begin_step(active_ids).finish()
 
-    def begin_step(self, active_ids: torch.Tensor, background: bool = False) -> PendingStep:
+    def begin_step(self, active_ids: torch.Tensor, background: bool = False, same_token: bool = False
+                   ) -> PendingStep:
         """The first half of `step`: plan, evict (swap-delete) and start reading the missing bundles, in a reader
         thread if `background`. Until `finish()`, rows [0, num_used) hold the neurons that were already cached
-        (their slot_of is valid; the missing ids still map to -1), so work on them overlaps the reads."""
+        (their slot_of is valid; the missing ids still map to -1), so work on them overlaps the reads.
+        same_token: a second step for the token of the last one (which read a set chosen ahead; this one the set
+        the token needs): the window does not move, and the last step's neurons outside `active_ids` count as the
+        previous token's, so they leave first when the budget is short."""
         if not isinstance(active_ids, torch.Tensor) or active_ids.dtype != torch.int64 or active_ids.dim() != 1:
             raise ValueError("active_ids must be a 1-D int64 tensor")
         if active_ids.device.type != "cpu":
             raise ValueError(f"active_ids must be on the CPU, got {active_ids.device}")
         t0 = time.perf_counter()
+        step = self.steps if same_token else self.steps + 1
+        if same_token and self.steps:
+            self._spare_last_step(active_ids)
         try:
             n_window, n_budget, n_missing = ops.cache_plan(
                 active_ids, self.last_active, self.slot_of, self.pointer, self._evict_rows, self._missing,
-                num_used=self.num_used, step=self.steps + 1, window=self.window)
+                num_used=self.num_used, step=step, window=self.window)
         except RuntimeError as e:
             raise ValueError(str(e)) from None
-        self.steps += 1
+        self.steps = step
         evict = self._evict_rows[:n_window + n_budget]
         if self.transfer.staged:  # the mirror first (host), then the same moves on the device, queued
             kept = ops.cache_compact(self._mirror_rows, self.pointer, evict, num_used=self.num_used,
@@ -190,6 +197,17 @@ class NeuronCache:
             read = self.reader.read_async(self.layer, ids, out) if background else self.reader.read(self.layer, ids,
                                                                                                       out)
         return PendingStep(self, n_window, n_budget, ids, read, mem_s)
+
+    def _spare_last_step(self, active_ids: torch.Tensor) -> None:
+        """Mark the cached neurons of the last step that are not in active_ids as active one step earlier."""
+        n = self.store.n_neurons
+        if active_ids.numel() and not (0 <= int(active_ids.min()) and int(active_ids.max()) < n):
+            raise ValueError(f"active_ids must be in [0, n_neurons={n})")
+        cached = self.pointer[:self.num_used]
+        wanted = torch.zeros(n, dtype=torch.bool)
+        wanted[active_ids] = True
+        spare = cached[(self.last_active[cached] == self.steps) & ~wanted[cached]]
+        self.last_active[spare] = self.steps - 1
 
     def _record(self, ids: torch.Tensor, staged: torch.Tensor | None) -> None:
         """Append the neurons whose bundles were just read (into `staged` host rows, when the cache is on a device;

@@ -219,8 +219,9 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     run.add_argument("--budget", default="50%", help="DRAM budget: bytes, a share of the model like 50%%, or 200MB")
     run.add_argument("--window", type=int, default=5, help="tokens whose active neurons stay cached (flash)")
     run.add_argument("--tokens", type=int, default=32, help="tokens to generate")
-    run.add_argument("--lookahead", action="store_true", help="flash/exact: choose each layer's FFN set before its "
-                     "attention and read it during the attention (faster, predicts from an earlier input)")
+    run.add_argument("--lookahead", choices=("ahead", "prefetch"), help="flash/exact: choose a set for each layer's "
+                     "FFN before its attention and read it during the attention; ahead: compute that set (faster, "
+                     "predicted from an earlier input); prefetch: compute the FFN's own set as without look-ahead")
     run.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     run.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                      help="where the model and the neuron caches live (cuda: the GPU, reads staged through pinned "

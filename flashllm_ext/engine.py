@@ -31,7 +31,7 @@ from functools import partial
 import torch
 from torch import nn
 
-from .ffn import FFNStats, FlashFFN, StreamingFFN, ffn_slots, set_ffn
+from .ffn import LOOKAHEAD_MODES, FFNStats, FlashFFN, StreamingFFN, ffn_slots, set_ffn
 from .linear import use_half_linears
 from .models.hf import ffn_norm
 from .reader import DEFAULT_MAX_READ, FlashReader
@@ -160,17 +160,21 @@ def _check_model_matches(model: nn.Module, store: FlashStore,
 
 def _install(model: nn.Module, store: FlashStore, mode: str, budget_bytes: int | None, window: int,
              predictors: nn.Module | None, threads: int, keep_originals: bool,
-             device: torch.device, reader_options: dict | None = None, lookahead: bool = False) -> FlashRuntime:
+             device: torch.device, reader_options: dict | None = None, lookahead: str | None = None
+             ) -> FlashRuntime:
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if mode == "dense":
         raise ValueError("dense mode keeps the model's own FFNs: nothing to install")
+    if lookahead is not None and lookahead not in LOOKAHEAD_MODES:
+        raise ValueError(f"lookahead must be None or one of {LOOKAHEAD_MODES}, got {lookahead!r}")
     if lookahead and mode not in ("flash", "exact"):
         raise ValueError(f"lookahead needs a neuron cache (flash or exact mode), not {mode} mode")
     slots = ffn_slots(model)
     _check_model_matches(model, store, slots)
     runtime = ffn_stack(store, mode, budget_bytes, window=window, predictors=predictors, threads=threads,
-                        resident_bytes=_resident_bytes(model), device=device, reader_options=reader_options)
+                        resident_bytes=_resident_bytes(model), device=device, reader_options=reader_options,
+                        lookahead=lookahead or "ahead")
     if keep_originals:
         runtime.originals = [(layer, dict(mods)) for layer, mods in slots]
     for (layer, _), module in zip(slots, runtime.modules):
@@ -192,7 +196,7 @@ def _look_ahead(ffn: FlashFFN, norm: nn.Module, _layer: nn.Module, args: tuple, 
 
 
 def _make_modules(store: FlashStore, mode: str, ffn_budget: int | None, window: int, predictors, reader, stats,
-                  budget_bytes, fixed_bytes, transfer: Transfer) -> tuple[list[nn.Module], int]:
+                  budget_bytes, fixed_bytes, transfer: Transfer, lookahead: str) -> tuple[list[nn.Module], int]:
     n_layers, n, row = store.n_layers, store.n_neurons, store.row_bytes
 
     def too_small(need: int) -> ValueError:
@@ -208,10 +212,13 @@ def _make_modules(store: FlashStore, mode: str, ffn_budget: int | None, window: 
         if per_layer is not None and per_layer < fixed + per_row:
             raise too_small(n_layers * (fixed + per_row))
         flash = mode == "flash"
+        # (a predictor may choose its sets ahead its own way: bench_e2e's replayed sets)
+        ahead = getattr(predictors, "predict_ahead", None) if flash else None
         modules = [FlashFFN(store, i, predictor=partial(predictors.predict, i) if flash else None,
                             threshold=float(predictors.thresholds[i]) if flash else 0.0, budget_bytes=per_layer,
                             capacity=None if per_layer else n, window=window, reader=reader, stats=stats,
-                            transfer=transfer)
+                            transfer=transfer, lookahead=lookahead,
+                            ahead_predictor=None if ahead is None else partial(ahead, i))
                    for i in range(n_layers)]
         return modules, sum(m.nbytes for m in modules) + transfer.nbytes
     # naive / hybrid: a staging buffer for the streamed bundles, shared by every layer, plus resident bundles.
@@ -257,12 +264,14 @@ def _bounded_reader_options(store: FlashStore, budget_bytes: int | None, taken: 
 
 def ffn_stack(store: FlashStore, mode: str, budget_bytes: int | None, *, window: int = 5, predictors=None,
               threads: int = 32, resident_bytes: int = 0, device: str | torch.device = "cpu",
-              transfer: Transfer | None = None, reader_options: dict | None = None) -> FlashRuntime:
+              transfer: Transfer | None = None, reader_options: dict | None = None, lookahead: str = "ahead"
+              ) -> FlashRuntime:
     """Every FFN layer of `store` served by `mode` within `budget_bytes`, of which `resident_bytes` are already
     taken (a model's own tensors; 0 for a bare stack): runtime.modules[i](x) computes layer i of x [T, d]. The
     builder behind load_flash and patch_model, and alone for FFN-only benchmarks at scales no checkpoint here has.
     device: where the FFN state lives ("cuda": the GPU; predictors are moved there); transfer: the one that places
-    it (default make_transfer(device); tests pass a StagedTransfer on the CPU)."""
+    it (default make_transfer(device); tests pass a StagedTransfer on the CPU). lookahead: what a FlashFFN's
+    forward does after its prefetch (LOOKAHEAD_MODES; the prefetch is the caller's, as load_flash's hooks)."""
     if mode not in MODES or mode == "dense":
         raise ValueError(f"mode must be one of {MODES[1:]}, got {mode!r}")
     predictor_bytes = 0
@@ -288,7 +297,7 @@ def ffn_stack(store: FlashStore, mode: str, budget_bytes: int | None, *, window:
     ffn_budget = None if budget_bytes is None else budget_bytes - fixed
     try:
         modules, ffn_bytes = _make_modules(store, mode, ffn_budget, window, predictors, reader, stats, budget_bytes,
-                                           fixed, transfer)
+                                           fixed, transfer, lookahead)
         ffn_bytes += reader.buffer_bound()
     except BaseException:
         reader.close()
@@ -317,7 +326,7 @@ def _load_predictors(store: FlashStore, predictors, mode: str):
 
 def patch_model(model: nn.Module, store: FlashStore | str | os.PathLike, *, mode: str = "flash",
                 dram_budget: int | float | str | None = None, window: int = 5, predictors=None,
-                threads: int = 32, lookahead: bool = False) -> FlashRuntime:
+                threads: int = 32, lookahead: str | None = None) -> FlashRuntime:
     """Serve the FFNs of an already loaded Llama-family or OPT model from `store` (converted from the same
     checkpoint). The original FFN modules are kept for `unpatch` (so they still occupy memory: for a real budget
     use load_flash). dram_budget (default: none) bounds what the engine accounts, as in load_flash. The FFNs go on
@@ -336,7 +345,7 @@ def patch_model(model: nn.Module, store: FlashStore | str | os.PathLike, *, mode
 def load_flash(store_dir: str | os.PathLike, dram_budget: int | float | str | None = "50%", *,
                mode: str = "flash", window: int = 5, predictors=None, dtype: torch.dtype | None = None,
                threads: int = 32, device: str | torch.device = "cpu", reader_options: dict | None = None,
-               lookahead: bool = False) -> nn.Module:
+               lookahead: str | None = None) -> nn.Module:
     """A Hugging Face causal LM built from a flash store, its FFNs served by `mode` within `dram_budget` (bytes,
     "50%" of the model, or "200MB"; None: no limit). Only resident tensors are materialised (in `dtype`, default
     the store's); in dense
@@ -345,10 +354,12 @@ def load_flash(store_dir: str | os.PathLike, dram_budget: int | float | str | No
     caches included, on the GPU; ValueError when CUDA is not available). threads and reader_options (e.g.
     {"max_gap": 0, "min_read": 0}): the FlashReader's. The model's half-precision nn.Linear layers become
     HalfLinear (flashllm_ext/linear.py: the native half_linear kernel on the CPU, F.linear elsewhere).
-    lookahead (flash / exact): each decode step's FFN set is chosen before the layer's attention, from the layer's
-    input through the FFN's norm, and its reads run during the attention (FlashFFN.prefetch, as DejaVu predicts
-    ahead); the FFN computes that set. It hides reads behind attention at the price of predicting from a slightly
-    earlier input (BENCHMARKS.md measures both)."""
+    lookahead (flash / exact; None: off): before each decoder layer's attention in a decode step, a set for its
+    FFN is chosen from the layer's input through the FFN's norm and its reads run during the attention
+    (FlashFFN.prefetch, as DejaVu predicts ahead). "ahead": the FFN computes that set (predicted from an input one
+    attention earlier: fewer exposed reads, lower recall); "prefetch": the FFN computes the set its predictor
+    chooses from its own input, as without look-ahead, and reads only what the prefetch missed (the same results,
+    a second predictor pass). BENCHMARKS.md measures both."""
     device = cuda_device(device)
     store = FlashStore(store_dir)
     dtype = dtype or store.dtype

@@ -41,6 +41,9 @@ from .store import FlashStore
 from .transfer import HostTransfer, Transfer
 
 PREFILL_PATHS = ("auto", "union", "sequential")
+# What a decode forward does with the set FlashFFN.prefetch chose ahead: "ahead" computes it (DejaVu); "prefetch"
+# only read it early, and the forward computes the set its predictor chooses from its own input (flash's results).
+LOOKAHEAD_MODES = ("ahead", "prefetch")
 # What a predictor returns for x [T, d]: a bool mask [T, n] (per-token active sets), or one set shared by every
 # token as int64 ids [k] or a bool mask [n].
 Predictor = Callable[[torch.Tensor], torch.Tensor]
@@ -85,7 +88,8 @@ class FFNStats:
     tokens: int = 0  # tokens the FFN ran on (per layer: a model's total is tokens / layers)
     steps: int = 0  # NeuronCache steps (flash) or streamed reads (naive/hybrid)
     needed: int = 0  # neurons the steps needed (a cache hit when already cached)
-    inserted: int = 0  # bundles read from flash
+    inserted: int = 0  # bundles read from flash for the sets the FFN computed
+    prefetched: int = 0  # bundles read ahead (lookahead="prefetch") before the FFN chose its own set
     bytes_read: int = 0
     bytes_requested: int = 0  # the bundles' own bytes (compressed for Endor): bytes_read less padding and gaps
     n_reads: int = 0  # read requests issued (after coalescing)
@@ -96,10 +100,14 @@ class FFNStats:
     predictor_s: float = 0.0
     compute_s: float = 0.0  # sparse_ffn and the output bias
 
-    def add_step(self, step: StepStats, needed: int) -> None:
+    def add_step(self, step: StepStats, needed: int, prefetch: bool = False) -> None:
+        """Count a cache step that needed `needed` neurons (a prefetch: none, its reads counted as prefetched)."""
         self.steps += 1
         self.needed += needed
-        self.inserted += step.inserted
+        if prefetch:
+            self.prefetched += step.inserted
+        else:
+            self.inserted += step.inserted
         self.bytes_read += step.bytes_read
         self.bytes_requested += step.bytes_requested
         self.n_reads += step.n_reads
@@ -114,7 +122,7 @@ class FFNStats:
 
     @property
     def hit_rate(self) -> float:
-        """Fraction of needed neurons that were already in DRAM."""
+        """Fraction of needed neurons that were already in DRAM (prefetched ones included)."""
         return 1.0 - self.inserted / self.needed if self.needed else 1.0
 
 
@@ -138,16 +146,22 @@ class FlashFFN(nn.Module):
     how several tokens with per-token sets read the layer ("union", "sequential" or "auto", see prefill_path). Input
     x [..., d] of any float dtype; computed in the store's dtype with float32 accumulation; output in x's dtype.
     device / transfer: where the cache rows live (NeuronCache's); x must be on that device, and the output is too.
+    lookahead / ahead_predictor: what a forward does after `prefetch` (LOOKAHEAD_MODES), and the predictor that
+    chooses the prefetched set (default: `predictor`).
     """
 
     def __init__(self, store: FlashStore | str | os.PathLike, layer: int, *, predictor: Predictor | None = None,
                  active_ids: torch.Tensor | None = None, threshold: float = 0.0, capacity: int | None = None,
                  budget_bytes: int | None = None, window: int = 5, reader: FlashReader | None = None,
                  stats: FFNStats | None = None, overlap: bool = True, device: str | torch.device | None = None,
-                 transfer: Transfer | None = None, prefill: str = "auto"):
+                 transfer: Transfer | None = None, prefill: str = "auto", lookahead: str = "ahead",
+                 ahead_predictor: Predictor | None = None):
         super().__init__()
         if prefill not in PREFILL_PATHS:
             raise ValueError(f"prefill must be one of {PREFILL_PATHS}, got {prefill!r}")
+        if lookahead not in LOOKAHEAD_MODES:
+            raise ValueError(f"lookahead must be one of {LOOKAHEAD_MODES}, got {lookahead!r}")
+        self.lookahead, self.ahead_predictor = lookahead, ahead_predictor
         self.prefill = prefill
         self.prefill_paths = {"union": 0, "sequential": 0}  # multi-token forwards per path taken
         self.store = store if isinstance(store, FlashStore) else FlashStore(store)
@@ -173,6 +187,7 @@ class FlashFFN(nn.Module):
         self.last_stats: list[StepStats] = []  # the cache steps of the last forward
         # prefetch's (set, its cache step begun, or None when the set exceeds the cache) for the next forward
         self._ahead: tuple[torch.Tensor, PendingStep | None] | None = None
+        self._same_token = False  # the next cache step is the second of a token (after its prefetched set)
 
     @property
     def nbytes(self) -> int:
@@ -187,14 +202,16 @@ class FlashFFN(nn.Module):
                                                staged=staged)
         return fixed + 4 * store.hidden_size, per_row
 
-    def _token_sets(self, flat: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """(per-token bool masks [T, n] or None when every token shares one set, the shared/union ids)."""
+    def _token_sets(self, flat: torch.Tensor, predictor: Predictor | None = None
+                    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """(per-token bool masks [T, n] or None when every token shares one set, the shared/union ids), chosen by
+        `predictor` (default: this FFN's)."""
         n = self.store.n_neurons
         if self.predictor is None:
             return None, self.fixed_ids
         start = self.cache.transfer.clock()
         # The cache plans on the host: the answer crosses once (on a GPU, the one wait of a layer's step).
-        selection = self.predictor(flat).cpu()
+        selection = (predictor or self.predictor)(flat).cpu()
         self.stats.predictor_s += self.cache.transfer.clock() - start
         if selection.dtype == torch.bool and selection.dim() == 2:
             if tuple(selection.shape) != (flat.shape[0], n):
@@ -203,38 +220,47 @@ class FlashFFN(nn.Module):
             return selection, active_ids_of(selection, n)
         return None, self.store.check_ids(active_ids_of(selection, n)).unique()
 
-    def _step(self, ids: torch.Tensor) -> None:
-        self._record_step(self.cache.step(ids), ids.numel())
+    def _begin(self, ids: torch.Tensor, background: bool = False) -> PendingStep:
+        """Begin the cache step of `ids`: the token's second step if its prefetched set was just read."""
+        same_token, self._same_token = self._same_token, False
+        return self.cache.begin_step(ids, background=background, same_token=same_token)
 
-    def _record_step(self, step: StepStats, needed: int) -> None:
+    def _step(self, ids: torch.Tensor) -> None:
+        self._record_step(self._begin(ids).finish(), ids.numel())
+
+    def _record_step(self, step: StepStats, needed: int, prefetch: bool = False) -> None:
         self.last_stats.append(step)
-        self.stats.add_step(step, needed)
+        self.stats.add_step(step, needed, prefetch)
 
     def prefetch(self, x: torch.Tensor) -> None:
         """Look ahead (as DejaVu does): choose the set of this layer's next forward of one token from x [1, d], an
         estimate of its input known before the layer's attention runs (the engine passes the FFN's norm of the
-        layer's input), and begin that set's cache step with the reads in a reader thread, so they overlap the
-        attention. That forward then computes exactly this set (its own input only meets the kernel's threshold).
-        Several tokens: nothing (a prompt forward chooses its sets itself)."""
+        layer's input), by `ahead_predictor` (default: the FFN's predictor), and begin that set's cache step with
+        the reads in a reader thread, so they overlap the attention. lookahead="ahead": that forward computes
+        exactly this set (its own input only meets the kernel's threshold); "prefetch": it computes the set its
+        predictor chooses from its own input, reading only what this step did not. Several tokens: nothing (a
+        prompt forward chooses its sets itself)."""
         flat = _check_input(x, self.store.hidden_size, self.cache.device)
         if flat.shape[0] != 1:
             return
         self._finish_ahead()  # a set chosen ahead that no forward took (that forward failed): land its reads
-        _, ids = self._token_sets(flat)
-        self._ahead = (ids, self.cache.begin_step(ids, background=True) if ids.numel() <= self.cache.capacity
-                       else None)
+        _, ids = self._token_sets(flat, self.ahead_predictor)
+        self._ahead = (ids, self._begin(ids, background=True) if ids.numel() <= self.cache.capacity else None)
 
-    def _finish_ahead(self) -> None:
+    def _finish_ahead(self) -> bool:
+        """Land the reads of a set chosen ahead (counted as prefetched); whether there were any."""
         ahead, self._ahead = self._ahead, None
-        if ahead is not None and ahead[1] is not None:
-            self._record_step(ahead[1].finish(), 0)
+        if ahead is None or ahead[1] is None:
+            return False
+        self._record_step(ahead[1].finish(), 0, prefetch=True)
+        return True
 
     def _step_overlapped(self, x: torch.Tensor, ids: torch.Tensor, out: torch.Tensor,
                          pending: PendingStep | None = None) -> None:
         """One token's step over its distinct neuron `ids` (begun already when `pending` is given), with the reads
         in flight while the FFN of the already-cached neurons is computed, then the FFN of the neurons just read:
         the same sum, in two parts."""
-        pending = pending if pending is not None else self.cache.begin_step(ids, background=True)
+        pending = pending if pending is not None else self._begin(ids, background=True)
         cached = self.cache.slot_of[ids] >= 0  # the missing ids map to -1 until finish()
         try:
             self._compute(x, ids[cached], out)
@@ -264,14 +290,15 @@ class FlashFFN(nn.Module):
         xs = flat.to(self.store.dtype).contiguous()
         out = torch.zeros(flat.shape, dtype=torch.float32, device=flat.device)
         self.last_stats = []
-        if self._ahead is not None and flat.shape[0] == 1:  # the set prefetch chose, its reads under way
-            (ids, pending), self._ahead = self._ahead, None
+        if self._ahead is not None and flat.shape[0] == 1 and self.lookahead == "ahead":  # compute the set chosen
+            (ids, pending), self._ahead = self._ahead, None                              # ahead, its reads under way
             if pending is None:
                 self._run_set(xs, ids, out)
             else:
                 self._step_overlapped(xs, ids, out, pending)
             return self._finish_forward(x, flat, out)
-        self._finish_ahead()
+        # lookahead="prefetch": the token's own set continues the step whose reads were begun ahead
+        self._same_token = self._finish_ahead() and flat.shape[0] == 1
         masks, union = self._token_sets(flat)
         if masks is None:  # one set for every token
             self._run_set(xs, union, out)
@@ -292,6 +319,7 @@ class FlashFFN(nn.Module):
         return self._finish_forward(x, flat, out)
 
     def _finish_forward(self, x: torch.Tensor, flat: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        self._same_token = False  # (an empty set began no step)
         self.stats.tokens += flat.shape[0]
         if self.out_bias is not None:
             out += self.out_bias

@@ -46,7 +46,8 @@ class CacheMachine(RuleBasedStateMachine):
         self.budget_pressure = False  # once the budget rule evicts, the cache may hold a subset of the union
 
     def union(self) -> set[int]:
-        return set().union(*self.history[-self.cache.window:]) if self.history else set()
+        step = len(self.history)
+        return {n for n, last in self.last.items() if last > step - self.cache.window}
 
     @rule(ids=st.lists(st.integers(0, N_NEURONS - 1), max_size=40))
     def step(self, ids):
@@ -81,6 +82,36 @@ class CacheMachine(RuleBasedStateMachine):
             kept_idle = [self.last[n] for n in after - active]
             assert not budget_evicted & active
             assert max(self.last[n] for n in budget_evicted) <= min(kept_idle, default=step)  # least recent first
+        assert active <= after <= self.union()
+        if not self.budget_pressure:
+            assert after == self.union()
+
+    @rule(ids=st.lists(st.integers(0, N_NEURONS - 1), max_size=40))
+    def same_token_step(self, ids):
+        """A second step for the last token (the engine's lookahead="prefetch": the set read ahead, then the set
+        the token needs): the window stays; the last step's other neurons count as the token before's."""
+        active = set(ids)
+        if not self.history or len(active) > self.cache.capacity:
+            return
+        step = len(self.history)
+        before = set(self.cache.cached_ids().tolist())
+        stats = self.cache.begin_step(torch.tensor(ids, dtype=torch.int64), same_token=True).finish()
+        for n in self.history[-1] - active:
+            if self.last[n] == step:
+                self.last[n] = step - 1
+        for n in active:
+            self.last[n] = step
+        self.history[-1] = active
+        after = set(self.cache.cached_ids().tolist())
+        assert self.cache.steps == step and stats.inserted == len(active - before)
+        left_window = {n for n in before if self.last[n] <= step - self.cache.window}
+        assert left_window <= before - after and stats.evicted == len(left_window)
+        budget_evicted = before - after - left_window
+        if budget_evicted:
+            self.budget_pressure = True
+            assert not budget_evicted & active
+            assert max(self.last[n] for n in budget_evicted) <= min((self.last[n] for n in after - active),
+                                                                    default=step)
         assert active <= after <= self.union()
         if not self.budget_pressure:
             assert after == self.union()

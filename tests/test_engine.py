@@ -252,14 +252,16 @@ def test_lookahead_exact_mode_generates_the_tokens_of_transformers(models, name)
     """Look-ahead only moves when the reads start: exact mode still computes every neuron, so dense's tokens."""
     model, path = models[name]
     prompt = torch.randint(3, 90, (1, 6), generator=torch.Generator().manual_seed(6))
-    flash = flashllm_ext.load_flash(path, dram_budget="85%", mode="exact", lookahead=True)
+    flash = flashllm_ext.load_flash(path, dram_budget="85%", mode="exact", lookahead="ahead")
     assert torch.equal(_greedy(flash, prompt, 12), _greedy(model, prompt, 12))
     with pytest.raises(ValueError, match="lookahead needs a neuron cache"):
-        flashllm_ext.load_flash(path, dram_budget="85%", mode="naive", lookahead=True)
+        flashllm_ext.load_flash(path, dram_budget="85%", mode="naive", lookahead="ahead")
+    with pytest.raises(ValueError, match="lookahead must be None or one of"):
+        flashllm_ext.load_flash(path, dram_budget="85%", mode="exact", lookahead="soon")
     from flashllm_ext import cli
 
     with pytest.raises(SystemExit, match="flashllm run: lookahead needs a neuron cache"):
-        cli.main(["run", str(path), "--tokenizer", str(path), "--mode", "hybrid", "--lookahead"])
+            cli.main(["run", str(path), "--tokenizer", str(path), "--mode", "hybrid", "--lookahead", "ahead"])
 
 
 @pytest.mark.parametrize("name", ["llama", "opt"])
@@ -290,7 +292,8 @@ def test_lookahead_computes_the_set_chosen_from_the_normed_layer_input(models, n
     handles = [layer.register_forward_pre_hook(lambda m, a, k, i=i: choose_ahead(i, m, a, k), with_kwargs=True)
                for i, layer in enumerate(decoder_layers(reference))]
     patched = copy.deepcopy(model)
-    runtime = flashllm_ext.patch_model(patched, path, mode="flash", predictors=predictors, window=3, lookahead=True)
+    runtime = flashllm_ext.patch_model(patched, path, mode="flash", predictors=predictors, window=3,
+                                       lookahead="ahead")
     prompt = torch.randint(3, 90, (1, 5), generator=torch.Generator().manual_seed(7))
     with ffn_hooks(reference, mask):
         want, got = reference(prompt, use_cache=True), patched(prompt, use_cache=True)
@@ -306,3 +309,29 @@ def test_lookahead_computes_the_set_chosen_from_the_normed_layer_input(models, n
     assert stats["hidden_io_ms"] > 0 and stats["predictor_ms"] > 0
     runtime.unpatch(patched)
     assert all(not layer._forward_pre_hooks for layer in decoder_layers(patched))
+
+
+@pytest.mark.parametrize("name", ["llama", "opt"])
+@torch.no_grad()
+def test_lookahead_prefetch_keeps_the_results_of_flash_mode(models, name):
+    """lookahead="prefetch": the set chosen ahead is only read early; every forward computes what flash mode
+    without look-ahead computes (same logits), reading fewer bundles itself (hit rate up), the rest prefetched."""
+    model, path = models[name]
+    s = store.FlashStore(path)
+    predictors = _random_predictors(model, s.n_layers, s.hidden_size, s.n_neurons, 0.5)
+    predictors.prob_thresholds.fill_(0.55)  # sets that fit the cache, windows that do not
+    prompt = torch.randint(3, 90, (1, 5), generator=torch.Generator().manual_seed(8))
+    runs = {}
+    for lookahead in (None, "prefetch"):
+        flash = flashllm_ext.load_flash(path, dram_budget="85%", mode="flash", predictors=predictors, window=2,
+                                        lookahead=lookahead)
+        out, logits = flash(prompt, use_cache=True), []
+        for _ in range(8):
+            out = flash(out.logits[:, -1:].argmax(-1), past_key_values=out.past_key_values, use_cache=True)
+            logits.append(out.logits)
+        runs[lookahead] = torch.cat(logits), flash.flash_stats(), flash.flash.stats
+        assert flash.flash_stats()["accounted_bytes"] <= flash.flash_stats()["budget_bytes"]
+    (plain, plain_stats, plain_raw), (ahead, ahead_stats, ahead_raw) = runs[None], runs["prefetch"]
+    torch.testing.assert_close(ahead, plain, rtol=1e-5, atol=1e-5)
+    assert ahead_raw.needed == plain_raw.needed and ahead_raw.prefetched > 0 and plain_raw.prefetched == 0
+    assert ahead_stats["hit_rate"] > plain_stats["hit_rate"] and ahead_stats["hidden_io_ms"] > 0
