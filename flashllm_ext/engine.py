@@ -175,7 +175,8 @@ def _install(model: nn.Module, store: FlashStore, mode: str, budget_bytes: int |
 
 
 def _make_modules(store: FlashStore, mode: str, ffn_budget: int | None, window: int, predictors, reader, stats,
-                  budget_bytes, fixed_bytes, transfer: Transfer) -> tuple[list[nn.Module], int]:
+                  budget_bytes, fixed_bytes, transfer: Transfer,
+                  ffn_class: type[FlashFFN] = FlashFFN) -> tuple[list[nn.Module], int]:
     n_layers, n, row = store.n_layers, store.n_neurons, store.row_bytes
 
     def too_small(need: int) -> ValueError:
@@ -191,7 +192,7 @@ def _make_modules(store: FlashStore, mode: str, ffn_budget: int | None, window: 
         if per_layer is not None and per_layer < fixed + per_row:
             raise too_small(n_layers * (fixed + per_row))
         flash = mode == "flash"
-        modules = [FlashFFN(store, i, predictor=partial(predictors.predict, i) if flash else None,
+        modules = [ffn_class(store, i, predictor=partial(predictors.predict, i) if flash else None,
                             threshold=float(predictors.thresholds[i]) if flash else 0.0, budget_bytes=per_layer,
                             capacity=None if per_layer else n, window=window, reader=reader, stats=stats,
                             transfer=transfer)
@@ -240,12 +241,14 @@ def _bounded_reader_options(store: FlashStore, budget_bytes: int | None, taken: 
 
 def ffn_stack(store: FlashStore, mode: str, budget_bytes: int | None, *, window: int = 5, predictors=None,
               threads: int = 32, resident_bytes: int = 0, device: str | torch.device = "cpu",
-              transfer: Transfer | None = None, reader_options: dict | None = None) -> FlashRuntime:
+              transfer: Transfer | None = None, reader_options: dict | None = None,
+              ffn_class: type[FlashFFN] = FlashFFN) -> FlashRuntime:
     """Every FFN layer of `store` served by `mode` within `budget_bytes`, of which `resident_bytes` are already
     taken (a model's own tensors; 0 for a bare stack): runtime.modules[i](x) computes layer i of x [T, d]. The
     builder behind load_flash and patch_model, and alone for FFN-only benchmarks at scales no checkpoint here has.
     device: where the FFN state lives ("cuda": the GPU; predictors are moved there); transfer: the one that places
-    it (default make_transfer(device); tests pass a StagedTransfer on the CPU)."""
+    it (default make_transfer(device); tests pass a StagedTransfer on the CPU). ffn_class: the flash / exact modes'
+    layer (a FlashFFN subclass: flashllm_ext.mlx's computes on mx.arrays over a flashllm_ext.mlx.MLXTransfer)."""
     if mode not in MODES or mode == "dense":
         raise ValueError(f"mode must be one of {MODES[1:]}, got {mode!r}")
     predictor_bytes = 0
@@ -271,7 +274,7 @@ def ffn_stack(store: FlashStore, mode: str, budget_bytes: int | None, *, window:
     ffn_budget = None if budget_bytes is None else budget_bytes - fixed
     try:
         modules, ffn_bytes = _make_modules(store, mode, ffn_budget, window, predictors, reader, stats, budget_bytes,
-                                           fixed, transfer)
+                                           fixed, transfer, ffn_class)
         ffn_bytes += reader.buffer_bound()
     except BaseException:
         reader.close()

@@ -238,8 +238,17 @@ class FlashFFN(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = _check_input(x, self.store.hidden_size, self.cache.device)
-        xs = flat.to(self.store.dtype).contiguous()
         out = torch.zeros(flat.shape, dtype=torch.float32, device=flat.device)
+        self._accumulate(flat, flat.to(self.store.dtype).contiguous(), out)
+        if self.out_bias is not None:
+            out += self.out_bias
+        return out.to(x.dtype).reshape(x.shape)
+
+    def _accumulate(self, flat: torch.Tensor | None, xs, out: torch.Tensor) -> None:
+        """out [T, d] float32 += the FFN (without the output bias) of the T tokens xs [T, d] in the store's dtype,
+        the per-token sets from the predictor on flat [T, d] (None without a predictor). xs is whatever `_compute`
+        computes on (a torch tensor here, an mx.array in flashllm_ext.mlx); the cache steps and planning are
+        torch on the host either way."""
         self.last_stats = []
         masks, union = self._token_sets(flat)
         if masks is None:  # one set for every token
@@ -258,10 +267,7 @@ class FlashFFN(nn.Module):
                 self._step(group_union)
                 for t in range(first, last):
                     self._compute(xs[t:t + 1], masks[t].nonzero().flatten(), out[t:t + 1])
-        self.stats.tokens += flat.shape[0]
-        if self.out_bias is not None:
-            out += self.out_bias
-        return out.to(x.dtype).reshape(x.shape)
+        self.stats.tokens += out.shape[0]
 
     def _record_prefill(self, path: str) -> str:
         self.prefill_paths[path] += 1
