@@ -3,7 +3,8 @@ model's fp16 store, in one process: greedy decode milliseconds per token in each
 per-token breakdown (I/O, memory management, predictor, FFN compute), bytes read and whether the tokens equal the
 torch engine's dense ones. The four models run round-robin (the order rotated every round) and each figure is the
 median over the rounds. Where MLX runs on the CPU (Linux: mlx[cpu]) this measures the same engine on a different
-array library, not Apple Silicon.
+array library, not Apple Silicon. A second table times the largest resident product, the LM head's GEMV
+(49152 x 576, one token), on both libraries in fp16 and fp32 (interleaved medians): where the decode time goes.
 
     python bench/bench_mlx.py [--budget 50%] [--tokens 16] [--rounds 3] [--modes dense,flash] [--json]
 """
@@ -12,17 +13,35 @@ from __future__ import annotations
 import statistics
 
 import torch
+import torch.nn.functional as F
 
-from common import arg_parser, device_name, emit
+from common import arg_parser, device_name, emit, time_interleaved
 
 import flashllm_ext
 from flashllm_ext import mlx as fmlx
 from flashllm_ext.demo_flash import greedy_decode, prepare_store
 from flashllm_ext.mlx.model import MLXLlama
+from flashllm_ext.mlx.transfer import to_mx
 from flashllm_ext.models import fetch_default, resolve_cache_dir
 
 PROMPT = "The three primary colors are"
 BREAKDOWN = ("io_ms", "mem_ms", "predictor_ms", "compute_ms", "bytes_per_token", "hit_rate")
+
+
+def lm_head_rows(rounds: int) -> list[dict]:
+    """ms of x W^T for W [49152, 576] and one token, torch (F.linear) and mlx, fp16 and fp32, interleaved."""
+    mx = fmlx.mx
+    w32 = torch.randn(49152, 576, generator=torch.Generator().manual_seed(0)) / 24
+    x32 = torch.randn(1, 576, generator=torch.Generator().manual_seed(1))
+    candidates = {}
+    for name, dtype in (("fp16", torch.float16), ("fp32", torch.float32)):
+        w, x = w32.to(dtype), x32.to(dtype)
+        mw, mxx = to_mx(w), to_mx(x)
+        candidates[("torch", name)] = lambda w=w, x=x: F.linear(x, w)
+        candidates[("mlx", name)] = lambda w=mw, x=mxx: mx.eval(x @ w.T)
+    times = time_interleaved(candidates, rounds=rounds)
+    return [{"bench": "mlx", "product": "lm_head GEMV 49152x576", "engine": engine, "dtype": dtype,
+             "ms": seconds * 1e3} for (engine, dtype), seconds in times.items()]
 
 
 def main() -> None:
@@ -83,6 +102,8 @@ def main() -> None:
     emit(rows, args.json, ["engine", "mode", "device", "budget_mb", "ms_per_token", "vs_torch", "io_ms", "mem_ms",
                            "predictor_ms", "compute_ms", "bytes_per_token", "hit_rate", "same_tokens_as_torch_dense",
                            "rounds"])
+    print()
+    emit(lm_head_rows(max(args.rounds, 5)), args.json)
 
 
 if __name__ == "__main__":
