@@ -153,6 +153,35 @@ def test_decoder_generates_the_tokens_of_transformers(stores, mode, budget):
     flash.close()
 
 
+def test_read_failure_mid_generation_leaves_the_caches_consistent(stores):
+    """An I/O error in a read (the 5th: some inline, some in the reader thread) raises out of generate; every layer's
+    mx.array then holds exactly the bundles its pointer names, and the model generates transformers' tokens again."""
+    model, s = stores["llama_model"], stores["llama-fp32"]
+    prompt = torch.tensor([[9, 10, 11]])
+    flash = fmlx.load_flash(s.path, dram_budget="60%", mode="exact")
+    reader = flash.runtime.reader
+    real_read, calls = reader.read, [0]
+
+    def failing_read(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 5:
+            raise OSError(5, "Input/output error (injected)")
+        return real_read(*args, **kwargs)
+
+    reader.read = failing_read
+    with pytest.raises(OSError, match="injected"):
+        flash.generate(prompt, 8)
+    reader.read = real_read
+    for ffn in flash.ffns:
+        cache = ffn.cache
+        ids = cache.pointer[:cache.num_used]
+        assert torch.equal(rows_through_mlx(ffn.matrix, cache.num_used, s.dtype), s.bundle(cache.layer, ids))
+        assert torch.equal(cache.slot_of[ids], torch.arange(cache.num_used))
+    with torch.no_grad():
+        assert flash.generate(prompt, 8) == _greedy(model, prompt, 8)
+    flash.close()
+
+
 def test_flash_mode_follows_the_torch_engine(stores):
     """Flash mode with the same (untrained) predictors: the MLX engine generates the torch engine's tokens and
     reads what it reads."""
