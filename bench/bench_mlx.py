@@ -6,7 +6,7 @@ median over the rounds. Where MLX runs on the CPU (Linux: mlx[cpu]) this measure
 array library, not Apple Silicon. A second table times the largest resident product, the LM head's GEMV
 (49152 x 576, one token), on both libraries in fp16 and fp32 (interleaved medians): where the decode time goes.
 
-    python bench/bench_mlx.py [--budget 50%] [--tokens 16] [--rounds 3] [--modes dense,flash] [--json]
+    python bench/bench_mlx.py [--budget 50%] [--tokens 16] [--rounds 3] [--modes dense,flash] [--mlx-fp32] [--json]
 """
 from __future__ import annotations
 
@@ -49,6 +49,9 @@ def main() -> None:
     parser.add_argument("--budget", default="50%", help="DRAM budget of the flash mode (bytes, share, size)")
     parser.add_argument("--tokens", type=int, default=16, help="tokens generated per run (decode: one fewer)")
     parser.add_argument("--modes", default="dense,flash", help="comma-separated: dense, flash, exact")
+    parser.add_argument("--mlx-fp32", action="store_true",
+                        help="one more MLX dense model with fp32 resident tensors and FFNs (mlx's CPU device has no "
+                             "fast fp16 product)")
     parser.set_defaults(rounds=3)
     args = parser.parse_args()
     from transformers import AutoTokenizer
@@ -60,11 +63,13 @@ def main() -> None:
     models, runs = {}, {}
     for mode in args.modes.split(","):
         budget = None if mode == "dense" else args.budget
-        models[("torch", mode)] = flashllm_ext.load_flash(store_dir, dram_budget=budget, mode=mode)
-        models[("mlx", mode)] = fmlx.load_flash(store_dir, dram_budget=budget, mode=mode)
+        models[("torch", mode, "fp16")] = flashllm_ext.load_flash(store_dir, dram_budget=budget, mode=mode)
+        models[("mlx", mode, "fp16")] = fmlx.load_flash(store_dir, dram_budget=budget, mode=mode)
+    if args.mlx_fp32:
+        models[("mlx", "dense", "fp32")] = fmlx.load_flash(store_dir, mode="dense", dtype=torch.float32)
 
-    def run(engine: str, mode: str) -> dict:
-        model = models[(engine, mode)]
+    def run(engine: str, mode: str, dtype: str) -> dict:
+        model = models[(engine, mode, dtype)]
         if engine == "torch":
             with torch.inference_mode():
                 ids, seconds = greedy_decode(model, prompt, args.tokens)
@@ -79,18 +84,19 @@ def main() -> None:
     for r in range(args.rounds):
         for key in keys[r % len(keys):] + keys[:r % len(keys)]:
             runs.setdefault(key, []).append(run(*key))
-    reference = runs[("torch", "dense")][0]["ids"] if ("torch", "dense") in runs else None
+    reference = runs[("torch", "dense", "fp16")][0]["ids"] if ("torch", "dense", "fp16") in runs else None
     rows = []
-    for (engine, mode), samples in runs.items():
-        row = {"bench": "mlx", "engine": engine, "mode": mode, "device": "mlx " + str(fmlx.mx.default_device())
-               if engine == "mlx" else device_name(), "tokens": args.tokens, "rounds": len(samples)}
+    for (engine, mode, dtype), samples in runs.items():
+        device = f"mlx {fmlx.mx.default_device()}" if engine == "mlx" else device_name()
+        row = {"bench": "mlx", "engine": engine, "mode": mode, "dtype": dtype, "device": device, "tokens": args.tokens,
+               "rounds": len(samples)}
         for key in ("ms_per_token", "budget_mb", *BREAKDOWN):
             values = [s[key] for s in samples if s.get(key) is not None]
             if values:
                 row[key] = statistics.median(values)
         row["same_tokens_as_torch_dense"] = None if reference is None else all(s["ids"] == reference
                                                                                 for s in samples)
-        torch_row = runs.get(("torch", mode))
+        torch_row = runs.get(("torch", mode, "fp16"))
         if engine == "mlx" and torch_row:
             row["vs_torch"] = row["ms_per_token"] / statistics.median(s["ms_per_token"] for s in torch_row)
         rows.append(row)
@@ -99,9 +105,9 @@ def main() -> None:
             model.close()
         elif model.flash is not None:
             model.flash.close()
-    emit(rows, args.json, ["engine", "mode", "device", "budget_mb", "ms_per_token", "vs_torch", "io_ms", "mem_ms",
-                           "predictor_ms", "compute_ms", "bytes_per_token", "hit_rate", "same_tokens_as_torch_dense",
-                           "rounds"])
+    emit(rows, args.json, ["engine", "mode", "dtype", "device", "budget_mb", "ms_per_token", "vs_torch", "io_ms",
+                           "mem_ms", "predictor_ms", "compute_ms", "bytes_per_token", "hit_rate",
+                           "same_tokens_as_torch_dense", "rounds"])
     print()
     emit(lm_head_rows(max(args.rounds, 5)), args.json)
 

@@ -207,8 +207,9 @@ def load_flash(store_dir: str | os.PathLike, dram_budget: int | float | str | No
                reader_options: dict | None = None) -> MLXLlama:
     """The MLX engine: a Llama-family model from a flash store on mx.arrays, its FFNs served by `mode` (MODES)
     within `dram_budget` (bytes, "50%" of the model, "200MB"; None: no limit; dense mode holds everything and
-    ignores it). dtype: of the resident tensors and the activations (default: the store's); the FFNs compute in the
-    store's dtype. Predictors come from the store unless given. threads and reader_options: the FlashReader's.
+    ignores it). dtype: of the resident tensors and the activations (default: the store's), and of dense mode's FFN
+    weights; flash and exact FFNs compute in the store's dtype. Predictors come from the store unless given. threads
+    and reader_options: the FlashReader's.
     Raises ValueError for another model family, a budget below the minimum (naming it), or flash mode without
     predictors."""
     if mode not in MODES:
@@ -224,8 +225,8 @@ def load_flash(store_dir: str | os.PathLike, dram_budget: int | float | str | No
     if mode == "dense":
         activation = store_activation(store)
         with store.reader() as reader:
-            ffns = [DenseFFN(reader.read(i, torch.arange(store.n_neurons)).data, store.hidden_size, activation)
-                    for i in range(store.n_layers)]
+            ffns = [DenseFFN(reader.read(i, torch.arange(store.n_neurons)).data.to(dtype), store.hidden_size,
+                             activation) for i in range(store.n_layers)]
         return MLXLlama(store, weights, ffns, mode, None)
     resident_bytes = sum(a.nbytes for a in weights.values())
     budget = None if dram_budget is None else parse_budget(dram_budget, resident_bytes + store_ffn_bytes(store))
