@@ -14,7 +14,10 @@ deps: .deps.stamp
 	# checks interop with (0.15 removed it) and that accepts transformers 5 (0.14 pins transformers<5).
 	$(PIP) install -q numpy "safetensors>=0.4" tqdm "transformers>=4.45" accelerate "gguf>=0.10" \
 		pytest hypothesis matplotlib ninja compressed-tensors==0.13.0 "setuptools>=64" wheel
-	$(PYTHON) -c "import sys; sys.exit(sys.platform != 'linux')" && $(PIP) install -q "mlx[cpu]" || true
+	# mlx (the [mlx] extra): the Metal kernels and the MLX engine on Apple Silicon, mlx's CPU device on Linux (tested
+	# here); elsewhere pip ignores both lines and the MLX tests skip, saying so.
+	$(PIP) install -q "mlx; sys_platform == 'darwin' and platform_machine == 'arm64'" \
+		"mlx[cpu]; sys_platform == 'linux'" || true
 	# kvikio (the [gpu] extra): FlashReader's SSD -> GPU reads, only where a CUDA torch sees a GPU.
 	$(PYTHON) -c "import sys, torch; sys.exit(not torch.cuda.is_available())" 2>/dev/null && \
 		$(PIP) install -q kvikio-cu13 || true

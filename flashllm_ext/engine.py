@@ -196,7 +196,8 @@ def _look_ahead(ffn: FlashFFN, norm: nn.Module, _layer: nn.Module, args: tuple, 
 
 
 def _make_modules(store: FlashStore, mode: str, ffn_budget: int | None, window: int, predictors, reader, stats,
-                  budget_bytes, fixed_bytes, transfer: Transfer, lookahead: str) -> tuple[list[nn.Module], int]:
+                  budget_bytes, fixed_bytes, transfer: Transfer, lookahead: str,
+                  ffn_class: type[FlashFFN] = FlashFFN) -> tuple[list[nn.Module], int]:
     n_layers, n, row = store.n_layers, store.n_neurons, store.row_bytes
 
     def too_small(need: int) -> ValueError:
@@ -214,7 +215,7 @@ def _make_modules(store: FlashStore, mode: str, ffn_budget: int | None, window: 
         flash = mode == "flash"
         # (a predictor may choose its sets ahead its own way: bench_e2e's replayed sets)
         ahead = getattr(predictors, "predict_ahead", None) if flash else None
-        modules = [FlashFFN(store, i, predictor=partial(predictors.predict, i) if flash else None,
+        modules = [ffn_class(store, i, predictor=partial(predictors.predict, i) if flash else None,
                             threshold=float(predictors.thresholds[i]) if flash else 0.0, budget_bytes=per_layer,
                             capacity=None if per_layer else n, window=window, reader=reader, stats=stats,
                             transfer=transfer, lookahead=lookahead,
@@ -264,14 +265,16 @@ def _bounded_reader_options(store: FlashStore, budget_bytes: int | None, taken: 
 
 def ffn_stack(store: FlashStore, mode: str, budget_bytes: int | None, *, window: int = 5, predictors=None,
               threads: int = 32, resident_bytes: int = 0, device: str | torch.device = "cpu",
-              transfer: Transfer | None = None, reader_options: dict | None = None, lookahead: str = "ahead"
-              ) -> FlashRuntime:
+              transfer: Transfer | None = None, reader_options: dict | None = None, lookahead: str = "ahead",
+              ffn_class: type[FlashFFN] = FlashFFN) -> FlashRuntime:
     """Every FFN layer of `store` served by `mode` within `budget_bytes`, of which `resident_bytes` are already
     taken (a model's own tensors; 0 for a bare stack): runtime.modules[i](x) computes layer i of x [T, d]. The
     builder behind load_flash and patch_model, and alone for FFN-only benchmarks at scales no checkpoint here has.
     device: where the FFN state lives ("cuda": the GPU; predictors are moved there); transfer: the one that places
     it (default make_transfer(device); tests pass a StagedTransfer on the CPU). lookahead: what a FlashFFN's
-    forward does after its prefetch (LOOKAHEAD_MODES; the prefetch is the caller's, as load_flash's hooks)."""
+    forward does after its prefetch (LOOKAHEAD_MODES; the prefetch is the caller's, as load_flash's hooks).
+    ffn_class: the flash / exact modes' layer (a FlashFFN subclass: flashllm_ext.mlx's computes on mx.arrays over
+    a flashllm_ext.mlx.MLXTransfer)."""
     if mode not in MODES or mode == "dense":
         raise ValueError(f"mode must be one of {MODES[1:]}, got {mode!r}")
     predictor_bytes = 0
@@ -297,7 +300,7 @@ def ffn_stack(store: FlashStore, mode: str, budget_bytes: int | None, *, window:
     ffn_budget = None if budget_bytes is None else budget_bytes - fixed
     try:
         modules, ffn_bytes = _make_modules(store, mode, ffn_budget, window, predictors, reader, stats, budget_bytes,
-                                           fixed, transfer, lookahead)
+                                           fixed, transfer, lookahead, ffn_class)
         ffn_bytes += reader.buffer_bound()
     except BaseException:
         reader.close()

@@ -287,18 +287,28 @@ class FlashFFN(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = _check_input(x, self.store.hidden_size, self.cache.device)
-        xs = flat.to(self.store.dtype).contiguous()
         out = torch.zeros(flat.shape, dtype=torch.float32, device=flat.device)
+        self._accumulate(flat, flat.to(self.store.dtype).contiguous(), out)
+        if self.out_bias is not None:
+            out += self.out_bias
+        return out.to(x.dtype).reshape(x.shape)
+
+    def _accumulate(self, flat: torch.Tensor | None, xs, out: torch.Tensor) -> None:
+        """out [T, d] float32 += the FFN (without the output bias) of the T tokens xs [T, d] in the store's dtype,
+        the per-token sets from the predictor on flat [T, d] (None without a predictor). xs is whatever `_compute`
+        computes on (a torch tensor here, an mx.array in flashllm_ext.mlx); the cache steps and planning are
+        torch on the host either way."""
         self.last_stats = []
-        if self._ahead is not None and flat.shape[0] == 1 and self.lookahead == "ahead":  # compute the set chosen
+        if self._ahead is not None and out.shape[0] == 1 and self.lookahead == "ahead":  # compute the set chosen
             (ids, pending), self._ahead = self._ahead, None                              # ahead, its reads under way
             if pending is None:
                 self._run_set(xs, ids, out)
             else:
                 self._step_overlapped(xs, ids, out, pending)
-            return self._finish_forward(x, flat, out)
+            self._end_accumulate(out)
+            return
         # lookahead="prefetch": the token's own set continues the step whose reads were begun ahead
-        self._same_token = self._finish_ahead() and flat.shape[0] == 1
+        self._same_token = self._finish_ahead() and out.shape[0] == 1
         masks, union = self._token_sets(flat)
         if masks is None:  # one set for every token
             self._run_set(xs, union, out)
@@ -316,14 +326,11 @@ class FlashFFN(nn.Module):
                 self._step(group_union)
                 for t in range(first, last):
                     self._compute(xs[t:t + 1], masks[t].nonzero().flatten(), out[t:t + 1])
-        return self._finish_forward(x, flat, out)
+        self._end_accumulate(out)
 
-    def _finish_forward(self, x: torch.Tensor, flat: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    def _end_accumulate(self, out: torch.Tensor) -> None:
         self._same_token = False  # (an empty set began no step)
-        self.stats.tokens += flat.shape[0]
-        if self.out_bias is not None:
-            out += self.out_bias
-        return out.to(x.dtype).reshape(x.shape)
+        self.stats.tokens += out.shape[0]
 
     def _record_prefill(self, path: str) -> str:
         self.prefill_paths[path] += 1

@@ -1,0 +1,263 @@
+"""The MLX engine (flashllm_ext.mlx: MLXTransfer, MLXFlashFFN, the Llama decoder and load_flash) against the torch
+engine and transformers: the cache over mx.arrays step by step against the torch NeuronCache (rows read back through
+mlx), MLXFlashFFN's outputs and cache states against FlashFFN's, greedy tokens against transformers, bad input."""
+import numpy as np
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM
+
+import flashllm_ext
+from flashllm_ext import store
+from flashllm_ext.cache import NeuronCache
+from flashllm_ext.convert import convert
+from flashllm_ext.ffn import FlashFFN
+from flashllm_ext.transfer import HostTransfer
+
+mx = pytest.importorskip("mlx.core", reason="mlx is not importable (install the [mlx] extra: mlx[cpu] on Linux)")
+fmlx = pytest.importorskip("flashllm_ext.mlx")
+from flashllm_ext.mlx.transfer import to_mx, torch_view  # noqa: E402  (after the skip: imports mlx)
+
+N_NEURONS = 136
+
+
+def _llama(seed: int = 0, layers: int = 2) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=N_NEURONS, num_hidden_layers=layers,
+                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                                        max_position_embeddings=256)).eval()
+
+
+@pytest.fixture(scope="module")
+def stores(tmp_path_factory):
+    """OPT (ReLU, fc1 bias: the cache moves bias rows) and Llama (GLU) stores in fp16 and fp32, and the Llama model."""
+    root = tmp_path_factory.mktemp("mlx_engine")
+    torch.manual_seed(1)
+    opt = OPTForCausalLM(OPTConfig(hidden_size=48, ffn_dim=N_NEURONS, num_hidden_layers=2, num_attention_heads=4,
+                                   vocab_size=100, word_embed_proj_dim=48, max_position_embeddings=64,
+                                   dropout=0.0)).eval()
+    out = {"llama_model": _llama(layers=3)}
+    for name, model in (("opt", opt), ("llama", out["llama_model"])):
+        model.save_pretrained(root / f"{name}-ckpt")
+        for dtype in ("fp16", "fp32"):
+            out[f"{name}-{dtype}"] = store.FlashStore(convert(root / f"{name}-ckpt", root / f"{name}-{dtype}",
+                                                              dtype=dtype, progress=False))
+    return out
+
+
+def rows_through_mlx(a: "mx.array", n: int, dtype: torch.dtype) -> torch.Tensor:
+    """Rows [0, n) of an mx.array as mlx computes them (a slice evaluated by mlx, then copied out), bit for bit."""
+    part = mx.array(a[:n])
+    return torch_view(part).clone().view(dtype)
+
+
+def assert_same_cache(host: NeuronCache, other: NeuronCache) -> None:
+    """The decisions (pointer, slot_of, last_active) equal, and the MLX cache's mx.arrays hold the host's rows."""
+    assert other.num_used == host.num_used and other.steps == host.steps
+    for name in ("pointer", "slot_of", "last_active"):
+        assert torch.equal(getattr(other, name), getattr(host, name)), name
+    n, transfer = host.num_used, other.transfer
+    bits = {torch.float16: torch.int16, torch.float32: torch.int32}[host.matrix.dtype]
+    got = rows_through_mlx(transfer.array(other.matrix), n, host.matrix.dtype)
+    assert torch.equal(got.view(bits), host.matrix[:n].view(bits))
+    if host.bias is not None:
+        assert torch.equal(rows_through_mlx(transfer.array(other.bias), n, host.bias.dtype), host.bias[:n])
+
+
+@pytest.mark.parametrize("name", ["opt-fp16", "llama-fp16"])
+@pytest.mark.parametrize("capacity,window", [(N_NEURONS, 3), (40, 2), (17, 5)])
+def test_cache_state_matches_the_torch_cache_step_by_step(stores, name, capacity, window):
+    """Random active sets (some larger than the cache: refused by both, nothing changed), some steps overlapped
+    (begin_step in the background, finish later): after every step the MLX cache is the torch cache."""
+    s = stores[name]
+    layer = s.n_layers - 1
+    host = NeuronCache(s, layer, capacity, window)
+    other = NeuronCache(s, layer, capacity, window, transfer=fmlx.MLXTransfer())
+    assert isinstance(other.transfer.array(other.matrix), mx.array)
+    gen = torch.Generator().manual_seed(capacity + window)
+    evicted_budget = 0
+    for step in range(40):
+        k = int(torch.randint(0, min(capacity + 8, 60), (1,), generator=gen))
+        ids = torch.randint(0, N_NEURONS, (k,), generator=gen)
+        if ids.unique().numel() > capacity:
+            for cache in (host, other):
+                with pytest.raises(ValueError, match="distinct active neurons"):
+                    cache.step(ids)
+        else:
+            want = host.step(ids)
+            got = other.begin_step(ids, background=True).finish() if step % 3 == 0 else other.step(ids)
+            assert (got.evicted, got.evicted_budget, got.inserted, got.num_used) == \
+                (want.evicted, want.evicted_budget, want.inserted, want.num_used)
+            evicted_budget += want.evicted_budget
+        assert_same_cache(host, other)
+    assert capacity == N_NEURONS or evicted_budget > 0  # the small caches ran the budget rule
+
+
+def _predictor(d: int, seed: int):
+    """A deterministic per-token predictor: bool [T, n] from a fixed random projection of x."""
+    proj = torch.randn(d, N_NEURONS, generator=torch.Generator().manual_seed(seed))
+    return lambda x: (x.float() @ proj) > 0.3
+
+
+def _configs(d: int) -> dict[str, dict]:
+    fixed = torch.randint(0, N_NEURONS, (50,), generator=torch.Generator().manual_seed(7))
+    return {"exact": {}, "exact-parts": {"capacity": 30}, "fixed": {"active_ids": fixed, "capacity": 60},
+            "predictor": {"predictor": _predictor(d, 3), "threshold": 0.01, "capacity": 90, "window": 2},
+            "predictor-small": {"predictor": _predictor(d, 4), "capacity": 64, "window": 3}}
+
+
+@pytest.mark.parametrize("name", ["opt-fp32", "llama-fp32", "llama-fp16"])
+@torch.no_grad()
+def test_flash_ffn_matches_the_torch_flash_ffn(stores, name):
+    """A prompt of 6 tokens then 5 decode steps through each configuration: same outputs (within rounding of the two
+    sparse_ffn implementations) and the same cache after every forward."""
+    s = stores[name]
+    d = s.hidden_size
+    tol = {"rtol": 1e-5, "atol": 1e-5} if s.dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    xs = torch.randn(11, d, generator=torch.Generator().manual_seed(5))
+    for config, kwargs in _configs(d).items():
+        transfer = fmlx.MLXTransfer()
+        for layer in range(s.n_layers):
+            torch_ffn = FlashFFN(s, layer, **kwargs)
+            mlx_ffn = fmlx.MLXFlashFFN(s, layer, transfer=transfer, **kwargs)
+            for first, last in [(0, 6)] + [(t, t + 1) for t in range(6, 11)]:
+                want = torch_ffn(xs[first:last])
+                got = mlx_ffn(to_mx(xs[first:last]))
+                assert isinstance(got, mx.array) and got.dtype == mx.float32 and tuple(got.shape) == (last - first, d)
+                torch.testing.assert_close(torch_view(got), want, **tol, msg=f"{config} layer {layer} [{first}:{last}]")
+                assert_same_cache(torch_ffn.cache, mlx_ffn.cache)
+            assert mlx_ffn.stats.tokens == torch_ffn.stats.tokens == 11
+            assert mlx_ffn.stats.inserted == torch_ffn.stats.inserted
+
+
+def _greedy(model, prompt: torch.Tensor, n: int) -> list[int]:
+    return model.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False)[0].tolist()
+
+
+@pytest.mark.parametrize("mode,budget", [("dense", None), ("exact", "85%"), ("exact", "60%")])
+def test_decoder_generates_the_tokens_of_transformers(stores, mode, budget):
+    model, path = stores["llama_model"], stores["llama-fp32"].path
+    prompt = torch.randint(3, 90, (1, 7), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = _greedy(model, prompt, 32)
+    flash = fmlx.load_flash(path, dram_budget=budget, mode=mode)
+    assert flash.generate(prompt, 32) == want
+    assert flash.generate(prompt[0].tolist(), 0) == prompt[0].tolist()
+    stats = flash.flash_stats()
+    assert stats["mode"] == mode and stats["tokens"] == 7 + 31 and stats["decode_ms_per_token"] > 0
+    new, seconds = flash.greedy_decode(prompt, 5)  # the stats then cover the 4 decode steps only
+    assert new == want[7:12] and flash.flash_stats()["tokens"] == 4 and seconds > 0
+    if mode != "dense":
+        assert stats["accounted_bytes"] <= stats["budget_bytes"] and stats["bytes_read"] > 0
+        if budget == "60%":  # the caches cannot hold a layer: the reads repeat
+            assert stats["hit_rate"] < 1 and stats["bytes_per_token"] > 0
+    flash.close()
+
+
+def test_read_failure_mid_generation_leaves_the_caches_consistent(stores):
+    """An I/O error in a read (the 5th: some inline, some in the reader thread) raises out of generate; every layer's
+    mx.array then holds exactly the bundles its pointer names, and the model generates transformers' tokens again."""
+    model, s = stores["llama_model"], stores["llama-fp32"]
+    prompt = torch.tensor([[9, 10, 11]])
+    flash = fmlx.load_flash(s.path, dram_budget="60%", mode="exact")
+    reader = flash.runtime.reader
+    real_read, calls = reader.read, [0]
+
+    def failing_read(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 5:
+            raise OSError(5, "Input/output error (injected)")
+        return real_read(*args, **kwargs)
+
+    reader.read = failing_read
+    with pytest.raises(OSError, match="injected"):
+        flash.generate(prompt, 8)
+    reader.read = real_read
+    for ffn in flash.ffns:
+        cache = ffn.cache
+        ids = cache.pointer[:cache.num_used]
+        assert torch.equal(rows_through_mlx(ffn.matrix, cache.num_used, s.dtype), s.bundle(cache.layer, ids))
+        assert torch.equal(cache.slot_of[ids], torch.arange(cache.num_used))
+    with torch.no_grad():
+        assert flash.generate(prompt, 8) == _greedy(model, prompt, 8)
+    flash.close()
+
+
+def test_flash_mode_follows_the_torch_engine(stores):
+    """Flash mode with the same (untrained) predictors: the MLX engine generates the torch engine's tokens and
+    reads what it reads."""
+    from flashllm_ext.predictor import LowRankPredictor, PredictorSet
+
+    s = stores["llama-fp32"]
+    torch.manual_seed(3)
+    predictors = PredictorSet([LowRankPredictor(s.hidden_size, N_NEURONS, 8) for _ in range(s.n_layers)],
+                              torch.zeros(s.n_layers))
+    prompt = torch.randint(3, 90, (1, 6), generator=torch.Generator().manual_seed(4))
+    reference = flashllm_ext.load_flash(s.path, dram_budget="70%", mode="flash", predictors=predictors)
+    with torch.no_grad():
+        want = _greedy(reference, prompt, 16)
+    flash = fmlx.load_flash(s.path, dram_budget="70%", mode="flash", predictors=predictors)
+    assert flash.generate(prompt, 16) == want
+    got, ref = flash.flash_stats(), reference.flash_stats()
+    assert got["predictor_ms"] > 0 and got["hit_rate"] < 1
+    for key in ("tokens", "bytes_read", "steps"):  # (the budgets differ by the torch model's rotary buffer)
+        assert got[key] == ref[key], key
+    assert got["accounted_bytes"] <= got["budget_bytes"]
+    flash.close()
+    reference.flash.close()
+
+
+def test_mlx_transfer_rows_are_the_arrays(stores):
+    """Writes through a cache's torch view are the mx.array's contents, and only tensors it allocated map back."""
+    transfer = fmlx.MLXTransfer()
+    view = transfer.empty((3, 4), torch.float16)
+    view[1] = 2.5
+    assert np.array(transfer.array(view))[1].tolist() == [2.5] * 4
+    assert transfer.array(None) is None and transfer.staged is False and transfer.nbytes == 0
+    with pytest.raises(ValueError, match="not allocated by this MLXTransfer"):
+        transfer.array(torch.zeros(3, 4, dtype=torch.float16))
+    with pytest.raises(ValueError, match="not allocated by this MLXTransfer"):
+        fmlx.MLXTransfer().array(view)
+
+
+def test_bad_input(stores, tmp_path):
+    s, path = stores["llama-fp32"], stores["llama-fp32"].path
+    with pytest.raises(ValueError, match="Llama family"):
+        fmlx.load_flash(stores["opt-fp32"].path, mode="exact")
+    with pytest.raises(ValueError, match="mode must be one of"):
+        fmlx.load_flash(path, mode="naive")
+    with pytest.raises(ValueError, match="below the minimum"):
+        fmlx.load_flash(path, dram_budget="1%", mode="exact")
+    with pytest.raises(ValueError, match="flash mode needs predictors"):
+        fmlx.load_flash(path, mode="flash")
+    with pytest.raises(ValueError, match="dtype must be"):
+        fmlx.load_flash(path, mode="dense", dtype=torch.int8)
+    model = fmlx.load_flash(path, mode="dense")
+    for prompt, match in (([], "non-empty"), ([1.5, 2.0], "integer"), ([[1, 2], [3, 4]], r"\[1, T\]"),
+                          ([3, 128], "vocab_size=128"), ([-1], "vocab_size")):
+        with pytest.raises(ValueError, match=match):
+            model.generate(prompt, 2)
+    with pytest.raises(ValueError, match="non-negative int"):
+        model.generate([1, 2], -1)
+    ffn = fmlx.MLXFlashFFN(s, 0)
+    with pytest.raises(ValueError, match="takes an mx.array"):
+        ffn(torch.zeros(1, s.hidden_size))
+    with pytest.raises(ValueError, match="hidden size"):
+        ffn(mx.zeros((1, s.hidden_size + 1)))
+    with pytest.raises(ValueError, match="float32, float16 or bfloat16"):
+        ffn(mx.zeros((1, s.hidden_size), dtype=mx.int32))
+    with pytest.raises(ValueError, match="must be an MLXTransfer"):
+        fmlx.MLXFlashFFN(s, 0, transfer=HostTransfer())
+
+
+@pytest.mark.slow
+def test_default_model_exact_mode_generates_the_tokens_of_transformers(default_model, tmp_path):
+    """The real model (fp32 store): exact mode under a 75% budget gives transformers' 16 greedy tokens."""
+    gguf, model, tokenizer = default_model
+    path = convert(gguf, tmp_path / "store", dtype="fp32", progress=False)
+    prompt = tokenizer("The capital of France is", return_tensors="pt").input_ids
+    with torch.no_grad():
+        want = _greedy(model, prompt, 16)
+    flash = fmlx.load_flash(path, dram_budget="75%", mode="exact")
+    assert flash.generate(prompt, 16) == want
+    assert flash.flash_stats()["accounted_bytes"] <= flash.flash_stats()["budget_bytes"]
+    flash.close()
