@@ -148,13 +148,23 @@ void round_x_int8(const float* x, int64_t d, int8_t* q, float* scale, int32_t* s
     finite = finite && std::isfinite(x[k]);
     peak = std::max(peak, std::abs(x[k]));
   }
-  const float inv = finite && peak > 0.f ? 127.f / peak : 0.f;
+  if (!finite) {
+    std::fill(q, q + d, int8_t{0});
+    *scale = std::nanf("");
+    *sum = 0;
+    return;
+  }
+  const float inv = peak > 0.f ? 127.f / peak : 0.f;
+  // Adding and subtracting 1.5 * 2^23 rounds |v| <= 127 to the nearest integer, half to even (the default rounding
+  // mode), as nearbyint does, without its library call; the clamp first (the bounds are integers: same result).
+  constexpr float kRound = 12582912.f;
   int32_t total = 0;
   for (int64_t k = 0; k < d; ++k) {
-    q[k] = static_cast<int8_t>(std::clamp(std::nearbyint(x[k] * inv), -127.f, 127.f));
+    const float v = std::clamp(x[k] * inv, -127.f, 127.f);
+    q[k] = static_cast<int8_t>((v + kRound) - kRound);
     total += q[k];
   }
-  *scale = finite ? peak / 127.f : std::nanf("");
+  *scale = peak / 127.f;
   *sum = total;
 }
 
@@ -171,12 +181,21 @@ int64_t vnni_chunks(int64_t width, int64_t bits) { return (width + vnni_chunk_by
 // of a chunk's 64 bytes holds code j of each byte, so layout byte j * 64 + p is column p * (8 / bits) + j of the
 // chunk. 3 bits: each 128-bit lane yields 16 codes with code m in byte 2m and code m + 8 in byte 2m + 1 (decode3).
 void lay_out_x_vnni(const int8_t* q, int64_t d, int64_t bits, int64_t chunks, int8_t* out) {
-  const int64_t cols = vnni_chunk_cols(bits), per = 8 / bits;
-  for (int64_t c = 0; c < chunks; ++c) {
-    for (int64_t k = 0; k < cols; ++k) {
-      const int64_t within = bits == 3 ? (k / 16) * 16 + (k % 16) / 2 + 8 * (k % 2) : (k % 64) * per + k / 64;
-      const int64_t col = c * cols + within;
-      out[c * cols + k] = col < d ? q[col] : 0;
+  const int64_t cols = vnni_chunk_cols(bits);
+  const auto at = [&](int64_t col) -> int8_t { return col < d ? q[col] : 0; };
+  for (int64_t c = 0; c < chunks; ++c, out += cols) {
+    const int64_t first = c * cols;
+    if (bits == 3) {
+      for (int64_t lane = 0; lane < 64; lane += 16) {
+        for (int64_t m = 0; m < 8; ++m) {
+          out[lane + 2 * m] = at(first + lane + m);
+          out[lane + 2 * m + 1] = at(first + lane + m + 8);
+        }
+      }
+    } else {
+      const int64_t per = 8 / bits;
+      for (int64_t j = 0; j < per; ++j)
+        for (int64_t p = 0; p < 64; ++p) out[j * 64 + p] = at(first + p * per + j);
     }
   }
 }
