@@ -115,7 +115,7 @@ def main() -> None:
     warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
     isas = [flashllm_ext._C.detected_cpu_isa()]
     if args.all_isas:
-        order = ["scalar", "avx2", "avx512", "avx512vbmi2"]
+        order = ["scalar", "avx2", "avx512", "avx512vnni", "avx512vbmi2"]
         isas = order[:order.index(isas[0]) + 1]
     shapes = dict(list(SHAPES.items())[:1]) if args.quick else SHAPES
     dtypes = ["fp16"] if args.quick else list(DTYPES)

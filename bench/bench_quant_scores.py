@@ -1,58 +1,119 @@
-"""The quant predictor's scoring (flashllm::quant_scores) per layer call: the native CPU kernel against the
-pure-torch reference (dequantise every row, then matmul), and against the layer's sparse FFN compute (ops.sparse_ffn
-over the loaded rows at the given density), on the default model's FFN shapes, interleaved in one process (medians).
+"""The quant predictor's scoring (flashllm::quant_scores) per layer call: the native CPU kernel on each of its paths
+(AVX-512 VNNI integer dot products, the AVX-512 fp32 FMA path before it, forced with flashllm_ext._C.set_cpu_isa),
+optionally the pure-torch reference (dequantise every row, then matmul), against the layer's sparse FFN compute
+(ops.sparse_ffn over the loaded rows at the operating density), interleaved in one process (medians).
 
-    python bench/bench_quant_scores.py [--tokens 1,8] [--density 0.7] [--json]
+Shapes (--shape): `default` = the default model (d=576, n=1536, W_gate 4 / W_up 2 bits, density 0.7, 30 layers);
+`opt-6.7b` = d=4096, n=16384, no gate (fc1 at 4 bits), ReLU, the end-to-end run's operating point (a) density 0.06;
+`llama-2-7b` = d=4096, n=11008, W_gate 4 / W_up 4 bits, density 0.06. Each call scores the next of --layers copies of
+the codes (and runs the next copy's FFN rows), so a 7B shape reads its codes from DRAM as the engine does, not from a
+cache holding one layer. Codes and weights are random (the speed does not depend on their values).
+
+    python bench/bench_quant_scores.py [--shape default|opt-6.7b|llama-2-7b] [--tokens 1,8] [--threads 1,2] [--json]
 """
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
 
 from common import arg_parser, device_name, emit, time_interleaved
 
-from flashllm_ext import ops
+from flashllm_ext import _C, ops
 from flashllm_ext._ops import quant_scores_reference
+
+# name: (d, n, gate bits (None: no gate), up bits, activation, density, layers)
+SHAPES = {
+    "default": (576, 1536, 4, 2, "silu", 0.7, 30),
+    "opt-6.7b": (4096, 16384, None, 4, "relu", 0.06, 8),
+    "llama-2-7b": (4096, 11008, 4, 4, "silu", 0.06, 8),
+}
+# quant_scores' native paths, fastest first (a level without a path of its own runs the one below).
+PATHS = ("avx512vnni", "avx512", "avx2")
+ISA_ORDER = ("scalar", "avx2", "avx512", "avx512vnni", "avx512vbmi2")
 
 
 def main() -> None:
     parser = arg_parser(__doc__.splitlines()[0])
-    parser.add_argument("--hidden", type=int, default=576, help="d (default model: 576)")
-    parser.add_argument("--neurons", type=int, default=1536, help="n (default model: 1536)")
-    parser.add_argument("--gate-bits", type=int, default=4)
-    parser.add_argument("--up-bits", type=int, default=2)
-    parser.add_argument("--density", type=float, default=0.7, help="loaded density of the sparse FFN compared with")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="default")
+    parser.add_argument("--hidden", type=int, default=None, help="d (default: the shape's)")
+    parser.add_argument("--neurons", type=int, default=None, help="n (default: the shape's)")
+    parser.add_argument("--gate-bits", type=int, default=None, help="0 for no gate (default: the shape's)")
+    parser.add_argument("--up-bits", type=int, default=None)
+    parser.add_argument("--density", type=float, default=None, help="loaded density of the sparse FFN compared with")
+    parser.add_argument("--layers", type=int, default=None, help="copies of the layer cycled through")
     parser.add_argument("--tokens", default="1,8", help="comma-separated T")
+    parser.add_argument("--threads", default=None, help="comma-separated OpenMP thread counts (default: as set)")
+    parser.add_argument("--paths", default=None,
+                        help=f"comma-separated native paths to time, among {', '.join(PATHS)} (default: all this CPU "
+                             "runs, up to avx2)")
+    parser.add_argument("--reference", action="store_true", help="also time the pure-torch reference")
     parser.add_argument("--dtype", default="float16", help="the store's dtype (sparse_ffn's x and rows)")
     args = parser.parse_args()
-    d, n, dtype = args.hidden, args.neurons, getattr(torch, args.dtype)
+    d, n, gate_bits, up_bits, activation, density, layers = SHAPES[args.shape]
+    d, n, up_bits = args.hidden or d, args.neurons or n, args.up_bits or up_bits
+    gate_bits = gate_bits if args.gate_bits is None else (args.gate_bits or None)
+    density, layers = args.density or density, args.layers or layers
+    dtype, glu = getattr(torch, args.dtype), gate_bits is not None
+    detected = ISA_ORDER.index(_C.detected_cpu_isa())
+    paths = args.paths.split(",") if args.paths else [p for p in PATHS if ISA_ORDER.index(p) <= detected]
+
     g = torch.Generator().manual_seed(0)
-    up_codes = torch.randint(0, 256, (n, math.ceil(d * args.up_bits / 8)), dtype=torch.uint8, generator=g)
-    gate_codes = torch.randint(0, 256, (n, math.ceil(d * args.gate_bits / 8)), dtype=torch.uint8, generator=g)
-    up_scale, gate_scale = (torch.rand(n, generator=g) * 0.01).half(), (torch.rand(n, generator=g) * 0.01).half()
-    rows = round(args.density * n)
-    matrix = (torch.randn(n, 3 * d, generator=g) * 0.02).to(dtype)
-    rows_out = []
-    for T in (int(t) for t in args.tokens.split(",")):
-        x = torch.randn(T, d, generator=g).to(dtype)
-        quant = (x, up_codes, up_scale, None, gate_codes, gate_scale, None, args.up_bits, args.gate_bits, "silu")
-        times = time_interleaved({
-            "native": lambda: ops.quant_scores(x, up_codes, up_scale, up_bits=args.up_bits, gate_codes=gate_codes,
-                                               gate_scale=gate_scale, gate_bits=args.gate_bits),
-            "reference": lambda: quant_scores_reference(*quant),
-            "sparse_ffn": lambda: ops.sparse_ffn(x, matrix, num_used=rows, activation="silu", glu=True),
-        }, rounds=args.rounds)
-        code_bytes = up_codes.numel() + gate_codes.numel()
-        rows_out.append({"T": T, "d": d, "n": n, "bits gate/up": f"{args.gate_bits}/{args.up_bits}",
-                         "native ms": round(times["native"] * 1e3, 3),
-                         "reference ms": round(times["reference"] * 1e3, 3),
-                         "reference / native": round(times["reference"] / times["native"], 1),
-                         f"sparse_ffn ms (density {args.density})": round(times["sparse_ffn"] * 1e3, 3),
-                         "native / sparse_ffn": round(times["native"] / times["sparse_ffn"], 3),
-                         "code GB/s": round(code_bytes / times["native"] / 1e9, 2),
-                         "device": device_name()})
-    emit(rows_out, args.json)
+
+    def codes(bits: int) -> torch.Tensor:
+        return torch.randint(0, 256, (n, math.ceil(d * bits / 8)), dtype=torch.uint8, generator=g)
+
+    rows = round(density * n)
+    copies = [{"up_codes": codes(up_bits), "up_scale": (torch.rand(n, generator=g) * 0.01).half(),
+               "gate_codes": codes(gate_bits) if glu else None,
+               "gate_scale": (torch.rand(n, generator=g) * 0.01).half() if glu else None,
+               # only the loaded rows: sparse_ffn reads rows [0, num_used)
+               "matrix": (torch.randn(rows, (3 if glu else 2) * d, generator=g) * 0.02).to(dtype)}
+              for _ in range(layers)]
+    code_bytes = copies[0]["up_codes"].numel() + (copies[0]["gate_codes"].numel() if glu else 0)
+
+    def cycling(call):
+        layer = itertools.cycle(copies)
+        return lambda: call(next(layer))
+
+    def native(isa: str, x: torch.Tensor):
+        def call(c):
+            _C.set_cpu_isa(isa)
+            return ops.quant_scores(x, c["up_codes"], c["up_scale"], up_bits=up_bits, gate_codes=c["gate_codes"],
+                                    gate_scale=c["gate_scale"], gate_bits=gate_bits or 4, activation=activation)
+        return cycling(call)
+
+    previous_isa, previous_threads = _C.cpu_isa(), torch.get_num_threads()
+    out = []
+    for threads in [int(t) for t in args.threads.split(",")] if args.threads else [previous_threads]:
+        torch.set_num_threads(threads)
+        for T in (int(t) for t in args.tokens.split(",")):
+            x = torch.randn(T, d, generator=g).to(dtype)
+            candidates = {p: native(p, x) for p in paths}
+            if args.reference:
+                candidates["reference"] = cycling(lambda c: quant_scores_reference(
+                    x, c["up_codes"], c["up_scale"], None, c["gate_codes"], c["gate_scale"], None, up_bits,
+                    gate_bits or 4, activation))
+            candidates["sparse_ffn"] = cycling(lambda c: ops.sparse_ffn(x, c["matrix"], num_used=rows,
+                                                                         activation=activation, glu=glu))
+            times = time_interleaved(candidates, rounds=args.rounds)
+            _C.set_cpu_isa(previous_isa)
+            ffn = times["sparse_ffn"]
+            row = {"shape": args.shape, "threads": threads, "T": T, "d": d, "n": n,
+                   "bits gate/up": f"{gate_bits or '-'}/{up_bits}", "layers": layers}
+            for name in candidates:
+                if name != "sparse_ffn":
+                    row[f"{name} ms"] = round(times[name] * 1e3, 3)
+                    row[f"{name} / sparse_ffn"] = round(times[name] / ffn, 3)
+            if "avx512vnni" in times and "avx512" in times:
+                row["avx512 / avx512vnni"] = round(times["avx512"] / times["avx512vnni"], 2)
+            row[f"sparse_ffn ms (density {density})"] = round(ffn * 1e3, 3)
+            row[f"{paths[0]} code GB/s"] = round(code_bytes / times[paths[0]] / 1e9, 2)
+            row["device"] = device_name()
+            out.append(row)
+    torch.set_num_threads(previous_threads)
+    emit(out, args.json)
 
 
 if __name__ == "__main__":

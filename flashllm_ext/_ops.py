@@ -511,12 +511,16 @@ def _cache_plan_fake(active_ids, last_active, slot_of, pointer, num_used, step, 
 # per neuron, or |act(x . up + up_bias)| without a gate, from rows stored as `bits`-bit codes q (a little-endian bit
 # stream per row: code k at bits [k * bits, (k + 1) * bits), so 8 / bits codes per byte, the first in the low bits,
 # for 1, 2 and 4 bits, and 8 codes per 3 bytes for 3 bits) and a float16 scale s per row:
-# w = (q - (2^bits - 1) / 2) * s. CPU only (the low-bit copies are the predictor's DRAM-resident state).
+# w = (q - (2^bits - 1) / 2) * s, and x rounded to int8 per token first (round_x_int8), on every path: the dot products
+# are then integer sums (AVX-512 VNNI's vpdpbusd multiplies the unsigned codes into int8 x 64 at a time), and a
+# predictor selects the same neurons on every machine. CPU only (the low-bit copies are the predictor's DRAM-resident
+# state).
 LIB.define(
     "quant_scores(Tensor x, Tensor up_codes, Tensor up_scale, Tensor? up_bias, Tensor? gate_codes, "
     "Tensor? gate_scale, Tensor? gate_bias, int up_bits, int gate_bits, str activation) -> Tensor"
 )
 QUANT_BITS = (1, 2, 3, 4)
+QUANT_MAX_COLUMNS = 1 << 20  # 15 * 127 * 2^20 < 2^31: a row's integer dot product fits in int32
 
 
 def _check_quant_matrix(name: str, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, bits: int,
@@ -549,6 +553,9 @@ def _check_quant_scores_metadata(x: torch.Tensor, up_codes: torch.Tensor, up_sca
     torch._check(up_scale.dim() == 1,
                  lambda: f"quant_scores: up_scale must be float16 of shape [n], got shape {tuple(up_scale.shape)}")
     d, n = x.shape[1], up_scale.shape[0]
+    torch._check(d <= QUANT_MAX_COLUMNS,
+                 lambda: f"quant_scores: x has d={d} columns, at most {QUANT_MAX_COLUMNS} (the integer dot products of "
+                         "the int8-rounded x sum in int32)")
     _check_quant_matrix("up", up_codes, up_scale, up_bias, up_bits, d, n, x.device)
     torch._check((gate_codes is None) == (gate_scale is None),
                  lambda: "quant_scores: gate_codes and gate_scale come together (both for a GLU, neither otherwise)")
@@ -572,14 +579,28 @@ def dequantize_rows(codes: torch.Tensor, scale: torch.Tensor, bits: int, d: int)
     return (unpack_codes(codes, bits, d).float() - ((1 << bits) - 1) / 2) * scale.float().unsqueeze(1)
 
 
+def round_x_int8(x: torch.Tensor) -> torch.Tensor:
+    """float32 [T, d]: x [T, d] rounded to int8 per token, as quant_scores scores it: q = round(x * (127 / max|x|))
+    (half to even), x ~ q * max|x| / 127. A token with a non-finite entry becomes all NaN; an all-zero one stays 0."""
+    xf = x.float()
+    if xf.shape[1] == 0:
+        return xf
+    finite = xf.isfinite().all(1, keepdim=True)
+    peak = xf.abs().amax(1, keepdim=True)
+    inv = torch.where(finite & (peak > 0), 127 / peak, torch.zeros_like(peak))
+    q = (xf * inv).round().clamp(-127, 127)
+    return q * torch.where(finite, peak / 127, torch.full_like(peak, float("nan")))
+
+
 def quant_scores_reference(x: torch.Tensor, up_codes: torch.Tensor, up_scale: torch.Tensor,
                            up_bias: torch.Tensor | None, gate_codes: torch.Tensor | None,
                            gate_scale: torch.Tensor | None, gate_bias: torch.Tensor | None, up_bits: int,
                            gate_bits: int, activation: str) -> torch.Tensor:
-    """Pure-torch quant_scores: dequantise every row, then two float32 matmuls. x [T, d] -> float32 [T, n]."""
+    """Pure-torch quant_scores: round x to int8 per token, dequantise every row, then two float32 matmuls.
+    x [T, d] -> float32 [T, n]."""
     _check_quant_scores_metadata(x, up_codes, up_scale, up_bias, gate_codes, gate_scale, gate_bias, up_bits,
                                  gate_bits, activation)
-    d, xf, act = x.shape[1], x.float(), ACTIVATIONS[activation].fn
+    d, xf, act = x.shape[1], round_x_int8(x), ACTIVATIONS[activation].fn
     up = F.linear(xf, dequantize_rows(up_codes, up_scale, up_bits, d), up_bias)
     if gate_codes is None:
         return act(up).abs()

@@ -70,10 +70,12 @@ def quant_scores(x: torch.Tensor, up_codes: torch.Tensor, up_scale: torch.Tensor
     """|act(x . gate + gate_bias) * (x . up + up_bias)| per neuron (|act(x . up + up_bias)| without a gate) from
     per-row low-bit codes (the quant predictor's scores, flashllm_ext/predictor/quant.py); CPU only.
 
-    x: [T, d] float32 | float16 | bfloat16 (computed in float32); T = 1..8 share one pass over the codes
-    up_codes: uint8 [N, ceil(d * up_bits / 8)], 8 / up_bits codes q per byte, the first in the low bits
+    x: [T, d] float32 | float16 | bfloat16, d <= 2^20, rounded to int8 per token (flashllm_ext._ops.round_x_int8)
+       before the dot products, on every CPU path; T = 1..8 share one pass over the codes
+    up_codes: uint8 [N, ceil(d * up_bits / 8)], a little-endian bit stream of codes q per row (8 / up_bits per
+              byte, the first in the low bits, for 1, 2 and 4 bits; 8 per 3 bytes for 3 bits)
     up_scale: float16 [N]; a row is (q - (2^up_bits - 1) / 2) * scale
-    up_bits, gate_bits: 1 | 2 | 4
+    up_bits, gate_bits: 1 | 2 | 3 | 4
     up_bias, gate_bias: float32 [N]; None for none
     gate_codes: uint8 [N, ceil(d * gate_bits / 8)] and gate_scale: float16 [N] for a GLU; None for none
     activation: "relu" | "silu" | "gelu" (flashllm_ext._ops.ACTIVATIONS)

@@ -8,14 +8,16 @@ from flashllm_ext import _C
 
 AVX2 = {"avx2", "fma", "f16c", "popcnt"}
 AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512vl"}
-AVX512_VBMI2 = AVX512 | {"avx512vbmi2"}
+AVX512_VNNI = AVX512 | {"avx512vnni"}
+AVX512_VBMI2 = AVX512_VNNI | {"avx512vbmi2"}
 
 
 @pytest.mark.parametrize("features,isa", [
-    (set(), "scalar"), (AVX2, "avx2"), (AVX512, "avx512"), (AVX512_VBMI2, "avx512vbmi2"),
+    (set(), "scalar"), (AVX2, "avx2"), (AVX512, "avx512"), (AVX512_VNNI, "avx512vnni"), (AVX512_VBMI2, "avx512vbmi2"),
     (AVX512_VBMI2 | {"avx512_fp16", "sse4.2"}, "avx512vbmi2"),  # features no path needs change nothing
     ({"avx2"}, "scalar"), (AVX512 - {"avx512vl"}, "avx2"), (AVX512_VBMI2 - {"avx512bw"}, "avx2"),
     (AVX2 | {"avx512vbmi2"}, "avx2"),
+    (AVX512 | {"avx512vbmi2"}, "avx512"),  # VBMI2 without VNNI (no such CPU known): the level below VNNI
 ])
 def test_isa_for_features(features, isa):
     assert _C.isa_for_features(sorted(features)) == isa
@@ -39,7 +41,8 @@ def test_bad_feature_lists_are_refused():
 def test_detected_isa_follows_the_cpu_flags():
     with open("/proc/cpuinfo") as f:
         flags = next(line for line in f if line.startswith("flags")).split(":", 1)[1].split()
-    # The kernel spells one name differently from GCC; it also clears flags whose register state the OS does not
+    # The kernel spells two names differently from GCC; it also clears flags whose register state the OS does not
     # save, as libgcc's own check does.
-    features = {"avx512vbmi2" if flag == "avx512_vbmi2" else flag for flag in flags}
+    gcc_names = {"avx512_vbmi2": "avx512vbmi2", "avx512_vnni": "avx512vnni"}
+    features = {gcc_names.get(flag, flag) for flag in flags}
     assert _C.detected_cpu_isa() == _C.isa_for_features(features)

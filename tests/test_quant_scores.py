@@ -1,6 +1,6 @@
 """flashllm::quant_scores (the quant predictor's scores from low-bit rows) on the CPU: native kernel against the
-pure-torch reference (dequantise, then matmul) to float32 rounding over shapes, bits, biases, gate and activations,
-on both CPU paths;
+pure-torch reference (round x to int8 per token, dequantise, then matmul) to float32 rounding over shapes, bits,
+biases, gate and activations, on every CPU path; the int8 rounding of x is part of the contract on every path;
 opcheck and the fake kernel; bad inputs; the predictor calls it."""
 import itertools
 
@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from flashllm_ext import ops
-from flashllm_ext._ops import ACTIVATIONS, dequantize_rows, quant_scores_reference
+from flashllm_ext._ops import ACTIVATIONS, QUANT_MAX_COLUMNS, dequantize_rows, quant_scores_reference, round_x_int8
 from flashllm_ext.predictor.quant import pack_codes
 from conftest import cpu_isas, forced_isa_fixture
 
 OPS = torch.ops.flashllm
-# The table path (below AVX-512) and the in-register decode (AVX-512 and up).
-isa = forced_isa_fixture([i for i in cpu_isas() if i in ("avx2", "avx512")])
+# The table path (below AVX-512), the in-register decode into fp32 FMA (AVX-512) and the integer dot products (VNNI).
+isa = forced_isa_fixture(cpu_isas(paths=("avx2", "avx512", "avx512vnni")))
 
 
 def quant_matrix(n: int, d: int, bits: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,12 +47,12 @@ def assert_close_to_reference(args: tuple, activation: str) -> None:
     assert got.dtype == torch.float32 and got.shape == want.shape
     # float32 rounding of a length-d dot product: relative to the sum of |terms| (the magnitude it rounds at)
     x, up_codes, up_scale, up_bias, gate_codes, gate_scale, gate_bias, up_bits, gate_bits = args
-    d = x.shape[1]
-    mag_up = x.float().abs() @ dequantize_rows(up_codes, up_scale, up_bits, d).abs().t()
+    d, x = x.shape[1], round_x_int8(x)  # what every path multiplies
+    mag_up = x.abs() @ dequantize_rows(up_codes, up_scale, up_bits, d).abs().t()
     tol = 1.2 * (mag_up * 1e-5 + 1e-6)  # |act'| <= 1.2 for every activation
     if gate_codes is not None:
-        mag_gate = x.float().abs() @ dequantize_rows(gate_codes, gate_scale, gate_bits, d).abs().t()
-        up = (x.float() @ dequantize_rows(up_codes, up_scale, up_bits, d).t()).abs() + mag_up * 1e-5
+        mag_gate = x.abs() @ dequantize_rows(gate_codes, gate_scale, gate_bits, d).abs().t()
+        up = (x @ dequantize_rows(up_codes, up_scale, up_bits, d).t()).abs() + mag_up * 1e-5
         tol = (mag_gate * 1e-5 + 1e-6) * 1.2 * (up + (up_bias.abs() if up_bias is not None else 0)) + \
             (mag_gate + (gate_bias.abs() if gate_bias is not None else 0)) * 1.2 * tol
     assert bool(((got - want).abs() <= tol).all()), float(((got - want).abs() - tol).max())
@@ -64,6 +64,54 @@ def assert_close_to_reference(args: tuple, activation: str) -> None:
 def test_matches_reference(isa, T, d, up_bits, gate_bits):
     for activation, biases in itertools.product(ACTIVATIONS, (False, True)):
         assert_close_to_reference(case(T, d, 37, up_bits, gate_bits, biases, seed=T * 1000 + d), activation)
+
+
+# Widths around the VNNI path's steps (64 code bytes for 1, 2 and 4 bits: 512, 256, 128 columns; 24 bytes for 3 bits:
+# 64 columns, read 32 bytes at a time) and its masked loads at a row's end.
+@pytest.mark.parametrize("d", [63, 64, 65, 85, 86, 127, 128, 129, 255, 256, 257, 511, 512, 513, 1031])
+@pytest.mark.parametrize("up_bits,gate_bits", [(1, None), (2, None), (3, None), (4, None), (3, 4), (2, 1)])
+def test_chunk_boundaries(isa, d, up_bits, gate_bits):
+    for T in (1, 3):
+        assert_close_to_reference(case(T, d, 9, up_bits, gate_bits, True, seed=d * 10 + up_bits), "silu")
+
+
+def test_x_is_rounded_to_int8_per_token(isa):
+    """The contract, on every path: an entry below half a step of max|x| / 127 counts as zero, and a token's
+    scale is its own (the second token is the first times 1000)."""
+    x, uc, us, ub, gc, gs, gb, up_bits, gate_bits = case(1, 40, 12, 4, 2, True, seed=5)
+    x = x / x.abs().max()
+    x[0, 7] = 0.49 / 127  # rounds to 0
+    x = torch.cat([x, x * 1000])
+    zeroed = x.clone()
+    zeroed[:, 7] = 0
+    args = (uc, us, ub, gc, gs, gb, up_bits, gate_bits, "silu")
+    got = OPS.quant_scores(x, *args)
+    torch.testing.assert_close(got, OPS.quant_scores(zeroed, *args), rtol=1e-6, atol=0)
+    torch.testing.assert_close(got, quant_scores_reference(x, *args), rtol=2e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("activation", sorted(ACTIVATIONS))
+def test_a_non_finite_token_scores_nan(isa, activation):
+    """x rounded per token: an inf or NaN entry makes its token's every score NaN, as in the reference, and
+    leaves the other tokens alone."""
+    args = case(3, 70, 11, 3, 4, True, seed=9)
+    x = args[0].clone()
+    x[0, 5], x[2, 69] = float("inf"), float("nan")
+    args = (x,) + args[1:]
+    got, want = OPS.quant_scores(*args, activation), quant_scores_reference(*args, activation)
+    assert bool(got[[0, 2]].isnan().all()) and bool(want[[0, 2]].isnan().all())
+    alone = (x[1:2],) + args[1:]
+    assert torch.equal(got[1:2], OPS.quant_scores(*alone, activation))
+    assert_close_to_reference(alone, activation)
+
+
+def test_integer_sums_do_not_overflow_at_the_largest_d(isa):
+    """d = QUANT_MAX_COLUMNS, every code 15 and x all ones: 15 * 127 * d, the largest sum, fits in int32."""
+    d = QUANT_MAX_COLUMNS
+    codes = torch.full((1, d // 2), 255, dtype=torch.uint8)
+    scale = torch.ones(1, dtype=torch.float16)
+    got = OPS.quant_scores(torch.ones(1, d), codes, scale, None, None, None, None, 4, 4, "relu")
+    assert float(got) == pytest.approx(7.5 * d, rel=1e-6)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -108,6 +156,7 @@ def _replace(args: tuple, **changes) -> tuple:
     ({"gate_bits": 8}, "gate_bits must be 1, 2, 3 or 4"),
     ({"x": torch.zeros(2, 30, dtype=torch.int32)}, "x must be a 2-D float32/float16/bfloat16"),
     ({"x": torch.zeros(30)}, "x must be a 2-D"),
+    ({"x": torch.zeros(1, QUANT_MAX_COLUMNS + 1)}, r"x has d=1048577 columns, at most 1048576"),
     ({"x": torch.zeros(2, 33)}, r"up_codes must be uint8 of shape \[n=17, ceil\(d=33 \* 2 / 8\)=9\]"),
     ({"up_codes": torch.zeros(17, 8, dtype=torch.int8)}, "up_codes must be uint8"),
     ({"up_scale": torch.zeros(17)}, "up_scale must be float16"),

@@ -10,13 +10,13 @@ namespace {
 
 // Every feature a path's kernels are compiled with, and the lowest path that needs it: the target attributes in
 // csrc/cpu/*.cpp (sparse_ffn: "avx2,fma,f16c" and "avx512f,avx512bw,avx512vl,fma,f16c"; endor_decompress:
-// "avx2,popcnt", "avx512f,avx512bw,avx512vl,popcnt" and "+avx512vbmi2"). A path needs the features of every
+// "avx2,popcnt", "avx512f,avx512bw,avx512vl,popcnt" and "+avx512vbmi2"; quant_scores: "+avx512vnni"). A path needs the features of every
 // path below it too (a kernel with no code of its own at one level runs the level below), so a CPU or VM that
 // masks FMA or F16C gets the scalar path rather than SIGILL. One list, used both to probe the CPU and to decide.
 #define FLASHLLM_CPU_FEATURES(X)                                  \
   X("avx2", kAvx2) X("fma", kAvx2) X("f16c", kAvx2) X("popcnt", kAvx2) \
   X("avx512f", kAvx512) X("avx512bw", kAvx512) X("avx512vl", kAvx512)  \
-  X("avx512vbmi2", kAvx512Vbmi2)
+  X("avx512vnni", kAvx512Vnni) X("avx512vbmi2", kAvx512Vbmi2)
 
 struct CpuFeature {
   const char* name;
@@ -78,6 +78,7 @@ void force_cpu_isa(CpuIsa isa) {
 const char* cpu_isa_name(CpuIsa isa) {
   switch (isa) {
     case CpuIsa::kAvx512Vbmi2: return "avx512vbmi2";
+    case CpuIsa::kAvx512Vnni: return "avx512vnni";
     case CpuIsa::kAvx512: return "avx512";
     case CpuIsa::kAvx2: return "avx2";
     default: return "scalar";
@@ -85,7 +86,8 @@ const char* cpu_isa_name(CpuIsa isa) {
 }
 
 CpuIsa cpu_isa_from_name(const std::string& name) {
-  for (CpuIsa isa : {CpuIsa::kScalar, CpuIsa::kAvx2, CpuIsa::kAvx512, CpuIsa::kAvx512Vbmi2}) {
+  for (CpuIsa isa : {CpuIsa::kScalar, CpuIsa::kAvx2, CpuIsa::kAvx512, CpuIsa::kAvx512Vnni,
+                     CpuIsa::kAvx512Vbmi2}) {
     if (name == cpu_isa_name(isa)) return isa;
   }
   throw std::invalid_argument("unknown CPU ISA '" + name + "' (scalar, avx2, avx512, avx512vbmi2)");

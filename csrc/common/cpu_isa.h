@@ -6,7 +6,9 @@
 
 namespace flashllm {
 
-enum class CpuIsa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Vbmi2 = 3 };
+// Ordered: each level needs every feature of the levels below it. VNNI sits below VBMI2 because every CPU with
+// VBMI2 (Ice Lake and later, Zen 4) has VNNI, while Cascade Lake has VNNI without VBMI2.
+enum class CpuIsa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Vnni = 3, kAvx512Vbmi2 = 4 };
 
 CpuIsa detected_cpu_isa();           // best ISA this CPU and OS support
 CpuIsa active_cpu_isa();             // what kernels use now: detected, or lower if forced
@@ -14,7 +16,7 @@ void force_cpu_isa(CpuIsa isa);      // throws std::invalid_argument above the d
 const char* cpu_isa_name(CpuIsa isa);
 CpuIsa cpu_isa_from_name(const std::string& name);  // throws std::invalid_argument on an unknown name
 
-// The best path for a CPU with `features` (GCC target names: "avx2", "fma", "f16c", "avx512vbmi2", ...): the
+// The best path for a CPU with `features` (GCC target names: "avx2", "fma", "f16c", "avx512vnni", ...): the
 // highest ISA whose kernels' every compiled-with feature, and every lower ISA's, is present. detected_cpu_isa()
 // is this function of what the CPU and OS report; tests call it on made-up feature sets.
 CpuIsa isa_for_features(const std::set<std::string>& features);

@@ -59,7 +59,7 @@ PyObject* set_kernel_checks(PyObject*, PyObject* arg) {
 PyMethodDef methods[] = {
     {"cpu_isa", cpu_isa, METH_NOARGS, "The CPU instruction set the kernels use now."},
     {"detected_cpu_isa", detected_cpu_isa, METH_NOARGS, "The best CPU instruction set available."},
-    {"set_cpu_isa", set_cpu_isa, METH_O, "Use a lower instruction set (scalar, avx2, avx512, avx512vbmi2)."},
+    {"set_cpu_isa", set_cpu_isa, METH_O, "Use a lower instruction set (scalar, avx2, avx512, avx512vnni, avx512vbmi2)."},
     {"isa_for_features", isa_for_features, METH_O,
      "The instruction set chosen for a CPU with these features (GCC target names, e.g. 'avx2', 'fma')."},
     {"kernel_checks", kernel_checks, METH_NOARGS, "Whether the CUDA ops check their data on the host (synchronising)."},

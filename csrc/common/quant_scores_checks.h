@@ -10,6 +10,9 @@ namespace flashllm {
 
 inline bool is_quant_bits(int64_t bits) { return bits >= 1 && bits <= 4; }
 
+// 15 * 127 * 2^20 < 2^31: a row's sum of code x int8 products fits in int32 (flashllm_ext/_ops.py: QUANT_MAX_COLUMNS).
+constexpr int64_t kQuantMaxColumns = int64_t{1} << 20;
+
 // One low-bit matrix: codes uint8 [n, ceil(d * bits / 8)], scale float16 [n], bias float32 [n] or none.
 inline void check_quant_matrix(const char* name, const at::Tensor& codes, const at::Tensor& scale,
                                const std::optional<at::Tensor>& bias, int64_t bits, int64_t d, int64_t n) {
@@ -43,6 +46,8 @@ inline void check_quant_scores_args(const at::Tensor& x, const at::Tensor& up_co
               "quant_scores: x must be a 2-D float32/float16/bfloat16 tensor [T, d], got ", x.scalar_type(),
               " of shape ", x.sizes());
   const int64_t d = x.size(1), n = up_scale.dim() == 1 ? up_scale.size(0) : -1;
+  TORCH_CHECK(d <= kQuantMaxColumns, "quant_scores: x has d=", d, " columns, at most ", kQuantMaxColumns,
+              " (the integer dot products of the int8-rounded x sum in int32)");
   TORCH_CHECK(n >= 0, "quant_scores: up_scale must be float16 of shape [n], got shape ", up_scale.sizes());
   check_quant_matrix("up", up_codes, up_scale, up_bias, up_bits, d, n);
   TORCH_CHECK(gate_codes.has_value() == gate_scale.has_value(),

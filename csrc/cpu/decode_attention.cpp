@@ -250,6 +250,7 @@ template <class T>
 IsaKernels<T> isa_kernels(CpuIsa isa) {
   switch (isa) {
     case CpuIsa::kAvx512Vbmi2:
+    case CpuIsa::kAvx512Vnni:
     case CpuIsa::kAvx512:
       return {{scores_avx512<T, 1>, scores_avx512<T, 2>, scores_avx512<T, 3>, scores_avx512<T, 4>},
               {accumulate_avx512<T, 1>, accumulate_avx512<T, 2>, accumulate_avx512<T, 3>, accumulate_avx512<T, 4>},

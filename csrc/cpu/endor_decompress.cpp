@@ -173,6 +173,7 @@ unsigned long long decompress(const W* values, int64_t nnz, const uint8_t* bitma
     W* dst = out + i * n_cols;
     switch (isa) {
       case CpuIsa::kAvx512Vbmi2: decode_row_avx512_vbmi2(v, bm, n_cols, dst); break;
+      case CpuIsa::kAvx512Vnni:
       case CpuIsa::kAvx512: decode_row_avx512(v, bm, n_cols, dst); break;
       case CpuIsa::kAvx2: decode_row_avx2(v, bm, n_cols, dst, values + nnz); break;
       default: decode_row_scalar(v, bm, n_cols, dst);

@@ -167,6 +167,7 @@ void linear_group(const LinearProblem<T>& p, const float* x, float* y, LowestBad
     float dots[NT];
     switch (isa) {
       case CpuIsa::kAvx512Vbmi2:
+      case CpuIsa::kAvx512Vnni:
       case CpuIsa::kAvx512: row_dots_avx512<T, NT>(v, bm, p.n_cols, x, dots); break;
       case CpuIsa::kAvx2: row_dots_avx2<T, NT>(v, bm, p.n_cols, x, p.values + p.nnz, dots); break;
       default: row_dots_scalar<T, NT>(v, bm, p.n_cols, x, p.n_cols, dots);

@@ -1,13 +1,18 @@
 // flashllm::quant_scores on the CPU: |act(x . gate + b) * (x . up + b)| (or |act(x . up + b)|) per neuron from
-// per-row low-bit codes, never dequantising a row. A code byte holds 8 / bits codes, so the dot product of a row with
-// one token is a sum over its bytes of a per-(byte position, byte value) partial dot product: those lookup tables
-// (256 entries per byte position, built once per call from x in ~256 adds each) turn d multiply-adds per row into
-// d * bits / 8 table reads. Up to 8 tokens share one pass over the codes (the tables hold the 8 tokens side by side),
-// so the codes, the bytes that matter, are read once per 8 tokens. With AVX-512 (runtime dispatch, common/cpu_isa.h)
-// the codes are instead decoded 16 at a time in registers (shift, mask, convert) and multiplied into x: ~5x faster
-// than the table reads at T=1 on one thread (1.1 vs 0.2 ms, default model shapes), which remain the path below it.
-// A row is a little-endian bit stream of codes; 3-bit codes straddle bytes, so below AVX-512 they are decoded 8 at a
-// time (3 bytes) in scalar code instead of through byte tables.
+// per-row low-bit codes, never dequantising a row. x is first rounded to int8 per token (the op's contract, every path
+// alike: _ops.round_x_int8), so the dot product of a row with a token is an integer sum of code x int8 products.
+// Paths by runtime ISA (common/cpu_isa.h), fastest first:
+// - AVX-512 VNNI: the codes, unsigned, go to vpdpbusd as they are (4 and 2 and 1 bits: shift and mask a 64-byte load
+//   into 64 one-byte codes per step; 3 bits: 24 bytes spread by vpshufb and per-word shifts); x is laid out per call
+//   in the order those steps produce the codes, so nothing is interleaved per row. The centre is subtracted once per
+//   row from sum(xq); the int32 sums are exact. 64 multiply-adds per instruction against the float path's 16.
+// - AVX-512: the codes decoded 16 at a time in registers (shift, mask, convert) and multiplied into x in fp32 FMA.
+// - below: a code byte holds 8 / bits codes, so a row's dot product with one token is a sum over its bytes of a
+//   per-(byte position, byte value) partial dot product: lookup tables (256 entries per byte position, built once
+//   per call from x in ~256 adds each) turn d multiply-adds per row into d * bits / 8 table reads; 3-bit codes
+//   straddle bytes and are decoded 8 at a time (3 bytes) in scalar code instead.
+// Up to 8 tokens share one pass over the codes, so the codes, the bytes that matter, are read once per 8 tokens.
+// A row is a little-endian bit stream of codes.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -17,6 +22,7 @@
 #include <cmath>
 #include <cstring>
 #include <optional>
+#include <utility>
 #include <vector>
 
 #include "common/cpu_isa.h"
@@ -132,49 +138,241 @@ __attribute__((target("avx512f"))) void row_dots_avx512(const uint8_t* codes, in
   for (int t = 0; t < TB; ++t) acc[t] = _mm512_reduce_add_ps(sum[t]);
 }
 
+// x rounded to int8 per token, the op's contract (flashllm_ext._ops.round_x_int8, which the reference uses):
+// q = round(x * (127 / max|x|)) (half to even, as nearbyint and vcvtps2dq round), scale = max|x| / 127, x ~ q * scale.
+// A token with a non-finite entry gets q = 0 and scale NaN, so its every score is NaN, as in the reference.
+void round_x_int8(const float* x, int64_t d, int8_t* q, float* scale, int32_t* sum) {
+  float peak = 0.f;
+  bool finite = true;
+  for (int64_t k = 0; k < d; ++k) {
+    finite = finite && std::isfinite(x[k]);
+    peak = std::max(peak, std::abs(x[k]));
+  }
+  if (!finite) {
+    std::fill(q, q + d, int8_t{0});
+    *scale = std::nanf("");
+    *sum = 0;
+    return;
+  }
+  const float inv = peak > 0.f ? 127.f / peak : 0.f;
+  // Adding and subtracting 1.5 * 2^23 rounds |v| <= 127 to the nearest integer, half to even (the default rounding
+  // mode), as nearbyint does, without its library call; the clamp first (the bounds are integers: same result).
+  constexpr float kRound = 12582912.f;
+  int32_t total = 0;
+  for (int64_t k = 0; k < d; ++k) {
+    const float v = std::clamp(x[k] * inv, -127.f, 127.f);
+    q[k] = static_cast<int8_t>((v + kRound) - kRound);
+    total += q[k];
+  }
+  *scale = peak / 127.f;
+  *sum = total;
+}
+
+// ---- AVX-512 VNNI. One step reads a chunk of a row's codes: 64 bytes (512 / bits codes) for 1, 2 and 4 bits,
+// 24 bytes (64 codes) for 3 bits, and multiplies each 64 codes it yields into 64 bytes of x laid out in that order.
+#define FLASHLLM_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
+
+constexpr int64_t vnni_chunk_bytes(int64_t bits) { return bits == 3 ? 24 : 64; }
+constexpr int64_t vnni_chunk_cols(int64_t bits) { return bits == 3 ? 64 : 512 / bits; }
+int64_t vnni_chunks(int64_t width, int64_t bits) { return (width + vnni_chunk_bytes(bits) - 1) / vnni_chunk_bytes(bits); }
+
+// The int8 x of one token in the order the chunks yield the codes, zeros past d (so the padding codes of a row's
+// last byte, and the zeros a masked load reads past the row, count for nothing). 1, 2 and 4 bits: the j-th shift
+// of a chunk's 64 bytes holds code j of each byte, so layout byte j * 64 + p is column p * (8 / bits) + j of the
+// chunk. 3 bits: each 128-bit lane yields 16 codes with code m in byte 2m and code m + 8 in byte 2m + 1 (decode3).
+void lay_out_x_vnni(const int8_t* q, int64_t d, int64_t bits, int64_t chunks, int8_t* out) {
+  const int64_t cols = vnni_chunk_cols(bits);
+  const auto at = [&](int64_t col) -> int8_t { return col < d ? q[col] : 0; };
+  for (int64_t c = 0; c < chunks; ++c, out += cols) {
+    const int64_t first = c * cols;
+    if (bits == 3) {
+      for (int64_t lane = 0; lane < 64; lane += 16) {
+        for (int64_t m = 0; m < 8; ++m) {
+          out[lane + 2 * m] = at(first + lane + m);
+          out[lane + 2 * m + 1] = at(first + lane + m + 8);
+        }
+      }
+    } else {
+      const int64_t per = 8 / bits;
+      for (int64_t j = 0; j < per; ++j)
+        for (int64_t p = 0; p < 64; ++p) out[j * 64 + p] = at(first + p * per + j);
+    }
+  }
+}
+
+// 3 bits: 16 codes (6 bytes) per 128-bit lane. Code m of a lane's 16 starts at bit 3m: byte (3m) / 8, shift (3m) % 8,
+// and code m + 8 (3 bytes on) at the same shift. vpshufb puts those two bytes (and the next) into word m twice; a
+// right shift by s brings code m to the word's low byte, a left shift by 8 - s brings code m + 8 to its high byte.
+struct Decode3Tables {
+  alignas(64) uint8_t low[64], high[64];  // vpshufb controls (per lane, relative to the lane's source bytes)
+  alignas(64) uint16_t right[32], left[32];
+};
+constexpr Decode3Tables make_decode3_tables() {
+  Decode3Tables t{};
+  // After the qword spread (decode3), lane l's 6 source bytes start at byte lane_start[l] of that lane.
+  constexpr int lane_start[4] = {0, 6, 4, 2};
+  for (int l = 0; l < 4; ++l) {
+    for (int m = 0; m < 8; ++m) {
+      const int byte = lane_start[l] + 3 * m / 8, shift = 3 * m % 8, at = 16 * l + 2 * m;
+      t.low[at] = static_cast<uint8_t>(byte);
+      t.low[at + 1] = static_cast<uint8_t>(byte + 1);
+      t.high[at] = static_cast<uint8_t>(byte + 3);
+      t.high[at + 1] = static_cast<uint8_t>(byte + 4);
+      t.right[8 * l + m] = static_cast<uint16_t>(shift);
+      t.left[8 * l + m] = static_cast<uint16_t>(8 - shift);
+    }
+  }
+  return t;
+}
+constexpr Decode3Tables kDecode3 = make_decode3_tables();
+
+// The 64 codes of 24 bytes (raw: those bytes and 8 more, unused). Lane l needs bytes [6l, 6l + 6): qwords {0,1},
+// {0,1}, {1,2}, {2,3} put them at 0, 6, 4, 2 within the lane.
+FLASHLLM_VNNI inline __m512i decode3(__m256i raw) {
+  const __m512i spread = _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 1, 0, 1, 1, 2, 2, 3),
+                                                  _mm512_castsi256_si512(raw));
+  const __m512i low = _mm512_srlv_epi16(_mm512_shuffle_epi8(spread, _mm512_load_si512(kDecode3.low)),
+                                        _mm512_load_si512(kDecode3.right));
+  const __m512i high = _mm512_sllv_epi16(_mm512_shuffle_epi8(spread, _mm512_load_si512(kDecode3.high)),
+                                         _mm512_load_si512(kDecode3.left));
+  // Low bytes from `low`, high bytes from `high` (ternary 0xE4: c ? a : b), then the 3 code bits of each.
+  const __m512i words = _mm512_ternarylogic_epi32(low, high, _mm512_set1_epi16(0x00FF), 0xE4);
+  return _mm512_and_si512(words, _mm512_set1_epi8(7));
+}
+
+// The first `count` bytes (< 64) of p, zeros after: never reads past a row (the last row ends the allocation).
+FLASHLLM_VNNI inline __m512i load_bytes(const uint8_t* p, int64_t count) {
+  return count >= 64 ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi8((__mmask64{1} << count) - 1, p);
+}
+
+// sum[t] += the 64 codes q times token t's 64 bytes of laid-out x (xstride bytes between tokens).
+template <int TB>
+FLASHLLM_VNNI inline void dot_step(__m512i (&sum)[TB], __m512i q, const int8_t* x, int64_t xstride) {
+#pragma GCC unroll 8
+  for (int t = 0; t < TB; ++t) sum[t] = _mm512_dpbusd_epi32(sum[t], q, _mm512_loadu_si512(x + t * xstride));
+}
+
+// One 64-byte chunk of 1, 2 or 4-bit codes: shift J yields code J of every byte, for x's J-th 64 bytes (xc).
+// Even and odd shifts feed two accumulator sets: two vpdpbusd latency chains per token.
+template <int TB, int BITS, int... J>
+FLASHLLM_VNNI inline void dot_chunk(__m512i raw, const int8_t* xc, int64_t xstride, __m512i (&even)[TB],
+                                    __m512i (&odd)[TB], std::integer_sequence<int, J...>) {
+  const __m512i mask = _mm512_set1_epi8((1 << BITS) - 1);
+  (dot_step<TB>(J % 2 ? odd : even, _mm512_and_si512(_mm512_srli_epi16(raw, J * BITS), mask), xc + J * 64, xstride),
+   ...);
+}
+
+// One 24-byte chunk of 3-bit codes (64 codes); reads 32 bytes, the last 8 only while inside the row.
+template <int TB>
+FLASHLLM_VNNI inline void dot_chunk3(const uint8_t* codes, int64_t off, int64_t width, const int8_t* xc,
+                                     int64_t xstride, __m512i (&sum)[TB]) {
+  const __m256i raw = off + 32 <= width ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + off))
+                                        : _mm256_maskz_loadu_epi8((__mmask32{1} << (width - off)) - 1, codes + off);
+  dot_step<TB>(sum, decode3(raw), xc, xstride);
+}
+
+// acc[t] = sum over the row's codes q_k of q_k * xq[t][k] (int32, exact: |acc| <= 15 * 127 * d < 2^31 for the
+// d <= 2^20 the checks allow); xl: the tokens' laid-out x, xstride bytes apart.
+template <int TB, int BITS>
+FLASHLLM_VNNI void row_dots_vnni(const uint8_t* codes, int64_t width, const int8_t* xl, int64_t xstride,
+                                 int32_t* acc) {
+  // Every loop over t fully unrolled, so the accumulators stay in registers (a rolled loop keeps the arrays in
+  // memory and stores every vpdpbusd result).
+  __m512i even[TB], odd[TB];
+#pragma GCC unroll 8
+  for (int t = 0; t < TB; ++t) even[t] = odd[t] = _mm512_setzero_si512();
+  const int64_t chunks = vnni_chunks(width, BITS);
+  if constexpr (BITS == 3) {
+    int64_t c = 0;
+    for (; c + 2 <= chunks; c += 2) {
+      dot_chunk3<TB>(codes, c * 24, width, xl + c * 64, xstride, even);
+      dot_chunk3<TB>(codes, c * 24 + 24, width, xl + c * 64 + 64, xstride, odd);
+    }
+    if (c < chunks) dot_chunk3<TB>(codes, c * 24, width, xl + c * 64, xstride, even);
+  } else {
+    constexpr int kPer = 8 / BITS;
+    for (int64_t c = 0; c < chunks; ++c) {
+      dot_chunk<TB, BITS>(load_bytes(codes + c * 64, width - c * 64), xl + c * kPer * 64, xstride, even, odd,
+                          std::make_integer_sequence<int, kPer>{});
+    }
+  }
+#pragma GCC unroll 8
+  for (int t = 0; t < TB; ++t) acc[t] = _mm512_reduce_add_epi32(_mm512_add_epi32(even[t], odd[t]));
+}
+
 inline float activate(float v, int act) {
   switch (act) {
-    case kActRelu: return v > 0.f ? v : 0.f;
+    case kActRelu: return v < 0.f ? 0.f : v;  // NaN stays NaN, as torch.relu
     case kActSilu: return v / (1.f + std::exp(-v));
     default: return 0.5f * v * (1.f + std::erf(v * 0.70710678118654752f));
   }
 }
+
+enum class Path { kTables, kAvx512, kVnni };
 
 struct Matrix {
   const uint8_t* codes;
   const c10::Half* scale;
   const float* bias;  // nullptr for none
   int64_t bits, width;
+  // This block of tokens' x as the path reads it: byte tables (kTables, 1/2/4 bits) or the VNNI layout.
+  const float* table;
+  const int8_t* xl;
+  int64_t xl_stride;
 };
 
 Matrix matrix_of(const at::Tensor& codes, const at::Tensor& scale, const std::optional<at::Tensor>& bias,
                  int64_t bits, int64_t d) {
   return {codes.data_ptr<uint8_t>(), scale.data_ptr<c10::Half>(), bias ? bias->data_ptr<float>() : nullptr, bits,
-          (d * bits + 7) / 8};
+          (d * bits + 7) / 8, nullptr, nullptr, 0};
 }
 
-// One pass over the rows for TB tokens: AVX-512 decodes the codes against xpad (tables unused), otherwise the tables.
+// The tokens of one block as every path needs them: xpad is the rounded x in fp32 ([TB][dpad], dpad a multiple of
+// 16, zeros past d) for the float paths; scale and sum (of the int8 values) per token for VNNI.
+struct Block {
+  const float* xpad;
+  int64_t dpad;
+  const float* scale;
+  const int32_t* sum;
+};
+
+// One pass over the rows for TB tokens. dots() gives sum_k (q_k - centre) * x_k per token (x rounded, in fp32).
 template <int TB>
-void score_rows(const Matrix& up, const float* up_table, const Matrix* gate, const float* gate_table,
-                const float* xpad, int64_t dpad, bool avx512, int act, int64_t n, float* out, int64_t out_stride) {
-  const auto dots = [&](const Matrix& m, const float* table, int64_t r, float* acc) {
+void score_rows(const Matrix& up, const Matrix* gate, const Block& block, Path path, int act, int64_t n, float* out,
+                int64_t out_stride) {
+  const auto dots = [&](const Matrix& m, int64_t r, float* acc) {
     const uint8_t* row = m.codes + r * m.width;
-    if (!avx512 && m.bits == 3) row_dots_3bit<TB>(row, m.width, xpad, dpad, acc);
-    else if (!avx512) row_dots<TB>(row, m.width, table, acc);
-    else if (m.bits == 4) row_dots_avx512<TB, 4>(row, m.width, xpad, dpad, acc);
-    else if (m.bits == 3) row_dots_avx512<TB, 3>(row, m.width, xpad, dpad, acc);
-    else if (m.bits == 2) row_dots_avx512<TB, 2>(row, m.width, xpad, dpad, acc);
-    else row_dots_avx512<TB, 1>(row, m.width, xpad, dpad, acc);
+    if (path == Path::kVnni) {
+      int32_t raw[TB];
+      if (m.bits == 4) row_dots_vnni<TB, 4>(row, m.width, m.xl, m.xl_stride, raw);
+      else if (m.bits == 3) row_dots_vnni<TB, 3>(row, m.width, m.xl, m.xl_stride, raw);
+      else if (m.bits == 2) row_dots_vnni<TB, 2>(row, m.width, m.xl, m.xl_stride, raw);
+      else row_dots_vnni<TB, 1>(row, m.width, m.xl, m.xl_stride, raw);
+      // sum (q - c) xq with c = (2^bits - 1) / 2, doubled to stay in integers; 64 bits: 2 * 2^31 overflows int32.
+      const int64_t levels = (int64_t{1} << m.bits) - 1;
+      for (int t = 0; t < TB; ++t) {
+        acc[t] = static_cast<float>(2 * int64_t{raw[t]} - levels * block.sum[t]) * (0.5f * block.scale[t]);
+      }
+    } else if (path == Path::kAvx512) {
+      if (m.bits == 4) row_dots_avx512<TB, 4>(row, m.width, block.xpad, block.dpad, acc);
+      else if (m.bits == 3) row_dots_avx512<TB, 3>(row, m.width, block.xpad, block.dpad, acc);
+      else if (m.bits == 2) row_dots_avx512<TB, 2>(row, m.width, block.xpad, block.dpad, acc);
+      else row_dots_avx512<TB, 1>(row, m.width, block.xpad, block.dpad, acc);
+    } else if (m.bits == 3) {
+      row_dots_3bit<TB>(row, m.width, block.xpad, block.dpad, acc);
+    } else {
+      row_dots<TB>(row, m.width, m.table, acc);
+    }
   };
   // Threads only past ~1M code bytes x tokens: below that (one decode token of a small model, ~0.7M) a fork/join
   // costs more than it saves on a loaded machine.
 #pragma omp parallel for schedule(static) if (n * (up.width + (gate ? gate->width : 0)) * TB >= (1 << 20))
   for (int64_t r = 0; r < n; ++r) {
     float u[TB], g[TB];
-    dots(up, up_table, r, u);
+    dots(up, r, u);
     const float us = static_cast<float>(up.scale[r]), ub = up.bias ? up.bias[r] : 0.f;
     if (gate) {
-      dots(*gate, gate_table, r, g);
+      dots(*gate, r, g);
       const float gs = static_cast<float>(gate->scale[r]), gb = gate->bias ? gate->bias[r] : 0.f;
       for (int t = 0; t < TB; ++t) out[t * out_stride + r] = std::abs(activate(g[t] * gs + gb, act) * (u[t] * us + ub));
     } else {
@@ -201,43 +399,75 @@ at::Tensor quant_scores_cpu(const at::Tensor& x_in, const at::Tensor& up_codes_i
   const at::Tensor up_codes = up_codes_in.contiguous(), up_scale = up_scale_in.contiguous();
   const std::optional<at::Tensor> up_bias = contiguous(up_bias_in), gate_codes = contiguous(gate_codes_in),
                                   gate_scale = contiguous(gate_scale_in), gate_bias = contiguous(gate_bias_in);
-  const Matrix up = matrix_of(up_codes, up_scale, up_bias, up_bits, d);
+  Matrix up = matrix_of(up_codes, up_scale, up_bias, up_bits, d);
   std::optional<Matrix> gate;
   if (gate_codes) gate = matrix_of(*gate_codes, *gate_scale, gate_bias, gate_bits, d);
-  const bool avx512 = active_cpu_isa() >= CpuIsa::kAvx512;
-  // Tables for the matrices of 1, 2 or 4 bits without AVX-512; x padded for the rest (3-bit rows always decode).
-  const bool up_tables = !avx512 && up_bits != 3, gate_tables = !avx512 && gate && gate_bits != 3;
-  const bool padded = !up_tables || (gate && !gate_tables);
+  const CpuIsa isa = active_cpu_isa();
+  const Path path = isa >= CpuIsa::kAvx512Vnni ? Path::kVnni : isa >= CpuIsa::kAvx512 ? Path::kAvx512 : Path::kTables;
+
+  // x rounded to int8 per token, once for all tokens.
+  thread_local std::vector<int8_t> xq;
+  thread_local std::vector<float> x_scale;
+  thread_local std::vector<int32_t> x_sum;
+  xq.resize(T * d);
+  x_scale.resize(T);
+  x_sum.resize(T);
+  const float* xp = x.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t) round_x_int8(xp + t * d, d, xq.data() + t * d, &x_scale[t], &x_sum[t]);
+
+  // Per block of tokens: the VNNI layouts, or the rounded x in fp32, padded (AVX-512, and 3-bit rows below it), and
+  // the byte tables (1, 2 and 4 bits below AVX-512).
+  const bool up_tables = path == Path::kTables && up_bits != 3;
+  const bool gate_tables = path == Path::kTables && gate && gate_bits != 3;
+  const bool padded = path == Path::kAvx512 || (path == Path::kTables && (!up_tables || (gate && !gate_tables)));
   const int64_t dpad = (d + 15) / 16 * 16;
-  thread_local std::vector<float> tables, xpad;
+  thread_local std::vector<float> rounded, tables, xpad;
+  thread_local std::vector<int8_t> layouts;
+  if (path != Path::kVnni) {
+    rounded.resize(T * d);
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t k = 0; k < d; ++k) rounded[t * d + k] = static_cast<float>(xq[t * d + k]) * x_scale[t];
+  }
   const int64_t up_size = up_tables ? up.width * 256 * kMaxTokens : 0;
   const int64_t gate_size = gate_tables ? gate->width * 256 * kMaxTokens : 0;
   tables.resize(up_size + gate_size);
+  up.table = tables.data();
+  if (gate) gate->table = tables.data() + up_size;
   xpad.assign(padded ? kMaxTokens * dpad : 0, 0.f);
-  const float* xp = x.data_ptr<float>();
+  int8_t *up_xl = nullptr, *gate_xl = nullptr;
+  if (path == Path::kVnni) {
+    up.xl_stride = vnni_chunks(up.width, up_bits) * vnni_chunk_cols(up_bits);
+    if (gate) gate->xl_stride = vnni_chunks(gate->width, gate_bits) * vnni_chunk_cols(gate_bits);
+    layouts.resize(kMaxTokens * (up.xl_stride + (gate ? gate->xl_stride : 0)));
+    up.xl = up_xl = layouts.data();
+    if (gate) gate->xl = gate_xl = layouts.data() + kMaxTokens * up.xl_stride;
+  }
   float* op = out.data_ptr<float>();
   for (int64_t t0 = 0; t0 < T; t0 += kMaxTokens) {
     const int64_t tb = std::min(kMaxTokens, T - t0);
-    if (padded) {
-      // d == 0: an empty x has no data pointer, and memcpy from null is undefined even for 0 bytes.
-      for (int64_t t = 0; t < tb && d > 0; ++t) {
-        std::memcpy(xpad.data() + t * dpad, xp + (t0 + t) * d, d * sizeof(float));
+    for (int64_t t = 0; t < tb; ++t) {
+      if (path == Path::kVnni) {
+        const int8_t* q = xq.data() + (t0 + t) * d;
+        lay_out_x_vnni(q, d, up_bits, vnni_chunks(up.width, up_bits), up_xl + t * up.xl_stride);
+        if (gate) lay_out_x_vnni(q, d, gate_bits, vnni_chunks(gate->width, gate_bits), gate_xl + t * gate->xl_stride);
+      } else if (padded && d > 0) {  // an empty x has no data pointer; memcpy from null is undefined even for 0 bytes
+        std::memcpy(xpad.data() + t * dpad, rounded.data() + (t0 + t) * d, d * sizeof(float));
       }
     }
-    if (up_tables) build_tables(xp + t0 * d, d, tb, d, up_bits, tables.data());
-    if (gate_tables) build_tables(xp + t0 * d, d, tb, d, gate_bits, tables.data() + up_size);
+    if (up_tables) build_tables(rounded.data() + t0 * d, d, tb, d, up_bits, tables.data());
+    if (gate_tables) build_tables(rounded.data() + t0 * d, d, tb, d, gate_bits, tables.data() + up_size);
     const Matrix* g = gate ? &*gate : nullptr;
-    const float *ut = tables.data(), *gt = tables.data() + up_size, *xq = xpad.data();
+    const Block block{xpad.data(), dpad, x_scale.data() + t0, x_sum.data() + t0};
     float* o = op + t0 * n;
     switch (tb) {
-      case 1: score_rows<1>(up, ut, g, gt, xq, dpad, avx512, act, n, o, n); break;
-      case 2: score_rows<2>(up, ut, g, gt, xq, dpad, avx512, act, n, o, n); break;
-      case 3: score_rows<3>(up, ut, g, gt, xq, dpad, avx512, act, n, o, n); break;
-      case 4: score_rows<4>(up, ut, g, gt, xq, dpad, avx512, act, n, o, n); break;
-      case 5: score_rows<5>(up, ut, g, gt, xq, dpad, avx512, act, n, o, n); break;
-      case 6: score_rows<6>(up, ut, g, gt, xq, dpad, avx512, act, n, o, n); break;
-      case 7: score_rows<7>(up, ut, g, gt, xq, dpad, avx512, act, n, o, n); break;
-      default: score_rows<8>(up, ut, g, gt, xq, dpad, avx512, act, n, o, n); break;
+      case 1: score_rows<1>(up, g, block, path, act, n, o, n); break;
+      case 2: score_rows<2>(up, g, block, path, act, n, o, n); break;
+      case 3: score_rows<3>(up, g, block, path, act, n, o, n); break;
+      case 4: score_rows<4>(up, g, block, path, act, n, o, n); break;
+      case 5: score_rows<5>(up, g, block, path, act, n, o, n); break;
+      case 6: score_rows<6>(up, g, block, path, act, n, o, n); break;
+      case 7: score_rows<7>(up, g, block, path, act, n, o, n); break;
+      default: score_rows<8>(up, g, block, path, act, n, o, n); break;
     }
   }
   return out;

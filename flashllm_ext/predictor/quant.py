@@ -5,7 +5,8 @@ in form and approximately in value.
 A row w [d] is stored as codes q in [0, 2^b) packed as a little-endian bit stream (code k at bits [k b, (k + 1) b)
 of the row's bytes) and one float16 scale s:
 w ~ (q - (2^b - 1) / 2) * s, s chosen per row to minimise the squared error (a grid over fractions of max|w|).
-Scoring is the op quant_scores (flashllm_ext/ops.py): a CPU kernel reading each code once, never dequantising."""
+Scoring is the op quant_scores (flashllm_ext/ops.py): a CPU kernel reading each code once, never dequantising, with x
+rounded to int8 per token (integer dot products: AVX-512 VNNI where the CPU has it)."""
 from __future__ import annotations
 
 import torch
