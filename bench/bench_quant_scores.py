@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from common import arg_parser, device_name, emit, time_interleaved
+from common import arg_parser, device_name, emit, stream_probe, time_interleaved
 
 from flashllm_ext import _C, ops
 from flashllm_ext._ops import quant_scores_reference
@@ -49,6 +49,9 @@ def main() -> None:
                         help=f"comma-separated native paths to time, among {', '.join(PATHS)} (default: all this CPU "
                              "runs, up to avx2)")
     parser.add_argument("--reference", action="store_true", help="also time the pure-torch reference")
+    parser.add_argument("--stream", action="store_true",
+                        help="also time the memory-bandwidth probe (a 512 MiB sum), the bound of a scorer reading "
+                             "its codes from DRAM")
     parser.add_argument("--dtype", default="float16", help="the store's dtype (sparse_ffn's x and rows)")
     args = parser.parse_args()
     d, n, gate_bits, up_bits, activation, density, layers = SHAPES[args.shape]
@@ -84,6 +87,7 @@ def main() -> None:
                                     gate_scale=c["gate_scale"], gate_bits=gate_bits or 4, activation=activation)
         return cycling(call)
 
+    probe_bytes, probe = stream_probe() if args.stream else (0, None)
     previous_isa, previous_threads = _C.cpu_isa(), torch.get_num_threads()
     out = []
     for threads in [int(t) for t in args.threads.split(",")] if args.threads else [previous_threads]:
@@ -97,19 +101,23 @@ def main() -> None:
                     gate_bits or 4, activation))
             candidates["sparse_ffn"] = cycling(lambda c: ops.sparse_ffn(x, c["matrix"], num_used=rows,
                                                                          activation=activation, glu=glu))
+            if probe is not None:
+                candidates["stream"] = probe
             times = time_interleaved(candidates, rounds=args.rounds)
             _C.set_cpu_isa(previous_isa)
             ffn = times["sparse_ffn"]
             row = {"shape": args.shape, "threads": threads, "T": T, "d": d, "n": n,
                    "bits gate/up": f"{gate_bits or '-'}/{up_bits}", "layers": layers}
             for name in candidates:
-                if name != "sparse_ffn":
+                if name not in ("sparse_ffn", "stream"):
                     row[f"{name} ms"] = round(times[name] * 1e3, 3)
                     row[f"{name} / sparse_ffn"] = round(times[name] / ffn, 3)
             if "avx512vnni" in times and "avx512" in times:
                 row["avx512 / avx512vnni"] = round(times["avx512"] / times["avx512vnni"], 2)
             row[f"sparse_ffn ms (density {density})"] = round(ffn * 1e3, 3)
             row[f"{paths[0]} code GB/s"] = round(code_bytes / times[paths[0]] / 1e9, 2)
+            if probe is not None:
+                row["stream GB/s"] = round(probe_bytes / times["stream"] / 1e9, 2)
             row["device"] = device_name()
             out.append(row)
     torch.set_num_threads(previous_threads)
