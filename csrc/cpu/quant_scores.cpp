@@ -98,8 +98,9 @@ void row_dots_3bit(const uint8_t* codes, int64_t width, const float* xpad, int64
 
 // AVX-512: 16 codes per step decoded in registers (per-lane shift and mask), centred, and multiplied into TB
 // token accumulators; xpad is the rounded x in fp32, [TB][dpad] with dpad a multiple of 16 and zeros past d (so the
-// padding codes of the last byte count for nothing). bits * 2 bytes hold 16 codes. 3 and 4 bits: the low 8 lanes decode the first
-// 8 codes from the low 32 bits, the high 8 lanes the next 8 from the bits after them (3 bytes or 4 bytes on).
+// padding codes of the last byte count for nothing). bits * 2 bytes hold 16 codes. 3 and 4 bits: the low 8 lanes
+// decode the first 8 codes from the low 32 bits, the high 8 lanes the next 8 from the bits after them (3 bytes or 4
+// bytes on).
 template <int TB, int BITS>
 __attribute__((target("avx512f"))) void row_dots_avx512(const uint8_t* codes, int64_t width, const float* xpad,
                                                         int64_t dpad, float* acc) {
