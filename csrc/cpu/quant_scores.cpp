@@ -97,9 +97,10 @@ void row_dots_3bit(const uint8_t* codes, int64_t width, const float* xpad, int64
 }
 
 // AVX-512: 16 codes per step decoded in registers (per-lane shift and mask), centred, and multiplied into TB
-// token accumulators; xpad is x in fp32, [TB][dpad] with dpad a multiple of 16 and zeros past d (so the padding codes
-// of the last byte count for nothing). bits * 2 bytes hold 16 codes. 3 and 4 bits: the low 8 lanes decode the first
-// 8 codes from the low 32 bits, the high 8 lanes the next 8 from the bits after them (3 bytes or 4 bytes on).
+// token accumulators; xpad is the rounded x in fp32, [TB][dpad] with dpad a multiple of 16 and zeros past d (so the
+// padding codes of the last byte count for nothing). bits * 2 bytes hold 16 codes. 3 and 4 bits: the low 8 lanes
+// decode the first 8 codes from the low 32 bits, the high 8 lanes the next 8 from the bits after them (3 bytes or 4
+// bytes on).
 template <int TB, int BITS>
 __attribute__((target("avx512f"))) void row_dots_avx512(const uint8_t* codes, int64_t width, const float* xpad,
                                                         int64_t dpad, float* acc) {
@@ -139,7 +140,7 @@ __attribute__((target("avx512f"))) void row_dots_avx512(const uint8_t* codes, in
 }
 
 // x rounded to int8 per token, the op's contract (flashllm_ext._ops.round_x_int8, which the reference uses):
-// q = round(x * (127 / max|x|)) (half to even, as nearbyint and vcvtps2dq round), scale = max|x| / 127, x ~ q * scale.
+// q = round(x * (127 / max|x|)) (half to even, as torch.round), scale = max|x| / 127, x ~ q * scale.
 // A token with a non-finite entry gets q = 0 and scale NaN, so its every score is NaN, as in the reference.
 void round_x_int8(const float* x, int64_t d, int8_t* q, float* scale, int32_t* sum) {
   float peak = 0.f;
@@ -242,7 +243,7 @@ FLASHLLM_VNNI inline __m512i decode3(__m256i raw) {
   return _mm512_and_si512(words, _mm512_set1_epi8(7));
 }
 
-// The first `count` bytes (< 64) of p, zeros after: never reads past a row (the last row ends the allocation).
+// The first min(count, 64) bytes of p, zeros after: never reads past a row (the last row ends the allocation).
 FLASHLLM_VNNI inline __m512i load_bytes(const uint8_t* p, int64_t count) {
   return count >= 64 ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi8((__mmask64{1} << count) - 1, p);
 }
