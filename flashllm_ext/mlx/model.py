@@ -43,7 +43,6 @@ class DenseFFN:
         d = hidden_size
         self.up, self.gate, self.down = (to_mx(part) for part in (bundles[:, :d], bundles[:, d:2 * d], bundles[:, -d:]))
         self.activation = activation
-        self.nbytes = sum(w.nbytes for w in (self.up, self.gate, self.down))
 
     def __call__(self, x: mx.array) -> mx.array:
         return (_activate(x @ self.gate.T, self.activation) * (x @ self.up.T)) @ self.down
@@ -193,7 +192,8 @@ def _resident_arrays(store: FlashStore, dtype: torch.dtype) -> dict[str, mx.arra
     for name in store.resident_names():
         if not name.startswith("predictor."):
             weights[name.removeprefix("model.")] = to_mx(store.resident_tensor(name).to(dtype))
-    needed = ["embed_tokens.weight", "norm.weight"] + [
+    tied = bool(store.config.get("tie_word_embeddings", False))  # (transformers' default for Llama: untied)
+    needed = ["embed_tokens.weight", "norm.weight"] + ([] if tied else ["lm_head.weight"]) + [
         f"layers.{i}.{part}.weight" for i in range(store.n_layers)
         for part in ("input_layernorm", "post_attention_layernorm", *(f"self_attn.{p}" for p in _ATTENTION))]
     missing = [name for name in needed if name not in weights]
