@@ -99,7 +99,8 @@ def run_mode(config: dict) -> dict:
         row.update({"io ms": s["io_ms"], "mem ms": s["mem_ms"], "predictor ms": s["predictor_ms"],
                     "ffn compute ms": s["compute_ms"], "MB read/token": s["bytes_per_token"] / 1e6,
                     "reads/token": s["reads_per_token"], "hit rate": s["hit_rate"],
-                    "budget MB": s["budget_bytes"] / 1e6, "accounted MB": s["accounted_bytes"] / 1e6})
+                    "budget MB": None if s["budget_bytes"] is None else s["budget_bytes"] / 1e6,
+                    "accounted MB": s["accounted_bytes"] / 1e6})
         model.flash.close()
     return row
 
