@@ -243,7 +243,7 @@ def default_store(cache: Path, train_predictors: bool = True) -> Path:
 
     from flashllm_ext.convert import convert
     from flashllm_ext.models import fetch_default
-    from flashllm_ext.predictor import load_predictors
+    from flashllm_ext.predictor import DEFAULT_RECIPE, predictors_recipe
     from flashllm_ext.store import FlashStore
 
     path = cache / "smollm2-135m-fp16"
@@ -251,12 +251,9 @@ def default_store(cache: Path, train_predictors: bool = True) -> Path:
         FlashStore(path)
     except (OSError, FormatError):  # none yet, or written by an older format: (re)convert
         convert(fetch_default(), path, dtype="fp16", force=True)
-    if train_predictors:
-        try:
-            load_predictors(path)
-        except Exception:  # none yet: `flashllm train-predictors` writes them into the store
-            subprocess.run([sys.executable, "-m", "flashllm_ext.cli", "train-predictors", "default", "--store",
-                            str(path)], check=True)  # the default method and density (BENCHMARKS.md, issue 10)
+    if train_predictors and predictors_recipe(path) != DEFAULT_RECIPE:  # none yet, or an older default's
+        subprocess.run([sys.executable, "-m", "flashllm_ext.cli", "train-predictors", "default", "--store",
+                        str(path)], check=True)  # the default recipe (BENCHMARKS.md, issue 10)
     return path
 
 

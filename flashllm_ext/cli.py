@@ -64,16 +64,19 @@ def _train_predictors(args: argparse.Namespace) -> int:
     model, tokenizer = load_hf_model(gguf_path)
     token_ids = spread_windows(corpus_token_ids(tokenizer, "calibration"), -(-args.tokens // WINDOW), WINDOW)
     recall = None if args.recall <= 0 else args.recall
+    density = args.density or DEFAULT_DENSITY
     if args.method == "lowrank" and (args.density is None or args.top_k is not None):  # the classic operating point
         predictors = train_predictors(model, token_ids, args.target_sparsity, args.rank, args.epochs, recall,
                                       args.top_k, window=WINDOW)
+        density = None
     else:
-        predictors = build_predictors(model, token_ids, args.method, density=args.density or DEFAULT_DENSITY,
+        predictors = build_predictors(model, token_ids, args.method, density=density,
                                       target_sparsity=args.target_sparsity, rank=args.rank, epochs=args.epochs,
                                       recall=recall, gate_bits=args.gate_bits, up_bits=args.up_bits,
                                       base=args.base_method, block=args.block, window=WINDOW)
-    if args.store:
-        out = save_predictors_to_store(predictors, args.store)
+    if args.store:  # with the recipe, so a cache of the default ones (DEFAULT_RECIPE) knows these are them
+        bits = {"gate_bits": args.gate_bits, "up_bits": args.up_bits} if args.method == "quant" else {}
+        out = save_predictors_to_store(predictors, args.store, {"method": args.method, "density": density, **bits})
     else:
         save_predictors(predictors, out)
     config = {k: v for k, v in predictors.config().items() if k not in ("method", "n_layers", "ranks")}
@@ -102,7 +105,7 @@ def _add_calibrate_disk(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_train_predictors(sub: argparse._SubParsersAction) -> None:
-    from .predictor import DEFAULT_DENSITY, DEFAULT_METHOD, PREDICTOR_METHODS
+    from .predictor import DEFAULT_DENSITY, DEFAULT_GATE_BITS, DEFAULT_METHOD, DEFAULT_UP_BITS, PREDICTOR_METHODS
 
     train = sub.add_parser("train-predictors", help="build per-layer neuron predictors of one method")
     train.add_argument("source", metavar="CHECKPOINT",
@@ -112,12 +115,15 @@ def _add_train_predictors(sub: argparse._SubParsersAction) -> None:
     train.add_argument("--store", help="write the predictors into this flash store's resident file instead "
                                        "(a store converted from the same checkpoint)")
     train.add_argument("--method", choices=sorted(PREDICTOR_METHODS), default=DEFAULT_METHOD,
-                       help=f"predictor method (default {DEFAULT_METHOD}: BENCHMARKS.md, issue 10)")
+                       help=f"predictor method (default {DEFAULT_METHOD} {DEFAULT_GATE_BITS}/{DEFAULT_UP_BITS} bits at "
+                            f"density {DEFAULT_DENSITY}: BENCHMARKS.md, issue 10)")
     train.add_argument("--density", type=float, default=None,
                        help=f"target loaded density per layer, calibrated on the calibration text (default "
                             f"{DEFAULT_DENSITY}; lowrank without it: the recall operating point)")
-    train.add_argument("--gate-bits", type=int, default=4, help="quant: bits per W_gate weight (1, 2, 3, 4)")
-    train.add_argument("--up-bits", type=int, default=2, help="quant: bits per W_up weight (1, 2, 3, 4)")
+    train.add_argument("--gate-bits", type=int, default=DEFAULT_GATE_BITS,
+                       help=f"quant: bits per W_gate weight (1, 2, 3, 4; default {DEFAULT_GATE_BITS})")
+    train.add_argument("--up-bits", type=int, default=DEFAULT_UP_BITS,
+                       help=f"quant: bits per W_up weight (1, 2, 3, 4; default {DEFAULT_UP_BITS})")
     train.add_argument("--base-method", default="quant", help="context: the method that scores the neurons")
     train.add_argument("--block", type=int, default=16, help="context: decoded tokens per neuron set")
     train.add_argument("--rank", type=_ranks, default=None,

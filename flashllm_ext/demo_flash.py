@@ -1,17 +1,21 @@
 """`make demo`, part 1: generate text with the default model while its FFN weights stay on flash.
 
 Steps (each cached in the cache dir after the first run): convert SmolLM2-135M-Instruct (GGUF) into an fp16 flash
-store; build its neuron predictors (the default method of flashllm_ext.predictor) into the store; then
-generate the same greedy continuation of one prompt in every engine mode, each model built from the store by
-`load_flash` within the same DRAM budget (dense, the reference, holds everything), and print the text, the decode
-time per token with its I/O / memory-management / predictor / compute breakdown, bytes read per token and the
-cache hit rate. The budget here is what the engine accounts; bench/bench_e2e.py enforces it with a cgroup.
+store; build the default neuron predictors (flashllm_ext.predictor.DEFAULT_RECIPE) into the store, again whenever
+the store's were built by another recipe; then generate the same greedy continuation of one prompt in every engine
+mode, each mode in its own process inside a memory cgroup of that process's baseline + the DRAM budget (page cache
+counted, dropped first: flashllm_ext/cgroup.py; dense, the reference, has no limit). Prints the text, the decode
+time per token with its I/O / memory-management / predictor / compute breakdown, bytes and reads per token, the
+cache hit rate, the cgroup's limit and peak, and how many tokens equal `transformers`' own greedy output (the GGUF
+model in fp32; the store is fp16, so a late tie can differ).
 
-    python -m flashllm_ext.demo_flash [--budget 65%] [--tokens 32] [--prompt TEXT]
+    python -m flashllm_ext.demo_flash [--budget 85%] [--tokens 32] [--window 5] [--prompt TEXT] [--modes ...]
 """
 from __future__ import annotations
 
 import argparse
+import json
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -19,30 +23,34 @@ from pathlib import Path
 import torch
 
 from .convert import convert
-from .engine import load_flash
+from .cgroup import run_limited_child
+from .engine import load_flash, model_bytes, parse_budget
 from .errors import FormatError
 from .models import corpus_token_ids, fetch_default, load_hf_model, resolve_cache_dir, spread_windows
-from .predictor import DEFAULT_DENSITY, DEFAULT_METHOD, build_predictors, load_predictors, save_predictors_to_store
+from .predictor import DEFAULT_RECIPE, build_predictors, predictors_recipe, save_predictors_to_store
 from .report import print_table
 from .store import FlashStore
 
 
+COLUMNS = ["mode", "ms/token", "io ms", "mem ms", "predictor ms", "ffn compute ms", "MB read/token", "reads/token",
+           "hit rate", "budget MB", "accounted MB", "cgroup limit MB", "peak MB", "OOM", "tokens = transformers",
+           "s (with load)"]
+
 
 def prepare_store(gguf: Path, cache_dir: Path) -> Path:
-    """The default model's fp16 flash store with predictors, built once."""
+    """The default model's fp16 flash store with the default predictors (DEFAULT_RECIPE), each built once: the
+    predictors again whenever the store's were built by another recipe."""
     store_dir = cache_dir / f"{gguf.stem}.store-fp16"
     try:
         FlashStore(store_dir).close()
     except FormatError:  # no store yet, or one in an older format: (re)convert
         print(f"converting {gguf.name} into a flash store at {store_dir}")
         convert(gguf, store_dir, dtype="fp16", force=True)
-    try:
-        load_predictors(store_dir)
-    except Exception:  # noqa: BLE001  (no predictors yet, or from an older format: train them)
-        print(f"building {DEFAULT_METHOD} neuron predictors (loaded density {DEFAULT_DENSITY}) into {store_dir}")
+    if predictors_recipe(store_dir) != DEFAULT_RECIPE:  # none yet, or another recipe's (an older default)
+        print(f"building the default neuron predictors ({DEFAULT_RECIPE}) into {store_dir}")
         model, tokenizer = load_hf_model(gguf)
         ids = spread_windows(corpus_token_ids(tokenizer, "calibration"), 4, 512)
-        save_predictors_to_store(build_predictors(model, ids, window=512), store_dir)
+        save_predictors_to_store(build_predictors(model, ids, window=512), store_dir, DEFAULT_RECIPE)
     return store_dir
 
 
@@ -65,43 +73,93 @@ def greedy_decode(model: torch.nn.Module, prompt: torch.Tensor, n_tokens: int) -
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--budget", default="65%", help="DRAM budget: bytes, a share of the model, or a size")
+    # 85%: the least budget at which a layer's cache holds a token's set of the default predictors (~845 of 1536
+    # neurons): below it flash reads every set in parts with no hits (BENCHMARKS.md, "make demo with the retuned
+    # default predictor": at 50% the caches hold 4 rows a layer).
+    parser.add_argument("--budget", default="85%", help="DRAM budget: bytes, a share of the model, or a size")
     parser.add_argument("--tokens", type=int, default=32, help="tokens to generate")
+    parser.add_argument("--window", type=int, default=5, help="flash: the neuron cache's window in tokens")
     parser.add_argument("--prompt", default="The three primary colors are")
     parser.add_argument("--modes", default="dense,naive,hybrid,flash")
+    parser.add_argument("--child", help=argparse.SUPPRESS)  # one mode, in this process (the parent's JSON)
     return parser.parse_args(argv)
 
 
+def run_mode(config: dict) -> dict:
+    """One mode in this process (a child): load from the store, decode, and the row the parent prints."""
+    if config["mode"] == "probe":  # what every child holds before loading: the imports and the model's modules
+        from .engine import empty_model
+
+        store = FlashStore(config["store"])
+        empty_model(store.config, store.dtype, store.path)
+        return {}
+    model = load_flash(config["store"], dram_budget=config["budget_bytes"], mode=config["mode"],
+                       window=config["window"])
+    ids, seconds = greedy_decode(model, torch.tensor([config["prompt"]]), config["tokens"])
+    row = {"ids": ids.tolist(), "ms/token": seconds * 1e3}
+    if model.flash is not None:
+        s = model.flash_stats()
+        row.update({"io ms": s["io_ms"], "mem ms": s["mem_ms"], "predictor ms": s["predictor_ms"],
+                    "ffn compute ms": s["compute_ms"], "MB read/token": s["bytes_per_token"] / 1e6,
+                    "reads/token": s["reads_per_token"], "hit rate": s["hit_rate"],
+                    "budget MB": None if s["budget_bytes"] is None else s["budget_bytes"] / 1e6,
+                    "accounted MB": s["accounted_bytes"] / 1e6})
+        model.flash.close()
+    return row
+
+
 def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.child:
+        print(json.dumps(run_mode(json.loads(args.child))), flush=True)
+        return
     from transformers import AutoTokenizer
 
-    args = parse_args(argv)
     gguf = fetch_default()
     store_dir = prepare_store(gguf, resolve_cache_dir())
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
     prompt = tokenizer(args.prompt, return_tensors="pt").input_ids
-    print(f"\nprompt: {args.prompt!r} ({prompt.shape[1]} tokens), {args.tokens} greedy tokens, budget {args.budget}, "
-          f"{torch.get_num_threads()} CPU threads\n")
-    rows, reference = [], None
+    reference, _ = load_hf_model(gguf)
+    with torch.inference_mode():
+        expected = reference.generate(prompt, max_new_tokens=args.tokens, min_new_tokens=args.tokens,
+                                      do_sample=False)[0, prompt.shape[1]:]
+    del reference
+    sizing = load_flash(store_dir, None, mode="naive")  # "50%" is of what load_flash counts (engine.model_bytes)
+    total = model_bytes(sizing, sizing.flash.store)
+    sizing.flash.close()
+    del sizing
+    base = {"store": str(store_dir), "prompt": prompt[0].tolist(), "tokens": args.tokens, "window": args.window}
+
+    def child(config: dict, budget: int | None) -> tuple[list[dict], dict]:
+        argv = [sys.executable, "-m", "flashllm_ext.demo_flash", "--child", json.dumps(config)]
+        return run_limited_child(argv, budget, baseline, f"demo-{config['mode']}")
+
+    baseline = None  # the probe runs unlimited: its peak is every child's baseline
+    _, probe = child({**base, "mode": "probe"}, None)
+    baseline = None if probe["cgroup_peak_mb"] is None else int(probe["cgroup_peak_mb"] * 1e6)
+    print(f"\nprompt: {args.prompt!r} ({prompt.shape[1]} tokens), {args.tokens} greedy tokens, budget {args.budget} "
+          f"({parse_budget(args.budget, total) / 1e6:.1f} MB of {total / 1e6:.1f} MB), window {args.window}, "
+          f"{torch.get_num_threads()} CPU threads; each mode in a memory cgroup of its baseline "
+          f"({'none: ' + str(probe['cgroup_note']) if baseline is None else f'{baseline / 1e6:.0f} MB'}) + budget\n")
+    rows = []
     for mode in args.modes.split(","):
-        model = load_flash(store_dir, dram_budget=None if mode == "dense" else args.budget, mode=mode)
-        ids, seconds = greedy_decode(model, prompt, args.tokens)
-        reference = ids if reference is None else reference
+        budget = None if mode == "dense" else parse_budget(args.budget, total)
+        start = time.perf_counter()
+        out, facts = child({**base, "mode": mode, "budget_bytes": budget}, budget)
+        row = {"mode": mode, **(out[0] if out else {"error": "the child printed no row"})}
+        if "error" in row:
+            print(f"[{mode}] failed: {row['error']}")
+            continue
+        ids = torch.tensor(row.pop("ids"))
+        same = int((ids == expected).long().cumprod(0).sum())  # leading tokens equal to transformers'
         print(f"[{mode}] {args.prompt}{tokenizer.decode(ids)}")
-        row = {"mode": mode, "ms/token": seconds * 1e3, "same tokens as dense": bool(torch.equal(ids, reference))}
-        if model.flash is not None:
-            s = model.flash_stats()
-            row.update({"budget MB": s["budget_bytes"] / 1e6, "held MB": s["accounted_bytes"] / 1e6,
-                        "io ms": s["io_ms"], "mem ms": s["mem_ms"], "predictor ms": s["predictor_ms"],
-                        "ffn compute ms": s["compute_ms"], "MB read/token": s["bytes_per_token"] / 1e6,
-                        "hit rate": s["hit_rate"]})
-            model.flash.close()
-        rows.append(row)
-        del model
+        rows.append({**row, "cgroup limit MB": facts["cgroup_limit_mb"], "peak MB": facts["cgroup_peak_mb"],
+                     "OOM": facts["oom_killed"], "tokens = transformers": f"{same}/{args.tokens}",
+                     "s (with load)": time.perf_counter() - start})
     print()
-    print_table(rows, list(dict.fromkeys(key for row in rows for key in row)))
-    print("\nTimes are one sequential run each on a shared machine; bench/bench_e2e.py interleaves, repeats and "
-          "enforces the budget with a cgroup.")
+    print_table(rows, [c for c in COLUMNS if any(c in row for row in rows)])
+    print("\nOne sequential run of each mode on a shared machine: compare modes within a run, and repeat it; "
+          "bench/bench_e2e.py interleaves rounds and takes medians.")
 
 
 if __name__ == "__main__":

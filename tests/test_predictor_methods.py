@@ -14,9 +14,10 @@ from flashllm_ext import FormatError
 from flashllm_ext._ops import unpack_codes
 from flashllm_ext.convert import convert, synthesize
 from flashllm_ext.models import perplexity
-from flashllm_ext.predictor import (DEFAULT_DENSITY, PREDICTOR_METHODS, OraclePredictor, QuantPredictor,
-                                    TealPredictor, activation_score, build_predictors, calibrate_thresholds, ffn_hooks, load_predictors,
-                                    operating_point, quantize_rows, save_predictors, save_predictors_to_store)
+from flashllm_ext.predictor import (DEFAULT_DENSITY, DEFAULT_RECIPE, PREDICTOR_METHODS, OraclePredictor,
+                                    QuantPredictor, TealPredictor, activation_score, build_predictors,
+                                    calibrate_thresholds, ffn_hooks, load_predictors, operating_point,
+                                    predictors_recipe, quantize_rows, save_predictors, save_predictors_to_store)
 from flashllm_ext.predictor.quant import pack_codes
 
 METHODS = ["lowrank", "lowrank-reg", "quant", "oracle", "context"]  # neuron methods: the engine serves them
@@ -68,6 +69,16 @@ def test_round_trip_through_a_store(tmp_path, llama, built, method):
         assert torch.equal(loaded.scores(layer, x), predictors.scores(layer, x))
         assert torch.equal(loaded.predict(layer, x), predictors.predict(layer, x))
     assert loaded.memory_bytes == predictors.memory_bytes > 0
+
+
+def test_a_store_keeps_the_recipe_of_its_predictors(tmp_path, built):
+    store_dir = synthesize(tmp_path / "store", n_layers=3, hidden_size=64, n_neurons=96, glu=True)
+    assert predictors_recipe(store_dir) is None and predictors_recipe(tmp_path / "none") is None
+    save_predictors_to_store(built["quant"], store_dir, DEFAULT_RECIPE)
+    assert predictors_recipe(store_dir) == DEFAULT_RECIPE  # what make demo / bench_e2e check before reusing them
+    assert load_predictors(store_dir).config() == built["quant"].config()
+    save_predictors_to_store(built["oracle"], store_dir)  # replaced without a recipe: the old one leaves too
+    assert predictors_recipe(store_dir) is None
 
 
 @pytest.mark.parametrize("method", ALL_METHODS)

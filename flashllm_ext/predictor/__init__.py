@@ -7,20 +7,23 @@ from .base import PREDICTOR_METHODS, NeuronPredictor, predictor_class
 from .capture import ActivationCapture, capture_activations
 from .context import ContextPredictor
 from .evaluation import SparsityCounter, evaluate, operating_point, patched_ffn
-from .io import load_predictors, save_predictors, save_predictors_to_store
+from .io import load_predictors, predictors_recipe, save_predictors, save_predictors_to_store
 from .lowrank import LowRankPredictor, PredictorSet, RegressionPredictorSet, fit_log_regression
 from .oracle import OraclePredictor
 from .quant import QuantPredictor, quantize_rows
 from .rule import FFNModules, FFNWeights, activation_score, ffn_hooks, ffn_modules, ffn_weights, input_weight_share
 from .teal import TealPredictor
 from .thresholds import calibrate_thresholds
-from .training import (DEFAULT_DENSITY, DEFAULT_METHOD, auto_rank, build_predictors, choose_prob_thresholds,
-                       predictors_from_capture, select_density, train_predictor, train_predictors)
+from .training import (DEFAULT_DENSITY, DEFAULT_GATE_BITS, DEFAULT_METHOD, DEFAULT_RECIPE, DEFAULT_UP_BITS,
+                       auto_rank, build_predictors, choose_prob_thresholds, predictors_from_capture, select_density,
+                       train_predictor, train_predictors)
 
-__all__ = ["DEFAULT_DENSITY", "DEFAULT_METHOD", "PREDICTOR_METHODS", "ActivationCapture", "ContextPredictor",
-           "FFNModules", "FFNWeights", "LowRankPredictor", "NeuronPredictor", "OraclePredictor", "PredictorSet",
-           "QuantPredictor", "RegressionPredictorSet", "SparsityCounter", "TealPredictor", "activation_score", "auto_rank",
+__all__ = ["DEFAULT_DENSITY", "DEFAULT_GATE_BITS", "DEFAULT_METHOD", "DEFAULT_RECIPE", "DEFAULT_UP_BITS",
+           "PREDICTOR_METHODS", "ActivationCapture", "ContextPredictor", "FFNModules", "FFNWeights",
+           "LowRankPredictor", "NeuronPredictor", "OraclePredictor", "PredictorSet", "QuantPredictor",
+           "RegressionPredictorSet", "SparsityCounter", "TealPredictor", "activation_score", "auto_rank",
            "build_predictors", "calibrate_thresholds", "capture_activations", "choose_prob_thresholds", "evaluate",
-           "ffn_hooks", "ffn_modules", "ffn_weights", "fit_log_regression", "input_weight_share", "load_predictors", "operating_point",
-           "patched_ffn", "predictor_class", "predictors_from_capture", "quantize_rows", "save_predictors",
-           "save_predictors_to_store", "select_density", "train_predictor", "train_predictors"]
+           "ffn_hooks", "ffn_modules", "ffn_weights", "fit_log_regression", "input_weight_share", "load_predictors",
+           "operating_point", "patched_ffn", "predictor_class", "predictors_from_capture", "predictors_recipe",
+           "quantize_rows", "save_predictors", "save_predictors_to_store", "select_density", "train_predictor",
+           "train_predictors"]

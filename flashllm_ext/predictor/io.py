@@ -19,6 +19,7 @@ from .base import NeuronPredictor, predictor_class
 FORMAT_NAME = "flashllm-predictors"
 FORMAT_VERSION = "4"  # 4: any method, its config() in the metadata; 3: low-rank only, the score |h|
 TENSOR_PREFIX = "predictor."
+RECIPE_KEY = "predictors_recipe"
 
 
 def _tensors_and_metadata(predictors: NeuronPredictor) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -32,21 +33,38 @@ def save_predictors(predictors: NeuronPredictor, path: str | os.PathLike) -> Non
     save_file(tensors, os.fspath(path), metadata={"format": FORMAT_NAME, "version": FORMAT_VERSION, **meta})
 
 
-def save_predictors_to_store(predictors: NeuronPredictor, store_dir: str | os.PathLike) -> Path:
+def save_predictors_to_store(predictors: NeuronPredictor, store_dir: str | os.PathLike,
+                             recipe: dict | None = None) -> Path:
     """Add (or replace) the predictors in a flash store's resident file: tensors `predictor.*` and the
     `predictors` metadata entry; everything else in the file is kept. Atomic (temp file + rename). ValueError if
-    they were made for a model of other shapes."""
+    they were made for a model of other shapes. recipe: how they were built (e.g. training.DEFAULT_RECIPE), kept in
+    the `predictors_recipe` entry (None: no entry) so a cache can tell whether they are the ones it wants
+    (`predictors_recipe`)."""
     with FlashStore(store_dir) as store:  # validates the store before touching it
         predictors.check_shape(store.n_layers, store.hidden_size, store.n_neurons, f"the store {store_dir}")
     path = Path(store_dir) / RESIDENT_FILE
     with safe_open(path, "pt") as f:
         metadata = dict(f.metadata() or {})
         kept = {k: f.get_tensor(k) for k in f.keys() if not k.startswith(TENSOR_PREFIX)}
+    metadata.pop(RECIPE_KEY, None)  # the old predictors' recipe leaves with them
     tensors, meta = _tensors_and_metadata(predictors)
+    if recipe is not None:
+        meta[RECIPE_KEY] = json.dumps(recipe, sort_keys=True)
     partial = path.with_name(path.name + ".partial")
     save_file({**kept, **tensors}, str(partial), metadata={**metadata, **meta})
     os.replace(partial, path)
     return path
+
+
+def predictors_recipe(store_dir: str | os.PathLike) -> dict | None:
+    """The recipe saved with a store's predictors (save_predictors_to_store), or None: no store, no predictors,
+    or predictors saved without one."""
+    try:
+        with safe_open(os.fspath(Path(store_dir) / RESIDENT_FILE), "pt") as f:
+            text = (f.metadata() or {}).get(RECIPE_KEY)
+        return None if text is None else json.loads(text)
+    except (SafetensorError, OSError, json.JSONDecodeError):
+        return None
 
 
 def load_predictors(path: str | os.PathLike) -> NeuronPredictor:

@@ -79,9 +79,9 @@ class QuantPredictor(NeuronPredictor):
                                     for _ in range(n_layers))
 
     @classmethod
-    def from_model(cls, model: nn.Module, gate_bits: int = 4, up_bits: int = 2,
+    def from_model(cls, model: nn.Module, gate_bits: int, up_bits: int,
                    thresholds: torch.Tensor | None = None) -> QuantPredictor:
-        """Quantise the input projections of a Llama-family or OPT model."""
+        """Quantise the input projections of a Llama-family or OPT model (default bits: training.DEFAULT_RECIPE)."""
         weights, activation = ffn_weights(model)
         first = weights[0]
         out = cls(len(weights), first.up.shape[1], first.up.shape[0], activation, first.gate is not None, gate_bits,

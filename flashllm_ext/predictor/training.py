@@ -21,11 +21,19 @@ from .rule import ffn_weights
 from .teal import TealPredictor
 from .thresholds import calibrate_thresholds
 
-# BENCHMARKS.md, "SwiGLU predictors (issue 10)": quant (4-bit W_gate, 2-bit W_up, 12.6% of the FFN bytes) is
-# the measured method with the least loaded density at held-out perplexity <= 1.05x dense, at density 0.7
-# (1.042x); the low-rank classifier needed 0.94 for 1.059x.
+# The default recipe, the one place that names it (`flashllm train-predictors`, `make demo`, bench_e2e and the
+# engine's stores use it). BENCHMARKS.md, "SwiGLU predictors (issue 10)": under the 15%-of-the-FFN-bytes memory
+# bound, quant with a 3-bit W_gate and a 4-bit W_up (14.7%) is the measured method with the least loaded density
+# at held-out perplexity <= 1.05x dense: 1.048x at density 0.55, where quant 4/2 (the earlier default) needed 0.7
+# (1.042x) and the low-rank classifier 0.94. Every loaded neuron is a flash read or a cache row: 0.55 asks for 21%
+# fewer bundles per token than 0.7 (BENCHMARKS.md, "make demo with the retuned default predictor").
 DEFAULT_METHOD = "quant"
-DEFAULT_DENSITY = 0.7
+DEFAULT_DENSITY = 0.55
+DEFAULT_GATE_BITS = 3
+DEFAULT_UP_BITS = 4
+# What a cached store's predictors must have been built with to be the default ones (io.predictors_recipe).
+DEFAULT_RECIPE = {"method": DEFAULT_METHOD, "density": DEFAULT_DENSITY, "gate_bits": DEFAULT_GATE_BITS,
+                  "up_bits": DEFAULT_UP_BITS}
 
 
 def auto_rank(density: float, d: int, base_rank: int = 64, base_density: float = 0.3) -> int:
@@ -99,8 +107,8 @@ def _train_lowrank(capture: ActivationCapture, rank, epochs: int, recall: float 
 def build_predictors(model: nn.Module, token_ids: torch.Tensor, method: str = DEFAULT_METHOD, *,
                      density: float | Sequence[float] | None = DEFAULT_DENSITY, target_sparsity: float = 0.6,
                      rank: int | Sequence[int] | None = None, epochs: int = 10, recall: float | None = 0.95,
-                     gate_bits: int = 4, up_bits: int = 2, base: str = "quant", block: int = 16,
-                     window: int = 512, progress: bool = True) -> NeuronPredictor:
+                     gate_bits: int = DEFAULT_GATE_BITS, up_bits: int = DEFAULT_UP_BITS, base: str = "quant",
+                     block: int = 16, window: int = 512, progress: bool = True) -> NeuronPredictor:
     """Predictors of `method` (a name of PREDICTOR_METHODS) for `model`, from the calibration `token_ids` [T].
 
     density: the loaded density (one for all layers or one per layer): each layer's cut-off keeps this fraction
@@ -127,8 +135,8 @@ def build_predictors(model: nn.Module, token_ids: torch.Tensor, method: str = DE
 
 def predictors_from_capture(model: nn.Module, capture: ActivationCapture, method: str, *,
                             rank: int | Sequence[int] | None = None, epochs: int = 10, recall: float | None = 0.95,
-                            gate_bits: int = 4, up_bits: int = 2, base: str = "quant", block: int = 16,
-                            progress: bool = True) -> NeuronPredictor:
+                            gate_bits: int = DEFAULT_GATE_BITS, up_bits: int = DEFAULT_UP_BITS,
+                            base: str = "quant", block: int = 16, progress: bool = True) -> NeuronPredictor:
     """Predictors of `method` from a capture of the calibration text (lowrank learns its active sets; the others
     use its inputs or the model's weights), at their own default operating point (see select_density)."""
     n_layers = len(capture.inputs)
