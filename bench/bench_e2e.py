@@ -40,7 +40,7 @@ from common import arg_parser, device_name, emit, median_rows, process_memory, r
 
 from flashllm_ext.errors import FormatError
 from flashllm_ext.paths import resolve_cache_dir
-from flashllm_ext.predictor import NeuronPredictor
+from flashllm_ext.predictor import DEFAULT_RECIPE, NeuronPredictor
 from flashllm_ext.reader import FlashReader
 from traces import LOWRANK_TRAINING, predictor_training, trained_predictors
 
@@ -60,10 +60,13 @@ TARGET_SPARSITY = 0.6  # the default-model predictors' operating point (trained 
 # the rule's threshold alone costs ~+5% held-out perplexity there (BENCHMARKS.md)
 # The scale run's predictors per operating point and method: `flashllm train-predictors` arguments. At (a), those of
 # bench/traces.py for the true sets at 0.97 (quant: gate and up at 4 bits, loaded density 0.06; held-out recall of
-# the true sets ~0.98, BENCHMARKS.md); at (b): the library default (gate 4 / up 2 bits, density 0.7, issue 10; the
-# low-rank ones load 0.92 there, BENCHMARKS.md).
+# the true sets ~0.98, BENCHMARKS.md); at (b): the library default (DEFAULT_RECIPE, spelled out so that the cached
+# predictors file names it and an older default's file is not reused; the low-rank ones load 0.92 there).
 SCALE_PREDICTORS = {"a": {method: predictor_training(method, 0.97) for method in ("lowrank", "quant")},
-                    "b": {"quant": ("--method", "quant")}}
+                    "b": {"quant": ("--method", DEFAULT_RECIPE["method"],
+                                    "--gate-bits", str(DEFAULT_RECIPE["gate_bits"]),
+                                    "--up-bits", str(DEFAULT_RECIPE["up_bits"]),
+                                    "--density", str(DEFAULT_RECIPE["density"]))}}
 
 
 # ------------------------------------------------------------------------------------------------ the oracle
