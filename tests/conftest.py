@@ -1,6 +1,7 @@
 import importlib
 import os
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 # Test modules import shared helpers from each other (e.g. make_weight).
@@ -53,3 +54,22 @@ def require_simt():
     if os.environ.get("FLASHLLM_NATIVE", "1") == "0":
         pytest.skip("FLASHLLM_NATIVE=0: the native extensions are not built", allow_module_level=True)
     return importlib.import_module("flashllm_ext._simt")
+
+
+@contextmanager
+def read_failure_at(reader, call: int = 5):
+    """Within the block, the `call`-th reader.read (inline or in the reader thread) raises an injected OSError, as a
+    failing disk would, mid-generation; the real read is back on exit."""
+    real_read, calls = reader.read, [0]
+
+    def failing_read(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == call:
+            raise OSError(5, "Input/output error (injected)")
+        return real_read(*args, **kwargs)
+
+    reader.read = failing_read
+    try:
+        yield
+    finally:
+        reader.read = real_read

@@ -13,6 +13,7 @@ from flashllm_ext.convert import convert
 from flashllm_ext.engine import MODES, parse_budget
 from flashllm_ext.models import perplexity
 from flashllm_ext.predictor import LowRankPredictor, PredictorSet, calibrate_thresholds, evaluate
+from conftest import read_failure_at
 
 
 def _llama():
@@ -168,19 +169,8 @@ def test_read_failure_mid_generation_raises_and_leaves_the_model_usable(models):
     model, path = models["llama"]
     prompt = torch.tensor([[9, 10, 11]])
     flash = flashllm_ext.load_flash(path, dram_budget="60%", mode="exact")
-    reader = flash.flash.reader
-    real_read, calls = reader.read, [0]
-
-    def failing_read(*args, **kwargs):
-        calls[0] += 1
-        if calls[0] == 5:
-            raise OSError(5, "Input/output error (injected)")
-        return real_read(*args, **kwargs)
-
-    reader.read = failing_read
-    with pytest.raises(OSError, match="injected"):
+    with read_failure_at(flash.flash.reader), pytest.raises(OSError, match="injected"):
         _greedy(flash, prompt, 8)
-    reader.read = real_read
     assert torch.equal(_greedy(flash, prompt, 8), _greedy(model, prompt, 8))
 
 

@@ -16,6 +16,7 @@ from flashllm_ext.transfer import HostTransfer
 mx = pytest.importorskip("mlx.core", reason="mlx is not importable (install the [mlx] extra: mlx[cpu] on Linux)")
 fmlx = pytest.importorskip("flashllm_ext.mlx")
 from flashllm_ext.mlx.transfer import to_mx, torch_view  # noqa: E402  (after the skip: imports mlx)
+from conftest import read_failure_at  # noqa: E402
 
 N_NEURONS = 136
 
@@ -159,19 +160,8 @@ def test_read_failure_mid_generation_leaves_the_caches_consistent(stores):
     model, s = stores["llama_model"], stores["llama-fp32"]
     prompt = torch.tensor([[9, 10, 11]])
     flash = fmlx.load_flash(s.path, dram_budget="60%", mode="exact")
-    reader = flash.runtime.reader
-    real_read, calls = reader.read, [0]
-
-    def failing_read(*args, **kwargs):
-        calls[0] += 1
-        if calls[0] == 5:
-            raise OSError(5, "Input/output error (injected)")
-        return real_read(*args, **kwargs)
-
-    reader.read = failing_read
-    with pytest.raises(OSError, match="injected"):
+    with read_failure_at(flash.runtime.reader), pytest.raises(OSError, match="injected"):
         flash.generate(prompt, 8)
-    reader.read = real_read
     for ffn in flash.ffns:
         cache = ffn.cache
         ids = cache.pointer[:cache.num_used]
