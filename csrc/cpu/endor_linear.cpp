@@ -107,8 +107,9 @@ FLASHLLM_AVX2 void row_dots_avx2(const T* v, const uint8_t* bm, int64_t n_cols, 
 
 // ---------------------------------------------------------------------------------------------- AVX-512
 // How far ahead of the values being expanded the AVX-512 loops prefetch (one line per 64 columns, ~64 bytes of fp16
-// values at 50% density): the expand-bound loop issues its loads too slowly for the hardware prefetcher to keep two
-// streams (values, bitmap) ahead of it, measured 1.3-1.6x faster from DRAM on AMD Zen 4 with 2-4 KiB of lookahead.
+// values at 50% density), values and bitmap alike: the loop body from a DRAM-resident 16384 x 4096 fp16 weight ran
+// 1.5-1.6x faster with 2-4 KiB of lookahead than on the hardware prefetcher alone (AMD Zen 4, BENCHMARKS.md, issue 11
+// fourth pass).
 constexpr int64_t kPrefetchBytes = 2048;
 
 template <class T>
