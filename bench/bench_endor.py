@@ -6,10 +6,12 @@ memcpy_gbps is `out.copy_(dense)` into the same buffer, timed interleaved in the
 inside the timed region, except CSR to_dense, which has no out= variant (its row says so).
 
 op "linear": the decode GEMV y = x W^T, T = 1 and 4 tokens, fp16: endor_linear (straight from values + bitmap)
-vs dense F.linear on the dense fp16 weight and vs decompress (into a preallocated buffer) + F.linear, same
-threads, interleaved. Each side's bytes (compressed: values + bitmap + row offsets; dense: the weight) divided by
-the read bandwidth of a streaming sum measured in the same run (common.stream_probe) give its bandwidth bound;
-bound_ratio = time / bound (1.0 = at the bound). A weight is 34-134 MB (compressed 19-76 MB), read once per call.
+vs the dense baselines on the same weight: torch F.linear on the fp16 weight (vs_dense), flashllm's half_linear on
+it, torch F.linear in float32 on a float32 copy (twice the bytes); vs_best_dense is against the fastest of the three
+(best_dense names it); and vs decompress (into a preallocated buffer) + F.linear; same threads (OMP_NUM_THREADS sets
+torch's and endor_linear's; the row's `threads`), interleaved. Each side's bytes (compressed: values + bitmap + row
+offsets; dense: the weight) divided by the read bandwidth of a streaming sum measured in the same run
+(common.stream_probe) give its bandwidth bound; bound_ratio = time / bound (1.0 = at the bound). A weight is 34-134 MB (compressed 19-76 MB), read once per call.
 
     python bench/bench_endor.py [--json] [--device cuda] [--all-isas] [--quick] [--only decompress|linear]
 """
@@ -82,26 +84,33 @@ def bench_linear_case(name: str, shape: tuple[int, int], n_tok: int, sparsity: f
     e = endor.compress(dense)
     x = torch.randn(n_tok, shape[1], generator=torch.Generator().manual_seed(2)).to(device, torch.float16)
     buffer = torch.zeros_like(dense)  # touched now: page faults stay out of the timed region
-    want = F.linear(x.float(), dense.float())
+    dense_fp32, x_fp32 = dense.float(), x.float()
+    want = F.linear(x_fp32, dense_fp32)
     got = ops.endor_linear(x, e.values, e.bitmap, e.row_offsets, n_cols=shape[1])
     assert torch.allclose(got.float(), want, rtol=1e-2, atol=1e-2 * want.abs().max().item()), "endor_linear wrong"
     probe_bytes, probe = stream
     times = time_interleaved({
         "endor_linear": lambda: ops.endor_linear(x, e.values, e.bitmap, e.row_offsets, n_cols=shape[1]),
         "dense": lambda: F.linear(x, dense),
+        "half_linear": lambda: ops.half_linear(x, dense),
+        "dense_fp32": lambda: F.linear(x_fp32, dense_fp32),
         "decompress_linear": lambda: F.linear(x, e.decompress(out=buffer)),
         "stream": probe}, rounds=rounds, sync=sync)
     bandwidth = probe_bytes / times["stream"]
     dense_bytes = dense.numel() * dense.element_size()
+    best_dense = min(("dense", "half_linear", "dense_fp32"), key=times.__getitem__)
     return {"bench": "endor", "op": "linear", "shape": f"{shape[0]}x{shape[1]}", "matrix": name, "dtype": "fp16",
             "sparsity": sparsity, "tokens": n_tok, "endor_mb": e.nbytes / 1e6, "dense_mb": dense_bytes / 1e6,
             "bytes_ratio": e.nbytes / dense_bytes, "endor_ms": times["endor_linear"] * 1e3,
-            "dense_ms": times["dense"] * 1e3, "decompress_linear_ms": times["decompress_linear"] * 1e3,
-            "vs_dense": times["dense"] / times["endor_linear"],
+            "dense_ms": times["dense"] * 1e3, "half_linear_ms": times["half_linear"] * 1e3,
+            "dense_fp32_ms": times["dense_fp32"] * 1e3, "decompress_linear_ms": times["decompress_linear"] * 1e3,
+            "vs_dense": times["dense"] / times["endor_linear"], "best_dense": best_dense,
+            "vs_best_dense": times[best_dense] / times["endor_linear"],
             "vs_decompress_linear": times["decompress_linear"] / times["endor_linear"],
             "stream_gbps": bandwidth / 1e9, "endor_gbps": e.nbytes / times["endor_linear"] / 1e9,
             "bound_ratio": times["endor_linear"] / (e.nbytes / bandwidth),
-            "dense_bound_ratio": times["dense"] / (dense_bytes / bandwidth), "device": device_name(device)}
+            "dense_bound_ratio": times["dense"] / (dense_bytes / bandwidth), "threads": torch.get_num_threads(),
+            "device": device_name(device)}
 
 
 def main() -> None:
@@ -145,8 +154,8 @@ def main() -> None:
              ["op", "matrix", "shape", "dtype", "compressed_ratio", "decompress_gbps", "memcpy_gbps", "vs_memcpy",
               "reference_gbps", "vs_reference", "csr_gbps", "device"])
         emit([r for r in rows if r["op"] == "linear"], False,
-             ["matrix", "shape", "tokens", "bytes_ratio", "endor_ms", "dense_ms", "decompress_linear_ms", "vs_dense",
-              "vs_decompress_linear", "endor_gbps", "stream_gbps", "bound_ratio", "dense_bound_ratio", "device"])
+             ["matrix", "shape", "tokens", "bytes_ratio", "endor_ms", "dense_ms", "half_linear_ms", "dense_fp32_ms",
+              "vs_dense", "best_dense", "vs_best_dense", "decompress_linear_ms", "vs_decompress_linear", "endor_gbps", "stream_gbps", "bound_ratio", "dense_bound_ratio", "device"])
 
 
 if __name__ == "__main__":

@@ -50,4 +50,16 @@ __attribute__((target("avx512f,avx512bw,avx512vl,f16c"))) inline __m512 load16_a
   }
 }
 
+// A zero register no earlier instruction writes, as the merge source of an expand: a zero-masked vexpandps /
+// vpexpand{w,d} waits for its destination register's old value on AMD Zen 4 (a false dependency that chains a loop's
+// expands), a merge into this register waits for nothing. The asm keeps the compiler from folding the merge back into
+// zero-masking; volatile keeps one zeroing per expand.
+__attribute__((target("avx512f"))) inline __m512 fresh_zero_ps() {
+  __m512 z;
+  asm volatile("vpxord %0, %0, %0" : "=v"(z));
+  return z;
+}
+
+__attribute__((target("avx512f"))) inline __m512i fresh_zero_si512() { return _mm512_castps_si512(fresh_zero_ps()); }
+
 }  // namespace flashllm::simd

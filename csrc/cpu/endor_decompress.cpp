@@ -21,6 +21,7 @@
 #include "common/endor_checks.h"
 #include "common/endor_report.h"
 #include "common/endor_rows.h"
+#include "common/simd_float.h"
 #include "common/word_dispatch.h"
 
 namespace flashllm {
@@ -71,13 +72,15 @@ template <typename W>
 __attribute__((target("avx512f,avx512bw,avx512vl,popcnt"))) inline void expand16_avx512(const W* v, __mmask16 m,
                                                                                           __mmask16 keep, W* out) {
   const __mmask16 first = first_k16(__builtin_popcount(m));
+  // Expands merge into a fresh zero (simd::fresh_zero_si512: zero-masking chains them on AMD Zen 4).
+  const __m512i zero = simd::fresh_zero_si512();
   if constexpr (sizeof(W) == 4) {
-    _mm512_mask_storeu_epi32(out, keep, _mm512_maskz_expand_epi32(m, _mm512_maskz_loadu_epi32(first, v)));
+    _mm512_mask_storeu_epi32(out, keep, _mm512_mask_expand_epi32(zero, m, _mm512_maskz_loadu_epi32(first, v)));
   } else if constexpr (sizeof(W) == 2) {
-    const __m512i x = _mm512_maskz_expand_epi32(m, _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(first, v)));
+    const __m512i x = _mm512_mask_expand_epi32(zero, m, _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(first, v)));
     _mm256_mask_storeu_epi16(out, keep, _mm512_cvtepi32_epi16(x));
   } else {
-    const __m512i x = _mm512_maskz_expand_epi32(m, _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(first, v)));
+    const __m512i x = _mm512_mask_expand_epi32(zero, m, _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(first, v)));
     _mm_mask_storeu_epi8(out, keep, _mm512_cvtepi32_epi8(x));
   }
 }
@@ -104,14 +107,15 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi2,popcnt"))) inline _
                                                                                                       uint64_t m) {
   const int count = __builtin_popcountll(m);
   const uint64_t first = count == 64 ? ~0ull : (1ull << count) - 1;
+  const __m512i zero = simd::fresh_zero_si512();  // zero-masked expands chain on AMD Zen 4 (simd::fresh_zero_ps)
   if constexpr (sizeof(W) == 4) {
-    return _mm512_maskz_expand_epi32(static_cast<__mmask16>(m),
-                                     _mm512_maskz_loadu_epi32(static_cast<__mmask16>(first), v));
+    return _mm512_mask_expand_epi32(zero, static_cast<__mmask16>(m),
+                                    _mm512_maskz_loadu_epi32(static_cast<__mmask16>(first), v));
   } else if constexpr (sizeof(W) == 2) {
-    return _mm512_maskz_expand_epi16(static_cast<__mmask32>(m),
-                                     _mm512_maskz_loadu_epi16(static_cast<__mmask32>(first), v));
+    return _mm512_mask_expand_epi16(zero, static_cast<__mmask32>(m),
+                                    _mm512_maskz_loadu_epi16(static_cast<__mmask32>(first), v));
   } else {
-    return _mm512_maskz_expand_epi8(m, _mm512_maskz_loadu_epi8(first, v));
+    return _mm512_mask_expand_epi8(zero, m, _mm512_maskz_loadu_epi8(first, v));
   }
 }
 

@@ -6,6 +6,9 @@
 // x is read dense and stays in cache (T x n_cols float32); the weight is read once per token group, compressed.
 //
 // Per ISA, one step of a row (fp16 and bf16 values widened to fp32, all math in fp32 FMA):
+//   avx512vbmi2 (fp16, bf16)  32 columns: masked load of popcount(m) values, vpexpandw by the bitmap word, widen
+//           the two halves, FMA with x (64 columns per loop trip). Expanding 16-bit lanes halves the expand count
+//           against vexpandps, and widening after the expand needs no per-group realignment of the packed values.
 //   avx512  16 columns: masked load of popcount(m) values, widen, vexpandps by the bitmap word, FMA with x
 //           (64 columns per loop trip, two accumulators per token to hide the FMA latency)
 //   avx2    8 columns: load 8 values, widen, a permutation looked up by the bitmap byte, mask, FMA with x
@@ -103,24 +106,41 @@ FLASHLLM_AVX2 void row_dots_avx2(const T* v, const uint8_t* bm, int64_t n_cols, 
 }
 
 // ---------------------------------------------------------------------------------------------- AVX-512
+// How far ahead of the values being expanded the AVX-512 loops prefetch (one line per 64 columns, ~64 bytes of fp16
+// values at 50% density), values and bitmap alike: the loop body from a DRAM-resident 16384 x 4096 fp16 weight ran
+// 1.5-1.6x faster with 2-4 KiB of lookahead than on the hardware prefetcher alone (AMD Zen 4, BENCHMARKS.md, issue 11
+// fourth pass).
+constexpr int64_t kPrefetchBytes = 2048;
+
+template <class T>
+inline void prefetch_ahead(const T* v, const uint8_t* bm) {
+  _mm_prefetch(reinterpret_cast<const char*>(v) + kPrefetchBytes, _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(bm) + kPrefetchBytes / 8, _MM_HINT_T0);
+}
+
 #define FLASHLLM_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,fma,f16c,popcnt")))
 
 // The weights of the 16 columns of bitmap word m, from the values starting at v (zeros where bits are clear); reads
-// exactly popcount(m) values.
+// exactly popcount(m) values. The expand merges into a fresh zero register (simd::fresh_zero_ps) rather than
+// zero-masking: AMD Zen 4 makes a zero-masked expand wait for the old value of its destination register, which
+// chains every expand of the loop through the one register the compiler picks (measured: 2.4x slower per column).
 template <class T>
 FLASHLLM_AVX512 inline __m512 expand16_avx512(const T* v, __mmask16 m) {
   const __m512 packed = simd::load16_avx512(v, simd::first_lanes16(__builtin_popcount(m)));
-  return _mm512_maskz_expand_ps(m, packed);
+  return _mm512_mask_expand_ps(simd::fresh_zero_ps(), m, packed);
 }
 
+// x_stride: the distance between two tokens' rows of x (n_cols, or more where the caller passes a row's tail).
 template <class T, int NT>
-FLASHLLM_AVX512 void row_dots_avx512(const T* v, const uint8_t* bm, int64_t n_cols, const float* x, float* dots) {
+FLASHLLM_AVX512 void row_dots_avx512(const T* v, const uint8_t* bm, int64_t n_cols, const float* x, int64_t x_stride,
+                                     float* dots) {
   __m512 acc0[NT], acc1[NT];
   for (int t = 0; t < NT; ++t) acc0[t] = acc1[t] = _mm512_setzero_ps();
   int64_t c = 0;
   // 64 columns per trip: the four 16-column steps find their values from popcounts of the word's prefixes, which
   // do not depend on each other, so only one popcount per trip is on the loop-carried chain through v.
   for (; c + 64 <= n_cols; c += 64) {
+    prefetch_ahead(v, bm + c / 8);
     const uint64_t m = load_word<uint64_t>(bm + c / 8);
     const __m512 w0 = expand16_avx512(v, static_cast<__mmask16>(m));
     const __m512 w1 = expand16_avx512(v + __builtin_popcountll(m & 0xFFFFull), static_cast<__mmask16>(m >> 16));
@@ -128,7 +148,7 @@ FLASHLLM_AVX512 void row_dots_avx512(const T* v, const uint8_t* bm, int64_t n_co
     const __m512 w3 = expand16_avx512(v + __builtin_popcountll(m & 0xFFFFFFFFFFFFull), static_cast<__mmask16>(m >> 48));
     v += __builtin_popcountll(m);
     for (int t = 0; t < NT; ++t) {
-      const float* xt = x + t * n_cols + c;
+      const float* xt = x + t * x_stride + c;
       acc0[t] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xt), acc0[t]);
       acc1[t] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xt + 16), acc1[t]);
       acc0[t] = _mm512_fmadd_ps(w2, _mm512_loadu_ps(xt + 32), acc0[t]);
@@ -141,9 +161,60 @@ FLASHLLM_AVX512 void row_dots_avx512(const T* v, const uint8_t* bm, int64_t n_co
     const __mmask16 m = static_cast<__mmask16>(load_mask_bytes(bm + c / 8, std::min<int64_t>(2, (left + 7) / 8)));
     const __m512 w = expand16_avx512(v, m);
     v += __builtin_popcount(m);
-    for (int t = 0; t < NT; ++t) acc0[t] = _mm512_fmadd_ps(w, _mm512_maskz_loadu_ps(keep, x + t * n_cols + c), acc0[t]);
+    for (int t = 0; t < NT; ++t) acc0[t] = _mm512_fmadd_ps(w, _mm512_maskz_loadu_ps(keep, x + t * x_stride + c), acc0[t]);
   }
   for (int t = 0; t < NT; ++t) dots[t] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[t], acc1[t]));
+}
+
+// ---------------------------------------------------------------------------------------------- AVX-512 VBMI2
+#define FLASHLLM_AVX512_VBMI2 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi2,fma,f16c,popcnt")))
+
+// The 16-bit weights of the 32 columns of bitmap word m, from the `count` = popcount(m) values starting at v, in
+// their lanes (zeros where bits are clear); reads exactly `count` values.
+template <class T>
+FLASHLLM_AVX512_VBMI2 inline __m512i expand32_vbmi2(const T* v, uint32_t m, int count) {
+  const __m512i packed = _mm512_maskz_loadu_epi16(static_cast<__mmask32>((uint64_t{1} << count) - 1), v);
+  return _mm512_mask_expand_epi16(simd::fresh_zero_si512(), static_cast<__mmask32>(m), packed);
+}
+
+// Lanes [16 * half, 16 * half + 16) of 32 fp16 or bf16 weights as fp32.
+template <class T, int half>
+FLASHLLM_AVX512_VBMI2 inline __m512 widen16_vbmi2(__m512i w) {
+  const __m256i part = _mm512_extracti64x4_epi64(w, half);
+  if constexpr (std::is_same_v<T, Half>) {
+    return _mm512_cvtph_ps(part);
+  } else {
+    static_assert(std::is_same_v<T, BF16>);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(part), 16));
+  }
+}
+
+template <class T, int NT>
+FLASHLLM_AVX512_VBMI2 void row_dots_avx512_vbmi2(const T* v, const uint8_t* bm, int64_t n_cols, const float* x,
+                                                 float* dots) {
+  __m512 acc0[NT], acc1[NT];
+  for (int t = 0; t < NT; ++t) acc0[t] = acc1[t] = _mm512_setzero_ps();
+  int64_t c = 0;
+  for (; c + 64 <= n_cols; c += 64) {
+    prefetch_ahead(v, bm + c / 8);
+    const uint64_t m = load_word<uint64_t>(bm + c / 8);
+    const int count_lo = __builtin_popcount(static_cast<uint32_t>(m)), count = __builtin_popcountll(m);
+    const __m512i e0 = expand32_vbmi2(v, static_cast<uint32_t>(m), count_lo);
+    const __m512i e1 = expand32_vbmi2(v + count_lo, static_cast<uint32_t>(m >> 32), count - count_lo);
+    v += count;
+    const __m512 w0 = widen16_vbmi2<T, 0>(e0), w1 = widen16_vbmi2<T, 1>(e0);
+    const __m512 w2 = widen16_vbmi2<T, 0>(e1), w3 = widen16_vbmi2<T, 1>(e1);
+    for (int t = 0; t < NT; ++t) {
+      const float* xt = x + t * n_cols + c;
+      acc0[t] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xt), acc0[t]);
+      acc1[t] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xt + 16), acc1[t]);
+      acc0[t] = _mm512_fmadd_ps(w2, _mm512_loadu_ps(xt + 32), acc0[t]);
+      acc1[t] = _mm512_fmadd_ps(w3, _mm512_loadu_ps(xt + 48), acc1[t]);
+    }
+  }
+  float tail[NT];
+  row_dots_avx512<T, NT>(v, bm + c / 8, n_cols - c, x + c, n_cols, tail);
+  for (int t = 0; t < NT; ++t) dots[t] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[t], acc1[t])) + tail[t];
 }
 
 // ---------------------------------------------------------------------------------------------- driver
@@ -167,8 +238,13 @@ void linear_group(const LinearProblem<T>& p, const float* x, float* y, LowestBad
     float dots[NT];
     switch (isa) {
       case CpuIsa::kAvx512Vbmi2:
+        if constexpr (!std::is_same_v<T, float>) {  // fp32 lanes gain nothing from 16-bit expands
+          row_dots_avx512_vbmi2<T, NT>(v, bm, p.n_cols, x, dots);
+          break;
+        }
+        [[fallthrough]];
       case CpuIsa::kAvx512Vnni:
-      case CpuIsa::kAvx512: row_dots_avx512<T, NT>(v, bm, p.n_cols, x, dots); break;
+      case CpuIsa::kAvx512: row_dots_avx512<T, NT>(v, bm, p.n_cols, x, p.n_cols, dots); break;
       case CpuIsa::kAvx2: row_dots_avx2<T, NT>(v, bm, p.n_cols, x, p.values + p.nnz, dots); break;
       default: row_dots_scalar<T, NT>(v, bm, p.n_cols, x, p.n_cols, dots);
     }
