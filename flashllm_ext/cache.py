@@ -200,12 +200,9 @@ class NeuronCache:
 
     def _spare_last_step(self, active_ids: torch.Tensor) -> None:
         """Mark the cached neurons of the last step that are not in active_ids as active one step earlier."""
-        n = self.store.n_neurons
-        if active_ids.numel() and not (0 <= int(active_ids.min()) and int(active_ids.max()) < n):
-            raise ValueError(f"active_ids must be in [0, n_neurons={n})")
         cached = self.pointer[:self.num_used]
-        wanted = torch.zeros(n, dtype=torch.bool)
-        wanted[active_ids] = True
+        wanted = torch.zeros(self.store.n_neurons, dtype=torch.bool)
+        wanted[self.store.check_ids(active_ids)] = True
         spare = cached[(self.last_active[cached] == self.steps) & ~wanted[cached]]
         self.last_active[spare] = self.steps - 1
 
