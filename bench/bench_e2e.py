@@ -409,14 +409,15 @@ class ReplayedSets(NeuronPredictor):
         return 0 if self.cost is None else self.cost.memory_bytes
 
     def predict(self, layer: int, x: torch.Tensor) -> torch.Tensor:
-        if self.cost is not None:
-            self.cost.scores(layer, x)
-        return self.masks[self.at[0]:self.at[0] + x.shape[0], layer]
+        return self._replay(self.masks, layer, x)
 
     def predict_ahead(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        return self._replay(self.ahead_masks, layer, x)
+
+    def _replay(self, masks: torch.Tensor, layer: int, x: torch.Tensor) -> torch.Tensor:
         if self.cost is not None:
             self.cost.scores(layer, x)
-        return self.ahead_masks[self.at[0]:self.at[0] + x.shape[0], layer]
+        return masks[self.at[0]:self.at[0] + x.shape[0], layer]
 
 
 def scale_cost_predictor(predictors_path: str, store) -> NeuronPredictor:
