@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import resource
 import statistics
 import sys
 import time
@@ -52,9 +53,10 @@ KEYS = ("bench", "model", "device", "mode", "budget_mb", "cgroup_limit_mb", "cgr
 COLUMNS = ["mode", "budget_mb", "cgroup_limit_mb", "cgroup_peak_mb", "oom_killed", "ms_per_token", "io_ms", "mem_ms",
            "predictor_ms", "compute_ms", "bytes_per_token", "reads_per_token", "hit_rate", "error"]
 ENDOR_COLUMNS = ["store_format", "decompress_ms", "requested_bytes_per_token"] + COLUMNS
-SCALE_COLUMNS = ["model", "operating_point", "predictor", "lookahead", *COLUMNS]
+SCALE_COLUMNS = ["model", "operating_point", "predictor", "lookahead", "options", *COLUMNS]
 # What tells one configuration's rows from another's: the summary rows are medians over each one's rounds.
-CONFIG_FIELDS = ("model", "mode", "operating_point", "predictor", "lookahead", "budget_spec", "store_format")
+CONFIG_FIELDS = ("model", "mode", "operating_point", "predictor", "lookahead", "options", "budget_spec",
+                 "store_format")
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 TARGET_SPARSITY = 0.6  # the default-model predictors' operating point (trained once into the cached store):
 # the rule's threshold alone costs ~+5% held-out perplexity there (BENCHMARKS.md)
@@ -138,12 +140,24 @@ def prompt_ids(n_prompt: int, vocab_size: int) -> tuple[list[int], str | None]:
 
 
 @torch.inference_mode()
-def _decode(model, prompt: torch.Tensor, n_tokens: int, reset_stats) -> tuple[list[float], list[int]]:
-    """Greedy decoding after a prefill of `prompt`: (seconds per decode token, the tokens). reset_stats runs after
-    the prefill so the engine's stats cover the decode tokens only."""
+def _storage_reads() -> tuple[int, int]:
+    """(bytes this process has caused to be read from storage, its major page faults): /proc/self/io read_bytes
+    (page-cache hits excluded; direct reads and page faults included) and getrusage's ru_majflt."""
+    with open("/proc/self/io") as f:
+        read_bytes = next(int(line.split()[1]) for line in f if line.startswith("read_bytes:"))
+    return read_bytes, resource.getrusage(resource.RUSAGE_SELF).ru_majflt
+
+
+def _decode(model, prompt: torch.Tensor, n_tokens: int, reset_stats) -> tuple[list[float], list[int], dict]:
+    """Greedy decoding after a prefill of `prompt`: (seconds per decode token, the tokens, the decode tokens'
+    storage reads per token as the kernel counts them). reset_stats runs after the prefill so the engine's stats
+    cover the decode tokens only. The kernel's count includes what the engine does not see: a file-backed page
+    (a memory-mapped weight, accelerate's offloaded tensors) read again after the cgroup limit evicted it is a
+    major fault and its bytes are storage reads."""
     out = model(prompt, use_cache=True)
     past, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
     reset_stats()
+    read_before, faults_before = _storage_reads()
     times, tokens = [], [int(token)]
     for _ in range(n_tokens):
         start = time.perf_counter()
@@ -151,7 +165,10 @@ def _decode(model, prompt: torch.Tensor, n_tokens: int, reset_stats) -> tuple[li
         past, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
         times.append(time.perf_counter() - start)
         tokens.append(int(token))
-    return times, tokens
+    read_after, faults_after = _storage_reads()
+    n = max(1, len(times))
+    return times, tokens, {"proc_read_mb_per_token": (read_after - read_before) / n / 1e6,
+                           "major_faults_per_token": (faults_after - faults_before) / n}
 
 
 def _load(config: dict):
@@ -183,7 +200,7 @@ def _load(config: dict):
         cost = scale_cost_predictor(config["predictors"], store) if config.get("predictors") else None
         predictors = ReplayedSets(masks, at, store.hidden_size, cost, ahead)
         model = flashllm_ext.load_flash(config["store"], budget, mode="flash", predictors=predictors,
-                                        lookahead=config.get("lookahead"))
+                                        lookahead=config.get("lookahead"), **config.get("options", {}))
         # The sets of the tokens at the positions this forward computes: after the cached ones.
         model.register_forward_pre_hook(partial(_track_position, at), with_kwargs=True)
         return model, model.flash.stats.reset
@@ -216,12 +233,12 @@ def run_child(config: dict) -> dict:
     try:
         model, reset_stats = _load(config)
         prompt = torch.tensor([config["prompt_ids"]], device=device)
-        times, tokens = _decode(model, prompt, config["tokens"], reset_stats)
+        times, tokens, storage = _decode(model, prompt, config["tokens"], reset_stats)
     except Exception as e:  # the row says why this configuration could not run
         return {**row, "error": f"{type(e).__name__}: {e}"}
     after = process_memory()
     row.update(ms_per_token=statistics.median(times) * 1e3, mean_ms_per_token=statistics.mean(times) * 1e3,
-               tokens=len(times), generated=tokens)
+               tokens=len(times), generated=tokens, **storage)
     if before and after:  # what loading and decoding added to the process, against what the engine accounts
         row.update(rss_peak_growth_mb=(after["VmHWM"] - before["VmRSS"]) / 1e6,
                    rss_anon_growth_mb=(after["RssAnon"] - before["RssAnon"]) / 1e6,
@@ -256,7 +273,7 @@ def default_store(cache: Path, train_predictors: bool = True) -> Path:
         convert(fetch_default(), path, dtype="fp16", force=True)
     if train_predictors and predictors_recipe(path) != DEFAULT_RECIPE:  # none yet, or an older default's
         subprocess.run([sys.executable, "-m", "flashllm_ext.cli", "train-predictors", "default", "--store",
-                        str(path)], check=True)  # the default recipe (BENCHMARKS.md, issue 10)
+                        str(path)], check=True, stdout=sys.stderr)  # the default recipe; stdout: --json rows
     return path
 
 
@@ -346,6 +363,8 @@ def bar_label(row: dict) -> str:
         name += f" ({row['operating_point'][0]}{', ' + method if method else ''})"
     if row.get("lookahead"):
         name += f" +{row['lookahead']}"
+    if row.get("options"):
+        name += f" {row['options']}"
     return f"{name}\n{row['budget_mb']:.0f} MB" if row.get("budget_mb") else name
 
 
@@ -386,6 +405,20 @@ POINTS = {"a": ("a (OPT-like): threshold sparsity 0.97", 0.97),
 # (mode, operating point, predictor method of SCALE_PREDICTORS)
 SCALE_CONFIGS = (("naive", None, None), ("hybrid", None, None), ("flash-oracle", "a", None), ("flash", "a", "lowrank"),
                  ("flash", "a", "quant"), ("flash", "b", "quant"), ("accelerate", None, None))  # accelerate: --full
+
+
+def scale_configs(methods: list[str]) -> list[tuple[str, str | None, str | None]]:
+    """SCALE_CONFIGS with the flash rows of the predictor `methods` asked for: at point (a) a method spelled
+    "quant:G/U" is a quant row at those bits (traces.predictor_training); point (b) is the default recipe's."""
+    configs = []
+    for mode, point, method in SCALE_CONFIGS:
+        if method is None:
+            configs.append((mode, point, method))
+        elif point == "a":
+            configs += [(mode, point, m) for m in methods if m.partition(":")[0] == method]
+        elif method in methods:
+            configs.append((mode, point, method))
+    return configs
 
 
 class ReplayedSets(NeuronPredictor):
@@ -557,12 +590,11 @@ def run_scale(args) -> list[dict]:
                              "resident tensors")
         ids, prompt_note = prompt_ids(args.prompt_tokens, FlashStore(store).config["vocab_size"])
         baseline = measure_baseline(args.device, store)  # this model's modules on the meta device included
-        for mode, point, method in SCALE_CONFIGS:
-            if mode not in wanted or (point is not None and point not in args.points.split(",")) or \
-                    (method is not None and method not in args.scale_predictors.split(",")):
+        for mode, point, method in scale_configs(args.scale_predictors.split(",")):
+            if mode not in wanted or (point is not None and point not in args.points.split(",")):
                 continue
             label, sparsity = POINTS[point] if point else ("dense compute", None)
-            train_args = SCALE_PREDICTORS[point][method] if method else None
+            train_args = (SCALE_PREDICTORS[point].get(method) or predictor_training(method, 0.97)) if method else None
             common = {"scale": True, "store": str(store), "mode": mode, "device": args.device, "operating_point": label,
                       "sparsity": sparsity, "model_budget_mb": model_budget / 1e6, "resident_mb": resident / 1e6,
                       "baseline": baseline,
@@ -585,6 +617,7 @@ def run_scale(args) -> list[dict]:
                 configs.append(whole)
                 if mode == "flash":
                     configs += [{**whole, "lookahead": how} for how in args.lookahead.split(",") if how]
+                    configs += [{**whole, "options": json.loads(options)} for options in args.flash_options]
     for config in configs:  # the sets, computed here: the children are limited to the budget
         if config["mode"].startswith("flash"):
             n_tokens = len(config.get("prompt_ids", ())) + config["tokens"] + 1
@@ -598,7 +631,8 @@ def run_scale(args) -> list[dict]:
         row = {"model": config["model"], "mode": config["mode"], "budget_mb": config["budget_bytes"] / 1e6,
                **(child_rows[0] if child_rows else {"error": "the child printed no row"}),
                **facts, "operating_point": config["operating_point"], "predictor": config["predictor"],
-               "recall": config.get("recall"), "lookahead": config.get("lookahead"), "round": round_index,
+               "recall": config.get("recall"), "lookahead": config.get("lookahead"),
+               "options": json.dumps(config["options"]) if "options" in config else None, "round": round_index,
                "budget_spec": args.budget, "model_budget_mb": config["model_budget_mb"],
                "resident_mb": config["resident_mb"], "baseline_mb": config["baseline"] / 1e6,
                "prompt_tokens": len(config.get("prompt_ids", ())), "prompt_note": config.get("prompt_note")}
@@ -781,6 +815,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--full-only", action="store_true",
                         help="--scale: whole-model rows only (load_flash; the accelerate peer on the checkpoint)")
     parser.add_argument("--full-tokens", type=int, default=4, help="--scale --full: greedy decode tokens")
+    parser.add_argument("--flash-options", action="append", default=[], metavar="JSON",
+                        help="--scale --full: a whole-model flash row also with these load_flash keyword arguments, "
+                        "e.g. '{\"window\": 20}' or '{\"reader_options\": {\"min_read\": 0}}' (repeatable)")
     parser.add_argument("--lookahead", default="", help="--scale --full: each whole-model flash row also with "
                         "these look-ahead modes (ahead,prefetch: load_flash(lookahead=...))")
     parser.set_defaults(rounds=3)

@@ -43,12 +43,6 @@ COLUMNS = ["mode", "budget_mb", "cgroup_limit_mb", "cgroup_peak_mb", "oom_killed
 
 # ------------------------------------------------------------------------------------------- the child runs
 
-def _proc_read_bytes() -> int:
-    """Bytes this process has caused to be read from storage (/proc/self/io read_bytes; page-cache hits excluded)."""
-    with open("/proc/self/io") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("read_bytes:"))
-
-
 def _accelerate_placement(model) -> tuple[int, int]:
     """(decoder layers accelerate keeps in memory, decoder layers it offloads to disk) from its device map."""
     import re
@@ -77,18 +71,11 @@ def run_child(config: dict) -> dict:
             model = load_offloaded(config["store"], config["budget_bytes"], mode=mode, threads=config["threads"],
                                    layers_in_memory=config.get("layers_in_memory"))
             reset = model.offload.stats.reset
-        read_before = [0]
-
-        def reset_all() -> None:  # after the prefill: the stats and the storage reads cover the decode tokens
-            reset()
-            read_before[0] = _proc_read_bytes()
-
-        times, tokens = _decode(model, torch.tensor([config["prompt_ids"]]), config["tokens"], reset_all)
-        proc_read = _proc_read_bytes() - read_before[0]
+        times, tokens, storage = _decode(model, torch.tensor([config["prompt_ids"]]), config["tokens"], reset)
     except Exception as e:  # the row says why this configuration could not run
         return {**row, "error": f"{type(e).__name__}: {e}"}
     row.update(ms_per_token=statistics.median(times) * 1e3, mean_ms_per_token=statistics.mean(times) * 1e3,
-               tokens=len(times), generated=tokens, proc_read_mb_per_token=proc_read / len(times) / 1e6)
+               tokens=len(times), generated=tokens, **storage)
     if mode == "accelerate":
         in_memory, on_disk = _accelerate_placement(model)
         row.update(read_ms=None, decompress_ms=None, compute_ms=None, bytes_read_per_token=None,

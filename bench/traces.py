@@ -29,14 +29,17 @@ LOWRANK_TRAINING = ("--method", "lowrank", "--tokens", "1024", "--epochs", "2")
 
 def predictor_training(method: str, target_sparsity: float) -> tuple[str, ...]:
     """`flashllm train-predictors` arguments of the benchmarks' `method` predictors for the true sets at threshold
-    sparsity `target_sparsity`: lowrank, trained for them with LOWRANK_TRAINING; quant (W_gate and W_up at 4 bits),
-    at twice the true loaded density (1 - target_sparsity), calibrated on the calibration text (no training)."""
+    sparsity `target_sparsity`: lowrank, trained for them with LOWRANK_TRAINING; quant (W_gate and W_up at 4 bits;
+    "quant:G/U": at G and U bits), at twice the true loaded density (1 - target_sparsity), calibrated on the
+    calibration text (no training)."""
     if method == "lowrank":
         return (*LOWRANK_TRAINING, "--target-sparsity", str(target_sparsity))
-    if method == "quant":
-        return ("--method", "quant", "--gate-bits", "4", "--up-bits", "4",
+    family, _, bits = method.partition(":")
+    gate_bits, _, up_bits = (bits or "4/4").partition("/")
+    if family == "quant" and gate_bits.isdigit() and up_bits.isdigit():
+        return ("--method", "quant", "--gate-bits", gate_bits, "--up-bits", up_bits,
                 "--density", f"{2 * (1 - target_sparsity):.4g}")
-    raise ValueError(f"method must be lowrank or quant, got {method!r}")
+    raise ValueError(f"method must be lowrank, quant or quant:G/U (gate / up bits), got {method!r}")
 
 
 def trained_predictors(cache: Path, train_args: tuple[str, ...]) -> Path:
@@ -44,7 +47,7 @@ def trained_predictors(cache: Path, train_args: tuple[str, ...]) -> Path:
     path = cache / f"smollm2-135m-predictors-{'-'.join(train_args[1::2])}.safetensors"
     if not path.is_file():
         subprocess.run([sys.executable, "-m", "flashllm_ext.cli", "train-predictors", "default", "--out", str(path),
-                        *train_args], check=True)
+                        *train_args], check=True, stdout=sys.stderr)  # a benchmark's stdout is its --json rows
     return path
 
 

@@ -39,6 +39,7 @@ def test_quick_run_reports_every_mode_with_its_keys(tmp_path):
         assert KEYS <= row.keys(), KEYS - row.keys()
         assert row.get("error") is None, row["error"]
         assert row["tokens"] == 4 and row["ms_per_token"] > 0 and row["oom_killed"] is False
+        assert row["proc_read_mb_per_token"] >= 0 and row["major_faults_per_token"] >= 0  # the kernel's count
         if row["cgroup_note"] is None and row["cgroup_limit_mb"] is not None:
             assert row["cgroup_peak_mb"] <= row["cgroup_limit_mb"]
     dense = rows[0]["generated"]
@@ -117,3 +118,14 @@ def test_scale_rows_pay_for_a_predictor_of_the_large_shapes(tmp_path, monkeypatc
         assert calls == [(1, (2, 64))] and replayed.memory_bytes == cost.memory_bytes
         assert load_predictors(path).memory_bytes < cost.memory_bytes
     assert ReplayedSets(masks, [0], 64).memory_bytes == 0  # the oracle's sets: nothing to pay
+
+
+def test_scale_configs_expand_the_quant_family_at_point_a_only(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH.parent))
+    from bench_e2e import SCALE_CONFIGS, scale_configs
+
+    flash = [(point, method) for mode, point, method in scale_configs(["quant", "quant:4/2", "lowrank"])
+             if mode == "flash"]
+    assert flash == [("a", "lowrank"), ("a", "quant"), ("a", "quant:4/2"), ("b", "quant")]
+    assert [c for c in scale_configs([]) if c[2] is not None] == []
+    assert [c for c in scale_configs([]) if c[0] != "flash"] == [c for c in SCALE_CONFIGS if c[0] != "flash"]

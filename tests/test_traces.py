@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from bench.traces import default_model_masks, tile_masks
+from bench.traces import default_model_masks, predictor_training, tile_masks
 
 
 def test_tile_masks_concatenates_whole_small_layers():
@@ -28,3 +28,12 @@ def test_default_model_masks_hit_the_target_sparsity():
     assert masks.shape == (256, 30, 1536) and masks.dtype == torch.bool
     # thresholds are calibrated on other text: held-out sparsity lands near, not exactly on, the target
     assert 0.85 < 1 - masks.float().mean() < 0.95
+
+
+def test_predictor_training_spells_quant_bits():
+    assert predictor_training("quant", 0.97) == ("--method", "quant", "--gate-bits", "4", "--up-bits", "4",
+                                                 "--density", "0.06")
+    assert predictor_training("quant:4/2", 0.9)[2:6] == ("--gate-bits", "4", "--up-bits", "2")
+    for bad in ("quant:4", "quant:a/b", "teal"):
+        with pytest.raises(ValueError, match="quant:G/U"):
+            predictor_training(bad, 0.97)
