@@ -1,12 +1,13 @@
 """The MLX engine (flashllm_ext.mlx.load_flash) against the torch engine (flashllm_ext.load_flash) on the default
 model's fp16 store, in one process: greedy decode milliseconds per token in each mode at one DRAM budget, the
 per-token breakdown (I/O, memory management, predictor, FFN compute), bytes read and whether the tokens equal the
-torch engine's dense ones. The four models run round-robin (the order rotated every round) and each figure is the
-median over the rounds. Where MLX runs on the CPU (Linux: mlx[cpu]) this measures the same engine on a different
-array library, not Apple Silicon. A second table times the largest resident product, the LM head's GEMV
+torch engine's dense ones. The models (each mode on both engines) run round-robin (the order rotated every round)
+and each figure is the median over the rounds. Where MLX runs on the CPU (Linux: mlx[cpu]) this measures the same
+engine on a different array library, not Apple Silicon. A second table times the largest resident product, the LM head's GEMV
 (49152 x 576, one token), on both libraries in fp16 and fp32 (interleaved medians): where the decode time goes.
 
-    python bench/bench_mlx.py [--budget 50%] [--tokens 16] [--rounds 3] [--modes dense,flash] [--mlx-fp32] [--json]
+    python bench/bench_mlx.py [--budget 50%] [--tokens 16] [--rounds 3] [--modes dense,naive,hybrid,flash]
+                              [--mlx-fp32] [--json]
 """
 from __future__ import annotations
 
@@ -46,9 +47,10 @@ def lm_head_rows(rounds: int) -> list[dict]:
 
 def main() -> None:
     parser = arg_parser(__doc__.splitlines()[0])
-    parser.add_argument("--budget", default="50%", help="DRAM budget of the flash mode (bytes, share, size)")
+    parser.add_argument("--budget", default="50%", help="DRAM budget of every mode but dense (bytes, share, size)")
     parser.add_argument("--tokens", type=int, default=16, help="tokens generated per run (decode: one fewer)")
-    parser.add_argument("--modes", default="dense,flash", help="comma-separated: dense, flash, exact")
+    parser.add_argument("--modes", default="dense,flash",
+                        help="comma-separated: dense, naive, hybrid, flash, exact (both engines run each)")
     parser.add_argument("--mlx-fp32", action="store_true",
                         help="one more MLX dense model with fp32 resident tensors and FFNs (mlx's CPU device has no "
                              "fast fp16 product)")

@@ -197,7 +197,8 @@ def _look_ahead(ffn: FlashFFN, norm: nn.Module, _layer: nn.Module, args: tuple, 
 
 def _make_modules(store: FlashStore, mode: str, ffn_budget: int | None, window: int, predictors, reader, stats,
                   budget_bytes, fixed_bytes, transfer: Transfer, lookahead: str,
-                  ffn_class: type[FlashFFN] = FlashFFN) -> tuple[list[nn.Module], int]:
+                  ffn_class: type[FlashFFN] = FlashFFN,
+                  streaming_class: type[StreamingFFN] = StreamingFFN) -> tuple[list[nn.Module], int]:
     n_layers, n, row = store.n_layers, store.n_neurons, store.row_bytes
 
     def too_small(need: int) -> ValueError:
@@ -240,7 +241,7 @@ def _make_modules(store: FlashStore, mode: str, ffn_budget: int | None, window: 
     if ffn_budget is not None and streaming_bytes(resident_rows) > ffn_budget:
         raise too_small(streaming_bytes(0))
     staging = transfer.empty((n - resident_rows, store.bundle_width), store.dtype)
-    modules = [StreamingFFN(store, i, resident_rows, staging, reader, stats, transfer) for i in range(n_layers)]
+    modules = [streaming_class(store, i, resident_rows, staging, reader, stats, transfer) for i in range(n_layers)]
     return modules, staging.nbytes + transfer.nbytes + sum(m.nbytes for m in modules)
 
 
@@ -266,15 +267,16 @@ def _bounded_reader_options(store: FlashStore, budget_bytes: int | None, taken: 
 def ffn_stack(store: FlashStore, mode: str, budget_bytes: int | None, *, window: int = 5, predictors=None,
               threads: int = 32, resident_bytes: int = 0, device: str | torch.device = "cpu",
               transfer: Transfer | None = None, reader_options: dict | None = None, lookahead: str = "ahead",
-              ffn_class: type[FlashFFN] = FlashFFN) -> FlashRuntime:
+              ffn_class: type[FlashFFN] = FlashFFN,
+              streaming_class: type[StreamingFFN] = StreamingFFN) -> FlashRuntime:
     """Every FFN layer of `store` served by `mode` within `budget_bytes`, of which `resident_bytes` are already
     taken (a model's own tensors; 0 for a bare stack): runtime.modules[i](x) computes layer i of x [T, d]. The
     builder behind load_flash and patch_model, and alone for FFN-only benchmarks at scales no checkpoint here has.
     device: where the FFN state lives ("cuda": the GPU; predictors are moved there); transfer: the one that places
     it (default make_transfer(device); tests pass a StagedTransfer on the CPU). lookahead: what a FlashFFN's
     forward does after its prefetch (LOOKAHEAD_MODES; the prefetch is the caller's, as load_flash's hooks).
-    ffn_class: the flash / exact modes' layer (a FlashFFN subclass: flashllm_ext.mlx's computes on mx.arrays over
-    a flashllm_ext.mlx.MLXTransfer)."""
+    ffn_class / streaming_class: the flash and exact / the naive and hybrid modes' layer (a FlashFFN / StreamingFFN
+    subclass: flashllm_ext.mlx's compute on mx.arrays over a flashllm_ext.mlx.MLXTransfer)."""
     if mode not in MODES or mode == "dense":
         raise ValueError(f"mode must be one of {MODES[1:]}, got {mode!r}")
     predictor_bytes = 0
@@ -300,7 +302,7 @@ def ffn_stack(store: FlashStore, mode: str, budget_bytes: int | None, *, window:
     ffn_budget = None if budget_bytes is None else budget_bytes - fixed
     try:
         modules, ffn_bytes = _make_modules(store, mode, ffn_budget, window, predictors, reader, stats, budget_bytes,
-                                           fixed, transfer, lookahead, ffn_class)
+                                           fixed, transfer, lookahead, ffn_class, streaming_class)
         ffn_bytes += reader.buffer_bound()
     except BaseException:
         reader.close()

@@ -418,7 +418,12 @@ class StreamingFFN(nn.Module):
         self.stats = stats if stats is not None else FFNStats()
         bias = layer_input_bias(store, layer)
         device = staging.device
-        self.resident = reader.read(layer, torch.arange(resident_rows)).data.to(device) if resident_rows else None
+        self.resident = None
+        if resident_rows and self.transfer.staged:  # read on the host, placed on the device once
+            self.resident = reader.read(layer, torch.arange(resident_rows)).data.to(device)
+        elif resident_rows:  # straight into the transfer's memory (flashllm_ext.mlx's: an mx.array)
+            self.resident = reader.read(layer, torch.arange(resident_rows),
+                                        self.transfer.empty((resident_rows, store.bundle_width), store.dtype)).data
         self.resident_bias = None if bias is None else bias[:resident_rows].to(device)
         self.streamed_ids = torch.arange(resident_rows, n)
         self.streamed_bias = None if bias is None else bias[resident_rows:].to(device)
@@ -436,8 +441,14 @@ class StreamingFFN(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = _check_input(x, self.store.hidden_size, self.staging.device)
-        xs = flat.to(self.store.dtype).contiguous()
         out = torch.zeros(flat.shape, dtype=torch.float32, device=flat.device)
+        self._accumulate(flat.to(self.store.dtype).contiguous(), out)
+        return out.to(x.dtype).reshape(x.shape)
+
+    def _accumulate(self, xs, out: torch.Tensor) -> None:
+        """out [T, d] float32 += the FFN (output bias included) of the T tokens xs [T, d] in the store's dtype, the
+        streamed bundles read first. xs is whatever `_compute` computes on (a torch tensor here, an mx.array in
+        flashllm_ext.mlx); the reads and the stats are torch on the host either way."""
         n_streamed = self.streamed_ids.numel()
         if n_streamed:
             start = self.transfer.clock()
@@ -456,18 +467,23 @@ class StreamingFFN(nn.Module):
             self.stats.steps += 1
         self.stats.needed += self.store.n_neurons
         start = self.transfer.clock()
-        glu, act = self.store.glu, self.activation
-        if self.resident is not None:
-            out += ops.sparse_ffn(xs, self.resident, num_used=self.resident.shape[0], bias=self.resident_bias,
-                                  activation=act, glu=glu).float()
-        if n_streamed:
-            out += ops.sparse_ffn(xs, self.staging, num_used=n_streamed, bias=self.streamed_bias, activation=act,
-                                  glu=glu).float()
+        self._compute(xs, out)
         if self.out_bias is not None:
             out += self.out_bias
         self.stats.compute_s += self.transfer.clock() - start
-        self.stats.tokens += flat.shape[0]
-        return out.to(x.dtype).reshape(x.shape)
+        self.stats.tokens += out.shape[0]
+
+    def _parts(self) -> list[tuple[torch.Tensor, int, torch.Tensor | None]]:
+        """(rows, rows used, their input bias or None) of every neuron: the resident bundles, the streamed ones."""
+        parts = [] if self.resident is None else [(self.resident, self.resident.shape[0], self.resident_bias)]
+        n_streamed = self.streamed_ids.numel()
+        return parts + ([(self.staging, n_streamed, self.streamed_bias)] if n_streamed else [])
+
+    def _compute(self, xs: torch.Tensor, out: torch.Tensor) -> None:
+        """out [T, d] float32 += the FFN of xs [T, d] over every neuron, the streamed ones read already."""
+        for rows, num_used, bias in self._parts():
+            out += ops.sparse_ffn(xs, rows, num_used=num_used, bias=bias, activation=self.activation,
+                                  glu=self.store.glu).float()
 
 
 def ffn_slots(model: nn.Module) -> list[tuple[nn.Module, dict[str, nn.Module]]]:

@@ -1,6 +1,7 @@
-"""The MLX engine (flashllm_ext.mlx: MLXTransfer, MLXFlashFFN, the Llama decoder and load_flash) against the torch
-engine and transformers: the cache over mx.arrays step by step against the torch NeuronCache (rows read back through
-mlx), MLXFlashFFN's outputs and cache states against FlashFFN's, greedy tokens against transformers, bad input."""
+"""The MLX engine (flashllm_ext.mlx: MLXTransfer, MLXFlashFFN, MLXStreamingFFN, the Llama decoder and load_flash)
+against the torch engine and transformers: the cache over mx.arrays step by step against the torch NeuronCache (rows
+read back through mlx), MLXFlashFFN's outputs and cache states against FlashFFN's, the naive / hybrid stacks against
+the torch engine's (outputs, reads, stats, budget), greedy tokens against transformers, bad input."""
 import numpy as np
 import pytest
 import torch
@@ -10,6 +11,7 @@ import flashllm_ext
 from flashllm_ext import store
 from flashllm_ext.cache import NeuronCache
 from flashllm_ext.convert import convert
+from flashllm_ext.engine import ffn_stack, store_ffn_bytes
 from flashllm_ext.ffn import FlashFFN
 from flashllm_ext.transfer import HostTransfer
 
@@ -196,6 +198,93 @@ def test_flash_mode_follows_the_torch_engine(stores):
     reference.flash.close()
 
 
+def _streaming_stacks(s: store.FlashStore, mode: str, budget: int | None):
+    """The torch engine's FFN stack and the MLX one for `mode` over `s` at `budget` (bytes or None)."""
+    return (ffn_stack(s, mode, budget),
+            ffn_stack(s, mode, budget, transfer=fmlx.MLXTransfer(), streaming_class=fmlx.MLXStreamingFFN))
+
+
+@pytest.mark.parametrize("name", ["opt-fp32", "llama-fp32", "llama-fp16"])
+@pytest.mark.parametrize("mode,share", [("naive", 0.6), ("hybrid", 0.8), ("hybrid", None)])
+@torch.no_grad()
+def test_streaming_stack_matches_the_torch_stack(stores, name, mode, share):
+    """naive / hybrid FFN stacks (ffn_stack, the builder of both engines) at the same budget: the same split (resident
+    rows, accounted bytes), the same outputs of a 6-token prompt then 5 decode steps (within rounding of the two
+    sparse_ffn implementations) and the same reads and stats; each forward re-reads exactly the streamed bundles."""
+    s = stores[name]
+    budget = None if share is None else int(store_ffn_bytes(s) * share)
+    reference, stack = _streaming_stacks(s, mode, budget)
+    streamed = reference.modules[0].streamed_ids.numel()
+    assert [m.streamed_ids.numel() for m in stack.modules] == [streamed] * s.n_layers
+    if mode == "naive":
+        assert streamed == s.n_neurons
+    else:  # part resident (half without a budget), part streamed
+        assert 0 < streamed < s.n_neurons and (share is not None or streamed == s.n_neurons - s.n_neurons // 2)
+    assert stack.ffn_bytes == reference.ffn_bytes and (budget is None or stack.accounted_bytes <= budget)
+    tol = {"rtol": 1e-5, "atol": 1e-5} if s.dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    xs = torch.randn(11, s.hidden_size, generator=torch.Generator().manual_seed(6))
+    for first, last in [(0, 6)] + [(t, t + 1) for t in range(6, 11)]:
+        requested = stack.stats.bytes_requested
+        for layer in range(s.n_layers):
+            want = reference.modules[layer](xs[first:last])
+            got = stack.modules[layer](to_mx(xs[first:last]))
+            assert isinstance(got, mx.array) and got.dtype == mx.float32 and tuple(got.shape) == (last - first,
+                                                                                                 s.hidden_size)
+            torch.testing.assert_close(torch_view(got), want, **tol, msg=f"layer {layer} [{first}:{last}]")
+        assert stack.stats.bytes_requested - requested == s.n_layers * streamed * s.row_bytes
+    for key in ("tokens", "steps", "needed", "inserted", "bytes_read", "bytes_requested", "n_reads"):
+        assert getattr(stack.stats, key) == getattr(reference.stats, key), key
+    assert stack.stats.tokens == 11 * s.n_layers and stack.stats.compute_s > 0
+    reference.close()
+    stack.close()
+
+
+@pytest.mark.parametrize("mode,budget", [("naive", "75%"), ("hybrid", "85%"), ("hybrid", None)])
+def test_streaming_modes_generate_the_tokens_of_transformers(stores, mode, budget):
+    """naive / hybrid decoders: transformers' (and the torch engine's) greedy tokens; per decode token the stats count
+    every layer's streamed bundles once (naive: the whole FFN; hybrid: the part not resident), one read step a layer,
+    within the budget."""
+    model, s = stores["llama_model"], stores["llama-fp32"]
+    prompt = torch.randint(3, 90, (1, 7), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = _greedy(model, prompt, 24)
+        torch_engine = flashllm_ext.load_flash(s.path, dram_budget=budget, mode=mode)
+        assert _greedy(torch_engine, prompt, 24) == want
+        torch_engine.flash.close()
+    flash = fmlx.load_flash(s.path, dram_budget=budget, mode=mode)
+    assert all(isinstance(ffn, fmlx.MLXStreamingFFN) for ffn in flash.ffns)
+    assert flash.generate(prompt, 24) == want
+    streamed = flash.ffns[0].streamed_ids.numel()
+    assert streamed == s.n_neurons if mode == "naive" else 0 < streamed < s.n_neurons
+    if budget is None:
+        assert streamed == s.n_neurons - s.n_neurons // 2
+    new, seconds = flash.greedy_decode(prompt, 5)  # the stats then cover the 4 decode steps only
+    assert new == want[7:12] and seconds > 0
+    stats = flash.flash_stats()
+    per_token = s.n_layers * streamed * s.row_bytes
+    assert stats["mode"] == mode and stats["tokens"] == 4 and stats["steps"] == 4 * s.n_layers
+    assert stats["requested_bytes_per_token"] == per_token <= stats["bytes_per_token"]
+    assert stats["io_ms"] > 0 and stats["compute_ms"] > 0 and stats["hit_rate"] == 1 - streamed / s.n_neurons
+    if budget is not None:
+        assert stats["accounted_bytes"] <= stats["budget_bytes"]
+    flash.close()
+
+
+@pytest.mark.parametrize("mode", ["naive", "hybrid"])
+def test_streaming_budget_below_the_minimum_is_refused(stores, mode):
+    """A budget that cannot hold the staging of one layer's bundles: the torch engine's error, word for word for
+    the same stack, naming the minimum through load_flash."""
+    s = stores["llama-fp32"]
+    messages = []
+    for kwargs in ({}, {"transfer": fmlx.MLXTransfer(), "streaming_class": fmlx.MLXStreamingFFN}):
+        with pytest.raises(ValueError, match="below the minimum") as error:
+            ffn_stack(s, mode, store_ffn_bytes(s) // 10, **kwargs)
+        messages.append(str(error.value))
+    assert messages[0] == messages[1] and f"for {mode} mode" in messages[0]
+    with pytest.raises(ValueError, match=rf"below the minimum of \d+ for {mode} mode"):
+        fmlx.load_flash(s.path, dram_budget="1%", mode=mode)
+
+
 def test_mlx_transfer_rows_are_the_arrays(stores):
     """Writes through a cache's torch view are the mx.array's contents, and only tensors it allocated map back."""
     transfer = fmlx.MLXTransfer()
@@ -214,7 +303,7 @@ def test_bad_input(stores, tmp_path):
     with pytest.raises(ValueError, match="Llama family"):
         fmlx.load_flash(stores["opt-fp32"].path, mode="exact")
     with pytest.raises(ValueError, match="mode must be one of"):
-        fmlx.load_flash(path, mode="naive")
+        fmlx.load_flash(path, mode="fast")
     with pytest.raises(ValueError, match="below the minimum"):
         fmlx.load_flash(path, dram_budget="1%", mode="exact")
     with pytest.raises(ValueError, match="flash mode needs predictors"):
@@ -237,6 +326,17 @@ def test_bad_input(stores, tmp_path):
         ffn(mx.zeros((1, s.hidden_size), dtype=mx.int32))
     with pytest.raises(ValueError, match="must be an MLXTransfer"):
         fmlx.MLXFlashFFN(s, 0, transfer=HostTransfer())
+    streaming = fmlx.load_flash(path, dram_budget=None, mode="naive")
+    ffn, staging = streaming.ffns[0], streaming.ffns[0].staging
+    with pytest.raises(ValueError, match="MLXStreamingFFN takes an mx.array"):
+        ffn(torch.zeros(1, s.hidden_size))
+    with pytest.raises(ValueError, match="hidden size"):
+        ffn(mx.zeros((2, s.hidden_size - 1)))
+    with pytest.raises(ValueError, match="must be an MLXTransfer"):
+        fmlx.MLXStreamingFFN(s, 0, 0, staging, streaming.runtime.reader, transfer=HostTransfer())
+    with pytest.raises(ValueError, match="not allocated by this MLXTransfer"):  # the staging is the engine's
+        fmlx.MLXStreamingFFN(s, 0, 0, staging, streaming.runtime.reader, transfer=fmlx.MLXTransfer())
+    streaming.close()
 
 
 @pytest.mark.slow

@@ -5,8 +5,9 @@ the kernels in `metal/` through `mx.fast.metal_kernel`; elsewhere (Linux, mlx[cp
 mlx ops. Both move bits, so NaN payloads and -0.0 survive, and both check their inputs as the torch kernels do,
 raising the same RuntimeError messages.
 
-On these ops stands the MLX engine: MLXTransfer (transfer.py: a NeuronCache's rows in mx.arrays), MLXFlashFFN
-(ffn.py: FlashFFN computing with sparse_ffn on them) and a Llama-family decoder with `load_flash` (model.py).
+On these ops stands the MLX engine: MLXTransfer (transfer.py: a NeuronCache's rows in mx.arrays), MLXFlashFFN and
+MLXStreamingFFN (ffn.py: FlashFFN and StreamingFFN computing with sparse_ffn on them) and a Llama-family decoder
+with `load_flash` (model.py).
 """
 from __future__ import annotations
 
@@ -19,8 +20,8 @@ from .._ops import ACTIVATIONS
 from ..kernel_constants import (ENDOR_ROW_CODES, FFN_MAX_CHUNKS, FFN_MAX_TOKENS, FFN_ROWS_PER_CHUNK,
                                 METAL_THREADGROUP, metal_header)
 
-__all__ = ["MLXFlashFFN", "MLXTransfer", "endor_decompress", "endor_linear", "load_flash", "metal_available",
-           "metal_source", "sparse_ffn"]
+__all__ = ["MLXFlashFFN", "MLXStreamingFFN", "MLXTransfer", "endor_decompress", "endor_linear", "load_flash",
+           "metal_available", "metal_source", "sparse_ffn"]
 
 # Unsigned view of each element type: the kernels copy bits.
 _BITS = {mx.float32: mx.uint32, mx.float16: mx.uint16, mx.bfloat16: mx.uint16, mx.int8: mx.uint8}
@@ -387,6 +388,6 @@ def sparse_ffn(x: mx.array, matrix: mx.array, num_used: int, bias: mx.array | No
 
 
 # The engine stands on the ops above (its modules import them from this package), so it is imported last.
-from .ffn import MLXFlashFFN  # noqa: E402
+from .ffn import MLXFlashFFN, MLXStreamingFFN  # noqa: E402
 from .model import load_flash  # noqa: E402
 from .transfer import MLXTransfer  # noqa: E402

@@ -7,6 +7,11 @@ flashllm_ext.mlx.sparse_ffn (Metal kernels on Apple Silicon, mlx ops elsewhere) 
 token's cached rows and adds the result into a float32 accumulator that is itself an mx.array viewed from the host.
 The result is evaluated there: the host must know a computation that reads the rows has run before the next cache
 step writes them, and the next layer's planning waits for this token's predictor answer on the host anyway.
+
+MLXStreamingFFN is the same for the torch engine's StreamingFFN (naive and hybrid modes): its reads, stats and
+budget are StreamingFFN's, its resident bundles and the staging buffer the layers share are mx.arrays of the
+MLXTransfer (the reads land in them), and every neuron is computed by sparse_ffn on those arrays. The result is
+evaluated before the forward returns for the same reason: the next layer's reads overwrite the shared staging.
 """
 from __future__ import annotations
 
@@ -15,10 +20,32 @@ import os
 import mlx.core as mx
 import torch
 
-from ..ffn import FlashFFN
+from ..ffn import FFNStats, FlashFFN, StreamingFFN
+from ..reader import FlashReader
 from ..store import FlashStore
 from . import sparse_ffn
 from .transfer import MX_DTYPE, MLXTransfer, to_mx, torch_view
+
+
+def _flat_input(ffn: FlashFFN | StreamingFFN, x: mx.array) -> mx.array:
+    """x [..., d] as [T, d], refused with a clear message unless it is a float mx.array ending in the hidden size."""
+    d = ffn.store.hidden_size
+    if not isinstance(x, mx.array):
+        raise ValueError(f"{type(ffn).__name__} takes an mx.array, got {type(x).__name__}")
+    if x.ndim < 1 or x.shape[-1] != d:
+        raise ValueError(f"x must end in the hidden size {d}, got shape {tuple(x.shape)}")
+    if x.dtype not in (mx.float32, mx.float16, mx.bfloat16):
+        raise ValueError(f"x must be float32, float16 or bfloat16, got {x.dtype}")
+    return x.reshape(-1, d)
+
+
+def _check_transfer(cls: type, transfer) -> MLXTransfer:
+    if transfer is None:
+        return MLXTransfer()
+    if not isinstance(transfer, MLXTransfer):
+        raise ValueError(f"{cls.__name__} keeps its rows in mx.arrays: transfer must be an MLXTransfer, got "
+                         f"{type(transfer).__name__}")
+    return transfer
 
 
 class MLXFlashFFN(FlashFFN):
@@ -28,11 +55,7 @@ class MLXFlashFFN(FlashFFN):
 
     def __init__(self, store: FlashStore | str | os.PathLike, layer: int, *, transfer: MLXTransfer | None = None,
                  device: str | torch.device | None = None, **kwargs):
-        if transfer is None:
-            transfer = MLXTransfer()
-        if not isinstance(transfer, MLXTransfer):
-            raise ValueError(f"MLXFlashFFN keeps its rows in mx.arrays: transfer must be an MLXTransfer, got "
-                             f"{type(transfer).__name__}")
+        transfer = _check_transfer(MLXFlashFFN, transfer)
         if device is not None and torch.device(device).type != "cpu":
             raise ValueError(f"MLXFlashFFN runs where mlx runs; its host side is on the CPU, got device={device}")
         super().__init__(store, layer, transfer=transfer, **kwargs)
@@ -42,14 +65,7 @@ class MLXFlashFFN(FlashFFN):
         self.bias = transfer.array(self.cache.bias)
 
     def forward(self, x: mx.array) -> mx.array:
-        d = self.store.hidden_size
-        if not isinstance(x, mx.array):
-            raise ValueError(f"MLXFlashFFN takes an mx.array, got {type(x).__name__}")
-        if x.ndim < 1 or x.shape[-1] != d:
-            raise ValueError(f"x must end in the hidden size {d}, got shape {tuple(x.shape)}")
-        if x.dtype not in (mx.float32, mx.float16, mx.bfloat16):
-            raise ValueError(f"x must be float32, float16 or bfloat16, got {x.dtype}")
-        flat = x.reshape(-1, d)
+        flat = _flat_input(self, x)
         acc = mx.zeros(flat.shape, dtype=mx.float32)
         out = torch_view(acc)  # the accumulator: sparse_ffn results are added into its memory from the host
         self._accumulate(torch_view(flat) if self.predictor is not None else None, flat.astype(self.dtype), out)
@@ -66,3 +82,31 @@ class MLXFlashFFN(FlashFFN):
                        threshold=self.threshold)
         out += torch_view(y.astype(mx.float32))  # evaluates y: the rows may be written again from here on
         self.stats.compute_s += self.cache.transfer.clock() - start
+
+
+class MLXStreamingFFN(StreamingFFN):
+    """One FFN layer computed densely from a flash store on mx.arrays (naive / hybrid modes): forward(x mx.array
+    [..., d]) -> mx.array of x's shape and dtype. Arguments are StreamingFFN's; `staging` must come from
+    `transfer`, an MLXTransfer (the engine allocates it there: flashllm_ext.engine.ffn_stack)."""
+
+    def __init__(self, store: FlashStore, layer: int, resident_rows: int, staging: torch.Tensor,
+                 reader: FlashReader, stats: FFNStats | None = None, transfer: MLXTransfer | None = None):
+        transfer = _check_transfer(MLXStreamingFFN, transfer)
+        super().__init__(store, layer, resident_rows, staging, reader, stats, transfer)
+        self.dtype = MX_DTYPE[store.dtype]
+        # The mx.arrays the resident bundles and the staging are (views of), with their input biases: what
+        # sparse_ffn reads.
+        self.arrays = [(transfer.array(rows), num_used, None if bias is None else to_mx(bias))
+                       for rows, num_used, bias in self._parts()]
+
+    def forward(self, x: mx.array) -> mx.array:
+        flat = _flat_input(self, x)
+        acc = mx.zeros(flat.shape, dtype=mx.float32)
+        self._accumulate(flat.astype(self.dtype), torch_view(acc))
+        return acc.astype(x.dtype).reshape(x.shape)
+
+    def _compute(self, xs: mx.array, out: torch.Tensor) -> None:
+        """out [T, d] float32 += the FFN of xs [T, d] (mx.array, store dtype) over every neuron."""
+        for rows, num_used, bias in self.arrays:
+            y = sparse_ffn(xs, rows, num_used, bias, self.activation, self.store.glu)
+            out += torch_view(y.astype(mx.float32))  # evaluates y: the next layer's reads overwrite the staging

@@ -6,11 +6,14 @@
 The resident tensors (embeddings, attention, norms) become mx.arrays; attention uses mlx's fused RoPE, RMSNorm and
 scaled-dot-product attention with a key/value cache. The FFNs, by mode:
   dense   every FFN weight read once from the store into mx.arrays, computed as matrix products (the reference)
+  naive   every FFN bundle re-read from the store for every forward into one staging mx.array the layers share
+  hybrid  as many bundles of each layer resident in mx.arrays as the budget allows, the rest re-read every forward
+          (naive and hybrid: the torch engine's StreamingFFN layers as MLXStreamingFFN, same reads and stats)
   flash   the torch engine's flash stack (flashllm_ext.engine.ffn_stack: budget split, predictors, window,
           coalesced parallel reads) with MLXFlashFFN layers: the neuron caches' rows are mx.arrays
   exact   flash's caches and reads with every neuron active: dense results through the flash path
-The budget is the torch engine's rule (resident tensors first, then predictors, then the caches), with the
-resident mx.arrays counted. naive and hybrid are torch-engine modes only.
+The budget is the torch engine's rule (resident tensors first, then predictors, then the caches / resident
+bundles / staging), with the resident mx.arrays counted.
 """
 from __future__ import annotations
 
@@ -26,10 +29,10 @@ from ..engine import FlashRuntime, _load_predictors, ffn_stack, parse_budget, st
 from ..ffn import store_activation
 from ..store import BIAS_ROLES, FlashStore
 from . import _activate
-from .ffn import MLXFlashFFN
+from .ffn import MLXFlashFFN, MLXStreamingFFN
 from .transfer import MX_DTYPE, MLXTransfer, to_mx
 
-MODES = ("dense", "flash", "exact")
+MODES = ("dense", "naive", "hybrid", "flash", "exact")
 MODEL_TYPES = ("llama",)
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 
@@ -208,13 +211,12 @@ def load_flash(store_dir: str | os.PathLike, dram_budget: int | float | str | No
     """The MLX engine: a Llama-family model from a flash store on mx.arrays, its FFNs served by `mode` (MODES)
     within `dram_budget` (bytes, "50%" of the model, "200MB"; None: no limit; dense mode holds everything and
     ignores it). dtype: of the resident tensors and the activations (default: the store's), and of dense mode's FFN
-    weights; flash and exact FFNs compute in the store's dtype. Predictors come from the store unless given. threads
+    weights; the other modes' FFNs compute in the store's dtype. Predictors come from the store unless given. threads
     and reader_options: the FlashReader's.
     Raises ValueError for another model family, a budget below the minimum (naming it), or flash mode without
     predictors."""
     if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES} on MLX (naive and hybrid: flashllm_ext.load_flash), got "
-                         f"{mode!r}")
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     store = FlashStore(store_dir)
     _check_llama(store)
     dtype = dtype or store.dtype
@@ -232,5 +234,5 @@ def load_flash(store_dir: str | os.PathLike, dram_budget: int | float | str | No
     budget = None if dram_budget is None else parse_budget(dram_budget, resident_bytes + store_ffn_bytes(store))
     runtime = ffn_stack(store, mode, budget, window=window, predictors=predictors, threads=threads,
                         resident_bytes=resident_bytes, transfer=MLXTransfer(), reader_options=reader_options,
-                        ffn_class=MLXFlashFFN)
+                        ffn_class=MLXFlashFFN, streaming_class=MLXStreamingFFN)
     return MLXLlama(store, weights, runtime.modules, mode, runtime)
