@@ -84,6 +84,8 @@ def build_methods(model, calibration, args) -> tuple[dict, list[torch.Tensor]]:
         base, _, rounding = name.partition("+")
         method, _, bits = base.partition(":")
         gate_bits, up_bits = (int(b) for b in bits.split("/")) if bits else (4, 2)
+        if rounding and method not in ("quant", "context"):
+            raise SystemExit(f"{spec}: +{rounding} rounds quant's codes, {method} has none")
         start = time.perf_counter()
         built[name] = predictors_from_capture(model, capture, method, rank=args.rank, epochs=args.epochs,
                                               gate_bits=gate_bits, up_bits=up_bits, rounding=rounding or "nearest",

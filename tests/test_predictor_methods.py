@@ -319,6 +319,8 @@ def test_gptq_and_allocation_refuse_bad_options(llama):
         QuantPredictor(3, 64, 96, "silu", True, rounding="stochastic")
     with pytest.raises(ValueError, match="rounding 'gptq' needs calibration inputs for each of the 3 layers"):
         QuantPredictor.from_model(llama, 3, 4, rounding="gptq", inputs=[torch.randn(8, 64)])
+    with pytest.raises(ValueError, match="rounding 'gptq' is an option of quant"):
+        build_predictors(llama, _ids(256, 0), "oracle", density=0.4, rounding="gptq", window=256, progress=False)
     with pytest.raises(ValueError, match="allocation must be one of"):
         build_predictors(llama, _ids(256, 0), "quant", density=0.4, allocation="owl", window=256, progress=False)
     with pytest.raises(ValueError, match="spreads one target density"):

@@ -143,6 +143,8 @@ def build_predictors(model: nn.Module, token_ids: torch.Tensor, method: str = DE
     predictor_class(method)  # an unknown name fails before minutes of work
     if density is None and method != "lowrank":
         raise ValueError(f"method {method!r} is selected by a target density: give density=")
+    if rounding != "nearest" and method not in ("quant", "context"):
+        raise ValueError(f"rounding {rounding!r} is an option of quant (and of context over quant), not {method!r}")
     if allocation != "uniform" and not isinstance(density, (int, float)):
         raise ValueError(f"allocation {allocation!r} spreads one target density over the layers, got {density}")
     thresholds = calibrate_thresholds(model, token_ids, target_sparsity, window, progress)
