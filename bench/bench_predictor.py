@@ -20,6 +20,11 @@
 4. Figure: perplexity vs loaded density per method with the oracle frontier, bench/results/predictor_methods.png.
 
     python bench/bench_predictor.py [--json] [--methods quant,teal,lowrank-reg,lowrank,oracle] [--densities ...]
+
+A --methods entry is METHOD[:G/U][+gptq][@fisher[=OTHER]]: quant's bits of W_gate / W_up, GPTQ rounding of its codes,
+and a per-layer density allocation (flashllm_ext.predictor.allocation) computed for its own predictors or for those
+of the entry OTHER (e.g. `oracle@fisher=quant:3/4+gptq`: the oracle at quant's allocation, the fair frontier of an
+allocated method). The FlashFFN rows (3.) run the uniform entries only.
 """
 from __future__ import annotations
 
@@ -35,8 +40,8 @@ from common import arg_parser, emit
 from flashllm_ext.paths import resolve_cache_dir
 
 from flashllm_ext.models import corpus_token_ids, load_hf_model, perplexity, spread_windows
-from flashllm_ext.predictor import (calibrate_thresholds, capture_activations, operating_point, patched_ffn,
-                                    predictors_from_capture)
+from flashllm_ext.predictor import (ALLOCATIONS, allocate_densities, calibrate_thresholds, capture_activations,
+                                    operating_point, patched_ffn, predictors_from_capture, select_density)
 
 WINDOW = 512
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -54,20 +59,41 @@ def threshold_sweep(model, calibration, heldout, targets, n_windows, as_json) ->
     emit(rows, as_json)
 
 
+def parse_spec(spec: str) -> tuple[str, str, str | None]:
+    """A --methods entry METHOD[:G/U][+gptq][@fisher[=OTHER]] -> (what is built: METHOD[:G/U][+gptq], the
+    allocation, the built entry whose predictors the allocation is computed for: its own, or OTHER's)."""
+    built, _, allocation = spec.partition("@")
+    allocation, _, source = allocation.partition("=")
+    return built, allocation or "uniform", (source or built) if allocation else None
+
+
 def build_methods(model, calibration, args) -> tuple[dict, list[torch.Tensor]]:
-    """Every method of --methods built once from the calibration text: ({spec: predictors}, calibration inputs).
-    A spec is a method name, with ':G/U' for quant's (or context's quant base's) bits of W_gate / W_up."""
+    """Every method of --methods built once from the calibration text: ({built entry: predictors}, calibration
+    inputs). An entry is a method name, with ':G/U' for quant's (or context's quant base's) bits of W_gate / W_up and
+    '+gptq' for GPTQ rounding of its codes (quant.ROUNDINGS); '@fisher' (allocation.ALLOCATIONS) is applied per
+    density in method_sweep, to the same built predictors."""
     thresholds = calibrate_thresholds(model, calibration, args.target_sparsity, WINDOW, progress=False)
     capture = capture_activations(model, calibration, thresholds, WINDOW, progress=False)
     built = {}
     for spec in args.methods.split(","):
-        method, _, bits = spec.partition(":")
+        name, allocation, source = parse_spec(spec)
+        if allocation not in ALLOCATIONS:
+            raise SystemExit(f"{spec}: allocation must be one of {ALLOCATIONS}")
+        if name in built:
+            continue
+        base, _, rounding = name.partition("+")
+        method, _, bits = base.partition(":")
         gate_bits, up_bits = (int(b) for b in bits.split("/")) if bits else (4, 2)
+        if rounding and method not in ("quant", "context"):
+            raise SystemExit(f"{spec}: +{rounding} rounds quant's codes, {method} has none")
         start = time.perf_counter()
-        built[spec] = predictors_from_capture(model, capture, method, rank=args.rank, epochs=args.epochs,
-                                              gate_bits=gate_bits, up_bits=up_bits, block=args.block,
-                                              progress=False)
-        built[spec].build_seconds = time.perf_counter() - start
+        built[name] = predictors_from_capture(model, capture, method, rank=args.rank, epochs=args.epochs,
+                                              gate_bits=gate_bits, up_bits=up_bits, rounding=rounding or "nearest",
+                                              block=args.block, progress=False)
+        built[name].build_seconds = time.perf_counter() - start
+    for spec in args.methods.split(","):
+        if (source := parse_spec(spec)[2]) is not None and source not in built:
+            raise SystemExit(f"{spec}: allocate for {source!r}, which --methods does not build")
     return built, capture.inputs
 
 
@@ -76,18 +102,32 @@ def method_sweep(model, calibration, heldout, built, inputs, args, ffn_bytes: in
     densities = [float(d) for d in args.densities.split(",")]
     true_thresholds = calibrate_thresholds(model, calibration, [1.0 - d for d in densities], WINDOW, progress=False)
     ppl_dense = perplexity(model, heldout, WINDOW, args.eval_windows, progress=False)
-    rows = []
-    for spec, predictors in built.items():
+    rows, allocations = [], {}
+    for spec in args.methods.split(","):
+        name, allocation, source = parse_spec(spec)
+        predictors = built[name]
         for density in densities:
-            predictors.set_density(inputs, density)
-            predictors.thresholds.zero_()
-            predictors.true_thresholds.copy_(true_thresholds[1.0 - density])
+            if allocation == "uniform":
+                predictors.set_density(inputs, density)
+                predictors.thresholds.zero_()
+                predictors.true_thresholds.copy_(true_thresholds[1.0 - density])
+                targets = [density] * predictors.n_layers
+            else:  # per-layer densities calibrated for `source`'s predictors; the oracle at those same densities
+                if (source, density) not in allocations:
+                    start = time.perf_counter()
+                    allocations[source, density] = allocate_densities(
+                        model, built[source], calibration, inputs, density, allocation, progress=False).tolist()
+                    built[source].allocation_seconds = time.perf_counter() - start
+                targets = allocations[source, density]
+                select_density(model, predictors, inputs, calibration, targets, WINDOW, progress=False)
             point = operating_point(model, predictors, heldout, predictors.true_thresholds, WINDOW,
                                     args.eval_windows, progress=False)
             layer_densities = [layer["density"] for layer in point["layers"]]
-            rows.append({"bench": "method", "method": spec, "target_density": density, "density": point["density"],
+            rows.append({"bench": "method", "method": spec, "allocation": allocation,
+                         "layer_targets": [round(t, 4) for t in targets], "target_density": density,
+                         "density": point["density"],
                          "neuron_density": point["neuron_density"], "input_density": point["input_density"],
-                         "max_layer_error": max(abs(d - density) for d in layer_densities),
+                         "max_layer_error": max(abs(d - t) for d, t in zip(layer_densities, targets)),
                          "ppl": point["ppl"], "ppl_vs_dense": point["ppl"] / ppl_dense, "recall": point["recall"],
                          "mass_recall": point["mass_recall"], "memory_mb": predictors.memory_bytes / 1e6,
                          "memory_frac": predictors.memory_bytes / ffn_bytes, "build_s": predictors.build_seconds})

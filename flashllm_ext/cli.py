@@ -47,8 +47,8 @@ def _ranks(text: str) -> int | list[int]:
 
 def _train_predictors(args: argparse.Namespace) -> int:
     from .models import corpus_token_ids, fetch_default, load_hf_model, resolve_cache_dir, spread_windows
-    from .predictor import (DEFAULT_DENSITY, build_predictors, save_predictors, save_predictors_to_store,
-                            train_predictors)
+    from .predictor import (DEFAULT_DENSITY, build_predictors, predictors_recipe_of, save_predictors,
+                            save_predictors_to_store, train_predictors)
 
     gguf_path = fetch_default() if args.source == "default" else Path(args.source)
     if not gguf_path.is_file():
@@ -73,10 +73,12 @@ def _train_predictors(args: argparse.Namespace) -> int:
         predictors = build_predictors(model, token_ids, args.method, density=density,
                                       target_sparsity=args.target_sparsity, rank=args.rank, epochs=args.epochs,
                                       recall=recall, gate_bits=args.gate_bits, up_bits=args.up_bits,
-                                      base=args.base_method, block=args.block, window=WINDOW)
+                                      rounding=args.rounding, allocation=args.allocation, base=args.base_method,
+                                      block=args.block, window=WINDOW)
     if args.store:  # with the recipe, so a cache of the default ones (DEFAULT_RECIPE) knows these are them
-        bits = {"gate_bits": args.gate_bits, "up_bits": args.up_bits} if args.method == "quant" else {}
-        out = save_predictors_to_store(predictors, args.store, {"method": args.method, "density": density, **bits})
+        recipe = predictors_recipe_of(args.method, density, args.gate_bits, args.up_bits, args.rounding,
+                                      args.allocation)
+        out = save_predictors_to_store(predictors, args.store, recipe)
     else:
         save_predictors(predictors, out)
     config = {k: v for k, v in predictors.config().items() if k not in ("method", "n_layers", "ranks")}
@@ -106,6 +108,8 @@ def _add_calibrate_disk(sub: argparse._SubParsersAction) -> None:
 
 def _add_train_predictors(sub: argparse._SubParsersAction) -> None:
     from .predictor import DEFAULT_DENSITY, DEFAULT_GATE_BITS, DEFAULT_METHOD, DEFAULT_UP_BITS, PREDICTOR_METHODS
+    from .predictor.allocation import ALLOCATIONS
+    from .predictor.quant import ROUNDINGS
 
     train = sub.add_parser("train-predictors", help="build per-layer neuron predictors of one method")
     train.add_argument("source", metavar="CHECKPOINT",
@@ -124,6 +128,12 @@ def _add_train_predictors(sub: argparse._SubParsersAction) -> None:
                        help=f"quant: bits per W_gate weight (1, 2, 3, 4; default {DEFAULT_GATE_BITS})")
     train.add_argument("--up-bits", type=int, default=DEFAULT_UP_BITS,
                        help=f"quant: bits per W_up weight (1, 2, 3, 4; default {DEFAULT_UP_BITS})")
+    train.add_argument("--rounding", choices=ROUNDINGS, default="nearest",
+                       help="quant: codes rounded to the nearest level, or by GPTQ against the calibration inputs "
+                            "(same format and speed, closer scores: BENCHMARKS.md, issue 10 fifth pass)")
+    train.add_argument("--allocation", choices=ALLOCATIONS, default="uniform",
+                       help="spread --density over the layers: the same everywhere, or by a greedy search on the "
+                            "calibration loss (empirical Fisher; the mean stays --density)")
     train.add_argument("--base-method", default="quant", help="context: the method that scores the neurons")
     train.add_argument("--block", type=int, default=16, help="context: decoded tokens per neuron set")
     train.add_argument("--rank", type=_ranks, default=None,

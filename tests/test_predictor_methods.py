@@ -1,6 +1,6 @@
 """Predictor methods behind one interface (flashllm_ext.predictor.base, issue 10): save/load through a store,
 determinism, shapes checked, the oracle equal to the true sets, selection by a target loaded density, and
-FlashFFN serving every method by the one rule."""
+FlashFFN serving every method by the one rule; GPTQ rounding of quant's codes and per-layer density allocation."""
 import copy
 
 import pytest
@@ -15,9 +15,12 @@ from flashllm_ext._ops import unpack_codes
 from flashllm_ext.convert import convert, synthesize
 from flashllm_ext.models import perplexity
 from flashllm_ext.predictor import (DEFAULT_DENSITY, DEFAULT_RECIPE, PREDICTOR_METHODS, OraclePredictor,
-                                    QuantPredictor, TealPredictor, activation_score, build_predictors,
-                                    calibrate_thresholds, ffn_hooks, load_predictors, operating_point,
-                                    predictors_recipe, quantize_rows, save_predictors, save_predictors_to_store)
+                                    QuantPredictor, TealPredictor, activation_score, allocate_densities,
+                                    build_predictors, calibrate_thresholds, capture_activations, ffn_hooks,
+                                    fisher_costs, load_predictors, operating_point, predictors_recipe,
+                                    predictors_recipe_of, quantize_rows, save_predictors, save_predictors_to_store,
+                                    select_density)
+from flashllm_ext.predictor.base import keep_cutoff
 from flashllm_ext.predictor.quant import pack_codes
 
 METHODS = ["lowrank", "lowrank-reg", "quant", "oracle", "context"]  # neuron methods: the engine serves them
@@ -258,3 +261,154 @@ def test_default_model_target_density_within_002_on_held_out_text(default_model)
     # Single layers drift further on 512 tokens (BENCHMARKS.md: up to 0.03 at density 0.35, 0.012 at 0.7).
     errors = [abs(layer["density"] - DEFAULT_DENSITY) for layer in point["layers"]]
     assert max(errors) <= 0.04, errors
+
+
+# GPTQ rounding of quant's codes and per-layer density allocation (issue 10, fifth pass).
+
+def test_gptq_rounding_lowers_the_pre_activation_error_in_the_same_format():
+    torch.manual_seed(1)
+    # Correlated input channels, as real FFN inputs (uncorrelated ones leave GPTQ nothing to carry the error into).
+    x = torch.randn(512, 16) @ torch.randn(16, 64) + 0.1 * torch.randn(512, 64)
+    w = torch.randn(48, 64)
+    for bits in (2, 3, 4):
+        nearest_codes, nearest_scale = quantize_rows(w, bits)
+        codes, scale = quantize_rows(w, bits, inputs=x)
+        assert codes.shape == nearest_codes.shape and torch.equal(scale, nearest_scale)  # only the codes differ
+        assert not torch.equal(codes, nearest_codes)
+
+        def error(c):
+            center = ((1 << bits) - 1) / 2
+            deq = (unpack_codes(c, bits, 64).float() - center) * scale.float()[:, None]
+            return ((x @ (deq - w).T) ** 2).mean().item()
+
+        assert error(codes) < 0.8 * error(nearest_codes), bits
+        assert torch.equal(quantize_rows(w, bits, inputs=x)[0], codes)  # deterministic
+    with pytest.raises(ValueError, match=r"GPTQ needs calibration inputs \[N, d=64\]"):
+        quantize_rows(w, 3, inputs=torch.randn(8, 63))
+
+
+def test_gptq_quant_and_fisher_allocation_round_trip_through_a_store(tmp_path, llama):
+    ids = _ids(1024, 0)
+    predictors = build_predictors(llama, ids, "quant", density=0.4, gate_bits=3, up_bits=4, rounding="gptq",
+                                  allocation="fisher", window=256, progress=False)
+    again = build_predictors(llama, ids, "quant", density=0.4, gate_bits=3, up_bits=4, rounding="gptq",
+                             allocation="fisher", window=256, progress=False)
+    for (k, v), (_, v2) in zip(predictors.state_dict().items(), again.state_dict().items()):
+        assert torch.equal(v, v2), k  # deterministic
+    assert predictors.config()["rounding"] == "gptq"
+    store_dir = synthesize(tmp_path / "store", n_layers=3, hidden_size=64, n_neurons=96, glu=True)
+    recipe = predictors_recipe_of("quant", 0.4, 3, 4, "gptq", "fisher")
+    assert recipe == {"method": "quant", "density": 0.4, "gate_bits": 3, "up_bits": 4, "rounding": "gptq",
+                      "allocation": "fisher"}
+    save_predictors_to_store(predictors, store_dir, recipe)
+    loaded = load_predictors(store_dir)
+    assert predictors_recipe(store_dir) == recipe and loaded.config() == predictors.config()
+    x = torch.randn(9, 64)
+    for layer in range(3):
+        assert torch.equal(loaded.predict(layer, x), predictors.predict(layer, x))
+    # Predictors saved before the option existed have no "rounding": they were rounded to nearest.
+    old = {k: v for k, v in predictors.config().items() if k != "rounding"}
+    assert QuantPredictor.from_config(old).rounding == "nearest"
+    # The original options leave the recipe as it was, so stores built with DEFAULT_RECIPE stay current.
+    assert predictors_recipe_of(DEFAULT_RECIPE["method"], DEFAULT_RECIPE["density"], DEFAULT_RECIPE["gate_bits"],
+                                DEFAULT_RECIPE["up_bits"]) == DEFAULT_RECIPE
+
+
+def test_gptq_and_allocation_refuse_bad_options(llama):
+    with pytest.raises(ValueError, match="rounding must be one of"):
+        QuantPredictor(3, 64, 96, "silu", True, rounding="stochastic")
+    with pytest.raises(ValueError, match="rounding 'gptq' needs calibration inputs for each of the 3 layers"):
+        QuantPredictor.from_model(llama, 3, 4, rounding="gptq", inputs=[torch.randn(8, 64)])
+    with pytest.raises(ValueError, match="rounding 'gptq' is an option of quant"):
+        build_predictors(llama, _ids(256, 0), "oracle", density=0.4, rounding="gptq", window=256, progress=False)
+    with pytest.raises(ValueError, match="allocation must be one of"):
+        build_predictors(llama, _ids(256, 0), "quant", density=0.4, allocation="owl", window=256, progress=False)
+    with pytest.raises(ValueError, match="spreads one target density"):
+        build_predictors(llama, _ids(256, 0), "quant", density=[0.4, 0.5, 0.6], allocation="fisher", window=256,
+                         progress=False)
+
+
+@pytest.fixture(scope="module")
+def calibration(llama):
+    ids = _ids(1024, 0)
+    thresholds = calibrate_thresholds(llama, ids, 0.6, window=256, progress=False)
+    return ids, capture_activations(llama, ids, thresholds, window=256, progress=False).inputs
+
+
+def test_fisher_allocation_keeps_the_mean_and_holds_on_held_out_text(llama, calibration):
+    """A layer whose dropped neurons cost more (its W_down scaled up) gets more density; the mean stays."""
+    model = copy.deepcopy(llama)
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.weight.mul_(8.0)
+    ids = calibration[0]
+    thresholds = calibrate_thresholds(model, ids, 0.6, window=256, progress=False)
+    inputs = capture_activations(model, ids, thresholds, window=256, progress=False).inputs
+    oracle = OraclePredictor.from_model(model, thresholds)
+    densities = allocate_densities(model, oracle, ids, inputs, 0.4, "fisher", step=0.05, window=256,
+                                   progress=False)
+    assert densities.mean().item() == pytest.approx(0.4, abs=0.05 / 3 / 2)
+    assert ((densities >= 0.05) & (densities <= 1.0)).all() and densities[1] > max(densities[0], densities[2])
+    assert torch.equal(allocate_densities(model, oracle, ids, inputs, 0.4, "fisher", step=0.05, window=256,
+                                          progress=False), densities)
+    assert torch.equal(allocate_densities(model, oracle, ids, inputs, 0.4),
+                       torch.full((3,), 0.4, dtype=torch.float64))
+    predictors = copy.deepcopy(oracle)
+    select_density(model, predictors, inputs, ids, densities.tolist(), window=256, progress=False)
+    point = operating_point(model, predictors, _ids(512, 9), predictors.true_thresholds, window=128, n_windows=4,
+                            progress=False)
+    assert all(abs(layer["density"] - r) <= 0.02 for layer, r in zip(point["layers"], densities.tolist()))
+    assert point["recall"] > 0.95  # the oracle at its own per-layer densities: true_thresholds follow them
+    with pytest.raises(ValueError, match="min_density <= density"):
+        allocate_densities(model, oracle, ids, inputs, 0.4, "fisher", min_density=0.5)
+
+
+def test_fisher_costs_are_the_squared_first_order_loss_changes(llama, built, calibration):
+    """Against a direct computation for one layer: autograd's gradient at the FFN output, dotted with the change
+    W_down (h * unloaded) of that output, squared and summed over tokens."""
+    ids, inputs = calibration
+    quant, layer, density = built["quant"], 1, 0.6
+    costs = fisher_costs(llama, quant, ids, inputs, [1.0, density], window=256, progress=False)
+    assert (costs[:, 0] == 0).all() and (costs[:, 1] > 0).all()
+    cutoff = keep_cutoff(quant.scores(layer, inputs[layer].float()), density)
+    down = llama.model.layers[layer].mlp.down_proj
+    want = 0.0
+    for window in ids.view(4, 256):
+        seen = {}
+        handle = down.register_forward_hook(lambda m, a, out: seen.__setitem__("out", out))
+
+        def keep(i, x, h):
+            if i == layer:
+                seen["x"], seen["h"] = x.detach(), h.detach()
+
+        with ffn_hooks(llama, keep), torch.enable_grad():
+            logits = llama(window.unsqueeze(0)).logits[0]
+            loss = torch.nn.functional.cross_entropy(logits[:-1], window[1:], reduction="sum")
+            g = torch.autograd.grad(loss, seen["out"])[0].reshape(-1, 64)
+        handle.remove()
+        unloaded = quant.scores(layer, seen["x"]) <= cutoff
+        delta = (seen["h"] * unloaded) @ down.weight.detach().T
+        want += ((g * delta).sum(1).double() ** 2).sum().item()
+    assert costs[layer, 1].item() == pytest.approx(want, rel=1e-4)
+
+
+def test_cli_builds_gptq_quant_with_fisher_allocation_into_a_store(tmp_path, monkeypatch, capsys):
+    import flashllm_ext.models
+    from flashllm_ext import cli
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                                         max_position_embeddings=512)).eval()
+    monkeypatch.setattr(flashllm_ext.models, "load_hf_model", lambda path: (model, None))
+    monkeypatch.setattr(flashllm_ext.models, "corpus_token_ids", lambda tokenizer, split: _ids(2048, 0))
+    checkpoint = tmp_path / "tiny.gguf"
+    checkpoint.write_bytes(b"GGUF")  # never read: the model comes from the patched loader
+    store_dir = synthesize(tmp_path / "store", n_layers=3, hidden_size=64, n_neurons=96, glu=True)
+    cli.main(["train-predictors", str(checkpoint), "--store", str(store_dir), "--tokens", "512", "--method",
+              "quant", "--gate-bits", "3", "--up-bits", "4", "--rounding", "gptq", "--allocation", "fisher",
+              "--density", "0.5"])
+    assert "wrote 3 quant predictors" in capsys.readouterr().out
+    assert predictors_recipe(store_dir) == predictors_recipe_of("quant", 0.5, 3, 4, "gptq", "fisher")
+    assert load_predictors(store_dir).rounding == "gptq"
+    with pytest.raises(SystemExit):
+        cli.main(["train-predictors", str(checkpoint), "--rounding", "stochastic"])

@@ -1,8 +1,10 @@
 """Activation sparsity on real models: the one active-neuron rule (`rule`), per-layer thresholds (`thresholds`),
 capture of inputs and active sets (`capture`), the predictor interface and its registry of methods (`base`): low-rank
-classifiers and regressions (`lowrank`), low-bit copies of the input projections (`quant`), the true sets
-(`oracle`), one set per block of tokens (`context`), input sparsity (`teal`, evaluation only); building them (`training`), saving and loading (`io`),
-and evaluation (`evaluation`). The rule is documented in `rule`."""
+classifiers and regressions (`lowrank`), low-bit copies of the input projections (`quant`, rounded to nearest or by
+GPTQ), the true sets (`oracle`), one set per block of tokens (`context`), input sparsity (`teal`, evaluation only);
+building them (`training`), per-layer densities for a target mean (`allocation`), saving and loading (`io`), and
+evaluation (`evaluation`). The rule is documented in `rule`."""
+from .allocation import ALLOCATIONS, allocate_densities, fisher_costs
 from .base import PREDICTOR_METHODS, NeuronPredictor, predictor_class
 from .capture import ActivationCapture, capture_activations
 from .context import ContextPredictor
@@ -10,20 +12,21 @@ from .evaluation import SparsityCounter, evaluate, operating_point, patched_ffn
 from .io import load_predictors, predictors_recipe, save_predictors, save_predictors_to_store
 from .lowrank import LowRankPredictor, PredictorSet, RegressionPredictorSet, fit_log_regression
 from .oracle import OraclePredictor
-from .quant import QuantPredictor, quantize_rows
+from .quant import ROUNDINGS, QuantPredictor, quantize_rows
 from .rule import FFNModules, FFNWeights, activation_score, ffn_hooks, ffn_modules, ffn_weights, input_weight_share
 from .teal import TealPredictor
 from .thresholds import calibrate_thresholds
 from .training import (DEFAULT_DENSITY, DEFAULT_GATE_BITS, DEFAULT_METHOD, DEFAULT_RECIPE, DEFAULT_UP_BITS,
-                       auto_rank, build_predictors, choose_prob_thresholds, predictors_from_capture, select_density,
-                       train_predictor, train_predictors)
+                       auto_rank, build_predictors, choose_prob_thresholds, predictors_from_capture,
+                       predictors_recipe_of, select_density, train_predictor, train_predictors)
 
-__all__ = ["DEFAULT_DENSITY", "DEFAULT_GATE_BITS", "DEFAULT_METHOD", "DEFAULT_RECIPE", "DEFAULT_UP_BITS",
-           "PREDICTOR_METHODS", "ActivationCapture", "ContextPredictor", "FFNModules", "FFNWeights",
-           "LowRankPredictor", "NeuronPredictor", "OraclePredictor", "PredictorSet", "QuantPredictor",
-           "RegressionPredictorSet", "SparsityCounter", "TealPredictor", "activation_score", "auto_rank",
-           "build_predictors", "calibrate_thresholds", "capture_activations", "choose_prob_thresholds", "evaluate",
-           "ffn_hooks", "ffn_modules", "ffn_weights", "fit_log_regression", "input_weight_share", "load_predictors",
-           "operating_point", "patched_ffn", "predictor_class", "predictors_from_capture", "predictors_recipe",
+__all__ = ["ALLOCATIONS", "DEFAULT_DENSITY", "DEFAULT_GATE_BITS", "DEFAULT_METHOD", "DEFAULT_RECIPE",
+           "DEFAULT_UP_BITS", "PREDICTOR_METHODS", "ROUNDINGS", "ActivationCapture", "ContextPredictor",
+           "FFNModules", "FFNWeights", "LowRankPredictor", "NeuronPredictor", "OraclePredictor", "PredictorSet",
+           "QuantPredictor", "RegressionPredictorSet", "SparsityCounter", "TealPredictor", "activation_score",
+           "allocate_densities", "auto_rank", "build_predictors", "calibrate_thresholds", "capture_activations",
+           "choose_prob_thresholds", "evaluate", "ffn_hooks", "ffn_modules", "ffn_weights", "fisher_costs",
+           "fit_log_regression", "input_weight_share", "load_predictors", "operating_point", "patched_ffn",
+           "predictor_class", "predictors_from_capture", "predictors_recipe", "predictors_recipe_of",
            "quantize_rows", "save_predictors", "save_predictors_to_store", "select_density", "train_predictor",
            "train_predictors"]

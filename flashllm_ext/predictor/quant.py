@@ -5,25 +5,38 @@ in form and approximately in value.
 A row w [d] is stored as codes q in [0, 2^b) packed as a little-endian bit stream (code k at bits [k b, (k + 1) b)
 of the row's bytes) and one float16 scale s:
 w ~ (q - (2^b - 1) / 2) * s, s chosen per row to minimise the squared error (a grid over fractions of max|w|).
+The codes are then rounded either to the nearest level ("nearest") or, given the layer's calibration inputs X, by
+GPTQ ("gptq", Frantar et al. 2022: column by column, each column's rounding error is carried into the columns not yet
+rounded through the inverse of H = X^T X, minimising ||X (w - w_q)||^2, the error of the pre-activations x . w the
+scores are made of, rather than ||w - w_q||^2). Both give the same format, scales and kernel: only the codes differ.
 Scoring is the op quant_scores (flashllm_ext/ops.py): a CPU kernel reading each code once, never dequantising, with x
 rounded to int8 per token (integer dot products: AVX-512 VNNI where the CPU has it)."""
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
 from .. import ops
 from .base import NeuronPredictor
 from .rule import ffn_weights
 
 BITS = (1, 2, 3, 4)
+ROUNDINGS = ("nearest", "gptq")
+GPTQ_DAMPING = 0.01  # of the mean diagonal of H, added to its diagonal (GPTQ's default): keeps H invertible
 
 
-def quantize_rows(w: torch.Tensor, bits: int, grid: int = 20) -> tuple[torch.Tensor, torch.Tensor]:
-    """(codes uint8 [n, ceil(d * bits / 8)], scales float16 [n]) of w [n, d] (see the module doc)."""
+def quantize_rows(w: torch.Tensor, bits: int, grid: int = 20, inputs: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes uint8 [n, ceil(d * bits / 8)], scales float16 [n]) of w [n, d] (see the module doc). inputs
+    [N, d]: calibration inputs of the layer: GPTQ rounding against them (None: round to nearest)."""
     if bits not in BITS:
         raise ValueError(f"bits must be one of {BITS}, got {bits}")
     w = w.float()
+    if inputs is not None and (inputs.dim() != 2 or inputs.shape[1] != w.shape[1]):
+        raise ValueError(f"GPTQ needs calibration inputs [N, d={w.shape[1]}], got {tuple(inputs.shape)}")
     levels, center = 1 << bits, ((1 << bits) - 1) / 2
     peak = w.abs().amax(1, keepdim=True).clamp_min(1e-12)
     best_err, best_scale = None, None
@@ -36,8 +49,31 @@ def quantize_rows(w: torch.Tensor, bits: int, grid: int = 20) -> tuple[torch.Ten
         else:
             better = err < best_err
             best_err, best_scale = torch.where(better, err, best_err), torch.where(better, scale, best_scale)
-    codes = torch.clamp(torch.round(w / best_scale + center), 0, levels - 1).to(torch.uint8)
+    if inputs is None:
+        codes = torch.clamp(torch.round(w / best_scale + center), 0, levels - 1).to(torch.uint8)
+    else:
+        codes = _gptq_codes(w, best_scale, bits, inputs)
     return pack_codes(codes, bits), best_scale.squeeze(1).half()
+
+
+def _gptq_codes(w: torch.Tensor, scale: torch.Tensor, bits: int, inputs: torch.Tensor) -> torch.Tensor:
+    """uint8 codes [n, d] of w [n, d] at the per-row scales [n, 1], rounded by GPTQ against inputs [N, d]."""
+    levels, center = 1 << bits, ((1 << bits) - 1) / 2
+    x = inputs.double()
+    h = x.T @ x / max(x.shape[0], 1)
+    dead = h.diagonal() == 0  # an input channel that never fires: its weights cannot matter, its error is free
+    h[dead, dead] = 1.0
+    h.diagonal().add_(GPTQ_DAMPING * h.diagonal().mean())
+    # Upper Cholesky factor of H^-1: row j holds how column j's error spreads to the columns after it.
+    u = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True).float()
+    rest = w.clone()
+    codes = torch.empty(w.shape, dtype=torch.uint8)
+    for j in range(w.shape[1]):
+        q = torch.clamp(torch.round(rest[:, j:j + 1] / scale + center), 0, levels - 1)
+        codes[:, j] = q.squeeze(1).to(torch.uint8)
+        error = (rest[:, j:j + 1] - (q - center) * scale) / u[j, j]
+        rest[:, j + 1:] -= error * u[j, j + 1:]
+    return codes
 
 
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -63,35 +99,45 @@ class _QuantLayer(nn.Module):
 
 
 class QuantPredictor(NeuronPredictor):
-    """scores = |h| computed from per-row low-bit copies of W_gate (gate_bits) and W_up (up_bits)."""
+    """scores = |h| computed from per-row low-bit copies of W_gate (gate_bits) and W_up (up_bits), their codes
+    rounded by `rounding` (one of ROUNDINGS)."""
     method = "quant"
 
     def __init__(self, n_layers: int, hidden_size: int, n_neurons: int, activation: str, glu: bool,
                  gate_bits: int = 4, up_bits: int = 2, gate_bias: bool = False, up_bias: bool = False,
-                 thresholds: torch.Tensor | None = None):
+                 thresholds: torch.Tensor | None = None, rounding: str = "nearest"):
         for bits in (gate_bits, up_bits):
             if bits not in BITS:
                 raise ValueError(f"bits must be one of {BITS}, got {bits}")
+        if rounding not in ROUNDINGS:
+            raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}")
         super().__init__(n_layers, hidden_size, n_neurons, thresholds)
-        self.activation, self.glu = activation, glu
+        self.activation, self.glu, self.rounding = activation, glu, rounding
         self.gate_bits, self.up_bits, self.gate_bias, self.up_bias = gate_bits, up_bits, gate_bias, up_bias
         self.layers = nn.ModuleList(_QuantLayer(hidden_size, n_neurons, glu, gate_bits, up_bits, gate_bias, up_bias)
                                     for _ in range(n_layers))
 
     @classmethod
-    def from_model(cls, model: nn.Module, gate_bits: int, up_bits: int,
-                   thresholds: torch.Tensor | None = None) -> QuantPredictor:
-        """Quantise the input projections of a Llama-family or OPT model (default bits: training.DEFAULT_RECIPE)."""
+    def from_model(cls, model: nn.Module, gate_bits: int, up_bits: int, thresholds: torch.Tensor | None = None,
+                   rounding: str = "nearest", inputs: Sequence[torch.Tensor] | None = None,
+                   progress: bool = False) -> QuantPredictor:
+        """Quantise the input projections of a Llama-family or OPT model (default bits: training.DEFAULT_RECIPE).
+        inputs (per layer [N, d], the FFN's calibration inputs): what rounding "gptq" minimises the error on."""
         weights, activation = ffn_weights(model)
         first = weights[0]
         out = cls(len(weights), first.up.shape[1], first.up.shape[0], activation, first.gate is not None, gate_bits,
-                  up_bits, first.gate_bias is not None, first.up_bias is not None, thresholds)
-        for layer, w in zip(out.layers, weights):
-            codes, scale = quantize_rows(w.up, up_bits)
+                  up_bits, first.gate_bias is not None, first.up_bias is not None, thresholds, rounding)
+        if rounding == "gptq" and (inputs is None or len(inputs) != len(weights)):
+            raise ValueError(f"rounding 'gptq' needs calibration inputs for each of the {len(weights)} layers, got "
+                             f"{None if inputs is None else len(inputs)}")
+        for i in tqdm(range(len(weights)), desc="quantising predictors", disable=not progress):
+            layer, w = out.layers[i], weights[i]
+            x = inputs[i].float() if rounding == "gptq" else None
+            codes, scale = quantize_rows(w.up, up_bits, inputs=x)
             layer.up_codes.copy_(codes)
             layer.up_scale.copy_(scale)
             if w.gate is not None:
-                codes, scale = quantize_rows(w.gate, gate_bits)
+                codes, scale = quantize_rows(w.gate, gate_bits, inputs=x)
                 layer.gate_codes.copy_(codes)
                 layer.gate_scale.copy_(scale)
             for name in ("up_bias", "gate_bias"):
@@ -108,10 +154,12 @@ class QuantPredictor(NeuronPredictor):
 
     def config(self) -> dict:
         return {**super().config(), "activation": self.activation, "glu": self.glu, "gate_bits": self.gate_bits,
-                "up_bits": self.up_bits, "gate_bias": self.gate_bias, "up_bias": self.up_bias}
+                "up_bits": self.up_bits, "gate_bias": self.gate_bias, "up_bias": self.up_bias,
+                "rounding": self.rounding}
 
     @classmethod
     def from_config(cls, config: dict) -> QuantPredictor:
         return cls(int(config["n_layers"]), int(config["hidden_size"]), int(config["n_neurons"]),
                    str(config["activation"]), bool(config["glu"]), int(config["gate_bits"]), int(config["up_bits"]),
-                   bool(config["gate_bias"]), bool(config["up_bias"]))
+                   bool(config["gate_bias"]), bool(config["up_bias"]),
+                   rounding=str(config.get("rounding", "nearest")))  # predictors saved before GPTQ: nearest

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from .allocation import allocate_densities
 from .base import NeuronPredictor, predictor_class
 from .capture import ActivationCapture, capture_activations
 from .context import ContextPredictor
@@ -34,6 +35,22 @@ DEFAULT_UP_BITS = 4
 # What a cached store's predictors must have been built with to be the default ones (io.predictors_recipe).
 DEFAULT_RECIPE = {"method": DEFAULT_METHOD, "density": DEFAULT_DENSITY, "gate_bits": DEFAULT_GATE_BITS,
                   "up_bits": DEFAULT_UP_BITS}
+
+
+def predictors_recipe_of(method: str, density: float | None, gate_bits: int = DEFAULT_GATE_BITS,
+                         up_bits: int = DEFAULT_UP_BITS, rounding: str = "nearest",
+                         allocation: str = "uniform") -> dict:
+    """The recipe saved with a store's predictors (io.save_predictors_to_store): the options build_predictors was
+    given. Bits and rounding only for quant; rounding and allocation only where they are not the original
+    "nearest" / "uniform", so the recipes of stores built before those options existed still read the same."""
+    recipe: dict = {"method": method, "density": density}
+    if method == "quant":
+        recipe |= {"gate_bits": gate_bits, "up_bits": up_bits}
+        if rounding != "nearest":
+            recipe["rounding"] = rounding
+    if allocation != "uniform":
+        recipe["allocation"] = allocation
+    return recipe
 
 
 def auto_rank(density: float, d: int, base_rank: int = 64, base_density: float = 0.3) -> int:
@@ -107,8 +124,9 @@ def _train_lowrank(capture: ActivationCapture, rank, epochs: int, recall: float 
 def build_predictors(model: nn.Module, token_ids: torch.Tensor, method: str = DEFAULT_METHOD, *,
                      density: float | Sequence[float] | None = DEFAULT_DENSITY, target_sparsity: float = 0.6,
                      rank: int | Sequence[int] | None = None, epochs: int = 10, recall: float | None = 0.95,
-                     gate_bits: int = DEFAULT_GATE_BITS, up_bits: int = DEFAULT_UP_BITS, base: str = "quant",
-                     block: int = 16, window: int = 512, progress: bool = True) -> NeuronPredictor:
+                     gate_bits: int = DEFAULT_GATE_BITS, up_bits: int = DEFAULT_UP_BITS, rounding: str = "nearest",
+                     allocation: str = "uniform", base: str = "quant", block: int = 16, window: int = 512,
+                     progress: bool = True) -> NeuronPredictor:
     """Predictors of `method` (a name of PREDICTOR_METHODS) for `model`, from the calibration `token_ids` [T].
 
     density: the loaded density (one for all layers or one per layer): each layer's cut-off keeps this fraction
@@ -116,19 +134,28 @@ def build_predictors(model: nn.Module, token_ids: torch.Tensor, method: str = DE
     computed: the density alone sets the I/O); true_thresholds are the oracle's at that density. None (lowrank
     only): the classic operating point, thresholds at `target_sparsity`, probability thresholds for `recall`.
     target_sparsity: the active sets the lowrank classifier learns (and, with density None, the thresholds).
-    rank: lowrank / lowrank-reg (None: auto_rank for lowrank, 96 for lowrank-reg). gate_bits, up_bits: quant.
+    rank: lowrank / lowrank-reg (None: auto_rank for lowrank, 96 for lowrank-reg). gate_bits, up_bits, rounding
+    ("nearest" or "gptq", quant.ROUNDINGS): quant. allocation: how one `density` is spread over the layers
+    ("uniform" or "fisher": allocation.ALLOCATIONS, calibrated on the same text; needs one density).
     teal (input sparsity, evaluation only: predictor.teal) keeps the same fraction of input entries and of h.
     base, block: context (the method that scores, and the tokens per set).
     """
     predictor_class(method)  # an unknown name fails before minutes of work
     if density is None and method != "lowrank":
         raise ValueError(f"method {method!r} is selected by a target density: give density=")
+    if rounding != "nearest" and method not in ("quant", "context"):
+        raise ValueError(f"rounding {rounding!r} is an option of quant (and of context over quant), not {method!r}")
+    if allocation != "uniform" and not isinstance(density, (int, float)):
+        raise ValueError(f"allocation {allocation!r} spreads one target density over the layers, got {density}")
     thresholds = calibrate_thresholds(model, token_ids, target_sparsity, window, progress)
     capture = capture_activations(model, token_ids, thresholds, window, progress=progress)
     predictors = predictors_from_capture(model, capture, method, rank=rank, epochs=epochs, recall=recall,
-                                         gate_bits=gate_bits, up_bits=up_bits, base=base, block=block,
-                                         progress=progress)
+                                         gate_bits=gate_bits, up_bits=up_bits, rounding=rounding, base=base,
+                                         block=block, progress=progress)
     if density is not None:
+        if isinstance(density, (int, float)):
+            density = allocate_densities(model, predictors, token_ids, capture.inputs, float(density), allocation,
+                                         window=window, progress=progress).tolist()
         select_density(model, predictors, capture.inputs, token_ids, density, window, progress)
     return predictors
 
@@ -136,7 +163,8 @@ def build_predictors(model: nn.Module, token_ids: torch.Tensor, method: str = DE
 def predictors_from_capture(model: nn.Module, capture: ActivationCapture, method: str, *,
                             rank: int | Sequence[int] | None = None, epochs: int = 10, recall: float | None = 0.95,
                             gate_bits: int = DEFAULT_GATE_BITS, up_bits: int = DEFAULT_UP_BITS,
-                            base: str = "quant", block: int = 16, progress: bool = True) -> NeuronPredictor:
+                            rounding: str = "nearest", base: str = "quant", block: int = 16,
+                            progress: bool = True) -> NeuronPredictor:
     """Predictors of `method` from a capture of the calibration text (lowrank learns its active sets; the others
     use its inputs or the model's weights), at their own default operating point (see select_density)."""
     n_layers = len(capture.inputs)
@@ -145,7 +173,7 @@ def predictors_from_capture(model: nn.Module, capture: ActivationCapture, method
             raise ValueError("a context predictor needs another method as its base")
         return ContextPredictor(predictors_from_capture(model, capture, base, rank=rank, epochs=epochs,
                                                         recall=recall, gate_bits=gate_bits, up_bits=up_bits,
-                                                        progress=progress), block)
+                                                        rounding=rounding, progress=progress), block)
     if method == "lowrank":
         return _train_lowrank(capture, rank, epochs, recall, None, 0.1, progress)
     if method == "lowrank-reg":
@@ -156,7 +184,8 @@ def predictors_from_capture(model: nn.Module, capture: ActivationCapture, method
              for x, w, r in tqdm(list(zip(capture.inputs, weights, layer_rank)), desc="fitting predictors",
                                  disable=not progress)], torch.zeros(n_layers))
     if method == "quant":
-        return QuantPredictor.from_model(model, gate_bits, up_bits)
+        return QuantPredictor.from_model(model, gate_bits, up_bits, rounding=rounding, inputs=capture.inputs,
+                                         progress=progress)
     if method == "oracle":
         return OraclePredictor.from_model(model, capture.thresholds)
     if method == "teal":
@@ -173,11 +202,11 @@ def select_density(model: nn.Module, predictors: NeuronPredictor, inputs: Sequen
     loaded neuron computed), true_thresholds the oracle's at that density."""
     predictors.set_density(inputs, density)
     predictors.thresholds.zero_()
-    densities = torch.as_tensor(density, dtype=torch.float64).expand(predictors.n_layers)
-    for target in densities.unique().tolist():  # one calibration pass per distinct density
-        same = densities == target
-        predictors.true_thresholds[same] = calibrate_thresholds(model, token_ids, 1.0 - target, window,
-                                                                progress)[same].float()
+    densities = [float(r) for r in ([density] * predictors.n_layers if isinstance(density, (int, float))
+                                    else density)]  # as given: the float32 of set_density would shift the quantile
+    # One calibration pass serves every distinct density (an allocation may give each layer its own).
+    true = calibrate_thresholds(model, token_ids, sorted({1.0 - r for r in densities}), window, progress)
+    predictors.true_thresholds.copy_(torch.stack([true[1.0 - r][i] for i, r in enumerate(densities)]))
 
 
 def train_predictors(model: nn.Module, token_ids: torch.Tensor, target_sparsity: float = 0.7,
