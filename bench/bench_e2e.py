@@ -68,7 +68,8 @@ SCALE_PREDICTORS = {"a": {method: predictor_training(method, 0.97) for method in
                     "b": {"quant": ("--method", DEFAULT_RECIPE["method"],
                                     "--gate-bits", str(DEFAULT_RECIPE["gate_bits"]),
                                     "--up-bits", str(DEFAULT_RECIPE["up_bits"]),
-                                    "--density", str(DEFAULT_RECIPE["density"]))}}
+                                    "--density", str(DEFAULT_RECIPE["density"]),
+                                    "--rounding", DEFAULT_RECIPE["rounding"])}}
 
 
 # ------------------------------------------------------------------------------------------------ the oracle
@@ -238,7 +239,7 @@ def run_child(config: dict) -> dict:
         return {**row, "error": f"{type(e).__name__}: {e}"}
     after = process_memory()
     row.update(ms_per_token=statistics.median(times) * 1e3, mean_ms_per_token=statistics.mean(times) * 1e3,
-               tokens=len(times), generated=tokens, **storage)
+               tokens=len(times), token_ms=[round(t * 1e3, 1) for t in times], generated=tokens, **storage)
     if before and after:  # what loading and decoding added to the process, against what the engine accounts
         row.update(rss_peak_growth_mb=(after["VmHWM"] - before["VmRSS"]) / 1e6,
                    rss_anon_growth_mb=(after["RssAnon"] - before["RssAnon"]) / 1e6,

@@ -75,7 +75,7 @@ def run_child(config: dict) -> dict:
     except Exception as e:  # the row says why this configuration could not run
         return {**row, "error": f"{type(e).__name__}: {e}"}
     row.update(ms_per_token=statistics.median(times) * 1e3, mean_ms_per_token=statistics.mean(times) * 1e3,
-               tokens=len(times), generated=tokens, **storage)
+               tokens=len(times), token_ms=[round(t * 1e3, 1) for t in times], generated=tokens, **storage)
     if mode == "accelerate":
         in_memory, on_disk = _accelerate_placement(model)
         row.update(read_ms=None, decompress_ms=None, compute_ms=None, bytes_read_per_token=None,

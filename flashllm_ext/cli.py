@@ -47,8 +47,8 @@ def _ranks(text: str) -> int | list[int]:
 
 def _train_predictors(args: argparse.Namespace) -> int:
     from .models import corpus_token_ids, fetch_default, load_hf_model, resolve_cache_dir, spread_windows
-    from .predictor import (DEFAULT_DENSITY, build_predictors, predictors_recipe_of, save_predictors,
-                            save_predictors_to_store, train_predictors)
+    from .predictor import (DEFAULT_DENSITY, build_predictors, default_rounding, predictors_recipe_of,
+                            save_predictors, save_predictors_to_store, train_predictors)
 
     gguf_path = fetch_default() if args.source == "default" else Path(args.source)
     if not gguf_path.is_file():
@@ -76,8 +76,8 @@ def _train_predictors(args: argparse.Namespace) -> int:
                                       rounding=args.rounding, allocation=args.allocation, base=args.base_method,
                                       block=args.block, window=WINDOW)
     if args.store:  # with the recipe, so a cache of the default ones (DEFAULT_RECIPE) knows these are them
-        recipe = predictors_recipe_of(args.method, density, args.gate_bits, args.up_bits, args.rounding,
-                                      args.allocation)
+        rounding = default_rounding(args.method) if args.rounding is None else args.rounding
+        recipe = predictors_recipe_of(args.method, density, args.gate_bits, args.up_bits, rounding, args.allocation)
         out = save_predictors_to_store(predictors, args.store, recipe)
     else:
         save_predictors(predictors, out)
@@ -107,7 +107,8 @@ def _add_calibrate_disk(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_train_predictors(sub: argparse._SubParsersAction) -> None:
-    from .predictor import DEFAULT_DENSITY, DEFAULT_GATE_BITS, DEFAULT_METHOD, DEFAULT_UP_BITS, PREDICTOR_METHODS
+    from .predictor import (DEFAULT_DENSITY, DEFAULT_GATE_BITS, DEFAULT_METHOD, DEFAULT_ROUNDING, DEFAULT_UP_BITS,
+                            PREDICTOR_METHODS)
     from .predictor.allocation import ALLOCATIONS
     from .predictor.quant import ROUNDINGS
 
@@ -128,9 +129,10 @@ def _add_train_predictors(sub: argparse._SubParsersAction) -> None:
                        help=f"quant: bits per W_gate weight (1, 2, 3, 4; default {DEFAULT_GATE_BITS})")
     train.add_argument("--up-bits", type=int, default=DEFAULT_UP_BITS,
                        help=f"quant: bits per W_up weight (1, 2, 3, 4; default {DEFAULT_UP_BITS})")
-    train.add_argument("--rounding", choices=ROUNDINGS, default="nearest",
-                       help="quant: codes rounded to the nearest level, or by GPTQ against the calibration inputs "
-                            "(same format and speed, closer scores: BENCHMARKS.md, issue 10 fifth pass)")
+    train.add_argument("--rounding", choices=ROUNDINGS, default=None,
+                       help=f"quant: codes rounded to the nearest level, or by GPTQ against the calibration inputs "
+                            f"(same format and speed, closer scores: BENCHMARKS.md, issue 10 fifth pass; default "
+                            f"{DEFAULT_ROUNDING})")
     train.add_argument("--allocation", choices=ALLOCATIONS, default="uniform",
                        help="spread --density over the layers: the same everywhere, or by a greedy search on the "
                             "calibration loss (empirical Fisher; the mean stays --density)")

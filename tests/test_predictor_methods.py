@@ -16,7 +16,8 @@ from flashllm_ext.convert import convert, synthesize
 from flashllm_ext.models import perplexity
 from flashllm_ext.predictor import (DEFAULT_DENSITY, DEFAULT_RECIPE, PREDICTOR_METHODS, OraclePredictor,
                                     QuantPredictor, TealPredictor, activation_score, allocate_densities,
-                                    build_predictors, calibrate_thresholds, capture_activations, ffn_hooks,
+                                    build_predictors, calibrate_thresholds, capture_activations, default_rounding,
+                                    ffn_hooks,
                                     fisher_costs, load_predictors, operating_point, predictors_recipe,
                                     predictors_recipe_of, quantize_rows, save_predictors, save_predictors_to_store,
                                     select_density)
@@ -309,9 +310,12 @@ def test_gptq_quant_and_fisher_allocation_round_trip_through_a_store(tmp_path, l
     # Predictors saved before the option existed have no "rounding": they were rounded to nearest.
     old = {k: v for k, v in predictors.config().items() if k != "rounding"}
     assert QuantPredictor.from_config(old).rounding == "nearest"
-    # The original options leave the recipe as it was, so stores built with DEFAULT_RECIPE stay current.
+    # The original options leave the recipe as it was, so stores built before the options existed keep theirs; the
+    # default recipe names its rounding.
+    assert predictors_recipe_of("quant", 0.55, 3, 4) == {"method": "quant", "density": 0.55, "gate_bits": 3,
+                                                         "up_bits": 4}
     assert predictors_recipe_of(DEFAULT_RECIPE["method"], DEFAULT_RECIPE["density"], DEFAULT_RECIPE["gate_bits"],
-                                DEFAULT_RECIPE["up_bits"]) == DEFAULT_RECIPE
+                                DEFAULT_RECIPE["up_bits"], default_rounding(DEFAULT_RECIPE["method"])) == DEFAULT_RECIPE
 
 
 def test_gptq_and_allocation_refuse_bad_options(llama):
