@@ -9,7 +9,7 @@ time per token with its I/O / memory-management / predictor / compute breakdown,
 cache hit rate, the cgroup's limit and peak, and how many tokens equal `transformers`' own greedy output (the GGUF
 model in fp32; the store is fp16, so a late tie can differ).
 
-    python -m flashllm_ext.demo_flash [--budget 85%] [--tokens 32] [--window 5] [--prompt TEXT] [--modes ...]
+    python -m flashllm_ext.demo_flash [--budget 85%] [--tokens 64] [--window 5] [--prompt TEXT] [--modes ...]
 """
 from __future__ import annotations
 
@@ -77,7 +77,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     # neurons): below it flash reads every set in parts with no hits (BENCHMARKS.md, "make demo with the retuned
     # default predictor": at 50% the caches hold 4 rows a layer).
     parser.add_argument("--budget", default="85%", help="DRAM budget: bytes, a share of the model, or a size")
-    parser.add_argument("--tokens", type=int, default=32, help="tokens to generate")
+    parser.add_argument("--tokens", type=int, default=64, help="tokens to generate")
     parser.add_argument("--window", type=int, default=5, help="flash: the neuron cache's window in tokens")
     parser.add_argument("--prompt", default="The three primary colors are")
     parser.add_argument("--modes", default="dense,naive,hybrid,flash")
