@@ -56,40 +56,52 @@ def make_backend(config: str, workers: int, args, root: Path):
     writeback = None if "+wb" in config else 1
     shape = dict(n_layers=args.layers, q_heads=args.heads, kv_heads=args.heads, head_dim=args.head_dim,
                  dtype=torch.float16, max_tokens=args.context + args.steps + 1, writeback=writeback, link=link)
-    n_x = 0
-    if "+x" in config:
-        choice = choose_alpha(link_gbps=args.link_gbps, storage_gbps=args.device_gbps * workers,
-                              hidden=args.heads * args.head_dim, kv_heads=args.heads, head_dim=args.head_dim)
-        n_x = min(args.batch - 1, round(choice.alpha * args.batch))
+    n_x, reason = x_sequences(args, workers, hidden=args.heads * args.head_dim) if "+x" in config else (0, None)
     if config == "baseline":
         backend = HostKVAttention(dirs, batch=args.batch, storage_gbps=args.device_gbps, **shape)
     else:
         backend = NearStorageAttention(dirs, batch=args.batch - n_x, processes=True, storage_gbps=args.device_gbps,
                                        torch_threads=1, **shape)
-    if "+x" in config:
+    if n_x:  # alpha 0 (the compute-aware choice on a slow host) leaves the config without X rows: as +wb alone
         hidden, kv = args.heads * args.head_dim, args.heads * args.head_dim
         g = torch.Generator().manual_seed(1)
         wk = [torch.randn(kv, hidden, generator=g) / hidden ** 0.5 for _ in range(args.layers)]
         wv = [torch.randn(kv, hidden, generator=g) / hidden ** 0.5 for _ in range(args.layers)]
         backend = XCacheAttention(backend, linear_projector(wk, wv, kv_heads=args.heads), n_x=n_x, hidden=hidden,
                                   max_tokens=args.context + args.steps + 1, x_dtype=torch.float16)
-    return backend, link, n_x
+    return backend, link, n_x, reason
+
+
+def unpaced(backend, link: Link | None) -> None:
+    """Attaches `link` to the backend's storage side (None: detaches it): the prompt's bulk write is not timed, so
+    it is not paced either (at the issue's sizes it would cost minutes of wall time per run)."""
+    storage = getattr(backend, "storage", backend)
+    storage.link = link
 
 
 def run(config: str, workers: int, args, root: Path) -> dict:
-    backend, link, n_x = make_backend(config, workers, args, root)
+    backend, link, n_x, reason = make_backend(config, workers, args, root)
     b, h, d, s = args.batch, args.heads, args.head_dim, args.context
     g = torch.Generator().manual_seed(0)
     hidden = h * d
     try:
+        # the prompt in chunks of one random block, repeated (the kernels' speed does not depend on the values):
+        # at batch 32 x 4K x 56 heads a layer's K+V are 3.5 GiB, more than the host should hold twice
+        chunk = min(s, args.prefill_chunk)
+        k = torch.randn(b, h, chunk, d, generator=g).half()
+        v = torch.randn(b, h, chunk, d, generator=g).half()
+        x = torch.randn(b, chunk, hidden, generator=g).half() if n_x else None
+        unpaced(backend, None)
         for layer in range(args.layers):
-            k = torch.randn(b, h, s, d, generator=g).half()
-            v = torch.randn(b, h, s, d, generator=g).half()
-            if n_x:
-                backend.prefill(layer, k, v, torch.randn(b, s, hidden, generator=g).half())
-            else:
-                backend.prefill(layer, k, v)
+            for t0 in range(0, s, chunk):
+                n = min(chunk, s - t0)
+                if n_x:
+                    backend.prefill(layer, k[:, :, :n], v[:, :, :n], x[:, :n])
+                else:
+                    backend.prefill(layer, k[:, :, :n], v[:, :, :n])
+        del k, v, x
         backend.flush()
+        unpaced(backend, link)
         before = backend.traffic.total()
         inputs = [[(torch.randn(b, h, d, generator=g), torch.randn(b, h, d, generator=g).half(),
                     torch.randn(b, h, d, generator=g).half(), torch.randn(b, hidden, generator=g).half())
@@ -110,23 +122,31 @@ def run(config: str, workers: int, args, root: Path) -> dict:
         writes.add(after)
         for f in ("storage_write_bytes", "storage_writes"):
             setattr(writes, f, getattr(after, f) - getattr(before, f))
+        read_per_step = decode.storage_read_bytes / args.steps
+        # the emulated bandwidths' bound: the devices read in parallel; the baseline's history also crosses the link
+        device_s = read_per_step / (workers * args.device_gbps * 1e9 / 8)
+        link_s = decode.interconnect_bytes() / args.steps / (link.gbps * 1e9 / 8)
         row = {"bench": "kv", "config": config, "workers": workers, "batch": b, "context": s,
                "layers": args.layers, "heads": h, "head_dim": d, "steps": args.steps,
                "tokens_per_s": b * args.steps / elapsed,
+               "bound_tokens_per_s": b / max(device_s, link_s),
                "interconnect_bytes_per_step": decode.interconnect_bytes() / args.steps,
                "interconnect_bytes_no_lse": decode.interconnect_bytes(include_lse=False),
-               "storage_read_bytes_per_step": decode.storage_read_bytes / args.steps,
+               "storage_read_bytes_per_step": read_per_step,
                "storage_reads_per_step": decode.storage_reads / args.steps,
                "writes_per_step": writes.storage_writes / args.steps,
                "mean_write_kib": writes.mean_write_bytes / 1024,
                "x_bytes_per_step": decode.x_bytes / args.steps,
-               "link_gbps": link.gbps, "device_gbps": args.device_gbps, "n_x": n_x,
+               "link_gbps": link.gbps, "device_gbps": args.device_gbps, "n_x": n_x, "x_alpha_reason": reason,
                "writeback": backend.storage.writeback[0] if n_x else backend.writeback[0]}
         backend.close()
         return row
     except BaseException:
         backend.terminate()
         raise
+    finally:  # the devices' files go with the run: /dev/shm holds one run's KV at a time
+        for i in range(workers):
+            shutil.rmtree(root / f"dev{i}", ignore_errors=True)
 
 
 def median_rows(rows: list[dict]) -> dict:
@@ -148,11 +168,13 @@ def interleaved(jobs: list[tuple[str, int]], args, root: Path, run_job=None) -> 
     return [median_rows(runs[job]) for job in jobs]
 
 
-def host_regeneration_flops(hidden: int, kv_values: int, tokens: int = 2048, rounds: int = 5) -> float:
+def host_regeneration_flops(hidden: int, kv_values: int, tokens: int | None = None, rounds: int = 5) -> float:
     """The host's K/V regeneration rate (flop/s): X [tokens, hidden] @ [hidden, kv_values] in float32, as
-    XCacheAttention runs it, median of `rounds`."""
+    XCacheAttention runs it, median of `rounds`. tokens: default 2048, fewer at OPT-30B's width (~50 GFLOP per
+    call at most: the rate of a large GEMM does not need more, and the run should not take minutes)."""
     from flashllm_ext.timing import time_interleaved
 
+    tokens = tokens or max(64, min(2048, int(50e9 / (2 * hidden * kv_values))))
     x, w = torch.randn(tokens, hidden), torch.randn(kv_values, hidden)
     seconds = time_interleaved({"regen": lambda: torch.nn.functional.linear(x, w)}, rounds=rounds)["regen"]
     return 2 * tokens * hidden * kv_values / seconds
@@ -171,15 +193,26 @@ def synthesized_llama(args):
     return LlamaForCausalLM(config).eval()
 
 
-def x_sequences(args, workers: int) -> tuple[int, str]:
-    """(sequences kept as X, why) for the X-cache configs."""
+def x_sequences(args, workers: int, hidden: int | None = None) -> tuple[int, str]:
+    """(sequences kept as X, why) for the X-cache configs; hidden: the model's width (default args.hidden). With
+    --x-alpha auto the host's regeneration rate is measured once per process."""
+    hidden = hidden or args.hidden
     kv_values = 2 * args.heads * args.head_dim
     host_flops = None
     if args.x_alpha == "auto":
-        host_flops = host_regeneration_flops(args.hidden, kv_values)
-    choice = choose_alpha(link_gbps=args.link_gbps, storage_gbps=args.device_gbps * workers, hidden=args.hidden,
+        key = (hidden, kv_values)
+        if key not in HOST_FLOPS:
+            HOST_FLOPS[key] = host_regeneration_flops(hidden, kv_values)
+        host_flops = HOST_FLOPS[key]
+    choice = choose_alpha(link_gbps=args.link_gbps, storage_gbps=args.device_gbps * workers, hidden=hidden,
                           kv_heads=args.heads, head_dim=args.head_dim, host_flops=host_flops)
-    return min(args.batch - 1, round(choice.alpha * args.batch)), choice.reason
+    n_x = min(args.batch - 1, round(choice.alpha * args.batch))
+    if host_flops is not None:
+        reason = f"{choice.reason} (host: {host_flops / 1e9:.3g} GFLOP/s measured)"
+    return n_x, choice.reason if host_flops is None else reason
+
+
+HOST_FLOPS: dict[tuple[int, int], float] = {}
 
 
 def run_generate(config: str, workers: int, model, ids: torch.Tensor, args, root: Path, n_x: int) -> dict:
@@ -358,7 +391,9 @@ def main() -> None:
     parser.add_argument("--writeback", type=int, default=None,
                         help="generate: c of the +wb configs (default: one spill per shard and file >= 4 KiB)")
     parser.add_argument("--x-alpha", choices=["hilos", "auto"], default="hilos",
-                        help="generate: X-cache fraction from HILOS' formula, or compute-aware (choose_alpha)")
+                        help="X-cache fraction from HILOS' formula, or compute-aware (choose_alpha given the host's "
+                             "measured K/V regeneration rate)")
+    parser.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens written per prefill call")
     parser.add_argument("--workers", default="1,2,4,8,16", help="device counts of the scaling study")
     parser.add_argument("--ablation-workers", type=int, default=4)
     parser.add_argument("--device-gbps", type=float, default=0.128, help="emulated read bandwidth of one device")
@@ -387,8 +422,9 @@ def main() -> None:
         out.append(kernel_vs_storage(args, root))
     if args.only in (None, "scaling"):
         counts = [int(n) for n in args.workers.split(",")]
-        scaling = interleaved([("ans+wb", n) for n in counts] + [("baseline", counts[0]), ("baseline", counts[-1])],
-                              args, root)
+        jobs = [("ans+wb", n) for n in counts] + [("baseline", counts[0]), ("baseline", counts[-1]),
+                                                  ("ans+wb+x", counts[-1])]
+        scaling = interleaved(list(dict.fromkeys(jobs)), args, root)
         out += scaling
     shutil.rmtree(root, ignore_errors=True)
     emit(out if args.json else [r for r in out if "config" in r], args.json, None if args.json else COLUMNS)
