@@ -69,7 +69,8 @@ SCALE_PREDICTORS = {"a": {method: predictor_training(method, 0.97) for method in
                                     "--gate-bits", str(DEFAULT_RECIPE["gate_bits"]),
                                     "--up-bits", str(DEFAULT_RECIPE["up_bits"]),
                                     "--density", str(DEFAULT_RECIPE["density"]),
-                                    "--rounding", DEFAULT_RECIPE["rounding"])}}
+                                    "--rounding", DEFAULT_RECIPE["rounding"],
+                                    "--group-size", str(DEFAULT_RECIPE["group_size"]))}}
 
 
 # ------------------------------------------------------------------------------------------------ the oracle

@@ -21,8 +21,8 @@
 
     python bench/bench_predictor.py [--json] [--methods quant,teal,lowrank-reg,lowrank,oracle] [--densities ...]
 
-A --methods entry is METHOD[:G/U][+gptq][@fisher[=OTHER]]: quant's bits of W_gate / W_up, GPTQ rounding of its codes,
-and a per-layer density allocation (flashllm_ext.predictor.allocation) computed for its own predictors or for those
+A --methods entry is METHOD[:G/U][+gptq][+gN][@fisher[=OTHER]]: quant's bits of W_gate / W_up, GPTQ rounding of its
+codes, one scale per N columns instead of per row, and a per-layer density allocation (flashllm_ext.predictor.allocation) computed for its own predictors or for those
 of the entry OTHER (e.g. `oracle@fisher=quant:3/4+gptq`: the oracle at quant's allocation, the fair frontier of an
 allocated method). The FlashFFN rows (3.) run the uniform entries only.
 """
@@ -81,14 +81,20 @@ def build_methods(model, calibration, args) -> tuple[dict, list[torch.Tensor]]:
             raise SystemExit(f"{spec}: allocation must be one of {ALLOCATIONS}")
         if name in built:
             continue
-        base, _, rounding = name.partition("+")
+        base, *options = name.split("+")
         method, _, bits = base.partition(":")
         gate_bits, up_bits = (int(b) for b in bits.split("/")) if bits else (4, 2)
-        if rounding and method not in ("quant", "context"):
-            raise SystemExit(f"{spec}: +{rounding} rounds quant's codes, {method} has none")
+        groups = [int(o[1:]) for o in options if o[:1] == "g" and o[1:].isdigit()]
+        rounding = [o for o in options if not (o[:1] == "g" and o[1:].isdigit())]
+        if (rounding or groups) and method not in ("quant", "context"):
+            raise SystemExit(f"{spec}: +{'+'.join(options)} are options of quant's codes, {method} has none")
+        if len(rounding) > 1 or len(groups) > 1:
+            raise SystemExit(f"{spec}: at most one rounding and one +gN group size")
         start = time.perf_counter()
         built[name] = predictors_from_capture(model, capture, method, rank=args.rank, epochs=args.epochs,
-                                              gate_bits=gate_bits, up_bits=up_bits, rounding=rounding or "nearest",
+                                              gate_bits=gate_bits, up_bits=up_bits,
+                                              rounding=rounding[0] if rounding else "nearest",
+                                              group_size=groups[0] if groups else None,
                                               block=args.block, progress=False)
         built[name].build_seconds = time.perf_counter() - start
     for spec in args.methods.split(","):

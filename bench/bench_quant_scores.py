@@ -3,7 +3,8 @@
 optionally the pure-torch reference (dequantise every row, then matmul), against the layer's sparse FFN compute
 (ops.sparse_ffn over the loaded rows at the operating density), interleaved in one process (medians).
 
-Shapes (--shape): `default` = the default model (d=576, n=1536, W_gate 4 / W_up 2 bits, density 0.7, 30 layers);
+Shapes (--shape): `default` = the default model at the default predictor (d=576, n=1536, W_gate 3 / W_up 4 bits, one
+scale per 192 columns, density 0.45, 30 layers);
 `opt-6.7b` = d=4096, n=16384, no gate (fc1 at 4 bits), ReLU, the end-to-end run's operating point (a) density 0.06;
 `llama-2-7b` = d=4096, n=11008, W_gate 4 / W_up 4 bits, density 0.06. Each call scores the next of --layers copies of
 the codes (and runs the next copy's FFN rows), so a 7B shape reads its codes from DRAM as the engine does, not from a
@@ -23,11 +24,11 @@ from common import arg_parser, device_name, emit, stream_probe, time_interleaved
 from flashllm_ext import _C, ops
 from flashllm_ext._ops import quant_scores_reference
 
-# name: (d, n, gate bits (None: no gate), up bits, activation, density, layers)
+# name: (d, n, gate bits (None: no gate), up bits, columns per scale (None: one per row), activation, density, layers)
 SHAPES = {
-    "default": (576, 1536, 4, 2, "silu", 0.7, 30),
-    "opt-6.7b": (4096, 16384, None, 4, "relu", 0.06, 8),
-    "llama-2-7b": (4096, 11008, 4, 4, "silu", 0.06, 8),
+    "default": (576, 1536, 3, 4, 192, "silu", 0.45, 30),
+    "opt-6.7b": (4096, 16384, None, 4, None, "relu", 0.06, 8),
+    "llama-2-7b": (4096, 11008, 4, 4, None, "silu", 0.06, 8),
 }
 # quant_scores' native paths, fastest first (a level without a path of its own runs the one below).
 PATHS = ("avx512vnni", "avx512", "avx2")
@@ -41,6 +42,8 @@ def main() -> None:
     parser.add_argument("--neurons", type=int, default=None, help="n (default: the shape's)")
     parser.add_argument("--gate-bits", type=int, default=None, help="0 for no gate (default: the shape's)")
     parser.add_argument("--up-bits", type=int, default=None)
+    parser.add_argument("--group-size", type=int, default=None,
+                        help="columns per scale, 0 for one per row (default: the shape's)")
     parser.add_argument("--density", type=float, default=None, help="loaded density of the sparse FFN compared with")
     parser.add_argument("--layers", type=int, default=None, help="copies of the layer cycled through")
     parser.add_argument("--tokens", default="1,8", help="comma-separated T")
@@ -54,8 +57,10 @@ def main() -> None:
                              "its codes from DRAM")
     parser.add_argument("--dtype", default="float16", help="the store's dtype (sparse_ffn's x and rows)")
     args = parser.parse_args()
-    d, n, gate_bits, up_bits, activation, density, layers = SHAPES[args.shape]
+    d, n, gate_bits, up_bits, group_size, activation, density, layers = SHAPES[args.shape]
     d, n, up_bits = args.hidden or d, args.neurons or n, args.up_bits or up_bits
+    group_size = group_size if args.group_size is None else (args.group_size or None)
+    scale_shape = (n,) if group_size is None else (n, d // group_size)
     gate_bits = gate_bits if args.gate_bits is None else (args.gate_bits or None)
     density, layers = args.density or density, args.layers or layers
     dtype, glu = getattr(torch, args.dtype), gate_bits is not None
@@ -68,9 +73,9 @@ def main() -> None:
         return torch.randint(0, 256, (n, math.ceil(d * bits / 8)), dtype=torch.uint8, generator=g)
 
     rows = round(density * n)
-    copies = [{"up_codes": codes(up_bits), "up_scale": (torch.rand(n, generator=g) * 0.01).half(),
+    copies = [{"up_codes": codes(up_bits), "up_scale": (torch.rand(scale_shape, generator=g) * 0.01).half(),
                "gate_codes": codes(gate_bits) if glu else None,
-               "gate_scale": (torch.rand(n, generator=g) * 0.01).half() if glu else None,
+               "gate_scale": (torch.rand(scale_shape, generator=g) * 0.01).half() if glu else None,
                # only the loaded rows: sparse_ffn reads rows [0, num_used)
                "matrix": (torch.randn(rows, (3 if glu else 2) * d, generator=g) * 0.02).to(dtype)}
               for _ in range(layers)]
@@ -107,7 +112,7 @@ def main() -> None:
             _C.set_cpu_isa(previous_isa)
             ffn = times["sparse_ffn"]
             row = {"shape": args.shape, "threads": threads, "T": T, "d": d, "n": n,
-                   "bits gate/up": f"{gate_bits or '-'}/{up_bits}", "layers": layers}
+                   "bits gate/up": f"{gate_bits or '-'}/{up_bits}", "group": group_size or "row", "layers": layers}
             for name in candidates:
                 if name not in ("sparse_ffn", "stream"):
                     row[f"{name} ms"] = round(times[name] * 1e3, 3)

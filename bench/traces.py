@@ -30,15 +30,15 @@ LOWRANK_TRAINING = ("--method", "lowrank", "--tokens", "1024", "--epochs", "2")
 def predictor_training(method: str, target_sparsity: float) -> tuple[str, ...]:
     """`flashllm train-predictors` arguments of the benchmarks' `method` predictors for the true sets at threshold
     sparsity `target_sparsity`: lowrank, trained for them with LOWRANK_TRAINING; quant (W_gate and W_up at 4 bits;
-    "quant:G/U": at G and U bits; codes rounded to nearest, as the scale figures were measured), at twice the true
-    loaded density (1 - target_sparsity), calibrated on the calibration text (no training)."""
+    "quant:G/U": at G and U bits; codes rounded to nearest with one scale per row, as the scale figures were measured),
+    at twice the true loaded density (1 - target_sparsity), calibrated on the calibration text (no training)."""
     if method == "lowrank":
         return (*LOWRANK_TRAINING, "--target-sparsity", str(target_sparsity))
     family, _, bits = method.partition(":")
     gate_bits, _, up_bits = (bits or "4/4").partition("/")
     if family == "quant" and gate_bits.isdigit() and up_bits.isdigit():
         return ("--method", "quant", "--gate-bits", gate_bits, "--up-bits", up_bits,
-                "--density", f"{2 * (1 - target_sparsity):.4g}", "--rounding", "nearest")
+                "--density", f"{2 * (1 - target_sparsity):.4g}", "--rounding", "nearest", "--group-size", "row")
     raise ValueError(f"method must be lowrank, quant or quant:G/U (gate / up bits), got {method!r}")
 
 

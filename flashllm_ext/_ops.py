@@ -510,8 +510,9 @@ def _cache_plan_fake(active_ids, last_active, slot_of, pointer, num_used, step, 
 # The quant predictor's scores (flashllm_ext/predictor/quant.py): |act(x . gate + gate_bias) * (x . up + up_bias)|
 # per neuron, or |act(x . up + up_bias)| without a gate, from rows stored as `bits`-bit codes q (a little-endian bit
 # stream per row: code k at bits [k * bits, (k + 1) * bits), so 8 / bits codes per byte, the first in the low bits,
-# for 1, 2 and 4 bits, and 8 codes per 3 bytes for 3 bits) and a float16 scale s per row:
-# w = (q - (2^bits - 1) / 2) * s, and x rounded to int8 per token first (round_x_int8), on every path: the dot products
+# for 1, 2 and 4 bits, and 8 codes per 3 bytes for 3 bits) and float16 scales s, one per row ([n]) or one per group
+# of d / G consecutive columns ([n, G], d / G a multiple of QUANT_GROUP_MULTIPLE, so a group is whole steps of every
+# kernel path): w = (q - (2^bits - 1) / 2) * s, and x rounded to int8 per token first (round_x_int8), on every path: the dot products
 # are then integer sums (AVX-512 VNNI's vpdpbusd multiplies the unsigned codes into int8 x 64 at a time), and a
 # predictor selects the same neurons on every machine. CPU only (the low-bit copies are the predictor's DRAM-resident
 # state).
@@ -521,6 +522,7 @@ LIB.define(
 )
 QUANT_BITS = (1, 2, 3, 4)
 QUANT_MAX_COLUMNS = 1 << 20  # 15 * 127 * 2^20 < 2^31: a row's integer dot product fits in int32
+QUANT_GROUP_MULTIPLE = 64  # columns: a scale group is whole 64-code steps of the kernels
 
 
 def _check_quant_matrix(name: str, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, bits: int,
@@ -531,9 +533,13 @@ def _check_quant_matrix(name: str, codes: torch.Tensor, scale: torch.Tensor, bia
     torch._check(codes.dtype == torch.uint8 and codes.dim() == 2 and tuple(codes.shape) == (n, width),
                  lambda: f"quant_scores: {name}_codes must be uint8 of shape [n={n}, ceil(d={d} * {bits} / 8)="
                          f"{width}], got {codes.dtype} of shape {tuple(codes.shape)}")
-    torch._check(scale.dtype == torch.float16 and scale.dim() == 1 and scale.shape[0] == n,
-                 lambda: f"quant_scores: {name}_scale must be float16 of shape [n={n}], got {scale.dtype} of shape "
-                         f"{tuple(scale.shape)}")
+    torch._check(scale.dtype == torch.float16 and scale.dim() in (1, 2) and scale.shape[0] == n,
+                 lambda: f"quant_scores: {name}_scale must be float16 of shape [n={n}] or [n={n}, groups], got "
+                         f"{scale.dtype} of shape {tuple(scale.shape)}")
+    groups = scale.shape[1] if scale.dim() == 2 else 1
+    torch._check(scale.dim() == 1 or (groups > 0 and d % groups == 0 and (d // groups) % QUANT_GROUP_MULTIPLE == 0),
+                 lambda: f"quant_scores: {name}_scale has {groups} groups per row: d={d} must split into groups of a "
+                         f"multiple of {QUANT_GROUP_MULTIPLE} columns")
     torch._check(bias is None or (bias.dtype == torch.float32 and bias.dim() == 1 and bias.shape[0] == n),
                  lambda: f"quant_scores: {name}_bias must be float32 of shape [n={n}], got {bias.dtype} of shape "
                          f"{tuple(bias.shape)}")
@@ -550,8 +556,9 @@ def _check_quant_scores_metadata(x: torch.Tensor, up_codes: torch.Tensor, up_sca
     torch._check(x.dtype in FFN_DTYPES and x.dim() == 2,
                  lambda: f"quant_scores: x must be a 2-D float32/float16/bfloat16 tensor [T, d], got {x.dtype} "
                          f"of shape {tuple(x.shape)}")
-    torch._check(up_scale.dim() == 1,
-                 lambda: f"quant_scores: up_scale must be float16 of shape [n], got shape {tuple(up_scale.shape)}")
+    torch._check(up_scale.dim() in (1, 2),
+                 lambda: f"quant_scores: up_scale must be float16 of shape [n] or [n, groups], got shape "
+                         f"{tuple(up_scale.shape)}")
     d, n = x.shape[1], up_scale.shape[0]
     torch._check(d <= QUANT_MAX_COLUMNS,
                  lambda: f"quant_scores: x has d={d} columns, at most {QUANT_MAX_COLUMNS} (the integer dot products of "
@@ -575,8 +582,11 @@ def unpack_codes(packed: torch.Tensor, bits: int, d: int) -> torch.Tensor:
 
 
 def dequantize_rows(codes: torch.Tensor, scale: torch.Tensor, bits: int, d: int) -> torch.Tensor:
-    """float32 [n, d]: the rows that codes uint8 [n, ceil(d * bits / 8)] and scale float16 [n] stand for."""
-    return (unpack_codes(codes, bits, d).float() - ((1 << bits) - 1) / 2) * scale.float().unsqueeze(1)
+    """float32 [n, d]: the rows that codes uint8 [n, ceil(d * bits / 8)] and scales float16 [n] (or [n, G]: one per
+    group of d / G columns) stand for."""
+    scale = scale.float().view(scale.shape[0], -1)
+    per_column = scale.repeat_interleave(d // scale.shape[1], dim=1) if d else scale[:, :0]
+    return (unpack_codes(codes, bits, d).float() - ((1 << bits) - 1) / 2) * per_column
 
 
 def round_x_int8(x: torch.Tensor) -> torch.Tensor:

@@ -45,6 +45,15 @@ def _ranks(text: str) -> int | list[int]:
     return ranks[0] if len(ranks) == 1 else ranks
 
 
+def _group_size(text: str) -> int | str | None:
+    if text in ("row", "auto"):
+        return None if text == "row" else text
+    if not text.isdigit() or int(text) <= 0 or int(text) % 64:
+        raise argparse.ArgumentTypeError(f"group size must be 'row', 'auto' or a positive multiple of 64, got "
+                                         f"{text!r}")
+    return int(text)
+
+
 def _train_predictors(args: argparse.Namespace) -> int:
     from .models import corpus_token_ids, fetch_default, load_hf_model, resolve_cache_dir, spread_windows
     from .predictor import (DEFAULT_DENSITY, build_predictors, default_rounding, predictors_recipe_of,
@@ -73,11 +82,13 @@ def _train_predictors(args: argparse.Namespace) -> int:
         predictors = build_predictors(model, token_ids, args.method, density=density,
                                       target_sparsity=args.target_sparsity, rank=args.rank, epochs=args.epochs,
                                       recall=recall, gate_bits=args.gate_bits, up_bits=args.up_bits,
-                                      rounding=args.rounding, allocation=args.allocation, base=args.base_method,
+                                      rounding=args.rounding, group_size=args.group_size,
+                                      allocation=args.allocation, base=args.base_method,
                                       block=args.block, window=WINDOW)
     if args.store:  # with the recipe, so a cache of the default ones (DEFAULT_RECIPE) knows these are them
         rounding = default_rounding(args.method) if args.rounding is None else args.rounding
-        recipe = predictors_recipe_of(args.method, density, args.gate_bits, args.up_bits, rounding, args.allocation)
+        recipe = predictors_recipe_of(args.method, density, args.gate_bits, args.up_bits, rounding, args.allocation,
+                                      args.group_size)
         out = save_predictors_to_store(predictors, args.store, recipe)
     else:
         save_predictors(predictors, out)
@@ -107,8 +118,8 @@ def _add_calibrate_disk(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_train_predictors(sub: argparse._SubParsersAction) -> None:
-    from .predictor import (DEFAULT_DENSITY, DEFAULT_GATE_BITS, DEFAULT_METHOD, DEFAULT_ROUNDING, DEFAULT_UP_BITS,
-                            PREDICTOR_METHODS)
+    from .predictor import (DEFAULT_DENSITY, DEFAULT_GATE_BITS, DEFAULT_GROUP_SIZE, DEFAULT_METHOD, DEFAULT_ROUNDING,
+                            DEFAULT_UP_BITS, PREDICTOR_METHODS)
     from .predictor.allocation import ALLOCATIONS
     from .predictor.quant import ROUNDINGS
 
@@ -133,6 +144,10 @@ def _add_train_predictors(sub: argparse._SubParsersAction) -> None:
                        help=f"quant: codes rounded to the nearest level, or by GPTQ against the calibration inputs "
                             f"(same format and speed, closer scores: BENCHMARKS.md, issue 10 fifth pass; default "
                             f"{DEFAULT_ROUNDING})")
+    train.add_argument("--group-size", type=_group_size, default=DEFAULT_GROUP_SIZE,
+                       help="quant: columns per scale (a multiple of 64 dividing the hidden size), 'row' for one "
+                            f"scale per row, or 'auto': the least such multiple >= 192 (default {DEFAULT_GROUP_SIZE}: "
+                            "BENCHMARKS.md, issue 10 sixth pass)")
     train.add_argument("--allocation", choices=ALLOCATIONS, default="uniform",
                        help="spread --density over the layers: the same everywhere, or by a greedy search on the "
                             "calibration loss (empirical Fisher; the mean stays --density)")

@@ -11,13 +11,13 @@ from transformers import LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalL
 
 import flashllm_ext
 from flashllm_ext import FormatError
-from flashllm_ext._ops import unpack_codes
+from flashllm_ext._ops import dequantize_rows, unpack_codes
 from flashllm_ext.convert import convert, synthesize
 from flashllm_ext.models import perplexity
-from flashllm_ext.predictor import (DEFAULT_DENSITY, DEFAULT_RECIPE, PREDICTOR_METHODS, OraclePredictor,
-                                    QuantPredictor, TealPredictor, activation_score, allocate_densities,
-                                    build_predictors, calibrate_thresholds, capture_activations, default_rounding,
-                                    ffn_hooks,
+from flashllm_ext.predictor import (DEFAULT_DENSITY, DEFAULT_GROUP_SIZE, DEFAULT_RECIPE, PREDICTOR_METHODS,
+                                    OraclePredictor, QuantPredictor, TealPredictor, activation_score,
+                                    allocate_densities, build_predictors, calibrate_thresholds, capture_activations,
+                                    default_group_size, default_rounding, ffn_hooks,
                                     fisher_costs, load_predictors, operating_point, predictors_recipe,
                                     predictors_recipe_of, quantize_rows, save_predictors, save_predictors_to_store,
                                     select_density)
@@ -315,7 +315,51 @@ def test_gptq_quant_and_fisher_allocation_round_trip_through_a_store(tmp_path, l
     assert predictors_recipe_of("quant", 0.55, 3, 4) == {"method": "quant", "density": 0.55, "gate_bits": 3,
                                                          "up_bits": 4}
     assert predictors_recipe_of(DEFAULT_RECIPE["method"], DEFAULT_RECIPE["density"], DEFAULT_RECIPE["gate_bits"],
-                                DEFAULT_RECIPE["up_bits"], default_rounding(DEFAULT_RECIPE["method"])) == DEFAULT_RECIPE
+                                DEFAULT_RECIPE["up_bits"], default_rounding(DEFAULT_RECIPE["method"]),
+                                group_size=DEFAULT_GROUP_SIZE) == DEFAULT_RECIPE
+
+
+def test_group_scales_round_trip_and_fit_better(tmp_path, llama):
+    """quant with one scale per 64 columns (d = 64 here is one group; 128 below is two): built deterministically,
+    saved and loaded with its recipe, scored by the op; the default group size is the least multiple of 64 >= 192
+    dividing d."""
+    assert [default_group_size(d) for d in (576, 4096, 960, 768, 2048, 64, 100, 4095)] == \
+        [192, 256, 192, 192, 256, None, None, None]
+    torch.manual_seed(2)
+    w = torch.randn(32, 128) * torch.linspace(0.1, 3, 128)  # columns of very different ranges: groups pay
+    row_codes, row_scale = quantize_rows(w, 3)
+    codes, scale = quantize_rows(w, 3, group_size=64)
+    assert scale.shape == (32, 2) and codes.shape == row_codes.shape
+    assert ((dequantize_rows(codes, scale, 3, 128) - w) ** 2).sum() < ((dequantize_rows(row_codes, row_scale, 3, 128)
+                                                                        - w) ** 2).sum()
+    with pytest.raises(ValueError, match="group_size must be a positive multiple of 64 dividing d=128"):
+        quantize_rows(w, 3, group_size=96)
+    with pytest.raises(ValueError, match="group_size must be a positive multiple of 64 dividing d=64"):
+        QuantPredictor(3, 64, 96, "silu", True, group_size=128)
+    with pytest.raises(ValueError, match="group_size is an option of quant"):
+        build_predictors(llama, _ids(256, 0), "oracle", density=0.4, group_size=64, window=256, progress=False)
+
+    ids = _ids(1024, 0)
+    predictors = build_predictors(llama, ids, "quant", density=0.4, gate_bits=3, up_bits=4, rounding="gptq",
+                                  group_size=64, window=256, progress=False)
+    again = build_predictors(llama, ids, "quant", density=0.4, gate_bits=3, up_bits=4, rounding="gptq",
+                             group_size=64, window=256, progress=False)
+    for (k, v), (_, v2) in zip(predictors.state_dict().items(), again.state_dict().items()):
+        assert torch.equal(v, v2), k  # deterministic
+    assert predictors.config()["group_size"] == 64 and predictors.layers[0].up_scale.shape == (96, 1)
+    store_dir = synthesize(tmp_path / "store", n_layers=3, hidden_size=64, n_neurons=96, glu=True)
+    recipe = predictors_recipe_of("quant", 0.4, 3, 4, "gptq", group_size=64)
+    assert recipe == {"method": "quant", "density": 0.4, "gate_bits": 3, "up_bits": 4, "rounding": "gptq",
+                      "group_size": 64}
+    save_predictors_to_store(predictors, store_dir, recipe)
+    loaded = load_predictors(store_dir)
+    assert predictors_recipe(store_dir) == recipe and loaded.config() == predictors.config()
+    x = torch.randn(9, 64)
+    for layer in range(3):
+        assert torch.equal(loaded.predict(layer, x), predictors.predict(layer, x))
+    # Predictors saved before groups existed have no "group_size": one scale per row.
+    old = {k: v for k, v in predictors.config().items() if k != "group_size"}
+    assert QuantPredictor.from_config(old).group_size is None
 
 
 def test_gptq_and_allocation_refuse_bad_options(llama):
@@ -410,9 +454,10 @@ def test_cli_builds_gptq_quant_with_fisher_allocation_into_a_store(tmp_path, mon
     store_dir = synthesize(tmp_path / "store", n_layers=3, hidden_size=64, n_neurons=96, glu=True)
     cli.main(["train-predictors", str(checkpoint), "--store", str(store_dir), "--tokens", "512", "--method",
               "quant", "--gate-bits", "3", "--up-bits", "4", "--rounding", "gptq", "--allocation", "fisher",
-              "--density", "0.5"])
+              "--density", "0.5", "--group-size", "64"])
     assert "wrote 3 quant predictors" in capsys.readouterr().out
-    assert predictors_recipe(store_dir) == predictors_recipe_of("quant", 0.5, 3, 4, "gptq", "fisher")
-    assert load_predictors(store_dir).rounding == "gptq"
-    with pytest.raises(SystemExit):
-        cli.main(["train-predictors", str(checkpoint), "--rounding", "stochastic"])
+    assert predictors_recipe(store_dir) == predictors_recipe_of("quant", 0.5, 3, 4, "gptq", "fisher", 64)
+    assert load_predictors(store_dir).rounding == "gptq" and load_predictors(store_dir).group_size == 64
+    for bad in (["--rounding", "stochastic"], ["--group-size", "100"]):
+        with pytest.raises(SystemExit):
+            cli.main(["train-predictors", str(checkpoint), *bad])

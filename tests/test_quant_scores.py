@@ -17,26 +17,29 @@ OPS = torch.ops.flashllm
 isa = forced_isa_fixture(cpu_isas(paths=("avx2", "avx512", "avx512vnni")))
 
 
-def quant_matrix(n: int, d: int, bits: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def quant_matrix(n: int, d: int, bits: int, g: torch.Generator, groups: int | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     codes = torch.randint(0, 1 << bits, (n, d), dtype=torch.uint8, generator=g)
     packed = pack_codes(codes, bits) if n else torch.zeros(0, -(-d * bits // 8), dtype=torch.uint8)
     padding = packed.shape[1] * 8 - d * bits
     if padding:  # garbage in the padding bits of the last byte must not count
         used = (1 << (8 - padding)) - 1  # the bits of the last byte's real codes
         packed[:, -1] |= torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g) & (255 - used)
-    return packed, (torch.rand(n, generator=g) * 0.1 + 0.01).half()
+    shape = (n,) if groups is None else (n, groups)
+    return packed, (torch.rand(shape, generator=g) * 0.1 + 0.01).half()
 
 
 def case(T: int, d: int, n: int, up_bits: int, gate_bits: int | None, biases: bool, seed: int = 0,
-         dtype: torch.dtype = torch.float32) -> tuple:
-    """Positional args of the op: x, up_codes, up_scale, up_bias, gate_codes, gate_scale, gate_bias, bits..."""
+         dtype: torch.dtype = torch.float32, up_groups: int | None = None, gate_groups: int | None = None) -> tuple:
+    """Positional args of the op: x, up_codes, up_scale, up_bias, gate_codes, gate_scale, gate_bias, bits...
+    (*_groups: scales per group of d / groups columns; None: per row)."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(T, d, generator=g).to(dtype)
-    up_codes, up_scale = quant_matrix(n, d, up_bits, g)
+    up_codes, up_scale = quant_matrix(n, d, up_bits, g, up_groups)
     up_bias = torch.randn(n, generator=g) if biases else None
     gate_codes = gate_scale = gate_bias = None
     if gate_bits is not None:
-        gate_codes, gate_scale = quant_matrix(n, d, gate_bits, g)
+        gate_codes, gate_scale = quant_matrix(n, d, gate_bits, g, gate_groups)
         gate_bias = torch.randn(n, generator=g) if biases else None
     return (x, up_codes, up_scale, up_bias, gate_codes, gate_scale, gate_bias, up_bits, gate_bits or 4)
 
@@ -73,6 +76,27 @@ def test_matches_reference(isa, T, d, up_bits, gate_bits):
 def test_chunk_boundaries(isa, d, up_bits, gate_bits):
     for T in (1, 3):
         assert_close_to_reference(case(T, d, 9, up_bits, gate_bits, True, seed=d * 10 + up_bits), "silu")
+
+
+# Scales per group of d / G columns (a multiple of 64, so a group is whole bytes): groups that are whole VNNI steps
+# (3 bits: 64 columns) and groups that end inside one (4 bits: 128 columns a step; 2 bits: 256), up and gate with their
+# own group counts, one group given as [n, 1].
+@pytest.mark.parametrize("d,up_groups,gate_groups", [(576, 3, 3), (576, 9, 1), (576, None, 3), (576, 3, None),
+                                                     (192, 3, 1), (1024, 4, 16), (64, 1, 1)])
+@pytest.mark.parametrize("up_bits,gate_bits", [(4, 3), (3, 4), (2, 1), (1, 2), (4, 4)])
+def test_group_scales_match_reference(isa, d, up_groups, gate_groups, up_bits, gate_bits):
+    for T, biases in ((1, False), (3, True), (8, True), (9, False)):
+        args = case(T, d, 21, up_bits, gate_bits, biases, seed=T * 7 + d, up_groups=up_groups,
+                    gate_groups=gate_groups)
+        assert_close_to_reference(args, "silu")
+
+
+def test_one_group_equals_a_row_scale(isa):
+    """[n, 1] scales are the per-row [n] scales: the same scores, bit for bit."""
+    args = case(4, 576, 30, 3, 4, True, seed=5)
+    x, up_codes, up_scale, up_bias, gate_codes, gate_scale, gate_bias, up_bits, gate_bits = args
+    grouped = (x, up_codes, up_scale[:, None], up_bias, gate_codes, gate_scale[:, None], gate_bias, up_bits, gate_bits)
+    torch.testing.assert_close(OPS.quant_scores(*grouped, "silu"), OPS.quant_scores(*args, "silu"), rtol=0, atol=0)
 
 
 def test_x_is_rounded_to_int8_per_token(isa):
@@ -160,7 +184,15 @@ def _replace(args: tuple, **changes) -> tuple:
     ({"x": torch.zeros(2, 33)}, r"up_codes must be uint8 of shape \[n=17, ceil\(d=33 \* 2 / 8\)=9\]"),
     ({"up_codes": torch.zeros(17, 8, dtype=torch.int8)}, "up_codes must be uint8"),
     ({"up_scale": torch.zeros(17)}, "up_scale must be float16"),
-    ({"up_scale": torch.zeros(17, 1, dtype=torch.float16)}, "up_scale must be float16 of shape"),
+    ({"up_scale": torch.zeros(17, 1, 1, dtype=torch.float16)}, "up_scale must be float16 of shape"),
+    ({"up_scale": torch.zeros(17, 1, dtype=torch.float16)},
+     "up_scale has 1 groups per row: d=30 must split into groups of a multiple of 64 columns"),
+    ({"x": torch.zeros(2, 128), "up_codes": torch.zeros(17, 32, dtype=torch.uint8),
+      "gate_codes": torch.zeros(17, 64, dtype=torch.uint8), "gate_scale": torch.zeros(17, 3, dtype=torch.float16)},
+     "gate_scale has 3 groups per row: d=128 must split"),
+    ({"x": torch.zeros(2, 128), "up_codes": torch.zeros(17, 32, dtype=torch.uint8),
+      "gate_codes": torch.zeros(17, 64, dtype=torch.uint8), "gate_scale": torch.zeros(17, 4, dtype=torch.float16)},
+     "gate_scale has 4 groups per row: d=128 must split into groups of a multiple of 64"),
     ({"up_bias": torch.zeros(16)}, r"up_bias must be float32 of shape \[n=17\]"),
     ({"gate_bias": torch.zeros(17, dtype=torch.float16)}, "gate_bias must be float32"),
     ({"gate_codes": torch.zeros(17, 14, dtype=torch.uint8)}, "gate_codes must be uint8 of shape"),

@@ -21,6 +21,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <numeric>
 #include <optional>
 #include <utility>
 #include <vector>
@@ -142,7 +143,7 @@ __attribute__((target("avx512f"))) void row_dots_avx512(const uint8_t* codes, in
 // x rounded to int8 per token, the op's contract (flashllm_ext._ops.round_x_int8, which the reference uses):
 // q = round(x * (127 / max|x|)) (half to even, as torch.round), scale = max|x| / 127, x ~ q * scale.
 // A token with a non-finite entry gets q = 0 and scale NaN, so its every score is NaN, as in the reference.
-void round_x_int8(const float* x, int64_t d, int8_t* q, float* scale, int32_t* sum) {
+void round_x_int8(const float* x, int64_t d, int8_t* q, float* scale) {
   float peak = 0.f;
   bool finite = true;
   for (int64_t k = 0; k < d; ++k) {
@@ -152,21 +153,17 @@ void round_x_int8(const float* x, int64_t d, int8_t* q, float* scale, int32_t* s
   if (!finite) {
     std::fill(q, q + d, int8_t{0});
     *scale = std::nanf("");
-    *sum = 0;
     return;
   }
   const float inv = peak > 0.f ? 127.f / peak : 0.f;
   // Adding and subtracting 1.5 * 2^23 rounds |v| <= 127 to the nearest integer, half to even (the default rounding
   // mode), as nearbyint does, without its library call; the clamp first (the bounds are integers: same result).
   constexpr float kRound = 12582912.f;
-  int32_t total = 0;
   for (int64_t k = 0; k < d; ++k) {
     const float v = std::clamp(x[k] * inv, -127.f, 127.f);
     q[k] = static_cast<int8_t>((v + kRound) - kRound);
-    total += q[k];
   }
   *scale = peak / 127.f;
-  *sum = total;
 }
 
 // ---- AVX-512 VNNI. One step reads a chunk of a row's codes: 64 bytes (512 / bits codes) for 1, 2 and 4 bits,
@@ -315,56 +312,77 @@ enum class Path { kTables, kAvx512, kVnni };
 
 struct Matrix {
   const uint8_t* codes;
-  const c10::Half* scale;
-  const float* bias;  // nullptr for none
+  const c10::Half* scale;  // [n, groups]
+  const float* bias;       // nullptr for none
   int64_t bits, width;
-  // This block of tokens' x as the path reads it: byte tables (kTables, 1/2/4 bits) or the VNNI layout.
+  // A row is `groups` runs of group_width bytes (group_cols codes), each with its own scale; one scale per row is one
+  // group of all d columns (group_width = width). Groups are whole bytes (group_cols is a multiple of 64 when
+  // groups > 1), so every path scores a group as it scores a row, from the group's first byte and column.
+  int64_t groups, group_cols, group_width;
+  // This block of tokens' x as the path reads it: byte tables (kTables, 1/2/4 bits) or the VNNI layout (group g at
+  // g * group_layout, tokens xl_stride apart) and the sum of the int8 x over each group ([TB][groups]).
   const float* table;
-  const int8_t* xl;
-  int64_t xl_stride;
+  int8_t* xl;
+  int64_t group_layout, xl_stride;
+  int32_t* xsum;
 };
 
 Matrix matrix_of(const at::Tensor& codes, const at::Tensor& scale, const std::optional<at::Tensor>& bias,
                  int64_t bits, int64_t d) {
+  const int64_t width = (d * bits + 7) / 8, groups = scale.dim() == 2 ? scale.size(1) : 1;
   return {codes.data_ptr<uint8_t>(), scale.data_ptr<c10::Half>(), bias ? bias->data_ptr<float>() : nullptr, bits,
-          (d * bits + 7) / 8, nullptr, nullptr, 0};
+          width, groups, d / groups, groups == 1 ? width : d / groups * bits / 8, nullptr, nullptr, 0, 0, nullptr};
 }
 
-// The tokens of one block as every path needs them: xpad is the rounded x in fp32 ([TB][dpad], dpad a multiple of
-// 16, zeros past d) for the float paths; scale and sum (of the int8 values) per token for VNNI.
+// The tokens of one block as the float paths need them: xpad is the rounded x in fp32 ([TB][dpad], dpad a multiple
+// of 16, zeros past d); scale per token for VNNI.
 struct Block {
   const float* xpad;
   int64_t dpad;
   const float* scale;
-  const int32_t* sum;
 };
 
 // One pass over the rows for TB tokens. dots() gives sum_k (q_k - centre) * x_k per token (x rounded, in fp32).
 template <int TB>
 void score_rows(const Matrix& up, const Matrix* gate, const Block& block, Path path, int act, int64_t n, float* out,
                 int64_t out_stride) {
+  // acc[t] = sum over the row's groups of scale x sum_k (q_k - centre) * x_k (x rounded, in fp32).
   const auto dots = [&](const Matrix& m, int64_t r, float* acc) {
     const uint8_t* row = m.codes + r * m.width;
-    if (path == Path::kVnni) {
-      int32_t raw[TB];
-      if (m.bits == 4) row_dots_vnni<TB, 4>(row, m.width, m.xl, m.xl_stride, raw);
-      else if (m.bits == 3) row_dots_vnni<TB, 3>(row, m.width, m.xl, m.xl_stride, raw);
-      else if (m.bits == 2) row_dots_vnni<TB, 2>(row, m.width, m.xl, m.xl_stride, raw);
-      else row_dots_vnni<TB, 1>(row, m.width, m.xl, m.xl_stride, raw);
-      // sum (q - c) xq with c = (2^bits - 1) / 2, doubled to stay in integers; 64 bits: 2 * 2^31 overflows int32.
-      const int64_t levels = (int64_t{1} << m.bits) - 1;
-      for (int t = 0; t < TB; ++t) {
-        acc[t] = static_cast<float>(2 * int64_t{raw[t]} - levels * block.sum[t]) * (0.5f * block.scale[t]);
+    const c10::Half* scale = m.scale + r * m.groups;
+    const int64_t levels = (int64_t{1} << m.bits) - 1;
+    for (int t = 0; t < TB; ++t) acc[t] = 0.f;
+    for (int64_t g = 0; g < m.groups; ++g) {
+      const uint8_t* codes = row + g * m.group_width;
+      const int64_t w = m.group_width;
+      float part[TB];
+      if (path == Path::kVnni) {
+        const int8_t* xl = m.xl + g * m.group_layout;
+        int32_t raw[TB];
+        if (m.bits == 4) row_dots_vnni<TB, 4>(codes, w, xl, m.xl_stride, raw);
+        else if (m.bits == 3) row_dots_vnni<TB, 3>(codes, w, xl, m.xl_stride, raw);
+        else if (m.bits == 2) row_dots_vnni<TB, 2>(codes, w, xl, m.xl_stride, raw);
+        else row_dots_vnni<TB, 1>(codes, w, xl, m.xl_stride, raw);
+        // sum (q - c) xq with c = (2^bits - 1) / 2, doubled to stay in integers; 64 bits: 2 * 2^31 overflows int32.
+        for (int t = 0; t < TB; ++t) {
+          part[t] = static_cast<float>(2 * int64_t{raw[t]} - levels * m.xsum[t * m.groups + g]) *
+                    (0.5f * block.scale[t]);
+        }
+      } else {
+        const float* xpad = block.xpad + g * m.group_cols;
+        if (path == Path::kAvx512) {
+          if (m.bits == 4) row_dots_avx512<TB, 4>(codes, w, xpad, block.dpad, part);
+          else if (m.bits == 3) row_dots_avx512<TB, 3>(codes, w, xpad, block.dpad, part);
+          else if (m.bits == 2) row_dots_avx512<TB, 2>(codes, w, xpad, block.dpad, part);
+          else row_dots_avx512<TB, 1>(codes, w, xpad, block.dpad, part);
+        } else if (m.bits == 3) {
+          row_dots_3bit<TB>(codes, w, xpad, block.dpad, part);
+        } else {
+          row_dots<TB>(codes, w, m.table + g * w * 256 * TB, part);
+        }
       }
-    } else if (path == Path::kAvx512) {
-      if (m.bits == 4) row_dots_avx512<TB, 4>(row, m.width, block.xpad, block.dpad, acc);
-      else if (m.bits == 3) row_dots_avx512<TB, 3>(row, m.width, block.xpad, block.dpad, acc);
-      else if (m.bits == 2) row_dots_avx512<TB, 2>(row, m.width, block.xpad, block.dpad, acc);
-      else row_dots_avx512<TB, 1>(row, m.width, block.xpad, block.dpad, acc);
-    } else if (m.bits == 3) {
-      row_dots_3bit<TB>(row, m.width, block.xpad, block.dpad, acc);
-    } else {
-      row_dots<TB>(row, m.width, m.table, acc);
+      const float s = static_cast<float>(scale[g]);
+      for (int t = 0; t < TB; ++t) acc[t] += part[t] * s;
     }
   };
   // Threads only past ~1M code bytes x tokens: below that (one decode token of a small model, ~0.7M) a fork/join
@@ -373,13 +391,13 @@ void score_rows(const Matrix& up, const Matrix* gate, const Block& block, Path p
   for (int64_t r = 0; r < n; ++r) {
     float u[TB], g[TB];
     dots(up, r, u);
-    const float us = static_cast<float>(up.scale[r]), ub = up.bias ? up.bias[r] : 0.f;
+    const float ub = up.bias ? up.bias[r] : 0.f;
     if (gate) {
       dots(*gate, r, g);
-      const float gs = static_cast<float>(gate->scale[r]), gb = gate->bias ? gate->bias[r] : 0.f;
-      for (int t = 0; t < TB; ++t) out[t * out_stride + r] = std::abs(activate(g[t] * gs + gb, act) * (u[t] * us + ub));
+      const float gb = gate->bias ? gate->bias[r] : 0.f;
+      for (int t = 0; t < TB; ++t) out[t * out_stride + r] = std::abs(activate(g[t] + gb, act) * (u[t] + ub));
     } else {
-      for (int t = 0; t < TB; ++t) out[t * out_stride + r] = std::abs(activate(u[t] * us + ub, act));
+      for (int t = 0; t < TB; ++t) out[t * out_stride + r] = std::abs(activate(u[t] + ub, act));
     }
   }
 }
@@ -411,21 +429,20 @@ at::Tensor quant_scores_cpu(const at::Tensor& x_in, const at::Tensor& up_codes_i
   // x rounded to int8 per token, once for all tokens.
   thread_local std::vector<int8_t> xq;
   thread_local std::vector<float> x_scale;
-  thread_local std::vector<int32_t> x_sum;
   xq.resize(T * d);
   x_scale.resize(T);
-  x_sum.resize(T);
   const float* xp = x.data_ptr<float>();
-  for (int64_t t = 0; t < T; ++t) round_x_int8(xp + t * d, d, xq.data() + t * d, &x_scale[t], &x_sum[t]);
+  for (int64_t t = 0; t < T; ++t) round_x_int8(xp + t * d, d, xq.data() + t * d, &x_scale[t]);
 
-  // Per block of tokens: the VNNI layouts, or the rounded x in fp32, padded (AVX-512, and 3-bit rows below it), and
-  // the byte tables (1, 2 and 4 bits below AVX-512).
+  // Per block of tokens: the VNNI layouts and group sums, or the rounded x in fp32, padded (AVX-512, and 3-bit rows
+  // below it), and the byte tables (1, 2 and 4 bits below AVX-512).
   const bool up_tables = path == Path::kTables && up_bits != 3;
   const bool gate_tables = path == Path::kTables && gate && gate_bits != 3;
   const bool padded = path == Path::kAvx512 || (path == Path::kTables && (!up_tables || (gate && !gate_tables)));
   const int64_t dpad = (d + 15) / 16 * 16;
   thread_local std::vector<float> rounded, tables, xpad;
   thread_local std::vector<int8_t> layouts;
+  thread_local std::vector<int32_t> xsums;
   if (path != Path::kVnni) {
     rounded.resize(T * d);
     for (int64_t t = 0; t < T; ++t)
@@ -437,18 +454,29 @@ at::Tensor quant_scores_cpu(const at::Tensor& x_in, const at::Tensor& up_codes_i
   up.table = tables.data();
   if (gate) gate->table = tables.data() + up_size;
   xpad.assign(padded ? kMaxTokens * dpad : 0, 0.f);
-  int8_t *up_xl = nullptr, *gate_xl = nullptr;
+  Matrix* matrices[2] = {&up, gate ? &*gate : nullptr};
   if (path == Path::kVnni) {
-    // One cache line past each token's layout: at d = 4096 a token's layout is 4 KiB, and 8 tokens 4 KiB apart
-    // would share L1 sets (8 ways) with the codes streaming through: 2.5x slower at T = 8 (OPT-6.7B shapes).
-    const auto stride = [](int64_t width, int64_t bits) {
-      return vnni_chunks(width, bits) * vnni_chunk_cols(bits) + 64;
-    };
-    up.xl_stride = stride(up.width, up_bits);
-    if (gate) gate->xl_stride = stride(gate->width, gate_bits);
-    layouts.resize(kMaxTokens * (up.xl_stride + (gate ? gate->xl_stride : 0)));
-    up.xl = up_xl = layouts.data();
-    if (gate) gate->xl = gate_xl = layouts.data() + kMaxTokens * up.xl_stride;
+    int64_t layout_bytes = 0, sums = 0;
+    for (Matrix* m : matrices) {
+      if (!m) continue;
+      m->group_layout = vnni_chunks(m->group_width, m->bits) * vnni_chunk_cols(m->bits);
+      // One cache line past each token's layout: at d = 4096 a token's layout is 4 KiB, and 8 tokens 4 KiB apart
+      // would share L1 sets (8 ways) with the codes streaming through: 2.5x slower at T = 8 (OPT-6.7B shapes).
+      m->xl_stride = m->groups * m->group_layout + 64;
+      layout_bytes += kMaxTokens * m->xl_stride;
+      sums += kMaxTokens * m->groups;
+    }
+    layouts.resize(layout_bytes);
+    xsums.resize(sums);
+    int8_t* next_layout = layouts.data();
+    int32_t* next_sum = xsums.data();
+    for (Matrix* m : matrices) {
+      if (!m) continue;
+      m->xl = next_layout;
+      m->xsum = next_sum;
+      next_layout += kMaxTokens * m->xl_stride;
+      next_sum += kMaxTokens * m->groups;
+    }
   }
   float* op = out.data_ptr<float>();
   for (int64_t t0 = 0; t0 < T; t0 += kMaxTokens) {
@@ -456,8 +484,17 @@ at::Tensor quant_scores_cpu(const at::Tensor& x_in, const at::Tensor& up_codes_i
     for (int64_t t = 0; t < tb; ++t) {
       if (path == Path::kVnni) {
         const int8_t* q = xq.data() + (t0 + t) * d;
-        lay_out_x_vnni(q, d, up_bits, vnni_chunks(up.width, up_bits), up_xl + t * up.xl_stride);
-        if (gate) lay_out_x_vnni(q, d, gate_bits, vnni_chunks(gate->width, gate_bits), gate_xl + t * gate->xl_stride);
+        for (Matrix* m : matrices) {
+          if (!m) continue;
+          int8_t* layout = m->xl + t * m->xl_stride;
+          int32_t* sum = m->xsum + t * m->groups;
+          for (int64_t g = 0; g < m->groups; ++g) {
+            const int8_t* first = q + g * m->group_cols;
+            lay_out_x_vnni(first, m->group_cols, m->bits, vnni_chunks(m->group_width, m->bits),
+                           layout + g * m->group_layout);
+            sum[g] = std::accumulate(first, first + m->group_cols, int32_t{0});
+          }
+        }
       } else if (padded && d > 0) {  // an empty x has no data pointer; memcpy from null is undefined even for 0 bytes
         std::memcpy(xpad.data() + t * dpad, rounded.data() + (t0 + t) * d, d * sizeof(float));
       }
@@ -465,7 +502,7 @@ at::Tensor quant_scores_cpu(const at::Tensor& x_in, const at::Tensor& up_codes_i
     if (up_tables) build_tables(rounded.data() + t0 * d, d, tb, d, up_bits, tables.data());
     if (gate_tables) build_tables(rounded.data() + t0 * d, d, tb, d, gate_bits, tables.data() + up_size);
     const Matrix* g = gate ? &*gate : nullptr;
-    const Block block{xpad.data(), dpad, x_scale.data() + t0, x_sum.data() + t0};
+    const Block block{xpad.data(), dpad, x_scale.data() + t0};
     float* o = op + t0 * n;
     switch (tb) {
       case 1: score_rows<1>(up, g, block, path, act, n, o, n); break;

@@ -30,13 +30,14 @@ from .thresholds import calibrate_thresholds
 # (1.051x there) and quant 4/2 (an earlier default) 0.7. Every loaded neuron is a flash read or a cache row: 0.47
 # asks for 15% fewer bundles per token than 0.55. GPTQ changes only the codes' values (same format, same kernel).
 DEFAULT_METHOD = "quant"
-DEFAULT_DENSITY = 0.47
+DEFAULT_DENSITY = 0.45
 DEFAULT_GATE_BITS = 3
 DEFAULT_UP_BITS = 4
 DEFAULT_ROUNDING = "gptq"
+DEFAULT_GROUP_SIZE = "auto"  # quant.default_group_size of the model's hidden size
 # What a cached store's predictors must have been built with to be the default ones (io.predictors_recipe).
 DEFAULT_RECIPE = {"method": DEFAULT_METHOD, "density": DEFAULT_DENSITY, "gate_bits": DEFAULT_GATE_BITS,
-                  "up_bits": DEFAULT_UP_BITS, "rounding": DEFAULT_ROUNDING}
+                  "up_bits": DEFAULT_UP_BITS, "rounding": DEFAULT_ROUNDING, "group_size": DEFAULT_GROUP_SIZE}
 
 
 def default_rounding(method: str) -> str:
@@ -47,15 +48,18 @@ def default_rounding(method: str) -> str:
 
 def predictors_recipe_of(method: str, density: float | None, gate_bits: int = DEFAULT_GATE_BITS,
                          up_bits: int = DEFAULT_UP_BITS, rounding: str = "nearest",
-                         allocation: str = "uniform") -> dict:
+                         allocation: str = "uniform", group_size: int | str | None = None) -> dict:
     """The recipe saved with a store's predictors (io.save_predictors_to_store): the options build_predictors was
-    given. Bits and rounding only for quant; rounding and allocation only where they are not the original
-    "nearest" / "uniform", so the recipes of stores built before those options existed still read the same."""
+    given. Bits, rounding and group size only for quant; rounding, group size and allocation only where they are not
+    the original "nearest" / per row / "uniform", so the recipes of stores built before those options existed still
+    read the same."""
     recipe: dict = {"method": method, "density": density}
     if method == "quant":
         recipe |= {"gate_bits": gate_bits, "up_bits": up_bits}
         if rounding != "nearest":
             recipe["rounding"] = rounding
+        if group_size is not None:
+            recipe["group_size"] = group_size
     if allocation != "uniform":
         recipe["allocation"] = allocation
     return recipe
@@ -133,8 +137,8 @@ def build_predictors(model: nn.Module, token_ids: torch.Tensor, method: str = DE
                      density: float | Sequence[float] | None = DEFAULT_DENSITY, target_sparsity: float = 0.6,
                      rank: int | Sequence[int] | None = None, epochs: int = 10, recall: float | None = 0.95,
                      gate_bits: int = DEFAULT_GATE_BITS, up_bits: int = DEFAULT_UP_BITS, rounding: str | None = None,
-                     allocation: str = "uniform", base: str = "quant", block: int = 16, window: int = 512,
-                     progress: bool = True) -> NeuronPredictor:
+                     group_size: int | str | None = DEFAULT_GROUP_SIZE, allocation: str = "uniform", base: str = "quant",
+                     block: int = 16, window: int = 512, progress: bool = True) -> NeuronPredictor:
     """Predictors of `method` (a name of PREDICTOR_METHODS) for `model`, from the calibration `token_ids` [T].
 
     density: the loaded density (one for all layers or one per layer): each layer's cut-off keeps this fraction
@@ -143,7 +147,8 @@ def build_predictors(model: nn.Module, token_ids: torch.Tensor, method: str = DE
     only): the classic operating point, thresholds at `target_sparsity`, probability thresholds for `recall`.
     target_sparsity: the active sets the lowrank classifier learns (and, with density None, the thresholds).
     rank: lowrank / lowrank-reg (None: auto_rank for lowrank, 96 for lowrank-reg). gate_bits, up_bits, rounding
-    ("nearest" or "gptq", quant.ROUNDINGS; None: default_rounding(method)): quant. allocation: how one `density` is spread over the layers
+    ("nearest" or "gptq", quant.ROUNDINGS; None: default_rounding(method)), group_size (columns per scale; None:
+    one per row; "auto": quant.default_group_size): quant. allocation: how one `density` is spread over the layers
     ("uniform" or "fisher": allocation.ALLOCATIONS, calibrated on the same text; needs one density).
     teal (input sparsity, evaluation only: predictor.teal) keeps the same fraction of input entries and of h.
     base, block: context (the method that scores, and the tokens per set).
@@ -154,13 +159,15 @@ def build_predictors(model: nn.Module, token_ids: torch.Tensor, method: str = DE
         raise ValueError(f"method {method!r} is selected by a target density: give density=")
     if rounding != "nearest" and method not in ("quant", "context"):
         raise ValueError(f"rounding {rounding!r} is an option of quant (and of context over quant), not {method!r}")
+    if group_size not in (None, "auto") and method not in ("quant", "context"):
+        raise ValueError(f"group_size is an option of quant (and of context over quant), not {method!r}")
     if allocation != "uniform" and not isinstance(density, (int, float)):
         raise ValueError(f"allocation {allocation!r} spreads one target density over the layers, got {density}")
     thresholds = calibrate_thresholds(model, token_ids, target_sparsity, window, progress)
     capture = capture_activations(model, token_ids, thresholds, window, progress=progress)
     predictors = predictors_from_capture(model, capture, method, rank=rank, epochs=epochs, recall=recall,
-                                         gate_bits=gate_bits, up_bits=up_bits, rounding=rounding, base=base,
-                                         block=block, progress=progress)
+                                         gate_bits=gate_bits, up_bits=up_bits, rounding=rounding,
+                                         group_size=group_size, base=base, block=block, progress=progress)
     if density is not None:
         if isinstance(density, (int, float)):
             density = allocate_densities(model, predictors, token_ids, capture.inputs, float(density), allocation,
@@ -172,8 +179,8 @@ def build_predictors(model: nn.Module, token_ids: torch.Tensor, method: str = DE
 def predictors_from_capture(model: nn.Module, capture: ActivationCapture, method: str, *,
                             rank: int | Sequence[int] | None = None, epochs: int = 10, recall: float | None = 0.95,
                             gate_bits: int = DEFAULT_GATE_BITS, up_bits: int = DEFAULT_UP_BITS,
-                            rounding: str = "nearest", base: str = "quant", block: int = 16,
-                            progress: bool = True) -> NeuronPredictor:
+                            rounding: str = "nearest", group_size: int | str | None = None, base: str = "quant",
+                            block: int = 16, progress: bool = True) -> NeuronPredictor:
     """Predictors of `method` from a capture of the calibration text (lowrank learns its active sets; the others
     use its inputs or the model's weights), at their own default operating point (see select_density)."""
     n_layers = len(capture.inputs)
@@ -182,7 +189,8 @@ def predictors_from_capture(model: nn.Module, capture: ActivationCapture, method
             raise ValueError("a context predictor needs another method as its base")
         return ContextPredictor(predictors_from_capture(model, capture, base, rank=rank, epochs=epochs,
                                                         recall=recall, gate_bits=gate_bits, up_bits=up_bits,
-                                                        rounding=rounding, progress=progress), block)
+                                                        rounding=rounding, group_size=group_size,
+                                                        progress=progress), block)
     if method == "lowrank":
         return _train_lowrank(capture, rank, epochs, recall, None, 0.1, progress)
     if method == "lowrank-reg":
@@ -194,7 +202,7 @@ def predictors_from_capture(model: nn.Module, capture: ActivationCapture, method
                                  disable=not progress)], torch.zeros(n_layers))
     if method == "quant":
         return QuantPredictor.from_model(model, gate_bits, up_bits, rounding=rounding, inputs=capture.inputs,
-                                         progress=progress)
+                                         group_size=group_size, progress=progress)
     if method == "oracle":
         return OraclePredictor.from_model(model, capture.thresholds)
     if method == "teal":
