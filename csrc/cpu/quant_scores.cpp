@@ -1,18 +1,20 @@
 // flashllm::quant_scores on the CPU: |act(x . gate + b) * (x . up + b)| (or |act(x . up + b)|) per neuron from
-// per-row low-bit codes, never dequantising a row. x is first rounded to int8 per token (the op's contract, every path
+// low-bit codes with a scale per row or per group of columns, never dequantising a row. x is first rounded to int8 per token (the op's contract, every path
 // alike: _ops.round_x_int8), so the dot product of a row with a token is an integer sum of code x int8 products.
 // Paths by runtime ISA (common/cpu_isa.h), fastest first:
 // - AVX-512 VNNI: the codes, unsigned, go to vpdpbusd as they are (4 and 2 and 1 bits: shift and mask a 64-byte load
 //   into 64 one-byte codes per step; 3 bits: 24 bytes spread by vpshufb and per-word shifts); x is laid out per call
-//   in the order those steps produce the codes, so nothing is interleaved per row. The centre is subtracted once per
-//   row from sum(xq); the int32 sums are exact. 64 multiply-adds per instruction against the float path's 16.
+//   in the order those steps produce the codes, so nothing is interleaved per row. The centre comes off each int32
+//   lane of a group's sums exactly, then one FMA per lane applies the group's scale (add_group). 64 multiply-adds
+//   per instruction against the float path's 16. At T = 1, four rows share each load of x (rows_dots_vnni).
 // - AVX-512: the codes decoded 16 at a time in registers (shift, mask, convert) and multiplied into x in fp32 FMA.
 // - below: a code byte holds 8 / bits codes, so a row's dot product with one token is a sum over its bytes of a
 //   per-(byte position, byte value) partial dot product: lookup tables (256 entries per byte position, built once
 //   per call from x in ~256 adds each) turn d multiply-adds per row into d * bits / 8 table reads; 3-bit codes
 //   straddle bytes and are decoded 8 at a time (3 bytes) in scalar code instead.
 // Up to 8 tokens share one pass over the codes, so the codes, the bytes that matter, are read once per 8 tokens.
-// A row is a little-endian bit stream of codes.
+// A row is a little-endian bit stream of codes; with groups (each a multiple of 64 columns, so whole bytes) every
+// path scores each group as it would a row, from the group's first byte and column.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -21,7 +23,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <numeric>
 #include <optional>
 #include <utility>
 #include <vector>
@@ -262,20 +263,24 @@ FLASHLLM_VNNI inline void dot_chunk(__m512i raw, const int8_t* xc, int64_t xstri
    ...);
 }
 
-// One 24-byte chunk of 3-bit codes (64 codes); reads 32 bytes, the last 8 only while inside the row.
+// The 64 codes of the 24-byte chunk of 3-bit codes at `off`; reads 32 bytes, the last 8 only while inside the row.
+FLASHLLM_VNNI inline __m512i chunk3(const uint8_t* codes, int64_t off, int64_t width) {
+  return decode3(off + 32 <= width ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + off))
+                                   : _mm256_maskz_loadu_epi8((__mmask32{1} << (width - off)) - 1, codes + off));
+}
+
 template <int TB>
 FLASHLLM_VNNI inline void dot_chunk3(const uint8_t* codes, int64_t off, int64_t width, const int8_t* xc,
                                      int64_t xstride, __m512i (&sum)[TB]) {
-  const __m256i raw = off + 32 <= width ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + off))
-                                        : _mm256_maskz_loadu_epi8((__mmask32{1} << (width - off)) - 1, codes + off);
-  dot_step<TB>(sum, decode3(raw), xc, xstride);
+  dot_step<TB>(sum, chunk3(codes, off, width), xc, xstride);
 }
 
-// acc[t] = sum over the row's codes q_k of q_k * xq[t][k] (int32, exact: |acc| <= 15 * 127 * d < 2^31 for the
-// d <= 2^20 the checks allow); xl: the tokens' laid-out x, xstride bytes apart.
+// lanes[t] = the sum over a row's (or group's) codes q_k of q_k * xq[t][k], spread over 16 int32 lanes as vpdpbusd
+// leaves it (exact: |lane| <= 15 * 127 * d < 2^31 for the d <= 2^20 the checks allow); xl: the tokens' laid-out x,
+// xstride bytes apart.
 template <int TB, int BITS>
 FLASHLLM_VNNI void row_dots_vnni(const uint8_t* codes, int64_t width, const int8_t* xl, int64_t xstride,
-                                 int32_t* acc) {
+                                 __m512i (&lanes)[TB]) {
   // Every loop over t fully unrolled, so the accumulators stay in registers (a rolled loop keeps the arrays in
   // memory and stores every vpdpbusd result).
   __m512i even[TB], odd[TB];
@@ -297,7 +302,7 @@ FLASHLLM_VNNI void row_dots_vnni(const uint8_t* codes, int64_t width, const int8
     }
   }
 #pragma GCC unroll 8
-  for (int t = 0; t < TB; ++t) acc[t] = _mm512_reduce_add_epi32(_mm512_add_epi32(even[t], odd[t]));
+  for (int t = 0; t < TB; ++t) lanes[t] = _mm512_add_epi32(even[t], odd[t]);
 }
 
 inline float activate(float v, int act) {
@@ -320,11 +325,12 @@ struct Matrix {
   // groups > 1), so every path scores a group as it scores a row, from the group's first byte and column.
   int64_t groups, group_cols, group_width;
   // This block of tokens' x as the path reads it: byte tables (kTables, 1/2/4 bits) or the VNNI layout (group g at
-  // g * group_layout, tokens xl_stride apart) and the sum of the int8 x over each group ([TB][groups]).
+  // g * group_layout, tokens xl_stride apart) and (2^bits - 1) x the sums of each group's layout per int32 lane
+  // ([TB][groups][16]: the centre's share of each lane of row_dots_vnni).
   const float* table;
   int8_t* xl;
   int64_t group_layout, xl_stride;
-  int32_t* xsum;
+  int32_t* xlanes;
 };
 
 Matrix matrix_of(const at::Tensor& codes, const at::Tensor& scale, const std::optional<at::Tensor>& bias,
@@ -332,6 +338,88 @@ Matrix matrix_of(const at::Tensor& codes, const at::Tensor& scale, const std::op
   const int64_t width = (d * bits + 7) / 8, groups = scale.dim() == 2 ? scale.size(1) : 1;
   return {codes.data_ptr<uint8_t>(), scale.data_ptr<c10::Half>(), bias ? bias->data_ptr<float>() : nullptr, bits,
           width, groups, d / groups, groups == 1 ? width : d / groups * bits / 8, nullptr, nullptr, 0, 0, nullptr};
+}
+
+// Per group, the centre comes off lane by lane in int32 (2 sum - xlanes: exact) and the scale is applied by one FMA
+// per lane, so a row costs one horizontal sum whatever its groups. row_scores_vnni and rows_dots_vnni both end so,
+// with the same float operations on the same int32 lanes: a token's scores do not depend on the tokens beside it.
+FLASHLLM_VNNI inline __m512 add_group(__m512 total, __m512i lanes, const int32_t* xlanes, c10::Half scale) {
+  const __m512i centred = _mm512_sub_epi32(_mm512_add_epi32(lanes, lanes), _mm512_loadu_si512(xlanes));
+  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(centred), _mm512_set1_ps(0.5f * static_cast<float>(scale)), total);
+}
+
+// acc[t] = sum over row r's groups of scale x sum_k (q_k - centre) * x_k, for TB tokens.
+template <int TB, int BITS>
+FLASHLLM_VNNI void row_scores_vnni(const Matrix& m, int64_t r, const float* x_scale, float* acc) {
+  __m512 total[TB];
+#pragma GCC unroll 8
+  for (int t = 0; t < TB; ++t) total[t] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < m.groups; ++g) {
+    __m512i lanes[TB];
+    row_dots_vnni<TB, BITS>(m.codes + r * m.width + g * m.group_width, m.group_width, m.xl + g * m.group_layout,
+                            m.xl_stride, lanes);
+#pragma GCC unroll 8
+    for (int t = 0; t < TB; ++t)
+      total[t] = add_group(total[t], lanes[t], m.xlanes + (t * m.groups + g) * 16, m.scale[r * m.groups + g]);
+  }
+#pragma GCC unroll 8
+  for (int t = 0; t < TB; ++t) acc[t] = _mm512_reduce_add_ps(total[t]) * x_scale[t];
+}
+
+// T = 1, kRowBlock rows at once: acc[i] = row_scores_vnni of row r0 + i. One row alone is one chain of vpdpbusd,
+// each waiting on the last; four rows are four chains sharing each load of x.
+constexpr int kRowBlock = 4;
+
+template <int BITS>
+FLASHLLM_VNNI void rows_dots_vnni(const Matrix& m, int64_t r0, float x_scale, float* acc) {
+  __m512 total[kRowBlock];
+#pragma GCC unroll 4
+  for (int i = 0; i < kRowBlock; ++i) total[i] = _mm512_setzero_ps();
+  const int64_t chunks = vnni_chunks(m.group_width, BITS);
+  for (int64_t g = 0; g < m.groups; ++g) {
+    const int8_t* xl = m.xl + g * m.group_layout;
+    const uint8_t* codes = m.codes + r0 * m.width + g * m.group_width;
+    __m512i sum[kRowBlock];
+#pragma GCC unroll 4
+    for (int i = 0; i < kRowBlock; ++i) sum[i] = _mm512_setzero_si512();
+    if constexpr (BITS == 3) {
+      for (int64_t c = 0; c < chunks; ++c) {
+        const __m512i xv = _mm512_loadu_si512(xl + c * 64);
+#pragma GCC unroll 4
+        for (int i = 0; i < kRowBlock; ++i)
+          sum[i] = _mm512_dpbusd_epi32(sum[i], chunk3(codes + i * m.width, c * 24, m.group_width), xv);
+      }
+    } else {
+      constexpr int kPer = 8 / BITS;
+      const __m512i mask = _mm512_set1_epi8((1 << BITS) - 1);
+      for (int64_t c = 0; c < chunks; ++c) {
+        __m512i raw[kRowBlock];
+#pragma GCC unroll 4
+        for (int i = 0; i < kRowBlock; ++i) raw[i] = load_bytes(codes + i * m.width + c * 64, m.group_width - c * 64);
+#pragma GCC unroll 8
+        for (int j = 0; j < kPer; ++j) {
+          const __m512i xv = _mm512_loadu_si512(xl + (c * kPer + j) * 64);
+          const __m128i shift = _mm_cvtsi32_si128(j * BITS);
+#pragma GCC unroll 4
+          for (int i = 0; i < kRowBlock; ++i)
+            sum[i] = _mm512_dpbusd_epi32(sum[i], _mm512_and_si512(_mm512_srl_epi16(raw[i], shift), mask), xv);
+        }
+      }
+    }
+    const c10::Half* scale = m.scale + r0 * m.groups + g;
+#pragma GCC unroll 4
+    for (int i = 0; i < kRowBlock; ++i) total[i] = add_group(total[i], sum[i], m.xlanes + g * 16, scale[i * m.groups]);
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < kRowBlock; ++i) acc[i] = _mm512_reduce_add_ps(total[i]) * x_scale;
+}
+
+// out[l] = levels x the sum over the group's `vectors` 64-byte x vectors of their bytes 4l..4l+3: the part of
+// levels x sum(x) that each int32 lane of rows_dots_vnni's sums holds.
+FLASHLLM_VNNI void lane_sums_vnni(const int8_t* xl, int64_t vectors, int32_t levels, int32_t* out) {
+  __m512i sum = _mm512_setzero_si512();
+  for (int64_t v = 0; v < vectors; ++v) sum = _mm512_dpbusd_epi32(sum, _mm512_set1_epi8(1), _mm512_loadu_si512(xl + v * 64));
+  _mm512_storeu_si512(out, _mm512_mullo_epi32(sum, _mm512_set1_epi32(levels)));
 }
 
 // The tokens of one block as the float paths need them: xpad is the rounded x in fp32 ([TB][dpad], dpad a multiple
@@ -348,56 +436,69 @@ void score_rows(const Matrix& up, const Matrix* gate, const Block& block, Path p
                 int64_t out_stride) {
   // acc[t] = sum over the row's groups of scale x sum_k (q_k - centre) * x_k (x rounded, in fp32).
   const auto dots = [&](const Matrix& m, int64_t r, float* acc) {
+    if (path == Path::kVnni) {
+      if (m.bits == 4) row_scores_vnni<TB, 4>(m, r, block.scale, acc);
+      else if (m.bits == 3) row_scores_vnni<TB, 3>(m, r, block.scale, acc);
+      else if (m.bits == 2) row_scores_vnni<TB, 2>(m, r, block.scale, acc);
+      else row_scores_vnni<TB, 1>(m, r, block.scale, acc);
+      return;
+    }
     const uint8_t* row = m.codes + r * m.width;
     const c10::Half* scale = m.scale + r * m.groups;
-    const int64_t levels = (int64_t{1} << m.bits) - 1;
     for (int t = 0; t < TB; ++t) acc[t] = 0.f;
     for (int64_t g = 0; g < m.groups; ++g) {
       const uint8_t* codes = row + g * m.group_width;
       const int64_t w = m.group_width;
+      const float* xpad = block.xpad + g * m.group_cols;
       float part[TB];
-      if (path == Path::kVnni) {
-        const int8_t* xl = m.xl + g * m.group_layout;
-        int32_t raw[TB];
-        if (m.bits == 4) row_dots_vnni<TB, 4>(codes, w, xl, m.xl_stride, raw);
-        else if (m.bits == 3) row_dots_vnni<TB, 3>(codes, w, xl, m.xl_stride, raw);
-        else if (m.bits == 2) row_dots_vnni<TB, 2>(codes, w, xl, m.xl_stride, raw);
-        else row_dots_vnni<TB, 1>(codes, w, xl, m.xl_stride, raw);
-        // sum (q - c) xq with c = (2^bits - 1) / 2, doubled to stay in integers; 64 bits: 2 * 2^31 overflows int32.
-        for (int t = 0; t < TB; ++t) {
-          part[t] = static_cast<float>(2 * int64_t{raw[t]} - levels * m.xsum[t * m.groups + g]) *
-                    (0.5f * block.scale[t]);
-        }
+      if (path == Path::kAvx512) {
+        if (m.bits == 4) row_dots_avx512<TB, 4>(codes, w, xpad, block.dpad, part);
+        else if (m.bits == 3) row_dots_avx512<TB, 3>(codes, w, xpad, block.dpad, part);
+        else if (m.bits == 2) row_dots_avx512<TB, 2>(codes, w, xpad, block.dpad, part);
+        else row_dots_avx512<TB, 1>(codes, w, xpad, block.dpad, part);
+      } else if (m.bits == 3) {
+        row_dots_3bit<TB>(codes, w, xpad, block.dpad, part);
       } else {
-        const float* xpad = block.xpad + g * m.group_cols;
-        if (path == Path::kAvx512) {
-          if (m.bits == 4) row_dots_avx512<TB, 4>(codes, w, xpad, block.dpad, part);
-          else if (m.bits == 3) row_dots_avx512<TB, 3>(codes, w, xpad, block.dpad, part);
-          else if (m.bits == 2) row_dots_avx512<TB, 2>(codes, w, xpad, block.dpad, part);
-          else row_dots_avx512<TB, 1>(codes, w, xpad, block.dpad, part);
-        } else if (m.bits == 3) {
-          row_dots_3bit<TB>(codes, w, xpad, block.dpad, part);
-        } else {
-          row_dots<TB>(codes, w, m.table + g * w * 256 * TB, part);
-        }
+        row_dots<TB>(codes, w, m.table + g * w * 256 * TB, part);
       }
       const float s = static_cast<float>(scale[g]);
       for (int t = 0; t < TB; ++t) acc[t] += part[t] * s;
     }
   };
+  // rows_dots_vnni for whole blocks of rows at T = 1; dots() row by row otherwise.
+  const auto block_dots = [&](const Matrix& m, int64_t r0, int64_t rows, float (*acc)[TB]) {
+    if constexpr (TB == 1) {
+      if (path == Path::kVnni && rows == kRowBlock) {
+        float four[kRowBlock];
+        if (m.bits == 4) rows_dots_vnni<4>(m, r0, block.scale[0], four);
+        else if (m.bits == 3) rows_dots_vnni<3>(m, r0, block.scale[0], four);
+        else if (m.bits == 2) rows_dots_vnni<2>(m, r0, block.scale[0], four);
+        else rows_dots_vnni<1>(m, r0, block.scale[0], four);
+        for (int i = 0; i < kRowBlock; ++i) acc[i][0] = four[i];
+        return;
+      }
+    }
+    for (int64_t i = 0; i < rows; ++i) dots(m, r0 + i, acc[i]);
+  };
   // Threads only past ~1M code bytes x tokens: below that (one decode token of a small model, ~0.7M) a fork/join
   // costs more than it saves on a loaded machine.
+  const int64_t blocks = (n + kRowBlock - 1) / kRowBlock;
 #pragma omp parallel for schedule(static) if (n * (up.width + (gate ? gate->width : 0)) * TB >= (1 << 20))
-  for (int64_t r = 0; r < n; ++r) {
-    float u[TB], g[TB];
-    dots(up, r, u);
-    const float ub = up.bias ? up.bias[r] : 0.f;
-    if (gate) {
-      dots(*gate, r, g);
-      const float gb = gate->bias ? gate->bias[r] : 0.f;
-      for (int t = 0; t < TB; ++t) out[t * out_stride + r] = std::abs(activate(g[t] + gb, act) * (u[t] + ub));
-    } else {
-      for (int t = 0; t < TB; ++t) out[t * out_stride + r] = std::abs(activate(u[t] + ub, act));
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t r0 = b * kRowBlock, rows = std::min<int64_t>(kRowBlock, n - r0);
+    float u[kRowBlock][TB], g[kRowBlock][TB];
+    block_dots(up, r0, rows, u);
+    if (gate) block_dots(*gate, r0, rows, g);
+    for (int64_t i = 0; i < rows; ++i) {
+      const int64_t r = r0 + i;
+      const float ub = up.bias ? up.bias[r] : 0.f;
+      if (gate) {
+        const float gb = gate->bias ? gate->bias[r] : 0.f;
+        for (int t = 0; t < TB; ++t)
+          out[t * out_stride + r] = std::abs(activate(g[i][t] + gb, act) * (u[i][t] + ub));
+      } else {
+        for (int t = 0; t < TB; ++t) out[t * out_stride + r] = std::abs(activate(u[i][t] + ub, act));
+      }
     }
   }
 }
@@ -442,7 +543,7 @@ at::Tensor quant_scores_cpu(const at::Tensor& x_in, const at::Tensor& up_codes_i
   const int64_t dpad = (d + 15) / 16 * 16;
   thread_local std::vector<float> rounded, tables, xpad;
   thread_local std::vector<int8_t> layouts;
-  thread_local std::vector<int32_t> xsums;
+  thread_local std::vector<int32_t> xlanes;
   if (path != Path::kVnni) {
     rounded.resize(T * d);
     for (int64_t t = 0; t < T; ++t)
@@ -456,7 +557,7 @@ at::Tensor quant_scores_cpu(const at::Tensor& x_in, const at::Tensor& up_codes_i
   xpad.assign(padded ? kMaxTokens * dpad : 0, 0.f);
   Matrix* matrices[2] = {&up, gate ? &*gate : nullptr};
   if (path == Path::kVnni) {
-    int64_t layout_bytes = 0, sums = 0;
+    int64_t layout_bytes = 0, lanes = 0;
     for (Matrix* m : matrices) {
       if (!m) continue;
       m->group_layout = vnni_chunks(m->group_width, m->bits) * vnni_chunk_cols(m->bits);
@@ -464,18 +565,18 @@ at::Tensor quant_scores_cpu(const at::Tensor& x_in, const at::Tensor& up_codes_i
       // would share L1 sets (8 ways) with the codes streaming through: 2.5x slower at T = 8 (OPT-6.7B shapes).
       m->xl_stride = m->groups * m->group_layout + 64;
       layout_bytes += kMaxTokens * m->xl_stride;
-      sums += kMaxTokens * m->groups;
+      lanes += kMaxTokens * m->groups * 16;
     }
     layouts.resize(layout_bytes);
-    xsums.resize(sums);
+    xlanes.resize(lanes);
     int8_t* next_layout = layouts.data();
-    int32_t* next_sum = xsums.data();
+    int32_t* next_lanes = xlanes.data();
     for (Matrix* m : matrices) {
       if (!m) continue;
       m->xl = next_layout;
-      m->xsum = next_sum;
+      m->xlanes = next_lanes;
       next_layout += kMaxTokens * m->xl_stride;
-      next_sum += kMaxTokens * m->groups;
+      next_lanes += kMaxTokens * m->groups * 16;
     }
   }
   float* op = out.data_ptr<float>();
@@ -487,12 +588,11 @@ at::Tensor quant_scores_cpu(const at::Tensor& x_in, const at::Tensor& up_codes_i
         for (Matrix* m : matrices) {
           if (!m) continue;
           int8_t* layout = m->xl + t * m->xl_stride;
-          int32_t* sum = m->xsum + t * m->groups;
           for (int64_t g = 0; g < m->groups; ++g) {
-            const int8_t* first = q + g * m->group_cols;
-            lay_out_x_vnni(first, m->group_cols, m->bits, vnni_chunks(m->group_width, m->bits),
+            lay_out_x_vnni(q + g * m->group_cols, m->group_cols, m->bits, vnni_chunks(m->group_width, m->bits),
                            layout + g * m->group_layout);
-            sum[g] = std::accumulate(first, first + m->group_cols, int32_t{0});
+            lane_sums_vnni(layout + g * m->group_layout, m->group_layout / 64, (1 << m->bits) - 1,
+                           m->xlanes + (t * m->groups + g) * 16);
           }
         }
       } else if (padded && d > 0) {  // an empty x has no data pointer; memcpy from null is undefined even for 0 bytes
