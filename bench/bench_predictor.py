@@ -17,7 +17,8 @@
    the default model's fp16 store served in flash mode at a 50% DRAM budget decodes --decode-tokens held-out tokens
    one at a time: bytes read per token after the first `window` tokens, predictor and FFN compute ms per token, the
    decoded tokens' perplexity against dense decoding (with --lookahead: also with the engine's look-ahead).
-4. Figure: perplexity vs loaded density per method with the oracle frontier, bench/results/predictor_methods.png.
+4. Figure: perplexity vs loaded density per method with the oracle frontier, bench/results/predictor_methods.png
+   (--figure).
 
     python bench/bench_predictor.py [--json] [--methods quant,teal,lowrank-reg,lowrank,oracle] [--densities ...]
 
@@ -231,11 +232,12 @@ def main() -> None:
                         "the engine (ahead,prefetch: sets chosen before attention), perplexity against dense decoding")
     parser.add_argument("--flash-densities", default=None,
                         help="only the FlashFFN decode, at these densities for every method (no method sweep)")
+    parser.add_argument("--figure", default=os.path.join(RESULTS, "predictor_methods.png"), help="the figure's path")
     parser.add_argument("--plot", nargs="+", metavar="JSONL", default=None,
                         help="only the figure, from the bench:\"method\" rows of these --json outputs")
     args = parser.parse_args()
     os.makedirs(RESULTS, exist_ok=True)
-    figure = os.path.join(RESULTS, "predictor_methods.png")
+    figure = args.figure
     if args.plot:
         rows = [json.loads(line) for path in args.plot for line in open(path) if line.startswith("{")]
         plot_methods([r for r in rows if r.get("bench") == "method"], figure)
