@@ -288,6 +288,17 @@ def test_gptq_rounding_lowers_the_pre_activation_error_in_the_same_format():
         quantize_rows(w, 3, inputs=torch.randn(8, 63))
 
 
+def assert_round_trip(tmp_path, predictors, recipe: dict) -> None:
+    """Saved into a store of the tiny model's shapes with `recipe`, loaded back: the same recipe, config and sets."""
+    store_dir = synthesize(tmp_path / "store", n_layers=3, hidden_size=64, n_neurons=96, glu=True)
+    save_predictors_to_store(predictors, store_dir, recipe)
+    loaded = load_predictors(store_dir)
+    assert predictors_recipe(store_dir) == recipe and loaded.config() == predictors.config()
+    x = torch.randn(9, 64)
+    for layer in range(3):
+        assert torch.equal(loaded.predict(layer, x), predictors.predict(layer, x))
+
+
 def test_gptq_quant_and_fisher_allocation_round_trip_through_a_store(tmp_path, llama):
     ids = _ids(1024, 0)
     predictors = build_predictors(llama, ids, "quant", density=0.4, gate_bits=3, up_bits=4, rounding="gptq",
@@ -297,16 +308,10 @@ def test_gptq_quant_and_fisher_allocation_round_trip_through_a_store(tmp_path, l
     for (k, v), (_, v2) in zip(predictors.state_dict().items(), again.state_dict().items()):
         assert torch.equal(v, v2), k  # deterministic
     assert predictors.config()["rounding"] == "gptq"
-    store_dir = synthesize(tmp_path / "store", n_layers=3, hidden_size=64, n_neurons=96, glu=True)
     recipe = predictors_recipe_of("quant", 0.4, 3, 4, "gptq", "fisher")
     assert recipe == {"method": "quant", "density": 0.4, "gate_bits": 3, "up_bits": 4, "rounding": "gptq",
                       "allocation": "fisher"}
-    save_predictors_to_store(predictors, store_dir, recipe)
-    loaded = load_predictors(store_dir)
-    assert predictors_recipe(store_dir) == recipe and loaded.config() == predictors.config()
-    x = torch.randn(9, 64)
-    for layer in range(3):
-        assert torch.equal(loaded.predict(layer, x), predictors.predict(layer, x))
+    assert_round_trip(tmp_path, predictors, recipe)
     # Predictors saved before the option existed have no "rounding": they were rounded to nearest.
     old = {k: v for k, v in predictors.config().items() if k != "rounding"}
     assert QuantPredictor.from_config(old).rounding == "nearest"
@@ -347,16 +352,10 @@ def test_group_scales_round_trip_and_fit_better(tmp_path, llama):
     for (k, v), (_, v2) in zip(predictors.state_dict().items(), again.state_dict().items()):
         assert torch.equal(v, v2), k  # deterministic
     assert predictors.config()["group_size"] == 64 and predictors.layers[0].up_scale.shape == (96, 1)
-    store_dir = synthesize(tmp_path / "store", n_layers=3, hidden_size=64, n_neurons=96, glu=True)
     recipe = predictors_recipe_of("quant", 0.4, 3, 4, "gptq", group_size=64)
     assert recipe == {"method": "quant", "density": 0.4, "gate_bits": 3, "up_bits": 4, "rounding": "gptq",
                       "group_size": 64}
-    save_predictors_to_store(predictors, store_dir, recipe)
-    loaded = load_predictors(store_dir)
-    assert predictors_recipe(store_dir) == recipe and loaded.config() == predictors.config()
-    x = torch.randn(9, 64)
-    for layer in range(3):
-        assert torch.equal(loaded.predict(layer, x), predictors.predict(layer, x))
+    assert_round_trip(tmp_path, predictors, recipe)
     # Predictors saved before groups existed have no "group_size": one scale per row.
     old = {k: v for k, v in predictors.config().items() if k != "group_size"}
     assert QuantPredictor.from_config(old).group_size is None
