@@ -23,9 +23,10 @@
     python bench/bench_predictor.py [--json] [--methods quant,teal,lowrank-reg,lowrank,oracle] [--densities ...]
 
 A --methods entry is METHOD[:G/U][+gptq][+gN][@fisher[=OTHER]]: quant's bits of W_gate / W_up, GPTQ rounding of its
-codes, one scale per N columns instead of per row, and a per-layer density allocation (flashllm_ext.predictor.allocation) computed for its own predictors or for those
-of the entry OTHER (e.g. `oracle@fisher=quant:3/4+gptq`: the oracle at quant's allocation, the fair frontier of an
-allocated method). The FlashFFN rows (3.) run the uniform entries only.
+codes, one scale per N columns instead of per row, and a per-layer density allocation
+(flashllm_ext.predictor.allocation) computed for its own predictors or for those of the entry OTHER (e.g.
+`oracle@fisher=quant:3/4+gptq`: the oracle at quant's allocation, the fair frontier of an allocated method). The
+FlashFFN rows (3.) run the uniform entries only.
 """
 from __future__ import annotations
 

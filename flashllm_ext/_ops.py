@@ -512,10 +512,10 @@ def _cache_plan_fake(active_ids, last_active, slot_of, pointer, num_used, step, 
 # stream per row: code k at bits [k * bits, (k + 1) * bits), so 8 / bits codes per byte, the first in the low bits,
 # for 1, 2 and 4 bits, and 8 codes per 3 bytes for 3 bits) and float16 scales s, one per row ([n]) or one per group
 # of d / G consecutive columns ([n, G], d / G a multiple of QUANT_GROUP_MULTIPLE, so a group is whole steps of every
-# kernel path): w = (q - (2^bits - 1) / 2) * s, and x rounded to int8 per token first (round_x_int8), on every path: the dot products
-# are then integer sums (AVX-512 VNNI's vpdpbusd multiplies the unsigned codes into int8 x 64 at a time), and a
-# predictor selects the same neurons on every machine. CPU only (the low-bit copies are the predictor's DRAM-resident
-# state).
+# kernel path): w = (q - (2^bits - 1) / 2) * s, and x rounded to int8 per token first (round_x_int8), on every path:
+# the dot products are then integer sums (AVX-512 VNNI's vpdpbusd multiplies the unsigned codes into int8 x 64 at a
+# time), and a predictor selects the same neurons on every machine. CPU only (the low-bit copies are the predictor's
+# DRAM-resident state).
 LIB.define(
     "quant_scores(Tensor x, Tensor up_codes, Tensor up_scale, Tensor? up_bias, Tensor? gate_codes, "
     "Tensor? gate_scale, Tensor? gate_bias, int up_bits, int gate_bits, str activation) -> Tensor"

@@ -1,6 +1,7 @@
 // flashllm::quant_scores on the CPU: |act(x . gate + b) * (x . up + b)| (or |act(x . up + b)|) per neuron from
-// low-bit codes with a scale per row or per group of columns, never dequantising a row. x is first rounded to int8 per token (the op's contract, every path
-// alike: _ops.round_x_int8), so the dot product of a row with a token is an integer sum of code x int8 products.
+// low-bit codes with a scale per row or per group of columns, never dequantising a row. x is first rounded to int8 per
+// token (the op's contract, every path alike: _ops.round_x_int8), so the dot product of a row with a token is an
+// integer sum of code x int8 products.
 // Paths by runtime ISA (common/cpu_isa.h), fastest first:
 // - AVX-512 VNNI: the codes, unsigned, go to vpdpbusd as they are (4 and 2 and 1 bits: shift and mask a 64-byte load
 //   into 64 one-byte codes per step; 3 bits: 24 bytes spread by vpshufb and per-word shifts); x is laid out per call
@@ -395,7 +396,8 @@ FLASHLLM_VNNI void rows_dots_vnni(const Matrix& m, int64_t r0, float x_scale, fl
       for (int64_t c = 0; c < chunks; ++c) {
         __m512i raw[kRowBlock];
 #pragma GCC unroll 4
-        for (int i = 0; i < kRowBlock; ++i) raw[i] = load_bytes(codes + i * m.width + c * 64, m.group_width - c * 64);
+        for (int i = 0; i < kRowBlock; ++i)
+          raw[i] = load_bytes(codes + i * m.width + c * 64, m.group_width - c * 64);
 #pragma GCC unroll 8
         for (int j = 0; j < kPer; ++j) {
           const __m512i xv = _mm512_loadu_si512(xl + (c * kPer + j) * 64);
@@ -418,7 +420,8 @@ FLASHLLM_VNNI void rows_dots_vnni(const Matrix& m, int64_t r0, float x_scale, fl
 // levels x sum(x) that each int32 lane of rows_dots_vnni's sums holds.
 FLASHLLM_VNNI void lane_sums_vnni(const int8_t* xl, int64_t vectors, int32_t levels, int32_t* out) {
   __m512i sum = _mm512_setzero_si512();
-  for (int64_t v = 0; v < vectors; ++v) sum = _mm512_dpbusd_epi32(sum, _mm512_set1_epi8(1), _mm512_loadu_si512(xl + v * 64));
+  for (int64_t v = 0; v < vectors; ++v)
+    sum = _mm512_dpbusd_epi32(sum, _mm512_set1_epi8(1), _mm512_loadu_si512(xl + v * 64));
   _mm512_storeu_si512(out, _mm512_mullo_epi32(sum, _mm512_set1_epi32(levels)));
 }
 
@@ -535,7 +538,7 @@ at::Tensor quant_scores_cpu(const at::Tensor& x_in, const at::Tensor& up_codes_i
   const float* xp = x.data_ptr<float>();
   for (int64_t t = 0; t < T; ++t) round_x_int8(xp + t * d, d, xq.data() + t * d, &x_scale[t]);
 
-  // Per block of tokens: the VNNI layouts and group sums, or the rounded x in fp32, padded (AVX-512, and 3-bit rows
+  // Per block of tokens: the VNNI layouts and lane sums, or the rounded x in fp32, padded (AVX-512, and 3-bit rows
   // below it), and the byte tables (1, 2 and 4 bits below AVX-512).
   const bool up_tables = path == Path::kTables && up_bits != 3;
   const bool gate_tables = path == Path::kTables && gate && gate_bits != 3;

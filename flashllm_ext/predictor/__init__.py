@@ -17,17 +17,17 @@ from .rule import FFNModules, FFNWeights, activation_score, ffn_hooks, ffn_modul
 from .teal import TealPredictor
 from .thresholds import calibrate_thresholds
 from .training import (DEFAULT_DENSITY, DEFAULT_GATE_BITS, DEFAULT_GROUP_SIZE, DEFAULT_METHOD, DEFAULT_RECIPE,
-                       DEFAULT_ROUNDING, DEFAULT_UP_BITS, auto_rank, build_predictors, choose_prob_thresholds, default_rounding,
-                       predictors_from_capture, predictors_recipe_of, select_density, train_predictor,
-                       train_predictors)
+                       DEFAULT_ROUNDING, DEFAULT_UP_BITS, auto_rank, build_predictors, choose_prob_thresholds,
+                       default_rounding, predictors_from_capture, predictors_recipe_of, select_density,
+                       train_predictor, train_predictors)
 
-__all__ = ["ALLOCATIONS", "DEFAULT_DENSITY", "DEFAULT_GATE_BITS", "DEFAULT_GROUP_SIZE", "DEFAULT_METHOD", "DEFAULT_RECIPE",
-           "DEFAULT_ROUNDING", "DEFAULT_UP_BITS", "PREDICTOR_METHODS", "ROUNDINGS", "ActivationCapture", "ContextPredictor",
-           "FFNModules", "FFNWeights", "LowRankPredictor", "NeuronPredictor", "OraclePredictor", "PredictorSet",
-           "QuantPredictor", "RegressionPredictorSet", "SparsityCounter", "TealPredictor", "activation_score",
-           "allocate_densities", "auto_rank", "build_predictors", "calibrate_thresholds", "capture_activations",
-           "choose_prob_thresholds", "default_group_size", "default_rounding", "evaluate", "ffn_hooks", "ffn_modules", "ffn_weights", "fisher_costs",
+__all__ = ["ALLOCATIONS", "DEFAULT_DENSITY", "DEFAULT_GATE_BITS", "DEFAULT_GROUP_SIZE", "DEFAULT_METHOD",
+           "DEFAULT_RECIPE", "DEFAULT_ROUNDING", "DEFAULT_UP_BITS", "PREDICTOR_METHODS", "ROUNDINGS",
+           "ActivationCapture", "ContextPredictor", "FFNModules", "FFNWeights", "LowRankPredictor", "NeuronPredictor",
+           "OraclePredictor", "PredictorSet", "QuantPredictor", "RegressionPredictorSet", "SparsityCounter",
+           "TealPredictor", "activation_score", "allocate_densities", "auto_rank", "build_predictors",
+           "calibrate_thresholds", "capture_activations", "choose_prob_thresholds", "default_group_size",
+           "default_rounding", "evaluate", "ffn_hooks", "ffn_modules", "ffn_weights", "fisher_costs",
            "fit_log_regression", "input_weight_share", "load_predictors", "operating_point", "patched_ffn",
-           "predictor_class", "predictors_from_capture", "predictors_recipe", "predictors_recipe_of",
-           "quantize_rows", "save_predictors", "save_predictors_to_store", "select_density", "train_predictor",
-           "train_predictors"]
+           "predictor_class", "predictors_from_capture", "predictors_recipe", "predictors_recipe_of", "quantize_rows",
+           "save_predictors", "save_predictors_to_store", "select_density", "train_predictor", "train_predictors"]

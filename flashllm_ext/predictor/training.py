@@ -137,8 +137,9 @@ def build_predictors(model: nn.Module, token_ids: torch.Tensor, method: str = DE
                      density: float | Sequence[float] | None = DEFAULT_DENSITY, target_sparsity: float = 0.6,
                      rank: int | Sequence[int] | None = None, epochs: int = 10, recall: float | None = 0.95,
                      gate_bits: int = DEFAULT_GATE_BITS, up_bits: int = DEFAULT_UP_BITS, rounding: str | None = None,
-                     group_size: int | str | None = DEFAULT_GROUP_SIZE, allocation: str = "uniform", base: str = "quant",
-                     block: int = 16, window: int = 512, progress: bool = True) -> NeuronPredictor:
+                     group_size: int | str | None = DEFAULT_GROUP_SIZE, allocation: str = "uniform",
+                     base: str = "quant", block: int = 16, window: int = 512, progress: bool = True
+                     ) -> NeuronPredictor:
     """Predictors of `method` (a name of PREDICTOR_METHODS) for `model`, from the calibration `token_ids` [T].
 
     density: the loaded density (one for all layers or one per layer): each layer's cut-off keeps this fraction
