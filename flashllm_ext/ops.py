@@ -74,10 +74,11 @@ def quant_scores(x: torch.Tensor, up_codes: torch.Tensor, up_scale: torch.Tensor
        before the dot products, on every CPU path; T = 1..8 share one pass over the codes
     up_codes: uint8 [N, ceil(d * up_bits / 8)], a little-endian bit stream of codes q per row (8 / up_bits per
               byte, the first in the low bits, for 1, 2 and 4 bits; 8 per 3 bytes for 3 bits)
-    up_scale: float16 [N]; a row is (q - (2^up_bits - 1) / 2) * scale
+    up_scale: float16 [N], one scale per row, or [N, G], one per group of d / G columns (d / G a multiple of 64);
+              a row (group) is (q - (2^up_bits - 1) / 2) * scale
     up_bits, gate_bits: 1 | 2 | 3 | 4
     up_bias, gate_bias: float32 [N]; None for none
-    gate_codes: uint8 [N, ceil(d * gate_bits / 8)] and gate_scale: float16 [N] for a GLU; None for none
+    gate_codes: uint8 [N, ceil(d * gate_bits / 8)] and gate_scale: float16 [N] or [N, G'] for a GLU; None for none
     activation: "relu" | "silu" | "gelu" (flashllm_ext._ops.ACTIVATIONS)
     Returns float32 [T, N].
     """
