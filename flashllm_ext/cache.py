@@ -198,6 +198,23 @@ class NeuronCache:
                                                                                                       out)
         return PendingStep(self, n_window, n_budget, ids, read, mem_s)
 
+    def serve(self, layer: int, input_bias: torch.Tensor | None) -> None:
+        """Hold `layer`'s neurons from now on, `input_bias` [n_neurons] its activation input's bias (None: none;
+        layer_input_bias). For one cache whose rows every layer of a model uses in turn (the engine's shared cache
+        layout): every row is dropped (no bundle is read or moved; the next step reads its whole set), since
+        another layer has overwritten them since this layer's last step."""
+        if not 0 <= layer < self.store.n_layers:
+            raise ValueError(f"layer {layer} out of range [0, {self.store.n_layers})")
+        if (input_bias is None) != (self._bias_all is None):
+            raise ValueError(f"layer {layer}'s input bias is {'absent' if input_bias is None else 'present'}, "
+                             f"unlike layer {self.layer}'s")
+        used = self.pointer[:self.num_used]
+        self.slot_of[used] = -1
+        used.fill_(-1)
+        self.last_active.fill_(_NEVER)
+        self.num_used = 0
+        self.layer, self._bias_all = layer, input_bias
+
     def _spare_last_step(self, active_ids: torch.Tensor) -> None:
         """Mark the cached neurons of the last step that are not in active_ids as active one step earlier."""
         cached = self.pointer[:self.num_used]

@@ -15,7 +15,10 @@ The budget covers what the model holds: resident tensors (embeddings, attention,
 resident bundles / staging buffers, and the reader's own buffers (FlashReader.buffer_bound: a bounce buffer per
 worker thread, an Endor store's compressed staging). Its
 split: resident tensors first, then predictors, then the FFN state, equal per layer. A budget that cannot hold one
-bundle per layer raises ValueError naming the minimum.
+bundle per layer raises ValueError naming the minimum. Where a layer's share would hold less than a token's set
+(the predictors' loaded density of its neurons), flash and exact mode give every layer one shared NeuronCache in
+turn (CACHE_LAYOUTS), its per-neuron state held once and half the FFN budget left to the reader's buffers: no hits
+across tokens, but a set is read and computed in a few large parts rather than in thousands of tiny ones.
 
 device="cuda" puts the model, the caches (flashllm_ext/transfer.py) and the resident bundles on the GPU; the budget
 then sizes them as on the CPU (what the model holds, wherever), and the host keeps the cache's planning state and
@@ -31,6 +34,7 @@ from functools import partial
 import torch
 from torch import nn
 
+from .cache import NeuronCache, input_bias_role
 from .ffn import LOOKAHEAD_MODES, FFNStats, FlashFFN, StreamingFFN, ffn_slots, set_ffn
 from .linear import use_half_linears
 from .models.hf import ffn_norm
@@ -39,6 +43,11 @@ from .store import FlashStore
 from .transfer import Transfer, cuda_device, make_transfer
 
 MODES = ("dense", "naive", "hybrid", "flash", "exact")
+# How flash / exact mode lays out its caches: one per layer (the paper's: hits across tokens), or one NeuronCache that
+# every layer uses in turn (no hits; for budgets whose per-layer caches would hold less than a token's set, which
+# they would then read and compute in many small parts). "auto": shared exactly then, judged by the
+# predictors' calibrated loaded density (per-layer when it is unknown).
+CACHE_LAYOUTS = ("auto", "per-layer", "shared")
 _UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
 
 
@@ -90,6 +99,7 @@ class FlashRuntime:
     reader: FlashReader | None
     originals: list[tuple[nn.Module, dict[str, nn.Module]]] = field(default_factory=list)
     predictors: nn.Module | None = None
+    cache_layout: str | None = None  # flash / exact: "per-layer" or "shared" (CACHE_LAYOUTS); None otherwise
     hooks: list = field(default_factory=list)  # the look-ahead hooks on the decoder layers (removable handles)
 
     @property
@@ -115,6 +125,7 @@ class FlashRuntime:
                 "hit_rate": s.hit_rate, "steps": s.steps, "budget_bytes": self.budget_bytes,
                 "accounted_bytes": self.accounted_bytes, "resident_bytes": self.resident_bytes,
                 "predictor_bytes": self.predictor_bytes, "ffn_bytes": self.ffn_bytes,
+                "cache_layout": self.cache_layout,
                 "reader_bounce_bytes": None if self.reader is None else self.reader.bounce_bytes()}
 
     def unpatch(self, model: nn.Module) -> None:
@@ -160,8 +171,8 @@ def _check_model_matches(model: nn.Module, store: FlashStore,
 
 def _install(model: nn.Module, store: FlashStore, mode: str, budget_bytes: int | None, window: int,
              predictors: nn.Module | None, threads: int, keep_originals: bool,
-             device: torch.device, reader_options: dict | None = None, lookahead: str | None = None
-             ) -> FlashRuntime:
+             device: torch.device, reader_options: dict | None = None, lookahead: str | None = None,
+             cache_layout: str = "auto") -> FlashRuntime:
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if mode == "dense":
@@ -170,11 +181,16 @@ def _install(model: nn.Module, store: FlashStore, mode: str, budget_bytes: int |
         raise ValueError(f"lookahead must be None or one of {LOOKAHEAD_MODES}, got {lookahead!r}")
     if lookahead and mode not in ("flash", "exact"):
         raise ValueError(f"lookahead needs a neuron cache (flash or exact mode), not {mode} mode")
+    if lookahead and cache_layout == "shared":
+        raise ValueError("lookahead needs per-layer caches (a prefetched set must stay in its layer's rows), not "
+                         "cache_layout='shared'")
+    if lookahead:
+        cache_layout = "per-layer"
     slots = ffn_slots(model)
     _check_model_matches(model, store, slots)
     runtime = ffn_stack(store, mode, budget_bytes, window=window, predictors=predictors, threads=threads,
                         resident_bytes=_resident_bytes(model), device=device, reader_options=reader_options,
-                        lookahead=lookahead or "ahead")
+                        lookahead=lookahead or "ahead", cache_layout=cache_layout)
     if keep_originals:
         runtime.originals = [(layer, dict(mods)) for layer, mods in slots]
     for (layer, _), module in zip(slots, runtime.modules):
@@ -197,8 +213,9 @@ def _look_ahead(ffn: FlashFFN, norm: nn.Module, _layer: nn.Module, args: tuple, 
 
 def _make_modules(store: FlashStore, mode: str, ffn_budget: int | None, window: int, predictors, reader, stats,
                   budget_bytes, fixed_bytes, transfer: Transfer, lookahead: str,
-                  ffn_class: type[FlashFFN] = FlashFFN,
-                  streaming_class: type[StreamingFFN] = StreamingFFN) -> tuple[list[nn.Module], int]:
+                  ffn_class: type[FlashFFN] = FlashFFN, streaming_class: type[StreamingFFN] = StreamingFFN,
+                  layout: str | None = None) -> tuple[list[nn.Module], int]:
+    """(the FFN modules, the bytes they hold); layout: flash / exact mode's, "per-layer" or "shared"."""
     n_layers, n, row = store.n_layers, store.n_neurons, store.row_bytes
 
     def too_small(need: int) -> ValueError:
@@ -211,18 +228,28 @@ def _make_modules(store: FlashStore, mode: str, ffn_budget: int | None, window: 
         per_layer = None if ffn_budget is None else ffn_budget // n_layers
         if transfer.staged and per_layer is not None:  # + the host staging buffer, one bundle per cache row
             per_layer = fixed + max(0, ffn_budget - n_layers * fixed) // (n_layers * per_row + row) * per_row
-        if per_layer is not None and per_layer < fixed + per_row:
+        flash, shared, cache = mode == "flash", layout == "shared", None
+        if shared:  # one cache: its per-neuron state once, each layer its output (and input) bias
+            bias = store.dtype.itemsize * n if input_bias_role(store) in store.ffn_roles[0] else 0
+            layers_fixed = n_layers * (4 * store.hidden_size + bias)
+            cache_fixed, _ = NeuronCache.bytes_for(store, with_bias=bias > 0)
+            if ffn_budget is not None and ffn_budget < layers_fixed + cache_fixed + per_row:
+                raise too_small(layers_fixed + cache_fixed + per_row)
+            cache = NeuronCache(store, 0, n if ffn_budget is None else None, window,
+                                budget_bytes=None if ffn_budget is None else ffn_budget - layers_fixed,
+                                reader=reader, transfer=transfer)
+        elif per_layer is not None and per_layer < fixed + per_row:
             raise too_small(n_layers * (fixed + per_row))
-        flash = mode == "flash"
         # (a predictor may choose its sets ahead its own way: bench_e2e's replayed sets)
         ahead = getattr(predictors, "predict_ahead", None) if flash else None
         modules = [ffn_class(store, i, predictor=partial(predictors.predict, i) if flash else None,
-                            threshold=float(predictors.thresholds[i]) if flash else 0.0, budget_bytes=per_layer,
-                            capacity=None if per_layer else n, window=window, reader=reader, stats=stats,
-                            transfer=transfer, lookahead=lookahead,
-                            ahead_predictor=None if ahead is None else partial(ahead, i))
+                             threshold=float(predictors.thresholds[i]) if flash else 0.0, budget_bytes=per_layer,
+                             capacity=None if per_layer else n, window=window, reader=reader, stats=stats,
+                             transfer=transfer, lookahead=lookahead,
+                             ahead_predictor=None if ahead is None else partial(ahead, i), cache=cache)
                    for i in range(n_layers)]
-        return modules, sum(m.nbytes for m in modules) + transfer.nbytes
+        held = sum(m.nbytes for m in modules) + transfer.nbytes + (cache.nbytes if shared else 0)
+        return modules, held
     # naive / hybrid: a staging buffer for the streamed bundles, shared by every layer, plus resident bundles.
     def streaming_bytes(resident_rows: int) -> int:  # (a staged transfer's host staging: once more)
         staging_copies = 2 if transfer.staged else 1
@@ -245,18 +272,41 @@ def _make_modules(store: FlashStore, mode: str, ffn_budget: int | None, window: 
     return modules, staging.nbytes + transfer.nbytes + sum(m.nbytes for m in modules)
 
 
+def _cache_layout(cache_layout: str, store: FlashStore, predictors, transfer: Transfer,
+                  ffn_budget: int | None) -> str:
+    """Flash / exact mode's cache layout, "per-layer" or "shared" (CACHE_LAYOUTS: "auto" decides), for an FFN
+    budget of `ffn_budget` bytes (None: none; the per-layer rows "auto" compares with a set are estimated before
+    the reader takes its share); predictors: flash mode's (None in exact mode: every neuron active)."""
+    if cache_layout not in CACHE_LAYOUTS:
+        raise ValueError(f"cache_layout must be one of {CACHE_LAYOUTS}, got {cache_layout!r}")
+    if cache_layout == "shared" and transfer.staged:
+        raise ValueError("cache_layout='shared' is for caches in host memory, not a device's staged cache")
+    if cache_layout != "auto":
+        return cache_layout
+    density = 1.0 if predictors is None else getattr(predictors, "loaded_density", None)
+    if ffn_budget is None or transfer.staged or density is None:
+        return "per-layer"
+    fixed, per_row = FlashFFN.bytes_for(store)
+    layer_rows = (ffn_budget * (READER_BUFFER_SHARE - 1) // READER_BUFFER_SHARE // store.n_layers - fixed) // per_row
+    return "shared" if layer_rows < density * store.n_neurons else "per-layer"
+
+
 READER_BUFFER_SHARE = 64  # the reader's buffers may take 1/64 of what the budget leaves for the FFNs
+# ... and half of it beside a shared cache: its sets are read whole every token in reads no longer than the bounce
+# buffers (1/64 of a budget this small made them ~15 KB on the default model at 50%), and nothing is reused anyway.
+SHARED_CACHE_READER_SHARE = 2
 
 
-def _bounded_reader_options(store: FlashStore, budget_bytes: int | None, taken: int) -> dict:
+def _bounded_reader_options(store: FlashStore, budget_bytes: int | None, taken: int,
+                            share_of: int = READER_BUFFER_SHARE) -> dict:
     """The engine's reader options under a budget: the reader's buffers (FlashReader.buffer_bound, charged to the
-    budget) limited to a share of the FFN budget (READER_BUFFER_SHARE). A dense store's reader has only bounce
+    budget) limited to 1 / `share_of` of the FFN budget. A dense store's reader has only bounce
     buffers; an Endor store's splits the share between them and its compressed staging, so both formats of a model
     charge the same and keep caches of the same capacity. Reads are capped at the bounce limit too (4 KiB to
     DEFAULT_MAX_READ): a longer read would get its own buffer beyond it. No budget: the reader's defaults."""
     if budget_bytes is None:
         return {}
-    share = max(0, budget_bytes - taken) // READER_BUFFER_SHARE
+    share = max(0, budget_bytes - taken) // share_of
     options = {"bounce_limit": share}
     if store.endor:  # staging_bound adds one row (bitmap + values) to staging_bytes
         one_row = (store.bundle_width + 7) // 8 + store.row_bytes
@@ -267,8 +317,8 @@ def _bounded_reader_options(store: FlashStore, budget_bytes: int | None, taken: 
 def ffn_stack(store: FlashStore, mode: str, budget_bytes: int | None, *, window: int = 5, predictors=None,
               threads: int = 32, resident_bytes: int = 0, device: str | torch.device = "cpu",
               transfer: Transfer | None = None, reader_options: dict | None = None, lookahead: str = "ahead",
-              ffn_class: type[FlashFFN] = FlashFFN,
-              streaming_class: type[StreamingFFN] = StreamingFFN) -> FlashRuntime:
+              ffn_class: type[FlashFFN] = FlashFFN, streaming_class: type[StreamingFFN] = StreamingFFN,
+              cache_layout: str = "auto") -> FlashRuntime:
     """Every FFN layer of `store` served by `mode` within `budget_bytes`, of which `resident_bytes` are already
     taken (a model's own tensors; 0 for a bare stack): runtime.modules[i](x) computes layer i of x [T, d]. The
     builder behind load_flash and patch_model, and alone for FFN-only benchmarks at scales no checkpoint here has.
@@ -276,7 +326,8 @@ def ffn_stack(store: FlashStore, mode: str, budget_bytes: int | None, *, window:
     it (default make_transfer(device); tests pass a StagedTransfer on the CPU). lookahead: what a FlashFFN's
     forward does after its prefetch (LOOKAHEAD_MODES; the prefetch is the caller's, as load_flash's hooks).
     ffn_class / streaming_class: the flash and exact / the naive and hybrid modes' layer (a FlashFFN / StreamingFFN
-    subclass: flashllm_ext.mlx's compute on mx.arrays over a flashllm_ext.mlx.MLXTransfer)."""
+    subclass: flashllm_ext.mlx's compute on mx.arrays over a flashllm_ext.mlx.MLXTransfer). cache_layout: flash and
+    exact mode's (CACHE_LAYOUTS)."""
     if mode not in MODES or mode == "dense":
         raise ValueError(f"mode must be one of {MODES[1:]}, got {mode!r}")
     predictor_bytes = 0
@@ -293,8 +344,12 @@ def ffn_stack(store: FlashStore, mode: str, budget_bytes: int | None, *, window:
     transfer = transfer if transfer is not None else make_transfer(device)
     if mode == "flash":
         predictors.to(transfer.device)
-    reader_options = {**_bounded_reader_options(store, budget_bytes, resident_bytes + predictor_bytes),
-                      **(reader_options or {})}
+    taken = resident_bytes + predictor_bytes
+    layout = None if mode not in ("flash", "exact") else \
+        _cache_layout(cache_layout, store, predictors if mode == "flash" else None, transfer,
+                      None if budget_bytes is None else budget_bytes - taken)
+    share_of = SHARED_CACHE_READER_SHARE if layout == "shared" else READER_BUFFER_SHARE
+    reader_options = {**_bounded_reader_options(store, budget_bytes, taken, share_of), **(reader_options or {})}
     reader, stats = FlashReader(store, threads=threads, **reader_options), FFNStats()
     # The reader's bounce buffers (one per thread, kept between calls) and an Endor store's compressed staging (one
     # read at a time): a fixed cost.
@@ -302,13 +357,13 @@ def ffn_stack(store: FlashStore, mode: str, budget_bytes: int | None, *, window:
     ffn_budget = None if budget_bytes is None else budget_bytes - fixed
     try:
         modules, ffn_bytes = _make_modules(store, mode, ffn_budget, window, predictors, reader, stats, budget_bytes,
-                                           fixed, transfer, lookahead, ffn_class, streaming_class)
+                                           fixed, transfer, lookahead, ffn_class, streaming_class, layout)
         ffn_bytes += reader.buffer_bound()
     except BaseException:
         reader.close()
         raise
     return FlashRuntime(store, mode, budget_bytes, resident_bytes, predictor_bytes, ffn_bytes, modules, stats,
-                        reader, predictors=predictors)
+                        reader, predictors=predictors, cache_layout=layout)
 
 
 def model_bytes(model: nn.Module, store: FlashStore) -> int:
@@ -320,23 +375,27 @@ def model_bytes(model: nn.Module, store: FlashStore) -> int:
 def _load_predictors(store: FlashStore, predictors, mode: str):
     if mode != "flash" or predictors is not None:
         return predictors
-    from .predictor import load_predictors
+    from .predictor import load_predictors, predictors_recipe
 
     try:
-        return load_predictors(store.path)
+        predictors = load_predictors(store.path)
     except Exception as e:  # FormatError: no predictors in the store
         raise ValueError(f"flash mode needs predictors and {store.path} has none usable ({e}); train them with "
                          f"`flashllm train-predictors CHECKPOINT --store {store.path}`") from None
+    if predictors.loaded_density is None:  # saved before predictors kept it: their recipe's target, if any
+        density = (predictors_recipe(store.path) or {}).get("density")
+        predictors.loaded_density = None if density is None else float(density)
+    return predictors
 
 
 def patch_model(model: nn.Module, store: FlashStore | str | os.PathLike, *, mode: str = "flash",
                 dram_budget: int | float | str | None = None, window: int = 5, predictors=None,
-                threads: int = 32, lookahead: str | None = None) -> FlashRuntime:
+                threads: int = 32, lookahead: str | None = None, cache_layout: str = "auto") -> FlashRuntime:
     """Serve the FFNs of an already loaded Llama-family or OPT model from `store` (converted from the same
     checkpoint). The original FFN modules are kept for `unpatch` (so they still occupy memory: for a real budget
     use load_flash). dram_budget (default: none) bounds what the engine accounts, as in load_flash. The FFNs go on
     the device of the model's parameters. Returns the runtime; `model.flash_stats()` reports the costs;
-    `runtime.unpatch(model)` restores the model. lookahead: as in load_flash."""
+    `runtime.unpatch(model)` restores the model. lookahead, cache_layout: as in load_flash."""
     store = store if isinstance(store, FlashStore) else FlashStore(store)
     if getattr(model, "flash", None) is not None:
         raise ValueError("this model is already patched: unpatch it first")
@@ -344,13 +403,13 @@ def patch_model(model: nn.Module, store: FlashStore | str | os.PathLike, *, mode
     budget = None if dram_budget is None else parse_budget(dram_budget, model_bytes(model, store))
     device = cuda_device(next(model.parameters()).device)
     return _install(model, store, mode, budget, window, predictors, threads, keep_originals=True, device=device,
-                    lookahead=lookahead)
+                    lookahead=lookahead, cache_layout=cache_layout)
 
 
 def load_flash(store_dir: str | os.PathLike, dram_budget: int | float | str | None = "50%", *,
                mode: str = "flash", window: int = 5, predictors=None, dtype: torch.dtype | None = None,
                threads: int = 32, device: str | torch.device = "cpu", reader_options: dict | None = None,
-               lookahead: str | None = None) -> nn.Module:
+               lookahead: str | None = None, cache_layout: str = "auto") -> nn.Module:
     """A Hugging Face causal LM built from a flash store, its FFNs served by `mode` within `dram_budget` (bytes,
     "50%" of the model, or "200MB"; None: no limit). Only resident tensors are materialised (in `dtype`, default
     the store's); in dense
@@ -364,7 +423,10 @@ def load_flash(store_dir: str | os.PathLike, dram_budget: int | float | str | No
     (FlashFFN.prefetch, as DejaVu predicts ahead). "ahead": the FFN computes that set (predicted from an input one
     attention earlier: fewer exposed reads, lower recall); "prefetch": the FFN computes the set its predictor
     chooses from its own input, as without look-ahead, and reads only what the prefetch missed (the same results,
-    a second predictor pass). BENCHMARKS.md measures both."""
+    a second predictor pass). BENCHMARKS.md measures both. cache_layout (flash / exact, CACHE_LAYOUTS): "per-layer"
+    caches (the paper's), "shared" (one row matrix the layers use in turn), or "auto": shared when a per-layer cache
+    would hold less than the predictors' loaded density of a layer's neurons, and no look-ahead is asked for;
+    `model.flash_stats()["cache_layout"]` says which."""
     device = cuda_device(device)
     store = FlashStore(store_dir)
     dtype = dtype or store.dtype
@@ -377,7 +439,7 @@ def load_flash(store_dir: str | os.PathLike, dram_budget: int | float | str | No
     else:
         budget = None if dram_budget is None else parse_budget(dram_budget, model_bytes(model, store))
         _install(model, store, mode, budget, window, predictors, threads, keep_originals=False, device=device,
-                 reader_options=reader_options, lookahead=lookahead)
+                 reader_options=reader_options, lookahead=lookahead, cache_layout=cache_layout)
     leftover = [name for name, p in model.named_parameters() if p.device.type == "meta"]
     if leftover:
         raise ValueError(f"{store.path}: the store has no tensor for {leftover[:3]} ({len(leftover)} in all)")

@@ -147,7 +147,11 @@ class FlashFFN(nn.Module):
     x [..., d] of any float dtype; computed in the store's dtype with float32 accumulation; output in x's dtype.
     device / transfer: where the cache rows live (NeuronCache's); x must be on that device, and the output is too.
     lookahead / ahead_predictor: what a forward does after `prefetch` (LOOKAHEAD_MODES), and the predictor that
-    chooses the prefetched set (default: `predictor`).
+    chooses the prefetched set (default: `predictor`). cache: a NeuronCache shared by the model's layers (the
+    engine's shared cache layout, for budgets whose per-layer caches would hold less than a token's set): each
+    forward first makes it serve this layer (NeuronCache.serve), so nothing is reused across tokens and there is no
+    look-ahead, but a set is read and computed in a few large parts; the cache is counted by its owner, not in
+    `nbytes`, and capacity / budget_bytes / window / reader / device / transfer are its own.
     """
 
     def __init__(self, store: FlashStore | str | os.PathLike, layer: int, *, predictor: Predictor | None = None,
@@ -155,7 +159,7 @@ class FlashFFN(nn.Module):
                  budget_bytes: int | None = None, window: int = 5, reader: FlashReader | None = None,
                  stats: FFNStats | None = None, overlap: bool = True, device: str | torch.device | None = None,
                  transfer: Transfer | None = None, prefill: str = "auto", lookahead: str = "ahead",
-                 ahead_predictor: Predictor | None = None):
+                 ahead_predictor: Predictor | None = None, cache: NeuronCache | None = None):
         super().__init__()
         if prefill not in PREFILL_PATHS:
             raise ValueError(f"prefill must be one of {PREFILL_PATHS}, got {prefill!r}")
@@ -171,8 +175,13 @@ class FlashFFN(nn.Module):
             capacity = self.store.n_neurons
         if budget_bytes is not None:  # the output bias (bytes_for's share) comes out of the budget too
             budget_bytes -= 4 * self.store.hidden_size
+        if cache is not None and cache.store.path != self.store.path:
+            raise ValueError(f"the shared cache serves {cache.store.path}, not {self.store.path}")
         self.cache = NeuronCache(self.store, layer, capacity, window, budget_bytes=budget_bytes, reader=reader,
-                                 device=device, transfer=transfer)
+                                 device=device, transfer=transfer) if cache is None else cache
+        self.shares_cache = cache is not None
+        # A shared cache takes each layer's input bias when it starts serving it (a cache of its own holds it).
+        self.input_bias = layer_input_bias(self.store, layer) if self.shares_cache else None
         self.layer, self.predictor, self.threshold = layer, predictor, float(threshold)
         self.overlap = overlap
         self.activation = store_activation(self.store)
@@ -191,8 +200,11 @@ class FlashFFN(nn.Module):
 
     @property
     def nbytes(self) -> int:
-        """DRAM this layer holds: its cache (matrix, pointer, bias, per-neuron state) and output bias."""
-        return self.cache.nbytes + (self.out_bias.nbytes if self.out_bias is not None else 0)
+        """DRAM this layer holds: its cache (matrix, pointer, bias, per-neuron state; a shared one: its input bias
+        instead) and output bias."""
+        own = self.cache.nbytes if not self.shares_cache else \
+            (self.input_bias.nbytes if self.input_bias is not None else 0)
+        return own + (self.out_bias.nbytes if self.out_bias is not None else 0)
 
     @staticmethod
     def bytes_for(store: FlashStore, staged: bool = False) -> tuple[int, int]:
@@ -241,7 +253,7 @@ class FlashFFN(nn.Module):
         predictor chooses from its own input, reading only what this step did not. Several tokens: nothing (a
         prompt forward chooses its sets itself)."""
         flat = _check_input(x, self.store.hidden_size, self.cache.device)
-        if flat.shape[0] != 1:
+        if flat.shape[0] != 1 or self.shares_cache:  # (a shared cache: the forward starts from no rows)
             return
         self._finish_ahead()  # a set chosen ahead that no forward took (that forward failed): land its reads
         _, ids = self._token_sets(flat, self.ahead_predictor)
@@ -299,6 +311,8 @@ class FlashFFN(nn.Module):
         computes on (a torch tensor here, an mx.array in flashllm_ext.mlx); the cache steps and planning are
         torch on the host either way."""
         self.last_stats = []
+        if self.shares_cache:  # the other layers have used its rows since this one's last forward
+            self.cache.serve(self.layer, self.input_bias)
         if self._ahead is not None and out.shape[0] == 1 and self.lookahead == "ahead":  # compute the set chosen
             (ids, pending), self._ahead = self._ahead, None                              # ahead, its reads under way
             if pending is None:

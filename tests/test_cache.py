@@ -148,6 +148,26 @@ def test_bias_rows_come_from_the_resident_fc1_bias(stores):
     assert NeuronCache(stores["llama"], 0, capacity=5).bias is None
 
 
+def test_serve_switches_the_layer_and_starts_empty(stores):
+    """One cache serving the layers in turn (the engine's shared layout): serve(layer, bias) drops every row, the
+    next step reads the whole set of that layer with its input bias, and a bias of the wrong kind is refused."""
+    flash_store, state = stores["opt"], stores["opt_state"]
+    cache = NeuronCache(flash_store, 0, capacity=20, window=3)
+    cache.step(torch.tensor([3, 4, 5]))
+    bias_1 = state["model.decoder.layers.1.fc1.bias"].half()
+    cache.serve(1, bias_1)
+    assert cache.num_used == 0 and bool((cache.slot_of == -1).all()) and bool((cache.pointer == -1).all())
+    stats = cache.step(torch.tensor([4, 5, 9]))
+    assert stats.inserted == 3 and cache.layer == 1
+    ids = cache.cached_ids()
+    assert torch.equal(cache.matrix[:3].view(torch.int16), flash_store.bundle(1, ids).view(torch.int16))
+    assert torch.equal(cache.bias[:3], bias_1[ids])
+    with pytest.raises(ValueError, match="input bias is absent"):
+        cache.serve(0, None)
+    with pytest.raises(ValueError, match="out of range"):
+        cache.serve(flash_store.n_layers, bias_1)
+
+
 def allocation_events(fn) -> list:
     """Tensor allocations (CPU allocator events, native code included) made while running fn()."""
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:

@@ -162,22 +162,27 @@ def test_bounce_buffers_stay_within_their_bound(pruned, engine, limit):
             assert 0 < max(held) <= r.bounce_bound(), path
 
 
-def test_ffn_stack_charges_the_reader_buffers(pruned):
+@pytest.mark.parametrize("layout", ["per-layer", "shared"])
+def test_ffn_stack_charges_the_reader_buffers(pruned, layout):
     """Under a budget the engine limits the reader's bounce buffers (and an Endor store's staging) to a share of the
-    FFN budget and charges them to it: ffn_bytes = the modules + FlashReader.buffer_bound()."""
-    from flashllm_ext.engine import READER_BUFFER_SHARE, store_ffn_bytes
+    FFN budget (a larger one beside a shared cache) and charges them to it: ffn_bytes = the modules (+ the shared
+    cache) + FlashReader.buffer_bound()."""
+    from flashllm_ext.engine import READER_BUFFER_SHARE, SHARED_CACHE_READER_SHARE, store_ffn_bytes
 
     model, stores, dense_path = pruned
     x = torch.randn(2, 64, generator=torch.Generator().manual_seed(2))
     for path in (stores["fp32"], dense_path):
         fs = store.FlashStore(path)
         budget = store_ffn_bytes(fs) // 2
-        runtime = ffn_stack(fs, "exact", budget)
-        reader, share = runtime.reader, budget // READER_BUFFER_SHARE
+        runtime = ffn_stack(fs, "exact", budget, cache_layout=layout)
+        shared = layout == "shared"
+        reader = runtime.reader
+        share = budget // (SHARED_CACHE_READER_SHARE if shared else READER_BUFFER_SHARE)
         assert reader.buffer_bound() == reader.bounce_bound() + reader.staging_bound()
         assert (reader.staging_bound() > 0) == fs.endor
         assert reader.bounce_limit + (reader.staging_bound() if fs.endor else 0) <= share
-        assert runtime.ffn_bytes == sum(m.nbytes for m in runtime.modules) + reader.buffer_bound()
+        assert runtime.ffn_bytes == sum(m.nbytes for m in runtime.modules) + reader.buffer_bound() + \
+            (runtime.modules[0].cache.nbytes if shared else 0)
         assert runtime.accounted_bytes <= budget
         with torch.no_grad():
             for i, layer in enumerate(model.model.layers):

@@ -71,9 +71,12 @@ def test_load_flash_generates_the_tokens_of_transformers(models, name, mode):
         assert stats["bytes_read"] > 0 and stats["io_ms"] > 0
 
 
+@pytest.mark.parametrize("layout", ["per-layer", "shared", "auto"])
 @torch.no_grad()
-def test_exact_mode_under_a_small_budget_reads_in_parts(models):
-    """A cache smaller than one token's active set still computes every neuron (capacity-sized parts)."""
+def test_exact_mode_under_a_small_budget_reads_in_parts(models, layout):
+    """A cache smaller than one token's active set still computes every neuron, in capacity-sized parts: of
+    per-layer caches, or of one cache the layers share ("auto" takes it: a layer's share holds a quarter of the
+    layer's neurons, and exact mode's set is all of them)."""
     model, path = models["llama"]
     prompt = torch.randint(3, 90, (1, 5), generator=torch.Generator().manual_seed(3))
     s = store.FlashStore(path)
@@ -83,11 +86,63 @@ def test_exact_mode_under_a_small_budget_reads_in_parts(models):
     options = {"bounce_limit": 0, "max_read": 4096}  # the reader's buffers, charged too: one read's bounce buffer
     with flashllm_ext.reader.FlashReader(s, **options) as reader:
         buffers = reader.buffer_bound()
-    budget = resident + buffers + s.n_layers * (fixed + per_row * (s.n_neurons // 3))
-    flash = flashllm_ext.load_flash(path, dram_budget=budget, mode="exact", reader_options=options)
-    assert all(m.cache.capacity == s.n_neurons // 3 for m in flash.flash.modules)
+    budget = resident + buffers + s.n_layers * (fixed + per_row * (s.n_neurons // 4))
+    flash = flashllm_ext.load_flash(path, dram_budget=budget, mode="exact", reader_options=options,
+                                    cache_layout=layout)
+    caches = [m.cache for m in flash.flash.modules]
+    if layout == "per-layer":
+        assert all(c.capacity == s.n_neurons // 4 for c in caches)
+    else:  # one cache: more rows than a layer's share, still less than a layer
+        assert all(c is caches[0] for c in caches)
+        assert s.n_neurons // 4 < caches[0].capacity < s.n_neurons
     assert torch.equal(_greedy(flash, prompt, 8), _greedy(model, prompt, 8))
-    assert flash.flash_stats()["accounted_bytes"] <= budget
+    stats = flash.flash_stats()
+    assert stats["accounted_bytes"] <= budget
+    assert stats["cache_layout"] == ("per-layer" if layout == "per-layer" else "shared")
+    if layout != "per-layer":  # a shared cache starts every forward empty: no reuse across tokens
+        assert stats["hit_rate"] == 0
+
+
+@pytest.mark.parametrize("name", ["llama", "opt"])
+@torch.no_grad()
+def test_a_shared_cache_computes_what_per_layer_caches_compute(models, name):
+    """Flash mode with one cache shared by the layers reads and computes each token's predicted set as per-layer
+    caches do (the same sums, in other parts); "auto" shares it only when a layer's share is below the predictors'
+    loaded density of its neurons, and keeps per-layer caches when that density is unknown or look-ahead is on."""
+    model, path = models[name]
+    s = store.FlashStore(path)
+    predictors = _random_predictors(model, s.n_layers, s.hidden_size, s.n_neurons, 0.5)
+    predictors.prob_thresholds.fill_(0.45)
+    ids = torch.randint(0, 90, (1, 12), generator=torch.Generator().manual_seed(5))
+    want = model(ids).logits
+    patched = copy.deepcopy(model)
+    resident = flashllm_ext.engine._resident_bytes(patched)
+    fixed, per_row = flashllm_ext.engine.FlashFFN.bytes_for(s)
+    budget = resident + predictors.memory_bytes + (64 << 10) + s.n_layers * (fixed + per_row * (s.n_neurons // 8))
+    got = {}
+    for layout in ("per-layer", "shared"):
+        runtime = flashllm_ext.patch_model(patched, path, mode="flash", predictors=predictors, dram_budget=budget,
+                                           cache_layout=layout)
+        got[layout] = patched(ids).logits
+        assert runtime.cache_layout == layout
+        if layout == "per-layer":
+            layer_rows = runtime.modules[0].cache.capacity
+        runtime.unpatch(patched)
+    assert torch.allclose(got["shared"], got["per-layer"], rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(got["shared"], want, rtol=1e-3, atol=1e-3)  # the predicted sets matter here
+    above, below = 2 * layer_rows / s.n_neurons, layer_rows / 2 / s.n_neurons  # sets larger / smaller than a cache
+    for density, lookahead, layout in ((None, None, "per-layer"), (above, None, "shared"), (below, None, "per-layer"),
+                                       (above, "ahead", "per-layer")):
+        predictors.loaded_density = density
+        runtime = flashllm_ext.patch_model(patched, path, mode="flash", predictors=predictors, dram_budget=budget,
+                                           lookahead=lookahead)
+        assert runtime.cache_layout == layout, (density, lookahead)
+        runtime.unpatch(patched)
+    with pytest.raises(ValueError, match="cache_layout must be one of"):
+        flashllm_ext.patch_model(patched, path, mode="flash", predictors=predictors, cache_layout="pooled")
+    with pytest.raises(ValueError, match="lookahead needs per-layer caches"):
+        flashllm_ext.patch_model(patched, path, mode="flash", predictors=predictors, cache_layout="shared",
+                                 lookahead="ahead")
 
 
 @pytest.mark.parametrize("name", ["llama", "opt"])

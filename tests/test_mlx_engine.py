@@ -156,15 +156,18 @@ def test_decoder_generates_the_tokens_of_transformers(stores, mode, budget):
     flash.close()
 
 
-def test_read_failure_mid_generation_leaves_the_caches_consistent(stores):
-    """An I/O error in a read (the 5th: some inline, some in the reader thread) raises out of generate; every layer's
-    mx.array then holds exactly the bundles its pointer names, and the model generates transformers' tokens again."""
+@pytest.mark.parametrize("layout", ["per-layer", "shared"])
+def test_read_failure_mid_generation_leaves_the_caches_consistent(stores, layout):
+    """An I/O error in a read (the 5th: some inline, some in the reader thread) raises out of generate; every
+    per-layer cache's mx.array then holds exactly the bundles its pointer names (a shared cache starts each layer's
+    forward empty), and the model generates transformers' tokens again."""
     model, s = stores["llama_model"], stores["llama-fp32"]
     prompt = torch.tensor([[9, 10, 11]])
-    flash = fmlx.load_flash(s.path, dram_budget="60%", mode="exact")
+    flash = fmlx.load_flash(s.path, dram_budget="60%", mode="exact", cache_layout=layout)
+    assert flash.runtime.cache_layout == layout
     with read_failure_at(flash.runtime.reader), pytest.raises(OSError, match="injected"):
         flash.generate(prompt, 8)
-    for ffn in flash.ffns:
+    for ffn in flash.ffns if layout == "per-layer" else []:
         cache = ffn.cache
         ids = cache.pointer[:cache.num_used]
         assert torch.equal(rows_through_mlx(ffn.matrix, cache.num_used, s.dtype), s.bundle(cache.layer, ids))

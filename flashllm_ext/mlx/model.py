@@ -207,12 +207,12 @@ def _resident_arrays(store: FlashStore, dtype: torch.dtype) -> dict[str, mx.arra
 
 def load_flash(store_dir: str | os.PathLike, dram_budget: int | float | str | None = "50%", *, mode: str = "flash",
                window: int = 5, predictors=None, dtype: torch.dtype | None = None, threads: int = 32,
-               reader_options: dict | None = None) -> MLXLlama:
+               reader_options: dict | None = None, cache_layout: str = "auto") -> MLXLlama:
     """The MLX engine: a Llama-family model from a flash store on mx.arrays, its FFNs served by `mode` (MODES)
     within `dram_budget` (bytes, "50%" of the model, "200MB"; None: no limit; dense mode holds everything and
     ignores it). dtype: of the resident tensors and the activations (default: the store's), and of dense mode's FFN
     weights; the other modes' FFNs compute in the store's dtype. Predictors come from the store unless given. threads
-    and reader_options: the FlashReader's.
+    and reader_options: the FlashReader's. cache_layout: flash and exact mode's (the torch engine's CACHE_LAYOUTS).
     Raises ValueError for another model family, a budget below the minimum (naming it), or flash mode without
     predictors."""
     if mode not in MODES:
@@ -234,5 +234,5 @@ def load_flash(store_dir: str | os.PathLike, dram_budget: int | float | str | No
     budget = None if dram_budget is None else parse_budget(dram_budget, resident_bytes + store_ffn_bytes(store))
     runtime = ffn_stack(store, mode, budget, window=window, predictors=predictors, threads=threads,
                         resident_bytes=resident_bytes, transfer=MLXTransfer(), reader_options=reader_options,
-                        ffn_class=MLXFlashFFN, streaming_class=MLXStreamingFFN)
+                        ffn_class=MLXFlashFFN, streaming_class=MLXStreamingFFN, cache_layout=cache_layout)
     return MLXLlama(store, weights, runtime.modules, mode, runtime)

@@ -32,6 +32,9 @@ class NeuronPredictor(nn.Module):
     # The store layout its reads need: "bundles" (whole neurons, what convert.py writes and the engine serves), or
     # "input-channels" (W_gate / W_up columns by input channel: no such store exists, evaluation only).
     store_layout: ClassVar[str] = "bundles"
+    # The mean loaded density the cut-offs were calibrated for (set_density; kept in the config), None if unknown:
+    # the engine's cache_layout="auto" compares a layer's cache with the set it will have to hold.
+    loaded_density: float | None = None
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -79,6 +82,7 @@ class NeuronPredictor(nn.Module):
         cutoffs = torch.stack([keep_cutoff(self.scores(i, x.float()), float(densities[i]))
                                for i, x in enumerate(inputs)])
         self.set_cutoffs(cutoffs)
+        self.loaded_density = float(densities.mean())
         return cutoffs
 
     def layer_densities(self, inputs: Sequence[torch.Tensor], density: float | Sequence[float]) -> torch.Tensor:
@@ -94,7 +98,7 @@ class NeuronPredictor(nn.Module):
     def config(self) -> dict:
         """JSON-serialisable description from which `from_config` rebuilds an empty set of the same shapes."""
         return {"method": self.method, "n_layers": self.n_layers, "hidden_size": self.hidden_size,
-                "n_neurons": self.n_neurons}
+                "n_neurons": self.n_neurons, "loaded_density": self.loaded_density}
 
     @classmethod
     def from_config(cls, config: dict) -> NeuronPredictor:

@@ -90,6 +90,8 @@ def load_predictors(path: str | os.PathLike) -> NeuronPredictor:
     try:
         config = json.loads(metadata["predictors"])
         out = predictor_class(config["method"]).from_config(config)
+        density = config.get("loaded_density")  # (predictors saved before it was kept: unknown)
+        out.loaded_density = None if density is None else float(density)
     except (KeyError, TypeError, ValueError) as e:
         raise FormatError("__metadata__.predictors", f"bad value ({e!r})", path) from None
     state = {k.removeprefix(TENSOR_PREFIX): v for k, v in tensors.items()}
