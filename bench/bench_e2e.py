@@ -50,10 +50,10 @@ RESULTS = HERE / "results"
 MODES = ("dense", "naive", "hybrid", "flash", "flash-oracle", "accelerate")
 KEYS = ("bench", "model", "device", "mode", "budget_mb", "cgroup_limit_mb", "cgroup_peak_mb", "ms_per_token", "io_ms",
         "mem_ms", "predictor_ms", "compute_ms", "hidden_io_ms", "bytes_per_token", "tokens", "hit_rate")
-COLUMNS = ["mode", "budget_mb", "cgroup_limit_mb", "cgroup_peak_mb", "oom_killed", "ms_per_token", "io_ms", "mem_ms",
+COLUMNS = ["mode", "options", "cache_layout", "budget_mb", "cgroup_limit_mb", "cgroup_peak_mb", "oom_killed", "ms_per_token", "io_ms", "mem_ms",
            "predictor_ms", "compute_ms", "bytes_per_token", "reads_per_token", "hit_rate", "error"]
 ENDOR_COLUMNS = ["store_format", "decompress_ms", "requested_bytes_per_token"] + COLUMNS
-SCALE_COLUMNS = ["model", "operating_point", "predictor", "lookahead", "options", *COLUMNS]
+SCALE_COLUMNS = ["model", "operating_point", "predictor", "lookahead", *COLUMNS]
 # What tells one configuration's rows from another's: the summary rows are medians over each one's rounds.
 CONFIG_FIELDS = ("model", "mode", "operating_point", "predictor", "lookahead", "options", "budget_spec",
                  "store_format")
@@ -216,7 +216,7 @@ def _load(config: dict):
         predictors = OraclePredictors(store, thresholds)
     model = flashllm_ext.load_flash(config["store"], budget, mode="flash" if mode == "flash-oracle" else mode,
                                     predictors=predictors, device=device,
-                                    reader_options=config.get("reader_options"))
+                                    reader_options=config.get("reader_options"), **config.get("options", {}))
     return model, model.flash.stats.reset
 
 
@@ -250,7 +250,7 @@ def run_child(config: dict) -> dict:
         row.update({k: stats[k] for k in ("io_ms", "hidden_io_ms", "decompress_ms", "mem_ms", "predictor_ms",
                                           "compute_ms", "bytes_per_token", "requested_bytes_per_token",
                                           "reads_per_token", "mean_read_bytes", "hit_rate",
-                                          "accounted_bytes", "reader_bounce_bytes")})
+                                          "accounted_bytes", "reader_bounce_bytes", "cache_layout")})
     else:  # dense / accelerate: no engine stats; the whole decode time is compute (accelerate's reads included)
         row.update(io_ms=None, mem_ms=None, predictor_ms=None, compute_ms=None, bytes_per_token=0 if
                    config["mode"] == "dense" else None, hit_rate=None)
@@ -818,8 +818,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="--scale: whole-model rows only (load_flash; the accelerate peer on the checkpoint)")
     parser.add_argument("--full-tokens", type=int, default=4, help="--scale --full: greedy decode tokens")
     parser.add_argument("--flash-options", action="append", default=[], metavar="JSON",
-                        help="--scale --full: a whole-model flash row also with these load_flash keyword arguments, "
-                        "e.g. '{\"window\": 20}' or '{\"reader_options\": {\"min_read\": 0}}' (repeatable)")
+                        help="a flash row also with these load_flash keyword arguments (the default model's, or "
+                        "--scale --full's whole-model row), e.g. '{\"window\": 20}' or '{\"cache_layout\": "
+                        "\"per-layer\"}' (repeatable)")
     parser.add_argument("--lookahead", default="", help="--scale --full: each whole-model flash row also with "
                         "these look-ahead modes (ahead,prefetch: load_flash(lookahead=...))")
     parser.set_defaults(rounds=3)
@@ -893,7 +894,8 @@ def main(argv: list[str] | None = None) -> None:
             "prompt_ids": ids, "timeout_s": args.child_timeout, "offload_dir": str(cache / "accelerate-offload"),
             "hf_dir": None if hf_dir is None else str(hf_dir)}
     rows = []
-    for round_index, mode in [(r, m) for r in range(args.rounds) for m in modes]:  # round-robin over processes
+    jobs = [(m, {}) for m in modes] + [("flash", json.loads(o)) for o in args.flash_options if "flash" in modes]
+    for round_index, (mode, options) in [(r, j) for r in range(args.rounds) for j in jobs]:  # round-robin
         budgets = [None] if mode == "dense" else [parse_budget(args.budget, total)]
         while budgets:
             budget = budgets.pop(0)
@@ -901,11 +903,12 @@ def main(argv: list[str] | None = None) -> None:
                 row = {"bench": "e2e", "model": base["model"], "mode": mode, "error": "no Hugging Face checkpoint "
                        "of this store (--hf-dir): the accelerate peer cannot run"}
             else:
-                row = run_configuration({**base, "mode": mode, "budget_bytes": budget}, baseline)
+                row = run_configuration({**base, "mode": mode, "budget_bytes": budget, "options": options}, baseline)
             spec = None if budget is None else args.budget if budget == parse_budget(args.budget, total) else \
                 args.fallback_budget
             row.update(model_bytes_mb=total / 1e6, baseline_mb=baseline / 1e6, budget_spec=spec,
-                       prompt_tokens=len(ids), prompt_note=prompt_note, round=round_index)
+                       prompt_tokens=len(ids), prompt_note=prompt_note, round=round_index,
+                       options=json.dumps(options) if options else None)
             row = {**{k: row.get(k) for k in KEYS}, **row}
             rows.append(row)
             emit([row], args.json, COLUMNS)
