@@ -283,6 +283,7 @@ def run_generate(config: str, workers: int, model, ids: torch.Tensor, args, root
     b, s, n = args.batch, args.context, args.new_tokens
     backend = hf.storage_attention(model, dirs, batch=b, max_tokens=s + n, kind=kind, dtype=torch.float16,
                                    x_cache=n_x, link=link, storage_gbps=args.device_gbps,
+                                   write_request_bytes=args.write_request_bytes,
                                    writeback=args.writeback if "+wb" in config else 1, **kwargs)
     marks = {}
     prefill = backend.prefill
@@ -296,6 +297,7 @@ def run_generate(config: str, workers: int, model, ids: torch.Tensor, args, root
         backend.reset()  # waits for the workers to be up: their start is not the prefill's time
         start = time.perf_counter()
         out = hf.generate(model, ids, backend, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        backend.flush()  # timed, as in run()
         end = time.perf_counter()
         steps = n - 1  # the first new token comes from the prefill
         traffic = backend.traffic
