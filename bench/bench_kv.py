@@ -22,11 +22,24 @@ counts the decode steps (from the end of the last layer's prefill); the generate
 compared with the baseline's. X-cache alpha: --x-alpha hilos (the paper's formula) or auto (choose_alpha given the
 host's measured K/V regeneration rate: alpha 0 where regenerating is slower than reading).
     python bench/bench_kv.py --plot ABLATION.jsonl SCALING.jsonl   # the two plots from earlier --json runs
+
+Devices' write requests: `--write-request probe` measures the per-request cost of a small durable write on the real
+disk (`flashllm_ext.kv.link.probe_write_request`, under the disk lock) and charges every spill on an emulated device
+at least that many bytes (`BYTES`: a given cost; 0: writes cost their bytes only), so the writes per step, which
+delayed writeback (`--writeback C` for the +wb configs) reduces, cost device time as on a real SSD. The final
+flush of the buffered K/V is inside the timed window.
+
+An emulated regime where the X-cache can pay: `--regen-read-ratio R` measures the host's K/V regeneration rate
+and sets each device's bandwidth so that reading one token's K/V from the ablation's devices takes the host's
+regeneration time / R (INF²'s GPU host against its SmartSSDs: R ~0.6, see BENCHMARKS.md), the link at
+--link-devices devices; alpha is then the compute-aware choice (`--x-alpha auto`).
 """
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
+import os
 import shutil
 import statistics
 import sys
@@ -39,10 +52,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common import device_name, emit  # noqa: E402
 from flashllm_ext.kv import (HostKVAttention, Link, NearStorageAttention, XCacheAttention, choose_alpha,  # noqa: E402
                              linear_projector)
+from flashllm_ext.kv.link import probe_write_request  # noqa: E402
 from flashllm_ext.kv.traffic import Traffic  # noqa: E402
+from flashllm_ext.kv.xcache import regime_device_gbps  # noqa: E402
 from flashllm_ext.paths import resolve_cache_dir  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
+DISK_LOCK = "/tmp/flashllm-disk.lock"  # the shared disk: benchmarks that touch it take turns
 CONFIGS = ["baseline", "ans", "ans+wb", "ans+x", "ans+wb+x"]
 COLUMNS = ["config", "workers", "batch", "context", "tokens_per_s", "interconnect_bytes_per_step",
            "storage_read_bytes_per_step", "writes_per_step", "mean_write_kib", "link_gbps", "n_x"]
@@ -53,15 +69,16 @@ def make_backend(config: str, workers: int, args, root: Path):
     for d in dirs:
         shutil.rmtree(d, ignore_errors=True)
     link = Link(args.link_gbps)
-    writeback = None if "+wb" in config else 1
+    writeback = args.writeback if "+wb" in config else 1
     shape = dict(n_layers=args.layers, q_heads=args.heads, kv_heads=args.heads, head_dim=args.head_dim,
-                 dtype=torch.float16, max_tokens=args.context + args.steps + 1, writeback=writeback, link=link)
-    n_x, reason = x_sequences(args, workers, hidden=args.heads * args.head_dim) if "+x" in config else (0, None)
+                 dtype=torch.float16, max_tokens=args.context + args.steps + 1, writeback=writeback, link=link,
+                 storage_gbps=args.device_gbps, write_request_bytes=args.write_request_bytes)
+    n_x, reason, alpha = x_sequences(args, workers, hidden=args.heads * args.head_dim) if "+x" in config else (
+        0, None, 0.0)
     if config == "baseline":
-        backend = HostKVAttention(dirs, batch=args.batch, storage_gbps=args.device_gbps, **shape)
+        backend = HostKVAttention(dirs, batch=args.batch, **shape)
     else:
-        backend = NearStorageAttention(dirs, batch=args.batch - n_x, processes=True, storage_gbps=args.device_gbps,
-                                       torch_threads=1, **shape)
+        backend = NearStorageAttention(dirs, batch=args.batch - n_x, processes=True, torch_threads=1, **shape)
     if n_x:  # alpha 0 (the compute-aware choice on a slow host) leaves the config without X rows: as +wb alone
         hidden, kv = args.heads * args.head_dim, args.heads * args.head_dim
         g = torch.Generator().manual_seed(1)
@@ -69,7 +86,7 @@ def make_backend(config: str, workers: int, args, root: Path):
         wv = [torch.randn(kv, hidden, generator=g) / hidden ** 0.5 for _ in range(args.layers)]
         backend = XCacheAttention(backend, linear_projector(wk, wv, kv_heads=args.heads), n_x=n_x, hidden=hidden,
                                   max_tokens=args.context + args.steps + 1, x_dtype=torch.float16)
-    return backend, link, n_x, reason
+    return backend, link, n_x, (reason, alpha)
 
 
 def unpaced(backend, link: Link | None) -> None:
@@ -80,7 +97,7 @@ def unpaced(backend, link: Link | None) -> None:
 
 
 def run(config: str, workers: int, args, root: Path) -> dict:
-    backend, link, n_x, reason = make_backend(config, workers, args, root)
+    backend, link, n_x, (reason, alpha) = make_backend(config, workers, args, root)
     b, h, d, s = args.batch, args.heads, args.head_dim, args.context
     g = torch.Generator().manual_seed(0)
     hidden = h * d
@@ -113,8 +130,8 @@ def run(config: str, workers: int, args, root: Path) -> dict:
                     backend.step(layer, q, k_new, v_new, x)
                 else:
                     backend.step(layer, q, k_new, v_new)
+        backend.flush()  # the buffered K/V's last spill is part of the work: without it writeback looks free
         elapsed = time.perf_counter() - start
-        backend.flush()
         traffic = backend.traffic
         decode = traffic.total(steps=range(args.steps))
         after = traffic.total()
@@ -123,8 +140,11 @@ def run(config: str, workers: int, args, root: Path) -> dict:
         for f in ("storage_write_bytes", "storage_writes"):
             setattr(writes, f, getattr(after, f) - getattr(before, f))
         read_per_step = decode.storage_read_bytes / args.steps
-        # the emulated bandwidths' bound: the devices read in parallel; the baseline's history also crosses the link
-        device_s = read_per_step / (workers * args.device_gbps * 1e9 / 8)
+        # what the devices are charged for the writes: each request at least --write-request bytes
+        write_charged = writes.storage_writes * max(writes.mean_write_bytes, args.write_request_bytes) / args.steps
+        # the emulated bandwidths' bound: the devices read and write in parallel; the baseline's history also
+        # crosses the link
+        device_s = (read_per_step + write_charged) / (workers * args.device_gbps * 1e9 / 8)
         link_s = decode.interconnect_bytes() / args.steps / (link.gbps * 1e9 / 8)
         row = {"bench": "kv", "config": config, "workers": workers, "batch": b, "context": s,
                "layers": args.layers, "heads": h, "head_dim": d, "steps": args.steps,
@@ -136,9 +156,12 @@ def run(config: str, workers: int, args, root: Path) -> dict:
                "storage_reads_per_step": decode.storage_reads / args.steps,
                "writes_per_step": writes.storage_writes / args.steps,
                "mean_write_kib": writes.mean_write_bytes / 1024,
+               "write_charged_bytes_per_step": write_charged,
                "x_bytes_per_step": decode.x_bytes / args.steps,
-               "link_gbps": link.gbps, "device_gbps": args.device_gbps, "n_x": n_x, "x_alpha_reason": reason,
-               "writeback": backend.storage.writeback[0] if n_x else backend.writeback[0]}
+               "link_gbps": link.gbps, "device_gbps": args.device_gbps, "n_x": n_x, "alpha": alpha,
+               "x_alpha_reason": reason, "write_request_bytes": args.write_request_bytes,
+               "writeback": backend.storage.writeback[0] if n_x else backend.writeback[0],
+               "loadavg": os.getloadavg()}
         backend.close()
         return row
     except BaseException:
@@ -193,26 +216,57 @@ def synthesized_llama(args):
     return LlamaForCausalLM(config).eval()
 
 
-def x_sequences(args, workers: int, hidden: int | None = None) -> tuple[int, str]:
-    """(sequences kept as X, why) for the X-cache configs; hidden: the model's width (default args.hidden). With
-    --x-alpha auto the host's regeneration rate is measured once per process."""
+def measured_host_flops(hidden: int, kv_values: int) -> float:
+    """host_regeneration_flops, measured once per process and shape (the regime and alpha use the same rate)."""
+    key = (hidden, kv_values)
+    if key not in HOST_FLOPS:
+        HOST_FLOPS[key] = host_regeneration_flops(hidden, kv_values)
+    return HOST_FLOPS[key]
+
+
+def x_sequences(args, workers: int, hidden: int | None = None) -> tuple[int, str, float]:
+    """(sequences kept as X, why, alpha) for the X-cache configs; hidden: the model's width (default
+    args.hidden). With --x-alpha auto alpha is given the host's measured regeneration rate."""
     hidden = hidden or args.hidden
-    kv_values = 2 * args.heads * args.head_dim
-    host_flops = None
-    if args.x_alpha == "auto":
-        key = (hidden, kv_values)
-        if key not in HOST_FLOPS:
-            HOST_FLOPS[key] = host_regeneration_flops(hidden, kv_values)
-        host_flops = HOST_FLOPS[key]
+    host_flops = measured_host_flops(hidden, 2 * args.heads * args.head_dim) if args.x_alpha == "auto" else None
     choice = choose_alpha(link_gbps=args.link_gbps, storage_gbps=args.device_gbps * workers, hidden=hidden,
                           kv_heads=args.heads, head_dim=args.head_dim, host_flops=host_flops)
     n_x = min(args.batch - 1, round(choice.alpha * args.batch))
     if host_flops is not None:
         reason = f"{choice.reason} (host: {host_flops / 1e9:.3g} GFLOP/s measured)"
-    return n_x, choice.reason if host_flops is None else reason
+    return n_x, choice.reason if host_flops is None else reason, choice.alpha
 
 
 HOST_FLOPS: dict[tuple[int, int], float] = {}
+
+
+def regen_read_regime(args) -> dict:
+    """--regen-read-ratio R: sets args.device_gbps (and the link) so that reading one token's K/V from the
+    ablation's devices takes the host's measured regeneration time / R; X-cache alpha becomes compute-aware."""
+    hidden = args.heads * args.head_dim
+    host_flops = measured_host_flops(hidden, 2 * args.heads * args.head_dim)
+    args.device_gbps = regime_device_gbps(host_flops=host_flops, hidden=hidden, kv_heads=args.heads,
+                                          head_dim=args.head_dim, ratio=args.regen_read_ratio,
+                                          devices=args.ablation_workers)
+    args.link_gbps = args.link_devices * args.device_gbps
+    args.x_alpha = "auto"
+    return {"bench": "kv", "check": "regime", "regen_read_ratio": args.regen_read_ratio,
+            "host_gflops": host_flops / 1e9, "devices": args.ablation_workers, "device_gbps": args.device_gbps,
+            "link_gbps": args.link_gbps, "loadavg": os.getloadavg()}
+
+
+def write_request_cost(spec: str, probe_dir: Path) -> tuple[int, dict | None]:
+    """--write-request: 'probe' (measured on the disk under probe_dir, holding the disk lock), or a byte count."""
+    if spec != "probe":
+        return int(spec), None
+    probe_dir.mkdir(parents=True, exist_ok=True)
+    with open(DISK_LOCK, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        probe = probe_write_request(probe_dir)
+    return probe.request_bytes, {"bench": "kv", "check": "write_request_probe", "directory": str(probe_dir),
+                                 "request_us": probe.request_s * 1e6, "write_bytes": probe.write_bytes,
+                                 "seq_gbytes_per_s": probe.seq_bytes_per_s / 1e9,
+                                 "request_bytes": probe.request_bytes, "loadavg": os.getloadavg()}
 
 
 def run_generate(config: str, workers: int, model, ids: torch.Tensor, args, root: Path, n_x: int) -> dict:
@@ -229,6 +283,7 @@ def run_generate(config: str, workers: int, model, ids: torch.Tensor, args, root
     b, s, n = args.batch, args.context, args.new_tokens
     backend = hf.storage_attention(model, dirs, batch=b, max_tokens=s + n, kind=kind, dtype=torch.float16,
                                    x_cache=n_x, link=link, storage_gbps=args.device_gbps,
+                                   write_request_bytes=args.write_request_bytes,
                                    writeback=args.writeback if "+wb" in config else 1, **kwargs)
     marks = {}
     prefill = backend.prefill
@@ -242,6 +297,7 @@ def run_generate(config: str, workers: int, model, ids: torch.Tensor, args, root
         backend.reset()  # waits for the workers to be up: their start is not the prefill's time
         start = time.perf_counter()
         out = hf.generate(model, ids, backend, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        backend.flush()  # timed, as in run()
         end = time.perf_counter()
         steps = n - 1  # the first new token comes from the prefill
         traffic = backend.traffic
@@ -275,7 +331,7 @@ def generate_ablation(args, root: Path) -> list[dict]:
     workers = args.ablation_workers
     model = synthesized_llama(args)
     ids = torch.randint(0, args.vocab, (args.batch, args.context), generator=torch.Generator().manual_seed(0))
-    n_x, reason = x_sequences(args, workers)
+    n_x, reason, _ = x_sequences(args, workers)
     auto = None
     if args.x_alpha == "hilos":  # what the compute-aware choice would have done, for the record
         auto = x_sequences(argparse.Namespace(**{**vars(args), "x_alpha": "auto"}), workers)
@@ -288,21 +344,26 @@ def generate_ablation(args, root: Path) -> list[dict]:
         row["tokens_equal_baseline"] = row.pop("tokens") == base_tokens
         row["x_alpha_reason"] = reason if "+x" in row["config"] else None
         if auto is not None and "+x" in row["config"]:
-            row["x_auto_n_x"], row["x_auto_reason"] = auto
+            row["x_auto_n_x"], row["x_auto_reason"], _ = auto
     return rows
 
 
-def eq3_check(rows: list[dict], args) -> dict:
-    """INF² Eq. 3 on the measured counters: baseline / ans interconnect bytes (lse excluded) against the mean of
-    (s + 1) / 2 over the decode steps (c = 1, MHA, fp16, no X-cache)."""
-    base = next(r for r in rows if r["config"] == "baseline")
-    ans = next(r for r in rows if r["config"] == "ans")
-    expected = statistics.mean(args.context + i + 1 for i in range(args.steps)) / 2
-    measured = base["interconnect_bytes_no_lse"] / ans["interconnect_bytes_no_lse"]
-    exact = 2 * base["interconnect_bytes_no_lse"] * args.steps == ans["interconnect_bytes_no_lse"] * sum(
-        args.context + i + 1 for i in range(args.steps))
-    return {"bench": "kv", "check": "eq3", "measured_ratio": measured, "expected_ratio": expected,
-            "exact_integers": exact}
+def eq3_checks(rows: list[dict], args) -> list[dict]:
+    """INF² Eq. 3 on the measured counters, per device count with a baseline row: baseline / near-storage
+    interconnect bytes (lse excluded) against the mean of (s + 1) / 2 over the decode steps (MHA, fp16, no X rows;
+    the baseline writes back every step, and near storage's traffic does not depend on its c)."""
+    checks = []
+    for base in (r for r in rows if r["config"] == "baseline"):
+        ans = next((r for r in rows if r["workers"] == base["workers"] and r["config"] != "baseline"
+                    and r["n_x"] == 0), None)
+        if ans is None:
+            continue
+        tokens = [args.context + i + 1 for i in range(args.steps)]
+        exact = 2 * base["interconnect_bytes_no_lse"] * args.steps == ans["interconnect_bytes_no_lse"] * sum(tokens)
+        checks.append({"bench": "kv", "check": "eq3", "workers": base["workers"], "against": ans["config"],
+                       "measured_ratio": base["interconnect_bytes_no_lse"] / ans["interconnect_bytes_no_lse"],
+                       "expected_ratio": statistics.mean(tokens) / 2, "exact_integers": exact})
+    return checks
 
 
 def kernel_vs_storage(args, root: Path) -> dict:
@@ -347,7 +408,7 @@ def kernel_vs_storage(args, root: Path) -> dict:
             "native_kernel": native, "torch_threads": torch.get_num_threads()}
 
 
-def plot(rows: list[dict], scaling: list[dict]) -> None:
+def plot(rows: list[dict], scaling: list[dict], tag: str = "") -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -360,7 +421,7 @@ def plot(rows: list[dict], scaling: list[dict]) -> None:
         ax.set_ylabel("tokens/s vs baseline")
         ax.set_title(f"INF² ablation ({rows[0]['workers']} devices, context {rows[0]['context']})")
         fig.tight_layout()
-        fig.savefig(RESULTS / "kv_ablation.png", dpi=120)
+        fig.savefig(RESULTS / f"kv_ablation{tag}.png", dpi=120)
     if scaling:
         fig, ax = plt.subplots(figsize=(6, 3.5))
         for config in sorted({r["config"] for r in scaling}):
@@ -371,7 +432,7 @@ def plot(rows: list[dict], scaling: list[dict]) -> None:
         ax.set_ylabel("tokens/s")
         ax.legend()
         fig.tight_layout()
-        fig.savefig(RESULTS / "kv_scaling.png", dpi=120)
+        fig.savefig(RESULTS / f"kv_scaling{tag}.png", dpi=120)
 
 
 def main() -> None:
@@ -389,7 +450,21 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=1024, help="generate: the synthesized model's residual width")
     parser.add_argument("--vocab", type=int, default=512, help="generate: the synthesized model's vocabulary")
     parser.add_argument("--writeback", type=int, default=None,
-                        help="generate: c of the +wb configs (default: one spill per shard and file >= 4 KiB)")
+                        help="c (tokens per spill) of the +wb configs (default: one spill per shard and file "
+                             ">= 4 KiB)")
+    parser.add_argument("--write-request", default="0",
+                        help="least charge of one write request on an emulated device, in bytes, or 'probe' "
+                             "(measured on the disk under --probe-dir)")
+    parser.add_argument("--probe-dir", type=Path, default=None,
+                        help="where --write-request probe writes its scratch file (default: the cache dir)")
+    parser.add_argument("--regen-read-ratio", type=float, default=None,
+                        help="emulated regime: device bandwidth set so that reading a token's K/V from the "
+                             "ablation's devices takes the host's regeneration time / R")
+    parser.add_argument("--scaling-configs", default=None,
+                        help="configs the scaling study runs at every device count (default: ans+wb at every "
+                             "count, the baseline at the first and last, ans+wb+x at the last)")
+    parser.add_argument("--results-tag", default=None,
+                        help="also write every row to bench/results/kv<TAG>.jsonl; the plots get the suffix too")
     parser.add_argument("--x-alpha", choices=["hilos", "auto"], default="hilos",
                         help="X-cache fraction from HILOS' formula, or compute-aware (choose_alpha given the host's "
                              "measured K/V regeneration rate)")
@@ -413,27 +488,39 @@ def main() -> None:
     root.mkdir(parents=True, exist_ok=True)
     print(f"machine: {device_name()}", file=sys.stderr)
     ablation, scaling, out = [], [], []
+    args.write_request_bytes, probe = write_request_cost(args.write_request,
+                                                         args.probe_dir or resolve_cache_dir() / "kv-probe")
+    out += [probe] if probe else []
+    if args.regen_read_ratio is not None:
+        out.append(regen_read_regime(args))
+    print(*(json.dumps(r) for r in out), sep="\n", file=sys.stderr, flush=True)
     if args.only in (None, "ablation"):
         ablation = interleaved([(c, args.ablation_workers) for c in CONFIGS], args, root)
-        out += ablation + [eq3_check(ablation, args)]
+        out += ablation + eq3_checks(ablation, args)
     if args.only == "generate":
         out += generate_ablation(args, root)
     if args.only in (None, "kernel"):
         out.append(kernel_vs_storage(args, root))
     if args.only in (None, "scaling"):
         counts = [int(n) for n in args.workers.split(",")]
-        jobs = [("ans+wb", n) for n in counts] + [("baseline", counts[0]), ("baseline", counts[-1]),
-                                                  ("ans+wb+x", counts[-1])]
+        if args.scaling_configs:
+            jobs = [(c, n) for n in counts for c in args.scaling_configs.split(",")]
+        else:
+            jobs = [("ans+wb", n) for n in counts] + [("baseline", counts[0]), ("baseline", counts[-1]),
+                                                      ("ans+wb+x", counts[-1])]
         scaling = interleaved(list(dict.fromkeys(jobs)), args, root)
-        out += scaling
+        out += scaling + eq3_checks(scaling, args)
     shutil.rmtree(root, ignore_errors=True)
+    if args.results_tag is not None:
+        RESULTS.mkdir(exist_ok=True)
+        (RESULTS / f"kv{args.results_tag}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in out))
     emit(out if args.json else [r for r in out if "config" in r], args.json, None if args.json else COLUMNS)
     if not args.json:
         for r in out:
             if "check" in r:
                 print(json.dumps(r))
     if not args.no_plot:
-        plot(ablation, scaling)
+        plot(ablation, scaling, args.results_tag or "")
 
 
 if __name__ == "__main__":

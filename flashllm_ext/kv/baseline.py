@@ -29,12 +29,13 @@ from .traffic import FLUSH, PREFILL, TrafficLog
 class HostKVAttention(AttentionBackend):
     """Same constructor arguments and interface as NearStorageAttention (prefill, step, flush, reset, close,
     traffic), attention computed on the host. link: the emulated interconnect the history and the writeback cross;
-    storage_gbps: emulated bandwidth of each directory's device."""
+    storage_gbps: emulated bandwidth of each directory's device, which paces its reads and its spills;
+    write_request_bytes: that device's least charge per write request (kv/link.py)."""
 
     def __init__(self, directories: list[str | os.PathLike], *, n_layers: int, batch: int, q_heads: int,
                  kv_heads: int, head_dim: int, dtype: torch.dtype, max_tokens: int, writeback: int | None = None,
                  scale: float | None = None, link: Link | None = None, storage_gbps: float | None = None,
-                 read_threads: int = 4):
+                 write_request_bytes: int = 0, read_threads: int = 4):
         if q_heads % kv_heads:
             raise ValueError(f"q_heads {q_heads} is not a multiple of kv_heads {kv_heads}")
         self.n_layers, self.batch, self.head_dim = n_layers, batch, head_dim
@@ -42,16 +43,17 @@ class HostKVAttention(AttentionBackend):
         self.group, self.dtype, self.link = q_heads // kv_heads, dtype, link
         self.scale = head_dim ** -0.5 if scale is None else scale
         self.ranges = split_pairs(batch * kv_heads, len(directories))
+        self.storage_links = [None if storage_gbps is None else Link(storage_gbps, request_bytes=write_request_bytes)
+                              for _ in self.ranges]
         self.shards: list[KVShard] = []
         try:
-            for (p0, p1), d in zip(self.ranges, directories):
+            for (p0, p1), d, device in zip(self.ranges, directories, self.storage_links):
                 self.shards.append(KVShard.create(Path(d), n_layers, p1 - p0, head_dim, dtype, max_tokens,
-                                                  writeback=writeback, read_threads=read_threads))
+                                                  writeback=writeback, read_threads=read_threads, device=device))
         except BaseException:
             for s in self.shards:
                 s.abandon()
             raise
-        self.storage_links = [None if storage_gbps is None else Link(storage_gbps) for _ in self.shards]
         self.traffic = TrafficLog()
         self._step = [0] * n_layers
         self._io = [IOCounters() for _ in self.shards]

@@ -127,10 +127,10 @@ class KVFile:
             self._buffer = mmap.mmap(-1, align_up(nbytes))
         return self._buffer
 
-    def append(self, rows: torch.Tensor) -> None:
-        """Writes rows (CPU, contiguous, n * row_bytes bytes) at row `length` and advances `length`. On failure
-        (OSError naming the file, offset and errno) nothing changes: length and tail stay, the rows can be written
-        again."""
+    def append(self, rows: torch.Tensor) -> int:
+        """Writes rows (CPU, contiguous, n * row_bytes bytes) at row `length` in one write request, advances
+        `length` and returns the bytes written (whole blocks: 0 when there were no rows). On failure (OSError naming
+        the file, offset and errno) nothing changes: length and tail stay, the rows can be written again."""
         data = rows.contiguous().view(torch.uint8).reshape(-1)
         if data.numel() % self.row_bytes:
             raise ValueError(f"{data.numel()} bytes are not whole rows of {self.row_bytes}")
@@ -138,7 +138,7 @@ class KVFile:
         if self.length + n > self.max_tokens:
             raise ValueError(f"{self.path}: {self.length} + {n} rows exceed the preallocated {self.max_tokens}")
         if n == 0:
-            return
+            return 0
         begin = self.length * self.row_bytes
         start = align_down(begin)
         end_data = begin + data.numel()
@@ -157,6 +157,7 @@ class KVFile:
         tail_start = align_down(end_data)
         self._tail = bytearray(buf[tail_start - start:end_data - start])
         self.length += n
+        return end - start
 
     def _pwrite(self, buf: memoryview, offset: int) -> None:
         try:

@@ -33,7 +33,8 @@ class NearStorageAttention(AttentionBackend):
     writeback: tokens per spill (None: one 4 KiB block per file and spill); scale: multiplies q.k (None:
     1/sqrt(head_dim)); processes: one worker process per shard (False: in this process); link: an emulated
     host <-> storage-side link every transfer goes through (None: unlimited); worker_kwargs: ShardSpec fields
-    (block_tokens, prefetch, read_threads, torch_threads, chunk_bytes).
+    (block_tokens, prefetch, read_threads, torch_threads, chunk_bytes; storage_gbps and write_request_bytes: each
+    worker's emulated device, which paces its reads and its spills).
     """
 
     def __init__(self, directories: list[str | os.PathLike], *, n_layers: int, batch: int, q_heads: int,

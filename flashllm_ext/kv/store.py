@@ -32,6 +32,7 @@ import torch
 
 from ..errors import FormatError
 from .files import BLOCK, FaultInjector, IOCounters, KVFile
+from .link import Link
 
 FORMAT_VERSION = 1
 MANIFEST = "shard.json"
@@ -66,12 +67,15 @@ class KVShard:
 
     writeback: tokens buffered per spill (None: `default_writeback`, one block per file and spill).
     fault_injector(path, offset, nbytes): runs before every write (tests raise OSError from it).
+    device: the emulated storage device (kv/link.py) the directory stands for: every spill's write request is
+    charged to it (as a write: at least its per-request cost), so the writes share the device with the reads paced
+    through the same Link (None: the directory's own speed).
     Use `KVShard.create(...)` for a new shard and `KVShard.open(directory)` to reopen one.
     """
 
     def __init__(self, directory: str | os.PathLike, n_layers: int, pairs: int, head_dim: int, dtype: torch.dtype,
                  max_tokens: int, *, create: bool, lengths: list[int] | None = None, writeback: int | None = None,
-                 fault_injector: FaultInjector | None = None, read_threads: int = 4):
+                 fault_injector: FaultInjector | None = None, read_threads: int = 4, device: Link | None = None):
         if min(n_layers, pairs, head_dim, max_tokens) <= 0:
             raise ValueError(f"n_layers, pairs, head_dim and max_tokens must be positive, got {n_layers}, {pairs}, "
                              f"{head_dim}, {max_tokens}")
@@ -79,7 +83,7 @@ class KVShard:
             raise ValueError(f"dtype must be one of {list(DTYPES)}, got {dtype}")
         self.directory = Path(directory)
         self.n_layers, self.pairs, self.head_dim = n_layers, pairs, head_dim
-        self.dtype, self.max_tokens = dtype, max_tokens
+        self.dtype, self.max_tokens, self.device = dtype, max_tokens, device
         self.token_bytes = pairs * head_dim * dtype.itemsize
         self.writeback = default_writeback(self.token_bytes) if writeback is None else int(writeback)
         if self.writeback < 1:
@@ -309,8 +313,10 @@ class KVShard:
         k_len, v_len = k_file.length, v_file.length
         try:
             try:
-                k_file.append(k)
-                v_file.append(v)
+                for file, rows in ((k_file, k), (v_file, v)):
+                    nbytes = file.append(rows)
+                    if self.device is not None:  # the request takes the device's time before it is done
+                        self.device.transfer(nbytes, write=True)
                 k_file.sync()  # durable before the manifest below says so
                 v_file.sync()
             except BaseException:

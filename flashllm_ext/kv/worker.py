@@ -60,6 +60,7 @@ class ShardSpec:
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     torch_threads: int = 1
     storage_gbps: float | None = None  # emulated storage bandwidth of this shard's device (None: the real one)
+    write_request_bytes: int = 0  # the emulated device's least charge per write request (kv/link.py)
     fault_injector: FaultInjector | None = None  # runs before every write in the worker (picklable; tests)
 
     @property
@@ -85,12 +86,13 @@ class ShardSpec:
 
 
 def open_shard(spec: ShardSpec) -> ShardAttention:
+    """The shard and its attention; with storage_gbps one emulated device paces both its reads and its spills."""
+    device = None if spec.storage_gbps is None else Link(spec.storage_gbps, request_bytes=spec.write_request_bytes)
     shard = KVShard.create(spec.directory, spec.n_layers, spec.pairs, spec.head_dim, spec.torch_dtype,
                            spec.max_tokens, writeback=spec.writeback, read_threads=spec.read_threads,
-                           fault_injector=spec.fault_injector)
+                           fault_injector=spec.fault_injector, device=device)
     return ShardAttention(shard, group=spec.group, scale=spec.scale, block_tokens=spec.block_tokens,
-                          prefetch=spec.prefetch,
-                          storage_link=None if spec.storage_gbps is None else Link(spec.storage_gbps))
+                          prefetch=spec.prefetch, storage_link=device)
 
 
 class _Regions:

@@ -42,6 +42,17 @@ def regeneration_flops(hidden: int, kv_heads: int, head_dim: int) -> int:
     return 2 * hidden * 2 * kv_heads * head_dim
 
 
+def regime_device_gbps(*, host_flops: float, hidden: int, kv_heads: int, head_dim: int, ratio: float,
+                       devices: int, itemsize: int = 2) -> float:
+    """The per-device bandwidth (Gb/s) at which reading one token's K/V from `devices` devices together takes
+    t_regen / ratio, t_regen being the host's time to regenerate them at `host_flops`: ratio R = t_regen / t_read
+    sets an emulated regime (R < 1: regenerating is cheaper than reading, as on INF²'s GPU host)."""
+    if ratio <= 0 or devices < 1:
+        raise ValueError(f"need ratio > 0 and devices >= 1, got {ratio} and {devices}")
+    t_read = regeneration_flops(hidden, kv_heads, head_dim) / host_flops / ratio
+    return 2 * kv_heads * head_dim * itemsize * 8 / t_read / 1e9 / devices
+
+
 def choose_alpha(*, link_gbps: float, storage_gbps: float, hidden: int, kv_heads: int, head_dim: int,
                  memory_bytes: int | None = None, batch: int = 1, context: int = 1, n_layers: int = 1,
                  itemsize: int = 2, host_flops: float | None = None) -> AlphaChoice:
