@@ -74,9 +74,9 @@ def greedy_decode(model: torch.nn.Module, prompt: torch.Tensor, n_tokens: int) -
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     # 50%: half the weight bytes, the paper's setting and the issue's. On this 135M model the resident tensors take
-    # 41% and the predictors 9%, so the caches hold ~4 rows a layer against a token's set of ~720 neurons: flash
-    # reads every set in parts with no hits. 85% is the least budget whose caches hold a token's set (BENCHMARKS.md,
-    # "make demo with the retuned default predictor").
+    # 41% and the predictors 9%, so ~1 MB is left for the FFNs: one cache shared by the layers reads each token's
+    # set of ~690 neurons in parts with no hits. 85% is the least budget whose per-layer caches hold a token's set
+    # (BENCHMARKS.md, "Flash at 50% of the default model").
     parser.add_argument("--budget", default="50%", help="DRAM budget: bytes, a share of the model, or a size")
     parser.add_argument("--tokens", type=int, default=64, help="tokens to generate")
     parser.add_argument("--window", type=int, default=5, help="flash: the neuron cache's window in tokens")
