@@ -534,8 +534,9 @@ class OffloadRuntime:
 
 def _drop_page_cache(path: str) -> None:
     """Drop the clean cached pages of `path` (posix_fadvise DONTNEED): loading the in-memory layers read them
-    through the page cache, and a memory cgroup charges them to the process until it reclaims them at its limit,
-    where the layer reads ran ~1.7x slower (BENCHMARKS.md, seventh-session scale run)."""
+    through the page cache, and a memory cgroup charges them to the process until it reclaims them; left there,
+    they held an Endor child at its limit with its layer reads at half speed (BENCHMARKS.md, seventh-session scale
+    run)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
