@@ -277,14 +277,16 @@ class LayerStore:
         return self._entries[name]
 
     def matrix(self, layer: int, name: str) -> torch.Tensor | endor.EndorTensor:
-        """One weight as stored (dense, or a validated EndorTensor), read with plain buffered I/O."""
+        """One weight as stored (dense, or a validated EndorTensor), read with plain buffered I/O into memory of its
+        own: safetensors hands out views of a mapping of the file, whose pages a memory cgroup may evict and fault
+        in again from storage on every use of an in-memory layer."""
         entry = next((e for e in self.layers[layer] if e.name == name), None)
         if entry is None:
             raise KeyError(f"layer {layer} of {self.path} has no matrix {name!r}")
         with safe_open(self.layers_path, framework="pt") as f:
             if not entry.endor:
-                return f.get_tensor(name)
-            parts = [f.get_tensor(f"{name}.{p}") for p in endor.PARTS]
+                return f.get_tensor(name).clone()
+            parts = [f.get_tensor(f"{name}.{p}").clone() for p in endor.PARTS]
         return endor.EndorTensor(*parts, entry.shape, source=self.layers_path)
 
     def resident_names(self) -> list[str]:
@@ -530,6 +532,18 @@ class OffloadRuntime:
             model.__dict__.pop(attr, None)
 
 
+def _drop_page_cache(path: str) -> None:
+    """Drop the clean cached pages of `path` (posix_fadvise DONTNEED): loading the in-memory layers read them
+    through the page cache, and a memory cgroup charges them to the process until it reclaims them; left there,
+    they held an Endor child at its limit with its layer reads at half speed (BENCHMARKS.md, seventh-session scale
+    run)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
 def _aligned_buffer(nbytes: int) -> torch.Tensor:
     """uint8 [nbytes] starting on an ALIGNMENT boundary, so direct reads land in it without a bounce copy."""
     raw = torch.empty(nbytes + ALIGNMENT, dtype=torch.uint8)
@@ -644,6 +658,8 @@ def _install(model: nn.Module, store: LayerStore, mode: str, budget: int | float
             w = store.matrix(i, e.name)
             layer[e.name] = w.decompress() if isinstance(w, endor.EndorTensor) and mode != "endor+more-resident" else w
         runtime.memory.append(layer)
+    if k:
+        _drop_page_cache(store.layers_path)
     if runtime.ssd_layers:
         runtime.reader = FlashReader.for_file(store.layers_path, threads=threads)
     for i, layer_slots in enumerate(slots):

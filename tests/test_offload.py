@@ -246,3 +246,31 @@ def test_forced_placement_compares_modes_on_the_same_layers(case):
     model.offload.close()
     with pytest.raises(ValueError, match="3 layers in memory in endor mode need"):
         load_offloaded(store.path, budget, mode="endor", layers_in_memory=3)
+
+
+def _mapped_ranges(path: str) -> list[tuple[int, int]]:
+    """Address ranges of this process's mappings of `path` (/proc/self/maps)."""
+    real = os.path.realpath(path)
+    ranges = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split()
+            if len(fields) >= 6 and fields[5] == real:
+                begin, end = (int(a, 16) for a in fields[0].split("-"))
+                ranges.append((begin, end))
+    return ranges
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs /proc/self/maps (Linux)")
+@pytest.mark.parametrize("mode", ["dense", "endor+more-resident"])
+def test_in_memory_layers_do_not_map_the_store(case, mode):
+    """In-memory layers own their memory: a view of a mapping of the store's file could be evicted by a memory
+    cgroup and read again from storage on every use."""
+    store = LayerStore(store_of(case, mode))
+    model = load_offloaded(store.path, None, mode=mode)
+    mapped = _mapped_ranges(store.layers_path)
+    tensors = [t for layer in model.offload.memory for w in layer.values()
+               for t in ((w.values, w.bitmap, w.row_offsets) if isinstance(w, endor.EndorTensor) else (w,))]
+    assert model.offload.layers_in_memory == store.n_layers and tensors
+    assert not [t for t in tensors if any(b <= t.data_ptr() < e for b, e in mapped)]
+    model.offload.close()
