@@ -54,7 +54,7 @@ from .engine import _tensor_bytes, assign_resident, empty_model, parse_budget
 from .errors import FormatError
 from .models.hf import decoder_layers
 from .reader import FlashReader
-from .safetensors_io import AlignedWriter, TensorEntry, TensorSpec, dtype_name, read_header
+from .safetensors_io import AlignedWriter, TensorEntry, TensorSpec, dtype_name, owned_tensor, read_header
 from .store import ALIGNMENT, DTYPES
 
 MAGIC = "flashllm-offload"
@@ -278,15 +278,14 @@ class LayerStore:
 
     def matrix(self, layer: int, name: str) -> torch.Tensor | endor.EndorTensor:
         """One weight as stored (dense, or a validated EndorTensor), read with plain buffered I/O into memory of its
-        own: safetensors hands out views of a mapping of the file, whose pages a memory cgroup may evict and fault
-        in again from storage on every use of an in-memory layer."""
+        own (owned_tensor)."""
         entry = next((e for e in self.layers[layer] if e.name == name), None)
         if entry is None:
             raise KeyError(f"layer {layer} of {self.path} has no matrix {name!r}")
         with safe_open(self.layers_path, framework="pt") as f:
             if not entry.endor:
-                return f.get_tensor(name).clone()
-            parts = [f.get_tensor(f"{name}.{p}").clone() for p in endor.PARTS]
+                return owned_tensor(f, name)
+            parts = [owned_tensor(f, f"{name}.{p}") for p in endor.PARTS]
         return endor.EndorTensor(*parts, entry.shape, source=self.layers_path)
 
     def resident_names(self) -> list[str]:
@@ -296,7 +295,7 @@ class LayerStore:
         with self._resident_lock:
             if self._resident_file is None:
                 self._resident_file = safe_open(self.resident_path, framework="pt")
-            return self._resident_file.get_tensor(name)
+            return owned_tensor(self._resident_file, name)
 
     def __repr__(self) -> str:
         return (f"LayerStore({str(self.path)!r}, layers={self.n_layers}, dtype={self.dtype}, endor={self.endor}, "

@@ -11,6 +11,8 @@ import os
 import struct
 from dataclasses import dataclass
 
+import torch
+
 from .errors import FormatError
 
 MAX_HEADER_BYTES = 100 << 20  # the limit the safetensors library itself enforces
@@ -34,6 +36,14 @@ class SafetensorsHeader:
     metadata: dict[str, str]
     tensors: dict[str, TensorEntry]
     data_start: int
+
+
+def owned_tensor(handle, name: str) -> torch.Tensor:
+    """`handle.get_tensor(name)` (a safetensors `safe_open` handle) copied into memory of its own. safetensors hands
+    out views of a private mapping of the file: clean file pages, which a memory cgroup may evict and fault in again
+    from storage on every use, so a tensor meant to stay in DRAM (resident weights, in-memory layers) must not be
+    one (BENCHMARKS.md, the seventh session's offload scale run)."""
+    return handle.get_tensor(name).clone()
 
 
 def read_header(path: str | os.PathLike) -> SafetensorsHeader:

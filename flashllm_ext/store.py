@@ -31,7 +31,7 @@ from safetensors import safe_open
 
 from . import endor
 from .errors import FormatError
-from .safetensors_io import TensorSpec, dtype_name, read_header
+from .safetensors_io import TensorSpec, dtype_name, owned_tensor, read_header
 
 if TYPE_CHECKING:
     from .reader import FlashReader
@@ -327,12 +327,12 @@ class FlashStore:
         return {name: self.resident_tensor(name) for name in self._resident_entries}
 
     def resident_tensor(self, name: str) -> torch.Tensor:
-        """One resident tensor, read through the store's one handle of resident.safetensors."""
+        """One resident tensor, read through the store's one handle of resident.safetensors into memory of its own."""
         with self._resident_lock:
             if self._resident_file is None:
                 self._resident_file = safe_open(self.resident_path, framework="pt")
             handle = self._resident_file
-        return handle.get_tensor(name)
+        return owned_tensor(handle, name)
 
     def __repr__(self) -> str:
         return (f"FlashStore({str(self.path)!r}, layers={self.n_layers}, neurons={self.n_neurons}, "

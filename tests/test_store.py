@@ -184,3 +184,21 @@ def test_resident_file_is_opened_once(llama_store, monkeypatch):
     assert opened == [fs.resident_path] * 2
     with pytest.raises(ValueError, match="role"):
         fs.layer_bias(0, "up")
+
+
+def test_resident_tensors_do_not_map_the_store(llama_store):
+    """Resident tensors own their memory, and so do the engine's resident weights: a view of a mapping of
+    resident.safetensors could be evicted by a memory cgroup and read again from storage on every use."""
+    from test_offload import _mapped_ranges
+
+    import flashllm_ext
+
+    fs = store.FlashStore(llama_store)
+    tensors = [fs.resident_tensor(n) for n in fs.resident_names()]
+    model = flashllm_ext.load_flash(llama_store, None, mode="exact")
+    tensors += list(model.parameters())
+    mapped = _mapped_ranges(fs.resident_path)
+    assert mapped  # the store's handle maps the file: the check below can fail
+    assert not [t for t in tensors if any(b <= t.data_ptr() < e for b, e in mapped)]
+    model.flash.close()
+    fs.close()
