@@ -187,7 +187,10 @@ def test_ffn_stack_charges_the_reader_buffers(pruned, layout):
         with torch.no_grad():
             for i, layer in enumerate(model.model.layers):
                 torch.testing.assert_close(runtime.modules[i](x), layer.mlp(x), rtol=1e-5, atol=1e-5)
-        assert 0 < reader.bounce_bytes() <= reader.bounce_bound()
+        # No lower bound: a read that is aligned in the file and lands on an aligned cache row skips the bounce
+        # buffers, and whether the allocator hands out such rows varies (ASan's does; test_bounce_buffers_stay_
+        # within_their_bound covers the buffers in use).
+        assert reader.bounce_bytes() <= reader.bounce_bound()
         runtime.close()
     assert ffn_stack(store.FlashStore(dense_path), "exact", None).reader.bounce_limit is None  # no budget
 
