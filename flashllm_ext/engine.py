@@ -243,8 +243,9 @@ def _make_modules(store: FlashStore, mode: str, ffn_budget: int | None, window: 
         # (a predictor may choose its sets ahead its own way: bench_e2e's replayed sets)
         ahead = getattr(predictors, "predict_ahead", None) if flash else None
         modules = [ffn_class(store, i, predictor=partial(predictors.predict, i) if flash else None,
-                             threshold=float(predictors.thresholds[i]) if flash else 0.0, budget_bytes=per_layer,
-                             capacity=None if per_layer else n, window=window, reader=reader, stats=stats,
+                             threshold=float(predictors.thresholds[i]) if flash else 0.0,
+                             budget_bytes=None if shared else per_layer,
+                             capacity=None if shared or per_layer else n, window=window, reader=reader, stats=stats,
                              transfer=transfer, lookahead=lookahead,
                              ahead_predictor=None if ahead is None else partial(ahead, i), cache=cache)
                    for i in range(n_layers)]

@@ -171,6 +171,9 @@ class FlashFFN(nn.Module):
         self.store = store if isinstance(store, FlashStore) else FlashStore(store)
         if predictor is not None and active_ids is not None:
             raise ValueError("give a predictor or a fixed active_ids set, not both")
+        if cache is not None and (capacity is not None or budget_bytes is not None):
+            raise ValueError("a shared cache has its own capacity and budget: give cache or capacity / budget_bytes, "
+                             "not both")
         if capacity is None and budget_bytes is None:
             capacity = self.store.n_neurons
         if budget_bytes is not None:  # the output bias (bytes_for's share) comes out of the budget too

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM
 
 from flashllm_ext import store
+from flashllm_ext.cache import NeuronCache
 from flashllm_ext.convert import convert
 from flashllm_ext.ffn import FlashFFN, active_ids_of, install_flash_ffn
 
@@ -153,6 +154,12 @@ def test_budget_and_bad_input(models):
     bad_predictor = FlashFFN(fp32, 0, predictor=lambda chunk: torch.tensor([n + 5]))
     with pytest.raises(ValueError, match=rf"neuron ids must lie in \[0, {n}\), got min {n + 5}"):
         bad_predictor(torch.randn(1, fp32.hidden_size))
+    shared = NeuronCache(fp32, 0, 8)
+    for own in ({"capacity": 8}, {"budget_bytes": 1 << 20}):
+        with pytest.raises(ValueError, match="give cache or capacity / budget_bytes, not both"):
+            FlashFFN(fp32, 1, cache=shared, **own)
+    with pytest.raises(ValueError, match="the shared cache serves"):
+        FlashFFN(models["opt"][1], 0, cache=shared)
 
 
 @pytest.mark.parametrize("name", ["llama", "opt"])
