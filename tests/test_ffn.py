@@ -5,7 +5,6 @@ import os
 
 import pytest
 import torch
-import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM
 
 from flashllm_ext import store
