@@ -120,11 +120,17 @@ RowOps<T, NT> row_ops(CpuIsa isa) {
 template <class T, int NT>
 void accumulate_rows(const FfnProblem<T>& p, RowOps<T, NT> ops, int64_t begin, int64_t end, float* acc) {
   const int64_t d = p.d;
+  // Only ReLU makes exact zeros, so only with ReLU can the gate's dot product spare the up column's read. Otherwise
+  // the up column is read first and a row is read in address order [up, gate, down]: gate first made every row
+  // jump back 2 d bytes, which the hardware prefetchers do not follow (default-model shapes, rows [0, num_used):
+  // 1.65x faster this way).
+  const bool up_first = p.glu && p.act != kActRelu;
   for (int64_t i = begin; i < end; ++i) {
     const int64_t r = p.index ? p.index[i] : i;
     const T* row = p.matrix + r * p.width;
     if (p.index && i + 1 < end) __builtin_prefetch(p.matrix + p.index[i + 1] * p.width);
-    float h[NT];
+    float h[NT], up[NT];
+    if (up_first) ops.dots(row, p.x, d, up);
     ops.dots(p.glu ? row + d : row, p.x, d, h);  // the activation's input column: gate for GLU, up otherwise
     const float b = p.bias ? to_float(p.bias[r]) : 0.f;
     bool any = false;
@@ -134,8 +140,7 @@ void accumulate_rows(const FfnProblem<T>& p, RowOps<T, NT> ops, int64_t begin, i
     }
     if (!any) continue;  // exact zeros (ReLU) contribute nothing: skip the reads of the up and down rows
     if (p.glu) {
-      float up[NT];
-      ops.dots(row, p.x, d, up);
+      if (!up_first) ops.dots(row, p.x, d, up);
       for (int t = 0; t < NT; ++t) h[t] *= up[t];
     }
     any = false;
@@ -200,25 +205,40 @@ void sparse_ffn_typed(const at::Tensor& x, const at::Tensor& matrix, int64_t n_r
   out.copy_(yf);
 }
 
+// The rows of `index` (repeats kept: each counts) in ascending order, by counting: O(n + num_used). The sum is over
+// the same rows in another order. A cache's slots come in no order, and rows visited out of address order are slower
+// than the same rows in order (default-model shapes, 75% of a cache's rows: 1.3x), as the hardware prefetchers
+// fetch the rows after each one whether or not they come next.
+std::vector<int64_t> rows_in_address_order(const int64_t* ids, int64_t n, int64_t num_used) {
+  std::vector<int32_t> count(num_used, 0);
+  for (int64_t i = 0; i < n; ++i) ++count[ids[i]];
+  std::vector<int64_t> out;
+  out.reserve(n);
+  for (int64_t r = 0; r < num_used; ++r)
+    for (int32_t k = 0; k < count[r]; ++k) out.push_back(r);
+  return out;
+}
+
 at::Tensor sparse_ffn_cpu(const at::Tensor& x, const at::Tensor& matrix, int64_t num_used,
                           const std::optional<at::Tensor>& bias, c10::string_view activation, bool glu,
                           const std::optional<at::Tensor>& index, double threshold) {
   check_sparse_ffn_args(x, matrix, num_used, bias, glu, index, threshold);
   const int act = parse_ffn_activation(std::string(activation));
   at::Tensor out = at::empty_like(x, at::MemoryFormat::Contiguous);
-  std::optional<at::Tensor> index_c;
+  std::vector<int64_t> sorted_index;
   int64_t n_rows = num_used;
   if (index.has_value()) {
-    index_c = index->contiguous();
-    const int64_t* ids = index_c->data_ptr<int64_t>();
-    n_rows = index_c->numel();
+    const at::Tensor index_c = index->contiguous();
+    const int64_t* ids = index_c.data_ptr<int64_t>();
+    n_rows = index_c.numel();
     for (int64_t i = 0; i < n_rows; ++i)
       TORCH_CHECK(ids[i] >= 0 && ids[i] < num_used, "sparse_ffn: index[", i, "]=", ids[i],
                   " is outside [0, num_used=", num_used, ")");
+    sorted_index = rows_in_address_order(ids, n_rows, num_used);
   }
   const std::optional<at::Tensor> bias_c = bias.has_value() ? std::optional<at::Tensor>(bias->contiguous()) : bias;
   const at::Tensor* bias_ptr = bias_c.has_value() ? &*bias_c : nullptr;
-  const int64_t* ids = index_c.has_value() ? index_c->data_ptr<int64_t>() : nullptr;
+  const int64_t* ids = index.has_value() ? sorted_index.data() : nullptr;
   if (x.size(0) == 0) return out;
   switch (x.scalar_type()) {
     case at::kFloat: sparse_ffn_typed<float>(x, matrix, n_rows, bias_ptr, ids, act, glu, float(threshold), out); break;
