@@ -171,18 +171,20 @@ class FlashFFN(nn.Module):
         self.store = store if isinstance(store, FlashStore) else FlashStore(store)
         if predictor is not None and active_ids is not None:
             raise ValueError("give a predictor or a fixed active_ids set, not both")
-        if cache is not None and (capacity is not None or budget_bytes is not None):
+        self.shares_cache = cache is not None
+        if cache is None:
+            if capacity is None and budget_bytes is None:
+                capacity = self.store.n_neurons
+            if budget_bytes is not None:  # the output bias (bytes_for's share) comes out of the budget too
+                budget_bytes -= 4 * self.store.hidden_size
+            cache = NeuronCache(self.store, layer, capacity, window, budget_bytes=budget_bytes, reader=reader,
+                                device=device, transfer=transfer)
+        elif capacity is not None or budget_bytes is not None:
             raise ValueError("a shared cache has its own capacity and budget: give cache or capacity / budget_bytes, "
                              "not both")
-        if capacity is None and budget_bytes is None:
-            capacity = self.store.n_neurons
-        if budget_bytes is not None:  # the output bias (bytes_for's share) comes out of the budget too
-            budget_bytes -= 4 * self.store.hidden_size
-        if cache is not None and cache.store.path != self.store.path:
+        elif cache.store.path != self.store.path:
             raise ValueError(f"the shared cache serves {cache.store.path}, not {self.store.path}")
-        self.cache = NeuronCache(self.store, layer, capacity, window, budget_bytes=budget_bytes, reader=reader,
-                                 device=device, transfer=transfer) if cache is None else cache
-        self.shares_cache = cache is not None
+        self.cache = cache
         # A shared cache takes each layer's input bias when it starts serving it (a cache of its own holds it).
         self.input_bias = layer_input_bias(self.store, layer) if self.shares_cache else None
         self.layer, self.predictor, self.threshold = layer, predictor, float(threshold)
