@@ -185,7 +185,10 @@ def _load(config: dict):
 
         offload = Path(config["offload_dir"])
         offload.mkdir(parents=True, exist_ok=True)
-        memory = {0: budget} if device == "cuda" else {"cpu": budget}  # on the GPU: GPU, then disk
+        # on the GPU: GPU, then disk; or a given map ({"0": GPU bytes, "cpu": host bytes}: GPU, host, then disk)
+        memory = {0: budget} if device == "cuda" else {"cpu": budget}
+        if config.get("max_memory"):
+            memory = {int(k) if k.isdigit() else k: v for k, v in config["max_memory"].items()}
         model = AutoModelForCausalLM.from_pretrained(config["hf_dir"], dtype=torch.float16, device_map="auto",
                                                      max_memory=memory, offload_folder=str(offload),
                                                      offload_state_dict=True).eval()

@@ -11,11 +11,17 @@ decode tokens; proc_read_mb_per_token is the child's storage reads from /proc/se
 included). Configurations run round-robin for --rounds rounds (each in a fresh process); bench:"offload_median"
 rows are per-mode medians.
 
+--device cuda (Endor's GPU setting): layers in GPU memory by --device-budget, then in host memory by --budget (as
+stored: compressed in the Endor modes, copied to the GPU and decompressed there), the rest read from SSD into GPU
+memory (kvikio, or a pinned buffer); bytes_moved_per_token counts the host-to-GPU copies, read_path the SSD route.
+accelerate gets the same budgets (max_memory GPU, cpu, then disk).
+
 Default: the default model (SmolLM2-135M) Wanda-pruned to 50% in every decoder Linear (attention and FFN), fp16,
 at 30% of the dense model's bytes. --scale: a synthesized OPT-6.7B-shaped checkpoint pruned 50% (bench/
 synth_checkpoint.py, shared with the other scale runs) at the same share.
 
     python bench/bench_offload.py [--json] [--budget 30%] [--tokens 16] [--rounds 3] [--scale] [--modes ...]
+                                  [--device cuda --device-budget 30%]
 """
 from __future__ import annotations
 
@@ -37,8 +43,8 @@ MODES = ("accelerate", "dense", "endor", "endor+more-resident")
 KEYS = ("bench", "model", "mode", "device", "budget_mb", "cgroup_peak_mb", "ms_per_token", "read_ms", "decompress_ms",
         "compute_ms", "bytes_read_per_token", "layers_in_memory", "layers_on_ssd")
 COLUMNS = ["mode", "budget_mb", "cgroup_limit_mb", "cgroup_peak_mb", "oom_killed", "ms_per_token", "read_ms",
-           "hidden_read_ms", "decompress_ms", "compute_ms", "bytes_read_per_token", "proc_read_mb_per_token",
-           "layers_in_memory", "layers_on_ssd", "error"]
+           "hidden_read_ms", "decompress_ms", "compute_ms", "bytes_read_per_token", "bytes_moved_per_token",
+           "proc_read_mb_per_token", "layers_on_device", "layers_in_memory", "layers_on_ssd", "error"]
 
 
 # ------------------------------------------------------------------------------------------- the child runs
@@ -62,16 +68,20 @@ def run_child(config: dict) -> dict:
 
     torch.set_num_threads(config["compute_threads"])  # before any op: every mode computes on the same threads
     mode = config["mode"]
-    row = {"bench": "offload", "model": config["model"], "mode": mode, "device": device_name("cpu"),
+    device = config["device"]
+    row = {"bench": "offload", "model": config["model"], "mode": mode, "device": device_name(device),
            "budget_mb": config["budget_bytes"] / 1e6}
     try:
         if mode == "accelerate":
             model, reset = _load(config)
         else:
             model = load_offloaded(config["store"], config["budget_bytes"], mode=mode, threads=config["threads"],
-                                   layers_in_memory=config.get("layers_in_memory"))
+                                   layers_in_memory=config.get("layers_in_memory"), device=device,
+                                   device_budget=config.get("device_budget_bytes"),
+                                   layers_on_device=config.get("layers_on_device"))
             reset = model.offload.stats.reset
-        times, tokens, storage = _decode(model, torch.tensor([config["prompt_ids"]]), config["tokens"], reset)
+        times, tokens, storage = _decode(model, torch.tensor([config["prompt_ids"]], device=device),
+                                         config["tokens"], reset)
     except Exception as e:  # the row says why this configuration could not run
         return {**row, "error": f"{type(e).__name__}: {e}"}
     row.update(ms_per_token=statistics.median(times) * 1e3, mean_ms_per_token=statistics.mean(times) * 1e3,
@@ -87,6 +97,8 @@ def run_child(config: dict) -> dict:
                    bytes_read_per_token=stats["bytes_read_per_token"], reads_per_token=stats["reads_per_token"],
                    mean_read_bytes=stats["bytes_read_per_token"] / max(stats["reads_per_token"], 1),
                    layers_in_memory=stats["layers_in_memory"], layers_on_ssd=stats["layers_on_ssd"],
+                   layers_on_device=stats["layers_on_device"], read_path=stats["read_path"],
+                   bytes_moved_per_token=stats["bytes_moved_per_token"],
                    accounted_mb=stats["accounted_bytes"] / 1e6, staging_mb=stats["staging_bytes"] / 1e6)
         model.offload.close()
     return row
@@ -149,6 +161,8 @@ def probe_child(config: dict) -> dict:
     from flashllm_ext.engine import empty_model
 
     torch.set_num_threads(config["compute_threads"])
+    if config["device"] == "cuda":  # the CUDA context's host memory is every GPU child's too
+        torch.zeros(1, device="cuda")
     empty_model(AutoConfig.from_pretrained(config["hf_dir"]).to_dict(), torch.float16, config["hf_dir"])
     return {"probe": True}
 
@@ -190,6 +204,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--scale", action="store_true", help="the synthesized OPT-6.7B-shaped pruned checkpoint")
     parser.add_argument("--hf-dir", help="a pruned Hugging Face checkpoint to run instead")
     parser.add_argument("--child-timeout", type=float, default=1800)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda: layers in GPU memory by --device-budget, then host memory by --budget (as stored, "
+                             "moved and decompressed on the GPU), then SSD read into GPU memory; accelerate gets the "
+                             "same two budgets")
+    parser.add_argument("--device-budget", default="30%", help="GPU memory for --device cuda, as --budget")
     parser.set_defaults(rounds=3)
     args = parser.parse_args(argv)
     if args.child:
@@ -210,25 +229,32 @@ def main(argv: list[str] | None = None) -> None:
         hf_dir, name = pruned_default(cache), "SmolLM2-135M-Instruct (Wanda 50%, attention + FFN)"
     stores = layer_stores(hf_dir, cache)
     from flashllm_ext.offload import LayerStore, plan_placement
+    from flashllm_ext.reader import kvikio_available
 
     resident, layers = resident_and_layer_bytes(stores["dense"])
     total = resident + layers
     budget = parse_budget(args.budget, total)
     # endor runs on dense's placement (the issue's "same placement"): with smaller staging buffers the budget may
     # hold one more dense layer, which would credit Endor with more than its reads.
-    dense_in_memory = plan_placement(LayerStore(stores["dense"]), "dense", budget - resident)[0]
+    cuda = args.device == "cuda"
+    device_budget = parse_budget(args.device_budget, total, "device_budget") if cuda else None
+    dense = plan_placement(LayerStore(stores["dense"]), "dense", budget if cuda else budget - resident,
+                           device_layer_budget=device_budget - resident if cuda else None, separate=cuda,
+                           bounce=cuda and not kvikio_available())
     from transformers import AutoConfig
 
     ids, prompt_note = prompt_ids(args.prompt_tokens, AutoConfig.from_pretrained(hf_dir).vocab_size)
     base = {"model": name, "tokens": args.tokens, "prompt_ids": ids, "budget_bytes": budget, "threads": args.threads,
-            "compute_threads": args.compute_threads,
+            "compute_threads": args.compute_threads, "device": args.device, "device_budget_bytes": device_budget,
+            "max_memory": {"0": device_budget, "cpu": budget} if cuda else None,
             "hf_dir": str(hf_dir), "offload_dir": str(cache / f"accelerate-{hf_dir.name}")}
     baseline = measure_baseline(base)
     modes = [m for m in args.modes.split(",") if m]
     rows = []
     for round_index, mode in [(r, m) for r in range(args.rounds) for m in modes]:  # round-robin over processes
         config = {**base, "mode": mode, "store": str(stores["dense" if mode == "dense" else "endor"]),
-                  "layers_in_memory": dense_in_memory if mode == "endor" else None}
+                  "layers_in_memory": dense.in_memory if mode == "endor" else None,
+                  "layers_on_device": dense.on_device if mode == "endor" and cuda else None}
         child_rows, facts = run_limited_child(_child_argv(config), budget, baseline, f"offload-{mode}",
                                               args.child_timeout)
         row = {"bench": "offload", "model": name, "mode": mode, "budget_mb": budget / 1e6,

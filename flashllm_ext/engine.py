@@ -51,21 +51,21 @@ CACHE_LAYOUTS = ("auto", "per-layer", "shared")
 _UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
 
 
-def parse_budget(budget: int | float | str, model_bytes: int) -> int:
+def parse_budget(budget: int | float | str, model_bytes: int, name: str = "dram_budget") -> int:
     """Bytes from a budget: an int (bytes), "50%" (of the model's bytes: resident tensors + every FFN bundle),
-    or a size like "200MB" / "1.5GiB"."""
+    or a size like "200MB" / "1.5GiB". `name` is the argument's name in errors."""
     if isinstance(budget, (int, float)) and not isinstance(budget, bool):
         value = int(budget)
     else:
         text = str(budget).strip().lower().replace(" ", "")
         match = re.fullmatch(r"(\d+(?:\.\d+)?)(%|[kmg]i?b|b)?", text)
         if match is None:
-            raise ValueError(f"dram_budget must be bytes, a percentage like '50%' or a size like '200MB', "
+            raise ValueError(f"{name} must be bytes, a percentage like '50%' or a size like '200MB', "
                              f"got {budget!r}")
         number, unit = float(match.group(1)), match.group(2) or ""
         value = int(number / 100 * model_bytes) if unit == "%" else int(number * _UNITS[unit])
     if value <= 0:
-        raise ValueError(f"dram_budget must be positive, got {budget!r}")
+        raise ValueError(f"{name} must be positive, got {budget!r}")
     return value
 
 

@@ -2,15 +2,24 @@
 
     convert_offload(checkpoint, store_dir, endor=True)                 # once: a layer store, dense or Endor
     model = load_offloaded(store_dir, dram_budget="30%", mode="endor")  # a transformers model
+    model = load_offloaded(store_dir, "30%", device="cuda", device_budget="20%")  # GPU, host memory, SSD
     model.generate(...); model.offload_stats()
     runtime = patch_offload(hf_model, store_dir, mode="dense"); runtime.unpatch(hf_model)   # an already loaded model
 
 Placement, nearest first as Endor does: layers 0..k-1 (closest to the input) stay in memory, layers k..L-1 are read
 from the store for every forward, k the most layers the budget holds next to the resident tensors (embeddings,
 norms, biases) and the staging buffers. An SSD layer is one contiguous, aligned range of the store's file, read
-with the parallel direct-I/O FlashReader into one of two preallocated aligned buffers; while a layer computes, the
-next SSD layer (cyclically: the last one's successor is the first SSD layer of the next token) is read into the
-other buffer in a background thread, so reads hide behind compute where compute is long enough.
+with the parallel direct-I/O FlashReader into one of two preallocated slots; while a layer computes, the next
+moved layer (cyclically: the last one's successor is the first moved layer of the next token) is fetched into the
+other slot in a background thread, so reads hide behind compute where compute is long enough.
+
+On a GPU (device="cuda") there are three tiers, as in Endor: the resident tensors and the first layers in GPU
+memory (device_budget), the next layers in pinned host memory as stored (dram_budget; compressed in the Endor
+modes), copied into a GPU slot for each use, the rest read from SSD straight into a GPU slot (kvikio, GPUDirect
+Storage where the machine has it) or through a pinned buffer. Endor layers are decompressed on the GPU, so only
+compressed bytes cross PCIe. A fetch waits (in the background thread) for the compute that last used its slot, so
+the host never waits on the device for it. On the CPU the same three-tier path runs when asked for
+(layers_on_device < layers_in_memory: Placement): the test double of the GPU's.
 
 Modes, one placement code:
   dense                  dense store; in-memory layers dense, SSD layers read dense
@@ -30,6 +39,7 @@ The store (`LayerStore`): a directory with
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -53,9 +63,10 @@ from .checkpoint import Checkpoint, open_checkpoint
 from .engine import _tensor_bytes, assign_resident, empty_model, parse_budget
 from .errors import FormatError
 from .models.hf import decoder_layers
-from .reader import FlashReader
+from .reader import FlashReader, select_read_path
 from .safetensors_io import AlignedWriter, TensorEntry, TensorSpec, dtype_name, owned_tensor, read_header
 from .store import ALIGNMENT, DTYPES
+from .transfer import cuda_device
 
 MAGIC = "flashllm-offload"
 FORMAT_VERSION = "1"
@@ -307,12 +318,13 @@ class LayerStore:
 
 @dataclass
 class OffloadStats:
-    """Accumulated costs: forwards (one per model call), bytes and reads of the consumed layer reads, read time
-    exposed (waited for) and in all (the reads' wall time, hidden or not), decompression, layer compute
-    (decoder-layer time minus waits and decompression)."""
+    """Accumulated costs: forwards (one per model call), bytes and reads of the consumed layer reads, bytes moved
+    from host memory to the device, read time exposed (waited for) and in all (the fetches' wall time, hidden or
+    not), decompression, layer compute (decoder-layer time minus waits and decompression)."""
     forwards: int = 0
     bytes_read: int = 0
     n_reads: int = 0
+    bytes_moved: int = 0
     read_wait_s: float = 0.0
     read_wall_s: float = 0.0
     decompress_s: float = 0.0
@@ -324,8 +336,8 @@ class OffloadStats:
 
 
 class OffloadedLinear(nn.Module):
-    """A decoder layer's Linear whose weight the runtime provides per forward: dense or Endor, in memory or in a
-    staging buffer. The bias (if any) stays a parameter here."""
+    """A decoder layer's Linear whose weight the runtime provides per forward: dense or Endor, resident or in a
+    slot. The bias (if any) stays a parameter here."""
 
     def __init__(self, runtime: OffloadRuntime, layer: int, name: str, shape: tuple[int, int],
                  bias: nn.Parameter | None):
@@ -338,8 +350,8 @@ class OffloadedLinear(nn.Module):
         return self.runtime.linear(x, self.runtime.weight(self.layer, self.name), self.bias)
 
     def extra_repr(self) -> str:
-        where = "memory" if self.layer < self.runtime.layers_in_memory else "ssd"
-        return f"in_features={self.in_features}, out_features={self.out_features}, layer={self.layer}, {where}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, layer={self.layer}, "
+                f"{self.runtime.placement.tier(self.layer)}")
 
 
 @dataclass
@@ -349,50 +361,84 @@ class _Pending:
     future: Future
 
 
+@dataclass(frozen=True)
+class _Fetched:
+    """What bringing one layer into a slot did: store bytes read and reads, host bytes moved, wall seconds."""
+    bytes_read: int
+    n_reads: int
+    bytes_moved: int
+    wall_s: float
+
+
 @dataclass
 class OffloadRuntime:
-    """What offloading installed in a model: placement, budget split, buffers, reader and stats."""
+    """What offloading installed in a model: placement, budgets, buffers, reader and stats."""
     store: LayerStore
     mode: str
     compute: str
-    budget_bytes: int | None
-    resident_bytes: int  # the model's tensors outside the decoder-layer Linear weights
-    layers_in_memory: int
-    memory_bytes: int  # the in-memory layers' weights (dense, or compressed in endor+more-resident)
-    staging_bytes: int  # two read buffers + the decompression buffer
+    device: torch.device
+    budget_bytes: int | None  # host memory
+    device_budget_bytes: int | None  # GPU memory (CUDA only; on the CPU the budget is one pool)
+    resident_bytes: int  # the model's tensors outside the decoder-layer Linear weights (on the device)
+    placement: Placement
     threads: int
     stats: OffloadStats = field(default_factory=OffloadStats)
-    memory: list[dict[str, torch.Tensor | endor.EndorTensor]] = field(default_factory=list)
+    memory: list[dict[str, torch.Tensor | endor.EndorTensor]] = field(default_factory=list)  # on-device layers
+    host_layers: list[torch.Tensor] = field(default_factory=list)  # in-memory layers' stored bytes (staged tier)
     originals: list[tuple[nn.Module, str, nn.Module]] = field(default_factory=list)
     hooks: list = field(default_factory=list)
     reader: FlashReader | None = None
 
     def __post_init__(self):
-        n = self.store.n_layers
-        self.ssd_layers = list(range(self.layers_in_memory, n))
-        spans = [self.store.stored_bytes(i) for i in self.ssd_layers]
-        self._slots = [_aligned_buffer(max(spans)) for _ in range(2)] if spans else []
+        p, self._cuda = self.placement, self.device.type == "cuda"
+        self.moved_layers = list(range(p.on_device, p.n_layers))
+        spans = [self.store.stored_bytes(i) for i in self.moved_layers]
+        self._slots = [self._slot_buffer(max(spans)) for _ in range(2)] if spans else []
         self._ids = torch.arange(max(spans, default=0) // ALIGNMENT, dtype=torch.int64)
         self._views: dict[tuple[int, int], dict] = {}
         self._slot_of: dict[int, int] = {}
         self._pending: _Pending | None = None
+        # On CUDA: the event after the last compute that used each slot (a fetch into the slot waits for it), and
+        # the stream fetches copy on, so a fetch overlaps the compute of the layer before it.
+        self._slot_free: list[torch.cuda.Event | None] = [None, None]
+        self._copy_stream = torch.cuda.Stream(self.device) if self._cuda and spans else None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flashllm-offload") if spans else None
         self._layer_start = self._decompress_at_start = 0.0
-        endor_sizes = [e.shape[0] * e.shape[1] for i in range(n) for e in self.store.layers[i] if e.endor and
-                       (i >= self.layers_in_memory or self.mode == "endor+more-resident")]
-        self._decompress = torch.empty(max(endor_sizes, default=0), dtype=self.store.dtype)
+        self._decompress = torch.empty(p.decompress_bytes // self.store.dtype.itemsize, dtype=self.store.dtype,
+                                       device=self.device)
+
+    def _slot_buffer(self, nbytes: int) -> torch.Tensor:
+        if self._cuda:
+            return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return _aligned_buffer(nbytes)
 
     @property
-    def accounted_bytes(self) -> int:
-        return self.resident_bytes + self.memory_bytes + self.staging_bytes
+    def layers_in_memory(self) -> int:
+        return self.placement.in_memory
+
+    @property
+    def layers_on_device(self) -> int:
+        return self.placement.on_device
 
     @property
     def layers_on_ssd(self) -> int:
-        return len(self.ssd_layers)
+        return self.placement.n_layers - self.placement.in_memory
+
+    @property
+    def accounted_bytes(self) -> int:
+        """Host memory charged to the budget: everything on the CPU; the staged tier and bounce buffer on CUDA."""
+        if self._cuda:
+            return self.placement.host_bytes
+        return self.resident_bytes + self.placement.host_bytes + self.placement.device_bytes
+
+    @property
+    def device_accounted_bytes(self) -> int | None:
+        """GPU memory charged to the device budget (None on the CPU): resident tensors, on-device layers, slots."""
+        return self.resident_bytes + self.placement.device_bytes if self._cuda else None
 
     # -- per forward
     def weight(self, layer: int, name: str) -> torch.Tensor | endor.EndorTensor:
-        if layer < self.layers_in_memory:
+        if layer < self.layers_on_device:
             return self.memory[layer][name]
         slot = self._slot_of[layer]
         views = self._views.get((slot, layer))
@@ -409,68 +455,96 @@ class OffloadRuntime:
         if self.compute == "linear" or (self.compute == "auto" and flat.shape[0] <= LINEAR_MAX_TOKENS):
             y = ops.endor_linear(flat, w.values, w.bitmap, w.row_offsets, n_cols=cols, bias=bias)
         else:
-            start = time.perf_counter()
+            start = self._clock()
             dense = ops.endor_decompress(w.values, w.bitmap, w.row_offsets, n_cols=cols,
                                          out=self._decompress[:rows * cols].view(rows, cols))
-            self.stats.decompress_s += time.perf_counter() - start
+            self.stats.decompress_s += self._clock() - start
             y = F.linear(flat, dense, bias)
         return y.reshape(*x.shape[:-1], rows)
+
+    def _clock(self) -> float:
+        """time.perf_counter() once the device's queued work has run (CUDA), so the parts get device time."""
+        if self._cuda:
+            torch.cuda.current_stream(self.device).synchronize()
+        return time.perf_counter()
 
     def before_layer(self, layer: int) -> None:
         if layer == 0:
             self.stats.forwards += 1
-        if layer >= self.layers_in_memory:
+        if layer >= self.layers_on_device:
             self._ensure(layer)
-        self._layer_start = time.perf_counter()
+        self._layer_start = self._clock()
         self._decompress_at_start = self.stats.decompress_s
 
     def after_layer(self, layer: int) -> None:
-        spent = time.perf_counter() - self._layer_start
+        if self._cuda and layer >= self.layers_on_device:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+            self._slot_free[self._slot_of[layer]] = event
+        spent = self._clock() - self._layer_start
         self.stats.compute_s += spent - (self.stats.decompress_s - self._decompress_at_start)
 
     def _ensure(self, layer: int) -> None:
-        """Make `layer`'s weights present in a slot, then start reading the next SSD layer into the other one."""
+        """Make `layer`'s weights present in a slot, then start fetching the next moved layer into the other one."""
         pending, self._pending = self._pending, None
         slot = 0
         if pending is not None:
             start = time.perf_counter()
             try:
-                stats = pending.future.result()
+                fetched = pending.future.result()
             except Exception as e:
                 if pending.layer == layer:
                     raise RuntimeError(f"offload: reading layer {layer} from {self.store.layers_path} failed: "
                                        f"{e}") from e
-                stats = None  # a read nobody needs any more (an earlier forward stopped early): its error too
+                fetched = None  # a fetch nobody needs any more (an earlier forward stopped early): its error too
             wait = time.perf_counter() - start
             if pending.layer == layer:
                 self.stats.read_wait_s += wait
-                self._account(stats)
+                self._account(fetched)
                 slot = pending.slot
             else:
                 slot = 1 - pending.slot
         if pending is None or pending.layer != layer:
             start = time.perf_counter()
             try:
-                stats = self._read(layer, slot)
+                fetched = self._fetch(layer, slot, self._slot_free[slot])
             except Exception as e:
                 raise RuntimeError(f"offload: reading layer {layer} from {self.store.layers_path} failed: "
                                    f"{e}") from e
             self.stats.read_wait_s += time.perf_counter() - start
-            self._account(stats)
+            self._account(fetched)
         self._slot_of[layer] = slot
-        position = self.ssd_layers.index(layer)
-        following = self.ssd_layers[(position + 1) % len(self.ssd_layers)]
-        self._pending = _Pending(following, 1 - slot, self._executor.submit(self._read, following, 1 - slot))
+        position = self.moved_layers.index(layer)
+        following = self.moved_layers[(position + 1) % len(self.moved_layers)]
+        self._pending = _Pending(following, 1 - slot, self._executor.submit(self._fetch, following, 1 - slot,
+                                                                            self._slot_free[1 - slot]))
 
-    def _read(self, layer: int, slot: int):
+    def _fetch(self, layer: int, slot: int, slot_free: torch.cuda.Event | None) -> _Fetched:
+        """Bring `layer`'s stored bytes into `slot`: a copy from host memory (the staged tier) or a read of the
+        store. On CUDA it first waits for the compute that last used the slot (`slot_free`), copies on the copy
+        stream, and returns once the bytes are in place."""
+        start = time.perf_counter()
         offset, size = self.store.layer_range(layer)
-        return self.reader.read_rows(offset, ALIGNMENT, size // ALIGNMENT, self._ids[:size // ALIGNMENT],
-                                     self._slots[slot][:size])
+        target = self._slots[slot][:size]
+        if slot_free is not None:
+            slot_free.synchronize()
+        with torch.cuda.stream(self._copy_stream) if self._cuda else contextlib.nullcontext():
+            if layer < self.layers_in_memory:
+                target.copy_(self.host_layers[layer - self.layers_on_device], non_blocking=True)
+                read, n_reads, moved = 0, 0, size
+            else:
+                stats = self.reader.read_rows(offset, ALIGNMENT, size // ALIGNMENT, self._ids[:size // ALIGNMENT],
+                                              target)
+                read, n_reads, moved = stats.bytes_read, stats.n_reads, size if stats.path == "pinned" else 0
+            if self._cuda:
+                self._copy_stream.synchronize()
+        return _Fetched(read, n_reads, moved, time.perf_counter() - start)
 
-    def _account(self, stats) -> None:
-        self.stats.bytes_read += stats.bytes_read
-        self.stats.n_reads += stats.n_reads
-        self.stats.read_wall_s += stats.wall_s
+    def _account(self, fetched: _Fetched) -> None:
+        self.stats.bytes_read += fetched.bytes_read
+        self.stats.n_reads += fetched.n_reads
+        self.stats.bytes_moved += fetched.bytes_moved
+        self.stats.read_wall_s += fetched.wall_s
 
     def _layer_views(self, slot: int, layer: int) -> dict:
         """Tensors over the slot's bytes for each weight of `layer` (dense, or an unvalidated EndorTensor: the
@@ -496,20 +570,29 @@ class OffloadRuntime:
 
     # -- reporting and teardown
     def offload_stats(self) -> dict:
-        """Per forward (a decode step = one token): read (exposed) / read wall / decompress / compute ms, bytes and
-        reads, plus the placement and the accounted bytes."""
-        s = self.stats
+        """Per forward (a decode step = one token): read (exposed) / read wall / decompress / compute ms, bytes read
+        and reads, bytes moved from host memory to the device, plus the placement and the accounted bytes."""
+        s, p = self.stats, self.placement
         per = 1e3 / max(s.forwards, 1)
-        return {"mode": self.mode, "compute": self.compute, "forwards": s.forwards, "read_ms": s.read_wait_s * per,
-                "read_wall_ms": s.read_wall_s * per, "decompress_ms": s.decompress_s * per,
-                "compute_ms": s.compute_s * per, "bytes_read_per_token": s.bytes_read / max(s.forwards, 1),
-                "reads_per_token": s.n_reads / max(s.forwards, 1), "layers_in_memory": self.layers_in_memory,
-                "layers_on_ssd": self.layers_on_ssd, "budget_bytes": self.budget_bytes,
-                "accounted_bytes": self.accounted_bytes, "resident_bytes": self.resident_bytes,
-                "memory_layer_bytes": self.memory_bytes, "staging_bytes": self.staging_bytes}
+        tokens = max(s.forwards, 1)
+        return {"mode": self.mode, "compute": self.compute, "device": str(self.device), "forwards": s.forwards,
+                "read_path": self.read_path, "read_ms": s.read_wait_s * per, "read_wall_ms": s.read_wall_s * per,
+                "decompress_ms": s.decompress_s * per, "compute_ms": s.compute_s * per,
+                "bytes_read_per_token": s.bytes_read / tokens, "reads_per_token": s.n_reads / tokens,
+                "bytes_moved_per_token": s.bytes_moved / tokens, "layers_on_device": p.on_device,
+                "layers_in_memory": p.in_memory, "layers_on_ssd": self.layers_on_ssd,
+                "budget_bytes": self.budget_bytes, "accounted_bytes": self.accounted_bytes,
+                "device_budget_bytes": self.device_budget_bytes, "device_accounted_bytes": self.device_accounted_bytes,
+                "resident_bytes": self.resident_bytes, "memory_layer_bytes": p.device_layer_bytes + p.host_layer_bytes,
+                "staging_bytes": p.slot_bytes + p.decompress_bytes + p.bounce_bytes}
+
+    @property
+    def read_path(self) -> str | None:
+        """How SSD layers reach the device (reader.READ_PATHS), None when every layer is in memory."""
+        return select_read_path(self.device) if self.layers_on_ssd else None
 
     def close(self) -> None:
-        """Waits for the background read, then releases the reader and its threads."""
+        """Waits for the background fetch, then releases the reader and its threads."""
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
@@ -550,49 +633,127 @@ def _aligned_buffer(nbytes: int) -> torch.Tensor:
     return raw[skip:skip + nbytes]
 
 
+def _read_layer_bytes(store: LayerStore, layer: int, pin: bool) -> torch.Tensor:
+    """The stored bytes of `layer` (its whole read range) in host memory of their own, pinned when `pin`."""
+    offset, size = store.layer_range(layer)
+    out = torch.empty(size, dtype=torch.uint8, pin_memory=pin)
+    with open(store.layers_path, "rb", buffering=0) as f:
+        f.seek(offset)
+        if f.readinto(out.numpy()) != size:
+            raise FormatError(f"layers[{layer}]", "the file ends inside the layer's range", store.layers_path)
+    return out
+
+
 # ------------------------------------------------------------------------------------------ placement, install
 
-def plan_placement(store: LayerStore, mode: str, layer_budget: int | None,
-                   layers_in_memory: int | None = None) -> tuple[int, int, int]:
-    """(layers in memory k, their bytes, staging bytes): the largest k, nearest first, with the first k layers'
-    in-memory bytes + the staging for layers k.. within `layer_budget` (None: every layer in memory); or k =
-    `layers_in_memory` when given (a placement to compare modes on), if it fits. Raises ValueError when it does not
-    fit (_BudgetTooSmall when not even k = 0 does)."""
-    n = store.n_layers
+@dataclass(frozen=True)
+class Placement:
+    """Where each decoder layer lives, nearest first, and the bytes that costs.
+
+    Layers [0, on_device) are computed where they lie: in memory on the CPU, in GPU memory on CUDA (dense, or as
+    stored in endor+more-resident). Layers [on_device, in_memory) are held in host memory as stored (compressed in
+    the Endor modes) and copied into a slot on the device before each use: the GPU's CPU tier. Layers [in_memory,
+    n_layers) are read from the store into a slot before each use. On the CPU, on_device == in_memory unless a
+    staged tier is asked for (layers_on_device=), which runs the GPU's three-tier code path where there is no GPU.
+
+    device_layer_bytes: the on-device layers; host_layer_bytes: the staged tier; slot_bytes: the two slots moved
+    layers land in; decompress_bytes: the buffer Endor matrices are decompressed into for prompts; bounce_bytes:
+    the pinned host buffer an SSD layer passes through on its way to a GPU when kvikio is absent."""
+    n_layers: int
+    on_device: int
+    in_memory: int
+    device_layer_bytes: int
+    host_layer_bytes: int
+    slot_bytes: int
+    decompress_bytes: int
+    bounce_bytes: int
+
+    @property
+    def device_bytes(self) -> int:
+        return self.device_layer_bytes + self.slot_bytes + self.decompress_bytes
+
+    @property
+    def host_bytes(self) -> int:
+        return self.host_layer_bytes + self.bounce_bytes
+
+    def tier(self, layer: int) -> str:
+        """"resident" (computed where it lies), "staged" (in host memory, copied to a slot per use) or "ssd"."""
+        return "resident" if layer < self.on_device else "staged" if layer < self.in_memory else "ssd"
+
+
+def _placement(store: LayerStore, mode: str, on_device: int, in_memory: int, bounce: bool) -> Placement:
+    n, item = store.n_layers, store.dtype.itemsize
     keep_compressed = mode == "endor+more-resident"
-    cost = [store.stored_bytes(i) if keep_compressed else store.dense_bytes(i) for i in range(n)]
-    item = store.dtype.itemsize
+    moved = [store.stored_bytes(i) for i in range(on_device, n)]
+    # Endor matrices computed from their compressed form (moved layers, and on-device ones kept compressed) are
+    # decompressed into one buffer for prompts.
+    decompress = max((e.shape[0] * e.shape[1] * item for i in range(n) for e in store.layers[i] if e.endor and
+                      (i >= on_device or keep_compressed)), default=0)
+    return Placement(n, on_device, in_memory,
+                     sum(store.stored_bytes(i) if keep_compressed else store.dense_bytes(i) for i in range(on_device)),
+                     sum(store.stored_bytes(i) for i in range(on_device, in_memory)), 2 * max(moved, default=0),
+                     decompress, max((store.stored_bytes(i) for i in range(in_memory, n)), default=0) if bounce else 0)
 
-    def staging(k: int) -> int:
-        if k == n:
-            return 0
-        decompress = max((e.shape[0] * e.shape[1] * item for i in range(n) for e in store.layers[i] if e.endor and
-                          (i >= k or keep_compressed)), default=0)
-        return 2 * max(store.stored_bytes(i) for i in range(k, n)) + decompress
 
-    def total(k: int) -> int:
-        return sum(cost[:k]) + staging(k)
+def plan_placement(store: LayerStore, mode: str, layer_budget: int | None, layers_in_memory: int | None = None, *,
+                   device_layer_budget: int | None = None, separate: bool = False, bounce: bool = False,
+                   layers_on_device: int | None = None) -> Placement:
+    """The placement, nearest first, within the budgets left for layers (None: no limit).
 
+    separate=False (the CPU): one pool, `layer_budget`, holds every byte of the Placement; layers_on_device
+    defaults to layers_in_memory, i.e. no staged tier. separate=True (a GPU): the device's pool
+    (`device_layer_budget`) holds Placement.device_bytes and sets layers_on_device; the host's (`layer_budget`)
+    holds Placement.host_bytes and the staged tier after them. Given counts are kept if they fit (a placement to
+    compare modes on); otherwise the most layers that fit. Raises ValueError when given counts do not fit
+    (_BudgetTooSmall, naming the pool, when not even zero layers do)."""
+    n = store.n_layers
+    for name, value in (("layers_on_device", layers_on_device), ("layers_in_memory", layers_in_memory)):
+        if value is not None and not 0 <= value <= n:
+            raise ValueError(f"{name} must lie in [0, {n}], got {value}")
+    if layers_on_device is not None and layers_in_memory is not None and layers_on_device > layers_in_memory:
+        raise ValueError(f"layers_on_device ({layers_on_device}) exceeds layers_in_memory ({layers_in_memory})")
+
+    def device_fits(p: Placement) -> bool:
+        return not separate or device_layer_budget is None or p.device_bytes <= device_layer_budget
+
+    def host_fits(p: Placement) -> bool:
+        need = p.host_bytes if separate else p.host_bytes + p.device_bytes
+        return layer_budget is None or need <= layer_budget
+
+    given = layers_in_memory is not None or layers_on_device is not None
+    g = layers_on_device
+    if separate and g is None:
+        on_device = [g for g in range(n + 1) if device_fits(_placement(store, mode, g, g, bounce))]
+        if not on_device:
+            raise _BudgetTooSmall(_placement(store, mode, 0, 0, bounce).device_bytes, "device")
+        g = on_device[-1] if layers_in_memory is None else min(on_device[-1], layers_in_memory)
     if layers_in_memory is not None:
-        k = layers_in_memory
-        if not 0 <= k <= n:
-            raise ValueError(f"layers_in_memory must lie in [0, {n}], got {k}")
-        if layer_budget is not None and total(k) > layer_budget:
-            raise ValueError(f"{k} layers in memory in {mode} mode need {total(k)} bytes for the layers and staging, "
-                             f"{layer_budget} are left of the budget")
-        return k, sum(cost[:k]), staging(k)
-    if layer_budget is None:
-        return n, sum(cost), 0
-    if total(0) > layer_budget:
-        raise _BudgetTooSmall(total(0))
-    k = max(k for k in range(n + 1) if total(k) <= layer_budget)
-    return k, sum(cost[:k]), staging(k)
+        counts = [(layers_in_memory if g is None else g, layers_in_memory)]
+    else:  # without a staged tier (g None) the layers in memory are all on the device
+        counts = [(k, k) for k in range(n + 1)] if g is None else [(g, k) for k in range(g, n + 1)]
+    plans = [_placement(store, mode, on, k, bounce) for on, k in counts]
+    fitting = [p for p in plans if device_fits(p) and host_fits(p)]
+    if fitting:
+        return fitting[-1]
+    p = plans[0]
+    if not given:
+        raise _BudgetTooSmall(p.host_bytes if separate else p.host_bytes + p.device_bytes, "host")
+    if separate:
+        raise ValueError(f"{p.on_device} layers on the device and {p.in_memory} in memory in {mode} mode need "
+                         f"{p.device_bytes} bytes of device memory and {p.host_bytes} of host memory for the layers "
+                         f"and their buffers; the budgets leave {device_layer_budget} and {layer_budget}")
+    staged = f" ({p.in_memory - p.on_device} of them staged)" if p.on_device < p.in_memory else ""
+    raise ValueError(f"{p.in_memory} layers in memory in {mode} mode{staged} need "
+                     f"{p.device_bytes + p.host_bytes} bytes for the layers and staging, {layer_budget} are left of "
+                     f"the budget")
 
 
 class _BudgetTooSmall(ValueError):
-    def __init__(self, need: int):
-        super().__init__(need)
-        self.need = need
+    def __init__(self, need: int, pool: str):
+        super().__init__(need, pool)
+        self.need, self.pool = need, pool
+
+
 
 
 def _linear_slots(model: nn.Module, store: LayerStore) -> list[list[tuple[nn.Module, str, nn.Linear, str]]]:
@@ -624,7 +785,8 @@ def _linear_slots(model: nn.Module, store: LayerStore) -> list[list[tuple[nn.Mod
 
 
 def _install(model: nn.Module, store: LayerStore, mode: str, budget: int | float | str | None, compute: str,
-             threads: int, keep_originals: bool, layers_in_memory: int | None = None) -> OffloadRuntime:
+             threads: int, keep_originals: bool, device: torch.device, layers_in_memory: int | None = None,
+             device_budget: int | float | str | None = None, layers_on_device: int | None = None) -> OffloadRuntime:
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if compute not in COMPUTES:
@@ -634,6 +796,10 @@ def _install(model: nn.Module, store: LayerStore, mode: str, budget: int | float
                          f"is {'Endor' if store.endor else 'dense'} (convert_offload endor_compress=)")
     if getattr(model, "offload", None) is not None:
         raise ValueError("this model is already offloaded: unpatch it first")
+    separate = device.type == "cuda"
+    if device_budget is not None and not separate:
+        raise ValueError("device_budget is the GPU memory for layers on a CUDA device; on the CPU dram_budget is the "
+                         "one budget")
     slots = _linear_slots(model, store)
     params = [p for p in model.parameters() if p.device.type != "meta" and p.is_floating_point()]
     if params and params[0].dtype != store.dtype:
@@ -641,25 +807,44 @@ def _install(model: nn.Module, store: LayerStore, mode: str, budget: int | float
                          f"the store's dtype")
     weights = {id(s[2].weight) for layer in slots for s in layer if isinstance(s[2], nn.Linear)}
     resident = _tensor_bytes([p for p in model.parameters() if id(p) not in weights] + list(model.buffers()))
-    budget_bytes = None if budget is None else parse_budget(budget, resident + sum(
-        store.dense_bytes(i) for i in range(store.n_layers)))
+    model_bytes = resident + sum(store.dense_bytes(i) for i in range(store.n_layers))
+    budget_bytes = None if budget is None else parse_budget(budget, model_bytes)
+    device_budget_bytes = None if device_budget is None else parse_budget(device_budget, model_bytes,
+                                                                          "device_budget")
+    # On the CPU the resident tensors share the one budget with the layers; on a GPU they live in device memory.
+    host_layer_budget = None if budget_bytes is None else budget_bytes - (0 if separate else resident)
+    device_layer_budget = None if device_budget_bytes is None else device_budget_bytes - resident
     try:
-        k, memory_bytes, staging = plan_placement(store, mode, None if budget_bytes is None else
-                                                  budget_bytes - resident, layers_in_memory)
+        placement = plan_placement(store, mode, host_layer_budget, layers_in_memory,
+                                   device_layer_budget=device_layer_budget, separate=separate,
+                                   bounce=separate and select_read_path(device) == "pinned",
+                                   layers_on_device=layers_on_device)
     except _BudgetTooSmall as e:
+        if e.pool == "device":
+            raise ValueError(f"device_budget of {device_budget_bytes} bytes is below the minimum of "
+                             f"{resident + e.need} for {mode} offload on {device} ({resident} resident tensors + "
+                             f"{e.need} for two slots of the largest layer and the decompression buffer)") from None
+        if separate:
+            raise ValueError(f"dram_budget of {budget_bytes} bytes is below the minimum of {e.need} for {mode} "
+                             f"offload to {device} (a pinned buffer for the largest layer read from SSD: kvikio is "
+                             f"not installed)") from None
         raise ValueError(f"dram_budget of {budget_bytes} bytes is below the minimum of {resident + e.need} for "
                          f"{mode} offload ({resident} resident tensors + {e.need} for two staging buffers of the "
                          f"largest layer and the decompression buffer)") from None
-    runtime = OffloadRuntime(store, mode, compute, budget_bytes, resident, k, memory_bytes, staging, threads)
-    for i in range(k):  # in memory: dense (dense, endor), or as stored (endor+more-resident)
+    runtime = OffloadRuntime(store, mode, compute, device, budget_bytes, device_budget_bytes, resident, placement,
+                             threads)
+    for i in range(placement.on_device):  # dense (dense, endor), or as stored (endor+more-resident)
         layer = {}
         for e in store.layers[i]:
             w = store.matrix(i, e.name)
-            layer[e.name] = w.decompress() if isinstance(w, endor.EndorTensor) and mode != "endor+more-resident" else w
+            w = w.decompress() if isinstance(w, endor.EndorTensor) and mode != "endor+more-resident" else w
+            layer[e.name] = w.to(device)
         runtime.memory.append(layer)
-    if k:
+    runtime.host_layers = [_read_layer_bytes(store, i, pin=separate)
+                           for i in range(placement.on_device, placement.in_memory)]
+    if placement.in_memory:
         _drop_page_cache(store.layers_path)
-    if runtime.ssd_layers:
+    if runtime.layers_on_ssd:
         runtime.reader = FlashReader.for_file(store.layers_path, threads=threads)
     for i, layer_slots in enumerate(slots):
         for parent, attr, linear, name in layer_slots:
@@ -676,30 +861,41 @@ def _install(model: nn.Module, store: LayerStore, mode: str, budget: int | float
 
 
 def patch_offload(model: nn.Module, store: LayerStore | str | os.PathLike, *, mode: str = "endor",
-                  dram_budget: int | float | str | None = None, compute: str = "auto",
-                  threads: int = 32) -> OffloadRuntime:
-    """Offload the decoder layers of an already loaded Llama-family or OPT model (in the store's dtype) to `store`
-    (converted from the same weights). The original Linear modules are kept for `unpatch`, so they still occupy
-    memory: for a real budget use load_offloaded. Returns the runtime; `runtime.unpatch(model)` restores the
-    model."""
+                  dram_budget: int | float | str | None = None, compute: str = "auto", threads: int = 32,
+                  device_budget: int | float | str | None = None) -> OffloadRuntime:
+    """Offload the decoder layers of an already loaded Llama-family or OPT model (in the store's dtype, on the CPU
+    or a CUDA device: the layers are computed where the model is) to `store` (converted from the same weights). The
+    original Linear modules are kept for `unpatch`, so they still occupy memory: for a real budget use
+    load_offloaded. Returns the runtime; `runtime.unpatch(model)` restores the model."""
     store = store if isinstance(store, LayerStore) else LayerStore(store)
-    return _install(model, store, mode, dram_budget, compute, threads, keep_originals=True)
+    device = next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
+    return _install(model, store, mode, dram_budget, compute, threads, keep_originals=True,
+                    device=cuda_device(device), device_budget=device_budget)
 
 
 def load_offloaded(store_dir: str | os.PathLike, dram_budget: int | float | str | None = "30%", *,
                    mode: str = "endor", compute: str = "auto", threads: int = 32,
-                   layers_in_memory: int | None = None) -> nn.Module:
-    """A Hugging Face causal LM built from a layer store, its decoder layers in memory or on SSD by `dram_budget`
-    (bytes, "30%" of the dense model, or "2GB"; None: no limit): the most layers that fit, or `layers_in_memory`
-    (e.g. another mode's placement, to compare on the same one; ValueError if it does not fit). Only the resident
-    tensors and the in-memory layers are materialised, in the store's dtype. `model.offload_stats()` reports
-    per-token costs."""
+                   layers_in_memory: int | None = None, device: str | torch.device = "cpu",
+                   device_budget: int | float | str | None = None, layers_on_device: int | None = None) -> nn.Module:
+    """A Hugging Face causal LM built from a layer store, computed on `device` ("cpu" or "cuda").
+
+    On the CPU its decoder layers are in memory or on SSD by `dram_budget` (bytes, "30%" of the dense model, or
+    "2GB"; None: no limit): the most layers that fit, or `layers_in_memory` (e.g. another mode's placement, to
+    compare on the same one; ValueError if it does not fit). On CUDA, as Endor does, the resident tensors and the
+    first layers live in GPU memory by `device_budget` (None: all of them), the next ones in host memory by
+    `dram_budget` (as stored: compressed in the Endor modes, copied to the GPU and decompressed there for each
+    use), the rest on SSD, read straight into GPU memory (kvikio) or through a pinned buffer. `layers_on_device`
+    forces the first tier; on the CPU it keeps layers [layers_on_device, layers_in_memory) as stored bytes copied
+    into a slot for each use: the GPU's code path, run where there is no GPU (see Placement). Only the resident
+    tensors and the placed layers are materialised, in the store's dtype. `model.offload_stats()` reports per-token
+    costs."""
     store = LayerStore(store_dir)
+    device = cuda_device(device)
     model = empty_model(store.config, store.dtype, store.path)
     assign_resident(model, store, store.dtype)
-    _install(model, store, mode, dram_budget, compute, threads, keep_originals=False,
-             layers_in_memory=layers_in_memory)
+    _install(model, store, mode, dram_budget, compute, threads, keep_originals=False, device=device,
+             layers_in_memory=layers_in_memory, device_budget=device_budget, layers_on_device=layers_on_device)
     leftover = [name for name, p in model.named_parameters() if p.device.type == "meta"]
     if leftover:
         raise ValueError(f"{store.path}: the store has no tensor for {leftover[:3]} ({len(leftover)} in all)")
-    return model.eval()
+    return model.to(device).eval()

@@ -170,8 +170,20 @@ class FlashReader:
         return cls(None, file=path, **kwargs)
 
     def read_rows(self, base: int, row_bytes: int, n_rows: int, ids: torch.Tensor, out: torch.Tensor) -> ReadStats:
-        """out (CPU, contiguous, len(ids) * row_bytes bytes) row i = file[base + ids[i]*row_bytes :][:row_bytes].
-        Returns the stats of this call."""
+        """out (contiguous, len(ids) * row_bytes bytes, on the CPU or a CUDA device: select_read_path) row i =
+        file[base + ids[i]*row_bytes :][:row_bytes]; ids on the CPU. Returns the stats of this call. A CUDA `out`
+        is written asynchronously on the current stream by the "pinned" path: synchronize before reading it on
+        another stream."""
+        path = select_read_path(out.device)
+        if path == "kvikio":
+            return self._read_cufile(base, row_bytes, n_rows, ids, out)
+        if path == "pinned":
+            # The caching host allocator keeps the pinned buffer alive until the asynchronous copy on the current
+            # stream has finished.
+            host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
+            stats = self.read_rows(base, row_bytes, n_rows, ids, host)
+            out.copy_(host, non_blocking=True)
+            return replace(stats, path=path)
         raw = self._native_reader().read_rows(base, row_bytes, n_rows, ids, out)
         return ReadStats(raw[0], raw[1], raw[2], raw[3] / 1e9)
 
@@ -198,15 +210,6 @@ class FlashReader:
         if self.store.endor:
             return ReadResult(out, self._read_endor(layer, ids, out, path))
         loc = self.store.layer_location(layer)
-        if path == "kvikio":
-            return ReadResult(out, self._read_cufile(loc.offset, loc.row_bytes, loc.n_neurons, ids, out))
-        if path == "pinned":
-            # The caching host allocator keeps the pinned buffer alive until the asynchronous copy on the current
-            # stream has finished.
-            host = torch.empty(shape, dtype=out.dtype, pin_memory=True)
-            stats = self.read_rows(loc.offset, loc.row_bytes, loc.n_neurons, ids, host)
-            out.copy_(host, non_blocking=True)
-            return ReadResult(out, replace(stats, path=path))
         return ReadResult(out, self.read_rows(loc.offset, loc.row_bytes, loc.n_neurons, ids, out))
 
     def staging_bound(self) -> int:
@@ -310,11 +313,14 @@ class FlashReader:
             self._cufile_handle = kvikio.CuFile(self.path, "r")
         return self._cufile_handle
 
-    def _cufile_stage(self, plan: torch.Tensor, device: torch.device) -> torch.Tensor:
-        """The coalesced reads `plan` [n, 2] (offset, length) back to back into one uint8 buffer on `device`,
-        through kvikio (its thread pool runs them in parallel). Returns the buffer."""
+    def _cufile_stage(self, plan: torch.Tensor, device: torch.device,
+                      staging: torch.Tensor | None = None) -> torch.Tensor:
+        """The coalesced reads `plan` [n, 2] (offset, length) back to back into one uint8 buffer on `device`
+        (`staging` when given, else a new one), through kvikio (its thread pool runs them in parallel). Returns the
+        buffer."""
         handle = self._cufile()
-        staging = torch.empty(int(plan[:, 1].sum()), dtype=torch.uint8, device=device)
+        if staging is None:
+            staging = torch.empty(int(plan[:, 1].sum()), dtype=torch.uint8, device=device)
         futures, at = [], 0
         for offset, length in plan.tolist():
             futures.append((handle.pread(staging[at:at + length], length, offset), length, offset))
@@ -338,10 +344,14 @@ class FlashReader:
         then one gather of the requested rows (every read covers whole rows, so the staging is a matrix of rows)."""
         start = time.perf_counter()
         plan = self._native_reader().plan_reads(base, row_bytes, n_rows, None, ids)
-        staging = self._cufile_stage(plan, out.device)
         rows = self._staged_positions(plan, base + ids * row_bytes) // row_bytes
-        torch.index_select(staging.view(-1, row_bytes), 0, rows.to(out.device),
-                           out=out.view(torch.uint8).view(-1, row_bytes))
+        flat = out.view(torch.uint8).view(-1)
+        if int(plan[:, 1].sum()) == flat.numel() and torch.equal(rows, torch.arange(rows.numel())):
+            # The plan reads exactly out's rows in order (a whole range, as offloading reads a layer): straight in.
+            staging = self._cufile_stage(plan, out.device, flat)
+        else:
+            staging = self._cufile_stage(plan, out.device)
+            torch.index_select(staging.view(-1, row_bytes), 0, rows.to(out.device), out=flat.view(-1, row_bytes))
         return ReadStats(torch.unique(ids).numel() * row_bytes, staging.numel(), plan.shape[0],
                          time.perf_counter() - start, "kvikio")
 

@@ -9,7 +9,9 @@ from transformers import LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalL
 
 from flashllm_ext import FormatError, endor
 from flashllm_ext.checkpoint import TensorsCheckpoint
-from flashllm_ext.offload import LayerStore, OffloadedLinear, convert_offload, load_offloaded, patch_offload
+from flashllm_ext.engine import parse_budget
+from flashllm_ext.offload import (LayerStore, OffloadedLinear, convert_offload, load_offloaded, patch_offload,
+                                  plan_placement)
 
 N_LAYERS = 6
 
@@ -61,13 +63,11 @@ def budget_for(store: LayerStore, mode: str, in_memory: int, resident: int) -> i
 
 def _staging(store: LayerStore, mode: str, k: int) -> int:
     """Two read buffers of the largest SSD layer + a decompression buffer for the largest Endor matrix computed
-    from its compressed form."""
+    from its compressed form (SSD layers, and in-memory ones in endor+more-resident)."""
     rest = [store.stored_bytes(i) for i in range(k, store.n_layers)]
-    if not rest:
-        return 0
     decompress = max((e.shape[0] * e.shape[1] * store.dtype.itemsize for i in range(store.n_layers) for e in store.layers[i]
                       if e.endor and (i >= k or mode == "endor+more-resident")), default=0)
-    return 2 * max(rest) + decompress
+    return 2 * max(rest, default=0) + decompress
 
 
 @pytest.mark.parametrize("mode", ["dense", "endor", "endor+more-resident"])
@@ -111,7 +111,7 @@ def test_placement_nearest_first_and_more_layers_when_compressed(case):
             counts.setdefault(mode, []).append(model.offload.layers_in_memory)
             linears = [m for m in model.modules() if isinstance(m, OffloadedLinear)]
             # nearest first: exactly the first layers_in_memory layers are in memory
-            assert {m.layer for m in linears if "memory" in m.extra_repr()} == \
+            assert {m.layer for m in linears if "resident" in m.extra_repr()} == \
                 set(range(model.offload.layers_in_memory))
             assert model.offload.accounted_bytes <= budget
             model.offload.close()
@@ -273,4 +273,107 @@ def test_in_memory_layers_do_not_map_the_store(case, mode):
                for t in ((w.values, w.bitmap, w.row_offsets) if isinstance(w, endor.EndorTensor) else (w,))]
     assert model.offload.layers_in_memory == store.n_layers and tensors
     assert not [t for t in tensors if any(b <= t.data_ptr() < e for b, e in mapped)]
+    model.offload.close()
+
+
+# ---- three tiers (the GPU's placement): resident, staged in host memory, SSD ---------------------------------------
+
+@pytest.mark.parametrize("mode", ["dense", "endor", "endor+more-resident"])
+def test_staged_tier_on_the_cpu_runs_the_three_tier_path(case, mode):
+    """layers_on_device < layers_in_memory on the CPU: the staged layers are copied from host memory into a slot
+    for every use, as a GPU's CPU tier is (the same fetch, views and slot rotation, with copies instead of
+    transfers). Same greedy tokens; the staged layers' stored bytes are moved, the SSD layers' read, every token."""
+    store = LayerStore(store_of(case, mode))
+    model = load_offloaded(store.path, None, mode=mode, layers_on_device=1, layers_in_memory=4)
+    runtime = model.offload
+    assert [runtime.placement.tier(i) for i in range(N_LAYERS)] == ["resident"] + ["staged"] * 3 + ["ssd"] * 2
+    assert len(runtime.memory) == 1 and [t.numel() for t in runtime.host_layers] == \
+        [store.stored_bytes(i) for i in range(1, 4)]
+    assert torch.equal(model.generate(case["prompt"], max_new_tokens=8, do_sample=False), case["reference"])
+    stats = model.offload_stats()
+    assert stats["forwards"] == 8 and stats["read_path"] == "host" and stats["layers_on_device"] == 1
+    assert stats["bytes_moved_per_token"] == sum(store.stored_bytes(i) for i in range(1, 4))
+    assert stats["bytes_read_per_token"] == sum(store.stored_bytes(i) for i in range(4, N_LAYERS))
+    runtime.close()
+    # The budget charges the staged layers as stored (compressed in the Endor modes) and sizes the slots by them.
+    resident = runtime.resident_bytes
+    budget = runtime.accounted_bytes
+    assert budget == resident + runtime.placement.device_bytes + runtime.placement.host_bytes
+    fitted = load_offloaded(store.path, budget, mode=mode, layers_on_device=1)
+    assert (fitted.offload.layers_on_device, fitted.offload.layers_in_memory) == (1, 4)
+    fitted.offload.close()
+    with pytest.raises(ValueError, match=re.escape(f"5 layers in memory in {mode} mode (4 of them staged) need")):
+        load_offloaded(store.path, budget, mode=mode, layers_on_device=1, layers_in_memory=5)
+
+
+def test_gpu_placement_fills_device_then_host_memory(case):
+    """plan_placement with separate pools (a CUDA device): the device budget sets the resident layers (the most
+    whose bytes, two slots for the rest and the decompression buffer fit), the host budget the staged ones after
+    them (as stored, plus a pinned bounce buffer of the largest SSD layer when kvikio is absent). Checked against a
+    brute-force search over every pair of budgets one layer's placement needs; each pool's shortfall is named."""
+    store = LayerStore(case["endor"])
+    n = store.n_layers
+    for mode in ("endor", "endor+more-resident"):
+        keep = mode == "endor+more-resident"
+
+        def device_need(g):
+            return sum(store.stored_bytes(i) if keep else store.dense_bytes(i) for i in range(g)) + \
+                _staging(store, mode, g)
+
+        def host_need(g, k, bounce):
+            return sum(store.stored_bytes(i) for i in range(g, k)) + \
+                (max((store.stored_bytes(i) for i in range(k, n)), default=0) if bounce else 0)
+
+        for bounce in (False, True):
+            device_budgets = sorted({device_need(g) for g in range(n + 1)})
+            host_budgets = sorted({host_need(g, k, bounce) for g in range(n + 1) for k in range(g, n + 1)})
+            for device_budget in device_budgets:
+                g = max(g for g in range(n + 1) if device_need(g) <= device_budget)
+                for host_budget in host_budgets:
+                    fits = [k for k in range(g, n + 1) if host_need(g, k, bounce) <= host_budget]
+                    if not fits:
+                        with pytest.raises(ValueError) as info:
+                            plan_placement(store, mode, host_budget, device_layer_budget=device_budget,
+                                           separate=True, bounce=bounce)
+                        assert info.value.pool == "host"
+                        continue
+                    p = plan_placement(store, mode, host_budget, device_layer_budget=device_budget, separate=True,
+                                       bounce=bounce)
+                    assert (p.on_device, p.in_memory) == (g, max(fits))
+                    assert (p.device_bytes, p.host_bytes) == (device_need(g), host_need(g, max(fits), bounce))
+    with pytest.raises(ValueError) as info:
+        plan_placement(store, "endor", 0, device_layer_budget=_staging(store, "endor", 0) - 1, separate=True)
+    assert info.value.pool == "device"
+    with pytest.raises(ValueError, match="bytes of device memory and .* of host memory .* the budgets leave"):
+        plan_placement(store, "endor", 0, device_layer_budget=None, separate=True, layers_on_device=1,
+                       layers_in_memory=2)
+
+
+def test_device_arguments_are_checked(case):
+    with pytest.raises(ValueError, match="device_budget is the GPU memory"):
+        load_offloaded(case["endor"], None, mode="endor", device_budget="50%")
+    with pytest.raises(ValueError, match="device must be cpu or cuda"):
+        load_offloaded(case["endor"], None, mode="endor", device="meta")
+    with pytest.raises(ValueError, match="device_budget must be bytes"):  # its errors name it
+        parse_budget("lots", 1, "device_budget")
+    with pytest.raises(ValueError, match="exceeds layers_in_memory"):
+        load_offloaded(case["endor"], None, mode="endor", layers_on_device=3, layers_in_memory=2)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA is not available"):
+            load_offloaded(case["endor"], None, mode="endor", device="cuda")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none on this machine)")
+@pytest.mark.parametrize("mode", ["dense", "endor", "endor+more-resident"])
+def test_gpu_offload_three_tiers_greedy_tokens(case, mode):
+    """On a GPU: 2 layers in GPU memory, 2 staged in pinned host memory, 2 read from SSD into GPU memory (kvikio, or
+    a pinned buffer), Endor ones decompressed on the GPU; the greedy tokens of transformers on the CPU."""
+    store = LayerStore(store_of(case, mode))
+    model = load_offloaded(store.path, None, mode=mode, device="cuda", layers_on_device=2, layers_in_memory=4)
+    out = model.generate(case["prompt"].cuda(), max_new_tokens=8, do_sample=False)
+    assert torch.equal(out.cpu(), case["reference"])
+    stats = model.offload_stats()
+    assert stats["read_path"] in ("kvikio", "pinned") and stats["device"].startswith("cuda")
+    assert stats["bytes_read_per_token"] >= sum(store.stored_bytes(i) for i in range(4, N_LAYERS))
+    assert all(t.is_pinned() for t in model.offload.host_layers)
     model.offload.close()
