@@ -5,7 +5,8 @@
   flashllm train-predictors CHECKPOINT [--store DIR] [--method M] [--density D] [--rank R] ...
   flashllm run STORE_DIR --tokenizer PATH [--prompt TEXT] [--mode flash] [--budget 50%] [--tokens N] [--sample]
                [--device cpu|cuda]
-  flashllm offload STORE_DIR --convert CHECKPOINT [--endor] | --tokenizer PATH [--mode endor] [--budget 30%] ...
+  flashllm offload STORE_DIR --convert CHECKPOINT [--endor] | --tokenizer PATH [--mode endor] [--budget 30%]
+                   [--device cuda --device-budget 20%] ...
 
 Each subcommand registers itself with `add_parser` functions below; main() only dispatches.
 """
@@ -218,7 +219,11 @@ def _offload(args: argparse.Namespace) -> int:
         return 0
     if not args.tokenizer:
         raise SystemExit("flashllm offload: --tokenizer is needed to generate (or --convert CHECKPOINT to write)")
-    model = load_offloaded(args.store, args.budget, mode=args.mode, compute=args.compute)
+    try:
+        model = load_offloaded(args.store, args.budget, mode=args.mode, compute=args.compute, device=args.device,
+                               device_budget=args.device_budget)
+    except ValueError as e:  # a budget below the minimum, no CUDA, a store of the other kind
+        raise SystemExit(f"flashllm offload: {e}") from None
     return _generate(args, model, model.offload_stats)
 
 
@@ -236,6 +241,9 @@ def _add_offload(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--mode", choices=MODES, default="endor")
     p.add_argument("--compute", choices=COMPUTES, default="auto", help="Endor matrices: endor_linear, decompress+GEMM")
     p.add_argument("--budget", default="30%", help="DRAM budget: bytes, a share of the dense model like 30%%, or 2GB")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: layers in GPU memory by --device-budget, then host memory by --budget, then SSD")
+    p.add_argument("--device-budget", default=None, help="with --device cuda: GPU memory, as --budget (default: all)")
     p.add_argument("--tokens", type=int, default=32, help="tokens to generate")
     p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     p.set_defaults(func=_offload)

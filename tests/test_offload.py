@@ -193,6 +193,8 @@ def test_cli_converts_a_hugging_face_directory(tmp_path, capsys):
     assert cli.main(["offload", str(tmp_path / "store"), "--convert", str(tmp_path / "hf"), "--endor",
                      "--dtype", "fp32"]) == 0
     assert "endor=True" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="flashllm offload: device_budget is the GPU memory"):
+        cli.main(["offload", str(tmp_path / "store"), "--tokenizer", str(tmp_path / "hf"), "--device-budget", "20%"])
     offloaded = load_offloaded(tmp_path / "store", "60%", mode="endor")
     prompt = torch.tensor([[5, 7, 11, 13]])
     assert torch.equal(offloaded.generate(prompt, max_new_tokens=4, do_sample=False),
