@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from bench_e2e import _decode, _load, prompt_ids
+from bench_e2e import RESULTS, _decode, _load, prompt_ids
 from common import arg_parser, device_name, emit, median_rows, run_limited_child
 
 from flashllm_ext.errors import FormatError
@@ -105,6 +105,39 @@ def run_child(config: dict) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------- the parent
+
+def plot_offload(medians: list[dict], path: Path) -> None:
+    """Per mode (medians): stacked per-token parts (exposed read, decompression, compute; accelerate and failed
+    parts: the whole token) against the measured ms/token, and the bytes read from storage per token."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in medians if r.get("ms_per_token") is not None]
+    if not rows:
+        return
+    labels = [f"{r['mode']}\n{r.get('layers_in_memory')} in mem / {r.get('layers_on_ssd')} ssd" for r in rows]
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(2.6 * len(rows) + 2, 4.2))
+    bottom = [0.0] * len(rows)
+    for part in ("read_ms", "decompress_ms", "compute_ms"):
+        values = [r.get(part) or 0.0 for r in rows]
+        if part == "compute_ms":  # no runtime stats (accelerate): the whole decode token
+            values = [r[part] if r.get("read_ms") is not None else r["ms_per_token"] for r in rows]
+        ax.bar(labels, values, bottom=bottom, label=part.removesuffix("_ms").replace("read", "read (exposed)"))
+        bottom = [b + v for b, v in zip(bottom, values)]
+    ax.plot(labels, [r["ms_per_token"] for r in rows], "k_", markersize=24, label="measured ms/token (median)")
+    ax.set_ylabel("ms per decode token")
+    ax.legend(fontsize=8)
+    read_mb = [(r.get("bytes_read_per_token") or 0) / 1e6 if r.get("bytes_read_per_token") is not None else
+               (r.get("proc_read_mb_per_token") or 0.0) for r in rows]
+    bx.bar(labels, read_mb, color="tab:gray")
+    bx.set_ylabel("MB read from storage per token (accelerate: /proc)")
+    fig.suptitle(f"{rows[0]['model']}, budget {rows[0]['budget_mb']:.0f} MB, {rows[0].get('device')}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
 
 def pruned_default(cache: Path, sparsity: float = 0.5, calibration_tokens: int = 512) -> Path:
     """The default model with every decoder Linear Wanda-pruned (fp16) as a Hugging Face directory (accelerate's
@@ -209,6 +242,8 @@ def main(argv: list[str] | None = None) -> None:
                              "moved and decompressed on the GPU), then SSD read into GPU memory; accelerate gets the "
                              "same two budgets")
     parser.add_argument("--device-budget", default="30%", help="GPU memory for --device cuda, as --budget")
+    parser.add_argument("--no-plot", action="store_true", help="no figure")
+    parser.add_argument("--figure", help="the figure's path (default bench/results/offload[_scale][_cuda].png)")
     parser.set_defaults(rounds=3)
     args = parser.parse_args(argv)
     if args.child:
@@ -238,9 +273,13 @@ def main(argv: list[str] | None = None) -> None:
     # hold one more dense layer, which would credit Endor with more than its reads.
     cuda = args.device == "cuda"
     device_budget = parse_budget(args.device_budget, total, "device_budget") if cuda else None
-    dense = plan_placement(LayerStore(stores["dense"]), "dense", budget if cuda else budget - resident,
-                           device_layer_budget=device_budget - resident if cuda else None, separate=cuda,
-                           bounce=cuda and not kvikio_available())
+    try:
+        dense = plan_placement(LayerStore(stores["dense"]), "dense", budget if cuda else budget - resident,
+                               device_layer_budget=device_budget - resident if cuda else None, separate=cuda,
+                               bounce=cuda and not kvikio_available())
+    except ValueError as e:
+        raise SystemExit(f"bench_offload: --budget {args.budget} ({budget} bytes) does not fit dense offload of "
+                         f"{name}: {e}") from None
     from transformers import AutoConfig
 
     ids, prompt_note = prompt_ids(args.prompt_tokens, AutoConfig.from_pretrained(hf_dir).vocab_size)
@@ -274,6 +313,10 @@ def main(argv: list[str] | None = None) -> None:
         print(f"\nmedians over {args.rounds} round(s):")
     emit(medians, args.json, COLUMNS)
     emit([ratios(medians)], args.json)
+    if not args.no_plot:
+        path = Path(args.figure or RESULTS / f"offload{'_scale' if args.scale else ''}{'_cuda' if cuda else ''}.png")
+        plot_offload(medians, path)
+        print(f"figure: {path}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -750,7 +750,8 @@ def plan_placement(store: LayerStore, mode: str, layer_budget: int | None, layer
 
 class _BudgetTooSmall(ValueError):
     def __init__(self, need: int, pool: str):
-        super().__init__(need, pool)
+        super().__init__(f"offloading needs at least {need} bytes of {pool} memory for the layers' buffers, beside "
+                         f"the resident tensors")
         self.need, self.pool = need, pool
 
 
@@ -786,7 +787,8 @@ def _linear_slots(model: nn.Module, store: LayerStore) -> list[list[tuple[nn.Mod
 
 def _install(model: nn.Module, store: LayerStore, mode: str, budget: int | float | str | None, compute: str,
              threads: int, keep_originals: bool, device: torch.device, layers_in_memory: int | None = None,
-             device_budget: int | float | str | None = None, layers_on_device: int | None = None) -> OffloadRuntime:
+             device_budget: int | float | str | None = None, layers_on_device: int | None = None,
+             progress: bool = False) -> OffloadRuntime:
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if compute not in COMPUTES:
@@ -833,15 +835,17 @@ def _install(model: nn.Module, store: LayerStore, mode: str, budget: int | float
                          f"largest layer and the decompression buffer)") from None
     runtime = OffloadRuntime(store, mode, compute, device, budget_bytes, device_budget_bytes, resident, placement,
                              threads)
-    for i in range(placement.on_device):  # dense (dense, endor), or as stored (endor+more-resident)
-        layer = {}
+    for i in tqdm(range(placement.in_memory), desc="loading layers into memory", unit="layer",
+                  disable=not progress or not placement.in_memory):
+        if i >= placement.on_device:  # staged: the stored bytes, pinned on CUDA
+            runtime.host_layers.append(_read_layer_bytes(store, i, pin=separate))
+            continue
+        layer = {}  # resident: dense (dense, endor), or as stored (endor+more-resident)
         for e in store.layers[i]:
             w = store.matrix(i, e.name)
             w = w.decompress() if isinstance(w, endor.EndorTensor) and mode != "endor+more-resident" else w
             layer[e.name] = w.to(device)
         runtime.memory.append(layer)
-    runtime.host_layers = [_read_layer_bytes(store, i, pin=separate)
-                           for i in range(placement.on_device, placement.in_memory)]
     if placement.in_memory:
         _drop_page_cache(store.layers_path)
     if runtime.layers_on_ssd:
@@ -876,7 +880,8 @@ def patch_offload(model: nn.Module, store: LayerStore | str | os.PathLike, *, mo
 def load_offloaded(store_dir: str | os.PathLike, dram_budget: int | float | str | None = "30%", *,
                    mode: str = "endor", compute: str = "auto", threads: int = 32,
                    layers_in_memory: int | None = None, device: str | torch.device = "cpu",
-                   device_budget: int | float | str | None = None, layers_on_device: int | None = None) -> nn.Module:
+                   device_budget: int | float | str | None = None, layers_on_device: int | None = None,
+                   progress: bool = True) -> nn.Module:
     """A Hugging Face causal LM built from a layer store, computed on `device` ("cpu" or "cuda").
 
     On the CPU its decoder layers are in memory or on SSD by `dram_budget` (bytes, "30%" of the dense model, or
@@ -887,14 +892,15 @@ def load_offloaded(store_dir: str | os.PathLike, dram_budget: int | float | str 
     use), the rest on SSD, read straight into GPU memory (kvikio) or through a pinned buffer. `layers_on_device`
     forces the first tier; on the CPU it keeps layers [layers_on_device, layers_in_memory) as stored bytes copied
     into a slot for each use: the GPU's code path, run where there is no GPU (see Placement). Only the resident
-    tensors and the placed layers are materialised, in the store's dtype. `model.offload_stats()` reports per-token
-    costs."""
+    tensors and the placed layers are materialised, in the store's dtype (a progress bar while the layers load,
+    unless progress=False). `model.offload_stats()` reports per-token costs."""
     store = LayerStore(store_dir)
     device = cuda_device(device)
     model = empty_model(store.config, store.dtype, store.path)
     assign_resident(model, store, store.dtype)
     _install(model, store, mode, dram_budget, compute, threads, keep_originals=False, device=device,
-             layers_in_memory=layers_in_memory, device_budget=device_budget, layers_on_device=layers_on_device)
+             layers_in_memory=layers_in_memory, device_budget=device_budget, layers_on_device=layers_on_device,
+             progress=progress)
     leftover = [name for name, p in model.named_parameters() if p.device.type == "meta"]
     if leftover:
         raise ValueError(f"{store.path}: the store has no tensor for {leftover[:3]} ({len(leftover)} in all)")
