@@ -31,7 +31,8 @@ def test_quick_run_reports_every_mode_with_its_keys(tmp_path):
     figure = tmp_path / "offload.png"
     out = subprocess.run([sys.executable, str(BENCH), "--hf-dir", str(tmp_path / "hf"), "--json", "--rounds", "1",
                           "--tokens", "2", "--prompt-tokens", "4", "--budget", "80%", "--figure", str(figure)],
-                         capture_output=True, text=True, timeout=900, env={**os.environ, "FLASHLLM_CACHE": str(tmp_path)})
+                         capture_output=True, text=True, timeout=900,
+                         env={**os.environ, "FLASHLLM_CACHE": str(tmp_path)})
     assert out.returncode == 0, out.stderr[-2000:]
     rows = [json.loads(line) for line in out.stdout.splitlines()]
     runs = {r["mode"]: r for r in rows if r["bench"] == "offload"}
