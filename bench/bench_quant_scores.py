@@ -31,7 +31,7 @@ SHAPES = {
     "llama-2-7b": (4096, 11008, 4, 4, None, "silu", 0.06, 8),
 }
 # quant_scores' native paths, fastest first (a level without a path of its own runs the one below).
-PATHS = ("avx512vnni", "avx512", "avx2")
+PATHS = ("avx512vbmi2", "avx512vnni", "avx512", "avx2")
 ISA_ORDER = ("scalar", "avx2", "avx512", "avx512vnni", "avx512vbmi2")
 
 
@@ -119,6 +119,8 @@ def main() -> None:
                     row[f"{name} / sparse_ffn"] = round(times[name] / ffn, 3)
             if "avx512vnni" in times and "avx512" in times:
                 row["avx512 / avx512vnni"] = round(times["avx512"] / times["avx512vnni"], 2)
+            if "avx512vnni" in times and "avx512vbmi2" in times:
+                row["avx512vnni / avx512vbmi2"] = round(times["avx512vnni"] / times["avx512vbmi2"], 2)
             row[f"sparse_ffn ms (density {density})"] = round(ffn * 1e3, 3)
             row[f"{paths[0]} code GB/s"] = round(code_bytes / times[paths[0]] / 1e9, 2)
             if probe is not None:

@@ -9,7 +9,7 @@ from flashllm_ext import _C
 AVX2 = {"avx2", "fma", "f16c", "popcnt"}
 AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512vl"}
 AVX512_VNNI = AVX512 | {"avx512vnni"}
-AVX512_VBMI2 = AVX512_VNNI | {"avx512vbmi2"}
+AVX512_VBMI2 = AVX512_VNNI | {"avx512vbmi", "avx512vbmi2"}
 
 
 @pytest.mark.parametrize("features,isa", [
@@ -17,7 +17,8 @@ AVX512_VBMI2 = AVX512_VNNI | {"avx512vbmi2"}
     (AVX512_VBMI2 | {"avx512_fp16", "sse4.2"}, "avx512vbmi2"),  # features no path needs change nothing
     ({"avx2"}, "scalar"), (AVX512 - {"avx512vl"}, "avx2"), (AVX512_VBMI2 - {"avx512bw"}, "avx2"),
     (AVX2 | {"avx512vbmi2"}, "avx2"),
-    (AVX512 | {"avx512vbmi2"}, "avx512"),  # VBMI2 without VNNI (no such CPU known): the level below VNNI
+    (AVX512 | {"avx512vbmi", "avx512vbmi2"}, "avx512"),  # VBMI2 without VNNI (no such CPU known): below VNNI
+    (AVX512_VBMI2 - {"avx512vbmi"}, "avx512vnni"),  # quant_scores' VBMI2 level uses VBMI too
 ])
 def test_isa_for_features(features, isa):
     assert _C.isa_for_features(sorted(features)) == isa

@@ -14,7 +14,7 @@ from conftest import cpu_isas, forced_isa_fixture
 
 OPS = torch.ops.flashllm
 # The table path (below AVX-512), the in-register decode into fp32 FMA (AVX-512) and the integer dot products (VNNI).
-isa = forced_isa_fixture(cpu_isas(paths=("avx2", "avx512", "avx512vnni")))
+isa = forced_isa_fixture(cpu_isas(paths=("avx2", "avx512", "avx512vnni", "avx512vbmi2")))
 
 
 def quant_matrix(n: int, d: int, bits: int, g: torch.Generator, groups: int | None = None

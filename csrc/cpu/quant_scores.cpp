@@ -4,7 +4,8 @@
 // integer sum of code x int8 products.
 // Paths by runtime ISA (common/cpu_isa.h), fastest first:
 // - AVX-512 VNNI: the codes, unsigned, go to vpdpbusd as they are (4 and 2 and 1 bits: shift and mask a 64-byte load
-//   into 64 one-byte codes per step; 3 bits: 24 bytes spread by vpshufb and per-word shifts); x is laid out per call
+//   into 64 one-byte codes per step; 3 bits: 24 bytes spread by vpshufb and per-word shifts, or with VBMI (the
+//   avx512vbmi2 level) by vpermb and vpmultishiftqb into the same byte order); x is laid out per call
 //   in the order those steps produce the codes, so nothing is interleaved per row. The centre comes off each int32
 //   lane of a group's sums exactly, then one FMA per lane applies the group's scale (add_group). 64 multiply-adds
 //   per instruction against the float path's 16. At T = 1, four rows share each load of x (rows_dots_vnni).
@@ -31,6 +32,10 @@
 #include "common/cpu_isa.h"
 #include "common/quant_scores_checks.h"
 #include "common/sparse_ffn_checks.h"
+
+// GCC 12's cast and masked-load intrinsics start from _mm512_undefined_*, which -Wall reports as uninitialised use.
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 
 namespace flashllm {
 namespace {
@@ -242,6 +247,34 @@ FLASHLLM_VNNI inline __m512i decode3(__m256i raw) {
   return _mm512_and_si512(words, _mm512_set1_epi8(7));
 }
 
+// The same 64 codes in the same byte order with VBMI: qword q = 2l + h of the result holds codes a_i = 16l + 4h + i in
+// byte 2i and a_i + 8 in byte 2i + 1. Each run of 4 codes (12 bits) lies in 3 source bytes: vpermb puts the first
+// run's bytes in the qword's bytes 0-3 and the second's in 4-7, vpmultishiftqb takes the 8 bits at each code's offset
+// into its byte, and the mask keeps the code's 3.
+#define FLASHLLM_VNNI_VBMI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi")))
+struct Multishift3Tables {
+  alignas(64) uint8_t bytes[64], offsets[64];
+};
+constexpr Multishift3Tables make_multishift3_tables() {
+  Multishift3Tables t{};
+  for (int q = 0; q < 8; ++q) {
+    const int first = 16 * (q / 2) + 4 * (q % 2);
+    for (int run = 0; run < 2; ++run) {
+      const int bit = 3 * (first + 8 * run);
+      for (int k = 0; k < 4; ++k) t.bytes[8 * q + 4 * run + k] = static_cast<uint8_t>(bit / 8 + k);
+      for (int i = 0; i < 4; ++i) t.offsets[8 * q + 2 * i + run] = static_cast<uint8_t>(32 * run + bit % 8 + 3 * i);
+    }
+  }
+  return t;
+}
+constexpr Multishift3Tables kMultishift3 = make_multishift3_tables();
+
+FLASHLLM_VNNI_VBMI inline __m512i decode3_multishift(__m256i raw) {
+  const __m512i bytes = _mm512_permutexvar_epi8(_mm512_load_si512(kMultishift3.bytes), _mm512_castsi256_si512(raw));
+  return _mm512_and_si512(_mm512_multishift_epi64_epi8(_mm512_load_si512(kMultishift3.offsets), bytes),
+                          _mm512_set1_epi8(7));
+}
+
 // The first min(count, 64) bytes of p, zeros after: never reads past a row (the last row ends the allocation).
 FLASHLLM_VNNI inline __m512i load_bytes(const uint8_t* p, int64_t count) {
   return count >= 64 ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi8((__mmask64{1} << count) - 1, p);
@@ -264,48 +297,6 @@ FLASHLLM_VNNI inline void dot_chunk(__m512i raw, const int8_t* xc, int64_t xstri
    ...);
 }
 
-// The 64 codes of the 24-byte chunk of 3-bit codes at `off`; reads 32 bytes, the last 8 only while inside the row.
-FLASHLLM_VNNI inline __m512i chunk3(const uint8_t* codes, int64_t off, int64_t width) {
-  return decode3(off + 32 <= width ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + off))
-                                   : _mm256_maskz_loadu_epi8((__mmask32{1} << (width - off)) - 1, codes + off));
-}
-
-template <int TB>
-FLASHLLM_VNNI inline void dot_chunk3(const uint8_t* codes, int64_t off, int64_t width, const int8_t* xc,
-                                     int64_t xstride, __m512i (&sum)[TB]) {
-  dot_step<TB>(sum, chunk3(codes, off, width), xc, xstride);
-}
-
-// lanes[t] = the sum over a row's (or group's) codes q_k of q_k * xq[t][k], spread over 16 int32 lanes as vpdpbusd
-// leaves it (exact: |lane| <= 15 * 127 * d < 2^31 for the d <= 2^20 the checks allow); xl: the tokens' laid-out x,
-// xstride bytes apart.
-template <int TB, int BITS>
-FLASHLLM_VNNI void row_dots_vnni(const uint8_t* codes, int64_t width, const int8_t* xl, int64_t xstride,
-                                 __m512i (&lanes)[TB]) {
-  // Every loop over t fully unrolled, so the accumulators stay in registers (a rolled loop keeps the arrays in
-  // memory and stores every vpdpbusd result).
-  __m512i even[TB], odd[TB];
-#pragma GCC unroll 8
-  for (int t = 0; t < TB; ++t) even[t] = odd[t] = _mm512_setzero_si512();
-  const int64_t chunks = vnni_chunks(width, BITS);
-  if constexpr (BITS == 3) {
-    int64_t c = 0;
-    for (; c + 2 <= chunks; c += 2) {
-      dot_chunk3<TB>(codes, c * 24, width, xl + c * 64, xstride, even);
-      dot_chunk3<TB>(codes, c * 24 + 24, width, xl + c * 64 + 64, xstride, odd);
-    }
-    if (c < chunks) dot_chunk3<TB>(codes, c * 24, width, xl + c * 64, xstride, even);
-  } else {
-    constexpr int kPer = 8 / BITS;
-    for (int64_t c = 0; c < chunks; ++c) {
-      dot_chunk<TB, BITS>(load_bytes(codes + c * 64, width - c * 64), xl + c * kPer * 64, xstride, even, odd,
-                          std::make_integer_sequence<int, kPer>{});
-    }
-  }
-#pragma GCC unroll 8
-  for (int t = 0; t < TB; ++t) lanes[t] = _mm512_add_epi32(even[t], odd[t]);
-}
-
 inline float activate(float v, int act) {
   switch (act) {
     case kActRelu: return v < 0.f ? 0.f : v;  // NaN stays NaN, as torch.relu
@@ -314,7 +305,9 @@ inline float activate(float v, int act) {
   }
 }
 
-enum class Path { kTables, kAvx512, kVnni };
+// kVnniVbmi: the VNNI path with 3-bit codes decoded by VBMI's multishift (multishift3), the rest as kVnni.
+enum class Path { kTables, kAvx512, kVnni, kVnniVbmi };
+inline bool is_vnni(Path path) { return path == Path::kVnni || path == Path::kVnniVbmi; }
 
 struct Matrix {
   const uint8_t* codes;
@@ -349,72 +342,24 @@ FLASHLLM_VNNI inline __m512 add_group(__m512 total, __m512i lanes, const int32_t
   return _mm512_fmadd_ps(_mm512_cvtepi32_ps(centred), _mm512_set1_ps(0.5f * static_cast<float>(scale)), total);
 }
 
-// acc[t] = sum over row r's groups of scale x sum_k (q_k - centre) * x_k, for TB tokens.
-template <int TB, int BITS>
-FLASHLLM_VNNI void row_scores_vnni(const Matrix& m, int64_t r, const float* x_scale, float* acc) {
-  __m512 total[TB];
-#pragma GCC unroll 8
-  for (int t = 0; t < TB; ++t) total[t] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < m.groups; ++g) {
-    __m512i lanes[TB];
-    row_dots_vnni<TB, BITS>(m.codes + r * m.width + g * m.group_width, m.group_width, m.xl + g * m.group_layout,
-                            m.xl_stride, lanes);
-#pragma GCC unroll 8
-    for (int t = 0; t < TB; ++t)
-      total[t] = add_group(total[t], lanes[t], m.xlanes + (t * m.groups + g) * 16, m.scale[r * m.groups + g]);
-  }
-#pragma GCC unroll 8
-  for (int t = 0; t < TB; ++t) acc[t] = _mm512_reduce_add_ps(total[t]) * x_scale[t];
-}
-
-// T = 1, kRowBlock rows at once: acc[i] = row_scores_vnni of row r0 + i. One row alone is one chain of vpdpbusd,
-// each waiting on the last; four rows are four chains sharing each load of x.
+// T = 1: kRowBlock rows at once (rows_dots_vnni). One row alone is one chain of vpdpbusd, each waiting on the last;
+// four rows are four chains sharing each load of x.
 constexpr int kRowBlock = 4;
 
-template <int BITS>
-FLASHLLM_VNNI void rows_dots_vnni(const Matrix& m, int64_t r0, float x_scale, float* acc) {
-  __m512 total[kRowBlock];
-#pragma GCC unroll 4
-  for (int i = 0; i < kRowBlock; ++i) total[i] = _mm512_setzero_ps();
-  const int64_t chunks = vnni_chunks(m.group_width, BITS);
-  for (int64_t g = 0; g < m.groups; ++g) {
-    const int8_t* xl = m.xl + g * m.group_layout;
-    const uint8_t* codes = m.codes + r0 * m.width + g * m.group_width;
-    __m512i sum[kRowBlock];
-#pragma GCC unroll 4
-    for (int i = 0; i < kRowBlock; ++i) sum[i] = _mm512_setzero_si512();
-    if constexpr (BITS == 3) {
-      for (int64_t c = 0; c < chunks; ++c) {
-        const __m512i xv = _mm512_loadu_si512(xl + c * 64);
-#pragma GCC unroll 4
-        for (int i = 0; i < kRowBlock; ++i)
-          sum[i] = _mm512_dpbusd_epi32(sum[i], chunk3(codes + i * m.width, c * 24, m.group_width), xv);
-      }
-    } else {
-      constexpr int kPer = 8 / BITS;
-      const __m512i mask = _mm512_set1_epi8((1 << BITS) - 1);
-      for (int64_t c = 0; c < chunks; ++c) {
-        __m512i raw[kRowBlock];
-#pragma GCC unroll 4
-        for (int i = 0; i < kRowBlock; ++i)
-          raw[i] = load_bytes(codes + i * m.width + c * 64, m.group_width - c * 64);
-#pragma GCC unroll 8
-        for (int j = 0; j < kPer; ++j) {
-          const __m512i xv = _mm512_loadu_si512(xl + (c * kPer + j) * 64);
-          const __m128i shift = _mm_cvtsi32_si128(j * BITS);
-#pragma GCC unroll 4
-          for (int i = 0; i < kRowBlock; ++i)
-            sum[i] = _mm512_dpbusd_epi32(sum[i], _mm512_and_si512(_mm512_srl_epi16(raw[i], shift), mask), xv);
-        }
-      }
-    }
-    const c10::Half* scale = m.scale + r0 * m.groups + g;
-#pragma GCC unroll 4
-    for (int i = 0; i < kRowBlock; ++i) total[i] = add_group(total[i], sum[i], m.xlanes + g * 16, scale[i * m.groups]);
-  }
-#pragma GCC unroll 4
-  for (int i = 0; i < kRowBlock; ++i) acc[i] = _mm512_reduce_add_ps(total[i]) * x_scale;
-}
+// The row loops, once per decode of 3-bit codes (quant_scores_vnni_rows.h says why twice); the VBMI ones run at
+// CpuIsa::kAvx512Vbmi2, whose CPUs have VBMI.
+namespace shuffle3 {
+#define FLASHLLM_VNNI_ROWS FLASHLLM_VNNI
+FLASHLLM_VNNI inline __m512i decode3_rows(__m256i raw) { return decode3(raw); }
+#include "cpu/quant_scores_vnni_rows.h"
+#undef FLASHLLM_VNNI_ROWS
+}  // namespace shuffle3
+namespace multishift3 {
+#define FLASHLLM_VNNI_ROWS FLASHLLM_VNNI_VBMI
+FLASHLLM_VNNI_VBMI inline __m512i decode3_rows(__m256i raw) { return decode3_multishift(raw); }
+#include "cpu/quant_scores_vnni_rows.h"
+#undef FLASHLLM_VNNI_ROWS
+}  // namespace multishift3
 
 // out[l] = levels x the sum over the group's `vectors` 64-byte x vectors of their bytes 4l..4l+3: the part of
 // levels x sum(x) that each int32 lane of rows_dots_vnni's sums holds.
@@ -439,11 +384,12 @@ void score_rows(const Matrix& up, const Matrix* gate, const Block& block, Path p
                 int64_t out_stride) {
   // acc[t] = sum over the row's groups of scale x sum_k (q_k - centre) * x_k (x rounded, in fp32).
   const auto dots = [&](const Matrix& m, int64_t r, float* acc) {
-    if (path == Path::kVnni) {
-      if (m.bits == 4) row_scores_vnni<TB, 4>(m, r, block.scale, acc);
-      else if (m.bits == 3) row_scores_vnni<TB, 3>(m, r, block.scale, acc);
-      else if (m.bits == 2) row_scores_vnni<TB, 2>(m, r, block.scale, acc);
-      else row_scores_vnni<TB, 1>(m, r, block.scale, acc);
+    if (is_vnni(path)) {
+      if (m.bits == 4) shuffle3::row_scores_vnni<TB, 4>(m, r, block.scale, acc);
+      else if (m.bits == 3 && path == Path::kVnniVbmi) multishift3::row_scores_vnni<TB, 3>(m, r, block.scale, acc);
+      else if (m.bits == 3) shuffle3::row_scores_vnni<TB, 3>(m, r, block.scale, acc);
+      else if (m.bits == 2) shuffle3::row_scores_vnni<TB, 2>(m, r, block.scale, acc);
+      else shuffle3::row_scores_vnni<TB, 1>(m, r, block.scale, acc);
       return;
     }
     const uint8_t* row = m.codes + r * m.width;
@@ -471,12 +417,13 @@ void score_rows(const Matrix& up, const Matrix* gate, const Block& block, Path p
   // rows_dots_vnni for whole blocks of rows at T = 1; dots() row by row otherwise.
   const auto block_dots = [&](const Matrix& m, int64_t r0, int64_t rows, float (*acc)[TB]) {
     if constexpr (TB == 1) {
-      if (path == Path::kVnni && rows == kRowBlock) {
+      if (is_vnni(path) && rows == kRowBlock) {
         float four[kRowBlock];
-        if (m.bits == 4) rows_dots_vnni<4>(m, r0, block.scale[0], four);
-        else if (m.bits == 3) rows_dots_vnni<3>(m, r0, block.scale[0], four);
-        else if (m.bits == 2) rows_dots_vnni<2>(m, r0, block.scale[0], four);
-        else rows_dots_vnni<1>(m, r0, block.scale[0], four);
+        if (m.bits == 4) shuffle3::rows_dots_vnni<4>(m, r0, block.scale[0], four);
+        else if (m.bits == 3 && path == Path::kVnniVbmi) multishift3::rows_dots_vnni<3>(m, r0, block.scale[0], four);
+        else if (m.bits == 3) shuffle3::rows_dots_vnni<3>(m, r0, block.scale[0], four);
+        else if (m.bits == 2) shuffle3::rows_dots_vnni<2>(m, r0, block.scale[0], four);
+        else shuffle3::rows_dots_vnni<1>(m, r0, block.scale[0], four);
         for (int i = 0; i < kRowBlock; ++i) acc[i][0] = four[i];
         return;
       }
@@ -528,7 +475,10 @@ at::Tensor quant_scores_cpu(const at::Tensor& x_in, const at::Tensor& up_codes_i
   std::optional<Matrix> gate;
   if (gate_codes) gate = matrix_of(*gate_codes, *gate_scale, gate_bias, gate_bits, d);
   const CpuIsa isa = active_cpu_isa();
-  const Path path = isa >= CpuIsa::kAvx512Vnni ? Path::kVnni : isa >= CpuIsa::kAvx512 ? Path::kAvx512 : Path::kTables;
+  const Path path = isa >= CpuIsa::kAvx512Vbmi2  ? Path::kVnniVbmi
+                    : isa >= CpuIsa::kAvx512Vnni ? Path::kVnni
+                    : isa >= CpuIsa::kAvx512     ? Path::kAvx512
+                                                 : Path::kTables;
 
   // x rounded to int8 per token, once for all tokens.
   thread_local std::vector<int8_t> xq;
@@ -547,7 +497,7 @@ at::Tensor quant_scores_cpu(const at::Tensor& x_in, const at::Tensor& up_codes_i
   thread_local std::vector<float> rounded, tables, xpad;
   thread_local std::vector<int8_t> layouts;
   thread_local std::vector<int32_t> xlanes;
-  if (path != Path::kVnni) {
+  if (!is_vnni(path)) {
     rounded.resize(T * d);
     for (int64_t t = 0; t < T; ++t)
       for (int64_t k = 0; k < d; ++k) rounded[t * d + k] = static_cast<float>(xq[t * d + k]) * x_scale[t];
@@ -559,7 +509,7 @@ at::Tensor quant_scores_cpu(const at::Tensor& x_in, const at::Tensor& up_codes_i
   if (gate) gate->table = tables.data() + up_size;
   xpad.assign(padded ? kMaxTokens * dpad : 0, 0.f);
   Matrix* matrices[2] = {&up, gate ? &*gate : nullptr};
-  if (path == Path::kVnni) {
+  if (is_vnni(path)) {
     int64_t layout_bytes = 0, lanes = 0;
     for (Matrix* m : matrices) {
       if (!m) continue;
@@ -586,7 +536,7 @@ at::Tensor quant_scores_cpu(const at::Tensor& x_in, const at::Tensor& up_codes_i
   for (int64_t t0 = 0; t0 < T; t0 += kMaxTokens) {
     const int64_t tb = std::min(kMaxTokens, T - t0);
     for (int64_t t = 0; t < tb; ++t) {
-      if (path == Path::kVnni) {
+      if (is_vnni(path)) {
         const int8_t* q = xq.data() + (t0 + t) * d;
         for (Matrix* m : matrices) {
           if (!m) continue;
