@@ -63,7 +63,7 @@ from .checkpoint import Checkpoint, open_checkpoint
 from .engine import _tensor_bytes, assign_resident, empty_model, parse_budget
 from .errors import FormatError
 from .models.hf import decoder_layers
-from .reader import FlashReader, select_read_path
+from .reader import FlashReader, ReadStats, select_read_path
 from .safetensors_io import AlignedWriter, TensorEntry, TensorSpec, dtype_name, owned_tensor, read_header
 from .store import ALIGNMENT, DTYPES
 from .transfer import cuda_device
@@ -533,12 +533,17 @@ class OffloadRuntime:
                 target.copy_(self.host_layers[layer - self.layers_on_device], non_blocking=True)
                 read, n_reads, moved = 0, 0, size
             else:
-                stats = self.reader.read_rows(offset, ALIGNMENT, size // ALIGNMENT, self._ids[:size // ALIGNMENT],
-                                              target)
+                stats = self.read_layer(layer, target)
                 read, n_reads, moved = stats.bytes_read, stats.n_reads, size if stats.path == "pinned" else 0
             if self._cuda:
                 self._copy_stream.synchronize()
         return _Fetched(read, n_reads, moved, time.perf_counter() - start)
+
+    def read_layer(self, layer: int, out: torch.Tensor) -> ReadStats:
+        """The stored bytes of moved layer `layer` (its whole read range) into `out` (uint8, that many bytes, host or
+        device), with the parallel direct-I/O reader."""
+        offset, size = self.store.layer_range(layer)
+        return self.reader.read_rows(offset, ALIGNMENT, size // ALIGNMENT, self._ids[:size // ALIGNMENT], out)
 
     def _account(self, fetched: _Fetched) -> None:
         self.stats.bytes_read += fetched.bytes_read
@@ -631,17 +636,6 @@ def _aligned_buffer(nbytes: int) -> torch.Tensor:
     raw = torch.empty(nbytes + ALIGNMENT, dtype=torch.uint8)
     skip = -raw.data_ptr() % ALIGNMENT
     return raw[skip:skip + nbytes]
-
-
-def _read_layer_bytes(store: LayerStore, layer: int, pin: bool) -> torch.Tensor:
-    """The stored bytes of `layer` (its whole read range) in host memory of their own, pinned when `pin`."""
-    offset, size = store.layer_range(layer)
-    out = torch.empty(size, dtype=torch.uint8, pin_memory=pin)
-    with open(store.layers_path, "rb", buffering=0) as f:
-        f.seek(offset)
-        if f.readinto(out.numpy()) != size:
-            raise FormatError(f"layers[{layer}]", "the file ends inside the layer's range", store.layers_path)
-    return out
 
 
 # ------------------------------------------------------------------------------------------ placement, install
@@ -835,10 +829,15 @@ def _install(model: nn.Module, store: LayerStore, mode: str, budget: int | float
                          f"largest layer and the decompression buffer)") from None
     runtime = OffloadRuntime(store, mode, compute, device, budget_bytes, device_budget_bytes, resident, placement,
                              threads)
+    if runtime.moved_layers:  # the staged layers are read once here, the SSD ones every forward
+        runtime.reader = FlashReader.for_file(store.layers_path, threads=threads)
     for i in tqdm(range(placement.in_memory), desc="loading layers into memory", unit="layer",
                   disable=not progress or not placement.in_memory):
         if i >= placement.on_device:  # staged: the stored bytes, pinned on CUDA
-            runtime.host_layers.append(_read_layer_bytes(store, i, pin=separate))
+            size = store.layer_range(i)[1]
+            host = torch.empty(size, dtype=torch.uint8, pin_memory=True) if separate else _aligned_buffer(size)
+            runtime.read_layer(i, host)
+            runtime.host_layers.append(host)
             continue
         layer = {}  # resident: dense (dense, endor), or as stored (endor+more-resident)
         for e in store.layers[i]:
@@ -848,8 +847,6 @@ def _install(model: nn.Module, store: LayerStore, mode: str, budget: int | float
         runtime.memory.append(layer)
     if placement.in_memory:
         _drop_page_cache(store.layers_path)
-    if runtime.layers_on_ssd:
-        runtime.reader = FlashReader.for_file(store.layers_path, threads=threads)
     for i, layer_slots in enumerate(slots):
         for parent, attr, linear, name in layer_slots:
             if keep_originals:
