@@ -37,7 +37,8 @@ from pathlib import Path
 
 import torch
 
-from common import arg_parser, device_name, emit, median_rows, process_memory, run_limited_child
+from common import (arg_parser, device_name, emit, median_rows, process_memory, run_limited_child,
+                    stacked_token_bars)
 
 from flashllm_ext.errors import FormatError
 from flashllm_ext.paths import resolve_cache_dir
@@ -383,17 +384,9 @@ def plot_breakdown(rows: list[dict], path: Path) -> None:
     rows = [r for r in rows if r.get("ms_per_token") is not None]
     labels = [bar_label(r) for r in rows]
     fig, ax = plt.subplots(figsize=(1.3 * len(rows) + 2, 4))
-    bottom = [0.0] * len(rows)
-    for part in ("io_ms", "mem_ms", "predictor_ms", "compute_ms"):
-        values = [r.get(part) or 0.0 for r in rows]
-        if part == "compute_ms":  # no engine stats (dense, accelerate): the whole decode time
-            values = [r.get(part) if r.get("io_ms") is not None else r["ms_per_token"] for r in rows]
-        ax.bar(labels, values, bottom=bottom, label=part.removesuffix("_ms"))
-        bottom = [b + v for b, v in zip(bottom, values)]
-    ax.plot(labels, [r["ms_per_token"] for r in rows], "k_", markersize=20, label="measured ms/token (median)")
-    ax.set_ylabel("ms per decode token")
+    stacked_token_bars(ax, labels, rows, [(part, part.removesuffix("_ms")) for part in
+                                          ("io_ms", "mem_ms", "predictor_ms", "compute_ms")], has_breakdown="io_ms")
     ax.set_title(f"{rows[0]['model'] if rows else ''}: per-token breakdown")
-    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from bench_e2e import RESULTS, _decode, _load, prompt_ids
-from common import arg_parser, device_name, emit, median_rows, run_limited_child
+from common import arg_parser, device_name, emit, median_rows, run_limited_child, stacked_token_bars
 
 from flashllm_ext.errors import FormatError
 from flashllm_ext.paths import resolve_cache_dir
@@ -125,17 +125,8 @@ def plot_offload(medians: list[dict], path: Path) -> None:
 
     labels = [f"{r['mode']}\n{placement(r)}" for r in rows]
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(max(9.0, 2.6 * len(rows) + 2), 4.4))
-    bottom = [0.0] * len(rows)
-    for part, label in (("read_ms", "read (exposed)"), ("decompress_ms", "decompress"), ("compute_ms", "compute")):
-        values = [r.get(part) or 0.0 for r in rows]
-        ax.bar(labels, values, bottom=bottom, label=label)
-        bottom = [b + v for b, v in zip(bottom, values)]
-    # no runtime stats (accelerate): the whole decode token, unsplit
-    ax.bar(labels, [r["ms_per_token"] if r.get("read_ms") is None else 0.0 for r in rows], color="tab:gray",
-           label="whole token (no breakdown)")
-    ax.plot(labels, [r["ms_per_token"] for r in rows], "k_", markersize=24, label="measured ms/token (median)")
-    ax.set_ylabel("ms per decode token")
-    ax.legend(fontsize=8)
+    stacked_token_bars(ax, labels, rows, (("read_ms", "read (exposed)"), ("decompress_ms", "decompress"),
+                                          ("compute_ms", "compute")), has_breakdown="read_ms", markersize=24)
     read_mb = [(r.get("bytes_read_per_token") or 0) / 1e6 if r.get("bytes_read_per_token") is not None else
                (r.get("proc_read_mb_per_token") or 0.0) for r in rows]
     bx.bar(labels, read_mb, color="tab:gray")

@@ -18,7 +18,8 @@ from flashllm_ext.report import print_table  # noqa: E402
 from flashllm_ext.timing import time_interleaved  # noqa: E402,F401  (re-exported for the bench scripts)
 
 __all__ = ["CGROUP_V1", "CGROUP_V2", "MemoryCgroup", "arg_parser", "device_name", "drop_page_cache", "emit",
-           "median_rows", "process_memory", "run_limited_child", "stream_probe", "time_interleaved"]
+           "median_rows", "process_memory", "run_limited_child", "stacked_token_bars", "stream_probe",
+           "time_interleaved"]
 
 
 def device_name(device: str = "cpu") -> str:
@@ -89,3 +90,20 @@ def median_rows(rows: list[dict], fields: tuple[str, ...], bench: str) -> list[d
         out.append({**group[0], **median, "bench": bench, "rounds": len(group),
                     "oom_killed": any(r.get("oom_killed") for r in group)})
     return out
+
+
+def stacked_token_bars(ax, labels: list[str], rows: list[dict], parts: Iterable[tuple[str, str]],
+                       has_breakdown: str, markersize: int = 20) -> None:
+    """One bar per row (a mode's medians) on `ax`: its per-token parts (keys of `parts`, with their legend labels)
+    stacked; a row without the key `has_breakdown` (no runtime stats: dense, accelerate) shows its whole token
+    in gray instead; a black tick marks each row's measured ms/token."""
+    bottom = [0.0] * len(rows)
+    for key, label in parts:
+        values = [(r.get(key) or 0.0) if r.get(has_breakdown) is not None else 0.0 for r in rows]
+        ax.bar(labels, values, bottom=bottom, label=label)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    ax.bar(labels, [r["ms_per_token"] if r.get(has_breakdown) is None else 0.0 for r in rows], color="tab:gray",
+           label="whole token (no breakdown)")
+    ax.plot(labels, [r["ms_per_token"] for r in rows], "k_", markersize=markersize, label="measured ms/token (median)")
+    ax.set_ylabel("ms per decode token")
+    ax.legend(fontsize=8)
