@@ -18,7 +18,7 @@
    one at a time: bytes read per token after the first `window` tokens, predictor and FFN compute ms per token, the
    decoded tokens' perplexity against dense decoding (with --lookahead: also with the engine's look-ahead).
 4. Figure: perplexity vs loaded density per method with the oracle frontier, bench/results/predictor_methods.png
-   (--figure).
+   for a run of the default --methods and --densities (and for --plot), else only to --figure PATH.
 
     python bench/bench_predictor.py [--json] [--methods quant,teal,lowrank-reg,lowrank,oracle] [--densities ...]
 
@@ -47,6 +47,7 @@ from flashllm_ext.predictor import (ALLOCATIONS, allocate_densities, calibrate_t
 
 WINDOW = 512
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+DEFAULT_FIGURE = os.path.join(RESULTS, "predictor_methods.png")
 
 
 def threshold_sweep(model, calibration, heldout, targets, n_windows, as_json) -> None:
@@ -233,12 +234,15 @@ def main() -> None:
                         "the engine (ahead,prefetch: sets chosen before attention), perplexity against dense decoding")
     parser.add_argument("--flash-densities", default=None,
                         help="only the FlashFFN decode, at these densities for every method (no method sweep)")
-    parser.add_argument("--figure", default=os.path.join(RESULTS, "predictor_methods.png"), help="the figure's path")
+    parser.add_argument("--figure", default=None, help=f"the figure's path (default {DEFAULT_FIGURE} for --plot and "
+                        "for a run of the default methods and densities; other runs draw none without it, so a "
+                        "partial run does not replace the committed figure)")
     parser.add_argument("--plot", nargs="+", metavar="JSONL", default=None,
                         help="only the figure, from the bench:\"method\" rows of these --json outputs")
     args = parser.parse_args()
     os.makedirs(RESULTS, exist_ok=True)
-    figure = args.figure
+    full_run = all(getattr(args, name) == parser.get_default(name) for name in ("methods", "densities"))
+    figure = args.figure or (DEFAULT_FIGURE if args.plot or full_run else None)
     if args.plot:
         rows = [json.loads(line) for path in args.plot for line in open(path) if line.startswith("{")]
         plot_methods([r for r in rows if r.get("bench") == "method"], figure)
@@ -264,8 +268,10 @@ def main() -> None:
         points = {spec: [float(d) for d in args.flash_densities.split(",")] for spec in built}
     else:
         rows = method_sweep(model, calibration, heldout, built, inputs, args, ffn_bytes)
-        plot_methods(rows, figure)
-        print(f"figure: {figure}", flush=True)
+        if figure:
+            plot_methods(rows, figure)
+        print(f"figure: {figure or 'none (not the default methods and densities; --figure PATH draws one)'}",
+              flush=True)
         if args.no_flash:
             return
         points = {}  # each method at its smallest swept density within 1.05x dense perplexity
