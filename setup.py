@@ -10,6 +10,7 @@ leaving the pure-torch reference kernels.
 """
 import glob
 import os
+import sys
 
 import torch
 from setuptools import setup
@@ -18,6 +19,20 @@ from torch.utils import cpp_extension
 ROOT = os.path.dirname(os.path.abspath(__file__))
 CXX_FLAGS = ["-O3", "-std=c++20", "-fopenmp", "-fvisibility=hidden", "-Wall", "-Wno-unused-function"]
 LINK_FLAGS = ["-fopenmp"]
+
+
+def _runtime_libstdcxx() -> list[str]:
+    """The shared libstdc++ this process runs with (torch loaded it), named as a link input on Linux.
+
+    A compiler that links libstdc++ statically (the GPU image's /opt/gcc/bin/g++, seen 2026-11-27 on an H100) gives
+    the extension its own copy of the locale machinery next to the shared one torch uses: the first error message
+    that formats a number (any TORCH_CHECK with an integer in it) then segfaults in std::ostream. Named before the
+    driver's own -lstdc++, the shared library resolves every symbol it has, so no archive member joins the extension.
+    tests/test_import.py checks the built libraries for such a copy."""
+    if not sys.platform.startswith("linux"):
+        return []
+    with open("/proc/self/maps") as maps:
+        return sorted({line.split()[-1] for line in maps if "/libstdc++.so" in line})[:1]
 
 
 def _sources(pattern: str) -> list[str]:
@@ -51,7 +66,7 @@ def _extensions() -> list:
         ext_cls = cpp_extension.CUDAExtension
         sources += _sources("csrc/cuda/*.cu") + _sources("csrc/cuda/*.cpp")
         extra["nvcc"] = ["-O3", "-std=c++17"]
-    link = list(LINK_FLAGS)
+    link = LINK_FLAGS + _runtime_libstdcxx()
     if _want_uring():
         extra = {key: flags + ["-DFLASHLLM_WITH_URING"] for key, flags in extra.items()}
         link.append("-luring")
@@ -62,7 +77,7 @@ def _extensions() -> list:
         extra_compile_args={"cxx": ["-O2", "-std=c++20", "-fvisibility=hidden", "-Wall", "-pthread",
                                     # kernel bodies pun types (vector stores) and carry nvcc's #pragma unroll
                                     "-fno-strict-aliasing", "-Wno-unknown-pragmas"]},
-        extra_link_args=["-pthread"])
+        extra_link_args=["-pthread"] + _runtime_libstdcxx())
     # An extension without sources (e.g. before its first kernel lands) is simply not built.
     return [ext for ext in (main, simt) if ext.sources]
 

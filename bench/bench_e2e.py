@@ -127,14 +127,22 @@ class OraclePredictors(NeuronPredictor):
 
 # ------------------------------------------------------------------------------------------- the child runs
 
-def prompt_ids(n_prompt: int, vocab_size: int) -> tuple[list[int], str | None]:
+def prompt_ids(n_prompt: int, vocab_size: int, synthesized: bool = False) -> tuple[list[int], str | None]:
     """The prompt every configuration decodes from: the first n_prompt tokens of the held-out text (the default
-    model's tokenizer), and a note when a smaller vocabulary (a tiny test store) forces folding them into it."""
+    model's tokenizer), and a note when a smaller vocabulary (a tiny test store) forces folding them into it.
+    synthesized (a checkpoint of random weights, where the text does not matter): when the default model cannot be
+    fetched (a machine with no network), seeded random ids instead, and a note saying so."""
     from transformers import AutoTokenizer
 
     from flashllm_ext.models import corpus_token_ids, fetch_default
 
-    gguf = fetch_default()
+    try:
+        gguf = fetch_default()
+    except RuntimeError as e:
+        if not synthesized:
+            raise
+        ids = torch.randint(vocab_size, (n_prompt,), generator=torch.Generator().manual_seed(0)).tolist()
+        return ids, f"seeded random token ids: the default model's tokenizer could not be fetched ({str(e)[:80]})"
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
     ids = corpus_token_ids(tokenizer, "heldout", max_tokens=n_prompt)
     if int(ids.max()) < vocab_size:

@@ -293,7 +293,8 @@ def main(argv: list[str] | None = None) -> None:
                          f"{name}: {e}") from None
     from transformers import AutoConfig
 
-    ids, prompt_note = prompt_ids(args.prompt_tokens, AutoConfig.from_pretrained(hf_dir).vocab_size)
+    ids, prompt_note = prompt_ids(args.prompt_tokens, AutoConfig.from_pretrained(hf_dir).vocab_size,
+                                  synthesized=args.scale)
     base = {"model": name, "tokens": args.tokens, "prompt_ids": ids, "budget_bytes": budget, "threads": args.threads,
             "compute_threads": args.compute_threads, "device": args.device, "device_budget_bytes": device_budget,
             "max_memory": {"0": device_budget, "cpu": budget} if cuda else None,

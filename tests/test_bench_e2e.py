@@ -129,3 +129,22 @@ def test_scale_configs_expand_the_quant_family_at_point_a_only(monkeypatch):
     assert flash == [("a", "lowrank"), ("a", "quant"), ("a", "quant:4/2"), ("b", "quant")]
     assert [c for c in scale_configs([]) if c[2] is not None] == []
     assert [c for c in scale_configs([]) if c[0] != "flash"] == [c for c in SCALE_CONFIGS if c[0] != "flash"]
+
+
+def test_prompt_of_a_synthesized_checkpoint_without_the_default_model(monkeypatch):
+    # A machine with no network (the GPU image) cannot fetch the default model's tokenizer: a synthesized
+    # checkpoint's benchmark decodes from seeded random ids and says so; every other caller still fails loudly.
+    sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
+    import bench_e2e
+
+    import flashllm_ext.models
+
+    def offline(*args, **kwargs):
+        raise RuntimeError("could not fetch the default model: no network")
+
+    monkeypatch.setattr(flashllm_ext.models, "fetch_default", offline)
+    ids, note = bench_e2e.prompt_ids(6, 50, synthesized=True)
+    assert ids == bench_e2e.prompt_ids(6, 50, synthesized=True)[0] and len(ids) == 6 and max(ids) < 50
+    assert "seeded random token ids" in note and "no network" in note
+    with pytest.raises(RuntimeError, match="could not fetch the default model"):
+        bench_e2e.prompt_ids(6, 50)

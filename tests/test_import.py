@@ -1,7 +1,9 @@
 import os
+import shutil
 import subprocess
 import sys
 
+import pytest
 import torch
 
 import flashllm_ext
@@ -51,3 +53,21 @@ def test_native_library_is_loaded_in_one_place():
     importers = [p.name for p in package.rglob("*.py") if "import _C" in p.read_text()]
     assert importers == ["_native.py"]
     assert "import flashllm_ext" not in Path(reader.__file__).read_text()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or shutil.which("nm") is None, reason="needs Linux and nm")
+def test_native_libraries_use_the_shared_libstdcxx():
+    # A toolchain that links libstdc++ statically puts a second copy of the locale machinery in the extension, and
+    # the first error message with a number in it then segfaults (the GPU image's /opt/gcc, 2026-11-27; setup.py's
+    # _runtime_libstdcxx): std::locale::id::_M_id is libstdc++'s own and must come from the shared library.
+    from flashllm_ext import _C
+
+    libraries = [_C.__file__]
+    try:
+        from flashllm_ext import _simt
+        libraries.append(_simt.__file__)
+    except ImportError:
+        pass
+    for library in libraries:
+        defined = subprocess.run(["nm", "--defined-only", library], capture_output=True, text=True, check=True).stdout
+        assert "_ZNKSt6locale2id5_M_idEv" not in defined, f"{library} holds a static copy of libstdc++: rebuild it"
