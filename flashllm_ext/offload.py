@@ -77,6 +77,9 @@ TENSOR_ALIGNMENT = 64  # inside a layer: every element size and a cache line; la
 MODES = ("dense", "endor", "endor+more-resident")
 COMPUTES = ("auto", "linear", "decompress")
 LINEAR_MAX_TOKENS = 8  # endor_linear keeps up to 8 tokens in registers; longer inputs decompress + GEMM
+# On an H100 the CUDA endor_linear beats decompress + GEMM at T = 1 (1.14-1.57x) and loses at T = 4 (0.72-0.81x)
+# (BENCHMARKS "First run on a GPU")
+CUDA_LINEAR_MAX_TOKENS = 1
 _LAYER_WEIGHT = re.compile(r"^(?:.*\.)?layers\.(\d+)\..+\.weight$")
 
 
@@ -452,7 +455,8 @@ class OffloadRuntime:
         rows, cols = w.shape
         flat = x.reshape(-1, cols)
         bias = None if bias is None else bias.detach()
-        if self.compute == "linear" or (self.compute == "auto" and flat.shape[0] <= LINEAR_MAX_TOKENS):
+        max_tokens = CUDA_LINEAR_MAX_TOKENS if self._cuda else LINEAR_MAX_TOKENS
+        if self.compute == "linear" or (self.compute == "auto" and flat.shape[0] <= max_tokens):
             y = ops.endor_linear(flat, w.values, w.bitmap, w.row_offsets, n_cols=cols, bias=bias)
         else:
             start = self._clock()
