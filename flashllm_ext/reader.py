@@ -66,10 +66,11 @@ def has_io_uring() -> bool:
 
 
 def kvikio_available() -> bool:
-    """Whether kvikio imports (the `[gpu]` extra)."""
+    """Whether kvikio imports (the `[gpu]` extra). A broken install (its import raising OSError or RuntimeError for a
+    missing libcufile or a CUDA mismatch) counts as absent: the pinned-buffer path serves instead."""
     try:
         importlib.import_module("kvikio")
-    except ImportError:
+    except Exception:
         return False
     return True
 
@@ -321,6 +322,11 @@ class FlashReader:
         handle = self._cufile()
         if staging is None:
             staging = torch.empty(int(plan[:, 1].sum()), dtype=torch.uint8, device=device)
+        # kvikio writes device memory from its own threads, outside torch's stream order: kernels still queued on the
+        # current stream may read the destination (the caller's `out`) or memory the allocator just handed out again
+        # as `staging`, so they finish first. (tests/test_endor_store.py runs this on the CPU with a stand-in CuFile.)
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()
         futures, at = [], 0
         for offset, length in plan.tolist():
             futures.append((handle.pread(staging[at:at + length], length, offset), length, offset))

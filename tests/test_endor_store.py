@@ -421,6 +421,21 @@ def test_kvikio_available_follows_the_import(monkeypatch):
     assert reader.kvikio_available()
 
 
+def test_a_broken_kvikio_install_counts_as_absent(monkeypatch):
+    # An install whose import fails for a missing libcufile or a CUDA mismatch: the pinned path serves instead.
+    monkeypatch.delitem(sys.modules, "kvikio", raising=False)
+
+    def broken(name, *args, **kwargs):
+        if name == "kvikio":
+            raise OSError("libcufile.so.0: cannot open shared object file")
+        return real_import(name, *args, **kwargs)
+
+    real_import = reader.importlib.import_module
+    monkeypatch.setattr(reader.importlib, "import_module", broken)
+    assert not reader.kvikio_available()
+    assert select_read_path(torch.device("cuda", 0)) == "pinned"
+
+
 class _PosixCuFile:
     """A stand-in for kvikio.CuFile (same pread signature and future) over plain pread into CPU tensors: it runs the
     reader's kvikio staging and gather logic where there is no GPU."""
