@@ -66,7 +66,8 @@ def _extensions() -> list:
         ext_cls = cpp_extension.CUDAExtension
         sources += _sources("csrc/cuda/*.cu") + _sources("csrc/cuda/*.cpp")
         extra["nvcc"] = ["-O3", "-std=c++17"]
-    link = LINK_FLAGS + _runtime_libstdcxx()
+    libstdcxx = _runtime_libstdcxx()
+    link = LINK_FLAGS + libstdcxx
     if _want_uring():
         extra = {key: flags + ["-DFLASHLLM_WITH_URING"] for key, flags in extra.items()}
         link.append("-luring")
@@ -77,7 +78,7 @@ def _extensions() -> list:
         extra_compile_args={"cxx": ["-O2", "-std=c++20", "-fvisibility=hidden", "-Wall", "-pthread",
                                     # kernel bodies pun types (vector stores) and carry nvcc's #pragma unroll
                                     "-fno-strict-aliasing", "-Wno-unknown-pragmas"]},
-        extra_link_args=["-pthread"] + _runtime_libstdcxx())
+        extra_link_args=["-pthread"] + libstdcxx)
     # An extension without sources (e.g. before its first kernel lands) is simply not built.
     return [ext for ext in (main, simt) if ext.sources]
 
