@@ -528,7 +528,7 @@ class OffloadRuntime:
         store. On CUDA it first waits for the compute that last used the slot (`slot_free`), copies on the copy
         stream, and returns once the bytes are in place."""
         start = time.perf_counter()
-        offset, size = self.store.layer_range(layer)
+        size = self.store.layer_range(layer)[1]
         target = self._slots[slot][:size]
         if slot_free is not None:
             slot_free.synchronize()
