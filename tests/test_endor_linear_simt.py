@@ -12,8 +12,8 @@ require_simt()
 OPS = torch.ops.flashllm_simt
 BODIES = {"cuda": OPS.endor_linear_cuda, "metal": OPS.endor_linear_metal}
 # (rows, cols): one element, odd sizes, rows past one warp iteration (1024 columns) and, for T=8, past one x tile of
-# the CUDA kernel (1024 columns at 8 tokens), more rows than one block (8 warps).
-SHAPES = [(1, 1), (7, 13), (19, 64), (3, 300), (2, 2100), (10, 40)]
+# the CUDA kernel (1024 columns at 8 tokens, 8192 at one), more rows than one block (8 warps).
+SHAPES = [(1, 1), (7, 13), (19, 64), (3, 300), (2, 2100), (10, 40), (2, 8300)]
 
 
 def run(body, x, e, bias=None):

@@ -7,15 +7,17 @@
 // bitmap byte b of row r marks column 8b+j. W is an unsigned integer as wide as the element: the kernel moves bits.
 //
 // Design: one warp per output row, several warps per block, grid-stride over rows. Per step each lane takes one
-// bitmap byte (8 columns); __popc and an in-warp inclusive scan (__shfl_up_sync) give each lane the index of its
-// first value; the lane gathers its 8 elements and writes them with 16-byte stores (8-byte for int8) when the
-// output row is aligned, scalar stores otherwise and past the last full byte. A warp loads kEndorStepsPerIter
-// bitmap bytes per lane before it reads any value, so several steps' value loads are in flight at once.
+// bitmap byte (8 columns); __popc and an in-warp inclusive scan give each lane the index of its first value; the
+// lane writes its 8 elements with 16-byte stores (8-byte for int8) when the output row is aligned, scalar stores
+// otherwise and past the last full byte. The walk (walk_row, endor_warp.cuh) gathers every value of
+// kEndorStepsPerIter steps, and loads the next iteration's bitmap, before it stores any: one memory round trip per
+// iteration rather than one per step.
 //
 // Safety: before reading a row's values the warp checks that the row index is in range, that row_offsets gives a
-// range inside `values`, that no padding bit past n_cols is set, and that the range's length equals the popcount of
-// the row's bitmap. A bad row is written as zeros and reported through `report` (endor_codes.h), which also carries
-// row_offsets[0] and row_offsets[n_rows] back for the host's check.
+// range inside `values` and that no padding bit past n_cols is set; the walk reads no value past the range and
+// counts the bits, and a row whose count differs from the range's length is rewritten as zeros. A bad row comes
+// out as zeros and is reported through `report` (endor_codes.h), which also carries row_offsets[0] and
+// row_offsets[n_rows] back for the host's check.
 #pragma once
 
 #include <cstdint>
@@ -61,13 +63,10 @@ __device__ __forceinline__ void store8_vector(W* dst, const W (&e)[8]) {
   }
 }
 
-// Decodes one bitmap byte: columns col..col+7 of the output row from row_values[first...].
+// Writes columns col..col+7 of an output row.
 template <class W>
-__device__ __forceinline__ void decode_byte(const W* __restrict__ row_values, unsigned bits, unsigned first,
-                                            W* __restrict__ dst, int64_t col, int64_t n_cols, bool aligned) {
-  W e[8];
-#pragma unroll
-  for (int j = 0; j < 8; ++j) e[j] = (bits >> j & 1u) ? row_values[first + __popc(bits & ((1u << j) - 1u))] : W(0);
+__device__ __forceinline__ void store_byte(const W (&e)[8], W* __restrict__ dst, int64_t col, int64_t n_cols,
+                                           bool aligned) {
   if (aligned && col + 8 <= n_cols) {
     store8_vector(dst + col, e);
   } else {
@@ -75,6 +74,14 @@ __device__ __forceinline__ void decode_byte(const W* __restrict__ row_values, un
     for (int j = 0; j < 8; ++j)
       if (col + j < n_cols) dst[col + j] = e[j];
   }
+}
+
+// Zeros a refused row. `written` when the warp has already stored parts of it: the barrier orders those stores,
+// made by other lanes, before these.
+template <class W>
+__device__ __forceinline__ void zero_row(W* __restrict__ dst, int64_t n_cols, int lane, bool written) {
+  if (written) __syncwarp();
+  for (int64_t c = lane; c < n_cols; c += 32) dst[c] = W(0);
 }
 
 }  // namespace endor_detail
@@ -100,24 +107,25 @@ __global__ void __launch_bounds__(kEndorThreadsPerBlock)
        o += int64_t(gridDim.x) * warps_per_block) {
     const int64_t r = rows != nullptr ? rows[o] : o;
     W* dst = out + o * n_cols;
-    int64_t start = 0;
-    const int code = check_row(bitmap, row_offsets, r, n_rows, n_cols, nnz, lane, start);
+    int64_t start = 0, length = 0;
+    const int code = check_row_bounds(bitmap, row_offsets, r, n_rows, n_cols, nnz, start, length);
     if (code != kEndorRowOk) {
       // A refused row comes out as zeros rather than whatever `out` held: the CUDA glue reads the report back only
       // when kernel checks are on (common/kernel_checks.h).
       if (lane == 0) report_row(report, o, code);
-      for (int64_t c = lane; c < n_cols; c += 32) dst[c] = W(0);
+      zero_row(dst, n_cols, lane, false);
       continue;
     }
-    const uint8_t* row_bitmap = bitmap + r * row_bytes;
     const bool aligned = reinterpret_cast<uintptr_t>(dst) % kStoreBytes<W> == 0;
-    const W* row_values = values + start;
-    for (int64_t b0 = 0; b0 < row_bytes; b0 += 32 * kEndorStepsPerIter) {
-      const BitmapIteration it = load_bitmap_iteration(row_bitmap, row_bytes, b0, lane);
+    const int64_t used = walk_row(bitmap + r * row_bytes, 0, row_bytes, values + start, length, lane,
+                                  [&](int64_t b0, const BitmapIteration&, const W (&e)[kEndorStepsPerIter][8]) {
 #pragma unroll
-      for (int s = 0; s < kEndorStepsPerIter; ++s)
-        decode_byte(row_values, it.bits[s], it.first[s], dst, 8 * (b0 + 32 * s + lane), n_cols, aligned);
-      row_values += it.consumed;
+                                    for (int s = 0; s < kEndorStepsPerIter; ++s)
+                                      store_byte(e[s], dst, 8 * (b0 + 32 * s + lane), n_cols, aligned);
+                                  });
+    if (used != length) {
+      if (lane == 0) report_row(report, o, kEndorRowCountMismatch);
+      zero_row(dst, n_cols, lane, true);
     }
   }
 }
