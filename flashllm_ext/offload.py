@@ -654,7 +654,8 @@ class Placement:
     n_layers) are read from the store into a slot before each use. On the CPU, on_device == in_memory unless a
     staged tier is asked for (layers_on_device=), which runs the GPU's three-tier code path where there is no GPU.
 
-    device_layer_bytes: the on-device layers; host_layer_bytes: the staged tier; slot_bytes: the two slots moved
+    device_layer_bytes: the on-device layers; host_layer_bytes: the staged tier (each layer's pinned_bytes on
+    CUDA); slot_bytes: the two slots moved
     layers land in; decompress_bytes: the buffer Endor matrices are decompressed into for prompts; bounce_bytes:
     the pinned host buffer an SSD layer passes through on its way to a GPU when kvikio is absent."""
     n_layers: int
@@ -679,8 +680,17 @@ class Placement:
         return "resident" if layer < self.on_device else "staged" if layer < self.in_memory else "ssd"
 
 
-def _placement(store: LayerStore, mode: str, on_device: int, in_memory: int, bounce: bool) -> Placement:
+def pinned_bytes(nbytes: int) -> int:
+    """The host memory torch pins for a pinned tensor of nbytes: its caching host allocator rounds every request up
+    to a power of two (ATen/core/CachingHostAllocator.h), so a staged layer of 0.53 GiB pins 1 GiB."""
+    return 0 if nbytes <= 0 else 1 << (nbytes - 1).bit_length()
+
+
+def _placement(store: LayerStore, mode: str, on_device: int, in_memory: int, bounce: bool,
+               pinned: bool = False) -> Placement:
+    """pinned: the staged tier and the bounce buffer are pinned tensors (a CUDA device) and charged as pinned."""
     n, item = store.n_layers, store.dtype.itemsize
+    host = pinned_bytes if pinned else int
     keep_compressed = mode == "endor+more-resident"
     moved = [store.stored_bytes(i) for i in range(on_device, n)]
     # Endor matrices computed from their compressed form (moved layers, and on-device ones kept compressed) are
@@ -689,8 +699,9 @@ def _placement(store: LayerStore, mode: str, on_device: int, in_memory: int, bou
                       (i >= on_device or keep_compressed)), default=0)
     return Placement(n, on_device, in_memory,
                      sum(store.stored_bytes(i) if keep_compressed else store.dense_bytes(i) for i in range(on_device)),
-                     sum(store.stored_bytes(i) for i in range(on_device, in_memory)), 2 * max(moved, default=0),
-                     decompress, max((store.stored_bytes(i) for i in range(in_memory, n)), default=0) if bounce else 0)
+                     sum(host(store.stored_bytes(i)) for i in range(on_device, in_memory)),
+                     2 * max(moved, default=0), decompress,
+                     host(max((store.stored_bytes(i) for i in range(in_memory, n)), default=0)) if bounce else 0)
 
 
 def plan_placement(store: LayerStore, mode: str, layer_budget: int | None, layers_in_memory: int | None = None, *,
@@ -701,9 +712,9 @@ def plan_placement(store: LayerStore, mode: str, layer_budget: int | None, layer
     separate=False (the CPU): one pool, `layer_budget`, holds every byte of the Placement; layers_on_device
     defaults to layers_in_memory, i.e. no staged tier. separate=True (a GPU): the device's pool
     (`device_layer_budget`) holds Placement.device_bytes and sets layers_on_device; the host's (`layer_budget`)
-    holds Placement.host_bytes and the staged tier after them. Given counts are kept if they fit (a placement to
-    compare modes on); otherwise the most layers that fit. Raises ValueError when given counts do not fit
-    (_BudgetTooSmall, naming the pool, when not even zero layers do)."""
+    holds Placement.host_bytes (pinned there, so charged as pinned_bytes) and the staged tier after them. Given
+    counts are kept if they fit (a placement to compare modes on); otherwise the most layers that fit. Raises
+    ValueError when given counts do not fit (_BudgetTooSmall, naming the pool, when not even zero layers do)."""
     n = store.n_layers
     for name, value in (("layers_on_device", layers_on_device), ("layers_in_memory", layers_in_memory)):
         if value is not None and not 0 <= value <= n:
@@ -721,15 +732,15 @@ def plan_placement(store: LayerStore, mode: str, layer_budget: int | None, layer
     given = layers_in_memory is not None or layers_on_device is not None
     g = layers_on_device
     if separate and g is None:
-        on_device = [g for g in range(n + 1) if device_fits(_placement(store, mode, g, g, bounce))]
+        on_device = [g for g in range(n + 1) if device_fits(_placement(store, mode, g, g, bounce, separate))]
         if not on_device:
-            raise _BudgetTooSmall(_placement(store, mode, 0, 0, bounce).device_bytes, "device")
+            raise _BudgetTooSmall(_placement(store, mode, 0, 0, bounce, separate).device_bytes, "device")
         g = on_device[-1] if layers_in_memory is None else min(on_device[-1], layers_in_memory)
     if layers_in_memory is not None:
         counts = [(layers_in_memory if g is None else g, layers_in_memory)]
     else:  # without a staged tier (g None) the layers in memory are all on the device
         counts = [(k, k) for k in range(n + 1)] if g is None else [(g, k) for k in range(g, n + 1)]
-    plans = [_placement(store, mode, on, k, bounce) for on, k in counts]
+    plans = [_placement(store, mode, on, k, bounce, separate) for on, k in counts]
     fitting = [p for p in plans if device_fits(p) and host_fits(p)]
     if fitting:
         return fitting[-1]
