@@ -5,8 +5,9 @@ Extensions:
   flashllm_ext._simt  CUDA and Metal kernel bodies compiled as C++ over the CPU SIMT emulation; tests only.
 
 FLASHLLM_CUDA=0|1|auto (default auto) controls the CUDA part; FLASHLLM_URING=0 leaves out the io_uring engine
-that is otherwise built when liburing-dev is installed; FLASHLLM_NATIVE=0 skips every native build,
-leaving the pure-torch reference kernels.
+that is otherwise built when liburing-dev is installed; FLASHLLM_SIMT=0 leaves out _simt (a GPU machine that runs
+only the real kernels builds faster); FLASHLLM_NATIVE=0 skips every native build, leaving the pure-torch reference
+kernels.
 """
 import glob
 import os
@@ -80,7 +81,8 @@ def _extensions() -> list:
                                     "-fno-strict-aliasing", "-Wno-unknown-pragmas"]},
         extra_link_args=["-pthread"] + libstdcxx)
     # An extension without sources (e.g. before its first kernel lands) is simply not built.
-    return [ext for ext in (main, simt) if ext.sources]
+    wanted = (main, simt) if os.environ.get("FLASHLLM_SIMT", "1") != "0" else (main,)
+    return [ext for ext in wanted if ext.sources]
 
 
 setup(ext_modules=_extensions(), cmdclass={"build_ext": cpp_extension.BuildExtension})

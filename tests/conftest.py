@@ -49,10 +49,11 @@ def forced_isa_fixture(isas: list[str]):
 
 def require_simt():
     """flashllm_ext._simt, the test-only SIMT extension. The tests of a module that calls this at import are skipped
-    only when FLASHLLM_NATIVE=0 asks for no native build; otherwise a build without _simt is broken and its import
-    error fails the run, as a missing _C does."""
-    if os.environ.get("FLASHLLM_NATIVE", "1") == "0":
-        pytest.skip("FLASHLLM_NATIVE=0: the native extensions are not built", allow_module_level=True)
+    only when FLASHLLM_NATIVE=0 or FLASHLLM_SIMT=0 asks for a build without it; otherwise a build without _simt is
+    broken and its import error fails the run, as a missing _C does."""
+    for switch in ("FLASHLLM_NATIVE", "FLASHLLM_SIMT"):
+        if os.environ.get(switch, "1") == "0":
+            pytest.skip(f"{switch}=0: the SIMT extension is not built", allow_module_level=True)
     return importlib.import_module("flashllm_ext._simt")
 
 
