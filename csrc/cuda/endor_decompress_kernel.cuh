@@ -118,7 +118,7 @@ __global__ void __launch_bounds__(kEndorThreadsPerBlock)
     }
     const bool aligned = reinterpret_cast<uintptr_t>(dst) % kStoreBytes<W> == 0;
     const int64_t used = walk_row(bitmap + r * row_bytes, 0, row_bytes, values + start, length, lane,
-                                  [&](int64_t b0, const BitmapIteration&, const W (&e)[kEndorStepsPerIter][8]) {
+                                  [&](int64_t b0, const W (&e)[kEndorStepsPerIter][8]) {
 #pragma unroll
                                     for (int s = 0; s < kEndorStepsPerIter; ++s)
                                       store_byte(e[s], dst, 8 * (b0 + 32 * s + lane), n_cols, aligned);

@@ -93,9 +93,10 @@ __global__ void __launch_bounds__(kEndorThreadsPerBlock)
         __syncthreads();
       }
       if (!active) continue;
-      const int64_t b_tile = tile0 / 8, b_end = b_tile + tile_cols / 8 < row_bytes ? b_tile + tile_cols / 8 : row_bytes;
+      const int64_t b_tile = tile0 / 8;
+      const int64_t b_end = b_tile + tile_cols / 8 < row_bytes ? b_tile + tile_cols / 8 : row_bytes;
       used += walk_row(row_bitmap, b_tile, b_end, values + start + used, length - used, lane,
-                       [&](int64_t b0, const BitmapIteration&, const Value (&e)[kEndorStepsPerIter][8]) {
+                       [&](int64_t b0, const Value (&e)[kEndorStepsPerIter][8]) {
 #pragma unroll
                          for (int s = 0; s < kEndorStepsPerIter; ++s) {
                            float w[8];

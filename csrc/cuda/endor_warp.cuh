@@ -95,7 +95,7 @@ __device__ __forceinline__ int check_row_bounds(const uint8_t* __restrict__ bitm
 // Walks bytes [b_begin, b_end) of a row's bitmap (b_begin a multiple of kEndorIterBytes) and the values they mark,
 // which start at row_values, one iteration at a time. Per iteration it gathers every value the iteration's bits
 // mark before using any (all the loads in flight at once), issues the next iteration's bitmap loads, then calls
-// use(b0, it, e): e[s][j] is the value of bit j of the lane's byte of step s, zero where the bit is unset. Values
+// use(b0, e): e[s][j] is the value of bit j of the lane's byte b0 + 32 s + lane, zero where the bit is unset. Values
 // at or past `length` are never read (they read as zero: an inconsistent bitmap costs a refusal, not a fault).
 // Returns the number of values the bitmap marked, for the caller's count check.
 template <class W, class Use>
@@ -117,7 +117,7 @@ __device__ __forceinline__ int64_t walk_row(const uint8_t* __restrict__ row_bitm
       }
     }
     load_bitmap_bytes(row_bitmap, b_end, b0 + kEndorIterBytes, lane, bits);
-    use(b0, it, e);
+    use(b0, e);
     used += it.consumed;
   }
   return used;
