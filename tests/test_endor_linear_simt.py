@@ -62,3 +62,15 @@ def test_cuda_body_without_checks_writes_refused_rows_as_zeros():
     assert torch.equal(got, want)
     with pytest.raises(RuntimeError, match=r"endor_linear: row 4: row_offsets says \d+ values but the bitmap has"):
         OPS.endor_linear_cuda(x, e.values, bitmap, e.row_offsets, 20, b)
+
+
+def test_cuda_body_never_reads_past_values_for_a_row_with_extra_bits():
+    # The last row's bitmap marks more values than remain in `values`: none past the end is read (ASan, under make
+    # sanitize, sees the exactly sized clone) and the row's outputs are zeros.
+    x, w, e, b = linear_case(2, (5, 40), torch.float16)
+    bitmap = e.bitmap.clone()
+    bitmap[4] = 0xFF
+    got = OPS.endor_linear_cuda(x, e.values.clone(), bitmap, e.row_offsets, 40, b, check_data=False)
+    want = endor_linear_reference(x, e.values, e.bitmap, e.row_offsets, 40, b)
+    want[:, 4] = 0
+    assert torch.equal(got, want)

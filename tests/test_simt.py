@@ -259,6 +259,19 @@ def test_cuda_launcher_without_checks_zeroes_refused_rows():
         OPS.endor_decompress_cuda(e.values, e.bitmap, offsets, 13, rows)
 
 
+def test_cuda_launcher_never_reads_past_values_for_a_row_with_extra_bits():
+    # The last row's bitmap marks more values than remain in `values`: the walk reads none past the end (ASan, under
+    # make sanitize, sees the exactly sized clone) and the row comes out as zeros.
+    w, e = endor_case((5, 40), torch.float16, seed=3)
+    bitmap = e.bitmap.clone()
+    bitmap[4] = 0xFF
+    got = OPS.endor_decompress_cuda(e.values.clone(), bitmap, e.row_offsets, 40, None, check_data=False)
+    assert torch.equal(got[4], torch.zeros(40, dtype=torch.float16))
+    assert_bitwise_equal(got[:4], w[:4])
+    with pytest.raises(RuntimeError, match=r"row 4: row_offsets says \d+ values but the bitmap has 40 set bits"):
+        OPS.endor_decompress_cuda(e.values.clone(), bitmap, e.row_offsets, 40, None)
+
+
 def test_import_alone_does_not_load_the_test_extension():
     # flashllm_ext._simt registers test-only ops; the package must not pull it in.
     import subprocess
