@@ -655,9 +655,9 @@ class Placement:
     staged tier is asked for (layers_on_device=), which runs the GPU's three-tier code path where there is no GPU.
 
     device_layer_bytes: the on-device layers; host_layer_bytes: the staged tier (each layer's pinned_bytes on
-    CUDA); slot_bytes: the two slots moved
-    layers land in; decompress_bytes: the buffer Endor matrices are decompressed into for prompts; bounce_bytes:
-    the pinned host buffer an SSD layer passes through on its way to a GPU when kvikio is absent."""
+    CUDA); slot_bytes: the two slots moved layers land in; decompress_bytes: the buffer Endor matrices are
+    decompressed into for prompts; bounce_bytes: the pinned host buffer an SSD layer passes through on its way to a
+    GPU when kvikio is absent."""
     n_layers: int
     on_device: int
     in_memory: int
