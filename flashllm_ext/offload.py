@@ -66,7 +66,7 @@ from .models.hf import decoder_layers
 from .reader import FlashReader, ReadStats, select_read_path
 from .safetensors_io import AlignedWriter, TensorEntry, TensorSpec, dtype_name, owned_tensor, read_header
 from .store import ALIGNMENT, DTYPES
-from .transfer import cuda_device
+from .transfer import cuda_device, pinned_bytes
 
 MAGIC = "flashllm-offload"
 FORMAT_VERSION = "1"
@@ -678,12 +678,6 @@ class Placement:
     def tier(self, layer: int) -> str:
         """"resident" (computed where it lies), "staged" (in host memory, copied to a slot per use) or "ssd"."""
         return "resident" if layer < self.on_device else "staged" if layer < self.in_memory else "ssd"
-
-
-def pinned_bytes(nbytes: int) -> int:
-    """The host memory torch pins for a pinned tensor of nbytes: its caching host allocator rounds every request up
-    to a power of two (ATen/core/CachingHostAllocator.h), so a staged layer of 0.53 GiB pins 1 GiB."""
-    return 0 if nbytes <= 0 else 1 << (nbytes - 1).bit_length()
 
 
 def _placement(store: LayerStore, mode: str, on_device: int, in_memory: int, bounce: bool,

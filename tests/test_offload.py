@@ -11,7 +11,8 @@ from flashllm_ext import FormatError, endor
 from flashllm_ext.checkpoint import TensorsCheckpoint
 from flashllm_ext.engine import parse_budget
 from flashllm_ext.offload import (LayerStore, OffloadedLinear, convert_offload, load_offloaded, patch_offload,
-                                  pinned_bytes, plan_placement)
+                                  plan_placement)
+from flashllm_ext.transfer import pinned_bytes
 
 N_LAYERS = 6
 
