@@ -681,7 +681,7 @@ class Placement:
 
 
 def _placement(store: LayerStore, mode: str, on_device: int, in_memory: int, bounce: bool,
-               pinned: bool = False) -> Placement:
+               pinned: bool) -> Placement:
     """pinned: the staged tier and the bounce buffer are pinned tensors (a CUDA device) and charged as pinned."""
     n, item = store.n_layers, store.dtype.itemsize
     host = pinned_bytes if pinned else int
