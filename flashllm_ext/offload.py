@@ -47,6 +47,7 @@ import shutil
 import tempfile
 import threading
 import time
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -642,6 +643,21 @@ def _aligned_buffer(nbytes: int) -> torch.Tensor:
     return raw[skip:skip + nbytes]
 
 
+def _registered_buffer(nbytes: int) -> torch.Tensor:
+    """An _aligned_buffer pinned by registering its pages with CUDA (cudaHostRegister, as torch's checkpoint stager
+    does): it pins what it holds, where a pinned tensor from torch's caching host allocator pins the next power of
+    two (transfer.pinned_bytes: a 403 MB layer would pin 512 MB). Unregistered when the tensor is freed."""
+    buffer = _aligned_buffer(nbytes)
+    if nbytes:
+        cudart, address = torch.cuda.cudart(), buffer.data_ptr()
+        status = int(cudart.cudaHostRegister(address, nbytes, 0))
+        if status != 0:
+            raise RuntimeError(f"offload: pinning {nbytes} bytes of host memory failed (cudaHostRegister: cudaError "
+                               f"{status})")
+        weakref.finalize(buffer, cudart.cudaHostUnregister, address)
+    return buffer
+
+
 # ------------------------------------------------------------------------------------------ placement, install
 
 @dataclass(frozen=True)
@@ -654,10 +670,10 @@ class Placement:
     n_layers) are read from the store into a slot before each use. On the CPU, on_device == in_memory unless a
     staged tier is asked for (layers_on_device=), which runs the GPU's three-tier code path where there is no GPU.
 
-    device_layer_bytes: the on-device layers; host_layer_bytes: the staged tier (each layer's pinned_bytes on
-    CUDA); slot_bytes: the two slots moved layers land in; decompress_bytes: the buffer Endor matrices are
-    decompressed into for prompts; bounce_bytes: the pinned host buffer an SSD layer passes through on its way to a
-    GPU when kvikio is absent."""
+    device_layer_bytes: the on-device layers; host_layer_bytes: the staged tier (pinned on CUDA, page by page:
+    _registered_buffer); slot_bytes: the two slots moved layers land in; decompress_bytes: the buffer Endor matrices
+    are decompressed into for prompts; bounce_bytes: the pinned host buffer an SSD layer passes through on its way
+    to a GPU when kvikio is absent (torch's caching host allocator pins it, so charged as transfer.pinned_bytes)."""
     n_layers: int
     on_device: int
     in_memory: int
@@ -680,22 +696,19 @@ class Placement:
         return "resident" if layer < self.on_device else "staged" if layer < self.in_memory else "ssd"
 
 
-def _placement(store: LayerStore, mode: str, on_device: int, in_memory: int, bounce: bool,
-               pinned: bool) -> Placement:
-    """pinned: the staged tier and the bounce buffer are pinned tensors (a CUDA device) and charged as pinned."""
+def _placement(store: LayerStore, mode: str, on_device: int, in_memory: int, bounce: bool) -> Placement:
     n, item = store.n_layers, store.dtype.itemsize
-    host = pinned_bytes if pinned else int
     keep_compressed = mode == "endor+more-resident"
     moved = [store.stored_bytes(i) for i in range(on_device, n)]
     # Endor matrices computed from their compressed form (moved layers, and on-device ones kept compressed) are
     # decompressed into one buffer for prompts.
     decompress = max((e.shape[0] * e.shape[1] * item for i in range(n) for e in store.layers[i] if e.endor and
                       (i >= on_device or keep_compressed)), default=0)
+    largest_on_ssd = max((store.stored_bytes(i) for i in range(in_memory, n)), default=0)
     return Placement(n, on_device, in_memory,
                      sum(store.stored_bytes(i) if keep_compressed else store.dense_bytes(i) for i in range(on_device)),
-                     sum(host(store.stored_bytes(i)) for i in range(on_device, in_memory)),
-                     2 * max(moved, default=0), decompress,
-                     host(max((store.stored_bytes(i) for i in range(in_memory, n)), default=0)) if bounce else 0)
+                     sum(store.stored_bytes(i) for i in range(on_device, in_memory)),
+                     2 * max(moved, default=0), decompress, pinned_bytes(largest_on_ssd) if bounce else 0)
 
 
 def plan_placement(store: LayerStore, mode: str, layer_budget: int | None, layers_in_memory: int | None = None, *,
@@ -706,8 +719,8 @@ def plan_placement(store: LayerStore, mode: str, layer_budget: int | None, layer
     separate=False (the CPU): one pool, `layer_budget`, holds every byte of the Placement; layers_on_device
     defaults to layers_in_memory, i.e. no staged tier. separate=True (a GPU): the device's pool
     (`device_layer_budget`) holds Placement.device_bytes and sets layers_on_device; the host's (`layer_budget`)
-    holds Placement.host_bytes (pinned there, so charged as pinned_bytes) and the staged tier after them. Given
-    counts are kept if they fit (a placement to compare modes on); otherwise the most layers that fit. Raises
+    holds Placement.host_bytes (the bounce buffer, then the staged tier). Given counts are kept if they fit (a
+    placement to compare modes on); otherwise the most layers that fit. Raises
     ValueError when given counts do not fit (_BudgetTooSmall, naming the pool, when not even zero layers do)."""
     n = store.n_layers
     for name, value in (("layers_on_device", layers_on_device), ("layers_in_memory", layers_in_memory)):
@@ -726,15 +739,15 @@ def plan_placement(store: LayerStore, mode: str, layer_budget: int | None, layer
     given = layers_in_memory is not None or layers_on_device is not None
     g = layers_on_device
     if separate and g is None:
-        on_device = [g for g in range(n + 1) if device_fits(_placement(store, mode, g, g, bounce, separate))]
+        on_device = [g for g in range(n + 1) if device_fits(_placement(store, mode, g, g, bounce))]
         if not on_device:
-            raise _BudgetTooSmall(_placement(store, mode, 0, 0, bounce, separate).device_bytes, "device")
+            raise _BudgetTooSmall(_placement(store, mode, 0, 0, bounce).device_bytes, "device")
         g = on_device[-1] if layers_in_memory is None else min(on_device[-1], layers_in_memory)
     if layers_in_memory is not None:
         counts = [(layers_in_memory if g is None else g, layers_in_memory)]
     else:  # without a staged tier (g None) the layers in memory are all on the device
         counts = [(k, k) for k in range(n + 1)] if g is None else [(g, k) for k in range(g, n + 1)]
-    plans = [_placement(store, mode, on, k, bounce, separate) for on, k in counts]
+    plans = [_placement(store, mode, on, k, bounce) for on, k in counts]
     fitting = [p for p in plans if device_fits(p) and host_fits(p)]
     if fitting:
         return fitting[-1]
@@ -844,7 +857,7 @@ def _install(model: nn.Module, store: LayerStore, mode: str, budget: int | float
                   disable=not progress or not placement.in_memory):
         if i >= placement.on_device:  # staged: the stored bytes, pinned on CUDA
             size = store.layer_range(i)[1]
-            host = torch.empty(size, dtype=torch.uint8, pin_memory=True) if separate else _aligned_buffer(size)
+            host = _registered_buffer(size) if separate else _aligned_buffer(size)
             runtime.read_layer(i, host)
             runtime.host_layers.append(host)
             continue

@@ -312,8 +312,8 @@ def test_staged_tier_on_the_cpu_runs_the_three_tier_path(case, mode):
 def test_gpu_placement_fills_device_then_host_memory(case):
     """plan_placement with separate pools (a CUDA device): the device budget sets the resident layers (the most
     whose bytes, two slots for the rest and the decompression buffer fit), the host budget the staged ones after
-    them (as stored, plus a bounce buffer of the largest SSD layer when kvikio is absent; both pinned, so charged as
-    torch pins them). Checked against a brute-force search over every pair of budgets one layer's placement needs;
+    them (as stored, pinned page by page, plus a bounce buffer of the largest SSD layer when kvikio is absent, which
+    torch's caching host allocator pins to a power of two). Checked against a brute-force search over every pair of budgets one layer's placement needs;
     each pool's shortfall is named."""
     assert [pinned_bytes(b) for b in (0, 1, 3, 4096, 4097)] == [0, 1, 4, 4096, 8192]
     store = LayerStore(case["endor"])
@@ -326,8 +326,8 @@ def test_gpu_placement_fills_device_then_host_memory(case):
             return sum(store.stored_bytes(i) if keep else store.dense_bytes(i) for i in range(g)) + \
                 _staging(store, mode, g)
 
-        def host_need(g, k, bounce):  # pinned there: torch rounds each pinned tensor up to a power of two
-            return sum(pinned_bytes(store.stored_bytes(i)) for i in range(g, k)) + \
+        def host_need(g, k, bounce):
+            return sum(store.stored_bytes(i) for i in range(g, k)) + \
                 (pinned_bytes(max((store.stored_bytes(i) for i in range(k, n)), default=0)) if bounce else 0)
 
         for bounce in (False, True):
