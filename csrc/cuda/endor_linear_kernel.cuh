@@ -5,14 +5,14 @@
 //
 // Design: a team of warps per weight row (EndorRowSplit, endor_warp.cuh, sized to the x tile's width), teams
 // grid-stride over rows, up to kLinearMaxTokens tokens per launch (the launcher loops over groups of tokens; one
-// token, the decode step, has its own instance with one accumulator). The block stages a tile of x (float32, all its
-// tokens) in shared memory: once per launch when the tile holds all of x, once per row group otherwise. Per tile each
-// warp counts the bits of its chunk of the tile, the team adds the counts up in shared memory (where each chunk's
-// values start), and each warp walks its chunk as endor_decompress does (walk_row: a byte of 8 columns per lane,
-// every value of kEndorStepsPerIter steps gathered before any is used), FMAing the values against the 8 staged
-// columns of every token, which it reads as two 16-byte shared loads. Each lane keeps one float32 partial sum per
-// token; warp sums, then the team's sums in shared memory, finish the row. Values: KIND (FfnKind) float32, float16
-// or bfloat16.
+// token, the decode step, has its own instance with one accumulator). The block stages a tile of x (float32, all
+// its tokens) in shared memory: once per block when the tile holds all of x (the grid is no larger than the device
+// runs at once, and blocks loop over row groups), once per row group and tile otherwise. Per tile each warp counts
+// the bits of its chunk of the tile, the team adds the counts up in shared memory (where each chunk's values start),
+// and each warp walks its chunk as endor_decompress does (walk_row: a byte of 8 columns per lane, every value of
+// kEndorStepsPerIter steps gathered before any is used), FMAing the values against the 8 staged columns of every
+// token, which it reads as two 16-byte shared loads. Each lane keeps one float32 partial sum per token; warp sums,
+// then the team's sums in shared memory, finish the row. Values: KIND (FfnKind) float32, float16 or bfloat16.
 //
 // Safety: the team makes endor_decompress's checks (check_row_bounds before the walk; the bitmap's count, summed
 // over the tiles, against the row's length after it). No walk reads past the row's values. A refused row is written
@@ -168,11 +168,15 @@ cudaError_t launch_endor_linear(const Launch& launch, const float* x, int64_t n_
     // Teams split each tile's width: a tile of one iteration (8 tokens) gets one warp per row.
     const int64_t tile_bytes = linear_tile_cols(nt) / 8, row_bytes = (n_cols + 7) / 8;
     const EndorRowSplit split = endor_row_split(row_bytes < tile_bytes ? row_bytes : tile_bytes);
-    const dim3 grid(static_cast<unsigned>(endor_grid_blocks(n_rows, split)));
-    const dim3 block(static_cast<unsigned>(32 * split.warps_per_row * split.rows_per_block));
+    const int threads = 32 * split.warps_per_row * split.rows_per_block;
     const auto run = [&](auto kind_tag, auto max_tok) {
       constexpr int K = decltype(kind_tag)::value, M = decltype(max_tok)::value;
-      return launch(endor_linear_kernel<K, M>, grid, block, x + t0 * n_cols, nt,
+      // No more blocks than the device runs at once: a block stages x once and loops over row groups, where a block
+      // per row group would copy all of x (4 bytes a column) for every 2-8 rows (~1.1 bytes a column each).
+      const int64_t needed = endor_grid_blocks(n_rows, split);
+      const int64_t resident = launch.resident_blocks(endor_linear_kernel<K, M>, threads);
+      const dim3 grid(static_cast<unsigned>(resident > 0 && resident < needed ? resident : needed));
+      return launch(endor_linear_kernel<K, M>, grid, dim3(threads), x + t0 * n_cols, nt,
                     static_cast<const ffn_detail::Storage<K>*>(values), bitmap, row_offsets, n_rows, n_cols, nnz,
                     bias, y + t0 * n_rows, split.warps_per_row, split.chunk_bytes, report);
     };
