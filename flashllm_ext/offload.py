@@ -47,7 +47,6 @@ import shutil
 import tempfile
 import threading
 import time
-import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,7 +66,7 @@ from .models.hf import decoder_layers
 from .reader import FlashReader, ReadStats, select_read_path
 from .safetensors_io import AlignedWriter, TensorEntry, TensorSpec, dtype_name, owned_tensor, read_header
 from .store import ALIGNMENT, DTYPES
-from .transfer import cuda_device, pinned_bytes
+from .transfer import aligned_buffer, cuda_device, pinned_buffer, pinned_bytes
 
 MAGIC = "flashllm-offload"
 FORMAT_VERSION = "1"
@@ -414,7 +413,7 @@ class OffloadRuntime:
     def _slot_buffer(self, nbytes: int) -> torch.Tensor:
         if self._cuda:
             return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        return _aligned_buffer(nbytes)
+        return aligned_buffer(nbytes)
 
     @property
     def layers_in_memory(self) -> int:
@@ -636,28 +635,6 @@ def _drop_page_cache(path: str) -> None:
         os.close(fd)
 
 
-def _aligned_buffer(nbytes: int) -> torch.Tensor:
-    """uint8 [nbytes] starting on an ALIGNMENT boundary, so direct reads land in it without a bounce copy."""
-    raw = torch.empty(nbytes + ALIGNMENT, dtype=torch.uint8)
-    skip = -raw.data_ptr() % ALIGNMENT
-    return raw[skip:skip + nbytes]
-
-
-def _registered_buffer(nbytes: int) -> torch.Tensor:
-    """An _aligned_buffer pinned by registering its pages with CUDA (cudaHostRegister, as torch's checkpoint stager
-    does): it pins what it holds, where a pinned tensor from torch's caching host allocator pins the next power of
-    two (transfer.pinned_bytes: a 403 MB layer would pin 512 MB). Unregistered when the tensor is freed."""
-    buffer = _aligned_buffer(nbytes)
-    if nbytes:
-        cudart, address = torch.cuda.cudart(), buffer.data_ptr()
-        status = int(cudart.cudaHostRegister(address, nbytes, 0))
-        if status != 0:
-            raise RuntimeError(f"offload: pinning {nbytes} bytes of host memory failed (cudaHostRegister: cudaError "
-                               f"{status})")
-        weakref.finalize(buffer, cudart.cudaHostUnregister, address)
-    return buffer
-
-
 # ------------------------------------------------------------------------------------------ placement, install
 
 @dataclass(frozen=True)
@@ -671,9 +648,10 @@ class Placement:
     staged tier is asked for (layers_on_device=), which runs the GPU's three-tier code path where there is no GPU.
 
     device_layer_bytes: the on-device layers; host_layer_bytes: the staged tier (pinned on CUDA, page by page:
-    _registered_buffer); slot_bytes: the two slots moved layers land in; decompress_bytes: the buffer Endor matrices
-    are decompressed into for prompts; bounce_bytes: the pinned host buffer an SSD layer passes through on its way
-    to a GPU when kvikio is absent (torch's caching host allocator pins it, so charged as transfer.pinned_bytes)."""
+    transfer.pinned_buffer); slot_bytes: the two slots moved layers land in; decompress_bytes: the buffer Endor
+    matrices are decompressed into for prompts; bounce_bytes: the pinned host buffer an SSD layer passes through on
+    its way to a GPU when kvikio is absent (torch's caching host allocator pins it, so charged as
+    transfer.pinned_bytes)."""
     n_layers: int
     on_device: int
     in_memory: int
@@ -857,7 +835,7 @@ def _install(model: nn.Module, store: LayerStore, mode: str, budget: int | float
                   disable=not progress or not placement.in_memory):
         if i >= placement.on_device:  # staged: the stored bytes, pinned on CUDA
             size = store.layer_range(i)[1]
-            host = _registered_buffer(size) if separate else _aligned_buffer(size)
+            host = pinned_buffer(size) if separate else aligned_buffer(size)
             runtime.read_layer(i, host)
             runtime.host_layers.append(host)
             continue

@@ -16,14 +16,39 @@ a time), as they share one FlashReader.
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Callable
 
 import torch
 
 from . import ops
+from .store import ALIGNMENT
 
 # ops.cache_compact's signature: (matrix, pointer, rows, *, num_used, bias, slot_of) -> new num_used.
 CompactFn = Callable[..., int]
+
+
+def aligned_buffer(nbytes: int) -> torch.Tensor:
+    """uint8 [nbytes] of host memory starting on an ALIGNMENT boundary, so direct reads land in it without a bounce
+    copy."""
+    raw = torch.empty(nbytes + ALIGNMENT, dtype=torch.uint8)
+    skip = -raw.data_ptr() % ALIGNMENT
+    return raw[skip:skip + nbytes]
+
+
+def pinned_buffer(nbytes: int) -> torch.Tensor:
+    """An aligned_buffer pinned by registering its pages with CUDA (cudaHostRegister, as torch's checkpoint stager
+    does): it pins what it holds, where a pinned tensor from torch's caching host allocator pins the next power of
+    two (pinned_bytes: a 403 MB layer would pin 512 MB). Unregistered when the tensor is freed, so free it only once
+    no copy from it is in flight."""
+    buffer = aligned_buffer(nbytes)
+    if nbytes:
+        cudart, address = torch.cuda.cudart(), buffer.data_ptr()
+        status = int(cudart.cudaHostRegister(address, nbytes, 0))
+        if status != 0:
+            raise RuntimeError(f"pinning {nbytes} bytes of host memory failed (cudaHostRegister: cudaError {status})")
+        weakref.finalize(buffer, cudart.cudaHostUnregister, address)
+    return buffer
 
 
 def pinned_bytes(nbytes: int) -> int:
@@ -79,7 +104,7 @@ class StagedTransfer:
         self.sync_timing = sync_timing
         self._cuda = self.device.type == "cuda"
         self._compact = compact or ops.cache_compact
-        self._staging = torch.empty(0, dtype=torch.uint8, pin_memory=self._cuda)
+        self._staging = torch.empty(0, dtype=torch.uint8)
         self._copy_stream = torch.cuda.Stream(self.device) if self._cuda else None
         self._copied: torch.cuda.Event | None = None  # the last copy out of the staging buffer
         self._compacted: torch.cuda.Event | None = None  # the last compaction: the rows it freed may be written
@@ -87,14 +112,15 @@ class StagedTransfer:
 
     @property
     def nbytes(self) -> int:
-        """Host bytes of the staging buffer (shared by every cache on this transfer)."""
+        """Host bytes of the staging buffer (shared by every cache on this transfer; pinned page by page on CUDA, so
+        what it pins)."""
         return self._staging.numel()
 
     def reserve(self, nbytes: int) -> None:
         """Grow the staging buffer to at least `nbytes` (at construction: steps then allocate no staging)."""
         if nbytes > self._staging.numel():
-            self._wait_copied()
-            self._staging = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._cuda)
+            self._wait_copied()  # the old buffer is unpinned once freed: no copy from it may be in flight
+            self._staging = pinned_buffer(nbytes) if self._cuda else torch.empty(nbytes, dtype=torch.uint8)
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype, device=self.device)

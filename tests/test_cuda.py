@@ -214,6 +214,22 @@ def test_cuda_cache_matches_the_cpu_cache_step_by_step(tiny_stores, name, capaci
     assert dev.transfer.uploads > 0
 
 
+def test_staging_buffer_is_pinned_as_it_is_sized():
+    # StagedTransfer.nbytes is what the engine's budget charges: the buffer pins exactly that (cudaHostRegister), not
+    # the power of two a pinned tensor from torch's caching host allocator takes, and the old one is let go on growth.
+    from flashllm_ext.transfer import StagedTransfer
+
+    transfer = StagedTransfer("cuda")
+    for nbytes in (3 * 4096 + 1, 5 << 20):
+        transfer.reserve(nbytes)
+        assert transfer.nbytes == nbytes and transfer._staging.is_pinned()
+        rows = transfer.staging((nbytes // 64, 64), torch.uint8)
+        rows.copy_(torch.randint(0, 256, rows.shape, dtype=torch.uint8))
+        dst = transfer.empty(rows.shape, torch.uint8)
+        transfer.upload(rows, dst)
+        assert torch.equal(dst.cpu(), rows)
+
+
 def test_failed_read_leaves_the_cuda_cache_consistent(tiny_stores, monkeypatch):
     from flashllm_ext.cache import NeuronCache
 
