@@ -29,8 +29,9 @@ EndorCall prepare_endor_call(const at::Tensor& values, const at::Tensor& bitmap,
   EndorCall call{values.contiguous(), bitmap.contiguous(), row_offsets.contiguous(),
                  at::empty({n_out, n_cols}, values.options()), std::nullopt};
   if (rows.has_value()) call.rows = rows->contiguous();
-  // All-ones bytes (NaN for floats): an element a kernel leaves unwritten shows in the tests.
-  std::memset(call.out.data_ptr(), 0xff, call.out.nbytes());
+  // All-ones bytes (NaN for floats): an element a kernel leaves unwritten shows in the tests. (An empty output may
+  // have no data pointer, which memset must not get.)
+  if (call.out.numel() > 0) std::memset(call.out.data_ptr(), 0xff, call.out.nbytes());
   return call;
 }
 
