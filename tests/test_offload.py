@@ -12,7 +12,7 @@ from flashllm_ext.checkpoint import TensorsCheckpoint
 from flashllm_ext.engine import parse_budget
 from flashllm_ext.offload import (LayerStore, OffloadedLinear, convert_offload, load_offloaded, patch_offload,
                                   plan_placement)
-from flashllm_ext.transfer import pinned_bytes
+from flashllm_ext.transfer import pinned_buffer, pinned_bytes
 
 N_LAYERS = 6
 
@@ -307,6 +307,37 @@ def test_staged_tier_on_the_cpu_runs_the_three_tier_path(case, mode):
     fitted.offload.close()
     with pytest.raises(ValueError, match=re.escape(f"5 layers in memory in {mode} mode (4 of them staged) need")):
         load_offloaded(store.path, budget, mode=mode, layers_on_device=1, layers_in_memory=5)
+
+
+def test_pinned_buffer_registers_exactly_its_bytes(monkeypatch):
+    """transfer.pinned_buffer (the GPU's staged tier and staging buffer) without a GPU, through a stand-in for
+    torch.cuda.cudart(): it registers the aligned buffer's own bytes, not a power of two, unregisters them when the
+    tensor is freed, and says so when registration fails."""
+    calls = []
+
+    class Cudart:
+        status = 0
+
+        def cudaHostRegister(self, address, nbytes, flags):
+            calls.append(("register", address, nbytes))
+            return self.status
+
+        def cudaHostUnregister(self, address):
+            calls.append(("unregister", address))
+            return 0
+
+    cudart = Cudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    buffer = pinned_buffer(3 * 4096 + 5)
+    address = buffer.data_ptr()
+    assert buffer.numel() == 3 * 4096 + 5 and address % 4096 == 0
+    assert calls == [("register", address, 3 * 4096 + 5)]
+    del buffer
+    assert calls[-1] == ("unregister", address)
+    assert pinned_buffer(0).numel() == 0 and len(calls) == 2  # nothing to pin
+    cudart.status = 2
+    with pytest.raises(RuntimeError, match=r"pinning 4096 bytes .* cudaError 2"):
+        pinned_buffer(4096)
 
 
 def test_gpu_placement_fills_device_then_host_memory(case):
