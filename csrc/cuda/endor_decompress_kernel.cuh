@@ -102,7 +102,7 @@ __global__ void __launch_bounds__(kEndorThreadsPerBlock)
     const int64_t r = o < n_out ? (rows != nullptr ? rows[o] : o) : 0;
     int64_t start = 0, length = 0;
     int code = o < n_out ? check_row_bounds(bitmap, row_offsets, r, n_rows, n_cols, nnz, start, length) : kEndorRowOk;
-    const uint8_t* row_bitmap = bitmap + r * row_bytes;
+    const uint8_t* row_bitmap = bitmap + (code == kEndorRowOk ? r : 0) * row_bytes;
     // The chunk's values start after those of the team's earlier chunks: each warp counts its own, then the team
     // adds them up. The whole row's count is known before any value is read, so a row whose bitmap disagrees with
     // its offsets is never walked.

@@ -158,10 +158,9 @@ __device__ __forceinline__ int check_row_bounds(const uint8_t* __restrict__ bitm
 // mark before using any (all the loads in flight at once), issues the next iteration's bitmap loads, then calls
 // use(b0, e): e[s][j] is the value of bit j of the lane's byte b0 + 32 s + lane, zero where the bit is unset. Values
 // at or past `length` are never read (they read as zero: an inconsistent bitmap costs a refusal, not a fault).
-// Returns the number of values the bitmap marked, for the caller's count check.
 template <class W, class Use>
-__device__ __forceinline__ int64_t walk_row(const uint8_t* __restrict__ row_bitmap, int64_t b_begin, int64_t b_end,
-                                            const W* __restrict__ row_values, int64_t length, int lane, Use&& use) {
+__device__ __forceinline__ void walk_row(const uint8_t* __restrict__ row_bitmap, int64_t b_begin, int64_t b_end,
+                                         const W* __restrict__ row_values, int64_t length, int lane, Use&& use) {
   unsigned bits[kEndorStepsPerIter];
   load_bitmap_bytes(row_bitmap, b_end, b_begin, lane, bits);
   int64_t used = 0;
@@ -181,7 +180,6 @@ __device__ __forceinline__ int64_t walk_row(const uint8_t* __restrict__ row_bitm
     use(b0, e);
     used += it.consumed;
   }
-  return used;
 }
 
 __device__ __forceinline__ void report_row(EndorReport* report, int64_t out_row, int code) {
