@@ -5,25 +5,29 @@ torch's sparse CSR to_dense. decompress_gbps is GB/s of dense output written int
 memcpy_gbps is `out.copy_(dense)` into the same buffer, timed interleaved in the same process. Nothing allocates
 inside the timed region, except CSR to_dense, which has no out= variant (its row says so).
 
-op "linear": the decode GEMV y = x W^T, T = 1 and 4 tokens, fp16: endor_linear (straight from values + bitmap)
-vs the dense baselines on the same weight: torch F.linear on the fp16 weight (vs_dense), flashllm's half_linear on
-it, torch F.linear in float32 on a float32 copy (twice the bytes); vs_best_dense is against the fastest of the three
+op "linear": the decode GEMV y = x W^T, T = 1 and 4 tokens, weight and x in fp16 and in bf16 (the CPU's avx512bf16
+path multiplies bf16 pairs without widening them): endor_linear (straight from values + bitmap) vs the dense
+baselines on the same weight: torch F.linear on it (vs_dense), flashllm's half_linear on it, torch F.linear in float32 on a float32 copy (twice the bytes); vs_best_dense is against the fastest of the three
 (best_dense names it); and vs decompress (into a preallocated buffer) + F.linear; same threads (OMP_NUM_THREADS sets
 torch's and endor_linear's; the row's `threads`), interleaved. Each side's bytes (compressed: values + bitmap + row
 offsets; dense: the weight) divided by the read bandwidth of a streaming sum measured in the same run
-(common.stream_probe) give its bandwidth bound; bound_ratio = time / bound (1.0 = at the bound). A weight is 34-134 MB (compressed 19-76 MB), read once per call.
+(common.stream_probe) give its bandwidth bound; bound_ratio = time / bound (1.0 = at the bound). A weight is 34-134 MB
+(compressed 19-76 MB), read once per call; each candidate cycles through `weight_copies` copies of it, enough to
+span twice the last-level cache, so every call reads its weight from DRAM as decode does.
 
     python bench/bench_endor.py [--json] [--device cuda] [--all-isas] [--quick] [--only decompress|linear]
 """
 from __future__ import annotations
 
+import itertools
+import math
 import warnings
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
-from common import device_name, arg_parser, emit, stream_probe, time_interleaved
+from common import device_name, arg_parser, emit, last_level_cache_bytes, stream_probe, time_interleaved
 
 import flashllm_ext
 from flashllm_ext import endor, ops, store
@@ -77,30 +81,44 @@ def bench_case(name: str, shape: tuple[int, int], dtype_name: str, sparsity: flo
     return row
 
 
-def bench_linear_case(name: str, shape: tuple[int, int], n_tok: int, sparsity: float, device: str, rounds: int,
-                      stream: tuple[int, Callable[[], object]]) -> dict:
+def bench_linear_case(name: str, shape: tuple[int, int], dtype_name: str, n_tok: int, sparsity: float, device: str,
+                      rounds: int, stream: tuple[int, Callable[[], object]]) -> dict:
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    dense = pruned_weight(shape, torch.float16, sparsity, device)
+    dtype = DTYPES[dtype_name]
+    dense = pruned_weight(shape, dtype, sparsity, device)
     e = endor.compress(dense)
-    x = torch.randn(n_tok, shape[1], generator=torch.Generator().manual_seed(2)).to(device, torch.float16)
+    x = torch.randn(n_tok, shape[1], generator=torch.Generator().manual_seed(2)).to(device, dtype)
     buffer = torch.zeros_like(dense)  # touched now: page faults stay out of the timed region
-    dense_fp32, x_fp32 = dense.float(), x.float()
-    want = F.linear(x_fp32, dense_fp32)
+    x_fp32 = x.float()
+    want = F.linear(x_fp32, dense.float())
     got = ops.endor_linear(x, e.values, e.bitmap, e.row_offsets, n_cols=shape[1])
     assert torch.allclose(got.float(), want, rtol=1e-2, atol=1e-2 * want.abs().max().item()), "endor_linear wrong"
     probe_bytes, probe = stream
+    # Decode reads each weight once per token from DRAM (every other layer's weights pass through the cache in
+    # between). Calls back to back on one weight that fits the last-level cache (the attention shape's 19 MB
+    # compressed on a 32 MB L3, or any of these on a 50-60 MB GPU L2) would read it from there instead, so each
+    # candidate cycles through enough copies of its weight to span twice that cache.
+    copies = math.ceil(2 * last_level_cache_bytes(device) / e.nbytes)
+    denses = [dense] + [dense.clone() for _ in range(copies - 1)]
+    es, dense_fp32s = [e] + [endor.compress(w) for w in denses[1:]], [w.float() for w in denses]
+
+    def cycling(fn: Callable[[int], object]) -> Callable[[], object]:
+        copy = itertools.cycle(range(copies))
+        return lambda: fn(next(copy))
+
     times = time_interleaved({
-        "endor_linear": lambda: ops.endor_linear(x, e.values, e.bitmap, e.row_offsets, n_cols=shape[1]),
-        "dense": lambda: F.linear(x, dense),
-        "half_linear": lambda: ops.half_linear(x, dense),
-        "dense_fp32": lambda: F.linear(x_fp32, dense_fp32),
-        "decompress_linear": lambda: F.linear(x, e.decompress(out=buffer)),
+        "endor_linear": cycling(lambda i: ops.endor_linear(x, es[i].values, es[i].bitmap, es[i].row_offsets,
+                                                           n_cols=shape[1])),
+        "dense": cycling(lambda i: F.linear(x, denses[i])),
+        "half_linear": cycling(lambda i: ops.half_linear(x, denses[i])),
+        "dense_fp32": cycling(lambda i: F.linear(x_fp32, dense_fp32s[i])),
+        "decompress_linear": cycling(lambda i: F.linear(x, es[i].decompress(out=buffer))),
         "stream": probe}, rounds=rounds, sync=sync)
     bandwidth = probe_bytes / times["stream"]
     dense_bytes = dense.numel() * dense.element_size()
     best_dense = min(("dense", "half_linear", "dense_fp32"), key=times.__getitem__)
-    return {"bench": "endor", "op": "linear", "shape": f"{shape[0]}x{shape[1]}", "matrix": name, "dtype": "fp16",
-            "sparsity": sparsity, "tokens": n_tok, "endor_mb": e.nbytes / 1e6, "dense_mb": dense_bytes / 1e6,
+    return {"bench": "endor", "op": "linear", "shape": f"{shape[0]}x{shape[1]}", "matrix": name,
+            "dtype": dtype_name, "sparsity": sparsity, "tokens": n_tok, "endor_mb": e.nbytes / 1e6, "dense_mb": dense_bytes / 1e6,
             "bytes_ratio": e.nbytes / dense_bytes, "endor_ms": times["endor_linear"] * 1e3,
             "dense_ms": times["dense"] * 1e3, "half_linear_ms": times["half_linear"] * 1e3,
             "dense_fp32_ms": times["dense_fp32"] * 1e3, "decompress_linear_ms": times["decompress_linear"] * 1e3,
@@ -110,6 +128,7 @@ def bench_linear_case(name: str, shape: tuple[int, int], n_tok: int, sparsity: f
             "stream_gbps": bandwidth / 1e9, "endor_gbps": e.nbytes / times["endor_linear"] / 1e9,
             "bound_ratio": times["endor_linear"] / (e.nbytes / bandwidth),
             "dense_bound_ratio": times["dense"] / (dense_bytes / bandwidth), "threads": torch.get_num_threads(),
+            "weight_copies": copies,
             "device": device_name(device)}
 
 
@@ -124,8 +143,8 @@ def main() -> None:
     warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
     isas = [flashllm_ext._C.detected_cpu_isa()]
     if args.all_isas:
-        order = ["scalar", "avx2", "avx512", "avx512vnni", "avx512vbmi2"]
-        isas = order[:order.index(isas[0]) + 1]
+        order = flashllm_ext._C.cpu_isas()
+        isas = list(order[:order.index(isas[0]) + 1])
     shapes = dict(list(SHAPES.items())[:1]) if args.quick else SHAPES
     dtypes = ["fp16"] if args.quick else list(DTYPES)
     rows = []
@@ -144,17 +163,18 @@ def main() -> None:
         if args.only != "decompress":
             stream = stream_probe(args.device)
             for name, shape in shapes.items():
-                for n_tok in (1,) if args.quick else (1, 4):
-                    row = bench_linear_case(name, shape, n_tok, 0.5, args.device, args.rounds, stream)
-                    rows.append(row)
-                    if args.json:
-                        emit([row], True)
+                for dtype_name in dtypes:
+                    for n_tok in (1,) if args.quick else (1, 4):
+                        row = bench_linear_case(name, shape, dtype_name, n_tok, 0.5, args.device, args.rounds, stream)
+                        rows.append(row)
+                        if args.json:
+                            emit([row], True)
     if not args.json:
         emit([r for r in rows if r["op"] != "linear"], False,
              ["op", "matrix", "shape", "dtype", "compressed_ratio", "decompress_gbps", "memcpy_gbps", "vs_memcpy",
               "reference_gbps", "vs_reference", "csr_gbps", "device"])
         emit([r for r in rows if r["op"] == "linear"], False,
-             ["matrix", "shape", "tokens", "bytes_ratio", "endor_ms", "dense_ms", "half_linear_ms", "dense_fp32_ms",
+             ["matrix", "shape", "dtype", "tokens", "bytes_ratio", "endor_ms", "dense_ms", "half_linear_ms", "dense_fp32_ms",
               "vs_dense", "best_dense", "vs_best_dense", "decompress_linear_ms", "vs_decompress_linear", "endor_gbps", "stream_gbps", "bound_ratio", "dense_bound_ratio", "device"])
 
 

@@ -32,7 +32,6 @@ SHAPES = {
 }
 # quant_scores' native paths, fastest first (a level without a path of its own runs the one below).
 PATHS = ("avx512vbmi2", "avx512vnni", "avx512", "avx2")
-ISA_ORDER = ("scalar", "avx2", "avx512", "avx512vnni", "avx512vbmi2")
 
 
 def main() -> None:
@@ -64,8 +63,8 @@ def main() -> None:
     gate_bits = gate_bits if args.gate_bits is None else (args.gate_bits or None)
     density, layers = args.density or density, args.layers or layers
     dtype, glu = getattr(torch, args.dtype), gate_bits is not None
-    detected = ISA_ORDER.index(_C.detected_cpu_isa())
-    paths = args.paths.split(",") if args.paths else [p for p in PATHS if ISA_ORDER.index(p) <= detected]
+    detected = _C.cpu_isas().index(_C.detected_cpu_isa())
+    paths = args.paths.split(",") if args.paths else [p for p in PATHS if _C.cpu_isas().index(p) <= detected]
 
     g = torch.Generator().manual_seed(0)
 

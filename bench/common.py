@@ -18,7 +18,7 @@ from flashllm_ext.report import print_table  # noqa: E402
 from flashllm_ext.timing import time_interleaved  # noqa: E402,F401  (re-exported for the bench scripts)
 
 __all__ = ["CGROUP_V1", "CGROUP_V2", "MemoryCgroup", "arg_parser", "device_name", "drop_page_cache", "emit",
-           "median_rows", "process_memory", "run_limited_child", "stacked_token_bars", "stream_probe",
+           "last_level_cache_bytes", "median_rows", "process_memory", "run_limited_child", "stacked_token_bars", "stream_probe",
            "time_interleaved"]
 
 
@@ -45,6 +45,20 @@ def process_memory() -> dict[str, int]:
         return {}
     return {key: int(value.split()[0]) * 1024 for key, _, value in (line.partition(":") for line in lines)
             if key in ("VmRSS", "VmHWM", "RssAnon", "RssFile")}
+
+
+def last_level_cache_bytes(device: str = "cpu") -> int:
+    """The largest cache a weight read back to back could stay in: the GPU's L2, or the CPU's L3 as glibc reports it
+    (32 MiB where it reports none, as large as the L3 of one Zen 4 CCD)."""
+    import torch
+
+    if device == "cuda":
+        return torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
+    try:
+        reported = os.sysconf("SC_LEVEL3_CACHE_SIZE")
+    except (ValueError, OSError):
+        reported = 0
+    return reported if reported > 0 else 32 << 20
 
 
 def stream_probe(device: str = "cpu"):

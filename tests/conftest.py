@@ -21,16 +21,14 @@ def default_model():
     return path, model, tokenizer
 
 
-ISA_ORDER = ("scalar", "avx2", "avx512", "avx512vnni", "avx512vbmi2")
-
-
-def cpu_isas(highest: str = ISA_ORDER[-1], paths: tuple[str, ...] = ISA_ORDER) -> list[str]:
+def cpu_isas(highest: str | None = None, paths: tuple[str, ...] | None = None) -> list[str]:
     """The CPU code paths this machine runs, up to `highest` (for kernels with no path above it), among `paths`
     (the levels a kernel has code of its own for: a level without runs the one below, already tested)."""
     from flashllm_ext import _C
 
-    top = min(ISA_ORDER.index(highest), ISA_ORDER.index(_C.detected_cpu_isa()))
-    return [isa for isa in ISA_ORDER[:top + 1] if isa in paths]
+    order = _C.cpu_isas()
+    top = min(order.index(highest or order[-1]), order.index(_C.detected_cpu_isa()))
+    return [isa for isa in order[:top + 1] if paths is None or isa in paths]
 
 
 def forced_isa_fixture(isas: list[str]):

@@ -10,11 +10,14 @@ AVX2 = {"avx2", "fma", "f16c", "popcnt"}
 AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512vl"}
 AVX512_VNNI = AVX512 | {"avx512vnni"}
 AVX512_VBMI2 = AVX512_VNNI | {"avx512vbmi", "avx512vbmi2"}
+AVX512_BF16 = AVX512_VBMI2 | {"avx512bf16"}
 
 
 @pytest.mark.parametrize("features,isa", [
     (set(), "scalar"), (AVX2, "avx2"), (AVX512, "avx512"), (AVX512_VNNI, "avx512vnni"), (AVX512_VBMI2, "avx512vbmi2"),
-    (AVX512_VBMI2 | {"avx512_fp16", "sse4.2"}, "avx512vbmi2"),  # features no path needs change nothing
+    (AVX512_BF16, "avx512bf16"),
+    (AVX512_BF16 | {"avx512_fp16", "sse4.2"}, "avx512bf16"),  # features no path needs change nothing
+    (AVX512_VNNI | {"avx512bf16"}, "avx512vnni"),  # Cooper Lake: BF16 without VBMI2
     ({"avx2"}, "scalar"), (AVX512 - {"avx512vl"}, "avx2"), (AVX512_VBMI2 - {"avx512bw"}, "avx2"),
     (AVX2 | {"avx512vbmi2"}, "avx2"),
     (AVX512 | {"avx512vbmi", "avx512vbmi2"}, "avx512"),  # VBMI2 without VNNI (no such CPU known): below VNNI
@@ -28,7 +31,7 @@ def test_isa_for_features(features, isa):
 def test_a_cpu_that_masks_an_avx2_feature_gets_the_scalar_path(masked):
     """A VM may report AVX2 and AVX-512 while masking FMA or F16C: the AVX2 and AVX-512 kernels are compiled with
     them (SIGILL), so only the scalar path is safe."""
-    assert _C.isa_for_features(AVX512_VBMI2 - {masked}) == "scalar"
+    assert _C.isa_for_features(AVX512_BF16 - {masked}) == "scalar"
 
 
 def test_bad_feature_lists_are_refused():
@@ -44,6 +47,23 @@ def test_detected_isa_follows_the_cpu_flags():
         flags = next(line for line in f if line.startswith("flags")).split(":", 1)[1].split()
     # The kernel spells two names differently from GCC; it also clears flags whose register state the OS does not
     # save, as libgcc's own check does.
-    gcc_names = {"avx512_vbmi2": "avx512vbmi2", "avx512_vnni": "avx512vnni"}
+    gcc_names = {"avx512_vbmi2": "avx512vbmi2", "avx512_vnni": "avx512vnni", "avx512_bf16": "avx512bf16"}
     features = {gcc_names.get(flag, flag) for flag in flags}
     assert _C.detected_cpu_isa() == _C.isa_for_features(features)
+
+
+def test_each_level_can_be_forced_up_to_the_detected_one_and_no_further():
+    names = _C.cpu_isas()
+    assert names[0] == "scalar" and _C.detected_cpu_isa() in names
+    previous = _C.cpu_isa()
+    try:
+        for name in names[:names.index(_C.detected_cpu_isa()) + 1]:
+            _C.set_cpu_isa(name)
+            assert _C.cpu_isa() == name
+        for name in names[names.index(_C.detected_cpu_isa()) + 1:]:
+            with pytest.raises(ValueError, match="does not support"):
+                _C.set_cpu_isa(name)
+        with pytest.raises(ValueError, match="unknown CPU ISA 'avx9' \\(scalar, avx2, .*avx512bf16\\)"):
+            _C.set_cpu_isa("avx9")
+    finally:
+        _C.set_cpu_isa(previous)

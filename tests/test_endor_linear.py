@@ -11,7 +11,7 @@ from flashllm_ext._ops import endor_linear_reference
 from conftest import cpu_isas, forced_isa_fixture
 from kernel_cases import BAD_LINEAR_CASES, LINEAR_DTYPES, linear_case
 
-isa = forced_isa_fixture(cpu_isas(paths=("scalar", "avx2", "avx512", "avx512vbmi2")))
+isa = forced_isa_fixture(cpu_isas(paths=("scalar", "avx2", "avx512", "avx512vbmi2", "avx512bf16")))
 
 # (rows, cols): single element, odd sizes, columns a multiple of 8/16/32 and not, a row tail after full 32-column
 # steps, a long row.

@@ -1,6 +1,7 @@
 #include "common/cpu_isa.h"
 
 #include <atomic>
+#include <iterator>
 #include <set>
 #include <stdexcept>
 #include <string>
@@ -11,14 +12,16 @@ namespace {
 // Every feature a path's kernels are compiled with, and the lowest path that needs it: the target attributes in
 // csrc/cpu/*.cpp (sparse_ffn: "avx2,fma,f16c" and "avx512f,avx512bw,avx512vl,fma,f16c"; endor_decompress:
 // "avx2,popcnt", "avx512f,avx512bw,avx512vl,popcnt" and "+avx512vbmi2"; quant_scores: "+avx512vnni", and
-// "+avx512vbmi" at the VBMI2 level: every CPU with VBMI2 has VBMI, this only makes it explicit). A path
+// "+avx512vbmi" at the VBMI2 level: every CPU with VBMI2 has VBMI, this only makes it explicit; endor_linear:
+// "+avx512bf16"). A path
 // needs the features of every path below it too (a kernel with no code of its own at one level runs the level
 // below), so a CPU or VM that masks FMA or F16C gets the scalar path rather than SIGILL. One list, used both to
 // probe the CPU and to decide.
 #define FLASHLLM_CPU_FEATURES(X)                                  \
   X("avx2", kAvx2) X("fma", kAvx2) X("f16c", kAvx2) X("popcnt", kAvx2) \
   X("avx512f", kAvx512) X("avx512bw", kAvx512) X("avx512vl", kAvx512)  \
-  X("avx512vnni", kAvx512Vnni) X("avx512vbmi", kAvx512Vbmi2) X("avx512vbmi2", kAvx512Vbmi2)
+  X("avx512vnni", kAvx512Vnni) X("avx512vbmi", kAvx512Vbmi2) X("avx512vbmi2", kAvx512Vbmi2) \
+  X("avx512bf16", kAvx512Bf16)
 
 struct CpuFeature {
   const char* name;
@@ -49,7 +52,7 @@ std::atomic<int> forced{-1};
 }  // namespace
 
 CpuIsa isa_for_features(const std::set<std::string>& features) {
-  CpuIsa best = CpuIsa::kAvx512Vbmi2;
+  CpuIsa best = kCpuIsas[std::size(kCpuIsas) - 1];
   for (const CpuFeature& f : kCpuFeatures) {
     // A missing feature caps the choice just below the lowest path compiled with it.
     if (!features.count(f.name) && f.needed_from <= best) {
@@ -79,6 +82,7 @@ void force_cpu_isa(CpuIsa isa) {
 
 const char* cpu_isa_name(CpuIsa isa) {
   switch (isa) {
+    case CpuIsa::kAvx512Bf16: return "avx512bf16";
     case CpuIsa::kAvx512Vbmi2: return "avx512vbmi2";
     case CpuIsa::kAvx512Vnni: return "avx512vnni";
     case CpuIsa::kAvx512: return "avx512";
@@ -88,11 +92,12 @@ const char* cpu_isa_name(CpuIsa isa) {
 }
 
 CpuIsa cpu_isa_from_name(const std::string& name) {
-  for (CpuIsa isa : {CpuIsa::kScalar, CpuIsa::kAvx2, CpuIsa::kAvx512, CpuIsa::kAvx512Vnni,
-                     CpuIsa::kAvx512Vbmi2}) {
+  std::string known;
+  for (CpuIsa isa : kCpuIsas) {
     if (name == cpu_isa_name(isa)) return isa;
+    known += (known.empty() ? "" : ", ") + std::string(cpu_isa_name(isa));
   }
-  throw std::invalid_argument("unknown CPU ISA '" + name + "' (scalar, avx2, avx512, avx512vbmi2)");
+  throw std::invalid_argument("unknown CPU ISA '" + name + "' (" + known + ")");
 }
 
 }  // namespace flashllm

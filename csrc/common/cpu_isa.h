@@ -7,8 +7,12 @@
 namespace flashllm {
 
 // Ordered: each level needs every feature of the levels below it. VNNI sits below VBMI2 because every CPU with
-// VBMI2 (Ice Lake and later, Zen 4) has VNNI, while Cascade Lake has VNNI without VBMI2.
-enum class CpuIsa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Vnni = 3, kAvx512Vbmi2 = 4 };
+// VBMI2 (Ice Lake and later, Zen 4) has VNNI, while Cascade Lake has VNNI without VBMI2. BF16 sits above VBMI2: the
+// CPUs with both (Sapphire Rapids, Zen 4) get it; Cooper Lake (BF16 without VBMI2) runs the VNNI level, Ice Lake
+// (VBMI2 without BF16) the VBMI2 level.
+enum class CpuIsa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Vnni = 3, kAvx512Vbmi2 = 4, kAvx512Bf16 = 5 };
+inline constexpr CpuIsa kCpuIsas[] = {CpuIsa::kScalar,      CpuIsa::kAvx2,         CpuIsa::kAvx512,
+                                      CpuIsa::kAvx512Vnni, CpuIsa::kAvx512Vbmi2, CpuIsa::kAvx512Bf16};  // lowest first
 
 CpuIsa detected_cpu_isa();           // best ISA this CPU and OS support
 CpuIsa active_cpu_isa();             // what kernels use now: detected, or lower if forced

@@ -3,6 +3,7 @@
 // CUDA glue's host-side data checks on or off (common/kernel_checks.h).
 #include <Python.h>
 
+#include <iterator>
 #include <set>
 #include <stdexcept>
 #include <string>
@@ -18,6 +19,20 @@ PyObject* cpu_isa(PyObject*, PyObject*) {
 
 PyObject* detected_cpu_isa(PyObject*, PyObject*) {
   return PyUnicode_FromString(flashllm::cpu_isa_name(flashllm::detected_cpu_isa()));
+}
+
+PyObject* cpu_isas(PyObject*, PyObject*) {
+  PyObject* names = PyTuple_New(std::size(flashllm::kCpuIsas));
+  if (names == nullptr) return nullptr;
+  for (size_t i = 0; i < std::size(flashllm::kCpuIsas); ++i) {
+    PyObject* name = PyUnicode_FromString(flashllm::cpu_isa_name(flashllm::kCpuIsas[i]));
+    if (name == nullptr) {
+      Py_DECREF(names);
+      return nullptr;
+    }
+    PyTuple_SET_ITEM(names, i, name);
+  }
+  return names;
 }
 
 PyObject* set_cpu_isa(PyObject*, PyObject* arg) {
@@ -59,7 +74,8 @@ PyObject* set_kernel_checks(PyObject*, PyObject* arg) {
 PyMethodDef methods[] = {
     {"cpu_isa", cpu_isa, METH_NOARGS, "The CPU instruction set the kernels use now."},
     {"detected_cpu_isa", detected_cpu_isa, METH_NOARGS, "The best CPU instruction set available."},
-    {"set_cpu_isa", set_cpu_isa, METH_O, "Use a lower instruction set (scalar, avx2, avx512, avx512vnni, avx512vbmi2)."},
+    {"cpu_isas", cpu_isas, METH_NOARGS, "Every CPU instruction set the kernels know, lowest first."},
+    {"set_cpu_isa", set_cpu_isa, METH_O, "Use a lower instruction set (one of cpu_isas(), up to detected_cpu_isa())."},
     {"isa_for_features", isa_for_features, METH_O,
      "The instruction set chosen for a CPU with these features (GCC target names, e.g. 'avx2', 'fma')."},
     {"kernel_checks", kernel_checks, METH_NOARGS, "Whether the CUDA ops check their data on the host (synchronising)."},

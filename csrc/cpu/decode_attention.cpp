@@ -249,6 +249,7 @@ FLASHLLM_AVX512 void accumulate_avx512(const float* p, int64_t head_dim, const T
 template <class T>
 IsaKernels<T> isa_kernels(CpuIsa isa) {
   switch (isa) {
+    case CpuIsa::kAvx512Bf16:
     case CpuIsa::kAvx512Vbmi2:
     case CpuIsa::kAvx512Vnni:
     case CpuIsa::kAvx512:

@@ -176,6 +176,7 @@ unsigned long long decompress(const W* values, int64_t nnz, const uint8_t* bitma
     const uint8_t* bm = bitmap + r * n_bytes;
     W* dst = out + i * n_cols;
     switch (isa) {
+      case CpuIsa::kAvx512Bf16:
       case CpuIsa::kAvx512Vbmi2: decode_row_avx512_vbmi2(v, bm, n_cols, dst); break;
       case CpuIsa::kAvx512Vnni:
       case CpuIsa::kAvx512: decode_row_avx512(v, bm, n_cols, dst); break;

@@ -5,7 +5,11 @@
 // over its bitmap and values, the T accumulators in registers (tokens in groups of at most 8, common/token_groups.h).
 // x is read dense and stays in cache (T x n_cols float32); the weight is read once per token group, compressed.
 //
-// Per ISA, one step of a row (fp16 and bf16 values widened to fp32, all math in fp32 FMA):
+// Per ISA, one step of a row (fp16 and bf16 values widened to fp32, all math in fp32 FMA, except avx512bf16's):
+//   avx512bf16 (bf16 values, bf16 x)  32 columns: masked load and vpexpandw as below, then one vdpbf16ps with the 32
+//           bf16 x values: no widening, which is most of the VBMI2 path's work per column on Zen 4. A product of two
+//           bf16 is exact in fp32, so only the order of the fp32 sums differs (and denormals, which vdpbf16ps
+//           flushes); float32 x keeps the VBMI2 path, as rounding it to bf16 would lose its low bits.
 //   avx512vbmi2 (fp16, bf16)  32 columns: masked load of popcount(m) values, vpexpandw by the bitmap word, widen
 //           the two halves, FMA with x (64 columns per loop trip). Expanding 16-bit lanes halves the expand count
 //           against vexpandps, and widening after the expand needs no per-group realignment of the packed values.
@@ -217,10 +221,40 @@ FLASHLLM_AVX512_VBMI2 void row_dots_avx512_vbmi2(const T* v, const uint8_t* bm, 
   for (int t = 0; t < NT; ++t) dots[t] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[t], acc1[t])) + tail[t];
 }
 
+// ---------------------------------------------------------------------------------------------- AVX-512 BF16
+#define FLASHLLM_AVX512_BF16 \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi2,avx512bf16,fma,f16c,popcnt")))
+
+// xb: the NT tokens' rows of x in bf16 [NT, n_cols]; x: the same rows in float32, for the row's tail.
+template <int NT>
+FLASHLLM_AVX512_BF16 void row_dots_avx512_bf16(const BF16* v, const uint8_t* bm, int64_t n_cols, const BF16* xb,
+                                               const float* x, float* dots) {
+  __m512 acc0[NT], acc1[NT];
+  for (int t = 0; t < NT; ++t) acc0[t] = acc1[t] = _mm512_setzero_ps();
+  int64_t c = 0;
+  for (; c + 64 <= n_cols; c += 64) {
+    prefetch_ahead(v, bm + c / 8);
+    const uint64_t m = load_word<uint64_t>(bm + c / 8);
+    const int count_lo = __builtin_popcount(static_cast<uint32_t>(m)), count = __builtin_popcountll(m);
+    const __m512bh w0 = (__m512bh)expand32_vbmi2(v, static_cast<uint32_t>(m), count_lo);
+    const __m512bh w1 = (__m512bh)expand32_vbmi2(v + count_lo, static_cast<uint32_t>(m >> 32), count - count_lo);
+    v += count;
+    for (int t = 0; t < NT; ++t) {
+      const BF16* xt = xb + t * n_cols + c;
+      acc0[t] = _mm512_dpbf16_ps(acc0[t], w0, (__m512bh)_mm512_loadu_si512(xt));
+      acc1[t] = _mm512_dpbf16_ps(acc1[t], w1, (__m512bh)_mm512_loadu_si512(xt + 32));
+    }
+  }
+  float tail[NT];
+  row_dots_avx512<BF16, NT>(v, bm + c / 8, n_cols - c, x + c, n_cols, tail);
+  for (int t = 0; t < NT; ++t) dots[t] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[t], acc1[t])) + tail[t];
+}
+
 // ---------------------------------------------------------------------------------------------- driver
-// y[t * n_rows + r] for the NT tokens of x; refused rows are noted in bad_row and left unwritten.
+// y[t * n_rows + r] for the NT tokens of x (float32; x_bf16: the same rows in bf16 where x is bf16, else null);
+// refused rows are noted in bad_row and left unwritten.
 template <class T, int NT>
-void linear_group(const LinearProblem<T>& p, const float* x, float* y, LowestBadRow& bad_row) {
+void linear_group(const LinearProblem<T>& p, const float* x, const BF16* x_bf16, float* y, LowestBadRow& bad_row) {
   const CpuIsa isa = active_cpu_isa();
   const int64_t n_bytes = (p.n_cols + 7) / 8;
   // Waking the thread team costs more than it saves below ~256 KiB of weight.
@@ -237,6 +271,14 @@ void linear_group(const LinearProblem<T>& p, const float* x, float* y, LowestBad
     const uint8_t* bm = p.bitmap + r * n_bytes;
     float dots[NT];
     switch (isa) {
+      case CpuIsa::kAvx512Bf16:
+        if constexpr (std::is_same_v<T, BF16>) {
+          if (x_bf16 != nullptr) {
+            row_dots_avx512_bf16<NT>(v, bm, p.n_cols, x_bf16, x, dots);
+            break;
+          }
+        }
+        [[fallthrough]];
       case CpuIsa::kAvx512Vbmi2:
         if constexpr (!std::is_same_v<T, float>) {  // fp32 lanes gain nothing from 16-bit expands
           row_dots_avx512_vbmi2<T, NT>(v, bm, p.n_cols, x, dots);
@@ -262,6 +304,7 @@ at::Tensor endor_linear_cpu(const at::Tensor& x, const at::Tensor& values_in, co
   const int64_t* off = offsets.data_ptr<int64_t>();
   check_endor_offset_ends("endor_linear", off[0], off[n_rows], nnz);
   const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const at::Tensor xb = x.scalar_type() == at::kBFloat16 ? x.contiguous() : at::Tensor();
   const std::optional<at::Tensor> bias_f =
       bias.has_value() ? std::optional<at::Tensor>(bias->to(at::kFloat).contiguous()) : std::nullopt;
   at::Tensor yf = at::empty({n_tok, n_rows}, xf.options());
@@ -274,6 +317,7 @@ at::Tensor endor_linear_cpu(const at::Tensor& x, const at::Tensor& values_in, co
       const int nt = static_cast<int>(std::min<int64_t>(kCpuMaxTokens, n_tok - t0));
       with_tokens(nt, [&](auto nt_c) {
         linear_group<T, decltype(nt_c)::value>(p, xf.data_ptr<float>() + t0 * n_cols,
+                                                 xb.defined() ? xb.data_ptr<BF16>() + t0 * n_cols : nullptr,
                                                  yf.data_ptr<float>() + t0 * n_rows, bad_row);
       });
     }
