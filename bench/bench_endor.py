@@ -19,7 +19,6 @@ span twice the last-level cache, so every call reads its weight from DRAM as dec
 """
 from __future__ import annotations
 
-import itertools
 import math
 import warnings
 from collections.abc import Callable
@@ -27,7 +26,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from common import device_name, arg_parser, emit, last_level_cache_bytes, stream_probe, time_interleaved
+from common import arg_parser, cycling, device_name, emit, last_level_cache_bytes, stream_probe, time_interleaved
 
 import flashllm_ext
 from flashllm_ext import endor, ops, store
@@ -101,18 +100,13 @@ def bench_linear_case(name: str, shape: tuple[int, int], dtype_name: str, n_tok:
     copies = math.ceil(2 * last_level_cache_bytes(device) / e.nbytes)
     denses = [dense] + [dense.clone() for _ in range(copies - 1)]
     es, dense_fp32s = [e] + [endor.compress(w) for w in denses[1:]], [w.float() for w in denses]
-
-    def cycling(fn: Callable[[int], object]) -> Callable[[], object]:
-        copy = itertools.cycle(range(copies))
-        return lambda: fn(next(copy))
-
     times = time_interleaved({
         "endor_linear": cycling(lambda i: ops.endor_linear(x, es[i].values, es[i].bitmap, es[i].row_offsets,
-                                                           n_cols=shape[1])),
-        "dense": cycling(lambda i: F.linear(x, denses[i])),
-        "half_linear": cycling(lambda i: ops.half_linear(x, denses[i])),
-        "dense_fp32": cycling(lambda i: F.linear(x_fp32, dense_fp32s[i])),
-        "decompress_linear": cycling(lambda i: F.linear(x, es[i].decompress(out=buffer))),
+                                                           n_cols=shape[1]), copies),
+        "dense": cycling(lambda i: F.linear(x, denses[i]), copies),
+        "half_linear": cycling(lambda i: ops.half_linear(x, denses[i]), copies),
+        "dense_fp32": cycling(lambda i: F.linear(x_fp32, dense_fp32s[i]), copies),
+        "decompress_linear": cycling(lambda i: F.linear(x, es[i].decompress(out=buffer)), copies),
         "stream": probe}, rounds=rounds, sync=sync)
     bandwidth = probe_bytes / times["stream"]
     dense_bytes = dense.numel() * dense.element_size()

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from common import device_name, arg_parser, emit, stream_probe, time_interleaved
+from common import arg_parser, cycling, device_name, emit, stream_probe, time_interleaved
 from traces import default_model_masks, tile_masks
 
 from flashllm_ext import ops
@@ -72,11 +72,8 @@ def bench_ffn(dtype_name: str, rounds: int, quick: bool, device: str = "cpu") ->
             bias = None if glu else torch.full((used,), 4.0, dtype=dtype, device=device)  # every cached ReLU row active
             for n_tok in ((1,) if quick else (1, 4)):
                 x = torch.randn(n_tok, d, generator=g).to(device, dtype)
-                turn = [0]
-
-                def sparse():
-                    turn[0] = (turn[0] + 1) % copies
-                    return ops.sparse_ffn(x, mats[turn[0]], num_used=used, activation=act, glu=glu, bias=bias)
+                sparse = cycling(lambda i: ops.sparse_ffn(x, mats[i], num_used=used, activation=act, glu=glu,
+                                                          bias=bias), copies)
 
                 # The same sum, checked against dense math restricted to the active neurons.
                 want = dense_ffn(x.float(), w_up[active].float(), w_down[:, active].float(),

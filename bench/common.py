@@ -5,8 +5,9 @@ import argparse
 import json
 import os
 import statistics
+import itertools
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
@@ -17,9 +18,9 @@ from flashllm_ext.cgroup import (CGROUP_V1, CGROUP_V2, MemoryCgroup, drop_page_c
 from flashllm_ext.report import print_table  # noqa: E402
 from flashllm_ext.timing import time_interleaved  # noqa: E402,F401  (re-exported for the bench scripts)
 
-__all__ = ["CGROUP_V1", "CGROUP_V2", "MemoryCgroup", "arg_parser", "device_name", "drop_page_cache", "emit",
-           "last_level_cache_bytes", "median_rows", "process_memory", "run_limited_child", "stacked_token_bars", "stream_probe",
-           "time_interleaved"]
+__all__ = ["CGROUP_V1", "CGROUP_V2", "MemoryCgroup", "arg_parser", "cycling", "device_name", "drop_page_cache",
+           "emit", "last_level_cache_bytes", "median_rows", "process_memory", "run_limited_child",
+           "stacked_token_bars", "stream_probe", "time_interleaved"]
 
 
 def device_name(device: str = "cpu") -> str:
@@ -45,6 +46,13 @@ def process_memory() -> dict[str, int]:
         return {}
     return {key: int(value.split()[0]) * 1024 for key, _, value in (line.partition(":") for line in lines)
             if key in ("VmRSS", "VmHWM", "RssAnon", "RssFile")}
+
+
+def cycling(fn: Callable[[int], object], copies: int) -> Callable[[], object]:
+    """A candidate for time_interleaved that calls fn(0), fn(1), ..., fn(copies - 1), fn(0), ...: fn(i) reads copy i
+    of its operands, so calls back to back read them from DRAM, not from a cache the previous call filled."""
+    copy = itertools.cycle(range(copies))
+    return lambda: fn(next(copy))
 
 
 def last_level_cache_bytes(device: str = "cpu") -> int:

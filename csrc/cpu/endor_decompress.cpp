@@ -24,6 +24,10 @@
 #include "common/simd_float.h"
 #include "common/word_dispatch.h"
 
+// GCC 12's masked-load intrinsics start from _mm512_undefined_*, which -Wall reports as uninitialised use.
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+
 namespace flashllm {
 namespace {
 

@@ -6,19 +6,20 @@
 // x is read dense and stays in cache (T x n_cols float32); the weight is read once per token group, compressed.
 //
 // Per ISA, one step of a row (fp16 and bf16 values widened to fp32, all math in fp32 FMA, except avx512bf16's):
-//   avx512bf16 (bf16 values, bf16 x)  32 columns: masked load and vpexpandw as below, then one vdpbf16ps with the 32
+//   avx512bf16 (bf16 values, bf16 x)  32 columns: load and vpexpandw as below, then one vdpbf16ps with the 32
 //           bf16 x values: no widening, which is most of the VBMI2 path's work per column on Zen 4. A product of two
 //           bf16 is exact in fp32, so only the order of the fp32 sums differs (and denormals, which vdpbf16ps
 //           flushes); float32 x keeps the VBMI2 path, as rounding it to bf16 would lose its low bits.
-//   avx512vbmi2 (fp16, bf16)  32 columns: masked load of popcount(m) values, vpexpandw by the bitmap word, widen
-//           the two halves, FMA with x (64 columns per loop trip). Expanding 16-bit lanes halves the expand count
-//           against vexpandps, and widening after the expand needs no per-group realignment of the packed values.
+//   avx512vbmi2 (fp16, bf16)  32 columns: load 32 values, vpexpandw by the bitmap word (which uses the first
+//           popcount(m)), widen the two halves, FMA with x (64 columns per loop trip). Expanding 16-bit lanes halves
+//           the expand count against vexpandps, and widening after the expand needs no per-group realignment of the
+//           packed values.
 //   avx512  16 columns: masked load of popcount(m) values, widen, vexpandps by the bitmap word, FMA with x
 //           (64 columns per loop trip, two accumulators per token to hide the FMA latency)
 //   avx2    8 columns: load 8 values, widen, a permutation looked up by the bitmap byte, mask, FMA with x
 //   scalar  the set bits of the row (count-trailing-zeros walk), one FMA per value and token
-// Masked loads stop at the row's values; the AVX2 path's 8-value loads stop at the end of `values` (the scalar walk
-// finishes the row), so no path reads out of bounds.
+// Masked loads stop at the row's values; whole loads (VBMI2, BF16: 32 values; AVX2: 8) are made only where they stay
+// inside `values` (masked loads, or the scalar walk, finish the rest), so no path reads out of bounds.
 #include <ATen/ATen.h>
 #include <immintrin.h>
 #include <omp.h>
@@ -181,6 +182,30 @@ FLASHLLM_AVX512_VBMI2 inline __m512i expand32_vbmi2(const T* v, uint32_t m, int 
   return _mm512_mask_expand_epi16(simd::fresh_zero_si512(), static_cast<__mmask32>(m), packed);
 }
 
+// The 16-bit weights of the 64 columns of bitmap word m, expanded into their lanes: columns [0, 32) in lo, [32, 64) in
+// hi. Advances v past the popcount(m) values read. Where 64 values remain before v_end (the end of `values`), both
+// 32-value loads are whole loads, which the expand masks: the masked loads' mask arithmetic was ~15% of a bf16 step,
+// which widens nothing (L2-resident, Zen 4). Otherwise each load reads exactly its half's values.
+struct Expanded64 {
+  __m512i lo, hi;
+};
+
+template <class T>
+FLASHLLM_AVX512_VBMI2 inline Expanded64 expand64_vbmi2(const T*& v, uint64_t m, const T* v_end) {
+  const int count_lo = __builtin_popcount(static_cast<uint32_t>(m)), count = __builtin_popcountll(m);
+  Expanded64 e;
+  if (v_end - v >= 64) {
+    e.lo = _mm512_mask_expand_epi16(simd::fresh_zero_si512(), static_cast<__mmask32>(m), _mm512_loadu_si512(v));
+    e.hi = _mm512_mask_expand_epi16(simd::fresh_zero_si512(), static_cast<__mmask32>(m >> 32),
+                                    _mm512_loadu_si512(v + count_lo));
+  } else {
+    e.lo = expand32_vbmi2(v, static_cast<uint32_t>(m), count_lo);
+    e.hi = expand32_vbmi2(v + count_lo, static_cast<uint32_t>(m >> 32), count - count_lo);
+  }
+  v += count;
+  return e;
+}
+
 // Lanes [16 * half, 16 * half + 16) of 32 fp16 or bf16 weights as fp32.
 template <class T, int half>
 FLASHLLM_AVX512_VBMI2 inline __m512 widen16_vbmi2(__m512i w) {
@@ -195,19 +220,15 @@ FLASHLLM_AVX512_VBMI2 inline __m512 widen16_vbmi2(__m512i w) {
 
 template <class T, int NT>
 FLASHLLM_AVX512_VBMI2 void row_dots_avx512_vbmi2(const T* v, const uint8_t* bm, int64_t n_cols, const float* x,
-                                                 float* dots) {
+                                                 const T* v_end, float* dots) {
   __m512 acc0[NT], acc1[NT];
   for (int t = 0; t < NT; ++t) acc0[t] = acc1[t] = _mm512_setzero_ps();
   int64_t c = 0;
   for (; c + 64 <= n_cols; c += 64) {
     prefetch_ahead(v, bm + c / 8);
-    const uint64_t m = load_word<uint64_t>(bm + c / 8);
-    const int count_lo = __builtin_popcount(static_cast<uint32_t>(m)), count = __builtin_popcountll(m);
-    const __m512i e0 = expand32_vbmi2(v, static_cast<uint32_t>(m), count_lo);
-    const __m512i e1 = expand32_vbmi2(v + count_lo, static_cast<uint32_t>(m >> 32), count - count_lo);
-    v += count;
-    const __m512 w0 = widen16_vbmi2<T, 0>(e0), w1 = widen16_vbmi2<T, 1>(e0);
-    const __m512 w2 = widen16_vbmi2<T, 0>(e1), w3 = widen16_vbmi2<T, 1>(e1);
+    const Expanded64 e = expand64_vbmi2(v, load_word<uint64_t>(bm + c / 8), v_end);
+    const __m512 w0 = widen16_vbmi2<T, 0>(e.lo), w1 = widen16_vbmi2<T, 1>(e.lo);
+    const __m512 w2 = widen16_vbmi2<T, 0>(e.hi), w3 = widen16_vbmi2<T, 1>(e.hi);
     for (int t = 0; t < NT; ++t) {
       const float* xt = x + t * n_cols + c;
       acc0[t] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xt), acc0[t]);
@@ -225,9 +246,7 @@ FLASHLLM_AVX512_VBMI2 void row_dots_avx512_vbmi2(const T* v, const uint8_t* bm, 
 #define FLASHLLM_AVX512_BF16 \
   __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi2,avx512bf16,fma,f16c,popcnt")))
 
-// xb: the NT tokens' rows of x in bf16 [NT, n_cols]; x: the same rows in float32, for the row's tail. Where 64
-// values remain before v_end (the end of `values`), the two 32-value loads are whole loads, which the expand
-// masks: the masked loads' mask arithmetic is ~15% of a trip once no widening is left (L2-resident, Zen 4).
+// xb: the NT tokens' rows of x in bf16 [NT, n_cols]; x: the same rows in float32, for the row's tail.
 template <int NT>
 FLASHLLM_AVX512_BF16 void row_dots_avx512_bf16(const BF16* v, const uint8_t* bm, int64_t n_cols, const BF16* xb,
                                                const float* x, const BF16* v_end, float* dots) {
@@ -236,19 +255,8 @@ FLASHLLM_AVX512_BF16 void row_dots_avx512_bf16(const BF16* v, const uint8_t* bm,
   int64_t c = 0;
   for (; c + 64 <= n_cols; c += 64) {
     prefetch_ahead(v, bm + c / 8);
-    const uint64_t m = load_word<uint64_t>(bm + c / 8);
-    const int count_lo = __builtin_popcount(static_cast<uint32_t>(m)), count = __builtin_popcountll(m);
-    __m512bh w0, w1;
-    if (v_end - v >= 64) {
-      w0 = (__m512bh)_mm512_mask_expand_epi16(simd::fresh_zero_si512(), static_cast<__mmask32>(m),
-                                              _mm512_loadu_si512(v));
-      w1 = (__m512bh)_mm512_mask_expand_epi16(simd::fresh_zero_si512(), static_cast<__mmask32>(m >> 32),
-                                              _mm512_loadu_si512(v + count_lo));
-    } else {
-      w0 = (__m512bh)expand32_vbmi2(v, static_cast<uint32_t>(m), count_lo);
-      w1 = (__m512bh)expand32_vbmi2(v + count_lo, static_cast<uint32_t>(m >> 32), count - count_lo);
-    }
-    v += count;
+    const Expanded64 e = expand64_vbmi2(v, load_word<uint64_t>(bm + c / 8), v_end);
+    const __m512bh w0 = (__m512bh)e.lo, w1 = (__m512bh)e.hi;
     for (int t = 0; t < NT; ++t) {
       const BF16* xt = xb + t * n_cols + c;
       acc0[t] = _mm512_dpbf16_ps(acc0[t], w0, (__m512bh)_mm512_loadu_si512(xt));
@@ -291,7 +299,7 @@ void linear_group(const LinearProblem<T>& p, const float* x, const BF16* x_bf16,
         [[fallthrough]];
       case CpuIsa::kAvx512Vbmi2:
         if constexpr (!std::is_same_v<T, float>) {  // fp32 lanes gain nothing from 16-bit expands
-          row_dots_avx512_vbmi2<T, NT>(v, bm, p.n_cols, x, dots);
+          row_dots_avx512_vbmi2<T, NT>(v, bm, p.n_cols, x, p.values + p.nnz, dots);
           break;
         }
         [[fallthrough]];
