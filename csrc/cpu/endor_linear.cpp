@@ -6,19 +6,19 @@
 // x is read dense and stays in cache (T x n_cols float32); the weight is read once per token group, compressed.
 //
 // Per ISA, one step of a row (fp16 and bf16 values widened to fp32, all math in fp32 FMA, except avx512bf16's):
-//   avx512bf16 (bf16 values, bf16 x)  32 columns: load and vpexpandw as below, then one vdpbf16ps with the 32
-//           bf16 x values: no widening, which is most of the VBMI2 path's work per column on Zen 4. A product of two
-//           bf16 is exact in fp32, so only the order of the fp32 sums differs (and denormals, which vdpbf16ps
-//           flushes); float32 x keeps the VBMI2 path, as rounding it to bf16 would lose its low bits.
-//   avx512vbmi2 (fp16, bf16)  32 columns: load 32 values, vpexpandw by the bitmap word (which uses the first
-//           popcount(m)), widen the two halves, FMA with x (64 columns per loop trip). Expanding 16-bit lanes halves
-//           the expand count against vexpandps, and widening after the expand needs no per-group realignment of the
-//           packed values.
+//   avx512bf16 (bf16 values, bf16 x)  32 columns: a whole 32-value load (a masked one near the end of `values`)
+//           and vpexpandw as below, then one vdpbf16ps with the 32 bf16 x values: no widening, which is most of the
+//           VBMI2 path's work per column on Zen 4. A product of two bf16 is exact in fp32, so only the order of the
+//           fp32 sums differs (and denormals, which vdpbf16ps flushes); float32 x keeps the VBMI2 path, as rounding
+//           it to bf16 would lose its low bits.
+//   avx512vbmi2 (fp16, bf16)  32 columns: masked load of popcount(m) values, vpexpandw by the bitmap word, widen
+//           the two halves, FMA with x (64 columns per loop trip). Expanding 16-bit lanes halves the expand count
+//           against vexpandps, and widening after the expand needs no per-group realignment of the packed values.
 //   avx512  16 columns: masked load of popcount(m) values, widen, vexpandps by the bitmap word, FMA with x
 //           (64 columns per loop trip, two accumulators per token to hide the FMA latency)
 //   avx2    8 columns: load 8 values, widen, a permutation looked up by the bitmap byte, mask, FMA with x
 //   scalar  the set bits of the row (count-trailing-zeros walk), one FMA per value and token
-// Masked loads stop at the row's values; whole loads (VBMI2, BF16: 32 values; AVX2: 8) are made only where they stay
+// Masked loads stop at the row's values; whole loads (BF16: 32 values; AVX2: 8) are made only where they stay
 // inside `values` (masked loads, or the scalar walk, finish the rest), so no path reads out of bounds.
 #include <ATen/ATen.h>
 #include <immintrin.h>
@@ -183,18 +183,20 @@ FLASHLLM_AVX512_VBMI2 inline __m512i expand32_vbmi2(const T* v, uint32_t m, int 
 }
 
 // The 16-bit weights of the 64 columns of bitmap word m, expanded into their lanes: columns [0, 32) in lo, [32, 64) in
-// hi. Advances v past the popcount(m) values read. Where 64 values remain before v_end (the end of `values`), both
-// 32-value loads are whole loads, which the expand masks: the masked loads' mask arithmetic was ~15% of a bf16 step,
-// which widens nothing (L2-resident, Zen 4). Otherwise each load reads exactly its half's values.
+// hi. Advances v past the popcount(m) values read. kWholeLoads: where 64 values remain before v_end (the end of
+// `values`), both 32-value loads are whole loads, which the expand masks; otherwise (and always without kWholeLoads)
+// each load reads exactly its half's values. Whole loads pay only in the BF16 step, which widens nothing: there the
+// masked loads' mask arithmetic was ~15% of a step (L2-resident, Zen 4). In the widening VBMI2 step they gained
+// nothing (tenth session) and measured 0-7% slower in a noisy A/B (thirteenth).
 struct Expanded64 {
   __m512i lo, hi;
 };
 
-template <class T>
+template <bool kWholeLoads, class T>
 FLASHLLM_AVX512_VBMI2 inline Expanded64 expand64_vbmi2(const T*& v, uint64_t m, const T* v_end) {
   const int count_lo = __builtin_popcount(static_cast<uint32_t>(m)), count = __builtin_popcountll(m);
   Expanded64 e;
-  if (v_end - v >= 64) {
+  if (kWholeLoads && v_end - v >= 64) {
     e.lo = _mm512_mask_expand_epi16(simd::fresh_zero_si512(), static_cast<__mmask32>(m), _mm512_loadu_si512(v));
     e.hi = _mm512_mask_expand_epi16(simd::fresh_zero_si512(), static_cast<__mmask32>(m >> 32),
                                     _mm512_loadu_si512(v + count_lo));
@@ -220,13 +222,13 @@ FLASHLLM_AVX512_VBMI2 inline __m512 widen16_vbmi2(__m512i w) {
 
 template <class T, int NT>
 FLASHLLM_AVX512_VBMI2 void row_dots_avx512_vbmi2(const T* v, const uint8_t* bm, int64_t n_cols, const float* x,
-                                                 const T* v_end, float* dots) {
+                                                 float* dots) {
   __m512 acc0[NT], acc1[NT];
   for (int t = 0; t < NT; ++t) acc0[t] = acc1[t] = _mm512_setzero_ps();
   int64_t c = 0;
   for (; c + 64 <= n_cols; c += 64) {
     prefetch_ahead(v, bm + c / 8);
-    const Expanded64 e = expand64_vbmi2(v, load_word<uint64_t>(bm + c / 8), v_end);
+    const Expanded64 e = expand64_vbmi2<false>(v, load_word<uint64_t>(bm + c / 8), v);
     const __m512 w0 = widen16_vbmi2<T, 0>(e.lo), w1 = widen16_vbmi2<T, 1>(e.lo);
     const __m512 w2 = widen16_vbmi2<T, 0>(e.hi), w3 = widen16_vbmi2<T, 1>(e.hi);
     for (int t = 0; t < NT; ++t) {
@@ -255,7 +257,7 @@ FLASHLLM_AVX512_BF16 void row_dots_avx512_bf16(const BF16* v, const uint8_t* bm,
   int64_t c = 0;
   for (; c + 64 <= n_cols; c += 64) {
     prefetch_ahead(v, bm + c / 8);
-    const Expanded64 e = expand64_vbmi2(v, load_word<uint64_t>(bm + c / 8), v_end);
+    const Expanded64 e = expand64_vbmi2<true>(v, load_word<uint64_t>(bm + c / 8), v_end);
     const __m512bh w0 = (__m512bh)e.lo, w1 = (__m512bh)e.hi;
     for (int t = 0; t < NT; ++t) {
       const BF16* xt = xb + t * n_cols + c;
@@ -299,7 +301,7 @@ void linear_group(const LinearProblem<T>& p, const float* x, const BF16* x_bf16,
         [[fallthrough]];
       case CpuIsa::kAvx512Vbmi2:
         if constexpr (!std::is_same_v<T, float>) {  // fp32 lanes gain nothing from 16-bit expands
-          row_dots_avx512_vbmi2<T, NT>(v, bm, p.n_cols, x, p.values + p.nnz, dots);
+          row_dots_avx512_vbmi2<T, NT>(v, bm, p.n_cols, x, dots);
           break;
         }
         [[fallthrough]];
