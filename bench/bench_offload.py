@@ -29,6 +29,7 @@ import argparse
 import json
 import statistics
 import sys
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -275,7 +276,7 @@ def main(argv: list[str] | None = None) -> None:
         hf_dir, name = pruned_default(cache), "SmolLM2-135M-Instruct (Wanda 50%, attention + FFN)"
     stores = layer_stores(hf_dir, cache)
     from flashllm_ext.offload import LayerStore, plan_placement
-    from flashllm_ext.reader import kvikio_available
+    from flashllm_ext.reader import host_bounce_bytes, select_read_path
 
     resident, layers = resident_and_layer_bytes(stores["dense"])
     total = resident + layers
@@ -287,7 +288,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         dense = plan_placement(LayerStore(stores["dense"]), "dense", budget if cuda else budget - resident,
                                device_layer_budget=device_budget - resident if cuda else None, separate=cuda,
-                               bounce=cuda and not kvikio_available())
+                               bounce=partial(host_bounce_bytes, select_read_path("cuda"), threads=args.threads)
+                               if cuda else None)
     except ValueError as e:
         raise SystemExit(f"bench_offload: --budget {args.budget} ({budget} bytes) does not fit dense offload of "
                          f"{name}: {e}") from None

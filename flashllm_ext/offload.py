@@ -47,8 +47,10 @@ import shutil
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -63,10 +65,10 @@ from .checkpoint import Checkpoint, open_checkpoint
 from .engine import _tensor_bytes, assign_resident, empty_model, parse_budget
 from .errors import FormatError
 from .models.hf import decoder_layers
-from .reader import FlashReader, ReadStats, select_read_path
+from .reader import FlashReader, ReadStats, host_bounce_bytes, select_read_path
 from .safetensors_io import AlignedWriter, TensorEntry, TensorSpec, dtype_name, owned_tensor, read_header
 from .store import ALIGNMENT, DTYPES
-from .transfer import aligned_buffer, cuda_device, pinned_buffer, pinned_bytes
+from .transfer import aligned_buffer, cuda_device, pinned_buffer
 
 MAGIC = "flashllm-offload"
 FORMAT_VERSION = "1"
@@ -649,9 +651,9 @@ class Placement:
 
     device_layer_bytes: the on-device layers; host_layer_bytes: the staged tier (pinned on CUDA, page by page:
     transfer.pinned_buffer); slot_bytes: the two slots moved layers land in; decompress_bytes: the buffer Endor
-    matrices are decompressed into for prompts; bounce_bytes: the pinned host buffer an SSD layer passes through on
-    its way to a GPU when kvikio is absent (torch's caching host allocator pins it, so charged as
-    transfer.pinned_bytes)."""
+    matrices are decompressed into for prompts; bounce_bytes: the pinned host memory SSD layers pass through on their
+    way to a GPU (reader.host_bounce_bytes: one buffer as large as a layer when kvikio is absent, kvikio's pool of
+    bounce buffers in its compatibility mode)."""
     n_layers: int
     on_device: int
     in_memory: int
@@ -674,7 +676,8 @@ class Placement:
         return "resident" if layer < self.on_device else "staged" if layer < self.in_memory else "ssd"
 
 
-def _placement(store: LayerStore, mode: str, on_device: int, in_memory: int, bounce: bool) -> Placement:
+def _placement(store: LayerStore, mode: str, on_device: int, in_memory: int,
+               bounce: Callable[[int], int] | None) -> Placement:
     n, item = store.n_layers, store.dtype.itemsize
     keep_compressed = mode == "endor+more-resident"
     moved = [store.stored_bytes(i) for i in range(on_device, n)]
@@ -686,18 +689,20 @@ def _placement(store: LayerStore, mode: str, on_device: int, in_memory: int, bou
     return Placement(n, on_device, in_memory,
                      sum(store.stored_bytes(i) if keep_compressed else store.dense_bytes(i) for i in range(on_device)),
                      sum(store.stored_bytes(i) for i in range(on_device, in_memory)),
-                     2 * max(moved, default=0), decompress, pinned_bytes(largest_on_ssd) if bounce else 0)
+                     2 * max(moved, default=0), decompress, bounce(largest_on_ssd) if bounce and largest_on_ssd else 0)
 
 
 def plan_placement(store: LayerStore, mode: str, layer_budget: int | None, layers_in_memory: int | None = None, *,
-                   device_layer_budget: int | None = None, separate: bool = False, bounce: bool = False,
+                   device_layer_budget: int | None = None, separate: bool = False,
+                   bounce: Callable[[int], int] | None = None,
                    layers_on_device: int | None = None) -> Placement:
     """The placement, nearest first, within the budgets left for layers (None: no limit).
 
     separate=False (the CPU): one pool, `layer_budget`, holds every byte of the Placement; layers_on_device
     defaults to layers_in_memory, i.e. no staged tier. separate=True (a GPU): the device's pool
     (`device_layer_budget`) holds Placement.device_bytes and sets layers_on_device; the host's (`layer_budget`)
-    holds Placement.host_bytes (the bounce buffer, then the staged tier). Given counts are kept if they fit (a
+    holds Placement.host_bytes (the bounce buffers: `bounce`(bytes of the largest SSD layer), none when None; then
+    the staged tier). Given counts are kept if they fit (a
     placement to compare modes on); otherwise the most layers that fit. Raises
     ValueError when given counts do not fit (_BudgetTooSmall, naming the pool, when not even zero layers do)."""
     n = store.n_layers
@@ -810,10 +815,11 @@ def _install(model: nn.Module, store: LayerStore, mode: str, budget: int | float
     # On the CPU the resident tensors share the one budget with the layers; on a GPU they live in device memory.
     host_layer_budget = None if budget_bytes is None else budget_bytes - (0 if separate else resident)
     device_layer_budget = None if device_budget_bytes is None else device_budget_bytes - resident
+    read_path = select_read_path(device)
     try:
         placement = plan_placement(store, mode, host_layer_budget, layers_in_memory,
                                    device_layer_budget=device_layer_budget, separate=separate,
-                                   bounce=separate and select_read_path(device) == "pinned",
+                                   bounce=partial(host_bounce_bytes, read_path, threads=threads) if separate else None,
                                    layers_on_device=layers_on_device)
     except _BudgetTooSmall as e:
         if e.pool == "device":
@@ -822,8 +828,8 @@ def _install(model: nn.Module, store: LayerStore, mode: str, budget: int | float
                              f"{e.need} for two slots of the largest layer and the decompression buffer)") from None
         if separate:
             raise ValueError(f"dram_budget of {budget_bytes} bytes is below the minimum of {e.need} for {mode} "
-                             f"offload to {device} (a pinned buffer for the largest layer read from SSD: kvikio is "
-                             f"not installed)") from None
+                             f"offload to {device} (the pinned host memory SSD reads pass through on the "
+                             f"{read_path!r} read path)") from None
         raise ValueError(f"dram_budget of {budget_bytes} bytes is below the minimum of {resident + e.need} for "
                          f"{mode} offload ({resident} resident tensors + {e.need} for two staging buffers of the "
                          f"largest layer and the decompression buffer)") from None

@@ -45,6 +45,7 @@ from ._native import require_native
 from .disk import load_disk_profile
 from .errors import FormatError
 from .store import EndorLocation, FlashStore, layer_tensor_name
+from .transfer import pinned_bytes
 
 DEFAULT_THREADS = 32
 DEFAULT_MIN_READ = 32 << 10  # the paper's minimum useful read size on flash
@@ -52,6 +53,10 @@ DEFAULT_MAX_READ = 1 << 20
 DEFAULT_MAX_GAP = 64 << 10  # ~100 us x ~1 GB/s, the order of magnitude of a cloud SSD; calibrate to replace it
 DEFAULT_ENDOR_STAGING = 2 << 20  # compressed bytes staged per piece of an Endor read (bounds its extra memory)
 READ_PATHS = ("host", "kvikio", "pinned")
+# kvikio's bounce buffer in its POSIX compatibility mode (no GPUDirect Storage), set by FlashReader (kvikio's default
+# is 16 MiB): its pool keeps one pinned buffer per I/O thread for the life of the process, host memory that
+# host_bounce_bytes charges to the budget.
+KVIKIO_BOUNCE_BYTES = 4 << 20
 
 
 def _native_reader_class():
@@ -84,6 +89,38 @@ def select_read_path(device: torch.device | str) -> str:
     if device.type == "cuda":
         return "kvikio" if kvikio_available() else "pinned"
     raise ValueError(f"FlashReader reads into CPU or CUDA tensors, got a tensor on {device}")
+
+
+def configure_kvikio(kvikio_defaults, threads: int) -> None:
+    """kvikio's settings for FlashReader: `threads` I/O threads; in compatibility mode, bounce buffers of
+    KVIKIO_BOUNCE_BYTES and O_DIRECT reads (auto_direct_io_read) where offset, size and buffer allow, as the native
+    reader's, so no read is served from the page cache. kvikio before 25.02 takes the thread count only."""
+    if not hasattr(kvikio_defaults, "set"):
+        kvikio_defaults.num_threads_reset(threads)
+        return
+    kvikio_defaults.set("num_threads", threads)
+    kvikio_defaults.set("bounce_buffer_size", KVIKIO_BOUNCE_BYTES)
+    try:
+        kvikio_defaults.set("auto_direct_io_read", True)
+    except KeyError:  # no such setting before kvikio 25.08: its compatibility mode reads through the page cache
+        pass
+
+
+def host_bounce_bytes(read_path: str, largest_read: int, threads: int) -> int:
+    """Host memory that reads of up to `largest_read` bytes into GPU memory pass through, by read path (READ_PATHS):
+    "pinned", one pinned buffer as large as the read, as torch's caching host allocator rounds it
+    (transfer.pinned_bytes); "kvikio", in its compatibility mode, its pool of pinned bounce buffers, one per I/O
+    thread (KVIKIO_BOUNCE_BYTES each; none with GPUDirect Storage); "host", none."""
+    if read_path not in READ_PATHS:
+        raise ValueError(f"read_path must be one of {READ_PATHS}, got {read_path!r}")
+    if largest_read == 0 or read_path == "host":
+        return 0
+    if read_path == "pinned":
+        return pinned_bytes(largest_read)
+    import kvikio.defaults
+
+    compat = getattr(kvikio.defaults, "is_compat_mode_preferred", lambda: True)()
+    return threads * KVIKIO_BOUNCE_BYTES if compat else 0
 
 
 @dataclass(frozen=True)
@@ -307,10 +344,7 @@ class FlashReader:
             import kvikio
             import kvikio.defaults
 
-            if hasattr(kvikio.defaults, "set"):  # kvikio >= 25.02
-                kvikio.defaults.set("num_threads", self.threads)
-            else:
-                kvikio.defaults.num_threads_reset(self.threads)
+            configure_kvikio(kvikio.defaults, self.threads)
             self._cufile_handle = kvikio.CuFile(self.path, "r")
         return self._cufile_handle
 

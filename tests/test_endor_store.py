@@ -436,6 +436,50 @@ def test_a_broken_kvikio_install_counts_as_absent(monkeypatch):
     assert select_read_path(torch.device("cuda", 0)) == "pinned"
 
 
+def test_host_bounce_bytes_follow_the_read_path(monkeypatch):
+    """What reads into GPU memory hold in pinned host memory (charged to an offload's host budget)."""
+    layer = 403 << 20
+    assert reader.host_bounce_bytes("host", layer, 32) == 0
+    assert reader.host_bounce_bytes("pinned", layer, 32) == 512 << 20  # torch's caching host allocator rounds up
+    assert reader.host_bounce_bytes("pinned", 0, 32) == 0  # nothing read from SSD
+    defaults = types.SimpleNamespace(is_compat_mode_preferred=lambda: True)
+    module = types.ModuleType("kvikio")
+    module.defaults = defaults
+    monkeypatch.setitem(sys.modules, "kvikio", module)
+    monkeypatch.setitem(sys.modules, "kvikio.defaults", defaults)
+    assert reader.host_bounce_bytes("kvikio", layer, 32) == 32 * reader.KVIKIO_BOUNCE_BYTES  # a buffer per thread
+    defaults.is_compat_mode_preferred = lambda: False  # GPUDirect Storage: no host bounce buffers
+    assert reader.host_bounce_bytes("kvikio", layer, 32) == 0
+    with pytest.raises(ValueError, match="read_path must be one of"):
+        reader.host_bounce_bytes("gds", layer, 32)
+
+
+class _RecordingKvikioDefaults:
+    """kvikio.defaults' set(key, value), recording; `known` is the settings this kvikio version has."""
+
+    def __init__(self, known):
+        self.known, self.settings = known, {}
+
+    def set(self, key, value):
+        if key not in self.known:
+            raise KeyError(key)
+        self.settings[key] = value
+
+
+def test_configure_kvikio_bounds_its_bounce_buffers_and_reads_direct():
+    defaults = _RecordingKvikioDefaults({"num_threads", "bounce_buffer_size", "auto_direct_io_read"})
+    reader.configure_kvikio(defaults, 16)
+    assert defaults.settings == {"num_threads": 16, "bounce_buffer_size": reader.KVIKIO_BOUNCE_BYTES,
+                                 "auto_direct_io_read": True}
+    older = _RecordingKvikioDefaults({"num_threads", "bounce_buffer_size"})  # before auto_direct_io_read
+    reader.configure_kvikio(older, 16)
+    assert older.settings == {"num_threads": 16, "bounce_buffer_size": reader.KVIKIO_BOUNCE_BYTES}
+    oldest = types.SimpleNamespace(threads=[])  # before kvikio 25.02: no set()
+    oldest.num_threads_reset = oldest.threads.append
+    reader.configure_kvikio(oldest, 16)
+    assert oldest.threads == [16]
+
+
 class _PosixCuFile:
     """A stand-in for kvikio.CuFile (same pread signature and future) over plain pread into CPU tensors: it runs the
     reader's kvikio staging and gather logic where there is no GPU."""

@@ -2,6 +2,7 @@
 budget (nearest first, more layers when kept compressed), the minimum budget, read failures, the store format."""
 import os
 import re
+from functools import partial
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from flashllm_ext.checkpoint import TensorsCheckpoint
 from flashllm_ext.engine import parse_budget
 from flashllm_ext.offload import (LayerStore, OffloadedLinear, convert_offload, load_offloaded, patch_offload,
                                   plan_placement)
+from flashllm_ext.reader import host_bounce_bytes
 from flashllm_ext.transfer import pinned_buffer, pinned_bytes
 
 N_LAYERS = 6
@@ -343,9 +345,9 @@ def test_pinned_buffer_registers_exactly_its_bytes(monkeypatch):
 def test_gpu_placement_fills_device_then_host_memory(case):
     """plan_placement with separate pools (a CUDA device): the device budget sets the resident layers (the most
     whose bytes, two slots for the rest and the decompression buffer fit), the host budget the staged ones after
-    them (as stored, pinned page by page, plus a bounce buffer of the largest SSD layer when kvikio is absent, which
-    torch's caching host allocator pins to a power of two). Checked against a brute-force search over every pair of budgets one layer's placement needs;
-    each pool's shortfall is named."""
+    them (as stored, pinned page by page, plus what reads of the largest SSD layer pass through: a bounce buffer of
+    its size when kvikio is absent, which torch's caching host allocator pins to a power of two). Checked against a
+    brute-force search over every pair of budgets one layer's placement needs; each pool's shortfall is named."""
     assert [pinned_bytes(b) for b in (0, 1, 3, 4096, 4097)] == [0, 1, 4, 4096, 8192]
     store = LayerStore(case["endor"])
     n = store.n_layers
@@ -358,10 +360,11 @@ def test_gpu_placement_fills_device_then_host_memory(case):
                 _staging(store, mode, g)
 
         def host_need(g, k, bounce):
+            largest_on_ssd = max((store.stored_bytes(i) for i in range(k, n)), default=0)
             return sum(store.stored_bytes(i) for i in range(g, k)) + \
-                (pinned_bytes(max((store.stored_bytes(i) for i in range(k, n)), default=0)) if bounce else 0)
+                (pinned_bytes(largest_on_ssd) if bounce and largest_on_ssd else 0)
 
-        for bounce in (False, True):
+        for bounce in (None, partial(host_bounce_bytes, "pinned", threads=32)):
             device_budgets = sorted({device_need(g) for g in range(n + 1)})
             host_budgets = sorted({host_need(g, k, bounce) for g in range(n + 1) for k in range(g, n + 1)})
             for device_budget in device_budgets:
