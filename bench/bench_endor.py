@@ -7,8 +7,8 @@ inside the timed region, except CSR to_dense, which has no out= variant (its row
 
 op "linear": the decode GEMV y = x W^T, T = 1 and 4 tokens, weight and x in fp16 and in bf16 (the CPU's avx512bf16
 path multiplies bf16 pairs without widening them): endor_linear (straight from values + bitmap) vs the dense
-baselines on the same weight: torch F.linear on it (vs_dense), flashllm's half_linear on it, torch F.linear in float32 on a float32 copy (twice the bytes); vs_best_dense is against the fastest of the three
-(best_dense names it); and vs decompress (into a preallocated buffer) + F.linear; same threads (OMP_NUM_THREADS sets
+baselines on the same weight: torch F.linear on it (vs_dense), flashllm's half_linear on it, torch F.linear in
+float32 on a float32 copy (twice the bytes); vs_best_dense is against the fastest of the three (best_dense names it); and vs decompress (into a preallocated buffer) + F.linear; same threads (OMP_NUM_THREADS sets
 torch's and endor_linear's; the row's `threads`), interleaved. Each side's bytes (compressed: values + bitmap + row
 offsets; dense: the weight) divided by the read bandwidth of a streaming sum measured in the same run
 (common.stream_probe) give its bandwidth bound; bound_ratio = time / bound (1.0 = at the bound). A weight is 34-134 MB
@@ -112,7 +112,8 @@ def bench_linear_case(name: str, shape: tuple[int, int], dtype_name: str, n_tok:
     dense_bytes = dense.numel() * dense.element_size()
     best_dense = min(("dense", "half_linear", "dense_fp32"), key=times.__getitem__)
     return {"bench": "endor", "op": "linear", "shape": f"{shape[0]}x{shape[1]}", "matrix": name,
-            "dtype": dtype_name, "sparsity": sparsity, "tokens": n_tok, "endor_mb": e.nbytes / 1e6, "dense_mb": dense_bytes / 1e6,
+            "dtype": dtype_name, "sparsity": sparsity, "tokens": n_tok, "endor_mb": e.nbytes / 1e6,
+            "dense_mb": dense_bytes / 1e6,
             "bytes_ratio": e.nbytes / dense_bytes, "endor_ms": times["endor_linear"] * 1e3,
             "dense_ms": times["dense"] * 1e3, "half_linear_ms": times["half_linear"] * 1e3,
             "dense_fp32_ms": times["dense_fp32"] * 1e3, "decompress_linear_ms": times["decompress_linear"] * 1e3,
@@ -159,7 +160,8 @@ def main() -> None:
             for name, shape in shapes.items():
                 for dtype_name in dtypes:
                     for n_tok in (1,) if args.quick else (1, 4):
-                        row = bench_linear_case(name, shape, dtype_name, n_tok, 0.5, args.device, args.rounds, stream)
+                        row = bench_linear_case(name, shape, dtype_name, n_tok, 0.5, args.device, args.rounds,
+                                                stream)
                         rows.append(row)
                         if args.json:
                             emit([row], True)
@@ -168,8 +170,9 @@ def main() -> None:
              ["op", "matrix", "shape", "dtype", "compressed_ratio", "decompress_gbps", "memcpy_gbps", "vs_memcpy",
               "reference_gbps", "vs_reference", "csr_gbps", "device"])
         emit([r for r in rows if r["op"] == "linear"], False,
-             ["matrix", "shape", "dtype", "tokens", "bytes_ratio", "endor_ms", "dense_ms", "half_linear_ms", "dense_fp32_ms",
-              "vs_dense", "best_dense", "vs_best_dense", "decompress_linear_ms", "vs_decompress_linear", "endor_gbps", "stream_gbps", "bound_ratio", "dense_bound_ratio", "device"])
+             ["matrix", "shape", "dtype", "tokens", "bytes_ratio", "endor_ms", "dense_ms", "half_linear_ms",
+              "dense_fp32_ms", "vs_dense", "best_dense", "vs_best_dense", "decompress_linear_ms",
+              "vs_decompress_linear", "endor_gbps", "stream_gbps", "bound_ratio", "dense_bound_ratio", "device"])
 
 
 if __name__ == "__main__":

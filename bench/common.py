@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
-import itertools
 import sys
 from collections.abc import Callable, Iterable
 

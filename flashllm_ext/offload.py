@@ -701,10 +701,10 @@ def plan_placement(store: LayerStore, mode: str, layer_budget: int | None, layer
     separate=False (the CPU): one pool, `layer_budget`, holds every byte of the Placement; layers_on_device
     defaults to layers_in_memory, i.e. no staged tier. separate=True (a GPU): the device's pool
     (`device_layer_budget`) holds Placement.device_bytes and sets layers_on_device; the host's (`layer_budget`)
-    holds Placement.host_bytes (the bounce buffers: `bounce`(bytes of the largest SSD layer), none when None; then
-    the staged tier). Given counts are kept if they fit (a
-    placement to compare modes on); otherwise the most layers that fit. Raises
-    ValueError when given counts do not fit (_BudgetTooSmall, naming the pool, when not even zero layers do)."""
+    holds Placement.host_bytes (the bounce buffers, `bounce`(bytes of the largest SSD layer), none when None; then
+    the staged tier). Given counts are kept if they fit (a placement to compare modes on); otherwise the most layers
+    that fit. Raises ValueError when given counts do not fit (_BudgetTooSmall, naming the pool, when not even zero
+    layers do)."""
     n = store.n_layers
     for name, value in (("layers_on_device", layers_on_device), ("layers_in_memory", layers_in_memory)):
         if value is not None and not 0 <= value <= n:

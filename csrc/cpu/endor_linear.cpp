@@ -228,7 +228,7 @@ FLASHLLM_AVX512_VBMI2 void row_dots_avx512_vbmi2(const T* v, const uint8_t* bm, 
   int64_t c = 0;
   for (; c + 64 <= n_cols; c += 64) {
     prefetch_ahead(v, bm + c / 8);
-    const Expanded64 e = expand64_vbmi2<false>(v, load_word<uint64_t>(bm + c / 8), v);
+    const Expanded64 e = expand64_vbmi2<false>(v, load_word<uint64_t>(bm + c / 8), v);  // no v_end: exact loads
     const __m512 w0 = widen16_vbmi2<T, 0>(e.lo), w1 = widen16_vbmi2<T, 1>(e.lo);
     const __m512 w2 = widen16_vbmi2<T, 0>(e.hi), w3 = widen16_vbmi2<T, 1>(e.hi);
     for (int t = 0; t < NT; ++t) {
