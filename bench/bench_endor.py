@@ -8,8 +8,9 @@ inside the timed region, except CSR to_dense, which has no out= variant (its row
 op "linear": the decode GEMV y = x W^T, T = 1 and 4 tokens, weight and x in fp16 and in bf16 (the CPU's avx512bf16
 path multiplies bf16 pairs without widening them): endor_linear (straight from values + bitmap) vs the dense
 baselines on the same weight: torch F.linear on it (vs_dense), flashllm's half_linear on it, torch F.linear in
-float32 on a float32 copy (twice the bytes); vs_best_dense is against the fastest of the three (best_dense names it); and vs decompress (into a preallocated buffer) + F.linear; same threads (OMP_NUM_THREADS sets
-torch's and endor_linear's; the row's `threads`), interleaved. Each side's bytes (compressed: values + bitmap + row
+float32 on a float32 copy (twice the bytes); vs_best_dense is against the fastest of the three (best_dense names
+it); and vs decompress (into a preallocated buffer) + F.linear; same threads (OMP_NUM_THREADS sets torch's and
+endor_linear's; the row's `threads`), interleaved. Each side's bytes (compressed: values + bitmap + row
 offsets; dense: the weight) divided by the read bandwidth of a streaming sum measured in the same run
 (common.stream_probe) give its bandwidth bound; bound_ratio = time / bound (1.0 = at the bound). A weight is 34-134 MB
 (compressed 19-76 MB), read once per call; each candidate cycles through `weight_copies` copies of it, enough to
