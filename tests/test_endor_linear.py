@@ -72,6 +72,16 @@ def test_empty_rows_and_full_rows_in_one_weight(isa):
     assert_equal(got, F.linear(x.float(), w.float()).bfloat16())
 
 
+def test_non_contiguous_bf16_x(isa):
+    # Wide enough for whole 64-column steps: the avx512bf16 level reads x as bf16, copied contiguous first.
+    x, w, e, b = linear_case(11, (7, 200), torch.bfloat16)
+    xt = x.t().contiguous().t()
+    assert not xt.is_contiguous()
+    want = endor_linear_reference(x, e.values, e.bitmap, e.row_offsets, 200, b)
+    assert_equal(linear(xt, e, b), want)
+    assert_equal(linear(x[1::2], e, b), want[1::2])  # strided rows
+
+
 def test_non_contiguous_inputs(isa):
     x, w, e, b = linear_case(8, (7, 36), torch.float32)
     xt = x.t().contiguous().t()  # column-major
