@@ -63,8 +63,9 @@ def main() -> None:
     gate_bits = gate_bits if args.gate_bits is None else (args.gate_bits or None)
     density, layers = args.density or density, args.layers or layers
     dtype, glu = getattr(torch, args.dtype), gate_bits is not None
-    detected = _C.cpu_isas().index(_C.detected_cpu_isa())
-    paths = args.paths.split(",") if args.paths else [p for p in PATHS if _C.cpu_isas().index(p) <= detected]
+    order = _C.cpu_isas()
+    paths = args.paths.split(",") if args.paths else [p for p in PATHS
+                                                      if order.index(p) <= order.index(_C.detected_cpu_isa())]
 
     g = torch.Generator().manual_seed(0)
 

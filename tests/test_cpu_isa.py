@@ -45,7 +45,7 @@ def test_bad_feature_lists_are_refused():
 def test_detected_isa_follows_the_cpu_flags():
     with open("/proc/cpuinfo") as f:
         flags = next(line for line in f if line.startswith("flags")).split(":", 1)[1].split()
-    # The kernel spells two names differently from GCC; it also clears flags whose register state the OS does not
+    # The kernel spells three names differently from GCC; it also clears flags whose register state the OS does not
     # save, as libgcc's own check does.
     gcc_names = {"avx512_vbmi2": "avx512vbmi2", "avx512_vnni": "avx512vnni", "avx512_bf16": "avx512bf16"}
     features = {gcc_names.get(flag, flag) for flag in flags}

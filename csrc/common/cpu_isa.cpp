@@ -13,10 +13,9 @@ namespace {
 // csrc/cpu/*.cpp (sparse_ffn: "avx2,fma,f16c" and "avx512f,avx512bw,avx512vl,fma,f16c"; endor_decompress:
 // "avx2,popcnt", "avx512f,avx512bw,avx512vl,popcnt" and "+avx512vbmi2"; quant_scores: "+avx512vnni", and
 // "+avx512vbmi" at the VBMI2 level: every CPU with VBMI2 has VBMI, this only makes it explicit; endor_linear:
-// "+avx512bf16"). A path
-// needs the features of every path below it too (a kernel with no code of its own at one level runs the level
-// below), so a CPU or VM that masks FMA or F16C gets the scalar path rather than SIGILL. One list, used both to
-// probe the CPU and to decide.
+// "+avx512bf16"). A path needs the features of every path below it too (a kernel with no code of its own at one
+// level runs the level below), so a CPU or VM that masks FMA or F16C gets the scalar path rather than SIGILL. One
+// list, used both to probe the CPU and to decide.
 #define FLASHLLM_CPU_FEATURES(X)                                  \
   X("avx2", kAvx2) X("fma", kAvx2) X("f16c", kAvx2) X("popcnt", kAvx2) \
   X("avx512f", kAvx512) X("avx512bw", kAvx512) X("avx512vl", kAvx512)  \
