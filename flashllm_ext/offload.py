@@ -28,7 +28,8 @@ Modes, one placement code:
   endor+more-resident    Endor store; in-memory layers kept compressed, so more of them fit the same budget
 Endor matrices are computed with the fused `endor_linear` for decode (T <= LINEAR_MAX_TOKENS tokens: it reads the
 compressed weight once, measured 1.2-2x dense F.linear and 2-3.5x decompress + F.linear, BENCHMARKS.md) and by
-`endor_decompress` into one reused buffer + F.linear for prompts (a GEMM amortises the decompression).
+`endor_decompress` + F.linear for prompts (a GEMM amortises the decompression), DECOMPRESS_BLOCK_BYTES of rows at a
+time into one reused buffer.
 
 The store (`LayerStore`): a directory with
   layers.safetensors    every decoder-layer Linear weight (attention and FFN), layer by layer (the flash store's
@@ -82,6 +83,10 @@ LINEAR_MAX_TOKENS = 8  # endor_linear keeps up to 8 tokens in registers; longer 
 # On an H100 the CUDA endor_linear beats decompress + GEMM at T = 1 (1.14-1.57x) and loses at T = 4 (0.72-0.81x)
 # (BENCHMARKS "First run on a GPU")
 CUDA_LINEAR_MAX_TOKENS = 1
+# Prompts decompress an Endor matrix a block of rows at a time, at most this many dense bytes (at least one row), each
+# block multiplied while it is in cache: the buffer is charged to the budget beside the layers, and a whole
+# OPT-6.7B fc1 (134 MB) would take a layer's room.
+DECOMPRESS_BLOCK_BYTES = 8 << 20
 _LAYER_WEIGHT = re.compile(r"^(?:.*\.)?layers\.(\d+)\..+\.weight$")
 
 
@@ -411,6 +416,8 @@ class OffloadRuntime:
         self._layer_start = self._decompress_at_start = 0.0
         self._decompress = torch.empty(p.decompress_bytes // self.store.dtype.itemsize, dtype=self.store.dtype,
                                        device=self.device)
+        self._row_ids = torch.arange(max((e.shape[0] for layer in self.store.layers for e in layer if e.endor),
+                                         default=0), device=self.device)
 
     def _slot_buffer(self, nbytes: int) -> torch.Tensor:
         if self._cuda:
@@ -461,11 +468,17 @@ class OffloadRuntime:
         if self.compute == "linear" or (self.compute == "auto" and flat.shape[0] <= max_tokens):
             y = ops.endor_linear(flat, w.values, w.bitmap, w.row_offsets, n_cols=cols, bias=bias)
         else:
-            start = self._clock()
-            dense = ops.endor_decompress(w.values, w.bitmap, w.row_offsets, n_cols=cols,
-                                         out=self._decompress[:rows * cols].view(rows, cols))
-            self.stats.decompress_s += self._clock() - start
-            y = F.linear(flat, dense, bias)
+            block = decompress_block_rows(rows, cols, self.store.dtype.itemsize)
+            parts = []
+            for first in range(0, rows, block):
+                n = min(block, rows - first)
+                start = self._clock()
+                dense = ops.endor_decompress(w.values, w.bitmap, w.row_offsets, n_cols=cols,
+                                             rows=None if n == rows else self._row_ids[first:first + n],
+                                             out=self._decompress[:n * cols].view(n, cols))
+                self.stats.decompress_s += self._clock() - start
+                parts.append(F.linear(flat, dense, None if bias is None else bias[first:first + n]))
+            y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
         return y.reshape(*x.shape[:-1], rows)
 
     def _clock(self) -> float:
@@ -651,7 +664,7 @@ class Placement:
 
     device_layer_bytes: the on-device layers; host_layer_bytes: the staged tier (pinned on CUDA, page by page:
     transfer.pinned_buffer); slot_bytes: the two slots moved layers land in; decompress_bytes: the buffer Endor
-    matrices are decompressed into for prompts; bounce_bytes: the pinned host memory SSD layers pass through on their
+    matrices are decompressed into for prompts (decompress_block_rows); bounce_bytes: the pinned host memory SSD layers pass through on their
     way to a GPU (reader.host_bounce_bytes: one buffer as large as a layer when kvikio is absent, kvikio's pool of
     bounce buffers in its compatibility mode)."""
     n_layers: int
@@ -676,15 +689,21 @@ class Placement:
         return "resident" if layer < self.on_device else "staged" if layer < self.in_memory else "ssd"
 
 
+def decompress_block_rows(rows: int, cols: int, itemsize: int) -> int:
+    """Rows of an Endor matrix [rows, cols] a prompt decompresses at a time: DECOMPRESS_BLOCK_BYTES of dense rows, at
+    least one, at most all."""
+    return max(1, min(rows, DECOMPRESS_BLOCK_BYTES // (cols * itemsize)))
+
+
 def _placement(store: LayerStore, mode: str, on_device: int, in_memory: int,
                bounce: Callable[[int], int] | None) -> Placement:
     n, item = store.n_layers, store.dtype.itemsize
     keep_compressed = mode == "endor+more-resident"
     moved = [store.stored_bytes(i) for i in range(on_device, n)]
     # Endor matrices computed from their compressed form (moved layers, and on-device ones kept compressed) are
-    # decompressed into one buffer for prompts.
-    decompress = max((e.shape[0] * e.shape[1] * item for i in range(n) for e in store.layers[i] if e.endor and
-                      (i >= on_device or keep_compressed)), default=0)
+    # decompressed into one buffer for prompts, a block of rows at a time.
+    decompress = max((decompress_block_rows(*e.shape, item) * e.shape[1] * item for i in range(n)
+                      for e in store.layers[i] if e.endor and (i >= on_device or keep_compressed)), default=0)
     largest_on_ssd = max((store.stored_bytes(i) for i in range(in_memory, n)), default=0)
     return Placement(n, on_device, in_memory,
                      sum(store.stored_bytes(i) if keep_compressed else store.dense_bytes(i) for i in range(on_device)),

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM
 
-from flashllm_ext import FormatError, endor
+from flashllm_ext import FormatError, endor, offload
 from flashllm_ext.checkpoint import TensorsCheckpoint
 from flashllm_ext.engine import parse_budget
 from flashllm_ext.offload import (LayerStore, OffloadedLinear, convert_offload, load_offloaded, patch_offload,
@@ -65,11 +65,12 @@ def budget_for(store: LayerStore, mode: str, in_memory: int, resident: int) -> i
 
 
 def _staging(store: LayerStore, mode: str, k: int) -> int:
-    """Two read buffers of the largest SSD layer + a decompression buffer for the largest Endor matrix computed
-    from its compressed form (SSD layers, and in-memory ones in endor+more-resident)."""
+    """Two read buffers of the largest SSD layer + a decompression buffer for a block of rows of the largest Endor
+    matrix computed from its compressed form (SSD layers, and in-memory ones in endor+more-resident)."""
     rest = [store.stored_bytes(i) for i in range(k, store.n_layers)]
-    decompress = max((e.shape[0] * e.shape[1] * store.dtype.itemsize for i in range(store.n_layers) for e in store.layers[i]
-                      if e.endor and (i >= k or mode == "endor+more-resident")), default=0)
+    item = store.dtype.itemsize
+    decompress = max((offload.decompress_block_rows(*e.shape, item) * e.shape[1] * item for i in range(store.n_layers)
+                      for e in store.layers[i] if e.endor and (i >= k or mode == "endor+more-resident")), default=0)
     return 2 * max(rest, default=0) + decompress
 
 
@@ -96,11 +97,23 @@ def test_endor_reads_fewer_bytes_and_decode_paths_agree(case):
     dense, compressed = LayerStore(case["dense"]), LayerStore(case["endor"])
     assert compressed.endor and not dense.endor
     assert sum(map(compressed.stored_bytes, range(N_LAYERS))) < 0.75 * sum(map(dense.stored_bytes, range(N_LAYERS)))
-    outs = []
     for compute in ("linear", "decompress"):
         model = load_offloaded(case["endor"], None, mode="endor+more-resident", compute=compute)
-        outs.append(model.generate(case["prompt"], max_new_tokens=8, do_sample=False))
-    assert torch.equal(outs[0], case["reference"]) and torch.equal(outs[1], case["reference"])
+        assert torch.equal(model.generate(case["prompt"], max_new_tokens=8, do_sample=False), case["reference"])
+
+
+@pytest.mark.parametrize("block_bytes, buffer_bytes", [(1, 352 * 4), (3 * 128 * 4, 3 * 128 * 4),
+                                                       (1 << 30, 352 * 128 * 4)])
+def test_prompts_decompress_a_block_of_rows_at_a_time(case, monkeypatch, block_bytes, buffer_bytes):
+    """Blocks of one row (the buffer holds the widest row, of fc2/down: 352 columns), of 3 rows of 128 columns (no
+    matrix has a multiple of 3 rows: short last blocks; the wider ones one row a block), and whole matrices (the
+    largest, 352 x 128): the same tokens, and the buffer charged is that block."""
+    monkeypatch.setattr(offload, "DECOMPRESS_BLOCK_BYTES", block_bytes)
+    model = load_offloaded(case["endor"], None, mode="endor+more-resident", compute="decompress")
+    assert torch.equal(model.generate(case["prompt"], max_new_tokens=8, do_sample=False), case["reference"])
+    assert model.offload.placement.decompress_bytes == buffer_bytes
+    assert model.offload_stats()["decompress_ms"] > 0
+    model.offload.close()
 
 
 def test_placement_nearest_first_and_more_layers_when_compressed(case):
