@@ -14,14 +14,15 @@ rows are per-mode medians.
 --device cuda (Endor's GPU setting): layers in GPU memory by --device-budget, then in host memory by --budget (as
 stored: compressed in the Endor modes, copied to the GPU and decompressed there), the rest read from SSD into GPU
 memory (kvikio, or a pinned buffer); bytes_moved_per_token counts the host-to-GPU copies, read_path the SSD route.
-accelerate gets the same budgets (max_memory GPU, cpu, then disk).
+accelerate gets the same budgets (max_memory GPU, cpu, then disk); device_peak_mb is each mode's peak of allocated
+GPU memory (accelerate's max_memory charges its weights, not the layers it brings to the GPU to compute).
 
 Default: the default model (SmolLM2-135M) Wanda-pruned to 50% in every decoder Linear (attention and FFN), fp16,
 at 30% of the dense model's bytes. --scale: a synthesized OPT-6.7B-shaped checkpoint pruned 50% (bench/
 synth_checkpoint.py, shared with the other scale runs) at the same share.
 
     python bench/bench_offload.py [--json] [--budget 30%] [--tokens 16] [--rounds 3] [--scale [--scale-layers 8]]
-                                  [--modes ...] [--device cuda --device-budget 30%]
+                                  [--modes ...] [--device cuda --device-budget 30%] [--slots 1]
 """
 from __future__ import annotations
 
@@ -45,7 +46,8 @@ KEYS = ("bench", "model", "mode", "device", "budget_mb", "cgroup_peak_mb", "ms_p
         "compute_ms", "bytes_read_per_token", "layers_in_memory", "layers_on_ssd")
 COLUMNS = ["mode", "budget_mb", "cgroup_limit_mb", "cgroup_peak_mb", "oom_killed", "ms_per_token", "read_ms",
            "hidden_read_ms", "decompress_ms", "compute_ms", "bytes_read_per_token", "bytes_moved_per_token",
-           "proc_read_mb_per_token", "layers_on_device", "layers_in_memory", "layers_on_ssd", "error"]
+           "proc_read_mb_per_token", "layers_on_device", "layers_in_memory", "layers_on_ssd", "slots", "device_peak_mb",
+           "error"]
 
 
 # ------------------------------------------------------------------------------------------- the child runs
@@ -79,7 +81,7 @@ def run_child(config: dict) -> dict:
             model = load_offloaded(config["store"], config["budget_bytes"], mode=mode, threads=config["threads"],
                                    layers_in_memory=config.get("layers_in_memory"), device=device,
                                    device_budget=config.get("device_budget_bytes"),
-                                   layers_on_device=config.get("layers_on_device"))
+                                   layers_on_device=config.get("layers_on_device"), slots=config["slots"])
             reset = model.offload.stats.reset
         times, tokens, storage = _decode(model, torch.tensor([config["prompt_ids"]], device=device),
                                          config["tokens"], reset)
@@ -87,6 +89,8 @@ def run_child(config: dict) -> dict:
         return {**row, "error": f"{type(e).__name__}: {e}"}
     row.update(ms_per_token=statistics.median(times) * 1e3, mean_ms_per_token=statistics.mean(times) * 1e3,
                tokens=len(times), token_ms=[round(t * 1e3, 1) for t in times], generated=tokens, **storage)
+    if device == "cuda":  # what each mode held on the GPU at its peak: accelerate's budget leaves its transfers out
+        row["device_peak_mb"] = torch.cuda.max_memory_allocated() / 1e6
     if mode == "accelerate":
         in_memory, on_disk = _accelerate_placement(model)
         row.update(read_ms=None, decompress_ms=None, compute_ms=None, bytes_read_per_token=None,
@@ -100,7 +104,8 @@ def run_child(config: dict) -> dict:
                    layers_in_memory=stats["layers_in_memory"], layers_on_ssd=stats["layers_on_ssd"],
                    layers_on_device=stats["layers_on_device"], read_path=stats["read_path"],
                    bytes_moved_per_token=stats["bytes_moved_per_token"],
-                   accounted_mb=stats["accounted_bytes"] / 1e6, staging_mb=stats["staging_bytes"] / 1e6)
+                   accounted_mb=stats["accounted_bytes"] / 1e6, staging_mb=stats["staging_bytes"] / 1e6,
+                   slots=stats["slots"])
         model.offload.close()
     return row
 
@@ -247,6 +252,9 @@ def main(argv: list[str] | None = None) -> None:
                              "moved and decompressed on the GPU), then SSD read into GPU memory; accelerate gets the "
                              "same two budgets")
     parser.add_argument("--device-budget", default="30%", help="GPU memory for --device cuda, as --budget")
+    parser.add_argument("--slots", type=int, choices=(1, 2), default=2,
+                        help="buffers moved layers are fetched into (load_offloaded slots=): 2 overlap the next "
+                             "fetch with compute, 1 leaves a layer's room more")
     parser.add_argument("--no-plot", action="store_true", help="no figure")
     parser.add_argument("--figure", help="the figure's path (default bench/results/offload[_scale][_cuda].png)")
     parser.set_defaults(rounds=3)
@@ -289,7 +297,7 @@ def main(argv: list[str] | None = None) -> None:
         dense = plan_placement(LayerStore(stores["dense"]), "dense", budget if cuda else budget - resident,
                                device_layer_budget=device_budget - resident if cuda else None, separate=cuda,
                                bounce=partial(host_bounce_bytes, select_read_path("cuda"), threads=args.threads)
-                               if cuda else None)
+                               if cuda else None, slots=args.slots)
     except ValueError as e:
         raise SystemExit(f"bench_offload: --budget {args.budget} ({budget} bytes) does not fit dense offload of "
                          f"{name}: {e}") from None
@@ -299,6 +307,7 @@ def main(argv: list[str] | None = None) -> None:
                                   synthesized=args.scale)
     base = {"model": name, "tokens": args.tokens, "prompt_ids": ids, "budget_bytes": budget, "threads": args.threads,
             "compute_threads": args.compute_threads, "device": args.device, "device_budget_bytes": device_budget,
+            "slots": args.slots,
             "max_memory": {"0": device_budget, "cpu": budget} if cuda else None,
             "hf_dir": str(hf_dir), "offload_dir": str(cache / f"accelerate-{hf_dir.name}")}
     baseline = measure_baseline(base)

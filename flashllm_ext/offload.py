@@ -11,7 +11,9 @@ from the store for every forward, k the most layers the budget holds next to the
 norms, biases) and the staging buffers. An SSD layer is one contiguous, aligned range of the store's file, read
 with the parallel direct-I/O FlashReader into one of two preallocated slots; while a layer computes, the next
 moved layer (cyclically: the last one's successor is the first moved layer of the next token) is fetched into the
-other slot in a background thread, so reads hide behind compute where compute is long enough.
+other slot in a background thread, so reads hide behind compute where compute is long enough. With slots=1 the
+next fetch starts once the layer's compute is done with the one slot: nothing hides, and the second slot's memory
+holds one more layer (a GPU computes a decode layer in milliseconds, beside a fetch of tens to hundreds).
 
 On a GPU (device="cuda") there are three tiers, as in Endor: the resident tensors and the first layers in GPU
 memory (device_budget), the next layers in pinned host memory as stored (dram_budget; compressed in the Endor
@@ -403,14 +405,14 @@ class OffloadRuntime:
         p, self._cuda = self.placement, self.device.type == "cuda"
         self.moved_layers = list(range(p.on_device, p.n_layers))
         spans = [self.store.stored_bytes(i) for i in self.moved_layers]
-        self._slots = [self._slot_buffer(max(spans)) for _ in range(2)] if spans else []
+        self._slots = [self._slot_buffer(max(spans)) for _ in range(p.slots)] if spans else []
         self._ids = torch.arange(max(spans, default=0) // ALIGNMENT, dtype=torch.int64)
         self._views: dict[tuple[int, int], dict] = {}
         self._slot_of: dict[int, int] = {}
         self._pending: _Pending | None = None
         # On CUDA: the event after the last compute that used each slot (a fetch into the slot waits for it), and
         # the stream fetches copy on, so a fetch overlaps the compute of the layer before it.
-        self._slot_free: list[torch.cuda.Event | None] = [None, None]
+        self._slot_free: list[torch.cuda.Event | None] = [None] * p.slots
         self._copy_stream = torch.cuda.Stream(self.device) if self._cuda and spans else None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flashllm-offload") if spans else None
         self._layer_start = self._decompress_at_start = 0.0
@@ -496,15 +498,19 @@ class OffloadRuntime:
         self._decompress_at_start = self.stats.decompress_s
 
     def after_layer(self, layer: int) -> None:
-        if self._cuda and layer >= self.layers_on_device:
+        moved = layer >= self.layers_on_device
+        if self._cuda and moved:
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(self.device))
             self._slot_free[self._slot_of[layer]] = event
+        if moved and len(self._slots) == 1:  # the slot is free once this layer's compute is: the next fetch starts
+            self._prefetch_after(layer, 0)
         spent = self._clock() - self._layer_start
         self.stats.compute_s += spent - (self.stats.decompress_s - self._decompress_at_start)
 
     def _ensure(self, layer: int) -> None:
-        """Make `layer`'s weights present in a slot, then start fetching the next moved layer into the other one."""
+        """Make `layer`'s weights present in a slot; with two slots, start fetching the next moved layer into the
+        other one (with one, after_layer starts it once this layer is done with the slot)."""
         pending, self._pending = self._pending, None
         slot = 0
         if pending is not None:
@@ -517,12 +523,10 @@ class OffloadRuntime:
                                        f"{e}") from e
                 fetched = None  # a fetch nobody needs any more (an earlier forward stopped early): its error too
             wait = time.perf_counter() - start
+            slot = pending.slot  # written by the fetch, done now: this layer goes there either way
             if pending.layer == layer:
                 self.stats.read_wait_s += wait
                 self._account(fetched)
-                slot = pending.slot
-            else:
-                slot = 1 - pending.slot
         if pending is None or pending.layer != layer:
             start = time.perf_counter()
             try:
@@ -533,10 +537,16 @@ class OffloadRuntime:
             self.stats.read_wait_s += time.perf_counter() - start
             self._account(fetched)
         self._slot_of[layer] = slot
+        if len(self._slots) == 2:
+            self._prefetch_after(layer, 1 - slot)
+
+    def _prefetch_after(self, layer: int, slot: int) -> None:
+        """Start fetching the moved layer after `layer` (cyclically: the last one's successor is the first moved
+        layer of the next forward) into `slot`, in the background thread, after the compute that last used it."""
         position = self.moved_layers.index(layer)
         following = self.moved_layers[(position + 1) % len(self.moved_layers)]
-        self._pending = _Pending(following, 1 - slot, self._executor.submit(self._fetch, following, 1 - slot,
-                                                                            self._slot_free[1 - slot]))
+        self._pending = _Pending(following, slot, self._executor.submit(self._fetch, following, slot,
+                                                                        self._slot_free[slot]))
 
     def _fetch(self, layer: int, slot: int, slot_free: torch.cuda.Event | None) -> _Fetched:
         """Bring `layer`'s stored bytes into `slot`: a copy from host memory (the staged tier) or a read of the
@@ -608,7 +618,7 @@ class OffloadRuntime:
                 "budget_bytes": self.budget_bytes, "accounted_bytes": self.accounted_bytes,
                 "device_budget_bytes": self.device_budget_bytes, "device_accounted_bytes": self.device_accounted_bytes,
                 "resident_bytes": self.resident_bytes, "memory_layer_bytes": p.device_layer_bytes + p.host_layer_bytes,
-                "staging_bytes": p.slot_bytes + p.decompress_bytes + p.bounce_bytes}
+                "staging_bytes": p.slot_bytes + p.decompress_bytes + p.bounce_bytes, "slots": p.slots}
 
     @property
     def read_path(self) -> str | None:
@@ -663,13 +673,15 @@ class Placement:
     staged tier is asked for (layers_on_device=), which runs the GPU's three-tier code path where there is no GPU.
 
     device_layer_bytes: the on-device layers; host_layer_bytes: the staged tier (pinned on CUDA, page by page:
-    transfer.pinned_buffer); slot_bytes: the two slots moved layers land in; decompress_bytes: the buffer Endor
+    transfer.pinned_buffer); slot_bytes: the `slots` buffers moved layers land in (two: the next layer's fetch
+    overlaps this one's compute; one: a layer's room more, the fetch after the compute); decompress_bytes: the buffer Endor
     matrices are decompressed into for prompts (decompress_block_rows); bounce_bytes: the pinned host memory SSD layers pass through on their
     way to a GPU (reader.host_bounce_bytes: one buffer as large as a layer when kvikio is absent, kvikio's pool of
     bounce buffers in its compatibility mode)."""
     n_layers: int
     on_device: int
     in_memory: int
+    slots: int
     device_layer_bytes: int
     host_layer_bytes: int
     slot_bytes: int
@@ -695,7 +707,7 @@ def decompress_block_rows(rows: int, cols: int, itemsize: int) -> int:
     return max(1, min(rows, DECOMPRESS_BLOCK_BYTES // (cols * itemsize)))
 
 
-def _placement(store: LayerStore, mode: str, on_device: int, in_memory: int,
+def _placement(store: LayerStore, mode: str, on_device: int, in_memory: int, slots: int,
                bounce: Callable[[int], int] | None) -> Placement:
     n, item = store.n_layers, store.dtype.itemsize
     keep_compressed = mode == "endor+more-resident"
@@ -705,16 +717,16 @@ def _placement(store: LayerStore, mode: str, on_device: int, in_memory: int,
     decompress = max((decompress_block_rows(*e.shape, item) * e.shape[1] * item for i in range(n)
                       for e in store.layers[i] if e.endor and (i >= on_device or keep_compressed)), default=0)
     largest_on_ssd = max((store.stored_bytes(i) for i in range(in_memory, n)), default=0)
-    return Placement(n, on_device, in_memory,
+    return Placement(n, on_device, in_memory, slots,
                      sum(store.stored_bytes(i) if keep_compressed else store.dense_bytes(i) for i in range(on_device)),
                      sum(store.stored_bytes(i) for i in range(on_device, in_memory)),
-                     2 * max(moved, default=0), decompress, bounce(largest_on_ssd) if bounce and largest_on_ssd else 0)
+                     slots * max(moved, default=0), decompress, bounce(largest_on_ssd) if bounce and largest_on_ssd else 0)
 
 
 def plan_placement(store: LayerStore, mode: str, layer_budget: int | None, layers_in_memory: int | None = None, *,
                    device_layer_budget: int | None = None, separate: bool = False,
                    bounce: Callable[[int], int] | None = None,
-                   layers_on_device: int | None = None) -> Placement:
+                   layers_on_device: int | None = None, slots: int = 2) -> Placement:
     """The placement, nearest first, within the budgets left for layers (None: no limit).
 
     separate=False (the CPU): one pool, `layer_budget`, holds every byte of the Placement; layers_on_device
@@ -722,9 +734,11 @@ def plan_placement(store: LayerStore, mode: str, layer_budget: int | None, layer
     (`device_layer_budget`) holds Placement.device_bytes and sets layers_on_device; the host's (`layer_budget`)
     holds Placement.host_bytes (the bounce buffers, `bounce`(bytes of the largest SSD layer), none when None; then
     the staged tier). Given counts are kept if they fit (a placement to compare modes on); otherwise the most layers
-    that fit. Raises ValueError when given counts do not fit (_BudgetTooSmall, naming the pool, when not even zero
-    layers do)."""
+    that fit. `slots`: 1 or 2 (Placement). Raises ValueError when given counts do not fit (_BudgetTooSmall, naming
+    the pool, when not even zero layers do)."""
     n = store.n_layers
+    if slots not in (1, 2):
+        raise ValueError(f"slots must be 1 or 2, got {slots!r}")
     for name, value in (("layers_on_device", layers_on_device), ("layers_in_memory", layers_in_memory)):
         if value is not None and not 0 <= value <= n:
             raise ValueError(f"{name} must lie in [0, {n}], got {value}")
@@ -741,15 +755,15 @@ def plan_placement(store: LayerStore, mode: str, layer_budget: int | None, layer
     given = layers_in_memory is not None or layers_on_device is not None
     g = layers_on_device
     if separate and g is None:
-        on_device = [g for g in range(n + 1) if device_fits(_placement(store, mode, g, g, bounce))]
+        on_device = [g for g in range(n + 1) if device_fits(_placement(store, mode, g, g, slots, bounce))]
         if not on_device:
-            raise _BudgetTooSmall(_placement(store, mode, 0, 0, bounce).device_bytes, "device")
+            raise _BudgetTooSmall(_placement(store, mode, 0, 0, slots, bounce).device_bytes, "device")
         g = on_device[-1] if layers_in_memory is None else min(on_device[-1], layers_in_memory)
     if layers_in_memory is not None:
         counts = [(layers_in_memory if g is None else g, layers_in_memory)]
     else:  # without a staged tier (g None) the layers in memory are all on the device
         counts = [(k, k) for k in range(n + 1)] if g is None else [(g, k) for k in range(g, n + 1)]
-    plans = [_placement(store, mode, on, k, bounce) for on, k in counts]
+    plans = [_placement(store, mode, on, k, slots, bounce) for on, k in counts]
     fitting = [p for p in plans if device_fits(p) and host_fits(p)]
     if fitting:
         return fitting[-1]
@@ -806,7 +820,7 @@ def _linear_slots(model: nn.Module, store: LayerStore) -> list[list[tuple[nn.Mod
 def _install(model: nn.Module, store: LayerStore, mode: str, budget: int | float | str | None, compute: str,
              threads: int, keep_originals: bool, device: torch.device, layers_in_memory: int | None = None,
              device_budget: int | float | str | None = None, layers_on_device: int | None = None,
-             progress: bool = False) -> OffloadRuntime:
+             slots: int = 2, progress: bool = False) -> OffloadRuntime:
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if compute not in COMPUTES:
@@ -820,12 +834,12 @@ def _install(model: nn.Module, store: LayerStore, mode: str, budget: int | float
     if device_budget is not None and not separate:
         raise ValueError("device_budget is the GPU memory for layers on a CUDA device; on the CPU dram_budget is the "
                          "one budget")
-    slots = _linear_slots(model, store)
+    linear_slots = _linear_slots(model, store)
     params = [p for p in model.parameters() if p.device.type != "meta" and p.is_floating_point()]
     if params and params[0].dtype != store.dtype:
         raise ValueError(f"the model is {params[0].dtype}, the store {store.path} {store.dtype}: load the model in "
                          f"the store's dtype")
-    weights = {id(s[2].weight) for layer in slots for s in layer if isinstance(s[2], nn.Linear)}
+    weights = {id(s[2].weight) for layer in linear_slots for s in layer if isinstance(s[2], nn.Linear)}
     resident = _tensor_bytes([p for p in model.parameters() if id(p) not in weights] + list(model.buffers()))
     model_bytes = resident + sum(store.dense_bytes(i) for i in range(store.n_layers))
     budget_bytes = None if budget is None else parse_budget(budget, model_bytes)
@@ -839,18 +853,18 @@ def _install(model: nn.Module, store: LayerStore, mode: str, budget: int | float
         placement = plan_placement(store, mode, host_layer_budget, layers_in_memory,
                                    device_layer_budget=device_layer_budget, separate=separate,
                                    bounce=partial(host_bounce_bytes, read_path, threads=threads) if separate else None,
-                                   layers_on_device=layers_on_device)
+                                   layers_on_device=layers_on_device, slots=slots)
     except _BudgetTooSmall as e:
         if e.pool == "device":
             raise ValueError(f"device_budget of {device_budget_bytes} bytes is below the minimum of "
                              f"{resident + e.need} for {mode} offload on {device} ({resident} resident tensors + "
-                             f"{e.need} for two slots of the largest layer and the decompression buffer)") from None
+                             f"{e.need} for {slots} slot(s) of the largest layer and the decompression buffer)") from None
         if separate:
             raise ValueError(f"dram_budget of {budget_bytes} bytes is below the minimum of {e.need} for {mode} "
                              f"offload to {device} (the pinned host memory SSD reads pass through on the "
                              f"{read_path!r} read path)") from None
         raise ValueError(f"dram_budget of {budget_bytes} bytes is below the minimum of {resident + e.need} for "
-                         f"{mode} offload ({resident} resident tensors + {e.need} for two staging buffers of the "
+                         f"{mode} offload ({resident} resident tensors + {e.need} for {slots} staging buffer(s) of the "
                          f"largest layer and the decompression buffer)") from None
     runtime = OffloadRuntime(store, mode, compute, device, budget_bytes, device_budget_bytes, resident, placement,
                              threads)
@@ -872,7 +886,7 @@ def _install(model: nn.Module, store: LayerStore, mode: str, budget: int | float
         runtime.memory.append(layer)
     if placement.in_memory:
         _drop_page_cache(store.layers_path)
-    for i, layer_slots in enumerate(slots):
+    for i, layer_slots in enumerate(linear_slots):
         for parent, attr, linear, name in layer_slots:
             if keep_originals:
                 runtime.originals.append((parent, attr, linear))
@@ -888,7 +902,7 @@ def _install(model: nn.Module, store: LayerStore, mode: str, budget: int | float
 
 def patch_offload(model: nn.Module, store: LayerStore | str | os.PathLike, *, mode: str = "endor",
                   dram_budget: int | float | str | None = None, compute: str = "auto", threads: int = 32,
-                  device_budget: int | float | str | None = None) -> OffloadRuntime:
+                  device_budget: int | float | str | None = None, slots: int = 2) -> OffloadRuntime:
     """Offload the decoder layers of an already loaded Llama-family or OPT model (in the store's dtype, on the CPU
     or a CUDA device: the layers are computed where the model is) to `store` (converted from the same weights). The
     original Linear modules are kept for `unpatch`, so they still occupy memory: for a real budget use
@@ -896,14 +910,14 @@ def patch_offload(model: nn.Module, store: LayerStore | str | os.PathLike, *, mo
     store = store if isinstance(store, LayerStore) else LayerStore(store)
     device = next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
     return _install(model, store, mode, dram_budget, compute, threads, keep_originals=True,
-                    device=cuda_device(device), device_budget=device_budget)
+                    device=cuda_device(device), device_budget=device_budget, slots=slots)
 
 
 def load_offloaded(store_dir: str | os.PathLike, dram_budget: int | float | str | None = "30%", *,
                    mode: str = "endor", compute: str = "auto", threads: int = 32,
                    layers_in_memory: int | None = None, device: str | torch.device = "cpu",
                    device_budget: int | float | str | None = None, layers_on_device: int | None = None,
-                   progress: bool = True) -> nn.Module:
+                   slots: int = 2, progress: bool = True) -> nn.Module:
     """A Hugging Face causal LM built from a layer store, computed on `device` ("cpu" or "cuda").
 
     On the CPU its decoder layers are in memory or on SSD by `dram_budget` (bytes, "30%" of the dense model, or
@@ -913,16 +927,18 @@ def load_offloaded(store_dir: str | os.PathLike, dram_budget: int | float | str 
     `dram_budget` (as stored: compressed in the Endor modes, copied to the GPU and decompressed there for each
     use), the rest on SSD, read straight into GPU memory (kvikio) or through a pinned buffer. `layers_on_device`
     forces the first tier; on the CPU it keeps layers [layers_on_device, layers_in_memory) as stored bytes copied
-    into a slot for each use: the GPU's code path, run where there is no GPU (see Placement). Only the resident
-    tensors and the placed layers are materialised, in the store's dtype (a progress bar while the layers load,
-    unless progress=False). `model.offload_stats()` reports per-token costs."""
+    into a slot for each use: the GPU's code path, run where there is no GPU (see Placement). `slots`: the buffers
+    moved layers are fetched into, charged to the device's budget (the one budget on the CPU): two (the next
+    layer's fetch overlaps this layer's compute) or one (a layer's room more, for a device whose compute is short
+    beside a fetch). Only the resident tensors and the placed layers are materialised, in the store's dtype (a
+    progress bar while the layers load, unless progress=False). `model.offload_stats()` reports per-token costs."""
     store = LayerStore(store_dir)
     device = cuda_device(device)
     model = empty_model(store.config, store.dtype, store.path)
     assign_resident(model, store, store.dtype)
     _install(model, store, mode, dram_budget, compute, threads, keep_originals=False, device=device,
              layers_in_memory=layers_in_memory, device_budget=device_budget, layers_on_device=layers_on_device,
-             progress=progress)
+             slots=slots, progress=progress)
     leftover = [name for name, p in model.named_parameters() if p.device.type == "meta"]
     if leftover:
         raise ValueError(f"{store.path}: the store has no tensor for {leftover[:3]} ({len(leftover)} in all)")

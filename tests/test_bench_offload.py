@@ -44,6 +44,7 @@ def test_quick_run_reports_every_mode_with_its_keys(tmp_path):
     assert runs["endor"]["layers_in_memory"] == runs["dense"]["layers_in_memory"] < 4
     assert 0 < runs["endor"]["bytes_read_per_token"] < runs["dense"]["bytes_read_per_token"]
     assert runs["endor"]["generated"] == runs["dense"]["generated"]
+    assert [runs[m]["slots"] for m in ("dense", "endor", "endor+more-resident")] == [2, 2, 2]  # --slots' default
     ratios = next(r for r in rows if r["bench"] == "offload_ratios")
     assert {"endor_vs_accelerate", "endor_vs_dense", "endor_bytes_vs_dense"} <= ratios.keys()
     assert figure.stat().st_size > 0

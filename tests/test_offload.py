@@ -266,6 +266,24 @@ def test_forced_placement_compares_modes_on_the_same_layers(case):
         load_offloaded(store.path, budget, mode="endor", layers_in_memory=3)
 
 
+@pytest.mark.parametrize("mode", ["dense", "endor+more-resident"])
+def test_one_slot_holds_one_layer_more(case, mode):
+    """slots=1 at the budget that holds k layers beside two slots: k + 1 layers (a slot is as large as a moved
+    layer, as stored), the same tokens (the next fetch waits for the layer using the slot), every SSD layer read
+    once per token. slots must be 1 or 2."""
+    store = LayerStore(store_of(case, mode))
+    resident = load_offloaded(store.path, None, mode=mode).offload.resident_bytes
+    budget = budget_for(store, mode, 2, resident)
+    assert load_offloaded(store.path, budget, mode=mode).offload.layers_in_memory == 2
+    model = load_offloaded(store.path, budget, mode=mode, slots=1)
+    assert model.offload.layers_in_memory == 3 and model.offload.accounted_bytes <= budget
+    assert torch.equal(model.generate(case["prompt"], max_new_tokens=8, do_sample=False), case["reference"])
+    assert model.offload_stats()["bytes_read_per_token"] == sum(store.stored_bytes(i) for i in range(3, N_LAYERS))
+    model.offload.close()
+    with pytest.raises(ValueError, match="slots must be 1 or 2, got 3"):
+        load_offloaded(store.path, None, mode=mode, slots=3)
+
+
 def _mapped_ranges(path: str) -> list[tuple[int, int]]:
     """Address ranges of this process's mappings of `path` (/proc/self/maps)."""
     real = os.path.realpath(path)
@@ -296,13 +314,14 @@ def test_in_memory_layers_do_not_map_the_store(case, mode):
 
 # ---- three tiers (the GPU's placement): resident, staged in host memory, SSD ---------------------------------------
 
+@pytest.mark.parametrize("slots", [1, 2])
 @pytest.mark.parametrize("mode", ["dense", "endor", "endor+more-resident"])
-def test_staged_tier_on_the_cpu_runs_the_three_tier_path(case, mode):
+def test_staged_tier_on_the_cpu_runs_the_three_tier_path(case, mode, slots):
     """layers_on_device < layers_in_memory on the CPU: the staged layers are copied from host memory into a slot
     for every use, as a GPU's CPU tier is (the same fetch, views and slot rotation, with copies instead of
     transfers). Same greedy tokens; the staged layers' stored bytes are moved, the SSD layers' read, every token."""
     store = LayerStore(store_of(case, mode))
-    model = load_offloaded(store.path, None, mode=mode, layers_on_device=1, layers_in_memory=4)
+    model = load_offloaded(store.path, None, mode=mode, layers_on_device=1, layers_in_memory=4, slots=slots)
     runtime = model.offload
     assert [runtime.placement.tier(i) for i in range(N_LAYERS)] == ["resident"] + ["staged"] * 3 + ["ssd"] * 2
     assert len(runtime.memory) == 1 and [t.numel() for t in runtime.host_layers] == \
@@ -317,11 +336,12 @@ def test_staged_tier_on_the_cpu_runs_the_three_tier_path(case, mode):
     resident = runtime.resident_bytes
     budget = runtime.accounted_bytes
     assert budget == resident + runtime.placement.device_bytes + runtime.placement.host_bytes
-    fitted = load_offloaded(store.path, budget, mode=mode, layers_on_device=1)
+    assert runtime.placement.slot_bytes == slots * max(store.stored_bytes(i) for i in range(1, N_LAYERS))
+    fitted = load_offloaded(store.path, budget, mode=mode, layers_on_device=1, slots=slots)
     assert (fitted.offload.layers_on_device, fitted.offload.layers_in_memory) == (1, 4)
     fitted.offload.close()
     with pytest.raises(ValueError, match=re.escape(f"5 layers in memory in {mode} mode (4 of them staged) need")):
-        load_offloaded(store.path, budget, mode=mode, layers_on_device=1, layers_in_memory=5)
+        load_offloaded(store.path, budget, mode=mode, layers_on_device=1, layers_in_memory=5, slots=slots)
 
 
 def test_pinned_buffer_registers_exactly_its_bytes(monkeypatch):
@@ -417,12 +437,15 @@ def test_device_arguments_are_checked(case):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none on this machine)")
+@pytest.mark.parametrize("slots", [1, 2])
 @pytest.mark.parametrize("mode", ["dense", "endor", "endor+more-resident"])
-def test_gpu_offload_three_tiers_greedy_tokens(case, mode):
+def test_gpu_offload_three_tiers_greedy_tokens(case, mode, slots):
     """On a GPU: 2 layers in GPU memory, 2 staged in pinned host memory, 2 read from SSD into GPU memory (kvikio, or
-    a pinned buffer), Endor ones decompressed on the GPU; the greedy tokens of transformers on the CPU."""
+    a pinned buffer), Endor ones decompressed on the GPU; the greedy tokens of transformers on the CPU. With one
+    slot, each fetch waits for the event after the compute of the layer before it."""
     store = LayerStore(store_of(case, mode))
-    model = load_offloaded(store.path, None, mode=mode, device="cuda", layers_on_device=2, layers_in_memory=4)
+    model = load_offloaded(store.path, None, mode=mode, device="cuda", layers_on_device=2, layers_in_memory=4,
+                           slots=slots)
     out = model.generate(case["prompt"].cuda(), max_new_tokens=8, do_sample=False)
     assert torch.equal(out.cpu(), case["reference"])
     stats = model.offload_stats()
