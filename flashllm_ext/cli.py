@@ -221,7 +221,7 @@ def _offload(args: argparse.Namespace) -> int:
         raise SystemExit("flashllm offload: --tokenizer is needed to generate (or --convert CHECKPOINT to write)")
     try:
         model = load_offloaded(args.store, args.budget, mode=args.mode, compute=args.compute, device=args.device,
-                               device_budget=args.device_budget)
+                               device_budget=args.device_budget, slots=args.slots)
     except ValueError as e:  # a budget below the minimum, no CUDA, a store of the other kind
         raise SystemExit(f"flashllm offload: {e}") from None
     return _generate(args, model, model.offload_stats)
@@ -244,6 +244,9 @@ def _add_offload(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cuda: layers in GPU memory by --device-budget, then host memory by --budget, then SSD")
     p.add_argument("--device-budget", default=None, help="with --device cuda: GPU memory, as --budget (default: all)")
+    p.add_argument("--slots", type=int, choices=(1, 2), default=2,
+                   help="buffers SSD and staged layers are fetched into: 2 overlap the next fetch with compute, 1 "
+                        "leaves a layer's room more")
     p.add_argument("--tokens", type=int, default=32, help="tokens to generate")
     p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     p.set_defaults(func=_offload)

@@ -246,9 +246,10 @@ def test_default_model_wanda_pruned_greedy_tokens(default_model, tmp_path, capsy
             out = offloaded.generate(prompt, max_new_tokens=12, do_sample=False)
             assert out.tolist() == reference.tolist(), mode
             offloaded.offload.close()
-        assert cli.main(["offload", str(store), "--tokenizer", str(gguf), "--mode", "endor", "--tokens", "4"]) == 0
+        assert cli.main(["offload", str(store), "--tokenizer", str(gguf), "--mode", "endor", "--tokens", "4",
+                         "--slots", "1"]) == 0
         out = capsys.readouterr().out
-        assert "tokens in" in out and "bytes_read_per_token" in out
+        assert "tokens in" in out and "bytes_read_per_token" in out and "slots 1" in out
     finally:
         model.to(torch.float32)
         replace_weights(model, originals)
