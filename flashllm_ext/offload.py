@@ -674,10 +674,11 @@ class Placement:
 
     device_layer_bytes: the on-device layers; host_layer_bytes: the staged tier (pinned on CUDA, page by page:
     transfer.pinned_buffer); slot_bytes: the `slots` buffers moved layers land in (two: the next layer's fetch
-    overlaps this one's compute; one: a layer's room more, the fetch after the compute); decompress_bytes: the buffer Endor
-    matrices are decompressed into for prompts (decompress_block_rows); bounce_bytes: the pinned host memory SSD layers pass through on their
-    way to a GPU (reader.host_bounce_bytes: one buffer as large as a layer when kvikio is absent, kvikio's pool of
-    bounce buffers in its compatibility mode)."""
+    overlaps this one's compute; one: a layer's room more, the fetch after the compute); decompress_bytes: the
+    buffer Endor matrices are decompressed into for prompts, a block of rows at a time (decompress_block_rows);
+    bounce_bytes: the pinned host memory SSD layers pass through on their way to a GPU (reader.host_bounce_bytes:
+    one buffer as large as a layer when kvikio is absent, kvikio's pool of bounce buffers in its compatibility
+    mode)."""
     n_layers: int
     on_device: int
     in_memory: int
@@ -720,7 +721,8 @@ def _placement(store: LayerStore, mode: str, on_device: int, in_memory: int, slo
     return Placement(n, on_device, in_memory, slots,
                      sum(store.stored_bytes(i) if keep_compressed else store.dense_bytes(i) for i in range(on_device)),
                      sum(store.stored_bytes(i) for i in range(on_device, in_memory)),
-                     slots * max(moved, default=0), decompress, bounce(largest_on_ssd) if bounce and largest_on_ssd else 0)
+                     slots * max(moved, default=0), decompress,
+                     bounce(largest_on_ssd) if bounce and largest_on_ssd else 0)
 
 
 def plan_placement(store: LayerStore, mode: str, layer_budget: int | None, layers_in_memory: int | None = None, *,
@@ -858,7 +860,8 @@ def _install(model: nn.Module, store: LayerStore, mode: str, budget: int | float
         if e.pool == "device":
             raise ValueError(f"device_budget of {device_budget_bytes} bytes is below the minimum of "
                              f"{resident + e.need} for {mode} offload on {device} ({resident} resident tensors + "
-                             f"{e.need} for {slots} slot(s) of the largest layer and the decompression buffer)") from None
+                             f"{e.need} for {slots} slot(s) of the largest layer and the decompression buffer)"
+                             ) from None
         if separate:
             raise ValueError(f"dram_budget of {budget_bytes} bytes is below the minimum of {e.need} for {mode} "
                              f"offload to {device} (the pinned host memory SSD reads pass through on the "
