@@ -39,6 +39,7 @@ from .ffn import LOOKAHEAD_MODES, FFNStats, FlashFFN, StreamingFFN, ffn_slots, s
 from .linear import use_half_linears
 from .models.hf import ffn_norm
 from .reader import DEFAULT_MAX_READ, FlashReader
+from .safetensors_io import drop_page_cache
 from .store import FlashStore
 from .transfer import Transfer, cuda_device, make_transfer
 
@@ -466,7 +467,7 @@ def empty_model(config: dict, dtype: torch.dtype, source: str | os.PathLike) -> 
 def assign_resident(model: nn.Module, store, dtype: torch.dtype) -> None:
     """Load the store's resident tensors into the (meta) model under their names; tie the LM head if the
     checkpoint shares it with the embedding. `store`: anything with `path`, `resident_names()` and
-    `resident_tensor(name)` (a FlashStore, an offload LayerStore)."""
+    `resident_tensor(name)`, `close_resident()` and `resident_path` (a FlashStore, an offload LayerStore)."""
     params = dict(model.named_parameters(remove_duplicate=False))
     for name in store.resident_names():
         if name.startswith("predictor."):
@@ -483,6 +484,9 @@ def assign_resident(model: nn.Module, store, dtype: torch.dtype) -> None:
         setattr(module, attr, nn.Parameter(value, requires_grad=False))
     if getattr(model.config, "tie_word_embeddings", False):
         model.tie_weights()
+    # Every resident tensor is now a copy of its own: unmap the file and drop its pages (safetensors_io.ResidentFile).
+    store.close_resident()
+    drop_page_cache(store.resident_path)
 
 
 def _assign_dense_ffn(model: nn.Module, store: FlashStore, dtype: torch.dtype) -> None:

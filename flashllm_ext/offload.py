@@ -48,7 +48,6 @@ import os
 import re
 import shutil
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -69,7 +68,8 @@ from .engine import _tensor_bytes, assign_resident, empty_model, parse_budget
 from .errors import FormatError
 from .models.hf import decoder_layers
 from .reader import FlashReader, ReadStats, host_bounce_bytes, select_read_path
-from .safetensors_io import AlignedWriter, TensorEntry, TensorSpec, dtype_name, owned_tensor, read_header
+from .safetensors_io import (AlignedWriter, ResidentFile, TensorEntry, TensorSpec, drop_page_cache, dtype_name,
+                             owned_tensor, read_header)
 from .store import ALIGNMENT, DTYPES
 from .transfer import aligned_buffer, cuda_device, pinned_buffer
 
@@ -275,8 +275,7 @@ class LayerStore:
         if os.path.getsize(self.layers_path) < last:
             raise FormatError(END_TENSOR, f"the file ends before byte {last}, the end of the last layer's range",
                               self.layers_path)
-        self._resident_file = None
-        self._resident_lock = threading.Lock()
+        self._resident = ResidentFile(self.resident_path)
 
     @property
     def n_layers(self) -> int:
@@ -315,10 +314,10 @@ class LayerStore:
         return list(read_header(self.resident_path).tensors)
 
     def resident_tensor(self, name: str) -> torch.Tensor:
-        with self._resident_lock:
-            if self._resident_file is None:
-                self._resident_file = safe_open(self.resident_path, framework="pt")
-            return owned_tensor(self._resident_file, name)
+        return self._resident.tensor(name)
+
+    def close_resident(self) -> None:
+        self._resident.close()
 
     def __repr__(self) -> str:
         return (f"LayerStore({str(self.path)!r}, layers={self.n_layers}, dtype={self.dtype}, endor={self.endor}, "
@@ -648,18 +647,6 @@ class OffloadRuntime:
             model.__dict__.pop(attr, None)
 
 
-def _drop_page_cache(path: str) -> None:
-    """Drop the clean cached pages of `path` (posix_fadvise DONTNEED): loading the in-memory layers read them
-    through the page cache, and a memory cgroup charges them to the process until it reclaims them; left there,
-    they held an Endor child at its limit with its layer reads at half speed (BENCHMARKS.md, seventh-session scale
-    run)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
 # ------------------------------------------------------------------------------------------ placement, install
 
 @dataclass(frozen=True)
@@ -888,7 +875,7 @@ def _install(model: nn.Module, store: LayerStore, mode: str, budget: int | float
             layer[e.name] = w.to(device)
         runtime.memory.append(layer)
     if placement.in_memory:
-        _drop_page_cache(store.layers_path)
+        drop_page_cache(store.layers_path)
     for i, layer_slots in enumerate(linear_slots):
         for parent, attr, linear, name in layer_slots:
             if keep_originals:

@@ -9,9 +9,11 @@ import json
 import math
 import os
 import struct
+import threading
 from dataclasses import dataclass
 
 import torch
+from safetensors import safe_open
 
 from .errors import FormatError
 
@@ -44,6 +46,42 @@ def owned_tensor(handle, name: str) -> torch.Tensor:
     from storage on every use, so a tensor meant to stay in DRAM (resident weights, in-memory layers) must not be
     one (BENCHMARKS.md, the seventh session's offload scale run)."""
     return handle.get_tensor(name).clone()
+
+
+class ResidentFile:
+    """A store's resident.safetensors, read into owned tensors through one safe_open handle, opened on first use.
+    close() once the tensors are loaded: the handle keeps the file mapped, and every page read stays in the process
+    as file-backed memory a memory cgroup counts (the OPT-6.7B offload store's 432 MB embeddings held a child over
+    its limit, BENCHMARKS.md fourteenth session), then drop_page_cache(path)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._handle = None
+        self._lock = threading.Lock()
+
+    def tensor(self, name: str) -> torch.Tensor:
+        with self._lock:
+            if self._handle is None:
+                self._handle = safe_open(self.path, framework="pt")
+            handle = self._handle
+        return owned_tensor(handle, name)
+
+    def close(self) -> None:
+        """Unmaps the file (a later tensor() opens it again)."""
+        with self._lock:
+            self._handle = None
+
+
+def drop_page_cache(path: str | os.PathLike) -> None:
+    """Drop the clean cached pages of `path` (posix_fadvise DONTNEED): a file read to load tensors into memory of
+    their own stays in the page cache, which a memory cgroup charges to the process until it reclaims it; left
+    there, it held an Endor offload child at its limit with its layer reads at half speed (BENCHMARKS.md,
+    seventh-session scale run)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
 
 
 def read_header(path: str | os.PathLike) -> SafetensorsHeader:

@@ -27,11 +27,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from safetensors import safe_open
 
 from . import endor
 from .errors import FormatError
-from .safetensors_io import TensorSpec, dtype_name, owned_tensor, read_header
+from .safetensors_io import ResidentFile, TensorSpec, dtype_name, read_header
 
 if TYPE_CHECKING:
     from .reader import FlashReader
@@ -132,8 +131,7 @@ class FlashStore:
         self.ffn_roles = self._parse_ffn_roles(meta.get("ffn_roles"))
         self._reader: FlashReader | None = None
         self._reader_lock = threading.Lock()
-        self._resident_file = None  # safe_open handle of resident.safetensors, opened on first use
-        self._resident_lock = threading.Lock()
+        self._resident = ResidentFile(self.resident_path)
 
     def reader(self) -> FlashReader:
         """The store's shared FlashReader (default settings), opened on first use. One per store: each reader owns a
@@ -153,8 +151,7 @@ class FlashStore:
             reader, self._reader = self._reader, None
         if reader is not None:
             reader.close()
-        with self._resident_lock:
-            self._resident_file = None
+        self.close_resident()
 
     def __enter__(self) -> FlashStore:
         return self
@@ -328,11 +325,11 @@ class FlashStore:
 
     def resident_tensor(self, name: str) -> torch.Tensor:
         """One resident tensor, read through the store's one handle of resident.safetensors into memory of its own."""
-        with self._resident_lock:
-            if self._resident_file is None:
-                self._resident_file = safe_open(self.resident_path, framework="pt")
-            handle = self._resident_file
-        return owned_tensor(handle, name)
+        return self._resident.tensor(name)
+
+    def close_resident(self) -> None:
+        """Unmaps resident.safetensors (safetensors_io.ResidentFile); a later resident_tensor() maps it again."""
+        self._resident.close()
 
     def __repr__(self) -> str:
         return (f"FlashStore({str(self.path)!r}, layers={self.n_layers}, neurons={self.n_neurons}, "

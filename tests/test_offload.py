@@ -310,6 +310,7 @@ def test_in_memory_layers_do_not_map_the_store(case, mode):
                for t in ((w.values, w.bitmap, w.row_offsets) if isinstance(w, endor.EndorTensor) else (w,))]
     assert model.offload.layers_in_memory == store.n_layers and tensors
     assert not [t for t in tensors if any(b <= t.data_ptr() < e for b, e in mapped)]
+    assert not _mapped_ranges(store.resident_path)  # the resident tensors are copies, the file unmapped
     model.offload.close()
 
 

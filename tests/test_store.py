@@ -169,11 +169,11 @@ def test_ffn_roles_must_name_resident_tensors_of_the_right_shape(store_copy, rol
 
 
 def test_resident_file_is_opened_once(llama_store, monkeypatch):
-    import flashllm_ext.store as store_module
+    import flashllm_ext.safetensors_io as safetensors_io
 
     opened = []
-    real = store_module.safe_open
-    monkeypatch.setattr(store_module, "safe_open", lambda *a, **k: opened.append(a[0]) or real(*a, **k))
+    real = safetensors_io.safe_open
+    monkeypatch.setattr(safetensors_io, "safe_open", lambda *a, **k: opened.append(a[0]) or real(*a, **k))
     fs = store.FlashStore(llama_store)
     names = fs.resident_names()
     assert all(torch.equal(fs.resident_tensor(n), fs.resident()[n]) for n in names[:3])
@@ -193,10 +193,11 @@ def test_resident_tensors_do_not_map_the_store(llama_store):
 
     import flashllm_ext
 
-    fs = store.FlashStore(llama_store)
-    tensors = [fs.resident_tensor(n) for n in fs.resident_names()]
     model = flashllm_ext.load_flash(llama_store, None, mode="exact")
-    tensors += list(model.parameters())
+    fs = store.FlashStore(llama_store)
+    # Loaded, the engine unmaps the file: its pages would stay charged to a memory cgroup.
+    assert not _mapped_ranges(fs.resident_path)
+    tensors = [fs.resident_tensor(n) for n in fs.resident_names()] + list(model.parameters())
     mapped = _mapped_ranges(fs.resident_path)
     assert mapped  # the store's handle maps the file: the check below can fail
     assert not [t for t in tensors if any(b <= t.data_ptr() < e for b, e in mapped)]
