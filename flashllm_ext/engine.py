@@ -442,6 +442,7 @@ def load_flash(store_dir: str | os.PathLike, dram_budget: int | float | str | No
         budget = None if dram_budget is None else parse_budget(dram_budget, model_bytes(model, store))
         _install(model, store, mode, budget, window, predictors, threads, keep_originals=False, device=device,
                  reader_options=reader_options, lookahead=lookahead, cache_layout=cache_layout)
+        store.close_resident()  # the FFNs read their biases from it
     leftover = [name for name, p in model.named_parameters() if p.device.type == "meta"]
     if leftover:
         raise ValueError(f"{store.path}: the store has no tensor for {leftover[:3]} ({len(leftover)} in all)")

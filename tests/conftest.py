@@ -72,3 +72,16 @@ def read_failure_at(reader, call: int = 5):
         yield
     finally:
         reader.read = real_read
+
+
+def mapped_ranges(path: str) -> list[tuple[int, int]]:
+    """Address ranges of this process's mappings of `path` (/proc/self/maps)."""
+    real = os.path.realpath(path)
+    ranges = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split()
+            if len(fields) >= 6 and fields[5] == real:
+                begin, end = (int(a, 16) for a in fields[0].split("-"))
+                ranges.append((begin, end))
+    return ranges

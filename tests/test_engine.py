@@ -2,6 +2,7 @@
 the one active-neuron rule end to end (FlashFFN's perplexity equals predictor.evaluate's), budget accounting,
 undo, clear errors, and a read failure mid-generation."""
 import copy
+import os
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from flashllm_ext.convert import convert
 from flashllm_ext.engine import MODES, parse_budget
 from flashllm_ext.models import perplexity
 from flashllm_ext.predictor import LowRankPredictor, PredictorSet, calibrate_thresholds, evaluate
-from conftest import read_failure_at
+from conftest import mapped_ranges, read_failure_at
 
 
 def _llama():
@@ -62,6 +63,8 @@ def test_load_flash_generates_the_tokens_of_transformers(models, name, mode):
     want = _greedy(model, prompt)
     budget = None if mode == "dense" else "85%"
     flash = flashllm_ext.load_flash(path, dram_budget=budget, mode=mode)
+    if os.path.exists("/proc/self/maps"):  # loaded (OPT's FFNs read biases from it too), nothing maps the file
+        assert not mapped_ranges(store.FlashStore(path).resident_path)
     assert torch.equal(_greedy(flash, prompt), want)
     torch.testing.assert_close(flash(prompt).logits, model(prompt).logits, rtol=1e-4, atol=1e-4)
     if mode != "dense":

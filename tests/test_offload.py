@@ -15,6 +15,7 @@ from flashllm_ext.offload import (LayerStore, OffloadedLinear, convert_offload, 
                                   plan_placement)
 from flashllm_ext.reader import host_bounce_bytes
 from flashllm_ext.transfer import pinned_buffer, pinned_bytes
+from conftest import mapped_ranges
 
 N_LAYERS = 6
 
@@ -285,19 +286,6 @@ def test_one_slot_holds_one_layer_more(case, mode):
         load_offloaded(store.path, None, mode=mode, slots=3)
 
 
-def _mapped_ranges(path: str) -> list[tuple[int, int]]:
-    """Address ranges of this process's mappings of `path` (/proc/self/maps)."""
-    real = os.path.realpath(path)
-    ranges = []
-    with open("/proc/self/maps") as f:
-        for line in f:
-            fields = line.split()
-            if len(fields) >= 6 and fields[5] == real:
-                begin, end = (int(a, 16) for a in fields[0].split("-"))
-                ranges.append((begin, end))
-    return ranges
-
-
 @pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs /proc/self/maps (Linux)")
 @pytest.mark.parametrize("mode", ["dense", "endor+more-resident"])
 def test_in_memory_layers_do_not_map_the_store(case, mode):
@@ -305,12 +293,12 @@ def test_in_memory_layers_do_not_map_the_store(case, mode):
     cgroup and read again from storage on every use."""
     store = LayerStore(store_of(case, mode))
     model = load_offloaded(store.path, None, mode=mode)
-    mapped = _mapped_ranges(store.layers_path)
+    mapped = mapped_ranges(store.layers_path)
     tensors = [t for layer in model.offload.memory for w in layer.values()
                for t in ((w.values, w.bitmap, w.row_offsets) if isinstance(w, endor.EndorTensor) else (w,))]
     assert model.offload.layers_in_memory == store.n_layers and tensors
     assert not [t for t in tensors if any(b <= t.data_ptr() < e for b, e in mapped)]
-    assert not _mapped_ranges(store.resident_path)  # the resident tensors are copies, the file unmapped
+    assert not mapped_ranges(store.resident_path)  # the resident tensors are copies, the file unmapped
     model.offload.close()
 
 

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from flashllm_ext import FormatError, store
 from flashllm_ext.convert import convert
 from flashllm_ext.safetensors_io import AlignedWriter, TensorSpec, read_header
+from conftest import mapped_ranges
 from test_convert import _llama
 
 
@@ -189,16 +190,14 @@ def test_resident_file_is_opened_once(llama_store, monkeypatch):
 def test_resident_tensors_do_not_map_the_store(llama_store):
     """Resident tensors own their memory, and so do the engine's resident weights: a view of a mapping of
     resident.safetensors could be evicted by a memory cgroup and read again from storage on every use."""
-    from test_offload import _mapped_ranges
-
     import flashllm_ext
 
     model = flashllm_ext.load_flash(llama_store, None, mode="exact")
     fs = store.FlashStore(llama_store)
     # Loaded, the engine unmaps the file: its pages would stay charged to a memory cgroup.
-    assert not _mapped_ranges(fs.resident_path)
+    assert not mapped_ranges(fs.resident_path)
     tensors = [fs.resident_tensor(n) for n in fs.resident_names()] + list(model.parameters())
-    mapped = _mapped_ranges(fs.resident_path)
+    mapped = mapped_ranges(fs.resident_path)
     assert mapped  # the store's handle maps the file: the check below can fail
     assert not [t for t in tensors if any(b <= t.data_ptr() < e for b, e in mapped)]
     model.flash.close()
