@@ -159,23 +159,33 @@ def _storage_reads() -> tuple[int, int]:
     return read_bytes, resource.getrusage(resource.RUSAGE_SELF).ru_majflt
 
 
-def _decode(model, prompt: torch.Tensor, n_tokens: int, reset_stats) -> tuple[list[float], list[int], dict]:
-    """Greedy decoding after a prefill of `prompt`: (seconds per decode token, the tokens, the decode tokens'
-    storage reads per token as the kernel counts them). reset_stats runs after the prefill so the engine's stats
-    cover the decode tokens only. The kernel's count includes what the engine does not see: a file-backed page
-    (a memory-mapped weight, accelerate's offloaded tensors) read again after the cgroup limit evicted it is a
-    major fault and its bytes are storage reads."""
+def _decode(model, prompt: torch.Tensor, n_tokens: int, reset_stats,
+            warmup: int = 0) -> tuple[list[float], list[int], dict]:
+    """Greedy decoding after a prefill of `prompt` and `warmup` untimed decode tokens: (seconds per decode token,
+    the tokens, the decode tokens' storage reads per token as the kernel counts them). reset_stats runs after the
+    prefill and the warm-up so the engine's stats cover the timed decode tokens only. A token's time ends when its
+    id is on the host (on a GPU, once its kernels have run). The kernel's count includes what the engine does not
+    see: a file-backed page (a memory-mapped weight, accelerate's offloaded tensors) read again after the cgroup
+    limit evicted it is a major fault and its bytes are storage reads."""
     out = model(prompt, use_cache=True)
     past, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
-    reset_stats()
-    read_before, faults_before = _storage_reads()
-    times, tokens = [], [int(token)]
-    for _ in range(n_tokens):
-        start = time.perf_counter()
+    tokens = [int(token)]
+
+    def step() -> None:
+        nonlocal past, token
         out = model(token, past_key_values=past, use_cache=True)
         past, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
-        times.append(time.perf_counter() - start)
         tokens.append(int(token))
+
+    for _ in range(warmup):
+        step()
+    reset_stats()
+    read_before, faults_before = _storage_reads()
+    times = []
+    for _ in range(n_tokens):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
     read_after, faults_after = _storage_reads()
     n = max(1, len(times))
     return times, tokens, {"proc_read_mb_per_token": (read_after - read_before) / n / 1e6,

@@ -148,3 +148,22 @@ def test_prompt_of_a_synthesized_checkpoint_without_the_default_model(monkeypatc
     assert "seeded random token ids" in note and "no network" in note
     with pytest.raises(RuntimeError, match="could not fetch the default model"):
         bench_e2e.prompt_ids(6, 50)
+
+
+def test_decode_warms_up_untimed_and_counts_the_timed_tokens():
+    """_decode(warmup=k): k decode tokens before the stats reset and the timing, then n timed ones; every token is
+    generated greedily, as model.generate would."""
+    sys.path.insert(0, str(BENCH.parent))
+    from bench_e2e import _decode
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, vocab_size=64, max_position_embeddings=64)).eval()
+    forwards, reset_at = [], []
+    model.register_forward_pre_hook(lambda *_: forwards.append(1))
+    prompt = torch.tensor([[3, 5, 7]])
+    with torch.no_grad():
+        times, tokens, storage = _decode(model, prompt, 3, lambda: reset_at.append(len(forwards)), warmup=2)
+        assert len(times) == 3 and reset_at == [1 + 2] and len(forwards) == 1 + 2 + 3  # prefill, warm-up, timed
+        want = model.generate(prompt, max_new_tokens=6, do_sample=False)[0, 3:].tolist()
+    assert tokens == want and "proc_read_mb_per_token" in storage
