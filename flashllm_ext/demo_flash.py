@@ -2,12 +2,12 @@
 
 Steps (each cached in the cache dir after the first run): convert SmolLM2-135M-Instruct (GGUF) into an fp16 flash
 store; build the default neuron predictors (flashllm_ext.predictor.DEFAULT_RECIPE) into the store, again whenever
-the store's were built by another recipe; then generate the same greedy continuation of one prompt in every engine
-mode, each mode in its own process inside a memory cgroup of that process's baseline + the DRAM budget (page cache
-counted, dropped first: flashllm_ext/cgroup.py; dense, the reference, has no limit). Prints the text, the decode
-time per token with its I/O / memory-management / predictor / compute breakdown, bytes and reads per token, the
-cache hit rate, the cgroup's limit and peak, and how many tokens equal `transformers`' own greedy output (the GGUF
-model in fp32; the store is fp16, so a late tie can differ).
+the store's were built by another recipe; then generate the same greedy continuation of one prompt in each engine mode
+of --modes (dense, naive, hybrid and flash by default), each mode in its own process inside a memory cgroup of that
+process's baseline + the DRAM budget (page cache counted, dropped first: flashllm_ext/cgroup.py; dense, the reference,
+has no limit). Prints the text, the decode time per token with its I/O / memory-management / predictor / compute
+breakdown, bytes and reads per token, the cache hit rate, the cgroup's limit and peak, and how many tokens equal
+`transformers`' own greedy output (the GGUF model in fp32; the store is fp16, so a late tie can differ).
 
     python -m flashllm_ext.demo_flash [--budget 50%] [--tokens 64] [--window 5] [--prompt TEXT] [--modes ...]
 """
