@@ -225,14 +225,14 @@ def _make_modules(store: FlashStore, mode: str, ffn_budget: int | None, window: 
                           "the FFNs)")
 
     if mode in ("flash", "exact"):
-        fixed, per_row = FlashFFN.bytes_for(store, staged=transfer.staged)
+        flash, shared, cache = mode == "flash", layout == "shared", None
+        fixed, per_row = FlashFFN.bytes_for(store, staged=transfer.staged, every_neuron=not flash)
         per_layer = None if ffn_budget is None else ffn_budget // n_layers
         if transfer.staged and per_layer is not None:  # + the host staging buffer, one bundle per cache row
             per_layer = fixed + max(0, ffn_budget - n_layers * fixed) // (n_layers * per_row + row) * per_row
-        flash, shared, cache = mode == "flash", layout == "shared", None
-        if shared:  # one cache: its per-neuron state once, each layer its output (and input) bias
+        if shared:  # one cache: its per-neuron state once, each layer its output (and input) bias and exact's ids
             bias = store.dtype.itemsize * n if input_bias_role(store) in store.ffn_roles[0] else 0
-            layers_fixed = n_layers * (4 * store.hidden_size + bias)
+            layers_fixed = n_layers * (4 * store.hidden_size + bias + (0 if flash else 8 * n))
             cache_fixed, _ = NeuronCache.bytes_for(store, with_bias=bias > 0)
             if ffn_budget is not None and ffn_budget < layers_fixed + cache_fixed + per_row:
                 raise too_small(layers_fixed + cache_fixed + per_row)
@@ -288,7 +288,7 @@ def _cache_layout(cache_layout: str, store: FlashStore, predictors, transfer: Tr
     density = 1.0 if predictors is None else getattr(predictors, "loaded_density", None)
     if ffn_budget is None or transfer.staged or density is None:
         return "per-layer"
-    fixed, per_row = FlashFFN.bytes_for(store)
+    fixed, per_row = FlashFFN.bytes_for(store, every_neuron=predictors is None)
     layer_rows = (ffn_budget * (READER_BUFFER_SHARE - 1) // READER_BUFFER_SHARE // store.n_layers - fixed) // per_row
     return "shared" if layer_rows < density * store.n_neurons else "per-layer"
 

@@ -171,12 +171,16 @@ class FlashFFN(nn.Module):
         self.store = store if isinstance(store, FlashStore) else FlashStore(store)
         if predictor is not None and active_ids is not None:
             raise ValueError("give a predictor or a fixed active_ids set, not both")
+        n = self.store.n_neurons
+        fixed = torch.arange(n) if active_ids is None else active_ids_of(active_ids, n)
+        # Distinct ids, once: the cache steps and the per-row compute take each neuron once.
+        self.fixed_ids = None if predictor is not None else self.store.check_ids(fixed).unique()
         self.shares_cache = cache is not None
         if cache is None:
             if capacity is None and budget_bytes is None:
-                capacity = self.store.n_neurons
-            if budget_bytes is not None:  # the output bias (bytes_for's share) comes out of the budget too
-                budget_bytes -= 4 * self.store.hidden_size
+                capacity = n
+            if budget_bytes is not None:  # the output bias and a fixed set (bytes_for's shares) come out of it too
+                budget_bytes -= 4 * self.store.hidden_size + (0 if self.fixed_ids is None else self.fixed_ids.nbytes)
             cache = NeuronCache(self.store, layer, capacity, window, budget_bytes=budget_bytes, reader=reader,
                                 device=device, transfer=transfer)
         elif capacity is not None or budget_bytes is not None:
@@ -190,10 +194,6 @@ class FlashFFN(nn.Module):
         self.layer, self.predictor, self.threshold = layer, predictor, float(threshold)
         self.overlap = overlap
         self.activation = store_activation(self.store)
-        n = self.store.n_neurons
-        fixed = torch.arange(n) if active_ids is None else active_ids_of(active_ids, n)
-        # Distinct ids, once: the cache steps and the per-row compute take each neuron once.
-        self.fixed_ids = None if predictor is not None else self.store.check_ids(fixed).unique()
         out_bias = _output_bias(self.store, layer)
         self.register_buffer("out_bias", None if out_bias is None else out_bias.to(self.cache.device),
                              persistent=False)
@@ -206,18 +206,19 @@ class FlashFFN(nn.Module):
     @property
     def nbytes(self) -> int:
         """DRAM this layer holds: its cache (matrix, pointer, bias, per-neuron state; a shared one: its input bias
-        instead) and output bias."""
+        instead), output bias and fixed set's ids (exact mode, active_ids)."""
         own = self.cache.nbytes if not self.shares_cache else \
             (self.input_bias.nbytes if self.input_bias is not None else 0)
-        return own + (self.out_bias.nbytes if self.out_bias is not None else 0)
+        return own + sum(t.nbytes for t in (self.out_bias, self.fixed_ids) if t is not None)
 
     @staticmethod
-    def bytes_for(store: FlashStore, staged: bool = False) -> tuple[int, int]:
+    def bytes_for(store: FlashStore, staged: bool = False, every_neuron: bool = False) -> tuple[int, int]:
         """(fixed bytes, bytes per cache row) of one FlashFFN layer over `store`: NeuronCache.bytes_for plus an
-        output bias (float32 [d], counted whether or not the model has one)."""
+        output bias (float32 [d], counted whether or not the model has one) and, every_neuron (exact mode: no
+        predictor), the int64 ids of that fixed set."""
         fixed, per_row = NeuronCache.bytes_for(store, with_bias=input_bias_role(store) in store.ffn_roles[0],
                                                staged=staged)
-        return fixed + 4 * store.hidden_size, per_row
+        return fixed + 4 * store.hidden_size + (8 * store.n_neurons if every_neuron else 0), per_row
 
     def _token_sets(self, flat: torch.Tensor, predictor: Predictor | None = None
                     ) -> tuple[torch.Tensor | None, torch.Tensor]:

@@ -11,9 +11,11 @@ from transformers import LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalL
 import flashllm_ext
 from flashllm_ext import store
 from flashllm_ext.convert import convert
-from flashllm_ext.engine import MODES, parse_budget
+from flashllm_ext.cache import NeuronCache
+from flashllm_ext.engine import MODES, _tensor_bytes, parse_budget
 from flashllm_ext.models import perplexity
 from flashllm_ext.predictor import LowRankPredictor, PredictorSet, calibrate_thresholds, evaluate
+from flashllm_ext.transfer import Transfer
 from conftest import mapped_ranges, read_failure_at
 
 
@@ -85,7 +87,7 @@ def test_exact_mode_under_a_small_budget_reads_in_parts(models, layout):
     s = store.FlashStore(path)
     resident = sum(p.numel() * 4 for n, p in model.named_parameters() if "mlp" not in n) + \
         sum(b.nbytes for b in model.buffers())  # (the rotary frequencies)
-    fixed, per_row = flashllm_ext.engine.FlashFFN.bytes_for(s)
+    fixed, per_row = flashllm_ext.engine.FlashFFN.bytes_for(s, every_neuron=True)
     options = {"bounce_limit": 0, "max_read": 4096}  # the reader's buffers, charged too: one read's bounce buffer
     with flashllm_ext.reader.FlashReader(s, **options) as reader:
         buffers = reader.buffer_bound()
@@ -100,6 +102,8 @@ def test_exact_mode_under_a_small_budget_reads_in_parts(models, layout):
         assert s.n_neurons // 4 < caches[0].capacity < s.n_neurons
     assert torch.equal(_greedy(flash, prompt, 8), _greedy(model, prompt, 8))
     stats = flash.flash_stats()
+    parts = -(-s.n_neurons // caches[0].capacity)  # each forward of each layer (8 forwards: prompt + 7 tokens)
+    assert parts > 1 and stats["steps"] == 8 * s.n_layers * parts
     assert stats["accounted_bytes"] <= budget
     assert stats["cache_layout"] == ("per-layer" if layout == "per-layer" else "shared")
     if layout != "per-layer":  # a shared cache starts every forward empty: no reuse across tokens
@@ -182,6 +186,50 @@ def test_flash_mode_stays_within_its_budget(models):
         stats = flash.flash_stats()
         assert stats["accounted_bytes"] <= stats["budget_bytes"] == parse_budget(budget, total)
         assert stats["predictor_bytes"] > 0 and stats["ffn_bytes"] > 0
+
+
+def _held_bytes(runtime) -> int:
+    """The bytes of every tensor a runtime's FFN modules hold, with their caches' and their transfer's (not the
+    store's, the reader's or the predictors', which are charged apart), each storage once."""
+    tensors, seen = [], set()
+
+    def visit(obj) -> None:
+        if id(obj) in seen:
+            return
+        seen.add(id(obj))
+        attributes = dict(vars(obj), **(obj._buffers if isinstance(obj, torch.nn.Module) else {}))
+        for value in attributes.values():
+            if isinstance(value, torch.Tensor):
+                tensors.append(value)
+            elif isinstance(value, (NeuronCache, Transfer)):
+                visit(value)
+
+    for module in runtime.modules:
+        visit(module)
+    return _tensor_bytes(tensors)
+
+
+@pytest.mark.parametrize("name", ["llama", "opt"])
+@pytest.mark.parametrize("mode, layout", [("naive", "auto"), ("hybrid", "auto"), ("flash", "per-layer"),
+                                          ("flash", "shared"), ("exact", "per-layer"), ("exact", "shared")])
+@torch.no_grad()
+def test_ffn_bytes_are_the_bytes_the_modules_hold(models, name, mode, layout):
+    """The FFN bytes a runtime charges to its budget (beside the reader's buffer bound) are the bytes its modules
+    really hold after a generation: caches, pointer matrices, scratch, biases, exact mode's ids, staging. Charged
+    but not held, by design (conservative): naive and hybrid layers' float32 output bias when the model has none
+    (StreamingFFN.bytes_for), and the input-bias vector a shared cache is built with, whose place each layer's own
+    takes as the cache serves it (OPT has input biases, Llama none)."""
+    model, path = models[name]
+    s = store.FlashStore(path)
+    predictors = _random_predictors(model, s.n_layers, s.hidden_size, s.n_neurons, 0.5) if mode == "flash" else None
+    flash = flashllm_ext.load_flash(path, dram_budget="85%", mode=mode, predictors=predictors, cache_layout=layout)
+    _greedy(flash, torch.tensor([[5, 6, 7]]), 4)
+    runtime, stats = flash.flash, flash.flash_stats()
+    charged = stats["ffn_bytes"] - runtime.reader.buffer_bound()
+    unheld_out_bias = 4 * s.hidden_size * s.n_layers if mode in ("naive", "hybrid") and name == "llama" else 0
+    unheld_cache_bias = s.n_neurons * s.dtype.itemsize if layout == "shared" and name == "opt" else 0
+    assert charged - _held_bytes(runtime) == unheld_out_bias + unheld_cache_bias
+    assert stats["accounted_bytes"] <= stats["budget_bytes"]
 
 
 @torch.no_grad()

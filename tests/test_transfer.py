@@ -107,7 +107,7 @@ def test_staged_cache_holds_its_state_where_it_belongs(stores):
     assert transfer.nbytes == 20 * stores["opt"].row_bytes  # staging for one full step, reserved up front
     plain = NeuronCache(stores["opt"], 0, capacity=20)
     assert isinstance(plain.transfer, HostTransfer) and plain.device_pointer is plain.pointer
-    assert cache.nbytes == plain.nbytes + 8 * 20  # the device's pointer
+    assert cache.nbytes == plain.nbytes + 8 * 20 == plain.nbytes + cache.device_pointer.nbytes  # the device's pointer
     # A model's caches share one transfer: its staging is sized by the largest of them.
     NeuronCache(stores["opt"], 1, capacity=30, transfer=transfer)
     assert transfer.nbytes == 30 * stores["opt"].row_bytes
