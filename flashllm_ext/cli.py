@@ -107,7 +107,7 @@ def _add_convert(sub: argparse._SubParsersAction) -> None:
     p.add_argument("out_dir", help="store directory to create")
     p.add_argument("--dtype", choices=("fp16", "bf16", "fp32"), default="fp16")
     p.add_argument("--endor", action="store_true", help="Endor-compress the bundles (pruned models)")
-    p.add_argument("--force", action="store_true", help="replace out_dir if it exists")
+    p.add_argument("--force", action="store_true", help="replace the flash store at out_dir if there is one")
     p.set_defaults(func=_convert)
 
 
@@ -168,6 +168,12 @@ def _add_train_predictors(sub: argparse._SubParsersAction) -> None:
     train.set_defaults(func=_train_predictors)
 
 
+def _check_tokenizer(args: argparse.Namespace, command: str) -> None:
+    """Refuse a --tokenizer that does not exist before the model loads (transformers would say so only after)."""
+    if not Path(args.tokenizer).exists():
+        raise SystemExit(f"flashllm {command}: --tokenizer {args.tokenizer} does not exist")
+
+
 def _generate(args: argparse.Namespace, model, stats) -> int:
     """Greedy (or sampled) text from `model` for `flashllm run` / `flashllm offload`; prints `stats()` if given."""
     import time
@@ -202,6 +208,7 @@ def _run(args: argparse.Namespace) -> int:
         device = cuda_device(args.device)
     except ValueError as e:
         raise SystemExit(f"flashllm run: {e}") from None
+    _check_tokenizer(args, "run")
     try:
         model = load_flash(args.store, dram_budget=None if args.mode == "dense" else args.budget, mode=args.mode,
                            window=args.window, device=device, lookahead=args.lookahead)
@@ -214,15 +221,19 @@ def _offload(args: argparse.Namespace) -> int:
     from .offload import LayerStore, convert_offload, load_offloaded
 
     if args.convert:
-        print(LayerStore(convert_offload(args.convert, args.store, dtype=args.dtype, endor_compress=args.endor,
-                                         force=args.force)))
+        try:
+            print(LayerStore(convert_offload(args.convert, args.store, dtype=args.dtype, endor_compress=args.endor,
+                                             force=args.force)))
+        except (OSError, ValueError) as e:  # no checkpoint, a store there (no --force), a store it must not replace
+            raise SystemExit(f"flashllm offload: {e}") from None
         return 0
     if not args.tokenizer:
         raise SystemExit("flashllm offload: --tokenizer is needed to generate (or --convert CHECKPOINT to write)")
+    _check_tokenizer(args, "offload")
     try:
         model = load_offloaded(args.store, args.budget, mode=args.mode, compute=args.compute, device=args.device,
                                device_budget=args.device_budget, slots=args.slots)
-    except ValueError as e:  # a budget below the minimum, no CUDA, a store of the other kind
+    except (OSError, ValueError) as e:  # no store there, a budget below the minimum, no CUDA, a store of the other kind
         raise SystemExit(f"flashllm offload: {e}") from None
     return _generate(args, model, model.offload_stats)
 
@@ -235,7 +246,7 @@ def _add_offload(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--convert", metavar="CHECKPOINT", help="write the store from this HF directory or .gguf file")
     p.add_argument("--endor", action="store_true", help="with --convert: Endor-compress the matrices (pruned models)")
     p.add_argument("--dtype", choices=("fp16", "bf16", "fp32"), default="fp16")
-    p.add_argument("--force", action="store_true", help="with --convert: replace the store if it exists")
+    p.add_argument("--force", action="store_true", help="with --convert: replace the layer store if there is one")
     p.add_argument("--tokenizer", help="the checkpoint's .gguf file or Hugging Face directory")
     p.add_argument("--prompt", default="The three primary colors are")
     p.add_argument("--mode", choices=MODES, default="endor")

@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 from . import endor
 from .checkpoint import Checkpoint, open_checkpoint
 from .errors import FormatError
+from .paths import check_out_dir, install_dir
 from .safetensors_io import DTYPE_SIZES, FLOAT_DTYPES, AlignedWriter, TensorSpec, dtype_name
 from .store import (ALIGNMENT, BUNDLES_FILE, DTYPES, FORMAT_VERSION, MAGIC, RESIDENT_FILE, WEIGHT_ROLES, FlashStore,
                     layer_specs, layer_tensor_name)
@@ -73,13 +74,12 @@ def convert(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, dtype: st
             force: bool = False, progress: bool = True) -> Path:
     """Convert a Hugging Face safetensors directory (OPT, Llama/Mistral/SmolLM; sharded or not) or a GGUF file
     into a flash store at `out_dir`. Atomic: written under a temporary name and renamed at the end, then a sample
-    of every layer is read back and compared. Refuses to replace an existing `out_dir` unless `force`.
+    of every layer is read back and compared. Refuses to replace an existing `out_dir` unless `force`, and even
+    then anything but a flash store or an empty directory (paths.check_out_dir). Returns `out_dir`, absolute.
     """
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-    out_dir = Path(out_dir)
-    if out_dir.exists() and not force:
-        raise FileExistsError(f"{out_dir} exists; pass force=True (--force) to replace it")
+    out_dir = check_out_dir(out_dir, force, BUNDLES_FILE, checkpoint)
     ckpt = open_checkpoint(checkpoint)
     layers, glu = _ffn_layout(ckpt.names)
     torch_dtype = DTYPES[dtype]
@@ -97,13 +97,7 @@ def convert(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, dtype: st
                                    torch_dtype, dtype, progress)
         with FlashStore(tmp) as written:
             _verify(written, expected, resident)
-        if out_dir.exists():
-            old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
-            out_dir.rename(old)
-            tmp.rename(out_dir)
-            shutil.rmtree(old)
-        else:
-            tmp.rename(out_dir)
+        install_dir(tmp, out_dir)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)

@@ -26,6 +26,7 @@ one pinned staging buffer shared by every layer (counted in ffn_bytes).
 """
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -56,6 +57,8 @@ def parse_budget(budget: int | float | str, model_bytes: int, name: str = "dram_
     """Bytes from a budget: an int (bytes), "50%" (of the model's bytes: resident tensors + every FFN bundle),
     or a size like "200MB" / "1.5GiB". `name` is the argument's name in errors."""
     if isinstance(budget, (int, float)) and not isinstance(budget, bool):
+        if not math.isfinite(budget):
+            raise ValueError(f"{name} must be a finite number of bytes, got {budget!r}")
         value = int(budget)
     else:
         text = str(budget).strip().lower().replace(" ", "")
@@ -66,7 +69,7 @@ def parse_budget(budget: int | float | str, model_bytes: int, name: str = "dram_
         number, unit = float(match.group(1)), match.group(2) or ""
         value = int(number / 100 * model_bytes) if unit == "%" else int(number * _UNITS[unit])
     if value <= 0:
-        raise ValueError(f"{name} must be positive, got {budget!r}")
+        raise ValueError(f"{name} must be at least 1 byte, got {budget!r}")
     return value
 
 

@@ -67,10 +67,11 @@ from .checkpoint import Checkpoint, open_checkpoint
 from .engine import _tensor_bytes, assign_resident, empty_model, parse_budget
 from .errors import FormatError
 from .models.hf import decoder_layers
+from .paths import check_out_dir, install_dir
 from .reader import FlashReader, ReadStats, host_bounce_bytes, select_read_path
 from .safetensors_io import (AlignedWriter, ResidentFile, TensorEntry, TensorSpec, drop_page_cache, dtype_name,
                              owned_tensor, read_header)
-from .store import ALIGNMENT, DTYPES
+from .store import ALIGNMENT, BUNDLES_FILE, DTYPES
 from .transfer import aligned_buffer, cuda_device, pinned_buffer
 
 MAGIC = "flashllm-offload"
@@ -132,12 +133,11 @@ def convert_offload(checkpoint: str | os.PathLike | Checkpoint, out_dir: str | o
     as `TensorsCheckpoint(config, state_dict)`) at `out_dir`, one tensor in memory at a time. endor_compress: store
     each matrix as Endor where that is smaller than dense (pruned weights); a first pass counts the non-zeros (the
     header declares every length before any data). Atomic (written under a temporary name, then renamed); refuses
-    to replace `out_dir` unless `force`."""
+    to replace `out_dir` unless `force`, and even then anything but a layer store or an empty directory
+    (paths.check_out_dir). Returns `out_dir`, absolute."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-    out_dir = Path(out_dir)
-    if out_dir.exists() and not force:
-        raise FileExistsError(f"{out_dir} exists; pass force=True (--force) to replace it")
+    out_dir = check_out_dir(out_dir, force, LAYERS_FILE, None if isinstance(checkpoint, Checkpoint) else checkpoint)
     ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else open_checkpoint(checkpoint)
     torch_dtype = DTYPES[dtype]
     layers = _layer_matrices(ckpt)
@@ -153,7 +153,8 @@ def convert_offload(checkpoint: str | os.PathLike | Checkpoint, out_dir: str | o
         for name in names:
             rows, cols = ckpt.shape(name)
             # Endor only where it is smaller: values + bitmap + row offsets against the dense matrix.
-            compressed = name in nnz and nnz[name] * item + rows * ((cols + 7) // 8) + (rows + 1) * 8 < rows * cols * item
+            compressed = name in nnz and \
+                nnz[name] * item + rows * ((cols + 7) // 8) + (rows + 1) * 8 < rows * cols * item
             layer.append(MatrixEntry(name, (rows, cols), compressed))
         entries.append(layer)
     # A layer is one read range: its first tensor starts on a block (a zero-filled `layers.{l}.align` tensor fills
@@ -195,9 +196,7 @@ def convert_offload(checkpoint: str | os.PathLike | Checkpoint, out_dir: str | o
                     for n in ckpt.names if n not in in_layers}
         save_file(resident, str(tmp / RESIDENT_FILE), metadata={"magic": MAGIC, "format_version": FORMAT_VERSION})
         _verify(LayerStore(tmp), ckpt, torch_dtype)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        tmp.rename(out_dir)
+        install_dir(tmp, out_dir)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)
@@ -216,7 +215,8 @@ def _verify(store: LayerStore, ckpt: Checkpoint, dtype: torch.dtype) -> None:
 
 
 class LayerStore:
-    """An opened, validated layer store (see the module doc). Raises FormatError naming file and field.
+    """An opened, validated layer store (see the module doc). Raises FileNotFoundError where there is none (saying
+    what is there instead), FormatError naming file and field for a broken one.
 
     layers[l]: the MatrixEntry of each Linear weight of decoder layer l; layer_range(l): (file offset, bytes) of the
     layer's one aligned read range; dense_bytes(l) / stored_bytes(l): its weights dense / as stored."""
@@ -225,6 +225,12 @@ class LayerStore:
         self.path = Path(path)
         self.layers_path = str(self.path / LAYERS_FILE)
         self.resident_path = str(self.path / RESIDENT_FILE)
+        if not os.path.isfile(self.layers_path):
+            hint = ("it does not exist" if not self.path.exists() else
+                    "it is a flash store: load_flash / flashllm run" if (self.path / BUNDLES_FILE).is_file() else
+                    "a checkpoint? convert_offload / flashllm offload --convert writes a layer store from it"
+                    if (self.path / "config.json").is_file() else f"no {LAYERS_FILE} in it")
+            raise FileNotFoundError(f"{self.path} is not a layer store ({hint})")
         header = read_header(self.layers_path)
         meta = header.metadata
         resident_meta = read_header(self.resident_path).metadata
@@ -414,6 +420,7 @@ class OffloadRuntime:
         self._slot_free: list[torch.cuda.Event | None] = [None] * p.slots
         self._copy_stream = torch.cuda.Stream(self.device) if self._cuda and spans else None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flashllm-offload") if spans else None
+        self._closed = False
         self._layer_start = self._decompress_at_start = 0.0
         self._decompress = torch.empty(p.decompress_bytes // self.store.dtype.itemsize, dtype=self.store.dtype,
                                        device=self.device)
@@ -489,6 +496,8 @@ class OffloadRuntime:
         return time.perf_counter()
 
     def before_layer(self, layer: int) -> None:
+        if self._closed:
+            raise RuntimeError("offload: this runtime is closed (close() or unpatch()): load the model again to run it")
         if layer == 0:
             self.stats.forwards += 1
         if layer >= self.layers_on_device:
@@ -625,7 +634,8 @@ class OffloadRuntime:
         return select_read_path(self.device) if self.layers_on_ssd else None
 
     def close(self) -> None:
-        """Waits for the background fetch, then releases the reader and its threads."""
+        """Waits for the background fetch, then releases the reader and its threads. A closed runtime runs nothing."""
+        self._closed = True
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
@@ -638,6 +648,9 @@ class OffloadRuntime:
         """Put the original Linear modules back (patch_offload only), remove the hooks, release the reader."""
         if not self.originals:
             raise RuntimeError("this model was built by load_offloaded: it has no original layers to restore")
+        if getattr(model, "offload", None) is not self:
+            raise RuntimeError("this runtime no longer offloads that model (unpatched already, or not the model it "
+                               "patched)")
         self.close()
         for hook in self.hooks:
             hook.remove()
@@ -725,14 +738,11 @@ def plan_placement(store: LayerStore, mode: str, layer_budget: int | None, layer
     the staged tier). Given counts are kept if they fit (a placement to compare modes on); otherwise the most layers
     that fit. `slots`: 1 or 2 (Placement). Raises ValueError when given counts do not fit (_BudgetTooSmall, naming
     the pool, when not even zero layers do)."""
+    _check_options(store, mode, slots=slots, layers_in_memory=layers_in_memory, layers_on_device=layers_on_device)
+    for name, value in (("layer_budget", layer_budget), ("device_layer_budget", device_layer_budget)):
+        if value is not None and not _is_int(value):
+            raise ValueError(f"{name} must be bytes (an int) or None, got {value!r}")
     n = store.n_layers
-    if slots not in (1, 2):
-        raise ValueError(f"slots must be 1 or 2, got {slots!r}")
-    for name, value in (("layers_on_device", layers_on_device), ("layers_in_memory", layers_in_memory)):
-        if value is not None and not 0 <= value <= n:
-            raise ValueError(f"{name} must lie in [0, {n}], got {value}")
-    if layers_on_device is not None and layers_in_memory is not None and layers_on_device > layers_in_memory:
-        raise ValueError(f"layers_on_device ({layers_on_device}) exceeds layers_in_memory ({layers_in_memory})")
 
     def device_fits(p: Placement) -> bool:
         return not separate or device_layer_budget is None or p.device_bytes <= device_layer_budget
@@ -767,6 +777,34 @@ def plan_placement(store: LayerStore, mode: str, layer_budget: int | None, layer
     raise ValueError(f"{p.in_memory} layers in memory in {mode} mode{staged} need "
                      f"{p.device_bytes + p.host_bytes} bytes for the layers and staging, {layer_budget} are left of "
                      f"the budget")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_options(store: LayerStore, mode: str, *, compute: str = "auto", threads: int = 1, slots: int = 2,
+                   layers_in_memory: int | None = None, layers_on_device: int | None = None) -> None:
+    """ValueError (TypeError for a store that is not a LayerStore) naming the first bad argument, before any work."""
+    if not isinstance(store, LayerStore):
+        raise TypeError(f"store must be a LayerStore, got {type(store).__name__}")
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if (mode != "dense") != store.endor:
+        raise ValueError(f"{mode} mode needs {'an Endor' if mode != 'dense' else 'a dense'} layer store; {store.path} "
+                         f"is {'Endor' if store.endor else 'dense'} (convert_offload endor_compress=)")
+    if compute not in COMPUTES:
+        raise ValueError(f"compute must be one of {COMPUTES}, got {compute!r}")
+    if not _is_int(threads) or not 1 <= threads <= 1024:
+        raise ValueError(f"threads must be an int in [1, 1024], got {threads!r}")
+    if not _is_int(slots) or slots not in (1, 2):
+        raise ValueError(f"slots must be 1 or 2, got {slots!r}")
+    n = store.n_layers
+    for name, value in (("layers_on_device", layers_on_device), ("layers_in_memory", layers_in_memory)):
+        if value is not None and (not _is_int(value) or not 0 <= value <= n):
+            raise ValueError(f"{name} must be an int in [0, {n}], got {value!r}")
+    if layers_on_device is not None and layers_in_memory is not None and layers_on_device > layers_in_memory:
+        raise ValueError(f"layers_on_device ({layers_on_device}) exceeds layers_in_memory ({layers_in_memory})")
 
 
 class _BudgetTooSmall(ValueError):
@@ -810,13 +848,8 @@ def _install(model: nn.Module, store: LayerStore, mode: str, budget: int | float
              threads: int, keep_originals: bool, device: torch.device, layers_in_memory: int | None = None,
              device_budget: int | float | str | None = None, layers_on_device: int | None = None,
              slots: int = 2, progress: bool = False) -> OffloadRuntime:
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    if compute not in COMPUTES:
-        raise ValueError(f"compute must be one of {COMPUTES}, got {compute!r}")
-    if (mode != "dense") != store.endor:
-        raise ValueError(f"{mode} mode needs {'an Endor' if mode != 'dense' else 'a dense'} layer store; {store.path} "
-                         f"is {'Endor' if store.endor else 'dense'} (convert_offload endor_compress=)")
+    _check_options(store, mode, compute=compute, threads=threads, slots=slots, layers_in_memory=layers_in_memory,
+                   layers_on_device=layers_on_device)
     if getattr(model, "offload", None) is not None:
         raise ValueError("this model is already offloaded: unpatch it first")
     separate = device.type == "cuda"
@@ -923,6 +956,8 @@ def load_offloaded(store_dir: str | os.PathLike, dram_budget: int | float | str 
     beside a fetch). Only the resident tensors and the placed layers are materialised, in the store's dtype (a
     progress bar while the layers load, unless progress=False). `model.offload_stats()` reports per-token costs."""
     store = LayerStore(store_dir)
+    _check_options(store, mode, compute=compute, threads=threads, slots=slots, layers_in_memory=layers_in_memory,
+                   layers_on_device=layers_on_device)
     device = cuda_device(device)
     model = empty_model(store.config, store.dtype, store.path)
     assign_resident(model, store, store.dtype)

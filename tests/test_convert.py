@@ -1,4 +1,5 @@
 import weakref
+from functools import partial
 
 import pytest
 import torch
@@ -217,6 +218,38 @@ def test_refuses_to_overwrite_and_force_replaces(checkpoints, tmp_path):
     convert(checkpoints["llama"][0], out, force=True, progress=False)
     assert store.FlashStore(out).glu
     assert sorted(p.name for p in tmp_path.iterdir()) == ["s"]  # no temporary or old directory left
+
+
+@pytest.mark.parametrize("converter", ["flash store", "layer store"])
+def test_force_replaces_a_store_and_nothing_else(checkpoints, tmp_path, monkeypatch, converter):
+    """force=True replaces a store or an empty directory, and refuses, before writing anything, a directory holding
+    other files (the working directory given as "." too), the checkpoint itself or a directory holding it (also
+    as "."), and a file."""
+    import shutil
+
+    from flashllm_ext.offload import convert_offload
+    write = partial(convert, progress=False) if converter == "flash store" else partial(convert_offload, progress=False)
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(checkpoints["opt"][0], ckpt)
+    (tmp_path / "work").mkdir()
+    (tmp_path / "work" / "notes.txt").write_text("keep me")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "a-file").write_text("keep me too")
+    monkeypatch.chdir(tmp_path / "work")
+    for other_files in (tmp_path / "work", "."):
+        with pytest.raises(FileExistsError, match="holds files but no"):
+            write(ckpt, other_files, force=True)
+    with pytest.raises(FileExistsError, match="is not a directory"):
+        write(ckpt, tmp_path / "a-file", force=True)
+    monkeypatch.chdir(tmp_path)
+    for holder in (ckpt, tmp_path, "."):
+        with pytest.raises(ValueError, match="the checkpoint it would be written from"):
+            write("ckpt", holder, force=True)
+    assert [p.name for p in (tmp_path / "work").iterdir()] == ["notes.txt"]
+    assert (tmp_path / "a-file").read_text() == "keep me too" and (ckpt / "config.json").is_file()
+    assert write(ckpt, "empty", force=True) == (tmp_path / "empty").resolve()
+    write(checkpoints["llama"][0], "empty", force=True)  # a store: replaced
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "ckpt", "empty", "work"]  # nothing left beside
 
 
 def test_failed_conversion_leaves_nothing(checkpoints, tmp_path, monkeypatch):

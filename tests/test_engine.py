@@ -285,7 +285,7 @@ def test_parse_budget():
     assert parse_budget("2MiB", 0) == 2 << 20
     assert parse_budget("1.5GB", 0) == 1_500_000_000
     assert parse_budget(1234, 0) == 1234
-    for bad in ("", "-5", "0", "ten", "5 parsecs"):
+    for bad in ("", "-5", "0", "ten", "5 parsecs", 0.5, -3, float("nan"), float("inf"), True):
         with pytest.raises(ValueError, match="dram_budget must be"):
             parse_budget(bad, 1000)
 

@@ -10,6 +10,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalL
 
 from flashllm_ext import FormatError, endor, offload
 from flashllm_ext.checkpoint import TensorsCheckpoint
+from flashllm_ext.convert import convert
 from flashllm_ext.engine import parse_budget
 from flashllm_ext.offload import (LayerStore, OffloadedLinear, convert_offload, load_offloaded, patch_offload,
                                   plan_placement)
@@ -183,6 +184,21 @@ def test_patch_and_unpatch(case):
     runtime.unpatch(model)
     assert not any(isinstance(m, OffloadedLinear) for m in model.modules()) and not hasattr(model, "offload")
     assert torch.equal(model.generate(case["prompt"], max_new_tokens=8, do_sample=False), case["reference"])
+    # A runtime unpatched already, or replaced by a newer patch, leaves the model alone.
+    again = patch_offload(model, case["endor"], mode="endor", dram_budget="60%")
+    with pytest.raises(RuntimeError, match="no longer offloads that model"):
+        runtime.unpatch(model)
+    assert model.offload is again
+    assert torch.equal(model.generate(case["prompt"], max_new_tokens=8, do_sample=False), case["reference"])
+    again.unpatch(model)
+
+
+def test_a_closed_runtime_refuses_to_run(case):
+    model = load_offloaded(case["endor"], "60%", mode="endor")
+    assert model.offload.layers_on_ssd > 0
+    model.offload.close()
+    with pytest.raises(RuntimeError, match="runtime is closed"):
+        model.generate(case["prompt"], max_new_tokens=2, do_sample=False)
 
 
 def test_bad_arguments_and_stores(case, tmp_path):
@@ -196,6 +212,28 @@ def test_bad_arguments_and_stores(case, tmp_path):
         patch_offload(tiny_model("llama" if "opt" in str(case["endor"]) else "opt"), case["endor"])
     with pytest.raises(FileExistsError):
         convert_offload(model_checkpoint(case["model"]), case["dense"], dtype="fp32")
+    # Counts are ints (not floats, strings or bools), budgets finite; each refusal names its argument.
+    for name, value in (("layers_in_memory", 2.5), ("layers_in_memory", "2"), ("layers_in_memory", True),
+                        ("layers_on_device", 1.0), ("slots", 1.0), ("slots", True), ("threads", 0),
+                        ("dram_budget", float("nan")), ("dram_budget", float("inf"))):
+        with pytest.raises(ValueError, match=f"{name} must be"):
+            load_offloaded(case["endor"], **{"dram_budget": None, "mode": "endor", name: value})
+    store = LayerStore(case["endor"])
+    with pytest.raises(TypeError, match="store must be a LayerStore, got str"):
+        plan_placement(str(case["endor"]), "endor", None)
+    with pytest.raises(ValueError, match="mode must be one of"):
+        plan_placement(store, "bogus", None)
+    with pytest.raises(ValueError, match="dense mode needs a dense layer store"):
+        plan_placement(store, "dense", None)
+    with pytest.raises(ValueError, match="layer_budget must be bytes"):
+        plan_placement(store, "endor", "30%")
+    case["model"].save_pretrained(tmp_path / "hf")
+    flash = convert(tmp_path / "hf", tmp_path / "flash", progress=False)
+    for where, says in ((tmp_path / "none", "it does not exist"), (flash, "it is a flash store: load_flash"),
+                        (tmp_path / "hf", "a checkpoint\\? convert_offload"),
+                        (tmp_path, "no layers.safetensors in it")):
+        with pytest.raises(FileNotFoundError, match=f"is not a layer store \\({says}"):
+            LayerStore(where)
     broken = tmp_path / "broken"
     broken.mkdir()
     data = open(os.path.join(case["endor"], "layers.safetensors"), "rb").read()
@@ -216,6 +254,13 @@ def test_cli_converts_a_hugging_face_directory(tmp_path, capsys):
     assert "endor=True" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="flashllm offload: device_budget is the GPU memory"):
         cli.main(["offload", str(tmp_path / "store"), "--tokenizer", str(tmp_path / "hf"), "--device-budget", "20%"])
+    # Clean exits, not tracebacks: a store there already, no store, a missing tokenizer (before the model loads).
+    for store, argv, says in (("store", ["--convert", str(tmp_path / "hf")], "exists; pass force=True"),
+                              ("new", ["--convert", str(tmp_path / "none")], "none"),
+                              ("nowhere", ["--tokenizer", str(tmp_path / "hf")], "is not a layer store"),
+                              ("store", ["--tokenizer", str(tmp_path / "no-tokenizer")], "--tokenizer .* does not")):
+        with pytest.raises(SystemExit, match=f"flashllm offload: .*{says}"):
+            cli.main(["offload", str(tmp_path / store), *argv])
     offloaded = load_offloaded(tmp_path / "store", "60%", mode="endor")
     prompt = torch.tensor([[5, 7, 11, 13]])
     assert torch.equal(offloaded.generate(prompt, max_new_tokens=4, do_sample=False),
