@@ -848,8 +848,6 @@ def _install(model: nn.Module, store: LayerStore, mode: str, budget: int | float
              threads: int, keep_originals: bool, device: torch.device, layers_in_memory: int | None = None,
              device_budget: int | float | str | None = None, layers_on_device: int | None = None,
              slots: int = 2, progress: bool = False) -> OffloadRuntime:
-    _check_options(store, mode, compute=compute, threads=threads, slots=slots, layers_in_memory=layers_in_memory,
-                   layers_on_device=layers_on_device)
     if getattr(model, "offload", None) is not None:
         raise ValueError("this model is already offloaded: unpatch it first")
     separate = device.type == "cuda"
@@ -931,6 +929,7 @@ def patch_offload(model: nn.Module, store: LayerStore | str | os.PathLike, *, mo
     original Linear modules are kept for `unpatch`, so they still occupy memory: for a real budget use
     load_offloaded. Returns the runtime; `runtime.unpatch(model)` restores the model."""
     store = store if isinstance(store, LayerStore) else LayerStore(store)
+    _check_options(store, mode, compute=compute, threads=threads, slots=slots)
     device = next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
     return _install(model, store, mode, dram_budget, compute, threads, keep_originals=True,
                     device=cuda_device(device), device_budget=device_budget, slots=slots)

@@ -25,7 +25,7 @@ def check_out_dir(out_dir: str | os.PathLike, force: bool, store_file: str,
         if out == src or out in src.parents:
             raise ValueError(f"out_dir {str(out_dir)!r} is or holds {str(source)!r}, the checkpoint it would be "
                              "written from")
-    if out.exists() or out.is_symlink():
+    if out.exists():
         if not force:
             raise FileExistsError(f"{out_dir} exists; pass force=True (--force) to replace it")
         if not out.is_dir():
