@@ -220,10 +220,12 @@ def _run(args: argparse.Namespace) -> int:
 def _offload(args: argparse.Namespace) -> int:
     from .offload import LayerStore, convert_offload, load_offloaded
 
+    if not args.convert and (args.endor or args.dtype or args.force):
+        raise SystemExit("flashllm offload: --endor, --dtype and --force apply to --convert")
     if args.convert:
         try:
-            print(LayerStore(convert_offload(args.convert, args.store, dtype=args.dtype, endor_compress=args.endor,
-                                             force=args.force)))
+            print(LayerStore(convert_offload(args.convert, args.store, dtype=args.dtype or "fp16",
+                                             endor_compress=args.endor, force=args.force)))
         except (OSError, ValueError) as e:  # no checkpoint, a store there (no --force), a store it must not replace
             raise SystemExit(f"flashllm offload: {e}") from None
         return 0
@@ -245,7 +247,7 @@ def _add_offload(sub: argparse._SubParsersAction) -> None:
     p.add_argument("store", help="a layer store directory (written by --convert)")
     p.add_argument("--convert", metavar="CHECKPOINT", help="write the store from this HF directory or .gguf file")
     p.add_argument("--endor", action="store_true", help="with --convert: Endor-compress the matrices (pruned models)")
-    p.add_argument("--dtype", choices=("fp16", "bf16", "fp32"), default="fp16")
+    p.add_argument("--dtype", choices=("fp16", "bf16", "fp32"), help="with --convert: the stored dtype (default fp16)")
     p.add_argument("--force", action="store_true", help="with --convert: replace the layer store if there is one")
     p.add_argument("--tokenizer", help="the checkpoint's .gguf file or Hugging Face directory")
     p.add_argument("--prompt", default="The three primary colors are")

@@ -258,7 +258,8 @@ def test_cli_converts_a_hugging_face_directory(tmp_path, capsys):
     for store, argv, says in (("store", ["--convert", str(tmp_path / "hf")], "exists; pass force=True"),
                               ("new", ["--convert", str(tmp_path / "none")], "none"),
                               ("nowhere", ["--tokenizer", str(tmp_path / "hf")], "is not a layer store"),
-                              ("store", ["--tokenizer", str(tmp_path / "no-tokenizer")], "--tokenizer .* does not")):
+                              ("store", ["--tokenizer", str(tmp_path / "no-tokenizer")], "--tokenizer .* does not"),
+                              ("store", ["--tokenizer", str(tmp_path / "hf"), "--endor"], "apply to --convert")):
         with pytest.raises(SystemExit, match=f"flashllm offload: .*{says}"):
             cli.main(["offload", str(tmp_path / store), *argv])
     offloaded = load_offloaded(tmp_path / "store", "60%", mode="endor")
