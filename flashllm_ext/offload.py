@@ -68,7 +68,7 @@ from .engine import _tensor_bytes, assign_resident, empty_model, parse_budget
 from .errors import FormatError
 from .models.hf import decoder_layers
 from .paths import check_out_dir, install_dir
-from .reader import FlashReader, ReadStats, host_bounce_bytes, select_read_path
+from .reader import MAX_THREADS, FlashReader, ReadStats, host_bounce_bytes, select_read_path
 from .safetensors_io import (AlignedWriter, ResidentFile, TensorEntry, TensorSpec, drop_page_cache, dtype_name,
                              owned_tensor, read_header)
 from .store import ALIGNMENT, BUNDLES_FILE, DTYPES
@@ -795,8 +795,8 @@ def _check_options(store: LayerStore, mode: str, *, compute: str = "auto", threa
                          f"is {'Endor' if store.endor else 'dense'} (convert_offload endor_compress=)")
     if compute not in COMPUTES:
         raise ValueError(f"compute must be one of {COMPUTES}, got {compute!r}")
-    if not _is_int(threads) or not 1 <= threads <= 1024:
-        raise ValueError(f"threads must be an int in [1, 1024], got {threads!r}")
+    if not _is_int(threads) or not 1 <= threads <= MAX_THREADS:
+        raise ValueError(f"threads must be an int in [1, {MAX_THREADS}], got {threads!r}")
     if not _is_int(slots) or slots not in (1, 2):
         raise ValueError(f"slots must be 1 or 2, got {slots!r}")
     n = store.n_layers

@@ -48,6 +48,7 @@ from .store import EndorLocation, FlashStore, layer_tensor_name
 from .transfer import pinned_bytes
 
 DEFAULT_THREADS = 32
+MAX_THREADS = 1024  # the native reader's limit (csrc/io/flash_reader.cpp), for checks before one is made
 DEFAULT_MIN_READ = 32 << 10  # the paper's minimum useful read size on flash
 DEFAULT_MAX_READ = 1 << 20
 DEFAULT_MAX_GAP = 64 << 10  # ~100 us x ~1 GB/s, the order of magnitude of a cloud SSD; calibrate to replace it
