@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import resource
 import statistics
 import sys
@@ -37,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from common import (arg_parser, device_name, emit, median_rows, process_memory, run_limited_child,
+from common import (arg_parser, device_name, emit, error_fields, median_rows, process_memory, run_limited_child,
                     stacked_token_bars)
 
 from flashllm_ext.errors import FormatError
@@ -259,7 +260,7 @@ def run_child(config: dict) -> dict:
         prompt = torch.tensor([config["prompt_ids"]], device=device)
         times, tokens, storage = _decode(model, prompt, config["tokens"], reset_stats)
     except Exception as e:  # the row says why this configuration could not run
-        return {**row, "error": f"{type(e).__name__}: {e}"}
+        return {**row, **error_fields(e)}
     after = process_memory()
     row.update(ms_per_token=statistics.median(times) * 1e3, mean_ms_per_token=statistics.mean(times) * 1e3,
                tokens=len(times), token_ms=[round(t * 1e3, 1) for t in times], generated=tokens, **storage)
@@ -378,6 +379,28 @@ def model_bytes_of(store_path: Path, ffn: bool = True) -> int:
     return resident + (store_ffn_bytes(store) if ffn else 0)
 
 
+def budget_of_first_layers(store_path: Path, spec: str, whole_layers: int) -> int:
+    """The model budget for a store of the first layers of a model of `whole_layers` identical layers, at a budget
+    `spec` of the whole model: the store's resident tensors and the share of its FFN bytes that `spec` leaves the
+    whole model's FFNs after its resident tensors. (`spec` of the store itself would leave its FFNs less: the
+    embeddings are as large in a store of 8 layers as in one of 32.) A layer then runs as in the whole model."""
+    from safetensors import safe_open
+
+    from flashllm_ext.engine import parse_budget
+    from flashllm_ext.store import FlashStore
+
+    store = FlashStore(store_path)
+    with safe_open(store.resident_path, framework="pt") as f:
+        per_layer = sum(math.prod(f.get_slice(n).get_shape()) * store.dtype.itemsize for n in f.keys()
+                        if re.search(r"\.layers\.\d+\.", n)) / store.n_layers
+    resident = model_bytes_of(store_path, ffn=False)
+    ffn = model_bytes_of(store_path) - resident
+    scale = whole_layers / store.n_layers
+    whole_resident = resident + per_layer * (whole_layers - store.n_layers)
+    ffn_share = (parse_budget(spec, int(whole_resident + ffn * scale)) - whole_resident) / (ffn * scale)
+    return resident + max(0, int(ffn_share * ffn))
+
+
 def bar_label(row: dict) -> str:
     """A bar's name: the mode, the scale run's operating point and predictor method where it has them, look-ahead,
     the budget."""
@@ -466,7 +489,8 @@ class ReplayedSets(NeuronPredictor):
     def _replay(self, masks: torch.Tensor, layer: int, x: torch.Tensor) -> torch.Tensor:
         if self.cost is not None:
             self.cost.scores(layer, x)
-        return masks[self.at[0]:self.at[0] + x.shape[0], layer]
+        # On x's device, as a predictor's answer is (the engine copies it to the host to plan on)
+        return masks[self.at[0]:self.at[0] + x.shape[0], layer].to(x.device)
 
 
 def scale_cost_predictor(predictors_path: str, store) -> NeuronPredictor:
@@ -564,19 +588,20 @@ def run_scale_child(config: dict) -> dict:
             row["loaded_density"] = masks[1:].float().mean().item()
         runtime.close()
     except Exception as e:  # the row says why
-        row["error"] = f"{type(e).__name__}: {e}"
+        row.update(error_fields(e))
     return row
 
 
-def scale_store(name: str) -> Path:
-    """The flash store converted (once) from the shared synthesized checkpoint of `name`."""
+def scale_store(name: str, layers: int | None = None, smoke: bool = False) -> Path:
+    """The flash store converted (once) from the shared synthesized checkpoint of `name` (synth_checkpoint's
+    shared_checkpoint: its first `layers` layers, or its smoke shapes)."""
     from synth_checkpoint import shared_checkpoint
 
     from flashllm_ext.convert import convert
     from flashllm_ext.store import FlashStore
 
-    checkpoint = shared_checkpoint(name)
-    path = checkpoint.with_name(f"{name}-store")
+    checkpoint = shared_checkpoint(name, layers=layers, smoke=smoke)
+    path = checkpoint.with_name(checkpoint.name.removesuffix("-hf") + "-store")
     try:
         FlashStore(path)
     except (OSError, FormatError):
@@ -590,6 +615,8 @@ def run_scale(args) -> list[dict]:
     the FFNs decoded within the FFN's share of --budget (of the whole model's weight bytes, the resident tensors
     taken first as load_flash takes them). With --full, whole-model rows too: load_flash at --budget, a prompt of
     --prompt-tokens held-out tokens, then --full-tokens greedy tokens."""
+    from synth_checkpoint import CONFIGS as SYNTH_CONFIGS
+
     from flashllm_ext.engine import parse_budget
     from flashllm_ext.store import FlashStore
 
@@ -597,14 +624,19 @@ def run_scale(args) -> list[dict]:
     wanted = [m for m in args.modes.split(",") if m]
     configs = []
     for name in [m for m in args.scale_models.split(",") if m]:
-        store = scale_store(name)
+        store = scale_store(name, args.scale_layers, args.smoke)
+        shapes = ", smoke shapes" if args.smoke else ""
+        shapes += f", {args.scale_layers} layers" if args.scale_layers else ""
         total = model_bytes_of(store)
         resident = model_bytes_of(store, ffn=False)
-        model_budget = parse_budget(args.budget, total)
+        model_budget = parse_budget(args.budget, total) if not args.scale_layers else \
+            budget_of_first_layers(store, args.budget, SYNTH_CONFIGS[name]["num_hidden_layers"])
         if model_budget <= resident:
             raise SystemExit(f"{name}: a budget of {args.budget} does not cover the {resident / 1e6:.0f} MB of "
                              "resident tensors")
-        ids, prompt_note = prompt_ids(args.prompt_tokens, FlashStore(store).config["vocab_size"])
+        # Random weights: where the default model's tokenizer cannot be fetched (a lent GPU has no network), any
+        # prompt does.
+        ids, prompt_note = prompt_ids(args.prompt_tokens, FlashStore(store).config["vocab_size"], synthesized=True)
         baseline = measure_baseline(args.device, store)  # this model's modules on the meta device included
         for mode, point, method in scale_configs(args.scale_predictors.split(",")):
             if mode not in wanted or (point is not None and point not in args.points.split(",")):
@@ -616,18 +648,19 @@ def run_scale(args) -> list[dict]:
                       "baseline": baseline,
                       "predictor": " ".join(train_args) if method else None,
                       "predictors": str(trained_predictors(cache, train_args)) if method else None}
-            whole = {**common, "model": f"{name} (synthesized checkpoint, whole model)", "full": True,
+            whole = {**common, "model": f"{name} (synthesized checkpoint{shapes}, whole model)", "full": True,
                      "budget_bytes": model_budget, "tokens": args.full_tokens, "prompt_ids": ids,
                      "prompt_note": prompt_note, "timeout_s": args.child_timeout}
             if mode == "accelerate":  # the peer runs the Hugging Face checkpoint itself: whole-model rows only
                 if args.full or args.full_only:
                     from synth_checkpoint import shared_checkpoint
 
-                    configs.append({**whole, "hf_dir": str(shared_checkpoint(name)),
+                    hf_dir = shared_checkpoint(name, layers=args.scale_layers, smoke=args.smoke)
+                    configs.append({**whole, "hf_dir": str(hf_dir),
                                     "offload_dir": str(cache / f"accelerate-offload-{name}")})
                 continue
             if not args.full_only:
-                configs.append({**common, "model": f"{name} (synthesized checkpoint, FFN stack)",
+                configs.append({**common, "model": f"{name} (synthesized checkpoint{shapes}, FFN stack)",
                                 "budget_bytes": model_budget - resident, "tokens": args.tokens})
             if args.full or args.full_only:
                 configs.append(whole)
@@ -684,7 +717,7 @@ def run_prefill_child(config: dict) -> dict:
             model(torch.tensor([config["prompt_ids"]]), use_cache=True)
             elapsed = time.perf_counter() - start
     except Exception as e:  # the row says why
-        return {**row, "error": f"{type(e).__name__}: {e}"}
+        return {**row, **error_fields(e)}
     s = model.flash.stats
     paths = {p: sum(m.prefill_paths[p] for m in model.flash.modules) for p in ("union", "sequential")}
     return {**row, "prefill_ms": elapsed * 1e3, "io_ms": s.io_s * 1e3, "compute_ms": s.compute_s * 1e3,
@@ -822,6 +855,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-limit", action="store_true", help="--endor: measure each child's cgroup peak without "
                                                                 "enforcing baseline + budget")
     parser.add_argument("--scale-models", default=",".join(SCALE_MODELS), help="--scale: among " + ",".join(SCALE_MODELS))
+    parser.add_argument("--scale-layers", type=int, help="--scale: the first that many layers of each model (a "
+                                                         "checkpoint of its own, written once): a shorter run")
     parser.add_argument("--points", default=",".join(POINTS), help="--scale: operating points of the flash rows")
     parser.add_argument("--scale-predictors", default=",".join(SCALE_PREDICTORS["a"]),
                         help="--scale: predictor methods of the flash rows (SCALE_PREDICTORS)")
@@ -860,6 +895,11 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.quick:
         args.tokens, args.prompt_tokens, args.rounds = 4, 16, 1
+    if args.smoke:
+        if not args.scale:
+            parser.error("--smoke runs the --scale rows on the smoke shapes (the default model has no smaller "
+                         "shapes; --quick is its short run)")
+        args.tokens, args.full_tokens, args.prompt_tokens, args.rounds, args.no_plot = 2, 2, 4, 1, True
     from flashllm_ext.transfer import cuda_device
 
     try:

@@ -37,6 +37,8 @@ SHAPES = {"opt-6.7b fc1": (16384, 4096), "opt-6.7b fc2": (4096, 16384),
           "llama-2-7b up": (11008, 4096), "llama-2-7b down": (4096, 11008),
           # q/k/v/o of both (d = 4096, 32 heads of 128): what offloaded inference also computes per layer
           "opt-6.7b / llama-2-7b attn": (4096, 4096)}
+SMOKE_SHAPES = {"smoke (fc1-like)": (256, 128), "smoke (fc2-like)": (64, 512)}
+SMOKE_PROBE_BYTES = 4 << 20
 DTYPES = {name: store.DTYPES[name] for name in ("fp16", "bf16")}
 
 
@@ -82,7 +84,8 @@ def bench_case(name: str, shape: tuple[int, int], dtype_name: str, sparsity: flo
 
 
 def bench_linear_case(name: str, shape: tuple[int, int], dtype_name: str, n_tok: int, sparsity: float, device: str,
-                      rounds: int, stream: tuple[int, Callable[[], object]]) -> dict:
+                      rounds: int, stream: tuple[int, Callable[[], object]], copies: int | None = None) -> dict:
+    """copies: of the weight each candidate cycles through (default: enough to span twice the last-level cache)."""
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     dtype = DTYPES[dtype_name]
     dense = pruned_weight(shape, dtype, sparsity, device)
@@ -98,7 +101,7 @@ def bench_linear_case(name: str, shape: tuple[int, int], dtype_name: str, n_tok:
     # between). Calls back to back on one weight that fits the last-level cache (the attention shape's 19 MB
     # compressed on a 32 MB L3, or any of these on a 50-60 MB GPU L2) would read it from there instead, so each
     # candidate cycles through enough copies of its weight to span twice that cache.
-    copies = math.ceil(2 * last_level_cache_bytes(device) / e.nbytes)
+    copies = copies or math.ceil(2 * last_level_cache_bytes(device) / e.nbytes)
     denses = [dense] + [dense.clone() for _ in range(copies - 1)]
     es, dense_fp32s = [e] + [endor.compress(w) for w in denses[1:]], [w.float() for w in denses]
     times = time_interleaved({
@@ -136,12 +139,14 @@ def main() -> None:
     parser.add_argument("--no-baselines", action="store_true", help="skip the slow reference and CSR baselines")
     parser.add_argument("--only", choices=["decompress", "linear"], help="run one op's rows")
     args = parser.parse_args()
+    if args.smoke:  # timed, not measured: the rows prove the script
+        args.quick, args.rounds = True, 1
     warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
     isas = [flashllm_ext._C.detected_cpu_isa()]
     if args.all_isas:
         order = flashllm_ext._C.cpu_isas()
         isas = list(order[:order.index(isas[0]) + 1])
-    shapes = dict(list(SHAPES.items())[:1]) if args.quick else SHAPES
+    shapes = SMOKE_SHAPES if args.smoke else dict(list(SHAPES.items())[:1]) if args.quick else SHAPES
     dtypes = ["fp16"] if args.quick else list(DTYPES)
     rows = []
     for isa in isas if args.device == "cpu" else [None]:
@@ -157,12 +162,12 @@ def main() -> None:
                         if args.json:
                             emit([row], True)
         if args.only != "decompress":
-            stream = stream_probe(args.device)
+            stream = stream_probe(args.device, SMOKE_PROBE_BYTES if args.smoke else None)
             for name, shape in shapes.items():
                 for dtype_name in dtypes:
                     for n_tok in (1,) if args.quick else (1, 4):
                         row = bench_linear_case(name, shape, dtype_name, n_tok, 0.5, args.device, args.rounds,
-                                                stream)
+                                                stream, copies=2 if args.smoke else None)
                         rows.append(row)
                         if args.json:
                             emit([row], True)

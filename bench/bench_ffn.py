@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -38,6 +39,9 @@ from flashllm_ext.convert import synthesize
 from flashllm_ext.store import DTYPES, FlashStore
 
 SHAPES = {"opt-6.7b": (4096, 16384, False, "relu"), "llama-2-7b": (4096, 11008, True, "silu")}
+SMOKE_SHAPES = {"opt-6.7b (smoke: d 64, 512 neurons)": (64, 512, False, "relu"),
+                "llama-2-7b (smoke: d 64, 352 neurons)": (64, 352, True, "silu")}
+SMOKE_PROBE_BYTES = 4 << 20
 RESULTS = Path(__file__).resolve().parent / "results"
 ROTATE_BYTES = 256 << 20
 
@@ -49,14 +53,16 @@ def dense_ffn(x, w_up, w_down, w_gate, act):
     return F.linear(F.silu(F.linear(x, w_gate)) * F.linear(x, w_up), w_down)
 
 
-def bench_ffn(dtype_name: str, rounds: int, quick: bool, device: str = "cpu") -> list[dict]:
+def bench_ffn(dtype_name: str, rounds: int, quick: bool, device: str = "cpu", smoke: bool = False) -> list[dict]:
+    """smoke: SMOKE_SHAPES, as quick, two copies of the rows (timed, not measured: the rows prove the script)."""
     dtype = DTYPES[dtype_name]
     on_gpu = device == "cuda"
     sync = torch.cuda.synchronize if on_gpu else (lambda: None)
-    probe_bytes, stream = stream_probe(device)
+    quick = quick or smoke
+    probe_bytes, stream = stream_probe(device, SMOKE_PROBE_BYTES if smoke else None)
     g = torch.Generator().manual_seed(0)
     rows = []
-    for shape_name, (d, n, glu, act) in SHAPES.items():
+    for shape_name, (d, n, glu, act) in (SMOKE_SHAPES if smoke else SHAPES).items():
         width = (3 if glu else 2) * d
         # Dense weights of one layer (>= 268 MB: never cache-resident), nn.Linear layout.
         w_up = (torch.randn(n, d, generator=g) / d ** 0.5).to(device, dtype)
@@ -65,7 +71,7 @@ def bench_ffn(dtype_name: str, rounds: int, quick: bool, device: str = "cpu") ->
         for sparsity in ((0.97,) if quick else (0.90, 0.95, 0.97)):
             used = int(round((1 - sparsity) * n))
             row_bytes = width * dtype.itemsize
-            copies = max(2, -(-ROTATE_BYTES // (used * row_bytes)))
+            copies = 2 if smoke else max(2, -(-ROTATE_BYTES // (used * row_bytes)))
             active = torch.randperm(n, generator=g)[:used].to(device)
             base = torch.cat([w_up[active]] + ([w_gate[active]] if glu else []) + [w_down[:, active].t()], 1)
             mats = [base.contiguous()] + [torch.empty_like(base).copy_(base) for _ in range(copies - 1)]
@@ -192,8 +198,14 @@ def main() -> None:
                         help="where the synthetic OPT-6.7B-shaped store lives (default: a temporary folder)")
     parser.add_argument("--no-plots", action="store_true")
     args = parser.parse_args()
+    if args.smoke:
+        args.rounds = 1
+        if args.only is None:
+            args.only = "ffn"
+            print("--smoke: bench 'cache' skipped (its trace and store are the default model's and a 7B layer's)",
+                  file=sys.stderr)
     if args.only in (None, "ffn"):
-        emit(bench_ffn(args.dtype, args.rounds, args.quick, args.device), args.json,
+        emit(bench_ffn(args.dtype, args.rounds, args.quick, args.device, args.smoke), args.json,
              ["shape", "dtype", "sparsity", "tokens", "rows", "sparse_ms", "dense_ms", "speedup", "bound_ms",
               "bound_ratio", "stream_gbps", "sparse_1t_ms", "bound_ratio_1t"])
     if args.only in (None, "cache"):

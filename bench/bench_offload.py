@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from bench_e2e import RESULTS, _decode, _load, prompt_ids
-from common import arg_parser, device_name, emit, median_rows, run_limited_child, stacked_token_bars
+from common import arg_parser, device_name, emit, error_fields, median_rows, run_limited_child, stacked_token_bars
 
 from flashllm_ext.errors import FormatError
 from flashllm_ext.paths import resolve_cache_dir
@@ -88,7 +88,7 @@ def run_child(config: dict) -> dict:
         times, tokens, storage = _decode(model, torch.tensor([config["prompt_ids"]], device=device),
                                          config["tokens"], reset, warmup=1 if device == "cuda" else 0)
     except Exception as e:  # the row says why this configuration could not run
-        return {**row, "error": f"{type(e).__name__}: {e}"}
+        return {**row, **error_fields(e)}
     row.update(ms_per_token=statistics.median(times) * 1e3, mean_ms_per_token=statistics.mean(times) * 1e3,
                tokens=len(times), token_ms=[round(t * 1e3, 1) for t in times], generated=tokens, **storage)
     if device == "cuda":  # what each mode held on the GPU at its peak: accelerate's budget leaves its transfers out
@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None) -> None:
                              "machine cost 10-50x on these small matrices)")
     parser.add_argument("--scale", action="store_true", help="the synthesized OPT-6.7B-shaped pruned checkpoint")
     parser.add_argument("--scale-layers", type=int, default=None,
-                        help="with --scale: a checkpoint of that many OPT-6.7B-shaped layers (written once to the "
+                        help="with --scale (or --smoke): a checkpoint of that many layers (written once to the "
                              "cache), not the shared 32-layer one: a shorter run, e.g. on a lent GPU")
     parser.add_argument("--hf-dir", help="a pruned Hugging Face checkpoint to run instead")
     parser.add_argument("--child-timeout", type=float, default=1800)
@@ -265,23 +265,20 @@ def main(argv: list[str] | None = None) -> None:
         config = json.loads(args.child)
         print(json.dumps(probe_child(config) if config["mode"] == "probe" else run_child(config)), flush=True)
         return
+    if args.smoke:  # the synthesized checkpoint at its smoke shapes
+        args.tokens, args.prompt_tokens, args.rounds, args.no_plot = 2, 4, 1, True
     from flashllm_ext.engine import parse_budget
 
     cache = resolve_cache_dir() / "offload"
     cache.mkdir(exist_ok=True)
     if args.hf_dir:
         hf_dir, name = Path(args.hf_dir), Path(args.hf_dir).name
-    elif args.scale and args.scale_layers:
-        from synth_checkpoint import INDEX_FILE, synthesize_checkpoint
-
-        hf_dir = cache / f"opt-6.7b-{args.scale_layers}layers-pruned50-hf"
-        if not (hf_dir / INDEX_FILE).is_file():
-            synthesize_checkpoint("opt-6.7b", hf_dir, prune=0.5, overrides={"num_hidden_layers": args.scale_layers})
-        name = f"OPT-6.7B shapes, {args.scale_layers} layers (synthesized, 50% pruned)"
-    elif args.scale:
+    elif args.scale or args.smoke:
         from synth_checkpoint import shared_checkpoint
 
-        hf_dir, name = shared_checkpoint("opt-6.7b"), "OPT-6.7B shapes (synthesized, 50% pruned)"
+        hf_dir = shared_checkpoint("opt-6.7b", layers=args.scale_layers, smoke=args.smoke)
+        name = ("OPT-6.7B family, smoke shapes" if args.smoke else "OPT-6.7B shapes") + \
+            (f", {args.scale_layers} layers" if args.scale_layers else "") + " (synthesized, 50% pruned)"
     else:
         hf_dir, name = pruned_default(cache), "SmolLM2-135M-Instruct (Wanda 50%, attention + FFN)"
     stores = layer_stores(hf_dir, cache)
@@ -306,7 +303,7 @@ def main(argv: list[str] | None = None) -> None:
     from transformers import AutoConfig
 
     ids, prompt_note = prompt_ids(args.prompt_tokens, AutoConfig.from_pretrained(hf_dir).vocab_size,
-                                  synthesized=args.scale)
+                                  synthesized=args.scale or args.smoke)
     base = {"model": name, "tokens": args.tokens, "prompt_ids": ids, "budget_bytes": budget, "threads": args.threads,
             "compute_threads": args.compute_threads, "device": args.device, "device_budget_bytes": device_budget,
             "slots": args.slots,

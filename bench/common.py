@@ -7,7 +7,9 @@ import json
 import os
 import statistics
 import sys
+import traceback
 from collections.abc import Callable, Iterable
+from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
@@ -19,8 +21,8 @@ from flashllm_ext.report import print_table  # noqa: E402
 from flashllm_ext.timing import time_interleaved  # noqa: E402,F401  (re-exported for the bench scripts)
 
 __all__ = ["CGROUP_V1", "CGROUP_V2", "MemoryCgroup", "arg_parser", "cycling", "device_name", "drop_page_cache",
-           "emit", "last_level_cache_bytes", "median_rows", "process_memory", "run_limited_child",
-           "stacked_token_bars", "stream_probe", "time_interleaved"]
+           "emit", "error_fields", "last_level_cache_bytes", "median_rows", "process_memory",
+           "run_limited_child", "stacked_token_bars", "stream_probe", "time_interleaved"]
 
 
 def device_name(device: str = "cpu") -> str:
@@ -69,12 +71,14 @@ def last_level_cache_bytes(device: str = "cpu") -> int:
     return reported if reported > 0 else 32 << 20
 
 
-def stream_probe(device: str = "cpu"):
-    """The memory-bandwidth probe: (bytes, fn), fn a streaming sum over that many bytes (512 MiB on the CPU, several
-    times any L3; 2 GiB on a GPU, 4x the 50-60 MB L2 of an H100/H200). Bytes / its time is the read bandwidth."""
+def stream_probe(device: str = "cpu", probe_bytes: int | None = None):
+    """The memory-bandwidth probe: (bytes, fn), fn a streaming sum over that many bytes (default 512 MiB on the CPU,
+    several times any L3; 2 GiB on a GPU, 4x the 50-60 MB L2 of an H100/H200). Bytes / its time is the read
+    bandwidth (with a smaller probe_bytes, a smoke run's: of a cache, not of memory)."""
     import torch
 
-    probe_bytes = (2048 << 20) if device == "cuda" else (512 << 20)
+    if probe_bytes is None:
+        probe_bytes = (2048 << 20) if device == "cuda" else (512 << 20)
     g = torch.Generator().manual_seed(0)
     buf = torch.randint(0, 1 << 20, (probe_bytes // 4,), dtype=torch.int32, generator=g).view(torch.float32)
     buf = buf.nan_to_num_(0.0).to(device)  # random bits: keep the sum finite (cheap either way; the bytes count)
@@ -85,7 +89,17 @@ def arg_parser(description: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--json", action="store_true", help="one JSON object per result line")
     parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds per measurement (median)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="the smallest shapes, one round, seconds: proves the script runs, measures nothing")
     return parser
+
+
+def error_fields(error: BaseException) -> dict[str, str]:
+    """What a row says of the exception that stopped its configuration: `error` (type and message) and `where`, the
+    innermost frames of its traceback (a run on a lent GPU cannot be repeated to find the line that raised)."""
+    frames = traceback.extract_tb(error.__traceback__)[-4:]
+    return {"error": f"{type(error).__name__}: {error}",
+            "where": " <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(frames))}
 
 
 def emit(rows: Iterable[dict], as_json: bool, columns: list[str] | None = None) -> None:

@@ -52,6 +52,13 @@ CONFIGS: dict[str, dict] = {
                    "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False},
 }
 SHARED_DIRS = {"opt-6.7b": ("opt-6.7b-hf", 0.5), "llama-2-7b": ("llama-2-7b-hf", None)}  # name -> (dir, prune)
+# The smoke shapes of each family (a benchmark's --smoke, the tests): every code path of the real shapes, ~0.4 MB a
+# layer, so that a share of the model still holds the resident tensors and two layer buffers (bench_offload's 30%).
+SMOKE_OVERRIDES = {"opt-6.7b": {"hidden_size": 128, "ffn_dim": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
+                                "vocab_size": 100, "word_embed_proj_dim": 128, "max_position_embeddings": 64},
+                   "llama-2-7b": {"hidden_size": 128, "intermediate_size": 352, "num_hidden_layers": 2,
+                                  "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 100,
+                                  "max_position_embeddings": 64}}
 INIT_STD = 0.02
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -140,12 +147,19 @@ def synthesize_checkpoint(name: str, out_dir: str | os.PathLike, *, prune: float
     return out_dir
 
 
-def shared_checkpoint(name: str, progress: bool = True) -> Path:
-    """The shared copy of `name` under the cache's scale/ directory (see the module doc), written if missing."""
+def shared_checkpoint(name: str, progress: bool = True, layers: int | None = None, smoke: bool = False) -> Path:
+    """The shared copy of `name` under the cache's scale/ directory (see the module doc), written if missing.
+    layers: only the first that many decoder layers (a shorter run of the same shapes, e.g. within a lent GPU's
+    minutes), in a directory of its own; smoke: SMOKE_OVERRIDES' shapes instead (with `layers`, that many)."""
     directory, prune = SHARED_DIRS[name]
-    path = resolve_cache_dir() / "scale" / directory
+    if layers is not None and layers < 1:
+        raise ValueError(f"layers must be >= 1, got {layers}")
+    stem = directory.removesuffix("-hf") + ("-smoke" if smoke else "") + (f"-{layers}layers" if layers else "")
+    path = resolve_cache_dir() / "scale" / f"{stem}-hf"
     if not (path / INDEX_FILE).is_file():
-        synthesize_checkpoint(name, path, prune=prune, progress=progress)
+        overrides = {**(SMOKE_OVERRIDES[name] if smoke else {}),
+                     **({"num_hidden_layers": layers} if layers else {})}
+        synthesize_checkpoint(name, path, prune=prune, overrides=overrides, progress=progress)
     return path
 
 

@@ -46,6 +46,7 @@ def trained_predictors(cache: Path, train_args: tuple[str, ...]) -> Path:
     """A predictors file of the default model built (once) by `flashllm train-predictors default *train_args`."""
     path = cache / f"smollm2-135m-predictors-{'-'.join(train_args[1::2])}.safetensors"
     if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
         subprocess.run([sys.executable, "-m", "flashllm_ext.cli", "train-predictors", "default", "--out", str(path),
                         *train_args], check=True, stdout=sys.stderr)  # a benchmark's stdout is its --json rows
     return path

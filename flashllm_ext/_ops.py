@@ -576,9 +576,10 @@ def _check_quant_scores_metadata(x: torch.Tensor, up_codes: torch.Tensor, up_sca
 def unpack_codes(packed: torch.Tensor, bits: int, d: int) -> torch.Tensor:
     """uint8 [n, d]: the codes in packed uint8 [n, ceil(d * bits / 8)] (a little-endian bit stream per row: code k
     at bits [k * bits, (k + 1) * bits))."""
-    stream = (packed.unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8)) & 1  # [n, width, 8]: bit j of byte i
+    shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
+    stream = (packed.unsqueeze(-1) >> shifts) & 1  # [n, width, 8]: bit j of byte i
     stream = stream.view(packed.shape[0], -1)[:, :d * bits].view(packed.shape[0], d, bits)
-    return (stream << torch.arange(bits, dtype=torch.uint8)).sum(-1, dtype=torch.uint8)
+    return (stream << shifts[:bits]).sum(-1, dtype=torch.uint8)
 
 
 def dequantize_rows(codes: torch.Tensor, scale: torch.Tensor, bits: int, d: int) -> torch.Tensor:

@@ -51,13 +51,13 @@ def test_scale_run_on_tiny_checkpoints_at_the_shared_paths(tmp_path):
     """--scale end to end (checkpoint -> store -> FFN-stack and whole-model rows in cgroups) on tiny checkpoints put
     where the shared 7B ones live, in a private cache; naive only (each row is a child process; the flash rows
     need the default model's trained predictors)."""
-    from bench.synth_checkpoint import SHARED_DIRS, synthesize_checkpoint
+    from bench.synth_checkpoint import SHARED_DIRS, SMOKE_OVERRIDES, synthesize_checkpoint
     from flashllm_ext.engine import store_ffn_bytes
     from flashllm_ext.store import FlashStore
-    from test_synth_checkpoint import TINY
 
     for name, (directory, prune) in SHARED_DIRS.items():
-        synthesize_checkpoint(name, tmp_path / "scale" / directory, prune=prune, overrides=TINY[name], progress=False)
+        synthesize_checkpoint(name, tmp_path / "scale" / directory, prune=prune, overrides=SMOKE_OVERRIDES[name],
+                              progress=False)
     out = subprocess.run([sys.executable, str(BENCH), "--scale", "--json", "--no-plot", "--modes", "naive",
                           "--tokens", "2", "--rounds", "1", "--full", "--full-tokens", "2", "--prompt-tokens", "4",
                           "--budget", "300MB"], capture_output=True, text=True, timeout=900,

@@ -17,6 +17,7 @@ from flashllm_ext._ops import (cache_compact_reference, endor_decompress_referen
 from ffn_cases import FFN_DTYPES, assert_close, bad_ffn_cases, compact_state, ffn_case, random_compact_case
 from kernel_cases import (BAD_CASES, BAD_LINEAR_CASES, DTYPES, LINEAR_DTYPES, SHAPES, assert_bitwise_equal,
                           endor_case, linear_case)
+from conftest import page_locked
 
 if not torch.cuda.is_available():
     pytest.skip("no CUDA device", allow_module_level=True)
@@ -222,7 +223,7 @@ def test_staging_buffer_is_pinned_as_it_is_sized():
     transfer = StagedTransfer("cuda")
     for nbytes in (3 * 4096 + 1, 5 << 20):
         transfer.reserve(nbytes)
-        assert transfer.nbytes == nbytes and transfer._staging.is_pinned()
+        assert transfer.nbytes == nbytes and page_locked(transfer._staging)
         rows = transfer.staging((nbytes // 64, 64), torch.uint8)
         rows.copy_(torch.randint(0, 256, rows.shape, dtype=torch.uint8))
         dst = transfer.empty(rows.shape, torch.uint8)

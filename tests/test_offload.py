@@ -16,7 +16,7 @@ from flashllm_ext.offload import (LayerStore, OffloadedLinear, convert_offload, 
                                   plan_placement)
 from flashllm_ext.reader import host_bounce_bytes, kvikio_available
 from flashllm_ext.transfer import pinned_buffer, pinned_bytes
-from conftest import mapped_ranges
+from conftest import mapped_ranges, page_locked
 
 N_LAYERS = 6
 
@@ -497,5 +497,5 @@ def test_gpu_offload_three_tiers_greedy_tokens(case, mode, slots):
     # Staged layers cross to the GPU as stored; SSD layers too on the pinned path (kvikio writes GPU memory itself).
     moved = sum(store.stored_bytes(i) for i in (2, 3)) + (ssd_bytes if path == "pinned" else 0)
     assert stats["bytes_moved_per_token"] == moved
-    assert all(t.is_pinned() for t in model.offload.host_layers)
+    assert all(page_locked(t) for t in model.offload.host_layers)
     model.offload.close()

@@ -161,6 +161,14 @@ def test_opcheck(gate_bits):
     torch.library.opcheck(OPS.quant_scores.default, case(3, 21, 11, 2, gate_bits, True) + ("silu",))
 
 
+def test_reference_keeps_to_the_inputs_device():
+    # The reference is the kernel of every device without a native one (CUDA included): a constant it makes on the
+    # CPU fails there. The meta device finds such a constant on a machine without a GPU.
+    args = tuple(a.to("meta") if isinstance(a, torch.Tensor) else a for a in case(3, 24, 10, 3, 4, True))
+    out = quant_scores_reference(*args, "silu")
+    assert out.device.type == "meta" and out.shape == (3, 10)
+
+
 def test_fake_kernel_gives_shapes():
     from torch._subclasses.fake_tensor import FakeTensorMode
 

@@ -6,20 +6,16 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
-from bench.synth_checkpoint import CONFIGS, checkpoint_specs, synthesize_checkpoint
+from bench.synth_checkpoint import CONFIGS, SMOKE_OVERRIDES, checkpoint_specs, synthesize_checkpoint
 from flashllm_ext.convert import bundle_layer, convert
 from flashllm_ext.store import FlashStore
 
-TINY = {"opt-6.7b": {"hidden_size": 32, "ffn_dim": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
-                     "vocab_size": 100, "word_embed_proj_dim": 32, "max_position_embeddings": 64},
-        "llama-2-7b": {"hidden_size": 32, "intermediate_size": 88, "num_hidden_layers": 2, "num_attention_heads": 4,
-                       "num_key_value_heads": 4, "vocab_size": 100, "max_position_embeddings": 64}}
 
-
-@pytest.fixture(scope="module", params=sorted(TINY))
+@pytest.fixture(scope="module", params=sorted(SMOKE_OVERRIDES))
 def tiny_checkpoint(request, tmp_path_factory):
     name = request.param
-    path = synthesize_checkpoint(name, tmp_path_factory.mktemp(name) / "ckpt", prune=0.5, overrides=TINY[name],
+    path = synthesize_checkpoint(name, tmp_path_factory.mktemp(name) / "ckpt", prune=0.5,
+                                 overrides=SMOKE_OVERRIDES[name],
                                  shard_bytes=20_000, progress=False)
     return name, path
 
