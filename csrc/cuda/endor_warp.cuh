@@ -1,6 +1,6 @@
-// Pieces shared by the Endor CUDA kernels (endor_decompress_kernel.cuh, endor_linear_kernel.cuh): how the warps of a
-// block share rows, sums and scans over a warp, the checks a warp makes before reading a row, and the walk over a
-// row's bitmap and values. Plain CUDA C++; include cuda_runtime.h or simt/simt.h first.
+// Warp-level pieces shared by the Endor CUDA kernels (endor_decompress_kernel.cuh, endor_linear_kernel.cuh): sums
+// and scans over a warp, the checks a warp makes before reading a row, and the walk over a row's bitmap and values.
+// Plain CUDA C++; include cuda_runtime.h or simt/simt.h first.
 #pragma once
 
 #include <cstdint>
@@ -12,36 +12,6 @@ namespace flashllm {
 // Bitmap steps (32 bytes, one per lane: 256 columns) a warp takes per iteration of its walk over a row.
 constexpr int kEndorStepsPerIter = 4;
 constexpr int kEndorIterBytes = 32 * kEndorStepsPerIter;
-constexpr int kEndorWarpsPerBlock = 8;
-constexpr int kEndorThreadsPerBlock = kEndorWarpsPerBlock * 32;
-constexpr int64_t kEndorMaxBlocks = int64_t(1) << 16;
-
-// How the warps of a block share rows: a team of warps_per_row warps per row, each walking chunk_bytes of the row's
-// bitmap (a whole number of iterations; the last warp's chunk may be shorter), rows_per_block teams per block.
-// Splitting a row keeps the grid many waves deep. With one warp per row (80 registers: 3 blocks of 8 warps per SM),
-// a 4096-row matrix is 1.3 waves of resident blocks on an H200's 132 SMs, and the H200 ran those matrices at
-// 0.75-0.77x of a copy's speed against 0.88-0.90x for 11008 and 16384 rows (BENCHMARKS, twelfth session).
-struct EndorRowSplit {
-  int warps_per_row;
-  int rows_per_block;
-  int64_t chunk_bytes;
-};
-
-// The split for rows of row_bytes bitmap bytes: as many warps as iterations, up to a block's worth, each walking
-// the same number of iterations.
-__host__ __device__ inline EndorRowSplit endor_row_split(int64_t row_bytes) {
-  const int64_t iters = row_bytes > kEndorIterBytes ? (row_bytes + kEndorIterBytes - 1) / kEndorIterBytes : 1;
-  const int64_t per_warp = (iters + kEndorWarpsPerBlock - 1) / kEndorWarpsPerBlock;
-  const int warps = static_cast<int>((iters + per_warp - 1) / per_warp);
-  return {warps, kEndorWarpsPerBlock / warps, per_warp * kEndorIterBytes};
-}
-
-// Blocks for n_out rows split as `split`: one team per row up to kEndorMaxBlocks, then teams loop over rows. At
-// least one, which reports the first and last row offsets even when no row is asked for.
-inline int64_t endor_grid_blocks(int64_t n_out, const EndorRowSplit& split) {
-  const int64_t blocks = (n_out + split.rows_per_block - 1) / split.rows_per_block;
-  return blocks < 1 ? 1 : blocks < kEndorMaxBlocks ? blocks : kEndorMaxBlocks;
-}
 
 namespace endor_detail {
 
@@ -105,40 +75,9 @@ __device__ __forceinline__ BitmapIteration scan_bitmap(const unsigned (&bits)[kE
   return it;
 }
 
-// The number of set bits in bytes [b_begin, b_end) of a row's bitmap, in every lane.
-__device__ __forceinline__ int64_t count_bits(const uint8_t* __restrict__ row_bitmap, int64_t b_begin, int64_t b_end,
-                                              int lane) {
-  unsigned count = 0;
-  for (int64_t b = b_begin + lane; b < b_end; b += 32) count += __popc(static_cast<unsigned>(row_bitmap[b]));
-  return warp_sum(static_cast<int64_t>(count));
-}
-
-// Where a team's chunks start: each warp gives its chunk's count (the same in all its lanes) and gets the counts of
-// the chunks before its own (`before`) and of all its team's chunks (`total`). Block-wide: every thread of the block
-// calls it the same number of times. `counts` is kEndorWarpsPerBlock of the block's shared memory.
-struct ChunkPlace {
-  int64_t before;
-  int64_t total;
-};
-
-__device__ __forceinline__ ChunkPlace place_chunk(int64_t count, int warp, int part, int warps_per_row,
-                                                  int64_t* counts) {
-  __syncthreads();  // every warp has read the previous round's counts
-  if (threadIdx.x % 32 == 0) counts[warp] = count;
-  __syncthreads();
-  ChunkPlace place{0, 0};
-  for (int p = 0; p < warps_per_row; ++p) {
-    const int64_t c = counts[warp - part + p];
-    place.before += p < part ? c : 0;
-    place.total += c;
-  }
-  return place;
-}
-
 // Why row r may not be read before its bitmap is counted (index, offsets, padding bits), or kEndorRowOk with the
-// row's first value and its number of values. The count itself is the caller's to check, from its chunks' counts
-// (place_chunk), and walk_row never reads past the count it is given. Every argument is the same in all lanes, so
-// the warp agrees on the result.
+// row's first value and its number of values. The count itself is checked as the row is walked (walk_row), which
+// never reads past the row's values. Every argument is the same in all lanes, so the warp agrees on the result.
 __device__ __forceinline__ int check_row_bounds(const uint8_t* __restrict__ bitmap,
                                                 const int64_t* __restrict__ row_offsets, int64_t r, int64_t n_rows,
                                                 int64_t n_cols, int64_t nnz, int64_t& start, int64_t& length) {
@@ -158,9 +97,10 @@ __device__ __forceinline__ int check_row_bounds(const uint8_t* __restrict__ bitm
 // mark before using any (all the loads in flight at once), issues the next iteration's bitmap loads, then calls
 // use(b0, e): e[s][j] is the value of bit j of the lane's byte b0 + 32 s + lane, zero where the bit is unset. Values
 // at or past `length` are never read (they read as zero: an inconsistent bitmap costs a refusal, not a fault).
+// Returns the number of values the bitmap marked, for the caller's count check.
 template <class W, class Use>
-__device__ __forceinline__ void walk_row(const uint8_t* __restrict__ row_bitmap, int64_t b_begin, int64_t b_end,
-                                         const W* __restrict__ row_values, int64_t length, int lane, Use&& use) {
+__device__ __forceinline__ int64_t walk_row(const uint8_t* __restrict__ row_bitmap, int64_t b_begin, int64_t b_end,
+                                            const W* __restrict__ row_values, int64_t length, int lane, Use&& use) {
   unsigned bits[kEndorStepsPerIter];
   load_bitmap_bytes(row_bitmap, b_end, b_begin, lane, bits);
   int64_t used = 0;
@@ -180,6 +120,7 @@ __device__ __forceinline__ void walk_row(const uint8_t* __restrict__ row_bitmap,
     use(b0, e);
     used += it.consumed;
   }
+  return used;
 }
 
 __device__ __forceinline__ void report_row(EndorReport* report, int64_t out_row, int code) {

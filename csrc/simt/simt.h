@@ -436,11 +436,6 @@ struct EmulatedLaunch {
     std::memset(dst, value, bytes);
     return cudaSuccess;
   }
-  // A small "device": launchers that size grids by it give each block several rounds of work in the tests.
-  template <class... Params>
-  long long resident_blocks(void (*)(Params...), int) const {
-    return 2;
-  }
 };
 
 }  // namespace simt
