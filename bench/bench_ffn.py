@@ -6,7 +6,9 @@ dtype) on the layer shapes of OPT-6.7B (d=4096, 16384 neurons, ReLU) and Llama-2
 read bandwidth of a 512 MiB streaming sum measured interleaved in the same run. The sparse side rotates over
 enough copies of the cache matrix (one per "layer") to span >= 256 MiB, so its rows come from DRAM as in a real
 decode, not from the 32 MiB L3. Cached rows are active rows: their biases are set so every ReLU activation is
-positive (with random data half would be zero and their down rows skipped, flattering the kernel).
+positive (with random data half would be zero and their down rows skipped, flattering the kernel). On a GPU,
+sparse_graph_ms / dense_graph_ms time the same calls replayed from a CUDA graph: the GPU's own time, where back-to-back
+calls of a few-microsecond kernel time the host's python, dispatch and launches (bound_ratio_graph: the kernel's).
 
 bench "cache": NeuronCache memory management per token over a real activation trace: SmolLM2-135M (the default
 model) on held-out text, |act(gate)*up| thresholded per layer to 95% sparsity (calibrated on the calibration
@@ -47,6 +49,25 @@ ROTATE_BYTES = 256 << 20
 
 
 # ------------------------------------------------------------------------------------------------ bench ffn
+GRAPH_CALLS = 20  # calls captured in one CUDA graph (graph_replays): its replay's time / GRAPH_CALLS per call
+
+
+def graph_replays(fn, calls: int = GRAPH_CALLS):
+    """A candidate that replays `calls` calls of fn captured in one CUDA graph: the GPU's time per call without the
+    host's (python, dispatch, launches), which back-to-back calls of a ~10 us kernel measure instead."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # the allocator's blocks for fn's outputs exist before the capture
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return graph.replay
+
+
 def dense_ffn(x, w_up, w_down, w_gate, act):
     if w_gate is None:
         return F.linear(F.relu(F.linear(x, w_up)), w_down)
@@ -99,8 +120,15 @@ def bench_ffn(dtype_name: str, rounds: int, quick: bool, device: str = "cpu", sm
 
                 candidates = {"sparse": sparse, "dense": lambda: dense_ffn(x, w_up, w_down, w_gate, act),
                               "stream": stream}
+                graph_error = None
                 if not on_gpu:
                     candidates["sparse_1t"] = sparse_one_thread
+                else:
+                    try:
+                        candidates["sparse_graph"] = graph_replays(sparse)
+                        candidates["dense_graph"] = graph_replays(candidates["dense"])
+                    except RuntimeError as e:  # the row says why; the other columns still stand
+                        graph_error = f"{type(e).__name__}: {e}"
                 times = time_interleaved(candidates, rounds=rounds, sync=sync)
                 bandwidth = probe_bytes / times["stream"]
                 bound = used * row_bytes / bandwidth
@@ -113,6 +141,13 @@ def bench_ffn(dtype_name: str, rounds: int, quick: bool, device: str = "cpu", sm
                 if not on_gpu:
                     rows[-1].update(sparse_1t_ms=times["sparse_1t"] * 1e3,
                                     bound_ratio_1t=times["sparse_1t"] / bound)
+                elif graph_error is None:
+                    per_call = {k: times[k] / GRAPH_CALLS for k in ("sparse_graph", "dense_graph")}
+                    rows[-1].update(sparse_graph_ms=per_call["sparse_graph"] * 1e3,
+                                    dense_graph_ms=per_call["dense_graph"] * 1e3,
+                                    bound_ratio_graph=per_call["sparse_graph"] / bound)
+                else:
+                    rows[-1]["graph_error"] = graph_error
             del mats
     return rows
 
@@ -207,7 +242,7 @@ def main() -> None:
     if args.only in (None, "ffn"):
         emit(bench_ffn(args.dtype, args.rounds, args.quick, args.device, args.smoke), args.json,
              ["shape", "dtype", "sparsity", "tokens", "rows", "sparse_ms", "dense_ms", "speedup", "bound_ms",
-              "bound_ratio", "stream_gbps", "sparse_1t_ms", "bound_ratio_1t"])
+              "bound_ratio", "stream_gbps", "sparse_1t_ms", "bound_ratio_1t", "sparse_graph_ms", "bound_ratio_graph"])
     if args.only in (None, "cache"):
         with tempfile.TemporaryDirectory(dir=os.getcwd(), prefix=".bench-ffn-") as tmp:
             store_dir = args.store_dir or Path(tmp) / "opt-6.7b-layer"
