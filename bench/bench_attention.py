@@ -38,6 +38,7 @@ SHAPES = [
     ("mha32-d64-b32", 256, 32, 32, 32, 64),
     ("smollm2-b32", 1024, 32, 9, 3, 64),
 ]
+SMOKE_SHAPES = [("smoke", 16, 2, 4, 2, 32)]
 READ_BYTES = 1 << 20
 COLUMNS = ["shape", "tokens", "pairs", "head_dim", "kv_mb", "kernel_gbps", "disk_gbps", "ratio", "reference_gbps",
            "speedup_vs_reference", "disk_reads", "mean_read_kib"]
@@ -70,7 +71,9 @@ def main() -> None:
         sys.exit("bench_attention: the native library is not built (make build)")
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
-    shapes = [shape for shape in SHAPES
+    if args.smoke:
+        args.rounds = 1
+    shapes = [shape for shape in (SMOKE_SHAPES if args.smoke else SHAPES)
               if args.max_kv_mb is None or 4 * shape[1] * shape[2] * shape[4] * shape[5] <= args.max_kv_mb * 1e6]
     max_bytes = max(4 * s * b * hkv * d for _, s, b, _, hkv, d in shapes)  # K and V, 2 bytes each
     file_bytes = -(-max_bytes // READ_BYTES) * READ_BYTES
@@ -106,11 +109,13 @@ def main() -> None:
                      "threads": args.threads, "io_threads": args.io_threads, "device": device_name()})
         emit(rows[-1:], args.json, None if args.json else COLUMNS)
     # The host's merge: 4 parts (e.g. 2 shards, the writeback buffer, the X-cache rows) of OPT-30B-like heads.
-    outs = torch.randn(4, 32, 56, 128, generator=g)
-    lses = torch.randn(4, 32, 56, generator=g)
+    batch, heads, head_dim = (2, 4, 32) if args.smoke else (32, 56, 128)
+    outs = torch.randn(4, batch, heads, head_dim, generator=g)
+    lses = torch.randn(4, batch, heads, generator=g)
     times = time_interleaved({"kernel": lambda: ops.merge_attention_states(outs, lses),
                               "reference": lambda: merge_attention_states_reference(outs, lses)}, rounds=args.rounds)
-    emit([{"bench": "attention", "shape": "merge 4 x 32 x 56 x 128", "kernel_ms": round(times["kernel"] * 1e3, 3),
+    emit([{"bench": "attention", "shape": f"merge 4 x {batch} x {heads} x {head_dim}",
+           "kernel_ms": round(times["kernel"] * 1e3, 3),
            "reference_ms": round(times["reference"] * 1e3, 3),
            "speedup_vs_reference": round(times["reference"] / times["kernel"], 2), "threads": args.threads,
            "device": device_name()}], args.json)

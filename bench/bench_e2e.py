@@ -895,11 +895,11 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.quick:
         args.tokens, args.prompt_tokens, args.rounds = 4, 16, 1
-    if args.smoke:
-        if not args.scale:
-            parser.error("--smoke runs the --scale rows on the smoke shapes (the default model has no smaller "
-                         "shapes; --quick is its short run)")
-        args.tokens, args.full_tokens, args.prompt_tokens, args.rounds, args.no_plot = 2, 2, 4, 1, True
+    if args.smoke:  # the --scale rows at the smoke shapes (the default model has no smaller ones: --quick)
+        args.scale, args.tokens, args.full_tokens, args.prompt_tokens = True, 2, 2, 4
+        args.rounds, args.no_plot = 1, True
+        if args.scale_predictors == parser.get_default("scale_predictors"):
+            args.scale_predictors = "quant"  # calibrated, not trained: seconds
     from flashllm_ext.transfer import cuda_device
 
     try:

@@ -87,7 +87,7 @@ def reader_mbps(reader: FlashReader, file_size: int, read_bytes: int, seconds: f
 
 
 def fig2b(args: argparse.Namespace, report: Callable[[dict], None]) -> list[dict]:
-    path = ensure_file(CACHE / "fig2b.bin", args.file_gib << 30)
+    path = ensure_file(CACHE / "fig2b.bin", args.file_mib << 20)
     size = path.stat().st_size
     engines = ["threads"] + (["io_uring"] if has_io_uring() and args.io_uring else [])
     rows = []
@@ -117,7 +117,8 @@ def fig2b(args: argparse.Namespace, report: Callable[[dict], None]) -> list[dict
                        "reader_runs": [round(x, 1) for x in ours], "fio_runs": [round(x, 1) for x in theirs]}
                 report(row)
                 rows.append(row)
-    plot_fig2b(rows)
+    if not args.smoke:  # a smoke run measures nothing worth a figure
+        plot_fig2b(rows)
     return rows
 
 
@@ -203,6 +204,11 @@ def own_copy(path: Path, size: int, make: Callable[[Path], None]) -> Path:
     return path
 
 
+# --store names of synthesized stores: (d, neurons, the model's layers, layers written by default, description)
+SYNTHESIZED_STORES = {"opt-6.7b": (4096, 16384, 32, 4, "store with OPT-6.7B FFN shapes"),
+                      "smoke": (64, 512, 2, 2, "store at smoke shapes (d 64, 512 neurons)")}
+
+
 def table2_store(spec: str, layers: int | None) -> tuple[store.FlashStore, int, str]:
     """(the store, the model's layer count, a description) for --store: "default" = the default model's fp16 store
     (bench_e2e.default_store), "opt-6.7b" = a synthesized store with OPT-6.7B's FFN shapes (d=4096, 16384 neurons,
@@ -212,14 +218,15 @@ def table2_store(spec: str, layers: int | None) -> tuple[store.FlashStore, int, 
 
         fs = store.FlashStore(default_store(resolve_cache_dir() / "e2e", train_predictors=False))
         return fs, fs.n_layers, f"{DEFAULT_MODEL} fp16 store"
-    if spec == "opt-6.7b":
-        n = layers or 4
-        path = CACHE / f"opt67b_ffn_{n}l"
+    if spec in SYNTHESIZED_STORES:
+        d, neurons, model_layers, default_layers, description = SYNTHESIZED_STORES[spec]
+        n = layers or default_layers
+        path = CACHE / f"{spec.replace('.', '').replace('-', '')}_ffn_{n}l"
         if not (path / store.BUNDLES_FILE).is_file():
-            print(f"synthesizing {n}-layer OPT-6.7B-shaped store in {path}", file=sys.stderr)
+            print(f"synthesizing a {n}-layer {description} in {path}", file=sys.stderr)
             shutil.rmtree(path, ignore_errors=True)
-            synthesize(path, n, 4096, 16384)
-        return store.FlashStore(path), 32, "synthesized store with OPT-6.7B FFN shapes (sets tiled)"
+            synthesize(path, n, d, neurons)
+        return store.FlashStore(path), model_layers, f"{description} (sets tiled)"
     fs = store.FlashStore(spec)
     return fs, fs.n_layers, f"store {spec}"
 
@@ -372,7 +379,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=_ints, default=_ints("1,8,32"))
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seconds", type=float, default=1.0, help="target duration of one timed run")
-    p.add_argument("--file-gib", type=int, default=4, help="fig2b test file size")
+    p.add_argument("--file-mib", type=int, default=4096, help="fig2b test file size")
     p.add_argument("--out-mib", type=int, default=1024, help="fig2b: largest batch the reader fills per run")
     p.add_argument("--io-uring", action="store_true", help="also the io_uring engine (vs fio's io_uring)")
     p.add_argument("--store", default="default",
@@ -394,7 +401,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-gap", type=int, default=None, help="table2 coalescing gap (default: calibrated profile)")
     p.add_argument("--remove-copies", action="store_true", help="table2: delete the per-configuration file copies "
                                                                  "at the end (default: kept for the next run)")
+    p.add_argument("--smoke", action="store_true", help="a 16 MiB file, two read sizes, a synthesized store at "
+                                                         "smoke shapes, one repeat: proves the script runs")
     args = p.parse_args(argv)
+    if args.smoke:
+        args.file_mib, args.out_mib, args.sizes_kib, args.threads = 16, 16, [4, 64], [1, 8]
+        args.repeats, args.seconds, args.store, args.tokens, args.documents = 1, 0.05, "smoke", 4, 1
+        args.naive_tokens, args.base_threads, args.max_threads = 1, 2, 4
     if shutil.which("fio") is None and args.only != "table2":
         sys.exit("fio is not installed (make deps installs it)")
     drop_page_cache()

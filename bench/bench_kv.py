@@ -377,7 +377,8 @@ def kernel_vs_storage(args, root: Path) -> dict:
     shard = KVShard.create(root / "kernel", 1, pairs, args.head_dim, torch.float16, args.context, writeback=1)
     g = torch.Generator().manual_seed(0)
     k = torch.randn(args.context, pairs, args.head_dim, generator=g).half()
-    shard.append(0, k, k.clone())
+    v = torch.randn(args.context, pairs, args.head_dim, generator=g).half()
+    shard.append(0, k, v)
     shard.flush()
     attn = ShardAttention(shard, group=1)
     view = shard.view(0)
@@ -392,11 +393,11 @@ def kernel_vs_storage(args, root: Path) -> dict:
 
     def compute_only():
         for t0, t1 in blocks:
-            attn._part(q, k[t0:t1], k[t0:t1])
+            attn.attend_rows(q, k[t0:t1], v[t0:t1], t0)
 
     times = time_interleaved({"read": read_only, "kernel": compute_only, "both": lambda: attn.attend(view, q)},
                              rounds=args.rounds, min_seconds=0.0)
-    nbytes = 2 * k.nbytes
+    nbytes = k.nbytes + v.nbytes
     # a native CPU kernel registered for the op (else its pure-torch reference ran)
     native = torch._C._dispatch_has_kernel_for_dispatch_key("flashllm::decode_attention", "CPU")
     attn.close()
@@ -438,6 +439,8 @@ def plot(rows: list[dict], scaling: list[dict], tag: str = "") -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--smoke", action="store_true",
+                        help="the smallest shapes, one round, every section (generate too): proves the script runs")
     parser.add_argument("--only", choices=["ablation", "scaling", "kernel", "generate"])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--batch", type=int, default=4)
@@ -483,24 +486,46 @@ def main() -> None:
                              for f in args.plot)
         plot(ablation, scaling)
         return
+    if args.smoke:  # a few tokens of a few heads on two devices: every section, seconds each
+        args.rounds, args.batch, args.heads, args.head_dim, args.context, args.steps = 1, 2, 4, 32, 64, 1
+        args.workers, args.ablation_workers, args.new_tokens, args.hidden, args.prefill_chunk = "1,2", 2, 3, 64, 32
+        args.no_plot = True
     args.link_gbps = args.link_devices * args.device_gbps
     root = args.dir or resolve_cache_dir() / "kv-bench"
     root.mkdir(parents=True, exist_ok=True)
     print(f"machine: {device_name()}", file=sys.stderr)
-    ablation, scaling, out = [], [], []
+    results = None
+    if args.results_tag is not None:
+        RESULTS.mkdir(exist_ok=True)
+        results = RESULTS / f"kv{args.results_tag}.jsonl"
+        results.write_text("")
+
+    def report(rows: list[dict]) -> list[dict]:
+        """Print (and with --results-tag, append) rows as soon as they are measured: a failure later in the run
+        keeps them."""
+        if results is not None:
+            with results.open("a") as f:
+                f.writelines(json.dumps(r) + "\n" for r in rows)
+        if args.json:
+            emit(rows, True)
+        else:
+            emit([r for r in rows if "config" in r], False, COLUMNS)
+            print(*(json.dumps(r) for r in rows if "config" not in r), sep="\n", flush=True)
+        return rows
+
+    ablation, scaling = [], []
     args.write_request_bytes, probe = write_request_cost(args.write_request,
                                                          args.probe_dir or resolve_cache_dir() / "kv-probe")
-    out += [probe] if probe else []
+    report([probe] if probe else [])
     if args.regen_read_ratio is not None:
-        out.append(regen_read_regime(args))
-    print(*(json.dumps(r) for r in out), sep="\n", file=sys.stderr, flush=True)
+        report([regen_read_regime(args)])
     if args.only in (None, "ablation"):
-        ablation = interleaved([(c, args.ablation_workers) for c in CONFIGS], args, root)
-        out += ablation + eq3_checks(ablation, args)
-    if args.only == "generate":
-        out += generate_ablation(args, root)
+        ablation = report(interleaved([(c, args.ablation_workers) for c in CONFIGS], args, root))
+        report(eq3_checks(ablation, args))
+    if args.only in (None, "generate") if args.smoke else args.only == "generate":
+        report(generate_ablation(args, root))
     if args.only in (None, "kernel"):
-        out.append(kernel_vs_storage(args, root))
+        report([kernel_vs_storage(args, root)])
     if args.only in (None, "scaling"):
         counts = [int(n) for n in args.workers.split(",")]
         if args.scaling_configs:
@@ -508,17 +533,9 @@ def main() -> None:
         else:
             jobs = [("ans+wb", n) for n in counts] + [("baseline", counts[0]), ("baseline", counts[-1]),
                                                       ("ans+wb+x", counts[-1])]
-        scaling = interleaved(list(dict.fromkeys(jobs)), args, root)
-        out += scaling + eq3_checks(scaling, args)
+        scaling = report(interleaved(list(dict.fromkeys(jobs)), args, root))
+        report(eq3_checks(scaling, args))
     shutil.rmtree(root, ignore_errors=True)
-    if args.results_tag is not None:
-        RESULTS.mkdir(exist_ok=True)
-        (RESULTS / f"kv{args.results_tag}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in out))
-    emit(out if args.json else [r for r in out if "config" in r], args.json, None if args.json else COLUMNS)
-    if not args.json:
-        for r in out:
-            if "check" in r:
-                print(json.dumps(r))
     if not args.no_plot:
         plot(ablation, scaling, args.results_tag or "")
 

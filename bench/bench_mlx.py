@@ -56,6 +56,8 @@ def main() -> None:
                              "fast fp16 product)")
     parser.set_defaults(rounds=3)
     args = parser.parse_args()
+    if args.smoke:  # the default model is the smallest there is: a few tokens, one round
+        args.tokens, args.rounds = 3, 1
     from transformers import AutoTokenizer
 
     gguf = fetch_default()

@@ -14,9 +14,10 @@
    of the kept neurons: columns neuron_density / input_density); it needs a store read by input channel, which
    does not exist, so it has no FlashFFN row.
 3. Through FlashFFN (rows bench:"flash"): per method, at its smallest swept density with perplexity <= 1.05x dense,
-   the default model's fp16 store served in flash mode at a 50% DRAM budget decodes --decode-tokens held-out tokens
-   one at a time: bytes read per token after the first `window` tokens, predictor and FFN compute ms per token, the
-   decoded tokens' perplexity against dense decoding (with --lookahead: also with the engine's look-ahead).
+   the default model's fp16 store served in flash mode at a DRAM budget of --flash-budget (50%) decodes
+   --decode-tokens held-out tokens one at a time: bytes read per token after the first `window` tokens, predictor
+   and FFN compute ms per token, the decoded tokens' perplexity against dense decoding (with --lookahead: also with
+   the engine's look-ahead). A method whose predictors leave no room in the budget gets an error row saying so.
 4. Figure: perplexity vs loaded density per method with the oracle frontier, bench/results/predictor_methods.png
    for a run of the default --methods and --densities (and for --plot), else only to --figure PATH.
 
@@ -37,7 +38,7 @@ import time
 
 import torch
 
-from common import arg_parser, emit
+from common import arg_parser, emit, error_fields
 
 from flashllm_ext.paths import resolve_cache_dir
 
@@ -145,14 +146,15 @@ def method_sweep(model, calibration, heldout, built, inputs, args, ffn_bytes: in
 
 
 def flash_path(predictors, store_dir, args, lookahead: str | None = None) -> dict:
-    """Decode held-out tokens one at a time with the model built from the store by load_flash (flash mode, 50%
-    DRAM budget, fp16 resident tensors) and `predictors` (lookahead: load_flash's look-ahead, each token's sets
-    chosen before attention): bytes read per token after the first window+1 tokens, predictor and compute time per
+    """Decode held-out tokens one at a time with the model built from the store by load_flash (flash mode,
+    --flash-budget of DRAM, fp16 resident tensors) and `predictors` (lookahead: load_flash's look-ahead, each
+    token's sets chosen before attention): bytes read per token after the first window+1 tokens, predictor and compute time per
     token, and the perplexity of the decoded tokens against dense decoding of the same tokens (dense_decode_nll)."""
     from flashllm_ext import load_flash
 
     predictors.reset()
-    model = load_flash(store_dir, "50%", mode="flash", predictors=predictors, window=args.window, lookahead=lookahead)
+    model = load_flash(store_dir, args.flash_budget, mode="flash", predictors=predictors, window=args.window,
+                       lookahead=lookahead)
     runtime = model.flash
     try:
         nll = decode_nll(model, args.heldout[:args.decode_tokens], lambda t: t == args.window + 1 and
@@ -226,6 +228,7 @@ def main() -> None:
     parser.add_argument("--densities", default="0.3,0.35,0.4,0.45,0.5,0.6,0.7")
     parser.add_argument("--decode-tokens", type=int, default=48, help="held-out tokens decoded through FlashFFN")
     parser.add_argument("--window", type=int, default=5, help="the neuron cache's window")
+    parser.add_argument("--flash-budget", default="50%", help="the FlashFFN decode's DRAM budget (of the model)")
     parser.add_argument("--block", type=int, default=16, help="context: decoded tokens per neuron set")
     parser.add_argument("--sweep-targets", default="0.5,0.6,0.7,0.8,0.9")
     parser.add_argument("--no-sweep", action="store_true", help="skip the threshold sweep")
@@ -241,7 +244,11 @@ def main() -> None:
                         help="only the figure, from the bench:\"method\" rows of these --json outputs")
     args = parser.parse_args()
     os.makedirs(RESULTS, exist_ok=True)
-    full_run = all(getattr(args, name) == parser.get_default(name) for name in ("methods", "densities"))
+    if args.smoke:  # two methods at one density on a few windows, the FlashFFN decode of a few tokens
+        args.tokens, args.eval_windows, args.epochs, args.methods, args.densities = 512, 1, 1, "oracle,quant:4/4", "0.5"
+        args.decode_tokens, args.no_sweep, args.figure, args.flash_budget = 4, True, None, "60%"
+    full_run = not args.smoke and all(getattr(args, name) == parser.get_default(name)
+                                      for name in ("methods", "densities"))
     figure = args.figure or (DEFAULT_FIGURE if args.plot or full_run else None)
     if args.plot:
         rows = [json.loads(line) for path in args.plot for line in open(path) if line.startswith("{")]
@@ -290,8 +297,13 @@ def main() -> None:
             built[spec].set_density(inputs, density)
             built[spec].thresholds.zero_()
             for lookahead in [None] + [how for how in args.lookahead.split(",") if how]:
-                emit([{**flash_path(built[spec], store_dir, args, lookahead), "method": spec,
-                       "target_density": density, "memory_frac": built[spec].memory_bytes / ffn_bytes}], args.json)
+                row = {"bench": "flash", "method": spec, "target_density": density,
+                       "memory_frac": built[spec].memory_bytes / ffn_bytes}
+                try:
+                    row.update(flash_path(built[spec], store_dir, args, lookahead))
+                except ValueError as e:  # e.g. the oracle holds every W_up / W_gate row: more than the budget
+                    row.update(error_fields(e))
+                emit([row], args.json)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ from flashllm_ext._ops import quant_scores_reference
 
 # name: (d, n, gate bits (None: no gate), up bits, columns per scale (None: one per row), activation, density, layers)
 SHAPES = {
-    "default": (576, 1536, 3, 4, 192, "silu", 0.45, 30),
+    "default": (576, 1536, 3, 4, 192, "silu", 0.45, 30),  # --smoke: d 64, n 192 (a group of 64 columns)
     "opt-6.7b": (4096, 16384, None, 4, None, "relu", 0.06, 8),
     "llama-2-7b": (4096, 11008, 4, 4, None, "silu", 0.06, 8),
 }
@@ -56,6 +56,8 @@ def main() -> None:
                              "its codes from DRAM")
     parser.add_argument("--dtype", default="float16", help="the store's dtype (sparse_ffn's x and rows)")
     args = parser.parse_args()
+    if args.smoke:  # the default model's layout at a tenth of its width, one token, one round
+        args.hidden, args.neurons, args.group_size, args.layers, args.tokens, args.rounds = 64, 192, 64, 2, "1", 1
     d, n, gate_bits, up_bits, group_size, activation, density, layers = SHAPES[args.shape]
     d, n, up_bits = args.hidden or d, args.neurons or n, args.up_bits or up_bits
     group_size = group_size if args.group_size is None else (args.group_size or None)

@@ -92,13 +92,13 @@ class ShardAttention:
         q = q.to(self.shard.dtype)
         ranges = [(t0, min(t0 + self.block_tokens, view.disk_len))
                   for t0 in range(0, view.disk_len, self.block_tokens)]
-        out, lse = self._part(q, view.k_buf, view.v_buf, view.disk_len)
+        out, lse = self.attend_rows(q, view.k_buf, view.v_buf, view.disk_len)
         pending = self._read(view.layer, ranges[0], 0) if ranges else None
         for i in range(len(ranges)):
             k, v = pending.result() if self.prefetch else pending
             if i + 1 < len(ranges):
                 pending = self._read(view.layer, ranges[i + 1], (i + 1) % 2)
-            out, lse = self._merge(out, lse, *self._part(q, k, v, ranges[i][0]))
+            out, lse = self._merge(out, lse, *self.attend_rows(q, k, v, ranges[i][0]))
         return out, lse
 
     def _read(self, layer: int, rows: tuple[int, int], slot: int):
@@ -113,8 +113,10 @@ class ShardAttention:
             return k, v
         return self._reader.submit(read) if self.prefetch else read()
 
-    def _part(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, t0: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Attention over rows k, v [n, pairs, D] holding tokens t0.."""
+    def attend_rows(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, t0: int = 0
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention of q [pairs, group, D] over rows k, v [n, pairs, D] in memory holding tokens t0.. (what attend
+        computes for each block it reads; no I/O): (out [pairs, group, D] float32, lse [pairs, group] float32)."""
         return masked_decode_attention(q, k.unsqueeze(2), v.unsqueeze(2), scale=self.scale, starts=self.starts, t0=t0)
 
     @staticmethod
