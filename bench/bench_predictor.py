@@ -148,8 +148,9 @@ def method_sweep(model, calibration, heldout, built, inputs, args, ffn_bytes: in
 def flash_path(predictors, store_dir, args, lookahead: str | None = None) -> dict:
     """Decode held-out tokens one at a time with the model built from the store by load_flash (flash mode,
     --flash-budget of DRAM, fp16 resident tensors) and `predictors` (lookahead: load_flash's look-ahead, each
-    token's sets chosen before attention): bytes read per token after the first window+1 tokens, predictor and compute time per
-    token, and the perplexity of the decoded tokens against dense decoding of the same tokens (dense_decode_nll)."""
+    token's sets chosen before attention): bytes read per token after the first window+1 tokens, predictor and
+    compute time per token, and the perplexity of the decoded tokens against dense decoding of the same tokens
+    (dense_decode_nll)."""
     from flashllm_ext import load_flash
 
     predictors.reset()
