@@ -22,7 +22,7 @@ at 30% of the dense model's bytes. --scale: a synthesized OPT-6.7B-shaped checkp
 synth_checkpoint.py, shared with the other scale runs) at the same share.
 
     python bench/bench_offload.py [--json] [--budget 30%] [--tokens 16] [--rounds 3] [--scale [--scale-layers 8]]
-                                  [--modes ...] [--device cuda --device-budget 30%] [--slots 1]
+                                  [--modes ...] [--device cuda --device-budget 30%] [--slots 1|2|1,2]
 """
 from __future__ import annotations
 
@@ -131,7 +131,9 @@ def plot_offload(medians: list[dict], path: Path) -> None:
                   if staged else f"{r.get('layers_in_memory')} in memory")
         return f"{memory}\n{r.get('layers_on_ssd')} on SSD"
 
-    labels = [f"{r['mode']}\n{placement(r)}" for r in rows]
+    several_slots = len({r.get("slots") for r in rows if r["mode"] != "accelerate"}) > 1
+    labels = [f"{r['mode']}{' (' + str(r['slots']) + ' slot)' if several_slots and r.get('slots') else ''}"
+              f"\n{placement(r)}" for r in rows]
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(max(9.0, 2.6 * len(rows) + 2), 4.4))
     stacked_token_bars(ax, labels, rows, (("read_ms", "read (exposed)"), ("decompress_ms", "decompress"),
                                           ("compute_ms", "compute")), has_breakdown="read_ms", markersize=24)
@@ -254,9 +256,10 @@ def main(argv: list[str] | None = None) -> None:
                              "moved and decompressed on the GPU), then SSD read into GPU memory; accelerate gets the "
                              "same two budgets")
     parser.add_argument("--device-budget", default="30%", help="GPU memory for --device cuda, as --budget")
-    parser.add_argument("--slots", type=int, choices=(1, 2), default=2,
+    parser.add_argument("--slots", default="2",
                         help="buffers moved layers are fetched into (load_offloaded slots=): 2 overlap the next "
-                             "fetch with compute, 1 leaves a layer's room more")
+                             "fetch with compute, 1 leaves a layer's room more; '1,2': every mode with each, "
+                             "interleaved")
     parser.add_argument("--no-plot", action="store_true", help="no figure")
     parser.add_argument("--figure", help="the figure's path (default bench/results/offload[_scale][_cuda].png)")
     parser.set_defaults(rounds=3)
@@ -292,11 +295,15 @@ def main(argv: list[str] | None = None) -> None:
     # hold one more dense layer, which would credit Endor with more than its reads.
     cuda = args.device == "cuda"
     device_budget = parse_budget(args.device_budget, total, "device_budget") if cuda else None
+    slot_counts = [int(s) for s in args.slots.split(",") if s.strip().isdigit()]
+    if len(slot_counts) != len(args.slots.split(",")) or any(s not in (1, 2) for s in slot_counts):
+        parser.error(f"--slots must be 1, 2 or 1,2, got {args.slots!r}")
     try:
-        dense = plan_placement(LayerStore(stores["dense"]), "dense", budget if cuda else budget - resident,
-                               device_layer_budget=device_budget - resident if cuda else None, separate=cuda,
-                               bounce=partial(host_bounce_bytes, select_read_path("cuda"), threads=args.threads)
-                               if cuda else None, slots=args.slots)
+        dense = {slots: plan_placement(LayerStore(stores["dense"]), "dense", budget if cuda else budget - resident,
+                                       device_layer_budget=device_budget - resident if cuda else None, separate=cuda,
+                                       bounce=partial(host_bounce_bytes, select_read_path("cuda"),
+                                                      threads=args.threads) if cuda else None, slots=slots)
+                 for slots in slot_counts}
     except ValueError as e:
         raise SystemExit(f"bench_offload: --budget {args.budget} ({budget} bytes) does not fit dense offload of "
                          f"{name}: {e}") from None
@@ -306,16 +313,19 @@ def main(argv: list[str] | None = None) -> None:
                                   synthesized=args.scale or args.smoke)
     base = {"model": name, "tokens": args.tokens, "prompt_ids": ids, "budget_bytes": budget, "threads": args.threads,
             "compute_threads": args.compute_threads, "device": args.device, "device_budget_bytes": device_budget,
-            "slots": args.slots,
+            "slots": slot_counts[0],
             "max_memory": {"0": device_budget, "cpu": budget} if cuda else None,
             "hf_dir": str(hf_dir), "offload_dir": str(cache / f"accelerate-{hf_dir.name}")}
     baseline = measure_baseline(base)
     modes = [m for m in args.modes.split(",") if m]
+    jobs = [(m, s) for m in modes for s in ([None] if m == "accelerate" else slot_counts)]  # accelerate has none
     rows = []
-    for round_index, mode in [(r, m) for r in range(args.rounds) for m in modes]:  # round-robin over processes
+    for round_index, (mode, slots) in [(r, j) for r in range(args.rounds) for j in jobs]:  # round-robin
+        placement = dense.get(slots)
         config = {**base, "mode": mode, "store": str(stores["dense" if mode == "dense" else "endor"]),
-                  "layers_in_memory": dense.in_memory if mode == "endor" else None,
-                  "layers_on_device": dense.on_device if mode == "endor" and cuda else None}
+                  "slots": slots or slot_counts[0],
+                  "layers_in_memory": placement.in_memory if mode == "endor" else None,
+                  "layers_on_device": placement.on_device if mode == "endor" and cuda else None}
         child_rows, facts = run_limited_child(_child_argv(config), budget, baseline, f"offload-{mode}",
                                               args.child_timeout)
         row = {"bench": "offload", "model": name, "mode": mode, "budget_mb": budget / 1e6,
@@ -328,14 +338,15 @@ def main(argv: list[str] | None = None) -> None:
         row = {**{k: row.get(k) for k in KEYS}, **row}
         rows.append(row)
         emit([row], args.json, COLUMNS)
-    medians = median_rows(rows, ("mode",), "offload_median")
+    medians = median_rows(rows, ("mode", "slots"), "offload_median")
     for row in medians:  # the modes' greedy tokens should agree (same pruned weights; fp16 rounding may differ)
         row["same_tokens_as_dense"] = row.get("generated") == next(
             (m.get("generated") for m in medians if m["mode"] == "dense"), None)
     if not args.json:
         print(f"\nmedians over {args.rounds} round(s):")
     emit(medians, args.json, COLUMNS)
-    emit([ratios(medians)], args.json)
+    emit([{**ratios([m for m in medians if m["mode"] == "accelerate" or m.get("slots") == slots]), "slots": slots}
+          for slots in slot_counts], args.json)
     if not args.no_plot:
         path = Path(args.figure or RESULTS / f"offload{'_scale' if args.scale else ''}{'_cuda' if cuda else ''}.png")
         plot_offload(medians, path)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 SCRIPT = Path(__file__).resolve().parent.parent / ".ci" / "gpu-checks"
-STEPS = ["e2e_flash", "ffn", "tests", "offload_30", "endor", "offload_30_one_slot", "offload_50"]
+STEPS = ["e2e_flash", "ffn", "tests", "offload_30", "endor", "offload_50"]
 
 
 @pytest.mark.slow
@@ -21,8 +21,7 @@ def test_dry_run_runs_every_step_and_each_writes_rows_without_errors(tmp_path):
     assert list(finished) == STEPS and set(finished.values()) == {"0"}, out.stdout[-3000:]
     results = sorted(tmp_path.glob("*.jsonl"))
     assert {p.name for p in results} == {"bench_e2e_flash_cpu.jsonl", "bench_ffn_cpu.jsonl", "bench_endor_cpu.jsonl",
-                                         "bench_offload_cpu_30.jsonl", "bench_offload_cpu_30_one_slot.jsonl",
-                                         "bench_offload_cpu_50.jsonl"}
+                                         "bench_offload_cpu_30.jsonl", "bench_offload_cpu_50.jsonl"}
     for path in results:
         rows = [json.loads(line) for line in path.read_text().splitlines()]
         assert rows, f"{path.name}: no rows"
@@ -30,6 +29,10 @@ def test_dry_run_runs_every_step_and_each_writes_rows_without_errors(tmp_path):
         assert all(r["device"].startswith("cpu") for r in rows if "device" in r), path.name
     e2e = [json.loads(line) for line in (tmp_path / "bench_e2e_flash_cpu.jsonl").read_text().splitlines()]
     assert {r["mode"] for r in e2e if r["bench"] == "e2e"} == {"naive", "hybrid", "flash-oracle", "flash"}
+    offload = [json.loads(line) for line in (tmp_path / "bench_offload_cpu_30.jsonl").read_text().splitlines()]
+    assert sorted((r["mode"], r["slots"]) for r in offload if r["bench"] == "offload" and r["mode"] != "accelerate") \
+        == sorted((m, s) for m in ("dense", "endor", "endor+more-resident") for s in (1, 2))
+    assert [r["slots"] for r in offload if r["bench"] == "offload_ratios"] == [1, 2]
 
 
 def test_unknown_option_is_refused():
