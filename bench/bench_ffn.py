@@ -27,6 +27,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -74,8 +75,10 @@ def dense_ffn(x, w_up, w_down, w_gate, act):
     return F.linear(F.silu(F.linear(x, w_gate)) * F.linear(x, w_up), w_down)
 
 
-def bench_ffn(dtype_name: str, rounds: int, quick: bool, device: str = "cpu", smoke: bool = False) -> list[dict]:
-    """smoke: SMOKE_SHAPES, as quick, two copies of the rows (timed, not measured: the rows prove the script)."""
+def bench_ffn(dtype_name: str, rounds: int, quick: bool, device: str = "cpu", smoke: bool = False,
+              on_row: Callable[[dict], object] = lambda row: None) -> list[dict]:
+    """smoke: SMOKE_SHAPES, as quick, two copies of the rows (timed, not measured: the rows prove the script).
+    on_row: called with each row as soon as it is measured."""
     dtype = DTYPES[dtype_name]
     on_gpu = device == "cuda"
     sync = torch.cuda.synchronize if on_gpu else (lambda: None)
@@ -148,12 +151,14 @@ def bench_ffn(dtype_name: str, rounds: int, quick: bool, device: str = "cpu", sm
                                     bound_ratio_graph=per_call["sparse_graph"] / bound)
                 else:
                     rows[-1]["graph_error"] = graph_error
+                on_row(rows[-1])
             del mats
     return rows
 
 
 # ------------------------------------------------------------------------------------------------ bench cache
-def bench_cache(rounds: int, quick: bool, dtype_name: str, store_dir: Path, plots: bool) -> list[dict]:
+def bench_cache(rounds: int, quick: bool, dtype_name: str, store_dir: Path, plots: bool,
+                on_row: Callable[[dict], object] = lambda row: None) -> list[dict]:
     d, n = SHAPES["opt-6.7b"][0], SHAPES["opt-6.7b"][1]
     n_tokens = 64 if quick else 256
     target = 0.95
@@ -188,6 +193,7 @@ def bench_cache(rounds: int, quick: bool, dtype_name: str, store_dir: Path, plot
         rows.append({"bench": "cache", "window": window, "insert_per_token": med[0], "evict_per_token": med[1],
                      "mem_ms_per_token": med[2], "io_ms_per_token": med[3], "compute_ms_per_token": med[4],
                      "mem_over_compute": med[2] / med[4], "trace": info, "device": device_name()})
+        on_row(rows[-1])
     store.close()  # every cache read through the store's one reader
     if plots:
         plot_cache(trace, loads, info)
@@ -239,16 +245,20 @@ def main() -> None:
             args.only = "ffn"
             print("--smoke: bench 'cache' skipped (its trace and store are the default model's and a 7B layer's)",
                   file=sys.stderr)
+    on_row = (lambda row: emit([row], True)) if args.json else (lambda row: None)  # tables wait for every row
     if args.only in (None, "ffn"):
-        emit(bench_ffn(args.dtype, args.rounds, args.quick, args.device, args.smoke), args.json,
-             ["shape", "dtype", "sparsity", "tokens", "rows", "sparse_ms", "dense_ms", "speedup", "bound_ms",
-              "bound_ratio", "stream_gbps", "sparse_1t_ms", "bound_ratio_1t", "sparse_graph_ms", "bound_ratio_graph"])
+        rows = bench_ffn(args.dtype, args.rounds, args.quick, args.device, args.smoke, on_row)
+        if not args.json:
+            emit(rows, False, ["shape", "dtype", "sparsity", "tokens", "rows", "sparse_ms", "dense_ms", "speedup",
+                               "bound_ms", "bound_ratio", "stream_gbps", "sparse_1t_ms", "bound_ratio_1t",
+                               "sparse_graph_ms", "bound_ratio_graph"])
     if args.only in (None, "cache"):
         with tempfile.TemporaryDirectory(dir=os.getcwd(), prefix=".bench-ffn-") as tmp:
             store_dir = args.store_dir or Path(tmp) / "opt-6.7b-layer"
-            emit(bench_cache(args.rounds, args.quick, args.dtype, store_dir, not args.no_plots), args.json,
-                 ["window", "insert_per_token", "evict_per_token", "mem_ms_per_token", "io_ms_per_token",
-                  "compute_ms_per_token", "mem_over_compute"])
+            rows = bench_cache(args.rounds, args.quick, args.dtype, store_dir, not args.no_plots, on_row)
+            if not args.json:
+                emit(rows, False, ["window", "insert_per_token", "evict_per_token", "mem_ms_per_token",
+                                   "io_ms_per_token", "compute_ms_per_token", "mem_over_compute"])
 
 
 if __name__ == "__main__":

@@ -129,8 +129,11 @@ def main() -> None:
                 row["stream GB/s"] = round(probe_bytes / times["stream"] / 1e9, 2)
             row["device"] = device_name()
             out.append(row)
+            if args.json:  # as measured; the table waits for every row
+                emit([row], True)
     torch.set_num_threads(previous_threads)
-    emit(out, args.json)
+    if not args.json:
+        emit(out, False)
 
 
 if __name__ == "__main__":
