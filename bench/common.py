@@ -2,13 +2,17 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import os
+import platform
 import statistics
+import subprocess
 import sys
 import traceback
 from collections.abc import Callable, Iterable
+from datetime import datetime, timezone
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
@@ -21,7 +25,7 @@ from flashllm_ext.report import print_table  # noqa: E402
 from flashllm_ext.timing import time_interleaved  # noqa: E402,F401  (re-exported for the bench scripts)
 
 __all__ = ["CGROUP_V1", "CGROUP_V2", "MemoryCgroup", "arg_parser", "cycling", "device_name", "drop_page_cache",
-           "emit", "error_fields", "last_level_cache_bytes", "median_rows", "process_memory",
+           "emit", "error_fields", "last_level_cache_bytes", "median_rows", "process_memory", "provenance",
            "run_limited_child", "stacked_token_bars", "stream_probe", "time_interleaved"]
 
 
@@ -102,11 +106,36 @@ def error_fields(error: BaseException) -> dict[str, str]:
             "where": " <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(frames))}
 
 
+@functools.cache
+def provenance() -> dict[str, str]:
+    """What every JSON row carries so that a figure can be traced to its run: `commit` (the checkout's, "+" when its
+    tracked files differ from it), `date` (UTC, when this process started measuring) and `host` (the CPU model)."""
+    root = Path(__file__).resolve().parent.parent
+
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    commit = git("rev-parse", "--short", "HEAD") or "unknown"
+    if git("status", "--porcelain", "--untracked-files=no"):
+        commit += "+"
+    host = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            host = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), host)
+    except OSError:
+        pass
+    return {"commit": commit, "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "host": host}
+
+
 def emit(rows: Iterable[dict], as_json: bool, columns: list[str] | None = None) -> None:
-    """Print result rows as JSON lines or as an aligned table (flashllm_ext.report.print_table)."""
+    """Print result rows as JSON lines (each with provenance(), unless it has those keys) or as an aligned table
+    (flashllm_ext.report.print_table)."""
     if as_json:
         for row in rows:
-            print(json.dumps(row), flush=True)
+            print(json.dumps({**row, **{k: v for k, v in provenance().items() if k not in row}}), flush=True)
     else:
         print_table(rows, columns)
 
