@@ -405,6 +405,27 @@ def test_stale_staging_folders_of_dead_converts_are_removed(checkpoints, tmp_pat
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["s", running.name, other.name])
 
 
+def test_index_naming_a_shard_outside_the_checkpoint_is_refused(checkpoints, tmp_path):
+    """model.safetensors.index.json is untrusted: a shard path leaving the checkpoint folder (.. or absolute) is a
+    FormatError naming the entry, before the file is opened."""
+    import json
+    import shutil
+
+    src = checkpoints["llama"][0]
+    (tmp_path / "outside").mkdir()
+    shutil.copy(src / "model.safetensors", tmp_path / "outside" / "x.safetensors")
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    shutil.copy(src / "config.json", ckpt / "config.json")
+    names = list(checkpoints["llama"][1])
+    for shard in ("../outside/x.safetensors", str(tmp_path / "outside" / "x.safetensors"), "a/../../outside/x"):
+        index = {"metadata": {}, "weight_map": {name: shard for name in names}}
+        (ckpt / "model.safetensors.index.json").write_text(json.dumps(index))
+        with pytest.raises(FormatError, match=f"weight_map.*{shard}.*outside"):
+            convert(ckpt, tmp_path / "s", progress=False)
+    assert not (tmp_path / "s").exists()
+
+
 @pytest.mark.parametrize("converter", ["flash store", "layer store"])
 def test_store_files_follow_the_umask(checkpoints, tmp_path, umask, converter):
     """A store is the user's like any file they write: its folder and files take the umask's modes."""
