@@ -261,3 +261,33 @@ def test_split_pairs():
     assert split_pairs(4, 4) == [(0, 1), (1, 2), (2, 3), (3, 4)]
     with pytest.raises(ValueError):
         split_pairs(2, 3)
+
+
+def test_failed_manifest_write_is_retried_by_flush_and_close(tmp_path, monkeypatch):
+    """The rows of a spill are on disk but the manifest naming them could not be written (ENOSPC): the next call
+    reports it, and flush()/close() write it again even with nothing left to spill, so a reopen sees every row."""
+    full = {"on": False}
+    real = KVShard._write_manifest
+
+    def write_manifest(self, *args, **kwargs):
+        if full["on"]:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(KVShard, "_write_manifest", write_manifest)
+    shard = KVShard.create(tmp_path, 1, 2, 4, torch.float16, 50, writeback=2)
+    k = rand_tokens(2, 2, 4)
+    full["on"] = True
+    shard.append(0, k, -k)  # the background spill writes the rows, then fails on the manifest
+    with pytest.raises(SpillError, match="No space left"):
+        shard.flush()
+    assert shard.buffered(0) == 0 and shard.view(0).disk_len == 2
+    with pytest.raises(SpillError, match="No space left"):
+        shard.flush()  # still not recorded: said again, not skipped
+    full["on"] = False
+    shard.close()
+    reopened = KVShard.open(tmp_path)
+    got_k, got_v = reopened.tokens(0)
+    assert torch.equal(got_k, k) and torch.equal(got_v, -k)
+    reopened.close()
+

@@ -14,9 +14,9 @@ Durability: a spill is done when its rows are synced (fdatasync of both files); 
 synced, so after a crash the manifest never names rows the device does not hold.
 
 A failed spill keeps the buffer (nothing is lost, attention still sees every token) and surfaces as `SpillError`
-from the next call on the shard; `flush()` then retries. The manifest `shard.json` records the rows on disk per
-layer after every spill (written to a temporary file and renamed), so `KVShard.open(directory)` recovers every
-spilled token after a restart; with `close()` that is every token.
+from the next call on the shard; `flush()` then retries, the manifest too if that is what failed. The manifest
+`shard.json` records the rows on disk per layer after every spill (written to a temporary file and renamed), so
+`KVShard.open(directory)` recovers every spilled token after a restart; with `close()` that is every token.
 """
 from __future__ import annotations
 
@@ -112,6 +112,7 @@ class KVShard:
         self._last_spill: list[Future | None] = [None] * n_layers
         self._assigned = [0] * n_layers  # buffered tokens already handed to a queued spill
         self._error: BaseException | None = None
+        self._manifest_stale = False  # rows are on disk that the manifest does not name yet (its write failed)
         self._closed = False
         if create:
             self._write_manifest()
@@ -162,15 +163,27 @@ class KVShard:
         finally:
             os.close(fd)
 
+    def _record(self, lengths: list[int] | None = None) -> None:
+        """_write_manifest, remembering a failure so that flush() and close() write it again (SpillError)."""
+        try:
+            self._write_manifest(lengths)
+        except OSError as e:  # the rows are on disk and nothing is lost here; a restart would not see them yet
+            self._manifest_stale = True
+            raise SpillError(f"recording the rows on disk in {self.directory / MANIFEST} failed: {e}; flush() "
+                             "retries") from e
+        self._manifest_stale = False
+
     def flush(self) -> None:
-        """Spills every buffered token now (waits for the background spills first). Raises SpillError (buffer kept)
-        on failure; call again to retry."""
+        """Spills every buffered token now (waits for the background spills first) and makes sure the manifest
+        names every row on disk. Raises SpillError (buffer kept) on failure; call again to retry."""
         self._check_open()
         self._wait_pending()
         self._raise_error()
         for layer in range(self.n_layers):
             self._spill(layer, None)
         self._raise_error()
+        if self._manifest_stale:
+            self._record()
 
     def close(self) -> None:
         """flush(), then close the files. If the flush fails the shard stays open (nothing is lost) and raises."""
@@ -212,7 +225,7 @@ class KVShard:
                 self._v_buf[layer] = self._v_buf[layer][:0]
                 self._assigned[layer] = 0
                 self._disk_len[layer] = 0
-            self._write_manifest()
+            self._record()
 
     # ------------------------------------------------------------------------------------------------ data path
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> KVView:
@@ -338,12 +351,10 @@ class KVShard:
             self._assigned[layer] -= n if queued else 0
             lengths = list(self._disk_len)
         try:  # outside the lock: its syncs must not hold up attention's views
-            self._write_manifest(lengths)
-        except OSError as e:  # the rows are on disk and nothing is lost here; a restart would not see them yet
+            self._record(lengths)
+        except SpillError as e:
             if self._error is None:
-                self._error = SpillError(f"recording the spill of layer {layer} in {self.directory / MANIFEST} "
-                                         f"failed: {e}")
-                self._error.__cause__ = e
+                self._error = e
 
     def _wait_pending(self) -> None:
         for future in self._pending:
