@@ -291,3 +291,36 @@ def test_failed_manifest_write_is_retried_by_flush_and_close(tmp_path, monkeypat
     assert torch.equal(got_k, k) and torch.equal(got_v, -k)
     reopened.close()
 
+
+def test_create_never_writes_through_planted_symlinks(tmp_path):
+    """Links planted at the names a shard writes (its layer files, its manifest and the manifest's temporary file)
+    are refused before anything is written, and their targets stay untouched."""
+    victim = tmp_path / "victim"
+    for planted in ("layer0.k", "layer0.v", "shard.json", "shard.json.tmp"):
+        victim.write_text("precious")
+        d = tmp_path / f"kv-{planted}"
+        d.mkdir()
+        (d / planted).symlink_to(victim)
+        with pytest.raises(ValueError, match=f"{planted}.*symbolic link"):
+            KVShard.create(d, 1, 2, 4, torch.float16, 50)
+        with pytest.raises(ValueError, match=f"{planted}.*symbolic link"):
+            KVShard.open(d)
+        assert victim.read_text() == "precious"
+    (tmp_path / "link").symlink_to(victim)
+    with pytest.raises(OSError):  # reopened: not followed
+        KVFile(tmp_path / "link", 16, 4, create=False)
+    KVFile(tmp_path / "link", 16, 4, create=True).close()  # created: a new file in the link's place
+    assert victim.read_text() == "precious" and not (tmp_path / "link").is_symlink()
+
+
+def test_kv_files_are_private_to_the_user(tmp_path, umask):
+    """K/V derive from users' prompts: every file of a shard is 0600 (its folder 0700) whatever the umask."""
+    umask(0)
+    shard = KVShard.create(tmp_path / "kv", 2, 2, 4, torch.float16, 50, writeback=1)
+    shard.append(0, rand_tokens(1, 2, 4), rand_tokens(1, 2, 4))
+    shard.close()
+    assert (tmp_path / "kv").stat().st_mode & 0o777 == 0o700
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "kv").iterdir()}
+    assert "layer1.v" in modes and "shard.json" in modes
+    assert set(modes.values()) == {0o600}, modes
+

@@ -17,6 +17,8 @@ A failed spill keeps the buffer (nothing is lost, attention still sees every tok
 from the next call on the shard; `flush()` then retries, the manifest too if that is what failed. The manifest
 `shard.json` records the rows on disk per layer after every spill (written to a temporary file and renamed), so
 `KVShard.open(directory)` recovers every spilled token after a restart; with `close()` that is every token.
+
+The files are private to the user (0600) and never written through a symbolic link.
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ from pathlib import Path
 import torch
 
 from ..errors import FormatError
+from ..paths import PRIVATE_DIR_MODE, create_file, write_atomic
 from .files import BLOCK, FaultInjector, IOCounters, KVFile
 from .link import Link
 
@@ -89,7 +92,8 @@ class KVShard:
         if self.writeback < 1:
             raise ValueError(f"writeback must be >= 1 step, got {writeback}")
         lengths = lengths or [0] * n_layers
-        self.directory.mkdir(parents=True, exist_ok=True)
+        self.directory.mkdir(mode=PRIVATE_DIR_MODE, parents=True, exist_ok=True)
+        _check_no_links(self.directory)
         self._files: list[tuple[KVFile, KVFile]] = []
         try:
             for layer in range(n_layers):
@@ -115,7 +119,11 @@ class KVShard:
         self._manifest_stale = False  # rows are on disk that the manifest does not name yet (its write failed)
         self._closed = False
         if create:
-            self._write_manifest()
+            try:
+                self._write_manifest()
+            except BaseException:
+                self.abandon()
+                raise
 
     # ------------------------------------------------------------------------------------------------ lifecycle
     @classmethod
@@ -127,6 +135,7 @@ class KVShard:
     @classmethod
     def open(cls, directory: str | os.PathLike, **kwargs) -> KVShard:
         """Reopens a shard: every token spilled before (all of them after close()) is there again."""
+        _check_no_links(Path(directory))
         path = Path(directory) / MANIFEST
         try:
             meta = json.loads(path.read_text())
@@ -151,17 +160,7 @@ class KVShard:
         meta = {"format_version": FORMAT_VERSION, "n_layers": self.n_layers, "pairs": self.pairs,
                 "head_dim": self.head_dim, "dtype": dtype_name, "max_tokens": self.max_tokens,
                 "writeback": self.writeback, "lengths": list(self._disk_len if lengths is None else lengths)}
-        tmp = self.directory / (MANIFEST + ".tmp")
-        with open(tmp, "w") as f:
-            f.write(json.dumps(meta))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.directory / MANIFEST)
-        fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(fd)  # the rename itself
-        finally:
-            os.close(fd)
+        write_atomic(self.directory / MANIFEST, json.dumps(meta).encode(), private=True)
 
     def _record(self, lengths: list[int] | None = None) -> None:
         """_write_manifest, remembering a failure so that flush() and close() write it again (SpillError)."""
@@ -378,6 +377,16 @@ class KVShard:
     def __repr__(self) -> str:
         return (f"KVShard({str(self.directory)!r}, layers={self.n_layers}, pairs={self.pairs}, "
                 f"head_dim={self.head_dim}, {self.dtype}, max_tokens={self.max_tokens}, writeback={self.writeback})")
+
+
+def _check_no_links(directory: Path) -> None:
+    """A KV folder holds the shard's own files only: a symbolic link there (planted to make the shard overwrite its
+    target) is refused before anything is read or written."""
+    if directory.is_dir():
+        for entry in os.scandir(directory):
+            if entry.is_symlink():
+                raise ValueError(f"{directory}: {entry.name} is a symbolic link; a KV folder holds only its shard's "
+                                 "files, and no file is written through a link")
 
 
 def split_pairs(n_pairs: int, n_shards: int) -> list[tuple[int, int]]:
