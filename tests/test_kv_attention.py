@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from flashllm_ext.kv import HostKVAttention, KVShard, NearStorageAttention, ShardAttention, WorkerError
+from flashllm_ext.kv import (HostKVAttention, KVShard, NearStorageAttention, ShardAttention, ShardInUseError,
+                             WorkerError)
 from flashllm_ext.kv.attention import masked_decode_attention
 
 
@@ -258,3 +259,20 @@ def test_hung_worker_times_out(tmp_path):
     finally:
         attn.terminate()
     assert all(not shard._proc.is_alive() for shard in attn.shards) or not attn.shards
+
+
+@pytest.mark.parametrize("second", ["near storage", "host"])
+def test_two_backends_on_one_folder_are_refused(tmp_path, second):
+    """Two shards on one folder would read and overwrite each other's K/V: the second owner is refused, within one
+    backend or across two, and the folder is free again once the first is closed."""
+    shape = dict(n_layers=1, batch=2, q_heads=2, kv_heads=2, head_dim=8, dtype=torch.float32, max_tokens=16)
+    with pytest.raises(ShardInUseError, match="in use"):
+        NearStorageAttention([tmp_path / "a", tmp_path / "a"], processes=False, **shape)
+    first = NearStorageAttention([tmp_path / "a", tmp_path / "b"], processes=False, **shape)
+    with pytest.raises(ShardInUseError, match=f"{tmp_path / 'b'}.* in use"):
+        if second == "host":
+            HostKVAttention([tmp_path / "c", tmp_path / "b"], **shape)
+        else:
+            NearStorageAttention([tmp_path / "c", tmp_path / "b"], processes=False, **shape)
+    first.close()
+    HostKVAttention([tmp_path / "c", tmp_path / "b"], **shape).close()

@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from flashllm_ext.kv import KVFile, KVShard, SpillError, default_writeback, split_pairs
+from flashllm_ext.kv import KVFile, KVShard, ShardInUseError, SpillError, default_writeback, split_pairs
 from flashllm_ext.kv.files import BLOCK
 
 
@@ -324,3 +324,19 @@ def test_kv_files_are_private_to_the_user(tmp_path, umask):
     assert "layer1.v" in modes and "shard.json" in modes
     assert set(modes.values()) == {0o600}, modes
 
+
+def test_a_shard_folder_has_one_owner(tmp_path):
+    """A second shard on a folder in use (it would read and overwrite the first one's K/V) is refused at once,
+    created or reopened; closing (or abandoning) the first releases the folder."""
+    first = KVShard.create(tmp_path, 1, 2, 4, torch.float16, 50)
+    k = rand_tokens(3, 2, 4)
+    first.append(0, k, k)
+    for open_second in (lambda: KVShard.create(tmp_path, 1, 2, 4, torch.float16, 50), lambda: KVShard.open(tmp_path)):
+        with pytest.raises(ShardInUseError, match=f"{tmp_path}.* in use"):
+            open_second()
+    assert torch.equal(first.tokens(0)[0], k)  # the refused one changed nothing
+    first.close()
+    second = KVShard.open(tmp_path)
+    assert torch.equal(second.tokens(0)[0], k)
+    second.abandon()
+    KVShard.open(tmp_path).close()

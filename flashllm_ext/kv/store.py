@@ -18,10 +18,12 @@ from the next call on the shard; `flush()` then retries, the manifest too if tha
 `shard.json` records the rows on disk per layer after every spill (written to a temporary file and renamed), so
 `KVShard.open(directory)` recovers every spilled token after a restart; with `close()` that is every token.
 
-The files are private to the user (0600) and never written through a symbolic link.
+A folder has one owner: the shard holds an flock on `shard.lock` until it is closed, and a second shard there is
+refused (ShardInUseError). The files are private to the user (0600) and never written through a symbolic link.
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import math
 import os
@@ -39,11 +41,16 @@ from .link import Link
 
 FORMAT_VERSION = 1
 MANIFEST = "shard.json"
+LOCK_FILE = "shard.lock"
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 class SpillError(RuntimeError):
     """A background spill failed; the buffer still holds every token it was to write (see `__cause__`)."""
+
+
+class ShardInUseError(RuntimeError):
+    """Another shard (in this process or another) owns the folder: two owners would overwrite each other's K/V."""
 
 
 def default_writeback(token_bytes: int, min_write: int = BLOCK) -> int:
@@ -94,6 +101,7 @@ class KVShard:
         lengths = lengths or [0] * n_layers
         self.directory.mkdir(mode=PRIVATE_DIR_MODE, parents=True, exist_ok=True)
         _check_no_links(self.directory)
+        self._owner = _own(self.directory)  # before any file is touched: another owner's files are not ours to change
         self._files: list[tuple[KVFile, KVFile]] = []
         try:
             for layer in range(n_layers):
@@ -201,9 +209,11 @@ class KVShard:
             self._closed = True
 
     def _close_files(self) -> None:
+        """Closes the files, then gives up the folder."""
         for pair in self._files:
             for f in pair:
                 f.close()
+        os.close(self._owner)
 
     def __enter__(self) -> KVShard:
         return self
@@ -387,6 +397,22 @@ def _check_no_links(directory: Path) -> None:
             if entry.is_symlink():
                 raise ValueError(f"{directory}: {entry.name} is a symbolic link; a KV folder holds only its shard's "
                                  "files, and no file is written through a link")
+
+
+def _own(directory: Path) -> int:
+    """Takes the folder's lock (flock on LOCK_FILE, released when its descriptor closes, or the process ends);
+    returns the descriptor. ShardInUseError if another shard holds it."""
+    fd = create_file(directory / LOCK_FILE, private=True, exclusive=False)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise ShardInUseError(f"KV folder {directory} is in use by another shard (it holds {LOCK_FILE}'s lock); "
+                              "give each shard a folder of its own") from None
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def split_pairs(n_pairs: int, n_shards: int) -> list[tuple[int, int]]:
