@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .paths import resolve_cache_dir, scratch_file, write_atomic
+from .paths import create_file, resolve_cache_dir, scratch_file, write_atomic
 
 if TYPE_CHECKING:
     from .reader import FlashReader, ReadStats
@@ -48,9 +48,10 @@ def load_disk_profile() -> DiskProfile | None:
 
 
 def make_test_file(path: str | os.PathLike, size: int, chunk: int = 64 << 20) -> None:
-    """A file of `size` bytes of non-repeating data, written for real (not sparse: holes read without I/O)."""
+    """A private file of `size` bytes of non-repeating data, written for real (not sparse: holes read without I/O),
+    never through a symbolic link at `path`."""
     generator = torch.Generator().manual_seed(0)
-    with open(path, "wb") as f:
+    with os.fdopen(create_file(path, private=True, exclusive=False), "wb") as f:
         block = torch.randint(0, 256, (chunk,), dtype=torch.uint8, generator=generator).numpy()
         written = 0
         while written < size:
