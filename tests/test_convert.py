@@ -383,6 +383,24 @@ def test_force_keeps_files_it_did_not_write_and_the_folder_mode(checkpoints, tmp
     assert sorted(p.name for p in tmp_path.iterdir()) == ["s"]
 
 
+def test_force_keeps_a_file_put_in_the_store_while_it_is_written(checkpoints, tmp_path, monkeypatch):
+    """A file saved into OUT after the check, while the new store is being written, is moved into the new folder,
+    not removed with the old store."""
+    import flashllm_ext.convert as convert_module
+
+    out = convert(checkpoints["opt"][0], tmp_path / "s", progress=False)
+    real_verify = convert_module._verify
+
+    def verify_then_save_a_file(*args):
+        real_verify(*args)
+        (out / "notes.txt").write_text("written meanwhile")
+
+    monkeypatch.setattr(convert_module, "_verify", verify_then_save_a_file)
+    convert(checkpoints["llama"][0], out, force=True, progress=False)
+    assert (out / "notes.txt").read_text() == "written meanwhile" and store.FlashStore(out).glu
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s"]
+
+
 @pytest.mark.parametrize("converter", ["flash store", "layer store"])
 def test_stale_staging_folders_of_dead_converts_are_removed(checkpoints, tmp_path, converter):
     """A convert killed mid-way leaves its staging folder beside OUT: the next convert into OUT removes those of
