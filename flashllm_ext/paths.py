@@ -1,7 +1,7 @@
 """Where flashllm_ext keeps what it downloads, measures or generates (one cache directory for everything), and how
-it creates files: every file the library writes goes through `create_file`, so none is written through a symbolic
-link planted at its name, and one rule sets the modes: K/V and scratch files are private to the user (0600), stores
-and profiles take the user's umask."""
+it creates files: every file the library writes itself goes through `create_file`, so none is written through a
+symbolic link planted at its name, and one rule sets the modes: K/V and scratch files are private to the user
+(0600), stores, profiles and downloads take the user's umask."""
 from __future__ import annotations
 
 import os
