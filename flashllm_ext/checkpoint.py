@@ -194,6 +194,15 @@ def _read_json(path: Path) -> dict:
     return parsed
 
 
+def _shard_path(path: Path, index: Path, name: str, shard: object) -> Path:
+    """The shard `index` names for tensor `name`, which must lie inside the checkpoint folder: a relative path
+    without "..". Checked on the name, not resolved: Hugging Face cache folders hold symbolic links to blobs kept
+    outside them."""
+    if not isinstance(shard, str) or Path(shard).is_absolute() or ".." in Path(shard).parts:
+        raise FormatError(f"weight_map[{name!r}]", f"shard {shard!r} is outside the checkpoint folder", str(index))
+    return path / shard
+
+
 class SafetensorsCheckpoint(Checkpoint):
     """A Hugging Face directory: config.json and one or more safetensors shards (model.safetensors.index.json)."""
 
@@ -215,7 +224,7 @@ class SafetensorsCheckpoint(Checkpoint):
             weight_map = _read_json(index).get("weight_map")
             if not isinstance(weight_map, dict):
                 raise FormatError("weight_map", "missing or not an object", str(index))
-            shards = {path / f for f in set(weight_map.values())}
+            shards = {_shard_path(path, index, name, f) for name, f in weight_map.items()}
         else:
             shards = set(path.glob("*.safetensors"))
         if not shards:

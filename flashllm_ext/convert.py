@@ -11,18 +11,16 @@ import json
 import os
 import re
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from . import endor
 from .checkpoint import Checkpoint, open_checkpoint
 from .errors import FormatError
-from .paths import check_out_dir, install_dir
-from .safetensors_io import DTYPE_SIZES, FLOAT_DTYPES, AlignedWriter, TensorSpec, dtype_name
+from .paths import check_out_dir, install_dir, staging_dir
+from .safetensors_io import DTYPE_SIZES, FLOAT_DTYPES, AlignedWriter, TensorSpec, dtype_name, save_tensors
 from .store import (ALIGNMENT, BUNDLES_FILE, DTYPES, FORMAT_VERSION, MAGIC, RESIDENT_FILE, WEIGHT_ROLES, FlashStore,
                     layer_specs, layer_tensor_name)
 
@@ -31,6 +29,7 @@ from .store import (ALIGNMENT, BUNDLES_FILE, DTYPES, FORMAT_VERSION, MAGIC, RESI
 _FFN_NAME = re.compile(r"^(?:.*\.)?layers\.(\d+)\.(?:mlp\.)?(gate_proj|up_proj|down_proj|fc1|fc2)\.(weight|bias)$")
 _ROLE = {"gate_proj": "gate", "up_proj": "up", "fc1": "up", "down_proj": "down", "fc2": "down"}
 _VERIFY_SAMPLES = 4  # neurons per layer read back after writing
+STORE_FILES = (BUNDLES_FILE, RESIDENT_FILE)  # what convert writes: --force replaces these and nothing else
 
 
 def _ffn_layout(names: list[str]) -> tuple[dict[int, dict[str, str]], bool]:
@@ -79,7 +78,7 @@ def convert(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, dtype: st
     """
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-    out_dir = check_out_dir(out_dir, force, BUNDLES_FILE, checkpoint)
+    out_dir = check_out_dir(out_dir, force, STORE_FILES, checkpoint)
     ckpt = open_checkpoint(checkpoint)
     layers, glu = _ffn_layout(ckpt.names)
     torch_dtype = DTYPES[dtype]
@@ -87,8 +86,7 @@ def convert(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, dtype: st
     ffn, hidden = ckpt.shape(first["up"])
     width = (3 if glu else 2) * hidden
     metadata = _bundles_metadata(ckpt.config, dtype, ffn, hidden, glu, endor, list(layers.values()))
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    tmp = staging_dir(out_dir)
     try:
         expected = _write_bundles(tmp / BUNDLES_FILE, ckpt, layers, torch_dtype, endor, ffn, width, metadata,
                                   progress)
@@ -97,7 +95,7 @@ def convert(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, dtype: st
                                    torch_dtype, dtype, progress)
         with FlashStore(tmp) as written:
             _verify(written, expected, resident)
-        install_dir(tmp, out_dir)
+        install_dir(tmp, out_dir, STORE_FILES)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)
@@ -161,8 +159,7 @@ def synthesize(out_dir: str | os.PathLike, n_layers: int, hidden_size: int, n_ne
         for layer in range(n_layers):
             writer.write(layer_tensor_name(layer),
                          torch.randn((n_neurons, width), generator=generator, dtype=torch.float32).to(torch_dtype))
-    save_file({}, str(out_dir / RESIDENT_FILE), metadata={"magic": MAGIC, "format_version": FORMAT_VERSION,
-                                                           "dtype": dtype})
+    save_tensors({}, out_dir / RESIDENT_FILE, {"magic": MAGIC, "format_version": FORMAT_VERSION, "dtype": dtype})
     return out_dir
 
 

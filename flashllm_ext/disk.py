@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .paths import resolve_cache_dir
+from .paths import create_file, resolve_cache_dir, scratch_file, write_atomic
 
 if TYPE_CHECKING:
     from .reader import FlashReader, ReadStats
@@ -48,9 +48,10 @@ def load_disk_profile() -> DiskProfile | None:
 
 
 def make_test_file(path: str | os.PathLike, size: int, chunk: int = 64 << 20) -> None:
-    """A file of `size` bytes of non-repeating data, written for real (not sparse: holes read without I/O)."""
+    """A private file of `size` bytes of non-repeating data, written for real (not sparse: holes read without I/O),
+    never through a symbolic link at `path`."""
     generator = torch.Generator().manual_seed(0)
-    with open(path, "wb") as f:
+    with os.fdopen(create_file(path, private=True, exclusive=False), "wb") as f:
         block = torch.randint(0, 256, (chunk,), dtype=torch.uint8, generator=generator).numpy()
         written = 0
         while written < size:
@@ -76,9 +77,9 @@ def random_read_throughput(reader: FlashReader, file_size: int, read_bytes: int,
 
 def calibrate_disk(directory: str | os.PathLike = ".", size: int = 1 << 30, save: bool = True) -> DiskProfile:
     """Measure latency to first byte (4 KiB direct reads, one thread) and bandwidth (1 MiB direct reads,
-    32 threads) on a temporary test file of `size` bytes in `directory`; save the profile for FlashReader."""
-    path = Path(directory) / f".flashllm-calibrate-{os.getpid()}.bin"
-    try:
+    32 threads) on a temporary test file of `size` bytes in `directory` (paths.scratch_file); save the profile for
+    FlashReader."""
+    with scratch_file(directory, "calibrate.bin") as path:
         make_test_file(path, size)
         generator = torch.Generator().manual_seed(1)
         from .reader import FlashReader  # reader.py imports this module
@@ -87,15 +88,12 @@ def calibrate_disk(directory: str | os.PathLike = ".", size: int = 1 << 30, save
             latency = random_read_throughput(one, size, 4096, min(2000, size // 4096), generator)
         with FlashReader.for_file(path, threads=32, min_read=0, max_gap=-1) as many:
             bandwidth = random_read_throughput(many, size, 1 << 20, min(512, size >> 20), generator)
-    finally:
-        path.unlink(missing_ok=True)
     profile = DiskProfile(latency.wall_s / latency.n_reads, bandwidth.bytes_read / bandwidth.wall_s,
                           str(Path(directory).resolve()))
     if save:
         target = disk_profile_path()
         target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_suffix(f".tmp-{os.getpid()}")
-        tmp.write_text(json.dumps({**asdict(profile), "max_gap_bytes_1_thread": profile.max_gap_bytes(1),
-                                   "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}, indent=1))
-        tmp.rename(target)
+        write_atomic(target, json.dumps({**asdict(profile), "max_gap_bytes_1_thread": profile.max_gap_bytes(1),
+                                         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}, indent=1).encode(),
+                     private=False)
     return profile

@@ -15,12 +15,12 @@ from collections.abc import Mapping
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from . import _ops, ops
 from .bits import BITS_VIEW, pack_bitmap
 from .errors import FormatError
-from .safetensors_io import read_header
+from .safetensors_io import read_header, save_tensors
 
 FORMAT_NAME = "flashllm-endor"
 FORMAT_VERSION = "1"
@@ -199,7 +199,7 @@ def save(path: str | os.PathLike, tensors: Mapping[str, EndorTensor | torch.Tens
             raise TypeError(f"{name}: expected EndorTensor or Tensor, got {type(t).__name__}")
     if len(flat) != sum(3 if isinstance(t, EndorTensor) else 1 for t in tensors.values()):
         raise ValueError("tensor names collide with the '<name>.values/.bitmap/.row_offsets' of an EndorTensor")
-    save_file(flat, os.fspath(path), metadata=metadata)
+    save_tensors(flat, path, metadata)
 
 
 def load(path: str | os.PathLike, device: torch.device | str = "cpu") -> dict[str, EndorTensor | torch.Tensor]:

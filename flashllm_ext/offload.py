@@ -47,7 +47,6 @@ import json
 import os
 import re
 import shutil
-import tempfile
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -58,7 +57,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from safetensors import safe_open
-from safetensors.torch import save_file
 from torch import nn
 from tqdm.auto import tqdm
 
@@ -67,10 +65,10 @@ from .checkpoint import Checkpoint, open_checkpoint
 from .engine import _tensor_bytes, assign_resident, empty_model, parse_budget
 from .errors import FormatError
 from .models.hf import decoder_layers
-from .paths import check_out_dir, install_dir
+from .paths import check_out_dir, install_dir, staging_dir
 from .reader import MAX_THREADS, FlashReader, ReadStats, host_bounce_bytes, select_read_path
 from .safetensors_io import (AlignedWriter, ResidentFile, TensorEntry, TensorSpec, drop_page_cache, dtype_name,
-                             owned_tensor, read_header)
+                             owned_tensor, read_header, save_tensors)
 from .store import ALIGNMENT, BUNDLES_FILE, DTYPES
 from .transfer import aligned_buffer, cuda_device, pinned_buffer
 
@@ -78,6 +76,7 @@ MAGIC = "flashllm-offload"
 FORMAT_VERSION = "1"
 LAYERS_FILE = "layers.safetensors"
 RESIDENT_FILE = "resident.safetensors"
+STORE_FILES = (LAYERS_FILE, RESIDENT_FILE)  # what convert_offload writes: --force replaces these only
 END_TENSOR = "layers.end"  # zero bytes up to the next block: the last layer's range ends inside the file
 TENSOR_ALIGNMENT = 64  # inside a layer: every element size and a cache line; layer starts are ALIGNMENT-aligned
 MODES = ("dense", "endor", "endor+more-resident")
@@ -137,7 +136,7 @@ def convert_offload(checkpoint: str | os.PathLike | Checkpoint, out_dir: str | o
     (paths.check_out_dir). Returns `out_dir`, absolute."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-    out_dir = check_out_dir(out_dir, force, LAYERS_FILE, None if isinstance(checkpoint, Checkpoint) else checkpoint)
+    out_dir = check_out_dir(out_dir, force, STORE_FILES, None if isinstance(checkpoint, Checkpoint) else checkpoint)
     ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else open_checkpoint(checkpoint)
     torch_dtype = DTYPES[dtype]
     layers = _layer_matrices(ckpt)
@@ -174,8 +173,7 @@ def convert_offload(checkpoint: str | os.PathLike | Checkpoint, out_dir: str | o
     metadata = {"magic": MAGIC, "format_version": FORMAT_VERSION, "config": json.dumps(ckpt.config),
                 "dtype": dtype, "alignment": str(ALIGNMENT), "tensor_alignment": str(TENSOR_ALIGNMENT),
                 "layers": json.dumps([[[e.name, list(e.shape), int(e.endor)] for e in layer] for layer in entries])}
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    tmp = staging_dir(out_dir)
     try:
         with AlignedWriter(tmp / LAYERS_FILE, specs, metadata, ALIGNMENT, TENSOR_ALIGNMENT) as writer:
             for pad, layer in tqdm(list(zip(pads, entries)), desc="writing layers", unit="layer",
@@ -194,9 +192,9 @@ def convert_offload(checkpoint: str | os.PathLike | Checkpoint, out_dir: str | o
         in_layers = {e.name for layer in entries for e in layer}
         resident = {n: (ckpt[n].to(torch_dtype) if ckpt[n].is_floating_point() else ckpt[n]).contiguous()
                     for n in ckpt.names if n not in in_layers}
-        save_file(resident, str(tmp / RESIDENT_FILE), metadata={"magic": MAGIC, "format_version": FORMAT_VERSION})
+        save_tensors(resident, tmp / RESIDENT_FILE, {"magic": MAGIC, "format_version": FORMAT_VERSION})
         _verify(LayerStore(tmp), ckpt, torch_dtype)
-        install_dir(tmp, out_dir)
+        install_dir(tmp, out_dir, STORE_FILES)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)

@@ -16,6 +16,7 @@ import torch
 from safetensors import safe_open
 
 from .errors import FormatError
+from .paths import create_file
 
 MAX_HEADER_BYTES = 100 << 20  # the limit the safetensors library itself enforces
 DTYPE_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
@@ -207,7 +208,7 @@ class AlignedWriter:
         raw = json.dumps(header, separators=(",", ":")).encode()
         padded = _round_up(8 + len(raw), alignment) - 8
         self.data_start = 8 + padded
-        self._file = open(self.path, "wb")
+        self._file = os.fdopen(create_file(self.path, private=False, exclusive=False), "wb")
         self._file.write(struct.pack("<Q", padded) + raw + b" " * (padded - len(raw)))
         self._next = 0
 
@@ -240,6 +241,17 @@ class AlignedWriter:
             self.close()
         else:
             self._file.close()
+
+
+def save_tensors(tensors: dict[str, torch.Tensor], path: str | os.PathLike,
+                 metadata: dict[str, str] | None = None) -> None:
+    """The file safetensors.torch.save_file writes (same packing: widest element first, then by name), through
+    paths.create_file: never through a symbolic link, with the umask's mode (save_file's files are 0600)."""
+    specs = sorted((TensorSpec(name, dtype_name(t.dtype), tuple(t.shape)) for name, t in tensors.items()),
+                   key=lambda spec: (-DTYPE_SIZES[spec.dtype], spec.name))
+    with AlignedWriter(path, specs, metadata, alignment=8, tensor_alignment=1) as writer:
+        for spec in specs:
+            writer.write(spec.name, tensors[spec.name])
 
 
 def _tensor_bytes(tensor: object) -> memoryview:

@@ -97,3 +97,12 @@ def mapped_ranges(path: str) -> list[tuple[int, int]]:
                 begin, end = (int(a, 16) for a in fields[0].split("-"))
                 ranges.append((begin, end))
     return ranges
+
+
+@pytest.fixture
+def umask():
+    """Sets the process umask for one test (files' modes depend on it); the previous one is restored after."""
+    previous = os.umask(0o022)
+    os.umask(previous)
+    yield os.umask
+    os.umask(previous)

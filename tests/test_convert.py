@@ -1,3 +1,4 @@
+import os
 import weakref
 from functools import partial
 
@@ -360,3 +361,96 @@ def test_convert_more_than_ten_layers(tmp_path):
     for layer in (2, 10):
         up = model.state_dict()[f"model.layers.{layer}.mlp.up_proj.weight"]
         assert torch.equal(s.bundle(layer, [3])[0, :8], up[3])
+
+
+@pytest.mark.parametrize("converter", ["flash store", "layer store"])
+def test_force_keeps_files_it_did_not_write_and_the_folder_mode(checkpoints, tmp_path, converter):
+    """force=True on a store holding another file refuses, naming that file, before any work (the file survives);
+    on a store alone it replaces the store's files and keeps the folder's mode."""
+    from flashllm_ext.offload import convert_offload
+    write = partial(convert, progress=False) if converter == "flash store" else partial(convert_offload, progress=False)
+    ckpt = checkpoints["opt"][0]
+    out = write(ckpt, tmp_path / "s")
+    (out / "thesis.txt").write_text("four years of work")
+    with pytest.raises(FileExistsError, match="thesis.txt"):
+        write(ckpt, out, force=True)
+    assert (out / "thesis.txt").read_text() == "four years of work"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s"]  # refused before any work: nothing written beside
+    (out / "thesis.txt").unlink()
+    out.chmod(0o750)
+    write(checkpoints["llama"][0], out, force=True)
+    assert out.stat().st_mode & 0o777 == 0o750
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s"]
+
+
+def test_force_keeps_a_file_put_in_the_store_while_it_is_written(checkpoints, tmp_path, monkeypatch):
+    """A file saved into OUT after the check, while the new store is being written, is moved into the new folder,
+    not removed with the old store."""
+    import flashllm_ext.convert as convert_module
+
+    out = convert(checkpoints["opt"][0], tmp_path / "s", progress=False)
+    real_verify = convert_module._verify
+
+    def verify_then_save_a_file(*args):
+        real_verify(*args)
+        (out / "notes.txt").write_text("written meanwhile")
+
+    monkeypatch.setattr(convert_module, "_verify", verify_then_save_a_file)
+    convert(checkpoints["llama"][0], out, force=True, progress=False)
+    assert (out / "notes.txt").read_text() == "written meanwhile" and store.FlashStore(out).glu
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s"]
+
+
+@pytest.mark.parametrize("converter", ["flash store", "layer store"])
+def test_stale_staging_folders_of_dead_converts_are_removed(checkpoints, tmp_path, converter):
+    """A convert killed mid-way leaves its staging folder beside OUT: the next convert into OUT removes those of
+    dead processes and names (without touching) those it cannot tell are dead."""
+    import subprocess
+
+    from flashllm_ext.offload import convert_offload
+    write = partial(convert, progress=False) if converter == "flash store" else partial(convert_offload, progress=False)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = tmp_path / f".s.tmp-{dead.pid}-x1y2"
+    running = tmp_path / f".s.tmp-{os.getppid()}-a3b4"  # a live process: maybe a convert still running
+    for d in (stale, running):
+        d.mkdir()
+        (d / "bundles.safetensors").write_bytes(b"\0" * 4096)
+    other = tmp_path / f".t.tmp-{dead.pid}-c5d6"  # another store's: not this convert's to judge
+    other.mkdir()
+    with pytest.warns(UserWarning, match=str(running)):
+        write(checkpoints["opt"][0], tmp_path / "s")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["s", running.name, other.name])
+
+
+def test_index_naming_a_shard_outside_the_checkpoint_is_refused(checkpoints, tmp_path):
+    """model.safetensors.index.json is untrusted: a shard path leaving the checkpoint folder (.. or absolute) is a
+    FormatError naming the entry, before the file is opened."""
+    import json
+    import shutil
+
+    src = checkpoints["llama"][0]
+    (tmp_path / "outside").mkdir()
+    shutil.copy(src / "model.safetensors", tmp_path / "outside" / "x.safetensors")
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    shutil.copy(src / "config.json", ckpt / "config.json")
+    names = list(checkpoints["llama"][1])
+    for shard in ("../outside/x.safetensors", str(tmp_path / "outside" / "x.safetensors"), "a/../../outside/x"):
+        index = {"metadata": {}, "weight_map": {name: shard for name in names}}
+        (ckpt / "model.safetensors.index.json").write_text(json.dumps(index))
+        with pytest.raises(FormatError, match=f"weight_map.*{shard}.*outside"):
+            convert(ckpt, tmp_path / "s", progress=False)
+    assert not (tmp_path / "s").exists()
+
+
+@pytest.mark.parametrize("converter", ["flash store", "layer store"])
+def test_store_files_follow_the_umask(checkpoints, tmp_path, umask, converter):
+    """A store is the user's like any file they write: its folder and files take the umask's modes."""
+    from flashllm_ext.offload import convert_offload
+    write = partial(convert, progress=False) if converter == "flash store" else partial(convert_offload, progress=False)
+    for mask, dir_mode, file_mode in ((0o022, 0o755, 0o644), (0o077, 0o700, 0o600)):
+        umask(mask)
+        out = write(checkpoints["opt"][0], tmp_path / f"s{mask:o}")
+        assert out.stat().st_mode & 0o777 == dir_mode
+        assert {p.stat().st_mode & 0o777 for p in out.iterdir()} == {file_mode}

@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from flashllm_ext.kv import HostKVAttention, KVShard, NearStorageAttention, ShardAttention, WorkerError
+from flashllm_ext.kv import (HostKVAttention, KVShard, NearStorageAttention, ShardAttention, ShardInUseError,
+                             WorkerError)
 from flashllm_ext.kv.attention import masked_decode_attention
 
 
@@ -258,3 +259,43 @@ def test_hung_worker_times_out(tmp_path):
     finally:
         attn.terminate()
     assert all(not shard._proc.is_alive() for shard in attn.shards) or not attn.shards
+
+
+def test_close_with_a_dead_worker_spills_every_live_shard(tmp_path):
+    """One worker died: close() still spills and closes every other shard (their buffered tokens reach the disk),
+    then raises naming the dead one."""
+    dirs = [tmp_path / "a", tmp_path / "b", tmp_path / "c"]
+    attn = NearStorageAttention(dirs, n_layers=1, batch=3, q_heads=2, kv_heads=2, head_dim=8, dtype=torch.float32,
+                                max_tokens=16, writeback=8, processes=True, timeout_s=300)
+    try:
+        attn.prefill(0, *random_kv(3, 2, 3, 8, torch.float32, 0))  # 3 tokens, all in the buffers (writeback 8)
+        os.kill(attn.shards[0].pid, signal.SIGKILL)
+        attn.shards[0]._proc.join()
+        with pytest.raises(WorkerError, match=r"shard0 .*exited with code -9") as info:
+            attn.close()
+        assert "shard1" not in str(info.value) and "shard2" not in str(info.value)
+        assert attn.shards == []
+    except BaseException:
+        attn.terminate()
+        raise
+    for d in dirs[1:]:
+        shard = KVShard.open(d)
+        assert shard.view(0).disk_len == 3
+        shard.close()
+
+
+@pytest.mark.parametrize("second", ["near storage", "host"])
+def test_two_backends_on_one_folder_are_refused(tmp_path, second):
+    """Two shards on one folder would read and overwrite each other's K/V: the second owner is refused, within one
+    backend or across two, and the folder is free again once the first is closed."""
+    shape = dict(n_layers=1, batch=2, q_heads=2, kv_heads=2, head_dim=8, dtype=torch.float32, max_tokens=16)
+    with pytest.raises(ShardInUseError, match="in use"):
+        NearStorageAttention([tmp_path / "a", tmp_path / "a"], processes=False, **shape)
+    first = NearStorageAttention([tmp_path / "a", tmp_path / "b"], processes=False, **shape)
+    with pytest.raises(ShardInUseError, match=f"{tmp_path / 'b'}.* in use"):
+        if second == "host":
+            HostKVAttention([tmp_path / "c", tmp_path / "b"], **shape)
+        else:
+            NearStorageAttention([tmp_path / "c", tmp_path / "b"], processes=False, **shape)
+    first.close()
+    HostKVAttention([tmp_path / "c", tmp_path / "b"], **shape).close()

@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from flashllm_ext.kv import KVFile, KVShard, SpillError, default_writeback, split_pairs
+from flashllm_ext.kv import KVFile, KVShard, ShardInUseError, SpillError, default_writeback, split_pairs
 from flashllm_ext.kv.files import BLOCK
 
 
@@ -261,3 +261,82 @@ def test_split_pairs():
     assert split_pairs(4, 4) == [(0, 1), (1, 2), (2, 3), (3, 4)]
     with pytest.raises(ValueError):
         split_pairs(2, 3)
+
+
+def test_failed_manifest_write_is_retried_by_flush_and_close(tmp_path, monkeypatch):
+    """The rows of a spill are on disk but the manifest naming them could not be written (ENOSPC): the next call
+    reports it, and flush()/close() write it again even with nothing left to spill, so a reopen sees every row."""
+    full = {"on": False}
+    real = KVShard._write_manifest
+
+    def write_manifest(self, *args, **kwargs):
+        if full["on"]:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(KVShard, "_write_manifest", write_manifest)
+    shard = KVShard.create(tmp_path, 1, 2, 4, torch.float16, 50, writeback=2)
+    k = rand_tokens(2, 2, 4)
+    full["on"] = True
+    shard.append(0, k, -k)  # the background spill writes the rows, then fails on the manifest
+    with pytest.raises(SpillError, match="No space left"):
+        shard.flush()
+    assert shard.buffered(0) == 0 and shard.view(0).disk_len == 2
+    with pytest.raises(SpillError, match="No space left"):
+        shard.flush()  # still not recorded: said again, not skipped
+    full["on"] = False
+    shard.close()
+    reopened = KVShard.open(tmp_path)
+    got_k, got_v = reopened.tokens(0)
+    assert torch.equal(got_k, k) and torch.equal(got_v, -k)
+    reopened.close()
+
+
+def test_create_never_writes_through_planted_symlinks(tmp_path):
+    """Links planted at the names a shard writes (its layer files, its manifest and the manifest's temporary file)
+    are refused before anything is written, and their targets stay untouched."""
+    victim = tmp_path / "victim"
+    for planted in ("layer0.k", "layer0.v", "shard.json", "shard.json.tmp"):
+        victim.write_text("precious")
+        d = tmp_path / f"kv-{planted}"
+        d.mkdir()
+        (d / planted).symlink_to(victim)
+        with pytest.raises(ValueError, match=f"{planted}.*symbolic link"):
+            KVShard.create(d, 1, 2, 4, torch.float16, 50)
+        with pytest.raises(ValueError, match=f"{planted}.*symbolic link"):
+            KVShard.open(d)
+        assert victim.read_text() == "precious"
+    (tmp_path / "link").symlink_to(victim)
+    with pytest.raises(OSError):  # reopened: not followed
+        KVFile(tmp_path / "link", 16, 4, create=False)
+    KVFile(tmp_path / "link", 16, 4, create=True).close()  # created: a new file in the link's place
+    assert victim.read_text() == "precious" and not (tmp_path / "link").is_symlink()
+
+
+def test_kv_files_are_private_to_the_user(tmp_path, umask):
+    """K/V derive from users' prompts: every file of a shard is 0600 (its folder 0700) whatever the umask."""
+    umask(0)
+    shard = KVShard.create(tmp_path / "kv", 2, 2, 4, torch.float16, 50, writeback=1)
+    shard.append(0, rand_tokens(1, 2, 4), rand_tokens(1, 2, 4))
+    shard.close()
+    assert (tmp_path / "kv").stat().st_mode & 0o777 == 0o700
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "kv").iterdir()}
+    assert "layer1.v" in modes and "shard.json" in modes
+    assert set(modes.values()) == {0o600}, modes
+
+
+def test_a_shard_folder_has_one_owner(tmp_path):
+    """A second shard on a folder in use (it would read and overwrite the first one's K/V) is refused at once,
+    created or reopened; closing (or abandoning) the first releases the folder."""
+    first = KVShard.create(tmp_path, 1, 2, 4, torch.float16, 50)
+    k = rand_tokens(3, 2, 4)
+    first.append(0, k, k)
+    for open_second in (lambda: KVShard.create(tmp_path, 1, 2, 4, torch.float16, 50), lambda: KVShard.open(tmp_path)):
+        with pytest.raises(ShardInUseError, match=f"{tmp_path}.* in use"):
+            open_second()
+    assert torch.equal(first.tokens(0)[0], k)  # the refused one changed nothing
+    first.close()
+    second = KVShard.open(tmp_path)
+    assert torch.equal(second.tokens(0)[0], k)
+    second.abandon()
+    KVShard.open(tmp_path).close()

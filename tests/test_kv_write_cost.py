@@ -2,6 +2,7 @@
 is charged to its shard's device (near storage and baseline), so delayed writeback saves device time; the
 regen/read regime's bandwidth arithmetic and the alpha it leads to; bench_kv times the final flush."""
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -103,6 +104,17 @@ def test_probe_write_request(tmp_path):
     assert probe.request_s > 0 and probe.seq_bytes_per_s > 0 and probe.write_bytes == 4096
     assert probe.request_bytes == round(probe.request_s * probe.seq_bytes_per_s)
     assert not list(tmp_path.iterdir())  # the scratch file is gone
+
+
+def test_probe_write_request_never_writes_through_a_planted_symlink(tmp_path):
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    (scratch / f".flashllm-write-probe-{os.getpid()}").symlink_to(victim)
+    probe_write_request(scratch, writes=8, seq_bytes=4 << 20, rounds=1)
+    assert victim.read_text() == "precious"
+    assert [p.name for p in scratch.iterdir()] == [f".flashllm-write-probe-{os.getpid()}"]
 
 
 def test_bench_times_the_final_flush(tmp_path):

@@ -249,6 +249,20 @@ def test_save_to_store_keeps_the_store_valid(tmp_path, llama):
         load_predictors(synthesize(tmp_path / "bare", n_layers=1, hidden_size=64, n_neurons=96))
 
 
+def test_save_to_store_never_writes_through_a_planted_link(tmp_path, llama):
+    """The predictors go to a temporary file beside the resident file: a link planted at its name is refused, not
+    followed, and its target keeps its bytes."""
+    from flashllm_ext.convert import synthesize
+
+    store_dir = synthesize(tmp_path / "store", n_layers=2, hidden_size=64, n_neurons=96, glu=True)
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    (store_dir / "resident.safetensors.partial").symlink_to(victim)
+    with pytest.raises(OSError):
+        save_predictors_to_store(_predictor_set(llama, 2, 64, 96, torch.zeros(2)), store_dir)
+    assert victim.read_text() == "precious"
+
+
 def test_load_rejects_malformed_files(tmp_path, llama):
     path = tmp_path / "p.safetensors"
     save_predictors(_predictor_set(llama, 2, 64, 96, torch.zeros(2)), path)

@@ -284,6 +284,31 @@ def test_calibrate_disk_and_profile(tmp_path, monkeypatch, flash_store, capsys):
     assert FlashReader(flash_store, threads=1).max_gap == reader.DEFAULT_MAX_GAP
 
 
+def test_calibrate_disk_never_writes_through_a_planted_symlink(tmp_path, monkeypatch):
+    """The scratch file is created exclusively in a private folder of its own: a link planted at a predictable name
+    in --dir is not followed (its target keeps its bytes), and the folder is removed after."""
+    monkeypatch.setenv("FLASHLLM_DISK_PROFILE", str(tmp_path / "profile" / "disk.json"))
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    (scratch / f".flashllm-calibrate-{os.getpid()}.bin").symlink_to(victim)
+    seen = []
+    real = disk.make_test_file
+
+    def make_test_file(path, size):
+        seen.append((os.stat(os.path.dirname(path)).st_mode & 0o777, os.path.dirname(path)))
+        real(path, size)
+        seen.append(os.stat(path).st_mode & 0o777)
+
+    monkeypatch.setattr(disk, "make_test_file", make_test_file)
+    disk.calibrate_disk(scratch, size=4 << 20)
+    assert victim.read_text() == "precious"
+    (private_mode, private_dir), file_mode = seen
+    assert private_mode == 0o700 and file_mode == 0o600 and os.path.dirname(private_dir) == str(scratch)
+    assert [p.name for p in scratch.iterdir()] == [f".flashllm-calibrate-{os.getpid()}.bin"]  # only the planted link
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_read_into_cuda(flash_store):
     with FlashReader(flash_store, threads=4) as r:

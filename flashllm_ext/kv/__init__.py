@@ -12,12 +12,12 @@ from .baseline import HostKVAttention
 from .files import IOCounters, KVFile
 from .link import Link
 from .near_storage import NearStorageAttention
-from .store import KVShard, KVView, SpillError, default_writeback, split_pairs
+from .store import KVShard, KVView, ShardInUseError, SpillError, default_writeback, split_pairs
 from .traffic import PREFILL, Traffic, TrafficLog
 from .worker import LocalShard, ShardSpec, ShardWorker, WorkerError
 from .xcache import AlphaChoice, XCacheAttention, choose_alpha, linear_projector
 
 __all__ = ["AlphaChoice", "HostKVAttention", "IOCounters", "KVFile", "KVShard", "KVView", "Link", "LocalShard",
-           "NearStorageAttention", "PREFILL", "ShardAttention", "ShardSpec", "ShardWorker", "SpillError", "Traffic",
-           "TrafficLog", "WorkerError", "XCacheAttention", "choose_alpha", "default_writeback", "linear_projector",
-           "split_pairs"]
+           "NearStorageAttention", "PREFILL", "ShardAttention", "ShardInUseError", "ShardSpec", "ShardWorker",
+           "SpillError", "Traffic", "TrafficLog", "WorkerError", "XCacheAttention", "choose_alpha", "default_writeback",
+           "linear_projector", "split_pairs"]

@@ -20,9 +20,11 @@ import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
+from ..paths import create_file
 from ..reader import FlashReader, ReadStats
 
 BLOCK = 4096  # direct-I/O block: the reader widens to its file's statx alignment; 4 KiB covers every device here
@@ -67,7 +69,8 @@ class IOCounters:
 class KVFile:
     """Rows [0, length) of `row_bytes` bytes each, in a file preallocated for `max_tokens` rows.
 
-    create=True makes (or truncates) the file; False opens an existing one whose first `length` rows hold data.
+    create=True makes a new file (replacing one there); False opens an existing one whose first `length` rows hold
+    data. Neither follows a symbolic link at `path`.
     """
 
     def __init__(self, path: str | os.PathLike, row_bytes: int, max_tokens: int, *, create: bool, length: int = 0,
@@ -81,14 +84,17 @@ class KVFile:
         self.fault_injector = fault_injector
         self.counters = IOCounters()
         self._lock = threading.Lock()
-        flags = os.O_RDWR | os.O_CLOEXEC | (os.O_CREAT | os.O_TRUNC if create else 0)
+        if create:  # a new file (the old one's blocks are not reused): created exclusively, private, never a link
+            Path(self.path).unlink(missing_ok=True)
+            os.close(create_file(self.path, private=True))
+        flags = os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW
         try:
-            self._fd = os.open(self.path, flags | os.O_DIRECT, 0o644)
+            self._fd = os.open(self.path, flags | os.O_DIRECT)
             self.direct = True
         except OSError as e:  # a filesystem without O_DIRECT: buffered, and `direct` says so
             if e.errno != errno.EINVAL:
                 raise
-            self._fd = os.open(self.path, flags, 0o644)
+            self._fd = os.open(self.path, flags)
             self.direct = False
         try:
             size = os.fstat(self._fd).st_size

@@ -18,7 +18,8 @@ import statistics
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
+
+from ..paths import scratch_file
 
 
 class Link:
@@ -79,32 +80,31 @@ def probe_write_request(directory: str | os.PathLike, *, write_bytes: int = 4096
     `write_bytes` O_DIRECT | O_DSYNC write appended into a fallocated file (each write durable before the next,
     as a KV spill is written and fdatasync'ed into its preallocated file) and the sequential bandwidth of
     `seq_block` O_DIRECT writes of `seq_bytes` followed by one fdatasync. Medians of `rounds`."""
-    path = Path(directory) / f".flashllm-write-probe-{os.getpid()}"
     buf = mmap.mmap(-1, max(write_bytes, seq_block))  # page aligned, as O_DIRECT wants
     buf.write(os.urandom(len(buf)))
     small, seq = [], []
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_DIRECT | os.O_CLOEXEC, 0o600)
-    try:
-        for _ in range(rounds):
-            os.ftruncate(fd, 0)
-            os.posix_fallocate(fd, 0, max(seq_bytes, writes * write_bytes))
-            os.fsync(fd)
-            sync_fd = os.open(path, os.O_WRONLY | os.O_DIRECT | os.O_DSYNC | os.O_CLOEXEC)
-            try:
-                view = memoryview(buf)[:write_bytes]
+    with scratch_file(directory, "write-probe") as path:
+        fd = os.open(path, os.O_RDWR | os.O_DIRECT | os.O_CLOEXEC | os.O_NOFOLLOW)
+        try:
+            for _ in range(rounds):
+                os.ftruncate(fd, 0)
+                os.posix_fallocate(fd, 0, max(seq_bytes, writes * write_bytes))
+                os.fsync(fd)
+                sync_fd = os.open(path, os.O_WRONLY | os.O_DIRECT | os.O_DSYNC | os.O_CLOEXEC | os.O_NOFOLLOW)
+                try:
+                    view = memoryview(buf)[:write_bytes]
+                    start = time.perf_counter()
+                    for i in range(writes):
+                        os.pwrite(sync_fd, view, i * write_bytes)
+                    small.append((time.perf_counter() - start) / writes)
+                finally:
+                    os.close(sync_fd)
+                view = memoryview(buf)[:seq_block]
                 start = time.perf_counter()
-                for i in range(writes):
-                    os.pwrite(sync_fd, view, i * write_bytes)
-                small.append((time.perf_counter() - start) / writes)
-            finally:
-                os.close(sync_fd)
-            view = memoryview(buf)[:seq_block]
-            start = time.perf_counter()
-            for offset in range(0, seq_bytes, seq_block):
-                os.pwrite(fd, view, offset)
-            os.fdatasync(fd)
-            seq.append(seq_bytes / (time.perf_counter() - start))
-    finally:
-        os.close(fd)
-        path.unlink(missing_ok=True)
+                for offset in range(0, seq_bytes, seq_block):
+                    os.pwrite(fd, view, offset)
+                os.fdatasync(fd)
+                seq.append(seq_bytes / (time.perf_counter() - start))
+        finally:
+            os.close(fd)
     return WriteRequestProbe(statistics.median(small), statistics.median(seq), write_bytes)

@@ -163,32 +163,49 @@ class NearStorageAttention(AttentionBackend):
                 except Exception:
                     pass
 
-    def _all(self, op: int | Callable[[int, ShardWorker | LocalShard], None]) -> None:
-        """op (or submit(i, shard)) on every shard; every reply is collected before the first error is raised (a
-        shard whose reply were left pending would refuse the next request)."""
+    def _each(self, op: int | Callable[[int, ShardWorker | LocalShard], None]) -> list[WorkerError | None]:
+        """op (or submit(i, shard)) on every shard, every reply collected (a shard whose reply were left pending
+        would refuse the next request); a shard that fails or is dead does not keep the others from running it.
+        Returns each shard's error (None: done)."""
+        errors: list[WorkerError | None] = [None] * len(self.shards)
         try:
             for i, shard in enumerate(self.shards):
-                if callable(op):
-                    op(i, shard)
-                else:
-                    shard.submit(op)
+                try:
+                    if callable(op):
+                        op(i, shard)
+                    else:
+                        shard.submit(op)
+                except WorkerError as e:
+                    errors[i] = e
         except BaseException:
             self._drain()
             raise
-        error = None
-        for shard in self.shards:
-            try:
-                shard.wait()
-            except WorkerError as e:
-                error = error or e
+        for i, shard in enumerate(self.shards):
+            if errors[i] is None:
+                try:
+                    shard.wait()
+                except WorkerError as e:
+                    errors[i] = e
+        return errors
+
+    def _all(self, op: int | Callable[[int, ShardWorker | LocalShard], None]) -> None:
+        """_each, raising the first error."""
+        error = next((e for e in self._each(op) if e is not None), None)
         if error is not None:
             raise error
 
     def flush(self) -> None:
         """Every shard spills its buffer (raises WorkerError naming a shard whose spill failed)."""
-        self._all(OP_FLUSH)
+        error = next((e for e in self._flush_each() if e is not None), None)
+        if error is not None:
+            raise error
+
+    def _flush_each(self) -> list[WorkerError | None]:
+        """OP_FLUSH on every shard (_each), the writes recorded in `traffic`."""
+        errors = self._each(OP_FLUSH)
         for i in range(len(self.shards)):
             self._record_io(FLUSH, FLUSH, i)
+        return errors
 
     def reset(self) -> None:
         """Forgets every token and the padding (a new batch); the traffic log is cleared too."""
@@ -200,9 +217,14 @@ class NearStorageAttention(AttentionBackend):
 
     def close(self) -> None:
         """Spills (recording the writes in `traffic`) and stops every worker. A failed spill raises with every
-        worker still up (nothing lost); a failure to stop one is raised after stopping the others."""
-        if self.shards:
-            self.flush()
+        worker still up (nothing lost; close() again retries). A dead worker does not keep the others from spilling
+        and stopping: it is named in the WorkerError raised after (its buffered tokens are lost). A failure to stop
+        one is raised after stopping the others."""
+        errors = self._flush_each()
+        failed = [e for e, shard in zip(errors, self.shards) if e is not None and shard.dead is None]
+        if failed:
+            raise failed[0]
+        dead = [shard.dead for shard in self.shards if shard.dead is not None]
         error = None
         for shard in self.shards:
             try:
@@ -210,6 +232,9 @@ class NearStorageAttention(AttentionBackend):
             except Exception as e:
                 error = error or e
         self.shards = []
+        if dead:
+            raise WorkerError(f"{'; '.join(dead)} (a dead worker's buffered tokens are lost; every other shard was "
+                              "spilled and closed)")
         if error is not None:
             raise error
 

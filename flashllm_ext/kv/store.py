@@ -14,12 +14,16 @@ Durability: a spill is done when its rows are synced (fdatasync of both files); 
 synced, so after a crash the manifest never names rows the device does not hold.
 
 A failed spill keeps the buffer (nothing is lost, attention still sees every token) and surfaces as `SpillError`
-from the next call on the shard; `flush()` then retries. The manifest `shard.json` records the rows on disk per
-layer after every spill (written to a temporary file and renamed), so `KVShard.open(directory)` recovers every
-spilled token after a restart; with `close()` that is every token.
+from the next call on the shard; `flush()` then retries, the manifest too if that is what failed. The manifest
+`shard.json` records the rows on disk per layer after every spill (written to a temporary file and renamed), so
+`KVShard.open(directory)` recovers every spilled token after a restart; with `close()` that is every token.
+
+A folder has one owner: the shard holds an flock on `shard.lock` until it is closed, and a second shard there is
+refused (ShardInUseError). The files are private to the user (0600) and never written through a symbolic link.
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import math
 import os
@@ -31,16 +35,22 @@ from pathlib import Path
 import torch
 
 from ..errors import FormatError
+from ..paths import PRIVATE_DIR_MODE, create_file, write_atomic
 from .files import BLOCK, FaultInjector, IOCounters, KVFile
 from .link import Link
 
 FORMAT_VERSION = 1
 MANIFEST = "shard.json"
+LOCK_FILE = "shard.lock"
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 class SpillError(RuntimeError):
     """A background spill failed; the buffer still holds every token it was to write (see `__cause__`)."""
+
+
+class ShardInUseError(RuntimeError):
+    """Another shard (in this process or another) owns the folder: two owners would overwrite each other's K/V."""
 
 
 def default_writeback(token_bytes: int, min_write: int = BLOCK) -> int:
@@ -89,7 +99,9 @@ class KVShard:
         if self.writeback < 1:
             raise ValueError(f"writeback must be >= 1 step, got {writeback}")
         lengths = lengths or [0] * n_layers
-        self.directory.mkdir(parents=True, exist_ok=True)
+        self.directory.mkdir(mode=PRIVATE_DIR_MODE, parents=True, exist_ok=True)
+        _check_no_links(self.directory)
+        self._owner = _own(self.directory)  # before any file is touched: another owner's files are not ours to change
         self._files: list[tuple[KVFile, KVFile]] = []
         try:
             for layer in range(n_layers):
@@ -112,9 +124,14 @@ class KVShard:
         self._last_spill: list[Future | None] = [None] * n_layers
         self._assigned = [0] * n_layers  # buffered tokens already handed to a queued spill
         self._error: BaseException | None = None
+        self._manifest_stale = False  # rows are on disk that the manifest does not name yet (its write failed)
         self._closed = False
         if create:
-            self._write_manifest()
+            try:
+                self._write_manifest()
+            except BaseException:
+                self.abandon()
+                raise
 
     # ------------------------------------------------------------------------------------------------ lifecycle
     @classmethod
@@ -126,6 +143,7 @@ class KVShard:
     @classmethod
     def open(cls, directory: str | os.PathLike, **kwargs) -> KVShard:
         """Reopens a shard: every token spilled before (all of them after close()) is there again."""
+        _check_no_links(Path(directory))
         path = Path(directory) / MANIFEST
         try:
             meta = json.loads(path.read_text())
@@ -150,27 +168,29 @@ class KVShard:
         meta = {"format_version": FORMAT_VERSION, "n_layers": self.n_layers, "pairs": self.pairs,
                 "head_dim": self.head_dim, "dtype": dtype_name, "max_tokens": self.max_tokens,
                 "writeback": self.writeback, "lengths": list(self._disk_len if lengths is None else lengths)}
-        tmp = self.directory / (MANIFEST + ".tmp")
-        with open(tmp, "w") as f:
-            f.write(json.dumps(meta))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.directory / MANIFEST)
-        fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY)
+        write_atomic(self.directory / MANIFEST, json.dumps(meta).encode(), private=True)
+
+    def _record(self, lengths: list[int] | None = None) -> None:
+        """_write_manifest, remembering a failure so that flush() and close() write it again (SpillError)."""
         try:
-            os.fsync(fd)  # the rename itself
-        finally:
-            os.close(fd)
+            self._write_manifest(lengths)
+        except OSError as e:  # the rows are on disk and nothing is lost here; a restart would not see them yet
+            self._manifest_stale = True
+            raise SpillError(f"recording the rows on disk in {self.directory / MANIFEST} failed: {e}; flush() "
+                             "retries") from e
+        self._manifest_stale = False
 
     def flush(self) -> None:
-        """Spills every buffered token now (waits for the background spills first). Raises SpillError (buffer kept)
-        on failure; call again to retry."""
+        """Spills every buffered token now (waits for the background spills first) and makes sure the manifest
+        names every row on disk. Raises SpillError (buffer kept) on failure; call again to retry."""
         self._check_open()
         self._wait_pending()
         self._raise_error()
         for layer in range(self.n_layers):
             self._spill(layer, None)
         self._raise_error()
+        if self._manifest_stale:
+            self._record()
 
     def close(self) -> None:
         """flush(), then close the files. If the flush fails the shard stays open (nothing is lost) and raises."""
@@ -189,9 +209,11 @@ class KVShard:
             self._closed = True
 
     def _close_files(self) -> None:
+        """Closes the files, then gives up the folder."""
         for pair in self._files:
             for f in pair:
                 f.close()
+        os.close(self._owner)
 
     def __enter__(self) -> KVShard:
         return self
@@ -212,7 +234,7 @@ class KVShard:
                 self._v_buf[layer] = self._v_buf[layer][:0]
                 self._assigned[layer] = 0
                 self._disk_len[layer] = 0
-            self._write_manifest()
+            self._record()
 
     # ------------------------------------------------------------------------------------------------ data path
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> KVView:
@@ -338,12 +360,10 @@ class KVShard:
             self._assigned[layer] -= n if queued else 0
             lengths = list(self._disk_len)
         try:  # outside the lock: its syncs must not hold up attention's views
-            self._write_manifest(lengths)
-        except OSError as e:  # the rows are on disk and nothing is lost here; a restart would not see them yet
+            self._record(lengths)
+        except SpillError as e:
             if self._error is None:
-                self._error = SpillError(f"recording the spill of layer {layer} in {self.directory / MANIFEST} "
-                                         f"failed: {e}")
-                self._error.__cause__ = e
+                self._error = e
 
     def _wait_pending(self) -> None:
         for future in self._pending:
@@ -367,6 +387,32 @@ class KVShard:
     def __repr__(self) -> str:
         return (f"KVShard({str(self.directory)!r}, layers={self.n_layers}, pairs={self.pairs}, "
                 f"head_dim={self.head_dim}, {self.dtype}, max_tokens={self.max_tokens}, writeback={self.writeback})")
+
+
+def _check_no_links(directory: Path) -> None:
+    """A KV folder holds the shard's own files only: a symbolic link there (planted to make the shard overwrite its
+    target) is refused before anything is read or written."""
+    if directory.is_dir():
+        for entry in os.scandir(directory):
+            if entry.is_symlink():
+                raise ValueError(f"{directory}: {entry.name} is a symbolic link; a KV folder holds only its shard's "
+                                 "files, and no file is written through a link")
+
+
+def _own(directory: Path) -> int:
+    """Takes the folder's lock (flock on LOCK_FILE, released when its descriptor closes, or the process ends);
+    returns the descriptor. ShardInUseError if another shard holds it."""
+    fd = create_file(directory / LOCK_FILE, private=True, exclusive=False)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise ShardInUseError(f"KV folder {directory} is in use by another shard (it holds {LOCK_FILE}'s lock); "
+                              "give each shard a folder of its own") from None
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def split_pairs(n_pairs: int, n_shards: int) -> list[tuple[int, int]]:

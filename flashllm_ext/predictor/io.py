@@ -10,9 +10,9 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 
 from ..errors import FormatError
+from ..safetensors_io import save_tensors
 from ..store import RESIDENT_FILE, FlashStore
 from .base import NeuronPredictor, predictor_class
 
@@ -30,7 +30,7 @@ def _tensors_and_metadata(predictors: NeuronPredictor) -> tuple[dict[str, torch.
 def save_predictors(predictors: NeuronPredictor, path: str | os.PathLike) -> None:
     """Write a standalone predictors file (safetensors)."""
     tensors, meta = _tensors_and_metadata(predictors)
-    save_file(tensors, os.fspath(path), metadata={"format": FORMAT_NAME, "version": FORMAT_VERSION, **meta})
+    save_tensors(tensors, path, {"format": FORMAT_NAME, "version": FORMAT_VERSION, **meta})
 
 
 def save_predictors_to_store(predictors: NeuronPredictor, store_dir: str | os.PathLike,
@@ -51,7 +51,7 @@ def save_predictors_to_store(predictors: NeuronPredictor, store_dir: str | os.Pa
     if recipe is not None:
         meta[RECIPE_KEY] = json.dumps(recipe, sort_keys=True)
     partial = path.with_name(path.name + ".partial")
-    save_file({**kept, **tensors}, str(partial), metadata={**metadata, **meta})
+    save_tensors({**kept, **tensors}, partial, {**metadata, **meta})
     os.replace(partial, path)
     return path
 
