@@ -22,6 +22,7 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from .errors import FormatError
+from .paths import regular_file
 from .safetensors_io import TensorEntry, dtype_name, read_header
 
 GGUF_MAGIC = b"GGUF"
@@ -40,7 +41,7 @@ _READER_ERRORS = (ValueError, IndexError, KeyError, TypeError, OverflowError, st
 def _open(path: str | os.PathLike):
     import gguf
 
-    path = os.fspath(path)
+    path = regular_file(path)
     with open(path, "rb") as f:
         magic = f.read(4)
     if magic != GGUF_MAGIC:
@@ -186,7 +187,7 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
 def _read_json(path: Path) -> dict:
     """A checkpoint's JSON object; anything else raises FormatError naming the file."""
     try:
-        parsed = json.loads(path.read_text())
+        parsed = json.loads(Path(regular_file(path)).read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise FormatError(path.name, f"not readable JSON ({e})", str(path)) from e
     if not isinstance(parsed, dict):
@@ -200,7 +201,7 @@ class SafetensorsCheckpoint(Checkpoint):
     def __init__(self, path: str | os.PathLike):
         path = Path(path)
         config_path = path / "config.json"
-        if not config_path.is_file():
+        if not config_path.exists():
             raise FormatError("config.json", "missing", str(path))
         self.config = _read_json(config_path)
         self._shard_of, self._entries = self._index(path)
@@ -211,7 +212,7 @@ class SafetensorsCheckpoint(Checkpoint):
     def _index(path: Path) -> tuple[dict[str, Path], dict[str, TensorEntry]]:
         """(tensor name -> shard, tensor name -> header entry), every shard header validated before any data is read."""
         index = path / "model.safetensors.index.json"
-        if index.is_file():
+        if index.exists():
             weight_map = _read_json(index).get("weight_map")
             if not isinstance(weight_map, dict):
                 raise FormatError("weight_map", "missing or not an object", str(index))

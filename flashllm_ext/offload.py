@@ -225,7 +225,7 @@ class LayerStore:
         self.path = Path(path)
         self.layers_path = str(self.path / LAYERS_FILE)
         self.resident_path = str(self.path / RESIDENT_FILE)
-        if not os.path.isfile(self.layers_path):
+        if not os.path.lexists(self.layers_path):
             hint = ("it does not exist" if not self.path.exists() else
                     "it is a flash store: load_flash / flashllm run" if (self.path / BUNDLES_FILE).is_file() else
                     "a checkpoint? convert_offload / flashllm offload --convert writes a layer store from it"

@@ -3,7 +3,10 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 from pathlib import Path
+
+from .errors import FormatError
 
 
 def resolve_cache_dir(path: str | os.PathLike | None = None) -> Path:
@@ -11,6 +14,19 @@ def resolve_cache_dir(path: str | os.PathLike | None = None) -> Path:
     chosen = Path(path or os.environ.get("FLASHLLM_CACHE") or Path.home() / ".cache" / "flashllm_ext")
     chosen.mkdir(parents=True, exist_ok=True)
     return chosen
+
+
+def regular_file(path: str | os.PathLike, field: str = "file") -> str:
+    """`path` as a string once it names a regular file (links followed). Every loader calls it before opening a
+    file: open() of a FIFO blocks until a writer appears, and a device or socket streams without end. Raises
+    FileNotFoundError (or another OSError) when it cannot be looked up, FormatError naming `field` otherwise."""
+    path = os.fspath(path)
+    mode = os.stat(path).st_mode
+    if not stat.S_ISREG(mode):
+        kind = ("a FIFO" if stat.S_ISFIFO(mode) else "a directory" if stat.S_ISDIR(mode) else
+                "a socket" if stat.S_ISSOCK(mode) else "a device")
+        raise FormatError(field, f"is {kind}, not a regular file", path)
+    return path
 
 
 def check_out_dir(out_dir: str | os.PathLike, force: bool, store_file: str,

@@ -44,6 +44,7 @@ from . import ops
 from ._native import require_native
 from .disk import load_disk_profile
 from .errors import FormatError
+from .paths import regular_file
 from .store import EndorLocation, FlashStore, layer_tensor_name
 from .transfer import pinned_bytes
 
@@ -183,7 +184,7 @@ class FlashReader:
         if (store is None) == (file is None):
             raise ValueError("give exactly one of store and file")
         self.store = None if store is None else store if isinstance(store, FlashStore) else FlashStore(store)
-        path = os.fspath(file) if file is not None else self.store.bundles_path
+        path = regular_file(file) if file is not None else self.store.bundles_path
         if max_gap is None:
             profile = load_disk_profile()
             max_gap = profile.max_gap_bytes(threads) if profile else DEFAULT_MAX_GAP

@@ -1,5 +1,6 @@
 """Checkpoint readers: GGUF files under Hugging Face names (equal to what transformers loads), dequantized one
 tensor at a time; Hugging Face safetensors directories; bad files raise FormatError naming file and field."""
+import os
 from pathlib import Path
 
 import gguf
@@ -10,6 +11,7 @@ from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 from flashllm_ext import FormatError
 from flashllm_ext.checkpoint import GGUFCheckpoint, gguf_config, load_gguf, open_checkpoint
+from conftest import refuses_without_blocking
 from test_models import TINY, tiny_llama  # noqa: F401  (tiny_llama: a fixture)
 
 _GGUF_BLOCK = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
@@ -177,3 +179,17 @@ def test_safetensors_checkpoint_shapes_come_from_the_header(tmp_path, tiny_llama
     assert ckpt.config["hidden_size"] == TINY["hidden_size"]
     for name in ckpt.names:
         assert ckpt.shape(name) == tuple(state[name].shape) and torch.equal(ckpt[name], state[name]), name
+
+
+@pytest.mark.parametrize("name", ["config.json", "model.safetensors"])
+def test_a_fifo_in_a_checkpoint_directory_is_refused(tmp_path, tiny_llama, name):
+    tiny_llama.save_pretrained(tmp_path / "ckpt")
+    (tmp_path / "ckpt" / name).unlink()
+    os.mkfifo(tmp_path / "ckpt" / name)
+    refuses_without_blocking(lambda: open_checkpoint(tmp_path / "ckpt"), tmp_path / "ckpt" / name)
+
+
+@pytest.mark.parametrize("load", [GGUFCheckpoint, gguf_config])
+def test_a_fifo_named_as_a_gguf_is_refused(tmp_path, load):
+    os.mkfifo(tmp_path / "model.gguf")
+    refuses_without_blocking(lambda: load(tmp_path / "model.gguf"), tmp_path / "model.gguf")

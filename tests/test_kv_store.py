@@ -6,6 +6,7 @@ import os
 import pytest
 import torch
 
+from conftest import refuses_without_blocking
 from flashllm_ext.kv import KVFile, KVShard, SpillError, default_writeback, split_pairs
 from flashllm_ext.kv.files import BLOCK
 
@@ -261,3 +262,11 @@ def test_split_pairs():
     assert split_pairs(4, 4) == [(0, 1), (1, 2), (2, 3), (3, 4)]
     with pytest.raises(ValueError):
         split_pairs(2, 3)
+
+
+@pytest.mark.parametrize("name", ["shard.json", "layer0.k"])
+def test_open_refuses_a_fifo_in_the_shard(tmp_path, name):
+    KVShard.create(tmp_path, 1, 2, 4, torch.float16, 4).close()
+    (tmp_path / name).unlink()
+    os.mkfifo(tmp_path / name)
+    refuses_without_blocking(lambda: KVShard.open(tmp_path), tmp_path / name)

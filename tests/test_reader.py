@@ -14,7 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from flashllm_ext import cli, disk, reader, store
+from conftest import refuses_without_blocking
+from flashllm_ext import FormatError, cli, disk, reader, store
 from flashllm_ext.convert import convert
 from flashllm_ext.reader import FlashReader, ReadResult, has_io_uring
 
@@ -124,9 +125,9 @@ def test_out_argument_and_bad_arguments(flash_store):
 
 
 def test_bad_construction(tmp_path, flash_store):
-    with pytest.raises(RuntimeError, match=f"{tmp_path / 'nope'}.*errno {errno.ENOENT}"):
+    with pytest.raises(FileNotFoundError, match=str(tmp_path / "nope")):
         FlashReader.for_file(tmp_path / "nope")
-    with pytest.raises(RuntimeError, match="directory"):
+    with pytest.raises(FormatError, match="a directory, not a regular file"):
         FlashReader.for_file(tmp_path)
     with pytest.raises(RuntimeError, match="threads"):
         FlashReader(flash_store, threads=0)
@@ -360,3 +361,8 @@ def test_rows_longer_than_one_request(tmp_path, engine):
     want = torch.cat([data[base + i * row_bytes: base + (i + 1) * row_bytes] for i in ids.tolist()])
     assert torch.equal(out, want)
     assert stats.n_reads == 5 and stats.bytes_requested == 5 * row_bytes  # merging 7 and 8 would pass max_read
+
+
+def test_for_file_refuses_a_fifo(tmp_path):
+    os.mkfifo(tmp_path / "data")
+    refuses_without_blocking(lambda: FlashReader.for_file(tmp_path / "data", threads=1), tmp_path / "data")

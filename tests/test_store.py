@@ -1,5 +1,7 @@
 """FlashStore: reads what convert wrote, and refuses stores whose headers lie (FormatError naming file and field)."""
 import json
+import os
+import shutil
 import struct
 
 import pytest
@@ -9,8 +11,9 @@ from hypothesis import strategies as st
 
 from flashllm_ext import FormatError, store
 from flashllm_ext.convert import convert
+from flashllm_ext.offload import LayerStore, convert_offload
 from flashllm_ext.safetensors_io import AlignedWriter, TensorSpec, read_header
-from conftest import mapped_ranges
+from conftest import mapped_ranges, refuses_without_blocking
 from test_convert import _llama
 
 
@@ -21,10 +24,15 @@ def llama_store(tmp_path_factory):
     return convert(root / "ckpt", root / "store", progress=False)
 
 
+@pytest.fixture(scope="module")
+def layer_store(tmp_path_factory):
+    root = tmp_path_factory.mktemp("layers")
+    _llama().save_pretrained(root / "ckpt")
+    return convert_offload(root / "ckpt", root / "store")
+
+
 @pytest.fixture
 def store_copy(llama_store, tmp_path):
-    import shutil
-
     return shutil.copytree(llama_store, tmp_path / "copy")
 
 
@@ -202,3 +210,17 @@ def test_resident_tensors_do_not_map_the_store(llama_store):
     assert not [t for t in tensors if any(b <= t.data_ptr() < e for b, e in mapped)]
     model.flash.close()
     fs.close()
+
+
+@pytest.mark.parametrize("name", [store.BUNDLES_FILE, store.RESIDENT_FILE])
+def test_a_fifo_in_place_of_a_store_file_is_refused(store_copy, name):
+    (store_copy / name).unlink()
+    os.mkfifo(store_copy / name)
+    refuses_without_blocking(lambda: store.FlashStore(store_copy), store_copy / name)
+
+
+def test_a_fifo_in_place_of_a_layer_store_file_is_refused(layer_store, tmp_path):
+    copy = shutil.copytree(layer_store, tmp_path / "copy")
+    (copy / store.RESIDENT_FILE).unlink()
+    os.mkfifo(copy / store.RESIDENT_FILE)
+    refuses_without_blocking(lambda: LayerStore(copy), copy / store.RESIDENT_FILE)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..paths import regular_file
 from ..reader import FlashReader, ReadStats
 
 BLOCK = 4096  # direct-I/O block: the reader widens to its file's statx alignment; 4 KiB covers every device here
@@ -81,6 +82,8 @@ class KVFile:
         self.fault_injector = fault_injector
         self.counters = IOCounters()
         self._lock = threading.Lock()
+        if not create:
+            regular_file(self.path)
         flags = os.O_RDWR | os.O_CLOEXEC | (os.O_CREAT | os.O_TRUNC if create else 0)
         try:
             self._fd = os.open(self.path, flags | os.O_DIRECT, 0o644)

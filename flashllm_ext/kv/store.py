@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from ..errors import FormatError
+from ..paths import regular_file
 from .files import BLOCK, FaultInjector, IOCounters, KVFile
 from .link import Link
 
@@ -128,7 +129,7 @@ class KVShard:
         """Reopens a shard: every token spilled before (all of them after close()) is there again."""
         path = Path(directory) / MANIFEST
         try:
-            meta = json.loads(path.read_text())
+            meta = json.loads(Path(regular_file(path)).read_text())
         except (OSError, ValueError) as e:
             raise FormatError("manifest", f"cannot read: {e}", str(path)) from e
         if meta.get("format_version") != FORMAT_VERSION:
