@@ -45,7 +45,7 @@ from ._native import require_native
 from .disk import load_disk_profile
 from .errors import FormatError
 from .paths import regular_file
-from .store import EndorLocation, FlashStore, layer_tensor_name
+from .store import EndorLocation, FlashStore, layer_tensor_name, neuron_ids
 from .transfer import pinned_bytes
 
 DEFAULT_THREADS = 32
@@ -238,7 +238,7 @@ class FlashReader:
         Returns (out, the stats of this call)."""
         if self.store is None:
             raise ValueError("read() needs a store; this reader was opened on a plain file (use read_rows)")
-        ids = torch.as_tensor(ids, dtype=torch.int64).reshape(-1).contiguous()
+        ids = neuron_ids(ids).contiguous()
         shape = (ids.numel(), self.store.bundle_width)
         if out is None:
             out = torch.empty(shape, dtype=self.store.dtype)

@@ -45,6 +45,15 @@ WEIGHT_ROLES = ("up", "gate", "down")  # gate only in GLU models
 BIAS_ROLES = ("up_bias", "gate_bias", "down_bias")
 
 
+def neuron_ids(ids: torch.Tensor | list[int]) -> torch.Tensor:
+    """`ids` as a flat int64 tensor. Float and bool ids are refused, not converted: int64 would truncate 0.7 to
+    neuron 0, a read of a neuron nobody asked for."""
+    ids = torch.as_tensor(ids)
+    if ids.numel() and (ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool):
+        raise ValueError(f"neuron ids must be integers, got {ids.dtype}")
+    return ids.to(torch.int64).reshape(-1)
+
+
 def layer_tensor_name(layer: int) -> str:
     return f"layers.{layer}.bundles"
 
@@ -231,7 +240,7 @@ class FlashStore:
             raise ValueError(f"layer {layer} out of range [0, {self.n_layers})")
 
     def check_ids(self, ids: torch.Tensor | list[int]) -> torch.Tensor:
-        ids = torch.as_tensor(ids, dtype=torch.int64).reshape(-1)
+        ids = neuron_ids(ids)
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.n_neurons):
             raise ValueError(f"neuron ids must lie in [0, {self.n_neurons}), got min {int(ids.min())} "
                              f"max {int(ids.max())}")

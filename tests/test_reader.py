@@ -366,3 +366,10 @@ def test_rows_longer_than_one_request(tmp_path, engine):
 def test_for_file_refuses_a_fifo(tmp_path):
     os.mkfifo(tmp_path / "data")
     refuses_without_blocking(lambda: FlashReader.for_file(tmp_path / "data", threads=1), tmp_path / "data")
+
+
+@pytest.mark.parametrize("ids", [torch.tensor([0.7, 1.2]), [0.0, 1.0]], ids=["float_tensor", "float_list"])
+def test_read_refuses_non_integer_ids(flash_store, ids):
+    # int64 conversion would truncate them to neurons 0 and 1: a read of neurons nobody asked for.
+    with FlashReader(flash_store, threads=1) as r, pytest.raises(ValueError, match="neuron ids must be integers"):
+        r.read(0, ids)

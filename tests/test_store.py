@@ -224,3 +224,13 @@ def test_a_fifo_in_place_of_a_layer_store_file_is_refused(layer_store, tmp_path)
     (copy / store.RESIDENT_FILE).unlink()
     os.mkfifo(copy / store.RESIDENT_FILE)
     refuses_without_blocking(lambda: LayerStore(copy), copy / store.RESIDENT_FILE)
+
+
+@pytest.mark.parametrize("ids", [torch.tensor([0.7, 1.2]), [0.0, 1.0], torch.tensor([True, False])],
+                         ids=["float_tensor", "float_list", "bool"])
+def test_non_integer_neuron_ids_are_refused(llama_store, ids):
+    fs = store.FlashStore(llama_store)
+    with pytest.raises(ValueError, match="neuron ids must be integers"):
+        fs.check_ids(ids)
+    with pytest.raises(ValueError, match="neuron ids must be integers"):
+        fs.bundle(0, ids)
