@@ -35,16 +35,16 @@ def _gguf_name(hf: str) -> str:
 
 
 def write_tiny_gguf(path: Path, model: LlamaForCausalLM, qtype=gguf.GGMLQuantizationType.F32, arch: str = "llama",
-                    drop: tuple[str, ...] = (), transpose: tuple[str, ...] = ()) -> Path:
-    """A GGUF laid out as llama.cpp writes Llama models (Q/K rows permuted, 2-D weights quantized to qtype)."""
+                    drop: tuple[str, ...] = (), transpose: tuple[str, ...] = (), **fields: int) -> Path:
+    """A GGUF laid out as llama.cpp writes Llama models (Q/K rows permuted, 2-D weights quantized to qtype).
+    `fields` replace the model's values of the size fields (block_count=10**9: a header that lies)."""
     cfg = model.config
     writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
+    sizes = {"block_count": cfg.num_hidden_layers, "context_length": cfg.max_position_embeddings,
+             "embedding_length": cfg.hidden_size, "feed_forward_length": cfg.intermediate_size,
+             "head_count": cfg.num_attention_heads, "head_count_kv": cfg.num_key_value_heads, **fields}
+    for key, value in sizes.items():
+        getattr(writer, f"add_{key}")(value)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     writer.add_vocab_size(cfg.vocab_size)
@@ -147,6 +147,20 @@ def test_unsupported_architecture_raises_format_error(tmp_path, tiny_llama):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("field,value,match", [
+    ("block_count", 10**9, "llama.block_count: 1000000000 blocks need"),
+    ("head_count_kv", 0, "llama.attention.head_count_kv: must be positive, got 0"),
+    ("head_count", 0, "llama.attention.head_count: must be positive, got 0"),
+    ("embedding_length", 0, "llama.embedding_length: must be positive, got 0"),
+])
+def test_size_fields_that_lie_raise_format_error(tmp_path, tiny_llama, field, value, match):
+    # block_count is checked against the file's tensors before expected_shapes builds a name for each of them.
+    path = write_tiny_gguf(tmp_path / "t.gguf", tiny_llama, **{field: value})
+    for load in (gguf_config, GGUFCheckpoint):
+        with pytest.raises(FormatError, match=match):
+            load(path)
+
+
 def test_default_load_gguf_equals_transformers(default_model):
     path, model, _ = default_model
     loaded = load_gguf(path, progress=False)
