@@ -1,5 +1,6 @@
 import ctypes
 import errno
+import json
 import os
 import shutil
 import struct
@@ -282,7 +283,25 @@ def test_calibrate_disk_and_profile(tmp_path, monkeypatch, flash_store, capsys):
     assert FlashReader(flash_store, threads=1).max_gap == profile.max_gap_bytes(1)
     assert FlashReader(flash_store, threads=8).max_gap == profile.max_gap_bytes(8) <= profile.max_gap_bytes(1)
     (tmp_path / "disk.json").write_text("{broken")
-    assert FlashReader(flash_store, threads=1).max_gap == reader.DEFAULT_MAX_GAP
+    with pytest.warns(UserWarning, match="damaged disk profile"):
+        assert FlashReader(flash_store, threads=1).max_gap == reader.DEFAULT_MAX_GAP
+
+
+@pytest.mark.parametrize("saved", [
+    {"latency_s": float("nan"), "bandwidth_bps": 1e9, "path": "/"},
+    {"latency_s": float("inf"), "bandwidth_bps": 1e9, "path": "/"},
+    {"latency_s": -1e-4, "bandwidth_bps": 1e9, "path": "/"},
+    {"latency_s": 1e-4, "bandwidth_bps": 0, "path": "/"},
+    {"latency_s": 1e300, "bandwidth_bps": 1e300, "path": "/"},
+    {"latency_s": 1e-4}, [1e-4, 1e9], "{broken",
+], ids=["nan", "inf", "negative", "no_bandwidth", "overflow", "missing_fields", "list", "not_json"])
+def test_a_damaged_disk_profile_only_loses_the_tuning(tmp_path, monkeypatch, flash_store, saved):
+    monkeypatch.setenv("FLASHLLM_DISK_PROFILE", str(tmp_path / "disk.json"))
+    (tmp_path / "disk.json").write_text(saved if isinstance(saved, str) else json.dumps(saved))
+    with pytest.warns(UserWarning, match="disk.json: ignoring a damaged disk profile"):
+        assert disk.load_disk_profile() is None
+    with pytest.warns(UserWarning, match="disk.json"), FlashReader(flash_store, threads=1) as r:
+        assert r.max_gap == reader.DEFAULT_MAX_GAP
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
