@@ -71,7 +71,7 @@ from .paths import check_out_dir, install_dir
 from .reader import MAX_THREADS, FlashReader, ReadStats, host_bounce_bytes, select_read_path
 from .safetensors_io import (AlignedWriter, ResidentFile, TensorEntry, TensorSpec, drop_page_cache, dtype_name,
                              owned_tensor, read_header)
-from .store import ALIGNMENT, BUNDLES_FILE, DTYPES
+from .store import ALIGNMENT, BUNDLES_FILE, DTYPES, parse_model_config
 from .transfer import aligned_buffer, cuda_device, pinned_buffer
 
 MAGIC = "flashllm-offload"
@@ -233,7 +233,8 @@ class LayerStore:
             raise FileNotFoundError(f"{self.path} is not a layer store ({hint})")
         header = read_header(self.layers_path)
         meta = header.metadata
-        resident_meta = read_header(self.resident_path).metadata
+        resident = read_header(self.resident_path)
+        resident_meta = resident.metadata
         for file, m in ((self.layers_path, meta), (self.resident_path, resident_meta)):
             if m.get("magic") != MAGIC:
                 raise FormatError("__metadata__.magic", f"expected {MAGIC!r}, got {m.get('magic')!r}", file)
@@ -247,8 +248,8 @@ class LayerStore:
         for key, value in (("alignment", ALIGNMENT), ("tensor_alignment", TENSOR_ALIGNMENT)):
             if meta.get(key) != str(value):
                 raise FormatError(f"__metadata__.{key}", f"must be {value}, got {meta.get(key)!r}", self.layers_path)
+        self.config = parse_model_config(meta.get("config"), self.layers_path, resident.tensors)
         try:
-            self.config: dict = json.loads(meta.get("config", ""))
             raw_layers = json.loads(meta.get("layers", ""))
             self.layers = [[MatrixEntry(str(n), (int(s[0]), int(s[1])), bool(e)) for n, s, e in layer]
                            for layer in raw_layers]

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from flashllm_ext import FormatError, store
 from flashllm_ext.convert import convert
-from flashllm_ext.offload import LayerStore, convert_offload
+from flashllm_ext.offload import LAYERS_FILE, LayerStore, convert_offload
 from flashllm_ext.safetensors_io import AlignedWriter, TensorSpec, read_header
 from conftest import mapped_ranges, refuses_without_blocking
 from test_convert import _llama
@@ -234,3 +234,24 @@ def test_non_integer_neuron_ids_are_refused(llama_store, ids):
         fs.check_ids(ids)
     with pytest.raises(ValueError, match="neuron ids must be integers"):
         fs.bundle(0, ids)
+
+
+@pytest.mark.parametrize("edit,match", [
+    (lambda c: [c], r"config: must be a JSON object"),
+    (lambda c: {**c, "vocab_size": 10**11}, r"config\.vocab_size: 100000000000 is the row count of no resident"),
+    (lambda c: {**c, "vocab_size": 1e11}, r"config\.vocab_size: must be a positive integer"),
+    (lambda c: {**c, "hidden_size": "64"}, r"config\.hidden_size: must be a positive integer"),
+    (lambda c: {**c, "num_hidden_layers": 0}, r"config\.num_hidden_layers: must be a positive integer"),
+], ids=["list", "vocab_10e11", "vocab_float", "hidden_str", "no_layers"])
+@pytest.mark.parametrize("kind", ["flash", "layers"])
+def test_model_config_lies_raise_format_error(store_copy, layer_store, tmp_path, kind, edit, match):
+    # The model is built from the config: sizes the files do not back must fail here, not allocate there.
+    root, file, load = ((store_copy, store.BUNDLES_FILE, store.FlashStore) if kind == "flash" else
+                        (shutil.copytree(layer_store, tmp_path / "layers"), LAYERS_FILE, LayerStore))
+
+    def rewrite(header):
+        header["__metadata__"]["config"] = json.dumps(edit(json.loads(header["__metadata__"]["config"])))
+
+    _rewrite_header(root / file, rewrite)
+    with pytest.raises(FormatError, match=match):
+        load(root)
