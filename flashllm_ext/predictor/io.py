@@ -76,7 +76,8 @@ def load_predictors(path: str | os.PathLike) -> NeuronPredictor:
         path = path / RESIDENT_FILE
     path = os.fspath(path)
     try:
-        with safe_open(regular_file(path), "pt") as f:  # only the predictor tensors: a store's resident file holds the model too
+        # only the predictor tensors: a store's resident file holds the model too
+        with safe_open(regular_file(path), "pt") as f:
             metadata = f.metadata() or {}
             tensors = {k: f.get_tensor(k) for k in f.keys() if k.startswith(TENSOR_PREFIX)}
     except (SafetensorError, OSError) as e:
