@@ -114,6 +114,12 @@ def _config_from_reader(reader, path: str) -> dict[str, Any]:
     return config
 
 
+def unsupported_model(model_type: object, found: str) -> FormatError:
+    """The error for a checkpoint whose tensors are not named as those of a supported family (Llama, Mistral,
+    SmolLM, OPT: decoder layers `layers.{i}`): it names the config's model_type, which says more than the names."""
+    return FormatError("model_type", f"{model_type!r} is not supported: {found}")
+
+
 def gguf_config(path: str | os.PathLike) -> dict[str, Any]:
     """Hugging Face style config (model_type, hidden_size, intermediate_size, num_hidden_layers, ...) of a GGUF."""
     return _config_from_reader(_open(path), os.fspath(path))

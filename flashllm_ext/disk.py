@@ -89,6 +89,10 @@ def random_read_throughput(reader: FlashReader, file_size: int, read_bytes: int,
 def calibrate_disk(directory: str | os.PathLike = ".", size: int = 1 << 30, save: bool = True) -> DiskProfile:
     """Measure latency to first byte (4 KiB direct reads, one thread) and bandwidth (1 MiB direct reads,
     32 threads) on a temporary test file of `size` bytes in `directory`; save the profile for FlashReader."""
+    if size < 1 << 20:
+        raise ValueError(f"size must be at least 1 MiB (the bandwidth is measured with 1 MiB reads), got {size} bytes")
+    if not Path(directory).is_dir():
+        raise NotADirectoryError(f"{directory} is not a directory")
     path = Path(directory) / f".flashllm-calibrate-{os.getpid()}.bin"
     try:
         make_test_file(path, size)

@@ -63,7 +63,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from . import endor, ops
-from .checkpoint import Checkpoint, open_checkpoint
+from .checkpoint import Checkpoint, open_checkpoint, unsupported_model
 from .engine import _tensor_bytes, assign_resident, empty_model, parse_budget
 from .errors import FormatError
 from .models.hf import decoder_layers
@@ -122,8 +122,10 @@ def _layer_matrices(ckpt: Checkpoint) -> list[list[str]]:
         m = _LAYER_WEIGHT.match(name)
         if m and len(ckpt.shape(name)) == 2:
             layers.setdefault(int(m.group(1)), []).append(name)
-    if not layers or sorted(layers) != list(range(len(layers))):
-        raise FormatError("layers", f"no decoder-layer weights or non-contiguous layer numbers {sorted(layers)[:8]}")
+    if not layers:
+        raise unsupported_model(ckpt.config.get("model_type"), "no decoder-layer weights (layers.{i}.*.weight)")
+    if sorted(layers) != list(range(len(layers))):
+        raise FormatError("layers", f"non-contiguous layer numbers {sorted(layers)[:8]}")
     return [layers[i] for i in range(len(layers))]
 
 
