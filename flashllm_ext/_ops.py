@@ -464,15 +464,18 @@ def cache_plan_reference(active_ids: torch.Tensor, last_active: torch.Tensor, sl
     _check_cache_plan_metadata(active_ids, last_active, slot_of, pointer, num_used, window, evict_rows, missing)
     n_neurons, capacity = slot_of.numel(), pointer.numel()
     ids = active_ids.tolist()
-    for i, n in enumerate(ids):
-        if not 0 <= n < n_neurons:
-            raise RuntimeError(f"cache_plan: active_ids[{i}]={n} is outside [0, n_neurons={n_neurons})")
     cached = pointer[:num_used]
     if num_used and not (bool(((cached >= 0) & (cached < n_neurons)).all())
                          and torch.equal(slot_of[cached], torch.arange(num_used))):
         i = next(i for i, n in enumerate(cached.tolist()) if not 0 <= n < n_neurons or int(slot_of[n]) != i)
         raise RuntimeError(f"cache_plan: pointer[{i}]={int(cached[i])} disagrees with slot_of: the cache state is "
                            "corrupt")
+    for i, n in enumerate(ids):
+        if not 0 <= n < n_neurons:
+            raise RuntimeError(f"cache_plan: active_ids[{i}]={n} is outside [0, n_neurons={n_neurons})")
+        slot = int(slot_of[n])
+        if slot >= 0 and not (slot < num_used and int(pointer[slot]) == n):
+            raise RuntimeError(f"cache_plan: slot_of[{n}]={slot} disagrees with pointer: the cache state is corrupt")
     distinct = list(dict.fromkeys(ids))
     if len(distinct) > capacity:
         raise RuntimeError(f"cache_plan: the token has {len(distinct)} distinct active neurons but the cache holds "

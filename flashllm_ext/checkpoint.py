@@ -22,6 +22,7 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from .errors import FormatError
+from .paths import regular_file
 from .safetensors_io import TensorEntry, dtype_name, read_header
 
 GGUF_MAGIC = b"GGUF"
@@ -40,7 +41,7 @@ _READER_ERRORS = (ValueError, IndexError, KeyError, TypeError, OverflowError, st
 def _open(path: str | os.PathLike):
     import gguf
 
-    path = os.fspath(path)
+    path = regular_file(path)
     with open(path, "rb") as f:
         magic = f.read(4)
     if magic != GGUF_MAGIC:
@@ -63,29 +64,42 @@ def _field(reader, key: str, path: str, default: Any = None) -> Any:
         raise FormatError(key, f"unreadable value ({e})", path) from None
 
 
+def _size(reader, key: str, path: str, default: int | None = None) -> int:
+    """A positive integer field: sizes size the model built from them, and a zero divides."""
+    value = _field(reader, key, path, default)
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value <= 0:
+        raise FormatError(key, f"must be positive, got {value!r}", path)
+    return int(value)
+
+
 def _config_from_reader(reader, path: str) -> dict[str, Any]:
     arch = _field(reader, "general.architecture", path)
     if arch not in SUPPORTED_ARCHITECTURES:
         raise FormatError("general.architecture", f"{arch!r} is not supported (only {SUPPORTED_ARCHITECTURES})",
                           path)
-    hidden = int(_field(reader, f"{arch}.embedding_length", path))
-    heads = int(_field(reader, f"{arch}.attention.head_count", path))
+    hidden = _size(reader, f"{arch}.embedding_length", path)
+    heads = _size(reader, f"{arch}.attention.head_count", path)
+    blocks = _size(reader, f"{arch}.block_count", path)
+    # Every name of every block is built from this count (expected_shapes): a file cannot hold fewer tensors.
+    if blocks * len(_BLOCK_NAMES) > len(reader.tensors):
+        raise FormatError(f"{arch}.block_count", f"{blocks} blocks need {blocks * len(_BLOCK_NAMES)} tensors, the "
+                          f"file has {len(reader.tensors)}", path)
     tokens = reader.fields.get("tokenizer.ggml.tokens")
-    vocab = _field(reader, f"{arch}.vocab_size", path, default=len(tokens.data) if tokens is not None else None)
+    vocab = _size(reader, f"{arch}.vocab_size", path, default=len(tokens.data) if tokens is not None else None)
     names = {t.name for t in reader.tensors}
     config = {
         "model_type": arch,
         "architectures": ["LlamaForCausalLM"],
         "hidden_size": hidden,
-        "intermediate_size": int(_field(reader, f"{arch}.feed_forward_length", path)),
-        "num_hidden_layers": int(_field(reader, f"{arch}.block_count", path)),
+        "intermediate_size": _size(reader, f"{arch}.feed_forward_length", path),
+        "num_hidden_layers": blocks,
         "num_attention_heads": heads,
-        "num_key_value_heads": int(_field(reader, f"{arch}.attention.head_count_kv", path, default=heads)),
-        "head_dim": int(_field(reader, f"{arch}.attention.key_length", path, default=hidden // max(1, heads))),
+        "num_key_value_heads": _size(reader, f"{arch}.attention.head_count_kv", path, default=heads),
+        "head_dim": _size(reader, f"{arch}.attention.key_length", path, default=hidden // heads),
         "rms_norm_eps": float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", path)),
         "rope_theta": float(_field(reader, f"{arch}.rope.freq_base", path, default=10000.0)),
-        "max_position_embeddings": int(_field(reader, f"{arch}.context_length", path)),
-        "vocab_size": int(vocab),
+        "max_position_embeddings": _size(reader, f"{arch}.context_length", path),
+        "vocab_size": vocab,
         "hidden_act": "silu",
         # llama.cpp drops output.weight when the LM head shares the embedding matrix.
         "tie_word_embeddings": "output.weight" not in names,
@@ -94,10 +108,16 @@ def _config_from_reader(reader, path: str) -> dict[str, Any]:
                                                                           "eos_token_id")):
         if key in reader.fields:
             config[name] = int(_field(reader, key, path))
-    if heads <= 0 or hidden % heads or config["num_attention_heads"] % config["num_key_value_heads"]:
+    if hidden % heads or config["num_attention_heads"] % config["num_key_value_heads"]:
         raise FormatError(f"{arch}.attention.head_count", f"{heads} heads / {config['num_key_value_heads']} kv "
                           f"heads do not divide hidden size {hidden}", path)
     return config
+
+
+def unsupported_model(model_type: object, found: str) -> FormatError:
+    """The error for a checkpoint whose tensors are not named as those of a supported family (Llama, Mistral,
+    SmolLM, OPT: decoder layers `layers.{i}`): it names the config's model_type, which says more than the names."""
+    return FormatError("model_type", f"{model_type!r} is not supported: {found}")
 
 
 def gguf_config(path: str | os.PathLike) -> dict[str, Any]:
@@ -186,7 +206,7 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
 def _read_json(path: Path) -> dict:
     """A checkpoint's JSON object; anything else raises FormatError naming the file."""
     try:
-        parsed = json.loads(path.read_text())
+        parsed = json.loads(Path(regular_file(path)).read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise FormatError(path.name, f"not readable JSON ({e})", str(path)) from e
     if not isinstance(parsed, dict):
@@ -209,7 +229,7 @@ class SafetensorsCheckpoint(Checkpoint):
     def __init__(self, path: str | os.PathLike):
         path = Path(path)
         config_path = path / "config.json"
-        if not config_path.is_file():
+        if not config_path.exists():
             raise FormatError("config.json", "missing", str(path))
         self.config = _read_json(config_path)
         self._shard_of, self._entries = self._index(path)
@@ -220,7 +240,7 @@ class SafetensorsCheckpoint(Checkpoint):
     def _index(path: Path) -> tuple[dict[str, Path], dict[str, TensorEntry]]:
         """(tensor name -> shard, tensor name -> header entry), every shard header validated before any data is read."""
         index = path / "model.safetensors.index.json"
-        if index.is_file():
+        if index.exists():
             weight_map = _read_json(index).get("weight_map")
             if not isinstance(weight_map, dict):
                 raise FormatError("weight_map", "missing or not an object", str(index))

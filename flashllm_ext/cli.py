@@ -8,7 +8,8 @@
   flashllm offload STORE_DIR --convert CHECKPOINT [--endor] | --tokenizer PATH [--mode endor] [--budget 30%]
                    [--device cuda --device-budget 20%] ...
 
-Each subcommand registers itself with `add_parser` functions below; main() only dispatches.
+Each subcommand registers itself with `add_parser` functions below; main() only dispatches. A user's mistake ends
+any of them with one line on stderr and a non-zero status, before the long work where it can be known then.
 """
 from __future__ import annotations
 
@@ -16,8 +17,27 @@ import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NoReturn
 
 WINDOW = 512  # tokens per forward pass while calibrating and capturing
+INTERRUPTED = 130  # the shell's status for a command ended by SIGINT
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose usage errors are one line (argparse prints the whole usage first)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
 
 
 def _convert(args: argparse.Namespace) -> int:
@@ -64,10 +84,14 @@ def _train_predictors(args: argparse.Namespace) -> int:
     if not gguf_path.is_file():
         raise SystemExit(f"flashllm train-predictors: {gguf_path} is not a GGUF file (for a store, pass the "
                          "checkpoint it was converted from and --store DIR)")
+    # Fail before minutes of training, not after.
     if args.store:
         from .store import FlashStore
 
-        FlashStore(args.store)  # fail before minutes of training, not after
+        FlashStore(args.store)
+    from .checkpoint import gguf_config
+
+    gguf_config(gguf_path)
     out = Path(args.out) if args.out else resolve_cache_dir() / f"{gguf_path.stem}.predictors.safetensors"
     if out.is_dir():
         out = out / "predictors.safetensors"
@@ -114,7 +138,7 @@ def _add_convert(sub: argparse._SubParsersAction) -> None:
 def _add_calibrate_disk(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("calibrate-disk", help="measure latency and bandwidth for the reader's coalescing model")
     p.add_argument("--dir", default=".", help="a directory on the disk that will hold the stores")
-    p.add_argument("--size-mib", type=int, default=1024, help="size of the temporary test file")
+    p.add_argument("--size-mib", type=_positive_int, default=1024, help="size of the temporary test file")
     p.set_defaults(func=_calibrate_disk)
 
 
@@ -122,7 +146,7 @@ def _add_train_predictors(sub: argparse._SubParsersAction) -> None:
     from .predictor import (DEFAULT_DENSITY, DEFAULT_GATE_BITS, DEFAULT_GROUP_SIZE, DEFAULT_METHOD, DEFAULT_ROUNDING,
                             DEFAULT_UP_BITS, PREDICTOR_METHODS)
     from .predictor.allocation import ALLOCATIONS
-    from .predictor.quant import ROUNDINGS
+    from .predictor.quant import BITS, ROUNDINGS
 
     train = sub.add_parser("train-predictors", help="build per-layer neuron predictors of one method")
     train.add_argument("source", metavar="CHECKPOINT",
@@ -137,10 +161,10 @@ def _add_train_predictors(sub: argparse._SubParsersAction) -> None:
     train.add_argument("--density", type=float, default=None,
                        help=f"target loaded density per layer, calibrated on the calibration text (default "
                             f"{DEFAULT_DENSITY}; lowrank without it: the recall operating point)")
-    train.add_argument("--gate-bits", type=int, default=DEFAULT_GATE_BITS,
-                       help=f"quant: bits per W_gate weight (1, 2, 3, 4; default {DEFAULT_GATE_BITS})")
-    train.add_argument("--up-bits", type=int, default=DEFAULT_UP_BITS,
-                       help=f"quant: bits per W_up weight (1, 2, 3, 4; default {DEFAULT_UP_BITS})")
+    train.add_argument("--gate-bits", type=int, choices=BITS, default=DEFAULT_GATE_BITS,
+                       help=f"quant: bits per W_gate weight (default {DEFAULT_GATE_BITS})")
+    train.add_argument("--up-bits", type=int, choices=BITS, default=DEFAULT_UP_BITS,
+                       help=f"quant: bits per W_up weight (default {DEFAULT_UP_BITS})")
     train.add_argument("--rounding", choices=ROUNDINGS, default=None,
                        help=f"quant: codes rounded to the nearest level, or by GPTQ against the calibration inputs "
                             f"(same format and speed, closer scores: BENCHMARKS.md, issue 10 fifth pass; default "
@@ -153,25 +177,48 @@ def _add_train_predictors(sub: argparse._SubParsersAction) -> None:
                        help="spread --density over the layers: the same everywhere, or by a greedy search on the "
                             "calibration loss (empirical Fisher; the mean stays --density)")
     train.add_argument("--base-method", default="quant", help="context: the method that scores the neurons")
-    train.add_argument("--block", type=int, default=16, help="context: decoded tokens per neuron set")
+    train.add_argument("--block", type=_positive_int, default=16, help="context: decoded tokens per neuron set")
     train.add_argument("--rank", type=_ranks, default=None,
                        help="lowrank / lowrank-reg: one rank, or one per layer (comma separated); default: from "
                             "each layer's density (lowrank), 96 (lowrank-reg)")
     train.add_argument("--target-sparsity", type=float, default=0.7,
                        help="lowrank: the rule's threshold sparsity of the active sets it learns")
-    train.add_argument("--tokens", type=int, default=4096,
+    train.add_argument("--tokens", type=_positive_int, default=4096,
                        help=f"calibration tokens (rounded up to windows of {WINDOW} spread over the calibration text)")
-    train.add_argument("--epochs", type=int, default=10)
+    train.add_argument("--epochs", type=_positive_int, default=10)
     train.add_argument("--recall", type=float, default=0.95,
                        help="per-layer probability threshold chosen for this recall (<= 0: fixed 0.5)")
-    train.add_argument("--top-k", type=int, default=None, help="predict the k most likely neurons per token instead")
+    train.add_argument("--top-k", type=_positive_int, default=None,
+                       help="predict the k most likely neurons per token instead")
     train.set_defaults(func=_train_predictors)
 
 
-def _check_tokenizer(args: argparse.Namespace, command: str) -> None:
+def _check_tokenizer(args: argparse.Namespace) -> None:
     """Refuse a --tokenizer that does not exist before the model loads (transformers would say so only after)."""
     if not Path(args.tokenizer).exists():
-        raise SystemExit(f"flashllm {command}: --tokenizer {args.tokenizer} does not exist")
+        raise FileNotFoundError(f"--tokenizer {args.tokenizer} does not exist")
+
+
+def _load_tokenizer(path: Path, n_embeddings: int):
+    """The tokenizer of a .gguf file or a Hugging Face directory, refused (ValueError) when it cannot be loaded or
+    has more tokens than the model has embeddings: a tokenizer of another model, whose ids index past the
+    embedding or name other tokens."""
+    from transformers import AutoTokenizer
+    from transformers.utils import logging
+
+    kwargs = {"gguf_file": path.name} if path.suffix == ".gguf" else {}
+    verbosity = logging.get_verbosity()
+    logging.set_verbosity_error()  # its warnings about the model config are noise here: only the tokenizer is used
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path.parent if kwargs else path, local_files_only=True, **kwargs)
+    except (OSError, ValueError, KeyError, TypeError) as e:  # transformers' ways of saying there is none
+        raise ValueError(f"--tokenizer {path}: no tokenizer loads from it ({type(e).__name__}: {e})") from None
+    finally:
+        logging.set_verbosity(verbosity)
+    if len(tokenizer) > n_embeddings:
+        raise ValueError(f"--tokenizer {path} has {len(tokenizer)} tokens, the model {n_embeddings} embeddings: "
+                         "the tokenizer of another model?")
+    return tokenizer
 
 
 def _generate(args: argparse.Namespace, model, stats) -> int:
@@ -179,12 +226,8 @@ def _generate(args: argparse.Namespace, model, stats) -> int:
     import time
 
     import torch
-    from transformers import AutoTokenizer
 
-    tokenizer_path = Path(args.tokenizer)
-    kwargs = {"gguf_file": tokenizer_path.name} if tokenizer_path.suffix == ".gguf" else {}
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path.parent if kwargs else tokenizer_path,
-                                              local_files_only=True, **kwargs)
+    tokenizer = _load_tokenizer(Path(args.tokenizer), model.get_input_embeddings().num_embeddings)
     device = model.get_input_embeddings().weight.device
     prompt = tokenizer(args.prompt, return_tensors="pt").input_ids.to(device)
     start = time.perf_counter()
@@ -204,16 +247,10 @@ def _run(args: argparse.Namespace) -> int:
     from .engine import load_flash
     from .transfer import cuda_device
 
-    try:
-        device = cuda_device(args.device)
-    except ValueError as e:
-        raise SystemExit(f"flashllm run: {e}") from None
-    _check_tokenizer(args, "run")
-    try:
-        model = load_flash(args.store, dram_budget=None if args.mode == "dense" else args.budget, mode=args.mode,
-                           window=args.window, device=device, lookahead=args.lookahead)
-    except ValueError as e:  # a budget below the minimum, a store without predictors, a mode that cannot look ahead
-        raise SystemExit(f"flashllm run: {e}") from None
+    device = cuda_device(args.device)
+    _check_tokenizer(args)
+    model = load_flash(args.store, dram_budget=None if args.mode == "dense" else args.budget, mode=args.mode,
+                       window=args.window, device=device, lookahead=args.lookahead)
     return _generate(args, model, model.flash_stats if model.flash is not None else None)
 
 
@@ -223,20 +260,14 @@ def _offload(args: argparse.Namespace) -> int:
     if not args.convert and (args.endor or args.dtype or args.force):
         raise SystemExit("flashllm offload: --endor, --dtype and --force apply to --convert")
     if args.convert:
-        try:
-            print(LayerStore(convert_offload(args.convert, args.store, dtype=args.dtype or "fp16",
-                                             endor_compress=args.endor, force=args.force)))
-        except (OSError, ValueError) as e:  # no checkpoint, a store there (no --force), a store it must not replace
-            raise SystemExit(f"flashllm offload: {e}") from None
+        print(LayerStore(convert_offload(args.convert, args.store, dtype=args.dtype or "fp16",
+                                         endor_compress=args.endor, force=args.force)))
         return 0
     if not args.tokenizer:
         raise SystemExit("flashllm offload: --tokenizer is needed to generate (or --convert CHECKPOINT to write)")
-    _check_tokenizer(args, "offload")
-    try:
-        model = load_offloaded(args.store, args.budget, mode=args.mode, compute=args.compute, device=args.device,
-                               device_budget=args.device_budget, slots=args.slots)
-    except (OSError, ValueError) as e:  # no store there, a budget below the minimum, no CUDA, a store of the other kind
-        raise SystemExit(f"flashllm offload: {e}") from None
+    _check_tokenizer(args)
+    model = load_offloaded(args.store, args.budget, mode=args.mode, compute=args.compute, device=args.device,
+                           device_budget=args.device_budget, slots=args.slots)
     return _generate(args, model, model.offload_stats)
 
 
@@ -260,7 +291,7 @@ def _add_offload(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--slots", type=int, choices=(1, 2), default=2,
                    help="buffers SSD and staged layers are fetched into: 2 overlap the next fetch with compute, 1 "
                         "leaves a layer's room more")
-    p.add_argument("--tokens", type=int, default=32, help="tokens to generate")
+    p.add_argument("--tokens", type=_positive_int, default=32, help="tokens to generate")
     p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     p.set_defaults(func=_offload)
 
@@ -274,8 +305,8 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     run.add_argument("--prompt", default="The three primary colors are")
     run.add_argument("--mode", choices=MODES, default="flash")
     run.add_argument("--budget", default="50%", help="DRAM budget: bytes, a share of the model like 50%%, or 200MB")
-    run.add_argument("--window", type=int, default=5, help="tokens whose active neurons stay cached (flash)")
-    run.add_argument("--tokens", type=int, default=32, help="tokens to generate")
+    run.add_argument("--window", type=_positive_int, default=5, help="tokens whose active neurons stay cached (flash)")
+    run.add_argument("--tokens", type=_positive_int, default=32, help="tokens to generate")
     run.add_argument("--lookahead", choices=("ahead", "prefetch"), help="flash/exact: choose a set for each layer's "
                      "FFN before its attention and read it during the attention; ahead: compute that set (faster, "
                      "predicted from an earlier input); prefetch: compute the FFN's own set as without look-ahead")
@@ -287,7 +318,7 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="flashllm", description=__doc__.split("\n")[0])
+    parser = _Parser(prog="flashllm", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     for add in (_add_convert, _add_calibrate_disk, _add_train_predictors, _add_run, _add_offload):
         add(sub)
@@ -295,8 +326,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return args.func(args)
+    """Runs one subcommand. A user's mistake (OSError: a missing or unreadable file; ValueError, FormatError among
+    them: a malformed file or a value out of range) exits with one line on stderr and status 1, Ctrl-C with status
+    130; any other exception is a bug and keeps its traceback."""
+    command = "flashllm"
+    try:
+        args = build_parser().parse_args(argv)
+        command = f"flashllm {args.command}"
+        return args.func(args)
+    except KeyboardInterrupt:
+        print(f"{command}: interrupted", file=sys.stderr)
+        raise SystemExit(INTERRUPTED) from None
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"{command}: {' '.join(str(e).split())}") from None
 
 
 if __name__ == "__main__":

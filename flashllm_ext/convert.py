@@ -17,7 +17,7 @@ import torch
 from tqdm.auto import tqdm
 
 from . import endor
-from .checkpoint import Checkpoint, open_checkpoint
+from .checkpoint import Checkpoint, open_checkpoint, unsupported_model
 from .errors import FormatError
 from .paths import check_out_dir, install_dir, staging_dir
 from .safetensors_io import DTYPE_SIZES, FLOAT_DTYPES, AlignedWriter, TensorSpec, dtype_name, save_tensors
@@ -32,17 +32,20 @@ _VERIFY_SAMPLES = 4  # neurons per layer read back after writing
 STORE_FILES = (BUNDLES_FILE, RESIDENT_FILE)  # what convert writes: --force replaces these and nothing else
 
 
-def _ffn_layout(names: list[str]) -> tuple[dict[int, dict[str, str]], bool]:
+def _ffn_layout(names: list[str], model_type: object) -> tuple[dict[int, dict[str, str]], bool]:
     """Per layer in layer order, role -> tensor name of its FFN weights (up, gate, down) and biases (up_bias, ...);
-    and whether the model is gated (GLU)."""
+    and whether the model is gated (GLU). `model_type` (the config's) names the model in errors."""
     layers: dict[int, dict[str, str]] = {}
     for name in names:
         m = _FFN_NAME.match(name)
         if m:
             role = _ROLE[m.group(2)] + ("_bias" if m.group(3) == "bias" else "")
             layers.setdefault(int(m.group(1)), {})[role] = name
-    if not layers or sorted(layers) != list(range(len(layers))):
-        raise FormatError("layers", f"no FFN weights or non-contiguous layer numbers {sorted(layers)[:8]}")
+    if not layers:
+        raise unsupported_model(model_type, "no FFN weights named as in Llama, Mistral or SmolLM "
+                                "(layers.{i}.mlp.gate_proj/up_proj/down_proj) or OPT (layers.{i}.fc1/fc2)")
+    if sorted(layers) != list(range(len(layers))):
+        raise FormatError("layers", f"non-contiguous layer numbers {sorted(layers)[:8]}")
     # Numeric order: tensor names sort as strings (layers.10 before layers.2), and the header's declaration order
     # must be the order the layers are written in.
     layers = dict(sorted(layers.items()))
@@ -80,7 +83,7 @@ def convert(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, dtype: st
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     out_dir = check_out_dir(out_dir, force, STORE_FILES, checkpoint)
     ckpt = open_checkpoint(checkpoint)
-    layers, glu = _ffn_layout(ckpt.names)
+    layers, glu = _ffn_layout(ckpt.names, ckpt.config.get("model_type"))
     torch_dtype = DTYPES[dtype]
     first = layers[0]
     ffn, hidden = ckpt.shape(first["up"])

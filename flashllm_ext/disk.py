@@ -7,8 +7,10 @@ are its measuring tools, shared with bench/bench_io.py.
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -37,14 +39,24 @@ def disk_profile_path() -> Path:
 
 
 def load_disk_profile() -> DiskProfile | None:
+    """The saved profile; None when there is none, or with a warning when it is damaged (not JSON, fields missing,
+    or a latency or bandwidth no disk has: NaN, infinite, not positive): it only loses the tuning, and every reader
+    would otherwise fail on the gap it derives."""
     path = disk_profile_path()
     if not path.is_file():
         return None
     try:
         raw = json.loads(path.read_text())
-        return DiskProfile(float(raw["latency_s"]), float(raw["bandwidth_bps"]), str(raw["path"]))
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError):
-        return None  # a damaged profile only loses the tuning; the default gap still works
+        profile = DiskProfile(float(raw["latency_s"]), float(raw["bandwidth_bps"]), str(raw["path"]))
+        gap = profile.latency_s * profile.bandwidth_bps
+        # The gap reaches the native reader as an int64.
+        if not (profile.latency_s > 0 and profile.bandwidth_bps > 0 and math.isfinite(gap) and gap < 2**62):
+            raise ValueError(f"latency {profile.latency_s} s, bandwidth {profile.bandwidth_bps} B/s")
+    except (OSError, KeyError, TypeError, ValueError) as e:  # json's and UnicodeDecodeError are ValueErrors
+        warnings.warn(f"{path}: ignoring a damaged disk profile ({e!r}); readers use the default coalescing gap "
+                      "until `flashllm calibrate-disk` measures the disk again", stacklevel=2)
+        return None
+    return profile
 
 
 def make_test_file(path: str | os.PathLike, size: int, chunk: int = 64 << 20) -> None:
@@ -79,6 +91,10 @@ def calibrate_disk(directory: str | os.PathLike = ".", size: int = 1 << 30, save
     """Measure latency to first byte (4 KiB direct reads, one thread) and bandwidth (1 MiB direct reads,
     32 threads) on a temporary test file of `size` bytes in `directory` (paths.scratch_file); save the profile for
     FlashReader."""
+    if size < 1 << 20:
+        raise ValueError(f"size must be at least 1 MiB (the bandwidth is measured with 1 MiB reads), got {size} bytes")
+    if not Path(directory).is_dir():
+        raise NotADirectoryError(f"{directory} is not a directory")
     with scratch_file(directory, "calibrate.bin") as path:
         make_test_file(path, size)
         generator = torch.Generator().manual_seed(1)

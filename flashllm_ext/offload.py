@@ -61,7 +61,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from . import endor, ops
-from .checkpoint import Checkpoint, open_checkpoint
+from .checkpoint import Checkpoint, open_checkpoint, unsupported_model
 from .engine import _tensor_bytes, assign_resident, empty_model, parse_budget
 from .errors import FormatError
 from .models.hf import decoder_layers
@@ -69,7 +69,7 @@ from .paths import check_out_dir, install_dir, staging_dir
 from .reader import MAX_THREADS, FlashReader, ReadStats, host_bounce_bytes, select_read_path
 from .safetensors_io import (AlignedWriter, ResidentFile, TensorEntry, TensorSpec, drop_page_cache, dtype_name,
                              owned_tensor, read_header, save_tensors)
-from .store import ALIGNMENT, BUNDLES_FILE, DTYPES
+from .store import ALIGNMENT, BUNDLES_FILE, DTYPES, parse_model_config
 from .transfer import aligned_buffer, cuda_device, pinned_buffer
 
 MAGIC = "flashllm-offload"
@@ -121,8 +121,10 @@ def _layer_matrices(ckpt: Checkpoint) -> list[list[str]]:
         m = _LAYER_WEIGHT.match(name)
         if m and len(ckpt.shape(name)) == 2:
             layers.setdefault(int(m.group(1)), []).append(name)
-    if not layers or sorted(layers) != list(range(len(layers))):
-        raise FormatError("layers", f"no decoder-layer weights or non-contiguous layer numbers {sorted(layers)[:8]}")
+    if not layers:
+        raise unsupported_model(ckpt.config.get("model_type"), "no decoder-layer weights (layers.{i}.*.weight)")
+    if sorted(layers) != list(range(len(layers))):
+        raise FormatError("layers", f"non-contiguous layer numbers {sorted(layers)[:8]}")
     return [layers[i] for i in range(len(layers))]
 
 
@@ -223,7 +225,7 @@ class LayerStore:
         self.path = Path(path)
         self.layers_path = str(self.path / LAYERS_FILE)
         self.resident_path = str(self.path / RESIDENT_FILE)
-        if not os.path.isfile(self.layers_path):
+        if not os.path.lexists(self.layers_path):
             hint = ("it does not exist" if not self.path.exists() else
                     "it is a flash store: load_flash / flashllm run" if (self.path / BUNDLES_FILE).is_file() else
                     "a checkpoint? convert_offload / flashllm offload --convert writes a layer store from it"
@@ -231,7 +233,8 @@ class LayerStore:
             raise FileNotFoundError(f"{self.path} is not a layer store ({hint})")
         header = read_header(self.layers_path)
         meta = header.metadata
-        resident_meta = read_header(self.resident_path).metadata
+        resident = read_header(self.resident_path)
+        resident_meta = resident.metadata
         for file, m in ((self.layers_path, meta), (self.resident_path, resident_meta)):
             if m.get("magic") != MAGIC:
                 raise FormatError("__metadata__.magic", f"expected {MAGIC!r}, got {m.get('magic')!r}", file)
@@ -245,8 +248,8 @@ class LayerStore:
         for key, value in (("alignment", ALIGNMENT), ("tensor_alignment", TENSOR_ALIGNMENT)):
             if meta.get(key) != str(value):
                 raise FormatError(f"__metadata__.{key}", f"must be {value}, got {meta.get(key)!r}", self.layers_path)
+        self.config = parse_model_config(meta.get("config"), self.layers_path, resident.tensors)
         try:
-            self.config: dict = json.loads(meta.get("config", ""))
             raw_layers = json.loads(meta.get("layers", ""))
             self.layers = [[MatrixEntry(str(n), (int(s[0]), int(s[1])), bool(e)) for n, s, e in layer]
                            for layer in raw_layers]

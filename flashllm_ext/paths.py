@@ -14,6 +14,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from .errors import FormatError
+
 PRIVATE_FILE_MODE = 0o600
 PRIVATE_DIR_MODE = 0o700
 _STAGING = ".tmp-"  # a store is written to .<out>.tmp-<pid>-<random> beside <out>, then renamed
@@ -64,6 +66,19 @@ def scratch_file(directory: str | os.PathLike, name: str) -> Iterator[Path]:
         path = Path(folder) / name
         os.close(create_file(path, private=True))
         yield path
+
+
+def regular_file(path: str | os.PathLike, field: str = "file") -> str:
+    """`path` as a string once it names a regular file (links followed). Every loader calls it before opening a
+    file: open() of a FIFO blocks until a writer appears, and a device or socket streams without end. Raises
+    FileNotFoundError (or another OSError) when it cannot be looked up, FormatError naming `field` otherwise."""
+    path = os.fspath(path)
+    mode = os.stat(path).st_mode
+    if not stat.S_ISREG(mode):
+        kind = ("a FIFO" if stat.S_ISFIFO(mode) else "a directory" if stat.S_ISDIR(mode) else
+                "a socket" if stat.S_ISSOCK(mode) else "a device")
+        raise FormatError(field, f"is {kind}, not a regular file", path)
+    return path
 
 
 def check_out_dir(out_dir: str | os.PathLike, force: bool, store_files: tuple[str, ...],

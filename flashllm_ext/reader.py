@@ -44,7 +44,8 @@ from . import ops
 from ._native import require_native
 from .disk import load_disk_profile
 from .errors import FormatError
-from .store import EndorLocation, FlashStore, layer_tensor_name
+from .paths import regular_file
+from .store import EndorLocation, FlashStore, layer_tensor_name, neuron_ids
 from .transfer import pinned_bytes
 
 DEFAULT_THREADS = 32
@@ -183,7 +184,7 @@ class FlashReader:
         if (store is None) == (file is None):
             raise ValueError("give exactly one of store and file")
         self.store = None if store is None else store if isinstance(store, FlashStore) else FlashStore(store)
-        path = os.fspath(file) if file is not None else self.store.bundles_path
+        path = regular_file(file) if file is not None else self.store.bundles_path
         if max_gap is None:
             profile = load_disk_profile()
             max_gap = profile.max_gap_bytes(threads) if profile else DEFAULT_MAX_GAP
@@ -237,7 +238,7 @@ class FlashReader:
         Returns (out, the stats of this call)."""
         if self.store is None:
             raise ValueError("read() needs a store; this reader was opened on a plain file (use read_rows)")
-        ids = torch.as_tensor(ids, dtype=torch.int64).reshape(-1).contiguous()
+        ids = neuron_ids(ids).contiguous()
         shape = (ids.numel(), self.store.bundle_width)
         if out is None:
             out = torch.empty(shape, dtype=self.store.dtype)

@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 
 from .errors import FormatError
-from .paths import create_file
+from .paths import create_file, regular_file
 
 MAX_HEADER_BYTES = 100 << 20  # the limit the safetensors library itself enforces
 DTYPE_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
@@ -89,7 +89,7 @@ def read_header(path: str | os.PathLike) -> SafetensorsHeader:
     """Parse and validate a safetensors header: sizes, dtypes, shapes and data offsets (in range, no overlap)."""
     path = os.fspath(path)
     try:
-        file_size = os.path.getsize(path)
+        file_size = os.path.getsize(regular_file(path))
         with open(path, "rb") as f:
             prefix = f.read(8)
             if len(prefix) < 8:

@@ -30,7 +30,7 @@ import torch
 
 from . import endor
 from .errors import FormatError
-from .safetensors_io import ResidentFile, TensorSpec, dtype_name, read_header
+from .safetensors_io import ResidentFile, TensorEntry, TensorSpec, dtype_name, read_header
 
 if TYPE_CHECKING:
     from .reader import FlashReader
@@ -43,6 +43,40 @@ RESIDENT_FILE = "resident.safetensors"
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 WEIGHT_ROLES = ("up", "gate", "down")  # gate only in GLU models
 BIAS_ROLES = ("up_bias", "gate_bias", "down_bias")
+# The sizes a model is built from (Hugging Face config names of the supported families).
+CONFIG_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "ffn_dim", "num_hidden_layers",
+                "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings")
+
+
+def parse_model_config(raw: str | None, path: str, resident: dict[str, TensorEntry]) -> dict:
+    """The model config in a store's `config` metadata entry: a JSON object whose sizes (CONFIG_SIZES, where given)
+    are positive integers and whose vocab_size is the row count of a resident tensor (the embedding), so a model is
+    never built from sizes the files do not back (a vocab_size of 1e11). FormatError naming the field otherwise."""
+    field = "__metadata__.config"
+    try:
+        config = json.loads(raw if raw is not None else "")
+    except json.JSONDecodeError as e:
+        raise FormatError(field, f"not JSON ({e})", path) from None
+    if not isinstance(config, dict):
+        raise FormatError(field, f"must be a JSON object, got {type(config).__name__}", path)
+    for key in CONFIG_SIZES:
+        value = config.get(key)
+        if value is not None and (type(value) is not int or value <= 0):
+            raise FormatError(f"{field}.{key}", f"must be a positive integer, got {value!r}", path)
+    vocab = config.get("vocab_size")
+    if vocab is not None and not any(len(e.shape) == 2 and e.shape[0] == vocab for e in resident.values()):
+        raise FormatError(f"{field}.vocab_size", f"{vocab} is the row count of no resident tensor (the embedding)",
+                          path)
+    return config
+
+
+def neuron_ids(ids: torch.Tensor | list[int]) -> torch.Tensor:
+    """`ids` as a flat int64 tensor. Float and bool ids are refused, not converted: int64 would truncate 0.7 to
+    neuron 0, a read of a neuron nobody asked for."""
+    ids = torch.as_tensor(ids)
+    if ids.numel() and (ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool):
+        raise ValueError(f"neuron ids must be integers, got {ids.dtype}")
+    return ids.to(torch.int64).reshape(-1)
 
 
 def layer_tensor_name(layer: int) -> str:
@@ -115,10 +149,7 @@ class FlashStore:
         if self.bundle_width != (3 if self.glu else 2) * self.hidden_size:
             raise FormatError("__metadata__.bundle_width", f"{self.bundle_width} disagrees with hidden_size "
                               f"{self.hidden_size} and glu={self.glu}", self.bundles_path)
-        try:
-            self.config: dict = json.loads(meta.get("config", ""))
-        except json.JSONDecodeError as e:
-            raise FormatError("__metadata__.config", f"not JSON ({e})", self.bundles_path) from None
+        self.config = parse_model_config(meta.get("config"), self.bundles_path, self._resident_entries)
         self.row_bytes = self.bundle_width * self.dtype.itemsize
         self._entries = header.tensors
         self._endor_index: dict[int, EndorLocation] = {}
@@ -231,7 +262,7 @@ class FlashStore:
             raise ValueError(f"layer {layer} out of range [0, {self.n_layers})")
 
     def check_ids(self, ids: torch.Tensor | list[int]) -> torch.Tensor:
-        ids = torch.as_tensor(ids, dtype=torch.int64).reshape(-1)
+        ids = neuron_ids(ids)
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.n_neurons):
             raise ValueError(f"neuron ids must lie in [0, {self.n_neurons}), got min {int(ids.min())} "
                              f"max {int(ids.max())}")

@@ -106,3 +106,26 @@ def umask():
     os.umask(previous)
     yield os.umask
     os.umask(previous)
+
+
+def refuses_without_blocking(load, fifo, match: str = "FIFO, not a regular file", timeout: float = 10.0) -> None:
+    """load() must raise FormatError matching `match` at once. A load blocked opening the FIFO `fifo` (open() waits
+    for a writer, and some loaders hold the GIL meanwhile) is released after `timeout` seconds by a shell that keeps
+    opening the FIFO's write end, and the test fails instead of hanging."""
+    import re
+    import subprocess
+    import time
+
+    from flashllm_ext import FormatError
+
+    release = subprocess.Popen(["sh", "-c", 'sleep "$0"; while :; do : > "$1"; done', str(timeout), str(fifo)])
+    start = time.monotonic()
+    try:
+        with pytest.raises(Exception) as info:
+            load()
+    finally:
+        release.kill()
+        release.wait()
+    assert time.monotonic() - start < timeout, f"blocked opening the FIFO {fifo}"
+    error = info.value
+    assert isinstance(error, FormatError) and re.search(match, str(error)) and str(fifo) in str(error), repr(error)

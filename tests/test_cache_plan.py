@@ -87,3 +87,16 @@ def test_corrupt_state_is_refused():
     for fn in (OPS.cache_plan, cache_plan_reference):
         with pytest.raises(RuntimeError, match=r"pointer\[4\]=\d+ disagrees with slot_of"):
             fn(*args)
+
+
+@pytest.mark.parametrize("slot", [10**6, 11, 0])
+def test_active_neuron_whose_slot_is_not_its_row_is_refused(slot):
+    # 10**6 is past the capacity, 11 past num_used=9, 0 a row holding another neuron: none may count as cached.
+    args = list(_plan_args())
+    absent = next(n for n in range(30) if int(args[2][n]) < 0)
+    args[0], args[2] = torch.tensor([absent]), args[2].clone()
+    args[2][absent] = slot
+    for fn in (OPS.cache_plan, cache_plan_reference):
+        with pytest.raises(RuntimeError, match=rf"slot_of\[{absent}\]={slot} disagrees with pointer"):
+            fn(*args)
+        assert not args[1].any()

@@ -1,5 +1,6 @@
 """Checkpoint readers: GGUF files under Hugging Face names (equal to what transformers loads), dequantized one
 tensor at a time; Hugging Face safetensors directories; bad files raise FormatError naming file and field."""
+import os
 from pathlib import Path
 
 import gguf
@@ -10,6 +11,7 @@ from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 from flashllm_ext import FormatError
 from flashllm_ext.checkpoint import GGUFCheckpoint, gguf_config, load_gguf, open_checkpoint
+from conftest import refuses_without_blocking
 from test_models import TINY, tiny_llama  # noqa: F401  (tiny_llama: a fixture)
 
 _GGUF_BLOCK = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
@@ -33,16 +35,16 @@ def _gguf_name(hf: str) -> str:
 
 
 def write_tiny_gguf(path: Path, model: LlamaForCausalLM, qtype=gguf.GGMLQuantizationType.F32, arch: str = "llama",
-                    drop: tuple[str, ...] = (), transpose: tuple[str, ...] = ()) -> Path:
-    """A GGUF laid out as llama.cpp writes Llama models (Q/K rows permuted, 2-D weights quantized to qtype)."""
+                    drop: tuple[str, ...] = (), transpose: tuple[str, ...] = (), **fields: int) -> Path:
+    """A GGUF laid out as llama.cpp writes Llama models (Q/K rows permuted, 2-D weights quantized to qtype).
+    `fields` replace the model's values of the size fields (block_count=10**9: a header that lies)."""
     cfg = model.config
     writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
+    sizes = {"block_count": cfg.num_hidden_layers, "context_length": cfg.max_position_embeddings,
+             "embedding_length": cfg.hidden_size, "feed_forward_length": cfg.intermediate_size,
+             "head_count": cfg.num_attention_heads, "head_count_kv": cfg.num_key_value_heads, **fields}
+    for key, value in sizes.items():
+        getattr(writer, f"add_{key}")(value)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     writer.add_vocab_size(cfg.vocab_size)
@@ -145,6 +147,20 @@ def test_unsupported_architecture_raises_format_error(tmp_path, tiny_llama):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("field,value,match", [
+    ("block_count", 10**9, "llama.block_count: 1000000000 blocks need"),
+    ("head_count_kv", 0, "llama.attention.head_count_kv: must be positive, got 0"),
+    ("head_count", 0, "llama.attention.head_count: must be positive, got 0"),
+    ("embedding_length", 0, "llama.embedding_length: must be positive, got 0"),
+])
+def test_size_fields_that_lie_raise_format_error(tmp_path, tiny_llama, field, value, match):
+    # block_count is checked against the file's tensors before expected_shapes builds a name for each of them.
+    path = write_tiny_gguf(tmp_path / "t.gguf", tiny_llama, **{field: value})
+    for load in (gguf_config, GGUFCheckpoint):
+        with pytest.raises(FormatError, match=match):
+            load(path)
+
+
 def test_default_load_gguf_equals_transformers(default_model):
     path, model, _ = default_model
     loaded = load_gguf(path, progress=False)
@@ -177,3 +193,17 @@ def test_safetensors_checkpoint_shapes_come_from_the_header(tmp_path, tiny_llama
     assert ckpt.config["hidden_size"] == TINY["hidden_size"]
     for name in ckpt.names:
         assert ckpt.shape(name) == tuple(state[name].shape) and torch.equal(ckpt[name], state[name]), name
+
+
+@pytest.mark.parametrize("name", ["config.json", "model.safetensors"])
+def test_a_fifo_in_a_checkpoint_directory_is_refused(tmp_path, tiny_llama, name):
+    tiny_llama.save_pretrained(tmp_path / "ckpt")
+    (tmp_path / "ckpt" / name).unlink()
+    os.mkfifo(tmp_path / "ckpt" / name)
+    refuses_without_blocking(lambda: open_checkpoint(tmp_path / "ckpt"), tmp_path / "ckpt" / name)
+
+
+@pytest.mark.parametrize("load", [GGUFCheckpoint, gguf_config])
+def test_a_fifo_named_as_a_gguf_is_refused(tmp_path, load):
+    os.mkfifo(tmp_path / "model.gguf")
+    refuses_without_blocking(lambda: load(tmp_path / "model.gguf"), tmp_path / "model.gguf")

@@ -1,5 +1,6 @@
 """flashllm_ext.endor: compress/EndorTensor, safetensors save/load (fuzzed), compressed-tensors interop, pruning."""
 import json
+import os
 import struct
 
 import numpy as np
@@ -11,6 +12,7 @@ from hypothesis import strategies as st
 from safetensors import safe_open
 
 from flashllm_ext import FormatError, endor
+from conftest import refuses_without_blocking
 from test_endor_decompress import assert_bitwise_equal, make_weight
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int8]
@@ -223,3 +225,8 @@ def test_two_four_structure():
 def test_prune_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         endor.prune(torch.randn(4, 8), **kwargs)
+
+
+def test_load_refuses_a_fifo(tmp_path):
+    os.mkfifo(tmp_path / "w.safetensors")
+    refuses_without_blocking(lambda: endor.load(tmp_path / "w.safetensors"), tmp_path / "w.safetensors")

@@ -6,6 +6,8 @@ import os
 import pytest
 import torch
 
+from conftest import refuses_without_blocking
+from flashllm_ext import FormatError
 from flashllm_ext.kv import KVFile, KVShard, ShardInUseError, SpillError, default_writeback, split_pairs
 from flashllm_ext.kv.files import BLOCK
 
@@ -340,3 +342,28 @@ def test_a_shard_folder_has_one_owner(tmp_path):
     assert torch.equal(second.tokens(0)[0], k)
     second.abandon()
     KVShard.open(tmp_path).close()
+
+
+@pytest.mark.parametrize("name", ["shard.json", "layer0.k"])
+def test_open_refuses_a_fifo_in_the_shard(tmp_path, name):
+    KVShard.create(tmp_path, 1, 2, 4, torch.float16, 4).close()
+    (tmp_path / name).unlink()
+    os.mkfifo(tmp_path / name)
+    refuses_without_blocking(lambda: KVShard.open(tmp_path), tmp_path / name)
+
+
+@pytest.mark.parametrize("edit,match", [
+    (lambda m: [m], "manifest: must be a JSON object"),
+    (lambda m: {k: v for k, v in m.items() if k != "pairs"}, "pairs: must be a positive integer, got None"),
+    (lambda m: {**m, "pairs": "2"}, "pairs: must be a positive integer"),
+    (lambda m: {**m, "writeback": 0}, "writeback: must be a positive integer"),
+    (lambda m: {**m, "lengths": [1.5]}, "lengths: expected one length"),
+    (lambda m: {**m, "lengths": [5]}, "lengths: expected one length"),
+    (lambda m: {**m, "lengths": None}, "lengths: expected one length"),
+], ids=["list", "no_pairs", "pairs_str", "writeback_0", "float_length", "length_past_max", "no_lengths"])
+def test_open_refuses_a_manifest_of_wrong_types(tmp_path, edit, match):
+    KVShard.create(tmp_path, 1, 2, 4, torch.float16, 4).close()
+    manifest = tmp_path / "shard.json"
+    manifest.write_text(json.dumps(edit(json.loads(manifest.read_text()))))
+    with pytest.raises(FormatError, match=f"shard.json: {match}"):
+        KVShard.open(tmp_path)

@@ -1,4 +1,5 @@
 import math
+import os
 
 import pytest
 import torch
@@ -6,6 +7,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from transformers import LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM
 
+from conftest import refuses_without_blocking
 from flashllm_ext import FormatError, cli
 from flashllm_ext.predictor import (LowRankPredictor, PredictorSet, activation_score, auto_rank,
                                     calibrate_thresholds, capture_activations, choose_prob_thresholds, evaluate,
@@ -364,3 +366,8 @@ def test_cli_train_predictors_writes_a_loadable_file(default_model, tmp_path, mo
     predictors = load_predictors(store_dir)
     assert [p.rank for p in predictors.predictors] == [16] * 30 and (predictors.thresholds > 0).all()
     assert predictors.predict(3, torch.randn(2, 576)).shape == (2, 1536)
+
+
+def test_load_refuses_a_fifo(tmp_path):
+    os.mkfifo(tmp_path / "p.safetensors")
+    refuses_without_blocking(lambda: load_predictors(tmp_path / "p.safetensors"), tmp_path / "p.safetensors")

@@ -1,5 +1,6 @@
 import ctypes
 import errno
+import json
 import os
 import shutil
 import struct
@@ -14,7 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from flashllm_ext import cli, disk, reader, store
+from conftest import refuses_without_blocking
+from flashllm_ext import FormatError, cli, disk, reader, store
 from flashllm_ext.convert import convert
 from flashllm_ext.reader import FlashReader, ReadResult, has_io_uring
 
@@ -124,9 +126,9 @@ def test_out_argument_and_bad_arguments(flash_store):
 
 
 def test_bad_construction(tmp_path, flash_store):
-    with pytest.raises(RuntimeError, match=f"{tmp_path / 'nope'}.*errno {errno.ENOENT}"):
+    with pytest.raises(FileNotFoundError, match=str(tmp_path / "nope")):
         FlashReader.for_file(tmp_path / "nope")
-    with pytest.raises(RuntimeError, match="directory"):
+    with pytest.raises(FormatError, match="a directory, not a regular file"):
         FlashReader.for_file(tmp_path)
     with pytest.raises(RuntimeError, match="threads"):
         FlashReader(flash_store, threads=0)
@@ -281,7 +283,25 @@ def test_calibrate_disk_and_profile(tmp_path, monkeypatch, flash_store, capsys):
     assert FlashReader(flash_store, threads=1).max_gap == profile.max_gap_bytes(1)
     assert FlashReader(flash_store, threads=8).max_gap == profile.max_gap_bytes(8) <= profile.max_gap_bytes(1)
     (tmp_path / "disk.json").write_text("{broken")
-    assert FlashReader(flash_store, threads=1).max_gap == reader.DEFAULT_MAX_GAP
+    with pytest.warns(UserWarning, match="damaged disk profile"):
+        assert FlashReader(flash_store, threads=1).max_gap == reader.DEFAULT_MAX_GAP
+
+
+@pytest.mark.parametrize("saved", [
+    {"latency_s": float("nan"), "bandwidth_bps": 1e9, "path": "/"},
+    {"latency_s": float("inf"), "bandwidth_bps": 1e9, "path": "/"},
+    {"latency_s": -1e-4, "bandwidth_bps": 1e9, "path": "/"},
+    {"latency_s": 1e-4, "bandwidth_bps": 0, "path": "/"},
+    {"latency_s": 1e300, "bandwidth_bps": 1e300, "path": "/"},
+    {"latency_s": 1e-4}, [1e-4, 1e9], "{broken",
+], ids=["nan", "inf", "negative", "no_bandwidth", "overflow", "missing_fields", "list", "not_json"])
+def test_a_damaged_disk_profile_only_loses_the_tuning(tmp_path, monkeypatch, flash_store, saved):
+    monkeypatch.setenv("FLASHLLM_DISK_PROFILE", str(tmp_path / "disk.json"))
+    (tmp_path / "disk.json").write_text(saved if isinstance(saved, str) else json.dumps(saved))
+    with pytest.warns(UserWarning, match="disk.json: ignoring a damaged disk profile"):
+        assert disk.load_disk_profile() is None
+    with pytest.warns(UserWarning, match="disk.json"), FlashReader(flash_store, threads=1) as r:
+        assert r.max_gap == reader.DEFAULT_MAX_GAP
 
 
 def test_calibrate_disk_never_writes_through_a_planted_symlink(tmp_path, monkeypatch):
@@ -385,3 +405,15 @@ def test_rows_longer_than_one_request(tmp_path, engine):
     want = torch.cat([data[base + i * row_bytes: base + (i + 1) * row_bytes] for i in ids.tolist()])
     assert torch.equal(out, want)
     assert stats.n_reads == 5 and stats.bytes_requested == 5 * row_bytes  # merging 7 and 8 would pass max_read
+
+
+def test_for_file_refuses_a_fifo(tmp_path):
+    os.mkfifo(tmp_path / "data")
+    refuses_without_blocking(lambda: FlashReader.for_file(tmp_path / "data", threads=1), tmp_path / "data")
+
+
+@pytest.mark.parametrize("ids", [torch.tensor([0.7, 1.2]), [0.0, 1.0]], ids=["float_tensor", "float_list"])
+def test_read_refuses_non_integer_ids(flash_store, ids):
+    # int64 conversion would truncate them to neurons 0 and 1: a read of neurons nobody asked for.
+    with FlashReader(flash_store, threads=1) as r, pytest.raises(ValueError, match="neuron ids must be integers"):
+        r.read(0, ids)

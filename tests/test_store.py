@@ -1,5 +1,7 @@
 """FlashStore: reads what convert wrote, and refuses stores whose headers lie (FormatError naming file and field)."""
 import json
+import os
+import shutil
 import struct
 
 import pytest
@@ -9,8 +11,9 @@ from hypothesis import strategies as st
 
 from flashllm_ext import FormatError, store
 from flashllm_ext.convert import convert
+from flashllm_ext.offload import LAYERS_FILE, LayerStore, convert_offload
 from flashllm_ext.safetensors_io import AlignedWriter, TensorSpec, read_header
-from conftest import mapped_ranges
+from conftest import mapped_ranges, refuses_without_blocking
 from test_convert import _llama
 
 
@@ -21,10 +24,15 @@ def llama_store(tmp_path_factory):
     return convert(root / "ckpt", root / "store", progress=False)
 
 
+@pytest.fixture(scope="module")
+def layer_store(tmp_path_factory):
+    root = tmp_path_factory.mktemp("layers")
+    _llama().save_pretrained(root / "ckpt")
+    return convert_offload(root / "ckpt", root / "store")
+
+
 @pytest.fixture
 def store_copy(llama_store, tmp_path):
-    import shutil
-
     return shutil.copytree(llama_store, tmp_path / "copy")
 
 
@@ -202,3 +210,48 @@ def test_resident_tensors_do_not_map_the_store(llama_store):
     assert not [t for t in tensors if any(b <= t.data_ptr() < e for b, e in mapped)]
     model.flash.close()
     fs.close()
+
+
+@pytest.mark.parametrize("name", [store.BUNDLES_FILE, store.RESIDENT_FILE])
+def test_a_fifo_in_place_of_a_store_file_is_refused(store_copy, name):
+    (store_copy / name).unlink()
+    os.mkfifo(store_copy / name)
+    refuses_without_blocking(lambda: store.FlashStore(store_copy), store_copy / name)
+
+
+def test_a_fifo_in_place_of_a_layer_store_file_is_refused(layer_store, tmp_path):
+    copy = shutil.copytree(layer_store, tmp_path / "copy")
+    (copy / store.RESIDENT_FILE).unlink()
+    os.mkfifo(copy / store.RESIDENT_FILE)
+    refuses_without_blocking(lambda: LayerStore(copy), copy / store.RESIDENT_FILE)
+
+
+@pytest.mark.parametrize("ids", [torch.tensor([0.7, 1.2]), [0.0, 1.0], torch.tensor([True, False])],
+                         ids=["float_tensor", "float_list", "bool"])
+def test_non_integer_neuron_ids_are_refused(llama_store, ids):
+    fs = store.FlashStore(llama_store)
+    with pytest.raises(ValueError, match="neuron ids must be integers"):
+        fs.check_ids(ids)
+    with pytest.raises(ValueError, match="neuron ids must be integers"):
+        fs.bundle(0, ids)
+
+
+@pytest.mark.parametrize("edit,match", [
+    (lambda c: [c], r"config: must be a JSON object"),
+    (lambda c: {**c, "vocab_size": 10**11}, r"config\.vocab_size: 100000000000 is the row count of no resident"),
+    (lambda c: {**c, "vocab_size": 1e11}, r"config\.vocab_size: must be a positive integer"),
+    (lambda c: {**c, "hidden_size": "64"}, r"config\.hidden_size: must be a positive integer"),
+    (lambda c: {**c, "num_hidden_layers": 0}, r"config\.num_hidden_layers: must be a positive integer"),
+], ids=["list", "vocab_10e11", "vocab_float", "hidden_str", "no_layers"])
+@pytest.mark.parametrize("kind", ["flash", "layers"])
+def test_model_config_lies_raise_format_error(store_copy, layer_store, tmp_path, kind, edit, match):
+    # The model is built from the config: sizes the files do not back must fail here, not allocate there.
+    root, file, load = ((store_copy, store.BUNDLES_FILE, store.FlashStore) if kind == "flash" else
+                        (shutil.copytree(layer_store, tmp_path / "layers"), LAYERS_FILE, LayerStore))
+
+    def rewrite(header):
+        header["__metadata__"]["config"] = json.dumps(edit(json.loads(header["__metadata__"]["config"])))
+
+    _rewrite_header(root / file, rewrite)
+    with pytest.raises(FormatError, match=match):
+        load(root)

@@ -26,12 +26,17 @@ std::vector<c10::SymInt> cache_plan_cpu(const at::Tensor& active_in, at::Tensor&
   const int64_t* ptr = pointer.data_ptr<int64_t>();
   int64_t* evict = evict_rows.data_ptr<int64_t>();
   int64_t* miss = missing.data_ptr<int64_t>();
-  for (int64_t i = 0; i < k; ++i)
-    TORCH_CHECK(ids[i] >= 0 && ids[i] < n_neurons, "cache_plan: active_ids[", i, "]=", ids[i],
-                " is outside [0, n_neurons=", n_neurons, ")");
   for (int64_t i = 0; i < num_used; ++i)
     TORCH_CHECK(ptr[i] >= 0 && ptr[i] < n_neurons && slots[ptr[i]] == i, "cache_plan: pointer[", i, "]=", ptr[i],
                 " disagrees with slot_of: the cache state is corrupt");
+  // An active neuron's slot decides whether it is read: one outside the used rows would be taken as cached.
+  for (int64_t i = 0; i < k; ++i) {
+    TORCH_CHECK(ids[i] >= 0 && ids[i] < n_neurons, "cache_plan: active_ids[", i, "]=", ids[i],
+                " is outside [0, n_neurons=", n_neurons, ")");
+    const int64_t slot = slots[ids[i]];
+    TORCH_CHECK(slot < 0 || (slot < num_used && ptr[slot] == ids[i]), "cache_plan: slot_of[", ids[i], "]=", slot,
+                " disagrees with pointer: the cache state is corrupt");
+  }
   // Distinct active neurons and the missing ones among them; no state changes before the capacity check.
   thread_local std::vector<uint8_t> seen;
   if (static_cast<int64_t>(seen.size()) < n_neurons) seen.resize(n_neurons, 0);

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from ..paths import create_file
+from ..paths import create_file, regular_file
 from ..reader import FlashReader, ReadStats
 
 BLOCK = 4096  # direct-I/O block: the reader widens to its file's statx alignment; 4 KiB covers every device here
@@ -87,6 +87,8 @@ class KVFile:
         if create:  # a new file (the old one's blocks are not reused): created exclusively, private, never a link
             Path(self.path).unlink(missing_ok=True)
             os.close(create_file(self.path, private=True))
+        else:
+            regular_file(self.path)
         flags = os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW
         try:
             self._fd = os.open(self.path, flags | os.O_DIRECT)

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from ..errors import FormatError
-from ..paths import PRIVATE_DIR_MODE, create_file, write_atomic
+from ..paths import PRIVATE_DIR_MODE, create_file, regular_file, write_atomic
 from .files import BLOCK, FaultInjector, IOCounters, KVFile
 from .link import Link
 
@@ -146,17 +146,24 @@ class KVShard:
         _check_no_links(Path(directory))
         path = Path(directory) / MANIFEST
         try:
-            meta = json.loads(path.read_text())
+            meta = json.loads(Path(regular_file(path)).read_text())
         except (OSError, ValueError) as e:
             raise FormatError("manifest", f"cannot read: {e}", str(path)) from e
+        if not isinstance(meta, dict):
+            raise FormatError("manifest", f"must be a JSON object, got {type(meta).__name__}", str(path))
         if meta.get("format_version") != FORMAT_VERSION:
             raise FormatError("format_version", f"expected {FORMAT_VERSION}, got {meta.get('format_version')}",
                               str(path))
         if meta.get("dtype") not in DTYPES:
             raise FormatError("dtype", f"unknown {meta.get('dtype')!r}", str(path))
+        for key in ("n_layers", "pairs", "head_dim", "max_tokens", "writeback"):
+            if type(meta.get(key)) is not int or meta[key] <= 0:
+                raise FormatError(key, f"must be a positive integer, got {meta.get(key)!r}", str(path))
         lengths = meta.get("lengths")
-        if not isinstance(lengths, list) or len(lengths) != meta.get("n_layers"):
-            raise FormatError("lengths", f"expected one length per layer, got {lengths!r}", str(path))
+        if (not isinstance(lengths, list) or len(lengths) != meta["n_layers"]
+                or not all(type(n) is int and 0 <= n <= meta["max_tokens"] for n in lengths)):
+            raise FormatError("lengths", f"expected one length in [0, max_tokens] per layer, got {lengths!r}",
+                              str(path))
         return cls(directory, meta["n_layers"], meta["pairs"], meta["head_dim"], DTYPES[meta["dtype"]],
                    meta["max_tokens"], create=False, lengths=lengths,
                    writeback=kwargs.pop("writeback", meta["writeback"]), **kwargs)

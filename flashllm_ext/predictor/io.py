@@ -12,6 +12,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from ..errors import FormatError
+from ..paths import regular_file
 from ..safetensors_io import save_tensors
 from ..store import RESIDENT_FILE, FlashStore
 from .base import NeuronPredictor, predictor_class
@@ -60,7 +61,7 @@ def predictors_recipe(store_dir: str | os.PathLike) -> dict | None:
     """The recipe saved with a store's predictors (save_predictors_to_store), or None: no store, no predictors,
     or predictors saved without one."""
     try:
-        with safe_open(os.fspath(Path(store_dir) / RESIDENT_FILE), "pt") as f:
+        with safe_open(regular_file(Path(store_dir) / RESIDENT_FILE), "pt") as f:
             text = (f.metadata() or {}).get(RECIPE_KEY)
         return None if text is None else json.loads(text)
     except (SafetensorError, OSError, json.JSONDecodeError):
@@ -75,7 +76,8 @@ def load_predictors(path: str | os.PathLike) -> NeuronPredictor:
         path = path / RESIDENT_FILE
     path = os.fspath(path)
     try:
-        with safe_open(path, "pt") as f:  # only the predictor tensors: a store's resident file holds the model too
+        # only the predictor tensors: a store's resident file holds the model too
+        with safe_open(regular_file(path), "pt") as f:
             metadata = f.metadata() or {}
             tensors = {k: f.get_tensor(k) for k in f.keys() if k.startswith(TENSOR_PREFIX)}
     except (SafetensorError, OSError) as e:
