@@ -1,4 +1,4 @@
-"""INF² attention kernels (issue 13): can one worker's native attention keep up with the storage that feeds it?
+"""INF² attention kernels: can one worker's native attention keep up with the storage that feeds it?
 
 For each KV block shape (S tokens x B*Hkv (sequence, kv head) pairs x head_dim, fp16, the token-major layout of
 the KV store), in one process, interleaved round-robin (flashllm_ext.timing.time_interleaved, medians):

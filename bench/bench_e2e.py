@@ -1,4 +1,4 @@
-"""End-to-end flash inference (issue 9): greedy decoding of the default model from a flash store under a DRAM
+"""End-to-end flash inference: greedy decoding of the default model from a flash store under a DRAM
 budget, each mode and the accelerate disk-offload peer in its own process inside a memory cgroup of that process's
 baseline + the budget (page cache counted, dropped first; bench/common.py run_limited_child).
 
@@ -10,11 +10,11 @@ the decode tokens (stats reset after prefill); hidden_io_ms is the read time the
 The configurations run round-robin for --rounds rounds (each in a fresh process); the summary rows
 (bench:"e2e_median") are per-mode medians over the rounds, and ratios are taken between those medians.
 
---device cuda runs every mode on the GPU (issue 12): the model and the neuron caches in GPU memory, reads staged
+--device cuda runs every mode on the GPU: the model and the neuron caches in GPU memory, reads staged
 through pinned host memory (flashllm_ext/transfer.py); the cgroup still limits host memory (its baseline includes the
 CUDA context), and the budget still sizes the caches; accelerate's peer then offloads from the GPU.
 
-With --endor (issue 11): flash mode on two stores of the same Wanda-50%-pruned default model, dense bundles and
+With --endor: flash mode on two stores of the same Wanda-50%-pruned default model, dense bundles and
 Endor rows (store_format "dense" / "endor"), same budget, prompt and tokens, each in its own limited process,
 interleaved: bytes read per token and ms/token of the Endor store against the dense one. Both run flash-oracle
 (the true active sets of the rule, thresholds calibrated on the pruned model at TARGET_SPARSITY): the same sets on
@@ -436,7 +436,7 @@ def plot_breakdown(rows: list[dict], path: Path) -> None:
 # ------------------------------------------------------------------------------------------- the scale run
 
 SCALE_MODELS = ("opt-6.7b", "llama-2-7b")  # bench/synth_checkpoint.py's checkpoints, converted once
-# The operating points of issue 9: (a) OPT-like, the rule's threshold sparsity 0.97 (what the paper measured for
+# The operating points of the scale run: (a) OPT-like, the rule's threshold sparsity 0.97 (what the paper measured for
 # OPT's ReLU FFNs); (b) SwiGLU-real, TARGET_SPARSITY, where the default model's held-out perplexity stays within ~5%
 # of dense. Per point: the sparsity the predictors are trained for and the one the true sets are thresholded at.
 POINTS = {"a": ("a (OPT-like): threshold sparsity 0.97", 0.97),

@@ -391,7 +391,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--documents", type=int, default=8, help="table2: held-out documents the tokens come from")
     p.add_argument("--sparsity", type=float, default=0.97,
                    help="table2: threshold sparsity of the true sets and the one the predictors were trained for "
-                        "(0.97: issue 9's OPT-like operating point, what the paper measured for OPT)")
+                        "(0.97: the OPT-like operating point, what the paper measured for OPT)")
     p.add_argument("--predictor", choices=("lowrank", "quant"), default="quant",
                    help="table2: the predictors of the predictor rows (bench/traces.py predictor_training)")
     p.add_argument("--naive-tokens", type=int, default=8)

@@ -1,4 +1,4 @@
-"""Endor offloaded inference (issue 11 item 2): greedy decoding with whole decoder layers in memory or on SSD under a
+"""Endor offloaded inference: greedy decoding with whole decoder layers in memory or on SSD under a
 DRAM budget, each mode and the accelerate disk-offload peer in its own process inside a memory cgroup of that
 process's baseline + the budget (page cache counted, dropped first; bench/common.py run_limited_child).
 
@@ -84,7 +84,7 @@ def run_child(config: dict) -> dict:
                                    layers_on_device=config.get("layers_on_device"), slots=config["slots"])
             reset = model.offload.stats.reset
         # On CUDA one untimed decode token first: the first one pays first-use costs that would land in the
-        # per-token means (the twelfth session's H200 endor row: 1592 ms, then 732-827).
+        # per-token means (an H200 endor row: 1592 ms, then 732-827).
         times, tokens, storage = _decode(model, torch.tensor([config["prompt_ids"]], device=device),
                                          config["tokens"], reset, warmup=1 if device == "cuda" else 0)
     except Exception as e:  # the row says why this configuration could not run

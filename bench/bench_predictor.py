@@ -3,7 +3,7 @@
 1. Threshold sweep: per-layer thresholds on the active-neuron rule's score |act(gate)*up| (flashllm_ext.predictor)
    calibrated on the calibration text for each target sparsity; held-out perplexity with the thresholded FFN patched
    in and the sparsity reached on held-out text (rows bench:"threshold").
-2. Method sweep (issue 10): every predictor method (--methods) built once from the calibration text, then put at
+2. Method sweep: every predictor method (--methods) built once from the calibration text, then put at
    each target loaded density (--densities, cut-offs calibrated on the calibration text only); per point one
    held-out pass with the predictor patched in (rows bench:"method"): perplexity, loaded density (mean, and the
    worst layer's distance from the target), recall of the oracle's active set at the same density and of the output

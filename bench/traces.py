@@ -22,8 +22,8 @@ from flashllm_ext.paths import resolve_cache_dir
 CALIBRATION_TOKENS = 2048
 CONTEXT = 512  # tokens per forward pass over one piece of held-out text
 # The low-rank predictors the benchmarks drive flash reads with train on less than the CLI's 4096 tokens x 10 epochs,
-# so that an operating point trains within a benchmark session on a shared 2-core machine (there ~3 min a layer at
-# the CLI's settings). The scale figures of issue 9 were measured with these.
+# so that an operating point trains within a benchmark run on a shared 2-core machine (there ~3 min a layer at
+# the CLI's settings). The scale figures were measured with these.
 LOWRANK_TRAINING = ("--method", "lowrank", "--tokens", "1024", "--epochs", "2")
 
 

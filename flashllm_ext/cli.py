@@ -157,7 +157,7 @@ def _add_train_predictors(sub: argparse._SubParsersAction) -> None:
                                        "(a store converted from the same checkpoint)")
     train.add_argument("--method", choices=sorted(PREDICTOR_METHODS), default=DEFAULT_METHOD,
                        help=f"predictor method (default {DEFAULT_METHOD} {DEFAULT_GATE_BITS}/{DEFAULT_UP_BITS} bits at "
-                            f"density {DEFAULT_DENSITY}: BENCHMARKS.md, issue 10)")
+                            f"density {DEFAULT_DENSITY}: BENCHMARKS.md, \"Predictors\")")
     train.add_argument("--density", type=float, default=None,
                        help=f"target loaded density per layer, calibrated on the calibration text (default "
                             f"{DEFAULT_DENSITY}; lowrank without it: the recall operating point)")
@@ -167,12 +167,12 @@ def _add_train_predictors(sub: argparse._SubParsersAction) -> None:
                        help=f"quant: bits per W_up weight (default {DEFAULT_UP_BITS})")
     train.add_argument("--rounding", choices=ROUNDINGS, default=None,
                        help=f"quant: codes rounded to the nearest level, or by GPTQ against the calibration inputs "
-                            f"(same format and speed, closer scores: BENCHMARKS.md, issue 10 fifth pass; default "
+                            f"(same format and speed, closer scores: BENCHMARKS.md, \"Predictors\"; default "
                             f"{DEFAULT_ROUNDING})")
     train.add_argument("--group-size", type=_group_size, default=DEFAULT_GROUP_SIZE,
                        help="quant: columns per scale (a multiple of 64 dividing the hidden size), 'row' for one "
                             f"scale per row, or 'auto': the least such multiple >= 192 (default {DEFAULT_GROUP_SIZE}: "
-                            "BENCHMARKS.md, issue 10 sixth pass)")
+                            "BENCHMARKS.md, \"Predictors\")")
     train.add_argument("--allocation", choices=ALLOCATIONS, default="uniform",
                        help="spread --density over the layers: the same everywhere, or by a greedy search on the "
                             "calibration loss (empirical Fisher; the mean stays --density)")

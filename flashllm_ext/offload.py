@@ -83,7 +83,7 @@ MODES = ("dense", "endor", "endor+more-resident")
 COMPUTES = ("auto", "linear", "decompress")
 LINEAR_MAX_TOKENS = 8  # endor_linear keeps up to 8 tokens in registers; longer inputs decompress + GEMM
 # On an H100 the CUDA endor_linear beats decompress + GEMM at T = 1 (1.14-1.57x) and loses at T = 4 (0.72-0.81x)
-# (BENCHMARKS "First run on a GPU")
+# (BENCHMARKS.md, "Endor decompression and `endor_linear`"; an H200 since: 1.08-1.23x at T = 1)
 CUDA_LINEAR_MAX_TOKENS = 1
 # Prompts decompress an Endor matrix a block of rows at a time, at most this many dense bytes (at least one row), each
 # block multiplied while it is in cache: the buffer is charged to the budget beside the layers, and a whole

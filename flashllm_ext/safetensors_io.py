@@ -45,7 +45,7 @@ def owned_tensor(handle, name: str) -> torch.Tensor:
     """`handle.get_tensor(name)` (a safetensors `safe_open` handle) copied into memory of its own. safetensors hands
     out views of a private mapping of the file: clean file pages, which a memory cgroup may evict and fault in again
     from storage on every use, so a tensor meant to stay in DRAM (resident weights, in-memory layers) must not be
-    one (BENCHMARKS.md, the seventh session's offload scale run)."""
+    one (docs/history.md, "Offload": in-memory layers as views of the mapping ran at half speed)."""
     return handle.get_tensor(name).clone()
 
 
@@ -53,7 +53,7 @@ class ResidentFile:
     """A store's resident.safetensors, read into owned tensors through one safe_open handle, opened on first use.
     close() once the tensors are loaded: the handle keeps the file mapped, and every page read stays in the process
     as file-backed memory a memory cgroup counts (the OPT-6.7B offload store's 432 MB embeddings held a child over
-    its limit, BENCHMARKS.md fourteenth session), then drop_page_cache(path)."""
+    its limit, docs/history.md, "Offload"), then drop_page_cache(path)."""
 
     def __init__(self, path: str):
         self.path = path
@@ -76,8 +76,8 @@ class ResidentFile:
 def drop_page_cache(path: str | os.PathLike) -> None:
     """Drop the clean cached pages of `path` (posix_fadvise DONTNEED): a file read to load tensors into memory of
     their own stays in the page cache, which a memory cgroup charges to the process until it reclaims it; left
-    there, it held an Endor offload child at its limit with its layer reads at half speed (BENCHMARKS.md,
-    seventh-session scale run)."""
+    there, it held an Endor offload child at its limit with its layer reads at half speed (docs/history.md,
+    "Offload")."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
