@@ -4,6 +4,7 @@ import json
 import os
 import re
 import subprocess
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,9 @@ def test_dry_run_runs_every_step_and_each_writes_rows_without_errors(tmp_path):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
     finished = dict(re.findall(r"^== (\w+): rc (\d+) in", out.stdout, re.M))
     assert list(finished) == STEPS and set(finished.values()) == {"0"}, out.stdout[-3000:]
+    with tarfile.open(tmp_path / "logs.tgz") as logs:
+        assert {f"./{step}.log" for step in STEPS} <= set(logs.getnames())
+    assert len(list(tmp_path.iterdir())) <= 8  # what a device call brings back of $OUT
     results = sorted(tmp_path.glob("*.jsonl"))
     assert {p.name for p in results} == {"bench_e2e_flash_cpu.jsonl", "bench_ffn_cpu.jsonl", "bench_endor_cpu.jsonl",
                                          "bench_offload_cpu_30.jsonl", "bench_offload_cpu_50.jsonl"}

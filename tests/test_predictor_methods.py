@@ -439,6 +439,7 @@ def test_fisher_costs_are_the_squared_first_order_loss_changes(llama, built, cal
 
 
 def test_cli_builds_gptq_quant_with_fisher_allocation_into_a_store(tmp_path, monkeypatch, capsys):
+    import flashllm_ext.checkpoint
     import flashllm_ext.models
     from flashllm_ext import cli
 
@@ -448,8 +449,10 @@ def test_cli_builds_gptq_quant_with_fisher_allocation_into_a_store(tmp_path, mon
                                          max_position_embeddings=512)).eval()
     monkeypatch.setattr(flashllm_ext.models, "load_hf_model", lambda path: (model, None))
     monkeypatch.setattr(flashllm_ext.models, "corpus_token_ids", lambda tokenizer, split: _ids(2048, 0))
+    # Never read: the model comes from the patched loader, and the header check before any work is patched too.
+    monkeypatch.setattr(flashllm_ext.checkpoint, "gguf_config", lambda path: {})
     checkpoint = tmp_path / "tiny.gguf"
-    checkpoint.write_bytes(b"GGUF")  # never read: the model comes from the patched loader
+    checkpoint.write_bytes(b"GGUF")
     store_dir = synthesize(tmp_path / "store", n_layers=3, hidden_size=64, n_neurons=96, glu=True)
     cli.main(["train-predictors", str(checkpoint), "--store", str(store_dir), "--tokens", "512", "--method",
               "quant", "--gate-bits", "3", "--up-bits", "4", "--rounding", "gptq", "--allocation", "fisher",
