@@ -38,7 +38,6 @@ SHAPES = {"opt-6.7b fc1": (16384, 4096), "opt-6.7b fc2": (4096, 16384),
           # q/k/v/o of both (d = 4096, 32 heads of 128): what offloaded inference also computes per layer
           "opt-6.7b / llama-2-7b attn": (4096, 4096)}
 SMOKE_SHAPES = {"smoke (fc1-like)": (256, 128), "smoke (fc2-like)": (64, 512)}
-SMOKE_PROBE_BYTES = 4 << 20
 DTYPES = {name: store.DTYPES[name] for name in ("fp16", "bf16")}
 
 
@@ -162,7 +161,7 @@ def main() -> None:
                         if args.json:
                             emit([row], True)
         if args.only != "decompress":
-            stream = stream_probe(args.device, SMOKE_PROBE_BYTES if args.smoke else None)
+            stream = stream_probe(args.device, args.smoke)
             for name, shape in shapes.items():
                 for dtype_name in dtypes:
                     for n_tok in (1,) if args.quick else (1, 4):

@@ -44,7 +44,6 @@ from flashllm_ext.store import DTYPES, FlashStore
 SHAPES = {"opt-6.7b": (4096, 16384, False, "relu"), "llama-2-7b": (4096, 11008, True, "silu")}
 SMOKE_SHAPES = {"opt-6.7b (smoke: d 64, 512 neurons)": (64, 512, False, "relu"),
                 "llama-2-7b (smoke: d 64, 352 neurons)": (64, 352, True, "silu")}
-SMOKE_PROBE_BYTES = 4 << 20
 RESULTS = Path(__file__).resolve().parent / "results"
 ROTATE_BYTES = 256 << 20
 
@@ -83,7 +82,7 @@ def bench_ffn(dtype_name: str, rounds: int, quick: bool, device: str = "cpu", sm
     on_gpu = device == "cuda"
     sync = torch.cuda.synchronize if on_gpu else (lambda: None)
     quick = quick or smoke
-    probe_bytes, stream = stream_probe(device, SMOKE_PROBE_BYTES if smoke else None)
+    probe_bytes, stream = stream_probe(device, smoke)
     g = torch.Generator().manual_seed(0)
     rows = []
     for shape_name, (d, n, glu, act) in (SMOKE_SHAPES if smoke else SHAPES).items():

@@ -17,7 +17,6 @@ from flashllm_ext import ops
 SHAPES = {"default q_proj (576 x 576)": (576, 576), "default lm_head (49152 x 576)": (49152, 576),
           "7B q_proj (4096 x 4096)": (4096, 4096)}
 SMOKE_SHAPES = {"smoke (96 x 64)": (96, 64)}
-SMOKE_PROBE_BYTES = 4 << 20
 
 
 def main() -> None:
@@ -28,7 +27,7 @@ def main() -> None:
     if args.smoke:
         args.tokens, args.rounds = "1", 1
     dtype, g = getattr(torch, args.dtype), torch.Generator().manual_seed(0)
-    probe_bytes, stream = stream_probe(probe_bytes=SMOKE_PROBE_BYTES if args.smoke else None)
+    probe_bytes, stream = stream_probe(smoke=args.smoke)
     rows = []
     for name, (n, d) in (SMOKE_SHAPES if args.smoke else SHAPES).items():
         w32 = torch.randn(n, d, generator=g) / d ** 0.5

@@ -75,14 +75,13 @@ def last_level_cache_bytes(device: str = "cpu") -> int:
     return reported if reported > 0 else 32 << 20
 
 
-def stream_probe(device: str = "cpu", probe_bytes: int | None = None):
-    """The memory-bandwidth probe: (bytes, fn), fn a streaming sum over that many bytes (default 512 MiB on the CPU,
-    several times any L3; 2 GiB on a GPU, 4x the 50-60 MB L2 of an H100/H200). Bytes / its time is the read
-    bandwidth (with a smaller probe_bytes, a smoke run's: of a cache, not of memory)."""
+def stream_probe(device: str = "cpu", smoke: bool = False):
+    """The memory-bandwidth probe: (bytes, fn), fn a streaming sum over that many bytes (512 MiB on the CPU, several
+    times any L3; 2 GiB on a GPU, 4x the 50-60 MB L2 of an H100/H200). Bytes / its time is the read bandwidth.
+    smoke: 4 MiB, a --smoke run's (the bandwidth of a cache, not of memory)."""
     import torch
 
-    if probe_bytes is None:
-        probe_bytes = (2048 << 20) if device == "cuda" else (512 << 20)
+    probe_bytes = (4 << 20) if smoke else (2048 << 20) if device == "cuda" else (512 << 20)
     g = torch.Generator().manual_seed(0)
     buf = torch.randint(0, 1 << 20, (probe_bytes // 4,), dtype=torch.int32, generator=g).view(torch.float32)
     buf = buf.nan_to_num_(0.0).to(device)  # random bits: keep the sum finite (cheap either way; the bytes count)
@@ -109,7 +108,7 @@ def error_fields(error: BaseException) -> dict[str, str]:
 @functools.cache
 def provenance() -> dict[str, str]:
     """What every JSON row carries so that a figure can be traced to its run: `commit` (the checkout's, "+" when its
-    tracked files differ from it), `date` (UTC, when this process started measuring) and `host` (the CPU model)."""
+    tracked files differ from it), `date` (UTC, when this process printed its first row) and `host` (the CPU model)."""
     root = Path(__file__).resolve().parent.parent
 
     def git(*args: str) -> str:
