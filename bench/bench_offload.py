@@ -256,10 +256,10 @@ def main(argv: list[str] | None = None) -> None:
                              "moved and decompressed on the GPU), then SSD read into GPU memory; accelerate gets the "
                              "same two budgets")
     parser.add_argument("--device-budget", default="30%", help="GPU memory for --device cuda, as --budget")
-    parser.add_argument("--slots", default="2",
+    parser.add_argument("--slots", default=None,
                         help="buffers moved layers are fetched into (load_offloaded slots=): 2 overlap the next "
                              "fetch with compute, 1 leaves a layer's room more; '1,2': every mode with each, "
-                             "interleaved")
+                             "interleaved (default: the library's, 1 on cuda and 2 on cpu)")
     parser.add_argument("--no-plot", action="store_true", help="no figure")
     parser.add_argument("--figure", help="the figure's path (default bench/results/offload[_scale][_cuda].png)")
     parser.set_defaults(rounds=3)
@@ -285,7 +285,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         hf_dir, name = pruned_default(cache), "SmolLM2-135M-Instruct (Wanda 50%, attention + FFN)"
     stores = layer_stores(hf_dir, cache)
-    from flashllm_ext.offload import LayerStore, plan_placement
+    from flashllm_ext.offload import LayerStore, default_slots, plan_placement
     from flashllm_ext.reader import host_bounce_bytes, select_read_path
 
     resident, layers = resident_and_layer_bytes(stores["dense"])
@@ -295,6 +295,7 @@ def main(argv: list[str] | None = None) -> None:
     # hold one more dense layer, which would credit Endor with more than its reads.
     cuda = args.device == "cuda"
     device_budget = parse_budget(args.device_budget, total, "device_budget") if cuda else None
+    args.slots = args.slots or str(default_slots(torch.device(args.device)))
     slot_counts = [int(s) for s in args.slots.split(",") if s.strip().isdigit()]
     if len(slot_counts) != len(args.slots.split(",")) or any(s not in (1, 2) for s in slot_counts):
         parser.error(f"--slots must be 1, 2 or 1,2, got {args.slots!r}")

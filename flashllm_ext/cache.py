@@ -231,10 +231,11 @@ class NeuronCache:
             self.transfer.upload(staged, self.matrix[kept:end])
         self.pointer[kept:end].copy_(ids)
         self.slot_of.index_copy_(0, ids, self._row_ids[kept:end])
-        if self.transfer.staged and ids.numel():
-            self.device_pointer[kept:end].copy_(self.transfer.to_device(ids), non_blocking=True)
-            if self.bias is not None:
-                self.bias[kept:end].copy_(self.transfer.to_device(self._bias_all[ids]), non_blocking=True)
+        if self.transfer.staged:  # a step with nothing missing has nothing to move to the device
+            if ids.numel():
+                self.device_pointer[kept:end].copy_(self.transfer.to_device(ids), non_blocking=True)
+                if self.bias is not None:
+                    self.bias[kept:end].copy_(self.transfer.to_device(self._bias_all[ids]), non_blocking=True)
         elif self.bias is not None:
             torch.index_select(self._bias_all, 0, ids, out=self.bias[kept:end])
         self.num_used = end

@@ -288,9 +288,9 @@ def _add_offload(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cuda: layers in GPU memory by --device-budget, then host memory by --budget, then SSD")
     p.add_argument("--device-budget", default=None, help="with --device cuda: GPU memory, as --budget (default: all)")
-    p.add_argument("--slots", type=int, choices=(1, 2), default=2,
+    p.add_argument("--slots", type=int, choices=(1, 2), default=None,
                    help="buffers SSD and staged layers are fetched into: 2 overlap the next fetch with compute, 1 "
-                        "leaves a layer's room more")
+                        "leaves a layer's room more (default: 1 on cuda, 2 on cpu)")
     p.add_argument("--tokens", type=_positive_int, default=32, help="tokens to generate")
     p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     p.set_defaults(func=_offload)

@@ -780,11 +780,18 @@ def plan_placement(store: LayerStore, mode: str, layer_budget: int | None, layer
                      f"the budget")
 
 
+def default_slots(device: torch.device) -> int:
+    """Fetch slots when none are asked for: one on a GPU, whose decode layer computes in milliseconds beside a fetch
+    of hundreds, so the room for one more layer in memory is worth more than the overlap (1.28-1.52x per token on an
+    H200, BENCHMARKS.md "GPU run"); two on the CPU, where a layer's compute is long enough to hide a fetch."""
+    return 1 if device.type == "cuda" else 2
+
+
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _check_options(store: LayerStore, mode: str, *, compute: str = "auto", threads: int = 1, slots: int = 2,
+def _check_options(store: LayerStore, mode: str, *, compute: str = "auto", threads: int = 1, slots: int | None = 2,
                    layers_in_memory: int | None = None, layers_on_device: int | None = None) -> None:
     """ValueError (TypeError for a store that is not a LayerStore) naming the first bad argument, before any work."""
     if not isinstance(store, LayerStore):
@@ -798,8 +805,8 @@ def _check_options(store: LayerStore, mode: str, *, compute: str = "auto", threa
         raise ValueError(f"compute must be one of {COMPUTES}, got {compute!r}")
     if not _is_int(threads) or not 1 <= threads <= MAX_THREADS:
         raise ValueError(f"threads must be an int in [1, {MAX_THREADS}], got {threads!r}")
-    if not _is_int(slots) or slots not in (1, 2):
-        raise ValueError(f"slots must be 1 or 2, got {slots!r}")
+    if slots is not None and (not _is_int(slots) or slots not in (1, 2)):
+        raise ValueError(f"slots must be 1, 2 or None, got {slots!r}")
     n = store.n_layers
     for name, value in (("layers_on_device", layers_on_device), ("layers_in_memory", layers_in_memory)):
         if value is not None and (not _is_int(value) or not 0 <= value <= n):
@@ -848,10 +855,11 @@ def _linear_slots(model: nn.Module, store: LayerStore) -> list[list[tuple[nn.Mod
 def _install(model: nn.Module, store: LayerStore, mode: str, budget: int | float | str | None, compute: str,
              threads: int, keep_originals: bool, device: torch.device, layers_in_memory: int | None = None,
              device_budget: int | float | str | None = None, layers_on_device: int | None = None,
-             slots: int = 2, progress: bool = False) -> OffloadRuntime:
+             slots: int | None = None, progress: bool = False) -> OffloadRuntime:
     if getattr(model, "offload", None) is not None:
         raise ValueError("this model is already offloaded: unpatch it first")
     separate = device.type == "cuda"
+    slots = default_slots(device) if slots is None else slots
     if device_budget is not None and not separate:
         raise ValueError("device_budget is the GPU memory for layers on a CUDA device; on the CPU dram_budget is the "
                          "one budget")
@@ -924,7 +932,7 @@ def _install(model: nn.Module, store: LayerStore, mode: str, budget: int | float
 
 def patch_offload(model: nn.Module, store: LayerStore | str | os.PathLike, *, mode: str = "endor",
                   dram_budget: int | float | str | None = None, compute: str = "auto", threads: int = 32,
-                  device_budget: int | float | str | None = None, slots: int = 2) -> OffloadRuntime:
+                  device_budget: int | float | str | None = None, slots: int | None = None) -> OffloadRuntime:
     """Offload the decoder layers of an already loaded Llama-family or OPT model (in the store's dtype, on the CPU
     or a CUDA device: the layers are computed where the model is) to `store` (converted from the same weights). The
     original Linear modules are kept for `unpatch`, so they still occupy memory: for a real budget use
@@ -940,7 +948,7 @@ def load_offloaded(store_dir: str | os.PathLike, dram_budget: int | float | str 
                    mode: str = "endor", compute: str = "auto", threads: int = 32,
                    layers_in_memory: int | None = None, device: str | torch.device = "cpu",
                    device_budget: int | float | str | None = None, layers_on_device: int | None = None,
-                   slots: int = 2, progress: bool = True) -> nn.Module:
+                   slots: int | None = None, progress: bool = True) -> nn.Module:
     """A Hugging Face causal LM built from a layer store, computed on `device` ("cpu" or "cuda").
 
     On the CPU its decoder layers are in memory or on SSD by `dram_budget` (bytes, "30%" of the dense model, or
@@ -953,7 +961,7 @@ def load_offloaded(store_dir: str | os.PathLike, dram_budget: int | float | str 
     into a slot for each use: the GPU's code path, run where there is no GPU (see Placement). `slots`: the buffers
     moved layers are fetched into, charged to the device's budget (the one budget on the CPU): two (the next
     layer's fetch overlaps this layer's compute) or one (a layer's room more, for a device whose compute is short
-    beside a fetch). Only the resident tensors and the placed layers are materialised, in the store's dtype (a
+    beside a fetch); None: default_slots(device). Only the resident tensors and the placed layers are materialised, in the store's dtype (a
     progress bar while the layers load, unless progress=False). `model.offload_stats()` reports per-token costs."""
     store = LayerStore(store_dir)
     _check_options(store, mode, compute=compute, threads=threads, slots=slots, layers_in_memory=layers_in_memory,

@@ -322,7 +322,7 @@ def test_forced_placement_compares_modes_on_the_same_layers(case):
 def test_one_slot_holds_one_layer_more(case, mode):
     """slots=1 at the budget that holds k layers beside two slots: k + 1 layers (a slot is as large as a moved
     layer, as stored), the same tokens (the next fetch waits for the layer using the slot), every SSD layer read
-    once per token. slots must be 1 or 2."""
+    once per token. The CPU's default is two slots. slots must be 1, 2 or None."""
     store = LayerStore(store_of(case, mode))
     resident = load_offloaded(store.path, None, mode=mode).offload.resident_bytes
     budget = budget_for(store, mode, 2, resident)
@@ -332,7 +332,7 @@ def test_one_slot_holds_one_layer_more(case, mode):
     assert torch.equal(model.generate(case["prompt"], max_new_tokens=8, do_sample=False), case["reference"])
     assert model.offload_stats()["bytes_read_per_token"] == sum(store.stored_bytes(i) for i in range(3, N_LAYERS))
     model.offload.close()
-    with pytest.raises(ValueError, match="slots must be 1 or 2, got 3"):
+    with pytest.raises(ValueError, match="slots must be 1, 2 or None, got 3"):
         load_offloaded(store.path, None, mode=mode, slots=3)
 
 
