@@ -60,8 +60,8 @@ sanitize: build
 
 # The main job (text generated with the FFN weights on flash, every engine mode), then Endor compression.
 demo: build
-	$(PYTHON) -m flashllm_ext.demo_flash
-	$(PYTHON) -m flashllm_ext.demo
+	$(PYTHON) -m flashllm_ext.demos.flash
+	$(PYTHON) -m flashllm_ext.demos.endor
 
 # Every benchmark at its default sizes (hours on two cores; `--smoke` runs of them are part of `make test`), naming
 # what it skips and why. The GPU rows are .ci/gpu-checks' (a machine with a GPU).

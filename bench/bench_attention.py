@@ -1,11 +1,11 @@
 """INF² attention kernels: can one worker's native attention keep up with the storage that feeds it?
 
 For each KV block shape (S tokens x B*Hkv (sequence, kv head) pairs x head_dim, fp16, the token-major layout of
-the KV store), in one process, interleaved round-robin (flashllm_ext.timing.time_interleaved, medians):
+the KV store), in one process, interleaved round-robin (flashllm_ext.harness.timing.time_interleaved, medians):
   kernel     ops.decode_attention over the block in memory: K+V bytes consumed per second
   disk       FlashReader (O_DIRECT, page cache bypassed) reading a file of the same size, in 1 MiB sequential reads
              by --io-threads threads, as a worker reads its KV block: bytes read per second
-  reference  the pure-torch reference kernel (flashllm_ext._ops.decode_attention_reference) on the same block
+  reference  the pure-torch reference kernel (flashllm_ext.ops.decode_attention_reference) on the same block
 ratio = kernel GB/s / disk GB/s (the issue's target: >= 0.8; attention must never be a worker's bottleneck), and the
 speedup of the native kernel over the reference. A last row times merge_attention_states against its reference.
 Kernels run with --threads OpenMP threads (one worker's share of the cores).
@@ -22,10 +22,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common import arg_parser, device_name, drop_page_cache, emit, time_interleaved  # noqa: E402
 from flashllm_ext import native_available, ops  # noqa: E402
-from flashllm_ext._ops import decode_attention_reference, merge_attention_states_reference  # noqa: E402
-from flashllm_ext.disk import make_test_file  # noqa: E402
-from flashllm_ext.paths import resolve_cache_dir  # noqa: E402
-from flashllm_ext.reader import FlashReader  # noqa: E402
+from flashllm_ext.ops import decode_attention_reference, merge_attention_states_reference  # noqa: E402
+from flashllm_ext.flash.calibrate import make_test_file  # noqa: E402
+from flashllm_ext.io.paths import resolve_cache_dir  # noqa: E402
+from flashllm_ext.flash.reader import FlashReader  # noqa: E402
 
 # (name, tokens S, sequences B, query heads Hq, kv heads Hkv, head_dim D): OPT-30B-like heads (56 x 128, MHA) for
 # batch 32 on one worker and one of 16 shards; a GQA model (32 query / 8 kv heads, 128) and MHA with head_dim 64;

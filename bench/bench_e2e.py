@@ -11,7 +11,7 @@ The configurations run round-robin for --rounds rounds (each in a fresh process)
 (bench:"e2e_median") are per-mode medians over the rounds, and ratios are taken between those medians.
 
 --device cuda runs every mode on the GPU: the model and the neuron caches in GPU memory, reads staged
-through pinned host memory (flashllm_ext/transfer.py); the cgroup still limits host memory (its baseline includes the
+through pinned host memory (flashllm_ext/flash/transfer.py); the cgroup still limits host memory (its baseline includes the
 CUDA context), and the budget still sizes the caches; accelerate's peer then offloads from the GPU.
 
 With --endor: flash mode on two stores of the same Wanda-50%-pruned default model, dense bundles and
@@ -42,9 +42,9 @@ from common import (arg_parser, device_name, emit, error_fields, median_rows, pr
                     stacked_token_bars)
 
 from flashllm_ext.errors import FormatError
-from flashllm_ext.paths import resolve_cache_dir
+from flashllm_ext.io.paths import resolve_cache_dir
 from flashllm_ext.predictor import DEFAULT_RECIPE, NeuronPredictor
-from flashllm_ext.reader import FlashReader
+from flashllm_ext.flash.reader import FlashReader
 from traces import LOWRANK_TRAINING, predictor_training, trained_predictors
 
 HERE = Path(__file__).resolve().parent
@@ -88,9 +88,9 @@ class OraclePredictors(NeuronPredictor):
 
     def __init__(self, store, thresholds: torch.Tensor):
         super().__init__(store.n_layers, store.hidden_size, store.n_neurons, thresholds, thresholds)
-        from flashllm_ext._ops import ACTIVATIONS
-        from flashllm_ext.cache import layer_input_bias
-        from flashllm_ext.ffn import store_activation
+        from flashllm_ext.ops import ACTIVATIONS
+        from flashllm_ext.flash.cache import layer_input_bias
+        from flashllm_ext.flash.ffn import store_activation
 
         width = (2 if store.glu else 1) * store.hidden_size  # a bundle is [up | gate | down] or [up | down]
         # Read in small parts into the kept rows, through a reader closed afterwards: no whole-layer transient and
@@ -135,7 +135,7 @@ def prompt_ids(n_prompt: int, vocab_size: int, synthesized: bool = False) -> tup
     fetched (a machine with no network), seeded random ids instead, and a note saying so."""
     from transformers import AutoTokenizer
 
-    from flashllm_ext.models import corpus_token_ids, fetch_default
+    from flashllm_ext.hub import corpus_token_ids, fetch_default
 
     try:
         gguf = fetch_default()
@@ -197,7 +197,7 @@ def _load(config: dict):
     """(model, the reset function of its stats) for one configuration of the child."""
     import flashllm_ext
     from flashllm_ext.predictor import load_predictors
-    from flashllm_ext.store import FlashStore
+    from flashllm_ext.flash.store import FlashStore
 
     mode, budget, device = config["mode"], config["budget_bytes"], config.get("device", "cpu")
     if mode == "accelerate":
@@ -228,7 +228,7 @@ def _load(config: dict):
                                         lookahead=config.get("lookahead"), **config.get("options", {}))
         # The sets of the tokens at the positions this forward computes: after the cached ones.
         model.register_forward_pre_hook(partial(_track_position, at), with_kwargs=True)
-        return model, model.flash.stats.reset
+        return model, model.flash.counters.reset
     if mode == "flash-oracle":
         store = FlashStore(config["store"])
         if "thresholds" in config:
@@ -240,7 +240,7 @@ def _load(config: dict):
     model = flashllm_ext.load_flash(config["store"], budget, mode="flash" if mode == "flash-oracle" else mode,
                                     predictors=predictors, device=device,
                                     reader_options=config.get("reader_options"), **config.get("options", {}))
-    return model, model.flash.stats.reset
+    return model, model.flash.counters.reset
 
 
 def _track_position(at: list[int], _module, _args, kwargs) -> None:
@@ -268,7 +268,7 @@ def run_child(config: dict) -> dict:
         row.update(rss_peak_growth_mb=(after["VmHWM"] - before["VmRSS"]) / 1e6,
                    rss_anon_growth_mb=(after["RssAnon"] - before["RssAnon"]) / 1e6,
                    rss_file_growth_mb=(after["RssFile"] - before["RssFile"]) / 1e6)
-    stats = model.flash_stats() if getattr(model, "flash", None) is not None else None
+    stats = model.flash.stats() if getattr(model, "flash", None) is not None else None
     if stats is not None:
         row.update({k: stats[k] for k in ("io_ms", "hidden_io_ms", "decompress_ms", "mem_ms", "predictor_ms",
                                           "compute_ms", "bytes_per_token", "requested_bytes_per_token",
@@ -286,10 +286,10 @@ def default_store(cache: Path, train_predictors: bool = True) -> Path:
     """The default model converted to an fp16 store (cached), with trained predictors (trained once: minutes)."""
     import subprocess
 
-    from flashllm_ext.convert import convert
-    from flashllm_ext.models import fetch_default
+    from flashllm_ext.flash.convert import convert
+    from flashllm_ext.hub import fetch_default
     from flashllm_ext.predictor import DEFAULT_RECIPE, predictors_recipe
-    from flashllm_ext.store import FlashStore
+    from flashllm_ext.flash.store import FlashStore
 
     path = cache / "smollm2-135m-fp16"
     try:
@@ -304,16 +304,16 @@ def default_store(cache: Path, train_predictors: bool = True) -> Path:
 
 def hf_checkpoint(cache: Path, wanda_sparsity: float | None = None) -> Path:
     """The default model as a Hugging Face fp16 safetensors directory (accelerate's input), saved once; with
-    wanda_sparsity, its FFN weights Wanda-pruned first (flashllm_ext.demo.wanda_prune_ffn, 512 calibration tokens)."""
-    from flashllm_ext.models import load_hf_model, save_hf_checkpoint
+    wanda_sparsity, its FFN weights Wanda-pruned first (flashllm_ext.demos.endor.wanda_prune_ffn, 512 calibration tokens)."""
+    from flashllm_ext.hub import load_hf_model, save_hf_checkpoint
 
     pruned = "" if wanda_sparsity is None else f"-wanda{round(wanda_sparsity * 100)}"
     path = cache / f"smollm2-135m-hf-fp16{pruned}"
     if not (path / "config.json").is_file():
         gguf_model, tokenizer = load_hf_model()
         if wanda_sparsity is not None:
-            from flashllm_ext.demo import wanda_prune_ffn
-            from flashllm_ext.models import corpus_token_ids, replace_weights
+            from flashllm_ext.demos.endor import wanda_prune_ffn
+            from flashllm_ext.hub import corpus_token_ids, replace_weights
 
             calibration = corpus_token_ids(tokenizer, "calibration", 512)
             replace_weights(gguf_model, wanda_prune_ffn(gguf_model, calibration, wanda_sparsity))
@@ -339,7 +339,7 @@ def measure_baseline(device: str = "cpu", store: Path | None = None, timeout_s: 
 
 def oracle_bytes(store_path: Path) -> int:
     """What OraclePredictors holds outside the budget: [up | gate] (or up) of every layer."""
-    from flashllm_ext.store import FlashStore
+    from flashllm_ext.flash.store import FlashStore
 
     store = FlashStore(store_path)
     return store.n_layers * store.n_neurons * (2 if store.glu else 1) * store.hidden_size * store.dtype.itemsize
@@ -369,8 +369,8 @@ def model_bytes_of(store_path: Path, ffn: bool = True) -> int:
     '50%' is a share of."""
     from safetensors import safe_open
 
-    from flashllm_ext.engine import store_ffn_bytes
-    from flashllm_ext.store import FlashStore
+    from flashllm_ext.flash.engine import store_ffn_bytes
+    from flashllm_ext.flash.store import FlashStore
 
     store = FlashStore(store_path)
     with safe_open(store.resident_path, framework="pt") as f:
@@ -386,8 +386,8 @@ def budget_of_first_layers(store_path: Path, spec: str, whole_layers: int) -> in
     embeddings are as large in a store of 8 layers as in one of 32.) A layer then runs as in the whole model."""
     from safetensors import safe_open
 
-    from flashllm_ext.engine import parse_budget
-    from flashllm_ext.store import FlashStore
+    from flashllm_ext.runtime import parse_budget
+    from flashllm_ext.flash.store import FlashStore
 
     store = FlashStore(store_path)
     with safe_open(store.resident_path, framework="pt") as f:
@@ -497,7 +497,7 @@ def scale_cost_predictor(predictors_path: str, store) -> NeuronPredictor:
     """The predictors' method and settings at the store's shapes, every buffer filled with random values (so its
     pages are resident, as trained weights' would be): what that predictor costs a layer of the large model.
     Low-rank ranks repeat the small model's per-layer ranks; quant takes the store's gate / activation / biases."""
-    from flashllm_ext.ffn import store_activation
+    from flashllm_ext.flash.ffn import store_activation
     from flashllm_ext.predictor import load_predictors, predictor_class
 
     small = load_predictors(predictors_path).config()
@@ -544,8 +544,8 @@ def default_model_sets(config: dict, n_tokens: int, ahead: bool | None = None) -
 def run_scale_child(config: dict) -> dict:
     """FFN-only decoding of a scale store: per token, every layer's FFN on a fresh random hidden state, within the
     FFN's share of the model's budget."""
-    from flashllm_ext.engine import ffn_stack
-    from flashllm_ext.store import FlashStore
+    from flashllm_ext.flash.engine import ffn_stack
+    from flashllm_ext.flash.store import FlashStore
 
     device = config.get("device", "cpu")
     row = {"bench": "e2e", "model": config["model"], "device": device_name(device), "mode": config["mode"],
@@ -566,7 +566,7 @@ def run_scale_child(config: dict) -> dict:
                 xs = [torch.randn(1, store.hidden_size, generator=generator).to(device, store.dtype)
                       for _ in runtime.modules]
                 if token == 1:
-                    runtime.stats.reset()
+                    runtime.counters.reset()
                 if device == "cuda":
                     torch.cuda.synchronize()
                 start = time.perf_counter()
@@ -576,13 +576,13 @@ def run_scale_child(config: dict) -> dict:
                     torch.cuda.synchronize()
                 if token:
                     times.append(time.perf_counter() - start)
-        stats = runtime.flash_stats()
+        stats = runtime.stats()
         per = 1e3 / len(times)  # the stats cover the timed tokens: per-token milliseconds
         row.update(ms_per_token=statistics.median(times) * 1e3, tokens=len(times),
                    bytes_per_token=stats["bytes_read"] / len(times), hit_rate=stats["hit_rate"],
-                   accounted_bytes=stats["accounted_bytes"], reads_per_token=runtime.stats.n_reads / len(times),
+                   accounted_bytes=stats["accounted_bytes"], reads_per_token=runtime.counters.n_reads / len(times),
                    mean_read_bytes=stats["mean_read_bytes"],
-                   **{k: getattr(runtime.stats, k.removesuffix("_ms") + "_s") * per
+                   **{k: getattr(runtime.counters, k.removesuffix("_ms") + "_s") * per
                       for k in ("io_ms", "hidden_io_ms", "mem_ms", "predictor_ms", "compute_ms")})
         if masks is not None:
             row["loaded_density"] = masks[1:].float().mean().item()
@@ -597,8 +597,8 @@ def scale_store(name: str, layers: int | None = None, smoke: bool = False) -> Pa
     shared_checkpoint: its first `layers` layers, or its smoke shapes)."""
     from synth_checkpoint import shared_checkpoint
 
-    from flashllm_ext.convert import convert
-    from flashllm_ext.store import FlashStore
+    from flashllm_ext.flash.convert import convert
+    from flashllm_ext.flash.store import FlashStore
 
     checkpoint = shared_checkpoint(name, layers=layers, smoke=smoke)
     path = checkpoint.with_name(checkpoint.name.removesuffix("-hf") + "-store")
@@ -617,8 +617,8 @@ def run_scale(args) -> list[dict]:
     --prompt-tokens held-out tokens, then --full-tokens greedy tokens."""
     from synth_checkpoint import CONFIGS as SYNTH_CONFIGS
 
-    from flashllm_ext.engine import parse_budget
-    from flashllm_ext.store import FlashStore
+    from flashllm_ext.runtime import parse_budget
+    from flashllm_ext.flash.store import FlashStore
 
     cache = resolve_cache_dir() / "e2e"
     wanted = [m for m in args.modes.split(",") if m]
@@ -718,7 +718,7 @@ def run_prefill_child(config: dict) -> dict:
             elapsed = time.perf_counter() - start
     except Exception as e:  # the row says why
         return {**row, **error_fields(e)}
-    s = model.flash.stats
+    s = model.flash.counters
     paths = {p: sum(m.prefill_paths[p] for m in model.flash.modules) for p in ("union", "sequential")}
     return {**row, "prefill_ms": elapsed * 1e3, "io_ms": s.io_s * 1e3, "compute_ms": s.compute_s * 1e3,
             "mem_ms": s.mem_s * 1e3, "bytes_read": s.bytes_read, "reads": s.n_reads,
@@ -730,15 +730,15 @@ def run_prefill(args, baseline: int) -> list[dict]:
     model (flash mode, operating point (b) predictors, --budget), a prompt of --prompt-tokens held-out tokens; each in
     its own cgroup-limited process, rounds interleaved. The auto rows use the disk profile of $FLASHLLM_DISK_PROFILE
     (or the cache's disk.json), which --calibrate measures into a file of this benchmark's own."""
-    from flashllm_ext.engine import parse_budget
-    from flashllm_ext.store import FlashStore
+    from flashllm_ext.runtime import parse_budget
+    from flashllm_ext.flash.store import FlashStore
 
     cache = resolve_cache_dir() / "e2e"
     store = default_store(cache, train_predictors=False)
     if args.calibrate:
         import os
 
-        from flashllm_ext.disk import calibrate_disk
+        from flashllm_ext.flash.calibrate import calibrate_disk
 
         profile = calibrate_disk(cache, save=False)
         path = cache / "prefill-disk.json"
@@ -767,10 +767,10 @@ def endor_stores(cache: Path) -> tuple[dict[str, Path], list[float]]:
     TARGET_SPARSITY on the calibration text); all cached."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from flashllm_ext.convert import convert
-    from flashllm_ext.models import corpus_token_ids
+    from flashllm_ext.flash.convert import convert
+    from flashllm_ext.hub import corpus_token_ids
     from flashllm_ext.predictor import calibrate_thresholds
-    from flashllm_ext.store import FlashStore
+    from flashllm_ext.flash.store import FlashStore
 
     checkpoint = hf_checkpoint(cache, wanda_sparsity=0.5)
     stores = {}
@@ -792,8 +792,8 @@ def endor_stores(cache: Path) -> tuple[dict[str, Path], list[float]]:
 def run_endor(args, cache: Path) -> list[dict]:
     """Flash mode (true active sets) on the dense and the Endor store of the pruned model, round-robin, each in its
     own process."""
-    from flashllm_ext.engine import parse_budget
-    from flashllm_ext.store import FlashStore
+    from flashllm_ext.runtime import parse_budget
+    from flashllm_ext.flash.store import FlashStore
 
     stores, thresholds = endor_stores(cache)
     baseline = measure_baseline(store=stores["dense"])  # the same model class for both
@@ -882,8 +882,8 @@ def main(argv: list[str] | None = None) -> None:
             if config.get("device") == "cuda":  # the CUDA context's host memory is every GPU child's
                 torch.zeros(1, device="cuda")
             if "store" in config:
-                from flashllm_ext.engine import empty_model
-                from flashllm_ext.store import FlashStore
+                from flashllm_ext.hub.hf import empty_model
+                from flashllm_ext.flash.store import FlashStore
 
                 store = FlashStore(config["store"])
                 empty_model(store.config, store.dtype, store.path)
@@ -900,7 +900,7 @@ def main(argv: list[str] | None = None) -> None:
         args.rounds, args.no_plot = 1, True
         if args.scale_predictors == parser.get_default("scale_predictors"):
             args.scale_predictors = "quant"  # calibrated, not trained: seconds
-    from flashllm_ext.transfer import cuda_device
+    from flashllm_ext.runtime import cuda_device
 
     try:
         cuda_device(args.device)
@@ -924,7 +924,7 @@ def main(argv: list[str] | None = None) -> None:
                 plot_breakdown([r for r in medians if r["model"] == model],
                                RESULTS / f"e2e_scale_{model.split()[0]}_breakdown.png")
         return
-    from flashllm_ext.engine import parse_budget
+    from flashllm_ext.runtime import parse_budget
 
     cache = resolve_cache_dir() / "e2e"
     if args.endor:
@@ -940,7 +940,7 @@ def main(argv: list[str] | None = None) -> None:
                                                     not args.store else None)
     total = model_bytes_of(store)
     baseline = measure_baseline(args.device, store)
-    from flashllm_ext.store import FlashStore
+    from flashllm_ext.flash.store import FlashStore
 
     ids, prompt_note = prompt_ids(args.prompt_tokens, FlashStore(store).config["vocab_size"])
     base = {"model": DEFAULT_MODEL if not args.store else store.name, "device": args.device, "store": str(store),

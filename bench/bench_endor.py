@@ -30,8 +30,9 @@ import torch.nn.functional as F
 from common import arg_parser, cycling, device_name, emit, last_level_cache_bytes, stream_probe, time_interleaved
 
 import flashllm_ext
-from flashllm_ext import endor, ops, store
-from flashllm_ext._ops import endor_decompress_reference
+from flashllm_ext import endor, ops
+from flashllm_ext.flash import store
+from flashllm_ext.ops import endor_decompress_reference
 
 SHAPES = {"opt-6.7b fc1": (16384, 4096), "opt-6.7b fc2": (4096, 16384),
           "llama-2-7b up": (11008, 4096), "llama-2-7b down": (4096, 11008),

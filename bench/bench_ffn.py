@@ -37,9 +37,9 @@ from common import arg_parser, cycling, device_name, emit, stream_probe, time_in
 from traces import default_model_masks, tile_masks
 
 from flashllm_ext import ops
-from flashllm_ext.cache import NeuronCache
-from flashllm_ext.convert import synthesize
-from flashllm_ext.store import DTYPES, FlashStore
+from flashllm_ext.flash.cache import NeuronCache
+from flashllm_ext.flash.convert import synthesize
+from flashllm_ext.flash.store import DTYPES, FlashStore
 
 SHAPES = {"opt-6.7b": (4096, 16384, False, "relu"), "llama-2-7b": (4096, 11008, True, "silu")}
 SMOKE_SHAPES = {"opt-6.7b (smoke: d 64, 512 neurons)": (64, 512, False, "relu"),

@@ -36,13 +36,13 @@ from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common import drop_page_cache, emit  # noqa: E402
-from flashllm_ext import store  # noqa: E402
-from flashllm_ext.convert import synthesize  # noqa: E402
-from flashllm_ext.paths import resolve_cache_dir  # noqa: E402
+from flashllm_ext.flash import store  # noqa: E402
+from flashllm_ext.flash.convert import synthesize  # noqa: E402
+from flashllm_ext.io.paths import resolve_cache_dir  # noqa: E402
 from traces import (default_model_mask_source, predicted_mask_source, predictor_training,  # noqa: E402
                     trained_predictors)
-from flashllm_ext.disk import make_test_file, random_read_throughput  # noqa: E402
-from flashllm_ext.reader import FlashReader, has_io_uring  # noqa: E402
+from flashllm_ext.flash.calibrate import make_test_file, random_read_throughput  # noqa: E402
+from flashllm_ext.flash.reader import FlashReader, has_io_uring  # noqa: E402
 
 # What the table (not --json) shows of each result row.
 TABLE_COLUMNS = {

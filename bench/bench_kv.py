@@ -50,12 +50,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common import device_name, emit  # noqa: E402
-from flashllm_ext.kv import (HostKVAttention, Link, NearStorageAttention, XCacheAttention, choose_alpha,  # noqa: E402
-                             linear_projector)
+from flashllm_ext.kv import HostKVAttention, Link, NearStorageAttention, XCacheAttention, choose_alpha, linear_projector
 from flashllm_ext.kv.link import probe_write_request  # noqa: E402
 from flashllm_ext.kv.traffic import Traffic  # noqa: E402
 from flashllm_ext.kv.xcache import regime_device_gbps  # noqa: E402
-from flashllm_ext.paths import resolve_cache_dir  # noqa: E402
+from flashllm_ext.io.paths import resolve_cache_dir  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 DISK_LOCK = "/tmp/flashllm-disk.lock"  # the shared disk: benchmarks that touch it take turns
@@ -195,7 +194,7 @@ def host_regeneration_flops(hidden: int, kv_values: int, tokens: int | None = No
     """The host's K/V regeneration rate (flop/s): X [tokens, hidden] @ [hidden, kv_values] in float32, as
     XCacheAttention runs it, median of `rounds`. tokens: default 2048, fewer at OPT-30B's width (~50 GFLOP per
     call at most: the rate of a large GEMM does not need more, and the run should not take minutes)."""
-    from flashllm_ext.timing import time_interleaved
+    from flashllm_ext.harness.timing import time_interleaved
 
     tokens = tokens or max(64, min(2048, int(50e9 / (2 * hidden * kv_values))))
     x, w = torch.randn(tokens, hidden), torch.randn(kv_values, hidden)
@@ -370,7 +369,7 @@ def kernel_vs_storage(args, root: Path) -> dict:
     """One worker's attention kernel against the storage read bandwidth it is fed: the same shard's blocks read
     with direct I/O (no compute) and attended in memory (no I/O), interleaved, medians. Target: kernel >= 0.8x."""
     from flashllm_ext.kv import KVShard, ShardAttention
-    from flashllm_ext.timing import time_interleaved
+    from flashllm_ext.harness.timing import time_interleaved
 
     shutil.rmtree(root / "kernel", ignore_errors=True)
     pairs = args.batch * args.heads

@@ -20,10 +20,10 @@ from common import arg_parser, device_name, emit, time_interleaved
 
 import flashllm_ext
 from flashllm_ext import mlx as fmlx
-from flashllm_ext.demo_flash import greedy_decode, prepare_store
+from flashllm_ext.demos.flash import greedy_decode, prepare_store
 from flashllm_ext.mlx.model import MLXLlama
 from flashllm_ext.mlx.transfer import to_mx
-from flashllm_ext.models import fetch_default, resolve_cache_dir
+from flashllm_ext.hub import fetch_default, resolve_cache_dir
 
 PROMPT = "The three primary colors are"
 BREAKDOWN = ("io_ms", "mem_ms", "predictor_ms", "compute_ms", "bytes_per_token", "hit_rate")
@@ -77,10 +77,10 @@ def main() -> None:
         if engine == "torch":
             with torch.inference_mode():
                 ids, seconds = greedy_decode(model, prompt, args.tokens)
-            ids, stats = ids.tolist(), (model.flash_stats() if model.flash is not None else {})
+            ids, stats = ids.tolist(), (model.stats() if model.flash is not None else {})
         else:
             ids, seconds = model.greedy_decode(prompt, args.tokens)
-            stats = model.flash_stats() if model.runtime is not None else {}
+            stats = model.stats() if model.runtime is not None else {}
         return {"ids": ids, "ms_per_token": seconds * 1e3, **{k: stats[k] for k in BREAKDOWN if k in stats},
                 "budget_mb": stats["budget_bytes"] / 1e6 if stats.get("budget_bytes") else None}
 

@@ -39,7 +39,7 @@ from bench_e2e import RESULTS, _decode, _load, prompt_ids
 from common import arg_parser, device_name, emit, error_fields, median_rows, run_limited_child, stacked_token_bars
 
 from flashllm_ext.errors import FormatError
-from flashllm_ext.paths import resolve_cache_dir
+from flashllm_ext.io.paths import resolve_cache_dir
 
 MODES = ("accelerate", "dense", "endor", "endor+more-resident")
 KEYS = ("bench", "model", "mode", "device", "budget_mb", "cgroup_peak_mb", "ms_per_token", "read_ms", "decompress_ms",
@@ -67,7 +67,7 @@ def _accelerate_placement(model) -> tuple[int, int]:
 
 def run_child(config: dict) -> dict:
     """One configuration in this process: load, prefill, decode; the row (without the cgroup facts)."""
-    from flashllm_ext.offload import load_offloaded
+    from flashllm_ext.offload.api import load_offload
 
     torch.set_num_threads(config["compute_threads"])  # before any op: every mode computes on the same threads
     mode = config["mode"]
@@ -78,11 +78,11 @@ def run_child(config: dict) -> dict:
         if mode == "accelerate":
             model, reset = _load(config)
         else:
-            model = load_offloaded(config["store"], config["budget_bytes"], mode=mode, threads=config["threads"],
+            model = load_offload(config["store"], config["budget_bytes"], mode=mode, threads=config["threads"],
                                    layers_in_memory=config.get("layers_in_memory"), device=device,
                                    device_budget=config.get("device_budget_bytes"),
                                    layers_on_device=config.get("layers_on_device"), slots=config["slots"])
-            reset = model.offload.stats.reset
+            reset = model.offload.counters.reset
         # On CUDA one untimed decode token first: the first one pays first-use costs that would land in the
         # per-token means (an H200 endor row: 1592 ms, then 732-827).
         times, tokens, storage = _decode(model, torch.tensor([config["prompt_ids"]], device=device),
@@ -98,7 +98,7 @@ def run_child(config: dict) -> dict:
         row.update(read_ms=None, decompress_ms=None, compute_ms=None, bytes_read_per_token=None,
                    layers_in_memory=in_memory, layers_on_ssd=on_disk)
     else:
-        stats = model.offload_stats()
+        stats = model.offload.stats()
         row.update(read_ms=stats["read_ms"], hidden_read_ms=max(0.0, stats["read_wall_ms"] - stats["read_ms"]),
                    decompress_ms=stats["decompress_ms"], compute_ms=stats["compute_ms"],
                    bytes_read_per_token=stats["bytes_read_per_token"], reads_per_token=stats["reads_per_token"],
@@ -151,8 +151,8 @@ def plot_offload(medians: list[dict], path: Path) -> None:
 def pruned_default(cache: Path, sparsity: float = 0.5, calibration_tokens: int = 512) -> Path:
     """The default model with every decoder Linear Wanda-pruned (fp16) as a Hugging Face directory (accelerate's
     input and the stores' source), written once."""
-    from flashllm_ext.demo import decoder_linear_names, wanda_prune
-    from flashllm_ext.models import corpus_token_ids, load_hf_model, replace_weights, save_hf_checkpoint
+    from flashllm_ext.demos.endor import decoder_linear_names, wanda_prune
+    from flashllm_ext.hub import corpus_token_ids, load_hf_model, replace_weights, save_hf_checkpoint
 
     path = cache / f"smollm2-135m-wanda{round(sparsity * 100)}-hf"
     if not (path / "config.json").is_file():
@@ -165,7 +165,8 @@ def pruned_default(cache: Path, sparsity: float = 0.5, calibration_tokens: int =
 
 def layer_stores(hf_dir: Path, cache: Path) -> dict[str, Path]:
     """The dense and Endor layer stores of a checkpoint, converted once."""
-    from flashllm_ext.offload import LayerStore, convert_offload
+    from flashllm_ext.offload.store import LayerStore
+    from flashllm_ext.offload.convert import convert_offload
 
     stores = {}
     for kind, compress in (("dense", False), ("endor", True)):
@@ -183,8 +184,8 @@ def resident_and_layer_bytes(store_dir: Path) -> tuple[int, int]:
     """(the resident tensors' bytes, every decoder layer's weights dense): what a share budget is a share of."""
     import math
 
-    from flashllm_ext.offload import LayerStore
-    from flashllm_ext.safetensors_io import DTYPE_SIZES, read_header
+    from flashllm_ext.offload.store import LayerStore
+    from flashllm_ext.io.safetensors import DTYPE_SIZES, read_header
 
     store = LayerStore(store_dir)
     resident = sum(math.prod(t.shape) * DTYPE_SIZES[t.dtype] for t in read_header(store.resident_path).tensors.values())
@@ -200,7 +201,7 @@ def probe_child(config: dict) -> dict:
     and the model's modules built on the meta device (its modeling code imported, its buffers real)."""
     from transformers import AutoConfig
 
-    from flashllm_ext.engine import empty_model
+    from flashllm_ext.hub.hf import empty_model
 
     torch.set_num_threads(config["compute_threads"])
     if config["device"] == "cuda":  # the CUDA context's host memory is every GPU child's too
@@ -257,7 +258,7 @@ def main(argv: list[str] | None = None) -> None:
                              "same two budgets")
     parser.add_argument("--device-budget", default="30%", help="GPU memory for --device cuda, as --budget")
     parser.add_argument("--slots", default=None,
-                        help="buffers moved layers are fetched into (load_offloaded slots=): 2 overlap the next "
+                        help="buffers moved layers are fetched into (load_offload slots=): 2 overlap the next "
                              "fetch with compute, 1 leaves a layer's room more; '1,2': every mode with each, "
                              "interleaved (default: the library's, 1 on cuda and 2 on cpu)")
     parser.add_argument("--no-plot", action="store_true", help="no figure")
@@ -270,7 +271,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.smoke:  # the synthesized checkpoint at its smoke shapes
         args.tokens, args.prompt_tokens, args.rounds, args.no_plot = 2, 4, 1, True
-    from flashllm_ext.engine import parse_budget
+    from flashllm_ext.runtime import parse_budget
 
     cache = resolve_cache_dir() / "offload"
     cache.mkdir(exist_ok=True)
@@ -285,8 +286,9 @@ def main(argv: list[str] | None = None) -> None:
     else:
         hf_dir, name = pruned_default(cache), "SmolLM2-135M-Instruct (Wanda 50%, attention + FFN)"
     stores = layer_stores(hf_dir, cache)
-    from flashllm_ext.offload import LayerStore, default_slots, plan_placement
-    from flashllm_ext.reader import host_bounce_bytes, select_read_path
+    from flashllm_ext.offload.store import LayerStore
+    from flashllm_ext.offload.placement import default_slots, plan_placement
+    from flashllm_ext.flash.reader import host_bounce_bytes, select_read_path
 
     resident, layers = resident_and_layer_bytes(stores["dense"])
     total = resident + layers

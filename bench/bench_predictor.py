@@ -40,9 +40,9 @@ import torch
 
 from common import arg_parser, emit, error_fields
 
-from flashllm_ext.paths import resolve_cache_dir
+from flashllm_ext.io.paths import resolve_cache_dir
 
-from flashllm_ext.models import corpus_token_ids, load_hf_model, perplexity, spread_windows
+from flashllm_ext.hub import corpus_token_ids, load_hf_model, perplexity, spread_windows
 from flashllm_ext.predictor import (ALLOCATIONS, allocate_densities, calibrate_thresholds, capture_activations,
                                     operating_point, patched_ffn, predictors_from_capture, select_density)
 
@@ -159,9 +159,9 @@ def flash_path(predictors, store_dir, args, lookahead: str | None = None) -> dic
     runtime = model.flash
     try:
         nll = decode_nll(model, args.heldout[:args.decode_tokens], lambda t: t == args.window + 1 and
-                         runtime.stats.reset())  # the window is full: what follows is the steady state
-        stats = runtime.flash_stats()
-        loaded = runtime.stats.needed / max(1, runtime.stats.tokens * runtime.store.n_neurons)
+                         runtime.counters.reset())  # the window is full: what follows is the steady state
+        stats = runtime.stats()
+        loaded = runtime.counters.needed / max(1, runtime.counters.tokens * runtime.store.n_neurons)
     finally:
         runtime.close()
     dense = dense_decode_nll(store_dir, args)
@@ -259,8 +259,8 @@ def main() -> None:
 
     from bench_e2e import default_store
 
-    from flashllm_ext.engine import store_ffn_bytes
-    from flashllm_ext.store import FlashStore
+    from flashllm_ext.flash.engine import store_ffn_bytes
+    from flashllm_ext.flash.store import FlashStore
 
     model, tokenizer = load_hf_model()
     calibration = spread_windows(corpus_token_ids(tokenizer, "calibration"), -(-args.tokens // WINDOW), WINDOW)

@@ -22,7 +22,7 @@ import torch
 from common import arg_parser, device_name, emit, stream_probe, time_interleaved
 
 from flashllm_ext import _C, ops
-from flashllm_ext._ops import quant_scores_reference
+from flashllm_ext.ops import quant_scores_reference
 
 # name: (d, n, gate bits (None: no gate), up bits, columns per scale (None: one per row), activation, density, layers)
 SHAPES = {

@@ -1,4 +1,4 @@
-"""Output and arguments shared by every benchmark; timing is `flashllm_ext.timing.time_interleaved`."""
+"""Output and arguments shared by every benchmark; timing is `flashllm_ext.harness.timing.time_interleaved`."""
 from __future__ import annotations
 
 import argparse
@@ -17,12 +17,11 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
-# Memory-limited child processes (DESIGN.md §8) live in flashllm_ext/cgroup.py (make demo runs its modes that way
+# Memory-limited child processes (docs/design.md §8) live in flashllm_ext/harness/cgroup.py (make demo runs its modes that way
 # too); re-exported for the bench scripts.
-from flashllm_ext.cgroup import (CGROUP_V1, CGROUP_V2, MemoryCgroup, drop_page_cache,  # noqa: E402,F401
-                                 run_limited_child)
-from flashllm_ext.report import print_table  # noqa: E402
-from flashllm_ext.timing import time_interleaved  # noqa: E402,F401  (re-exported for the bench scripts)
+from flashllm_ext.harness.cgroup import CGROUP_V1, CGROUP_V2, MemoryCgroup, drop_page_cache, run_limited_child
+from flashllm_ext.harness.report import print_table  # noqa: E402
+from flashllm_ext.harness.timing import time_interleaved  # noqa: E402,F401  (re-exported for the bench scripts)
 
 __all__ = ["CGROUP_V1", "CGROUP_V2", "MemoryCgroup", "arg_parser", "cycling", "device_name", "drop_page_cache",
            "emit", "error_fields", "last_level_cache_bytes", "median_rows", "process_memory", "provenance",
@@ -131,7 +130,7 @@ def provenance() -> dict[str, str]:
 
 def emit(rows: Iterable[dict], as_json: bool, columns: list[str] | None = None) -> None:
     """Print result rows as JSON lines (each with provenance(), unless it has those keys) or as an aligned table
-    (flashllm_ext.report.print_table)."""
+    (flashllm_ext.harness.report.print_table)."""
     if as_json:
         for row in rows:
             print(json.dumps({**row, **{k: v for k, v in provenance().items() if k not in row}}), flush=True)

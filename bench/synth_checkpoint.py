@@ -4,7 +4,7 @@
     synthesize_checkpoint("llama-2-7b", out_dir)               # Llama-2-7B: SwiGLU FFN, d 4096, 11008 neurons
 
 A checkpoint is what `save_pretrained` writes: config.json, safetensors shards and model.safetensors.index.json,
-loadable by `transformers.AutoModelForCausalLM.from_pretrained` and convertible by `flashllm_ext.convert`. The
+loadable by `transformers.AutoModelForCausalLM.from_pretrained` and convertible by `flashllm_ext.flash.convert`. The
 tensor names and shapes are those of a `transformers` model built from the config on the meta device (tied weights
 written once, as save_pretrained does), so nothing here restates a family's naming scheme. Written one tensor at a
 time (the largest, the embedding, is ~0.4 GB in fp16): the model is never in memory.
@@ -34,9 +34,9 @@ from tqdm.auto import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
-from flashllm_ext.paths import resolve_cache_dir  # noqa: E402
-from flashllm_ext.safetensors_io import AlignedWriter, TensorSpec, dtype_name  # noqa: E402
-from flashllm_ext.store import DTYPES  # noqa: E402
+from flashllm_ext.io.paths import resolve_cache_dir  # noqa: E402
+from flashllm_ext.io.safetensors import AlignedWriter, TensorSpec, dtype_name  # noqa: E402
+from flashllm_ext.flash.store import DTYPES  # noqa: E402
 
 # The published config.json of facebook/opt-6.7b and meta-llama/Llama-2-7b-hf (architecture fields).
 CONFIGS: dict[str, dict] = {

@@ -3,7 +3,7 @@
 Benchmarks at the scale of a 7B model (bigger than the DRAM budget) run on synthesized stores with real layer
 shapes; what decides their I/O and cache behaviour is which neurons fire token after token. These come from the
 default model (SmolLM2-135M, 30 layers of 1536 SwiGLU neurons) on held-out English, thresholded per layer to a
-target sparsity (DESIGN.md §6), then tiled onto the larger layers. Benchmark support (bench_io, bench_ffn), not
+target sparsity (docs/design.md §6), then tiled onto the larger layers. Benchmark support (bench_io, bench_ffn), not
 library code: nothing in flashllm_ext uses it.
 
 Two kinds of sets, on the same held-out tokens: the true sets of the one active-neuron rule (default_model_masks,
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from flashllm_ext.paths import resolve_cache_dir
+from flashllm_ext.io.paths import resolve_cache_dir
 
 CALIBRATION_TOKENS = 2048
 CONTEXT = 512  # tokens per forward pass over one piece of held-out text
@@ -56,7 +56,7 @@ def _heldout(tokenizer, n_tokens: int, documents: int) -> tuple[torch.Tensor, in
     """(token ids [n_tokens], the context each forward pass sees): the first n_tokens of the held-out text
     (documents=1, contexts of CONTEXT tokens), or `documents` pieces of n_tokens / documents tokens spread evenly over
     it, each its own context (the held-out text is ~15 documents joined, so the pieces come from different ones)."""
-    from flashllm_ext.models import corpus_token_ids, spread_windows
+    from flashllm_ext.hub import corpus_token_ids, spread_windows
 
     if documents < 1 or n_tokens % documents:
         raise ValueError(f"{n_tokens} tokens do not split into {documents} equal pieces")
@@ -91,7 +91,7 @@ def default_model_masks(n_tokens: int, target_sparsity: float = 0.9, progress: b
     different held-out documents (see _heldout). Cached in the cache directory after the first run.
     """
     def compute() -> torch.Tensor:
-        from flashllm_ext.models import corpus_token_ids, load_hf_model, spread_windows
+        from flashllm_ext.hub import corpus_token_ids, load_hf_model, spread_windows
         from flashllm_ext.predictor import calibrate_thresholds, capture_activations
 
         model, tokenizer = load_hf_model()
@@ -114,7 +114,7 @@ def predicted_masks(predictors: Path, n_tokens: int, documents: int = 1, progres
     predictors = Path(predictors)
 
     def compute() -> torch.Tensor:
-        from flashllm_ext.models import load_hf_model
+        from flashllm_ext.hub import load_hf_model
         from flashllm_ext.predictor import capture_activations, load_predictors
 
         loaded = load_predictors(predictors)

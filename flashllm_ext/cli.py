@@ -41,8 +41,8 @@ def _positive_int(text: str) -> int:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from .convert import convert
-    from .store import FlashStore
+    from flashllm_ext.flash.convert import convert
+    from flashllm_ext.flash.store import FlashStore
 
     out = convert(args.checkpoint, args.out_dir, dtype=args.dtype, endor=args.endor, force=args.force)
     print(FlashStore(out))
@@ -50,7 +50,8 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def _calibrate_disk(args: argparse.Namespace) -> int:
-    from .disk import calibrate_disk, disk_profile_path
+    from flashllm_ext.flash.calibrate import calibrate_disk
+    from flashllm_ext.io.disk import disk_profile_path
 
     profile = calibrate_disk(args.dir, size=args.size_mib << 20)
     print(f"latency {profile.latency_s * 1e6:.0f} us, bandwidth {profile.bandwidth_bps / 1e6:.0f} MB/s, "
@@ -76,9 +77,9 @@ def _group_size(text: str) -> int | str | None:
 
 
 def _train_predictors(args: argparse.Namespace) -> int:
-    from .models import corpus_token_ids, fetch_default, load_hf_model, resolve_cache_dir, spread_windows
-    from .predictor import (DEFAULT_DENSITY, build_predictors, default_rounding, predictors_recipe_of,
-                            save_predictors, save_predictors_to_store, train_predictors)
+    from flashllm_ext.hub import corpus_token_ids, fetch_default, load_hf_model, resolve_cache_dir, spread_windows
+    from flashllm_ext.predictor import (DEFAULT_DENSITY, build_predictors, default_rounding, predictors_recipe_of,
+                                        save_predictors, save_predictors_to_store, train_predictors)
 
     gguf_path = fetch_default() if args.source == "default" else Path(args.source)
     if not gguf_path.is_file():
@@ -86,10 +87,10 @@ def _train_predictors(args: argparse.Namespace) -> int:
                          "checkpoint it was converted from and --store DIR)")
     # Fail before minutes of training, not after.
     if args.store:
-        from .store import FlashStore
+        from flashllm_ext.flash.store import FlashStore
 
         FlashStore(args.store)
-    from .checkpoint import gguf_config
+    from flashllm_ext.io.checkpoint import gguf_config
 
     gguf_config(gguf_path)
     out = Path(args.out) if args.out else resolve_cache_dir() / f"{gguf_path.stem}.predictors.safetensors"
@@ -143,10 +144,10 @@ def _add_calibrate_disk(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_train_predictors(sub: argparse._SubParsersAction) -> None:
-    from .predictor import (DEFAULT_DENSITY, DEFAULT_GATE_BITS, DEFAULT_GROUP_SIZE, DEFAULT_METHOD, DEFAULT_ROUNDING,
-                            DEFAULT_UP_BITS, PREDICTOR_METHODS)
-    from .predictor.allocation import ALLOCATIONS
-    from .predictor.quant import BITS, ROUNDINGS
+    from flashllm_ext.predictor import (DEFAULT_DENSITY, DEFAULT_GATE_BITS, DEFAULT_GROUP_SIZE, DEFAULT_METHOD,
+                                        DEFAULT_ROUNDING, DEFAULT_UP_BITS, PREDICTOR_METHODS)
+    from flashllm_ext.predictor.allocation import ALLOCATIONS
+    from flashllm_ext.predictor.quant import BITS, ROUNDINGS
 
     train = sub.add_parser("train-predictors", help="build per-layer neuron predictors of one method")
     train.add_argument("source", metavar="CHECKPOINT",
@@ -244,18 +245,20 @@ def _generate(args: argparse.Namespace, model, stats) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from .engine import load_flash
-    from .transfer import cuda_device
+    from flashllm_ext.flash.engine import load_flash
+    from flashllm_ext.runtime import cuda_device
 
     device = cuda_device(args.device)
     _check_tokenizer(args)
     model = load_flash(args.store, dram_budget=None if args.mode == "dense" else args.budget, mode=args.mode,
                        window=args.window, device=device, lookahead=args.lookahead)
-    return _generate(args, model, model.flash_stats if model.flash is not None else None)
+    return _generate(args, model, model.flash.stats if model.flash is not None else None)
 
 
 def _offload(args: argparse.Namespace) -> int:
-    from .offload import LayerStore, convert_offload, load_offloaded
+    from flashllm_ext.offload.store import LayerStore
+    from flashllm_ext.offload.convert import convert_offload
+    from flashllm_ext.offload import load_offload
 
     if not args.convert and (args.endor or args.dtype or args.force):
         raise SystemExit("flashllm offload: --endor, --dtype and --force apply to --convert")
@@ -266,13 +269,13 @@ def _offload(args: argparse.Namespace) -> int:
     if not args.tokenizer:
         raise SystemExit("flashllm offload: --tokenizer is needed to generate (or --convert CHECKPOINT to write)")
     _check_tokenizer(args)
-    model = load_offloaded(args.store, args.budget, mode=args.mode, compute=args.compute, device=args.device,
+    model = load_offload(args.store, args.budget, mode=args.mode, compute=args.compute, device=args.device,
                            device_budget=args.device_budget, slots=args.slots)
-    return _generate(args, model, model.offload_stats)
+    return _generate(args, model, model.offload.stats)
 
 
 def _add_offload(sub: argparse._SubParsersAction) -> None:
-    from .offload import COMPUTES, MODES
+    from flashllm_ext.offload.placement import COMPUTES, MODES
 
     p = sub.add_parser("offload", help="offloaded inference: whole decoder layers in memory or on SSD by a budget")
     p.add_argument("store", help="a layer store directory (written by --convert)")
@@ -297,7 +300,7 @@ def _add_offload(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_run(sub: argparse._SubParsersAction) -> None:
-    from .engine import MODES
+    from flashllm_ext.flash.engine import MODES
 
     run = sub.add_parser("run", help="generate text with a model served from a flash store")
     run.add_argument("store", help="a flash store directory (flashllm convert)")

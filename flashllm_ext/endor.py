@@ -1,6 +1,6 @@
 """Endor: pruned weights stored as their non-zero values plus a 1-bit-per-element bitmap.
 
-Layout (DESIGN.md §5), the sparse-bitmask layout of `compressed-tensors` plus a final row offset:
+Layout (docs/design.md §5), the sparse-bitmask layout of `compressed-tensors` plus a final row offset:
   values       [nnz]                 non-zeros in row-major order, dtype of the weight
   bitmap       uint8 [rows, ceil(cols/8)], each row starts on a byte; bit j of byte b is column 8*b + j
   row_offsets  int64 [rows + 1]      start of each row in `values`; the last entry is nnz
@@ -17,15 +17,15 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from . import _ops, ops
-from .bits import BITS_VIEW, pack_bitmap
-from .errors import FormatError
-from .safetensors_io import read_header, save_tensors
+from flashllm_ext import ops
+from flashllm_ext.ops.bits import BITS_VIEW, pack_bitmap
+from flashllm_ext.errors import FormatError
+from flashllm_ext.io.safetensors import read_header, save_tensors
 
 FORMAT_NAME = "flashllm-endor"
 FORMAT_VERSION = "1"
 PARTS = ("values", "bitmap", "row_offsets")
-_DTYPE_NAMES = {str(d).removeprefix("torch."): d for d in _ops.ENDOR_DTYPES}
+_DTYPE_NAMES = {str(d).removeprefix("torch."): d for d in ops.ENDOR_DTYPES}
 
 
 class EndorTensor:
@@ -40,7 +40,7 @@ class EndorTensor:
 
     def _validate(self, source: str | None) -> None:
         rows, cols = self.shape
-        fields = (("values", self.values, 1, _ops.ENDOR_DTYPES), ("bitmap", self.bitmap, 2, (torch.uint8,)),
+        fields = (("values", self.values, 1, ops.ENDOR_DTYPES), ("bitmap", self.bitmap, 2, (torch.uint8,)),
                   ("row_offsets", self.row_offsets, 1, (torch.int64,)))
         for name, t, ndim, dtypes in fields:
             if not isinstance(t, torch.Tensor) or t.dim() != ndim or t.dtype not in dtypes:
@@ -55,7 +55,7 @@ class EndorTensor:
             raise FormatError("row_offsets", f"has {self.row_offsets.numel()} entries, needs rows+1={rows + 1}",
                               source)
         try:
-            _ops.check_endor_args(self.values, self.bitmap, self.row_offsets, cols, None)
+            ops.check_endor_args(self.values, self.bitmap, self.row_offsets, cols, None)
         except RuntimeError as e:
             raise FormatError("row_offsets", str(e).removeprefix("endor_decompress: "), source) from None
 

@@ -1,5 +1,5 @@
 // Body of the sparse FFN activation kernel for mlx.core.fast.metal_kernel (MLX writes the signature); the Metal
-// twin of ffn_act_kernel in csrc/cuda/sparse_ffn_kernel.cuh. Semantics: flashllm_ext/_ops.py (sparse_ffn).
+// twin of ffn_act_kernel in csrc/cuda/sparse_ffn_kernel.cuh. Semantics: flashllm_ext/ops/ (sparse_ffn).
 //
 // Template parameters: T (float, half or bfloat16_t: the matrix and bias element), HAS_INDEX, HAS_BIAS (bool).
 // Inputs:  x [n_tok * d] float (at most 8 tokens), matrix [capacity * width] T (rows [up | gate (GLU) | down]),

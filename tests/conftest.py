@@ -14,7 +14,7 @@ import pytest  # noqa: E402
 def default_model():
     """(gguf path, transformers model, tokenizer) of the real default model, loaded once per session.
     Tests that change its weights restore them."""
-    from flashllm_ext.models import fetch_default, load_hf_model
+    from flashllm_ext.hub import fetch_default, load_hf_model
 
     path = fetch_default()
     model, tokenizer = load_hf_model(path)

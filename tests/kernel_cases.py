@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from flashllm_ext import endor
-from flashllm_ext.bits import BITS_VIEW
+from flashllm_ext.ops.bits import BITS_VIEW
 from test_endor_decompress import DTYPES, _bad_cases, assert_bitwise_equal, make_weight
 
 __all__ = ["BAD_CASES", "BAD_LINEAR_CASES", "DTYPES", "LINEAR_DTYPES", "SHAPES", "assert_bitwise_equal",

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from flashllm_ext.convert import convert
+from flashllm_ext.flash.convert import convert
 from flashllm_ext.predictor import LowRankPredictor, PredictorSet, save_predictors_to_store
 
 BENCH = Path(__file__).resolve().parent.parent / "bench" / "bench_e2e.py"
@@ -52,8 +52,8 @@ def test_scale_run_on_tiny_checkpoints_at_the_shared_paths(tmp_path):
     where the shared 7B ones live, in a private cache; naive only (each row is a child process; the flash rows
     need the default model's trained predictors)."""
     from bench.synth_checkpoint import SHARED_DIRS, SMOKE_OVERRIDES, synthesize_checkpoint
-    from flashllm_ext.engine import store_ffn_bytes
-    from flashllm_ext.store import FlashStore
+    from flashllm_ext.flash.engine import store_ffn_bytes
+    from flashllm_ext.flash.store import FlashStore
 
     for name, (directory, prune) in SHARED_DIRS.items():
         synthesize_checkpoint(name, tmp_path / "scale" / directory, prune=prune, overrides=SMOKE_OVERRIDES[name],
@@ -87,7 +87,7 @@ def test_scale_rows_pay_for_a_predictor_of_the_large_shapes(tmp_path, monkeypatc
     from transformers import OPTConfig, OPTForCausalLM
 
     from flashllm_ext.predictor import QuantPredictor, load_predictors, save_predictors
-    from flashllm_ext.store import FlashStore
+    from flashllm_ext.flash.store import FlashStore
 
     monkeypatch.syspath_prepend(str(BENCH.parent))
     from bench_e2e import ReplayedSets, scale_cost_predictor
@@ -137,12 +137,12 @@ def test_prompt_of_a_synthesized_checkpoint_without_the_default_model(monkeypatc
     sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
     import bench_e2e
 
-    import flashllm_ext.models
+    import flashllm_ext.hub
 
     def offline(*args, **kwargs):
         raise RuntimeError("could not fetch the default model: no network")
 
-    monkeypatch.setattr(flashllm_ext.models, "fetch_default", offline)
+    monkeypatch.setattr(flashllm_ext.hub, "fetch_default", offline)
     ids, note = bench_e2e.prompt_ids(6, 50, synthesized=True)
     assert ids == bench_e2e.prompt_ids(6, 50, synthesized=True)[0] and len(ids) == 6 and max(ids) < 50
     assert "seeded random token ids" in note and "no network" in note

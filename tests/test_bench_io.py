@@ -10,8 +10,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))  # the bench scripts import as scripts do
 import bench_io  # noqa: E402
 
-from flashllm_ext.convert import synthesize  # noqa: E402
-from flashllm_ext.store import FlashStore  # noqa: E402
+from flashllm_ext.flash.convert import synthesize  # noqa: E402
+from flashllm_ext.flash.store import FlashStore  # noqa: E402
 
 LAYERS, D, NEURONS = 2, 64, 256
 

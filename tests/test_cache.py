@@ -8,10 +8,10 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_stat
 from torch.profiler import ProfilerActivity, profile
 from transformers import LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM
 
-from flashllm_ext import store
-from flashllm_ext.convert import convert
-from flashllm_ext.cache import NeuronCache
-from flashllm_ext.reader import FlashReader
+from flashllm_ext.flash import store
+from flashllm_ext.flash.convert import convert
+from flashllm_ext.flash.cache import NeuronCache
+from flashllm_ext.flash.reader import FlashReader, shared_reader
 
 N_NEURONS = 136
 
@@ -212,7 +212,7 @@ def test_byte_budget(stores):
 def test_caches_of_a_store_share_its_reader(stores):
     s = stores["opt"]
     caches = [NeuronCache(s, layer, capacity=8) for layer in range(s.n_layers)] + [NeuronCache(s, 0, capacity=8)]
-    assert all(c.reader is s.reader() for c in caches)
+    assert all(c.reader is shared_reader(s) for c in caches)
     own = FlashReader(s, threads=2)
     assert NeuronCache(s, 0, capacity=8, reader=own).reader is own
 

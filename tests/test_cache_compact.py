@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from flashllm_ext import ops
-from flashllm_ext._ops import cache_compact_reference, compaction_moves
+from flashllm_ext.ops import cache_compact_reference, compaction_moves
 from ffn_cases import compact_state
 
 OPS = torch.ops.flashllm

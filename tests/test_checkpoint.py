@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 from flashllm_ext import FormatError
-from flashllm_ext.checkpoint import GGUFCheckpoint, gguf_config, load_gguf, open_checkpoint
+from flashllm_ext.io.checkpoint import GGUFCheckpoint, gguf_config, load_gguf, open_checkpoint
 from conftest import refuses_without_blocking
 from test_models import TINY, tiny_llama  # noqa: F401  (tiny_llama: a fixture)
 

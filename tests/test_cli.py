@@ -13,8 +13,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from flashllm_ext import cli
-from flashllm_ext.convert import convert
-from flashllm_ext.offload import convert_offload
+from flashllm_ext.flash.convert import convert
+from flashllm_ext.offload.convert import convert_offload
 
 ROOT = Path(__file__).resolve().parent.parent
 VOCAB = 64

@@ -7,9 +7,10 @@ import torch
 from safetensors import safe_open
 from transformers import LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM
 
-from flashllm_ext import FormatError, cli, endor, store
-from flashllm_ext.convert import convert, synthesize
-from flashllm_ext.safetensors_io import PADDING_PREFIX, AlignedWriter, read_header
+from flashllm_ext import FormatError, cli, endor
+from flashllm_ext.flash import store
+from flashllm_ext.flash.convert import convert, synthesize
+from flashllm_ext.io.safetensors import PADDING_PREFIX, AlignedWriter, read_header
 from test_models import tiny_llama  # noqa: F401  (a fixture)
 
 
@@ -117,7 +118,7 @@ def test_ffn_roles_name_every_layers_weights_and_biases(checkpoints, stores):
 def test_glu_biases(tmp_path):
     """Llama with mlp_bias: the gate bias feeds the activation, the down bias the output; an up_proj bias has no
     place in the bundle kernel and the cache refuses it."""
-    from flashllm_ext.cache import NeuronCache, layer_input_bias
+    from flashllm_ext.flash.cache import NeuronCache, layer_input_bias
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=24, num_hidden_layers=2,
@@ -228,7 +229,7 @@ def test_force_replaces_a_store_and_nothing_else(checkpoints, tmp_path, monkeypa
     as "."), and a file."""
     import shutil
 
-    from flashllm_ext.offload import convert_offload
+    from flashllm_ext.offload.convert import convert_offload
     write = partial(convert, progress=False) if converter == "flash store" else partial(convert_offload, progress=False)
     ckpt = tmp_path / "ckpt"
     shutil.copytree(checkpoints["opt"][0], ckpt)
@@ -257,7 +258,7 @@ def test_failed_conversion_leaves_nothing(checkpoints, tmp_path, monkeypatch):
     def broken_verify(*args):
         raise RuntimeError("read-back differs")
 
-    monkeypatch.setattr("flashllm_ext.convert._verify", broken_verify)
+    monkeypatch.setattr("flashllm_ext.flash.convert._verify", broken_verify)
     with pytest.raises(RuntimeError, match="read-back"):
         convert(checkpoints["opt"][0], tmp_path / "s", progress=False)
     assert list(tmp_path.iterdir()) == []
@@ -279,7 +280,7 @@ def test_gguf_converts_one_tensor_at_a_time(tmp_path, tiny_llama, monkeypatch):
     are more dequantized fp32 tensors alive than one layer's up, gate and down."""
     from test_checkpoint import write_tiny_gguf
 
-    from flashllm_ext.checkpoint import GGUFCheckpoint
+    from flashllm_ext.io.checkpoint import GGUFCheckpoint
 
     path = write_tiny_gguf(tmp_path / "tiny.gguf", tiny_llama)
     alive: weakref.WeakSet = weakref.WeakSet()
@@ -367,7 +368,7 @@ def test_convert_more_than_ten_layers(tmp_path):
 def test_force_keeps_files_it_did_not_write_and_the_folder_mode(checkpoints, tmp_path, converter):
     """force=True on a store holding another file refuses, naming that file, before any work (the file survives);
     on a store alone it replaces the store's files and keeps the folder's mode."""
-    from flashllm_ext.offload import convert_offload
+    from flashllm_ext.offload.convert import convert_offload
     write = partial(convert, progress=False) if converter == "flash store" else partial(convert_offload, progress=False)
     ckpt = checkpoints["opt"][0]
     out = write(ckpt, tmp_path / "s")
@@ -386,7 +387,7 @@ def test_force_keeps_files_it_did_not_write_and_the_folder_mode(checkpoints, tmp
 def test_force_keeps_a_file_put_in_the_store_while_it_is_written(checkpoints, tmp_path, monkeypatch):
     """A file saved into OUT after the check, while the new store is being written, is moved into the new folder,
     not removed with the old store."""
-    import flashllm_ext.convert as convert_module
+    import flashllm_ext.flash.convert as convert_module
 
     out = convert(checkpoints["opt"][0], tmp_path / "s", progress=False)
     real_verify = convert_module._verify
@@ -407,7 +408,7 @@ def test_stale_staging_folders_of_dead_converts_are_removed(checkpoints, tmp_pat
     dead processes and names (without touching) those it cannot tell are dead."""
     import subprocess
 
-    from flashllm_ext.offload import convert_offload
+    from flashllm_ext.offload.convert import convert_offload
     write = partial(convert, progress=False) if converter == "flash store" else partial(convert_offload, progress=False)
     dead = subprocess.Popen(["true"])
     dead.wait()
@@ -447,7 +448,7 @@ def test_index_naming_a_shard_outside_the_checkpoint_is_refused(checkpoints, tmp
 @pytest.mark.parametrize("converter", ["flash store", "layer store"])
 def test_store_files_follow_the_umask(checkpoints, tmp_path, umask, converter):
     """A store is the user's like any file they write: its folder and files take the umask's modes."""
-    from flashllm_ext.offload import convert_offload
+    from flashllm_ext.offload.convert import convert_offload
     write = partial(convert, progress=False) if converter == "flash store" else partial(convert_offload, progress=False)
     for mask, dir_mode, file_mode in ((0o022, 0o755, 0o644), (0o077, 0o700, 0o600)):
         umask(mask)

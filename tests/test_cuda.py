@@ -12,8 +12,8 @@ import torch
 
 import flashllm_ext
 from flashllm_ext import endor
-from flashllm_ext._ops import (cache_compact_reference, endor_decompress_reference, endor_linear_reference,
-                               sparse_ffn_reference)
+from flashllm_ext.ops import (cache_compact_reference, endor_decompress_reference, endor_linear_reference,
+                              sparse_ffn_reference)
 from ffn_cases import FFN_DTYPES, assert_close, bad_ffn_cases, compact_state, ffn_case, random_compact_case
 from kernel_cases import (BAD_CASES, BAD_LINEAR_CASES, DTYPES, LINEAR_DTYPES, SHAPES, assert_bitwise_equal,
                           endor_case, linear_case)
@@ -178,8 +178,8 @@ def tiny_stores(tmp_path_factory):
     """name -> (transformers model, fp32 store, fp16 store) of tiny random Llama and OPT models."""
     from transformers import LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM
 
-    from flashllm_ext.convert import convert
-    from flashllm_ext.store import FlashStore
+    from flashllm_ext.flash.convert import convert
+    from flashllm_ext.flash.store import FlashStore
 
     root = tmp_path_factory.mktemp("cuda-engine")
     torch.manual_seed(0)
@@ -200,7 +200,7 @@ def tiny_stores(tmp_path_factory):
 @pytest.mark.parametrize("name", ["llama", "opt"])
 @pytest.mark.parametrize("capacity,window", [(160, 3), (40, 2), (12, 1)])
 def test_cuda_cache_matches_the_cpu_cache_step_by_step(tiny_stores, name, capacity, window):
-    from flashllm_ext.cache import NeuronCache
+    from flashllm_ext.flash.cache import NeuronCache
     from test_transfer import step_both
 
     flash_store = tiny_stores[name][2]
@@ -218,7 +218,7 @@ def test_cuda_cache_matches_the_cpu_cache_step_by_step(tiny_stores, name, capaci
 def test_staging_buffer_is_pinned_as_it_is_sized():
     # StagedTransfer.nbytes is what the engine's budget charges: the buffer pins exactly that (cudaHostRegister), not
     # the power of two a pinned tensor from torch's caching host allocator takes, and the old one is let go on growth.
-    from flashllm_ext.transfer import StagedTransfer
+    from flashllm_ext.flash.transfer import StagedTransfer
 
     transfer = StagedTransfer("cuda")
     for nbytes in (3 * 4096 + 1, 5 << 20):
@@ -232,7 +232,7 @@ def test_staging_buffer_is_pinned_as_it_is_sized():
 
 
 def test_failed_read_leaves_the_cuda_cache_consistent(tiny_stores, monkeypatch):
-    from flashllm_ext.cache import NeuronCache
+    from flashllm_ext.flash.cache import NeuronCache
 
     s = tiny_stores["opt"][2]
     dev = NeuronCache(s, 0, capacity=50, window=1, device="cuda")
@@ -256,7 +256,7 @@ def test_failed_read_leaves_the_cuda_cache_consistent(tiny_stores, monkeypatch):
 @pytest.mark.parametrize("name", ["llama", "opt"])
 @torch.no_grad()
 def test_flash_ffn_on_cuda_matches_the_cpu_one(tiny_stores, name):
-    from flashllm_ext.ffn import FlashFFN
+    from flashllm_ext.flash.ffn import FlashFFN
 
     s = tiny_stores[name][2]
     g = torch.Generator().manual_seed(3)
@@ -293,5 +293,5 @@ def test_load_flash_on_cuda_generates_the_tokens_of_transformers(tiny_stores, na
     flash = flashllm_ext.load_flash(fp32.path, dram_budget=budget, mode=mode, device="cuda")
     got = flash.generate(prompt.to(CUDA), max_new_tokens=24, min_new_tokens=24, do_sample=False)
     assert torch.equal(got, want)
-    stats = flash.flash_stats()
+    stats = flash.flash.stats()
     assert stats["bytes_read"] > 0 and (budget is None or stats["accounted_bytes"] <= stats["budget_bytes"])

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from flashllm_ext import native_available, ops
-from flashllm_ext._ops import decode_attention_reference
+from flashllm_ext.ops import decode_attention_reference
 from attention_cases import DTYPES, TOLERANCE, attention_case, attention_float64
 from conftest import cpu_isas, forced_isa_fixture
 

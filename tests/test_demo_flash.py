@@ -1,5 +1,5 @@
-"""`make demo` (flashllm_ext.demo_flash): one mode in a child process's code path on a tiny Llama store, and the
-parent's cgroup harness (flashllm_ext.cgroup) running such a child. The real default model's run is `make demo`."""
+"""`make demo` (flashllm_ext.demos.flash): one mode in a child process's code path on a tiny Llama store, and the
+parent's cgroup harness (flashllm_ext.harness.cgroup) running such a child. The real default model's run is `make demo`."""
 import json
 import sys
 
@@ -7,9 +7,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from flashllm_ext.cgroup import run_limited_child
-from flashllm_ext.convert import convert
-from flashllm_ext.demo_flash import run_mode
+from flashllm_ext.harness.cgroup import run_limited_child
+from flashllm_ext.flash.convert import convert
+from flashllm_ext.demos.flash import run_mode
 from flashllm_ext.predictor import DEFAULT_RECIPE, build_predictors, predictors_recipe, save_predictors_to_store
 
 
@@ -55,7 +55,7 @@ def test_flash_mode_reports_its_breakdown_within_the_budget(tiny):
 def test_a_child_runs_under_the_cgroup_harness(tiny):
     """The parent's path: the child prints its row as JSON; the harness reports the peak (or why it cannot)."""
     _, store = tiny
-    argv = [sys.executable, "-m", "flashllm_ext.demo_flash", "--child", json.dumps(_config(store, "naive"))]
+    argv = [sys.executable, "-m", "flashllm_ext.demos.flash", "--child", json.dumps(_config(store, "naive"))]
     rows, facts = run_limited_child(argv, None, None, "demo-test", timeout_s=300)
     assert facts["exit_status"] == 0 and len(rows) == 1 and len(rows[0]["ids"]) == 6
     assert (facts["cgroup_peak_mb"] is None) == (facts["cgroup_note"] is not None)

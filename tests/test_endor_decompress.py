@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from flashllm_ext import _C, endor, ops
-from flashllm_ext._ops import ENDOR_DTYPES, endor_decompress_reference
-from flashllm_ext.bits import BITS_VIEW
+from flashllm_ext.ops import ENDOR_DTYPES, endor_decompress_reference
+from flashllm_ext.ops.bits import BITS_VIEW
 
 from conftest import cpu_isas, forced_isa_fixture
 

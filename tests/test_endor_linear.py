@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from flashllm_ext import endor, ops
-from flashllm_ext._ops import endor_linear_reference
+from flashllm_ext.ops import endor_linear_reference
 from conftest import cpu_isas, forced_isa_fixture
 from kernel_cases import BAD_LINEAR_CASES, LINEAR_DTYPES, linear_case
 

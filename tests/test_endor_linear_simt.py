@@ -4,7 +4,7 @@ Small shapes: every emulated GPU thread is an OS thread."""
 import pytest
 import torch
 
-from flashllm_ext._ops import endor_linear_reference
+from flashllm_ext.ops import endor_linear_reference
 from conftest import require_simt
 from kernel_cases import BAD_LINEAR_CASES, LINEAR_DTYPES, linear_case
 

@@ -11,11 +11,12 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import flashllm_ext
-from flashllm_ext import FormatError, endor, reader, store
-from flashllm_ext.cache import NeuronCache
-from flashllm_ext.convert import bundle_layer, convert
-from flashllm_ext.engine import ffn_stack
-from flashllm_ext.reader import FlashReader, has_io_uring, select_read_path
+from flashllm_ext import FormatError, endor
+from flashllm_ext.flash import reader, store
+from flashllm_ext.flash.cache import NeuronCache
+from flashllm_ext.flash.convert import bundle_layer, convert
+from flashllm_ext.flash.engine import ffn_stack
+from flashllm_ext.flash.reader import FlashReader, has_io_uring, select_read_path
 
 ENGINES = ["threads"] + (["io_uring"] if has_io_uring() else [])
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -168,7 +169,7 @@ def test_ffn_stack_charges_the_reader_buffers(pruned, layout):
     """Under a budget the engine limits the reader's bounce buffers (and an Endor store's staging) to a share of the
     FFN budget (a larger one beside a shared cache) and charges them to it: ffn_bytes = the modules (+ the shared
     cache) + FlashReader.buffer_bound()."""
-    from flashllm_ext.engine import READER_BUFFER_SHARE, SHARED_CACHE_READER_SHARE, store_ffn_bytes
+    from flashllm_ext.flash.engine import READER_BUFFER_SHARE, SHARED_CACHE_READER_SHARE, store_ffn_bytes
 
     model, stores, dense_path = pruned
     x = torch.randn(2, 64, generator=torch.Generator().manual_seed(2))
@@ -295,13 +296,13 @@ def test_corrupt_bitmap_raises_format_error(pruned, tmp_path):
 
 def test_older_endor_layout_is_refused(tmp_path):
     """Stores of the separate values/bitmap layout are refused naming the field, not misread."""
-    from flashllm_ext.safetensors_io import AlignedWriter, TensorSpec
+    from flashllm_ext.io.safetensors import AlignedWriter, TensorSpec
 
     model = _pruned_llama(n_neurons=40)
     model.save_pretrained(tmp_path / "ckpt")
     path = convert(tmp_path / "ckpt", tmp_path / "s", endor=True, progress=False)
     header = store.FlashStore(path)
-    meta = dict(flashllm_ext.safetensors_io.read_header(header.bundles_path).metadata)
+    meta = dict(flashllm_ext.io.safetensors.read_header(header.bundles_path).metadata)
     specs = [TensorSpec(f"{store.layer_tensor_name(0)}.values", "F16", (4,))]
     with AlignedWriter(path / store.BUNDLES_FILE, specs, meta) as w:
         w.write(specs[0].name, torch.ones(4, dtype=torch.float16))
@@ -376,7 +377,7 @@ def test_ffn_stack_over_endor_equals_the_pruned_ffn(pruned, mode):
     x = torch.randn(3, fs.hidden_size, generator=torch.Generator().manual_seed(5))
     for i, layer in enumerate(model.model.layers):
         torch.testing.assert_close(runtime.modules[i](x), layer.mlp(x), rtol=1e-5, atol=1e-5)
-    assert runtime.stats.bytes_read > 0
+    assert runtime.counters.bytes_read > 0
     runtime.close()
 
 
@@ -398,7 +399,7 @@ def test_load_flash_on_endor_generates_the_tokens_of_transformers(pruned, mode):
     assert (flash.flash.reader.max_gap, flash.flash.reader.min_read) == (0, 0)
     got = flash.generate(prompt, max_new_tokens=12, min_new_tokens=12, do_sample=False)
     assert torch.equal(got, want)
-    stats = flash.flash_stats()
+    stats = flash.flash.stats()
     assert stats["accounted_bytes"] <= stats["budget_bytes"] and stats["bytes_read"] > 0
     flash.flash.close()
 
@@ -555,8 +556,8 @@ def test_default_model_wanda_pruned_endor_exact_mode(default_model, tmp_path):
     of transformers running the same pruned weights."""
     from transformers import AutoModelForCausalLM
 
-    from flashllm_ext.demo import wanda_prune_ffn
-    from flashllm_ext.models import corpus_token_ids, load_hf_model
+    from flashllm_ext.demos.endor import wanda_prune_ffn
+    from flashllm_ext.hub import corpus_token_ids, load_hf_model
 
     gguf, model, tokenizer = default_model
     pruned_weights = wanda_prune_ffn(model, corpus_token_ids(tokenizer, "calibration", 256), 0.5, progress=False)
@@ -572,6 +573,6 @@ def test_default_model_wanda_pruned_endor_exact_mode(default_model, tmp_path):
     flash = flashllm_ext.load_flash(path, dram_budget="75%", mode="exact")
     want = pruned.generate(prompt, max_new_tokens=16, min_new_tokens=16, do_sample=False)
     assert torch.equal(flash.generate(prompt, max_new_tokens=16, min_new_tokens=16, do_sample=False), want)
-    stats = flash.flash_stats()
+    stats = flash.flash.stats()
     assert stats["accounted_bytes"] <= stats["budget_bytes"]
     flash.flash.close()

@@ -1,4 +1,4 @@
-"""The engine (flashllm_ext.engine): load_flash / patch_model in every mode against transformers' own outputs,
+"""The engine (flashllm_ext.flash.engine): load_flash / patch_flash in every mode against transformers' own outputs,
 the one active-neuron rule end to end (FlashFFN's perplexity equals predictor.evaluate's), budget accounting,
 undo, clear errors, and a read failure mid-generation."""
 import copy
@@ -9,13 +9,14 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM
 
 import flashllm_ext
-from flashllm_ext import store
-from flashllm_ext.convert import convert
-from flashllm_ext.cache import NeuronCache
-from flashllm_ext.engine import MODES, _tensor_bytes, parse_budget
-from flashllm_ext.models import perplexity
+from flashllm_ext.flash import store
+from flashllm_ext.flash.convert import convert
+from flashllm_ext.flash.cache import NeuronCache
+from flashllm_ext.flash.engine import MODES
+from flashllm_ext.runtime import tensor_bytes, parse_budget
+from flashllm_ext.hub import perplexity
 from flashllm_ext.predictor import LowRankPredictor, PredictorSet, calibrate_thresholds, evaluate
-from flashllm_ext.transfer import Transfer
+from flashllm_ext.flash.transfer import Transfer
 from conftest import mapped_ranges, read_failure_at
 
 
@@ -70,7 +71,7 @@ def test_load_flash_generates_the_tokens_of_transformers(models, name, mode):
     assert torch.equal(_greedy(flash, prompt), want)
     torch.testing.assert_close(flash(prompt).logits, model(prompt).logits, rtol=1e-4, atol=1e-4)
     if mode != "dense":
-        stats = flash.flash_stats()
+        stats = flash.flash.stats()
         assert stats["mode"] == mode and stats["tokens"] == 7 + 31 + 7  # prompt, 31 decode steps, one more forward
         assert stats["accounted_bytes"] <= stats["budget_bytes"]
         assert stats["bytes_read"] > 0 and stats["io_ms"] > 0
@@ -87,9 +88,9 @@ def test_exact_mode_under_a_small_budget_reads_in_parts(models, layout):
     s = store.FlashStore(path)
     resident = sum(p.numel() * 4 for n, p in model.named_parameters() if "mlp" not in n) + \
         sum(b.nbytes for b in model.buffers())  # (the rotary frequencies)
-    fixed, per_row = flashllm_ext.engine.FlashFFN.bytes_for(s, every_neuron=True)
+    fixed, per_row = flashllm_ext.flash.engine.FlashFFN.bytes_for(s, every_neuron=True)
     options = {"bounce_limit": 0, "max_read": 4096}  # the reader's buffers, charged too: one read's bounce buffer
-    with flashllm_ext.reader.FlashReader(s, **options) as reader:
+    with flashllm_ext.flash.reader.FlashReader(s, **options) as reader:
         buffers = reader.buffer_bound()
     budget = resident + buffers + s.n_layers * (fixed + per_row * (s.n_neurons // 4))
     flash = flashllm_ext.load_flash(path, dram_budget=budget, mode="exact", reader_options=options,
@@ -101,7 +102,7 @@ def test_exact_mode_under_a_small_budget_reads_in_parts(models, layout):
         assert all(c is caches[0] for c in caches)
         assert s.n_neurons // 4 < caches[0].capacity < s.n_neurons
     assert torch.equal(_greedy(flash, prompt, 8), _greedy(model, prompt, 8))
-    stats = flash.flash_stats()
+    stats = flash.flash.stats()
     parts = -(-s.n_neurons // caches[0].capacity)  # each forward of each layer (8 forwards: prompt + 7 tokens)
     assert parts > 1 and stats["steps"] == 8 * s.n_layers * parts
     assert stats["accounted_bytes"] <= budget
@@ -123,12 +124,12 @@ def test_a_shared_cache_computes_what_per_layer_caches_compute(models, name):
     ids = torch.randint(0, 90, (1, 12), generator=torch.Generator().manual_seed(5))
     want = model(ids).logits
     patched = copy.deepcopy(model)
-    resident = flashllm_ext.engine._resident_bytes(patched)
-    fixed, per_row = flashllm_ext.engine.FlashFFN.bytes_for(s)
+    resident = flashllm_ext.flash.engine._resident_bytes(patched)
+    fixed, per_row = flashllm_ext.flash.engine.FlashFFN.bytes_for(s)
     budget = resident + predictors.memory_bytes + (64 << 10) + s.n_layers * (fixed + per_row * (s.n_neurons // 8))
     got = {}
     for layout in ("per-layer", "shared"):
-        runtime = flashllm_ext.patch_model(patched, path, mode="flash", predictors=predictors, dram_budget=budget,
+        runtime = flashllm_ext.patch_flash(patched, path, mode="flash", predictors=predictors, dram_budget=budget,
                                            cache_layout=layout)
         got[layout] = patched(ids).logits
         assert runtime.cache_layout == layout
@@ -141,14 +142,14 @@ def test_a_shared_cache_computes_what_per_layer_caches_compute(models, name):
     for density, lookahead, layout in ((None, None, "per-layer"), (above, None, "shared"), (below, None, "per-layer"),
                                        (above, "ahead", "per-layer")):
         predictors.loaded_density = density
-        runtime = flashllm_ext.patch_model(patched, path, mode="flash", predictors=predictors, dram_budget=budget,
+        runtime = flashllm_ext.patch_flash(patched, path, mode="flash", predictors=predictors, dram_budget=budget,
                                            lookahead=lookahead)
         assert runtime.cache_layout == layout, (density, lookahead)
         runtime.unpatch(patched)
     with pytest.raises(ValueError, match="cache_layout must be one of"):
-        flashllm_ext.patch_model(patched, path, mode="flash", predictors=predictors, cache_layout="pooled")
+        flashllm_ext.patch_flash(patched, path, mode="flash", predictors=predictors, cache_layout="pooled")
     with pytest.raises(ValueError, match="lookahead needs per-layer caches"):
-        flashllm_ext.patch_model(patched, path, mode="flash", predictors=predictors, cache_layout="shared",
+        flashllm_ext.patch_flash(patched, path, mode="flash", predictors=predictors, cache_layout="shared",
                                  lookahead="ahead")
 
 
@@ -165,10 +166,10 @@ def test_flash_perplexity_equals_evaluate(models, name):
     result = evaluate(model, predictors, ids, window=32, n_windows=2, progress=False)
     assert abs(result["ppl_predictor"] / result["ppl_dense"] - 1) > 2e-4  # the masks matter here
     patched = copy.deepcopy(model)
-    runtime = flashllm_ext.patch_model(patched, path, mode="flash", predictors=predictors, window=3)
+    runtime = flashllm_ext.patch_flash(patched, path, mode="flash", predictors=predictors, window=3)
     got = perplexity(patched, ids, 32, 2, progress=False)
     assert got == pytest.approx(result["ppl_predictor"], rel=2e-5)
-    stats = patched.flash_stats()
+    stats = patched.flash.stats()
     assert 0 < stats["hit_rate"] < 1 and stats["predictor_ms"] > 0
     runtime.unpatch(patched)
 
@@ -179,11 +180,11 @@ def test_flash_mode_stays_within_its_budget(models):
     s = store.FlashStore(path)
     predictors = _random_predictors(model, s.n_layers, s.hidden_size, s.n_neurons, 0.7)
     predictors.prob_thresholds.fill_(0.5)
-    total = flashllm_ext.engine.model_bytes(model, s)
+    total = flashllm_ext.flash.engine.model_bytes(model, s)
     for budget in ("50%", "80%", int(total * 0.6)):
         flash = flashllm_ext.load_flash(path, dram_budget=budget, mode="flash", predictors=predictors)
         _greedy(flash, torch.tensor([[5, 6, 7]]), 6)
-        stats = flash.flash_stats()
+        stats = flash.flash.stats()
         assert stats["accounted_bytes"] <= stats["budget_bytes"] == parse_budget(budget, total)
         assert stats["predictor_bytes"] > 0 and stats["ffn_bytes"] > 0
 
@@ -206,7 +207,7 @@ def _held_bytes(runtime) -> int:
 
     for module in runtime.modules:
         visit(module)
-    return _tensor_bytes(tensors)
+    return tensor_bytes(tensors)
 
 
 @pytest.mark.parametrize("name", ["llama", "opt"])
@@ -224,7 +225,7 @@ def test_ffn_bytes_are_the_bytes_the_modules_hold(models, name, mode, layout):
     predictors = _random_predictors(model, s.n_layers, s.hidden_size, s.n_neurons, 0.5) if mode == "flash" else None
     flash = flashllm_ext.load_flash(path, dram_budget="85%", mode=mode, predictors=predictors, cache_layout=layout)
     _greedy(flash, torch.tensor([[5, 6, 7]]), 4)
-    runtime, stats = flash.flash, flash.flash_stats()
+    runtime, stats = flash.flash, flash.flash.stats()
     charged = stats["ffn_bytes"] - runtime.reader.buffer_bound()
     unheld_out_bias = 4 * s.hidden_size * s.n_layers if mode in ("naive", "hybrid") and name == "llama" else 0
     unheld_cache_bias = s.n_neurons * s.dtype.itemsize if layout == "shared" and name == "opt" else 0
@@ -239,7 +240,7 @@ def test_patch_generate_unpatch_leaves_the_model_as_it_was(models):
     before = {k: v.clone() for k, v in model.state_dict().items()}
     modules_before = list(model.modules())
     want = _greedy(model, prompt, 8)
-    runtime = flashllm_ext.patch_model(model, path, mode="exact", dram_budget="70%")
+    runtime = flashllm_ext.patch_flash(model, path, mode="exact", dram_budget="70%")
     assert torch.equal(_greedy(model, prompt, 8), want)
     runtime.unpatch(model)
     assert list(model.modules()) == modules_before and not hasattr(model, "flash_stats")
@@ -247,11 +248,31 @@ def test_patch_generate_unpatch_leaves_the_model_as_it_was(models):
     assert torch.equal(_greedy(model, prompt, 8), want)
 
 
+def test_unpatch_refuses_a_stale_runtime_and_the_old_names_still_work_with_a_warning(models):
+    """patch_model and model.flash_stats() (the names before patch_flash and runtime.stats()) work one release more,
+    each call warning; a runtime unpatched once refuses a second unpatch, and one built by load_flash any."""
+    model, path = models["opt"]
+    with pytest.warns(DeprecationWarning, match="use patch_flash"):
+        runtime = flashllm_ext.patch_model(model, path, mode="exact", dram_budget="70%")
+    _greedy(model, torch.tensor([[4, 8]]), 2)
+    with pytest.warns(DeprecationWarning, match=r"use model.flash.stats\(\)"):
+        old = model.flash_stats()
+    with pytest.warns(DeprecationWarning, match=r"use FlashRuntime.stats\(\)"):
+        assert runtime.flash_stats()["tokens"] == old["tokens"] == runtime.stats()["tokens"] > 0
+    runtime.unpatch(model)
+    with pytest.raises(RuntimeError, match="no longer serves that model"):
+        runtime.unpatch(model)
+    built = flashllm_ext.load_flash(path, dram_budget="85%", mode="exact")
+    with pytest.raises(RuntimeError, match="built by load_flash"):
+        built.flash.unpatch(built)
+    built.flash.close()
+
+
 def test_clear_errors(models, tmp_path):
     llama, llama_path = models["llama"]
     opt, opt_path = models["opt"]
     with pytest.raises(ValueError, match="decoder layers|not the same model"):
-        flashllm_ext.patch_model(copy.deepcopy(llama), opt_path, mode="exact")
+        flashllm_ext.patch_flash(copy.deepcopy(llama), opt_path, mode="exact")
     with pytest.raises(ValueError, match="below the minimum"):
         flashllm_ext.load_flash(llama_path, dram_budget="1%", mode="exact")
     with pytest.raises(ValueError, match="below the minimum"):
@@ -263,9 +284,9 @@ def test_clear_errors(models, tmp_path):
     with pytest.raises(ValueError, match="dram_budget must be"):
         flashllm_ext.load_flash(llama_path, dram_budget="lots", mode="exact")
     patched = copy.deepcopy(llama)
-    runtime = flashllm_ext.patch_model(patched, llama_path, mode="exact")
+    runtime = flashllm_ext.patch_flash(patched, llama_path, mode="exact")
     with pytest.raises(ValueError, match="already patched"):
-        flashllm_ext.patch_model(patched, llama_path, mode="exact")
+        flashllm_ext.patch_flash(patched, llama_path, mode="exact")
     runtime.unpatch(patched)
     assert set(MODES) == {"dense", "naive", "hybrid", "flash", "exact"}
 
@@ -313,7 +334,7 @@ def test_default_model_exact_mode_and_cli_run(default_model, tmp_path, capsys):
     path = convert(gguf, tmp_path / "store", dtype="fp32", progress=False)
     prompt = tokenizer("The capital of France is", return_tensors="pt").input_ids
     flash = flashllm_ext.load_flash(path, dram_budget="75%", mode="exact")
-    assert flash.flash_stats()["accounted_bytes"] <= flash.flash_stats()["budget_bytes"]
+    assert flash.flash.stats()["accounted_bytes"] <= flash.flash.stats()["budget_bytes"]
     assert torch.equal(_greedy(flash, prompt), _greedy(model, prompt))
     flash.flash.close()
     assert cli.main(["run", str(path), "--tokenizer", str(gguf), "--mode", "naive", "--budget", "75%",
@@ -325,7 +346,7 @@ def test_default_model_exact_mode_and_cli_run(default_model, tmp_path, capsys):
 @torch.no_grad()
 def test_ffn_stack_serves_every_layer_within_its_budget(models):
     """The FFN-only stack of the scale benchmark: the same modules as load_flash, layer i = the model's FFN i."""
-    from flashllm_ext.engine import ffn_stack, store_ffn_bytes
+    from flashllm_ext.flash.engine import ffn_stack, store_ffn_bytes
 
     model, path = models["llama"]
     s = store.FlashStore(path)
@@ -336,7 +357,7 @@ def test_ffn_stack_serves_every_layer_within_its_budget(models):
         x = torch.randn(3, s.hidden_size, generator=torch.Generator().manual_seed(5))
         for i, layer in enumerate(model.model.layers):
             torch.testing.assert_close(runtime.modules[i](x), layer.mlp(x), rtol=1e-5, atol=1e-5)
-        assert runtime.stats.bytes_read > 0
+        assert runtime.counters.bytes_read > 0
         runtime.close()
     with pytest.raises(ValueError, match="needs predictors"):
         ffn_stack(s, "flash", budget)
@@ -366,7 +387,7 @@ def test_lookahead_computes_the_set_chosen_from_the_normed_layer_input(models, n
     """Flash mode with lookahead: each decode step's FFN computes the set its predictor chose from the FFN's norm
     of the decoder layer's input (the rule's threshold still applied to the real activations); a prompt's tokens
     use their own FFN inputs. The reference masks a dense FFN the same way (the rule's ffn_hooks)."""
-    from flashllm_ext.models.hf import decoder_layers, ffn_norm
+    from flashllm_ext.hub.hf import decoder_layers, ffn_norm
     from flashllm_ext.predictor.rule import ffn_hooks
 
     model, path = models[name]
@@ -388,7 +409,7 @@ def test_lookahead_computes_the_set_chosen_from_the_normed_layer_input(models, n
     handles = [layer.register_forward_pre_hook(lambda m, a, k, i=i: choose_ahead(i, m, a, k), with_kwargs=True)
                for i, layer in enumerate(decoder_layers(reference))]
     patched = copy.deepcopy(model)
-    runtime = flashllm_ext.patch_model(patched, path, mode="flash", predictors=predictors, window=3,
+    runtime = flashllm_ext.patch_flash(patched, path, mode="flash", predictors=predictors, window=3,
                                        lookahead="ahead")
     prompt = torch.randint(3, 90, (1, 5), generator=torch.Generator().manual_seed(7))
     with ffn_hooks(reference, mask):
@@ -401,7 +422,7 @@ def test_lookahead_computes_the_set_chosen_from_the_normed_layer_input(models, n
             torch.testing.assert_close(got.logits, want.logits, rtol=1e-4, atol=1e-4)
     for handle in handles:
         handle.remove()
-    stats = patched.flash_stats()
+    stats = patched.flash.stats()
     assert stats["hidden_io_ms"] > 0 and stats["predictor_ms"] > 0
     runtime.unpatch(patched)
     assert all(not layer._forward_pre_hooks for layer in decoder_layers(patched))
@@ -425,8 +446,8 @@ def test_lookahead_prefetch_keeps_the_results_of_flash_mode(models, name):
         for _ in range(8):
             out = flash(out.logits[:, -1:].argmax(-1), past_key_values=out.past_key_values, use_cache=True)
             logits.append(out.logits)
-        runs[lookahead] = torch.cat(logits), flash.flash_stats(), flash.flash.stats
-        assert flash.flash_stats()["accounted_bytes"] <= flash.flash_stats()["budget_bytes"]
+        runs[lookahead] = torch.cat(logits), flash.flash.stats(), flash.flash.counters
+        assert flash.flash.stats()["accounted_bytes"] <= flash.flash.stats()["budget_bytes"]
     (plain, plain_stats, plain_raw), (ahead, ahead_stats, ahead_raw) = runs[None], runs["prefetch"]
     torch.testing.assert_close(ahead, plain, rtol=1e-5, atol=1e-5)
     assert ahead_raw.needed == plain_raw.needed and ahead_raw.prefetched > 0 and plain_raw.prefetched == 0

@@ -7,10 +7,11 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM
 
-from flashllm_ext import store
-from flashllm_ext.cache import NeuronCache
-from flashllm_ext.convert import convert
-from flashllm_ext.ffn import FlashFFN, active_ids_of, install_flash_ffn
+from flashllm_ext.flash import store
+from flashllm_ext.flash.cache import NeuronCache
+from flashllm_ext.flash.convert import convert
+from flashllm_ext.flash.ffn import FlashFFN, active_ids_of, install_flash_ffn
+from flashllm_ext.flash.reader import shared_reader
 
 
 def _llama():
@@ -90,10 +91,10 @@ def test_install_on_a_30_layer_model_opens_one_reader(tmp_path):
     with store.FlashStore(convert(tmp_path / "ckpt", tmp_path / "s", dtype="fp32", progress=False)) as fs:
         before = _threads_of_this_process()
         ffns = install_flash_ffn(model, fs)
-        assert len(ffns) == 30 and all(f.cache.reader is fs.reader() for f in ffns)
-        assert _threads_of_this_process() - before == fs.reader().threads  # one pool, not one per layer
+        assert len(ffns) == 30 and all(f.cache.reader is shared_reader(fs) for f in ffns)
+        assert _threads_of_this_process() - before == shared_reader(fs).threads  # one pool, not one per layer
         torch.testing.assert_close(model(ids).logits, want, rtol=1e-4, atol=1e-4)
-        pool = fs.reader().threads
+        pool = shared_reader(fs).threads
         running = _threads_of_this_process()
     assert running - _threads_of_this_process() == pool  # closing the store ended the pool
 
@@ -192,7 +193,7 @@ def test_failed_background_read_leaves_a_consistent_cache(models):
     n = fp32.n_neurons
     mask = torch.zeros(1, n, dtype=torch.bool)
     mask[0, : n // 4] = True
-    ffn = FlashFFN(fp32, 0, predictor=lambda chunk: mask, capacity=n // 2, reader=fp32.reader())
+    ffn = FlashFFN(fp32, 0, predictor=lambda chunk: mask, capacity=n // 2, reader=shared_reader(fp32))
     x = torch.randn(1, fp32.hidden_size)
     real = ffn.cache.reader.read_async
 

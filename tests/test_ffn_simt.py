@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from flashllm_ext._ops import cache_compact_reference, sparse_ffn_reference
+from flashllm_ext.ops import cache_compact_reference, sparse_ffn_reference
 from conftest import require_simt
 from ffn_cases import FFN_DTYPES, assert_close, bad_ffn_cases, compact_state, ffn_case, random_compact_case
 

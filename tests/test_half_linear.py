@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from flashllm_ext import ops
-from flashllm_ext._ops import half_linear_reference
-from flashllm_ext.linear import HalfLinear, use_half_linears
+from flashllm_ext.ops import half_linear_reference
+from flashllm_ext.flash.half_linear import HalfLinear, use_half_linears
 from conftest import cpu_isas, forced_isa_fixture
 
 OPS = torch.ops.flashllm

@@ -43,15 +43,16 @@ def test_kernel_checks_switch():
 
 
 def test_native_library_is_loaded_in_one_place():
-    """_native.py alone imports _C; the reader asks it rather than importing the package root."""
+    """ops/native.py alone imports _C; the reader asks it rather than importing the package root."""
     from pathlib import Path
 
-    from flashllm_ext import _native, reader
+    from flashllm_ext.ops import native as _native
+    from flashllm_ext.flash import reader
 
     assert _native.native_available == flashllm_ext.native_available
-    package = Path(_native.__file__).parent
-    importers = [p.name for p in package.rglob("*.py") if "import _C" in p.read_text()]
-    assert importers == ["_native.py"]
+    package = Path(flashllm_ext.__file__).parent
+    importers = [str(p.relative_to(package)) for p in package.rglob("*.py") if "import _C" in p.read_text()]
+    assert importers == ["ops/native.py"]
     assert "import flashllm_ext" not in Path(reader.__file__).read_text()
 
 

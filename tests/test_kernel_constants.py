@@ -1,9 +1,9 @@
 """Each number shared by the kernels is defined once, in a C header; the Python mirrors in
-flashllm_ext.kernel_constants (which the MLX backend and its Metal header use) must equal it."""
+flashllm_ext.ops.constants (which the MLX backend and its Metal header use) must equal it."""
 import re
 from pathlib import Path
 
-from flashllm_ext import kernel_constants as kc
+from flashllm_ext.ops import constants as kc
 
 CSRC = Path(__file__).resolve().parents[1] / "csrc"
 METAL = Path(__file__).resolve().parents[1] / "metal"

@@ -9,8 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from flashllm_ext.kv import (HostKVAttention, KVShard, NearStorageAttention, ShardAttention, ShardInUseError,
-                             WorkerError)
+from flashllm_ext.kv import HostKVAttention, KVShard, NearStorageAttention, ShardAttention, ShardInUseError, WorkerError
 from flashllm_ext.kv.attention import masked_decode_attention
 
 

@@ -1,5 +1,5 @@
 """The README's table op -> files (section "Ops and their files") is true: every file it names exists, every op
-registered in the flashllm namespace has a row and a wrapper in flashllm_ext/ops.py."""
+registered in the flashllm namespace has a row and a wrapper in flashllm_ext.ops."""
 from __future__ import annotations
 
 import re

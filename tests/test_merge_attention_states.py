@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from flashllm_ext import ops
-from flashllm_ext._ops import merge_attention_states_reference
+from flashllm_ext.ops import merge_attention_states_reference
 from attention_cases import DTYPES, TOLERANCE, attention_case, attention_float64, merge_float64
 
 OPS = torch.ops.flashllm

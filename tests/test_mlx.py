@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from flashllm_ext._ops import endor_decompress_reference
-from flashllm_ext.bits import BITS_VIEW
+from flashllm_ext.ops import endor_decompress_reference
+from flashllm_ext.ops.bits import BITS_VIEW
 from kernel_cases import BAD_CASES, DTYPES, SHAPES, assert_bitwise_equal, endor_case
 
 mx = pytest.importorskip("mlx.core", reason="mlx is not importable (install the [mlx] extra)")

@@ -4,7 +4,7 @@ is tested through the SIMT emulation in test_endor_linear_simt.py."""
 import pytest
 import torch
 
-from flashllm_ext._ops import endor_linear_reference
+from flashllm_ext.ops import endor_linear_reference
 from kernel_cases import BAD_LINEAR_CASES, LINEAR_DTYPES, linear_case
 from test_mlx import path, to_mx, to_torch  # noqa: F401  (path: the fallback and, where it exists, Metal)
 

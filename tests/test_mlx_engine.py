@@ -8,12 +8,12 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM
 
 import flashllm_ext
-from flashllm_ext import store
-from flashllm_ext.cache import NeuronCache
-from flashllm_ext.convert import convert
-from flashllm_ext.engine import ffn_stack, store_ffn_bytes
-from flashllm_ext.ffn import FlashFFN
-from flashllm_ext.transfer import HostTransfer
+from flashllm_ext.flash import store
+from flashllm_ext.flash.cache import NeuronCache
+from flashllm_ext.flash.convert import convert
+from flashllm_ext.flash.engine import ffn_stack, store_ffn_bytes
+from flashllm_ext.flash.ffn import FlashFFN
+from flashllm_ext.flash.transfer import HostTransfer
 
 mx = pytest.importorskip("mlx.core", reason="mlx is not importable (install the [mlx] extra: mlx[cpu] on Linux)")
 fmlx = pytest.importorskip("flashllm_ext.mlx")
@@ -145,10 +145,10 @@ def test_decoder_generates_the_tokens_of_transformers(stores, mode, budget):
     flash = fmlx.load_flash(path, dram_budget=budget, mode=mode)
     assert flash.generate(prompt, 32) == want
     assert flash.generate(prompt[0].tolist(), 0) == prompt[0].tolist()
-    stats = flash.flash_stats()
+    stats = flash.stats()
     assert stats["mode"] == mode and stats["tokens"] == 7 + 31 and stats["decode_ms_per_token"] > 0
     new, seconds = flash.greedy_decode(prompt, 5)  # the stats then cover the 4 decode steps only
-    assert new == want[7:12] and flash.flash_stats()["tokens"] == 4 and seconds > 0
+    assert new == want[7:12] and flash.stats()["tokens"] == 4 and seconds > 0
     if mode != "dense":
         assert stats["accounted_bytes"] <= stats["budget_bytes"] and stats["bytes_read"] > 0
         if budget == "60%":  # the caches cannot hold a layer: the reads repeat
@@ -192,7 +192,7 @@ def test_flash_mode_follows_the_torch_engine(stores):
         want = _greedy(reference, prompt, 16)
     flash = fmlx.load_flash(s.path, dram_budget="70%", mode="flash", predictors=predictors)
     assert flash.generate(prompt, 16) == want
-    got, ref = flash.flash_stats(), reference.flash_stats()
+    got, ref = flash.stats(), reference.stats()
     assert got["predictor_ms"] > 0 and got["hit_rate"] < 1
     for key in ("tokens", "bytes_read", "steps"):  # (the budgets differ by the torch model's rotary buffer)
         assert got[key] == ref[key], key
@@ -227,17 +227,17 @@ def test_streaming_stack_matches_the_torch_stack(stores, name, mode, share):
     tol = {"rtol": 1e-5, "atol": 1e-5} if s.dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
     xs = torch.randn(11, s.hidden_size, generator=torch.Generator().manual_seed(6))
     for first, last in [(0, 6)] + [(t, t + 1) for t in range(6, 11)]:
-        requested = stack.stats.bytes_requested
+        requested = stack.counters.bytes_requested
         for layer in range(s.n_layers):
             want = reference.modules[layer](xs[first:last])
             got = stack.modules[layer](to_mx(xs[first:last]))
             assert isinstance(got, mx.array) and got.dtype == mx.float32 and tuple(got.shape) == (last - first,
                                                                                                  s.hidden_size)
             torch.testing.assert_close(torch_view(got), want, **tol, msg=f"layer {layer} [{first}:{last}]")
-        assert stack.stats.bytes_requested - requested == s.n_layers * streamed * s.row_bytes
+        assert stack.counters.bytes_requested - requested == s.n_layers * streamed * s.row_bytes
     for key in ("tokens", "steps", "needed", "inserted", "bytes_read", "bytes_requested", "n_reads"):
         assert getattr(stack.stats, key) == getattr(reference.stats, key), key
-    assert stack.stats.tokens == 11 * s.n_layers and stack.stats.compute_s > 0
+    assert stack.counters.tokens == 11 * s.n_layers and stack.counters.compute_s > 0
     reference.close()
     stack.close()
 
@@ -263,7 +263,7 @@ def test_streaming_modes_generate_the_tokens_of_transformers(stores, mode, budge
         assert streamed == s.n_neurons - s.n_neurons // 2
     new, seconds = flash.greedy_decode(prompt, 5)  # the stats then cover the 4 decode steps only
     assert new == want[7:12] and seconds > 0
-    stats = flash.flash_stats()
+    stats = flash.stats()
     per_token = s.n_layers * streamed * s.row_bytes
     assert stats["mode"] == mode and stats["tokens"] == 4 and stats["steps"] == 4 * s.n_layers
     assert stats["requested_bytes_per_token"] == per_token <= stats["bytes_per_token"]
@@ -352,5 +352,5 @@ def test_default_model_exact_mode_generates_the_tokens_of_transformers(default_m
         want = _greedy(model, prompt, 16)
     flash = fmlx.load_flash(path, dram_budget="75%", mode="exact")
     assert flash.generate(prompt, 16) == want
-    assert flash.flash_stats()["accounted_bytes"] <= flash.flash_stats()["budget_bytes"]
+    assert flash.stats()["accounted_bytes"] <= flash.stats()["budget_bytes"]
     flash.close()

@@ -3,7 +3,7 @@ the torch reference (off Apple Silicon the Metal bodies are tested through the S
 import pytest
 import torch
 
-from flashllm_ext._ops import sparse_ffn_reference
+from flashllm_ext.ops import sparse_ffn_reference
 from ffn_cases import FFN_DTYPES, assert_close, bad_ffn_cases, ffn_case
 from test_mlx import path, to_mx, to_torch  # noqa: F401  (path: the fallback and, where it exists, Metal)
 

@@ -10,9 +10,10 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from flashllm_ext import demo, endor
-from flashllm_ext.models import (collect_linear_inputs, corpus_text, corpus_token_ids, fetch, fetch_default,
-                                 ffn_linear_names, perplexity, replace_weights, resolve_cache_dir, spread_windows)
+from flashllm_ext.demos import endor as demo
+from flashllm_ext import endor
+from flashllm_ext.hub import (collect_linear_inputs, corpus_text, corpus_token_ids, fetch, fetch_default,
+                              ffn_linear_names, perplexity, replace_weights, resolve_cache_dir, spread_windows)
 
 TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             vocab_size=128, max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=10000.0,

@@ -9,13 +9,16 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM
 
 from flashllm_ext import FormatError, endor, offload
-from flashllm_ext.checkpoint import TensorsCheckpoint
-from flashllm_ext.convert import convert
-from flashllm_ext.engine import parse_budget
-from flashllm_ext.offload import (LayerStore, OffloadedLinear, convert_offload, load_offloaded, patch_offload,
-                                  plan_placement)
-from flashllm_ext.reader import host_bounce_bytes, kvikio_available
-from flashllm_ext.transfer import pinned_buffer, pinned_bytes
+from flashllm_ext.io.checkpoint import TensorsCheckpoint
+from flashllm_ext.flash.convert import convert
+from flashllm_ext.runtime import parse_budget
+from flashllm_ext.offload.store import LayerStore
+from flashllm_ext.offload.runtime import OffloadedLinear
+from flashllm_ext.offload.convert import convert_offload
+from flashllm_ext.offload import load_offload, load_offloaded, patch_offload
+from flashllm_ext.offload.placement import plan_placement
+from flashllm_ext.flash.reader import host_bounce_bytes, kvikio_available
+from flashllm_ext.io.buffers import pinned_buffer, pinned_bytes
 from conftest import mapped_ranges, page_locked
 
 N_LAYERS = 6
@@ -80,13 +83,13 @@ def _staging(store: LayerStore, mode: str, k: int) -> int:
 @pytest.mark.parametrize("in_memory", [0, 2, N_LAYERS])
 def test_greedy_tokens_equal_transformers(case, mode, in_memory):
     store = LayerStore(store_of(case, mode))
-    model = load_offloaded(store.path, None, mode=mode)  # resident bytes of the built model, for the budget
+    model = load_offload(store.path, None, mode=mode)  # resident bytes of the built model, for the budget
     resident = model.offload.resident_bytes
-    model = load_offloaded(store.path, budget_for(store, mode, in_memory, resident), mode=mode)
+    model = load_offload(store.path, budget_for(store, mode, in_memory, resident), mode=mode)
     assert model.offload.layers_in_memory == in_memory and model.offload.layers_on_ssd == N_LAYERS - in_memory
     out = model.generate(case["prompt"], max_new_tokens=8, do_sample=False)
     assert torch.equal(out, case["reference"])
-    stats = model.offload_stats()
+    stats = model.offload.stats()
     tokens = stats["forwards"]
     assert tokens == 8
     want = sum(store.stored_bytes(i) for i in range(in_memory, N_LAYERS))
@@ -100,7 +103,7 @@ def test_endor_reads_fewer_bytes_and_decode_paths_agree(case):
     assert compressed.endor and not dense.endor
     assert sum(map(compressed.stored_bytes, range(N_LAYERS))) < 0.75 * sum(map(dense.stored_bytes, range(N_LAYERS)))
     for compute in ("linear", "decompress"):
-        model = load_offloaded(case["endor"], None, mode="endor+more-resident", compute=compute)
+        model = load_offload(case["endor"], None, mode="endor+more-resident", compute=compute)
         assert torch.equal(model.generate(case["prompt"], max_new_tokens=8, do_sample=False), case["reference"])
 
 
@@ -111,21 +114,21 @@ def test_prompts_decompress_a_block_of_rows_at_a_time(case, monkeypatch, block_b
     matrix has a multiple of 3 rows: short last blocks; the wider ones one row a block), and whole matrices (the
     largest, 352 x 128): the same tokens, and the buffer charged is that block."""
     monkeypatch.setattr(offload, "DECOMPRESS_BLOCK_BYTES", block_bytes)
-    model = load_offloaded(case["endor"], None, mode="endor+more-resident", compute="decompress")
+    model = load_offload(case["endor"], None, mode="endor+more-resident", compute="decompress")
     assert torch.equal(model.generate(case["prompt"], max_new_tokens=8, do_sample=False), case["reference"])
     assert model.offload.placement.decompress_bytes == buffer_bytes
-    assert model.offload_stats()["decompress_ms"] > 0
+    assert model.offload.stats()["decompress_ms"] > 0
     model.offload.close()
 
 
 def test_placement_nearest_first_and_more_layers_when_compressed(case):
     store = LayerStore(case["endor"])
-    resident = load_offloaded(store.path, None, mode="endor").offload.resident_bytes
+    resident = load_offload(store.path, None, mode="endor").offload.resident_bytes
     counts = {}
     for budget in range(resident + _staging(store, "endor", 0), resident + 4 * store.dense_bytes(0),
                         store.dense_bytes(0) // 8):
         for mode in ("endor", "endor+more-resident"):
-            model = load_offloaded(store.path, budget, mode=mode)
+            model = load_offload(store.path, budget, mode=mode)
             runtime, k = model.offload, model.offload.layers_in_memory
             counts.setdefault(mode, []).append(k)
             # Nearest first: the first k layers are held, and a forward (with the fetch it starts for the next one)
@@ -145,21 +148,21 @@ def test_placement_nearest_first_and_more_layers_when_compressed(case):
 @pytest.mark.parametrize("mode", ["dense", "endor+more-resident"])
 def test_budget_below_minimum_is_refused_naming_it(case, mode):
     store = LayerStore(store_of(case, mode))
-    resident = load_offloaded(store.path, None, mode=mode).offload.resident_bytes
+    resident = load_offload(store.path, None, mode=mode).offload.resident_bytes
     minimum = resident + _staging(store, mode, 0)
     with pytest.raises(ValueError, match=re.escape(f"below the minimum of {minimum} for {mode} offload")):
-        load_offloaded(store.path, minimum - 1, mode=mode)
-    load_offloaded(store.path, minimum, mode=mode).offload.close()
+        load_offload(store.path, minimum - 1, mode=mode)
+    load_offload(store.path, minimum, mode=mode).offload.close()
 
 
 def test_read_failure_raises_and_model_stays_usable(case):
     path = os.path.join(case["endor"], "layers.safetensors")
     with open(path, "rb") as f:
         original = f.read()
-    model = load_offloaded(case["endor"], None, mode="endor")
+    model = load_offload(case["endor"], None, mode="endor")
     model.offload.close()
     store = LayerStore(case["endor"])
-    model = load_offloaded(case["endor"], budget_for(store, "endor", 1, model.offload.resident_bytes), mode="endor")
+    model = load_offload(case["endor"], budget_for(store, "endor", 1, model.offload.resident_bytes), mode="endor")
     last_offset, _ = store.layer_range(N_LAYERS - 1)
     try:
         with open(path, "r+b") as f:
@@ -186,15 +189,19 @@ def test_patch_and_unpatch(case):
     assert torch.equal(model.generate(case["prompt"], max_new_tokens=8, do_sample=False), case["reference"])
     # A runtime unpatched already, or replaced by a newer patch, leaves the model alone.
     again = patch_offload(model, case["endor"], mode="endor", dram_budget="60%")
-    with pytest.raises(RuntimeError, match="no longer offloads that model"):
+    with pytest.raises(RuntimeError, match="no longer serves that model"):
         runtime.unpatch(model)
     assert model.offload is again
     assert torch.equal(model.generate(case["prompt"], max_new_tokens=8, do_sample=False), case["reference"])
+    with pytest.warns(DeprecationWarning, match=r"use model.offload.stats\(\)"):
+        assert model.offload_stats()["forwards"] == again.stats()["forwards"] > 0
     again.unpatch(model)
+    with pytest.warns(DeprecationWarning, match="use load_offload"):
+        load_offloaded(case["endor"], "60%", mode="endor").offload.close()
 
 
 def test_a_closed_runtime_refuses_to_run(case):
-    model = load_offloaded(case["endor"], "60%", mode="endor")
+    model = load_offload(case["endor"], "60%", mode="endor")
     assert model.offload.layers_on_ssd > 0
     model.offload.close()
     with pytest.raises(RuntimeError, match="runtime is closed"):
@@ -203,11 +210,11 @@ def test_a_closed_runtime_refuses_to_run(case):
 
 def test_bad_arguments_and_stores(case, tmp_path):
     with pytest.raises(ValueError, match="needs an Endor layer store"):
-        load_offloaded(case["dense"], None, mode="endor")
+        load_offload(case["dense"], None, mode="endor")
     with pytest.raises(ValueError, match="mode must be one of"):
-        load_offloaded(case["endor"], None, mode="flash")
+        load_offload(case["endor"], None, mode="flash")
     with pytest.raises(ValueError, match="compute must be one of"):
-        load_offloaded(case["endor"], None, mode="endor", compute="gemm")
+        load_offload(case["endor"], None, mode="endor", compute="gemm")
     with pytest.raises(ValueError, match="differ from the store's"):
         patch_offload(tiny_model("llama" if "opt" in str(case["endor"]) else "opt"), case["endor"])
     with pytest.raises(FileExistsError):
@@ -217,7 +224,7 @@ def test_bad_arguments_and_stores(case, tmp_path):
                         ("layers_on_device", 1.0), ("slots", 1.0), ("slots", True), ("threads", 0),
                         ("dram_budget", float("nan")), ("dram_budget", float("inf"))):
         with pytest.raises(ValueError, match=f"{name} must be"):
-            load_offloaded(case["endor"], **{"dram_budget": None, "mode": "endor", name: value})
+            load_offload(case["endor"], **{"dram_budget": None, "mode": "endor", name: value})
     store = LayerStore(case["endor"])
     with pytest.raises(TypeError, match="store must be a LayerStore, got str"):
         plan_placement(str(case["endor"]), "endor", None)
@@ -262,7 +269,7 @@ def test_cli_converts_a_hugging_face_directory(tmp_path, capsys):
                               ("store", ["--tokenizer", str(tmp_path / "hf"), "--endor"], "apply to --convert")):
         with pytest.raises(SystemExit, match=f"flashllm offload: .*{says}"):
             cli.main(["offload", str(tmp_path / store), *argv])
-    offloaded = load_offloaded(tmp_path / "store", "60%", mode="endor")
+    offloaded = load_offload(tmp_path / "store", "60%", mode="endor")
     prompt = torch.tensor([[5, 7, 11, 13]])
     assert torch.equal(offloaded.generate(prompt, max_new_tokens=4, do_sample=False),
                        model.generate(prompt, max_new_tokens=4, do_sample=False))
@@ -273,8 +280,8 @@ def test_cli_converts_a_hugging_face_directory(tmp_path, capsys):
 def test_default_model_wanda_pruned_greedy_tokens(default_model, tmp_path, capsys):
     """The Wanda-50%-pruned default model (attention and FFN), fp16: offloaded at 30% in dense and Endor modes gives
     transformers' greedy tokens."""
-    from flashllm_ext.demo import decoder_linear_names, wanda_prune
-    from flashllm_ext.models import corpus_token_ids, replace_weights
+    from flashllm_ext.demos.endor import decoder_linear_names, wanda_prune
+    from flashllm_ext.hub import corpus_token_ids, replace_weights
 
     from flashllm_ext import cli
 
@@ -292,7 +299,7 @@ def test_default_model_wanda_pruned_greedy_tokens(default_model, tmp_path, capsy
         for mode, compress in (("dense", False), ("endor", True)):
             store = convert_offload(ckpt, tmp_path / mode, dtype="fp16", endor_compress=compress, force=True,
                                     progress=False)
-            offloaded = load_offloaded(store, "30%", mode=mode)
+            offloaded = load_offload(store, "30%", mode=mode)
             assert offloaded.offload.layers_on_ssd > 0
             out = offloaded.generate(prompt, max_new_tokens=12, do_sample=False)
             assert out.tolist() == reference.tolist(), mode
@@ -308,14 +315,14 @@ def test_default_model_wanda_pruned_greedy_tokens(default_model, tmp_path, capsy
 
 def test_forced_placement_compares_modes_on_the_same_layers(case):
     store = LayerStore(case["endor"])
-    resident = load_offloaded(store.path, None, mode="endor").offload.resident_bytes
+    resident = load_offload(store.path, None, mode="endor").offload.resident_bytes
     budget = budget_for(store, "endor", 2, resident)
-    model = load_offloaded(store.path, budget, mode="endor", layers_in_memory=1)
+    model = load_offload(store.path, budget, mode="endor", layers_in_memory=1)
     assert model.offload.layers_in_memory == 1 and model.offload.accounted_bytes <= budget
     assert torch.equal(model.generate(case["prompt"], max_new_tokens=8, do_sample=False), case["reference"])
     model.offload.close()
     with pytest.raises(ValueError, match="3 layers in memory in endor mode need"):
-        load_offloaded(store.path, budget, mode="endor", layers_in_memory=3)
+        load_offload(store.path, budget, mode="endor", layers_in_memory=3)
 
 
 @pytest.mark.parametrize("mode", ["dense", "endor+more-resident"])
@@ -324,16 +331,16 @@ def test_one_slot_holds_one_layer_more(case, mode):
     layer, as stored), the same tokens (the next fetch waits for the layer using the slot), every SSD layer read
     once per token. The CPU's default is two slots. slots must be 1, 2 or None."""
     store = LayerStore(store_of(case, mode))
-    resident = load_offloaded(store.path, None, mode=mode).offload.resident_bytes
+    resident = load_offload(store.path, None, mode=mode).offload.resident_bytes
     budget = budget_for(store, mode, 2, resident)
-    assert load_offloaded(store.path, budget, mode=mode).offload.layers_in_memory == 2
-    model = load_offloaded(store.path, budget, mode=mode, slots=1)
+    assert load_offload(store.path, budget, mode=mode).offload.layers_in_memory == 2
+    model = load_offload(store.path, budget, mode=mode, slots=1)
     assert model.offload.layers_in_memory == 3 and model.offload.accounted_bytes <= budget
     assert torch.equal(model.generate(case["prompt"], max_new_tokens=8, do_sample=False), case["reference"])
-    assert model.offload_stats()["bytes_read_per_token"] == sum(store.stored_bytes(i) for i in range(3, N_LAYERS))
+    assert model.offload.stats()["bytes_read_per_token"] == sum(store.stored_bytes(i) for i in range(3, N_LAYERS))
     model.offload.close()
     with pytest.raises(ValueError, match="slots must be 1, 2 or None, got 3"):
-        load_offloaded(store.path, None, mode=mode, slots=3)
+        load_offload(store.path, None, mode=mode, slots=3)
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs /proc/self/maps (Linux)")
@@ -342,7 +349,7 @@ def test_in_memory_layers_do_not_map_the_store(case, mode):
     """In-memory layers own their memory: a view of a mapping of the store's file could be evicted by a memory
     cgroup and read again from storage on every use."""
     store = LayerStore(store_of(case, mode))
-    model = load_offloaded(store.path, None, mode=mode)
+    model = load_offload(store.path, None, mode=mode)
     mapped = mapped_ranges(store.layers_path)
     tensors = [t for layer in model.offload.memory for w in layer.values()
                for t in ((w.values, w.bitmap, w.row_offsets) if isinstance(w, endor.EndorTensor) else (w,))]
@@ -361,13 +368,13 @@ def test_staged_tier_on_the_cpu_runs_the_three_tier_path(case, mode, slots):
     for every use, as a GPU's CPU tier is (the same fetch, views and slot rotation, with copies instead of
     transfers). Same greedy tokens; the staged layers' stored bytes are moved, the SSD layers' read, every token."""
     store = LayerStore(store_of(case, mode))
-    model = load_offloaded(store.path, None, mode=mode, layers_on_device=1, layers_in_memory=4, slots=slots)
+    model = load_offload(store.path, None, mode=mode, layers_on_device=1, layers_in_memory=4, slots=slots)
     runtime = model.offload
     assert [runtime.placement.tier(i) for i in range(N_LAYERS)] == ["resident"] + ["staged"] * 3 + ["ssd"] * 2
     assert len(runtime.memory) == 1 and [t.numel() for t in runtime.host_layers] == \
         [store.stored_bytes(i) for i in range(1, 4)]
     assert torch.equal(model.generate(case["prompt"], max_new_tokens=8, do_sample=False), case["reference"])
-    stats = model.offload_stats()
+    stats = model.offload.stats()
     assert stats["forwards"] == 8 and stats["read_path"] == "host" and stats["layers_on_device"] == 1
     assert stats["bytes_moved_per_token"] == sum(store.stored_bytes(i) for i in range(1, 4))
     assert stats["bytes_read_per_token"] == sum(store.stored_bytes(i) for i in range(4, N_LAYERS))
@@ -377,11 +384,11 @@ def test_staged_tier_on_the_cpu_runs_the_three_tier_path(case, mode, slots):
     budget = runtime.accounted_bytes
     assert budget == resident + runtime.placement.device_bytes + runtime.placement.host_bytes
     assert runtime.placement.slot_bytes == slots * max(store.stored_bytes(i) for i in range(1, N_LAYERS))
-    fitted = load_offloaded(store.path, budget, mode=mode, layers_on_device=1, slots=slots)
+    fitted = load_offload(store.path, budget, mode=mode, layers_on_device=1, slots=slots)
     assert (fitted.offload.layers_on_device, fitted.offload.layers_in_memory) == (1, 4)
     fitted.offload.close()
     with pytest.raises(ValueError, match=re.escape(f"5 layers in memory in {mode} mode (4 of them staged) need")):
-        load_offloaded(store.path, budget, mode=mode, layers_on_device=1, layers_in_memory=5, slots=slots)
+        load_offload(store.path, budget, mode=mode, layers_on_device=1, layers_in_memory=5, slots=slots)
 
 
 def test_pinned_buffer_registers_exactly_its_bytes(monkeypatch):
@@ -464,16 +471,16 @@ def test_gpu_placement_fills_device_then_host_memory(case):
 
 def test_device_arguments_are_checked(case):
     with pytest.raises(ValueError, match="device_budget is the GPU memory"):
-        load_offloaded(case["endor"], None, mode="endor", device_budget="50%")
+        load_offload(case["endor"], None, mode="endor", device_budget="50%")
     with pytest.raises(ValueError, match="device must be cpu or cuda"):
-        load_offloaded(case["endor"], None, mode="endor", device="meta")
+        load_offload(case["endor"], None, mode="endor", device="meta")
     with pytest.raises(ValueError, match="device_budget must be bytes"):  # its errors name it
         parse_budget("lots", 1, "device_budget")
     with pytest.raises(ValueError, match="exceeds layers_in_memory"):
-        load_offloaded(case["endor"], None, mode="endor", layers_on_device=3, layers_in_memory=2)
+        load_offload(case["endor"], None, mode="endor", layers_on_device=3, layers_in_memory=2)
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="CUDA is not available"):
-            load_offloaded(case["endor"], None, mode="endor", device="cuda")
+            load_offload(case["endor"], None, mode="endor", device="cuda")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none on this machine)")
@@ -484,11 +491,11 @@ def test_gpu_offload_three_tiers_greedy_tokens(case, mode, slots):
     a pinned buffer), Endor ones decompressed on the GPU; the greedy tokens of transformers on the CPU. With one
     slot, each fetch waits for the event after the compute of the layer before it."""
     store = LayerStore(store_of(case, mode))
-    model = load_offloaded(store.path, None, mode=mode, device="cuda", layers_on_device=2, layers_in_memory=4,
+    model = load_offload(store.path, None, mode=mode, device="cuda", layers_on_device=2, layers_in_memory=4,
                            slots=slots)
     out = model.generate(case["prompt"].cuda(), max_new_tokens=8, do_sample=False)
     assert torch.equal(out.cpu(), case["reference"])
-    stats = model.offload_stats()
+    stats = model.offload.stats()
     path = "kvikio" if kvikio_available() else "pinned"
     assert stats["read_path"] == path and stats["device"].startswith("cuda")
     assert [model.offload.placement.tier(i) for i in range(N_LAYERS)] == ["resident"] * 2 + ["staged"] * 2 + ["ssd"] * 2

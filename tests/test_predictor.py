@@ -9,10 +9,10 @@ from transformers import LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalL
 
 from conftest import refuses_without_blocking
 from flashllm_ext import FormatError, cli
-from flashllm_ext.predictor import (LowRankPredictor, PredictorSet, activation_score, auto_rank,
-                                    calibrate_thresholds, capture_activations, choose_prob_thresholds, evaluate,
-                                    ffn_hooks, ffn_modules, load_predictors, patched_ffn, save_predictors,
-                                    save_predictors_to_store, train_predictor)
+from flashllm_ext.predictor import (LowRankPredictor, PredictorSet, activation_score, auto_rank, calibrate_thresholds,
+                                    capture_activations, choose_prob_thresholds, evaluate, ffn_hooks, ffn_modules,
+                                    load_predictors, patched_ffn, save_predictors, save_predictors_to_store,
+                                    train_predictor)
 
 LLAMA = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
              vocab_size=128, max_position_embeddings=256, rms_norm_eps=1e-6)
@@ -232,8 +232,8 @@ def test_save_load_round_trip(tmp_path, llama):
 
 
 def test_save_to_store_keeps_the_store_valid(tmp_path, llama):
-    from flashllm_ext.convert import synthesize
-    from flashllm_ext.store import FlashStore
+    from flashllm_ext.flash.convert import synthesize
+    from flashllm_ext.flash.store import FlashStore
 
     store_dir = synthesize(tmp_path / "store", n_layers=3, hidden_size=64, n_neurons=96, glu=True)
     predictors = _predictor_set(llama, 3, 64, 96, torch.tensor([0.1, 0.2, 0.3]), top_k=5)
@@ -254,7 +254,7 @@ def test_save_to_store_keeps_the_store_valid(tmp_path, llama):
 def test_save_to_store_never_writes_through_a_planted_link(tmp_path, llama):
     """The predictors go to a temporary file beside the resident file: a link planted at its name is refused, not
     followed, and its target keeps its bytes."""
-    from flashllm_ext.convert import synthesize
+    from flashllm_ext.flash.convert import synthesize
 
     store_dir = synthesize(tmp_path / "store", n_layers=2, hidden_size=64, n_neurons=96, glu=True)
     victim = tmp_path / "victim"
@@ -326,7 +326,7 @@ def test_cli_rejects_missing_checkpoint(tmp_path):
 
 @pytest.mark.slow
 def test_default_model_thresholds_hit_target_on_held_out_text(default_model):
-    from flashllm_ext.models import corpus_token_ids, spread_windows
+    from flashllm_ext.hub import corpus_token_ids, spread_windows
 
     _, model, tokenizer = default_model
     calibration = spread_windows(corpus_token_ids(tokenizer, "calibration"), 4, 512)
@@ -352,12 +352,12 @@ def test_default_model_thresholds_hit_target_on_held_out_text(default_model):
 
 @pytest.mark.slow
 def test_cli_train_predictors_writes_a_loadable_file(default_model, tmp_path, monkeypatch, capsys):
-    import flashllm_ext.models
+    import flashllm_ext.hub
 
     path, model, tokenizer = default_model
-    from flashllm_ext.convert import synthesize
+    from flashllm_ext.flash.convert import synthesize
 
-    monkeypatch.setattr(flashllm_ext.models, "load_hf_model", lambda p: (model, tokenizer))  # reuse the loaded one
+    monkeypatch.setattr(flashllm_ext.hub, "load_hf_model", lambda p: (model, tokenizer))  # reuse the loaded one
     # A store with the default model's FFN shapes; converting the real model would only add minutes.
     store_dir = synthesize(tmp_path / "store", n_layers=30, hidden_size=576, n_neurons=1536, glu=True)
     cli.main(["train-predictors", str(path), "--store", str(store_dir), "--tokens", "512", "--epochs", "1",

@@ -11,16 +11,15 @@ from transformers import LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalL
 
 import flashllm_ext
 from flashllm_ext import FormatError
-from flashllm_ext._ops import dequantize_rows, unpack_codes
-from flashllm_ext.convert import convert, synthesize
-from flashllm_ext.models import perplexity
+from flashllm_ext.ops import dequantize_rows, unpack_codes
+from flashllm_ext.flash.convert import convert, synthesize
+from flashllm_ext.hub import perplexity
 from flashllm_ext.predictor import (DEFAULT_DENSITY, DEFAULT_GROUP_SIZE, DEFAULT_RECIPE, PREDICTOR_METHODS,
                                     OraclePredictor, QuantPredictor, TealPredictor, activation_score,
                                     allocate_densities, build_predictors, calibrate_thresholds, capture_activations,
-                                    default_group_size, default_rounding, ffn_hooks,
-                                    fisher_costs, load_predictors, operating_point, predictors_recipe,
-                                    predictors_recipe_of, quantize_rows, save_predictors, save_predictors_to_store,
-                                    select_density)
+                                    default_group_size, default_rounding, ffn_hooks, fisher_costs, load_predictors,
+                                    operating_point, predictors_recipe, predictors_recipe_of, quantize_rows,
+                                    save_predictors, save_predictors_to_store, select_density)
 from flashllm_ext.predictor.base import keep_cutoff
 from flashllm_ext.predictor.quant import pack_codes
 
@@ -102,7 +101,7 @@ def test_mismatched_shapes_are_refused(tmp_path, built, llama):
     path = convert(tmp_path / "hf", tmp_path / "store", dtype="fp32", progress=False)
     wrong = QuantPredictor(3, 64, 80, "silu", True)
     with pytest.raises(ValueError, match="the quant predictors"):
-        flashllm_ext.patch_model(copy.deepcopy(llama), path, mode="flash", predictors=wrong)
+        flashllm_ext.patch_flash(copy.deepcopy(llama), path, mode="flash", predictors=wrong)
     # Tensors that disagree with the metadata, and files of the previous format version.
     file = tmp_path / "p.safetensors"
     save_predictors(predictors, file)
@@ -188,9 +187,9 @@ def test_flash_mode_serves_every_method_by_the_rule(tmp_path, llama, built, meth
     expected = operating_point(llama, built[method], ids, built[method].true_thresholds, window=32, n_windows=2,
                                progress=False)["ppl"]
     patched = copy.deepcopy(llama)
-    runtime = flashllm_ext.patch_model(patched, path, mode="flash", predictors=built[method], window=3)
+    runtime = flashllm_ext.patch_flash(patched, path, mode="flash", predictors=built[method], window=3)
     assert perplexity(patched, ids, 32, 2, progress=False) == pytest.approx(expected, rel=2e-5)
-    assert patched.flash_stats()["predictor_bytes"] == built[method].memory_bytes
+    assert patched.flash.stats()["predictor_bytes"] == built[method].memory_bytes
     runtime.unpatch(patched)
 
 
@@ -228,7 +227,7 @@ def test_teal_is_refused_where_it_cannot_run(tmp_path, llama, built):
     llama.save_pretrained(tmp_path / "hf")
     path = convert(tmp_path / "hf", tmp_path / "store", dtype="fp32", progress=False)
     with pytest.raises(ValueError, match="read W_gate / W_up by input channel.*evaluation only"):
-        flashllm_ext.patch_model(copy.deepcopy(llama), path, mode="flash", predictors=teal)
+        flashllm_ext.patch_flash(copy.deepcopy(llama), path, mode="flash", predictors=teal)
     with pytest.raises(ValueError, match=r"\(layers, hidden, neurons\) = \(2, 64, 96\)"):
         TealPredictor.from_config(teal.config()).attach(_llama(n_layers=2))
     with pytest.raises(ValueError, match="densities must be in"):
@@ -250,7 +249,7 @@ def test_context_sets_change_only_every_block(built):
 
 @pytest.mark.slow
 def test_default_model_target_density_within_002_on_held_out_text(default_model):
-    from flashllm_ext.models import corpus_token_ids, spread_windows
+    from flashllm_ext.hub import corpus_token_ids, spread_windows
 
     _, model, tokenizer = default_model
     calibration = spread_windows(corpus_token_ids(tokenizer, "calibration"), 2, 512)
@@ -439,18 +438,18 @@ def test_fisher_costs_are_the_squared_first_order_loss_changes(llama, built, cal
 
 
 def test_cli_builds_gptq_quant_with_fisher_allocation_into_a_store(tmp_path, monkeypatch, capsys):
-    import flashllm_ext.checkpoint
-    import flashllm_ext.models
+    import flashllm_ext.io.checkpoint
+    import flashllm_ext.hub
     from flashllm_ext import cli
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=3,
                                          num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
                                          max_position_embeddings=512)).eval()
-    monkeypatch.setattr(flashllm_ext.models, "load_hf_model", lambda path: (model, None))
-    monkeypatch.setattr(flashllm_ext.models, "corpus_token_ids", lambda tokenizer, split: _ids(2048, 0))
+    monkeypatch.setattr(flashllm_ext.hub, "load_hf_model", lambda path: (model, None))
+    monkeypatch.setattr(flashllm_ext.hub, "corpus_token_ids", lambda tokenizer, split: _ids(2048, 0))
     # Never read: the model comes from the patched loader, and the header check before any work is patched too.
-    monkeypatch.setattr(flashllm_ext.checkpoint, "gguf_config", lambda path: {})
+    monkeypatch.setattr(flashllm_ext.io.checkpoint, "gguf_config", lambda path: {})
     checkpoint = tmp_path / "tiny.gguf"
     checkpoint.write_bytes(b"GGUF")
     store_dir = synthesize(tmp_path / "store", n_layers=3, hidden_size=64, n_neurons=96, glu=True)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from flashllm_ext import ops
-from flashllm_ext._ops import ACTIVATIONS, QUANT_MAX_COLUMNS, dequantize_rows, quant_scores_reference, round_x_int8
+from flashllm_ext.ops import ACTIVATIONS, QUANT_MAX_COLUMNS, dequantize_rows, quant_scores_reference, round_x_int8
 from flashllm_ext.predictor.quant import pack_codes
 from conftest import cpu_isas, forced_isa_fixture
 

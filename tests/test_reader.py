@@ -16,9 +16,11 @@ from hypothesis import strategies as st
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from conftest import refuses_without_blocking
-from flashllm_ext import FormatError, cli, disk, reader, store
-from flashllm_ext.convert import convert
-from flashllm_ext.reader import FlashReader, ReadResult, has_io_uring
+from flashllm_ext import FormatError, cli
+from flashllm_ext.io import disk
+from flashllm_ext.flash import reader, store
+from flashllm_ext.flash.convert import convert
+from flashllm_ext.flash.reader import FlashReader, ReadResult, has_io_uring, shared_reader
 
 ENGINES = ["threads"] + (["io_uring"] if has_io_uring() else [])
 
@@ -353,14 +355,14 @@ def test_read_rows_refuses_an_output_size_that_overflows(flash_store):
 
 def test_store_shares_one_reader_until_closed(store_dir):
     fs = store.FlashStore(store_dir)
-    first = fs.reader()
-    assert fs.reader() is first
+    first = shared_reader(fs)
+    assert shared_reader(fs) is first
     fs.close()
     with pytest.raises(ValueError, match="closed"):
         first.read(0, [1])
     with fs:
-        assert fs.reader() is not first
-        assert torch.equal(fs.reader().read(0, [1]).data, fs.bundle(0, [1]))
+        assert shared_reader(fs) is not first
+        assert torch.equal(shared_reader(fs).read(0, [1]).data, fs.bundle(0, [1]))
 
 
 def _statx_dio_align(path: str) -> tuple[int, int] | None:

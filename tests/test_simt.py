@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from flashllm_ext._ops import endor_decompress_reference
+from flashllm_ext.ops import endor_decompress_reference
 from conftest import require_simt
 from kernel_cases import BAD_CASES, DTYPES, SHAPES, assert_bitwise_equal, endor_case
 

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from flashllm_ext import ops
-from flashllm_ext._ops import ACTIVATIONS, sparse_ffn_reference
+from flashllm_ext.ops import ACTIVATIONS, sparse_ffn_reference
 from conftest import cpu_isas, forced_isa_fixture
 from ffn_cases import FFN_DTYPES, assert_close, bad_ffn_cases, ffn_case
 
@@ -121,9 +121,9 @@ def test_bad_inputs(case):
 def test_default_model_ffn_weights():
     """Layers of SmolLM2-135M (d=576, 1536 neurons, SwiGLU): sparse_ffn over all rows and over a random half,
     against dense math on the same weights, fp32 and bf16, T = 1 and 8."""
-    from flashllm_ext.checkpoint import load_gguf
-    from flashllm_ext.convert import bundle_layer
-    from flashllm_ext.models import fetch_default
+    from flashllm_ext.io.checkpoint import load_gguf
+    from flashllm_ext.flash.convert import bundle_layer
+    from flashllm_ext.hub import fetch_default
 
     weights = load_gguf(fetch_default(), progress=False)
     g = torch.Generator().manual_seed(0)

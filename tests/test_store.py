@@ -9,10 +9,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from flashllm_ext import FormatError, store
-from flashllm_ext.convert import convert
-from flashllm_ext.offload import LAYERS_FILE, LayerStore, convert_offload
-from flashllm_ext.safetensors_io import AlignedWriter, TensorSpec, read_header
+from flashllm_ext import FormatError
+from flashllm_ext.flash import store
+from flashllm_ext.flash.convert import convert
+from flashllm_ext.offload.store import LAYERS_FILE, LayerStore
+from flashllm_ext.offload.convert import convert_offload
+from flashllm_ext.io.safetensors import AlignedWriter, TensorSpec, read_header
 from conftest import mapped_ranges, refuses_without_blocking
 from test_convert import _llama
 
@@ -178,7 +180,7 @@ def test_ffn_roles_must_name_resident_tensors_of_the_right_shape(store_copy, rol
 
 
 def test_resident_file_is_opened_once(llama_store, monkeypatch):
-    import flashllm_ext.safetensors_io as safetensors_io
+    import flashllm_ext.io.safetensors as safetensors_io
 
     opened = []
     real = safetensors_io.safe_open

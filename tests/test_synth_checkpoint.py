@@ -7,8 +7,8 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
 from bench.synth_checkpoint import CONFIGS, SMOKE_OVERRIDES, checkpoint_specs, synthesize_checkpoint
-from flashllm_ext.convert import bundle_layer, convert
-from flashllm_ext.store import FlashStore
+from flashllm_ext.flash.convert import bundle_layer, convert
+from flashllm_ext.flash.store import FlashStore
 
 
 @pytest.fixture(scope="module", params=sorted(SMOKE_OVERRIDES))

@@ -1,4 +1,4 @@
-from flashllm_ext.timing import time_interleaved
+from flashllm_ext.harness.timing import time_interleaved
 
 
 def test_rounds_rotate_the_order_and_run_each_candidate_equally():

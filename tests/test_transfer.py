@@ -1,4 +1,4 @@
-"""The device path of the neuron cache (flashllm_ext/transfer.py) without a GPU: a StagedTransfer on the CPU runs the
+"""The device path of the neuron cache (flashllm_ext/flash/transfer.py) without a GPU: a StagedTransfer on the CPU runs the
 code a CUDA cache runs (host mirror planning, the mirror's swap-delete, the device rows' swap-delete through the SIMT
 emulation of the shipped CUDA launcher, reads into the staging buffer, deferred copies into the rows, device pointer
 and bias updates) and must agree with the plain CPU cache step by step; a failed read leaves it consistent; FlashFFN
@@ -11,12 +11,13 @@ from transformers import LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalL
 
 import flashllm_ext
 from conftest import require_simt
-from flashllm_ext import store
-from flashllm_ext.cache import NeuronCache
-from flashllm_ext.convert import convert
-from flashllm_ext.engine import ffn_stack, store_ffn_bytes
-from flashllm_ext.ffn import FlashFFN
-from flashllm_ext.transfer import HostTransfer, StagedTransfer, cuda_device, make_transfer
+from flashllm_ext.flash import store
+from flashllm_ext.flash.cache import NeuronCache
+from flashllm_ext.flash.convert import convert
+from flashllm_ext.flash.engine import ffn_stack, store_ffn_bytes
+from flashllm_ext.flash.ffn import FlashFFN
+from flashllm_ext.flash.transfer import HostTransfer, StagedTransfer, make_transfer
+from flashllm_ext.runtime import cuda_device
 
 require_simt()
 N_NEURONS = 136
@@ -223,10 +224,10 @@ def test_flash_ffn_refuses_input_on_another_device(stores):
 def test_load_flash_on_a_staged_transfer_generates_the_tokens_of_transformers(stores, monkeypatch, name, mode):
     """The engine as device="cuda" builds it (a StagedTransfer shared by every layer, budgets with its staging), on
     CPU tensors: transformers' greedy tokens. tests/test_cuda.py runs the same on a GPU."""
-    import flashllm_ext.engine
+    import flashllm_ext.flash.engine
 
     transfers = []
-    monkeypatch.setattr(flashllm_ext.engine, "make_transfer", lambda device: transfers.append(staged()) or
+    monkeypatch.setattr(flashllm_ext.flash.engine, "make_transfer", lambda device: transfers.append(staged()) or
                         transfers[-1])
     model = stores[name + "_model"]
     prompt = torch.randint(3, 60, (1, 7), generator=torch.Generator().manual_seed(2))
@@ -236,7 +237,7 @@ def test_load_flash_on_a_staged_transfer_generates_the_tokens_of_transformers(st
     budget = "85%" if mode == "exact" else None
     flash = flashllm_ext.load_flash(stores[name + "32"].path, dram_budget=budget, mode=mode)
     assert torch.equal(flash.generate(prompt, max_new_tokens=16, min_new_tokens=16, do_sample=False), want)
-    stats = flash.flash_stats()
+    stats = flash.flash.stats()
     assert len(transfers) == 1 and transfers[0].uploads > 0 and transfers[0].nbytes > 0
     assert budget is None or stats["accounted_bytes"] <= stats["budget_bytes"]
     flash.flash.close()

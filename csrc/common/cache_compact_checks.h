@@ -1,5 +1,5 @@
 // Argument checks of flashllm::cache_compact shared by every native kernel (CPU, CUDA, SIMT test ops);
-// flashllm_ext/_ops.py makes the same checks for the reference kernel, with the same words.
+// flashllm_ext/ops/cache.py makes the same checks for the reference kernel, with the same words.
 //
 // Metadata only (dtypes, shapes, devices). Row and neuron id ranges are data: the CPU kernel checks them as it
 // goes, the GPU-style host code (csrc/common/ffn_host.h) on the device.

@@ -1,5 +1,5 @@
 // Argument checks of flashllm::cache_plan (CPU only: the cache's bookkeeping state is small and host-side);
-// flashllm_ext/_ops.py makes the same checks for the reference and fake kernels, with the same words.
+// flashllm_ext/ops/cache.py makes the same checks for the reference and fake kernels, with the same words.
 #pragma once
 #include <ATen/ATen.h>
 #include <torch/library.h>

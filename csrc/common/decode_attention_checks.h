@@ -1,5 +1,5 @@
 // Argument checks of flashllm::decode_attention shared by every native kernel (CPU, CUDA, SIMT test ops);
-// flashllm_ext/_ops.py makes the same checks for the reference kernel, with the same words. Metadata only: the
+// flashllm_ext/ops/attention.py makes the same checks for the reference kernel, with the same words. Metadata only: the
 // kernels read every value they are given, so there is no data to check.
 #pragma once
 #include <ATen/ATen.h>

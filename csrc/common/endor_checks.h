@@ -82,7 +82,7 @@ inline bool is_endor_linear_dtype(at::ScalarType t) {
   return t == at::kFloat || t == at::kHalf || t == at::kBFloat16;
 }
 
-// The metadata checks of flashllm::endor_linear (flashllm_ext/_ops.py words them the same). Returns the number of
+// The metadata checks of flashllm::endor_linear (flashllm_ext/ops/endor.py words them the same). Returns the number of
 // rows of the weight (columns of y).
 inline int64_t check_endor_linear_args(const at::Tensor& x, const at::Tensor& values, const at::Tensor& bitmap,
                                        const at::Tensor& row_offsets, int64_t n_cols,

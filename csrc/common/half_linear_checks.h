@@ -1,5 +1,5 @@
 // Argument checks of flashllm::half_linear (CPU only: on a GPU the library's half-precision linears are cuBLAS's);
-// flashllm_ext/_ops.py makes the same checks for the reference and fake kernels, with the same words.
+// flashllm_ext/ops/linear.py makes the same checks for the reference and fake kernels, with the same words.
 #pragma once
 #include <ATen/ATen.h>
 #include <torch/library.h>

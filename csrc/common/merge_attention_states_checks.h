@@ -1,5 +1,5 @@
 // Argument checks of flashllm::merge_attention_states shared by every native kernel (CPU, CUDA, SIMT test ops);
-// flashllm_ext/_ops.py makes the same checks for the reference kernel, with the same words. The merge's rule for
+// flashllm_ext/ops/attention.py makes the same checks for the reference kernel, with the same words. The merge's rule for
 // each (b, h), the same in every kernel: top = max_p lse_p (NaN if any is NaN; 0 when every part is empty),
 // total = sum_p exp(lse_p - top), lse = top + log(total), w_p = exp(lse_p - top) / total (total 0: w_p 0), and
 // out = sum over the parts with w_p != 0 of w_p out_p (an empty part's out_p is never read).

@@ -1,5 +1,5 @@
 // Argument checks of flashllm::quant_scores (CPU only: the predictor's low-bit copies live in DRAM);
-// flashllm_ext/_ops.py makes the same checks for the reference and fake kernels, with the same words.
+// flashllm_ext/ops/quant.py makes the same checks for the reference and fake kernels, with the same words.
 #pragma once
 #include <ATen/ATen.h>
 #include <torch/library.h>
@@ -10,9 +10,9 @@ namespace flashllm {
 
 inline bool is_quant_bits(int64_t bits) { return bits >= 1 && bits <= 4; }
 
-// 15 * 127 * 2^20 < 2^31: a row's sum of code x int8 products fits in int32 (flashllm_ext/_ops.py: QUANT_MAX_COLUMNS).
+// 15 * 127 * 2^20 < 2^31: a row's sum of code x int8 products fits in int32 (flashllm_ext/ops/quant.py: QUANT_MAX_COLUMNS).
 constexpr int64_t kQuantMaxColumns = int64_t{1} << 20;
-// A scale group is whole 64-code steps of every path, and whole bytes (flashllm_ext/_ops.py: QUANT_GROUP_MULTIPLE).
+// A scale group is whole 64-code steps of every path, and whole bytes (flashllm_ext/ops/quant.py: QUANT_GROUP_MULTIPLE).
 constexpr int64_t kQuantGroupMultiple = 64;
 
 // One low-bit matrix: codes uint8 [n, ceil(d * bits / 8)], scale float16 [n] or [n, groups] (one per d / groups

@@ -1,5 +1,5 @@
 // Argument checks of flashllm::sparse_ffn shared by every native kernel (CPU, CUDA, SIMT test ops);
-// flashllm_ext/_ops.py makes the same checks for the reference kernel, with the same words.
+// flashllm_ext/ops/ffn.py makes the same checks for the reference kernel, with the same words.
 //
 // Metadata only (dtypes, shapes, devices). Index ranges are data: the CPU kernels check them as they go, the CUDA
 // glue only with kernel checks on (common/kernel_checks.h), the SIMT test ops always (common/ffn_host.h).

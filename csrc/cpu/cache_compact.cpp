@@ -1,4 +1,4 @@
-// flashllm::cache_compact on the CPU: swap-delete of neuron cache rows (flashllm_ext/cache.py), O(c * row) for c
+// flashllm::cache_compact on the CPU: swap-delete of neuron cache rows (flashllm_ext/flash/cache.py), O(c * row) for c
 // deleted rows, in place on preallocated tensors (a decoding step allocates no tensor memory).
 #include <ATen/ATen.h>
 #include <torch/library.h>

@@ -1,4 +1,4 @@
-// flashllm::cache_plan on the CPU: one token's decisions of the neuron cache (flashllm_ext/cache.py): which rows
+// flashllm::cache_plan on the CPU: one token's decisions of the neuron cache (flashllm_ext/flash/cache.py): which rows
 // leave (window, then least-recently-active when the budget is short) and which neurons must be read. O(k + num_used)
 // for k active ids, in place on preallocated tensors (a decoding step allocates no tensor memory).
 #include <ATen/ATen.h>

@@ -147,7 +147,7 @@ __attribute__((target("avx512f"))) void row_dots_avx512(const uint8_t* codes, in
   for (int t = 0; t < TB; ++t) acc[t] = _mm512_reduce_add_ps(sum[t]);
 }
 
-// x rounded to int8 per token, the op's contract (flashllm_ext._ops.round_x_int8, which the reference uses):
+// x rounded to int8 per token, the op's contract (flashllm_ext.ops.round_x_int8, which the reference uses):
 // q = round(x * (127 / max|x|)) (half to even, as torch.round), scale = max|x| / 127, x ~ q * scale.
 // A token with a non-finite entry gets q = 0 and scale NaN, so its every score is NaN, as in the reference.
 void round_x_int8(const float* x, int64_t d, int8_t* q, float* scale) {

@@ -3,7 +3,7 @@
 // flashllm_ext._simt, which runs the same launcher with the emulation's launch policy. Include cuda_runtime.h or
 // simt/simt.h first (dim3, cudaError_t).
 //
-// Layout (DESIGN.md §5): row r's non-zeros are values[row_offsets[r] : row_offsets[r+1]] in column order; bit j of
+// Layout (docs/design.md §5): row r's non-zeros are values[row_offsets[r] : row_offsets[r+1]] in column order; bit j of
 // bitmap byte b of row r marks column 8b+j. W is an unsigned integer as wide as the element: the kernel moves bits.
 //
 // Design: one warp per output row, several warps per block, grid-stride over rows. Per step each lane takes one

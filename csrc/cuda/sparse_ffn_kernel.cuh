@@ -2,7 +2,7 @@
 // sparse_ffn.cu and, through the CPU SIMT emulation (csrc/simt/simt.h), by flashllm_ext._simt, which runs the same
 // launcher with the emulation's launch policy. Include cuda_runtime.h or simt/simt.h first (dim3, cudaError_t).
 //
-// sparse_ffn (semantics in flashllm_ext/_ops.py) runs as three kernels for up to kFfnMaxTokens tokens:
+// sparse_ffn (semantics in flashllm_ext/ops/) runs as three kernels for up to kFfnMaxTokens tokens:
 //   1. ffn_act_kernel: one warp per row (rows across blocks, grid-stride). Lanes stride over the row's input
 //      column(s) with 16-byte vector loads, T dot products per lane, warp reductions (__shfl_xor_sync); every lane
 //      then holds the sums and lane 0 writes the activations act[T, n_rows] (float32, zero where thresholded).

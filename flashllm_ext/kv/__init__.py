@@ -1,4 +1,4 @@
-"""INF²: batched decoding with the KV cache on storage (DESIGN.md §1), one module per job.
+"""INF²: batched decoding with the KV cache on storage (docs/design.md §1), one module per job.
 
 files: KVFile, one preallocated O_DIRECT file of token rows. store: KVShard, one shard's K/V files with the
 delayed-writeback buffer. attention: ShardAttention, block-wise attention over a shard (what runs near storage).
@@ -7,15 +7,15 @@ traffic: byte counters per layer, step and shard. link: token-bucket bandwidth e
 HostKVAttention, FlexGen-style host attention over the same store. xcache: XCacheAttention and choose_alpha.
 hf: Hugging Face Llama-family / OPT models generating with their KV on storage.
 """
-from .attention import ShardAttention
-from .baseline import HostKVAttention
-from .files import IOCounters, KVFile
-from .link import Link
-from .near_storage import NearStorageAttention
-from .store import KVShard, KVView, ShardInUseError, SpillError, default_writeback, split_pairs
-from .traffic import PREFILL, Traffic, TrafficLog
-from .worker import LocalShard, ShardSpec, ShardWorker, WorkerError
-from .xcache import AlphaChoice, XCacheAttention, choose_alpha, linear_projector
+from flashllm_ext.kv.attention import ShardAttention
+from flashllm_ext.kv.baseline import HostKVAttention
+from flashllm_ext.kv.files import IOCounters, KVFile
+from flashllm_ext.kv.link import Link
+from flashllm_ext.kv.near_storage import NearStorageAttention
+from flashllm_ext.kv.store import KVShard, KVView, ShardInUseError, SpillError, default_writeback, split_pairs
+from flashllm_ext.kv.traffic import PREFILL, Traffic, TrafficLog
+from flashllm_ext.kv.worker import LocalShard, ShardSpec, ShardWorker, WorkerError
+from flashllm_ext.kv.xcache import AlphaChoice, XCacheAttention, choose_alpha, linear_projector
 
 __all__ = ["AlphaChoice", "HostKVAttention", "IOCounters", "KVFile", "KVShard", "KVView", "Link", "LocalShard",
            "NearStorageAttention", "PREFILL", "ShardAttention", "ShardInUseError", "ShardSpec", "ShardWorker",

@@ -17,9 +17,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from .. import ops
-from .link import Link
-from .store import KVShard, KVView
+from flashllm_ext import ops
+from flashllm_ext.kv.link import Link
+from flashllm_ext.kv.store import KVShard, KVView
 
 DEFAULT_BLOCK_BYTES = 1 << 20  # per file and block: large direct reads, two blocks of K and V in flight at most
 

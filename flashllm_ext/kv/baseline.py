@@ -17,13 +17,13 @@ from pathlib import Path
 
 import torch
 
-from .. import ops
-from .attention import DEFAULT_BLOCK_BYTES, masked_decode_attention
-from .backend import AttentionBackend, pair_starts
-from .files import IOCounters
-from .link import Link
-from .store import KVShard, KVView, split_pairs
-from .traffic import FLUSH, PREFILL, TrafficLog
+from flashllm_ext import ops
+from flashllm_ext.kv.attention import DEFAULT_BLOCK_BYTES, masked_decode_attention
+from flashllm_ext.kv.backend import AttentionBackend, pair_starts
+from flashllm_ext.kv.files import IOCounters
+from flashllm_ext.kv.link import Link
+from flashllm_ext.kv.store import KVShard, KVView, split_pairs
+from flashllm_ext.kv.traffic import FLUSH, PREFILL, TrafficLog
 
 
 class HostKVAttention(AttentionBackend):

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from ..paths import create_file, regular_file
-from ..reader import FlashReader, ReadStats
+from flashllm_ext.io.paths import create_file, regular_file
+from flashllm_ext.flash.reader import FlashReader, ReadStats
 
 BLOCK = 4096  # direct-I/O block: the reader widens to its file's statx alignment; 4 KiB covers every device here
 READ_THREADS = 4

@@ -26,7 +26,7 @@ ATTN_NAME = "storage_kv"  # no "flash" in it: transformers takes such names for 
 
 def attention_modules(model: nn.Module) -> list[nn.Module]:
     """The self-attention module of every decoder layer (Llama family: self_attn; OPT: self_attn)."""
-    from ..models import decoder_layers
+    from flashllm_ext.hub import decoder_layers
 
     layers = decoder_layers(model)
     if layers is None:
@@ -51,9 +51,9 @@ def storage_attention(model: nn.Module, directories: list[str | os.PathLike], *,
     """A backend shaped for `model`: kind "near_storage" (NearStorageAttention; kwargs: processes, writeback, link,
     block_tokens, ...) or "baseline" (HostKVAttention). dtype: KV storage dtype (default: the model's).
     x_cache: sequences (the first of the batch) kept as X on the host (XCacheAttention; 0: none)."""
-    from .baseline import HostKVAttention
-    from .near_storage import NearStorageAttention
-    from .xcache import XCacheAttention
+    from flashllm_ext.kv.baseline import HostKVAttention
+    from flashllm_ext.kv.near_storage import NearStorageAttention
+    from flashllm_ext.kv.xcache import XCacheAttention
 
     cls = {"near_storage": NearStorageAttention, "baseline": HostKVAttention}.get(kind)
     if cls is None:
@@ -72,7 +72,7 @@ def storage_attention(model: nn.Module, directories: list[str | os.PathLike], *,
 def hf_projector(model: nn.Module):
     """K/V of X for `model`'s layers: its k_proj / v_proj (with their biases) and, for the Llama family, the rotary
     embedding of the positions (OPT adds positions to the embeddings instead)."""
-    from .xcache import linear_projector
+    from flashllm_ext.kv.xcache import linear_projector
 
     modules = attention_modules(model)
     shape = attention_shape(model)

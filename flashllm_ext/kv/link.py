@@ -19,7 +19,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from ..paths import scratch_file
+from flashllm_ext.io.paths import scratch_file
 
 
 class Link:

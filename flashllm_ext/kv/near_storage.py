@@ -14,12 +14,12 @@ from pathlib import Path
 
 import torch
 
-from .backend import AttentionBackend, pair_starts
-from .files import IOCounters
-from .link import Link
-from .store import DTYPES, default_writeback, split_pairs
-from .traffic import FLUSH, PREFILL, TrafficLog
-from .worker import OP_FLUSH, OP_RESET, LocalShard, ShardSpec, ShardWorker, WorkerError
+from flashllm_ext.kv.backend import AttentionBackend, pair_starts
+from flashllm_ext.kv.files import IOCounters
+from flashllm_ext.kv.link import Link
+from flashllm_ext.kv.store import DTYPES, default_writeback, split_pairs
+from flashllm_ext.kv.traffic import FLUSH, PREFILL, TrafficLog
+from flashllm_ext.kv.worker import OP_FLUSH, OP_RESET, LocalShard, ShardSpec, ShardWorker, WorkerError
 
 
 def first_line(error: BaseException) -> str:

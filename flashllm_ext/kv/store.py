@@ -34,10 +34,10 @@ from pathlib import Path
 
 import torch
 
-from ..errors import FormatError
-from ..paths import PRIVATE_DIR_MODE, create_file, regular_file, write_atomic
-from .files import BLOCK, FaultInjector, IOCounters, KVFile
-from .link import Link
+from flashllm_ext.errors import FormatError
+from flashllm_ext.io.paths import PRIVATE_DIR_MODE, create_file, regular_file, write_atomic
+from flashllm_ext.kv.files import BLOCK, FaultInjector, IOCounters, KVFile
+from flashllm_ext.kv.link import Link
 
 FORMAT_VERSION = 1
 MANIFEST = "shard.json"

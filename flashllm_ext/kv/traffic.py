@@ -15,7 +15,7 @@ from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, fields
 
-from .files import IOCounters
+from flashllm_ext.kv.files import IOCounters
 
 PREFILL = -1  # the step index of prefill traffic
 FLUSH = -2  # the step (and layer) index of what flush() wrote: spills still in flight after the last step, and the rest

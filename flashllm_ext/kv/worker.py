@@ -22,10 +22,10 @@ from multiprocessing import shared_memory
 
 import torch
 
-from .attention import ShardAttention
-from .files import FaultInjector, IOCounters
-from .link import Link
-from .store import DTYPES, KVShard
+from flashllm_ext.kv.attention import ShardAttention
+from flashllm_ext.kv.files import FaultInjector, IOCounters
+from flashllm_ext.kv.link import Link
+from flashllm_ext.kv.store import DTYPES, KVShard
 
 # ops
 OP_STEP, OP_APPEND, OP_FLUSH, OP_RESET, OP_CLOSE, OP_STARTS = 1, 2, 3, 4, 5, 6

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention import masked_decode_attention
-from .backend import AttentionBackend, pair_starts
+from flashllm_ext.kv.attention import masked_decode_attention
+from flashllm_ext.kv.backend import AttentionBackend, pair_starts
 
 # project(layer, x [n, s, hidden], start) -> (k, v) [n, kv_heads, s, head_dim] at positions start..start+s-1;
 # start: an int, or int64 [n] (per sequence: a left-padded sequence's tokens start at minus its padding)

@@ -16,9 +16,9 @@ from importlib import resources
 
 import mlx.core as mx
 
-from .._ops import ACTIVATIONS
-from ..kernel_constants import (ENDOR_ROW_CODES, FFN_MAX_CHUNKS, FFN_MAX_TOKENS, FFN_ROWS_PER_CHUNK,
-                                METAL_THREADGROUP, metal_header)
+from flashllm_ext.ops import ACTIVATIONS
+from flashllm_ext.ops.constants import (ENDOR_ROW_CODES, FFN_MAX_CHUNKS, FFN_MAX_TOKENS, FFN_ROWS_PER_CHUNK,
+                                        METAL_THREADGROUP, metal_header)
 
 __all__ = ["MLXFlashFFN", "MLXStreamingFFN", "MLXTransfer", "endor_decompress", "endor_linear", "load_flash",
            "metal_available", "metal_source", "sparse_ffn"]
@@ -269,7 +269,7 @@ def endor_linear(x: mx.array, values: mx.array, bitmap: mx.array, row_offsets: m
 
 # ------------------------------------------------------------------------------------------------ sparse_ffn
 _FFN_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
-# Launch geometry of metal/sparse_ffn_*.metal (csrc/common/ffn_grid.h, mirrored in flashllm_ext.kernel_constants).
+# Launch geometry of metal/sparse_ffn_*.metal (csrc/common/ffn_grid.h, mirrored in flashllm_ext.ops.constants).
 
 
 def _ffn_fail(msg: str) -> None:
@@ -373,7 +373,7 @@ def _sparse_ffn_metal(x, matrix, num_used, bias, activation, glu, index, thresho
 
 def sparse_ffn(x: mx.array, matrix: mx.array, num_used: int, bias: mx.array | None, activation: str, glu: bool,
                index: mx.array | None = None, threshold: float = 0.0) -> mx.array:
-    """torch.ops.flashllm.sparse_ffn on mlx arrays (semantics: flashllm_ext/_ops.py).
+    """torch.ops.flashllm.sparse_ffn on mlx arrays (semantics: flashllm_ext/ops/).
 
     x [T, d]; matrix [capacity, 2d | 3d] of x's dtype, rows [up | gate (GLU) | down]; bias [capacity] or None;
     index int64 [k] of rows below num_used, or None for rows [0, num_used) -> [T, d] of x's dtype.
@@ -388,6 +388,6 @@ def sparse_ffn(x: mx.array, matrix: mx.array, num_used: int, bias: mx.array | No
 
 
 # The engine stands on the ops above (its modules import them from this package), so it is imported last.
-from .ffn import MLXFlashFFN, MLXStreamingFFN  # noqa: E402
-from .model import load_flash  # noqa: E402
-from .transfer import MLXTransfer  # noqa: E402
+from flashllm_ext.mlx.ffn import MLXFlashFFN, MLXStreamingFFN  # noqa: E402
+from flashllm_ext.mlx.model import load_flash  # noqa: E402
+from flashllm_ext.mlx.transfer import MLXTransfer  # noqa: E402

@@ -20,11 +20,11 @@ import os
 import mlx.core as mx
 import torch
 
-from ..ffn import FFNStats, FlashFFN, StreamingFFN
-from ..reader import FlashReader
-from ..store import FlashStore
-from . import sparse_ffn
-from .transfer import MX_DTYPE, MLXTransfer, to_mx, torch_view
+from flashllm_ext.flash.ffn import FFNStats, FlashFFN, StreamingFFN
+from flashllm_ext.flash.reader import FlashReader
+from flashllm_ext.flash.store import FlashStore
+from flashllm_ext.mlx import sparse_ffn
+from flashllm_ext.mlx.transfer import MX_DTYPE, MLXTransfer, to_mx, torch_view
 
 
 def _flat_input(ffn: FlashFFN | StreamingFFN, x: mx.array) -> mx.array:
@@ -87,7 +87,7 @@ class MLXFlashFFN(FlashFFN):
 class MLXStreamingFFN(StreamingFFN):
     """One FFN layer computed densely from a flash store on mx.arrays (naive / hybrid modes): forward(x mx.array
     [..., d]) -> mx.array of x's shape and dtype. Arguments are StreamingFFN's; `staging` must come from
-    `transfer`, an MLXTransfer (the engine allocates it there: flashllm_ext.engine.ffn_stack)."""
+    `transfer`, an MLXTransfer (the engine allocates it there: flashllm_ext.flash.engine.ffn_stack)."""
 
     def __init__(self, store: FlashStore, layer: int, resident_rows: int, staging: torch.Tensor,
                  reader: FlashReader, stats: FFNStats | None = None, transfer: MLXTransfer | None = None):

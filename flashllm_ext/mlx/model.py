@@ -1,7 +1,7 @@
 """A Llama-family decoder on mx.arrays whose FFNs are served from a flash store: the MLX engine.
 
     model = flashllm_ext.mlx.load_flash(store_dir, dram_budget="50%", mode="flash")
-    tokens = model.generate(prompt_ids, max_new_tokens=32); model.flash_stats(); model.close()
+    tokens = model.generate(prompt_ids, max_new_tokens=32); model.stats(); model.close()
 
 The resident tensors (embeddings, attention, norms) become mx.arrays; attention uses mlx's fused RoPE, RMSNorm and
 scaled-dot-product attention with a key/value cache. The FFNs, by mode:
@@ -9,7 +9,7 @@ scaled-dot-product attention with a key/value cache. The FFNs, by mode:
   naive   every FFN bundle re-read from the store for every forward into one staging mx.array the layers share
   hybrid  as many bundles of each layer resident in mx.arrays as the budget allows, the rest re-read every forward
           (naive and hybrid: the torch engine's StreamingFFN layers as MLXStreamingFFN, same reads and stats)
-  flash   the torch engine's flash stack (flashllm_ext.engine.ffn_stack: budget split, predictors, window,
+  flash   the torch engine's flash stack (flashllm_ext.flash.engine.ffn_stack: budget split, predictors, window,
           coalesced parallel reads) with MLXFlashFFN layers: the neuron caches' rows are mx.arrays
   exact   flash's caches and reads with every neuron active: dense results through the flash path
 The budget is the torch engine's rule (resident tensors first, then predictors, then the caches / resident
@@ -25,12 +25,14 @@ import mlx.core as mx
 import numpy as np
 import torch
 
-from ..engine import FlashRuntime, _load_predictors, ffn_stack, parse_budget, store_ffn_bytes
-from ..ffn import store_activation
-from ..store import BIAS_ROLES, FlashStore
-from . import _activate
-from .ffn import MLXFlashFFN, MLXStreamingFFN
-from .transfer import MX_DTYPE, MLXTransfer, to_mx
+from flashllm_ext.flash.engine import FlashRuntime, predictors_for_mode, ffn_stack, store_ffn_bytes
+from flashllm_ext.runtime import deprecated_alias, parse_budget
+from flashllm_ext.flash.ffn import store_activation
+from flashllm_ext.flash.store import BIAS_ROLES, FlashStore
+from flashllm_ext.flash.reader import shared_reader
+from flashllm_ext.mlx import _activate
+from flashllm_ext.mlx.ffn import MLXFlashFFN, MLXStreamingFFN
+from flashllm_ext.mlx.transfer import MX_DTYPE, MLXTransfer, to_mx
 
 MODES = ("dense", "naive", "hybrid", "flash", "exact")
 MODEL_TYPES = ("llama",)
@@ -120,8 +122,8 @@ class MLXLlama:
 
     def greedy_decode(self, prompt_ids: Sequence[int] | np.ndarray | torch.Tensor | mx.array,
                       n_tokens: int) -> tuple[list[int], float]:
-        """(the `n_tokens` generated ids, decode seconds per token), as flashllm_ext.demo_flash.greedy_decode does
-        for a torch model: the stats are reset after the prompt, so flash_stats() then covers the decode tokens."""
+        """(the `n_tokens` generated ids, decode seconds per token), as flashllm_ext.demos.flash.greedy_decode does
+        for a torch model: the stats are reset after the prompt, so stats() then covers the decode tokens."""
         new = self._greedy(self._check_prompt(prompt_ids), n_tokens, after_prompt=self.reset_stats)
         return new, self.decode_s / max(1, self.decode_tokens)
 
@@ -155,18 +157,21 @@ class MLXLlama:
                              f"{array.max()}")
         return array.tolist()
 
-    def flash_stats(self) -> dict:
-        """The torch engine's per-token breakdown (FlashRuntime.flash_stats; dense mode: the mode and token count
+    def stats(self) -> dict:
+        """The torch engine's per-token breakdown (FlashRuntime.stats; dense mode: the mode and token count
         only), plus the wall time of generate(): prefill milliseconds and decode milliseconds per token."""
-        stats = self.runtime.flash_stats() if self.runtime is not None else {"mode": self.mode, "tokens": self.tokens}
+        stats = self.runtime.stats() if self.runtime is not None else {"mode": self.mode, "tokens": self.tokens}
         return {**stats, "prefill_ms": self.prefill_s * 1e3,
                 "decode_ms_per_token": self.decode_s * 1e3 / max(1, self.decode_tokens)}
 
+
+    flash_stats = deprecated_alias(stats, "MLXLlama.flash_stats()", "MLXLlama.stats()")
+
     def reset_stats(self) -> None:
-        """Zero the counters flash_stats reports (the caches keep their rows)."""
+        """Zero the counters stats() reports (the caches keep their rows)."""
         self.tokens, self.prefill_s, self.decode_s, self.decode_tokens = 0, 0.0, 0.0, 0
         if self.runtime is not None:
-            self.runtime.stats.reset()
+            self.runtime.counters.reset()
 
     def close(self) -> None:
         """Release the flash stack's reader (its threads and file)."""
@@ -222,11 +227,11 @@ def load_flash(store_dir: str | os.PathLike, dram_budget: int | float | str | No
     dtype = dtype or store.dtype
     if dtype not in MX_DTYPE or not dtype.is_floating_point:
         raise ValueError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
-    predictors = _load_predictors(store, predictors, mode)
+    predictors = predictors_for_mode(store, predictors, mode)
     weights = _resident_arrays(store, dtype)
     if mode == "dense":
         activation = store_activation(store)
-        with store.reader() as reader:
+        with shared_reader(store) as reader:
             ffns = [DenseFFN(reader.read(i, torch.arange(store.n_neurons)).data.to(dtype), store.hidden_size,
                              activation) for i in range(store.n_layers)]
         return MLXLlama(store, weights, ffns, mode, None)

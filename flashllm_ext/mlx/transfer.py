@@ -16,8 +16,8 @@ from __future__ import annotations
 import mlx.core as mx
 import torch
 
-from ..bits import BITS_VIEW
-from ..transfer import HostTransfer
+from flashllm_ext.ops.bits import BITS_VIEW
+from flashllm_ext.flash.transfer import HostTransfer
 
 MX_DTYPE = {torch.float32: mx.float32, torch.float16: mx.float16, torch.bfloat16: mx.bfloat16, torch.int8: mx.int8,
             torch.uint8: mx.uint8, torch.int32: mx.int32, torch.int64: mx.int64, torch.bool: mx.bool_}

@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
-from .base import NeuronPredictor, keep_cutoff
-from .rule import ffn_hooks
+from flashllm_ext.predictor.base import NeuronPredictor, keep_cutoff
+from flashllm_ext.predictor.rule import ffn_hooks
 
 ALLOCATIONS = ("uniform", "fisher")
 

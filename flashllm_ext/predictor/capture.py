@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..bits import pack_bitmap, unpack_bitmap
-from ..models.hf import decoder_layers, ffn_norm
-from .rule import activation_score, ffn_hooks, ffn_modules, run_windows
+from flashllm_ext.ops.bits import pack_bitmap, unpack_bitmap
+from flashllm_ext.hub.hf import decoder_layers, ffn_norm
+from flashllm_ext.predictor.rule import activation_score, ffn_hooks, ffn_modules, run_windows
 
 
 @dataclass
@@ -37,7 +37,7 @@ def capture_activations(model: nn.Module, token_ids: torch.Tensor, thresholds: t
                         lookahead: bool = False) -> ActivationCapture:
     """Record every layer's predictor input and active set (score > threshold) over `token_ids` [T]. lookahead:
     the inputs are what the engine's look-ahead predicts from instead (the FFN's norm of the decoder layer's
-    input, before attention: flashllm_ext.engine); the active sets stay the true ones."""
+    input, before attention: flashllm_ext.flash.engine); the active sets stay the true ones."""
     n_layers = len(ffn_modules(model))
     if thresholds.shape != (n_layers,):
         raise ValueError(f"thresholds must have shape ({n_layers},) (one per layer), got {tuple(thresholds.shape)}")

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import NeuronPredictor, predictor_class
+from flashllm_ext.predictor.base import NeuronPredictor, predictor_class
 
 
 class ContextPredictor(NeuronPredictor):

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..models.text import perplexity
-from .base import NeuronPredictor
-from .rule import activation_score, ffn_hooks, ffn_modules, input_weight_share, run_windows
+from flashllm_ext.hub.text import perplexity
+from flashllm_ext.predictor.base import NeuronPredictor
+from flashllm_ext.predictor.rule import activation_score, ffn_hooks, ffn_modules, input_weight_share, run_windows
 
 
 @dataclass

@@ -11,11 +11,11 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from ..errors import FormatError
-from ..paths import regular_file
-from ..safetensors_io import save_tensors
-from ..store import RESIDENT_FILE, FlashStore
-from .base import NeuronPredictor, predictor_class
+from flashllm_ext.errors import FormatError
+from flashllm_ext.io.paths import regular_file
+from flashllm_ext.io.safetensors import save_tensors
+from flashllm_ext.flash.store import RESIDENT_FILE, FlashStore
+from flashllm_ext.predictor.base import NeuronPredictor, predictor_class
 
 FORMAT_NAME = "flashllm-predictors"
 FORMAT_VERSION = "4"  # 4: any method, its config() in the metadata; 3: low-rank only, the score |h|

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from .base import NeuronPredictor
+from flashllm_ext.predictor.base import NeuronPredictor
 
 
 class LowRankPredictor(nn.Module):

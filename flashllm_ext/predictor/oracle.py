@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .base import NeuronPredictor
-from .rule import FFNWeights, ffn_weights
+from flashllm_ext.predictor.base import NeuronPredictor
+from flashllm_ext.predictor.rule import FFNWeights, ffn_weights
 
 
 class _Projections(nn.Module):

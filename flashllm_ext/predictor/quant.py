@@ -20,10 +20,10 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from .. import ops
-from .._ops import QUANT_GROUP_MULTIPLE
-from .base import NeuronPredictor
-from .rule import ffn_weights
+from flashllm_ext import ops
+from flashllm_ext.ops import QUANT_GROUP_MULTIPLE
+from flashllm_ext.predictor.base import NeuronPredictor
+from flashllm_ext.predictor.rule import ffn_weights
 
 BITS = (1, 2, 3, 4)
 ROUNDINGS = ("nearest", "gptq")

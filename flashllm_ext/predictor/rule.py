@@ -24,8 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
-from .._ops import ACTIVATIONS
-from ..models.hf import decoder_layers
+from flashllm_ext.ops import ACTIVATIONS
+from flashllm_ext.hub.hf import decoder_layers
 
 
 @dataclass
@@ -63,7 +63,7 @@ class FFNWeights:
 
 def ffn_weights(model: nn.Module) -> tuple[list[FFNWeights], str]:
     """Per-layer input projections of a Llama-family or OPT model and the name of its activation (a key of
-    flashllm_ext._ops.ACTIVATIONS)."""
+    flashllm_ext.ops.ACTIVATIONS)."""
     config = model.config
     name = getattr(config, "hidden_act", None) or getattr(config, "activation_function", None)
     activation = next((a for a, spec in ACTIVATIONS.items() if name in spec.config_names), None)

@@ -25,8 +25,8 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from .base import NeuronPredictor, keep_cutoff
-from .rule import FFNWeights, ffn_weights
+from flashllm_ext.predictor.base import NeuronPredictor, keep_cutoff
+from flashllm_ext.predictor.rule import FFNWeights, ffn_weights
 
 
 class TealPredictor(NeuronPredictor):

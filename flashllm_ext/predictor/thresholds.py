@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from .rule import activation_score, ffn_hooks, run_windows
+from flashllm_ext.predictor.rule import activation_score, ffn_hooks, run_windows
 
 
 def calibrate_thresholds(model: nn.Module, token_ids: torch.Tensor, target: float | Sequence[float] = 0.5,

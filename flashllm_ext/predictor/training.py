@@ -11,16 +11,16 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from .allocation import allocate_densities
-from .base import NeuronPredictor, predictor_class
-from .capture import ActivationCapture, capture_activations
-from .context import ContextPredictor
-from .lowrank import LowRankPredictor, PredictorSet, RegressionPredictorSet, fit_log_regression
-from .oracle import OraclePredictor
-from .quant import QuantPredictor
-from .rule import ffn_weights
-from .teal import TealPredictor
-from .thresholds import calibrate_thresholds
+from flashllm_ext.predictor.allocation import allocate_densities
+from flashllm_ext.predictor.base import NeuronPredictor, predictor_class
+from flashllm_ext.predictor.capture import ActivationCapture, capture_activations
+from flashllm_ext.predictor.context import ContextPredictor
+from flashllm_ext.predictor.lowrank import LowRankPredictor, PredictorSet, RegressionPredictorSet, fit_log_regression
+from flashllm_ext.predictor.oracle import OraclePredictor
+from flashllm_ext.predictor.quant import QuantPredictor
+from flashllm_ext.predictor.rule import ffn_weights
+from flashllm_ext.predictor.teal import TealPredictor
+from flashllm_ext.predictor.thresholds import calibrate_thresholds
 
 # The default recipe, the one place that names it (`flashllm train-predictors`, `make demo`, bench_e2e and the
 # engine's stores use it). BENCHMARKS.md, "Predictors": under the 15%-of-the-FFN-bytes

@@ -1,0 +1,549 @@
+"""FFN modules that take the place of a model's MLP and compute it from a flash store.
+
+FlashFFN ('LLM in a flash'): per token, the active neuron ids (a predictor, a fixed set, or every neuron) ->
+NeuronCache.step (evict what left the window, read the missing bundles) -> sparse_ffn over exactly this token's
+rows of the cache (+ the output projection's bias). A forward of T tokens (a prompt) groups its tokens so that
+each group's union of active sets fits the cache: one cache step (one batch of coalesced reads) per group, then
+one sparse_ffn call per token with that token's own rows, so a prompt costs a few large reads, not T steps, and
+every token still follows the active-neuron rule exactly (flashllm_ext.predictor.rule). A token whose own set exceeds
+the cache is computed in capacity-sized parts.
+
+StreamingFFN (the paper's baselines): the first `resident_rows` bundles of the layer are read once and kept, the
+others are re-read from flash on every forward into a staging buffer that all layers share; every neuron is
+computed. resident_rows = 0 is "naive" (everything re-read per token), a budget-filled part is "hybrid".
+
+Both accumulate their costs in an FFNStats, so an engine can report I/O, memory-management, predictor and compute
+time per token.
+
+On a GPU (device="cuda": the cache rows, resident bundles and staging on the device, flashllm_ext/flash/transfer.py) the
+input, the float32 accumulator and the output stay on the input's device; only the active set crosses to the host,
+where the cache plans. Per-token work is not capturable in a CUDA graph: which neurons are read, and so how many rows
+each kernel covers, is decided on the host from the predictor's answer of this very token (one device-to-host copy of
+the mask per layer), and the reads are host I/O. A part boundary of the breakdown synchronises the compute stream on
+CUDA (the transfer's clock), so each part is device time rather than launch time.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+
+import torch
+from torch import nn
+
+from flashllm_ext import ops
+from flashllm_ext.ops import ACTIVATIONS
+from flashllm_ext.flash.cache import NeuronCache, PendingStep, StepStats, input_bias_role, layer_input_bias
+from flashllm_ext.io.disk import load_disk_profile
+from flashllm_ext.hub.hf import decoder_layers
+from flashllm_ext.flash.reader import FlashReader
+from flashllm_ext.flash.store import FlashStore
+from flashllm_ext.flash.transfer import HostTransfer, Transfer
+
+PREFILL_PATHS = ("auto", "union", "sequential")
+# What a decode forward does with the set FlashFFN.prefetch chose ahead: "ahead" computes it (DejaVu); "prefetch"
+# only read it early, and the forward computes the set its predictor chooses from its own input (flash's results).
+LOOKAHEAD_MODES = ("ahead", "prefetch")
+# What a predictor returns for x [T, d]: a bool mask [T, n] (per-token active sets), or one set shared by every
+# token as int64 ids [k] or a bool mask [n].
+Predictor = Callable[[torch.Tensor], torch.Tensor]
+
+
+def store_activation(store: FlashStore) -> str:
+    """The sparse_ffn activation of the store's model (config hidden_act / activation_function)."""
+    name = store.config.get("hidden_act") or store.config.get("activation_function")
+    if name is None:
+        raise ValueError(f"{store.path}: the model config names no activation (hidden_act / activation_function)")
+    for activation, spec in ACTIVATIONS.items():
+        if name in spec.config_names:
+            return activation
+    supported = sorted(n for spec in ACTIVATIONS.values() for n in spec.config_names)
+    raise ValueError(f"{store.path}: activation {name!r} is not supported (one of {supported})")
+
+
+def _output_bias(store: FlashStore, layer: int) -> torch.Tensor | None:
+    """The down projection's bias (OPT's fc2.bias) in float32, added to the float32 accumulator; None if none."""
+    bias = store.layer_bias(layer, "down_bias")
+    return None if bias is None else bias.float()
+
+
+def active_ids_of(selection: torch.Tensor, n_neurons: int) -> torch.Tensor:
+    """int64 ids from a predictor's answer: ids [k] as they are, a bool mask [n] or [T, n] as its active ids
+    (a neuron active for any token)."""
+    if selection.dtype == torch.bool:
+        if selection.shape[-1] != n_neurons or selection.dim() not in (1, 2):
+            raise ValueError(f"a bool mask must have shape [n] or [T, n] with n={n_neurons}, got "
+                             f"{tuple(selection.shape)}")
+        mask = selection if selection.dim() == 1 else selection.any(dim=0)
+        return mask.nonzero().flatten()
+    if selection.dim() != 1 or selection.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"active ids must be a 1-D integer tensor, got {selection.dtype} of shape "
+                         f"{tuple(selection.shape)}")
+    return selection.to(torch.int64)
+
+
+@dataclass
+class FFNStats:
+    """Costs accumulated by the FFN modules of a model (reset with `reset`)."""
+    tokens: int = 0  # tokens the FFN ran on (per layer: a model's total is tokens / layers)
+    steps: int = 0  # NeuronCache steps (flash) or streamed reads (naive/hybrid)
+    needed: int = 0  # neurons the steps needed (a cache hit when already cached)
+    inserted: int = 0  # bundles read from flash for the sets the FFN computed
+    prefetched: int = 0  # bundles read ahead (lookahead="prefetch") before the FFN chose its own set
+    bytes_read: int = 0
+    bytes_requested: int = 0  # the bundles' own bytes (compressed for Endor): bytes_read less padding and gaps
+    n_reads: int = 0  # read requests issued (after coalescing)
+    io_s: float = 0.0  # waiting for reads (exposed)
+    hidden_io_s: float = 0.0  # read time that overlapped compute
+    decompress_s: float = 0.0  # Endor stores: the part of the read time (exposed or hidden) spent decompressing
+    mem_s: float = 0.0  # cache bookkeeping: planning, swap-delete, pointer/bias updates
+    predictor_s: float = 0.0
+    compute_s: float = 0.0  # sparse_ffn and the output bias
+
+    def add_step(self, step: StepStats, needed: int, prefetch: bool = False) -> None:
+        """Count a cache step that needed `needed` neurons (a prefetch: none, its reads counted as prefetched)."""
+        self.steps += 1
+        self.needed += needed
+        if prefetch:
+            self.prefetched += step.inserted
+        else:
+            self.inserted += step.inserted
+        self.bytes_read += step.bytes_read
+        self.bytes_requested += step.bytes_requested
+        self.n_reads += step.n_reads
+        self.io_s += step.io_s
+        self.hidden_io_s += step.hidden_io_s
+        self.decompress_s += step.decompress_s
+        self.mem_s += step.mem_s
+
+    def reset(self) -> None:
+        for f in fields(self):
+            setattr(self, f.name, f.default)
+
+    @property
+    def hit_rate(self) -> float:
+        """Fraction of needed neurons that were already in DRAM (prefetched ones included)."""
+        return 1.0 - self.inserted / self.needed if self.needed else 1.0
+
+
+def _check_input(x: torch.Tensor, d: int, device: torch.device) -> torch.Tensor:
+    if x.shape[-1] != d:
+        raise ValueError(f"x must end in the hidden size {d}, got shape {tuple(x.shape)}")
+    if x.device.type != device.type:
+        raise ValueError(f"x is on {x.device} but this FFN's weights are on {device}")
+    return x.reshape(-1, d)
+
+
+class FlashFFN(nn.Module):
+    """One FFN layer served from a flash store through a NeuronCache (see the module doc).
+
+    predictor: callable x [T, d] -> bool [T, n] per-token sets (or one shared set, see Predictor); active_ids: a
+    fixed set used for every token; neither: every neuron (exact mode). threshold: sparse_ffn's activation
+    threshold (the rule's; 0: none). capacity / window / reader: NeuronCache's; budget_bytes: the layer's, output
+    bias included (FlashFFN.bytes_for), the rest the cache's. stats: an FFNStats
+    to accumulate into (shared by the layers of a model). overlap: a single token's reads run in a reader thread
+    while its already-cached neurons are computed (the exposed and hidden read times are both reported). prefill:
+    how several tokens with per-token sets read the layer ("union", "sequential" or "auto", see prefill_path). Input
+    x [..., d] of any float dtype; computed in the store's dtype with float32 accumulation; output in x's dtype.
+    device / transfer: where the cache rows live (NeuronCache's); x must be on that device, and the output is too.
+    lookahead / ahead_predictor: what a forward does after `prefetch` (LOOKAHEAD_MODES), and the predictor that
+    chooses the prefetched set (default: `predictor`). cache: a NeuronCache shared by the model's layers (the
+    engine's shared cache layout, for budgets whose per-layer caches would hold less than a token's set): each
+    forward first makes it serve this layer (NeuronCache.serve), so nothing is reused across tokens and there is no
+    look-ahead, but a set is read and computed in a few large parts; the cache is counted by its owner, not in
+    `nbytes`, and capacity / budget_bytes / window / reader / device / transfer are its own.
+    """
+
+    def __init__(self, store: FlashStore | str | os.PathLike, layer: int, *, predictor: Predictor | None = None,
+                 active_ids: torch.Tensor | None = None, threshold: float = 0.0, capacity: int | None = None,
+                 budget_bytes: int | None = None, window: int = 5, reader: FlashReader | None = None,
+                 stats: FFNStats | None = None, overlap: bool = True, device: str | torch.device | None = None,
+                 transfer: Transfer | None = None, prefill: str = "auto", lookahead: str = "ahead",
+                 ahead_predictor: Predictor | None = None, cache: NeuronCache | None = None):
+        super().__init__()
+        if prefill not in PREFILL_PATHS:
+            raise ValueError(f"prefill must be one of {PREFILL_PATHS}, got {prefill!r}")
+        if lookahead not in LOOKAHEAD_MODES:
+            raise ValueError(f"lookahead must be one of {LOOKAHEAD_MODES}, got {lookahead!r}")
+        self.lookahead, self.ahead_predictor = lookahead, ahead_predictor
+        self.prefill = prefill
+        self.prefill_paths = {"union": 0, "sequential": 0}  # multi-token forwards per path taken
+        self.store = store if isinstance(store, FlashStore) else FlashStore(store)
+        if predictor is not None and active_ids is not None:
+            raise ValueError("give a predictor or a fixed active_ids set, not both")
+        n = self.store.n_neurons
+        fixed = torch.arange(n) if active_ids is None else active_ids_of(active_ids, n)
+        # Distinct ids, once: the cache steps and the per-row compute take each neuron once.
+        self.fixed_ids = None if predictor is not None else self.store.check_ids(fixed).unique()
+        self.shares_cache = cache is not None
+        if cache is None:
+            if capacity is None and budget_bytes is None:
+                capacity = n
+            if budget_bytes is not None:  # the output bias and a fixed set (bytes_for's shares) come out of it too
+                budget_bytes -= 4 * self.store.hidden_size + (0 if self.fixed_ids is None else self.fixed_ids.nbytes)
+            cache = NeuronCache(self.store, layer, capacity, window, budget_bytes=budget_bytes, reader=reader,
+                                device=device, transfer=transfer)
+        elif capacity is not None or budget_bytes is not None:
+            raise ValueError("a shared cache has its own capacity and budget: give cache or capacity / budget_bytes, "
+                             "not both")
+        elif cache.store.path != self.store.path:
+            raise ValueError(f"the shared cache serves {cache.store.path}, not {self.store.path}")
+        self.cache = cache
+        # A shared cache takes each layer's input bias when it starts serving it (a cache of its own holds it).
+        self.input_bias = layer_input_bias(self.store, layer) if self.shares_cache else None
+        self.layer, self.predictor, self.threshold = layer, predictor, float(threshold)
+        self.overlap = overlap
+        self.activation = store_activation(self.store)
+        out_bias = _output_bias(self.store, layer)
+        self.register_buffer("out_bias", None if out_bias is None else out_bias.to(self.cache.device),
+                             persistent=False)
+        self.stats = stats if stats is not None else FFNStats()
+        self.last_stats: list[StepStats] = []  # the cache steps of the last forward
+        # prefetch's (set, its cache step begun, or None when the set exceeds the cache) for the next forward
+        self._ahead: tuple[torch.Tensor, PendingStep | None] | None = None
+        self._same_token = False  # the next cache step is the second of a token (after its prefetched set)
+
+    @property
+    def nbytes(self) -> int:
+        """DRAM this layer holds: its cache (matrix, pointer, bias, per-neuron state; a shared one: its input bias
+        instead), output bias and fixed set's ids (exact mode, active_ids)."""
+        own = self.cache.nbytes if not self.shares_cache else \
+            (self.input_bias.nbytes if self.input_bias is not None else 0)
+        return own + sum(t.nbytes for t in (self.out_bias, self.fixed_ids) if t is not None)
+
+    @staticmethod
+    def bytes_for(store: FlashStore, staged: bool = False, every_neuron: bool = False) -> tuple[int, int]:
+        """(fixed bytes, bytes per cache row) of one FlashFFN layer over `store`: NeuronCache.bytes_for plus an
+        output bias (float32 [d], counted whether or not the model has one) and, every_neuron (exact mode: no
+        predictor), the int64 ids of that fixed set."""
+        fixed, per_row = NeuronCache.bytes_for(store, with_bias=input_bias_role(store) in store.ffn_roles[0],
+                                               staged=staged)
+        return fixed + 4 * store.hidden_size + (8 * store.n_neurons if every_neuron else 0), per_row
+
+    def _token_sets(self, flat: torch.Tensor, predictor: Predictor | None = None
+                    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """(per-token bool masks [T, n] or None when every token shares one set, the shared/union ids), chosen by
+        `predictor` (default: this FFN's)."""
+        n = self.store.n_neurons
+        if self.predictor is None:
+            return None, self.fixed_ids
+        start = self.cache.transfer.clock()
+        # The cache plans on the host: the answer crosses once (on a GPU, the one wait of a layer's step).
+        selection = (predictor or self.predictor)(flat).cpu()
+        self.stats.predictor_s += self.cache.transfer.clock() - start
+        if selection.dtype == torch.bool and selection.dim() == 2:
+            if tuple(selection.shape) != (flat.shape[0], n):
+                raise ValueError(f"the predictor returned a mask of shape {tuple(selection.shape)}, expected "
+                                 f"{(flat.shape[0], n)}")
+            return selection, active_ids_of(selection, n)
+        return None, self.store.check_ids(active_ids_of(selection, n)).unique()
+
+    def _begin(self, ids: torch.Tensor, background: bool = False) -> PendingStep:
+        """Begin the cache step of `ids`: the token's second step if its prefetched set was just read."""
+        same_token, self._same_token = self._same_token, False
+        return self.cache.begin_step(ids, background=background, same_token=same_token)
+
+    def _step(self, ids: torch.Tensor) -> None:
+        self._record_step(self._begin(ids).finish(), ids.numel())
+
+    def _record_step(self, step: StepStats, needed: int, prefetch: bool = False) -> None:
+        self.last_stats.append(step)
+        self.stats.add_step(step, needed, prefetch)
+
+    def prefetch(self, x: torch.Tensor) -> None:
+        """Look ahead (as DejaVu does): choose the set of this layer's next forward of one token from x [1, d], an
+        estimate of its input known before the layer's attention runs (the engine passes the FFN's norm of the
+        layer's input), by `ahead_predictor` (default: the FFN's predictor), and begin that set's cache step with
+        the reads in a reader thread, so they overlap the attention. lookahead="ahead": that forward computes
+        exactly this set (its own input only meets the kernel's threshold); "prefetch": it computes the set its
+        predictor chooses from its own input, reading only what this step did not. Several tokens: nothing (a
+        prompt forward chooses its sets itself)."""
+        flat = _check_input(x, self.store.hidden_size, self.cache.device)
+        if flat.shape[0] != 1 or self.shares_cache:  # (a shared cache: the forward starts from no rows)
+            return
+        self._finish_ahead()  # a set chosen ahead that no forward took (that forward failed): land its reads
+        _, ids = self._token_sets(flat, self.ahead_predictor)
+        self._ahead = (ids, self._begin(ids, background=True) if ids.numel() <= self.cache.capacity else None)
+
+    def _finish_ahead(self) -> bool:
+        """Land the reads of a set chosen ahead (counted as prefetched); whether there were any."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None or ahead[1] is None:
+            return False
+        self._record_step(ahead[1].finish(), 0, prefetch=True)
+        return True
+
+    def _step_overlapped(self, x: torch.Tensor, ids: torch.Tensor, out: torch.Tensor,
+                         pending: PendingStep | None = None) -> None:
+        """One token's step over its distinct neuron `ids` (begun already when `pending` is given), with the reads
+        in flight while the FFN of the already-cached neurons is computed, then the FFN of the neurons just read:
+        the same sum, in two parts."""
+        pending = pending if pending is not None else self._begin(ids, background=True)
+        cached = self.cache.slot_of[ids] >= 0  # the missing ids map to -1 until finish()
+        try:
+            self._compute(x, ids[cached], out)
+        finally:
+            step = pending.finish()  # never leave a read in flight: its rows would be reused
+        self._record_step(step, ids.numel())
+        self._compute(x, ids[~cached], out)
+
+    def _compute(self, x: torch.Tensor, ids: torch.Tensor, out: torch.Tensor) -> None:
+        """out [T, d] float32 += the FFN of x [T, d] over neurons `ids`, all of them cached now."""
+        start = self.cache.transfer.clock()
+        cache = self.cache
+        rows = cache.transfer.to_device(cache.slot_of[ids])
+        y = ops.sparse_ffn(x, cache.matrix, num_used=cache.num_used, bias=cache.bias, activation=self.activation,
+                           glu=self.store.glu, index=rows, threshold=self.threshold)
+        out += y.float()
+        self.stats.compute_s += self.cache.transfer.clock() - start
+
+    def _run_set(self, x: torch.Tensor, ids: torch.Tensor, out: torch.Tensor) -> None:
+        """The FFN of x over distinct neuron `ids`, in capacity-sized parts if they do not fit the cache."""
+        for part in ids.split(self.cache.capacity):
+            self._step(part)
+            self._compute(x, part, out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = _check_input(x, self.store.hidden_size, self.cache.device)
+        out = torch.zeros(flat.shape, dtype=torch.float32, device=flat.device)
+        self._accumulate(flat, flat.to(self.store.dtype).contiguous(), out)
+        if self.out_bias is not None:
+            out += self.out_bias
+        return out.to(x.dtype).reshape(x.shape)
+
+    def _accumulate(self, flat: torch.Tensor | None, xs, out: torch.Tensor) -> None:
+        """out [T, d] float32 += the FFN (without the output bias) of the T tokens xs [T, d] in the store's dtype,
+        the per-token sets from the predictor on flat [T, d] (None without a predictor). xs is whatever `_compute`
+        computes on (a torch tensor here, an mx.array in flashllm_ext.mlx); the cache steps and planning are
+        torch on the host either way."""
+        self.last_stats = []
+        if self.shares_cache:  # the other layers have used its rows since this one's last forward
+            self.cache.serve(self.layer, self.input_bias)
+        if self._ahead is not None and out.shape[0] == 1 and self.lookahead == "ahead":  # compute the set chosen
+            (ids, pending), self._ahead = self._ahead, None                              # ahead, its reads under way
+            if pending is None:
+                self._run_set(xs, ids, out)
+            else:
+                self._step_overlapped(xs, ids, out, pending)
+            self._end_accumulate(out)
+            return
+        # lookahead="prefetch": the token's own set continues the step whose reads were begun ahead
+        self._same_token = self._finish_ahead() and out.shape[0] == 1
+        masks, union = self._token_sets(flat)
+        if masks is None:  # one set for every token
+            self._run_set(xs, union, out)
+        elif masks.shape[0] > 1 and self._record_prefill(self.prefill_path(masks)) == "sequential":
+            self._prefill_sequential(xs, masks, out)
+        else:
+            for first, last in self._groups(masks):
+                group_union = masks[first:last].any(dim=0).nonzero().flatten()
+                if group_union.numel() > self.cache.capacity:  # a single token larger than the cache
+                    self._run_set(xs[first:last], group_union, out[first:last])
+                    continue
+                if last - first == 1 and self.overlap:  # a decode step: hide the reads behind the hits' compute
+                    self._step_overlapped(xs[first:last], group_union, out[first:last])
+                    continue
+                self._step(group_union)
+                for t in range(first, last):
+                    self._compute(xs[t:t + 1], masks[t].nonzero().flatten(), out[t:t + 1])
+        self._end_accumulate(out)
+
+    def _end_accumulate(self, out: torch.Tensor) -> None:
+        self._same_token = False  # (an empty set began no step)
+        self.stats.tokens += out.shape[0]
+
+    def _record_prefill(self, path: str) -> str:
+        self.prefill_paths[path] += 1
+        return path
+
+    def _prefill_sequential(self, xs: torch.Tensor, masks: torch.Tensor, out: torch.Tensor) -> None:
+        """Every bundle of the layer read in capacity-sized runs of consecutive neurons (a few long reads), each token
+        computed over its own active neurons of each run: the same sums as the union path."""
+        for part in torch.arange(self.store.n_neurons).split(self.cache.capacity):
+            self._step(part)
+            first = int(part[0])
+            for t in range(xs.shape[0]):
+                ids = masks[t, first:first + part.numel()].nonzero().flatten() + first
+                if ids.numel():
+                    self._compute(xs[t:t + 1], ids, out[t:t + 1])
+
+    def prefill_path(self, masks: torch.Tensor) -> str:
+        """How a forward of several tokens with per-token sets masks bool [T, n] reads the layer: "union" (each group
+        of tokens reads its union's missing bundles, coalesced) or "sequential" (every bundle, in long reads), as
+        `prefill` says; "auto" takes the one with the lower estimated read time on the calibrated disk
+        (reads x latency / threads + bytes / bandwidth, flashllm_ext.io.disk), without a calibration the one that reads
+        fewer bytes (union on a tie). The union path's bytes count every group's union in full after the first:
+        groups that do not fit the cache together re-read what an earlier group evicted."""
+        if self.prefill != "auto":
+            return self.prefill
+        profile, reader = load_disk_profile(), self.cache.reader
+        latency_s, bandwidth_bps = (0.0, 1.0) if profile is None else (profile.latency_s, profile.bandwidth_bps)
+        row, n = self.store.row_bytes, self.store.n_neurons
+        union_reads = union_bytes = 0
+        cached = self.cache.slot_of >= 0
+        for first, last in self._groups(masks):
+            missing = masks[first:last].any(dim=0) & ~cached
+            cached = torch.zeros_like(cached)  # a later group finds the earlier ones' rows evicted (upper bound)
+            ids = missing.nonzero().flatten()
+            union_bytes += ids.numel() * row
+            # one read per run of neurons whose gaps the reader does not read through
+            union_reads += int((ids.diff() * row > reader.max_gap + row).sum()) + 1 if ids.numel() else 0
+        sequential_bytes = n * row
+        sequential_reads = -(-sequential_bytes // max(reader.max_read, row))
+
+        def seconds(reads: int, nbytes: int) -> float:
+            return reads * latency_s / reader.threads + nbytes / bandwidth_bps
+
+        return "sequential" if seconds(sequential_reads, sequential_bytes) < seconds(union_reads, union_bytes) \
+            else "union"
+
+    def _groups(self, masks: torch.Tensor) -> list[tuple[int, int]]:
+        """Consecutive token ranges [first, last) whose union of active sets fits the cache (a token whose own
+        set does not fit is a range of its own)."""
+        capacity, groups, first = self.cache.capacity, [], 0
+        union = torch.zeros(masks.shape[1], dtype=torch.bool)
+        for t in range(masks.shape[0]):
+            grown = union | masks[t]
+            if t > first and int(grown.sum()) > capacity:
+                groups.append((first, t))
+                first, grown = t, masks[t].clone()
+            union = grown
+        if masks.shape[0]:
+            groups.append((first, masks.shape[0]))
+        return groups
+
+
+class StreamingFFN(nn.Module):
+    """One FFN layer computed densely: bundles [0, resident_rows) held in DRAM, the rest re-read from flash on every
+    forward into `staging` (shared between layers: [>= n - resident_rows, bundle_width] of the store dtype). On a
+    device, resident bundles and `staging` live there and the reads reach it through `transfer` (a StagedTransfer
+    with the same device as `staging`)."""
+
+    def __init__(self, store: FlashStore, layer: int, resident_rows: int, staging: torch.Tensor,
+                 reader: FlashReader, stats: FFNStats | None = None, transfer: Transfer | None = None):
+        super().__init__()
+        n = store.n_neurons
+        if not 0 <= resident_rows <= n:
+            raise ValueError(f"resident_rows must be in [0, {n}], got {resident_rows}")
+        if staging.shape[0] < n - resident_rows or staging.shape[1:] != (store.bundle_width,):
+            raise ValueError(f"staging must hold {n - resident_rows} bundles of width {store.bundle_width}, got "
+                             f"{tuple(staging.shape)}")
+        self.transfer = transfer if transfer is not None else HostTransfer()
+        if staging.device.type != self.transfer.device.type:
+            raise ValueError(f"staging is on {staging.device} but the transfer places rows on {self.transfer.device}")
+        if self.transfer.staged:
+            self.transfer.reserve((n - resident_rows) * store.row_bytes)
+        self.store, self.layer, self.reader, self.staging = store, layer, reader, staging
+        self.activation = store_activation(store)
+        self.stats = stats if stats is not None else FFNStats()
+        bias = layer_input_bias(store, layer)
+        device = staging.device
+        self.resident = None
+        if resident_rows and self.transfer.staged:  # read on the host, placed on the device once
+            self.resident = reader.read(layer, torch.arange(resident_rows)).data.to(device)
+        elif resident_rows:  # straight into the transfer's memory (flashllm_ext.mlx's: an mx.array)
+            self.resident = reader.read(layer, torch.arange(resident_rows),
+                                        self.transfer.empty((resident_rows, store.bundle_width), store.dtype)).data
+        self.resident_bias = None if bias is None else bias[:resident_rows].to(device)
+        self.streamed_ids = torch.arange(resident_rows, n)
+        self.streamed_bias = None if bias is None else bias[resident_rows:].to(device)
+        out_bias = _output_bias(store, layer)
+        self.register_buffer("out_bias", None if out_bias is None else out_bias.to(device), persistent=False)
+        self.nbytes = self.bytes_for(store, resident_rows)
+
+    @staticmethod
+    def bytes_for(store: FlashStore, resident_rows: int) -> int:
+        """DRAM one layer holds on its own (the shared staging buffer is counted once by its owner): resident
+        bundles, the ids of the streamed ones, the input bias (if any) and a float32 output bias (counted always)."""
+        n = store.n_neurons
+        bias = store.dtype.itemsize * n if input_bias_role(store) in store.ffn_roles[0] else 0
+        return resident_rows * store.row_bytes + 8 * (n - resident_rows) + bias + 4 * store.hidden_size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = _check_input(x, self.store.hidden_size, self.staging.device)
+        out = torch.zeros(flat.shape, dtype=torch.float32, device=flat.device)
+        self._accumulate(flat.to(self.store.dtype).contiguous(), out)
+        return out.to(x.dtype).reshape(x.shape)
+
+    def _accumulate(self, xs, out: torch.Tensor) -> None:
+        """out [T, d] float32 += the FFN (output bias included) of the T tokens xs [T, d] in the store's dtype, the
+        streamed bundles read first. xs is whatever `_compute` computes on (a torch tensor here, an mx.array in
+        flashllm_ext.mlx); the reads and the stats are torch on the host either way."""
+        n_streamed = self.streamed_ids.numel()
+        if n_streamed:
+            start = self.transfer.clock()
+            if self.transfer.staged:
+                landing = self.transfer.staging((n_streamed, self.store.bundle_width), self.store.dtype)
+                read = self.reader.read(self.layer, self.streamed_ids, landing)
+                self.transfer.upload(landing, self.staging[:n_streamed])
+            else:
+                read = self.reader.read(self.layer, self.streamed_ids, self.staging[:n_streamed])
+            self.stats.io_s += self.transfer.clock() - start
+            self.stats.bytes_read += read.stats.bytes_read
+            self.stats.bytes_requested += read.stats.bytes_requested
+            self.stats.decompress_s += read.stats.decompress_s
+            self.stats.n_reads += read.stats.n_reads
+            self.stats.inserted += n_streamed
+            self.stats.steps += 1
+        self.stats.needed += self.store.n_neurons
+        start = self.transfer.clock()
+        self._compute(xs, out)
+        if self.out_bias is not None:
+            out += self.out_bias
+        self.stats.compute_s += self.transfer.clock() - start
+        self.stats.tokens += out.shape[0]
+
+    def _parts(self) -> list[tuple[torch.Tensor, int, torch.Tensor | None]]:
+        """(rows, rows used, their input bias or None) of every neuron: the resident bundles, the streamed ones."""
+        parts = [] if self.resident is None else [(self.resident, self.resident.shape[0], self.resident_bias)]
+        n_streamed = self.streamed_ids.numel()
+        return parts + ([(self.staging, n_streamed, self.streamed_bias)] if n_streamed else [])
+
+    def _compute(self, xs: torch.Tensor, out: torch.Tensor) -> None:
+        """out [T, d] float32 += the FFN of xs [T, d] over every neuron, the streamed ones read already."""
+        for rows, num_used, bias in self._parts():
+            out += ops.sparse_ffn(xs, rows, num_used=num_used, bias=bias, activation=self.activation,
+                                  glu=self.store.glu).float()
+
+
+def ffn_slots(model: nn.Module) -> list[tuple[nn.Module, dict[str, nn.Module]]]:
+    """Per decoder layer: (the layer, its FFN modules by attribute) of a Llama-family (mlp) or OPT (fc1,
+    activation_fn, fc2) model."""
+    layers = decoder_layers(model)
+    if layers is None:
+        raise ValueError(f"{type(model).__name__}: not a Llama-family or OPT causal LM (no decoder layers found)")
+    slots = []
+    for i, layer in enumerate(layers):
+        if hasattr(layer, "mlp"):
+            slots.append((layer, {"mlp": layer.mlp}))
+        elif hasattr(layer, "fc1") and hasattr(layer, "fc2"):
+            slots.append((layer, {"fc1": layer.fc1, "activation_fn": layer.activation_fn, "fc2": layer.fc2}))
+        else:
+            raise ValueError(f"layer {i} ({type(layer).__name__}) has neither mlp nor fc1/fc2")
+    return slots
+
+
+def set_ffn(layer: nn.Module, ffn: nn.Module) -> None:
+    """Make `ffn` the FFN of a decoder layer. OPT applies fc1, its activation and fc2 inline: `ffn` does all three."""
+    if hasattr(layer, "mlp"):
+        layer.mlp = ffn
+    else:
+        layer.fc1, layer.activation_fn, layer.fc2 = ffn, nn.Identity(), nn.Identity()
+
+
+def install_flash_ffn(model: nn.Module, store: FlashStore | str | os.PathLike,
+                      make: Callable[[FlashStore, int], nn.Module] | None = None) -> list[nn.Module]:
+    """Replace every FFN of a Llama-family (layer.mlp) or OPT (fc1 -> act -> fc2) model by make(store, layer)
+    (default: FlashFFN in exact mode). Every cache reads through the store's one reader, shared_reader(store), unless
+    `make` passes another. Returns the modules."""
+    store = store if isinstance(store, FlashStore) else FlashStore(store)
+    make = make or FlashFFN
+    slots = ffn_slots(model)
+    if len(slots) != store.n_layers:
+        raise ValueError(f"{type(model).__name__} has {len(slots)} decoder layers, the store {store.n_layers}")
+    modules = []
+    for i, (layer, _) in enumerate(slots):
+        ffn = make(store, i)
+        set_ffn(layer, ffn)
+        modules.append(ffn)
+    return modules

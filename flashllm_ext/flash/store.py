@@ -1,0 +1,378 @@
+"""The flash weight store: FFN weights bundled per neuron on disk, everything else resident in DRAM.
+
+A store is a directory with two safetensors files (docs/design.md §5):
+  bundles.safetensors   per layer `layers.{l}.bundles` [n_neurons, bundle_width], bundle = [up_col | gate_col | down_row]
+                        (gate only for GLU models), each tensor on an `alignment`-byte boundary of the file so that
+                        neuron i of layer l is one contiguous, direct-I/O-friendly range. With Endor compression the
+                        layer is `layers.{l}.bundles.rows` (uint8: per neuron its bitmap row, then its non-zero
+                        values, back to back, so a neuron is still one contiguous read, of ~56% of the bytes at
+                        50% sparsity) and `layers.{l}.bundles.row_offsets` (int64 [n_neurons + 1], the Endor
+                        row offsets of the values; neuron i starts at byte i * ceil(width/8) + row_offsets[i] *
+                        itemsize of `.rows`, endor.row_starts).
+  resident.safetensors  embeddings, attention, norms, biases: what stays in memory.
+Both headers carry `magic` and `format_version`; bundles.safetensors also the model config, dtype, widths,
+alignment and `ffn_roles`: per layer, the checkpoint tensor name of each FFN role (WEIGHT_ROLES, whose weights are
+the bundles, and BIAS_ROLES present in the model, which are resident tensors under that name), so nothing reading a
+store re-derives names from a model family's naming scheme.
+`flashllm_ext.flash.convert` writes a store, `FlashStore` opens and validates one.
+"""
+from __future__ import annotations
+
+import json
+import os
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from flashllm_ext import endor
+from flashllm_ext.errors import FormatError
+from flashllm_ext.io.safetensors import ResidentFile, TensorEntry, TensorSpec, dtype_name, read_header
+
+
+MAGIC = "flashllm-store"
+FORMAT_VERSION = "2"  # 2: ffn_roles
+ALIGNMENT = 4096
+BUNDLES_FILE = "bundles.safetensors"
+RESIDENT_FILE = "resident.safetensors"
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+WEIGHT_ROLES = ("up", "gate", "down")  # gate only in GLU models
+BIAS_ROLES = ("up_bias", "gate_bias", "down_bias")
+# The sizes a model is built from (Hugging Face config names of the supported families).
+CONFIG_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "ffn_dim", "num_hidden_layers",
+                "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings")
+
+
+def parse_model_config(raw: str | None, path: str, resident: dict[str, TensorEntry]) -> dict:
+    """The model config in a store's `config` metadata entry: a JSON object whose sizes (CONFIG_SIZES, where given)
+    are positive integers and whose vocab_size is the row count of a resident tensor (the embedding), so a model is
+    never built from sizes the files do not back (a vocab_size of 1e11). FormatError naming the field otherwise."""
+    field = "__metadata__.config"
+    try:
+        config = json.loads(raw if raw is not None else "")
+    except json.JSONDecodeError as e:
+        raise FormatError(field, f"not JSON ({e})", path) from None
+    if not isinstance(config, dict):
+        raise FormatError(field, f"must be a JSON object, got {type(config).__name__}", path)
+    for key in CONFIG_SIZES:
+        value = config.get(key)
+        if value is not None and (type(value) is not int or value <= 0):
+            raise FormatError(f"{field}.{key}", f"must be a positive integer, got {value!r}", path)
+    vocab = config.get("vocab_size")
+    if vocab is not None and not any(len(e.shape) == 2 and e.shape[0] == vocab for e in resident.values()):
+        raise FormatError(f"{field}.vocab_size", f"{vocab} is the row count of no resident tensor (the embedding)",
+                          path)
+    return config
+
+
+def neuron_ids(ids: torch.Tensor | list[int]) -> torch.Tensor:
+    """`ids` as a flat int64 tensor. Float and bool ids are refused, not converted: int64 would truncate 0.7 to
+    neuron 0, a read of a neuron nobody asked for."""
+    ids = torch.as_tensor(ids)
+    if ids.numel() and (ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool):
+        raise ValueError(f"neuron ids must be integers, got {ids.dtype}")
+    return ids.to(torch.int64).reshape(-1)
+
+
+def layer_tensor_name(layer: int) -> str:
+    return f"layers.{layer}.bundles"
+
+
+def layer_specs(layer: int, ffn: int, width: int, dtype: torch.dtype, endor_nnz: int | None) -> list[TensorSpec]:
+    """The tensors of one layer in bundles.safetensors: dense bundles, or the Endor rows and row offsets (rows
+    holding `endor_nnz` values; -1 where the reader does not know it yet)."""
+    name = layer_tensor_name(layer)
+    if endor_nnz is None:
+        return [TensorSpec(name, dtype_name(dtype), (ffn, width))]
+    rows_bytes = -1 if endor_nnz < 0 else ffn * ((width + 7) // 8) + endor_nnz * dtype.itemsize
+    return [TensorSpec(f"{name}.rows", "U8", (rows_bytes,)), TensorSpec(f"{name}.row_offsets", "I64", (ffn + 1,))]
+
+
+@dataclass(frozen=True)
+class LayerLocation:
+    """Where a layer's bundles lie in bundles.safetensors (absolute byte offsets), for the native reader."""
+    offset: int
+    row_bytes: int
+    n_neurons: int
+
+
+@dataclass(frozen=True)
+class EndorLocation:
+    """Where an Endor layer's rows lie in bundles.safetensors, for the native reader: neuron i spans bytes
+    [offset + starts[i], offset + starts[i + 1]), its bitmap (head_bytes) then its values."""
+    offset: int
+    starts: torch.Tensor  # int64 [n_neurons + 1], relative to offset
+    row_offsets: torch.Tensor  # int64 [n_neurons + 1], the Endor row offsets of the values
+    head_bytes: int
+
+    @property
+    def counts(self) -> torch.Tensor:
+        """Values per neuron, int64 [n_neurons]."""
+        return self.row_offsets.diff()
+
+
+class FlashStore:
+    """An opened, validated flash store. Raises FormatError naming file and field on any inconsistency.
+
+    `shared()` holds the store's one FlashReader (reader.shared_reader), used by every NeuronCache over it; `close()`
+    (or leaving a `with` block) shuts it down.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.bundles_path = str(self.path / BUNDLES_FILE)
+        self.resident_path = str(self.path / RESIDENT_FILE)
+        header = read_header(self.bundles_path)
+        meta = header.metadata
+        self._check_magic(meta, self.bundles_path)
+        resident_header = read_header(self.resident_path)
+        self._check_magic(resident_header.metadata, self.resident_path)
+        self._resident_entries = resident_header.tensors
+        self.dtype_name = meta.get("dtype")
+        if self.dtype_name not in DTYPES:
+            raise FormatError("__metadata__.dtype", f"must be one of {sorted(DTYPES)}, got {self.dtype_name!r}",
+                              self.bundles_path)
+        self.dtype = DTYPES[self.dtype_name]
+        ints = {key: self._int_field(meta, key) for key in
+                ("bundle_width", "n_layers", "n_neurons", "hidden_size", "glu", "alignment", "endor")}
+        self.bundle_width, self.n_layers, self.n_neurons = ints["bundle_width"], ints["n_layers"], ints["n_neurons"]
+        self.hidden_size, self.glu, self.alignment = ints["hidden_size"], bool(ints["glu"]), ints["alignment"]
+        self.endor = bool(ints["endor"])
+        if self.alignment & (self.alignment - 1) or self.alignment < 512:
+            raise FormatError("__metadata__.alignment", f"must be a power of two >= 512, got {self.alignment}",
+                              self.bundles_path)
+        if self.bundle_width != (3 if self.glu else 2) * self.hidden_size:
+            raise FormatError("__metadata__.bundle_width", f"{self.bundle_width} disagrees with hidden_size "
+                              f"{self.hidden_size} and glu={self.glu}", self.bundles_path)
+        self.config = parse_model_config(meta.get("config"), self.bundles_path, self._resident_entries)
+        self.row_bytes = self.bundle_width * self.dtype.itemsize
+        self._entries = header.tensors
+        self._endor_index: dict[int, EndorLocation] = {}
+        if self.endor and f"{layer_tensor_name(0)}.values" in self._entries:
+            raise FormatError("__metadata__.endor", "Endor layers in the older layout (separate values and bitmap "
+                              "tensors): convert the checkpoint again", self.bundles_path)
+        for layer in range(self.n_layers):
+            for spec in layer_specs(layer, self.n_neurons, self.bundle_width, self.dtype, -1 if self.endor else None):
+                self._check_entry(spec)
+        self.ffn_roles = self._parse_ffn_roles(meta.get("ffn_roles"))
+        self._shared: dict[str, Any] = {}
+        self._shared_lock = threading.Lock()
+        self._resident = ResidentFile(self.resident_path)
+
+    def shared(self, key: str, open_shared: Callable[[], Any]) -> Any:
+        """The store's one object under `key`, made by `open_shared()` on first use and closed (its `close()`) with the
+        store: what every user of the store must share rather than each open its own, as its FlashReader
+        (reader.shared_reader: a pool of worker threads and a file descriptor). Safe to call concurrently."""
+        with self._shared_lock:
+            if key not in self._shared:
+                self._shared[key] = open_shared()
+            return self._shared[key]
+
+    def close(self) -> None:
+        """Closes the shared objects (the shared reader: its threads and file descriptor) and the resident file if they
+        were opened; later calls open them again."""
+        with self._shared_lock:
+            shared, self._shared = list(self._shared.values()), {}
+        for thing in shared:
+            thing.close()
+        self.close_resident()
+
+    def __enter__(self) -> FlashStore:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _check_magic(self, meta: dict[str, str], path: str) -> None:
+        if meta.get("magic") != MAGIC:
+            raise FormatError("__metadata__.magic", f"expected {MAGIC!r}, got {meta.get('magic')!r}", path)
+        if meta.get("format_version") != FORMAT_VERSION:
+            raise FormatError("__metadata__.format_version",
+                              f"unsupported version {meta.get('format_version')!r} (this library reads "
+                              f"{FORMAT_VERSION})", path)
+
+    def _parse_ffn_roles(self, raw: str | None) -> list[dict[str, str]]:
+        """Per layer, role -> checkpoint tensor name: the weight roles of this model exactly, bias roles only for
+        resident tensors of the right shape ([n_neurons] before the activation, [hidden_size] after down)."""
+        field = "__metadata__.ffn_roles"
+        try:
+            roles = json.loads(raw) if raw is not None else None
+        except json.JSONDecodeError as e:
+            raise FormatError(field, f"not JSON ({e})", self.bundles_path) from None
+        if not isinstance(roles, list) or len(roles) != self.n_layers:
+            raise FormatError(field, f"must list the roles of each of the {self.n_layers} layers, got "
+                              f"{str(roles)[:80]}", self.bundles_path)
+        weights = {"up", "down"} | ({"gate"} if self.glu else set())
+        for layer, names in enumerate(roles):
+            where = f"{field}[{layer}]"
+            if not isinstance(names, dict) or not all(isinstance(v, str) for v in names.values()):
+                raise FormatError(where, "must map roles to tensor names", self.bundles_path)
+            unknown = set(names) - set(WEIGHT_ROLES) - set(BIAS_ROLES)
+            if unknown or weights - set(names) or set(names) & set(WEIGHT_ROLES) - weights:
+                raise FormatError(where, f"roles {sorted(names)}: needs exactly the weights {sorted(weights)} "
+                                  f"and biases among {BIAS_ROLES}", self.bundles_path)
+            for role in set(names) & set(BIAS_ROLES):
+                entry = self._resident_entries.get(names[role])
+                size = self.hidden_size if role == "down_bias" else self.n_neurons
+                if entry is None or entry.shape != (size,):
+                    raise FormatError(f"{where}.{role}", f"{names[role]!r} is not a resident tensor of shape "
+                                      f"({size},)", self.bundles_path)
+        return roles
+
+    def _int_field(self, meta: dict[str, str], key: str) -> int:
+        try:
+            value = int(meta[key])
+        except (KeyError, ValueError):
+            raise FormatError(f"__metadata__.{key}", f"missing or not an integer: {meta.get(key)!r}",
+                              self.bundles_path) from None
+        if value < 0:
+            raise FormatError(f"__metadata__.{key}", f"must be non-negative, got {value}", self.bundles_path)
+        return value
+
+    def _check_entry(self, spec: TensorSpec) -> None:
+        entry = self._entries.get(spec.name)
+        if entry is None:
+            raise FormatError(spec.name, "missing", self.bundles_path)
+        # Endor values have a data-dependent length (declared as -1 here); everything else is fixed by metadata.
+        shape_ok = len(entry.shape) == 1 if spec.shape == (-1,) else entry.shape == spec.shape
+        if entry.dtype != spec.dtype or not shape_ok:
+            raise FormatError(f"{spec.name}.shape", f"{entry.dtype}{list(entry.shape)}, expected "
+                              f"{spec.dtype}{list(spec.shape)}", self.bundles_path)
+        if entry.begin % self.alignment:
+            raise FormatError(f"{spec.name}.data_offsets", f"starts at byte {entry.begin}, not a multiple of the "
+                              f"{self.alignment}-byte alignment", self.bundles_path)
+
+    def layer_location(self, layer: int) -> LayerLocation:
+        """Absolute file offset and row size of a dense layer, for FlashReader."""
+        self._check_layer(layer)
+        if self.endor:
+            raise ValueError(f"{self.bundles_path}: Endor stores have variable-size bundles; use endor_location()")
+        entry = self._entries[layer_tensor_name(layer)]
+        return LayerLocation(entry.begin, self.row_bytes, self.n_neurons)
+
+    def _check_layer(self, layer: int) -> None:
+        if not 0 <= layer < self.n_layers:
+            raise ValueError(f"layer {layer} out of range [0, {self.n_layers})")
+
+    def check_ids(self, ids: torch.Tensor | list[int]) -> torch.Tensor:
+        ids = neuron_ids(ids)
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.n_neurons):
+            raise ValueError(f"neuron ids must lie in [0, {self.n_neurons}), got min {int(ids.min())} "
+                             f"max {int(ids.max())}")
+        return ids
+
+    def bundle(self, layer: int, ids: torch.Tensor | list[int]) -> torch.Tensor:
+        """Bundles of neurons `ids` (any order, repeats allowed) of `layer`: [len(ids), bundle_width] of self.dtype.
+
+        Plain buffered reads (os.pread, one per run of consecutive neurons); FlashReader is the fast path.
+        """
+        self._check_layer(layer)
+        ids = self.check_ids(ids)
+        unique, inverse = torch.unique(ids, return_inverse=True)
+        if self.endor:
+            rows = self._endor_rows(layer, unique)
+        else:
+            entry = self._entries[layer_tensor_name(layer)]
+            rows = self._read_runs(unique, lambda a, b: (entry.begin + a * self.row_bytes,
+                                                         entry.begin + b * self.row_bytes))
+            rows = rows.view(self.dtype).view(-1, self.bundle_width)
+        return rows[inverse]
+
+    def _read_runs(self, sorted_ids: torch.Tensor, span: Callable[[int, int], tuple[int, int]]) -> torch.Tensor:
+        """Concatenated bytes of span(a, b) for each run a..b-1 of consecutive ids, as uint8."""
+        chunks = []
+        with open(self.bundles_path, "rb", buffering=0) as f:
+            for a, b in _runs(sorted_ids.tolist()):
+                begin, end = span(a, b)
+                data = os.pread(f.fileno(), end - begin, begin)
+                if len(data) != end - begin:
+                    raise FormatError("data", f"short read at offset {begin}: {len(data)} of {end - begin} bytes "
+                                      "(file truncated?)", self.bundles_path)
+                chunks.append(data)
+        return torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8) if chunks else \
+            torch.empty(0, dtype=torch.uint8)
+
+    def _endor_rows(self, layer: int, sorted_ids: torch.Tensor) -> torch.Tensor:
+        loc = self.endor_location(layer)
+        rows = self._read_runs(sorted_ids, lambda a, b: (loc.offset + int(loc.starts[a]),
+                                                         loc.offset + int(loc.starts[b])))
+        try:
+            return endor.unpack_rows(rows, loc.counts[sorted_ids], self.bundle_width, self.dtype).decompress()
+        except (FormatError, RuntimeError) as e:  # a row's bitmap disagrees with its value count
+            raise FormatError(f"{layer_tensor_name(layer)}.rows", f"neurons {sorted_ids.tolist()[:8]} (row k of the "
+                              f"message is the k-th of them) are inconsistent: {e}", self.bundles_path) from None
+
+    def endor_location(self, layer: int) -> EndorLocation:
+        """Where an Endor layer's neuron rows lie, for FlashReader. Its row offsets are read and validated once
+        (FormatError naming the field on any inconsistency) and kept: [n_neurons + 1] int64, small."""
+        self._check_layer(layer)
+        if not self.endor:
+            raise ValueError(f"{self.bundles_path}: not an Endor store; use layer_location()")
+        location = self._endor_index.get(layer)
+        if location is None:
+            name = layer_tensor_name(layer)
+            rows = self._entries[f"{name}.rows"]
+            entry = self._entries[f"{name}.row_offsets"]
+            with open(self.bundles_path, "rb", buffering=0) as f:
+                raw = os.pread(f.fileno(), entry.end - entry.begin, entry.begin)
+            if len(raw) != entry.end - entry.begin:
+                raise FormatError(f"{name}.row_offsets", "short read (file truncated?)", self.bundles_path)
+            row_offsets = torch.frombuffer(bytearray(raw), dtype=torch.int64)
+            width, item = (self.bundle_width + 7) // 8, self.dtype.itemsize
+            counts = row_offsets.diff()
+            if int(row_offsets[0]) != 0 or bool((counts < 0).any()) or bool((counts > self.bundle_width).any()):
+                raise FormatError(f"{name}.row_offsets", f"must rise from 0 by at most the bundle width "
+                                  f"{self.bundle_width} per neuron", self.bundles_path)
+            starts = endor.row_starts(row_offsets, width, item)
+            if int(starts[-1]) != rows.end - rows.begin:
+                raise FormatError(f"{name}.row_offsets", f"describe {int(starts[-1])} bytes of rows, "
+                                  f"{name}.rows holds {rows.end - rows.begin}", self.bundles_path)
+            location = EndorLocation(rows.begin, starts, row_offsets, width)
+            self._endor_index[layer] = location
+        return location
+
+    def layer_bias(self, layer: int, role: str) -> torch.Tensor | None:
+        """The resident bias of `layer` in `role` (one of BIAS_ROLES) as stored, None when the model has none."""
+        self._check_layer(layer)
+        if role not in BIAS_ROLES:
+            raise ValueError(f"role must be one of {BIAS_ROLES}, got {role!r}")
+        name = self.ffn_roles[layer].get(role)
+        return None if name is None else self.resident_tensor(name)
+
+    def resident_names(self) -> list[str]:
+        """Names of the resident tensors (embeddings, attention, norms, biases; predictors under `predictor.*`)."""
+        return list(self._resident_entries)
+
+    def resident(self) -> dict[str, torch.Tensor]:
+        """Every resident tensor under its checkpoint name."""
+        return {name: self.resident_tensor(name) for name in self._resident_entries}
+
+    def resident_tensor(self, name: str) -> torch.Tensor:
+        """One resident tensor, read through the store's one handle of resident.safetensors into memory of its own."""
+        return self._resident.tensor(name)
+
+    def close_resident(self) -> None:
+        """Unmaps resident.safetensors (io.safetensors.ResidentFile); a later resident_tensor() maps it again."""
+        self._resident.close()
+
+    def __repr__(self) -> str:
+        return (f"FlashStore({str(self.path)!r}, layers={self.n_layers}, neurons={self.n_neurons}, "
+                f"bundle_width={self.bundle_width}, dtype={self.dtype_name}, glu={self.glu}, endor={self.endor})")
+
+
+def _runs(sorted_unique: list[int]) -> Iterator[tuple[int, int]]:
+    """Maximal runs of consecutive integers as half-open (first, last + 1) pairs."""
+    start = prev = None
+    for i in sorted_unique:
+        if start is None:
+            start = prev = i
+        elif i == prev + 1:
+            prev = i
+        else:
+            yield start, prev + 1
+            start = prev = i
+    if start is not None:
+        yield start, prev + 1

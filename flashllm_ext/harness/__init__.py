@@ -1,0 +1,1 @@
+"""What the demos and benchmarks measure with: memory cgroups, interleaved timing, tables."""

@@ -1,0 +1,156 @@
+"""The `transformers` reference model for a GGUF file, weight replacement and Linear-input capture."""
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from flashllm_ext.hub.fetch import fetch_default
+from flashllm_ext.io.safetensors import drop_page_cache
+
+FFN_KINDS = ("gate_proj", "up_proj", "down_proj")
+
+
+def ffn_linear_names(num_layers: int) -> list[str]:
+    """Module names of every FFN Linear: `model.layers.{i}.mlp.{gate,up,down}_proj`, layer-major."""
+    return [f"model.layers.{i}.mlp.{kind}" for i in range(num_layers) for kind in FFN_KINDS]
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList | None:
+    """The decoder layers of a Hugging Face causal LM: model.model.layers (Llama family) or
+    model.model.decoder.layers (OPT); None for other layouts."""
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if layers is None and getattr(inner, "decoder", None) is not None:
+        layers = getattr(inner.decoder, "layers", None)
+    return layers
+
+
+def ffn_norm(layer: nn.Module) -> nn.Module:
+    """The norm a decoder layer applies to its residual stream before its FFN (Llama's post_attention_layernorm,
+    OPT's final_layer_norm; Identity for an OPT that normalises after the FFN instead), so that norm(the layer's
+    input) is the FFN input the layer would see if attention added nothing: what a look-ahead predictor scores."""
+    if hasattr(layer, "post_attention_layernorm"):
+        return layer.post_attention_layernorm
+    if hasattr(layer, "final_layer_norm"):
+        return layer.final_layer_norm if getattr(layer, "do_layer_norm_before", True) else nn.Identity()
+    raise ValueError(f"{type(layer).__name__}: no post_attention_layernorm (Llama) or final_layer_norm (OPT)")
+
+
+def load_hf_model(path: str | os.PathLike | None = None,
+                  state_dict: Mapping[str, torch.Tensor] | None = None):
+    """(model, tokenizer) loaded offline by `transformers` from a GGUF file (default: the default model).
+
+    The model is fp32, in eval mode. `state_dict` (Hugging Face names -> tensors, any subset) replaces those
+    weights after loading, e.g. pruned FFN matrices.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(path) if path is not None else fetch_default()
+    if not path.is_file():
+        raise FileNotFoundError(f"no GGUF file at {path}")
+    kwargs = {"gguf_file": path.name, "local_files_only": True}
+    model = AutoModelForCausalLM.from_pretrained(path.parent, dtype=torch.float32, **kwargs)
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, **kwargs)
+    if state_dict:
+        replace_weights(model, state_dict)
+    return model.eval(), tokenizer
+
+
+def save_hf_checkpoint(model: torch.nn.Module, tokenizer, path: str | os.PathLike) -> None:
+    """Write a model loaded from GGUF (load_hf_model) as a plain fp16 Hugging Face safetensors directory with its
+    tokenizer. transformers refuses to serialise a GGUF-loaded model, so its weights go into a fresh one first."""
+    from transformers import AutoModelForCausalLM
+
+    config = model.config
+    config.__dict__.pop("quantization_config", None)
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float16)
+    plain.load_state_dict(model.state_dict())
+    plain.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+
+
+@torch.no_grad()
+def replace_weights(model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor]) -> None:
+    """Copy tensors into the model's parameters of the same names (cast to the parameter's dtype).
+
+    Raises ValueError for a name the model does not have or a shape that differs, before changing anything.
+    """
+    params = dict(model.named_parameters(remove_duplicate=False))
+    for name, value in state_dict.items():
+        if name not in params:
+            raise ValueError(f"model has no parameter {name!r}")
+        if tuple(value.shape) != tuple(params[name].shape):
+            raise ValueError(f"{name}: shape {tuple(value.shape)} differs from the model's {tuple(params[name].shape)}")
+    for name, value in state_dict.items():
+        params[name].copy_(value)
+
+
+@torch.inference_mode()
+def collect_linear_inputs(model: torch.nn.Module, input_ids: torch.Tensor,
+                          module_names: Iterable[str]) -> dict[str, torch.Tensor]:
+    """Inputs seen by the named Linear modules during one forward pass of `input_ids` ([T] or [B, T]).
+
+    Returns module name -> fp32 [B*T, in_features]. Hooks are removed afterwards, even on error.
+    """
+    captured: dict[str, list[torch.Tensor]] = {}
+    handles = []
+
+    def hook_for(name: str):
+        def hook(module: torch.nn.Module, args: tuple, _output: torch.Tensor) -> None:
+            captured[name].append(args[0].detach().reshape(-1, args[0].shape[-1]).float())
+        return hook
+
+    try:
+        for name in module_names:
+            captured[name] = []
+            handles.append(model.get_submodule(name).register_forward_hook(hook_for(name)))
+        model(input_ids.view(1, -1) if input_ids.dim() == 1 else input_ids)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return {name: torch.cat(chunks) for name, chunks in captured.items()}
+
+
+
+def empty_model(config: dict, dtype: torch.dtype, source: str | os.PathLike) -> nn.Module:
+    """A Hugging Face causal LM of a store's `config` (a checkpoint's config.json fields) with its parameters on the
+    meta device (buffers real), to be filled by assign_resident; `source` names the store in errors."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = dict(config)
+    model_type = config.pop("model_type", None)
+    if model_type is None:
+        raise ValueError(f"{source}: the store's config has no model_type")
+    hf_config = AutoConfig.for_model(model_type, **config)
+    with init_empty_weights(include_buffers=False):
+        return AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+
+
+def assign_resident(model: nn.Module, store, dtype: torch.dtype) -> None:
+    """Load the store's resident tensors into the (meta) model under their names; tie the LM head if the
+    checkpoint shares it with the embedding. `store`: anything with `path`, `resident_names()` and
+    `resident_tensor(name)`, `close_resident()` and `resident_path` (a FlashStore, an offload LayerStore)."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    for name in store.resident_names():
+        if name.startswith("predictor."):
+            continue
+        target = name if name in params else f"model.{name}"
+        if target not in params:
+            raise ValueError(f"{store.path}: resident tensor {name!r} has no place in {type(model).__name__}")
+        module_name, _, attr = target.rpartition(".")
+        module = model.get_submodule(module_name)
+        value = store.resident_tensor(name).to(dtype)
+        if tuple(value.shape) != tuple(params[target].shape):
+            raise ValueError(f"{store.path}: {name} has shape {tuple(value.shape)}, the model expects "
+                             f"{tuple(params[target].shape)}")
+        setattr(module, attr, nn.Parameter(value, requires_grad=False))
+    if getattr(model.config, "tie_word_embeddings", False):
+        model.tie_weights()
+    # Every resident tensor is now a copy of its own: unmap the file and drop its pages (io.safetensors.ResidentFile).
+    store.close_resident()
+    drop_page_cache(store.resident_path)

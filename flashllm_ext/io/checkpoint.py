@@ -1,0 +1,334 @@
+"""Checkpoints read one tensor at a time: Hugging Face safetensors directories (sharded or not) and Llama GGUF files.
+
+`open_checkpoint(path)` gives a Checkpoint: a Hugging Face style `config`, the tensor `names`, each tensor's `shape`
+from the header, and `ckpt[name]` that reads (GGUF: dequantizes) that one tensor only, so converting a 7B model
+holds one tensor at a time, not the whole model in fp32.
+
+GGUF tensors equal what `transformers` loads from the same file: both dequantize with `gguf.quants.dequantize`,
+and llama.cpp's rotary permutation of the Q/K rows is undone here as transformers undoes it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors import safe_open
+from tqdm.auto import tqdm
+
+from flashllm_ext.errors import FormatError
+from flashllm_ext.io.paths import regular_file
+from flashllm_ext.io.safetensors import TensorEntry, dtype_name, read_header
+
+GGUF_MAGIC = b"GGUF"
+SUPPORTED_ARCHITECTURES = ("llama",)
+# GGUF name inside a block -> Hugging Face name inside `model.layers.{i}`.
+_BLOCK_NAMES = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+}
+_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+# Errors the gguf reader raises on malformed or truncated files (it indexes a memmap with header values).
+_READER_ERRORS = (ValueError, IndexError, KeyError, TypeError, OverflowError, struct.error)
+
+
+def _open(path: str | os.PathLike):
+    import gguf
+
+    path = regular_file(path)
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != GGUF_MAGIC:
+        raise FormatError("magic", f"expected {GGUF_MAGIC!r}, got {magic!r}: not a GGUF file", path)
+    try:
+        return gguf.GGUFReader(path)
+    except _READER_ERRORS as e:
+        raise FormatError("header", f"unreadable GGUF header ({type(e).__name__}: {e})", path) from None
+
+
+def _field(reader, key: str, path: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    if field is None:
+        if default is None:
+            raise FormatError(key, "missing from the GGUF metadata", path)
+        return default
+    try:
+        return field.contents()
+    except _READER_ERRORS as e:
+        raise FormatError(key, f"unreadable value ({e})", path) from None
+
+
+def _size(reader, key: str, path: str, default: int | None = None) -> int:
+    """A positive integer field: sizes size the model built from them, and a zero divides."""
+    value = _field(reader, key, path, default)
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value <= 0:
+        raise FormatError(key, f"must be positive, got {value!r}", path)
+    return int(value)
+
+
+def _config_from_reader(reader, path: str) -> dict[str, Any]:
+    arch = _field(reader, "general.architecture", path)
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise FormatError("general.architecture", f"{arch!r} is not supported (only {SUPPORTED_ARCHITECTURES})",
+                          path)
+    hidden = _size(reader, f"{arch}.embedding_length", path)
+    heads = _size(reader, f"{arch}.attention.head_count", path)
+    blocks = _size(reader, f"{arch}.block_count", path)
+    # Every name of every block is built from this count (expected_shapes): a file cannot hold fewer tensors.
+    if blocks * len(_BLOCK_NAMES) > len(reader.tensors):
+        raise FormatError(f"{arch}.block_count", f"{blocks} blocks need {blocks * len(_BLOCK_NAMES)} tensors, the "
+                          f"file has {len(reader.tensors)}", path)
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    vocab = _size(reader, f"{arch}.vocab_size", path, default=len(tokens.data) if tokens is not None else None)
+    names = {t.name for t in reader.tensors}
+    config = {
+        "model_type": arch,
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": hidden,
+        "intermediate_size": _size(reader, f"{arch}.feed_forward_length", path),
+        "num_hidden_layers": blocks,
+        "num_attention_heads": heads,
+        "num_key_value_heads": _size(reader, f"{arch}.attention.head_count_kv", path, default=heads),
+        "head_dim": _size(reader, f"{arch}.attention.key_length", path, default=hidden // heads),
+        "rms_norm_eps": float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", path)),
+        "rope_theta": float(_field(reader, f"{arch}.rope.freq_base", path, default=10000.0)),
+        "max_position_embeddings": _size(reader, f"{arch}.context_length", path),
+        "vocab_size": vocab,
+        "hidden_act": "silu",
+        # llama.cpp drops output.weight when the LM head shares the embedding matrix.
+        "tie_word_embeddings": "output.weight" not in names,
+    }
+    for key, name in (("tokenizer.ggml.bos_token_id", "bos_token_id"), ("tokenizer.ggml.eos_token_id",
+                                                                          "eos_token_id")):
+        if key in reader.fields:
+            config[name] = int(_field(reader, key, path))
+    if hidden % heads or config["num_attention_heads"] % config["num_key_value_heads"]:
+        raise FormatError(f"{arch}.attention.head_count", f"{heads} heads / {config['num_key_value_heads']} kv "
+                          f"heads do not divide hidden size {hidden}", path)
+    return config
+
+
+def unsupported_model(model_type: object, found: str) -> FormatError:
+    """The error for a checkpoint whose tensors are not named as those of a supported family (Llama, Mistral,
+    SmolLM, OPT: decoder layers `layers.{i}`): it names the config's model_type, which says more than the names."""
+    return FormatError("model_type", f"{model_type!r} is not supported: {found}")
+
+
+def gguf_config(path: str | os.PathLike) -> dict[str, Any]:
+    """Hugging Face style config (model_type, hidden_size, intermediate_size, num_hidden_layers, ...) of a GGUF."""
+    return _config_from_reader(_open(path), os.fspath(path))
+
+
+def expected_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Hugging Face tensor name -> shape [out, in] (or [n] for norms) for a Llama config."""
+    hidden, ffn = config["hidden_size"], config["intermediate_size"]
+    q_rows = config["num_attention_heads"] * config["head_dim"]
+    kv_rows = config["num_key_value_heads"] * config["head_dim"]
+    shapes = {"model.embed_tokens.weight": (config["vocab_size"], hidden), "model.norm.weight": (hidden,)}
+    if not config["tie_word_embeddings"]:
+        shapes["lm_head.weight"] = (config["vocab_size"], hidden)
+    per_layer = {"self_attn.q_proj": (q_rows, hidden), "self_attn.k_proj": (kv_rows, hidden),
+                 "self_attn.v_proj": (kv_rows, hidden), "self_attn.o_proj": (hidden, q_rows),
+                 "mlp.gate_proj": (ffn, hidden), "mlp.up_proj": (ffn, hidden), "mlp.down_proj": (hidden, ffn),
+                 "input_layernorm": (hidden,), "post_attention_layernorm": (hidden,)}
+    for i in range(config["num_hidden_layers"]):
+        shapes.update({f"model.layers.{i}.{name}.weight": shape for name, shape in per_layer.items()})
+    return shapes
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """`blk.3.ffn_up.weight` -> `model.layers.3.mlp.up_proj.weight`; None for names outside the Llama layout."""
+    parts = gguf_name.split(".")
+    if len(parts) == 2 and parts[0] in _TOP_NAMES:
+        return f"{_TOP_NAMES[parts[0]]}.{parts[1]}"
+    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _BLOCK_NAMES:
+        return f"model.layers.{parts[1]}.{_BLOCK_NAMES[parts[2]]}.{parts[3]}"
+    return None
+
+
+def _undo_rotary_permutation(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    # llama.cpp interleaves the two rotary halves of each head's rows; Hugging Face keeps them as two blocks.
+    rows, cols = w.shape
+    return w.view(n_heads, rows // n_heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+class Checkpoint(ABC):
+    """A checkpoint's config and tensors under Hugging Face names, each read only when asked for."""
+    config: dict[str, Any]
+    names: list[str]
+
+    @abstractmethod
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The shape of tensor `name`, from the header (nothing is read)."""
+
+    @abstractmethod
+    def dtype(self, name: str) -> str:
+        """The safetensors dtype name ("F16", "I64", ...) `ckpt[name]` returns, from the header."""
+
+    @abstractmethod
+    def __getitem__(self, name: str) -> torch.Tensor:
+        """Tensor `name`, read (GGUF: dequantized to fp32) now; nothing of it is kept."""
+
+
+class TensorsCheckpoint(Checkpoint):
+    """Tensors already in memory (a loaded model's state_dict, pruned weights) as a Checkpoint, so the store
+    writers take them like a file."""
+
+    def __init__(self, config: dict[str, Any], tensors: dict[str, torch.Tensor]):
+        self.config, self._tensors, self.names = dict(config), dict(tensors), list(tensors)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._tensors[name].shape)
+
+    def dtype(self, name: str) -> str:
+        return dtype_name(self._tensors[name].dtype)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._tensors[name]
+
+
+def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
+    """A Hugging Face safetensors directory (sharded or not) or a Llama .gguf file."""
+    path = Path(path)
+    if path.is_file() and path.suffix == ".gguf":
+        return GGUFCheckpoint(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path}: expected a Hugging Face safetensors directory or a .gguf file")
+    return SafetensorsCheckpoint(path)
+
+
+def _read_json(path: Path) -> dict:
+    """A checkpoint's JSON object; anything else raises FormatError naming the file."""
+    try:
+        parsed = json.loads(Path(regular_file(path)).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise FormatError(path.name, f"not readable JSON ({e})", str(path)) from e
+    if not isinstance(parsed, dict):
+        raise FormatError(path.name, "must be a JSON object", str(path))
+    return parsed
+
+
+def _shard_path(path: Path, index: Path, name: str, shard: object) -> Path:
+    """The shard `index` names for tensor `name`, which must lie inside the checkpoint folder: a relative path
+    without "..". Checked on the name, not resolved: Hugging Face cache folders hold symbolic links to blobs kept
+    outside them."""
+    if not isinstance(shard, str) or Path(shard).is_absolute() or ".." in Path(shard).parts:
+        raise FormatError(f"weight_map[{name!r}]", f"shard {shard!r} is outside the checkpoint folder", str(index))
+    return path / shard
+
+
+class SafetensorsCheckpoint(Checkpoint):
+    """A Hugging Face directory: config.json and one or more safetensors shards (model.safetensors.index.json)."""
+
+    def __init__(self, path: str | os.PathLike):
+        path = Path(path)
+        config_path = path / "config.json"
+        if not config_path.exists():
+            raise FormatError("config.json", "missing", str(path))
+        self.config = _read_json(config_path)
+        self._shard_of, self._entries = self._index(path)
+        self.names = list(self._shard_of)
+        self._handles: dict[Path, Any] = {}  # shard -> open safe_open handle
+
+    @staticmethod
+    def _index(path: Path) -> tuple[dict[str, Path], dict[str, TensorEntry]]:
+        """(tensor name -> shard, tensor name -> header entry), every shard header validated before any data is read."""
+        index = path / "model.safetensors.index.json"
+        if index.exists():
+            weight_map = _read_json(index).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise FormatError("weight_map", "missing or not an object", str(index))
+            shards = {_shard_path(path, index, name, f) for name, f in weight_map.items()}
+        else:
+            shards = set(path.glob("*.safetensors"))
+        if not shards:
+            raise FormatError("model.safetensors", "no safetensors file in the checkpoint", str(path))
+        shard_of: dict[str, Path] = {}
+        entries: dict[str, TensorEntry] = {}
+        for shard in sorted(shards):
+            for name, entry in read_header(shard).tensors.items():
+                shard_of[name], entries[name] = shard, entry
+        return shard_of, entries
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._entries[name].shape
+
+    def dtype(self, name: str) -> str:
+        return self._entries[name].dtype
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        shard = self._shard_of[name]
+        if shard not in self._handles:
+            self._handles[shard] = safe_open(str(shard), framework="pt")
+        return self._handles[shard].get_tensor(name)
+
+
+class GGUFCheckpoint(Checkpoint):
+    """A Llama GGUF file under Hugging Face names. Opening validates the header (architecture, every tensor's name
+    and shape, none missing) and maps the file; `ckpt[name]` dequantizes that one tensor to fp32 (Q/K rows
+    un-permuted). Raises FormatError naming the file and the field."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = os.fspath(path)
+        reader = _open(self.path)
+        self.config = _config_from_reader(reader, self.path)
+        shapes = expected_shapes(self.config)
+        self._tensors: dict[str, Any] = {}  # Hugging Face name -> gguf ReaderTensor (a view of the mapped file)
+        for tensor in reader.tensors:
+            name = hf_name(tensor.name)
+            if name is None or name not in shapes:
+                raise FormatError(tensor.name, "tensor has no place in the Llama layout of this config", self.path)
+            shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists dimensions innermost first
+            if shape != shapes[name]:
+                raise FormatError(tensor.name, f"shape {shape}, expected {shapes[name]} for {name}", self.path)
+            self._tensors[name] = tensor
+        missing = [name for name in shapes if name not in self._tensors]
+        if missing:
+            raise FormatError(missing[0], f"missing tensor ({len(missing)} missing in all)", self.path)
+        self.names = list(self._tensors)
+        self._shapes = shapes
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._shapes[name]
+
+    def dtype(self, name: str) -> str:
+        return "F32"  # every tensor is dequantized to fp32
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        import gguf
+
+        tensor = self._tensors[name]
+        try:
+            array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        except (*_READER_ERRORS, NotImplementedError) as e:
+            raise FormatError(tensor.name, f"cannot dequantize {tensor.tensor_type.name} data ({e})",
+                              self.path) from None
+        if tuple(array.shape) != self._shapes[name]:
+            raise FormatError(tensor.name, f"dequantized to shape {tuple(array.shape)}, expected "
+                              f"{self._shapes[name]} for {name}", self.path)
+        if array.dtype != np.float32 or not array.flags.writeable:
+            array = array.astype(np.float32)
+        weight = torch.from_numpy(array)
+        if name.endswith("self_attn.q_proj.weight"):
+            weight = _undo_rotary_permutation(weight, self.config["num_attention_heads"])
+        elif name.endswith("self_attn.k_proj.weight"):
+            weight = _undo_rotary_permutation(weight, self.config["num_key_value_heads"])
+        return weight
+
+
+def load_gguf(path: str | os.PathLike, progress: bool = True) -> dict[str, torch.Tensor]:
+    """Every tensor of a Llama GGUF dequantized to fp32 under its Hugging Face name, Q/K rows un-permuted (the whole
+    model in memory: for reference comparisons; conversion reads a GGUFCheckpoint one tensor at a time).
+
+    Raises FormatError (naming the file and the field) for a non-GGUF file, an unsupported architecture,
+    unknown, missing or wrongly shaped tensors.
+    """
+    ckpt = GGUFCheckpoint(path)
+    return {name: ckpt[name] for name in tqdm(ckpt.names, desc=f"dequantizing {Path(path).name}",
+                                              disable=not progress, unit="t")}

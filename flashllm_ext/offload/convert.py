@@ -1,0 +1,125 @@
+"""convert_offload: a checkpoint into a layer store, dense or Endor, written to staging and installed whole."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from flashllm_ext import endor
+from flashllm_ext.io.checkpoint import Checkpoint, open_checkpoint, unsupported_model
+from flashllm_ext.errors import FormatError
+from flashllm_ext.io.paths import check_out_dir, install_dir, staging_dir
+from flashllm_ext.io.safetensors import (AlignedWriter, TensorSpec, save_tensors)
+from flashllm_ext.io.buffers import ALIGNMENT
+from flashllm_ext.flash.store import DTYPES
+from flashllm_ext.offload.store import (END_TENSOR, FORMAT_VERSION, LAYERS_FILE, MAGIC, RESIDENT_FILE, STORE_FILES,
+                                       TENSOR_ALIGNMENT, LayerStore, MatrixEntry, round_up)
+
+
+_LAYER_WEIGHT = re.compile(r"^(?:.*\.)?layers\.(\d+)\..+\.weight$")
+
+
+
+def _layer_matrices(ckpt: Checkpoint) -> list[list[str]]:
+    """Per decoder layer, in layer order, the names of its 2-D `.weight` tensors (its Linear weights)."""
+    layers: dict[int, list[str]] = {}
+    for name in ckpt.names:
+        m = _LAYER_WEIGHT.match(name)
+        if m and len(ckpt.shape(name)) == 2:
+            layers.setdefault(int(m.group(1)), []).append(name)
+    if not layers:
+        raise unsupported_model(ckpt.config.get("model_type"), "no decoder-layer weights (layers.{i}.*.weight)")
+    if sorted(layers) != list(range(len(layers))):
+        raise FormatError("layers", f"non-contiguous layer numbers {sorted(layers)[:8]}")
+    return [layers[i] for i in range(len(layers))]
+
+
+def convert_offload(checkpoint: str | os.PathLike | Checkpoint, out_dir: str | os.PathLike, *, dtype: str = "fp16",
+                    endor_compress: bool = False, force: bool = False, progress: bool = True) -> Path:
+    """Write a layer store of `checkpoint` (a Hugging Face safetensors directory, a GGUF file, or a Checkpoint such
+    as `TensorsCheckpoint(config, state_dict)`) at `out_dir`, one tensor in memory at a time. endor_compress: store
+    each matrix as Endor where that is smaller than dense (pruned weights); a first pass counts the non-zeros (the
+    header declares every length before any data). Atomic (written under a temporary name, then renamed); refuses
+    to replace `out_dir` unless `force`, and even then anything but a layer store or an empty directory
+    (paths.check_out_dir). Returns `out_dir`, absolute."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    out_dir = check_out_dir(out_dir, force, STORE_FILES, None if isinstance(checkpoint, Checkpoint) else checkpoint)
+    ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else open_checkpoint(checkpoint)
+    torch_dtype = DTYPES[dtype]
+    layers = _layer_matrices(ckpt)
+    nnz: dict[str, int] = {}
+    if endor_compress:
+        for names in tqdm(layers, desc="counting non-zeros", unit="layer", disable=not progress):
+            for name in names:
+                nnz[name] = endor.count_nonzero(ckpt[name].to(torch_dtype))
+    item = torch_dtype.itemsize
+    entries = []
+    for names in layers:
+        layer = []
+        for name in names:
+            rows, cols = ckpt.shape(name)
+            # Endor only where it is smaller: values + bitmap + row offsets against the dense matrix.
+            compressed = name in nnz and \
+                nnz[name] * item + rows * ((cols + 7) // 8) + (rows + 1) * 8 < rows * cols * item
+            layer.append(MatrixEntry(name, (rows, cols), compressed))
+        entries.append(layer)
+    # A layer is one read range: its first tensor starts on a block (a zero-filled `layers.{l}.align` tensor fills
+    # the gap), the rest follow TENSOR_ALIGNMENT apart, so the padding costs at most a block per layer.
+    specs, offset, pads = [], 0, []
+    for i, layer in enumerate(entries):
+        start = round_up(offset, TENSOR_ALIGNMENT)
+        gap = round_up(start, ALIGNMENT) - start
+        pads.append(TensorSpec(f"layers.{i}.align", "U8", (gap,)) if gap else None)
+        specs += [pads[-1]] if gap else []
+        offset = start + gap
+        for spec in (s for e in layer for s in e.specs(torch_dtype, nnz.get(e.name, 0))):
+            specs.append(spec)
+            offset = round_up(offset, TENSOR_ALIGNMENT) + spec.nbytes
+    start = round_up(offset, TENSOR_ALIGNMENT)
+    specs.append(TensorSpec(END_TENSOR, "U8", (round_up(start, ALIGNMENT) - start,)))
+    metadata = {"magic": MAGIC, "format_version": FORMAT_VERSION, "config": json.dumps(ckpt.config),
+                "dtype": dtype, "alignment": str(ALIGNMENT), "tensor_alignment": str(TENSOR_ALIGNMENT),
+                "layers": json.dumps([[[e.name, list(e.shape), int(e.endor)] for e in layer] for layer in entries])}
+    tmp = staging_dir(out_dir)
+    try:
+        with AlignedWriter(tmp / LAYERS_FILE, specs, metadata, ALIGNMENT, TENSOR_ALIGNMENT) as writer:
+            for pad, layer in tqdm(list(zip(pads, entries)), desc="writing layers", unit="layer",
+                                   disable=not progress):
+                if pad is not None:
+                    writer.write(pad.name, torch.zeros(pad.shape, dtype=torch.uint8))
+                for e in layer:
+                    w = ckpt[e.name].to(torch_dtype)
+                    if e.endor:
+                        compressed = endor.compress(w)
+                        for part in endor.PARTS:
+                            writer.write(f"{e.name}.{part}", getattr(compressed, part))
+                    else:
+                        writer.write(e.name, w)
+            writer.write(END_TENSOR, torch.zeros(specs[-1].shape, dtype=torch.uint8))
+        in_layers = {e.name for layer in entries for e in layer}
+        resident = {n: (ckpt[n].to(torch_dtype) if ckpt[n].is_floating_point() else ckpt[n]).contiguous()
+                    for n in ckpt.names if n not in in_layers}
+        save_tensors(resident, tmp / RESIDENT_FILE, {"magic": MAGIC, "format_version": FORMAT_VERSION})
+        _verify(LayerStore(tmp), ckpt, torch_dtype)
+        install_dir(tmp, out_dir, STORE_FILES)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+    return out_dir
+
+
+def _verify(store: LayerStore, ckpt: Checkpoint, dtype: torch.dtype) -> None:
+    """Read the first matrix of every layer back and compare it with the checkpoint's, bit for bit."""
+    for layer in range(store.n_layers):
+        name = store.layers[layer][0].name
+        got = store.matrix(layer, name)
+        got = got.decompress() if isinstance(got, endor.EndorTensor) else got
+        want = ckpt[name].to(dtype)
+        if not torch.equal(got.view(torch.uint8), want.contiguous().view(torch.uint8)):
+            raise RuntimeError(f"{store.path}: read-back of {name} differs from what was written")
