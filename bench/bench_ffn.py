@@ -151,7 +151,7 @@ def bench_ffn(dtype_name: str, rounds: int, quick: bool, device: str = "cpu", sm
                 else:
                     rows[-1]["graph_error"] = graph_error
                 on_row(rows[-1])
-            del mats
+            mats = None  # the copies leave device memory before the next shape's are made
     return rows
 
 
