@@ -73,7 +73,8 @@ bench: build
 			*bench_io.py) command -v fio >/dev/null || { echo "skipped $$script: fio is not installed (make deps)"; \
 				continue; } ;; \
 		esac; \
-		echo "== $$script"; $(PYTHON) $$script || exit 1; \
+		name=$$(basename $$script .py); \
+		echo "== $$script"; $(PYTHON) -m bench.$$name || exit 1; \
 	done
 
 # Compiles every CUDA source for Ampere and Hopper without torch headers; needs nvcc only, no driver.

@@ -10,7 +10,7 @@ ratio = kernel GB/s / disk GB/s (the issue's target: >= 0.8; attention must neve
 speedup of the native kernel over the reference. A last row times merge_attention_states against its reference.
 Kernels run with --threads OpenMP threads (one worker's share of the cores).
 
-    flock /tmp/flashllm-disk.lock python bench/bench_attention.py [--json] [--rounds 7] [--threads 1] [--max-kv-mb M]
+    flock /tmp/flashllm-disk.lock python -m bench.bench_attention [--json] [--rounds 7] [--threads 1] [--max-kv-mb M]
 """
 from __future__ import annotations
 
@@ -19,13 +19,12 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from common import arg_parser, device_name, drop_page_cache, emit, time_interleaved  # noqa: E402
-from flashllm_ext import native_available, ops  # noqa: E402
-from flashllm_ext.ops import decode_attention_reference, merge_attention_states_reference  # noqa: E402
-from flashllm_ext.flash.calibrate import make_test_file  # noqa: E402
-from flashllm_ext.io.paths import resolve_cache_dir  # noqa: E402
-from flashllm_ext.flash.reader import FlashReader  # noqa: E402
+from bench.common import arg_parser, device_name, drop_page_cache, emit, time_interleaved
+from flashllm_ext import native_available, ops
+from flashllm_ext.ops import decode_attention_reference, merge_attention_states_reference
+from flashllm_ext.flash.calibrate import make_test_file
+from flashllm_ext.io.paths import resolve_cache_dir
+from flashllm_ext.flash.reader import FlashReader
 
 # (name, tokens S, sequences B, query heads Hq, kv heads Hkv, head_dim D): OPT-30B-like heads (56 x 128, MHA) for
 # batch 32 on one worker and one of 16 shards; a GQA model (32 query / 8 kv heads, 128) and MHA with head_dim 64;

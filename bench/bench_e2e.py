@@ -20,7 +20,7 @@ interleaved: bytes read per token and ms/token of the Endor store against the de
 (the true active sets of the rule, thresholds calibrated on the pruned model at TARGET_SPARSITY): the same sets on
 both stores, so the comparison is of the formats alone, with no predictor to train.
 
-    python bench/bench_e2e.py [--json] [--budget 50%] [--tokens 32] [--rounds 3] [--quick] [--store DIR]
+    python -m bench.bench_e2e [--json] [--budget 50%] [--tokens 32] [--rounds 3] [--quick] [--store DIR]
                               [--device cpu|cuda] [--scale] [--endor]
 """
 from __future__ import annotations
@@ -38,14 +38,14 @@ from pathlib import Path
 
 import torch
 
-from common import (arg_parser, device_name, emit, error_fields, median_rows, process_memory, run_limited_child,
-                    stacked_token_bars)
+from bench.common import (arg_parser, device_name, emit, error_fields, median_rows, process_memory, run_limited_child,
+                          stacked_token_bars)
 
 from flashllm_ext.errors import FormatError
 from flashllm_ext.io.paths import resolve_cache_dir
 from flashllm_ext.predictor import DEFAULT_RECIPE, NeuronPredictor
 from flashllm_ext.flash.reader import FlashReader
-from traces import LOWRANK_TRAINING, predictor_training, trained_predictors
+from bench.traces import LOWRANK_TRAINING, predictor_training, trained_predictors
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -322,7 +322,7 @@ def hf_checkpoint(cache: Path, wanda_sparsity: float | None = None) -> Path:
 
 
 def _child_argv(config: dict) -> list[str]:
-    return [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(config)]
+    return [sys.executable, "-m", "bench.bench_e2e", "--child", json.dumps(config)]  # cwd and env inherited
 
 
 def measure_baseline(device: str = "cpu", store: Path | None = None, timeout_s: float = 600) -> int:
@@ -521,7 +521,7 @@ def scale_cost_predictor(predictors_path: str, store) -> NeuronPredictor:
 def scale_masks(config: dict, n_tokens: int, n_layers: int, n_neurons: int, ahead: bool | None = None
                 ) -> torch.Tensor:
     """bool [n_tokens, n_layers, n_neurons]: `default_model_sets` tiled onto the large layers (bench/traces.py)."""
-    from traces import tile_masks
+    from bench.traces import tile_masks
 
     return tile_masks(default_model_sets(config, n_tokens, ahead), n_layers, n_neurons)
 
@@ -532,7 +532,7 @@ def default_model_sets(config: dict, n_tokens: int, ahead: bool | None = None) -
     inputs if `ahead` (default: whether the configuration computes those, lookahead "ahead"). Computed by the
     parent (it loads the default model, which a limited child has no room for), cached by bench/traces.py for at
     least 64 tokens, so that runs of a few tokens share one cached trace (a prefix of it)."""
-    from traces import default_model_masks, predicted_masks
+    from bench.traces import default_model_masks, predicted_masks
 
     ahead = config.get("lookahead") == "ahead" if ahead is None else ahead
     n = max(n_tokens, 64)
@@ -595,7 +595,7 @@ def run_scale_child(config: dict) -> dict:
 def scale_store(name: str, layers: int | None = None, smoke: bool = False) -> Path:
     """The flash store converted (once) from the shared synthesized checkpoint of `name` (synth_checkpoint's
     shared_checkpoint: its first `layers` layers, or its smoke shapes)."""
-    from synth_checkpoint import shared_checkpoint
+    from bench.synth_checkpoint import shared_checkpoint
 
     from flashllm_ext.flash.convert import convert
     from flashllm_ext.flash.store import FlashStore
@@ -615,7 +615,7 @@ def run_scale(args) -> list[dict]:
     the FFNs decoded within the FFN's share of --budget (of the whole model's weight bytes, the resident tensors
     taken first as load_flash takes them). With --full, whole-model rows too: load_flash at --budget, a prompt of
     --prompt-tokens held-out tokens, then --full-tokens greedy tokens."""
-    from synth_checkpoint import CONFIGS as SYNTH_CONFIGS
+    from bench.synth_checkpoint import CONFIGS as SYNTH_CONFIGS
 
     from flashllm_ext.runtime import parse_budget
     from flashllm_ext.flash.store import FlashStore
@@ -653,7 +653,7 @@ def run_scale(args) -> list[dict]:
                      "prompt_note": prompt_note, "timeout_s": args.child_timeout}
             if mode == "accelerate":  # the peer runs the Hugging Face checkpoint itself: whole-model rows only
                 if args.full or args.full_only:
-                    from synth_checkpoint import shared_checkpoint
+                    from bench.synth_checkpoint import shared_checkpoint
 
                     hf_dir = shared_checkpoint(name, layers=args.scale_layers, smoke=args.smoke)
                     configs.append({**whole, "hf_dir": str(hf_dir),

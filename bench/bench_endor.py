@@ -16,7 +16,7 @@ offsets; dense: the weight) divided by the read bandwidth of a streaming sum mea
 (compressed 19-76 MB), read once per call; each candidate cycles through `weight_copies` copies of it, enough to
 span twice the last-level cache, so every call reads its weight from DRAM as decode does.
 
-    python bench/bench_endor.py [--json] [--device cuda] [--all-isas] [--quick] [--only decompress|linear]
+    python -m bench.bench_endor [--json] [--device cuda] [--all-isas] [--quick] [--only decompress|linear]
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from common import arg_parser, cycling, device_name, emit, last_level_cache_bytes, stream_probe, time_interleaved
+from bench.common import arg_parser, cycling, device_name, emit, last_level_cache_bytes, stream_probe, time_interleaved
 
 import flashllm_ext
 from flashllm_ext import endor, ops

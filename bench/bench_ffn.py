@@ -18,7 +18,7 @@ k = 1..8: neurons inserted and evicted per token, memory-management time (planni
 StepStats.mem_s), I/O time, and the sparse_ffn compute time on the cache after each step. Plots: Figure 4a
 (aggregated neuron usage vs tokens) and per-token load vs window, in bench/results/.
 
-    python bench/bench_ffn.py [--json] [--rounds N] [--only ffn|cache] [--quick] [--dtype fp16|bf16|fp32]
+    python -m bench.bench_ffn [--json] [--rounds N] [--only ffn|cache] [--quick] [--dtype fp16|bf16|fp32]
 """
 from __future__ import annotations
 
@@ -33,8 +33,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from common import arg_parser, cycling, device_name, emit, stream_probe, time_interleaved
-from traces import default_model_masks, tile_masks
+from bench.common import arg_parser, cycling, device_name, emit, stream_probe, time_interleaved
+from bench.traces import default_model_masks, tile_masks
 
 from flashllm_ext import ops
 from flashllm_ext.flash.cache import NeuronCache

@@ -3,14 +3,14 @@ half-precision weights and on an fp32 copy, on the shapes a flash-loaded model k
 attention projection and LM head, OPT-6.7B's / Llama-2-7B's attention projection), interleaved in one process
 (medians); the bound is the weight bytes over the read bandwidth of a streaming sum measured in the same run.
 
-    python bench/bench_half_linear.py [--tokens 1,8,64] [--dtype float16] [--json]
+    python -m bench.bench_half_linear [--tokens 1,8,64] [--dtype float16] [--json]
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from common import arg_parser, device_name, emit, stream_probe, time_interleaved
+from bench.common import arg_parser, device_name, emit, stream_probe, time_interleaved
 
 from flashllm_ext import ops
 

@@ -15,7 +15,7 @@ table2  Flash-to-DRAM bytes / reads / I/O ms per token of each configuration of 
 fig2b pairs each reader run with a fio run and compares the throughputs each reports, so it keeps its own paired
 loop instead of bench/common.py's timer. The page cache is dropped at start (root) and every read is O_DIRECT.
 
-    python bench/bench_io.py [--json] [--only fig2b|table2] [--sizes-kib 4,16,...] [--threads 1,8,32]
+    python -m bench.bench_io [--json] [--only fig2b|table2] [--sizes-kib 4,16,...] [--threads 1,8,32]
                              [--store default|opt-6.7b|DIR] [--layers N] [--tokens 256] [--documents 8]
 """
 from __future__ import annotations
@@ -34,15 +34,14 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from common import drop_page_cache, emit  # noqa: E402
-from flashllm_ext.flash import store  # noqa: E402
-from flashllm_ext.flash.convert import synthesize  # noqa: E402
-from flashllm_ext.io.paths import resolve_cache_dir  # noqa: E402
-from traces import (default_model_mask_source, predicted_mask_source, predictor_training,  # noqa: E402
-                    trained_predictors)
-from flashllm_ext.flash.calibrate import make_test_file, random_read_throughput  # noqa: E402
-from flashllm_ext.flash.reader import FlashReader, has_io_uring  # noqa: E402
+from bench.common import drop_page_cache, emit
+from bench.traces import (default_model_mask_source, predicted_mask_source, predictor_training,
+                          trained_predictors)
+from flashllm_ext.flash import store
+from flashllm_ext.flash.convert import synthesize
+from flashllm_ext.io.paths import resolve_cache_dir
+from flashllm_ext.flash.calibrate import make_test_file, random_read_throughput
+from flashllm_ext.flash.reader import FlashReader, has_io_uring
 
 # What the table (not --json) shows of each result row.
 TABLE_COLUMNS = {
@@ -214,7 +213,7 @@ def table2_store(spec: str, layers: int | None) -> tuple[store.FlashStore, int, 
     (bench_e2e.default_store), "opt-6.7b" = a synthesized store with OPT-6.7B's FFN shapes (d=4096, 16384 neurons,
     fp16; `layers` of its 32), else a store directory."""
     if spec == "default":
-        from bench_e2e import DEFAULT_MODEL, default_store
+        from bench.bench_e2e import DEFAULT_MODEL, default_store
 
         fs = store.FlashStore(default_store(resolve_cache_dir() / "e2e", train_predictors=False))
         return fs, fs.n_layers, f"{DEFAULT_MODEL} fp16 store"

@@ -11,9 +11,9 @@ only (prefill excluded). Bytes are exact counters (kv/traffic.py): interconnect 
 Eq. 3 check excludes it), storage bytes with direct-I/O padding, writes per step and mean write size after the
 prompt (flushed before the clock starts, so the decode writes are counted alone).
 
-    python bench/bench_kv.py [--json] [--only ablation|scaling|kernel] [--workers 1,2,4,8,16] [--context 1024]
+    python -m bench.bench_kv [--json] [--only ablation|scaling|kernel] [--workers 1,2,4,8,16] [--context 1024]
                              [--dir /dev/shm/kv-bench]   # emulated devices need no disk: tmpfs keeps O_DIRECT
-    python bench/bench_kv.py --only generate [--batch 16 --context 2048 --new-tokens 6 --hidden 1024 ...]
+    python -m bench.bench_kv --only generate [--batch 16 --context 2048 --new-tokens 6 --hidden 1024 ...]
 
 `--only generate`: batched greedy `generate()` of a synthesized Llama model (random weights; heads x head_dim as
 given, residual width --hidden, --layers layers) with its KV cache on the emulated devices, through
@@ -21,7 +21,7 @@ given, residual width --hidden, --layers layers) with its KV cache on the emulat
 counts the decode steps (from the end of the last layer's prefill); the generated tokens of every config are
 compared with the baseline's. X-cache alpha: --x-alpha hilos (the paper's formula) or auto (choose_alpha given the
 host's measured K/V regeneration rate: alpha 0 where regenerating is slower than reading).
-    python bench/bench_kv.py --plot ABLATION.jsonl SCALING.jsonl   # the two plots from earlier --json runs
+    python -m bench.bench_kv --plot ABLATION.jsonl SCALING.jsonl   # the two plots from earlier --json runs
 
 Devices' write requests: `--write-request probe` measures the per-request cost of a small durable write on the real
 disk (`flashllm_ext.kv.link.probe_write_request`, under the disk lock) and charges every spill on an emulated device
@@ -48,13 +48,12 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from common import device_name, emit  # noqa: E402
+from bench.common import device_name, emit
 from flashllm_ext.kv import HostKVAttention, Link, NearStorageAttention, XCacheAttention, choose_alpha, linear_projector
-from flashllm_ext.kv.link import probe_write_request  # noqa: E402
-from flashllm_ext.kv.traffic import Traffic  # noqa: E402
-from flashllm_ext.kv.xcache import regime_device_gbps  # noqa: E402
-from flashllm_ext.io.paths import resolve_cache_dir  # noqa: E402
+from flashllm_ext.kv.link import probe_write_request
+from flashllm_ext.kv.traffic import Traffic
+from flashllm_ext.kv.xcache import regime_device_gbps
+from flashllm_ext.io.paths import resolve_cache_dir
 
 RESULTS = Path(__file__).resolve().parent / "results"
 DISK_LOCK = "/tmp/flashllm-disk.lock"  # the shared disk: benchmarks that touch it take turns

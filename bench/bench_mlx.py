@@ -6,7 +6,7 @@ and each figure is the median over the rounds. Where MLX runs on the CPU (Linux:
 engine on a different array library, not Apple Silicon. A second table times the largest resident product, the LM head's GEMV
 (49152 x 576, one token), on both libraries in fp16 and fp32 (interleaved medians): where the decode time goes.
 
-    python bench/bench_mlx.py [--budget 50%] [--tokens 16] [--rounds 3] [--modes dense,naive,hybrid,flash]
+    python -m bench.bench_mlx [--budget 50%] [--tokens 16] [--rounds 3] [--modes dense,naive,hybrid,flash]
                               [--mlx-fp32] [--json]
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-from common import arg_parser, device_name, emit, time_interleaved
+from bench.common import arg_parser, device_name, emit, time_interleaved
 
 import flashllm_ext
 from flashllm_ext import mlx as fmlx
@@ -77,7 +77,7 @@ def main() -> None:
         if engine == "torch":
             with torch.inference_mode():
                 ids, seconds = greedy_decode(model, prompt, args.tokens)
-            ids, stats = ids.tolist(), (model.stats() if model.flash is not None else {})
+            ids, stats = ids.tolist(), (model.flash.stats() if model.flash is not None else {})
         else:
             ids, seconds = model.greedy_decode(prompt, args.tokens)
             stats = model.stats() if model.runtime is not None else {}

@@ -21,7 +21,7 @@ Default: the default model (SmolLM2-135M) Wanda-pruned to 50% in every decoder L
 at 30% of the dense model's bytes. --scale: a synthesized OPT-6.7B-shaped checkpoint pruned 50% (bench/
 synth_checkpoint.py, shared with the other scale runs) at the same share.
 
-    python bench/bench_offload.py [--json] [--budget 30%] [--tokens 16] [--rounds 3] [--scale [--scale-layers 8]]
+    python -m bench.bench_offload [--json] [--budget 30%] [--tokens 16] [--rounds 3] [--scale [--scale-layers 8]]
                                   [--modes ...] [--device cuda --device-budget 30%] [--slots 1|2|1,2]
 """
 from __future__ import annotations
@@ -35,8 +35,8 @@ from pathlib import Path
 
 import torch
 
-from bench_e2e import RESULTS, _decode, _load, prompt_ids
-from common import arg_parser, device_name, emit, error_fields, median_rows, run_limited_child, stacked_token_bars
+from bench.bench_e2e import RESULTS, _decode, _load, prompt_ids
+from bench.common import arg_parser, device_name, emit, error_fields, median_rows, run_limited_child, stacked_token_bars
 
 from flashllm_ext.errors import FormatError
 from flashllm_ext.io.paths import resolve_cache_dir
@@ -193,7 +193,7 @@ def resident_and_layer_bytes(store_dir: Path) -> tuple[int, int]:
 
 
 def _child_argv(config: dict) -> list[str]:
-    return [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(config)]
+    return [sys.executable, "-m", "bench.bench_offload", "--child", json.dumps(config)]  # cwd and env inherited
 
 
 def probe_child(config: dict) -> dict:
@@ -278,7 +278,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.hf_dir:
         hf_dir, name = Path(args.hf_dir), Path(args.hf_dir).name
     elif args.scale or args.smoke:
-        from synth_checkpoint import shared_checkpoint
+        from bench.synth_checkpoint import shared_checkpoint
 
         hf_dir = shared_checkpoint("opt-6.7b", layers=args.scale_layers, smoke=args.smoke)
         name = ("OPT-6.7B family, smoke shapes" if args.smoke else "OPT-6.7B shapes") + \

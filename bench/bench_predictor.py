@@ -21,7 +21,7 @@
 4. Figure: perplexity vs loaded density per method with the oracle frontier, bench/results/predictor_methods.png
    for a run of the default --methods and --densities (and for --plot), else only to --figure PATH.
 
-    python bench/bench_predictor.py [--json] [--methods quant,teal,lowrank-reg,lowrank,oracle] [--densities ...]
+    python -m bench.bench_predictor [--json] [--methods quant,teal,lowrank-reg,lowrank,oracle] [--densities ...]
 
 A --methods entry is METHOD[:G/U][+gptq][+gN][@fisher[=OTHER]]: quant's bits of W_gate / W_up, GPTQ rounding of its
 codes, one scale per N columns instead of per row, and a per-layer density allocation
@@ -38,7 +38,7 @@ import time
 
 import torch
 
-from common import arg_parser, emit, error_fields
+from bench.common import arg_parser, emit, error_fields
 
 from flashllm_ext.io.paths import resolve_cache_dir
 
@@ -257,7 +257,7 @@ def main() -> None:
         print(f"figure: {figure}", flush=True)
         return
 
-    from bench_e2e import default_store
+    from bench.bench_e2e import default_store
 
     from flashllm_ext.flash.engine import store_ffn_bytes
     from flashllm_ext.flash.store import FlashStore

@@ -10,7 +10,7 @@ scale per 192 columns, density 0.45, 30 layers);
 the codes (and runs the next copy's FFN rows), so a 7B shape reads its codes from DRAM as the engine does, not from a
 cache holding one layer. Codes and weights are random (the speed does not depend on their values).
 
-    python bench/bench_quant_scores.py [--shape default|opt-6.7b|llama-2-7b] [--tokens 1,8] [--threads 1,2] [--json]
+    python -m bench.bench_quant_scores [--shape default|opt-6.7b|llama-2-7b] [--tokens 1,8] [--threads 1,2] [--json]
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from common import arg_parser, device_name, emit, stream_probe, time_interleaved
+from bench.common import arg_parser, device_name, emit, stream_probe, time_interleaved
 
 from flashllm_ext import _C, ops
 from flashllm_ext.ops import quant_scores_reference

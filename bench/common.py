@@ -9,19 +9,16 @@ import os
 import platform
 import statistics
 import subprocess
-import sys
 import traceback
 from collections.abc import Callable, Iterable
 from datetime import datetime, timezone
 from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
-
 # Memory-limited child processes (docs/design.md §8) live in flashllm_ext/harness/cgroup.py (make demo runs its modes that way
 # too); re-exported for the bench scripts.
 from flashllm_ext.harness.cgroup import CGROUP_V1, CGROUP_V2, MemoryCgroup, drop_page_cache, run_limited_child
-from flashllm_ext.harness.report import print_table  # noqa: E402
-from flashllm_ext.harness.timing import time_interleaved  # noqa: E402,F401  (re-exported for the bench scripts)
+from flashllm_ext.harness.report import print_table
+from flashllm_ext.harness.timing import time_interleaved  # noqa: F401  (re-exported for the bench scripts)
 
 __all__ = ["CGROUP_V1", "CGROUP_V2", "MemoryCgroup", "arg_parser", "cycling", "device_name", "drop_page_cache",
            "emit", "error_fields", "last_level_cache_bytes", "median_rows", "process_memory", "provenance",

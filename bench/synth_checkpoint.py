@@ -16,7 +16,7 @@ fraction of every decoder-layer Linear weight per output row, smallest magnitude
 magnitude-pruned checkpoint (with random weights Wanda's |W| * ||X|| order is the magnitude order up to the input
 norms), which changes what Endor compression stores, not what flash reads.
 
-The shared copies on this machine (written once by `python bench/synth_checkpoint.py`, ~13 GB each):
+The shared copies on this machine (written once by `python -m bench.synth_checkpoint`, ~13 GB each):
     ~/.cache/flashllm_ext/scale/opt-6.7b-hf      OPT-6.7B shapes, prune=0.5 (fp16)
     ~/.cache/flashllm_ext/scale/llama-2-7b-hf    Llama-2-7B shapes, dense (fp16)
 """
@@ -26,17 +26,14 @@ import argparse
 import json
 import os
 import shutil
-import sys
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
-
-from flashllm_ext.io.paths import resolve_cache_dir  # noqa: E402
-from flashllm_ext.io.safetensors import AlignedWriter, TensorSpec, dtype_name  # noqa: E402
-from flashllm_ext.flash.store import DTYPES  # noqa: E402
+from flashllm_ext.io.paths import resolve_cache_dir
+from flashllm_ext.io.safetensors import AlignedWriter, TensorSpec, dtype_name
+from flashllm_ext.flash.store import DTYPES
 
 # The published config.json of facebook/opt-6.7b and meta-llama/Llama-2-7b-hf (architecture fields).
 CONFIGS: dict[str, dict] = {

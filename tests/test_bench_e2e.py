@@ -13,7 +13,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from flashllm_ext.flash.convert import convert
 from flashllm_ext.predictor import LowRankPredictor, PredictorSet, save_predictors_to_store
 
-BENCH = Path(__file__).resolve().parent.parent / "bench" / "bench_e2e.py"
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = [sys.executable, "-m", "bench.bench_e2e"]  # run from ROOT, as a user does
 KEYS = {"bench", "model", "mode", "budget_mb", "cgroup_limit_mb", "cgroup_peak_mb", "ms_per_token", "io_ms", "mem_ms",
         "predictor_ms", "compute_ms", "hidden_io_ms", "bytes_per_token", "tokens", "hit_rate", "oom_killed"}
 
@@ -28,8 +29,9 @@ def test_quick_run_reports_every_mode_with_its_keys(tmp_path):
     save_predictors_to_store(PredictorSet([LowRankPredictor(64, 160, 8) for _ in range(2)], torch.full((2,), 0.05)),
                              path)
     modes = ["dense", "naive", "hybrid", "flash", "flash-oracle"]
-    out = subprocess.run([sys.executable, str(BENCH), "--quick", "--json", "--no-plot", "--store", str(path),
-                          "--budget", "95%", "--modes", ",".join(modes)], capture_output=True, text=True, timeout=600)
+    out = subprocess.run([*BENCH, "--quick", "--json", "--no-plot", "--store", str(path),
+                          "--budget", "95%", "--modes", ",".join(modes)], capture_output=True, text=True, timeout=600,
+                         cwd=ROOT)
     assert out.returncode == 0, out.stderr[-2000:]
     rows = [json.loads(line) for line in out.stdout.splitlines()]
     medians = [r for r in rows if r["bench"] == "e2e_median"]
@@ -58,9 +60,9 @@ def test_scale_run_on_tiny_checkpoints_at_the_shared_paths(tmp_path):
     for name, (directory, prune) in SHARED_DIRS.items():
         synthesize_checkpoint(name, tmp_path / "scale" / directory, prune=prune, overrides=SMOKE_OVERRIDES[name],
                               progress=False)
-    out = subprocess.run([sys.executable, str(BENCH), "--scale", "--json", "--no-plot", "--modes", "naive",
+    out = subprocess.run([*BENCH, "--scale", "--json", "--no-plot", "--modes", "naive",
                           "--tokens", "2", "--rounds", "1", "--full", "--full-tokens", "2", "--prompt-tokens", "4",
-                          "--budget", "300MB"], capture_output=True, text=True, timeout=900,
+                          "--budget", "300MB"], capture_output=True, text=True, timeout=900, cwd=ROOT,
                          env={**os.environ, "FLASHLLM_CACHE": str(tmp_path)})
     assert out.returncode == 0, out.stderr[-2000:]
     rows = [json.loads(line) for line in out.stdout.splitlines()]
@@ -89,8 +91,7 @@ def test_scale_rows_pay_for_a_predictor_of_the_large_shapes(tmp_path, monkeypatc
     from flashllm_ext.predictor import QuantPredictor, load_predictors, save_predictors
     from flashllm_ext.flash.store import FlashStore
 
-    monkeypatch.syspath_prepend(str(BENCH.parent))
-    from bench_e2e import ReplayedSets, scale_cost_predictor
+    from bench.bench_e2e import ReplayedSets, scale_cost_predictor
 
     torch.manual_seed(0)
     small = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=3,
@@ -121,8 +122,7 @@ def test_scale_rows_pay_for_a_predictor_of_the_large_shapes(tmp_path, monkeypatc
 
 
 def test_scale_configs_expand_the_quant_family_at_point_a_only(monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCH.parent))
-    from bench_e2e import SCALE_CONFIGS, scale_configs
+    from bench.bench_e2e import SCALE_CONFIGS, scale_configs
 
     flash = [(point, method) for mode, point, method in scale_configs(["quant", "quant:4/2", "lowrank"])
              if mode == "flash"]
@@ -134,8 +134,7 @@ def test_scale_configs_expand_the_quant_family_at_point_a_only(monkeypatch):
 def test_prompt_of_a_synthesized_checkpoint_without_the_default_model(monkeypatch):
     # A machine with no network (the GPU image) cannot fetch the default model's tokenizer: a synthesized
     # checkpoint's benchmark decodes from seeded random ids and says so; every other caller still fails loudly.
-    sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
-    import bench_e2e
+    from bench import bench_e2e
 
     import flashllm_ext.hub
 
@@ -153,8 +152,7 @@ def test_prompt_of_a_synthesized_checkpoint_without_the_default_model(monkeypatc
 def test_decode_warms_up_untimed_and_counts_the_timed_tokens():
     """_decode(warmup=k): k decode tokens before the stats reset and the timing, then n timed ones; every token is
     generated greedily, as model.generate would."""
-    sys.path.insert(0, str(BENCH.parent))
-    from bench_e2e import _decode
+    from bench.bench_e2e import _decode
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,

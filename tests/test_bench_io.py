@@ -1,17 +1,14 @@
 """bench/bench_io.py Table 2 on a tiny synthesized store with given sets: every configuration of issue 9 item 8 is
 a row, each reads its own file copy, the order rotates per token, and the counts are the ones the sets imply."""
 import argparse
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))  # the bench scripts import as scripts do
-import bench_io  # noqa: E402
-
-from flashllm_ext.flash.convert import synthesize  # noqa: E402
-from flashllm_ext.flash.store import FlashStore  # noqa: E402
+from bench import bench_io
+from flashllm_ext.flash.convert import synthesize
+from flashllm_ext.flash.store import FlashStore
 
 LAYERS, D, NEURONS = 2, 64, 256
 

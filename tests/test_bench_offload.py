@@ -12,7 +12,8 @@ from transformers import OPTConfig, OPTForCausalLM
 
 from flashllm_ext import endor
 
-BENCH = Path(__file__).resolve().parent.parent / "bench" / "bench_offload.py"
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = [sys.executable, "-m", "bench.bench_offload"]  # run from ROOT, as a user does
 KEYS = {"bench", "model", "mode", "device", "budget_mb", "cgroup_peak_mb", "ms_per_token", "read_ms", "decompress_ms",
         "compute_ms", "bytes_read_per_token", "layers_in_memory", "layers_on_ssd"}
 
@@ -29,9 +30,9 @@ def test_quick_run_reports_every_mode_with_its_keys(tmp_path):
                 p.copy_(endor.prune(p, 0.5))
     model.save_pretrained(tmp_path / "hf")
     figure = tmp_path / "offload.png"
-    out = subprocess.run([sys.executable, str(BENCH), "--hf-dir", str(tmp_path / "hf"), "--json", "--rounds", "1",
+    out = subprocess.run([*BENCH, "--hf-dir", str(tmp_path / "hf"), "--json", "--rounds", "1",
                           "--tokens", "2", "--prompt-tokens", "4", "--budget", "80%", "--figure", str(figure)],
-                         capture_output=True, text=True, timeout=900,
+                         capture_output=True, text=True, timeout=900, cwd=ROOT,
                          env={**os.environ, "FLASHLLM_CACHE": str(tmp_path)})
     assert out.returncode == 0, out.stderr[-2000:]
     rows = [json.loads(line) for line in out.stdout.splitlines()]

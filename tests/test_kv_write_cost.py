@@ -3,21 +3,17 @@ is charged to its shard's device (near storage and baseline), so delayed writeba
 regen/read regime's bandwidth arithmetic and the alpha it leads to; bench_kv times the final flush."""
 import argparse
 import os
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
+from bench import bench_kv
 from flashllm_ext.kv import KVShard, Link, NearStorageAttention
 from flashllm_ext.kv.baseline import HostKVAttention
 from flashllm_ext.kv.link import probe_write_request
 from flashllm_ext.kv.xcache import choose_alpha, regeneration_flops, regime_device_gbps
 from test_kv_attention import run_decode
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))  # the bench scripts import as scripts do
-import bench_kv  # noqa: E402
 
 B, H, D, LAYERS = 2, 4, 64, 2  # MHA fp16 on 1 shard: a token is 1 KiB per file, a write one 4 KiB block
 
