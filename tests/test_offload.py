@@ -113,7 +113,7 @@ def test_prompts_decompress_a_block_of_rows_at_a_time(case, monkeypatch, block_b
     """Blocks of one row (the buffer holds the widest row, of fc2/down: 352 columns), of 3 rows of 128 columns (no
     matrix has a multiple of 3 rows: short last blocks; the wider ones one row a block), and whole matrices (the
     largest, 352 x 128): the same tokens, and the buffer charged is that block."""
-    monkeypatch.setattr(offload, "DECOMPRESS_BLOCK_BYTES", block_bytes)
+    monkeypatch.setattr(offload.placement, "DECOMPRESS_BLOCK_BYTES", block_bytes)
     model = load_offload(case["endor"], None, mode="endor+more-resident", compute="decompress")
     assert torch.equal(model.generate(case["prompt"], max_new_tokens=8, do_sample=False), case["reference"])
     assert model.offload.placement.decompress_bytes == buffer_bytes

@@ -18,7 +18,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from conftest import refuses_without_blocking
 from flashllm_ext import FormatError, cli
 from flashllm_ext.io import disk
-from flashllm_ext.flash import reader, store
+from flashllm_ext.flash import calibrate, reader, store
 from flashllm_ext.flash.convert import convert
 from flashllm_ext.flash.reader import FlashReader, ReadResult, has_io_uring, shared_reader
 
@@ -190,7 +190,7 @@ def test_buffered_mode(flash_store):
 def test_read_async_overlaps_python_work(tmp_path):
     """The GIL is released during I/O: a Python thread keeps running while a large read is in flight."""
     path = tmp_path / "big.bin"
-    disk.make_test_file(path, 64 << 20)
+    calibrate.make_test_file(path, 64 << 20)
     with FlashReader.for_file(path, threads=1, min_read=0, max_gap=-1) as r:
         counter, stop = [0], threading.Event()
 
@@ -202,7 +202,7 @@ def test_read_async_overlaps_python_work(tmp_path):
         spinner.start()
         time.sleep(0.05)
         before = counter[0]
-        stats = disk.random_read_throughput(r, 64 << 20, 4096, 4000)
+        stats = calibrate.random_read_throughput(r, 64 << 20, 4096, 4000)
         during = counter[0] - before
         stop.set()
         spinner.join()
@@ -240,7 +240,7 @@ def test_concurrent_calls_keep_their_own_stats(flash_store):
 
 def test_raw_file_contents(tmp_path):
     path = tmp_path / "f.bin"
-    disk.make_test_file(path, 1 << 20, chunk=1 << 18)
+    calibrate.make_test_file(path, 1 << 20, chunk=1 << 18)
     data = torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8)
     with FlashReader.for_file(path, threads=3, min_read=0, max_gap=0) as r:
         for row_bytes, base in ((4096, 0), (1000, 77), (65536, 4096)):
@@ -263,7 +263,7 @@ def _page_aligned(nbytes: int) -> torch.Tensor:
 def test_reads_straight_into_aligned_out(tmp_path, ids):
     """Aligned rows into an aligned buffer skip the bounce buffer (in-order runs) or use it (other orders)."""
     path = tmp_path / "f.bin"
-    disk.make_test_file(path, 1 << 20, chunk=1 << 18)
+    calibrate.make_test_file(path, 1 << 20, chunk=1 << 18)
     data = torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8).view(-1, 8192)
     with FlashReader.for_file(path, threads=2, min_read=0, max_gap=0) as r:
         out = _page_aligned(len(ids) * 8192)
@@ -316,15 +316,15 @@ def test_calibrate_disk_never_writes_through_a_planted_symlink(tmp_path, monkeyp
     scratch.mkdir()
     (scratch / f".flashllm-calibrate-{os.getpid()}.bin").symlink_to(victim)
     seen = []
-    real = disk.make_test_file
+    real = calibrate.make_test_file
 
     def make_test_file(path, size):
         seen.append((os.stat(os.path.dirname(path)).st_mode & 0o777, os.path.dirname(path)))
         real(path, size)
         seen.append(os.stat(path).st_mode & 0o777)
 
-    monkeypatch.setattr(disk, "make_test_file", make_test_file)
-    disk.calibrate_disk(scratch, size=4 << 20)
+    monkeypatch.setattr(calibrate, "make_test_file", make_test_file)
+    calibrate.calibrate_disk(scratch, size=4 << 20)
     assert victim.read_text() == "precious"
     (private_mode, private_dir), file_mode = seen
     assert private_mode == 0o700 and file_mode == 0o600 and os.path.dirname(private_dir) == str(scratch)
@@ -396,7 +396,7 @@ def test_rows_longer_than_one_request(tmp_path, engine):
     """Rows of 5 blocks and a bit at unaligned offsets with max_read of one block: the io_uring engine issues each
     row as several bounded requests (the bound that keeps its 32-bit length from wrapping), the data is whole."""
     path = tmp_path / "f.bin"
-    disk.make_test_file(path, 1 << 20, chunk=1 << 18)
+    calibrate.make_test_file(path, 1 << 20, chunk=1 << 18)
     data = torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8)
     row_bytes, base = 5 * 4096 + 300, 777
     n_rows = (data.numel() - base) // row_bytes
