@@ -3,7 +3,7 @@ PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 export MAX_JOBS ?= 2
 
-.PHONY: deps build test test-fast sanitize demo bench cuda-check cuda-glue-check clean
+.PHONY: deps build test test-fast lint sanitize demo bench cuda-check cuda-glue-check clean
 
 # Installs what the project needs. torch is installed only when absent, so a CUDA torch already on the
 # machine is never replaced (pip would otherwise pull the newest CUDA wheel, several GB).
@@ -13,7 +13,7 @@ deps: .deps.stamp
 	# compressed-tensors 0.13.0: the newest release that still ships the sparse-bitmask compressor tests/test_endor.py
 	# checks interop with (0.15 removed it) and that accepts transformers 5 (0.14 pins transformers<5).
 	$(PIP) install -q numpy "safetensors>=0.4" tqdm "transformers>=4.45" accelerate "gguf>=0.10" \
-		pytest hypothesis matplotlib ninja compressed-tensors==0.13.0 "setuptools>=64" wheel
+		pytest hypothesis matplotlib ninja compressed-tensors==0.13.0 "setuptools>=64" wheel ruff
 	# mlx (the [mlx] extra): the Metal kernels and the MLX engine on Apple Silicon, mlx's CPU device on Linux (tested
 	# here); elsewhere pip ignores both lines and the MLX tests skip, saying so.
 	$(PIP) install -q "mlx; sys_platform == 'darwin' and platform_machine == 'arm64'" \
@@ -40,6 +40,12 @@ test: build
 
 test-fast: build
 	$(PYTHON) -m pytest -q -m "not slow"
+
+# ruff's lint and format checks on every Python file (pyproject.toml [tool.ruff]; `pre-commit install` runs them on
+# each commit).
+lint: deps
+	$(PYTHON) -m ruff check .
+	$(PYTHON) -m ruff format --check .
 
 # The native extensions built with AddressSanitizer and UndefinedBehaviorSanitizer in their own folder
 # (build-asan/lib holds a whole package, which the tests import first), then the fast tests against them (about

@@ -9,6 +9,7 @@ that is otherwise built when liburing-dev is installed; FLASHLLM_SIMT=0 leaves o
 only the real kernels builds faster); FLASHLLM_NATIVE=0 skips every native build, leaving the pure-torch reference
 kernels.
 """
+
 import glob
 import os
 import sys
@@ -72,14 +73,27 @@ def _extensions() -> list:
     if _want_uring():
         extra = {key: flags + ["-DFLASHLLM_WITH_URING"] for key, flags in extra.items()}
         link.append("-luring")
-    main = ext_cls("flashllm_ext._C", sources, include_dirs=include_dirs,
-                   extra_compile_args=extra, extra_link_args=link)
+    main = ext_cls(
+        "flashllm_ext._C", sources, include_dirs=include_dirs, extra_compile_args=extra, extra_link_args=link
+    )
     simt = cpp_extension.CppExtension(
-        "flashllm_ext._simt", _sources("csrc/simt/*.cpp"), include_dirs=include_dirs,
-        extra_compile_args={"cxx": ["-O2", "-std=c++20", "-fvisibility=hidden", "-Wall", "-pthread",
-                                    # kernel bodies pun types (vector stores) and carry nvcc's #pragma unroll
-                                    "-fno-strict-aliasing", "-Wno-unknown-pragmas"]},
-        extra_link_args=["-pthread"] + libstdcxx)
+        "flashllm_ext._simt",
+        _sources("csrc/simt/*.cpp"),
+        include_dirs=include_dirs,
+        extra_compile_args={
+            "cxx": [
+                "-O2",
+                "-std=c++20",
+                "-fvisibility=hidden",
+                "-Wall",
+                "-pthread",
+                # kernel bodies pun types (vector stores) and carry nvcc's #pragma unroll
+                "-fno-strict-aliasing",
+                "-Wno-unknown-pragmas",
+            ]
+        },
+        extra_link_args=["-pthread"] + libstdcxx,
+    )
     # An extension without sources (e.g. before its first kernel lands) is simply not built.
     wanted = (main, simt) if os.environ.get("FLASHLLM_SIMT", "1") != "0" else (main,)
     return [ext for ext in wanted if ext.sources]

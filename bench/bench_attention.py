@@ -12,6 +12,7 @@ Kernels run with --threads OpenMP threads (one worker's share of the cores).
 
     flock /tmp/flashllm-disk.lock python -m bench.bench_attention [--json] [--rounds 7] [--threads 1] [--max-kv-mb M]
 """
+
 from __future__ import annotations
 
 import sys
@@ -39,8 +40,20 @@ SHAPES = [
 ]
 SMOKE_SHAPES = [("smoke", 16, 2, 4, 2, 32)]
 READ_BYTES = 1 << 20
-COLUMNS = ["shape", "tokens", "pairs", "head_dim", "kv_mb", "kernel_gbps", "disk_gbps", "ratio", "reference_gbps",
-           "speedup_vs_reference", "disk_reads", "mean_read_kib"]
+COLUMNS = [
+    "shape",
+    "tokens",
+    "pairs",
+    "head_dim",
+    "kv_mb",
+    "kernel_gbps",
+    "disk_gbps",
+    "ratio",
+    "reference_gbps",
+    "speedup_vs_reference",
+    "disk_reads",
+    "mean_read_kib",
+]
 
 
 def disk_reader(path: Path, nbytes: int, threads: int):
@@ -61,10 +74,15 @@ def main() -> None:
     parser = arg_parser(__doc__.split("\n")[0])
     parser.add_argument("--threads", type=int, default=1, help="OpenMP threads of the kernels (one worker's cores)")
     parser.add_argument("--io-threads", type=int, default=8, help="FlashReader threads")
-    parser.add_argument("--max-kv-mb", type=float, default=None,
-                        help="skip block shapes whose K+V exceed this many MB (a quicker, lighter run)")
-    parser.add_argument("--dir", type=Path, default=resolve_cache_dir() / "inf2-ops",
-                        help="where the disk test file lives")
+    parser.add_argument(
+        "--max-kv-mb",
+        type=float,
+        default=None,
+        help="skip block shapes whose K+V exceed this many MB (a quicker, lighter run)",
+    )
+    parser.add_argument(
+        "--dir", type=Path, default=resolve_cache_dir() / "inf2-ops", help="where the disk test file lives"
+    )
     args = parser.parse_args()
     if not native_available:
         sys.exit("bench_attention: the native library is not built (make build)")
@@ -72,8 +90,11 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     if args.smoke:
         args.rounds = 1
-    shapes = [shape for shape in (SMOKE_SHAPES if args.smoke else SHAPES)
-              if args.max_kv_mb is None or 4 * shape[1] * shape[2] * shape[4] * shape[5] <= args.max_kv_mb * 1e6]
+    shapes = [
+        shape
+        for shape in (SMOKE_SHAPES if args.smoke else SHAPES)
+        if args.max_kv_mb is None or 4 * shape[1] * shape[2] * shape[4] * shape[5] <= args.max_kv_mb * 1e6
+    ]
     max_bytes = max(4 * s * b * hkv * d for _, s, b, _, hkv, d in shapes)  # K and V, 2 bytes each
     file_bytes = -(-max_bytes // READ_BYTES) * READ_BYTES
     args.dir.mkdir(parents=True, exist_ok=True)
@@ -89,35 +110,70 @@ def main() -> None:
         kv_bytes = k.nbytes + v.nbytes
         read, reader, last = disk_reader(path, -(-kv_bytes // READ_BYTES) * READ_BYTES, args.io_threads)
         with reader:
-            times = time_interleaved({"kernel": lambda: ops.decode_attention(q, k, v),
-                                      "disk": read,
-                                      "reference": lambda: decode_attention_reference(q, k, v)},
-                                     rounds=args.rounds, min_seconds=0.05)
+            times = time_interleaved(
+                {
+                    "kernel": lambda: ops.decode_attention(q, k, v),
+                    "disk": read,
+                    "reference": lambda: decode_attention_reference(q, k, v),
+                },
+                rounds=args.rounds,
+                min_seconds=0.05,
+            )
         stats = last["stats"]
         kernel_gbps = kv_bytes / times["kernel"] / 1e9
         disk_gbps = stats.bytes_read / times["disk"] / 1e9
-        rows.append({"bench": "attention", "shape": name, "tokens": seq, "pairs": batch * n_kv, "q_heads": n_q,
-                     "kv_heads": n_kv, "head_dim": head_dim, "dtype": "float16", "kv_mb": round(kv_bytes / 1e6, 1),
-                     "kernel_ms": round(times["kernel"] * 1e3, 3), "kernel_gbps": round(kernel_gbps, 2),
-                     "disk_ms": round(times["disk"] * 1e3, 3), "disk_gbps": round(disk_gbps, 2),
-                     "ratio": round(kernel_gbps / disk_gbps, 2),
-                     "reference_gbps": round(kv_bytes / times["reference"] / 1e9, 2),
-                     "speedup_vs_reference": round(times["reference"] / times["kernel"], 2),
-                     "disk_bytes": stats.bytes_read, "disk_reads": stats.n_reads,
-                     "mean_read_kib": round(stats.mean_read_bytes / 1024, 1),
-                     "threads": args.threads, "io_threads": args.io_threads, "device": device_name()})
+        rows.append(
+            {
+                "bench": "attention",
+                "shape": name,
+                "tokens": seq,
+                "pairs": batch * n_kv,
+                "q_heads": n_q,
+                "kv_heads": n_kv,
+                "head_dim": head_dim,
+                "dtype": "float16",
+                "kv_mb": round(kv_bytes / 1e6, 1),
+                "kernel_ms": round(times["kernel"] * 1e3, 3),
+                "kernel_gbps": round(kernel_gbps, 2),
+                "disk_ms": round(times["disk"] * 1e3, 3),
+                "disk_gbps": round(disk_gbps, 2),
+                "ratio": round(kernel_gbps / disk_gbps, 2),
+                "reference_gbps": round(kv_bytes / times["reference"] / 1e9, 2),
+                "speedup_vs_reference": round(times["reference"] / times["kernel"], 2),
+                "disk_bytes": stats.bytes_read,
+                "disk_reads": stats.n_reads,
+                "mean_read_kib": round(stats.mean_read_bytes / 1024, 1),
+                "threads": args.threads,
+                "io_threads": args.io_threads,
+                "device": device_name(),
+            }
+        )
         emit(rows[-1:], args.json, None if args.json else COLUMNS)
     # The host's merge: 4 parts (e.g. 2 shards, the writeback buffer, the X-cache rows) of OPT-30B-like heads.
     batch, heads, head_dim = (2, 4, 32) if args.smoke else (32, 56, 128)
     outs = torch.randn(4, batch, heads, head_dim, generator=g)
     lses = torch.randn(4, batch, heads, generator=g)
-    times = time_interleaved({"kernel": lambda: ops.merge_attention_states(outs, lses),
-                              "reference": lambda: merge_attention_states_reference(outs, lses)}, rounds=args.rounds)
-    emit([{"bench": "attention", "shape": f"merge 4 x {batch} x {heads} x {head_dim}",
-           "kernel_ms": round(times["kernel"] * 1e3, 3),
-           "reference_ms": round(times["reference"] * 1e3, 3),
-           "speedup_vs_reference": round(times["reference"] / times["kernel"], 2), "threads": args.threads,
-           "device": device_name()}], args.json)
+    times = time_interleaved(
+        {
+            "kernel": lambda: ops.merge_attention_states(outs, lses),
+            "reference": lambda: merge_attention_states_reference(outs, lses),
+        },
+        rounds=args.rounds,
+    )
+    emit(
+        [
+            {
+                "bench": "attention",
+                "shape": f"merge 4 x {batch} x {heads} x {head_dim}",
+                "kernel_ms": round(times["kernel"] * 1e3, 3),
+                "reference_ms": round(times["reference"] * 1e3, 3),
+                "speedup_vs_reference": round(times["reference"] / times["kernel"], 2),
+                "threads": args.threads,
+                "device": device_name(),
+            }
+        ],
+        args.json,
+    )
 
 
 if __name__ == "__main__":

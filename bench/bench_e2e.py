@@ -23,6 +23,7 @@ both stores, so the comparison is of the formats alone, with no predictor to tra
     python -m bench.bench_e2e [--json] [--budget 50%] [--tokens 32] [--rounds 3] [--quick] [--store DIR]
                               [--device cpu|cuda] [--scale] [--endor]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,8 +39,16 @@ from pathlib import Path
 
 import torch
 
-from bench.common import (arg_parser, device_name, emit, error_fields, median_rows, process_memory, run_limited_child,
-                          stacked_token_bars)
+from bench.common import (
+    arg_parser,
+    device_name,
+    emit,
+    error_fields,
+    median_rows,
+    process_memory,
+    run_limited_child,
+    stacked_token_bars,
+)
 
 from flashllm_ext.errors import FormatError
 from flashllm_ext.io.paths import resolve_cache_dir
@@ -50,15 +59,46 @@ from bench.traces import LOWRANK_TRAINING, predictor_training, trained_predictor
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 MODES = ("dense", "naive", "hybrid", "flash", "flash-oracle", "accelerate")
-KEYS = ("bench", "model", "device", "mode", "budget_mb", "cgroup_limit_mb", "cgroup_peak_mb", "ms_per_token", "io_ms",
-        "mem_ms", "predictor_ms", "compute_ms", "hidden_io_ms", "bytes_per_token", "tokens", "hit_rate")
-COLUMNS = ["mode", "options", "cache_layout", "budget_mb", "cgroup_limit_mb", "cgroup_peak_mb", "oom_killed", "ms_per_token", "io_ms", "mem_ms",
-           "predictor_ms", "compute_ms", "bytes_per_token", "reads_per_token", "hit_rate", "error"]
+KEYS = (
+    "bench",
+    "model",
+    "device",
+    "mode",
+    "budget_mb",
+    "cgroup_limit_mb",
+    "cgroup_peak_mb",
+    "ms_per_token",
+    "io_ms",
+    "mem_ms",
+    "predictor_ms",
+    "compute_ms",
+    "hidden_io_ms",
+    "bytes_per_token",
+    "tokens",
+    "hit_rate",
+)
+COLUMNS = [
+    "mode",
+    "options",
+    "cache_layout",
+    "budget_mb",
+    "cgroup_limit_mb",
+    "cgroup_peak_mb",
+    "oom_killed",
+    "ms_per_token",
+    "io_ms",
+    "mem_ms",
+    "predictor_ms",
+    "compute_ms",
+    "bytes_per_token",
+    "reads_per_token",
+    "hit_rate",
+    "error",
+]
 ENDOR_COLUMNS = ["store_format", "decompress_ms", "requested_bytes_per_token"] + COLUMNS
 SCALE_COLUMNS = ["model", "operating_point", "predictor", "lookahead", *COLUMNS]
 # What tells one configuration's rows from another's: the summary rows are medians over each one's rounds.
-CONFIG_FIELDS = ("model", "mode", "operating_point", "predictor", "lookahead", "options", "budget_spec",
-                 "store_format")
+CONFIG_FIELDS = ("model", "mode", "operating_point", "predictor", "lookahead", "options", "budget_spec", "store_format")
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 TARGET_SPARSITY = 0.6  # the default-model predictors' operating point (trained once into the cached store):
 # the rule's threshold alone costs ~+5% held-out perplexity there (BENCHMARKS.md)
@@ -66,16 +106,29 @@ TARGET_SPARSITY = 0.6  # the default-model predictors' operating point (trained 
 # bench/traces.py for the true sets at 0.97 (quant: gate and up at 4 bits, loaded density 0.06; held-out recall of
 # the true sets ~0.98, BENCHMARKS.md); at (b): the library default (DEFAULT_RECIPE, spelled out so that the cached
 # predictors file names it and an older default's file is not reused; the low-rank ones load 0.92 there).
-SCALE_PREDICTORS = {"a": {method: predictor_training(method, 0.97) for method in ("lowrank", "quant")},
-                    "b": {"quant": ("--method", DEFAULT_RECIPE["method"],
-                                    "--gate-bits", str(DEFAULT_RECIPE["gate_bits"]),
-                                    "--up-bits", str(DEFAULT_RECIPE["up_bits"]),
-                                    "--density", str(DEFAULT_RECIPE["density"]),
-                                    "--rounding", DEFAULT_RECIPE["rounding"],
-                                    "--group-size", str(DEFAULT_RECIPE["group_size"]))}}
+SCALE_PREDICTORS = {
+    "a": {method: predictor_training(method, 0.97) for method in ("lowrank", "quant")},
+    "b": {
+        "quant": (
+            "--method",
+            DEFAULT_RECIPE["method"],
+            "--gate-bits",
+            str(DEFAULT_RECIPE["gate_bits"]),
+            "--up-bits",
+            str(DEFAULT_RECIPE["up_bits"]),
+            "--density",
+            str(DEFAULT_RECIPE["density"]),
+            "--rounding",
+            DEFAULT_RECIPE["rounding"],
+            "--group-size",
+            str(DEFAULT_RECIPE["group_size"]),
+        )
+    },
+}
 
 
 # ------------------------------------------------------------------------------------------------ the oracle
+
 
 class OraclePredictors(NeuronPredictor):
     """A predictor whose prediction is the true active set of the one rule (flashllm_ext.predictor):
@@ -117,7 +170,7 @@ class OraclePredictors(NeuronPredictor):
         if self.scoring_rows[layer].device != x.device:  # plain attributes: Module.to does not move them
             self.scoring_rows[layer] = self.scoring_rows[layer].to(x.device)
         rows, d, xf = self.scoring_rows[layer].float(), self.d, x.float()
-        pre = xf @ rows[:, d:2 * d].t() if self.glu else xf @ rows[:, :d].t()
+        pre = xf @ rows[:, d : 2 * d].t() if self.glu else xf @ rows[:, :d].t()
         if self.biases[layer] is not None:
             pre += self.biases[layer].to(x.device).float()
         h = self.activation(pre)
@@ -127,6 +180,7 @@ class OraclePredictors(NeuronPredictor):
 
 
 # ------------------------------------------------------------------------------------------- the child runs
+
 
 def prompt_ids(n_prompt: int, vocab_size: int, synthesized: bool = False) -> tuple[list[int], str | None]:
     """The prompt every configuration decodes from: the first n_prompt tokens of the held-out text (the default
@@ -160,8 +214,9 @@ def _storage_reads() -> tuple[int, int]:
     return read_bytes, resource.getrusage(resource.RUSAGE_SELF).ru_majflt
 
 
-def _decode(model, prompt: torch.Tensor, n_tokens: int, reset_stats,
-            warmup: int = 0) -> tuple[list[float], list[int], dict]:
+def _decode(
+    model, prompt: torch.Tensor, n_tokens: int, reset_stats, warmup: int = 0
+) -> tuple[list[float], list[int], dict]:
     """Greedy decoding after a prefill of `prompt` and `warmup` untimed decode tokens: (seconds per decode token,
     the tokens, the decode tokens' storage reads per token as the kernel counts them). reset_stats runs after the
     prefill and the warm-up so the engine's stats cover the timed decode tokens only. A token's time ends when its
@@ -189,8 +244,14 @@ def _decode(model, prompt: torch.Tensor, n_tokens: int, reset_stats,
         times.append(time.perf_counter() - start)
     read_after, faults_after = _storage_reads()
     n = max(1, len(times))
-    return times, tokens, {"proc_read_mb_per_token": (read_after - read_before) / n / 1e6,
-                           "major_faults_per_token": (faults_after - faults_before) / n}
+    return (
+        times,
+        tokens,
+        {
+            "proc_read_mb_per_token": (read_after - read_before) / n / 1e6,
+            "major_faults_per_token": (faults_after - faults_before) / n,
+        },
+    )
 
 
 def _load(config: dict):
@@ -209,9 +270,14 @@ def _load(config: dict):
         memory = {0: budget} if device == "cuda" else {"cpu": budget}
         if config.get("max_memory"):
             memory = {int(k) if k.isdigit() else k: v for k, v in config["max_memory"].items()}
-        model = AutoModelForCausalLM.from_pretrained(config["hf_dir"], dtype=torch.float16, device_map="auto",
-                                                     max_memory=memory, offload_folder=str(offload),
-                                                     offload_state_dict=True).eval()
+        model = AutoModelForCausalLM.from_pretrained(
+            config["hf_dir"],
+            dtype=torch.float16,
+            device_map="auto",
+            max_memory=memory,
+            offload_folder=str(offload),
+            offload_state_dict=True,
+        ).eval()
         return model, lambda: None
     if mode == "dense":
         return flashllm_ext.load_flash(config["store"], None, mode="dense", device=device), lambda: None
@@ -220,12 +286,21 @@ def _load(config: dict):
         store, at = FlashStore(config["store"]), [0]
         n_tokens = len(config["prompt_ids"]) + config["tokens"] + 1
         masks = scale_masks(config, n_tokens, store.n_layers, store.n_neurons, ahead=False)
-        ahead = (scale_masks(config, n_tokens, store.n_layers, store.n_neurons, ahead=True)
-                 if config.get("lookahead") else None)
+        ahead = (
+            scale_masks(config, n_tokens, store.n_layers, store.n_neurons, ahead=True)
+            if config.get("lookahead")
+            else None
+        )
         cost = scale_cost_predictor(config["predictors"], store) if config.get("predictors") else None
         predictors = ReplayedSets(masks, at, store.hidden_size, cost, ahead)
-        model = flashllm_ext.load_flash(config["store"], budget, mode="flash", predictors=predictors,
-                                        lookahead=config.get("lookahead"), **config.get("options", {}))
+        model = flashllm_ext.load_flash(
+            config["store"],
+            budget,
+            mode="flash",
+            predictors=predictors,
+            lookahead=config.get("lookahead"),
+            **config.get("options", {}),
+        )
         # The sets of the tokens at the positions this forward computes: after the cached ones.
         model.register_forward_pre_hook(partial(_track_position, at), with_kwargs=True)
         return model, model.flash.counters.reset
@@ -237,9 +312,15 @@ def _load(config: dict):
             trained = load_predictors(store.path)
             thresholds = trained.true_thresholds if trained.true_thresholds.any() else trained.thresholds
         predictors = OraclePredictors(store, thresholds)
-    model = flashllm_ext.load_flash(config["store"], budget, mode="flash" if mode == "flash-oracle" else mode,
-                                    predictors=predictors, device=device,
-                                    reader_options=config.get("reader_options"), **config.get("options", {}))
+    model = flashllm_ext.load_flash(
+        config["store"],
+        budget,
+        mode="flash" if mode == "flash-oracle" else mode,
+        predictors=predictors,
+        device=device,
+        reader_options=config.get("reader_options"),
+        **config.get("options", {}),
+    )
     return model, model.flash.counters.reset
 
 
@@ -251,9 +332,14 @@ def _track_position(at: list[int], _module, _args, kwargs) -> None:
 def run_child(config: dict) -> dict:
     """One configuration, in this process: load, prefill, decode; the row (without the cgroup facts)."""
     device = config.get("device", "cpu")
-    row = {"bench": "e2e", "model": config["model"], "device": device_name(device), "mode": config["mode"],
-           "budget_mb": None if config["budget_bytes"] is None else config["budget_bytes"] / 1e6,
-           **({"store_format": config["store_format"]} if "store_format" in config else {})}
+    row = {
+        "bench": "e2e",
+        "model": config["model"],
+        "device": device_name(device),
+        "mode": config["mode"],
+        "budget_mb": None if config["budget_bytes"] is None else config["budget_bytes"] / 1e6,
+        **({"store_format": config["store_format"]} if "store_format" in config else {}),
+    }
     before = process_memory()
     try:
         model, reset_stats = _load(config)
@@ -262,25 +348,57 @@ def run_child(config: dict) -> dict:
     except Exception as e:  # the row says why this configuration could not run
         return {**row, **error_fields(e)}
     after = process_memory()
-    row.update(ms_per_token=statistics.median(times) * 1e3, mean_ms_per_token=statistics.mean(times) * 1e3,
-               tokens=len(times), token_ms=[round(t * 1e3, 1) for t in times], generated=tokens, **storage)
+    row.update(
+        ms_per_token=statistics.median(times) * 1e3,
+        mean_ms_per_token=statistics.mean(times) * 1e3,
+        tokens=len(times),
+        token_ms=[round(t * 1e3, 1) for t in times],
+        generated=tokens,
+        **storage,
+    )
     if before and after:  # what loading and decoding added to the process, against what the engine accounts
-        row.update(rss_peak_growth_mb=(after["VmHWM"] - before["VmRSS"]) / 1e6,
-                   rss_anon_growth_mb=(after["RssAnon"] - before["RssAnon"]) / 1e6,
-                   rss_file_growth_mb=(after["RssFile"] - before["RssFile"]) / 1e6)
+        row.update(
+            rss_peak_growth_mb=(after["VmHWM"] - before["VmRSS"]) / 1e6,
+            rss_anon_growth_mb=(after["RssAnon"] - before["RssAnon"]) / 1e6,
+            rss_file_growth_mb=(after["RssFile"] - before["RssFile"]) / 1e6,
+        )
     stats = model.flash.stats() if getattr(model, "flash", None) is not None else None
     if stats is not None:
-        row.update({k: stats[k] for k in ("io_ms", "hidden_io_ms", "decompress_ms", "mem_ms", "predictor_ms",
-                                          "compute_ms", "bytes_per_token", "requested_bytes_per_token",
-                                          "reads_per_token", "mean_read_bytes", "hit_rate",
-                                          "accounted_bytes", "reader_bounce_bytes", "cache_layout")})
+        row.update(
+            {
+                k: stats[k]
+                for k in (
+                    "io_ms",
+                    "hidden_io_ms",
+                    "decompress_ms",
+                    "mem_ms",
+                    "predictor_ms",
+                    "compute_ms",
+                    "bytes_per_token",
+                    "requested_bytes_per_token",
+                    "reads_per_token",
+                    "mean_read_bytes",
+                    "hit_rate",
+                    "accounted_bytes",
+                    "reader_bounce_bytes",
+                    "cache_layout",
+                )
+            }
+        )
     else:  # dense / accelerate: no engine stats; the whole decode time is compute (accelerate's reads included)
-        row.update(io_ms=None, mem_ms=None, predictor_ms=None, compute_ms=None, bytes_per_token=0 if
-                   config["mode"] == "dense" else None, hit_rate=None)
+        row.update(
+            io_ms=None,
+            mem_ms=None,
+            predictor_ms=None,
+            compute_ms=None,
+            bytes_per_token=0 if config["mode"] == "dense" else None,
+            hit_rate=None,
+        )
     return row
 
 
 # ------------------------------------------------------------------------------------------------- the parent
+
 
 def default_store(cache: Path, train_predictors: bool = True) -> Path:
     """The default model converted to an fp16 store (cached), with trained predictors (trained once: minutes)."""
@@ -297,8 +415,11 @@ def default_store(cache: Path, train_predictors: bool = True) -> Path:
     except (OSError, FormatError):  # none yet, or written by an older format: (re)convert
         convert(fetch_default(), path, dtype="fp16", force=True)
     if train_predictors and predictors_recipe(path) != DEFAULT_RECIPE:  # none yet, or an older default's
-        subprocess.run([sys.executable, "-m", "flashllm_ext.cli", "train-predictors", "default", "--store",
-                        str(path)], check=True, stdout=sys.stderr)  # the default recipe; stdout: --json rows
+        subprocess.run(
+            [sys.executable, "-m", "flashllm_ext.cli", "train-predictors", "default", "--store", str(path)],
+            check=True,
+            stdout=sys.stderr,
+        )  # the default recipe; stdout: --json rows
     return path
 
 
@@ -348,14 +469,23 @@ def oracle_bytes(store_path: Path) -> int:
 def run_configuration(config: dict, baseline: int | None) -> dict:
     budget = config["budget_bytes"]
     extra = oracle_bytes(Path(config["store"])) if config["mode"] == "flash-oracle" else 0
-    rows, facts = run_limited_child(_child_argv(config), None if budget is None else budget + extra, baseline,
-                                    f"e2e-{config['mode']}", config.get("timeout_s", 1800))
+    rows, facts = run_limited_child(
+        _child_argv(config),
+        None if budget is None else budget + extra,
+        baseline,
+        f"e2e-{config['mode']}",
+        config.get("timeout_s", 1800),
+    )
     if extra:
         facts["oracle_mb"] = extra / 1e6
     # A killed child prints no row of its own: the harness's error row then stands for it.
-    row = {"bench": "e2e", "model": config["model"], "mode": config["mode"],
-           "budget_mb": None if config["budget_bytes"] is None else config["budget_bytes"] / 1e6,
-           **(rows[0] if rows else {"error": "the child printed no row"})}
+    row = {
+        "bench": "e2e",
+        "model": config["model"],
+        "mode": config["mode"],
+        "budget_mb": None if config["budget_bytes"] is None else config["budget_bytes"] / 1e6,
+        **(rows[0] if rows else {"error": "the child printed no row"}),
+    }
     if len(rows) > 1 and not row.get("error"):
         row["error"] = rows[-1].get("error")
     row.update(facts)
@@ -374,8 +504,11 @@ def model_bytes_of(store_path: Path, ffn: bool = True) -> int:
 
     store = FlashStore(store_path)
     with safe_open(store.resident_path, framework="pt") as f:
-        resident = sum(math.prod(f.get_slice(n).get_shape()) * store.dtype.itemsize
-                       for n in f.keys() if not n.startswith("predictor."))
+        resident = sum(
+            math.prod(f.get_slice(n).get_shape()) * store.dtype.itemsize
+            for n in f.keys()
+            if not n.startswith("predictor.")
+        )
     return resident + (store_ffn_bytes(store) if ffn else 0)
 
 
@@ -391,8 +524,14 @@ def budget_of_first_layers(store_path: Path, spec: str, whole_layers: int) -> in
 
     store = FlashStore(store_path)
     with safe_open(store.resident_path, framework="pt") as f:
-        per_layer = sum(math.prod(f.get_slice(n).get_shape()) * store.dtype.itemsize for n in f.keys()
-                        if re.search(r"\.layers\.\d+\.", n)) / store.n_layers
+        per_layer = (
+            sum(
+                math.prod(f.get_slice(n).get_shape()) * store.dtype.itemsize
+                for n in f.keys()
+                if re.search(r"\.layers\.\d+\.", n)
+            )
+            / store.n_layers
+        )
     resident = model_bytes_of(store_path, ffn=False)
     ffn = model_bytes_of(store_path) - resident
     scale = whole_layers / store.n_layers
@@ -425,8 +564,13 @@ def plot_breakdown(rows: list[dict], path: Path) -> None:
     rows = [r for r in rows if r.get("ms_per_token") is not None]
     labels = [bar_label(r) for r in rows]
     fig, ax = plt.subplots(figsize=(1.3 * len(rows) + 2, 4))
-    stacked_token_bars(ax, labels, rows, [(part, part.removesuffix("_ms")) for part in
-                                          ("io_ms", "mem_ms", "predictor_ms", "compute_ms")], has_breakdown="io_ms")
+    stacked_token_bars(
+        ax,
+        labels,
+        rows,
+        [(part, part.removesuffix("_ms")) for part in ("io_ms", "mem_ms", "predictor_ms", "compute_ms")],
+        has_breakdown="io_ms",
+    )
     ax.set_title(f"{rows[0]['model'] if rows else ''}: per-token breakdown")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -439,11 +583,20 @@ SCALE_MODELS = ("opt-6.7b", "llama-2-7b")  # bench/synth_checkpoint.py's checkpo
 # The operating points of the scale run: (a) OPT-like, the rule's threshold sparsity 0.97 (what the paper measured for
 # OPT's ReLU FFNs); (b) SwiGLU-real, TARGET_SPARSITY, where the default model's held-out perplexity stays within ~5%
 # of dense. Per point: the sparsity the predictors are trained for and the one the true sets are thresholded at.
-POINTS = {"a": ("a (OPT-like): threshold sparsity 0.97", 0.97),
-          "b": (f"b (SwiGLU-real): target sparsity {TARGET_SPARSITY:g}", TARGET_SPARSITY)}
+POINTS = {
+    "a": ("a (OPT-like): threshold sparsity 0.97", 0.97),
+    "b": (f"b (SwiGLU-real): target sparsity {TARGET_SPARSITY:g}", TARGET_SPARSITY),
+}
 # (mode, operating point, predictor method of SCALE_PREDICTORS)
-SCALE_CONFIGS = (("naive", None, None), ("hybrid", None, None), ("flash-oracle", "a", None), ("flash", "a", "lowrank"),
-                 ("flash", "a", "quant"), ("flash", "b", "quant"), ("accelerate", None, None))  # accelerate: --full
+SCALE_CONFIGS = (
+    ("naive", None, None),
+    ("hybrid", None, None),
+    ("flash-oracle", "a", None),
+    ("flash", "a", "lowrank"),
+    ("flash", "a", "quant"),
+    ("flash", "b", "quant"),
+    ("accelerate", None, None),
+)  # accelerate: --full
 
 
 def scale_configs(methods: list[str]) -> list[tuple[str, str | None, str | None]]:
@@ -470,8 +623,14 @@ class ReplayedSets(NeuronPredictor):
     ahead_masks: the sets the predictors choose from the look-ahead input, replayed by predict_ahead (the engine's
     prefetch, load_flash(lookahead=...)); without them, predict's."""
 
-    def __init__(self, masks: torch.Tensor, at: list[int], hidden_size: int, cost: NeuronPredictor | None = None,
-                 ahead_masks: torch.Tensor | None = None):
+    def __init__(
+        self,
+        masks: torch.Tensor,
+        at: list[int],
+        hidden_size: int,
+        cost: NeuronPredictor | None = None,
+        ahead_masks: torch.Tensor | None = None,
+    ):
         super().__init__(masks.shape[1], hidden_size, masks.shape[2])  # thresholds 0 (ReLU: exact zeros only)
         self.masks, self.at, self.cost = masks, at, cost
         self.ahead_masks = masks if ahead_masks is None else ahead_masks
@@ -490,7 +649,7 @@ class ReplayedSets(NeuronPredictor):
         if self.cost is not None:
             self.cost.scores(layer, x)
         # On x's device, as a predictor's answer is (the engine copies it to the host to plan on)
-        return masks[self.at[0]:self.at[0] + x.shape[0], layer].to(x.device)
+        return masks[self.at[0] : self.at[0] + x.shape[0], layer].to(x.device)
 
 
 def scale_cost_predictor(predictors_path: str, store) -> NeuronPredictor:
@@ -505,8 +664,11 @@ def scale_cost_predictor(predictors_path: str, store) -> NeuronPredictor:
     if "ranks" in small:
         config["ranks"] = [small["ranks"][i % len(small["ranks"])] for i in range(store.n_layers)]
     if small["method"] == "quant":
-        config.update(glu=store.glu, activation=store_activation(store),
-                      **{role: store.layer_bias(0, role) is not None for role in ("gate_bias", "up_bias")})
+        config.update(
+            glu=store.glu,
+            activation=store_activation(store),
+            **{role: store.layer_bias(0, role) is not None for role in ("gate_bias", "up_bias")},
+        )
     cost = predictor_class(small["method"]).from_config(config)
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -518,8 +680,7 @@ def scale_cost_predictor(predictors_path: str, store) -> NeuronPredictor:
     return cost.eval()
 
 
-def scale_masks(config: dict, n_tokens: int, n_layers: int, n_neurons: int, ahead: bool | None = None
-                ) -> torch.Tensor:
+def scale_masks(config: dict, n_tokens: int, n_layers: int, n_neurons: int, ahead: bool | None = None) -> torch.Tensor:
     """bool [n_tokens, n_layers, n_neurons]: `default_model_sets` tiled onto the large layers (bench/traces.py)."""
     from bench.traces import tile_masks
 
@@ -536,8 +697,11 @@ def default_model_sets(config: dict, n_tokens: int, ahead: bool | None = None) -
 
     ahead = config.get("lookahead") == "ahead" if ahead is None else ahead
     n = max(n_tokens, 64)
-    small = default_model_masks(n, config["sparsity"], progress=False) if config["mode"] == "flash-oracle" else \
-        predicted_masks(Path(config["predictors"]), n, lookahead=ahead)
+    small = (
+        default_model_masks(n, config["sparsity"], progress=False)
+        if config["mode"] == "flash-oracle"
+        else predicted_masks(Path(config["predictors"]), n, lookahead=ahead)
+    )
     return small[:n_tokens]
 
 
@@ -548,23 +712,39 @@ def run_scale_child(config: dict) -> dict:
     from flashllm_ext.flash.store import FlashStore
 
     device = config.get("device", "cpu")
-    row = {"bench": "e2e", "model": config["model"], "device": device_name(device), "mode": config["mode"],
-           "operating_point": config["operating_point"], "budget_mb": config["budget_bytes"] / 1e6}
+    row = {
+        "bench": "e2e",
+        "model": config["model"],
+        "device": device_name(device),
+        "mode": config["mode"],
+        "operating_point": config["operating_point"],
+        "budget_mb": config["budget_bytes"] / 1e6,
+    }
     try:
         store, at = FlashStore(config["store"]), [0]
-        masks = (scale_masks(config, config["tokens"] + 1, store.n_layers, store.n_neurons)
-                 if config["mode"].startswith("flash") else None)
+        masks = (
+            scale_masks(config, config["tokens"] + 1, store.n_layers, store.n_neurons)
+            if config["mode"].startswith("flash")
+            else None
+        )
         cost = scale_cost_predictor(config["predictors"], store) if config.get("predictors") else None
         predictors = None if masks is None else ReplayedSets(masks, at, store.hidden_size, cost)
-        runtime = ffn_stack(store, "flash" if predictors is not None else config["mode"], config["budget_bytes"],
-                            predictors=predictors, device=device)
+        runtime = ffn_stack(
+            store,
+            "flash" if predictors is not None else config["mode"],
+            config["budget_bytes"],
+            predictors=predictors,
+            device=device,
+        )
         generator = torch.Generator().manual_seed(0)
         times = []
         with torch.inference_mode():
             for token in range(config["tokens"] + 1):  # token 0 warms the cache up: not timed
                 at[0] = token
-                xs = [torch.randn(1, store.hidden_size, generator=generator).to(device, store.dtype)
-                      for _ in runtime.modules]
+                xs = [
+                    torch.randn(1, store.hidden_size, generator=generator).to(device, store.dtype)
+                    for _ in runtime.modules
+                ]
                 if token == 1:
                     runtime.counters.reset()
                 if device == "cuda":
@@ -578,12 +758,19 @@ def run_scale_child(config: dict) -> dict:
                     times.append(time.perf_counter() - start)
         stats = runtime.stats()
         per = 1e3 / len(times)  # the stats cover the timed tokens: per-token milliseconds
-        row.update(ms_per_token=statistics.median(times) * 1e3, tokens=len(times),
-                   bytes_per_token=stats["bytes_read"] / len(times), hit_rate=stats["hit_rate"],
-                   accounted_bytes=stats["accounted_bytes"], reads_per_token=runtime.counters.n_reads / len(times),
-                   mean_read_bytes=stats["mean_read_bytes"],
-                   **{k: getattr(runtime.counters, k.removesuffix("_ms") + "_s") * per
-                      for k in ("io_ms", "hidden_io_ms", "mem_ms", "predictor_ms", "compute_ms")})
+        row.update(
+            ms_per_token=statistics.median(times) * 1e3,
+            tokens=len(times),
+            bytes_per_token=stats["bytes_read"] / len(times),
+            hit_rate=stats["hit_rate"],
+            accounted_bytes=stats["accounted_bytes"],
+            reads_per_token=runtime.counters.n_reads / len(times),
+            mean_read_bytes=stats["mean_read_bytes"],
+            **{
+                k: getattr(runtime.counters, k.removesuffix("_ms") + "_s") * per
+                for k in ("io_ms", "hidden_io_ms", "mem_ms", "predictor_ms", "compute_ms")
+            },
+        )
         if masks is not None:
             row["loaded_density"] = masks[1:].float().mean().item()
         runtime.close()
@@ -629,11 +816,15 @@ def run_scale(args) -> list[dict]:
         shapes += f", {args.scale_layers} layers" if args.scale_layers else ""
         total = model_bytes_of(store)
         resident = model_bytes_of(store, ffn=False)
-        model_budget = parse_budget(args.budget, total) if not args.scale_layers else \
-            budget_of_first_layers(store, args.budget, SYNTH_CONFIGS[name]["num_hidden_layers"])
+        model_budget = (
+            parse_budget(args.budget, total)
+            if not args.scale_layers
+            else budget_of_first_layers(store, args.budget, SYNTH_CONFIGS[name]["num_hidden_layers"])
+        )
         if model_budget <= resident:
-            raise SystemExit(f"{name}: a budget of {args.budget} does not cover the {resident / 1e6:.0f} MB of "
-                             "resident tensors")
+            raise SystemExit(
+                f"{name}: a budget of {args.budget} does not cover the {resident / 1e6:.0f} MB of resident tensors"
+            )
         # Random weights: where the default model's tokenizer cannot be fetched (a lent GPU has no network), any
         # prompt does.
         ids, prompt_note = prompt_ids(args.prompt_tokens, FlashStore(store).config["vocab_size"], synthesized=True)
@@ -643,25 +834,47 @@ def run_scale(args) -> list[dict]:
                 continue
             label, sparsity = POINTS[point] if point else ("dense compute", None)
             train_args = (SCALE_PREDICTORS[point].get(method) or predictor_training(method, 0.97)) if method else None
-            common = {"scale": True, "store": str(store), "mode": mode, "device": args.device, "operating_point": label,
-                      "sparsity": sparsity, "model_budget_mb": model_budget / 1e6, "resident_mb": resident / 1e6,
-                      "baseline": baseline,
-                      "predictor": " ".join(train_args) if method else None,
-                      "predictors": str(trained_predictors(cache, train_args)) if method else None}
-            whole = {**common, "model": f"{name} (synthesized checkpoint{shapes}, whole model)", "full": True,
-                     "budget_bytes": model_budget, "tokens": args.full_tokens, "prompt_ids": ids,
-                     "prompt_note": prompt_note, "timeout_s": args.child_timeout}
+            common = {
+                "scale": True,
+                "store": str(store),
+                "mode": mode,
+                "device": args.device,
+                "operating_point": label,
+                "sparsity": sparsity,
+                "model_budget_mb": model_budget / 1e6,
+                "resident_mb": resident / 1e6,
+                "baseline": baseline,
+                "predictor": " ".join(train_args) if method else None,
+                "predictors": str(trained_predictors(cache, train_args)) if method else None,
+            }
+            whole = {
+                **common,
+                "model": f"{name} (synthesized checkpoint{shapes}, whole model)",
+                "full": True,
+                "budget_bytes": model_budget,
+                "tokens": args.full_tokens,
+                "prompt_ids": ids,
+                "prompt_note": prompt_note,
+                "timeout_s": args.child_timeout,
+            }
             if mode == "accelerate":  # the peer runs the Hugging Face checkpoint itself: whole-model rows only
                 if args.full or args.full_only:
                     from bench.synth_checkpoint import shared_checkpoint
 
                     hf_dir = shared_checkpoint(name, layers=args.scale_layers, smoke=args.smoke)
-                    configs.append({**whole, "hf_dir": str(hf_dir),
-                                    "offload_dir": str(cache / f"accelerate-offload-{name}")})
+                    configs.append(
+                        {**whole, "hf_dir": str(hf_dir), "offload_dir": str(cache / f"accelerate-offload-{name}")}
+                    )
                 continue
             if not args.full_only:
-                configs.append({**common, "model": f"{name} (synthesized checkpoint{shapes}, FFN stack)",
-                                "budget_bytes": model_budget - resident, "tokens": args.tokens})
+                configs.append(
+                    {
+                        **common,
+                        "model": f"{name} (synthesized checkpoint{shapes}, FFN stack)",
+                        "budget_bytes": model_budget - resident,
+                        "tokens": args.tokens,
+                    }
+                )
             if args.full or args.full_only:
                 configs.append(whole)
                 if mode == "flash":
@@ -675,16 +888,32 @@ def run_scale(args) -> list[dict]:
             config["recall"] = ((chosen & true).sum() / true.sum()).item()  # of the true sets, on these tokens
     rows = []
     for round_index, config in [(r, c) for r in range(args.rounds) for c in configs]:
-        child_rows, facts = run_limited_child(_child_argv(config), config["budget_bytes"], config["baseline"],
-                                              f"e2e-scale-{config['mode']}", args.child_timeout)
-        row = {"model": config["model"], "mode": config["mode"], "budget_mb": config["budget_bytes"] / 1e6,
-               **(child_rows[0] if child_rows else {"error": "the child printed no row"}),
-               **facts, "operating_point": config["operating_point"], "predictor": config["predictor"],
-               "recall": config.get("recall"), "lookahead": config.get("lookahead"),
-               "options": json.dumps(config["options"]) if "options" in config else None, "round": round_index,
-               "budget_spec": args.budget, "model_budget_mb": config["model_budget_mb"],
-               "resident_mb": config["resident_mb"], "baseline_mb": config["baseline"] / 1e6,
-               "prompt_tokens": len(config.get("prompt_ids", ())), "prompt_note": config.get("prompt_note")}
+        child_rows, facts = run_limited_child(
+            _child_argv(config),
+            config["budget_bytes"],
+            config["baseline"],
+            f"e2e-scale-{config['mode']}",
+            args.child_timeout,
+        )
+        row = {
+            "model": config["model"],
+            "mode": config["mode"],
+            "budget_mb": config["budget_bytes"] / 1e6,
+            **(child_rows[0] if child_rows else {"error": "the child printed no row"}),
+            **facts,
+            "operating_point": config["operating_point"],
+            "predictor": config["predictor"],
+            "recall": config.get("recall"),
+            "lookahead": config.get("lookahead"),
+            "options": json.dumps(config["options"]) if "options" in config else None,
+            "round": round_index,
+            "budget_spec": args.budget,
+            "model_budget_mb": config["model_budget_mb"],
+            "resident_mb": config["resident_mb"],
+            "baseline_mb": config["baseline"] / 1e6,
+            "prompt_tokens": len(config.get("prompt_ids", ())),
+            "prompt_note": config.get("prompt_note"),
+        }
         if len(child_rows) > 1 and not row.get("error"):
             row["error"] = child_rows[-1].get("error")
         row = {**{k: row.get(k) for k in KEYS}, **row, "bench": "e2e"}
@@ -695,8 +924,20 @@ def run_scale(args) -> list[dict]:
 
 # ------------------------------------------------------------------------------------------------ prefill
 
-PREFILL_COLUMNS = ["prefill", "round", "cgroup_limit_mb", "cgroup_peak_mb", "prefill_ms", "io_ms", "compute_ms",
-                   "bytes_read", "reads", "mean_read_kib", "paths", "error"]
+PREFILL_COLUMNS = [
+    "prefill",
+    "round",
+    "cgroup_limit_mb",
+    "cgroup_peak_mb",
+    "prefill_ms",
+    "io_ms",
+    "compute_ms",
+    "bytes_read",
+    "reads",
+    "mean_read_kib",
+    "paths",
+    "error",
+]
 
 
 def run_prefill_child(config: dict) -> dict:
@@ -705,11 +946,17 @@ def run_prefill_child(config: dict) -> dict:
     import flashllm_ext
     from flashllm_ext.predictor import load_predictors
 
-    row = {"bench": "e2e_prefill", "model": DEFAULT_MODEL, "prefill": config["prefill"],
-           "prompt_tokens": len(config["prompt_ids"]), "budget_mb": config["budget_bytes"] / 1e6}
+    row = {
+        "bench": "e2e_prefill",
+        "model": DEFAULT_MODEL,
+        "prefill": config["prefill"],
+        "prompt_tokens": len(config["prompt_ids"]),
+        "budget_mb": config["budget_bytes"] / 1e6,
+    }
     try:
-        model = flashllm_ext.load_flash(config["store"], config["budget_bytes"], mode="flash",
-                                        predictors=load_predictors(config["predictors"]))
+        model = flashllm_ext.load_flash(
+            config["store"], config["budget_bytes"], mode="flash", predictors=load_predictors(config["predictors"])
+        )
         for module in model.flash.modules:
             module.prefill = config["prefill"]
         with torch.inference_mode():
@@ -720,9 +967,17 @@ def run_prefill_child(config: dict) -> dict:
         return {**row, **error_fields(e)}
     s = model.flash.counters
     paths = {p: sum(m.prefill_paths[p] for m in model.flash.modules) for p in ("union", "sequential")}
-    return {**row, "prefill_ms": elapsed * 1e3, "io_ms": s.io_s * 1e3, "compute_ms": s.compute_s * 1e3,
-            "mem_ms": s.mem_s * 1e3, "bytes_read": s.bytes_read, "reads": s.n_reads,
-            "mean_read_kib": s.bytes_read / max(1, s.n_reads) / 1024, "paths": paths}
+    return {
+        **row,
+        "prefill_ms": elapsed * 1e3,
+        "io_ms": s.io_s * 1e3,
+        "compute_ms": s.compute_s * 1e3,
+        "mem_ms": s.mem_s * 1e3,
+        "bytes_read": s.bytes_read,
+        "reads": s.n_reads,
+        "mean_read_kib": s.bytes_read / max(1, s.n_reads) / 1024,
+        "paths": paths,
+    }
 
 
 def run_prefill(args, baseline: int) -> list[dict]:
@@ -742,25 +997,41 @@ def run_prefill(args, baseline: int) -> list[dict]:
 
         profile = calibrate_disk(cache, save=False)
         path = cache / "prefill-disk.json"
-        path.write_text(json.dumps({"latency_s": profile.latency_s, "bandwidth_bps": profile.bandwidth_bps,
-                                    "path": profile.path}))
+        path.write_text(
+            json.dumps({"latency_s": profile.latency_s, "bandwidth_bps": profile.bandwidth_bps, "path": profile.path})
+        )
         os.environ["FLASHLLM_DISK_PROFILE"] = str(path)  # the children inherit it
     ids, _ = prompt_ids(args.prompt_tokens, FlashStore(store).config["vocab_size"])
-    base = {"prefill_bench": True, "mode": "flash", "store": str(store), "prompt_ids": ids,
-            "budget_bytes": parse_budget(args.budget, model_bytes_of(store)),
-            "predictors": str(trained_predictors(cache, (*LOWRANK_TRAINING, "--target-sparsity", str(TARGET_SPARSITY))))}
+    base = {
+        "prefill_bench": True,
+        "mode": "flash",
+        "store": str(store),
+        "prompt_ids": ids,
+        "budget_bytes": parse_budget(args.budget, model_bytes_of(store)),
+        "predictors": str(trained_predictors(cache, (*LOWRANK_TRAINING, "--target-sparsity", str(TARGET_SPARSITY)))),
+    }
     rows = []
     for round_index, path in [(r, p) for r in range(args.rounds) for p in ("union", "sequential", "auto")]:
-        child_rows, facts = run_limited_child(_child_argv({**base, "prefill": path}), base["budget_bytes"], baseline,
-                                              f"e2e-prefill-{path}", args.child_timeout)
-        row = {"prefill": path, **(child_rows[0] if child_rows else {"error": "the child printed no row"}), **facts,
-               "round": round_index}
+        child_rows, facts = run_limited_child(
+            _child_argv({**base, "prefill": path}),
+            base["budget_bytes"],
+            baseline,
+            f"e2e-prefill-{path}",
+            args.child_timeout,
+        )
+        row = {
+            "prefill": path,
+            **(child_rows[0] if child_rows else {"error": "the child printed no row"}),
+            **facts,
+            "round": round_index,
+        }
         rows.append(row)
         emit([row], args.json, PREFILL_COLUMNS)
     return rows
 
 
 # ----------------------------------------------------------------------------------------- the Endor store run
+
 
 def endor_stores(cache: Path) -> tuple[dict[str, Path], list[float]]:
     """(store_format -> fp16 store of the Wanda-50%-pruned default model, the pruned model's per-layer thresholds at
@@ -802,16 +1073,31 @@ def run_endor(args, cache: Path) -> list[dict]:
     ids, prompt_note = prompt_ids(args.prompt_tokens, FlashStore(stores["dense"]).config["vocab_size"])
     rows = []
     for round_index, fmt in [(r, f) for r in range(args.rounds) for f in stores]:
-        config = {"model": f"{DEFAULT_MODEL} Wanda 50%", "store": str(stores[fmt]), "store_format": fmt,
-                  "mode": "flash-oracle", "thresholds": thresholds, "budget_bytes": budget, "tokens": args.tokens,
-                  "prompt_ids": ids, "timeout_s": args.child_timeout,
-                  "reader_options": None if args.max_gap is None else {"max_gap": args.max_gap, "min_read": 0}}
+        config = {
+            "model": f"{DEFAULT_MODEL} Wanda 50%",
+            "store": str(stores[fmt]),
+            "store_format": fmt,
+            "mode": "flash-oracle",
+            "thresholds": thresholds,
+            "budget_bytes": budget,
+            "tokens": args.tokens,
+            "prompt_ids": ids,
+            "timeout_s": args.child_timeout,
+            "reader_options": None if args.max_gap is None else {"max_gap": args.max_gap, "min_read": 0},
+        }
         row = run_configuration(config, None if args.no_limit else baseline)
         if args.no_limit:
             row["cgroup_note"] = "--no-limit: the engine's budget applies, the cgroup only measures the peak"
-        row.update(model_bytes_mb=total / 1e6, baseline_mb=baseline / 1e6, budget_spec=args.budget,
-                   prompt_tokens=len(ids), prompt_note=prompt_note, round=round_index, store_format=fmt,
-                   max_gap=args.max_gap)
+        row.update(
+            model_bytes_mb=total / 1e6,
+            baseline_mb=baseline / 1e6,
+            budget_spec=args.budget,
+            prompt_tokens=len(ids),
+            prompt_note=prompt_note,
+            round=round_index,
+            store_format=fmt,
+            max_gap=args.max_gap,
+        )
         row = {**{k: row.get(k) for k in KEYS}, **row}
         rows.append(row)
         emit([row], args.json, ENDOR_COLUMNS)
@@ -820,12 +1106,18 @@ def run_endor(args, cache: Path) -> list[dict]:
     if set(by_format) == {"dense", "endor"}:
         dense, comp = by_format["dense"], by_format["endor"]
         same = [r["generated"] for r in rows if r.get("generated")]
-        medians.append({"bench": "e2e_endor_ratio", "model": dense["model"], "budget_mb": budget / 1e6,
-                        "bytes_per_token_ratio": comp["bytes_per_token"] / dense["bytes_per_token"],
-                        "requested_bytes_ratio": comp["requested_bytes_per_token"] /
-                        dense["requested_bytes_per_token"],
-                        "ms_per_token_ratio": comp["ms_per_token"] / dense["ms_per_token"],
-                        "same_tokens": all(g == same[0] for g in same), "rounds": args.rounds})
+        medians.append(
+            {
+                "bench": "e2e_endor_ratio",
+                "model": dense["model"],
+                "budget_mb": budget / 1e6,
+                "bytes_per_token_ratio": comp["bytes_per_token"] / dense["bytes_per_token"],
+                "requested_bytes_ratio": comp["requested_bytes_per_token"] / dense["requested_bytes_per_token"],
+                "ms_per_token_ratio": comp["ms_per_token"] / dense["ms_per_token"],
+                "same_tokens": all(g == same[0] for g in same),
+                "rounds": args.rounds,
+            }
+        )
     return medians
 
 
@@ -833,45 +1125,84 @@ def main(argv: list[str] | None = None) -> None:
     parser = arg_parser(__doc__.splitlines()[0])
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--budget", default="50%", help="DRAM budget (of the model's bytes, or a size)")
-    parser.add_argument("--fallback-budget", default="75%",
-                        help="also run a mode at this budget when it fails in --budget (below the engine's minimum, or "
-                             "OOM-killed by the cgroup)")
+    parser.add_argument(
+        "--fallback-budget",
+        default="75%",
+        help="also run a mode at this budget when it fails in --budget (below the engine's minimum, or "
+        "OOM-killed by the cgroup)",
+    )
     parser.add_argument("--tokens", type=int, default=32, help="greedy decode tokens after the prompt")
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--modes", default=",".join(MODES))
-    parser.add_argument("--store", help="a flash store to run instead of the default model (its predictors, if "
-                                        "any; accelerate needs --hf-dir)")
+    parser.add_argument(
+        "--store",
+        help="a flash store to run instead of the default model (its predictors, if any; accelerate needs --hf-dir)",
+    )
     parser.add_argument("--hf-dir", help="Hugging Face checkpoint of --store for the accelerate peer")
     parser.add_argument("--child-timeout", type=float, default=900, help="seconds before a child is killed")
     parser.add_argument("--quick", action="store_true", help="smoke run: 4 tokens, 16-token prompt")
     parser.add_argument("--no-plot", action="store_true")
     parser.add_argument("--scale", action="store_true", help="the 7B-scale FFN-stack rows instead (see run_scale)")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                        help="where the model and its neuron caches live (cuda: the GPU)")
-    parser.add_argument("--endor", action="store_true", help="flash mode on the Wanda-50%%-pruned default model's "
-                                                             "dense and Endor stores instead")
-    parser.add_argument("--max-gap", type=int, help="--endor: the reader's coalescing gap in bytes, with no minimum "
-                                                    "read size (default: the reader's defaults)")
-    parser.add_argument("--no-limit", action="store_true", help="--endor: measure each child's cgroup peak without "
-                                                                "enforcing baseline + budget")
-    parser.add_argument("--scale-models", default=",".join(SCALE_MODELS), help="--scale: among " + ",".join(SCALE_MODELS))
-    parser.add_argument("--scale-layers", type=int, help="--scale: the first that many layers of each model (a "
-                                                         "checkpoint of its own, written once): a shorter run")
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where the model and its neuron caches live (cuda: the GPU)",
+    )
+    parser.add_argument(
+        "--endor",
+        action="store_true",
+        help="flash mode on the Wanda-50%%-pruned default model's dense and Endor stores instead",
+    )
+    parser.add_argument(
+        "--max-gap",
+        type=int,
+        help="--endor: the reader's coalescing gap in bytes, with no minimum "
+        "read size (default: the reader's defaults)",
+    )
+    parser.add_argument(
+        "--no-limit",
+        action="store_true",
+        help="--endor: measure each child's cgroup peak without enforcing baseline + budget",
+    )
+    parser.add_argument(
+        "--scale-models", default=",".join(SCALE_MODELS), help="--scale: among " + ",".join(SCALE_MODELS)
+    )
+    parser.add_argument(
+        "--scale-layers",
+        type=int,
+        help="--scale: the first that many layers of each model (a checkpoint of its own, written once): a shorter run",
+    )
     parser.add_argument("--points", default=",".join(POINTS), help="--scale: operating points of the flash rows")
-    parser.add_argument("--scale-predictors", default=",".join(SCALE_PREDICTORS["a"]),
-                        help="--scale: predictor methods of the flash rows (SCALE_PREDICTORS)")
+    parser.add_argument(
+        "--scale-predictors",
+        default=",".join(SCALE_PREDICTORS["a"]),
+        help="--scale: predictor methods of the flash rows (SCALE_PREDICTORS)",
+    )
     parser.add_argument("--prefill", action="store_true", help="union vs sequential vs auto prefill (default model)")
     parser.add_argument("--calibrate", action="store_true", help="--prefill: measure the disk profile auto uses")
     parser.add_argument("--full", action="store_true", help="--scale: whole-model rows too (load_flash)")
-    parser.add_argument("--full-only", action="store_true",
-                        help="--scale: whole-model rows only (load_flash; the accelerate peer on the checkpoint)")
+    parser.add_argument(
+        "--full-only",
+        action="store_true",
+        help="--scale: whole-model rows only (load_flash; the accelerate peer on the checkpoint)",
+    )
     parser.add_argument("--full-tokens", type=int, default=4, help="--scale --full: greedy decode tokens")
-    parser.add_argument("--flash-options", action="append", default=[], metavar="JSON",
-                        help="a flash row also with these load_flash keyword arguments (the default model's, or "
-                        "--scale --full's whole-model row), e.g. '{\"window\": 20}' or '{\"cache_layout\": "
-                        "\"per-layer\"}' (repeatable)")
-    parser.add_argument("--lookahead", default="", help="--scale --full: each whole-model flash row also with "
-                        "these look-ahead modes (ahead,prefetch: load_flash(lookahead=...))")
+    parser.add_argument(
+        "--flash-options",
+        action="append",
+        default=[],
+        metavar="JSON",
+        help="a flash row also with these load_flash keyword arguments (the default model's, or "
+        "--scale --full's whole-model row), e.g. '{\"window\": 20}' or '{\"cache_layout\": "
+        '"per-layer"}\' (repeatable)',
+    )
+    parser.add_argument(
+        "--lookahead",
+        default="",
+        help="--scale --full: each whole-model flash row also with "
+        "these look-ahead modes (ahead,prefetch: load_flash(lookahead=...))",
+    )
     parser.set_defaults(rounds=3)
     args = parser.parse_args(argv)
     if args.child:
@@ -879,6 +1210,7 @@ def main(argv: list[str] | None = None) -> None:
         if config["mode"] == "probe":
             import flashllm_ext  # noqa: F401  (what every child imports before loading its model)
             import transformers  # noqa: F401
+
             if config.get("device") == "cuda":  # the CUDA context's host memory is every GPU child's
                 torch.zeros(1, device="cuda")
             if "store" in config:
@@ -910,10 +1242,21 @@ def main(argv: list[str] | None = None) -> None:
         rows = run_prefill(args, measure_baseline())
         if not args.json:
             print("\nmedians:")
-        emit([{"prefill": p, **{k: statistics.median(r[k] for r in rows if r["prefill"] == p and not r.get("error"))
-                                for k in ("prefill_ms", "io_ms", "compute_ms", "bytes_read", "reads", "mean_read_kib")}}
-              for p in ("union", "sequential", "auto") if any(r["prefill"] == p and not r.get("error") for r in rows)],
-             args.json, PREFILL_COLUMNS)
+        emit(
+            [
+                {
+                    "prefill": p,
+                    **{
+                        k: statistics.median(r[k] for r in rows if r["prefill"] == p and not r.get("error"))
+                        for k in ("prefill_ms", "io_ms", "compute_ms", "bytes_read", "reads", "mean_read_kib")
+                    },
+                }
+                for p in ("union", "sequential", "auto")
+                if any(r["prefill"] == p and not r.get("error") for r in rows)
+            ],
+            args.json,
+            PREFILL_COLUMNS,
+        )
         return
     if args.scale:
         medians = median_rows(run_scale(args), CONFIG_FIELDS, "e2e_median")
@@ -921,8 +1264,9 @@ def main(argv: list[str] | None = None) -> None:
         if not args.no_plot:
             RESULTS.mkdir(exist_ok=True)
             for model in dict.fromkeys(r["model"] for r in medians):
-                plot_breakdown([r for r in medians if r["model"] == model],
-                               RESULTS / f"e2e_scale_{model.split()[0]}_breakdown.png")
+                plot_breakdown(
+                    [r for r in medians if r["model"] == model], RESULTS / f"e2e_scale_{model.split()[0]}_breakdown.png"
+                )
         return
     from flashllm_ext.runtime import parse_budget
 
@@ -931,22 +1275,34 @@ def main(argv: list[str] | None = None) -> None:
         medians = run_endor(args, cache)
         if not args.json:
             print(f"\nmedians over {args.rounds} round(s):")
-        emit(medians, args.json, ["bytes_per_token_ratio", "requested_bytes_ratio", "ms_per_token_ratio",
-                                  "same_tokens"] + ENDOR_COLUMNS)
+        emit(
+            medians,
+            args.json,
+            ["bytes_per_token_ratio", "requested_bytes_ratio", "ms_per_token_ratio", "same_tokens"] + ENDOR_COLUMNS,
+        )
         return
     modes = [m for m in args.modes.split(",") if m]
     store = Path(args.store) if args.store else default_store(cache, any(m.startswith("flash") for m in modes))
-    hf_dir = Path(args.hf_dir) if args.hf_dir else (hf_checkpoint(cache) if "accelerate" in modes and
-                                                    not args.store else None)
+    hf_dir = (
+        Path(args.hf_dir)
+        if args.hf_dir
+        else (hf_checkpoint(cache) if "accelerate" in modes and not args.store else None)
+    )
     total = model_bytes_of(store)
     baseline = measure_baseline(args.device, store)
     from flashllm_ext.flash.store import FlashStore
 
     ids, prompt_note = prompt_ids(args.prompt_tokens, FlashStore(store).config["vocab_size"])
-    base = {"model": DEFAULT_MODEL if not args.store else store.name, "device": args.device, "store": str(store),
-            "tokens": args.tokens,
-            "prompt_ids": ids, "timeout_s": args.child_timeout, "offload_dir": str(cache / "accelerate-offload"),
-            "hf_dir": None if hf_dir is None else str(hf_dir)}
+    base = {
+        "model": DEFAULT_MODEL if not args.store else store.name,
+        "device": args.device,
+        "store": str(store),
+        "tokens": args.tokens,
+        "prompt_ids": ids,
+        "timeout_s": args.child_timeout,
+        "offload_dir": str(cache / "accelerate-offload"),
+        "hf_dir": None if hf_dir is None else str(hf_dir),
+    }
     rows = []
     jobs = [(m, {}) for m in modes] + [("flash", json.loads(o)) for o in args.flash_options if "flash" in modes]
     for round_index, (mode, options) in [(r, j) for r in range(args.rounds) for j in jobs]:  # round-robin
@@ -954,15 +1310,30 @@ def main(argv: list[str] | None = None) -> None:
         while budgets:
             budget = budgets.pop(0)
             if mode == "accelerate" and hf_dir is None:
-                row = {"bench": "e2e", "model": base["model"], "mode": mode, "error": "no Hugging Face checkpoint "
-                       "of this store (--hf-dir): the accelerate peer cannot run"}
+                row = {
+                    "bench": "e2e",
+                    "model": base["model"],
+                    "mode": mode,
+                    "error": "no Hugging Face checkpoint of this store (--hf-dir): the accelerate peer cannot run",
+                }
             else:
                 row = run_configuration({**base, "mode": mode, "budget_bytes": budget, "options": options}, baseline)
-            spec = None if budget is None else args.budget if budget == parse_budget(args.budget, total) else \
-                args.fallback_budget
-            row.update(model_bytes_mb=total / 1e6, baseline_mb=baseline / 1e6, budget_spec=spec,
-                       prompt_tokens=len(ids), prompt_note=prompt_note, round=round_index,
-                       options=json.dumps(options) if options else None)
+            spec = (
+                None
+                if budget is None
+                else args.budget
+                if budget == parse_budget(args.budget, total)
+                else args.fallback_budget
+            )
+            row.update(
+                model_bytes_mb=total / 1e6,
+                baseline_mb=baseline / 1e6,
+                budget_spec=spec,
+                prompt_tokens=len(ids),
+                prompt_note=prompt_note,
+                round=round_index,
+                options=json.dumps(options) if options else None,
+            )
             row = {**{k: row.get(k) for k in KEYS}, **row}
             rows.append(row)
             emit([row], args.json, COLUMNS)

@@ -18,6 +18,7 @@ span twice the last-level cache, so every call reads its weight from DRAM as dec
 
     python -m bench.bench_endor [--json] [--device cuda] [--all-isas] [--quick] [--only decompress|linear]
 """
+
 from __future__ import annotations
 
 import math
@@ -34,10 +35,14 @@ from flashllm_ext import endor, ops
 from flashllm_ext.flash import store
 from flashllm_ext.ops import endor_decompress_reference
 
-SHAPES = {"opt-6.7b fc1": (16384, 4096), "opt-6.7b fc2": (4096, 16384),
-          "llama-2-7b up": (11008, 4096), "llama-2-7b down": (4096, 11008),
-          # q/k/v/o of both (d = 4096, 32 heads of 128): what offloaded inference also computes per layer
-          "opt-6.7b / llama-2-7b attn": (4096, 4096)}
+SHAPES = {
+    "opt-6.7b fc1": (16384, 4096),
+    "opt-6.7b fc2": (4096, 16384),
+    "llama-2-7b up": (11008, 4096),
+    "llama-2-7b down": (4096, 11008),
+    # q/k/v/o of both (d = 4096, 32 heads of 128): what offloaded inference also computes per layer
+    "opt-6.7b / llama-2-7b attn": (4096, 4096),
+}
 SMOKE_SHAPES = {"smoke (fc1-like)": (256, 128), "smoke (fc2-like)": (64, 512)}
 DTYPES = {name: store.DTYPES[name] for name in ("fp16", "bf16")}
 
@@ -49,8 +54,16 @@ def pruned_weight(shape: tuple[int, int], dtype: torch.dtype, sparsity: float, d
     return w.to(device)
 
 
-def bench_case(name: str, shape: tuple[int, int], dtype_name: str, sparsity: float, rows_fraction: float | None,
-               device: str, rounds: int, with_baselines: bool) -> dict:
+def bench_case(
+    name: str,
+    shape: tuple[int, int],
+    dtype_name: str,
+    sparsity: float,
+    rows_fraction: float | None,
+    device: str,
+    rounds: int,
+    with_baselines: bool,
+) -> dict:
     dtype = DTYPES[dtype_name]
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     dense = pruned_weight(shape, dtype, sparsity, device)
@@ -64,17 +77,26 @@ def bench_case(name: str, shape: tuple[int, int], dtype_name: str, sparsity: flo
     assert torch.equal(e.decompress(rows, out=out), dense), "decompressed output differs from the dense weight"
     candidates = {"decompress": lambda: e.decompress(rows, out=out), "memcpy": lambda: out.copy_(dense)}
     if with_baselines:
-        candidates["reference"] = lambda: endor_decompress_reference(e.values, e.bitmap, e.row_offsets, shape[1],
-                                                                     rows, out=out)
+        candidates["reference"] = lambda: endor_decompress_reference(
+            e.values, e.bitmap, e.row_offsets, shape[1], rows, out=out
+        )
         if rows is None:
             csr = dense.to_sparse_csr()
             candidates["csr"] = lambda: csr.to_dense()
     times = time_interleaved(candidates, rounds=rounds, sync=sync)
     gb = dense.numel() * dense.element_size() / 1e9
-    row = {"bench": "endor", "op": "decompress" if rows is None else f"decompress_rows_{rows_fraction:.0%}",
-           "shape": f"{shape[0]}x{shape[1]}", "matrix": name, "dtype": dtype_name, "sparsity": sparsity,
-           "compressed_ratio": e.nbytes / e.dense_nbytes, "decompress_gbps": gb / times["decompress"],
-           "memcpy_gbps": gb / times["memcpy"], "vs_memcpy": times["memcpy"] / times["decompress"]}
+    row = {
+        "bench": "endor",
+        "op": "decompress" if rows is None else f"decompress_rows_{rows_fraction:.0%}",
+        "shape": f"{shape[0]}x{shape[1]}",
+        "matrix": name,
+        "dtype": dtype_name,
+        "sparsity": sparsity,
+        "compressed_ratio": e.nbytes / e.dense_nbytes,
+        "decompress_gbps": gb / times["decompress"],
+        "memcpy_gbps": gb / times["memcpy"],
+        "vs_memcpy": times["memcpy"] / times["decompress"],
+    }
     if with_baselines:
         row["reference_gbps"] = gb / times["reference"]
         row["vs_reference"] = times["reference"] / times["decompress"]
@@ -83,8 +105,17 @@ def bench_case(name: str, shape: tuple[int, int], dtype_name: str, sparsity: flo
     return row
 
 
-def bench_linear_case(name: str, shape: tuple[int, int], dtype_name: str, n_tok: int, sparsity: float, device: str,
-                      rounds: int, stream: tuple[int, Callable[[], object]], copies: int | None = None) -> dict:
+def bench_linear_case(
+    name: str,
+    shape: tuple[int, int],
+    dtype_name: str,
+    n_tok: int,
+    sparsity: float,
+    device: str,
+    rounds: int,
+    stream: tuple[int, Callable[[], object]],
+    copies: int | None = None,
+) -> dict:
     """copies: of the weight each candidate cycles through (default: enough to span twice the last-level cache)."""
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     dtype = DTYPES[dtype_name]
@@ -104,31 +135,51 @@ def bench_linear_case(name: str, shape: tuple[int, int], dtype_name: str, n_tok:
     copies = copies or math.ceil(2 * last_level_cache_bytes(device) / e.nbytes)
     denses = [dense] + [dense.clone() for _ in range(copies - 1)]
     es, dense_fp32s = [e] + [endor.compress(w) for w in denses[1:]], [w.float() for w in denses]
-    times = time_interleaved({
-        "endor_linear": cycling(lambda i: ops.endor_linear(x, es[i].values, es[i].bitmap, es[i].row_offsets,
-                                                           n_cols=shape[1]), copies),
-        "dense": cycling(lambda i: F.linear(x, denses[i]), copies),
-        "half_linear": cycling(lambda i: ops.half_linear(x, denses[i]), copies),
-        "dense_fp32": cycling(lambda i: F.linear(x_fp32, dense_fp32s[i]), copies),
-        "decompress_linear": cycling(lambda i: F.linear(x, es[i].decompress(out=buffer)), copies),
-        "stream": probe}, rounds=rounds, sync=sync)
+    times = time_interleaved(
+        {
+            "endor_linear": cycling(
+                lambda i: ops.endor_linear(x, es[i].values, es[i].bitmap, es[i].row_offsets, n_cols=shape[1]), copies
+            ),
+            "dense": cycling(lambda i: F.linear(x, denses[i]), copies),
+            "half_linear": cycling(lambda i: ops.half_linear(x, denses[i]), copies),
+            "dense_fp32": cycling(lambda i: F.linear(x_fp32, dense_fp32s[i]), copies),
+            "decompress_linear": cycling(lambda i: F.linear(x, es[i].decompress(out=buffer)), copies),
+            "stream": probe,
+        },
+        rounds=rounds,
+        sync=sync,
+    )
     bandwidth = probe_bytes / times["stream"]
     dense_bytes = dense.numel() * dense.element_size()
     best_dense = min(("dense", "half_linear", "dense_fp32"), key=times.__getitem__)
-    return {"bench": "endor", "op": "linear", "shape": f"{shape[0]}x{shape[1]}", "matrix": name,
-            "dtype": dtype_name, "sparsity": sparsity, "tokens": n_tok, "endor_mb": e.nbytes / 1e6,
-            "dense_mb": dense_bytes / 1e6,
-            "bytes_ratio": e.nbytes / dense_bytes, "endor_ms": times["endor_linear"] * 1e3,
-            "dense_ms": times["dense"] * 1e3, "half_linear_ms": times["half_linear"] * 1e3,
-            "dense_fp32_ms": times["dense_fp32"] * 1e3, "decompress_linear_ms": times["decompress_linear"] * 1e3,
-            "vs_dense": times["dense"] / times["endor_linear"], "best_dense": best_dense,
-            "vs_best_dense": times[best_dense] / times["endor_linear"],
-            "vs_decompress_linear": times["decompress_linear"] / times["endor_linear"],
-            "stream_gbps": bandwidth / 1e9, "endor_gbps": e.nbytes / times["endor_linear"] / 1e9,
-            "bound_ratio": times["endor_linear"] / (e.nbytes / bandwidth),
-            "dense_bound_ratio": times["dense"] / (dense_bytes / bandwidth), "threads": torch.get_num_threads(),
-            "weight_copies": copies,
-            "device": device_name(device)}
+    return {
+        "bench": "endor",
+        "op": "linear",
+        "shape": f"{shape[0]}x{shape[1]}",
+        "matrix": name,
+        "dtype": dtype_name,
+        "sparsity": sparsity,
+        "tokens": n_tok,
+        "endor_mb": e.nbytes / 1e6,
+        "dense_mb": dense_bytes / 1e6,
+        "bytes_ratio": e.nbytes / dense_bytes,
+        "endor_ms": times["endor_linear"] * 1e3,
+        "dense_ms": times["dense"] * 1e3,
+        "half_linear_ms": times["half_linear"] * 1e3,
+        "dense_fp32_ms": times["dense_fp32"] * 1e3,
+        "decompress_linear_ms": times["decompress_linear"] * 1e3,
+        "vs_dense": times["dense"] / times["endor_linear"],
+        "best_dense": best_dense,
+        "vs_best_dense": times[best_dense] / times["endor_linear"],
+        "vs_decompress_linear": times["decompress_linear"] / times["endor_linear"],
+        "stream_gbps": bandwidth / 1e9,
+        "endor_gbps": e.nbytes / times["endor_linear"] / 1e9,
+        "bound_ratio": times["endor_linear"] / (e.nbytes / bandwidth),
+        "dense_bound_ratio": times["dense"] / (dense_bytes / bandwidth),
+        "threads": torch.get_num_threads(),
+        "weight_copies": copies,
+        "device": device_name(device),
+    }
 
 
 def main() -> None:
@@ -145,7 +196,7 @@ def main() -> None:
     isas = [flashllm_ext._C.detected_cpu_isa()]
     if args.all_isas:
         order = flashllm_ext._C.cpu_isas()
-        isas = list(order[:order.index(isas[0]) + 1])
+        isas = list(order[: order.index(isas[0]) + 1])
     shapes = SMOKE_SHAPES if args.smoke else dict(list(SHAPES.items())[:1]) if args.quick else SHAPES
     dtypes = ["fp16"] if args.quick else list(DTYPES)
     rows = []
@@ -156,8 +207,16 @@ def main() -> None:
             for name, shape in shapes.items():
                 for dtype_name in dtypes:
                     for fraction in (None, 0.05):
-                        row = bench_case(name, shape, dtype_name, 0.5, fraction, args.device, args.rounds,
-                                         with_baselines=not args.no_baselines)
+                        row = bench_case(
+                            name,
+                            shape,
+                            dtype_name,
+                            0.5,
+                            fraction,
+                            args.device,
+                            args.rounds,
+                            with_baselines=not args.no_baselines,
+                        )
                         rows.append(row)
                         if args.json:
                             emit([row], True)
@@ -166,19 +225,64 @@ def main() -> None:
             for name, shape in shapes.items():
                 for dtype_name in dtypes:
                     for n_tok in (1,) if args.quick else (1, 4):
-                        row = bench_linear_case(name, shape, dtype_name, n_tok, 0.5, args.device, args.rounds,
-                                                stream, copies=2 if args.smoke else None)
+                        row = bench_linear_case(
+                            name,
+                            shape,
+                            dtype_name,
+                            n_tok,
+                            0.5,
+                            args.device,
+                            args.rounds,
+                            stream,
+                            copies=2 if args.smoke else None,
+                        )
                         rows.append(row)
                         if args.json:
                             emit([row], True)
     if not args.json:
-        emit([r for r in rows if r["op"] != "linear"], False,
-             ["op", "matrix", "shape", "dtype", "compressed_ratio", "decompress_gbps", "memcpy_gbps", "vs_memcpy",
-              "reference_gbps", "vs_reference", "csr_gbps", "device"])
-        emit([r for r in rows if r["op"] == "linear"], False,
-             ["matrix", "shape", "dtype", "tokens", "bytes_ratio", "endor_ms", "dense_ms", "half_linear_ms",
-              "dense_fp32_ms", "vs_dense", "best_dense", "vs_best_dense", "decompress_linear_ms",
-              "vs_decompress_linear", "endor_gbps", "stream_gbps", "bound_ratio", "dense_bound_ratio", "device"])
+        emit(
+            [r for r in rows if r["op"] != "linear"],
+            False,
+            [
+                "op",
+                "matrix",
+                "shape",
+                "dtype",
+                "compressed_ratio",
+                "decompress_gbps",
+                "memcpy_gbps",
+                "vs_memcpy",
+                "reference_gbps",
+                "vs_reference",
+                "csr_gbps",
+                "device",
+            ],
+        )
+        emit(
+            [r for r in rows if r["op"] == "linear"],
+            False,
+            [
+                "matrix",
+                "shape",
+                "dtype",
+                "tokens",
+                "bytes_ratio",
+                "endor_ms",
+                "dense_ms",
+                "half_linear_ms",
+                "dense_fp32_ms",
+                "vs_dense",
+                "best_dense",
+                "vs_best_dense",
+                "decompress_linear_ms",
+                "vs_decompress_linear",
+                "endor_gbps",
+                "stream_gbps",
+                "bound_ratio",
+                "dense_bound_ratio",
+                "device",
+            ],
+        )
 
 
 if __name__ == "__main__":

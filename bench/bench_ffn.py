@@ -20,6 +20,7 @@ StepStats.mem_s), I/O time, and the sparse_ffn compute time on the cache after e
 
     python -m bench.bench_ffn [--json] [--rounds N] [--only ffn|cache] [--quick] [--dtype fp16|bf16|fp32]
 """
+
 from __future__ import annotations
 
 import os
@@ -42,8 +43,10 @@ from flashllm_ext.flash.convert import synthesize
 from flashllm_ext.flash.store import DTYPES, FlashStore
 
 SHAPES = {"opt-6.7b": (4096, 16384, False, "relu"), "llama-2-7b": (4096, 11008, True, "silu")}
-SMOKE_SHAPES = {"opt-6.7b (smoke: d 64, 512 neurons)": (64, 512, False, "relu"),
-                "llama-2-7b (smoke: d 64, 352 neurons)": (64, 352, True, "silu")}
+SMOKE_SHAPES = {
+    "opt-6.7b (smoke: d 64, 512 neurons)": (64, 512, False, "relu"),
+    "llama-2-7b (smoke: d 64, 352 neurons)": (64, 352, True, "silu"),
+}
 RESULTS = Path(__file__).resolve().parent / "results"
 ROTATE_BYTES = 256 << 20
 
@@ -74,8 +77,14 @@ def dense_ffn(x, w_up, w_down, w_gate, act):
     return F.linear(F.silu(F.linear(x, w_gate)) * F.linear(x, w_up), w_down)
 
 
-def bench_ffn(dtype_name: str, rounds: int, quick: bool, device: str = "cpu", smoke: bool = False,
-              on_row: Callable[[dict], object] = lambda row: None) -> list[dict]:
+def bench_ffn(
+    dtype_name: str,
+    rounds: int,
+    quick: bool,
+    device: str = "cpu",
+    smoke: bool = False,
+    on_row: Callable[[dict], object] = lambda row: None,
+) -> list[dict]:
     """smoke: SMOKE_SHAPES, as quick, two copies of the rows (timed, not measured: the rows prove the script).
     on_row: called with each row as soon as it is measured."""
     dtype = DTYPES[dtype_name]
@@ -88,10 +97,10 @@ def bench_ffn(dtype_name: str, rounds: int, quick: bool, device: str = "cpu", sm
     for shape_name, (d, n, glu, act) in (SMOKE_SHAPES if smoke else SHAPES).items():
         width = (3 if glu else 2) * d
         # Dense weights of one layer (>= 268 MB: never cache-resident), nn.Linear layout.
-        w_up = (torch.randn(n, d, generator=g) / d ** 0.5).to(device, dtype)
-        w_gate = (torch.randn(n, d, generator=g) / d ** 0.5).to(device, dtype) if glu else None
-        w_down = (torch.randn(d, n, generator=g) / n ** 0.5).to(device, dtype)
-        for sparsity in ((0.97,) if quick else (0.90, 0.95, 0.97)):
+        w_up = (torch.randn(n, d, generator=g) / d**0.5).to(device, dtype)
+        w_gate = (torch.randn(n, d, generator=g) / d**0.5).to(device, dtype) if glu else None
+        w_down = (torch.randn(d, n, generator=g) / n**0.5).to(device, dtype)
+        for sparsity in (0.97,) if quick else (0.90, 0.95, 0.97):
             used = int(round((1 - sparsity) * n))
             row_bytes = width * dtype.itemsize
             copies = 2 if smoke else max(2, -(-ROTATE_BYTES // (used * row_bytes)))
@@ -99,17 +108,24 @@ def bench_ffn(dtype_name: str, rounds: int, quick: bool, device: str = "cpu", sm
             base = torch.cat([w_up[active]] + ([w_gate[active]] if glu else []) + [w_down[:, active].t()], 1)
             mats = [base.contiguous()] + [torch.empty_like(base).copy_(base) for _ in range(copies - 1)]
             bias = None if glu else torch.full((used,), 4.0, dtype=dtype, device=device)  # every cached ReLU row active
-            for n_tok in ((1,) if quick else (1, 4)):
+            for n_tok in (1,) if quick else (1, 4):
                 x = torch.randn(n_tok, d, generator=g).to(device, dtype)
-                sparse = cycling(lambda i: ops.sparse_ffn(x, mats[i], num_used=used, activation=act, glu=glu,
-                                                          bias=bias), copies)
+                sparse = cycling(
+                    lambda i: ops.sparse_ffn(x, mats[i], num_used=used, activation=act, glu=glu, bias=bias), copies
+                )
 
                 # The same sum, checked against dense math restricted to the active neurons.
-                want = dense_ffn(x.float(), w_up[active].float(), w_down[:, active].float(),
-                                 None if w_gate is None else w_gate[active].float(), act)
+                want = dense_ffn(
+                    x.float(),
+                    w_up[active].float(),
+                    w_down[:, active].float(),
+                    None if w_gate is None else w_gate[active].float(),
+                    act,
+                )
                 if bias is not None:
-                    want = F.linear(F.relu(F.linear(x.float(), w_up[active].float(), bias.float())),
-                                    w_down[:, active].float())
+                    want = F.linear(
+                        F.relu(F.linear(x.float(), w_up[active].float(), bias.float())), w_down[:, active].float()
+                    )
                 got = sparse().float()
                 assert torch.allclose(got, want, rtol=3e-2, atol=3e-2 * want.abs().max().item()), "sparse_ffn wrong"
                 threads = torch.get_num_threads()
@@ -120,8 +136,11 @@ def bench_ffn(dtype_name: str, rounds: int, quick: bool, device: str = "cpu", sm
                     sparse()
                     torch.set_num_threads(threads)
 
-                candidates = {"sparse": sparse, "dense": lambda: dense_ffn(x, w_up, w_down, w_gate, act),
-                              "stream": stream}
+                candidates = {
+                    "sparse": sparse,
+                    "dense": lambda: dense_ffn(x, w_up, w_down, w_gate, act),
+                    "stream": stream,
+                }
                 graph_error = None
                 if not on_gpu:
                     candidates["sparse_1t"] = sparse_one_thread
@@ -134,20 +153,33 @@ def bench_ffn(dtype_name: str, rounds: int, quick: bool, device: str = "cpu", sm
                 times = time_interleaved(candidates, rounds=rounds, sync=sync)
                 bandwidth = probe_bytes / times["stream"]
                 bound = used * row_bytes / bandwidth
-                rows.append({"bench": "ffn", "shape": shape_name, "glu": glu, "dtype": dtype_name,
-                             "sparsity": sparsity, "tokens": n_tok, "rows": used,
-                             "sparse_ms": times["sparse"] * 1e3, "dense_ms": times["dense"] * 1e3,
-                             "speedup": times["dense"] / times["sparse"], "bound_ms": bound * 1e3,
-                             "bound_ratio": times["sparse"] / bound, "stream_gbps": bandwidth / 1e9,
-                             "device": device_name(device)})
+                rows.append(
+                    {
+                        "bench": "ffn",
+                        "shape": shape_name,
+                        "glu": glu,
+                        "dtype": dtype_name,
+                        "sparsity": sparsity,
+                        "tokens": n_tok,
+                        "rows": used,
+                        "sparse_ms": times["sparse"] * 1e3,
+                        "dense_ms": times["dense"] * 1e3,
+                        "speedup": times["dense"] / times["sparse"],
+                        "bound_ms": bound * 1e3,
+                        "bound_ratio": times["sparse"] / bound,
+                        "stream_gbps": bandwidth / 1e9,
+                        "device": device_name(device),
+                    }
+                )
                 if not on_gpu:
-                    rows[-1].update(sparse_1t_ms=times["sparse_1t"] * 1e3,
-                                    bound_ratio_1t=times["sparse_1t"] / bound)
+                    rows[-1].update(sparse_1t_ms=times["sparse_1t"] * 1e3, bound_ratio_1t=times["sparse_1t"] / bound)
                 elif graph_error is None:
                     per_call = {k: times[k] / GRAPH_CALLS for k in ("sparse_graph", "dense_graph")}
-                    rows[-1].update(sparse_graph_ms=per_call["sparse_graph"] * 1e3,
-                                    dense_graph_ms=per_call["dense_graph"] * 1e3,
-                                    bound_ratio_graph=per_call["sparse_graph"] / bound)
+                    rows[-1].update(
+                        sparse_graph_ms=per_call["sparse_graph"] * 1e3,
+                        dense_graph_ms=per_call["dense_graph"] * 1e3,
+                        bound_ratio_graph=per_call["sparse_graph"] / bound,
+                    )
                 else:
                     rows[-1]["graph_error"] = graph_error
                 on_row(rows[-1])
@@ -156,21 +188,31 @@ def bench_ffn(dtype_name: str, rounds: int, quick: bool, device: str = "cpu", sm
 
 
 # ------------------------------------------------------------------------------------------------ bench cache
-def bench_cache(rounds: int, quick: bool, dtype_name: str, store_dir: Path, plots: bool,
-                on_row: Callable[[dict], object] = lambda row: None) -> list[dict]:
+def bench_cache(
+    rounds: int,
+    quick: bool,
+    dtype_name: str,
+    store_dir: Path,
+    plots: bool,
+    on_row: Callable[[dict], object] = lambda row: None,
+) -> list[dict]:
     d, n = SHAPES["opt-6.7b"][0], SHAPES["opt-6.7b"][1]
     n_tokens = 64 if quick else 256
     target = 0.95
     trace = tile_masks(default_model_masks(n_tokens, target), 1, n)[:, 0]
-    info = {"model": "SmolLM2-135M", "tokens": n_tokens, "target_sparsity": target,
-            "achieved_sparsity": 1 - trace.float().mean().item()}
+    info = {
+        "model": "SmolLM2-135M",
+        "tokens": n_tokens,
+        "target_sparsity": target,
+        "achieved_sparsity": 1 - trace.float().mean().item(),
+    }
     trace_ids = [row.nonzero().flatten() for row in trace]
     if not (store_dir / "bundles.safetensors").is_file():
         synthesize(store_dir, n_layers=1, hidden_size=d, n_neurons=n, glu=False, dtype=dtype_name)
     store = FlashStore(store_dir)
     x = torch.randn(1, d, generator=torch.Generator().manual_seed(0)).to(store.dtype)
     rows, loads = [], {}
-    for window in ((1, 4) if quick else range(1, 9)):
+    for window in (1, 4) if quick else range(1, 9):
         per_round = []
         for _ in range(max(1, rounds // 2)):
             cache = NeuronCache(store, 0, capacity=n, window=window)
@@ -189,9 +231,20 @@ def bench_cache(rounds: int, quick: bool, dtype_name: str, store_dir: Path, plot
             per_round.append((inserted / t, evicted / t, mem / t * 1e3, io / t * 1e3, compute / t * 1e3))
             loads[window] = load
         med = [statistics.median(r[i] for r in per_round) for i in range(5)]
-        rows.append({"bench": "cache", "window": window, "insert_per_token": med[0], "evict_per_token": med[1],
-                     "mem_ms_per_token": med[2], "io_ms_per_token": med[3], "compute_ms_per_token": med[4],
-                     "mem_over_compute": med[2] / med[4], "trace": info, "device": device_name()})
+        rows.append(
+            {
+                "bench": "cache",
+                "window": window,
+                "insert_per_token": med[0],
+                "evict_per_token": med[1],
+                "mem_ms_per_token": med[2],
+                "io_ms_per_token": med[3],
+                "compute_ms_per_token": med[4],
+                "mem_over_compute": med[2] / med[4],
+                "trace": info,
+                "device": device_name(),
+            }
+        )
         on_row(rows[-1])
     store.close()  # every cache read through the store's one reader
     if plots:
@@ -211,8 +264,9 @@ def plot_cache(trace: torch.Tensor, loads: dict[int, list[int]], info: dict) -> 
     ax.plot(range(1, len(used) + 1), used.numpy())
     ax.set_xlabel("tokens")
     ax.set_ylabel("aggregated neuron usage (%)")
-    ax.set_title(f"Fig. 4a analogue: {info['model']} masks, {1 - info['achieved_sparsity']:.1%} active/token",
-                 fontsize=9)
+    ax.set_title(
+        f"Fig. 4a analogue: {info['model']} masks, {1 - info['achieved_sparsity']:.1%} active/token", fontsize=9
+    )
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(RESULTS / "ffn_fig4a_neuron_usage.png", dpi=120)
@@ -232,32 +286,71 @@ def main() -> None:
     parser.add_argument("--only", choices=["ffn", "cache"])
     parser.add_argument("--quick", action="store_true", help="one sparsity, T=1, a short trace (smoke run)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp16")
-    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
-                        help="where bench 'ffn' runs (bench 'cache' is CPU only until the cache runs on a GPU)")
-    parser.add_argument("--store-dir", type=Path, default=None,
-                        help="where the synthetic OPT-6.7B-shaped store lives (default: a temporary folder)")
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        choices=["cpu", "cuda"],
+        help="where bench 'ffn' runs (bench 'cache' is CPU only until the cache runs on a GPU)",
+    )
+    parser.add_argument(
+        "--store-dir",
+        type=Path,
+        default=None,
+        help="where the synthetic OPT-6.7B-shaped store lives (default: a temporary folder)",
+    )
     parser.add_argument("--no-plots", action="store_true")
     args = parser.parse_args()
     if args.smoke:
         args.rounds = 1
         if args.only is None:
             args.only = "ffn"
-            print("--smoke: bench 'cache' skipped (its trace and store are the default model's and a 7B layer's)",
-                  file=sys.stderr)
+            print(
+                "--smoke: bench 'cache' skipped (its trace and store are the default model's and a 7B layer's)",
+                file=sys.stderr,
+            )
     on_row = (lambda row: emit([row], True)) if args.json else (lambda row: None)  # tables wait for every row
     if args.only in (None, "ffn"):
         rows = bench_ffn(args.dtype, args.rounds, args.quick, args.device, args.smoke, on_row)
         if not args.json:
-            emit(rows, False, ["shape", "dtype", "sparsity", "tokens", "rows", "sparse_ms", "dense_ms", "speedup",
-                               "bound_ms", "bound_ratio", "stream_gbps", "sparse_1t_ms", "bound_ratio_1t",
-                               "sparse_graph_ms", "bound_ratio_graph"])
+            emit(
+                rows,
+                False,
+                [
+                    "shape",
+                    "dtype",
+                    "sparsity",
+                    "tokens",
+                    "rows",
+                    "sparse_ms",
+                    "dense_ms",
+                    "speedup",
+                    "bound_ms",
+                    "bound_ratio",
+                    "stream_gbps",
+                    "sparse_1t_ms",
+                    "bound_ratio_1t",
+                    "sparse_graph_ms",
+                    "bound_ratio_graph",
+                ],
+            )
     if args.only in (None, "cache"):
         with tempfile.TemporaryDirectory(dir=os.getcwd(), prefix=".bench-ffn-") as tmp:
             store_dir = args.store_dir or Path(tmp) / "opt-6.7b-layer"
             rows = bench_cache(args.rounds, args.quick, args.dtype, store_dir, not args.no_plots, on_row)
             if not args.json:
-                emit(rows, False, ["window", "insert_per_token", "evict_per_token", "mem_ms_per_token",
-                                   "io_ms_per_token", "compute_ms_per_token", "mem_over_compute"])
+                emit(
+                    rows,
+                    False,
+                    [
+                        "window",
+                        "insert_per_token",
+                        "evict_per_token",
+                        "mem_ms_per_token",
+                        "io_ms_per_token",
+                        "compute_ms_per_token",
+                        "mem_over_compute",
+                    ],
+                )
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ attention projection and LM head, OPT-6.7B's / Llama-2-7B's attention projection
 
     python -m bench.bench_half_linear [--tokens 1,8,64] [--dtype float16] [--json]
 """
+
 from __future__ import annotations
 
 import torch
@@ -14,8 +15,11 @@ from bench.common import arg_parser, device_name, emit, stream_probe, time_inter
 
 from flashllm_ext import ops
 
-SHAPES = {"default q_proj (576 x 576)": (576, 576), "default lm_head (49152 x 576)": (49152, 576),
-          "7B q_proj (4096 x 4096)": (4096, 4096)}
+SHAPES = {
+    "default q_proj (576 x 576)": (576, 576),
+    "default lm_head (49152 x 576)": (49152, 576),
+    "7B q_proj (4096 x 4096)": (4096, 4096),
+}
 SMOKE_SHAPES = {"smoke (96 x 64)": (96, 64)}
 
 
@@ -30,25 +34,35 @@ def main() -> None:
     probe_bytes, stream = stream_probe(smoke=args.smoke)
     rows = []
     for name, (n, d) in (SMOKE_SHAPES if args.smoke else SHAPES).items():
-        w32 = torch.randn(n, d, generator=g) / d ** 0.5
+        w32 = torch.randn(n, d, generator=g) / d**0.5
         w = w32.to(dtype)
         for T in (int(t) for t in args.tokens.split(",")):
             x = torch.randn(T, d, generator=g).to(dtype)
             x32 = x.float()
-            times = time_interleaved({
-                "native": lambda: ops.half_linear(x, w),
-                "torch": lambda: F.linear(x, w),
-                "torch fp32": lambda: F.linear(x32, w32),
-                "stream": stream,
-            }, rounds=args.rounds)
+            times = time_interleaved(
+                {
+                    "native": lambda: ops.half_linear(x, w),
+                    "torch": lambda: F.linear(x, w),
+                    "torch fp32": lambda: F.linear(x32, w32),
+                    "stream": stream,
+                },
+                rounds=args.rounds,
+            )
             bound = w.nbytes / (probe_bytes / times["stream"])
-            rows.append({"shape": name, "T": T, "dtype": args.dtype,
-                         "native ms": round(times["native"] * 1e3, 3), "torch ms": round(times["torch"] * 1e3, 3),
-                         "torch / native": round(times["torch"] / times["native"], 2),
-                         "torch fp32 ms": round(times["torch fp32"] * 1e3, 3),
-                         "torch fp32 / native": round(times["torch fp32"] / times["native"], 2),
-                         "native / bound": round(times["native"] / bound, 2),
-                         "device": device_name()})
+            rows.append(
+                {
+                    "shape": name,
+                    "T": T,
+                    "dtype": args.dtype,
+                    "native ms": round(times["native"] * 1e3, 3),
+                    "torch ms": round(times["torch"] * 1e3, 3),
+                    "torch / native": round(times["torch"] / times["native"], 2),
+                    "torch fp32 ms": round(times["torch fp32"] * 1e3, 3),
+                    "torch fp32 / native": round(times["torch fp32"] / times["native"], 2),
+                    "native / bound": round(times["native"] / bound, 2),
+                    "device": device_name(),
+                }
+            )
             if args.json:  # as measured; the table waits for every row
                 emit(rows[-1:], True)
     if not args.json:

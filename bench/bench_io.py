@@ -18,6 +18,7 @@ loop instead of bench/common.py's timer. The page cache is dropped at start (roo
     python -m bench.bench_io [--json] [--only fig2b|table2] [--sizes-kib 4,16,...] [--threads 1,8,32]
                              [--store default|opt-6.7b|DIR] [--layers N] [--tokens 256] [--documents 8]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,8 +36,7 @@ import torch
 from tqdm.auto import tqdm
 
 from bench.common import drop_page_cache, emit
-from bench.traces import (default_model_mask_source, predicted_mask_source, predictor_training,
-                          trained_predictors)
+from bench.traces import default_model_mask_source, predicted_mask_source, predictor_training, trained_predictors
 from flashllm_ext.flash import store
 from flashllm_ext.flash.convert import synthesize
 from flashllm_ext.io.paths import resolve_cache_dir
@@ -46,8 +46,20 @@ from flashllm_ext.flash.reader import FlashReader, has_io_uring
 # What the table (not --json) shows of each result row.
 TABLE_COLUMNS = {
     "fig2b": ["engine", "threads", "read_kib", "reader_mbps", "fio_mbps", "ratio"],
-    "table2": ["config", "sets", "threads", "max_gap", "bytes_per_token", "bytes_vs_analytic", "reads_per_token",
-               "mean_read_kib", "io_ms_per_token", "speedup_vs_naive", "mbps", "tokens"],
+    "table2": [
+        "config",
+        "sets",
+        "threads",
+        "max_gap",
+        "bytes_per_token",
+        "bytes_vs_analytic",
+        "reads_per_token",
+        "mean_read_kib",
+        "io_ms_per_token",
+        "speedup_vs_naive",
+        "mbps",
+        "tokens",
+    ],
 }
 RESULTS = Path(__file__).resolve().parent / "results"
 CACHE = Path(os.environ.get("FLASHLLM_BENCH_DIR") or resolve_cache_dir() / "bench_io")
@@ -65,18 +77,36 @@ def ensure_file(path: Path, size: int) -> Path:
 def fio_mbps(path: Path, read_bytes: int, threads: int, seconds: float, engine: str) -> float:
     """fio randread throughput in MB/s; engine 'threads' = psync with numjobs=threads, 'io_uring' = one job with
     iodepth=threads, matching the two FlashReader engines."""
-    parallel = ["--ioengine=psync", f"--numjobs={threads}"] if engine == "threads" else \
-        ["--ioengine=io_uring", f"--iodepth={threads}", "--numjobs=1"]
-    cmd = ["fio", "--name=fig2b", f"--filename={path}", "--rw=randread", f"--bs={read_bytes}", "--direct=1",
-           "--thread", "--group_reporting", "--norandommap", "--randrepeat=0", f"--runtime={int(seconds * 1000)}ms",
-           "--time_based", f"--size={path.stat().st_size}", "--output-format=json", *parallel]
+    parallel = (
+        ["--ioengine=psync", f"--numjobs={threads}"]
+        if engine == "threads"
+        else ["--ioengine=io_uring", f"--iodepth={threads}", "--numjobs=1"]
+    )
+    cmd = [
+        "fio",
+        "--name=fig2b",
+        f"--filename={path}",
+        "--rw=randread",
+        f"--bs={read_bytes}",
+        "--direct=1",
+        "--thread",
+        "--group_reporting",
+        "--norandommap",
+        "--randrepeat=0",
+        f"--runtime={int(seconds * 1000)}ms",
+        "--time_based",
+        f"--size={path.stat().st_size}",
+        "--output-format=json",
+        *parallel,
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-    report = json.loads(out[out.index("{"):])  # fio may print notes before the JSON
+    report = json.loads(out[out.index("{") :])  # fio may print notes before the JSON
     return report["jobs"][0]["read"]["bw_bytes"] / 1e6
 
 
-def reader_mbps(reader: FlashReader, file_size: int, read_bytes: int, seconds: float, n_reads: int,
-                out: torch.Tensor) -> tuple[float, int]:
+def reader_mbps(
+    reader: FlashReader, file_size: int, read_bytes: int, seconds: float, n_reads: int, out: torch.Tensor
+) -> tuple[float, int]:
     """Throughput of one batch of random reads, and the batch size that would take about `seconds`."""
     stats = random_read_throughput(reader, file_size, read_bytes, n_reads, out=out)
     assert stats.n_reads == n_reads and stats.bytes_read == n_reads * read_bytes, stats
@@ -95,8 +125,9 @@ def fig2b(args: argparse.Namespace, report: Callable[[dict], None]) -> list[dict
         for threads in args.threads:
             for kib in args.sizes_kib:
                 read_bytes = kib << 10
-                reader = FlashReader.for_file(path, threads=threads, min_read=0, max_gap=-1,
-                                              max_read=max(read_bytes, 4096), engine=engine)
+                reader = FlashReader.for_file(
+                    path, threads=threads, min_read=0, max_gap=-1, max_read=max(read_bytes, 4096), engine=engine
+                )
                 # The pilot batch sizes the timed ones.
                 _, n = reader_mbps(reader, size, read_bytes, args.seconds, max(8 * threads, 64), out)
                 n = min(n, out.numel() // read_bytes)
@@ -110,10 +141,17 @@ def fig2b(args: argparse.Namespace, report: Callable[[dict], None]) -> list[dict
                             ours.append(mbps)
                         else:
                             theirs.append(fio_mbps(path, read_bytes, threads, args.seconds, engine))
-                row = {"bench": "fig2b", "read_kib": kib, "threads": threads, "engine": engine,
-                       "reader_mbps": round(statistics.median(ours), 1), "fio_mbps": round(statistics.median(theirs), 1),
-                       "ratio": round(statistics.median(a / b for a, b in zip(ours, theirs)), 3),
-                       "reader_runs": [round(x, 1) for x in ours], "fio_runs": [round(x, 1) for x in theirs]}
+                row = {
+                    "bench": "fig2b",
+                    "read_kib": kib,
+                    "threads": threads,
+                    "engine": engine,
+                    "reader_mbps": round(statistics.median(ours), 1),
+                    "fio_mbps": round(statistics.median(theirs), 1),
+                    "ratio": round(statistics.median(a / b for a, b in zip(ours, theirs)), 3),
+                    "reader_runs": [round(x, 1) for x in ours],
+                    "fio_runs": [round(x, 1) for x in theirs],
+                }
                 report(row)
                 rows.append(row)
     if not args.smoke:  # a smoke run measures nothing worth a figure
@@ -131,12 +169,13 @@ def plot_fig2b(rows: list[dict]) -> None:
         print("matplotlib missing: no plot", file=sys.stderr)
         return
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for (engine, threads) in sorted({(r["engine"], r["threads"]) for r in rows}):
-        cell = sorted((r for r in rows if r["engine"] == engine and r["threads"] == threads), key=lambda r: r["read_kib"])
+    for engine, threads in sorted({(r["engine"], r["threads"]) for r in rows}):
+        cell = sorted(
+            (r for r in rows if r["engine"] == engine and r["threads"] == threads), key=lambda r: r["read_kib"]
+        )
         x = [r["read_kib"] for r in cell]
-        line, = ax.plot(x, [r["reader_mbps"] for r in cell], marker="o", label=f"FlashReader {engine} T={threads}")
-        ax.plot(x, [r["fio_mbps"] for r in cell], ls="--", marker="x", color=line.get_color(),
-                label=f"fio T={threads}")
+        (line,) = ax.plot(x, [r["reader_mbps"] for r in cell], marker="o", label=f"FlashReader {engine} T={threads}")
+        ax.plot(x, [r["fio_mbps"] for r in cell], ls="--", marker="x", color=line.get_color(), label=f"fio T={threads}")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("read size (KiB)")
     ax.set_ylabel("random read throughput (MB/s)")
@@ -155,6 +194,7 @@ class Table2Config:
     predictors' sets, "oracle" = the true sets), and how: only neurons not in the last `window` tokens' sets
     (window), whole bundles in one read each (bundled) or up / gate / down as separate reads from a split layout,
     `threads` reads in flight, adjacent and nearby neurons merged into one read (coalescing)."""
+
     name: str
     sets: str
     window: bool = False
@@ -166,10 +206,13 @@ class Table2Config:
 def table2_configs(base_threads: int, max_threads: int) -> list[Table2Config]:
     """The rows: naive, then the paper's chain of techniques one at a time, each step twice: driven by the trained
     predictors' sets and by the true sets (labelled oracle, an upper bound)."""
-    steps = [("predictor-driven", {}), ("+ window", {"window": True}),
-             ("+ bundling", {"window": True, "bundled": True}),
-             (f"+ {max_threads} threads", {"window": True, "bundled": True, "threads": max_threads}),
-             ("+ coalescing", {"window": True, "bundled": True, "threads": max_threads, "coalescing": True})]
+    steps = [
+        ("predictor-driven", {}),
+        ("+ window", {"window": True}),
+        ("+ bundling", {"window": True, "bundled": True}),
+        (f"+ {max_threads} threads", {"window": True, "bundled": True, "threads": max_threads}),
+        ("+ coalescing", {"window": True, "bundled": True, "threads": max_threads, "coalescing": True}),
+    ]
     configs = [Table2Config("naive (whole FFN)", "all", threads=max_threads)]
     for name, how in steps:
         configs += [Table2Config(name, sets, **{"threads": base_threads, **how}) for sets in ("predictor", "oracle")]
@@ -187,7 +230,7 @@ def aligned_buffer(nbytes: int, align: int = 4096) -> torch.Tensor:
     without a bounce buffer, and first-touch page faults (the caller's allocation cost) are not timed as I/O."""
     backing = torch.empty(nbytes + align, dtype=torch.uint8)
     skip = -backing.data_ptr() % align
-    out = backing[skip:skip + nbytes]  # a view: keeps `backing` alive
+    out = backing[skip : skip + nbytes]  # a view: keeps `backing` alive
     out.fill_(1)
     return out
 
@@ -204,8 +247,10 @@ def own_copy(path: Path, size: int, make: Callable[[Path], None]) -> Path:
 
 
 # --store names of synthesized stores: (d, neurons, the model's layers, layers written by default, description)
-SYNTHESIZED_STORES = {"opt-6.7b": (4096, 16384, 32, 4, "store with OPT-6.7B FFN shapes"),
-                      "smoke": (64, 512, 2, 2, "store at smoke shapes (d 64, 512 neurons)")}
+SYNTHESIZED_STORES = {
+    "opt-6.7b": (4096, 16384, 32, 4, "store with OPT-6.7B FFN shapes"),
+    "smoke": (64, 512, 2, 2, "store at smoke shapes (d 64, 512 neurons)"),
+}
 
 
 def table2_store(spec: str, layers: int | None) -> tuple[store.FlashStore, int, str]:
@@ -233,12 +278,18 @@ def table2_store(spec: str, layers: int | None) -> tuple[store.FlashStore, int, 
 def _chunk_rows(total_rows: int, row_bytes: int, max_bytes: int = 1 << 20) -> int:
     """The most rows, a divisor of total_rows, whose bytes fit in max_bytes: the naive row reads whole layers in
     equal chunks of about 1 MiB (the fastest size in Figure 2b here)."""
-    return max(r for r in range(1, total_rows + 1) if total_rows % r == 0 and r * row_bytes <= max(max_bytes, row_bytes))
+    return max(
+        r for r in range(1, total_rows + 1) if total_rows % r == 0 and r * row_bytes <= max(max_bytes, row_bytes)
+    )
 
 
-def table2(args: argparse.Namespace, report: Callable[[dict], None],
-           set_sources: dict[str, Callable[[int, int, int], torch.Tensor]] | None = None,
-           fs: store.FlashStore | None = None, model_layers: int | None = None) -> list[dict]:
+def table2(
+    args: argparse.Namespace,
+    report: Callable[[dict], None],
+    set_sources: dict[str, Callable[[int, int, int], torch.Tensor]] | None = None,
+    fs: store.FlashStore | None = None,
+    model_layers: int | None = None,
+) -> list[dict]:
     """Flash-to-DRAM I/O per token of the configurations of table2_configs on `fs` (default: --store).
 
     set_sources: "predictor" and "oracle" -> (n_tokens, n_layers, n_neurons) -> bool [tokens, layers, neurons], the
@@ -255,10 +306,12 @@ def table2(args: argparse.Namespace, report: Callable[[dict], None],
     layers = min(args.layers or fs.n_layers, fs.n_layers)
     if set_sources is None:
         cache = resolve_cache_dir() / "e2e"
-        set_sources = {"oracle": default_model_mask_source(args.sparsity, args.documents),
-                       "predictor": predicted_mask_source(
-                           trained_predictors(cache, predictor_training(args.predictor, args.sparsity)),
-                           args.documents)}
+        set_sources = {
+            "oracle": default_model_mask_source(args.sparsity, args.documents),
+            "predictor": predicted_mask_source(
+                trained_predictors(cache, predictor_training(args.predictor, args.sparsity)), args.documents
+            ),
+        }
     window, n = args.window, fs.n_neurons
     pieces = -(-(args.tokens + window) // args.documents)
     n_tokens = pieces * args.documents  # the first `window` only fill the window: every row skips them
@@ -267,7 +320,7 @@ def table2(args: argparse.Namespace, report: Callable[[dict], None],
     for name, masks in sets.items():
         new[name] = masks.clone()
         for t in range(1, n_tokens):  # neurons of the previous `window` tokens' sets are still in DRAM
-            new[name][t] &= ~masks[max(0, t - window):t].any(0)
+            new[name][t] &= ~masks[max(0, t - window) : t].any(0)
 
     parts = 3 if fs.glu else 2  # the split layout: up, gate (GLU), down as separate rows of row_bytes / parts
     part = fs.row_bytes // parts
@@ -280,17 +333,22 @@ def table2(args: argparse.Namespace, report: Callable[[dict], None],
     for index, config in enumerate(configs):
         if config.bundled:
             size = Path(fs.bundles_path).stat().st_size
-            path = own_copy(CACHE / f"{tag}-{index:02d}-bundled.bin", size,
-                            lambda tmp: shutil.copyfile(fs.bundles_path, tmp))
+            path = own_copy(
+                CACHE / f"{tag}-{index:02d}-bundled.bin", size, lambda tmp: shutil.copyfile(fs.bundles_path, tmp)
+            )
             base_of = lambda layer: fs.layer_location(layer).offset  # noqa: E731
         else:
-            path = own_copy(CACHE / f"{tag}-{layers}l-{index:02d}-split.bin", layers * layer_bytes,
-                            lambda tmp: make_test_file(tmp, layers * layer_bytes))
+            path = own_copy(
+                CACHE / f"{tag}-{layers}l-{index:02d}-split.bin",
+                layers * layer_bytes,
+                lambda tmp: make_test_file(tmp, layers * layer_bytes),
+            )
             base_of = lambda layer: layer * layer_bytes  # noqa: E731
         copies[str(path)] = path.stat().st_size
         coalescing = {"max_gap": args.max_gap} if config.coalescing else {"min_read": 0, "max_gap": -1}
-        reader = FlashReader.for_file(path, threads=config.threads, max_read=max(chunk_rows * part, 1 << 20),
-                                      **coalescing)
+        reader = FlashReader.for_file(
+            path, threads=config.threads, max_read=max(chunk_rows * part, 1 << 20), **coalescing
+        )
         masks = None if config.sets == "all" else (new if config.window else sets)[config.sets]
         if masks is None:
             row_bytes, n_rows, largest = chunk_rows * part, parts * n // chunk_rows, parts * n // chunk_rows
@@ -298,9 +356,22 @@ def table2(args: argparse.Namespace, report: Callable[[dict], None],
             row_bytes, n_rows, largest = fs.row_bytes, n, int(masks.sum(-1).max())
         else:
             row_bytes, n_rows, largest = part, parts * n, parts * int(masks.sum(-1).max())
-        plans.append({"config": config, "reader": reader, "masks": masks, "base_of": base_of, "row_bytes": row_bytes,
-                      "n_rows": n_rows, "out": aligned_buffer(largest * row_bytes), "path": path,
-                      "tokens_ms": [], "bytes_read": 0, "reads": 0, "analytic": 0})
+        plans.append(
+            {
+                "config": config,
+                "reader": reader,
+                "masks": masks,
+                "base_of": base_of,
+                "row_bytes": row_bytes,
+                "n_rows": n_rows,
+                "out": aligned_buffer(largest * row_bytes),
+                "path": path,
+                "tokens_ms": [],
+                "bytes_read": 0,
+                "reads": 0,
+                "analytic": 0,
+            }
+        )
     print(f"# {len(copies)} copies, {sum(copies.values()) / 2**30:.2f} GiB under {CACHE}", file=sys.stderr)
     drop_page_cache()  # the copies were just written through it (every read below is O_DIRECT anyway)
 
@@ -321,13 +392,19 @@ def table2(args: argparse.Namespace, report: Callable[[dict], None],
             wall = 0.0
             for layer in range(layers):
                 ids = ids_of(plan, t, layer)
-                stats = plan["reader"].read_rows(plan["base_of"](layer), plan["row_bytes"], plan["n_rows"], ids,
-                                                 plan["out"][:ids.numel() * plan["row_bytes"]])
+                stats = plan["reader"].read_rows(
+                    plan["base_of"](layer),
+                    plan["row_bytes"],
+                    plan["n_rows"],
+                    ids,
+                    plan["out"][: ids.numel() * plan["row_bytes"]],
+                )
                 wall += stats.wall_s
                 plan["bytes_read"] += stats.bytes_read
                 plan["reads"] += stats.n_reads
-                plan["analytic"] += layer_bytes if plan["masks"] is None else \
-                    int(plan["masks"][t, layer].sum()) * fs.row_bytes
+                plan["analytic"] += (
+                    layer_bytes if plan["masks"] is None else int(plan["masks"][t, layer].sum()) * fs.row_bytes
+                )
             plan["tokens_ms"].append(wall * 1e3)
     unit = f"per token over {layers} of the model's {model_layers} FFN layers"
     naive_ms = statistics.median(plans[0]["tokens_ms"])
@@ -339,23 +416,45 @@ def table2(args: argparse.Namespace, report: Callable[[dict], None],
         density = 1.0 if plan["masks"] is None else sets[config.sets][measured].float().mean().item()
         read_density = 1.0 if plan["masks"] is None else plan["masks"][measured].float().mean().item()
         # What the window costs in DRAM (not timed here): the neurons of the current and previous `window` sets.
-        held = None if not config.window else statistics.fmean(
-            sets[config.sets][t - window:t + 1].any(0).float().mean().item() for t in range(window, window + done))
-        row = {"bench": "table2", "config": config.name, "sets": config.sets,
-               "layout": "bundled" if config.bundled else "split", "window": window if config.window else 0,
-               "threads": reader.threads, "max_gap": reader.max_gap, "min_read": reader.min_read,
-               "bytes_per_token": plan["bytes_read"] / done, "analytic_bytes_per_token": plan["analytic"] / done,
-               "bytes_vs_analytic": round(plan["bytes_read"] / max(1, plan["analytic"]), 4),
-               "reads_per_token": plan["reads"] / done,
-               "mean_read_kib": round(plan["bytes_read"] / max(1, plan["reads"]) / 1024, 2),
-               "io_ms_per_token": round(median_ms, 2), "io_ms_mean": round(statistics.fmean(plan["tokens_ms"]), 2),
-               "speedup_vs_naive": round(naive_ms / median_ms, 2),
-               "mbps": round(plan["bytes_read"] / max(sum(plan["tokens_ms"]) / 1e3, 1e-9) / 1e6, 1),
-               "set_density": round(density, 4), "read_density": round(read_density, 4),
-               "window_density": None if held is None else round(held, 4), "tokens": done, "layers": layers, "model_layers": model_layers,
-               "unit": unit, "documents": args.documents, "store": description, "file": str(plan["path"]),
-               "set_source": "everything" if config.sets == "all" else
-               getattr(set_sources[config.sets], "__name__", str(set_sources[config.sets]))}
+        held = (
+            None
+            if not config.window
+            else statistics.fmean(
+                sets[config.sets][t - window : t + 1].any(0).float().mean().item() for t in range(window, window + done)
+            )
+        )
+        row = {
+            "bench": "table2",
+            "config": config.name,
+            "sets": config.sets,
+            "layout": "bundled" if config.bundled else "split",
+            "window": window if config.window else 0,
+            "threads": reader.threads,
+            "max_gap": reader.max_gap,
+            "min_read": reader.min_read,
+            "bytes_per_token": plan["bytes_read"] / done,
+            "analytic_bytes_per_token": plan["analytic"] / done,
+            "bytes_vs_analytic": round(plan["bytes_read"] / max(1, plan["analytic"]), 4),
+            "reads_per_token": plan["reads"] / done,
+            "mean_read_kib": round(plan["bytes_read"] / max(1, plan["reads"]) / 1024, 2),
+            "io_ms_per_token": round(median_ms, 2),
+            "io_ms_mean": round(statistics.fmean(plan["tokens_ms"]), 2),
+            "speedup_vs_naive": round(naive_ms / median_ms, 2),
+            "mbps": round(plan["bytes_read"] / max(sum(plan["tokens_ms"]) / 1e3, 1e-9) / 1e6, 1),
+            "set_density": round(density, 4),
+            "read_density": round(read_density, 4),
+            "window_density": None if held is None else round(held, 4),
+            "tokens": done,
+            "layers": layers,
+            "model_layers": model_layers,
+            "unit": unit,
+            "documents": args.documents,
+            "store": description,
+            "file": str(plan["path"]),
+            "set_source": "everything"
+            if config.sets == "all"
+            else getattr(set_sources[config.sets], "__name__", str(set_sources[config.sets])),
+        }
         report(row)
         rows.append(row)
         reader.close()
@@ -381,27 +480,48 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--file-mib", type=int, default=4096, help="fig2b test file size")
     p.add_argument("--out-mib", type=int, default=1024, help="fig2b: largest batch the reader fills per run")
     p.add_argument("--io-uring", action="store_true", help="also the io_uring engine (vs fio's io_uring)")
-    p.add_argument("--store", default="default",
-                   help="table2: 'default' (the default model's fp16 store), 'opt-6.7b' (synthesized, OPT-6.7B FFN "
-                        "shapes, 4 layers unless --layers) or a store directory")
+    p.add_argument(
+        "--store",
+        default="default",
+        help="table2: 'default' (the default model's fp16 store), 'opt-6.7b' (synthesized, OPT-6.7B FFN "
+        "shapes, 4 layers unless --layers) or a store directory",
+    )
     p.add_argument("--layers", type=int, help="table2: the first N layers of the store (default: all)")
-    p.add_argument("--tokens", type=int, default=256, help="table2: timed tokens (at least; rounded up to whole "
-                                                           "pieces of --documents)")
+    p.add_argument(
+        "--tokens",
+        type=int,
+        default=256,
+        help="table2: timed tokens (at least; rounded up to whole pieces of --documents)",
+    )
     p.add_argument("--documents", type=int, default=8, help="table2: held-out documents the tokens come from")
-    p.add_argument("--sparsity", type=float, default=0.97,
-                   help="table2: threshold sparsity of the true sets and the one the predictors were trained for "
-                        "(0.97: the OPT-like operating point, what the paper measured for OPT)")
-    p.add_argument("--predictor", choices=("lowrank", "quant"), default="quant",
-                   help="table2: the predictors of the predictor rows (bench/traces.py predictor_training)")
+    p.add_argument(
+        "--sparsity",
+        type=float,
+        default=0.97,
+        help="table2: threshold sparsity of the true sets and the one the predictors were trained for "
+        "(0.97: the OPT-like operating point, what the paper measured for OPT)",
+    )
+    p.add_argument(
+        "--predictor",
+        choices=("lowrank", "quant"),
+        default="quant",
+        help="table2: the predictors of the predictor rows (bench/traces.py predictor_training)",
+    )
     p.add_argument("--naive-tokens", type=int, default=8)
     p.add_argument("--window", type=int, default=5)
     p.add_argument("--base-threads", type=int, default=8)
     p.add_argument("--max-threads", type=int, default=32)
     p.add_argument("--max-gap", type=int, default=None, help="table2 coalescing gap (default: calibrated profile)")
-    p.add_argument("--remove-copies", action="store_true", help="table2: delete the per-configuration file copies "
-                                                                 "at the end (default: kept for the next run)")
-    p.add_argument("--smoke", action="store_true", help="a 16 MiB file, two read sizes, a synthesized store at "
-                                                         "smoke shapes, one repeat: proves the script runs")
+    p.add_argument(
+        "--remove-copies",
+        action="store_true",
+        help="table2: delete the per-configuration file copies at the end (default: kept for the next run)",
+    )
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="a 16 MiB file, two read sizes, a synthesized store at smoke shapes, one repeat: proves the script runs",
+    )
     args = p.parse_args(argv)
     if args.smoke:
         args.file_mib, args.out_mib, args.sizes_kib, args.threads = 16, 16, [4, 64], [1, 8]
@@ -410,8 +530,10 @@ def main(argv: list[str] | None = None) -> None:
     if shutil.which("fio") is None and args.only != "table2":
         sys.exit("fio is not installed (make deps installs it)")
     drop_page_cache()
-    print(f"# page cache dropped: {os.geteuid() == 0} (root); all reads O_DIRECT; machine: {os.cpu_count()} cores",
-          file=sys.stderr)
+    print(
+        f"# page cache dropped: {os.geteuid() == 0} (root); all reads O_DIRECT; machine: {os.cpu_count()} cores",
+        file=sys.stderr,
+    )
 
     for name, run in (("fig2b", fig2b), ("table2", table2)):
         if args.only not in (None, name):
@@ -428,6 +550,7 @@ def main(argv: list[str] | None = None) -> None:
             if name == "table2" and rows:
                 print(f"Table 2: flash-to-DRAM I/O {rows[0]['unit']} ({rows[0]['store']}); io_ms_per_token: median")
             emit(rows, False, TABLE_COLUMNS[name])
+
 
 if __name__ == "__main__":
     main()

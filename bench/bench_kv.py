@@ -34,6 +34,7 @@ and sets each device's bandwidth so that reading one token's K/V from the ablati
 regeneration time / R (INF²'s GPU host against its SmartSSDs: R ~0.6, see BENCHMARKS.md), the link at
 --link-devices devices; alpha is then the compute-aware choice (`--x-alpha auto`).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -58,8 +59,19 @@ from flashllm_ext.io.paths import resolve_cache_dir
 RESULTS = Path(__file__).resolve().parent / "results"
 DISK_LOCK = "/tmp/flashllm-disk.lock"  # the shared disk: benchmarks that touch it take turns
 CONFIGS = ["baseline", "ans", "ans+wb", "ans+x", "ans+wb+x"]
-COLUMNS = ["config", "workers", "batch", "context", "tokens_per_s", "interconnect_bytes_per_step",
-           "storage_read_bytes_per_step", "writes_per_step", "mean_write_kib", "link_gbps", "n_x"]
+COLUMNS = [
+    "config",
+    "workers",
+    "batch",
+    "context",
+    "tokens_per_s",
+    "interconnect_bytes_per_step",
+    "storage_read_bytes_per_step",
+    "writes_per_step",
+    "mean_write_kib",
+    "link_gbps",
+    "n_x",
+]
 
 
 def make_backend(config: str, workers: int, args, root: Path):
@@ -68,11 +80,21 @@ def make_backend(config: str, workers: int, args, root: Path):
         shutil.rmtree(d, ignore_errors=True)
     link = Link(args.link_gbps)
     writeback = args.writeback if "+wb" in config else 1
-    shape = dict(n_layers=args.layers, q_heads=args.heads, kv_heads=args.heads, head_dim=args.head_dim,
-                 dtype=torch.float16, max_tokens=args.context + args.steps + 1, writeback=writeback, link=link,
-                 storage_gbps=args.device_gbps, write_request_bytes=args.write_request_bytes)
-    n_x, reason, alpha = x_sequences(args, workers, hidden=args.heads * args.head_dim) if "+x" in config else (
-        0, None, 0.0)
+    shape = dict(
+        n_layers=args.layers,
+        q_heads=args.heads,
+        kv_heads=args.heads,
+        head_dim=args.head_dim,
+        dtype=torch.float16,
+        max_tokens=args.context + args.steps + 1,
+        writeback=writeback,
+        link=link,
+        storage_gbps=args.device_gbps,
+        write_request_bytes=args.write_request_bytes,
+    )
+    n_x, reason, alpha = (
+        x_sequences(args, workers, hidden=args.heads * args.head_dim) if "+x" in config else (0, None, 0.0)
+    )
     if config == "baseline":
         backend = HostKVAttention(dirs, batch=args.batch, **shape)
     else:
@@ -80,10 +102,16 @@ def make_backend(config: str, workers: int, args, root: Path):
     if n_x:  # alpha 0 (the compute-aware choice on a slow host) leaves the config without X rows: as +wb alone
         hidden, kv = args.heads * args.head_dim, args.heads * args.head_dim
         g = torch.Generator().manual_seed(1)
-        wk = [torch.randn(kv, hidden, generator=g) / hidden ** 0.5 for _ in range(args.layers)]
-        wv = [torch.randn(kv, hidden, generator=g) / hidden ** 0.5 for _ in range(args.layers)]
-        backend = XCacheAttention(backend, linear_projector(wk, wv, kv_heads=args.heads), n_x=n_x, hidden=hidden,
-                                  max_tokens=args.context + args.steps + 1, x_dtype=torch.float16)
+        wk = [torch.randn(kv, hidden, generator=g) / hidden**0.5 for _ in range(args.layers)]
+        wv = [torch.randn(kv, hidden, generator=g) / hidden**0.5 for _ in range(args.layers)]
+        backend = XCacheAttention(
+            backend,
+            linear_projector(wk, wv, kv_heads=args.heads),
+            n_x=n_x,
+            hidden=hidden,
+            max_tokens=args.context + args.steps + 1,
+            x_dtype=torch.float16,
+        )
     return backend, link, n_x, (reason, alpha)
 
 
@@ -118,9 +146,18 @@ def run(config: str, workers: int, args, root: Path) -> dict:
         backend.flush()
         unpaced(backend, link)
         before = backend.traffic.total()
-        inputs = [[(torch.randn(b, h, d, generator=g), torch.randn(b, h, d, generator=g).half(),
-                    torch.randn(b, h, d, generator=g).half(), torch.randn(b, hidden, generator=g).half())
-                   for _ in range(args.layers)] for _ in range(args.steps)]
+        inputs = [
+            [
+                (
+                    torch.randn(b, h, d, generator=g),
+                    torch.randn(b, h, d, generator=g).half(),
+                    torch.randn(b, h, d, generator=g).half(),
+                    torch.randn(b, hidden, generator=g).half(),
+                )
+                for _ in range(args.layers)
+            ]
+            for _ in range(args.steps)
+        ]
         start = time.perf_counter()
         for step in inputs:
             for layer, (q, k_new, v_new, x) in enumerate(step):
@@ -144,22 +181,35 @@ def run(config: str, workers: int, args, root: Path) -> dict:
         # crosses the link
         device_s = (read_per_step + write_charged) / (workers * args.device_gbps * 1e9 / 8)
         link_s = decode.interconnect_bytes() / args.steps / (link.gbps * 1e9 / 8)
-        row = {"bench": "kv", "config": config, "workers": workers, "batch": b, "context": s,
-               "layers": args.layers, "heads": h, "head_dim": d, "steps": args.steps,
-               "tokens_per_s": b * args.steps / elapsed,
-               "bound_tokens_per_s": b / max(device_s, link_s),
-               "interconnect_bytes_per_step": decode.interconnect_bytes() / args.steps,
-               "interconnect_bytes_no_lse": decode.interconnect_bytes(include_lse=False),
-               "storage_read_bytes_per_step": read_per_step,
-               "storage_reads_per_step": decode.storage_reads / args.steps,
-               "writes_per_step": writes.storage_writes / args.steps,
-               "mean_write_kib": writes.mean_write_bytes / 1024,
-               "write_charged_bytes_per_step": write_charged,
-               "x_bytes_per_step": decode.x_bytes / args.steps,
-               "link_gbps": link.gbps, "device_gbps": args.device_gbps, "n_x": n_x, "alpha": alpha,
-               "x_alpha_reason": reason, "write_request_bytes": args.write_request_bytes,
-               "writeback": backend.storage.writeback[0] if n_x else backend.writeback[0],
-               "loadavg": os.getloadavg()}
+        row = {
+            "bench": "kv",
+            "config": config,
+            "workers": workers,
+            "batch": b,
+            "context": s,
+            "layers": args.layers,
+            "heads": h,
+            "head_dim": d,
+            "steps": args.steps,
+            "tokens_per_s": b * args.steps / elapsed,
+            "bound_tokens_per_s": b / max(device_s, link_s),
+            "interconnect_bytes_per_step": decode.interconnect_bytes() / args.steps,
+            "interconnect_bytes_no_lse": decode.interconnect_bytes(include_lse=False),
+            "storage_read_bytes_per_step": read_per_step,
+            "storage_reads_per_step": decode.storage_reads / args.steps,
+            "writes_per_step": writes.storage_writes / args.steps,
+            "mean_write_kib": writes.mean_write_bytes / 1024,
+            "write_charged_bytes_per_step": write_charged,
+            "x_bytes_per_step": decode.x_bytes / args.steps,
+            "link_gbps": link.gbps,
+            "device_gbps": args.device_gbps,
+            "n_x": n_x,
+            "alpha": alpha,
+            "x_alpha_reason": reason,
+            "write_request_bytes": args.write_request_bytes,
+            "writeback": backend.storage.writeback[0] if n_x else backend.writeback[0],
+            "loadavg": os.getloadavg(),
+        }
         backend.close()
         return row
     except BaseException:
@@ -183,7 +233,7 @@ def interleaved(jobs: list[tuple[str, int]], args, root: Path, run_job=None) -> 
     run_job = run_job or (lambda config, workers: run(config, workers, args, root))
     runs: dict[tuple[str, int], list[dict]] = {job: [] for job in jobs}
     for r in range(args.rounds):
-        for job in jobs[r % len(jobs):] + jobs[:r % len(jobs)]:
+        for job in jobs[r % len(jobs) :] + jobs[: r % len(jobs)]:
             print(f"round {r + 1}/{args.rounds}: {job[0]} x{job[1]}", file=sys.stderr, flush=True)
             runs[job].append(run_job(*job))
     return [median_rows(runs[job]) for job in jobs]
@@ -206,10 +256,16 @@ def synthesized_llama(args):
     args.hidden, MLP width args.hidden, args.layers layers, a small vocabulary."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.hidden,
-                         num_hidden_layers=args.layers, num_attention_heads=args.heads,
-                         num_key_value_heads=args.heads, head_dim=args.head_dim,
-                         max_position_embeddings=args.context + args.new_tokens + 1)
+    config = LlamaConfig(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.heads,
+        head_dim=args.head_dim,
+        max_position_embeddings=args.context + args.new_tokens + 1,
+    )
     torch.manual_seed(0)
     return LlamaForCausalLM(config).eval()
 
@@ -227,8 +283,14 @@ def x_sequences(args, workers: int, hidden: int | None = None) -> tuple[int, str
     args.hidden). With --x-alpha auto alpha is given the host's measured regeneration rate."""
     hidden = hidden or args.hidden
     host_flops = measured_host_flops(hidden, 2 * args.heads * args.head_dim) if args.x_alpha == "auto" else None
-    choice = choose_alpha(link_gbps=args.link_gbps, storage_gbps=args.device_gbps * workers, hidden=hidden,
-                          kv_heads=args.heads, head_dim=args.head_dim, host_flops=host_flops)
+    choice = choose_alpha(
+        link_gbps=args.link_gbps,
+        storage_gbps=args.device_gbps * workers,
+        hidden=hidden,
+        kv_heads=args.heads,
+        head_dim=args.head_dim,
+        host_flops=host_flops,
+    )
     n_x = min(args.batch - 1, round(choice.alpha * args.batch))
     if host_flops is not None:
         reason = f"{choice.reason} (host: {host_flops / 1e9:.3g} GFLOP/s measured)"
@@ -243,14 +305,26 @@ def regen_read_regime(args) -> dict:
     ablation's devices takes the host's measured regeneration time / R; X-cache alpha becomes compute-aware."""
     hidden = args.heads * args.head_dim
     host_flops = measured_host_flops(hidden, 2 * args.heads * args.head_dim)
-    args.device_gbps = regime_device_gbps(host_flops=host_flops, hidden=hidden, kv_heads=args.heads,
-                                          head_dim=args.head_dim, ratio=args.regen_read_ratio,
-                                          devices=args.ablation_workers)
+    args.device_gbps = regime_device_gbps(
+        host_flops=host_flops,
+        hidden=hidden,
+        kv_heads=args.heads,
+        head_dim=args.head_dim,
+        ratio=args.regen_read_ratio,
+        devices=args.ablation_workers,
+    )
     args.link_gbps = args.link_devices * args.device_gbps
     args.x_alpha = "auto"
-    return {"bench": "kv", "check": "regime", "regen_read_ratio": args.regen_read_ratio,
-            "host_gflops": host_flops / 1e9, "devices": args.ablation_workers, "device_gbps": args.device_gbps,
-            "link_gbps": args.link_gbps, "loadavg": os.getloadavg()}
+    return {
+        "bench": "kv",
+        "check": "regime",
+        "regen_read_ratio": args.regen_read_ratio,
+        "host_gflops": host_flops / 1e9,
+        "devices": args.ablation_workers,
+        "device_gbps": args.device_gbps,
+        "link_gbps": args.link_gbps,
+        "loadavg": os.getloadavg(),
+    }
 
 
 def write_request_cost(spec: str, probe_dir: Path) -> tuple[int, dict | None]:
@@ -261,10 +335,16 @@ def write_request_cost(spec: str, probe_dir: Path) -> tuple[int, dict | None]:
     with open(DISK_LOCK, "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         probe = probe_write_request(probe_dir)
-    return probe.request_bytes, {"bench": "kv", "check": "write_request_probe", "directory": str(probe_dir),
-                                 "request_us": probe.request_s * 1e6, "write_bytes": probe.write_bytes,
-                                 "seq_gbytes_per_s": probe.seq_bytes_per_s / 1e9,
-                                 "request_bytes": probe.request_bytes, "loadavg": os.getloadavg()}
+    return probe.request_bytes, {
+        "bench": "kv",
+        "check": "write_request_probe",
+        "directory": str(probe_dir),
+        "request_us": probe.request_s * 1e6,
+        "write_bytes": probe.write_bytes,
+        "seq_gbytes_per_s": probe.seq_bytes_per_s / 1e9,
+        "request_bytes": probe.request_bytes,
+        "loadavg": os.getloadavg(),
+    }
 
 
 def run_generate(config: str, workers: int, model, ids: torch.Tensor, args, root: Path, n_x: int) -> dict:
@@ -279,10 +359,20 @@ def run_generate(config: str, workers: int, model, ids: torch.Tensor, args, root
     kwargs = {"processes": True, "torch_threads": 1} if kind == "near_storage" else {}
     n_x = n_x if "+x" in config else 0
     b, s, n = args.batch, args.context, args.new_tokens
-    backend = hf.storage_attention(model, dirs, batch=b, max_tokens=s + n, kind=kind, dtype=torch.float16,
-                                   x_cache=n_x, link=link, storage_gbps=args.device_gbps,
-                                   write_request_bytes=args.write_request_bytes,
-                                   writeback=args.writeback if "+wb" in config else 1, **kwargs)
+    backend = hf.storage_attention(
+        model,
+        dirs,
+        batch=b,
+        max_tokens=s + n,
+        kind=kind,
+        dtype=torch.float16,
+        x_cache=n_x,
+        link=link,
+        storage_gbps=args.device_gbps,
+        write_request_bytes=args.write_request_bytes,
+        writeback=args.writeback if "+wb" in config else 1,
+        **kwargs,
+    )
     marks = {}
     prefill = backend.prefill
 
@@ -290,6 +380,7 @@ def run_generate(config: str, workers: int, model, ids: torch.Tensor, args, root
         prefill(layer, *a, **kw)
         if layer == args.layers - 1:
             marks["decode_start"] = time.perf_counter()
+
     backend.prefill = timed_prefill
     try:
         backend.reset()  # waits for the workers to be up: their start is not the prefill's time
@@ -303,17 +394,32 @@ def run_generate(config: str, workers: int, model, ids: torch.Tensor, args, root
         # writes of steps 1..: step 0's record also holds the prompt's bulk spill (finished during it)
         later = traffic.total(steps=range(1, steps))
         storage = backend.storage if n_x else backend
-        row = {"bench": "kv", "mode": "generate", "config": config, "workers": workers, "batch": b, "context": s,
-               "layers": args.layers, "heads": args.heads, "head_dim": args.head_dim, "hidden": args.hidden,
-               "new_tokens": n, "prefill_s": marks["decode_start"] - start,
-               "tokens_per_s": b * steps / (end - marks["decode_start"]),
-               "interconnect_bytes_per_step": decode.interconnect_bytes() / steps,
-               "storage_read_bytes_per_step": decode.storage_read_bytes / steps,
-               "storage_reads_per_step": decode.storage_reads / steps,
-               "writes_per_step": later.storage_writes / (steps - 1),
-               "mean_write_kib": later.mean_write_bytes / 1024,
-               "x_bytes_per_step": decode.x_bytes / steps, "link_gbps": link.gbps, "device_gbps": args.device_gbps,
-               "n_x": n_x, "writeback": storage.writeback[0], "tokens": out[:, s:].tolist()}
+        row = {
+            "bench": "kv",
+            "mode": "generate",
+            "config": config,
+            "workers": workers,
+            "batch": b,
+            "context": s,
+            "layers": args.layers,
+            "heads": args.heads,
+            "head_dim": args.head_dim,
+            "hidden": args.hidden,
+            "new_tokens": n,
+            "prefill_s": marks["decode_start"] - start,
+            "tokens_per_s": b * steps / (end - marks["decode_start"]),
+            "interconnect_bytes_per_step": decode.interconnect_bytes() / steps,
+            "storage_read_bytes_per_step": decode.storage_read_bytes / steps,
+            "storage_reads_per_step": decode.storage_reads / steps,
+            "writes_per_step": later.storage_writes / (steps - 1),
+            "mean_write_kib": later.mean_write_bytes / 1024,
+            "x_bytes_per_step": decode.x_bytes / steps,
+            "link_gbps": link.gbps,
+            "device_gbps": args.device_gbps,
+            "n_x": n_x,
+            "writeback": storage.writeback[0],
+            "tokens": out[:, s:].tolist(),
+        }
         backend.close()
         return row
     except BaseException:
@@ -335,8 +441,12 @@ def generate_ablation(args, root: Path) -> list[dict]:
         auto = x_sequences(argparse.Namespace(**{**vars(args), "x_alpha": "auto"}), workers)
     print(f"X-cache: {n_x} of {args.batch} sequences ({reason})", file=sys.stderr, flush=True)
     configs = ["baseline", "ans", "ans+wb", "ans+wb+x"]
-    rows = interleaved([(c, workers) for c in configs], args, root,
-                       lambda config, w: run_generate(config, w, model, ids, args, root, n_x))
+    rows = interleaved(
+        [(c, workers) for c in configs],
+        args,
+        root,
+        lambda config, w: run_generate(config, w, model, ids, args, root, n_x),
+    )
     base_tokens = rows[0]["tokens"]
     for row in rows:
         row["tokens_equal_baseline"] = row.pop("tokens") == base_tokens
@@ -352,15 +462,24 @@ def eq3_checks(rows: list[dict], args) -> list[dict]:
     the baseline writes back every step, and near storage's traffic does not depend on its c)."""
     checks = []
     for base in (r for r in rows if r["config"] == "baseline"):
-        ans = next((r for r in rows if r["workers"] == base["workers"] and r["config"] != "baseline"
-                    and r["n_x"] == 0), None)
+        ans = next(
+            (r for r in rows if r["workers"] == base["workers"] and r["config"] != "baseline" and r["n_x"] == 0), None
+        )
         if ans is None:
             continue
         tokens = [args.context + i + 1 for i in range(args.steps)]
         exact = 2 * base["interconnect_bytes_no_lse"] * args.steps == ans["interconnect_bytes_no_lse"] * sum(tokens)
-        checks.append({"bench": "kv", "check": "eq3", "workers": base["workers"], "against": ans["config"],
-                       "measured_ratio": base["interconnect_bytes_no_lse"] / ans["interconnect_bytes_no_lse"],
-                       "expected_ratio": statistics.mean(tokens) / 2, "exact_integers": exact})
+        checks.append(
+            {
+                "bench": "kv",
+                "check": "eq3",
+                "workers": base["workers"],
+                "against": ans["config"],
+                "measured_ratio": base["interconnect_bytes_no_lse"] / ans["interconnect_bytes_no_lse"],
+                "expected_ratio": statistics.mean(tokens) / 2,
+                "exact_integers": exact,
+            }
+        )
     return checks
 
 
@@ -382,33 +501,48 @@ def kernel_vs_storage(args, root: Path) -> dict:
     view = shard.view(0)
     q = torch.randn(pairs, 1, args.head_dim, generator=g).half()
     blocks = [(t0, min(t0 + attn.block_tokens, view.disk_len)) for t0 in range(0, view.disk_len, attn.block_tokens)]
-    kb, vb = torch.empty(attn.block_tokens, pairs, args.head_dim).half(), torch.empty(attn.block_tokens, pairs,
-                                                                                     args.head_dim).half()
+    kb, vb = (
+        torch.empty(attn.block_tokens, pairs, args.head_dim).half(),
+        torch.empty(attn.block_tokens, pairs, args.head_dim).half(),
+    )
 
     def read_only():
         for t0, t1 in blocks:
-            shard.read(0, t0, t1, kb[:t1 - t0], vb[:t1 - t0])
+            shard.read(0, t0, t1, kb[: t1 - t0], vb[: t1 - t0])
 
     def compute_only():
         for t0, t1 in blocks:
             attn.attend_rows(q, k[t0:t1], v[t0:t1], t0)
 
-    times = time_interleaved({"read": read_only, "kernel": compute_only, "both": lambda: attn.attend(view, q)},
-                             rounds=args.rounds, min_seconds=0.0)
+    times = time_interleaved(
+        {"read": read_only, "kernel": compute_only, "both": lambda: attn.attend(view, q)},
+        rounds=args.rounds,
+        min_seconds=0.0,
+    )
     nbytes = k.nbytes + v.nbytes
     # a native CPU kernel registered for the op (else its pure-torch reference ran)
     native = torch._C._dispatch_has_kernel_for_dispatch_key("flashllm::decode_attention", "CPU")
     attn.close()
     shard.close()
     shutil.rmtree(root / "kernel", ignore_errors=True)
-    return {"bench": "kv", "check": "kernel_vs_storage", "bytes": nbytes, "pairs": pairs, "context": args.context,
-            "read_gbps": nbytes / times["read"] / 1e9, "kernel_gbps": nbytes / times["kernel"] / 1e9,
-            "attend_gbps": nbytes / times["both"] / 1e9, "kernel_over_read": times["read"] / times["kernel"],
-            "native_kernel": native, "torch_threads": torch.get_num_threads()}
+    return {
+        "bench": "kv",
+        "check": "kernel_vs_storage",
+        "bytes": nbytes,
+        "pairs": pairs,
+        "context": args.context,
+        "read_gbps": nbytes / times["read"] / 1e9,
+        "kernel_gbps": nbytes / times["kernel"] / 1e9,
+        "attend_gbps": nbytes / times["both"] / 1e9,
+        "kernel_over_read": times["read"] / times["kernel"],
+        "native_kernel": native,
+        "torch_threads": torch.get_num_threads(),
+    }
 
 
 def plot(rows: list[dict], scaling: list[dict], tag: str = "") -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -437,8 +571,11 @@ def plot(rows: list[dict], scaling: list[dict], tag: str = "") -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true")
-    parser.add_argument("--smoke", action="store_true",
-                        help="the smallest shapes, one round, every section (generate too): proves the script runs")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="the smallest shapes, one round, every section (generate too): proves the script runs",
+    )
     parser.add_argument("--only", choices=["ablation", "scaling", "kernel", "generate"])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--batch", type=int, default=4)
@@ -450,25 +587,49 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=6, help="generate: tokens generated per sequence")
     parser.add_argument("--hidden", type=int, default=1024, help="generate: the synthesized model's residual width")
     parser.add_argument("--vocab", type=int, default=512, help="generate: the synthesized model's vocabulary")
-    parser.add_argument("--writeback", type=int, default=None,
-                        help="c (tokens per spill) of the +wb configs (default: one spill per shard and file "
-                             ">= 4 KiB)")
-    parser.add_argument("--write-request", default="0",
-                        help="least charge of one write request on an emulated device, in bytes, or 'probe' "
-                             "(measured on the disk under --probe-dir)")
-    parser.add_argument("--probe-dir", type=Path, default=None,
-                        help="where --write-request probe writes its scratch file (default: the cache dir)")
-    parser.add_argument("--regen-read-ratio", type=float, default=None,
-                        help="emulated regime: device bandwidth set so that reading a token's K/V from the "
-                             "ablation's devices takes the host's regeneration time / R")
-    parser.add_argument("--scaling-configs", default=None,
-                        help="configs the scaling study runs at every device count (default: ans+wb at every "
-                             "count, the baseline at the first and last, ans+wb+x at the last)")
-    parser.add_argument("--results-tag", default=None,
-                        help="also write every row to bench/results/kv<TAG>.jsonl; the plots get the suffix too")
-    parser.add_argument("--x-alpha", choices=["hilos", "auto"], default="hilos",
-                        help="X-cache fraction from HILOS' formula, or compute-aware (choose_alpha given the host's "
-                             "measured K/V regeneration rate)")
+    parser.add_argument(
+        "--writeback",
+        type=int,
+        default=None,
+        help="c (tokens per spill) of the +wb configs (default: one spill per shard and file >= 4 KiB)",
+    )
+    parser.add_argument(
+        "--write-request",
+        default="0",
+        help="least charge of one write request on an emulated device, in bytes, or 'probe' "
+        "(measured on the disk under --probe-dir)",
+    )
+    parser.add_argument(
+        "--probe-dir",
+        type=Path,
+        default=None,
+        help="where --write-request probe writes its scratch file (default: the cache dir)",
+    )
+    parser.add_argument(
+        "--regen-read-ratio",
+        type=float,
+        default=None,
+        help="emulated regime: device bandwidth set so that reading a token's K/V from the "
+        "ablation's devices takes the host's regeneration time / R",
+    )
+    parser.add_argument(
+        "--scaling-configs",
+        default=None,
+        help="configs the scaling study runs at every device count (default: ans+wb at every "
+        "count, the baseline at the first and last, ans+wb+x at the last)",
+    )
+    parser.add_argument(
+        "--results-tag",
+        default=None,
+        help="also write every row to bench/results/kv<TAG>.jsonl; the plots get the suffix too",
+    )
+    parser.add_argument(
+        "--x-alpha",
+        choices=["hilos", "auto"],
+        default="hilos",
+        help="X-cache fraction from HILOS' formula, or compute-aware (choose_alpha given the host's "
+        "measured K/V regeneration rate)",
+    )
     parser.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens written per prefill call")
     parser.add_argument("--workers", default="1,2,4,8,16", help="device counts of the scaling study")
     parser.add_argument("--ablation-workers", type=int, default=4)
@@ -476,12 +637,18 @@ def main() -> None:
     parser.add_argument("--link-devices", type=float, default=2.0, help="the link's bandwidth in devices")
     parser.add_argument("--dir", type=Path, default=None)
     parser.add_argument("--no-plot", action="store_true")
-    parser.add_argument("--plot", type=Path, nargs=2, metavar=("ABLATION_JSONL", "SCALING_JSONL"),
-                        help="only draw the plots from two earlier --json outputs")
+    parser.add_argument(
+        "--plot",
+        type=Path,
+        nargs=2,
+        metavar=("ABLATION_JSONL", "SCALING_JSONL"),
+        help="only draw the plots from two earlier --json outputs",
+    )
     args = parser.parse_args()
     if args.plot:
-        ablation, scaling = ([json.loads(line) for line in f.read_text().splitlines() if '"config"' in line]
-                             for f in args.plot)
+        ablation, scaling = (
+            [json.loads(line) for line in f.read_text().splitlines() if '"config"' in line] for f in args.plot
+        )
         plot(ablation, scaling)
         return
     if args.smoke:  # a few tokens of a few heads on two devices: every section, seconds each
@@ -512,8 +679,9 @@ def main() -> None:
         return rows
 
     ablation, scaling = [], []
-    args.write_request_bytes, probe = write_request_cost(args.write_request,
-                                                         args.probe_dir or resolve_cache_dir() / "kv-probe")
+    args.write_request_bytes, probe = write_request_cost(
+        args.write_request, args.probe_dir or resolve_cache_dir() / "kv-probe"
+    )
     report([probe] if probe else [])
     if args.regen_read_ratio is not None:
         report([regen_read_regime(args)])
@@ -529,8 +697,11 @@ def main() -> None:
         if args.scaling_configs:
             jobs = [(c, n) for n in counts for c in args.scaling_configs.split(",")]
         else:
-            jobs = [("ans+wb", n) for n in counts] + [("baseline", counts[0]), ("baseline", counts[-1]),
-                                                      ("ans+wb+x", counts[-1])]
+            jobs = [("ans+wb", n) for n in counts] + [
+                ("baseline", counts[0]),
+                ("baseline", counts[-1]),
+                ("ans+wb+x", counts[-1]),
+            ]
         scaling = report(interleaved(list(dict.fromkeys(jobs)), args, root))
         report(eq3_checks(scaling, args))
     shutil.rmtree(root, ignore_errors=True)

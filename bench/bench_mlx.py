@@ -9,6 +9,7 @@ engine on a different array library, not Apple Silicon. A second table times the
     python -m bench.bench_mlx [--budget 50%] [--tokens 16] [--rounds 3] [--modes dense,naive,hybrid,flash]
                               [--mlx-fp32] [--json]
 """
+
 from __future__ import annotations
 
 import statistics
@@ -41,19 +42,26 @@ def lm_head_rows(rounds: int) -> list[dict]:
         candidates[("torch", name)] = lambda w=w, x=x: F.linear(x, w)
         candidates[("mlx", name)] = lambda w=mw, x=mxx: mx.eval(x @ w.T)
     times = time_interleaved(candidates, rounds=rounds)
-    return [{"bench": "mlx", "product": "lm_head GEMV 49152x576", "engine": engine, "dtype": dtype,
-             "ms": seconds * 1e3} for (engine, dtype), seconds in times.items()]
+    return [
+        {"bench": "mlx", "product": "lm_head GEMV 49152x576", "engine": engine, "dtype": dtype, "ms": seconds * 1e3}
+        for (engine, dtype), seconds in times.items()
+    ]
 
 
 def main() -> None:
     parser = arg_parser(__doc__.splitlines()[0])
     parser.add_argument("--budget", default="50%", help="DRAM budget of every mode but dense (bytes, share, size)")
     parser.add_argument("--tokens", type=int, default=16, help="tokens generated per run (decode: one fewer)")
-    parser.add_argument("--modes", default="dense,flash",
-                        help="comma-separated: dense, naive, hybrid, flash, exact (both engines run each)")
-    parser.add_argument("--mlx-fp32", action="store_true",
-                        help="one more MLX dense model with fp32 resident tensors and FFNs (mlx's CPU device has no "
-                             "fast fp16 product)")
+    parser.add_argument(
+        "--modes",
+        default="dense,flash",
+        help="comma-separated: dense, naive, hybrid, flash, exact (both engines run each)",
+    )
+    parser.add_argument(
+        "--mlx-fp32",
+        action="store_true",
+        help="one more MLX dense model with fp32 resident tensors and FFNs (mlx's CPU device has no fast fp16 product)",
+    )
     parser.set_defaults(rounds=3)
     args = parser.parse_args()
     if args.smoke:  # the default model is the smallest there is: a few tokens, one round
@@ -81,25 +89,35 @@ def main() -> None:
         else:
             ids, seconds = model.greedy_decode(prompt, args.tokens)
             stats = model.stats() if model.runtime is not None else {}
-        return {"ids": ids, "ms_per_token": seconds * 1e3, **{k: stats[k] for k in BREAKDOWN if k in stats},
-                "budget_mb": stats["budget_bytes"] / 1e6 if stats.get("budget_bytes") else None}
+        return {
+            "ids": ids,
+            "ms_per_token": seconds * 1e3,
+            **{k: stats[k] for k in BREAKDOWN if k in stats},
+            "budget_mb": stats["budget_bytes"] / 1e6 if stats.get("budget_bytes") else None,
+        }
 
     keys = list(models)
     for r in range(args.rounds):
-        for key in keys[r % len(keys):] + keys[:r % len(keys)]:
+        for key in keys[r % len(keys) :] + keys[: r % len(keys)]:
             runs.setdefault(key, []).append(run(*key))
     reference = runs[("torch", "dense", "fp16")][0]["ids"] if ("torch", "dense", "fp16") in runs else None
     rows = []
     for (engine, mode, dtype), samples in runs.items():
         device = f"mlx {fmlx.mx.default_device()}" if engine == "mlx" else device_name()
-        row = {"bench": "mlx", "engine": engine, "mode": mode, "dtype": dtype, "device": device, "tokens": args.tokens,
-               "rounds": len(samples)}
+        row = {
+            "bench": "mlx",
+            "engine": engine,
+            "mode": mode,
+            "dtype": dtype,
+            "device": device,
+            "tokens": args.tokens,
+            "rounds": len(samples),
+        }
         for key in ("ms_per_token", "budget_mb", *BREAKDOWN):
             values = [s[key] for s in samples if s.get(key) is not None]
             if values:
                 row[key] = statistics.median(values)
-        row["same_tokens_as_torch_dense"] = None if reference is None else all(s["ids"] == reference
-                                                                                for s in samples)
+        row["same_tokens_as_torch_dense"] = None if reference is None else all(s["ids"] == reference for s in samples)
         torch_row = runs.get(("torch", mode, "fp16"))
         if engine == "mlx" and torch_row:
             row["vs_torch"] = row["ms_per_token"] / statistics.median(s["ms_per_token"] for s in torch_row)
@@ -109,9 +127,27 @@ def main() -> None:
             model.close()
         elif model.flash is not None:
             model.flash.close()
-    emit(rows, args.json, ["engine", "mode", "dtype", "device", "budget_mb", "ms_per_token", "vs_torch", "io_ms",
-                           "mem_ms", "predictor_ms", "compute_ms", "bytes_per_token", "hit_rate",
-                           "same_tokens_as_torch_dense", "rounds"])
+    emit(
+        rows,
+        args.json,
+        [
+            "engine",
+            "mode",
+            "dtype",
+            "device",
+            "budget_mb",
+            "ms_per_token",
+            "vs_torch",
+            "io_ms",
+            "mem_ms",
+            "predictor_ms",
+            "compute_ms",
+            "bytes_per_token",
+            "hit_rate",
+            "same_tokens_as_torch_dense",
+            "rounds",
+        ],
+    )
     print()
     emit(lm_head_rows(max(args.rounds, 5)), args.json)
 

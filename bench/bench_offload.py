@@ -24,6 +24,7 @@ synth_checkpoint.py, shared with the other scale runs) at the same share.
     python -m bench.bench_offload [--json] [--budget 30%] [--tokens 16] [--rounds 3] [--scale [--scale-layers 8]]
                                   [--modes ...] [--device cuda --device-budget 30%] [--slots 1|2|1,2]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,15 +43,46 @@ from flashllm_ext.errors import FormatError
 from flashllm_ext.io.paths import resolve_cache_dir
 
 MODES = ("accelerate", "dense", "endor", "endor+more-resident")
-KEYS = ("bench", "model", "mode", "device", "budget_mb", "cgroup_peak_mb", "ms_per_token", "read_ms", "decompress_ms",
-        "compute_ms", "bytes_read_per_token", "layers_in_memory", "layers_on_ssd")
-COLUMNS = ["mode", "budget_mb", "cgroup_limit_mb", "cgroup_peak_mb", "oom_killed", "ms_per_token", "read_ms",
-           "hidden_read_ms", "decompress_ms", "compute_ms", "bytes_read_per_token", "bytes_moved_per_token",
-           "proc_read_mb_per_token", "layers_on_device", "layers_in_memory", "layers_on_ssd", "slots", "device_peak_mb",
-           "error"]
+KEYS = (
+    "bench",
+    "model",
+    "mode",
+    "device",
+    "budget_mb",
+    "cgroup_peak_mb",
+    "ms_per_token",
+    "read_ms",
+    "decompress_ms",
+    "compute_ms",
+    "bytes_read_per_token",
+    "layers_in_memory",
+    "layers_on_ssd",
+)
+COLUMNS = [
+    "mode",
+    "budget_mb",
+    "cgroup_limit_mb",
+    "cgroup_peak_mb",
+    "oom_killed",
+    "ms_per_token",
+    "read_ms",
+    "hidden_read_ms",
+    "decompress_ms",
+    "compute_ms",
+    "bytes_read_per_token",
+    "bytes_moved_per_token",
+    "proc_read_mb_per_token",
+    "layers_on_device",
+    "layers_in_memory",
+    "layers_on_ssd",
+    "slots",
+    "device_peak_mb",
+    "error",
+]
 
 
 # ------------------------------------------------------------------------------------------- the child runs
+
 
 def _accelerate_placement(model) -> tuple[int, int]:
     """(decoder layers accelerate keeps in memory, decoder layers it offloads to disk) from its device map."""
@@ -72,47 +104,85 @@ def run_child(config: dict) -> dict:
     torch.set_num_threads(config["compute_threads"])  # before any op: every mode computes on the same threads
     mode = config["mode"]
     device = config["device"]
-    row = {"bench": "offload", "model": config["model"], "mode": mode, "device": device_name(device),
-           "budget_mb": config["budget_bytes"] / 1e6}
+    row = {
+        "bench": "offload",
+        "model": config["model"],
+        "mode": mode,
+        "device": device_name(device),
+        "budget_mb": config["budget_bytes"] / 1e6,
+    }
     try:
         if mode == "accelerate":
             model, reset = _load(config)
         else:
-            model = load_offload(config["store"], config["budget_bytes"], mode=mode, threads=config["threads"],
-                                   layers_in_memory=config.get("layers_in_memory"), device=device,
-                                   device_budget=config.get("device_budget_bytes"),
-                                   layers_on_device=config.get("layers_on_device"), slots=config["slots"])
+            model = load_offload(
+                config["store"],
+                config["budget_bytes"],
+                mode=mode,
+                threads=config["threads"],
+                layers_in_memory=config.get("layers_in_memory"),
+                device=device,
+                device_budget=config.get("device_budget_bytes"),
+                layers_on_device=config.get("layers_on_device"),
+                slots=config["slots"],
+            )
             reset = model.offload.counters.reset
         # On CUDA one untimed decode token first: the first one pays first-use costs that would land in the
         # per-token means (an H200 endor row: 1592 ms, then 732-827).
-        times, tokens, storage = _decode(model, torch.tensor([config["prompt_ids"]], device=device),
-                                         config["tokens"], reset, warmup=1 if device == "cuda" else 0)
+        times, tokens, storage = _decode(
+            model,
+            torch.tensor([config["prompt_ids"]], device=device),
+            config["tokens"],
+            reset,
+            warmup=1 if device == "cuda" else 0,
+        )
     except Exception as e:  # the row says why this configuration could not run
         return {**row, **error_fields(e)}
-    row.update(ms_per_token=statistics.median(times) * 1e3, mean_ms_per_token=statistics.mean(times) * 1e3,
-               tokens=len(times), token_ms=[round(t * 1e3, 1) for t in times], generated=tokens, **storage)
+    row.update(
+        ms_per_token=statistics.median(times) * 1e3,
+        mean_ms_per_token=statistics.mean(times) * 1e3,
+        tokens=len(times),
+        token_ms=[round(t * 1e3, 1) for t in times],
+        generated=tokens,
+        **storage,
+    )
     if device == "cuda":  # what each mode held on the GPU at its peak: accelerate's budget leaves its transfers out
         row["device_peak_mb"] = torch.cuda.max_memory_allocated() / 1e6
     if mode == "accelerate":
         in_memory, on_disk = _accelerate_placement(model)
-        row.update(read_ms=None, decompress_ms=None, compute_ms=None, bytes_read_per_token=None,
-                   layers_in_memory=in_memory, layers_on_ssd=on_disk)
+        row.update(
+            read_ms=None,
+            decompress_ms=None,
+            compute_ms=None,
+            bytes_read_per_token=None,
+            layers_in_memory=in_memory,
+            layers_on_ssd=on_disk,
+        )
     else:
         stats = model.offload.stats()
-        row.update(read_ms=stats["read_ms"], hidden_read_ms=max(0.0, stats["read_wall_ms"] - stats["read_ms"]),
-                   decompress_ms=stats["decompress_ms"], compute_ms=stats["compute_ms"],
-                   bytes_read_per_token=stats["bytes_read_per_token"], reads_per_token=stats["reads_per_token"],
-                   mean_read_bytes=stats["bytes_read_per_token"] / max(stats["reads_per_token"], 1),
-                   layers_in_memory=stats["layers_in_memory"], layers_on_ssd=stats["layers_on_ssd"],
-                   layers_on_device=stats["layers_on_device"], read_path=stats["read_path"],
-                   bytes_moved_per_token=stats["bytes_moved_per_token"],
-                   accounted_mb=stats["accounted_bytes"] / 1e6, staging_mb=stats["staging_bytes"] / 1e6,
-                   slots=stats["slots"])
+        row.update(
+            read_ms=stats["read_ms"],
+            hidden_read_ms=max(0.0, stats["read_wall_ms"] - stats["read_ms"]),
+            decompress_ms=stats["decompress_ms"],
+            compute_ms=stats["compute_ms"],
+            bytes_read_per_token=stats["bytes_read_per_token"],
+            reads_per_token=stats["reads_per_token"],
+            mean_read_bytes=stats["bytes_read_per_token"] / max(stats["reads_per_token"], 1),
+            layers_in_memory=stats["layers_in_memory"],
+            layers_on_ssd=stats["layers_on_ssd"],
+            layers_on_device=stats["layers_on_device"],
+            read_path=stats["read_path"],
+            bytes_moved_per_token=stats["bytes_moved_per_token"],
+            accounted_mb=stats["accounted_bytes"] / 1e6,
+            staging_mb=stats["staging_bytes"] / 1e6,
+            slots=stats["slots"],
+        )
         model.offload.close()
     return row
 
 
 # ------------------------------------------------------------------------------------------------- the parent
+
 
 def plot_offload(medians: list[dict], path: Path) -> None:
     """Per mode (medians): stacked per-token parts (exposed read, decompression, compute; accelerate and failed
@@ -125,20 +195,36 @@ def plot_offload(medians: list[dict], path: Path) -> None:
     rows = [r for r in medians if r.get("ms_per_token") is not None]
     if not rows:
         return
+
     def placement(r: dict) -> str:
         staged = r.get("layers_on_device") is not None and r["layers_on_device"] != r.get("layers_in_memory")
-        memory = (f"{r['layers_on_device']} on GPU, {r['layers_in_memory'] - r['layers_on_device']} in host"
-                  if staged else f"{r.get('layers_in_memory')} in memory")
+        memory = (
+            f"{r['layers_on_device']} on GPU, {r['layers_in_memory'] - r['layers_on_device']} in host"
+            if staged
+            else f"{r.get('layers_in_memory')} in memory"
+        )
         return f"{memory}\n{r.get('layers_on_ssd')} on SSD"
 
     several_slots = len({r.get("slots") for r in rows if r["mode"] != "accelerate"}) > 1
-    labels = [f"{r['mode']}{' (' + str(r['slots']) + ' slot)' if several_slots and r.get('slots') else ''}"
-              f"\n{placement(r)}" for r in rows]
+    labels = [
+        f"{r['mode']}{' (' + str(r['slots']) + ' slot)' if several_slots and r.get('slots') else ''}\n{placement(r)}"
+        for r in rows
+    ]
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(max(9.0, 2.6 * len(rows) + 2), 4.4))
-    stacked_token_bars(ax, labels, rows, (("read_ms", "read (exposed)"), ("decompress_ms", "decompress"),
-                                          ("compute_ms", "compute")), has_breakdown="read_ms", markersize=24)
-    read_mb = [(r.get("bytes_read_per_token") or 0) / 1e6 if r.get("bytes_read_per_token") is not None else
-               (r.get("proc_read_mb_per_token") or 0.0) for r in rows]
+    stacked_token_bars(
+        ax,
+        labels,
+        rows,
+        (("read_ms", "read (exposed)"), ("decompress_ms", "decompress"), ("compute_ms", "compute")),
+        has_breakdown="read_ms",
+        markersize=24,
+    )
+    read_mb = [
+        (r.get("bytes_read_per_token") or 0) / 1e6
+        if r.get("bytes_read_per_token") is not None
+        else (r.get("proc_read_mb_per_token") or 0.0)
+        for r in rows
+    ]
     bx.bar(labels, read_mb, color="tab:gray")
     bx.set_ylabel("MB read from storage / token")
     bx.set_title("accelerate: /proc; the others: the reader", fontsize=8)
@@ -224,10 +310,12 @@ def ratios(medians: list[dict]) -> dict:
     """The issue's targets from the medians: endor vs accelerate and vs dense per token, bytes endor / dense."""
     by = {r["mode"]: r for r in medians}
     out = {"bench": "offload_ratios"}
-    for name, (a, b, key) in {"endor_vs_accelerate": ("accelerate", "endor", "ms_per_token"),
-                              "endor_vs_dense": ("dense", "endor", "ms_per_token"),
-                              "more_resident_vs_accelerate": ("accelerate", "endor+more-resident", "ms_per_token"),
-                              "more_resident_vs_dense": ("dense", "endor+more-resident", "ms_per_token")}.items():
+    for name, (a, b, key) in {
+        "endor_vs_accelerate": ("accelerate", "endor", "ms_per_token"),
+        "endor_vs_dense": ("dense", "endor", "ms_per_token"),
+        "more_resident_vs_accelerate": ("accelerate", "endor+more-resident", "ms_per_token"),
+        "more_resident_vs_dense": ("dense", "endor+more-resident", "ms_per_token"),
+    }.items():
         if a in by and b in by:
             out[name] = by[a][key] / by[b][key]
     if "dense" in by and "endor" in by and by["dense"]["bytes_read_per_token"]:
@@ -243,24 +331,39 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--threads", type=int, default=32, help="reader threads")
-    parser.add_argument("--compute-threads", type=int, default=1,
-                        help="torch / OpenMP threads of every child (1: OpenMP barriers on a shared, oversubscribed "
-                             "machine cost 10-50x on these small matrices)")
+    parser.add_argument(
+        "--compute-threads",
+        type=int,
+        default=1,
+        help="torch / OpenMP threads of every child (1: OpenMP barriers on a shared, oversubscribed "
+        "machine cost 10-50x on these small matrices)",
+    )
     parser.add_argument("--scale", action="store_true", help="the synthesized OPT-6.7B-shaped pruned checkpoint")
-    parser.add_argument("--scale-layers", type=int, default=None,
-                        help="with --scale (or --smoke): a checkpoint of that many layers (written once to the "
-                             "cache), not the shared 32-layer one: a shorter run, e.g. on a lent GPU")
+    parser.add_argument(
+        "--scale-layers",
+        type=int,
+        default=None,
+        help="with --scale (or --smoke): a checkpoint of that many layers (written once to the "
+        "cache), not the shared 32-layer one: a shorter run, e.g. on a lent GPU",
+    )
     parser.add_argument("--hf-dir", help="a pruned Hugging Face checkpoint to run instead")
     parser.add_argument("--child-timeout", type=float, default=1800)
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                        help="cuda: layers in GPU memory by --device-budget, then host memory by --budget (as stored, "
-                             "moved and decompressed on the GPU), then SSD read into GPU memory; accelerate gets the "
-                             "same two budgets")
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cuda: layers in GPU memory by --device-budget, then host memory by --budget (as stored, "
+        "moved and decompressed on the GPU), then SSD read into GPU memory; accelerate gets the "
+        "same two budgets",
+    )
     parser.add_argument("--device-budget", default="30%", help="GPU memory for --device cuda, as --budget")
-    parser.add_argument("--slots", default=None,
-                        help="buffers moved layers are fetched into (load_offload slots=): 2 overlap the next "
-                             "fetch with compute, 1 leaves a layer's room more; '1,2': every mode with each, "
-                             "interleaved (default: the library's, 1 on cuda and 2 on cpu)")
+    parser.add_argument(
+        "--slots",
+        default=None,
+        help="buffers moved layers are fetched into (load_offload slots=): 2 overlap the next "
+        "fetch with compute, 1 leaves a layer's room more; '1,2': every mode with each, "
+        "interleaved (default: the library's, 1 on cuda and 2 on cpu)",
+    )
     parser.add_argument("--no-plot", action="store_true", help="no figure")
     parser.add_argument("--figure", help="the figure's path (default bench/results/offload[_scale][_cuda].png)")
     parser.set_defaults(rounds=3)
@@ -281,8 +384,11 @@ def main(argv: list[str] | None = None) -> None:
         from bench.synth_checkpoint import shared_checkpoint
 
         hf_dir = shared_checkpoint("opt-6.7b", layers=args.scale_layers, smoke=args.smoke)
-        name = ("OPT-6.7B family, smoke shapes" if args.smoke else "OPT-6.7B shapes") + \
-            (f", {args.scale_layers} layers" if args.scale_layers else "") + " (synthesized, 50% pruned)"
+        name = (
+            ("OPT-6.7B family, smoke shapes" if args.smoke else "OPT-6.7B shapes")
+            + (f", {args.scale_layers} layers" if args.scale_layers else "")
+            + " (synthesized, 50% pruned)"
+        )
     else:
         hf_dir, name = pruned_default(cache), "SmolLM2-135M-Instruct (Wanda 50%, attention + FFN)"
     stores = layer_stores(hf_dir, cache)
@@ -302,54 +408,94 @@ def main(argv: list[str] | None = None) -> None:
     if len(slot_counts) != len(args.slots.split(",")) or any(s not in (1, 2) for s in slot_counts):
         parser.error(f"--slots must be 1, 2 or 1,2, got {args.slots!r}")
     try:
-        dense = {slots: plan_placement(LayerStore(stores["dense"]), "dense", budget if cuda else budget - resident,
-                                       device_layer_budget=device_budget - resident if cuda else None, separate=cuda,
-                                       bounce=partial(host_bounce_bytes, select_read_path("cuda"),
-                                                      threads=args.threads) if cuda else None, slots=slots)
-                 for slots in slot_counts}
+        dense = {
+            slots: plan_placement(
+                LayerStore(stores["dense"]),
+                "dense",
+                budget if cuda else budget - resident,
+                device_layer_budget=device_budget - resident if cuda else None,
+                separate=cuda,
+                bounce=partial(host_bounce_bytes, select_read_path("cuda"), threads=args.threads) if cuda else None,
+                slots=slots,
+            )
+            for slots in slot_counts
+        }
     except ValueError as e:
-        raise SystemExit(f"bench_offload: --budget {args.budget} ({budget} bytes) does not fit dense offload of "
-                         f"{name}: {e}") from None
+        raise SystemExit(
+            f"bench_offload: --budget {args.budget} ({budget} bytes) does not fit dense offload of {name}: {e}"
+        ) from None
     from transformers import AutoConfig
 
-    ids, prompt_note = prompt_ids(args.prompt_tokens, AutoConfig.from_pretrained(hf_dir).vocab_size,
-                                  synthesized=args.scale or args.smoke)
-    base = {"model": name, "tokens": args.tokens, "prompt_ids": ids, "budget_bytes": budget, "threads": args.threads,
-            "compute_threads": args.compute_threads, "device": args.device, "device_budget_bytes": device_budget,
-            "slots": slot_counts[0],
-            "max_memory": {"0": device_budget, "cpu": budget} if cuda else None,
-            "hf_dir": str(hf_dir), "offload_dir": str(cache / f"accelerate-{hf_dir.name}")}
+    ids, prompt_note = prompt_ids(
+        args.prompt_tokens, AutoConfig.from_pretrained(hf_dir).vocab_size, synthesized=args.scale or args.smoke
+    )
+    base = {
+        "model": name,
+        "tokens": args.tokens,
+        "prompt_ids": ids,
+        "budget_bytes": budget,
+        "threads": args.threads,
+        "compute_threads": args.compute_threads,
+        "device": args.device,
+        "device_budget_bytes": device_budget,
+        "slots": slot_counts[0],
+        "max_memory": {"0": device_budget, "cpu": budget} if cuda else None,
+        "hf_dir": str(hf_dir),
+        "offload_dir": str(cache / f"accelerate-{hf_dir.name}"),
+    }
     baseline = measure_baseline(base)
     modes = [m for m in args.modes.split(",") if m]
     jobs = [(m, s) for m in modes for s in ([None] if m == "accelerate" else slot_counts)]  # accelerate has none
     rows = []
     for round_index, (mode, slots) in [(r, j) for r in range(args.rounds) for j in jobs]:  # round-robin
         placement = dense.get(slots)
-        config = {**base, "mode": mode, "store": str(stores["dense" if mode == "dense" else "endor"]),
-                  "slots": slots or slot_counts[0],
-                  "layers_in_memory": placement.in_memory if mode == "endor" else None,
-                  "layers_on_device": placement.on_device if mode == "endor" and cuda else None}
-        child_rows, facts = run_limited_child(_child_argv(config), budget, baseline, f"offload-{mode}",
-                                              args.child_timeout)
-        row = {"bench": "offload", "model": name, "mode": mode, "budget_mb": budget / 1e6,
-               **(child_rows[0] if child_rows else {"error": "the child printed no row"}), **facts}
+        config = {
+            **base,
+            "mode": mode,
+            "store": str(stores["dense" if mode == "dense" else "endor"]),
+            "slots": slots or slot_counts[0],
+            "layers_in_memory": placement.in_memory if mode == "endor" else None,
+            "layers_on_device": placement.on_device if mode == "endor" and cuda else None,
+        }
+        child_rows, facts = run_limited_child(
+            _child_argv(config), budget, baseline, f"offload-{mode}", args.child_timeout
+        )
+        row = {
+            "bench": "offload",
+            "model": name,
+            "mode": mode,
+            "budget_mb": budget / 1e6,
+            **(child_rows[0] if child_rows else {"error": "the child printed no row"}),
+            **facts,
+        }
         if len(child_rows) > 1 and not row.get("error"):
             row["error"] = child_rows[-1].get("error")
-        row.update(round=round_index, budget_spec=args.budget, model_mb=total / 1e6,
-                   baseline_mb=None if baseline is None else baseline / 1e6, prompt_tokens=len(ids),
-                   prompt_note=prompt_note)
+        row.update(
+            round=round_index,
+            budget_spec=args.budget,
+            model_mb=total / 1e6,
+            baseline_mb=None if baseline is None else baseline / 1e6,
+            prompt_tokens=len(ids),
+            prompt_note=prompt_note,
+        )
         row = {**{k: row.get(k) for k in KEYS}, **row}
         rows.append(row)
         emit([row], args.json, COLUMNS)
     medians = median_rows(rows, ("mode", "slots"), "offload_median")
     for row in medians:  # the modes' greedy tokens should agree (same pruned weights; fp16 rounding may differ)
         row["same_tokens_as_dense"] = row.get("generated") == next(
-            (m.get("generated") for m in medians if m["mode"] == "dense"), None)
+            (m.get("generated") for m in medians if m["mode"] == "dense"), None
+        )
     if not args.json:
         print(f"\nmedians over {args.rounds} round(s):")
     emit(medians, args.json, COLUMNS)
-    emit([{**ratios([m for m in medians if m["mode"] == "accelerate" or m.get("slots") == slots]), "slots": slots}
-          for slots in slot_counts], args.json)
+    emit(
+        [
+            {**ratios([m for m in medians if m["mode"] == "accelerate" or m.get("slots") == slots]), "slots": slots}
+            for slots in slot_counts
+        ],
+        args.json,
+    )
     if not args.no_plot:
         path = Path(args.figure or RESULTS / f"offload{'_scale' if args.scale else ''}{'_cuda' if cuda else ''}.png")
         plot_offload(medians, path)

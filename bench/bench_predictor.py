@@ -29,6 +29,7 @@ codes, one scale per N columns instead of per row, and a per-layer density alloc
 `oracle@fisher=quant:3/4+gptq`: the oracle at quant's allocation, the fair frontier of an allocated method). The
 FlashFFN rows (3.) run the uniform entries only.
 """
+
 from __future__ import annotations
 
 import json
@@ -43,8 +44,16 @@ from bench.common import arg_parser, emit, error_fields
 from flashllm_ext.io.paths import resolve_cache_dir
 
 from flashllm_ext.hub import corpus_token_ids, load_hf_model, perplexity, spread_windows
-from flashllm_ext.predictor import (ALLOCATIONS, allocate_densities, calibrate_thresholds, capture_activations,
-                                    operating_point, patched_ffn, predictors_from_capture, select_density)
+from flashllm_ext.predictor import (
+    ALLOCATIONS,
+    allocate_densities,
+    calibrate_thresholds,
+    capture_activations,
+    operating_point,
+    patched_ffn,
+    predictors_from_capture,
+    select_density,
+)
 
 WINDOW = 512
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -52,8 +61,14 @@ DEFAULT_FIGURE = os.path.join(RESULTS, "predictor_methods.png")
 
 
 def threshold_sweep(model, calibration, heldout, targets, n_windows, as_json) -> None:
-    rows = [{"bench": "threshold", "target": 0.0, "sparsity": 0.0,
-             "ppl": perplexity(model, heldout, WINDOW, n_windows, progress=False)}]
+    rows = [
+        {
+            "bench": "threshold",
+            "target": 0.0,
+            "sparsity": 0.0,
+            "ppl": perplexity(model, heldout, WINDOW, n_windows, progress=False),
+        }
+    ]
     for target, thresholds in calibrate_thresholds(model, calibration, targets, WINDOW).items():
         with patched_ffn(model, thresholds) as counter:
             ppl = perplexity(model, heldout, WINDOW, n_windows, progress=False)
@@ -95,11 +110,19 @@ def build_methods(model, calibration, args) -> tuple[dict, list[torch.Tensor]]:
         if len(rounding) > 1 or len(groups) > 1:
             raise SystemExit(f"{spec}: at most one rounding and one +gN group size")
         start = time.perf_counter()
-        built[name] = predictors_from_capture(model, capture, method, rank=args.rank, epochs=args.epochs,
-                                              gate_bits=gate_bits, up_bits=up_bits,
-                                              rounding=rounding[0] if rounding else "nearest",
-                                              group_size=groups[0] if groups else None,
-                                              block=args.block, progress=False)
+        built[name] = predictors_from_capture(
+            model,
+            capture,
+            method,
+            rank=args.rank,
+            epochs=args.epochs,
+            gate_bits=gate_bits,
+            up_bits=up_bits,
+            rounding=rounding[0] if rounding else "nearest",
+            group_size=groups[0] if groups else None,
+            block=args.block,
+            progress=False,
+        )
         built[name].build_seconds = time.perf_counter() - start
     for spec in args.methods.split(","):
         if (source := parse_spec(spec)[2]) is not None and source not in built:
@@ -126,21 +149,35 @@ def method_sweep(model, calibration, heldout, built, inputs, args, ffn_bytes: in
                 if (source, density) not in allocations:
                     start = time.perf_counter()
                     allocations[source, density] = allocate_densities(
-                        model, built[source], calibration, inputs, density, allocation, progress=False).tolist()
+                        model, built[source], calibration, inputs, density, allocation, progress=False
+                    ).tolist()
                     built[source].allocation_seconds = time.perf_counter() - start
                 targets = allocations[source, density]
                 select_density(model, predictors, inputs, calibration, targets, WINDOW, progress=False)
-            point = operating_point(model, predictors, heldout, predictors.true_thresholds, WINDOW,
-                                    args.eval_windows, progress=False)
+            point = operating_point(
+                model, predictors, heldout, predictors.true_thresholds, WINDOW, args.eval_windows, progress=False
+            )
             layer_densities = [layer["density"] for layer in point["layers"]]
-            rows.append({"bench": "method", "method": spec, "allocation": allocation,
-                         "layer_targets": [round(t, 4) for t in targets], "target_density": density,
-                         "density": point["density"],
-                         "neuron_density": point["neuron_density"], "input_density": point["input_density"],
-                         "max_layer_error": max(abs(d - t) for d, t in zip(layer_densities, targets)),
-                         "ppl": point["ppl"], "ppl_vs_dense": point["ppl"] / ppl_dense, "recall": point["recall"],
-                         "mass_recall": point["mass_recall"], "memory_mb": predictors.memory_bytes / 1e6,
-                         "memory_frac": predictors.memory_bytes / ffn_bytes, "build_s": predictors.build_seconds})
+            rows.append(
+                {
+                    "bench": "method",
+                    "method": spec,
+                    "allocation": allocation,
+                    "layer_targets": [round(t, 4) for t in targets],
+                    "target_density": density,
+                    "density": point["density"],
+                    "neuron_density": point["neuron_density"],
+                    "input_density": point["input_density"],
+                    "max_layer_error": max(abs(d - t) for d, t in zip(layer_densities, targets)),
+                    "ppl": point["ppl"],
+                    "ppl_vs_dense": point["ppl"] / ppl_dense,
+                    "recall": point["recall"],
+                    "mass_recall": point["mass_recall"],
+                    "memory_mb": predictors.memory_bytes / 1e6,
+                    "memory_frac": predictors.memory_bytes / ffn_bytes,
+                    "build_s": predictors.build_seconds,
+                }
+            )
             emit(rows[-1:], args.json)
     return rows
 
@@ -154,23 +191,33 @@ def flash_path(predictors, store_dir, args, lookahead: str | None = None) -> dic
     from flashllm_ext import load_flash
 
     predictors.reset()
-    model = load_flash(store_dir, args.flash_budget, mode="flash", predictors=predictors, window=args.window,
-                       lookahead=lookahead)
+    model = load_flash(
+        store_dir, args.flash_budget, mode="flash", predictors=predictors, window=args.window, lookahead=lookahead
+    )
     runtime = model.flash
     try:
-        nll = decode_nll(model, args.heldout[:args.decode_tokens], lambda t: t == args.window + 1 and
-                         runtime.counters.reset())  # the window is full: what follows is the steady state
+        nll = decode_nll(
+            model, args.heldout[: args.decode_tokens], lambda t: t == args.window + 1 and runtime.counters.reset()
+        )  # the window is full: what follows is the steady state
         stats = runtime.stats()
         loaded = runtime.counters.needed / max(1, runtime.counters.tokens * runtime.store.n_neurons)
     finally:
         runtime.close()
     dense = dense_decode_nll(store_dir, args)
-    return {"bench": "flash", "lookahead": lookahead, "loaded_density": loaded,
-            "bytes_per_token": stats["bytes_per_token"],
-            "predictor_ms": stats["predictor_ms"], "compute_ms": stats["compute_ms"],
-            "predictor_vs_compute": stats["predictor_ms"] / max(stats["compute_ms"], 1e-9),
-            "hit_rate": stats["hit_rate"], "predictor_bytes": stats["predictor_bytes"], "tokens": stats["tokens"],
-            "ppl_decode": math.exp(nll), "ppl_decode_vs_dense": math.exp(nll - dense)}
+    return {
+        "bench": "flash",
+        "lookahead": lookahead,
+        "loaded_density": loaded,
+        "bytes_per_token": stats["bytes_per_token"],
+        "predictor_ms": stats["predictor_ms"],
+        "compute_ms": stats["compute_ms"],
+        "predictor_vs_compute": stats["predictor_ms"] / max(stats["compute_ms"], 1e-9),
+        "hit_rate": stats["hit_rate"],
+        "predictor_bytes": stats["predictor_bytes"],
+        "tokens": stats["tokens"],
+        "ppl_decode": math.exp(nll),
+        "ppl_decode_vs_dense": math.exp(nll - dense),
+    }
 
 
 @torch.inference_mode()
@@ -180,9 +227,9 @@ def decode_nll(model, ids: torch.Tensor, before_token=lambda t: None) -> float:
     past, total = None, 0.0
     for t in range(ids.numel() - 1):
         before_token(t)
-        out = model(ids[t:t + 1].unsqueeze(0), past_key_values=past, use_cache=True)
+        out = model(ids[t : t + 1].unsqueeze(0), past_key_values=past, use_cache=True)
         past = out.past_key_values
-        total += torch.nn.functional.cross_entropy(out.logits[0, -1:].float(), ids[t + 1:t + 2]).item()
+        total += torch.nn.functional.cross_entropy(out.logits[0, -1:].float(), ids[t + 1 : t + 2]).item()
     return total / (ids.numel() - 1)
 
 
@@ -191,7 +238,7 @@ def dense_decode_nll(store_dir, args) -> float:
     if getattr(args, "dense_nll", None) is None:
         from flashllm_ext import load_flash
 
-        args.dense_nll = decode_nll(load_flash(store_dir, None, mode="dense"), args.heldout[:args.decode_tokens])
+        args.dense_nll = decode_nll(load_flash(store_dir, None, mode="dense"), args.heldout[: args.decode_tokens])
     return args.dense_nll
 
 
@@ -210,8 +257,12 @@ def plot_methods(rows: list[dict], path: str) -> None:
         ax.plot(*zip(*points), label=method + (" (frontier)" if method == "oracle" else ""), **style)
     ax.axhline(ppl_dense * 1.05, color="r", ls="--", lw=1, label="1.05 x dense")
     ax.axhline(ppl_dense, color="gray", ls=":", lw=1, label="dense")
-    ax.set(xlabel="mean loaded density (held-out)", ylabel="held-out perplexity", yscale="log",
-           title="SmolLM2-135M: predictors at target loaded densities")
+    ax.set(
+        xlabel="mean loaded density (held-out)",
+        ylabel="held-out perplexity",
+        yscale="log",
+        title="SmolLM2-135M: predictors at target loaded densities",
+    )
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -234,22 +285,39 @@ def main() -> None:
     parser.add_argument("--sweep-targets", default="0.5,0.6,0.7,0.8,0.9")
     parser.add_argument("--no-sweep", action="store_true", help="skip the threshold sweep")
     parser.add_argument("--no-flash", action="store_true", help="skip the FlashFFN decode")
-    parser.add_argument("--lookahead", default="", help="each FlashFFN decode also with these look-ahead modes of "
-                        "the engine (ahead,prefetch: sets chosen before attention), perplexity against dense decoding")
-    parser.add_argument("--flash-densities", default=None,
-                        help="only the FlashFFN decode, at these densities for every method (no method sweep)")
-    parser.add_argument("--figure", default=None, help=f"the figure's path (default {DEFAULT_FIGURE} for --plot and "
-                        "for a run of the default methods and densities; other runs draw none without it, so a "
-                        "partial run does not replace the committed figure)")
-    parser.add_argument("--plot", nargs="+", metavar="JSONL", default=None,
-                        help="only the figure, from the bench:\"method\" rows of these --json outputs")
+    parser.add_argument(
+        "--lookahead",
+        default="",
+        help="each FlashFFN decode also with these look-ahead modes of "
+        "the engine (ahead,prefetch: sets chosen before attention), perplexity against dense decoding",
+    )
+    parser.add_argument(
+        "--flash-densities",
+        default=None,
+        help="only the FlashFFN decode, at these densities for every method (no method sweep)",
+    )
+    parser.add_argument(
+        "--figure",
+        default=None,
+        help=f"the figure's path (default {DEFAULT_FIGURE} for --plot and "
+        "for a run of the default methods and densities; other runs draw none without it, so a "
+        "partial run does not replace the committed figure)",
+    )
+    parser.add_argument(
+        "--plot",
+        nargs="+",
+        metavar="JSONL",
+        default=None,
+        help='only the figure, from the bench:"method" rows of these --json outputs',
+    )
     args = parser.parse_args()
     os.makedirs(RESULTS, exist_ok=True)
     if args.smoke:  # two methods at one density on a few windows, the FlashFFN decode of a few tokens
         args.tokens, args.eval_windows, args.epochs, args.methods, args.densities = 512, 1, 1, "oracle,quant:4/4", "0.5"
         args.decode_tokens, args.no_sweep, args.figure, args.flash_budget = 4, True, None, "60%"
-    full_run = not args.smoke and all(getattr(args, name) == parser.get_default(name)
-                                      for name in ("methods", "densities"))
+    full_run = not args.smoke and all(
+        getattr(args, name) == parser.get_default(name) for name in ("methods", "densities")
+    )
     figure = args.figure or (DEFAULT_FIGURE if args.plot or full_run else None)
     if args.plot:
         rows = [json.loads(line) for path in args.plot for line in open(path) if line.startswith("{")]
@@ -266,8 +334,9 @@ def main() -> None:
     calibration = spread_windows(corpus_token_ids(tokenizer, "calibration"), -(-args.tokens // WINDOW), WINDOW)
     heldout = args.heldout = corpus_token_ids(tokenizer, "heldout")
     if not args.no_sweep:
-        threshold_sweep(model, calibration, heldout, [float(t) for t in args.sweep_targets.split(",")],
-                        args.eval_windows, args.json)
+        threshold_sweep(
+            model, calibration, heldout, [float(t) for t in args.sweep_targets.split(",")], args.eval_windows, args.json
+        )
     store_dir = default_store(resolve_cache_dir() / "e2e", train_predictors=False)
     with FlashStore(store_dir) as store:
         ffn_bytes = store_ffn_bytes(store)
@@ -278,8 +347,9 @@ def main() -> None:
         rows = method_sweep(model, calibration, heldout, built, inputs, args, ffn_bytes)
         if figure:
             plot_methods(rows, figure)
-        print(f"figure: {figure or 'none (not the default methods and densities; --figure PATH draws one)'}",
-              flush=True)
+        print(
+            f"figure: {figure or 'none (not the default methods and densities; --figure PATH draws one)'}", flush=True
+        )
         if args.no_flash:
             return
         points = {}  # each method at its smallest swept density within 1.05x dense perplexity
@@ -291,15 +361,28 @@ def main() -> None:
                 emit([{"bench": "flash", "method": spec, "error": "no swept density within 1.05x dense"}], args.json)
     for spec, densities in points.items():
         if built[spec].store_layout != "bundles":
-            emit([{"bench": "flash", "method": spec, "error": f"needs a {built[spec].store_layout} store layout, "
-                   "which is not written (evaluation only)"}], args.json)
+            emit(
+                [
+                    {
+                        "bench": "flash",
+                        "method": spec,
+                        "error": f"needs a {built[spec].store_layout} store layout, "
+                        "which is not written (evaluation only)",
+                    }
+                ],
+                args.json,
+            )
             continue
         for density in densities:
             built[spec].set_density(inputs, density)
             built[spec].thresholds.zero_()
             for lookahead in [None] + [how for how in args.lookahead.split(",") if how]:
-                row = {"bench": "flash", "method": spec, "target_density": density,
-                       "memory_frac": built[spec].memory_bytes / ffn_bytes}
+                row = {
+                    "bench": "flash",
+                    "method": spec,
+                    "target_density": density,
+                    "memory_frac": built[spec].memory_bytes / ffn_bytes,
+                }
                 try:
                     row.update(flash_path(built[spec], store_dir, args, lookahead))
                 except ValueError as e:  # e.g. the oracle holds every W_up / W_gate row: more than the budget

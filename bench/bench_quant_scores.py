@@ -12,6 +12,7 @@ cache holding one layer. Codes and weights are random (the speed does not depend
 
     python -m bench.bench_quant_scores [--shape default|opt-6.7b|llama-2-7b] [--tokens 1,8] [--threads 1,2] [--json]
 """
+
 from __future__ import annotations
 
 import itertools
@@ -41,19 +42,24 @@ def main() -> None:
     parser.add_argument("--neurons", type=int, default=None, help="n (default: the shape's)")
     parser.add_argument("--gate-bits", type=int, default=None, help="0 for no gate (default: the shape's)")
     parser.add_argument("--up-bits", type=int, default=None)
-    parser.add_argument("--group-size", type=int, default=None,
-                        help="columns per scale, 0 for one per row (default: the shape's)")
+    parser.add_argument(
+        "--group-size", type=int, default=None, help="columns per scale, 0 for one per row (default: the shape's)"
+    )
     parser.add_argument("--density", type=float, default=None, help="loaded density of the sparse FFN compared with")
     parser.add_argument("--layers", type=int, default=None, help="copies of the layer cycled through")
     parser.add_argument("--tokens", default="1,8", help="comma-separated T")
     parser.add_argument("--threads", default=None, help="comma-separated OpenMP thread counts (default: as set)")
-    parser.add_argument("--paths", default=None,
-                        help=f"comma-separated native paths to time, among {', '.join(PATHS)} (default: all this CPU "
-                             "runs, up to avx2)")
+    parser.add_argument(
+        "--paths",
+        default=None,
+        help=f"comma-separated native paths to time, among {', '.join(PATHS)} (default: all this CPU runs, up to avx2)",
+    )
     parser.add_argument("--reference", action="store_true", help="also time the pure-torch reference")
-    parser.add_argument("--stream", action="store_true",
-                        help="also time the memory-bandwidth probe (a 512 MiB sum), the bound of a scorer reading "
-                             "its codes from DRAM")
+    parser.add_argument(
+        "--stream",
+        action="store_true",
+        help="also time the memory-bandwidth probe (a 512 MiB sum), the bound of a scorer reading its codes from DRAM",
+    )
     parser.add_argument("--dtype", default="float16", help="the store's dtype (sparse_ffn's x and rows)")
     args = parser.parse_args()
     if args.smoke:  # the default model's layout at a tenth of its width, one token, one round
@@ -66,8 +72,11 @@ def main() -> None:
     density, layers = args.density or density, args.layers or layers
     dtype, glu = getattr(torch, args.dtype), gate_bits is not None
     order = _C.cpu_isas()
-    paths = args.paths.split(",") if args.paths else [p for p in PATHS
-                                                      if order.index(p) <= order.index(_C.detected_cpu_isa())]
+    paths = (
+        args.paths.split(",")
+        if args.paths
+        else [p for p in PATHS if order.index(p) <= order.index(_C.detected_cpu_isa())]
+    )
 
     g = torch.Generator().manual_seed(0)
 
@@ -75,12 +84,17 @@ def main() -> None:
         return torch.randint(0, 256, (n, math.ceil(d * bits / 8)), dtype=torch.uint8, generator=g)
 
     rows = round(density * n)
-    copies = [{"up_codes": codes(up_bits), "up_scale": (torch.rand(scale_shape, generator=g) * 0.01).half(),
-               "gate_codes": codes(gate_bits) if glu else None,
-               "gate_scale": (torch.rand(scale_shape, generator=g) * 0.01).half() if glu else None,
-               # only the loaded rows: sparse_ffn reads rows [0, num_used)
-               "matrix": (torch.randn(rows, (3 if glu else 2) * d, generator=g) * 0.02).to(dtype)}
-              for _ in range(layers)]
+    copies = [
+        {
+            "up_codes": codes(up_bits),
+            "up_scale": (torch.rand(scale_shape, generator=g) * 0.01).half(),
+            "gate_codes": codes(gate_bits) if glu else None,
+            "gate_scale": (torch.rand(scale_shape, generator=g) * 0.01).half() if glu else None,
+            # only the loaded rows: sparse_ffn reads rows [0, num_used)
+            "matrix": (torch.randn(rows, (3 if glu else 2) * d, generator=g) * 0.02).to(dtype),
+        }
+        for _ in range(layers)
+    ]
     code_bytes = copies[0]["up_codes"].numel() + (copies[0]["gate_codes"].numel() if glu else 0)
 
     def cycling(call):
@@ -90,8 +104,17 @@ def main() -> None:
     def native(isa: str, x: torch.Tensor):
         def call(c):
             _C.set_cpu_isa(isa)
-            return ops.quant_scores(x, c["up_codes"], c["up_scale"], up_bits=up_bits, gate_codes=c["gate_codes"],
-                                    gate_scale=c["gate_scale"], gate_bits=gate_bits or 4, activation=activation)
+            return ops.quant_scores(
+                x,
+                c["up_codes"],
+                c["up_scale"],
+                up_bits=up_bits,
+                gate_codes=c["gate_codes"],
+                gate_scale=c["gate_scale"],
+                gate_bits=gate_bits or 4,
+                activation=activation,
+            )
+
         return cycling(call)
 
     probe_bytes, probe = stream_probe() if args.stream else (0, None)
@@ -103,18 +126,38 @@ def main() -> None:
             x = torch.randn(T, d, generator=g).to(dtype)
             candidates = {p: native(p, x) for p in paths}
             if args.reference:
-                candidates["reference"] = cycling(lambda c: quant_scores_reference(
-                    x, c["up_codes"], c["up_scale"], None, c["gate_codes"], c["gate_scale"], None, up_bits,
-                    gate_bits or 4, activation))
-            candidates["sparse_ffn"] = cycling(lambda c: ops.sparse_ffn(x, c["matrix"], num_used=rows,
-                                                                         activation=activation, glu=glu))
+                candidates["reference"] = cycling(
+                    lambda c: quant_scores_reference(
+                        x,
+                        c["up_codes"],
+                        c["up_scale"],
+                        None,
+                        c["gate_codes"],
+                        c["gate_scale"],
+                        None,
+                        up_bits,
+                        gate_bits or 4,
+                        activation,
+                    )
+                )
+            candidates["sparse_ffn"] = cycling(
+                lambda c: ops.sparse_ffn(x, c["matrix"], num_used=rows, activation=activation, glu=glu)
+            )
             if probe is not None:
                 candidates["stream"] = probe
             times = time_interleaved(candidates, rounds=args.rounds)
             _C.set_cpu_isa(previous_isa)
             ffn = times["sparse_ffn"]
-            row = {"shape": args.shape, "threads": threads, "T": T, "d": d, "n": n,
-                   "bits gate/up": f"{gate_bits or '-'}/{up_bits}", "group": group_size or "row", "layers": layers}
+            row = {
+                "shape": args.shape,
+                "threads": threads,
+                "T": T,
+                "d": d,
+                "n": n,
+                "bits gate/up": f"{gate_bits or '-'}/{up_bits}",
+                "group": group_size or "row",
+                "layers": layers,
+            }
             for name in candidates:
                 if name not in ("sparse_ffn", "stream"):
                     row[f"{name} ms"] = round(times[name] * 1e3, 3)

@@ -1,4 +1,5 @@
 """Output and arguments shared by every benchmark; timing is `flashllm_ext.harness.timing.time_interleaved`."""
+
 from __future__ import annotations
 
 import argparse
@@ -20,9 +21,25 @@ from flashllm_ext.harness.cgroup import CGROUP_V1, CGROUP_V2, MemoryCgroup, drop
 from flashllm_ext.harness.report import print_table
 from flashllm_ext.harness.timing import time_interleaved  # noqa: F401  (re-exported for the bench scripts)
 
-__all__ = ["CGROUP_V1", "CGROUP_V2", "MemoryCgroup", "arg_parser", "cycling", "device_name", "drop_page_cache",
-           "emit", "error_fields", "last_level_cache_bytes", "median_rows", "process_memory", "provenance",
-           "run_limited_child", "stacked_token_bars", "stream_probe", "time_interleaved"]
+__all__ = [
+    "CGROUP_V1",
+    "CGROUP_V2",
+    "MemoryCgroup",
+    "arg_parser",
+    "cycling",
+    "device_name",
+    "drop_page_cache",
+    "emit",
+    "error_fields",
+    "last_level_cache_bytes",
+    "median_rows",
+    "process_memory",
+    "provenance",
+    "run_limited_child",
+    "stacked_token_bars",
+    "stream_probe",
+    "time_interleaved",
+]
 
 
 def device_name(device: str = "cpu") -> str:
@@ -34,8 +51,9 @@ def device_name(device: str = "cpu") -> str:
     if device == "cuda":
         return torch.cuda.get_device_name()
     isa = flashllm_ext._C.cpu_isa() if flashllm_ext.native_available else "reference"
-    return (f"cpu ({isa}, {torch.get_num_threads()} threads, "
-            f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')})")
+    return (
+        f"cpu ({isa}, {torch.get_num_threads()} threads, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')})"
+    )
 
 
 def process_memory() -> dict[str, int]:
@@ -46,8 +64,11 @@ def process_memory() -> dict[str, int]:
             lines = f.read().splitlines()
     except OSError:
         return {}
-    return {key: int(value.split()[0]) * 1024 for key, _, value in (line.partition(":") for line in lines)
-            if key in ("VmRSS", "VmHWM", "RssAnon", "RssFile")}
+    return {
+        key: int(value.split()[0]) * 1024
+        for key, _, value in (line.partition(":") for line in lines)
+        if key in ("VmRSS", "VmHWM", "RssAnon", "RssFile")
+    }
 
 
 def cycling(fn: Callable[[int], object], copies: int) -> Callable[[], object]:
@@ -88,8 +109,11 @@ def arg_parser(description: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--json", action="store_true", help="one JSON object per result line")
     parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds per measurement (median)")
-    parser.add_argument("--smoke", action="store_true",
-                        help="the smallest shapes, one round, seconds: proves the script runs, measures nothing")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="the smallest shapes, one round, seconds: proves the script runs, measures nothing",
+    )
     return parser
 
 
@@ -97,8 +121,10 @@ def error_fields(error: BaseException) -> dict[str, str]:
     """What a row says of the exception that stopped its configuration: `error` (type and message) and `where`, the
     innermost frames of its traceback (a run on a lent GPU cannot be repeated to find the line that raised)."""
     frames = traceback.extract_tb(error.__traceback__)[-4:]
-    return {"error": f"{type(error).__name__}: {error}",
-            "where": " <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(frames))}
+    return {
+        "error": f"{type(error).__name__}: {error}",
+        "where": " <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(frames)),
+    }
 
 
 @functools.cache
@@ -145,15 +171,26 @@ def median_rows(rows: list[dict], fields: tuple[str, ...], bench: str) -> list[d
     out = []
     for group in groups.values():
         numbers = {k for r in group for k, v in r.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-        median = {k: statistics.median(r[k] for r in group if r.get(k) is not None) for k in numbers
-                  if any(r.get(k) is not None for r in group)}
-        out.append({**group[0], **median, "bench": bench, "rounds": len(group),
-                    "oom_killed": any(r.get("oom_killed") for r in group)})
+        median = {
+            k: statistics.median(r[k] for r in group if r.get(k) is not None)
+            for k in numbers
+            if any(r.get(k) is not None for r in group)
+        }
+        out.append(
+            {
+                **group[0],
+                **median,
+                "bench": bench,
+                "rounds": len(group),
+                "oom_killed": any(r.get("oom_killed") for r in group),
+            }
+        )
     return out
 
 
-def stacked_token_bars(ax, labels: list[str], rows: list[dict], parts: Iterable[tuple[str, str]],
-                       has_breakdown: str, markersize: int = 20) -> None:
+def stacked_token_bars(
+    ax, labels: list[str], rows: list[dict], parts: Iterable[tuple[str, str]], has_breakdown: str, markersize: int = 20
+) -> None:
     """One bar per row (a mode's medians) on `ax`: its per-token parts (keys of `parts`, with their legend labels)
     stacked; a row without the key `has_breakdown` (no runtime stats: dense, accelerate) shows its whole token
     in gray instead; a black tick marks each row's measured ms/token."""
@@ -162,8 +199,12 @@ def stacked_token_bars(ax, labels: list[str], rows: list[dict], parts: Iterable[
         values = [(r.get(key) or 0.0) if r.get(has_breakdown) is not None else 0.0 for r in rows]
         ax.bar(labels, values, bottom=bottom, label=label)
         bottom = [b + v for b, v in zip(bottom, values)]
-    ax.bar(labels, [r["ms_per_token"] if r.get(has_breakdown) is None else 0.0 for r in rows], color="tab:gray",
-           label="whole token (no breakdown)")
+    ax.bar(
+        labels,
+        [r["ms_per_token"] if r.get(has_breakdown) is None else 0.0 for r in rows],
+        color="tab:gray",
+        label="whole token (no breakdown)",
+    )
     ax.plot(labels, [r["ms_per_token"] for r in rows], "k_", markersize=markersize, label="measured ms/token (median)")
     ax.set_ylabel("ms per decode token")
     ax.legend(fontsize=8)

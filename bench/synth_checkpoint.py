@@ -20,6 +20,7 @@ The shared copies on this machine (written once by `python -m bench.synth_checkp
     ~/.cache/flashllm_ext/scale/opt-6.7b-hf      OPT-6.7B shapes, prune=0.5 (fp16)
     ~/.cache/flashllm_ext/scale/llama-2-7b-hf    Llama-2-7B shapes, dense (fp16)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,25 +38,66 @@ from flashllm_ext.flash.store import DTYPES
 
 # The published config.json of facebook/opt-6.7b and meta-llama/Llama-2-7b-hf (architecture fields).
 CONFIGS: dict[str, dict] = {
-    "opt-6.7b": {"model_type": "opt", "architectures": ["OPTForCausalLM"], "activation_function": "relu",
-                 "hidden_size": 4096, "ffn_dim": 16384, "num_hidden_layers": 32, "num_attention_heads": 32,
-                 "vocab_size": 50272, "word_embed_proj_dim": 4096, "max_position_embeddings": 2048,
-                 "do_layer_norm_before": True, "enable_bias": True, "layer_norm_elementwise_affine": True,
-                 "bos_token_id": 2, "eos_token_id": 2, "pad_token_id": 1, "tie_word_embeddings": True},
-    "llama-2-7b": {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_act": "silu",
-                   "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
-                   "num_attention_heads": 32, "num_key_value_heads": 32, "vocab_size": 32000,
-                   "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-                   "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False},
+    "opt-6.7b": {
+        "model_type": "opt",
+        "architectures": ["OPTForCausalLM"],
+        "activation_function": "relu",
+        "hidden_size": 4096,
+        "ffn_dim": 16384,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "vocab_size": 50272,
+        "word_embed_proj_dim": 4096,
+        "max_position_embeddings": 2048,
+        "do_layer_norm_before": True,
+        "enable_bias": True,
+        "layer_norm_elementwise_affine": True,
+        "bos_token_id": 2,
+        "eos_token_id": 2,
+        "pad_token_id": 1,
+        "tie_word_embeddings": True,
+    },
+    "llama-2-7b": {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_act": "silu",
+        "hidden_size": 4096,
+        "intermediate_size": 11008,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 32,
+        "vocab_size": 32000,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "tie_word_embeddings": False,
+    },
 }
 SHARED_DIRS = {"opt-6.7b": ("opt-6.7b-hf", 0.5), "llama-2-7b": ("llama-2-7b-hf", None)}  # name -> (dir, prune)
 # The smoke shapes of each family (a benchmark's --smoke, the tests): every code path of the real shapes, ~0.4 MB a
 # layer, so that a share of the model still holds the resident tensors and two layer buffers (bench_offload's 30%).
-SMOKE_OVERRIDES = {"opt-6.7b": {"hidden_size": 128, "ffn_dim": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
-                                "vocab_size": 100, "word_embed_proj_dim": 128, "max_position_embeddings": 64},
-                   "llama-2-7b": {"hidden_size": 128, "intermediate_size": 352, "num_hidden_layers": 2,
-                                  "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 100,
-                                  "max_position_embeddings": 64}}
+SMOKE_OVERRIDES = {
+    "opt-6.7b": {
+        "hidden_size": 128,
+        "ffn_dim": 512,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "vocab_size": 100,
+        "word_embed_proj_dim": 128,
+        "max_position_embeddings": 64,
+    },
+    "llama-2-7b": {
+        "hidden_size": 128,
+        "intermediate_size": 352,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "vocab_size": 100,
+        "max_position_embeddings": 64,
+    },
+}
 INIT_STD = 0.02
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -69,8 +111,7 @@ def checkpoint_specs(config: dict, dtype: torch.dtype) -> list[TensorSpec]:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config)
     # named_parameters drops the second name of a tied weight (lm_head.weight of OPT): save_pretrained does too.
-    tensors = list(model.named_parameters()) + [(n, b) for n, b in model.named_buffers()
-                                                if n in model.state_dict()]
+    tensors = list(model.named_parameters()) + [(n, b) for n, b in model.named_buffers() if n in model.state_dict()]
     return [TensorSpec(name, dtype_name(dtype), tuple(t.shape)) for name, t in tensors]
 
 
@@ -96,9 +137,17 @@ def synth_tensor(spec: TensorSpec, generator: torch.Generator, prune: float | No
     return weight.to(dtype)
 
 
-def synthesize_checkpoint(name: str, out_dir: str | os.PathLike, *, prune: float | None = None,
-                          dtype: str = "fp16", seed: int = 0, overrides: dict | None = None,
-                          shard_bytes: int = 2 << 30, progress: bool = True) -> Path:
+def synthesize_checkpoint(
+    name: str,
+    out_dir: str | os.PathLike,
+    *,
+    prune: float | None = None,
+    dtype: str = "fp16",
+    seed: int = 0,
+    overrides: dict | None = None,
+    shard_bytes: int = 2 << 30,
+    progress: bool = True,
+) -> Path:
     """Write a Hugging Face checkpoint with the shapes of `name` ("opt-6.7b" or "llama-2-7b"; `overrides` replaces
     config fields, e.g. a tiny config for tests) at `out_dir`: config.json, safetensors shards of at most
     `shard_bytes` (a larger tensor gets a shard of its own) and model.safetensors.index.json. Written under a
@@ -124,8 +173,13 @@ def synthesize_checkpoint(name: str, out_dir: str | os.PathLike, *, prune: float
     generator = torch.Generator().manual_seed(seed)
     weight_map: dict[str, str] = {}
     try:
-        with tqdm(total=sum(s.nbytes for s in specs), unit="B", unit_scale=True, disable=not progress,
-                  desc=f"synthesizing {name}" + (f" (pruned {prune:g})" if prune else "")) as bar:
+        with tqdm(
+            total=sum(s.nbytes for s in specs),
+            unit="B",
+            unit_scale=True,
+            disable=not progress,
+            desc=f"synthesizing {name}" + (f" (pruned {prune:g})" if prune else ""),
+        ) as bar:
             for index, shard in enumerate(shards):
                 file = f"model-{index + 1:05d}-of-{len(shards):05d}.safetensors"
                 with AlignedWriter(tmp / file, shard, {"format": "pt"}, alignment=8, tensor_alignment=1) as writer:
@@ -134,8 +188,10 @@ def synthesize_checkpoint(name: str, out_dir: str | os.PathLike, *, prune: float
                         weight_map[spec.name] = file
                         bar.update(spec.nbytes)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        (tmp / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": sum(s.nbytes for s in specs)},
-                                                  "weight_map": weight_map}, indent=2) + "\n")
+        (tmp / INDEX_FILE).write_text(
+            json.dumps({"metadata": {"total_size": sum(s.nbytes for s in specs)}, "weight_map": weight_map}, indent=2)
+            + "\n"
+        )
         if out_dir.exists():
             shutil.rmtree(out_dir)
         tmp.rename(out_dir)
@@ -154,8 +210,7 @@ def shared_checkpoint(name: str, progress: bool = True, layers: int | None = Non
     stem = directory.removesuffix("-hf") + ("-smoke" if smoke else "") + (f"-{layers}layers" if layers else "")
     path = resolve_cache_dir() / "scale" / f"{stem}-hf"
     if not (path / INDEX_FILE).is_file():
-        overrides = {**(SMOKE_OVERRIDES[name] if smoke else {}),
-                     **({"num_hidden_layers": layers} if layers else {})}
+        overrides = {**(SMOKE_OVERRIDES[name] if smoke else {}), **({"num_hidden_layers": layers} if layers else {})}
         synthesize_checkpoint(name, path, prune=prune, overrides=overrides, progress=progress)
     return path
 

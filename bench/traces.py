@@ -9,6 +9,7 @@ library code: nothing in flashllm_ext uses it.
 Two kinds of sets, on the same held-out tokens: the true sets of the one active-neuron rule (default_model_masks,
 "oracle" in the benchmarks) and the sets the default model's trained predictors choose (predicted_masks).
 """
+
 from __future__ import annotations
 
 import subprocess
@@ -37,8 +38,20 @@ def predictor_training(method: str, target_sparsity: float) -> tuple[str, ...]:
     family, _, bits = method.partition(":")
     gate_bits, _, up_bits = (bits or "4/4").partition("/")
     if family == "quant" and gate_bits.isdigit() and up_bits.isdigit():
-        return ("--method", "quant", "--gate-bits", gate_bits, "--up-bits", up_bits,
-                "--density", f"{2 * (1 - target_sparsity):.4g}", "--rounding", "nearest", "--group-size", "row")
+        return (
+            "--method",
+            "quant",
+            "--gate-bits",
+            gate_bits,
+            "--up-bits",
+            up_bits,
+            "--density",
+            f"{2 * (1 - target_sparsity):.4g}",
+            "--rounding",
+            "nearest",
+            "--group-size",
+            "row",
+        )
     raise ValueError(f"method must be lowrank, quant or quant:G/U (gate / up bits), got {method!r}")
 
 
@@ -47,8 +60,11 @@ def trained_predictors(cache: Path, train_args: tuple[str, ...]) -> Path:
     path = cache / f"smollm2-135m-predictors-{'-'.join(train_args[1::2])}.safetensors"
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
-        subprocess.run([sys.executable, "-m", "flashllm_ext.cli", "train-predictors", "default", "--out", str(path),
-                        *train_args], check=True, stdout=sys.stderr)  # a benchmark's stdout is its --json rows
+        subprocess.run(
+            [sys.executable, "-m", "flashllm_ext.cli", "train-predictors", "default", "--out", str(path), *train_args],
+            check=True,
+            stdout=sys.stderr,
+        )  # a benchmark's stdout is its --json rows
     return path
 
 
@@ -82,14 +98,16 @@ def _docs_suffix(documents: int) -> str:
     return "" if documents == 1 else f"-{documents}docs"
 
 
-def default_model_masks(n_tokens: int, target_sparsity: float = 0.9, progress: bool = True,
-                        documents: int = 1) -> torch.Tensor:
+def default_model_masks(
+    n_tokens: int, target_sparsity: float = 0.9, progress: bool = True, documents: int = 1
+) -> torch.Tensor:
     """bool [n_tokens, 30, 1536]: the default model's active FFN neurons per token of held-out text (the true sets).
 
     A neuron is active when |act(gate) * up| exceeds its layer's threshold, calibrated on the calibration text so
     that a fraction `target_sparsity` of scores lies below. documents > 1: the tokens are that many pieces of
     different held-out documents (see _heldout). Cached in the cache directory after the first run.
     """
+
     def compute() -> torch.Tensor:
         from flashllm_ext.hub import corpus_token_ids, load_hf_model, spread_windows
         from flashllm_ext.predictor import calibrate_thresholds, capture_activations
@@ -101,12 +119,16 @@ def default_model_masks(n_tokens: int, target_sparsity: float = 0.9, progress: b
         capture = capture_activations(model, ids, thresholds, window=context, progress=progress)
         return torch.stack([capture.mask(layer) for layer in range(len(capture.bitmaps))], dim=1)
 
-    return _cached(resolve_cache_dir() / f"masks-smollm2-135m-{n_tokens}tok-sparsity{target_sparsity:g}"
-                                         f"{_docs_suffix(documents)}.pt", compute)
+    return _cached(
+        resolve_cache_dir() / f"masks-smollm2-135m-{n_tokens}tok-sparsity{target_sparsity:g}"
+        f"{_docs_suffix(documents)}.pt",
+        compute,
+    )
 
 
-def predicted_masks(predictors: Path, n_tokens: int, documents: int = 1, progress: bool = False,
-                    lookahead: bool = False) -> torch.Tensor:
+def predicted_masks(
+    predictors: Path, n_tokens: int, documents: int = 1, progress: bool = False, lookahead: bool = False
+) -> torch.Tensor:
     """bool [n_tokens, 30, 1536]: the sets the default model's trained predictors (a predictors file) choose on the
     same held-out tokens as default_model_masks(n_tokens, documents=documents), each layer's predictor fed the
     FFN input the dense model computes there (lookahead: the FFN's norm of the decoder layer's input instead, what
@@ -120,8 +142,9 @@ def predicted_masks(predictors: Path, n_tokens: int, documents: int = 1, progres
         loaded = load_predictors(predictors)
         model, tokenizer = load_hf_model()
         ids, context = _heldout(tokenizer, n_tokens, documents)
-        capture = capture_activations(model, ids, loaded.thresholds, window=context, progress=progress,
-                                      lookahead=lookahead)
+        capture = capture_activations(
+            model, ids, loaded.thresholds, window=context, progress=progress, lookahead=lookahead
+        )
         return torch.stack([loaded.predict(i, capture.inputs[i].float()) for i in range(len(capture.inputs))], dim=1)
 
     name = f"sets-{predictors.stem}-{n_tokens}tok{_docs_suffix(documents)}{'-ahead' if lookahead else ''}.pt"
@@ -149,6 +172,7 @@ def tile_masks(masks: torch.Tensor, n_layers: int, n_neurons: int) -> torch.Tens
 def default_model_mask_source(target_sparsity: float = 0.9, documents: int = 1):
     """A mask source for benchmarks: (n_tokens, n_layers, n_neurons) -> bool [tokens, layers, neurons], the true
     sets tiled (tile_masks: the identity on the default model's own 30 x 1536)."""
+
     def source(n_tokens: int, n_layers: int, n_neurons: int) -> torch.Tensor:
         return tile_masks(default_model_masks(n_tokens, target_sparsity, documents=documents), n_layers, n_neurons)
 
@@ -158,6 +182,7 @@ def default_model_mask_source(target_sparsity: float = 0.9, documents: int = 1):
 
 def predicted_mask_source(predictors: Path, documents: int = 1):
     """Like default_model_mask_source, with the sets the trained predictors in the file `predictors` choose."""
+
     def source(n_tokens: int, n_layers: int, n_neurons: int) -> torch.Tensor:
         return tile_masks(predicted_masks(predictors, n_tokens, documents), n_layers, n_neurons)
 

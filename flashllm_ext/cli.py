@@ -11,6 +11,7 @@
 Each subcommand registers itself with `add_parser` functions below; main() only dispatches. A user's mistake ends
 any of them with one line on stderr and a non-zero status, before the long work where it can be known then.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -54,9 +55,11 @@ def _calibrate_disk(args: argparse.Namespace) -> int:
     from flashllm_ext.io.disk import disk_profile_path
 
     profile = calibrate_disk(args.dir, size=args.size_mib << 20)
-    print(f"latency {profile.latency_s * 1e6:.0f} us, bandwidth {profile.bandwidth_bps / 1e6:.0f} MB/s, "
-          f"coalescing gap {profile.max_gap_bytes(1) >> 10} KiB at 1 thread, {profile.max_gap_bytes(32) >> 10} KiB "
-          f"at 32 -> {disk_profile_path()}")
+    print(
+        f"latency {profile.latency_s * 1e6:.0f} us, bandwidth {profile.bandwidth_bps / 1e6:.0f} MB/s, "
+        f"coalescing gap {profile.max_gap_bytes(1) >> 10} KiB at 1 thread, {profile.max_gap_bytes(32) >> 10} KiB "
+        f"at 32 -> {disk_profile_path()}"
+    )
     return 0
 
 
@@ -71,20 +74,28 @@ def _group_size(text: str) -> int | str | None:
     if text in ("row", "auto"):
         return None if text == "row" else text
     if not text.isdigit() or int(text) <= 0 or int(text) % 64:
-        raise argparse.ArgumentTypeError(f"group size must be 'row', 'auto' or a positive multiple of 64, got "
-                                         f"{text!r}")
+        raise argparse.ArgumentTypeError(f"group size must be 'row', 'auto' or a positive multiple of 64, got {text!r}")
     return int(text)
 
 
 def _train_predictors(args: argparse.Namespace) -> int:
     from flashllm_ext.hub import corpus_token_ids, fetch_default, load_hf_model, resolve_cache_dir, spread_windows
-    from flashllm_ext.predictor import (DEFAULT_DENSITY, build_predictors, default_rounding, predictors_recipe_of,
-                                        save_predictors, save_predictors_to_store, train_predictors)
+    from flashllm_ext.predictor import (
+        DEFAULT_DENSITY,
+        build_predictors,
+        default_rounding,
+        predictors_recipe_of,
+        save_predictors,
+        save_predictors_to_store,
+        train_predictors,
+    )
 
     gguf_path = fetch_default() if args.source == "default" else Path(args.source)
     if not gguf_path.is_file():
-        raise SystemExit(f"flashllm train-predictors: {gguf_path} is not a GGUF file (for a store, pass the "
-                         "checkpoint it was converted from and --store DIR)")
+        raise SystemExit(
+            f"flashllm train-predictors: {gguf_path} is not a GGUF file (for a store, pass the "
+            "checkpoint it was converted from and --store DIR)"
+        )
     # Fail before minutes of training, not after.
     if args.store:
         from flashllm_ext.flash.store import FlashStore
@@ -101,28 +112,44 @@ def _train_predictors(args: argparse.Namespace) -> int:
     recall = None if args.recall <= 0 else args.recall
     density = args.density or DEFAULT_DENSITY
     if args.method == "lowrank" and (args.density is None or args.top_k is not None):  # the classic operating point
-        predictors = train_predictors(model, token_ids, args.target_sparsity, args.rank, args.epochs, recall,
-                                      args.top_k, window=WINDOW)
+        predictors = train_predictors(
+            model, token_ids, args.target_sparsity, args.rank, args.epochs, recall, args.top_k, window=WINDOW
+        )
         density = None
     else:
-        predictors = build_predictors(model, token_ids, args.method, density=density,
-                                      target_sparsity=args.target_sparsity, rank=args.rank, epochs=args.epochs,
-                                      recall=recall, gate_bits=args.gate_bits, up_bits=args.up_bits,
-                                      rounding=args.rounding, group_size=args.group_size,
-                                      allocation=args.allocation, base=args.base_method,
-                                      block=args.block, window=WINDOW)
+        predictors = build_predictors(
+            model,
+            token_ids,
+            args.method,
+            density=density,
+            target_sparsity=args.target_sparsity,
+            rank=args.rank,
+            epochs=args.epochs,
+            recall=recall,
+            gate_bits=args.gate_bits,
+            up_bits=args.up_bits,
+            rounding=args.rounding,
+            group_size=args.group_size,
+            allocation=args.allocation,
+            base=args.base_method,
+            block=args.block,
+            window=WINDOW,
+        )
     if args.store:  # with the recipe, so a cache of the default ones (DEFAULT_RECIPE) knows these are them
         rounding = default_rounding(args.method) if args.rounding is None else args.rounding
-        recipe = predictors_recipe_of(args.method, density, args.gate_bits, args.up_bits, rounding, args.allocation,
-                                      args.group_size)
+        recipe = predictors_recipe_of(
+            args.method, density, args.gate_bits, args.up_bits, rounding, args.allocation, args.group_size
+        )
         out = save_predictors_to_store(predictors, args.store, recipe)
     else:
         save_predictors(predictors, out)
     config = {k: v for k, v in predictors.config().items() if k not in ("method", "n_layers", "ranks")}
     if "ranks" in predictors.config():
         config["ranks"] = sorted(set(predictors.config()["ranks"]))
-    print(f"wrote {predictors.n_layers} {predictors.method} predictors ({config}, "
-          f"{predictors.memory_bytes / 1e6:.1f} MB, {token_ids.numel()} calibration tokens) to {out}")
+    print(
+        f"wrote {predictors.n_layers} {predictors.method} predictors ({config}, "
+        f"{predictors.memory_bytes / 1e6:.1f} MB, {token_ids.numel()} calibration tokens) to {out}"
+    )
     return 0
 
 
@@ -144,53 +171,112 @@ def _add_calibrate_disk(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_train_predictors(sub: argparse._SubParsersAction) -> None:
-    from flashllm_ext.predictor import (DEFAULT_DENSITY, DEFAULT_GATE_BITS, DEFAULT_GROUP_SIZE, DEFAULT_METHOD,
-                                        DEFAULT_ROUNDING, DEFAULT_UP_BITS, PREDICTOR_METHODS)
+    from flashllm_ext.predictor import (
+        DEFAULT_DENSITY,
+        DEFAULT_GATE_BITS,
+        DEFAULT_GROUP_SIZE,
+        DEFAULT_METHOD,
+        DEFAULT_ROUNDING,
+        DEFAULT_UP_BITS,
+        PREDICTOR_METHODS,
+    )
     from flashllm_ext.predictor.allocation import ALLOCATIONS
     from flashllm_ext.predictor.quant import BITS, ROUNDINGS
 
     train = sub.add_parser("train-predictors", help="build per-layer neuron predictors of one method")
-    train.add_argument("source", metavar="CHECKPOINT",
-                       help="a Llama GGUF checkpoint, or 'default' for the embedded default model")
-    train.add_argument("--out", help="output file, or a directory to write predictors.safetensors into "
-                                     "(default: the cache dir)")
-    train.add_argument("--store", help="write the predictors into this flash store's resident file instead "
-                                       "(a store converted from the same checkpoint)")
-    train.add_argument("--method", choices=sorted(PREDICTOR_METHODS), default=DEFAULT_METHOD,
-                       help=f"predictor method (default {DEFAULT_METHOD} {DEFAULT_GATE_BITS}/{DEFAULT_UP_BITS} bits at "
-                            f"density {DEFAULT_DENSITY}: BENCHMARKS.md, \"Predictors\")")
-    train.add_argument("--density", type=float, default=None,
-                       help=f"target loaded density per layer, calibrated on the calibration text (default "
-                            f"{DEFAULT_DENSITY}; lowrank without it: the recall operating point)")
-    train.add_argument("--gate-bits", type=int, choices=BITS, default=DEFAULT_GATE_BITS,
-                       help=f"quant: bits per W_gate weight (default {DEFAULT_GATE_BITS})")
-    train.add_argument("--up-bits", type=int, choices=BITS, default=DEFAULT_UP_BITS,
-                       help=f"quant: bits per W_up weight (default {DEFAULT_UP_BITS})")
-    train.add_argument("--rounding", choices=ROUNDINGS, default=None,
-                       help=f"quant: codes rounded to the nearest level, or by GPTQ against the calibration inputs "
-                            f"(same format and speed, closer scores: BENCHMARKS.md, \"Predictors\"; default "
-                            f"{DEFAULT_ROUNDING})")
-    train.add_argument("--group-size", type=_group_size, default=DEFAULT_GROUP_SIZE,
-                       help="quant: columns per scale (a multiple of 64 dividing the hidden size), 'row' for one "
-                            f"scale per row, or 'auto': the least such multiple >= 192 (default {DEFAULT_GROUP_SIZE}: "
-                            "BENCHMARKS.md, \"Predictors\")")
-    train.add_argument("--allocation", choices=ALLOCATIONS, default="uniform",
-                       help="spread --density over the layers: the same everywhere, or by a greedy search on the "
-                            "calibration loss (empirical Fisher; the mean stays --density)")
+    train.add_argument(
+        "source", metavar="CHECKPOINT", help="a Llama GGUF checkpoint, or 'default' for the embedded default model"
+    )
+    train.add_argument(
+        "--out", help="output file, or a directory to write predictors.safetensors into (default: the cache dir)"
+    )
+    train.add_argument(
+        "--store",
+        help="write the predictors into this flash store's resident file instead "
+        "(a store converted from the same checkpoint)",
+    )
+    train.add_argument(
+        "--method",
+        choices=sorted(PREDICTOR_METHODS),
+        default=DEFAULT_METHOD,
+        help=f"predictor method (default {DEFAULT_METHOD} {DEFAULT_GATE_BITS}/{DEFAULT_UP_BITS} bits at "
+        f'density {DEFAULT_DENSITY}: BENCHMARKS.md, "Predictors")',
+    )
+    train.add_argument(
+        "--density",
+        type=float,
+        default=None,
+        help=f"target loaded density per layer, calibrated on the calibration text (default "
+        f"{DEFAULT_DENSITY}; lowrank without it: the recall operating point)",
+    )
+    train.add_argument(
+        "--gate-bits",
+        type=int,
+        choices=BITS,
+        default=DEFAULT_GATE_BITS,
+        help=f"quant: bits per W_gate weight (default {DEFAULT_GATE_BITS})",
+    )
+    train.add_argument(
+        "--up-bits",
+        type=int,
+        choices=BITS,
+        default=DEFAULT_UP_BITS,
+        help=f"quant: bits per W_up weight (default {DEFAULT_UP_BITS})",
+    )
+    train.add_argument(
+        "--rounding",
+        choices=ROUNDINGS,
+        default=None,
+        help=f"quant: codes rounded to the nearest level, or by GPTQ against the calibration inputs "
+        f'(same format and speed, closer scores: BENCHMARKS.md, "Predictors"; default '
+        f"{DEFAULT_ROUNDING})",
+    )
+    train.add_argument(
+        "--group-size",
+        type=_group_size,
+        default=DEFAULT_GROUP_SIZE,
+        help="quant: columns per scale (a multiple of 64 dividing the hidden size), 'row' for one "
+        f"scale per row, or 'auto': the least such multiple >= 192 (default {DEFAULT_GROUP_SIZE}: "
+        'BENCHMARKS.md, "Predictors")',
+    )
+    train.add_argument(
+        "--allocation",
+        choices=ALLOCATIONS,
+        default="uniform",
+        help="spread --density over the layers: the same everywhere, or by a greedy search on the "
+        "calibration loss (empirical Fisher; the mean stays --density)",
+    )
     train.add_argument("--base-method", default="quant", help="context: the method that scores the neurons")
     train.add_argument("--block", type=_positive_int, default=16, help="context: decoded tokens per neuron set")
-    train.add_argument("--rank", type=_ranks, default=None,
-                       help="lowrank / lowrank-reg: one rank, or one per layer (comma separated); default: from "
-                            "each layer's density (lowrank), 96 (lowrank-reg)")
-    train.add_argument("--target-sparsity", type=float, default=0.7,
-                       help="lowrank: the rule's threshold sparsity of the active sets it learns")
-    train.add_argument("--tokens", type=_positive_int, default=4096,
-                       help=f"calibration tokens (rounded up to windows of {WINDOW} spread over the calibration text)")
+    train.add_argument(
+        "--rank",
+        type=_ranks,
+        default=None,
+        help="lowrank / lowrank-reg: one rank, or one per layer (comma separated); default: from "
+        "each layer's density (lowrank), 96 (lowrank-reg)",
+    )
+    train.add_argument(
+        "--target-sparsity",
+        type=float,
+        default=0.7,
+        help="lowrank: the rule's threshold sparsity of the active sets it learns",
+    )
+    train.add_argument(
+        "--tokens",
+        type=_positive_int,
+        default=4096,
+        help=f"calibration tokens (rounded up to windows of {WINDOW} spread over the calibration text)",
+    )
     train.add_argument("--epochs", type=_positive_int, default=10)
-    train.add_argument("--recall", type=float, default=0.95,
-                       help="per-layer probability threshold chosen for this recall (<= 0: fixed 0.5)")
-    train.add_argument("--top-k", type=_positive_int, default=None,
-                       help="predict the k most likely neurons per token instead")
+    train.add_argument(
+        "--recall",
+        type=float,
+        default=0.95,
+        help="per-layer probability threshold chosen for this recall (<= 0: fixed 0.5)",
+    )
+    train.add_argument(
+        "--top-k", type=_positive_int, default=None, help="predict the k most likely neurons per token instead"
+    )
     train.set_defaults(func=_train_predictors)
 
 
@@ -217,8 +303,10 @@ def _load_tokenizer(path: Path, n_embeddings: int):
     finally:
         logging.set_verbosity(verbosity)
     if len(tokenizer) > n_embeddings:
-        raise ValueError(f"--tokenizer {path} has {len(tokenizer)} tokens, the model {n_embeddings} embeddings: "
-                         "the tokenizer of another model?")
+        raise ValueError(
+            f"--tokenizer {path} has {len(tokenizer)} tokens, the model {n_embeddings} embeddings: "
+            "the tokenizer of another model?"
+        )
     return tokenizer
 
 
@@ -233,12 +321,15 @@ def _generate(args: argparse.Namespace, model, stats) -> int:
     prompt = tokenizer(args.prompt, return_tensors="pt").input_ids.to(device)
     start = time.perf_counter()
     with torch.inference_mode():
-        out = model.generate(prompt, max_new_tokens=args.tokens, do_sample=args.sample,
-                             pad_token_id=tokenizer.eos_token_id)
+        out = model.generate(
+            prompt, max_new_tokens=args.tokens, do_sample=args.sample, pad_token_id=tokenizer.eos_token_id
+        )
     seconds = time.perf_counter() - start
     print(tokenizer.decode(out[0], skip_special_tokens=True))
-    print(f"\n{out.shape[1] - prompt.shape[1]} tokens in {seconds:.2f} s ({args.mode} on {device}, prompt "
-          f"{prompt.shape[1]} tokens)")
+    print(
+        f"\n{out.shape[1] - prompt.shape[1]} tokens in {seconds:.2f} s ({args.mode} on {device}, prompt "
+        f"{prompt.shape[1]} tokens)"
+    )
     if stats is not None:
         print(", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in stats().items()))
     return 0
@@ -250,8 +341,14 @@ def _run(args: argparse.Namespace) -> int:
 
     device = cuda_device(args.device)
     _check_tokenizer(args)
-    model = load_flash(args.store, dram_budget=None if args.mode == "dense" else args.budget, mode=args.mode,
-                       window=args.window, device=device, lookahead=args.lookahead)
+    model = load_flash(
+        args.store,
+        dram_budget=None if args.mode == "dense" else args.budget,
+        mode=args.mode,
+        window=args.window,
+        device=device,
+        lookahead=args.lookahead,
+    )
     return _generate(args, model, model.flash.stats if model.flash is not None else None)
 
 
@@ -263,14 +360,26 @@ def _offload(args: argparse.Namespace) -> int:
     if not args.convert and (args.endor or args.dtype or args.force):
         raise SystemExit("flashllm offload: --endor, --dtype and --force apply to --convert")
     if args.convert:
-        print(LayerStore(convert_offload(args.convert, args.store, dtype=args.dtype or "fp16",
-                                         endor_compress=args.endor, force=args.force)))
+        print(
+            LayerStore(
+                convert_offload(
+                    args.convert, args.store, dtype=args.dtype or "fp16", endor_compress=args.endor, force=args.force
+                )
+            )
+        )
         return 0
     if not args.tokenizer:
         raise SystemExit("flashllm offload: --tokenizer is needed to generate (or --convert CHECKPOINT to write)")
     _check_tokenizer(args)
-    model = load_offload(args.store, args.budget, mode=args.mode, compute=args.compute, device=args.device,
-                           device_budget=args.device_budget, slots=args.slots)
+    model = load_offload(
+        args.store,
+        args.budget,
+        mode=args.mode,
+        compute=args.compute,
+        device=args.device,
+        device_budget=args.device_budget,
+        slots=args.slots,
+    )
     return _generate(args, model, model.offload.stats)
 
 
@@ -288,12 +397,21 @@ def _add_offload(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--mode", choices=MODES, default="endor")
     p.add_argument("--compute", choices=COMPUTES, default="auto", help="Endor matrices: endor_linear, decompress+GEMM")
     p.add_argument("--budget", default="30%", help="DRAM budget: bytes, a share of the dense model like 30%%, or 2GB")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                   help="cuda: layers in GPU memory by --device-budget, then host memory by --budget, then SSD")
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cuda: layers in GPU memory by --device-budget, then host memory by --budget, then SSD",
+    )
     p.add_argument("--device-budget", default=None, help="with --device cuda: GPU memory, as --budget (default: all)")
-    p.add_argument("--slots", type=int, choices=(1, 2), default=None,
-                   help="buffers SSD and staged layers are fetched into: 2 overlap the next fetch with compute, 1 "
-                        "leaves a layer's room more (default: 1 on cuda, 2 on cpu)")
+    p.add_argument(
+        "--slots",
+        type=int,
+        choices=(1, 2),
+        default=None,
+        help="buffers SSD and staged layers are fetched into: 2 overlap the next fetch with compute, 1 "
+        "leaves a layer's room more (default: 1 on cuda, 2 on cpu)",
+    )
     p.add_argument("--tokens", type=_positive_int, default=32, help="tokens to generate")
     p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     p.set_defaults(func=_offload)
@@ -310,13 +428,20 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     run.add_argument("--budget", default="50%", help="DRAM budget: bytes, a share of the model like 50%%, or 200MB")
     run.add_argument("--window", type=_positive_int, default=5, help="tokens whose active neurons stay cached (flash)")
     run.add_argument("--tokens", type=_positive_int, default=32, help="tokens to generate")
-    run.add_argument("--lookahead", choices=("ahead", "prefetch"), help="flash/exact: choose a set for each layer's "
-                     "FFN before its attention and read it during the attention; ahead: compute that set (faster, "
-                     "predicted from an earlier input); prefetch: compute the FFN's own set as without look-ahead")
+    run.add_argument(
+        "--lookahead",
+        choices=("ahead", "prefetch"),
+        help="flash/exact: choose a set for each layer's "
+        "FFN before its attention and read it during the attention; ahead: compute that set (faster, "
+        "predicted from an earlier input); prefetch: compute the FFN's own set as without look-ahead",
+    )
     run.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
-    run.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                     help="where the model and the neuron caches live (cuda: the GPU, reads staged through pinned "
-                          "host memory)")
+    run.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where the model and the neuron caches live (cuda: the GPU, reads staged through pinned host memory)",
+    )
     run.set_defaults(func=_run)
 
 

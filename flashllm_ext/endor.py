@@ -7,6 +7,7 @@ Layout (docs/design.md §5), the sparse-bitmask layout of `compressed-tensors` p
 
 "Non-zero" means a non-zero bit pattern, so -0.0 and NaN payloads survive a round trip bit for bit.
 """
+
 from __future__ import annotations
 
 import json
@@ -31,8 +32,16 @@ _DTYPE_NAMES = {str(d).removeprefix("torch."): d for d in ops.ENDOR_DTYPES}
 class EndorTensor:
     """A 2-D weight in Endor form. Construction validates the arrays (FormatError on any inconsistency)."""
 
-    def __init__(self, values: torch.Tensor, bitmap: torch.Tensor, row_offsets: torch.Tensor,
-                 shape: tuple[int, int], *, source: str | None = None, validate: bool = True):
+    def __init__(
+        self,
+        values: torch.Tensor,
+        bitmap: torch.Tensor,
+        row_offsets: torch.Tensor,
+        shape: tuple[int, int],
+        *,
+        source: str | None = None,
+        validate: bool = True,
+    ):
         self.values, self.bitmap, self.row_offsets = values, bitmap, row_offsets
         self.shape = (int(shape[0]), int(shape[1]))
         if validate:
@@ -40,20 +49,30 @@ class EndorTensor:
 
     def _validate(self, source: str | None) -> None:
         rows, cols = self.shape
-        fields = (("values", self.values, 1, ops.ENDOR_DTYPES), ("bitmap", self.bitmap, 2, (torch.uint8,)),
-                  ("row_offsets", self.row_offsets, 1, (torch.int64,)))
+        fields = (
+            ("values", self.values, 1, ops.ENDOR_DTYPES),
+            ("bitmap", self.bitmap, 2, (torch.uint8,)),
+            ("row_offsets", self.row_offsets, 1, (torch.int64,)),
+        )
         for name, t, ndim, dtypes in fields:
             if not isinstance(t, torch.Tensor) or t.dim() != ndim or t.dtype not in dtypes:
-                raise FormatError(name, f"must be a {ndim}-D tensor of {dtypes}, got "
-                                  f"{getattr(t, 'dtype', type(t))} {tuple(getattr(t, 'shape', ()))}", source)
+                raise FormatError(
+                    name,
+                    f"must be a {ndim}-D tensor of {dtypes}, got "
+                    f"{getattr(t, 'dtype', type(t))} {tuple(getattr(t, 'shape', ()))}",
+                    source,
+                )
         if rows < 0 or cols < 0:
             raise FormatError("shape", f"must be non-negative, got {self.shape}", source)
         if tuple(self.bitmap.shape) != (rows, (cols + 7) // 8):
-            raise FormatError("bitmap", f"shape {tuple(self.bitmap.shape)} does not match weight shape "
-                              f"{self.shape} (needs {(rows, (cols + 7) // 8)})", source)
+            raise FormatError(
+                "bitmap",
+                f"shape {tuple(self.bitmap.shape)} does not match weight shape "
+                f"{self.shape} (needs {(rows, (cols + 7) // 8)})",
+                source,
+            )
         if self.row_offsets.numel() != rows + 1:
-            raise FormatError("row_offsets", f"has {self.row_offsets.numel()} entries, needs rows+1={rows + 1}",
-                              source)
+            raise FormatError("row_offsets", f"has {self.row_offsets.numel()} entries, needs rows+1={rows + 1}", source)
         try:
             ops.check_endor_args(self.values, self.bitmap, self.row_offsets, cols, None)
         except RuntimeError as e:
@@ -87,17 +106,21 @@ class EndorTensor:
         """
         if rows is not None:
             rows = torch.as_tensor(rows, dtype=torch.int64, device=self.device)
-        return ops.endor_decompress(self.values, self.bitmap, self.row_offsets, n_cols=self.shape[1], rows=rows,
-                                    out=out)
+        return ops.endor_decompress(
+            self.values, self.bitmap, self.row_offsets, n_cols=self.shape[1], rows=rows, out=out
+        )
 
     def to(self, device: torch.device | str) -> EndorTensor:
         # Already validated: checking again on the target device would cost a synchronising pass.
-        return EndorTensor(self.values.to(device), self.bitmap.to(device), self.row_offsets.to(device), self.shape,
-                           validate=False)
+        return EndorTensor(
+            self.values.to(device), self.bitmap.to(device), self.row_offsets.to(device), self.shape, validate=False
+        )
 
     def __repr__(self) -> str:
-        return (f"EndorTensor(shape={self.shape}, dtype={self.dtype}, density={self.density:.3f}, "
-                f"ratio={self.nbytes / max(1, self.dense_nbytes):.3f}, device={self.device})")
+        return (
+            f"EndorTensor(shape={self.shape}, dtype={self.dtype}, density={self.density:.3f}, "
+            f"ratio={self.nbytes / max(1, self.dense_nbytes):.3f}, device={self.device})"
+        )
 
 
 def _nonzero_mask(w: torch.Tensor) -> torch.Tensor:
@@ -141,13 +164,14 @@ def pack_rows(t: EndorTensor) -> torch.Tensor:
     blob = torch.empty(starts[-1], dtype=torch.uint8)
     out, width = blob.numpy(), bitmap.shape[1]
     for i in range(t.shape[0]):
-        out[starts[i]:starts[i] + width] = bitmap[i]
-        out[starts[i] + width:starts[i + 1]] = value_bytes[value_at[i]:value_at[i + 1]]
+        out[starts[i] : starts[i] + width] = bitmap[i]
+        out[starts[i] + width : starts[i + 1]] = value_bytes[value_at[i] : value_at[i + 1]]
     return blob
 
 
-def unpack_rows(rows: torch.Tensor, counts: torch.Tensor, n_cols: int, dtype: torch.dtype,
-                source: str | None = None) -> EndorTensor:
+def unpack_rows(
+    rows: torch.Tensor, counts: torch.Tensor, n_cols: int, dtype: torch.dtype, source: str | None = None
+) -> EndorTensor:
     """The EndorTensor of rows in the rows layout read back to back: rows uint8 [total bytes], counts int64 [k]
     (values per row). Validated like any EndorTensor (FormatError naming `source`)."""
     width = (n_cols + 7) // 8
@@ -167,12 +191,17 @@ def unpack_rows(rows: torch.Tensor, counts: torch.Tensor, n_cols: int, dtype: to
 
 def to_compressed_tensors(t: EndorTensor) -> dict[str, torch.Tensor]:
     """The arrays of compressed-tensors' sparse-bitmask format: compressed, bitmask, shape, row_offsets."""
-    return {"compressed": t.values, "bitmask": t.bitmap, "shape": torch.tensor(t.shape),
-            "row_offsets": t.row_offsets[:-1]}
+    return {
+        "compressed": t.values,
+        "bitmask": t.bitmap,
+        "shape": torch.tensor(t.shape),
+        "row_offsets": t.row_offsets[:-1],
+    }
 
 
-def from_compressed_tensors(compressed: torch.Tensor, bitmask: torch.Tensor, shape: torch.Tensor | tuple[int, int],
-                            row_offsets: torch.Tensor) -> EndorTensor:
+def from_compressed_tensors(
+    compressed: torch.Tensor, bitmask: torch.Tensor, shape: torch.Tensor | tuple[int, int], row_offsets: torch.Tensor
+) -> EndorTensor:
     """Build an EndorTensor from compressed-tensors' arrays (its row_offsets lack the final total)."""
     shape = tuple(int(s) for s in (shape.tolist() if isinstance(shape, torch.Tensor) else shape))
     if len(shape) != 2:
@@ -207,14 +236,15 @@ def load(path: str | os.PathLike, device: torch.device | str = "cpu") -> dict[st
     path = os.fspath(path)
     header = read_header(path)
     if header.metadata.get("format") != FORMAT_NAME:
-        raise FormatError("__metadata__.format", f"expected {FORMAT_NAME!r}, got {header.metadata.get('format')!r}",
-                          path)
+        raise FormatError(
+            "__metadata__.format", f"expected {FORMAT_NAME!r}, got {header.metadata.get('format')!r}", path
+        )
     if header.metadata.get("version") != FORMAT_VERSION:
         raise FormatError("__metadata__.version", f"unsupported version {header.metadata.get('version')!r}", path)
     endor_specs = {}
     for key, spec in header.metadata.items():
         if key.startswith("endor."):
-            endor_specs[key[len("endor."):]] = _parse_spec(key, spec, header.tensors, path)
+            endor_specs[key[len("endor.") :]] = _parse_spec(key, spec, header.tensors, path)
     try:
         flat = load_file(path, device="cpu")
     except (SafetensorError, OSError, ValueError) as e:
@@ -230,7 +260,7 @@ def load(path: str | os.PathLike, device: torch.device | str = "cpu") -> dict[st
 
 
 def _parse_spec(key: str, spec: str, entries: Mapping, path: str) -> tuple[tuple[int, int], torch.dtype]:
-    name = key[len("endor."):]
+    name = key[len("endor.") :]
     try:
         parsed = json.loads(spec)
         shape, dtype = tuple(parsed["shape"]), _DTYPE_NAMES[parsed["dtype"]]
@@ -244,8 +274,13 @@ def _parse_spec(key: str, spec: str, entries: Mapping, path: str) -> tuple[tuple
     return shape, dtype
 
 
-def prune(w: torch.Tensor, sparsity: float = 0.5, method: str = "magnitude", activations: torch.Tensor | None = None,
-          structure: str | None = None) -> torch.Tensor:
+def prune(
+    w: torch.Tensor,
+    sparsity: float = 0.5,
+    method: str = "magnitude",
+    activations: torch.Tensor | None = None,
+    structure: str | None = None,
+) -> torch.Tensor:
     """Zero the lowest-scoring weights of a Linear weight w [out, in]; returns a pruned copy.
 
     method: "magnitude" scores |w|; "wanda" scores |w| * ||x_j||_2 with `activations` the layer inputs [..., in]
@@ -257,8 +292,10 @@ def prune(w: torch.Tensor, sparsity: float = 0.5, method: str = "magnitude", act
     score = w.detach().float().abs()
     if method == "wanda":
         if activations is None or activations.shape[-1] != w.shape[1]:
-            raise ValueError(f"wanda needs activations [..., {w.shape[1]}], got "
-                             f"{None if activations is None else tuple(activations.shape)}")
+            raise ValueError(
+                f"wanda needs activations [..., {w.shape[1]}], got "
+                f"{None if activations is None else tuple(activations.shape)}"
+            )
         score = score * activations.detach().float().reshape(-1, w.shape[1]).norm(dim=0)
     elif method != "magnitude":
         raise ValueError(f"method must be 'magnitude' or 'wanda', got {method!r}")

@@ -1,4 +1,5 @@
 """Exceptions shared by every loader."""
+
 from __future__ import annotations
 
 

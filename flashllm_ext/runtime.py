@@ -1,5 +1,6 @@
 """What every engine shares: budgets parsed into bytes, tensor bytes counted once per storage, the device check, and
 the Runtime base class of the flash and offload engines (close, unpatch refusing a stale runtime, stats)."""
+
 from __future__ import annotations
 
 import functools
@@ -26,8 +27,7 @@ def parse_budget(budget: int | float | str, model_bytes: int, name: str = "dram_
         text = str(budget).strip().lower().replace(" ", "")
         match = re.fullmatch(r"(\d+(?:\.\d+)?)(%|[kmg]i?b|b)?", text)
         if match is None:
-            raise ValueError(f"{name} must be bytes, a percentage like '50%' or a size like '200MB', "
-                             f"got {budget!r}")
+            raise ValueError(f"{name} must be bytes, a percentage like '50%' or a size like '200MB', got {budget!r}")
         number, unit = float(match.group(1)), match.group(2) or ""
         value = int(number / 100 * model_bytes) if unit == "%" else int(number * _UNITS[unit])
     if value <= 0:
@@ -51,9 +51,11 @@ def cuda_device(device: str | torch.device) -> torch.device:
     """`device` as a torch.device, refused with a clear message when it is CUDA and no CUDA device is usable."""
     device = torch.device(device)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {device} was asked for but CUDA is not available (torch {torch.__version__}, "
-                         f"built with CUDA {torch.version.cuda}): run on a machine with an NVIDIA GPU and a CUDA "
-                         f"build of torch, or use device='cpu'")
+        raise ValueError(
+            f"device {device} was asked for but CUDA is not available (torch {torch.__version__}, "
+            f"built with CUDA {torch.version.cuda}): run on a machine with an NVIDIA GPU and a CUDA "
+            f"build of torch, or use device='cpu'"
+        )
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"device must be cpu or cuda, got {device}")
     return device
@@ -84,8 +86,11 @@ class Runtime:
     def install_on(self, model: nn.Module) -> None:
         """Make this runtime `model.<attribute>` (and the deprecated `model.<attribute>_stats()`)."""
         setattr(model, self.attribute, self)
-        setattr(model, f"{self.attribute}_stats",
-                deprecated_alias(self.stats, f"model.{self.attribute}_stats()", f"model.{self.attribute}.stats()"))
+        setattr(
+            model,
+            f"{self.attribute}_stats",
+            deprecated_alias(self.stats, f"model.{self.attribute}_stats()", f"model.{self.attribute}.stats()"),
+        )
 
     def unpatch(self, model: nn.Module) -> None:
         """Put the original modules back, remove the hooks and release the reader. Refuses (RuntimeError) a model this
@@ -93,8 +98,9 @@ class Runtime:
         if not self.originals:
             raise RuntimeError(f"this model was built by {self.built_by}: it has no original modules to restore")
         if getattr(model, self.attribute, None) is not self:
-            raise RuntimeError("this runtime no longer serves that model (unpatched already, or not the model it "
-                               "patched)")
+            raise RuntimeError(
+                "this runtime no longer serves that model (unpatched already, or not the model it patched)"
+            )
         self.close()
         for hook in self.hooks:
             hook.remove()
@@ -108,8 +114,9 @@ def deprecated_alias(function: Callable[..., Any], old: str, new: str) -> Callab
 
     @functools.wraps(function)
     def alias(*args, **kwargs):
-        warnings.warn(f"{old} is deprecated and will be removed in the next release: use {new}", DeprecationWarning,
-                      stacklevel=2)
+        warnings.warn(
+            f"{old} is deprecated and will be removed in the next release: use {new}", DeprecationWarning, stacklevel=2
+        )
         return function(*args, **kwargs)
 
     return alias

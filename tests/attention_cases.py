@@ -1,5 +1,6 @@
 """Inputs and float64 oracles for the attention ops (decode_attention, merge_attention_states), shared by the CPU
 kernel tests and the SIMT-emulated CUDA tests."""
+
 from __future__ import annotations
 
 import math
@@ -14,8 +15,9 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 TOLERANCE = {"atol": 2e-5, "rtol": 2e-5}
 
 
-def attention_case(batch: int, n_q_heads: int, n_kv_heads: int, head_dim: int, seq: int, dtype: torch.dtype,
-                   seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def attention_case(
+    batch: int, n_q_heads: int, n_kv_heads: int, head_dim: int, seq: int, dtype: torch.dtype, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q [B, Hq, D], k [S, B, Hkv, D], v [S, B, Hkv, D]) of dtype, standard normal: scores spread over a few
     units, so the softmax is neither flat nor one-hot."""
     g = torch.Generator().manual_seed(seed)
@@ -25,8 +27,9 @@ def attention_case(batch: int, n_q_heads: int, n_kv_heads: int, head_dim: int, s
     return q, k, v
 
 
-def attention_float64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def attention_float64(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode attention computed directly in float64, kv heads repeated for GQA: (out [B, Hq, D], lse [B, Hq])."""
     group = q.shape[1] // k.shape[2]
     scale = 1 / math.sqrt(q.shape[2]) if scale is None else scale

@@ -28,11 +28,12 @@ def cpu_isas(highest: str | None = None, paths: tuple[str, ...] | None = None) -
 
     order = _C.cpu_isas()
     top = min(order.index(highest or order[-1]), order.index(_C.detected_cpu_isa()))
-    return [isa for isa in order[:top + 1] if paths is None or isa in paths]
+    return [isa for isa in order[: top + 1] if paths is None or isa in paths]
 
 
 def forced_isa_fixture(isas: list[str]):
     """A fixture that runs each test once per ISA in `isas`, forcing the native kernels onto that path."""
+
     @pytest.fixture(params=isas)
     def isa(request):
         from flashllm_ext import _C
@@ -81,8 +82,9 @@ def page_locked(t) -> bool:
     import ctypes
 
     memory_type, host, attribute_memory_type = ctypes.c_uint(), 1, 2  # CU_MEMORYTYPE_HOST, CU_POINTER_ATTRIBUTE_...
-    status = ctypes.CDLL("libcuda.so.1").cuPointerGetAttribute(ctypes.byref(memory_type), attribute_memory_type,
-                                                               ctypes.c_ulonglong(t.data_ptr()))
+    status = ctypes.CDLL("libcuda.so.1").cuPointerGetAttribute(
+        ctypes.byref(memory_type), attribute_memory_type, ctypes.c_ulonglong(t.data_ptr())
+    )
     return status == 0 and memory_type.value == host
 
 

@@ -1,5 +1,6 @@
 """Inputs shared by every sparse_ffn / cache_compact backend test (CPU kernel, reference, SIMT-emulated CUDA and
 Metal bodies, MLX), so each sees the same problems and the same bad inputs."""
+
 from __future__ import annotations
 
 import torch
@@ -9,12 +10,13 @@ FFN_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 TOL = {torch.float32: (2e-5, 2e-5), torch.float16: (1e-2, 1e-2), torch.bfloat16: (4e-2, 4e-2)}
 
 
-def ffn_case(n_tok: int, d: int, capacity: int, glu: bool, dtype: torch.dtype, seed: int = 0,
-             bias: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def ffn_case(
+    n_tok: int, d: int, capacity: int, glu: bool, dtype: torch.dtype, seed: int = 0, bias: bool = True
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """x [T, d], matrix [capacity, 2d|3d], bias [capacity] of dtype, scaled so outputs are O(1)."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n_tok, d, generator=g).to(dtype)
-    matrix = (torch.randn(capacity, (3 if glu else 2) * d, generator=g) / max(1.0, d ** 0.5)).to(dtype)
+    matrix = (torch.randn(capacity, (3 if glu else 2) * d, generator=g) / max(1.0, d**0.5)).to(dtype)
     b = (torch.randn(capacity, generator=g) * 0.5).to(dtype) if bias else None
     return x, matrix, b
 
@@ -65,6 +67,6 @@ def random_compact_case(seed: int, width: int, dtype: torch.dtype, max_capacity:
     g = torch.Generator().manual_seed(seed)
     capacity = int(torch.randint(1, max_capacity, (1,), generator=g))
     num_used = int(torch.randint(0, capacity + 1, (1,), generator=g))
-    rows = torch.randperm(num_used, generator=g)[:int(torch.randint(0, num_used + 1, (1,), generator=g))]
+    rows = torch.randperm(num_used, generator=g)[: int(torch.randint(0, num_used + 1, (1,), generator=g))]
     matrix, pointer, bias, slot_of = compact_state(capacity, width, num_used, n_neurons, torch.float32, seed)
     return [matrix.to(dtype), pointer, bias, slot_of], num_used, rows

@@ -1,6 +1,7 @@
 """The CUDA build's decode_attention and merge_attention_states launchers and kernels, run through the CPU SIMT
 emulation (flashllm_ext._simt) behind the host code of the real glue, against the float64 oracles. Small shapes:
 every emulated GPU thread is an OS thread."""
+
 import math
 
 import pytest
@@ -17,8 +18,16 @@ INF = math.inf
 # (B, Hq, Hkv, D, S): one warp's worth of tokens or less (warps with no tokens), a ragged split over the 4 warps,
 # head sizes 1, odd, past one lane step (32) and the largest the kernel takes (256), GQA groups of 1, 2, 5 (two head
 # blocks: 4 + 1), MQA; S = 0.
-SHAPES = [(1, 1, 1, 1, 1), (2, 2, 1, 7, 3), (1, 4, 2, 64, 37), (2, 5, 1, 33, 9), (1, 3, 3, 128, 70),
-          (1, 2, 1, 256, 5), (3, 2, 2, 16, 0), (1, 10, 2, 40, 12)]
+SHAPES = [
+    (1, 1, 1, 1, 1),
+    (2, 2, 1, 7, 3),
+    (1, 4, 2, 64, 37),
+    (2, 5, 1, 33, 9),
+    (1, 3, 3, 128, 70),
+    (1, 2, 1, 256, 5),
+    (3, 2, 2, 16, 0),
+    (1, 10, 2, 40, 12),
+]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

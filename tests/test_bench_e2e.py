@@ -1,5 +1,6 @@
 """bench/bench_e2e.py cannot rot: a quick run on a tiny random Llama store, each mode in its own memory cgroup,
 gives rows with the issue's keys (or an error row that says why)."""
+
 import json
 import os
 import subprocess
@@ -15,23 +16,51 @@ from flashllm_ext.predictor import LowRankPredictor, PredictorSet, save_predicto
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = [sys.executable, "-m", "bench.bench_e2e"]  # run from ROOT, as a user does
-KEYS = {"bench", "model", "mode", "budget_mb", "cgroup_limit_mb", "cgroup_peak_mb", "ms_per_token", "io_ms", "mem_ms",
-        "predictor_ms", "compute_ms", "hidden_io_ms", "bytes_per_token", "tokens", "hit_rate", "oom_killed"}
+KEYS = {
+    "bench",
+    "model",
+    "mode",
+    "budget_mb",
+    "cgroup_limit_mb",
+    "cgroup_peak_mb",
+    "ms_per_token",
+    "io_ms",
+    "mem_ms",
+    "predictor_ms",
+    "compute_ms",
+    "hidden_io_ms",
+    "bytes_per_token",
+    "tokens",
+    "hit_rate",
+    "oom_killed",
+}
 
 
 @pytest.mark.slow
 def test_quick_run_reports_every_mode_with_its_keys(tmp_path):
     torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=128, max_position_embeddings=128)
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        max_position_embeddings=128,
+    )
     LlamaForCausalLM(config).save_pretrained(tmp_path / "hf")
     path = convert(tmp_path / "hf", tmp_path / "store", dtype="fp16", progress=False)
-    save_predictors_to_store(PredictorSet([LowRankPredictor(64, 160, 8) for _ in range(2)], torch.full((2,), 0.05)),
-                             path)
+    save_predictors_to_store(
+        PredictorSet([LowRankPredictor(64, 160, 8) for _ in range(2)], torch.full((2,), 0.05)), path
+    )
     modes = ["dense", "naive", "hybrid", "flash", "flash-oracle"]
-    out = subprocess.run([*BENCH, "--quick", "--json", "--no-plot", "--store", str(path),
-                          "--budget", "95%", "--modes", ",".join(modes)], capture_output=True, text=True, timeout=600,
-                         cwd=ROOT)
+    out = subprocess.run(
+        [*BENCH, "--quick", "--json", "--no-plot", "--store", str(path), "--budget", "95%", "--modes", ",".join(modes)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     rows = [json.loads(line) for line in out.stdout.splitlines()]
     medians = [r for r in rows if r["bench"] == "e2e_median"]
@@ -58,12 +87,35 @@ def test_scale_run_on_tiny_checkpoints_at_the_shared_paths(tmp_path):
     from flashllm_ext.flash.store import FlashStore
 
     for name, (directory, prune) in SHARED_DIRS.items():
-        synthesize_checkpoint(name, tmp_path / "scale" / directory, prune=prune, overrides=SMOKE_OVERRIDES[name],
-                              progress=False)
-    out = subprocess.run([*BENCH, "--scale", "--json", "--no-plot", "--modes", "naive",
-                          "--tokens", "2", "--rounds", "1", "--full", "--full-tokens", "2", "--prompt-tokens", "4",
-                          "--budget", "300MB"], capture_output=True, text=True, timeout=900, cwd=ROOT,
-                         env={**os.environ, "FLASHLLM_CACHE": str(tmp_path)})
+        synthesize_checkpoint(
+            name, tmp_path / "scale" / directory, prune=prune, overrides=SMOKE_OVERRIDES[name], progress=False
+        )
+    out = subprocess.run(
+        [
+            *BENCH,
+            "--scale",
+            "--json",
+            "--no-plot",
+            "--modes",
+            "naive",
+            "--tokens",
+            "2",
+            "--rounds",
+            "1",
+            "--full",
+            "--full-tokens",
+            "2",
+            "--prompt-tokens",
+            "4",
+            "--budget",
+            "300MB",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=ROOT,
+        env={**os.environ, "FLASHLLM_CACHE": str(tmp_path)},
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     rows = [json.loads(line) for line in out.stdout.splitlines()]
     runs = [r for r in rows if r["bench"] == "e2e"]
@@ -79,8 +131,10 @@ def test_scale_run_on_tiny_checkpoints_at_the_shared_paths(tmp_path):
         if "FFN stack" in row["model"]:  # the FFNs get what the resident tensors leave of the model's budget
             assert row["budget_mb"] == pytest.approx(300 - resident / 1e6)
         assert row["bytes_per_token"] >= store_ffn_bytes(store)  # naive: every bundle, every token
-    assert {r["model"].split(" (")[1] for r in runs} == {"synthesized checkpoint, FFN stack)",
-                                                          "synthesized checkpoint, whole model)"}
+    assert {r["model"].split(" (")[1] for r in runs} == {
+        "synthesized checkpoint, FFN stack)",
+        "synthesized checkpoint, whole model)",
+    }
 
 
 def test_scale_rows_pay_for_a_predictor_of_the_large_shapes(tmp_path, monkeypatch):
@@ -94,13 +148,25 @@ def test_scale_rows_pay_for_a_predictor_of_the_large_shapes(tmp_path, monkeypatc
     from bench.bench_e2e import ReplayedSets, scale_cost_predictor
 
     torch.manual_seed(0)
-    small = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=3,
-                                         num_attention_heads=4, vocab_size=64))
-    OPTForCausalLM(OPTConfig(hidden_size=64, ffn_dim=256, num_hidden_layers=2, num_attention_heads=4, vocab_size=64,
-                             word_embed_proj_dim=64, max_position_embeddings=64)).save_pretrained(tmp_path / "opt")
+    small = LlamaForCausalLM(
+        LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4, vocab_size=64)
+    )
+    OPTForCausalLM(
+        OPTConfig(
+            hidden_size=64,
+            ffn_dim=256,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            vocab_size=64,
+            word_embed_proj_dim=64,
+            max_position_embeddings=64,
+        )
+    ).save_pretrained(tmp_path / "opt")
     store = FlashStore(convert(tmp_path / "opt", tmp_path / "store", dtype="fp16", progress=False))
-    for trained in (QuantPredictor.from_model(small, gate_bits=4, up_bits=4),
-                    PredictorSet([LowRankPredictor(32, 48, r) for r in (2, 3, 4)], torch.zeros(3))):
+    for trained in (
+        QuantPredictor.from_model(small, gate_bits=4, up_bits=4),
+        PredictorSet([LowRankPredictor(32, 48, r) for r in (2, 3, 4)], torch.zeros(3)),
+    ):
         path = tmp_path / f"{trained.method}.safetensors"
         save_predictors(trained, path)
         cost = scale_cost_predictor(str(path), store)
@@ -124,8 +190,9 @@ def test_scale_rows_pay_for_a_predictor_of_the_large_shapes(tmp_path, monkeypatc
 def test_scale_configs_expand_the_quant_family_at_point_a_only(monkeypatch):
     from bench.bench_e2e import SCALE_CONFIGS, scale_configs
 
-    flash = [(point, method) for mode, point, method in scale_configs(["quant", "quant:4/2", "lowrank"])
-             if mode == "flash"]
+    flash = [
+        (point, method) for mode, point, method in scale_configs(["quant", "quant:4/2", "lowrank"]) if mode == "flash"
+    ]
     assert flash == [("a", "lowrank"), ("a", "quant"), ("a", "quant:4/2"), ("b", "quant")]
     assert [c for c in scale_configs([]) if c[2] is not None] == []
     assert [c for c in scale_configs([]) if c[0] != "flash"] == [c for c in SCALE_CONFIGS if c[0] != "flash"]
@@ -155,8 +222,16 @@ def test_decode_warms_up_untimed_and_counts_the_timed_tokens():
     from bench.bench_e2e import _decode
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                         num_attention_heads=2, vocab_size=64, max_position_embeddings=64)).eval()
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            vocab_size=64,
+            max_position_embeddings=64,
+        )
+    ).eval()
     forwards, reset_at = [], []
     model.register_forward_pre_hook(lambda *_: forwards.append(1))
     prompt = torch.tensor([[3, 5, 7]])

@@ -1,5 +1,6 @@
 """bench/bench_io.py Table 2 on a tiny synthesized store with given sets: every configuration of issue 9 item 8 is
 a row, each reads its own file copy, the order rotates per token, and the counts are the ones the sets imply."""
+
 import argparse
 from pathlib import Path
 
@@ -14,14 +15,27 @@ LAYERS, D, NEURONS = 2, 64, 256
 
 
 def _args(**kw) -> argparse.Namespace:
-    base = dict(store=None, layers=None, tokens=12, documents=2, sparsity=0.97, naive_tokens=3, window=2,
-                base_threads=2, max_threads=4, max_gap=None, remove_copies=True, json=True)
+    base = dict(
+        store=None,
+        layers=None,
+        tokens=12,
+        documents=2,
+        sparsity=0.97,
+        naive_tokens=3,
+        window=2,
+        base_threads=2,
+        max_threads=4,
+        max_gap=None,
+        remove_copies=True,
+        json=True,
+    )
     return argparse.Namespace(**{**base, **kw})
 
 
 def _source(seed: int, density: float):
     def source(n_tokens, n_layers, n_neurons):
         return torch.rand(n_tokens, n_layers, n_neurons, generator=torch.Generator().manual_seed(seed)) < density
+
     return source
 
 
@@ -79,8 +93,8 @@ def test_table2_rows_counts_and_copies(tmp_path, monkeypatch, glu):
         read = sets.clone()
         if config.window:
             for t in range(1, n_tokens):
-                read[t] &= ~sets[max(0, t - args.window):t].any(0)
-        active = int(read[args.window:].sum())
+                read[t] &= ~sets[max(0, t - args.window) : t].any(0)
+        active = int(read[args.window :].sum())
         assert row["analytic_bytes_per_token"] == active * fs.row_bytes / row["tokens"]
         if not config.coalescing:  # one read per requested row: a bundle, or each of its parts
             assert row["reads_per_token"] == active * (1 if config.bundled else parts) / row["tokens"]

@@ -1,5 +1,6 @@
 """bench/bench_offload.py cannot rot: a quick run on a tiny pruned OPT checkpoint, each mode (accelerate included) in
 its own memory cgroup, gives rows with the issue's keys, the ratio row and the figure."""
+
 import json
 import os
 import subprocess
@@ -14,15 +15,35 @@ from flashllm_ext import endor
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = [sys.executable, "-m", "bench.bench_offload"]  # run from ROOT, as a user does
-KEYS = {"bench", "model", "mode", "device", "budget_mb", "cgroup_peak_mb", "ms_per_token", "read_ms", "decompress_ms",
-        "compute_ms", "bytes_read_per_token", "layers_in_memory", "layers_on_ssd"}
+KEYS = {
+    "bench",
+    "model",
+    "mode",
+    "device",
+    "budget_mb",
+    "cgroup_peak_mb",
+    "ms_per_token",
+    "read_ms",
+    "decompress_ms",
+    "compute_ms",
+    "bytes_read_per_token",
+    "layers_in_memory",
+    "layers_on_ssd",
+}
 
 
 @pytest.mark.slow
 def test_quick_run_reports_every_mode_with_its_keys(tmp_path):
     torch.manual_seed(0)
-    config = OPTConfig(hidden_size=128, ffn_dim=512, num_hidden_layers=4, num_attention_heads=4, vocab_size=128,
-                       word_embed_proj_dim=128, max_position_embeddings=128)
+    config = OPTConfig(
+        hidden_size=128,
+        ffn_dim=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        vocab_size=128,
+        word_embed_proj_dim=128,
+        max_position_embeddings=128,
+    )
     model = OPTForCausalLM(config).to(torch.float16)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -30,10 +51,29 @@ def test_quick_run_reports_every_mode_with_its_keys(tmp_path):
                 p.copy_(endor.prune(p, 0.5))
     model.save_pretrained(tmp_path / "hf")
     figure = tmp_path / "offload.png"
-    out = subprocess.run([*BENCH, "--hf-dir", str(tmp_path / "hf"), "--json", "--rounds", "1",
-                          "--tokens", "2", "--prompt-tokens", "4", "--budget", "80%", "--figure", str(figure)],
-                         capture_output=True, text=True, timeout=900, cwd=ROOT,
-                         env={**os.environ, "FLASHLLM_CACHE": str(tmp_path)})
+    out = subprocess.run(
+        [
+            *BENCH,
+            "--hf-dir",
+            str(tmp_path / "hf"),
+            "--json",
+            "--rounds",
+            "1",
+            "--tokens",
+            "2",
+            "--prompt-tokens",
+            "4",
+            "--budget",
+            "80%",
+            "--figure",
+            str(figure),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=ROOT,
+        env={**os.environ, "FLASHLLM_CACHE": str(tmp_path)},
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     rows = [json.loads(line) for line in out.stdout.splitlines()]
     runs = {r["mode"]: r for r in rows if r["bench"] == "offload"}

@@ -1,6 +1,7 @@
 """Every benchmark runs, every time: each `bench/bench_*.py` module in its smoke mode (`--smoke`: the smallest shapes,
 one round, seconds), as a user runs it (`python -m bench.bench_x`), so a benchmark cannot rot while the tests stay
 green. A new benchmark is covered by being added to bench/."""
+
 import json
 import os
 import subprocess
@@ -29,8 +30,14 @@ def test_smoke_run_prints_rows(module, tmp_path):
     # Run from an empty folder (what a run writes to its working directory lands there): the checkout is importable
     # through PYTHONPATH instead of the working directory.
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    out = subprocess.run([sys.executable, "-m", f"bench.{module}", "--smoke", "--json"], capture_output=True,
-                         text=True, timeout=600, cwd=tmp_path, env={**os.environ, "PYTHONPATH": path})
+    out = subprocess.run(
+        [sys.executable, "-m", f"bench.{module}", "--smoke", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": path},
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     assert rows, f"bench.{module} --smoke printed no rows: {out.stdout[-1000:]}"

@@ -1,5 +1,6 @@
 """NeuronCache: a hypothesis state machine over random token sequences (window rule, budget rule, row contents,
 stats), no tensor allocation after construction, byte budget, bad input."""
+
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
@@ -21,10 +22,27 @@ def stores(tmp_path_factory):
     """An OPT store (ReLU, fc1 bias: the cache carries bias rows) and a Llama store (GLU, no bias), fp16."""
     root = tmp_path_factory.mktemp("cache")
     torch.manual_seed(1)
-    opt = OPTForCausalLM(OPTConfig(hidden_size=48, ffn_dim=N_NEURONS, num_hidden_layers=2, num_attention_heads=4,
-                                   vocab_size=100, word_embed_proj_dim=48, max_position_embeddings=64))
-    llama = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=N_NEURONS, num_hidden_layers=1,
-                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=64))
+    opt = OPTForCausalLM(
+        OPTConfig(
+            hidden_size=48,
+            ffn_dim=N_NEURONS,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            vocab_size=100,
+            word_embed_proj_dim=48,
+            max_position_embeddings=64,
+        )
+    )
+    llama = LlamaForCausalLM(
+        LlamaConfig(
+            hidden_size=32,
+            intermediate_size=N_NEURONS,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=64,
+        )
+    )
     out = {}
     for name, model in (("opt", opt), ("llama", llama)):
         model.save_pretrained(root / f"{name}-ckpt")
@@ -57,8 +75,10 @@ class CacheMachine(RuleBasedStateMachine):
             snapshot = [t.clone() for t in (self.cache.matrix, self.cache.pointer, self.cache.last_active)]
             with pytest.raises(ValueError, match="distinct active neurons"):
                 self.cache.step(torch.tensor(ids, dtype=torch.int64))
-            assert all(torch.equal(a, b) for a, b in
-                       zip(snapshot, (self.cache.matrix, self.cache.pointer, self.cache.last_active)))
+            assert all(
+                torch.equal(a, b)
+                for a, b in zip(snapshot, (self.cache.matrix, self.cache.pointer, self.cache.last_active))
+            )
             return
         stats = self.cache.step(torch.tensor(ids, dtype=torch.int64))
         self.history.append(active)
@@ -110,8 +130,9 @@ class CacheMachine(RuleBasedStateMachine):
         if budget_evicted:
             self.budget_pressure = True
             assert not budget_evicted & active
-            assert max(self.last[n] for n in budget_evicted) <= min((self.last[n] for n in after - active),
-                                                                    default=step)
+            assert max(self.last[n] for n in budget_evicted) <= min(
+                (self.last[n] for n in after - active), default=step
+            )
         assert active <= after <= self.union()
         if not self.budget_pressure:
             assert after == self.union()
@@ -122,12 +143,12 @@ class CacheMachine(RuleBasedStateMachine):
         ids = c.cached_ids()
         assert c.num_used <= c.capacity
         assert ids.unique().numel() == ids.numel()  # no duplicates
-        assert bool((c.pointer[c.num_used:] == -1).all())
+        assert bool((c.pointer[c.num_used :] == -1).all())
         assert torch.equal(c.slot_of[ids], torch.arange(c.num_used))
         assert int((c.slot_of >= 0).sum()) == c.num_used
-        assert torch.equal(c.matrix[:c.num_used].view(torch.int16), self.bundles[ids].view(torch.int16))
+        assert torch.equal(c.matrix[: c.num_used].view(torch.int16), self.bundles[ids].view(torch.int16))
         if c.bias is not None:
-            assert torch.equal(c.bias[:c.num_used], c._bias_all[ids])
+            assert torch.equal(c.bias[: c.num_used], c._bias_all[ids])
 
 
 @pytest.mark.parametrize("name", ["opt", "llama"])
@@ -135,9 +156,12 @@ class CacheMachine(RuleBasedStateMachine):
 def test_state_machine(stores, name, capacity, window):
     flash_store = stores[name]
     reader = FlashReader(flash_store)
-    run_state_machine_as_test(lambda: CacheMachine(flash_store, capacity, window, reader),
-                              settings=settings(max_examples=25, stateful_step_count=20, deadline=None,
-                                                suppress_health_check=list(HealthCheck)))
+    run_state_machine_as_test(
+        lambda: CacheMachine(flash_store, capacity, window, reader),
+        settings=settings(
+            max_examples=25, stateful_step_count=20, deadline=None, suppress_health_check=list(HealthCheck)
+        ),
+    )
 
 
 def test_bias_rows_come_from_the_resident_fc1_bias(stores):
@@ -178,20 +202,26 @@ def allocation_events(fn) -> list:
 def test_no_allocation_after_construction(stores):
     cache = NeuronCache(stores["opt"], 0, capacity=40, window=3)
     g = torch.Generator().manual_seed(0)
-    tokens = [torch.randint(0, N_NEURONS, (int(torch.randint(1, 30, (1,), generator=g)),), generator=g)
-              for _ in range(60)]
+    tokens = [
+        torch.randint(0, N_NEURONS, (int(torch.randint(1, 30, (1,), generator=g)),), generator=g) for _ in range(60)
+    ]
     for ids in tokens[:10]:
         cache.step(ids)
     buffers = [t.data_ptr() for t in (cache.matrix, cache.pointer, cache.bias, cache.slot_of, cache.last_active)]
     stats = []
     assert allocation_events(lambda: stats.extend(cache.step(ids) for ids in tokens[10:])) == []
     assert sum(s.inserted for s in stats) > 0 and sum(s.evicted_budget for s in stats) > 0  # every path ran
-    assert buffers == [t.data_ptr() for t in (cache.matrix, cache.pointer, cache.bias, cache.slot_of,
-                                              cache.last_active)]
+    assert buffers == [
+        t.data_ptr() for t in (cache.matrix, cache.pointer, cache.bias, cache.slot_of, cache.last_active)
+    ]
     # The counter does see allocations, native ones included: this test can fail.
     assert allocation_events(lambda: torch.ones(100).sum()) != []
-    assert allocation_events(lambda: torch.ops.flashllm.sparse_ffn(torch.ones(1, 48).half(), cache.matrix, 3, None,
-                                                                   "relu", False)) != []
+    assert (
+        allocation_events(
+            lambda: torch.ops.flashllm.sparse_ffn(torch.ones(1, 48).half(), cache.matrix, 3, None, "relu", False)
+        )
+        != []
+    )
 
 
 def test_byte_budget(stores):
@@ -200,9 +230,20 @@ def test_byte_budget(stores):
     budget = fixed + 20 * per_row + per_row - 1
     cache = NeuronCache(s, 0, budget_bytes=budget)
     assert cache.capacity == 20 and cache.nbytes <= budget
-    measured = sum(t.numel() * t.element_size() for t in (cache.matrix, cache.pointer, cache.bias, cache.slot_of,
-                                                          cache.last_active, cache._evict_rows, cache._missing,
-                                                          cache._row_ids, cache._bias_all))
+    measured = sum(
+        t.numel() * t.element_size()
+        for t in (
+            cache.matrix,
+            cache.pointer,
+            cache.bias,
+            cache.slot_of,
+            cache.last_active,
+            cache._evict_rows,
+            cache._missing,
+            cache._row_ids,
+            cache._bias_all,
+        )
+    )
     assert measured == cache.nbytes
     with pytest.raises(ValueError, match="cannot hold one row"):
         NeuronCache(s, 0, budget_bytes=fixed)
@@ -222,13 +263,19 @@ def test_bad_input(stores):
     cache = NeuronCache(s, 0, capacity=10, window=2)
     cache.step(torch.tensor([1, 2]))
     snapshot = [t.clone() for t in (cache.matrix, cache.pointer, cache.slot_of, cache.last_active)]
-    for ids, match in ((torch.tensor([1, N_NEURONS]), "outside"), (torch.tensor([-1]), "outside"),
-                       (torch.tensor(list(range(11))), "11 distinct active neurons but the cache holds 10"),
-                       (torch.tensor([1.0]), "1-D int64"), (torch.tensor([[1]]), "1-D int64"), ([1, 2], "1-D int64")):
+    for ids, match in (
+        (torch.tensor([1, N_NEURONS]), "outside"),
+        (torch.tensor([-1]), "outside"),
+        (torch.tensor(list(range(11))), "11 distinct active neurons but the cache holds 10"),
+        (torch.tensor([1.0]), "1-D int64"),
+        (torch.tensor([[1]]), "1-D int64"),
+        ([1, 2], "1-D int64"),
+    ):
         with pytest.raises(ValueError, match=match):
             cache.step(ids)
-    assert all(torch.equal(a, b) for a, b in zip(snapshot, (cache.matrix, cache.pointer, cache.slot_of,
-                                                           cache.last_active)))
+    assert all(
+        torch.equal(a, b) for a, b in zip(snapshot, (cache.matrix, cache.pointer, cache.slot_of, cache.last_active))
+    )
     assert cache.steps == 1
     with pytest.raises(ValueError, match="exactly one of capacity and budget_bytes"):
         NeuronCache(s, 0)
@@ -253,8 +300,8 @@ def test_failed_read_leaves_a_consistent_cache(stores, monkeypatch):
         cache.step(torch.tensor([3, 40, 41]))  # window 1: 1 and 2 are evicted, 40 and 41 must be read
     cached = cache.cached_ids()
     assert set(cached.tolist()) == {3}  # the neurons whose bundles never arrived are not claimed
-    assert torch.equal(cache.matrix[:cache.num_used], stores["opt"].bundle(0, cached))
+    assert torch.equal(cache.matrix[: cache.num_used], stores["opt"].bundle(0, cached))
     monkeypatch.undo()
     cache.step(torch.tensor([3, 40, 41]))  # the next step loads what the failed one could not
     assert sorted(cache.cached_ids().tolist()) == [3, 40, 41]
-    assert torch.equal(cache.matrix[:cache.num_used], stores["opt"].bundle(0, cache.cached_ids()))
+    assert torch.equal(cache.matrix[: cache.num_used], stores["opt"].bundle(0, cache.cached_ids()))

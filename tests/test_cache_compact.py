@@ -1,5 +1,6 @@
 """flashllm::cache_compact (swap-delete of neuron cache rows) on the CPU: native kernel against the pure-torch
 reference; opcheck and the fake kernel; bad inputs. The CUDA body is tested in test_ffn_simt.py."""
+
 import pytest
 import torch
 
@@ -30,11 +31,18 @@ def test_cache_compact_matches_reference(seed, dtype):
     want = [t.clone() for t in state]
     for with_bias, with_slots in ((True, True), (False, False)):
         got = [t.clone() for t in state]
-        kept = ops.cache_compact(got[0], got[1], rows, num_used=num_used, bias=got[2] if with_bias else None,
-                                 slot_of=got[3] if with_slots else None)
+        kept = ops.cache_compact(
+            got[0],
+            got[1],
+            rows,
+            num_used=num_used,
+            bias=got[2] if with_bias else None,
+            slot_of=got[3] if with_slots else None,
+        )
         ref = [t.clone() for t in want]
-        assert kept == cache_compact_reference(ref[0], ref[1], ref[2] if with_bias else None,
-                                               ref[3] if with_slots else None, num_used, rows)
+        assert kept == cache_compact_reference(
+            ref[0], ref[1], ref[2] if with_bias else None, ref[3] if with_slots else None, num_used, rows
+        )
         assert kept == num_used - c
         for a, b in zip(got, ref):
             assert torch.equal(a, b)
@@ -45,8 +53,12 @@ def test_cache_compact_matches_reference(seed, dtype):
 def test_cache_compact_bad_inputs():
     matrix, pointer, bias, slot_of = compact_state(10, 4, 6, 20, torch.float32, seed=0)
     for fn in (OPS.cache_compact, cache_compact_reference):
-        for rows, match in ((torch.tensor([1, 1]), "twice"), (torch.tensor([6]), "outside"),
-                            (torch.tensor([-1]), "outside"), (torch.tensor([0.0]), "rows must be a 1-D int64")):
+        for rows, match in (
+            (torch.tensor([1, 1]), "twice"),
+            (torch.tensor([6]), "outside"),
+            (torch.tensor([-1]), "outside"),
+            (torch.tensor([0.0]), "rows must be a 1-D int64"),
+        ):
             with pytest.raises(RuntimeError, match=match):
                 fn(matrix, pointer, bias, slot_of, 6, rows)
         with pytest.raises(RuntimeError, match="num_used=11 is outside"):
@@ -62,8 +74,11 @@ def test_opcheck():
     matrix, pointer, bias, slot_of = compact_state(12, 8, 9, 30, torch.float16, seed=1)
     # AOT dispatch cannot functionalize an in-place op that returns an int (torch refuses before running it): the
     # schema, autograd registration and fake kernel are checked.
-    torch.library.opcheck(OPS.cache_compact, (matrix, pointer, bias, slot_of, 9, torch.tensor([2, 8, 0])),
-                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+    torch.library.opcheck(
+        OPS.cache_compact,
+        (matrix, pointer, bias, slot_of, 9, torch.tensor([2, 8, 0])),
+        test_utils=("test_schema", "test_autograd_registration", "test_faketensor"),
+    )
 
 
 def test_fake_kernel_checks_metadata():

@@ -1,5 +1,6 @@
 """flashllm::cache_plan (one token's decisions of the neuron cache) on the CPU: native kernel against the
 pure-torch reference; opcheck and the fake kernel; bad inputs."""
+
 import pytest
 import torch
 
@@ -13,8 +14,7 @@ OPS = torch.ops.flashllm
 @pytest.mark.parametrize("seed", range(20))
 def test_cache_plan_matches_reference(seed):
     g = torch.Generator().manual_seed(seed)
-    n, capacity, window = 40, int(torch.randint(8, 30, (1,), generator=g)), int(torch.randint(1, 4, (1,),
-                                                                                              generator=g))
+    n, capacity, window = 40, int(torch.randint(8, 30, (1,), generator=g)), int(torch.randint(1, 4, (1,), generator=g))
     num_used = int(torch.randint(0, capacity + 1, (1,), generator=g))
     _, pointer, _, slot_of = compact_state(capacity, 1, num_used, n, torch.float32, seed)
     step = 10
@@ -26,8 +26,15 @@ def test_cache_plan_matches_reference(seed):
         last_c, evict, missing = last.clone(), torch.full((capacity,), -7), torch.full((capacity,), -7)
         counts = fn(active, last_c, slot_of, pointer, num_used, step, window, evict, missing)
         w, b, m = counts
-        outs.append((list(counts), last_c, sorted(evict[:w].tolist()), evict[w:w + b].sort().values,
-                     sorted(missing[:m].tolist())))
+        outs.append(
+            (
+                list(counts),
+                last_c,
+                sorted(evict[:w].tolist()),
+                evict[w : w + b].sort().values,
+                sorted(missing[:m].tolist()),
+            )
+        )
     (c1, l1, e1, b1, m1), (c2, l2, e2, b2, m2) = outs
     assert c1 == c2 and torch.equal(l1, l2) and e1 == e2 and torch.equal(b1, b2) and m1 == m2
 
@@ -37,18 +44,45 @@ def test_cache_plan_refuses_too_many_active_and_changes_nothing():
     last = torch.zeros(10, dtype=torch.int64)
     for fn in (OPS.cache_plan, cache_plan_reference):
         with pytest.raises(RuntimeError, match="5 distinct active neurons but the cache holds 4"):
-            fn(torch.tensor([0, 1, 2, 3, 4, 4]), last, slot_of, pointer, 2, 1, 2, torch.empty(4, dtype=torch.int64),
-               torch.empty(4, dtype=torch.int64))
+            fn(
+                torch.tensor([0, 1, 2, 3, 4, 4]),
+                last,
+                slot_of,
+                pointer,
+                2,
+                1,
+                2,
+                torch.empty(4, dtype=torch.int64),
+                torch.empty(4, dtype=torch.int64),
+            )
         with pytest.raises(RuntimeError, match="outside"):
-            fn(torch.tensor([10]), last, slot_of, pointer, 2, 1, 2, torch.empty(4, dtype=torch.int64),
-               torch.empty(4, dtype=torch.int64))
+            fn(
+                torch.tensor([10]),
+                last,
+                slot_of,
+                pointer,
+                2,
+                1,
+                2,
+                torch.empty(4, dtype=torch.int64),
+                torch.empty(4, dtype=torch.int64),
+            )
         assert not last.any()
 
 
 def _plan_args(seed: int = 1) -> tuple:
     _, pointer, _, slot_of = compact_state(12, 1, 9, 30, torch.float32, seed)
-    return (torch.tensor([1, 4, 4, 29]), torch.zeros(30, dtype=torch.int64), slot_of, pointer, 9, 3, 2,
-            torch.empty(12, dtype=torch.int64), torch.empty(12, dtype=torch.int64))
+    return (
+        torch.tensor([1, 4, 4, 29]),
+        torch.zeros(30, dtype=torch.int64),
+        slot_of,
+        pointer,
+        9,
+        3,
+        2,
+        torch.empty(12, dtype=torch.int64),
+        torch.empty(12, dtype=torch.int64),
+    )
 
 
 def test_wrapper_passes_arguments_by_name():
@@ -61,8 +95,9 @@ def test_wrapper_passes_arguments_by_name():
 def test_opcheck():
     # As for cache_compact, AOT dispatch cannot functionalize an in-place op returning ints: the schema, autograd
     # registration and fake kernel (unbacked sizes for the data-dependent counts) are checked.
-    torch.library.opcheck(OPS.cache_plan, _plan_args(),
-                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+    torch.library.opcheck(
+        OPS.cache_plan, _plan_args(), test_utils=("test_schema", "test_autograd_registration", "test_faketensor")
+    )
 
 
 def test_bad_metadata():

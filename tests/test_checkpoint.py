@@ -1,5 +1,6 @@
 """Checkpoint readers: GGUF files under Hugging Face names (equal to what transformers loads), dequantized one
 tensor at a time; Hugging Face safetensors directories; bad files raise FormatError naming file and field."""
+
 import os
 from pathlib import Path
 
@@ -14,9 +15,17 @@ from flashllm_ext.io.checkpoint import GGUFCheckpoint, gguf_config, load_gguf, o
 from conftest import refuses_without_blocking
 from test_models import TINY, tiny_llama  # noqa: F401  (tiny_llama: a fixture)
 
-_GGUF_BLOCK = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-               "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-               "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+_GGUF_BLOCK = {
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+}
 
 
 def _llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -34,15 +43,28 @@ def _gguf_name(hf: str) -> str:
     return f"blk.{parts[2]}.{_GGUF_BLOCK[module]}.weight"
 
 
-def write_tiny_gguf(path: Path, model: LlamaForCausalLM, qtype=gguf.GGMLQuantizationType.F32, arch: str = "llama",
-                    drop: tuple[str, ...] = (), transpose: tuple[str, ...] = (), **fields: int) -> Path:
+def write_tiny_gguf(
+    path: Path,
+    model: LlamaForCausalLM,
+    qtype=gguf.GGMLQuantizationType.F32,
+    arch: str = "llama",
+    drop: tuple[str, ...] = (),
+    transpose: tuple[str, ...] = (),
+    **fields: int,
+) -> Path:
     """A GGUF laid out as llama.cpp writes Llama models (Q/K rows permuted, 2-D weights quantized to qtype).
     `fields` replace the model's values of the size fields (block_count=10**9: a header that lies)."""
     cfg = model.config
     writer = gguf.GGUFWriter(str(path), arch)
-    sizes = {"block_count": cfg.num_hidden_layers, "context_length": cfg.max_position_embeddings,
-             "embedding_length": cfg.hidden_size, "feed_forward_length": cfg.intermediate_size,
-             "head_count": cfg.num_attention_heads, "head_count_kv": cfg.num_key_value_heads, **fields}
+    sizes = {
+        "block_count": cfg.num_hidden_layers,
+        "context_length": cfg.max_position_embeddings,
+        "embedding_length": cfg.hidden_size,
+        "feed_forward_length": cfg.intermediate_size,
+        "head_count": cfg.num_attention_heads,
+        "head_count_kv": cfg.num_key_value_heads,
+        **fields,
+    }
     for key, value in sizes.items():
         getattr(writer, f"add_{key}")(value)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
@@ -69,8 +91,8 @@ def write_tiny_gguf(path: Path, model: LlamaForCausalLM, qtype=gguf.GGMLQuantiza
     return path
 
 
-
 # ------------------------------------------------------------------------------------------ GGUF on a tiny Llama
+
 
 def test_load_gguf_undoes_rotary_permutation_exactly(tmp_path, tiny_llama):
     path = write_tiny_gguf(tmp_path / "tiny.gguf", tiny_llama)
@@ -147,12 +169,15 @@ def test_unsupported_architecture_raises_format_error(tmp_path, tiny_llama):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("field,value,match", [
-    ("block_count", 10**9, "llama.block_count: 1000000000 blocks need"),
-    ("head_count_kv", 0, "llama.attention.head_count_kv: must be positive, got 0"),
-    ("head_count", 0, "llama.attention.head_count: must be positive, got 0"),
-    ("embedding_length", 0, "llama.embedding_length: must be positive, got 0"),
-])
+@pytest.mark.parametrize(
+    "field,value,match",
+    [
+        ("block_count", 10**9, "llama.block_count: 1000000000 blocks need"),
+        ("head_count_kv", 0, "llama.attention.head_count_kv: must be positive, got 0"),
+        ("head_count", 0, "llama.attention.head_count: must be positive, got 0"),
+        ("embedding_length", 0, "llama.embedding_length: must be positive, got 0"),
+    ],
+)
 def test_size_fields_that_lie_raise_format_error(tmp_path, tiny_llama, field, value, match):
     # block_count is checked against the file's tensors before expected_shapes builds a name for each of them.
     path = write_tiny_gguf(tmp_path / "t.gguf", tiny_llama, **{field: value})

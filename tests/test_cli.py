@@ -1,5 +1,6 @@
 """The `flashllm` command line: every subcommand answers a user's mistake with one line on stderr and a non-zero
 status, never a traceback, before any long work; Ctrl-C exits with status 130."""
+
 import os
 import subprocess
 import sys
@@ -26,8 +27,16 @@ def files(tmp_path_factory) -> dict[str, Path]:
     checkpoint, a tokenizer of 300 tokens, a GGUF without a tokenizer, a file that is no GGUF, an empty folder."""
     root = tmp_path_factory.mktemp("cli")
     torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                                 num_key_value_heads=1, vocab_size=VOCAB)).save_pretrained(root / "llama")
+    LlamaForCausalLM(
+        LlamaConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            vocab_size=VOCAB,
+        )
+    ).save_pretrained(root / "llama")
     GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=VOCAB)).save_pretrained(root / "gpt2")
     convert(root / "llama", root / "store", progress=False)
     convert_offload(root / "llama", root / "layers", progress=False)
@@ -64,12 +73,16 @@ BAD_INPUTS = {
     "train-not-gguf": ("train-predictors {not_gguf}", "magic"),
     "train-gate-bits-9": ("train-predictors {not_gguf} --gate-bits 9", "--gate-bits: invalid choice: 9"),
     "run-missing-store": ("run {missing} --tokenizer {big_tokenizer}", "bundles.safetensors"),
-    "run-tokenizer-of-another-model": ("run {store} --tokenizer {big_tokenizer} --mode dense",
-                                       f"300 tokens, the model {VOCAB} embeddings"),
+    "run-tokenizer-of-another-model": (
+        "run {store} --tokenizer {big_tokenizer} --mode dense",
+        f"300 tokens, the model {VOCAB} embeddings",
+    ),
     "run-folder-without-tokenizer": ("run {store} --tokenizer {empty} --mode dense", "no tokenizer loads"),
     "run-gguf-without-tokenizer": ("run {store} --tokenizer {bare_gguf} --mode dense", "no tokenizer loads"),
-    "offload-tokenizer-of-another-model": ("offload {layers} --tokenizer {big_tokenizer} --mode dense --budget 1GB",
-                                           f"300 tokens, the model {VOCAB} embeddings"),
+    "offload-tokenizer-of-another-model": (
+        "offload {layers} --tokenizer {big_tokenizer} --mode dense --budget 1GB",
+        f"300 tokens, the model {VOCAB} embeddings",
+    ),
     "offload-convert-gpt2": ("offload {missing}-out --convert {gpt2}", "'gpt2' is not supported"),
     "no-subcommand": ("", "required"),
 }
@@ -79,10 +92,21 @@ BAD_INPUTS = {
 def test_a_bad_input_is_one_line_on_stderr(files, case):
     argv, says = BAD_INPUTS[case]
     args = [part.format_map({k: str(v) for k, v in files.items()}) for part in argv.split()]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "FLASHLLM_DISK_PROFILE": str(files["missing"]),
-           "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    done = subprocess.run([sys.executable, "-m", "flashllm_ext.cli", *args], capture_output=True, text=True,
-                          env=env, cwd=ROOT, timeout=120)
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "FLASHLLM_DISK_PROFILE": str(files["missing"]),
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+    }
+    done = subprocess.run(
+        [sys.executable, "-m", "flashllm_ext.cli", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=120,
+    )
     assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr
     # Progress bars (a model loads before its tokenizer is checked) are stderr output, not part of the error.
     lines = [line for line in done.stderr.splitlines() if line.strip() and "%|" not in line]

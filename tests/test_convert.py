@@ -16,14 +16,31 @@ from test_models import tiny_llama  # noqa: F401  (a fixture)
 
 def _llama() -> LlamaForCausalLM:
     torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=160, num_hidden_layers=3,
-                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=128))
+    return LlamaForCausalLM(
+        LlamaConfig(
+            hidden_size=64,
+            intermediate_size=160,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=128,
+        )
+    )
 
 
 def _opt() -> OPTForCausalLM:
     torch.manual_seed(1)
-    return OPTForCausalLM(OPTConfig(hidden_size=48, ffn_dim=136, num_hidden_layers=2, num_attention_heads=4,
-                                    vocab_size=100, word_embed_proj_dim=48, max_position_embeddings=64))
+    return OPTForCausalLM(
+        OPTConfig(
+            hidden_size=48,
+            ffn_dim=136,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            vocab_size=100,
+            word_embed_proj_dim=48,
+            max_position_embeddings=64,
+        )
+    )
 
 
 @pytest.fixture(scope="module")
@@ -105,8 +122,12 @@ def test_ffn_roles_name_every_layers_weights_and_biases(checkpoints, stores):
     """The store records each layer's FFN tensor names by role; biases are read back through them."""
     opt, llama = store.FlashStore(stores["opt"]), store.FlashStore(stores["llama"])
     prefix = "model.decoder.layers.1."
-    assert opt.ffn_roles[1] == {"up": prefix + "fc1.weight", "down": prefix + "fc2.weight",
-                                "up_bias": prefix + "fc1.bias", "down_bias": prefix + "fc2.bias"}
+    assert opt.ffn_roles[1] == {
+        "up": prefix + "fc1.weight",
+        "down": prefix + "fc2.weight",
+        "up_bias": prefix + "fc1.bias",
+        "down_bias": prefix + "fc2.bias",
+    }
     state = checkpoints["opt"][1]
     assert torch.equal(opt.layer_bias(1, "up_bias"), state[prefix + "fc1.bias"].half())
     assert torch.equal(opt.layer_bias(1, "down_bias"), state[prefix + "fc2.bias"].half())
@@ -121,8 +142,17 @@ def test_glu_biases(tmp_path):
     from flashllm_ext.flash.cache import NeuronCache, layer_input_bias
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=24, num_hidden_layers=2,
-                                         num_attention_heads=2, num_key_value_heads=1, vocab_size=32, mlp_bias=True))
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            hidden_size=16,
+            intermediate_size=24,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            vocab_size=32,
+            mlp_bias=True,
+        )
+    )
     model.save_pretrained(tmp_path / "ckpt")
     fs = store.FlashStore(convert(tmp_path / "ckpt", tmp_path / "s", dtype="fp32", progress=False))
     assert set(fs.ffn_roles[1]) == {"up", "gate", "down", "up_bias", "gate_bias", "down_bias"}
@@ -143,9 +173,11 @@ def test_integer_and_bool_resident_buffers_keep_their_dtype(checkpoints, tmp_pat
     ckpt.mkdir()
     (ckpt / "config.json").write_text((source / "config.json").read_text())
     tensors = load_file(source / "model.safetensors")
-    buffers = {"model.position_ids": torch.arange(5000, dtype=torch.int64).unsqueeze(0),
-               "model.layers.0.self_attn.index_table": torch.tensor([[-7, 70000], [3, 2049]], dtype=torch.int32),
-               "model.layers.0.self_attn.causal_mask": torch.ones(4, 4, dtype=torch.bool).tril()}
+    buffers = {
+        "model.position_ids": torch.arange(5000, dtype=torch.int64).unsqueeze(0),
+        "model.layers.0.self_attn.index_table": torch.tensor([[-7, 70000], [3, 2049]], dtype=torch.int32),
+        "model.layers.0.self_attn.causal_mask": torch.ones(4, 4, dtype=torch.bool).tril(),
+    }
     save_file({**tensors, **buffers}, str(ckpt / "model.safetensors"), metadata={"format": "pt"})
     resident = store.FlashStore(convert(ckpt, tmp_path / "s", dtype="fp16", progress=False)).resident()
     for name, buffer in buffers.items():
@@ -178,8 +210,9 @@ def test_endor_store_round_trips_pruned_weights(tmp_path):
         assert torch.equal(fs.bundle(layer, torch.arange(fs.n_neurons)), want)
         ids = torch.tensor([7, 3, 7, 0])
         assert torch.equal(fs.bundle(layer, ids), want[ids])
-    assert (tmp_path / "endor" / store.BUNDLES_FILE).stat().st_size < \
-        0.6 * (tmp_path / "dense" / store.BUNDLES_FILE).stat().st_size
+    assert (tmp_path / "endor" / store.BUNDLES_FILE).stat().st_size < 0.6 * (
+        tmp_path / "dense" / store.BUNDLES_FILE
+    ).stat().st_size
     with pytest.raises(ValueError, match="Endor"):
         fs.layer_location(0)
 
@@ -230,6 +263,7 @@ def test_force_replaces_a_store_and_nothing_else(checkpoints, tmp_path, monkeypa
     import shutil
 
     from flashllm_ext.offload.convert import convert_offload
+
     write = partial(convert, progress=False) if converter == "flash store" else partial(convert_offload, progress=False)
     ckpt = tmp_path / "ckpt"
     shutil.copytree(checkpoints["opt"][0], ckpt)
@@ -345,8 +379,8 @@ def test_convert_the_default_model(default_model, tmp_path):
         mlp = f"model.layers.{layer}.mlp."
         up, gate, down = (state[f"{mlp}{k}_proj.weight"].half() for k in ("up", "gate", "down"))
         got = s.bundle(layer, ids)
-        assert torch.equal(got[:, :d], up[ids]) and torch.equal(got[:, d:2 * d], gate[ids])
-        assert torch.equal(got[:, 2 * d:], down[:, ids].t())
+        assert torch.equal(got[:, :d], up[ids]) and torch.equal(got[:, d : 2 * d], gate[ids])
+        assert torch.equal(got[:, 2 * d :], down[:, ids].t())
     assert torch.equal(s.resident()["model.embed_tokens.weight"], state["model.embed_tokens.weight"].half())
     with safe_open(s.bundles_path, "pt") as f:  # any safetensors reader opens the store
         assert torch.equal(f.get_tensor(store.layer_tensor_name(3))[5], s.bundle(3, [5])[0])
@@ -355,8 +389,16 @@ def test_convert_the_default_model(default_model, tmp_path):
 def test_convert_more_than_ten_layers(tmp_path):
     # tensor names sort as strings (layers.10 before layers.2); the store must still be written in layer order
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(hidden_size=8, intermediate_size=16, num_hidden_layers=11,
-                                         num_attention_heads=2, num_key_value_heads=1, vocab_size=32))
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            hidden_size=8,
+            intermediate_size=16,
+            num_hidden_layers=11,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            vocab_size=32,
+        )
+    )
     model.save_pretrained(tmp_path / "ckpt")
     s = store.FlashStore(convert(tmp_path / "ckpt", tmp_path / "s", dtype="fp32", progress=False))
     for layer in (2, 10):
@@ -369,6 +411,7 @@ def test_force_keeps_files_it_did_not_write_and_the_folder_mode(checkpoints, tmp
     """force=True on a store holding another file refuses, naming that file, before any work (the file survives);
     on a store alone it replaces the store's files and keeps the folder's mode."""
     from flashllm_ext.offload.convert import convert_offload
+
     write = partial(convert, progress=False) if converter == "flash store" else partial(convert_offload, progress=False)
     ckpt = checkpoints["opt"][0]
     out = write(ckpt, tmp_path / "s")
@@ -409,6 +452,7 @@ def test_stale_staging_folders_of_dead_converts_are_removed(checkpoints, tmp_pat
     import subprocess
 
     from flashllm_ext.offload.convert import convert_offload
+
     write = partial(convert, progress=False) if converter == "flash store" else partial(convert_offload, progress=False)
     dead = subprocess.Popen(["true"])
     dead.wait()
@@ -449,6 +493,7 @@ def test_index_naming_a_shard_outside_the_checkpoint_is_refused(checkpoints, tmp
 def test_store_files_follow_the_umask(checkpoints, tmp_path, umask, converter):
     """A store is the user's like any file they write: its folder and files take the umask's modes."""
     from flashllm_ext.offload.convert import convert_offload
+
     write = partial(convert, progress=False) if converter == "flash store" else partial(convert_offload, progress=False)
     for mask, dir_mode, file_mode in ((0o022, 0o755, 0o644), (0o077, 0o700, 0o600)):
         umask(mask)

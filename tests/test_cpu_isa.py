@@ -1,5 +1,6 @@
 """CPU ISA dispatch: a path is chosen only when the CPU has every feature its kernels are compiled with (the target
 attributes in csrc/cpu/*.cpp), and those of the paths below it."""
+
 import os
 
 import pytest
@@ -13,16 +14,25 @@ AVX512_VBMI2 = AVX512_VNNI | {"avx512vbmi", "avx512vbmi2"}
 AVX512_BF16 = AVX512_VBMI2 | {"avx512bf16"}
 
 
-@pytest.mark.parametrize("features,isa", [
-    (set(), "scalar"), (AVX2, "avx2"), (AVX512, "avx512"), (AVX512_VNNI, "avx512vnni"), (AVX512_VBMI2, "avx512vbmi2"),
-    (AVX512_BF16, "avx512bf16"),
-    (AVX512_BF16 | {"avx512_fp16", "sse4.2"}, "avx512bf16"),  # features no path needs change nothing
-    (AVX512_VNNI | {"avx512bf16"}, "avx512vnni"),  # Cooper Lake: BF16 without VBMI2
-    ({"avx2"}, "scalar"), (AVX512 - {"avx512vl"}, "avx2"), (AVX512_VBMI2 - {"avx512bw"}, "avx2"),
-    (AVX2 | {"avx512vbmi2"}, "avx2"),
-    (AVX512 | {"avx512vbmi", "avx512vbmi2"}, "avx512"),  # VBMI2 without VNNI (no such CPU known): below VNNI
-    (AVX512_VBMI2 - {"avx512vbmi"}, "avx512vnni"),  # quant_scores' VBMI2 level uses VBMI too
-])
+@pytest.mark.parametrize(
+    "features,isa",
+    [
+        (set(), "scalar"),
+        (AVX2, "avx2"),
+        (AVX512, "avx512"),
+        (AVX512_VNNI, "avx512vnni"),
+        (AVX512_VBMI2, "avx512vbmi2"),
+        (AVX512_BF16, "avx512bf16"),
+        (AVX512_BF16 | {"avx512_fp16", "sse4.2"}, "avx512bf16"),  # features no path needs change nothing
+        (AVX512_VNNI | {"avx512bf16"}, "avx512vnni"),  # Cooper Lake: BF16 without VBMI2
+        ({"avx2"}, "scalar"),
+        (AVX512 - {"avx512vl"}, "avx2"),
+        (AVX512_VBMI2 - {"avx512bw"}, "avx2"),
+        (AVX2 | {"avx512vbmi2"}, "avx2"),
+        (AVX512 | {"avx512vbmi", "avx512vbmi2"}, "avx512"),  # VBMI2 without VNNI (no such CPU known): below VNNI
+        (AVX512_VBMI2 - {"avx512vbmi"}, "avx512vnni"),  # quant_scores' VBMI2 level uses VBMI too
+    ],
+)
 def test_isa_for_features(features, isa):
     assert _C.isa_for_features(sorted(features)) == isa
 
@@ -57,10 +67,10 @@ def test_each_level_can_be_forced_up_to_the_detected_one_and_no_further():
     assert names[0] == "scalar" and _C.detected_cpu_isa() in names
     previous = _C.cpu_isa()
     try:
-        for name in names[:names.index(_C.detected_cpu_isa()) + 1]:
+        for name in names[: names.index(_C.detected_cpu_isa()) + 1]:
             _C.set_cpu_isa(name)
             assert _C.cpu_isa() == name
-        for name in names[names.index(_C.detected_cpu_isa()) + 1:]:
+        for name in names[names.index(_C.detected_cpu_isa()) + 1 :]:
             with pytest.raises(ValueError, match="does not support"):
                 _C.set_cpu_isa(name)
         with pytest.raises(ValueError, match="unknown CPU ISA 'avx9' \\(scalar, avx2, .*avx512bf16\\)"):

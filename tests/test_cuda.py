@@ -7,24 +7,39 @@ test_ffn_simt.py), plus shapes too large to emulate.
 Runs only where torch sees a CUDA device and the native library was built with CUDA kernels; elsewhere the
 module is skipped with that reason (the kernel logic still runs here through the SIMT emulation).
 """
+
 import pytest
 import torch
 
 import flashllm_ext
 from flashllm_ext import endor
-from flashllm_ext.ops import (cache_compact_reference, endor_decompress_reference, endor_linear_reference,
-                              sparse_ffn_reference)
+from flashllm_ext.ops import (
+    cache_compact_reference,
+    endor_decompress_reference,
+    endor_linear_reference,
+    sparse_ffn_reference,
+)
 from ffn_cases import FFN_DTYPES, assert_close, bad_ffn_cases, compact_state, ffn_case, random_compact_case
-from kernel_cases import (BAD_CASES, BAD_LINEAR_CASES, DTYPES, LINEAR_DTYPES, SHAPES, assert_bitwise_equal,
-                          endor_case, linear_case)
+from kernel_cases import (
+    BAD_CASES,
+    BAD_LINEAR_CASES,
+    DTYPES,
+    LINEAR_DTYPES,
+    SHAPES,
+    assert_bitwise_equal,
+    endor_case,
+    linear_case,
+)
 from conftest import page_locked
 
 if not torch.cuda.is_available():
     pytest.skip("no CUDA device", allow_module_level=True)
-if not (flashllm_ext.native_available and torch._C._dispatch_has_kernel_for_dispatch_key(
-        "flashllm::sparse_ffn", "CUDA")):
-    pytest.fail("a CUDA device is present but flashllm_ext._C has no CUDA kernels: build with FLASHLLM_CUDA=1",
-                pytrace=False)
+if not (
+    flashllm_ext.native_available and torch._C._dispatch_has_kernel_for_dispatch_key("flashllm::sparse_ffn", "CUDA")
+):
+    pytest.fail(
+        "a CUDA device is present but flashllm_ext._C has no CUDA kernels: build with FLASHLLM_CUDA=1", pytrace=False
+    )
 
 OPS = torch.ops.flashllm
 CUDA = torch.device("cuda")
@@ -44,6 +59,7 @@ def to_cuda(args):
 
 
 # ---- endor_decompress ---------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES + ((257, 4099), (4096, 1024)))
@@ -86,6 +102,7 @@ def test_endor_module_api_on_cuda():
 
 # ---- endor_linear -------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("dtype", LINEAR_DTYPES)
 @pytest.mark.parametrize("shape", [(1, 1), (7, 13), (19, 64), (3, 300), (2, 2100), (257, 4099), (1024, 11008)])
 def test_endor_linear_matches_reference_exactly(dtype, shape):
@@ -119,13 +136,20 @@ INDEX = torch.tensor([30, 2, 2, 0, 17, 29, 8])
 
 @pytest.mark.parametrize("dtype", FFN_DTYPES)
 @pytest.mark.parametrize("glu,act", [(False, "relu"), (True, "silu"), (False, "gelu"), (True, "gelu")])
-@pytest.mark.parametrize("shape", [(1, 40, 40, 31), (3, 37, 40, 31), (9, 16, 33, 33), (8, 576, 200, 150),
-                                   (1, 4096, 700, 650), (4, 1100, 64, 64)])
+@pytest.mark.parametrize(
+    "shape",
+    [(1, 40, 40, 31), (3, 37, 40, 31), (9, 16, 33, 33), (8, 576, 200, 150), (1, 4096, 700, 650), (4, 1100, 64, 64)],
+)
 def test_sparse_ffn_matches_reference(dtype, glu, act, shape):
     n_tok, d, capacity, num_used = shape
     x, m, b = ffn_case(n_tok, d, capacity, glu, dtype, seed=d + n_tok)
-    cases = [({}, b), ({"index": INDEX, "threshold": 0.1}, b), ({"index": INDEX[:0]}, None), ({}, None),
-             ({"threshold": 0.05}, b)]
+    cases = [
+        ({}, b),
+        ({"index": INDEX, "threshold": 0.1}, b),
+        ({"index": INDEX[:0]}, None),
+        ({}, None),
+        ({"threshold": 0.05}, b),
+    ]
     for kwargs, bias in cases:
         want = sparse_ffn_reference(x, m, num_used, bias, act, glu, **kwargs)
         cuda_kwargs = {k: v.to(CUDA) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
@@ -138,8 +162,9 @@ def test_sparse_ffn_zero_rows_and_non_contiguous_x():
     x, m, b = ffn_case(4, 24, 30, False, torch.float32)
     assert torch.equal(OPS.sparse_ffn(*to_cuda((x, m, 0, b, "relu", False))).cpu(), torch.zeros_like(x))
     xt = torch.randn(24, 4).t()
-    assert_close(OPS.sparse_ffn(*to_cuda((xt, m, 30, b, "relu", False))).cpu(),
-                 sparse_ffn_reference(xt, m, 30, b, "relu", False))
+    assert_close(
+        OPS.sparse_ffn(*to_cuda((xt, m, 30, b, "relu", False))).cpu(), sparse_ffn_reference(xt, m, 30, b, "relu", False)
+    )
 
 
 @pytest.mark.parametrize("case", bad_ffn_cases(), ids=lambda c: c[0][:30])
@@ -152,9 +177,11 @@ def test_sparse_ffn_refuses_bad_input(kernel_checks, case):
 
 # ---- cache_compact ------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("seed", range(8))
-@pytest.mark.parametrize("width,dtype", [(8, torch.float32), (5, torch.float16), (12, torch.int8),
-                                         (3 * 576, torch.float16)])
+@pytest.mark.parametrize(
+    "width,dtype", [(8, torch.float32), (5, torch.float16), (12, torch.int8), (3 * 576, torch.float16)]
+)
 def test_cache_compact_matches_reference(seed, width, dtype):
     state, num_used, rows = random_compact_case(seed, width, dtype, max_capacity=300, n_neurons=500)
     got = [t.to(CUDA) for t in state]
@@ -165,13 +192,17 @@ def test_cache_compact_matches_reference(seed, width, dtype):
 
 def test_cache_compact_refuses_bad_rows(kernel_checks):
     state = [t.to(CUDA) for t in compact_state(10, 4, 6, 20, torch.float32, seed=0)]
-    for rows, match in ((torch.tensor([1, 1]), "twice"), (torch.tensor([6]), "outside"),
-                        (torch.tensor([-1]), "outside")):
+    for rows, match in (
+        (torch.tensor([1, 1]), "twice"),
+        (torch.tensor([6]), "outside"),
+        (torch.tensor([-1]), "outside"),
+    ):
         with pytest.raises(RuntimeError, match=match):
             OPS.cache_compact(*state, 6, rows.to(CUDA))
 
 
 # ---- the engine on the GPU: NeuronCache(device="cuda"), FlashFFN, load_flash(device="cuda") ---------------------
+
 
 @pytest.fixture(scope="module")
 def tiny_stores(tmp_path_factory):
@@ -183,17 +214,41 @@ def tiny_stores(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("cuda-engine")
     torch.manual_seed(0)
-    models = {"llama": LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=160, num_hidden_layers=3,
-                                                    num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
-                                                    max_position_embeddings=256)).eval(),
-              "opt": OPTForCausalLM(OPTConfig(hidden_size=48, ffn_dim=136, num_hidden_layers=2, num_attention_heads=4,
-                                              vocab_size=100, word_embed_proj_dim=48, max_position_embeddings=256,
-                                              dropout=0.0)).eval()}
+    models = {
+        "llama": LlamaForCausalLM(
+            LlamaConfig(
+                hidden_size=64,
+                intermediate_size=160,
+                num_hidden_layers=3,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                vocab_size=128,
+                max_position_embeddings=256,
+            )
+        ).eval(),
+        "opt": OPTForCausalLM(
+            OPTConfig(
+                hidden_size=48,
+                ffn_dim=136,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                vocab_size=100,
+                word_embed_proj_dim=48,
+                max_position_embeddings=256,
+                dropout=0.0,
+            )
+        ).eval(),
+    }
     out = {}
     for name, model in models.items():
         model.save_pretrained(root / name)
-        out[name] = (model, *(FlashStore(convert(root / name, root / f"{name}-{dt}", dtype=dt, progress=False))
-                              for dt in ("fp32", "fp16")))
+        out[name] = (
+            model,
+            *(
+                FlashStore(convert(root / name, root / f"{name}-{dt}", dtype=dt, progress=False))
+                for dt in ("fp32", "fp16")
+            ),
+        )
     return out
 
 
@@ -264,7 +319,7 @@ def test_flash_ffn_on_cuda_matches_the_cpu_one(tiny_stores, name):
     at = [0]
 
     def predictor(chunk):
-        return masks[at[0]:at[0] + chunk.shape[0]].to(chunk.device)
+        return masks[at[0] : at[0] + chunk.shape[0]].to(chunk.device)
 
     host = FlashFFN(s, 0, predictor=predictor, capacity=60, window=2)
     dev = FlashFFN(s, 0, predictor=predictor, capacity=60, window=2, device="cuda")
@@ -274,7 +329,7 @@ def test_flash_ffn_on_cuda_matches_the_cpu_one(tiny_stores, name):
     assert_close(got.cpu(), want)
     for t in range(6, 12):
         at[0] = t
-        assert_close(dev(x[t:t + 1].to(CUDA)).cpu(), host(x[t:t + 1]))
+        assert_close(dev(x[t : t + 1].to(CUDA)).cpu(), host(x[t : t + 1]))
     assert dev.stats.inserted == host.stats.inserted > 0
 
 

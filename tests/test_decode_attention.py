@@ -1,6 +1,7 @@
 """flashllm::decode_attention (one query token per sequence over token-major K/V, GQA aware): the reference against
 torch SDPA and a float64 direct computation; the native CPU kernel against the reference over many shapes and
 dtypes; opcheck and the fake kernel; bad inputs. The CUDA kernel is tested in test_attention_simt.py."""
+
 import math
 
 import pytest
@@ -23,8 +24,9 @@ def sdpa(q, k, v, scale=None):
     return F.scaled_dot_product_attention(q.float()[:, :, None], keys, values, scale=scale)[:, :, 0]
 
 
-@pytest.mark.parametrize("shape", [(1, 1, 1, 1, 1), (2, 4, 2, 8, 5), (3, 8, 1, 64, 64), (2, 6, 6, 128, 300),
-                                   (1, 14, 2, 7, 33)])
+@pytest.mark.parametrize(
+    "shape", [(1, 1, 1, 1, 1), (2, 4, 2, 8, 5), (3, 8, 1, 64, 64), (2, 6, 6, 128, 300), (1, 14, 2, 7, 33)]
+)
 def test_reference_matches_sdpa_and_float64(shape):
     batch, n_q, n_kv, head_dim, seq = shape
     q, k, v = attention_case(batch, n_q, n_kv, head_dim, seq, torch.float32, seed=seq)
@@ -89,9 +91,23 @@ isa = forced_isa_fixture(cpu_isas(highest="avx512"))  # no VBMI2-specific path
 # (B, Hq, Hkv, D, S): head sizes 1, 7, odd, 64, 128 and past one AVX-512 vector; GQA groups of 1 to 8 (groups of 5
 # and 6 split into register groups of 4 + 1 and 4 + 2); S empty, one token, under one chunk (32), several chunks
 # with a ragged last one; item counts that do and do not split evenly over the threads.
-SHAPES = [(1, 1, 1, 1, 1), (1, 1, 1, 7, 5), (7, 7, 7, 64, 64), (2, 7, 1, 128, 300), (3, 64, 8, 64, 5),
-          (1, 8, 2, 128, 300), (7, 14, 2, 33, 64), (2, 12, 3, 100, 1), (64, 1, 1, 7, 5), (2, 4, 4, 130, 0),
-          (1, 6, 3, 17, 65), (5, 9, 1, 1, 33), (2, 10, 2, 48, 40), (1, 6, 1, 20, 31), (3, 10, 5, 128, 97)]
+SHAPES = [
+    (1, 1, 1, 1, 1),
+    (1, 1, 1, 7, 5),
+    (7, 7, 7, 64, 64),
+    (2, 7, 1, 128, 300),
+    (3, 64, 8, 64, 5),
+    (1, 8, 2, 128, 300),
+    (7, 14, 2, 33, 64),
+    (2, 12, 3, 100, 1),
+    (64, 1, 1, 7, 5),
+    (2, 4, 4, 130, 0),
+    (1, 6, 3, 17, 65),
+    (5, 9, 1, 1, 33),
+    (2, 10, 2, 48, 40),
+    (1, 6, 1, 20, 31),
+    (3, 10, 5, 128, 97),
+]
 
 
 def test_native_kernel_is_registered():

@@ -1,5 +1,6 @@
 """`make demo` (flashllm_ext.demos.flash): one mode in a child process's code path on a tiny Llama store, and the
 parent's cgroup harness (flashllm_ext.harness.cgroup) running such a child. The real default model's run is `make demo`."""
+
 import json
 import sys
 
@@ -17,9 +18,17 @@ from flashllm_ext.predictor import DEFAULT_RECIPE, build_predictors, predictors_
 def tiny(tmp_path_factory):
     """(transformers model, fp32 store with the default recipe's predictors)."""
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=160, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
-                                         max_position_embeddings=128)).eval()
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            hidden_size=64,
+            intermediate_size=160,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=128,
+            max_position_embeddings=128,
+        )
+    ).eval()
     root = tmp_path_factory.mktemp("demo")
     model.save_pretrained(root / "hf")
     store = convert(root / "hf", root / "store", dtype="fp32", progress=False)
@@ -31,8 +40,7 @@ def tiny(tmp_path_factory):
 
 
 def _config(store, mode: str, budget: int | None = None) -> dict:
-    return {"store": str(store), "mode": mode, "budget_bytes": budget, "window": 3, "prompt": [5, 9, 17],
-            "tokens": 6}
+    return {"store": str(store), "mode": mode, "budget_bytes": budget, "window": 3, "prompt": [5, 9, 17], "tokens": 6}
 
 
 @pytest.mark.parametrize("mode", ["dense", "naive", "exact"])

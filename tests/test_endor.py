@@ -1,4 +1,5 @@
 """flashllm_ext.endor: compress/EndorTensor, safetensors save/load (fuzzed), compressed-tensors interop, pruning."""
+
 import json
 import os
 import struct
@@ -89,9 +90,11 @@ def test_to_compressed_tensors_is_what_that_library_reads():
 
 # ------------------------------------------------------------------------------------------ save / load
 def _saved(tmp_path):
-    tensors = {"mlp.up": endor.compress(make_weight((8, 30), torch.float16, 0.5)),
-               "mlp.down": endor.compress(make_weight((30, 8), torch.int8, 0.3)),
-               "norm": torch.randn(30)}
+    tensors = {
+        "mlp.up": endor.compress(make_weight((8, 30), torch.float16, 0.5)),
+        "mlp.down": endor.compress(make_weight((30, 8), torch.int8, 0.3)),
+        "norm": torch.randn(30),
+    }
     path = tmp_path / "w.safetensors"
     endor.save(path, tensors)
     return path, tensors
@@ -119,25 +122,28 @@ def test_save_refuses_colliding_names(tmp_path):
 def _rewrite_header(path, edit):
     raw = path.read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])
-    header = json.loads(raw[8:8 + n])
+    header = json.loads(raw[8 : 8 + n])
     edit(header)
     new = json.dumps(header).encode()
-    path.write_bytes(struct.pack("<Q", len(new)) + new + raw[8 + n:])
+    path.write_bytes(struct.pack("<Q", len(new)) + new + raw[8 + n :])
 
 
-@pytest.mark.parametrize("edit, field", [
-    (lambda h: h["__metadata__"].update(format="other"), "format"),
-    (lambda h: h["__metadata__"].update(version="99"), "version"),
-    (lambda h: h["__metadata__"].update({"endor.mlp.up": "{bad json"}), "endor.mlp.up"),
-    (lambda h: h["__metadata__"].update({"endor.mlp.up": '{"shape": [8], "dtype": "float16"}'}), "shape"),
-    (lambda h: h["__metadata__"].update({"endor.mlp.up": '{"shape": [8, 41], "dtype": "float16"}'}), "bitmap"),
-    (lambda h: h["__metadata__"].update({"endor.mlp.up": '{"shape": [8, 30], "dtype": "float32"}'}), "values"),
-    (lambda h: h.pop("mlp.up.bitmap"), "mlp.up.bitmap"),
-    (lambda h: h["mlp.up.values"].update(dtype="F99"), "dtype"),
-    (lambda h: h["mlp.up.values"].update(shape=[10**9]), "data_offsets"),
-    (lambda h: h["mlp.up.values"].update(data_offsets=[0, 10**12]), "data_offsets"),
-    (lambda h: h["norm"].update(data_offsets=[0, 120]), "data_offsets"),  # overlaps another tensor
-])
+@pytest.mark.parametrize(
+    "edit, field",
+    [
+        (lambda h: h["__metadata__"].update(format="other"), "format"),
+        (lambda h: h["__metadata__"].update(version="99"), "version"),
+        (lambda h: h["__metadata__"].update({"endor.mlp.up": "{bad json"}), "endor.mlp.up"),
+        (lambda h: h["__metadata__"].update({"endor.mlp.up": '{"shape": [8], "dtype": "float16"}'}), "shape"),
+        (lambda h: h["__metadata__"].update({"endor.mlp.up": '{"shape": [8, 41], "dtype": "float16"}'}), "bitmap"),
+        (lambda h: h["__metadata__"].update({"endor.mlp.up": '{"shape": [8, 30], "dtype": "float32"}'}), "values"),
+        (lambda h: h.pop("mlp.up.bitmap"), "mlp.up.bitmap"),
+        (lambda h: h["mlp.up.values"].update(dtype="F99"), "dtype"),
+        (lambda h: h["mlp.up.values"].update(shape=[10**9]), "data_offsets"),
+        (lambda h: h["mlp.up.values"].update(data_offsets=[0, 10**12]), "data_offsets"),
+        (lambda h: h["norm"].update(data_offsets=[0, 120]), "data_offsets"),  # overlaps another tensor
+    ],
+)
 def test_load_names_the_bad_field(tmp_path, edit, field):
     path, _ = _saved(tmp_path)
     _rewrite_header(path, edit)
@@ -151,9 +157,9 @@ def test_load_detects_corrupt_data(tmp_path):
     e = endor.load(path)["mlp.up"]
     raw = bytearray(path.read_bytes())
     (n,) = struct.unpack("<Q", raw[:8])
-    header = json.loads(raw[8:8 + n])
+    header = json.loads(raw[8 : 8 + n])
     begin = 8 + n + header["mlp.up.row_offsets"]["data_offsets"][0]
-    raw[begin + 8 * 3:begin + 8 * 4] = struct.pack("<q", int(e.row_offsets[3]) + 1)  # one offset corrupted
+    raw[begin + 8 * 3 : begin + 8 * 4] = struct.pack("<q", int(e.row_offsets[3]) + 1)  # one offset corrupted
     path.write_bytes(bytes(raw))
     with pytest.raises(FormatError, match="row_offsets"):
         endor.load(path)
@@ -171,7 +177,7 @@ def test_fuzzed_files_raise_format_error_or_load(tmp_path, data):
     raw = bytearray(path.read_bytes())
     action = data.draw(st.sampled_from(["truncate", "garble", "header_size", "append"]))
     if action == "truncate":
-        raw = raw[:data.draw(st.integers(0, len(raw) - 1))]
+        raw = raw[: data.draw(st.integers(0, len(raw) - 1))]
     elif action == "garble":
         for _ in range(data.draw(st.integers(1, 8))):
             raw[data.draw(st.integers(0, len(raw) - 1))] = data.draw(st.integers(0, 255))
@@ -219,9 +225,16 @@ def test_two_four_structure():
         endor.prune(torch.randn(2, 6), structure="2:4")
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"method": "random"}, "method"), ({"sparsity": 1.0}, "sparsity"),
-    ({"method": "wanda"}, "activations"), ({"structure": "4"}, "N:M"), ({"structure": "5:4"}, "N <= M")])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"method": "random"}, "method"),
+        ({"sparsity": 1.0}, "sparsity"),
+        ({"method": "wanda"}, "activations"),
+        ({"structure": "4"}, "N:M"),
+        ({"structure": "5:4"}, "N <= M"),
+    ],
+)
 def test_prune_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         endor.prune(torch.randn(4, 8), **kwargs)

@@ -1,5 +1,6 @@
 """flashllm::endor_decompress: native CPU kernel (every ISA path) against the pure-torch reference and the
 original weights, bitwise; opcheck; bad inputs. The CUDA and Metal bodies are tested in test_simt.py."""
+
 import pytest
 import torch
 
@@ -108,8 +109,9 @@ def test_opcheck(dtype):
     args = (e.values, e.bitmap, e.row_offsets, 21)
     torch.library.opcheck(torch.ops.flashllm.endor_decompress.default, args)
     torch.library.opcheck(torch.ops.flashllm.endor_decompress.default, args + (torch.tensor([3, 1, 3]),))
-    torch.library.opcheck(torch.ops.flashllm.endor_decompress.out, args + (None,),
-                          {"out": torch.empty(9, 21, dtype=dtype)})
+    torch.library.opcheck(
+        torch.ops.flashllm.endor_decompress.out, args + (None,), {"out": torch.empty(9, 21, dtype=dtype)}
+    )
 
 
 def test_meta_tensors_give_shapes():
@@ -117,8 +119,9 @@ def test_meta_tensors_give_shapes():
     bm = torch.empty(4, 2, device="meta", dtype=torch.uint8)
     off = torch.empty(5, device="meta", dtype=torch.int64)
     assert ops.endor_decompress(vals, bm, off, n_cols=13).shape == (4, 13)
-    assert ops.endor_decompress(vals, bm, off, n_cols=13, rows=torch.empty(7, device="meta",
-                                                                           dtype=torch.int64)).shape == (7, 13)
+    assert ops.endor_decompress(
+        vals, bm, off, n_cols=13, rows=torch.empty(7, device="meta", dtype=torch.int64)
+    ).shape == (7, 13)
 
 
 def test_fake_kernel_checks_metadata():
@@ -151,13 +154,17 @@ def _bad_cases():
     yield "row_offsets must be int64", (v, b, o.to(torch.int32), 20, None)
     yield "row_offsets must be int64 of length", (v, b, o[:-1], 20, None)
     yield r"row_offsets must start at 0 and end at values.numel\(\)=\d+", (v[:-3], b, o, 20, None)  # values too short
-    o2 = o.clone(); o2[2], o2[3] = o[3], o[2]  # not monotone: row 1 spans rows 1 and 2, row 2 ends before it starts
+    o2 = o.clone()
+    o2[2], o2[3] = o[3], o[2]  # not monotone: row 1 spans rows 1 and 2, row 2 ends before it starts
     yield r"row 1: row_offsets says \d+ values but the bitmap has \d+ set bits", (v, b, o2, 20, None)
-    o3 = o.clone(); o3[1] += 1  # disagrees with the popcounts of rows 0 and 1
+    o3 = o.clone()
+    o3[1] += 1  # disagrees with the popcounts of rows 0 and 1
     yield r"row 0: row_offsets says \d+ values but the bitmap has \d+ set bits", (v, b, o3, 20, None)
-    b2 = b.clone(); b2[4, 0] ^= 1  # one bit flipped: counts disagree
+    b2 = b.clone()
+    b2[4, 0] ^= 1  # one bit flipped: counts disagree
     yield r"row 4: row_offsets says \d+ values but the bitmap has \d+ set bits", (v, b2, o, 20, None)
-    b3 = b.clone(); b3[0, -1] |= 0x80  # padding bit past n_cols
+    b3 = b.clone()
+    b3[0, -1] |= 0x80  # padding bit past n_cols
     yield "row 0: bitmap has bits set past n_cols=20", (v, b3, o, 20, None)
     yield r"rows\[1\]=6 is outside \[0, 6\)", (v, b, o, 20, torch.tensor([0, 6]))
     yield r"rows\[0\]=-1 is outside \[0, 6\)", (v, b, o, 20, torch.tensor([-1]))
@@ -175,8 +182,11 @@ def test_bad_input_raises_clear_error(kernel, case):
 
 def test_bad_out_buffer():
     v, b, o = _arrays()
-    for out in (torch.empty(6, 20, dtype=torch.float32), torch.empty(5, 20, dtype=torch.float16),
-                torch.empty(20, 6, dtype=torch.float16).t()):
+    for out in (
+        torch.empty(6, 20, dtype=torch.float32),
+        torch.empty(5, 20, dtype=torch.float16),
+        torch.empty(20, 6, dtype=torch.float16).t(),
+    ):
         with pytest.raises(RuntimeError, match="out must be a contiguous"):
             torch.ops.flashllm.endor_decompress.out(v, b, o, 20, None, out=out)
 

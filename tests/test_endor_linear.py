@@ -2,6 +2,7 @@
 values whose float32 sums are exact) and against F.linear of the dense weight (within float32 tolerance); opcheck;
 fake kernel; bad inputs. The CUDA and Metal bodies are tested in test_endor_linear_simt.py, the MLX backend in
 test_mlx_endor_linear.py, the real GPU in test_cuda.py."""
+
 import pytest
 import torch
 import torch.nn.functional as F

@@ -1,6 +1,7 @@
 """The CUDA and Metal endor_linear bodies, run on the CPU through the SIMT emulation (flashllm_ext._simt), launchers
 as shipped, against the pure-torch reference (exactly: linear_case's values make every float32 sum exact).
 Small shapes: every emulated GPU thread is an OS thread."""
+
 import pytest
 import torch
 

@@ -1,6 +1,7 @@
 """Endor on the flash path (issue 11 items 1 and 4): an Endor store's neuron rows read through FlashReader (coalesced,
 decompressed into `out`), NeuronCache / FlashFFN / the engine over it, its format errors, the streaming convert, and
 how a read reaches a CUDA destination (select_read_path; kvikio's staging logic with a stand-in CuFile)."""
+
 import os
 import sys
 import types
@@ -24,9 +25,17 @@ DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
 def _pruned_llama(n_neurons: int = 300, n_layers: int = 2, sparsity: float = 0.5) -> LlamaForCausalLM:
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=n_neurons, num_hidden_layers=n_layers,
-                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=96,
-                                         max_position_embeddings=128)).eval()
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            hidden_size=64,
+            intermediate_size=n_neurons,
+            num_hidden_layers=n_layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=96,
+            max_position_embeddings=128,
+        )
+    ).eval()
     with torch.no_grad():
         for layer in model.model.layers:
             for proj in (layer.mlp.up_proj, layer.mlp.gate_proj, layer.mlp.down_proj):
@@ -46,17 +55,23 @@ def pruned(tmp_path_factory):
     model = _pruned_llama()
     root = tmp_path_factory.mktemp("endor-store")
     model.save_pretrained(root / "ckpt")
-    stores = {name: convert(root / "ckpt", root / f"endor-{name}", dtype=name, endor=True, progress=False)
-              for name in DTYPES}
+    stores = {
+        name: convert(root / "ckpt", root / f"endor-{name}", dtype=name, endor=True, progress=False) for name in DTYPES
+    }
     return model, stores, convert(root / "ckpt", root / "dense-fp32", dtype="fp32", progress=False)
 
 
 def _id_sets(n: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(3)
-    return {"sorted": torch.randperm(n, generator=g)[:60].sort().values,
-            "unsorted": torch.randperm(n, generator=g)[:60],
-            "repeated": torch.randint(0, n, (150,), generator=g), "empty": torch.empty(0, dtype=torch.int64),
-            "all": torch.arange(n), "ends": torch.tensor([n - 1, 0, n - 1]), "run": torch.arange(40, 120)}
+    return {
+        "sorted": torch.randperm(n, generator=g)[:60].sort().values,
+        "unsorted": torch.randperm(n, generator=g)[:60],
+        "repeated": torch.randint(0, n, (150,), generator=g),
+        "empty": torch.empty(0, dtype=torch.int64),
+        "all": torch.arange(n),
+        "ends": torch.tensor([n - 1, 0, n - 1]),
+        "run": torch.arange(40, 120),
+    }
 
 
 def _assert_bitwise(got: torch.Tensor, want: torch.Tensor) -> None:
@@ -114,9 +129,18 @@ def _planned_runs(r: FlashReader, fs: store.FlashStore, layer: int, ids: torch.T
     return bounds.tolist(), int(plan[:, 1].sum())
 
 
-@pytest.mark.parametrize("rule", [(0, -1, 1 << 20), (0, 0, 1 << 20), (0, 7, 1 << 20), (12, 0, 1 << 20),
-                                  (32 << 10, 64 << 10, 1 << 20), (0, 1 << 30, 8192)],
-                         ids=["none", "adjacent", "gap7rows", "min_read12rows", "default", "max_read"])
+@pytest.mark.parametrize(
+    "rule",
+    [
+        (0, -1, 1 << 20),
+        (0, 0, 1 << 20),
+        (0, 7, 1 << 20),
+        (12, 0, 1 << 20),
+        (32 << 10, 64 << 10, 1 << 20),
+        (0, 1 << 30, 8192),
+    ],
+    ids=["none", "adjacent", "gap7rows", "min_read12rows", "default", "max_read"],
+)
 def test_coalescing_counts_neurons_not_bytes(pruned, rule):
     """The gap rule counts skipped neurons (a row counts as its dense bundle): for one active set the Endor store
     merges exactly the dense store's neuron runs, each read shorter, so it reads fewer bytes. Counting the Endor
@@ -128,8 +152,10 @@ def test_coalescing_counts_neurons_not_bytes(pruned, rule):
     if rule[:2] in ((0, 7), (12, 0)):  # given in rows: in bytes of the dense row
         min_read, max_gap = min_read * row, max_gap * row
     g = torch.Generator().manual_seed(5)
-    sets = [torch.randperm(300, generator=g)[:k] for k in (10, 40, 120, 240)] + [torch.arange(40, 120),
-                                                                                   torch.arange(300)]
+    sets = [torch.randperm(300, generator=g)[:k] for k in (10, 40, 120, 240)] + [
+        torch.arange(40, 120),
+        torch.arange(300),
+    ]
     options = dict(threads=2, min_read=min_read, max_gap=max_gap, max_read=max_read)
     with FlashReader(endor_fs, **options) as endor_reader, FlashReader(dense_fs, **options) as dense_reader:
         for layer in range(dense_fs.n_layers):
@@ -153,8 +179,9 @@ def test_bounce_buffers_stay_within_their_bound(pruned, engine, limit):
     _, stores, dense_path = pruned
     for path in (stores["fp16"], dense_path):
         fs = store.FlashStore(path)
-        with FlashReader(fs, threads=4, engine=engine, min_read=0, max_gap=1 << 20, max_read=16384,
-                         bounce_limit=limit) as r:
+        with FlashReader(
+            fs, threads=4, engine=engine, min_read=0, max_gap=1 << 20, max_read=16384, bounce_limit=limit
+        ) as r:
             assert r.bounce_bytes() == 0
             held = []
             for layer in range(fs.n_layers):
@@ -183,8 +210,9 @@ def test_ffn_stack_charges_the_reader_buffers(pruned, layout):
         assert reader.buffer_bound() == reader.bounce_bound() + reader.staging_bound()
         assert (reader.staging_bound() > 0) == fs.endor
         assert reader.bounce_limit + (reader.staging_bound() if fs.endor else 0) <= share
-        assert runtime.ffn_bytes == sum(m.nbytes for m in runtime.modules) + reader.buffer_bound() + \
-            (runtime.modules[0].cache.nbytes if shared else 0)
+        assert runtime.ffn_bytes == sum(m.nbytes for m in runtime.modules) + reader.buffer_bound() + (
+            runtime.modules[0].cache.nbytes if shared else 0
+        )
         assert runtime.accounted_bytes <= budget
         with torch.no_grad():
             for i, layer in enumerate(model.model.layers):
@@ -237,6 +265,7 @@ def test_store_bundle_reads_endor_rows(pruned):
 
 # ---- format errors ------------------------------------------------------------------------------------------------
 
+
 def _copy_store(src, dst):
     dst.mkdir()
     for name in (store.BUNDLES_FILE, store.RESIDENT_FILE):
@@ -264,7 +293,7 @@ def test_inconsistent_row_offsets_raise_format_error(pruned, tmp_path):
     path = _copy_store(stores["fp16"], tmp_path / "s")
     fs = store.FlashStore(path)
     entry = fs._entries[f"{store.layer_tensor_name(1)}.row_offsets"]
-    _patch_bytes(path / store.BUNDLES_FILE, entry.begin + 8 * 10, (10 ** 6).to_bytes(8, "little"))
+    _patch_bytes(path / store.BUNDLES_FILE, entry.begin + 8 * 10, (10**6).to_bytes(8, "little"))
     fs = store.FlashStore(path)
     with FlashReader(fs) as r:
         with pytest.raises(FormatError, match=r"bundles\.safetensors.*layers\.1\.bundles\.row_offsets"):
@@ -312,6 +341,7 @@ def test_older_endor_layout_is_refused(tmp_path):
 
 # ---- convert streams ----------------------------------------------------------------------------------------------
 
+
 def test_convert_endor_holds_at_most_one_layer(tmp_path, monkeypatch):
     """convert(endor=True) counts non-zeros first, then compresses and writes one layer at a time: the compressed
     bytes alive at once (EndorTensors and packed rows) never exceed those of the largest single layer."""
@@ -347,6 +377,7 @@ def test_convert_endor_holds_at_most_one_layer(tmp_path, monkeypatch):
 
 
 # ---- the cache, the FFN and the engine ----------------------------------------------------------------------------
+
 
 def test_neuron_cache_over_endor_equals_the_dense_cache(pruned):
     model, stores, dense_path = pruned
@@ -394,8 +425,13 @@ def test_load_flash_on_endor_generates_the_tokens_of_transformers(pruned, mode):
         torch.manual_seed(0)
         predictors = PredictorSet([LowRankPredictor(64, 300, 4) for _ in range(2)], torch.zeros(2))
         predictors.prob_thresholds.fill_(-1.0)
-    flash = flashllm_ext.load_flash(stores["fp32"], dram_budget="85%", mode=mode, predictors=predictors,
-                                    reader_options={"max_gap": 0, "min_read": 0})
+    flash = flashllm_ext.load_flash(
+        stores["fp32"],
+        dram_budget="85%",
+        mode=mode,
+        predictors=predictors,
+        reader_options={"max_gap": 0, "min_read": 0},
+    )
     assert (flash.flash.reader.max_gap, flash.flash.reader.min_read) == (0, 0)
     got = flash.generate(prompt, max_new_tokens=12, min_new_tokens=12, do_sample=False)
     assert torch.equal(got, want)
@@ -405,6 +441,7 @@ def test_load_flash_on_endor_generates_the_tokens_of_transformers(pruned, mode):
 
 
 # ---- SSD -> GPU: the path selection and kvikio's staging ------------------------------------------------------------
+
 
 def test_select_read_path(monkeypatch):
     assert select_read_path("cpu") == "host"
@@ -471,8 +508,11 @@ class _RecordingKvikioDefaults:
 def test_configure_kvikio_bounds_its_bounce_buffers_and_reads_direct():
     defaults = _RecordingKvikioDefaults({"num_threads", "bounce_buffer_size", "auto_direct_io_read"})
     reader.configure_kvikio(defaults, 16)
-    assert defaults.settings == {"num_threads": 16, "bounce_buffer_size": reader.KVIKIO_BOUNCE_BYTES,
-                                 "auto_direct_io_read": True}
+    assert defaults.settings == {
+        "num_threads": 16,
+        "bounce_buffer_size": reader.KVIKIO_BOUNCE_BYTES,
+        "auto_direct_io_read": True,
+    }
     older = _RecordingKvikioDefaults({"num_threads", "bounce_buffer_size"})  # before auto_direct_io_read
     reader.configure_kvikio(older, 16)
     assert older.settings == {"num_threads": 16, "bounce_buffer_size": reader.KVIKIO_BOUNCE_BYTES}
@@ -493,7 +533,7 @@ class _PosixCuFile:
 
     def pread(self, buf, size, file_offset):
         data = os.pread(self.fd, size, file_offset)
-        buf[:len(data)].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        buf[: len(data)].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
         _PosixCuFile.reads.append((file_offset, size))
         return types.SimpleNamespace(get=lambda: len(data))
 

@@ -1,6 +1,7 @@
 """The engine (flashllm_ext.flash.engine): load_flash / patch_flash in every mode against transformers' own outputs,
 the one active-neuron rule end to end (FlashFFN's perplexity equals predictor.evaluate's), budget accounting,
 undo, clear errors, and a read failure mid-generation."""
+
 import copy
 import os
 
@@ -22,16 +23,33 @@ from conftest import mapped_ranges, read_failure_at
 
 def _llama():
     torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=160, num_hidden_layers=3,
-                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
-                                        max_position_embeddings=256)).eval()
+    return LlamaForCausalLM(
+        LlamaConfig(
+            hidden_size=64,
+            intermediate_size=160,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=128,
+            max_position_embeddings=256,
+        )
+    ).eval()
 
 
 def _opt():
     torch.manual_seed(1)
-    return OPTForCausalLM(OPTConfig(hidden_size=48, ffn_dim=136, num_hidden_layers=2, num_attention_heads=4,
-                                    vocab_size=100, word_embed_proj_dim=48, max_position_embeddings=256,
-                                    dropout=0.0)).eval()
+    return OPTForCausalLM(
+        OPTConfig(
+            hidden_size=48,
+            ffn_dim=136,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            vocab_size=100,
+            word_embed_proj_dim=48,
+            max_position_embeddings=256,
+            dropout=0.0,
+        )
+    ).eval()
 
 
 @pytest.fixture(scope="module")
@@ -86,15 +104,15 @@ def test_exact_mode_under_a_small_budget_reads_in_parts(models, layout):
     model, path = models["llama"]
     prompt = torch.randint(3, 90, (1, 5), generator=torch.Generator().manual_seed(3))
     s = store.FlashStore(path)
-    resident = sum(p.numel() * 4 for n, p in model.named_parameters() if "mlp" not in n) + \
-        sum(b.nbytes for b in model.buffers())  # (the rotary frequencies)
+    resident = sum(p.numel() * 4 for n, p in model.named_parameters() if "mlp" not in n) + sum(
+        b.nbytes for b in model.buffers()
+    )  # (the rotary frequencies)
     fixed, per_row = flashllm_ext.flash.engine.FlashFFN.bytes_for(s, every_neuron=True)
     options = {"bounce_limit": 0, "max_read": 4096}  # the reader's buffers, charged too: one read's bounce buffer
     with flashllm_ext.flash.reader.FlashReader(s, **options) as reader:
         buffers = reader.buffer_bound()
     budget = resident + buffers + s.n_layers * (fixed + per_row * (s.n_neurons // 4))
-    flash = flashllm_ext.load_flash(path, dram_budget=budget, mode="exact", reader_options=options,
-                                    cache_layout=layout)
+    flash = flashllm_ext.load_flash(path, dram_budget=budget, mode="exact", reader_options=options, cache_layout=layout)
     caches = [m.cache for m in flash.flash.modules]
     if layout == "per-layer":
         assert all(c.capacity == s.n_neurons // 4 for c in caches)
@@ -129,8 +147,9 @@ def test_a_shared_cache_computes_what_per_layer_caches_compute(models, name):
     budget = resident + predictors.memory_bytes + (64 << 10) + s.n_layers * (fixed + per_row * (s.n_neurons // 8))
     got = {}
     for layout in ("per-layer", "shared"):
-        runtime = flashllm_ext.patch_flash(patched, path, mode="flash", predictors=predictors, dram_budget=budget,
-                                           cache_layout=layout)
+        runtime = flashllm_ext.patch_flash(
+            patched, path, mode="flash", predictors=predictors, dram_budget=budget, cache_layout=layout
+        )
         got[layout] = patched(ids).logits
         assert runtime.cache_layout == layout
         if layout == "per-layer":
@@ -139,18 +158,24 @@ def test_a_shared_cache_computes_what_per_layer_caches_compute(models, name):
     assert torch.allclose(got["shared"], got["per-layer"], rtol=1e-4, atol=1e-4)
     assert not torch.allclose(got["shared"], want, rtol=1e-3, atol=1e-3)  # the predicted sets matter here
     above, below = 2 * layer_rows / s.n_neurons, layer_rows / 2 / s.n_neurons  # sets larger / smaller than a cache
-    for density, lookahead, layout in ((None, None, "per-layer"), (above, None, "shared"), (below, None, "per-layer"),
-                                       (above, "ahead", "per-layer")):
+    for density, lookahead, layout in (
+        (None, None, "per-layer"),
+        (above, None, "shared"),
+        (below, None, "per-layer"),
+        (above, "ahead", "per-layer"),
+    ):
         predictors.loaded_density = density
-        runtime = flashllm_ext.patch_flash(patched, path, mode="flash", predictors=predictors, dram_budget=budget,
-                                           lookahead=lookahead)
+        runtime = flashllm_ext.patch_flash(
+            patched, path, mode="flash", predictors=predictors, dram_budget=budget, lookahead=lookahead
+        )
         assert runtime.cache_layout == layout, (density, lookahead)
         runtime.unpatch(patched)
     with pytest.raises(ValueError, match="cache_layout must be one of"):
         flashllm_ext.patch_flash(patched, path, mode="flash", predictors=predictors, cache_layout="pooled")
     with pytest.raises(ValueError, match="lookahead needs per-layer caches"):
-        flashllm_ext.patch_flash(patched, path, mode="flash", predictors=predictors, cache_layout="shared",
-                                 lookahead="ahead")
+        flashllm_ext.patch_flash(
+            patched, path, mode="flash", predictors=predictors, cache_layout="shared", lookahead="ahead"
+        )
 
 
 @pytest.mark.parametrize("name", ["llama", "opt"])
@@ -211,8 +236,17 @@ def _held_bytes(runtime) -> int:
 
 
 @pytest.mark.parametrize("name", ["llama", "opt"])
-@pytest.mark.parametrize("mode, layout", [("naive", "auto"), ("hybrid", "auto"), ("flash", "per-layer"),
-                                          ("flash", "shared"), ("exact", "per-layer"), ("exact", "shared")])
+@pytest.mark.parametrize(
+    "mode, layout",
+    [
+        ("naive", "auto"),
+        ("hybrid", "auto"),
+        ("flash", "per-layer"),
+        ("flash", "shared"),
+        ("exact", "per-layer"),
+        ("exact", "shared"),
+    ],
+)
 @torch.no_grad()
 def test_ffn_bytes_are_the_bytes_the_modules_hold(models, name, mode, layout):
     """The FFN bytes a runtime charges to its budget (beside the reader's buffer bound) are the bytes its modules
@@ -337,8 +371,10 @@ def test_default_model_exact_mode_and_cli_run(default_model, tmp_path, capsys):
     assert flash.flash.stats()["accounted_bytes"] <= flash.flash.stats()["budget_bytes"]
     assert torch.equal(_greedy(flash, prompt), _greedy(model, prompt))
     flash.flash.close()
-    assert cli.main(["run", str(path), "--tokenizer", str(gguf), "--mode", "naive", "--budget", "75%",
-                     "--tokens", "4"]) == 0
+    assert (
+        cli.main(["run", str(path), "--tokenizer", str(gguf), "--mode", "naive", "--budget", "75%", "--tokens", "4"])
+        == 0
+    )
     out = capsys.readouterr().out
     assert "4 tokens in" in out and "bytes_per_token" in out
 
@@ -378,7 +414,7 @@ def test_lookahead_exact_mode_generates_the_tokens_of_transformers(models, name)
     from flashllm_ext import cli
 
     with pytest.raises(SystemExit, match="flashllm run: lookahead needs a neuron cache"):
-            cli.main(["run", str(path), "--tokenizer", str(path), "--mode", "hybrid", "--lookahead", "ahead"])
+        cli.main(["run", str(path), "--tokenizer", str(path), "--mode", "hybrid", "--lookahead", "ahead"])
 
 
 @pytest.mark.parametrize("name", ["llama", "opt"])
@@ -406,11 +442,12 @@ def test_lookahead_computes_the_set_chosen_from_the_normed_layer_input(models, n
         chosen = ahead.pop(i) if i in ahead else predictors.predict(i, x)
         return h * (chosen & (h.abs() > predictors.thresholds[i]))
 
-    handles = [layer.register_forward_pre_hook(lambda m, a, k, i=i: choose_ahead(i, m, a, k), with_kwargs=True)
-               for i, layer in enumerate(decoder_layers(reference))]
+    handles = [
+        layer.register_forward_pre_hook(lambda m, a, k, i=i: choose_ahead(i, m, a, k), with_kwargs=True)
+        for i, layer in enumerate(decoder_layers(reference))
+    ]
     patched = copy.deepcopy(model)
-    runtime = flashllm_ext.patch_flash(patched, path, mode="flash", predictors=predictors, window=3,
-                                       lookahead="ahead")
+    runtime = flashllm_ext.patch_flash(patched, path, mode="flash", predictors=predictors, window=3, lookahead="ahead")
     prompt = torch.randint(3, 90, (1, 5), generator=torch.Generator().manual_seed(7))
     with ffn_hooks(reference, mask):
         want, got = reference(prompt, use_cache=True), patched(prompt, use_cache=True)
@@ -440,8 +477,9 @@ def test_lookahead_prefetch_keeps_the_results_of_flash_mode(models, name):
     prompt = torch.randint(3, 90, (1, 5), generator=torch.Generator().manual_seed(8))
     runs = {}
     for lookahead in (None, "prefetch"):
-        flash = flashllm_ext.load_flash(path, dram_budget="85%", mode="flash", predictors=predictors, window=2,
-                                        lookahead=lookahead)
+        flash = flashllm_ext.load_flash(
+            path, dram_budget="85%", mode="flash", predictors=predictors, window=2, lookahead=lookahead
+        )
         out, logits = flash(prompt, use_cache=True), []
         for _ in range(8):
             out = flash(out.logits[:, -1:].argmax(-1), past_key_values=out.past_key_values, use_cache=True)

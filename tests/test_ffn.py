@@ -1,5 +1,6 @@
 """FlashFFN: exact mode reproduces transformers' LlamaMLP and OPT fc1-fc2 (and whole-model logits) on random
 weights; fixed active sets, predictors and thresholds match masked dense math; budgets and bad input."""
+
 import copy
 import os
 
@@ -16,14 +17,31 @@ from flashllm_ext.flash.reader import shared_reader
 
 def _llama():
     torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=160, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=128)).eval()
+    return LlamaForCausalLM(
+        LlamaConfig(
+            hidden_size=64,
+            intermediate_size=160,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=128,
+        )
+    ).eval()
 
 
 def _opt():
     torch.manual_seed(1)
-    return OPTForCausalLM(OPTConfig(hidden_size=48, ffn_dim=136, num_hidden_layers=2, num_attention_heads=4,
-                                    vocab_size=100, word_embed_proj_dim=48, max_position_embeddings=64)).eval()
+    return OPTForCausalLM(
+        OPTConfig(
+            hidden_size=48,
+            ffn_dim=136,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            vocab_size=100,
+            word_embed_proj_dim=48,
+            max_position_embeddings=64,
+        )
+    ).eval()
 
 
 @pytest.fixture(scope="module")
@@ -33,8 +51,13 @@ def models(tmp_path_factory):
     out = {}
     for name, model in (("llama", _llama()), ("opt", _opt())):
         model.save_pretrained(root / name)
-        out[name] = (model, *(store.FlashStore(convert(root / name, root / f"{name}-{dt}", dtype=dt,
-                                                             progress=False)) for dt in ("fp32", "fp16")))
+        out[name] = (
+            model,
+            *(
+                store.FlashStore(convert(root / name, root / f"{name}-{dt}", dtype=dt, progress=False))
+                for dt in ("fp32", "fp16")
+            ),
+        )
     return out
 
 
@@ -83,8 +106,16 @@ def _threads_of_this_process() -> int:
 @torch.no_grad()
 def test_install_on_a_30_layer_model_opens_one_reader(tmp_path):
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=24, num_hidden_layers=30,
-                                         num_attention_heads=2, num_key_value_heads=1, vocab_size=32)).eval()
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            hidden_size=16,
+            intermediate_size=24,
+            num_hidden_layers=30,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            vocab_size=32,
+        )
+    ).eval()
     model.save_pretrained(tmp_path / "ckpt")
     ids = torch.randint(0, 32, (1, 4))
     want = model(ids).logits  # also starts torch's own worker threads before the count
@@ -110,8 +141,7 @@ def test_fixed_set_predictor_and_threshold(models, name):
     mask[subset] = 1
     x = torch.randn(4, fp32.hidden_size, generator=g)
     want = dense_mlp(model, 1, x, mask)
-    torch.testing.assert_close(FlashFFN(fp32, 1, active_ids=subset, capacity=n // 2)(x), want, rtol=1e-5,
-                               atol=1e-5)
+    torch.testing.assert_close(FlashFFN(fp32, 1, active_ids=subset, capacity=n // 2)(x), want, rtol=1e-5, atol=1e-5)
     bool_mask = mask.bool()
     ffn = FlashFFN(fp32, 1, predictor=lambda chunk: bool_mask.expand(chunk.shape[0], n), window=2)
     torch.testing.assert_close(ffn(x), want, rtol=1e-5, atol=1e-5)
@@ -172,7 +202,7 @@ def test_overlapped_decode_step_matches_the_synchronous_one(models, name):
     masks = torch.rand(6, n, generator=g) < 0.4
 
     def predictor_at(step):
-        return lambda chunk: masks[step[0]:step[0] + chunk.shape[0]]
+        return lambda chunk: masks[step[0] : step[0] + chunk.shape[0]]
 
     step_a, step_b = [0], [0]
     overlapped = FlashFFN(fp32, 1, predictor=predictor_at(step_a), capacity=n // 2, window=2)
@@ -219,7 +249,7 @@ def test_prefill_paths_agree_and_auto_follows_the_disk(models, name, tmp_path, m
     g = torch.Generator().manual_seed(3)
     masks = torch.rand(7, n, generator=g) < 0.1
     x = torch.randn(7, fp32.hidden_size, generator=g)
-    want = torch.stack([dense_mlp(model, 1, x[t:t + 1], masks[t].float())[0] for t in range(7)])
+    want = torch.stack([dense_mlp(model, 1, x[t : t + 1], masks[t].float())[0] for t in range(7)])
     results = {}
     for path in ("union", "sequential"):
         ffn = FlashFFN(fp32, 1, predictor=lambda chunk: masks, capacity=n // 3, window=2, prefill=path)

@@ -1,5 +1,6 @@
 """The CUDA and Metal sparse_ffn bodies and the CUDA cache_compact body, run on the CPU through the SIMT emulation
 (flashllm_ext._simt) against the pure-torch references. Small shapes: every emulated GPU thread is an OS thread."""
+
 import pytest
 import torch
 
@@ -58,8 +59,11 @@ def test_cuda_compact_matches_reference(seed, width, dtype):
 
 def test_cuda_compact_bad_inputs():
     matrix, pointer, bias, slot_of = compact_state(10, 4, 6, 20, torch.float32, seed=0)
-    for rows, match in ((torch.tensor([1, 1]), "twice"), (torch.tensor([6]), "outside"), (torch.tensor([-1]),
-                                                                                          "outside")):
+    for rows, match in (
+        (torch.tensor([1, 1]), "twice"),
+        (torch.tensor([6]), "outside"),
+        (torch.tensor([-1]), "outside"),
+    ):
         with pytest.raises(RuntimeError, match=match):
             OPS.cache_compact_cuda(matrix, pointer, bias, slot_of, 6, rows)
 
@@ -79,7 +83,7 @@ def guarded(t: torch.Tensor, pad: int = 64) -> tuple[torch.Tensor, torch.Tensor]
     """t copied into the middle of a buffer of sentinels (a copy of t's first dimension `pad` longer on both sides),
     and that buffer: a kernel writing outside t changes a sentinel."""
     buf = torch.full((t.shape[0] + 2 * pad, *t.shape[1:]), 77, dtype=t.dtype)
-    view = buf[pad:pad + t.shape[0]]
+    view = buf[pad : pad + t.shape[0]]
     view.copy_(t)
     return view, buf
 

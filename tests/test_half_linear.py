@@ -1,6 +1,7 @@
 """flashllm::half_linear (y = x W^T + b from half-precision weights, in float32) on the CPU: native kernel against
 the pure-torch reference over shapes, dtypes, biases and every CPU path; opcheck and the fake kernel; bad inputs;
 the HalfLinear module that load_flash puts in place of the resident nn.Linear layers."""
+
 import itertools
 
 import pytest
@@ -20,7 +21,7 @@ isa = forced_isa_fixture(cpu_isas("avx512"))
 def case(T: int, d: int, n: int, x_dtype: torch.dtype, w_dtype: torch.dtype, bias: bool, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(T, d, generator=g).to(x_dtype)
-    w = (torch.randn(n, d, generator=g) / d ** 0.5).to(w_dtype)
+    w = (torch.randn(n, d, generator=g) / d**0.5).to(w_dtype)
     b = torch.randn(n, generator=g).to(w_dtype) if bias else None
     return x, w, b
 
@@ -30,13 +31,16 @@ def assert_close_to_reference(x, w, b) -> None:
     assert got.dtype == x.dtype and got.shape == want.shape
     # float32 rounding of a length-d dot product (relative to the sum of |terms|), then the output dtype's rounding
     mag = x.float().abs() @ w.float().abs().t() + (0 if b is None else b.float().abs())
-    eps = {torch.float32: 0.0, torch.float16: 2 ** -10, torch.bfloat16: 2 ** -7}[x.dtype]
+    eps = {torch.float32: 0.0, torch.float16: 2**-10, torch.bfloat16: 2**-7}[x.dtype]
     tol = mag * 1e-5 + want.float().abs() * eps + 1e-6
-    assert bool(((got.float() - want.float()).abs() <= tol).all()), float(((got.float() - want.float()).abs() - tol).max())
+    assert bool(((got.float() - want.float()).abs() <= tol).all()), float(
+        ((got.float() - want.float()).abs() - tol).max()
+    )
 
 
-@pytest.mark.parametrize("T,d,n", [(1, 1, 1), (1, 576, 192), (7, 13, 5), (2, 31, 33), (8, 64, 9), (9, 100, 17),
-                                   (17, 250, 3), (3, 4096, 2)])
+@pytest.mark.parametrize(
+    "T,d,n", [(1, 1, 1), (1, 576, 192), (7, 13, 5), (2, 31, 33), (8, 64, 9), (9, 100, 17), (17, 250, 3), (3, 4096, 2)]
+)
 @pytest.mark.parametrize("w_dtype", DTYPES)
 def test_matches_reference_on_every_path(isa, T, d, n, w_dtype):
     for x_dtype, bias in itertools.product(DTYPES, (False, True)):
@@ -58,22 +62,28 @@ def test_non_contiguous_inputs_and_empty_shapes():
 
 
 def test_opcheck():
-    for x_dtype, w_dtype, bias in ((torch.float32, torch.float16, True), (torch.float16, torch.float16, False),
-                                   (torch.bfloat16, torch.bfloat16, True)):
+    for x_dtype, w_dtype, bias in (
+        (torch.float32, torch.float16, True),
+        (torch.float16, torch.float16, False),
+        (torch.bfloat16, torch.bfloat16, True),
+    ):
         x, w, b = case(3, 40, 12, x_dtype, w_dtype, bias)
         torch.library.opcheck(OPS.half_linear.default, (x, w, b))
         assert torch.equal(ops.half_linear(x, w, bias=b), OPS.half_linear(x, w, b))  # the wrapper: the op
 
 
-@pytest.mark.parametrize("args,message", [
-    ((torch.randn(2, 3, 4), torch.randn(5, 4), None), "x must be a 2-D"),
-    ((torch.randn(2, 4).int(), torch.randn(5, 4), None), "x must be a 2-D"),
-    ((torch.randn(2, 4), torch.randn(5, 3).half(), None), r"weight must be a 2-D .* \[n, d=4\]"),
-    ((torch.randn(2, 4), torch.randn(5, 4).double(), None), "weight must be"),
-    ((torch.randn(2, 4), torch.randn(5, 4).half(), torch.randn(5)), "bias must be torch.float16|bias must be Half"),
-    ((torch.randn(2, 4), torch.randn(5, 4).half(), torch.randn(4).half()), r"bias must be .* \[n=5\]"),
-    ((torch.randn(2, 4), torch.randn(5, 4, device="meta").half(), None), "must be on x's device"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        ((torch.randn(2, 3, 4), torch.randn(5, 4), None), "x must be a 2-D"),
+        ((torch.randn(2, 4).int(), torch.randn(5, 4), None), "x must be a 2-D"),
+        ((torch.randn(2, 4), torch.randn(5, 3).half(), None), r"weight must be a 2-D .* \[n, d=4\]"),
+        ((torch.randn(2, 4), torch.randn(5, 4).double(), None), "weight must be"),
+        ((torch.randn(2, 4), torch.randn(5, 4).half(), torch.randn(5)), "bias must be torch.float16|bias must be Half"),
+        ((torch.randn(2, 4), torch.randn(5, 4).half(), torch.randn(4).half()), r"bias must be .* \[n=5\]"),
+        ((torch.randn(2, 4), torch.randn(5, 4, device="meta").half(), None), "must be on x's device"),
+    ],
+)
 def test_bad_inputs_raise_clearly(args, message):
     for fn in (OPS.half_linear, half_linear_reference):
         with pytest.raises(RuntimeError, match=message):

@@ -16,8 +16,7 @@ def test_native_library_loaded():
 
 def test_import_neither_initialises_cuda_nor_imports_mlx():
     # On every platform, Apple Silicon included: the mlx ops live in flashllm_ext.mlx, imported explicitly.
-    code = ("import sys, torch, flashllm_ext; "
-            "print(torch.cuda.is_initialized(), 'mlx' in sys.modules)")
+    code = "import sys, torch, flashllm_ext; print(torch.cuda.is_initialized(), 'mlx' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "False"]
 
@@ -66,6 +65,7 @@ def test_native_libraries_use_the_shared_libstdcxx():
     libraries = [_C.__file__]
     try:
         from flashllm_ext import _simt
+
         libraries.append(_simt.__file__)
     except ImportError:
         pass

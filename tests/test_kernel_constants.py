@@ -1,5 +1,6 @@
 """Each number shared by the kernels is defined once, in a C header; the Python mirrors in
 flashllm_ext.ops.constants (which the MLX backend and its Metal header use) must equal it."""
+
 import re
 from pathlib import Path
 
@@ -24,7 +25,10 @@ def test_endor_row_codes_match_the_header():
 def test_ffn_geometry_matches_the_header():
     grid = header_constants(CSRC / "common/ffn_grid.h")
     assert (kc.FFN_MAX_TOKENS, kc.FFN_ROWS_PER_CHUNK, kc.FFN_MAX_CHUNKS) == (
-        grid["kFfnMaxTokens"], grid["kFfnRowsPerChunk"], grid["kFfnMaxChunks"])
+        grid["kFfnMaxTokens"],
+        grid["kFfnRowsPerChunk"],
+        grid["kFfnMaxChunks"],
+    )
     assert kc.METAL_THREADGROUP == header_constants(CSRC / "simt/bodies.h")["kMetalThreadgroup"]
 
 

@@ -1,5 +1,6 @@
 """Attention near storage equals dense attention (SDPA over the full K/V), for shards x writeback x GQA x prompt
 lengths that do and do not fill a read block; worker processes; a dead or failing worker gives a clear error."""
+
 import errno
 import os
 import signal
@@ -25,12 +26,13 @@ def dense_attention(q, k, v, scale=None, starts=None):
 
 def random_kv(batch, kv_heads, s, dim, dtype, seed):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(batch, kv_heads, s, dim, generator=g).to(dtype),
-            torch.randn(batch, kv_heads, s, dim, generator=g).to(dtype))
+    return (
+        torch.randn(batch, kv_heads, s, dim, generator=g).to(dtype),
+        torch.randn(batch, kv_heads, s, dim, generator=g).to(dtype),
+    )
 
 
-def run_decode(attn, *, n_layers, batch, q_heads, kv_heads, dim, dtype, prompt, steps, scale=None, seed=0,
-               starts=None):
+def run_decode(attn, *, n_layers, batch, q_heads, kv_heads, dim, dtype, prompt, steps, scale=None, seed=0, starts=None):
     """Prefill + `steps` decode steps through `attn` (left padding `starts`, if given); checks every step against
     dense attention. Returns the full K/V of layer 0."""
     g = torch.Generator().manual_seed(seed + 100)
@@ -52,8 +54,7 @@ def run_decode(attn, *, n_layers, batch, q_heads, kv_heads, dim, dtype, prompt, 
             vs[layer] = torch.cat([vs[layer], v_new[:, :, None]], dim=2)
             out, lse = attn.step(layer, q, k_new, v_new)
             assert out.shape == (batch, q_heads, dim) and lse.shape == (batch, q_heads)
-            torch.testing.assert_close(out, dense_attention(q, ks[layer], vs[layer], scale, starts), atol=tol,
-                                       rtol=tol)
+            torch.testing.assert_close(out, dense_attention(q, ks[layer], vs[layer], scale, starts), atol=tol, rtol=tol)
     return ks[0], vs[0]
 
 
@@ -65,11 +66,30 @@ def test_near_storage_equals_dense(tmp_path, shards, writeback, heads, prompt):
     q_heads, kv_heads = heads
     batch, dim, n_layers, steps = 3, 8, 2, 5
     dirs = [tmp_path / f"dev{i}" for i in range(shards)]
-    with NearStorageAttention(dirs, n_layers=n_layers, batch=batch, q_heads=q_heads, kv_heads=kv_heads,
-                              head_dim=dim, dtype=torch.float32, max_tokens=64, writeback=writeback,
-                              processes=False, block_tokens=16) as attn:
-        k0, v0 = run_decode(attn, n_layers=n_layers, batch=batch, q_heads=q_heads, kv_heads=kv_heads, dim=dim,
-                            dtype=torch.float32, prompt=prompt, steps=steps)
+    with NearStorageAttention(
+        dirs,
+        n_layers=n_layers,
+        batch=batch,
+        q_heads=q_heads,
+        kv_heads=kv_heads,
+        head_dim=dim,
+        dtype=torch.float32,
+        max_tokens=64,
+        writeback=writeback,
+        processes=False,
+        block_tokens=16,
+    ) as attn:
+        k0, v0 = run_decode(
+            attn,
+            n_layers=n_layers,
+            batch=batch,
+            q_heads=q_heads,
+            kv_heads=kv_heads,
+            dim=dim,
+            dtype=torch.float32,
+            prompt=prompt,
+            steps=steps,
+        )
     # close() spilled everything: each shard's files hold its pairs' tokens, [token][pair][head_dim]
     flat_k = k0.reshape(batch * kv_heads, -1, dim)
     for (p0, p1), d in zip(attn.ranges, dirs):
@@ -86,15 +106,48 @@ def test_left_padding_is_never_attended(tmp_path, kind, writeback, heads):
     """Padding of 0, 3, 9 (a whole block and more) and 11 tokens in front of a 12-token prompt: each sequence
     attends only its own tokens, over disk blocks (block_tokens 4), the block the padding ends in, and the buffer."""
     q_heads, kv_heads = heads
-    cls, extra = (NearStorageAttention, {"processes": False, "block_tokens": 4}) if kind == "near_storage" else \
-        (HostKVAttention, {})
-    with cls([tmp_path / "a", tmp_path / "b"], n_layers=2, batch=4, q_heads=q_heads, kv_heads=kv_heads, head_dim=8,
-             dtype=torch.float32, max_tokens=32, writeback=writeback, **extra) as attn:
-        run_decode(attn, n_layers=2, batch=4, q_heads=q_heads, kv_heads=kv_heads, dim=8, dtype=torch.float32,
-                   prompt=12, steps=4, starts=[0, 3, 9, 11])
+    cls, extra = (
+        (NearStorageAttention, {"processes": False, "block_tokens": 4})
+        if kind == "near_storage"
+        else (HostKVAttention, {})
+    )
+    with cls(
+        [tmp_path / "a", tmp_path / "b"],
+        n_layers=2,
+        batch=4,
+        q_heads=q_heads,
+        kv_heads=kv_heads,
+        head_dim=8,
+        dtype=torch.float32,
+        max_tokens=32,
+        writeback=writeback,
+        **extra,
+    ) as attn:
+        run_decode(
+            attn,
+            n_layers=2,
+            batch=4,
+            q_heads=q_heads,
+            kv_heads=kv_heads,
+            dim=8,
+            dtype=torch.float32,
+            prompt=12,
+            steps=4,
+            starts=[0, 3, 9, 11],
+        )
         attn.reset()  # forgets the padding too
-        run_decode(attn, n_layers=2, batch=4, q_heads=q_heads, kv_heads=kv_heads, dim=8, dtype=torch.float32,
-                   prompt=5, steps=2, seed=1)
+        run_decode(
+            attn,
+            n_layers=2,
+            batch=4,
+            q_heads=q_heads,
+            kv_heads=kv_heads,
+            dim=8,
+            dtype=torch.float32,
+            prompt=5,
+            steps=2,
+            seed=1,
+        )
 
 
 def test_masked_part_with_no_visible_token():
@@ -111,11 +164,20 @@ def test_masked_part_with_no_visible_token():
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_storage_and_scale(tmp_path, dtype):
-    with NearStorageAttention([tmp_path / "a", tmp_path / "b"], n_layers=1, batch=3, q_heads=4, kv_heads=2,
-                              head_dim=16, dtype=dtype, max_tokens=100, processes=False, scale=0.3,
-                              block_tokens=8) as attn:
-        run_decode(attn, n_layers=1, batch=3, q_heads=4, kv_heads=2, dim=16, dtype=dtype, prompt=20, steps=4,
-                   scale=0.3)
+    with NearStorageAttention(
+        [tmp_path / "a", tmp_path / "b"],
+        n_layers=1,
+        batch=3,
+        q_heads=4,
+        kv_heads=2,
+        head_dim=16,
+        dtype=dtype,
+        max_tokens=100,
+        processes=False,
+        scale=0.3,
+        block_tokens=8,
+    ) as attn:
+        run_decode(attn, n_layers=1, batch=3, q_heads=4, kv_heads=2, dim=16, dtype=dtype, prompt=20, steps=4, scale=0.3)
 
 
 @pytest.mark.parametrize("prefetch", [True, False])
@@ -127,13 +189,13 @@ def test_shard_attention_blocks_merge_exactly(tmp_path, prefetch):
     v = torch.randn(23, 4, 8)
     attn.append(0, k[:20], v[:20])
     for t in range(20, 23):
-        view = shard.append(0, k[t:t + 1], v[t:t + 1])
+        view = shard.append(0, k[t : t + 1], v[t : t + 1])
     assert view.disk_len == 20 and view.k_buf.shape[0] == 3
     q = torch.randn(4, 2, 8)
     out, lse = attn.attend(view, q)
     ref = dense_attention(q, k.transpose(0, 1)[:, None], v.transpose(0, 1)[:, None])
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
-    scores = torch.einsum("pgd,tpd->pgt", q, k) / 8 ** 0.5
+    scores = torch.einsum("pgd,tpd->pgt", q, k) / 8**0.5
     torch.testing.assert_close(lse, torch.logsumexp(scores, -1), atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="q must be"):
         attn.attend(view, torch.randn(4, 3, 8))
@@ -143,8 +205,20 @@ def test_shard_attention_blocks_merge_exactly(tmp_path, prefetch):
 
 def test_worker_processes_equal_dense(tmp_path):
     dirs = [tmp_path / "a", tmp_path / "b"]
-    with NearStorageAttention(dirs, n_layers=2, batch=2, q_heads=4, kv_heads=2, head_dim=8, dtype=torch.float16,
-                              max_tokens=64, writeback=3, processes=True, block_tokens=4, timeout_s=300) as attn:
+    with NearStorageAttention(
+        dirs,
+        n_layers=2,
+        batch=2,
+        q_heads=4,
+        kv_heads=2,
+        head_dim=8,
+        dtype=torch.float16,
+        max_tokens=64,
+        writeback=3,
+        processes=True,
+        block_tokens=4,
+        timeout_s=300,
+    ) as attn:
         run_decode(attn, n_layers=2, batch=2, q_heads=4, kv_heads=2, dim=8, dtype=torch.float16, prompt=9, steps=4)
     for d in dirs:  # close() left nothing unspilled: every token is on disk
         shard = KVShard.open(d)
@@ -153,8 +227,18 @@ def test_worker_processes_equal_dense(tmp_path):
 
 
 def test_dead_worker_gives_clear_error(tmp_path):
-    attn = NearStorageAttention([tmp_path / "a", tmp_path / "b"], n_layers=1, batch=2, q_heads=2, kv_heads=2,
-                                head_dim=8, dtype=torch.float32, max_tokens=16, processes=True, timeout_s=300)
+    attn = NearStorageAttention(
+        [tmp_path / "a", tmp_path / "b"],
+        n_layers=1,
+        batch=2,
+        q_heads=2,
+        kv_heads=2,
+        head_dim=8,
+        dtype=torch.float32,
+        max_tokens=16,
+        processes=True,
+        timeout_s=300,
+    )
     try:
         attn.prefill(0, *random_kv(2, 2, 3, 8, torch.float32, 0))
         os.kill(attn.shards[1].pid, signal.SIGKILL)
@@ -167,8 +251,18 @@ def test_dead_worker_gives_clear_error(tmp_path):
 
 
 def test_worker_exception_is_reported(tmp_path):
-    with NearStorageAttention([tmp_path / "a"], n_layers=1, batch=1, q_heads=2, kv_heads=2, head_dim=8,
-                              dtype=torch.float32, max_tokens=4, processes=True, timeout_s=300) as attn:
+    with NearStorageAttention(
+        [tmp_path / "a"],
+        n_layers=1,
+        batch=1,
+        q_heads=2,
+        kv_heads=2,
+        head_dim=8,
+        dtype=torch.float32,
+        max_tokens=4,
+        processes=True,
+        timeout_s=300,
+    ) as attn:
         attn.prefill(0, *random_kv(1, 2, 4, 8, torch.float32, 0))
         with pytest.raises(WorkerError, match="exceed max_tokens"):  # the worker's ValueError, with its traceback
             attn.step(0, torch.randn(1, 2, 8), torch.randn(1, 2, 8), torch.randn(1, 2, 8))
@@ -191,8 +285,19 @@ def test_worker_io_error_mid_step(tmp_path):
     naming the shard, the file and the errno at once, further steps are refused, and reset()/close() still work."""
     dirs = [tmp_path / "a", tmp_path / "b"]
     shape = dict(n_layers=1, batch=2, q_heads=2, kv_heads=2, dim=8, dtype=torch.float32)
-    with NearStorageAttention(dirs, n_layers=1, batch=2, q_heads=2, kv_heads=2, head_dim=8, dtype=torch.float32,
-                              max_tokens=32, writeback=2, processes=True, timeout_s=300) as attn:
+    with NearStorageAttention(
+        dirs,
+        n_layers=1,
+        batch=2,
+        q_heads=2,
+        kv_heads=2,
+        head_dim=8,
+        dtype=torch.float32,
+        max_tokens=32,
+        writeback=2,
+        processes=True,
+        timeout_s=300,
+    ) as attn:
         attn.prefill(0, *random_kv(2, 2, 6, 8, torch.float32, 0))
         attn.flush()
         os.truncate(dirs[1] / "layer0.k", 0)
@@ -212,9 +317,20 @@ def test_worker_spill_fault_keeps_tokens_and_recovers(tmp_path):
     again close() spills them: every token of the completed steps is on disk."""
     marker = tmp_path / "full"
     dirs = [tmp_path / "a", tmp_path / "b"]
-    attn = NearStorageAttention(dirs, n_layers=1, batch=2, q_heads=2, kv_heads=2, head_dim=8, dtype=torch.float32,
-                                max_tokens=32, writeback=2, processes=True, timeout_s=300,
-                                fault_injector=FailWhileExists(marker))
+    attn = NearStorageAttention(
+        dirs,
+        n_layers=1,
+        batch=2,
+        q_heads=2,
+        kv_heads=2,
+        head_dim=8,
+        dtype=torch.float32,
+        max_tokens=32,
+        writeback=2,
+        processes=True,
+        timeout_s=300,
+        fault_injector=FailWhileExists(marker),
+    )
     try:
         k, v = random_kv(2, 2, 4, 8, torch.float32, 0)
         attn.prefill(0, k, v)
@@ -224,8 +340,12 @@ def test_worker_spill_fault_keeps_tokens_and_recovers(tmp_path):
         done = 0
         with pytest.raises(WorkerError, match=r"(?s)failed in step of layer 0.*SpillError.*buffered tokens are kept"):
             for _ in range(4):  # step 2's spill (c = 2) fails in the background, step 3's append reports it
-                attn.step(0, torch.randn(2, 2, 8, generator=g), torch.randn(2, 2, 8, generator=g),
-                          torch.randn(2, 2, 8, generator=g))
+                attn.step(
+                    0,
+                    torch.randn(2, 2, 8, generator=g),
+                    torch.randn(2, 2, 8, generator=g),
+                    torch.randn(2, 2, 8, generator=g),
+                )
                 done += 1
         assert done == 2
         with pytest.raises(WorkerError, match="SpillError"):
@@ -244,8 +364,18 @@ def test_worker_spill_fault_keeps_tokens_and_recovers(tmp_path):
 def test_hung_worker_times_out(tmp_path):
     """A worker that stops answering (SIGSTOP: stuck I/O, a deadlock) gives a WorkerError after timeout_s, not a
     hang; terminate() then stops everything."""
-    attn = NearStorageAttention([tmp_path / "a", tmp_path / "b"], n_layers=1, batch=2, q_heads=2, kv_heads=2,
-                                head_dim=8, dtype=torch.float32, max_tokens=16, processes=True, timeout_s=300)
+    attn = NearStorageAttention(
+        [tmp_path / "a", tmp_path / "b"],
+        n_layers=1,
+        batch=2,
+        q_heads=2,
+        kv_heads=2,
+        head_dim=8,
+        dtype=torch.float32,
+        max_tokens=16,
+        processes=True,
+        timeout_s=300,
+    )
     try:
         attn.prefill(0, *random_kv(2, 2, 3, 8, torch.float32, 0))
         for shard in attn.shards:
@@ -264,8 +394,19 @@ def test_close_with_a_dead_worker_spills_every_live_shard(tmp_path):
     """One worker died: close() still spills and closes every other shard (their buffered tokens reach the disk),
     then raises naming the dead one."""
     dirs = [tmp_path / "a", tmp_path / "b", tmp_path / "c"]
-    attn = NearStorageAttention(dirs, n_layers=1, batch=3, q_heads=2, kv_heads=2, head_dim=8, dtype=torch.float32,
-                                max_tokens=16, writeback=8, processes=True, timeout_s=300)
+    attn = NearStorageAttention(
+        dirs,
+        n_layers=1,
+        batch=3,
+        q_heads=2,
+        kv_heads=2,
+        head_dim=8,
+        dtype=torch.float32,
+        max_tokens=16,
+        writeback=8,
+        processes=True,
+        timeout_s=300,
+    )
     try:
         attn.prefill(0, *random_kv(3, 2, 3, 8, torch.float32, 0))  # 3 tokens, all in the buffers (writeback 8)
         os.kill(attn.shards[0].pid, signal.SIGKILL)

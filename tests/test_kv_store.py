@@ -1,4 +1,5 @@
 """KVFile and KVShard: the on-disk layout, direct-I/O appends with tail blocks, delayed writeback, faults, restart."""
+
 import errno
 import json
 import os
@@ -23,7 +24,7 @@ def test_kvfile_appends_of_any_size_read_back(tmp_path, row_bytes):
     rows = torch.randint(0, 255, (40, row_bytes), dtype=torch.uint8)
     pos = 0
     for n in (1, 3, 0, 7, 1, 20, 8):
-        f.append(rows[pos:pos + n])
+        f.append(rows[pos : pos + n])
         pos += n
     out = torch.empty(pos, row_bytes, dtype=torch.uint8)
     f.read(0, pos, out)
@@ -53,14 +54,14 @@ def test_shard_layout_and_writeback(tmp_path):
     k, v = rand_tokens(23, pairs, dim, seed=1), rand_tokens(23, pairs, dim, seed=2)
     shard.append(0, k[:5], v[:5])  # prefill of 5: 4 spilled in bulk, 1 stays
     for t in range(5, 23):
-        view = shard.append(0, k[t:t + 1], v[t:t + 1])
+        view = shard.append(0, k[t : t + 1], v[t : t + 1])
         assert view.length == t + 1
     shard.flush()
     assert shard.buffered(0) == 0 and shard.length(0) == 23
     got_k, got_v = shard.tokens(0)
     assert torch.equal(got_k, k) and torch.equal(got_v, v)
     # the file is [token][pair][head_dim]: row t is token t of every pair
-    raw = (tmp_path / "layer0.k").read_bytes()[:23 * pairs * dim * 2]
+    raw = (tmp_path / "layer0.k").read_bytes()[: 23 * pairs * dim * 2]
     assert torch.equal(torch.frombuffer(bytearray(raw), dtype=torch.float16).view(23, pairs, dim), k)
     # spills: 4 (prefill) + 4 x 4 steps + the flush of the last 2: 6 writes per file
     assert shard.counters().n_writes == 2 * 6
@@ -70,12 +71,12 @@ def test_shard_layout_and_writeback(tmp_path):
 def test_views_are_stable_while_spilling(tmp_path):
     shard = KVShard.create(tmp_path, 1, 2, 4, torch.float32, 100, writeback=1)
     k = rand_tokens(30, 2, 4, torch.float32)
-    views = [shard.append(0, k[t:t + 1], k[t:t + 1]) for t in range(30)]
+    views = [shard.append(0, k[t : t + 1], k[t : t + 1]) for t in range(30)]
     shard.flush()
     for t, view in enumerate(views):  # each view: its disk rows then its buffer, exactly tokens [0, t]
         disk = torch.empty(view.disk_len, 2, 4)
         shard.read(0, 0, view.disk_len, disk, disk.clone())
-        assert torch.equal(torch.cat([disk, view.k_buf]), k[:t + 1])
+        assert torch.equal(torch.cat([disk, view.k_buf]), k[: t + 1])
     shard.close()
 
 
@@ -83,7 +84,7 @@ def append_rest_and_reopen(path, shard, k, v, start: int) -> None:
     """After a failure is switched off: append layer 0's tokens start.. of k / v, close, reopen from `path`; every
     token must be there (nothing the failure kept in the buffer was lost)."""
     for t in range(start, k.shape[0]):
-        shard.append(0, k[t:t + 1], v[t:t + 1])
+        shard.append(0, k[t : t + 1], v[t : t + 1])
     shard.close()
     reopened = KVShard.open(path)
     got_k, got_v = reopened.tokens(0)
@@ -98,6 +99,7 @@ def inject(errno_code, fail_after=0):
         calls["n"] += 1
         if calls["on"] and calls["n"] > fail_after:
             raise OSError(errno_code, "injected")
+
     return hook, calls
 
 
@@ -108,7 +110,7 @@ def test_failed_spill_keeps_buffer_and_surfaces(tmp_path, code, fail_after):
     shard = KVShard.create(tmp_path, 1, 2, 4, torch.float16, 50, writeback=3, fault_injector=hook)
     k, v = rand_tokens(10, 2, 4, seed=3), rand_tokens(10, 2, 4, seed=4)
     for t in range(3):
-        shard.append(0, k[t:t + 1], v[t:t + 1])
+        shard.append(0, k[t : t + 1], v[t : t + 1])
     with pytest.raises(SpillError, match="3 buffered tokens are kept") as info:
         shard.flush()
     assert info.value.__cause__.errno == code and "offset" in str(info.value)
@@ -174,6 +176,7 @@ class SyncLog:
                     assert self.synced.get(path, 0) >= n * self.row_bytes, (path, n, self.synced)
             real["replace"](src, dst)
             self.events.append(("manifest", tuple(lengths)))
+
         for name, fn in (("pwrite", pwrite), ("fdatasync", fdatasync), ("fsync", fsync), ("replace", replace)):
             monkeypatch.setattr(os, name, fn)
 
@@ -185,7 +188,7 @@ def test_spills_are_synced_before_the_manifest_records_them(tmp_path, monkeypatc
     k = rand_tokens(19, pairs, dim)
     for t in range(19):
         for layer in range(2):
-            shard.append(layer, k[t:t + 1], -k[t:t + 1])
+            shard.append(layer, k[t : t + 1], -k[t : t + 1])
     shard.close()
     manifests = [e[1] for e in log.events if e[0] == "manifest"]
     # creation, one per spill (4 per layer in the loop, then the flush of the last 3 per layer)
@@ -204,7 +207,7 @@ def test_failed_sync_keeps_buffer_and_rows_go_again(tmp_path, monkeypatch):
     shard = KVShard.create(tmp_path, 1, 2, 4, torch.float16, 50, writeback=3)
     k, v = rand_tokens(8, 2, 4, seed=5), rand_tokens(8, 2, 4, seed=6)
     for t in range(3):
-        shard.append(0, k[t:t + 1], v[t:t + 1])
+        shard.append(0, k[t : t + 1], v[t : t + 1])
     with pytest.raises(SpillError, match="sync of .*layer0.v failed") as info:
         shard.flush()
     assert info.value.__cause__.errno == errno.EIO
@@ -220,7 +223,7 @@ def test_restart_recovers_spilled_tokens_and_tail(tmp_path):
     ks = [rand_tokens(90, pairs, dim, torch.bfloat16, seed=layer) for layer in range(3)]
     for t in range(90):
         for layer in range(3):
-            shard.append(layer, ks[layer][t:t + 1], -ks[layer][t:t + 1])
+            shard.append(layer, ks[layer][t : t + 1], -ks[layer][t : t + 1])
     shard._wait_pending()
     spilled = [shard.view(layer).disk_len for layer in range(3)]
     assert spilled == [84] * 3
@@ -352,15 +355,19 @@ def test_open_refuses_a_fifo_in_the_shard(tmp_path, name):
     refuses_without_blocking(lambda: KVShard.open(tmp_path), tmp_path / name)
 
 
-@pytest.mark.parametrize("edit,match", [
-    (lambda m: [m], "manifest: must be a JSON object"),
-    (lambda m: {k: v for k, v in m.items() if k != "pairs"}, "pairs: must be a positive integer, got None"),
-    (lambda m: {**m, "pairs": "2"}, "pairs: must be a positive integer"),
-    (lambda m: {**m, "writeback": 0}, "writeback: must be a positive integer"),
-    (lambda m: {**m, "lengths": [1.5]}, "lengths: expected one length"),
-    (lambda m: {**m, "lengths": [5]}, "lengths: expected one length"),
-    (lambda m: {**m, "lengths": None}, "lengths: expected one length"),
-], ids=["list", "no_pairs", "pairs_str", "writeback_0", "float_length", "length_past_max", "no_lengths"])
+@pytest.mark.parametrize(
+    "edit,match",
+    [
+        (lambda m: [m], "manifest: must be a JSON object"),
+        (lambda m: {k: v for k, v in m.items() if k != "pairs"}, "pairs: must be a positive integer, got None"),
+        (lambda m: {**m, "pairs": "2"}, "pairs: must be a positive integer"),
+        (lambda m: {**m, "writeback": 0}, "writeback: must be a positive integer"),
+        (lambda m: {**m, "lengths": [1.5]}, "lengths: expected one length"),
+        (lambda m: {**m, "lengths": [5]}, "lengths: expected one length"),
+        (lambda m: {**m, "lengths": None}, "lengths: expected one length"),
+    ],
+    ids=["list", "no_pairs", "pairs_str", "writeback_0", "float_length", "length_past_max", "no_lengths"],
+)
 def test_open_refuses_a_manifest_of_wrong_types(tmp_path, edit, match):
     KVShard.create(tmp_path, 1, 2, 4, torch.float16, 4).close()
     manifest = tmp_path / "shard.json"

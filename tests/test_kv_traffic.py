@@ -1,5 +1,6 @@
 """Traffic accounting: INF² Eq. 3 as exact integers, per step (c = 1) and per c-step window; writes drop c-fold;
 the FlexGen-style baseline computes the same attention."""
+
 import pytest
 import torch
 
@@ -12,8 +13,17 @@ B, H, D, LAYERS = 2, 4, 64, 2  # MHA fp16: one token of one shard is 2 x 4 x 64 
 
 def make(kind, tmp_path, shards, writeback, max_tokens=64, **kwargs):
     dirs = [tmp_path / f"{kind}{i}" for i in range(shards)]
-    common = dict(n_layers=LAYERS, batch=B, q_heads=H, kv_heads=H, head_dim=D, dtype=torch.float16,
-                  max_tokens=max_tokens, writeback=writeback, **kwargs)
+    common = dict(
+        n_layers=LAYERS,
+        batch=B,
+        q_heads=H,
+        kv_heads=H,
+        head_dim=D,
+        dtype=torch.float16,
+        max_tokens=max_tokens,
+        writeback=writeback,
+        **kwargs,
+    )
     if kind == "ans":
         return NearStorageAttention(dirs, processes=False, **common)
     return HostKVAttention(dirs, **common)
@@ -23,8 +33,17 @@ def decode_both(tmp_path, shards, writeback, prompt, steps):
     logs = {}
     for kind in ("ans", "baseline"):
         with make(kind, tmp_path, shards, writeback) as attn:
-            run_decode(attn, n_layers=LAYERS, batch=B, q_heads=H, kv_heads=H, dim=D, dtype=torch.float16,
-                       prompt=prompt, steps=steps)
+            run_decode(
+                attn,
+                n_layers=LAYERS,
+                batch=B,
+                q_heads=H,
+                kv_heads=H,
+                dim=D,
+                dtype=torch.float16,
+                prompt=prompt,
+                steps=steps,
+            )
             attn.flush()
         logs[kind] = attn.traffic
     return logs["ans"], logs["baseline"]
@@ -43,8 +62,10 @@ def test_eq3_per_step_with_c1(tmp_path, shards):
             assert 2 * b == (s + 1) * a, (step, layer, a, b)
     lse = ans.total(steps=range(steps)).lse_bytes
     assert lse == steps * LAYERS * B * H * 4  # counted apart
-    assert ans.total(steps=range(steps)).interconnect_bytes() == ans.total(steps=range(steps)).interconnect_bytes(
-        include_lse=False) + lse
+    assert (
+        ans.total(steps=range(steps)).interconnect_bytes()
+        == ans.total(steps=range(steps)).interconnect_bytes(include_lse=False) + lse
+    )
 
 
 @pytest.mark.parametrize("c", [2, 4])
@@ -72,8 +93,9 @@ def test_eq3_per_window_and_writes_drop_c_fold(tmp_path, c):
 def test_default_writeback_spills_at_least_4kib(tmp_path):
     with make("ans", tmp_path, 2, None) as attn:
         assert attn.writeback == [8, 8]  # 512 B per token and file on each of 2 shards
-        run_decode(attn, n_layers=LAYERS, batch=B, q_heads=H, kv_heads=H, dim=D, dtype=torch.float16, prompt=8,
-                   steps=16)
+        run_decode(
+            attn, n_layers=LAYERS, batch=B, q_heads=H, kv_heads=H, dim=D, dtype=torch.float16, prompt=8, steps=16
+        )
     t = attn.traffic.total()  # prompt: one 8-token spill; 16 steps: two; per file, layer and shard
     assert t.storage_writes == 3 * 2 * LAYERS * 2 and t.mean_write_bytes >= 4096
 
@@ -82,8 +104,11 @@ def test_storage_reads_and_prefill_counted(tmp_path):
     prompt, steps = 9, 3
     ans, base = decode_both(tmp_path, 2, 1, prompt, steps)
     token = B * H * D * 2  # K of one token, all shards
-    assert ans.total(steps=[PREFILL]).kv_new_bytes == base.total(steps=[PREFILL]).writeback_bytes == \
-        2 * LAYERS * prompt * token
+    assert (
+        ans.total(steps=[PREFILL]).kv_new_bytes
+        == base.total(steps=[PREFILL]).writeback_bytes
+        == 2 * LAYERS * prompt * token
+    )
     # near storage reads the history inside the device; the baseline reads the same rows over the link
     rows = sum(prompt + s for s in range(steps)) * LAYERS
     assert base.total(steps=range(steps)).kv_read_bytes == 2 * rows * token
@@ -94,6 +119,7 @@ def test_storage_reads_and_prefill_counted(tmp_path):
 
 def test_link_paces_transfers():
     import time
+
     link = Link(gbps=0.08, burst_bytes=1000)  # 10 MB/s
     start = time.perf_counter()
     for _ in range(5):

@@ -1,6 +1,7 @@
 """Emulated devices' write requests: a write is charged max(nbytes, request_bytes), reads their bytes; every spill
 is charged to its shard's device (near storage and baseline), so delayed writeback saves device time; the
 regen/read regime's bandwidth arithmetic and the alpha it leads to; bench_kv times the final flush."""
+
 import argparse
 import os
 import time
@@ -47,15 +48,27 @@ def test_spills_charged_to_their_device(tmp_path, kind):
     charged = {}
     for c in (1, 4):
         dirs = [tmp_path / f"{kind}{c}-{i}" for i in range(2)]
-        common = dict(n_layers=LAYERS, batch=B, q_heads=H, kv_heads=H, head_dim=D, dtype=torch.float16,
-                      max_tokens=64, writeback=c, storage_gbps=1000.0, write_request_bytes=request)
-        attn = (NearStorageAttention(dirs, processes=False, **common) if kind == "ans"
-                else HostKVAttention(dirs, **common))
+        common = dict(
+            n_layers=LAYERS,
+            batch=B,
+            q_heads=H,
+            kv_heads=H,
+            head_dim=D,
+            dtype=torch.float16,
+            max_tokens=64,
+            writeback=c,
+            storage_gbps=1000.0,
+            write_request_bytes=request,
+        )
+        attn = (
+            NearStorageAttention(dirs, processes=False, **common) if kind == "ans" else HostKVAttention(dirs, **common)
+        )
         with attn:
-            run_decode(attn, n_layers=LAYERS, batch=B, q_heads=H, kv_heads=H, dim=D, dtype=torch.float16,
-                       prompt=8, steps=8)
+            run_decode(
+                attn, n_layers=LAYERS, batch=B, q_heads=H, kv_heads=H, dim=D, dtype=torch.float16, prompt=8, steps=8
+            )
             attn.flush()
-            devices = ([s.engine.storage_link for s in attn.shards] if kind == "ans" else attn.storage_links)
+            devices = [s.engine.storage_link for s in attn.shards] if kind == "ans" else attn.storage_links
             shards = [s.engine.shard for s in attn.shards] if kind == "ans" else attn.shards
             for device, shard in zip(devices, shards):
                 io = shard.counters()
@@ -117,8 +130,19 @@ def test_bench_times_the_final_flush(tmp_path):
     """The baseline spills its one decode step's token in the background (c = 1): 2 write requests of 0.3 s each
     on a 1 MB/s device with a 300 KB request cost (more than the Link's 256 KiB burst, which the prompt's writes
     have used up), which only the final flush waits for."""
-    args = argparse.Namespace(batch=1, heads=2, head_dim=16, layers=1, context=8, steps=1, prefill_chunk=8,
-                              link_gbps=1.0, device_gbps=0.008, writeback=None, write_request_bytes=300_000)
+    args = argparse.Namespace(
+        batch=1,
+        heads=2,
+        head_dim=16,
+        layers=1,
+        context=8,
+        steps=1,
+        prefill_chunk=8,
+        link_gbps=1.0,
+        device_gbps=0.008,
+        writeback=None,
+        write_request_bytes=300_000,
+    )
     row = bench_kv.run("baseline", 1, args, tmp_path)
     assert row["writes_per_step"] == 2
     assert args.batch * args.steps / row["tokens_per_s"] >= 0.5

@@ -1,5 +1,6 @@
 """The README's table op -> files (section "Ops and their files") is true: every file it names exists, every op
 registered in the flashllm namespace has a row and a wrapper in flashllm_ext.ops."""
+
 from __future__ import annotations
 
 import re
@@ -30,8 +31,11 @@ def test_every_file_named_in_the_table_exists():
 def test_every_op_has_a_row_and_a_wrapper():
     table = op_table()
     # Every overload of every op; reader_has_io_uring is a build query of the reader, not a kernel op.
-    registered = {name.removeprefix("flashllm::").split(".")[0] for name in torch._C._dispatch_get_all_op_names()
-                  if name.startswith("flashllm::")} - {"reader_has_io_uring"}
+    registered = {
+        name.removeprefix("flashllm::").split(".")[0]
+        for name in torch._C._dispatch_get_all_op_names()
+        if name.startswith("flashllm::")
+    } - {"reader_has_io_uring"}
     assert registered == set(table) == set(ops.__all__)
     for op, paths in table.items():
         assert f"tests/test_{op}.py" in paths, op  # every op's own test file

@@ -1,6 +1,7 @@
 """flashllm::merge_attention_states (exact log-sum-exp merge of partial attention results): against a float64
 merge; empty parts never give NaN; attention split over disjoint key sets and merged equals unsplit attention;
 opcheck and the fake kernel; bad inputs. The CUDA kernel is tested in test_attention_simt.py."""
+
 import math
 
 import pytest
@@ -14,8 +15,9 @@ OPS = torch.ops.flashllm
 INF = math.inf
 
 
-def merge_case(parts: int, batch: int, heads: int, head_dim: int, seed: int = 0,
-               empty: float = 0.3) -> tuple[torch.Tensor, torch.Tensor]:
+def merge_case(
+    parts: int, batch: int, heads: int, head_dim: int, seed: int = 0, empty: float = 0.3
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(outs [P, B, H, D], lses [P, B, H]): lses spread over +-30 so the weights span many magnitudes; a fraction
     `empty` of the parts is empty (lse -inf, out NaN: an empty part's buffer must not be read)."""
     g = torch.Generator().manual_seed(seed)

@@ -2,6 +2,7 @@
 (metal/endor_decompress.metal), against the torch reference, bitwise. Off Apple Silicon the Metal kernel body is
 tested through the SIMT emulation in tests/test_simt.py.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -15,9 +16,17 @@ from kernel_cases import BAD_CASES, DTYPES, SHAPES, assert_bitwise_equal, endor_
 mx = pytest.importorskip("mlx.core", reason="mlx is not importable (install the [mlx] extra)")
 fmlx = pytest.importorskip("flashllm_ext.mlx")
 
-_MX_DTYPE = {torch.float32: mx.float32, torch.float16: mx.float16, torch.bfloat16: mx.bfloat16, torch.int8: mx.int8,
-             torch.uint8: mx.uint8, torch.int16: mx.int16, torch.int32: mx.int32, torch.int64: mx.int64,
-             torch.float64: mx.float64}
+_MX_DTYPE = {
+    torch.float32: mx.float32,
+    torch.float16: mx.float16,
+    torch.bfloat16: mx.bfloat16,
+    torch.int8: mx.int8,
+    torch.uint8: mx.uint8,
+    torch.int16: mx.int16,
+    torch.int32: mx.int32,
+    torch.int64: mx.int64,
+    torch.float64: mx.float64,
+}
 _MX_BITS = {mx.float32: mx.uint32, mx.float16: mx.uint16, mx.bfloat16: mx.uint16, mx.int8: mx.uint8}
 
 
@@ -34,8 +43,9 @@ def to_torch(a: "mx.array", dtype: torch.dtype) -> torch.Tensor:
 
 
 def decompress(values, bitmap, row_offsets, n_cols, rows=None) -> torch.Tensor:
-    out = fmlx.endor_decompress(to_mx(values), to_mx(bitmap), to_mx(row_offsets), n_cols,
-                                None if rows is None else to_mx(rows))
+    out = fmlx.endor_decompress(
+        to_mx(values), to_mx(bitmap), to_mx(row_offsets), n_cols, None if rows is None else to_mx(rows)
+    )
     return to_torch(out, values.dtype)
 
 

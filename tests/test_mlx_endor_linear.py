@@ -1,6 +1,7 @@
 """flashllm_ext.mlx.endor_linear: its mlx-op fallback everywhere and, on Apple Silicon, its Metal kernel, against
 the torch reference, exactly (linear_case's values make every float32 sum exact). Off Apple Silicon the Metal body
 is tested through the SIMT emulation in test_endor_linear_simt.py."""
+
 import pytest
 import torch
 
@@ -13,8 +14,9 @@ fmlx = pytest.importorskip("flashllm_ext.mlx")
 
 
 def run(x, values, bitmap, row_offsets, n_cols, bias=None):
-    out = fmlx.endor_linear(to_mx(x), to_mx(values), to_mx(bitmap), to_mx(row_offsets), n_cols,
-                            None if bias is None else to_mx(bias))
+    out = fmlx.endor_linear(
+        to_mx(x), to_mx(values), to_mx(bitmap), to_mx(row_offsets), n_cols, None if bias is None else to_mx(bias)
+    )
     return to_torch(out, x.dtype)
 
 

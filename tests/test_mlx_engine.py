@@ -2,6 +2,7 @@
 against the torch engine and transformers: the cache over mx.arrays step by step against the torch NeuronCache (rows
 read back through mlx), MLXFlashFFN's outputs and cache states against FlashFFN's, the naive / hybrid stacks against
 the torch engine's (outputs, reads, stats, budget), greedy tokens against transformers, bad input."""
+
 import numpy as np
 import pytest
 import torch
@@ -25,9 +26,17 @@ N_NEURONS = 136
 
 def _llama(seed: int = 0, layers: int = 2) -> LlamaForCausalLM:
     torch.manual_seed(seed)
-    return LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=N_NEURONS, num_hidden_layers=layers,
-                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
-                                        max_position_embeddings=256)).eval()
+    return LlamaForCausalLM(
+        LlamaConfig(
+            hidden_size=64,
+            intermediate_size=N_NEURONS,
+            num_hidden_layers=layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=128,
+            max_position_embeddings=256,
+        )
+    ).eval()
 
 
 @pytest.fixture(scope="module")
@@ -35,15 +44,25 @@ def stores(tmp_path_factory):
     """OPT (ReLU, fc1 bias: the cache moves bias rows) and Llama (GLU) stores in fp16 and fp32, and the Llama model."""
     root = tmp_path_factory.mktemp("mlx_engine")
     torch.manual_seed(1)
-    opt = OPTForCausalLM(OPTConfig(hidden_size=48, ffn_dim=N_NEURONS, num_hidden_layers=2, num_attention_heads=4,
-                                   vocab_size=100, word_embed_proj_dim=48, max_position_embeddings=64,
-                                   dropout=0.0)).eval()
+    opt = OPTForCausalLM(
+        OPTConfig(
+            hidden_size=48,
+            ffn_dim=N_NEURONS,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            vocab_size=100,
+            word_embed_proj_dim=48,
+            max_position_embeddings=64,
+            dropout=0.0,
+        )
+    ).eval()
     out = {"llama_model": _llama(layers=3)}
     for name, model in (("opt", opt), ("llama", out["llama_model"])):
         model.save_pretrained(root / f"{name}-ckpt")
         for dtype in ("fp16", "fp32"):
-            out[f"{name}-{dtype}"] = store.FlashStore(convert(root / f"{name}-ckpt", root / f"{name}-{dtype}",
-                                                              dtype=dtype, progress=False))
+            out[f"{name}-{dtype}"] = store.FlashStore(
+                convert(root / f"{name}-ckpt", root / f"{name}-{dtype}", dtype=dtype, progress=False)
+            )
     return out
 
 
@@ -88,8 +107,12 @@ def test_cache_state_matches_the_torch_cache_step_by_step(stores, name, capacity
         else:
             want = host.step(ids)
             got = other.begin_step(ids, background=True).finish() if step % 3 == 0 else other.step(ids)
-            assert (got.evicted, got.evicted_budget, got.inserted, got.num_used) == \
-                (want.evicted, want.evicted_budget, want.inserted, want.num_used)
+            assert (got.evicted, got.evicted_budget, got.inserted, got.num_used) == (
+                want.evicted,
+                want.evicted_budget,
+                want.inserted,
+                want.num_used,
+            )
             evicted_budget += want.evicted_budget
         assert_same_cache(host, other)
     assert capacity == N_NEURONS or evicted_budget > 0  # the small caches ran the budget rule
@@ -103,9 +126,13 @@ def _predictor(d: int, seed: int):
 
 def _configs(d: int) -> dict[str, dict]:
     fixed = torch.randint(0, N_NEURONS, (50,), generator=torch.Generator().manual_seed(7))
-    return {"exact": {}, "exact-parts": {"capacity": 30}, "fixed": {"active_ids": fixed, "capacity": 60},
-            "predictor": {"predictor": _predictor(d, 3), "threshold": 0.01, "capacity": 90, "window": 2},
-            "predictor-small": {"predictor": _predictor(d, 4), "capacity": 64, "window": 3}}
+    return {
+        "exact": {},
+        "exact-parts": {"capacity": 30},
+        "fixed": {"active_ids": fixed, "capacity": 60},
+        "predictor": {"predictor": _predictor(d, 3), "threshold": 0.01, "capacity": 90, "window": 2},
+        "predictor-small": {"predictor": _predictor(d, 4), "capacity": 64, "window": 3},
+    }
 
 
 @pytest.mark.parametrize("name", ["opt-fp32", "llama-fp32", "llama-fp16"])
@@ -169,7 +196,7 @@ def test_read_failure_mid_generation_leaves_the_caches_consistent(stores, layout
         flash.generate(prompt, 8)
     for ffn in flash.ffns if layout == "per-layer" else []:
         cache = ffn.cache
-        ids = cache.pointer[:cache.num_used]
+        ids = cache.pointer[: cache.num_used]
         assert torch.equal(rows_through_mlx(ffn.matrix, cache.num_used, s.dtype), s.bundle(cache.layer, ids))
         assert torch.equal(cache.slot_of[ids], torch.arange(cache.num_used))
     with torch.no_grad():
@@ -184,8 +211,9 @@ def test_flash_mode_follows_the_torch_engine(stores):
 
     s = stores["llama-fp32"]
     torch.manual_seed(3)
-    predictors = PredictorSet([LowRankPredictor(s.hidden_size, N_NEURONS, 8) for _ in range(s.n_layers)],
-                              torch.zeros(s.n_layers))
+    predictors = PredictorSet(
+        [LowRankPredictor(s.hidden_size, N_NEURONS, 8) for _ in range(s.n_layers)], torch.zeros(s.n_layers)
+    )
     prompt = torch.randint(3, 90, (1, 6), generator=torch.Generator().manual_seed(4))
     reference = flashllm_ext.load_flash(s.path, dram_budget="70%", mode="flash", predictors=predictors)
     with torch.no_grad():
@@ -203,8 +231,10 @@ def test_flash_mode_follows_the_torch_engine(stores):
 
 def _streaming_stacks(s: store.FlashStore, mode: str, budget: int | None):
     """The torch engine's FFN stack and the MLX one for `mode` over `s` at `budget` (bytes or None)."""
-    return (ffn_stack(s, mode, budget),
-            ffn_stack(s, mode, budget, transfer=fmlx.MLXTransfer(), streaming_class=fmlx.MLXStreamingFFN))
+    return (
+        ffn_stack(s, mode, budget),
+        ffn_stack(s, mode, budget, transfer=fmlx.MLXTransfer(), streaming_class=fmlx.MLXStreamingFFN),
+    )
 
 
 @pytest.mark.parametrize("name", ["opt-fp32", "llama-fp32", "llama-fp16"])
@@ -231,8 +261,11 @@ def test_streaming_stack_matches_the_torch_stack(stores, name, mode, share):
         for layer in range(s.n_layers):
             want = reference.modules[layer](xs[first:last])
             got = stack.modules[layer](to_mx(xs[first:last]))
-            assert isinstance(got, mx.array) and got.dtype == mx.float32 and tuple(got.shape) == (last - first,
-                                                                                                 s.hidden_size)
+            assert (
+                isinstance(got, mx.array)
+                and got.dtype == mx.float32
+                and tuple(got.shape) == (last - first, s.hidden_size)
+            )
             torch.testing.assert_close(torch_view(got), want, **tol, msg=f"layer {layer} [{first}:{last}]")
         assert stack.counters.bytes_requested - requested == s.n_layers * streamed * s.row_bytes
     for key in ("tokens", "steps", "needed", "inserted", "bytes_read", "bytes_requested", "n_reads"):
@@ -314,8 +347,13 @@ def test_bad_input(stores, tmp_path):
     with pytest.raises(ValueError, match="dtype must be"):
         fmlx.load_flash(path, mode="dense", dtype=torch.int8)
     model = fmlx.load_flash(path, mode="dense")
-    for prompt, match in (([], "non-empty"), ([1.5, 2.0], "integer"), ([[1, 2], [3, 4]], r"\[1, T\]"),
-                          ([3, 128], "vocab_size=128"), ([-1], "vocab_size")):
+    for prompt, match in (
+        ([], "non-empty"),
+        ([1.5, 2.0], "integer"),
+        ([[1, 2], [3, 4]], r"\[1, T\]"),
+        ([3, 128], "vocab_size=128"),
+        ([-1], "vocab_size"),
+    ):
         with pytest.raises(ValueError, match=match):
             model.generate(prompt, 2)
     with pytest.raises(ValueError, match="non-negative int"):

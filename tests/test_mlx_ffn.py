@@ -1,5 +1,6 @@
 """flashllm_ext.mlx.sparse_ffn: its mlx-op fallback everywhere and, on Apple Silicon, its Metal kernels, against
 the torch reference (off Apple Silicon the Metal bodies are tested through the SIMT emulation in test_ffn_simt.py)."""
+
 import pytest
 import torch
 
@@ -12,8 +13,16 @@ fmlx = pytest.importorskip("flashllm_ext.mlx")
 
 
 def run(x, m, num_used, bias, act, glu, index=None, threshold=0.0):
-    out = fmlx.sparse_ffn(to_mx(x), to_mx(m), num_used, None if bias is None else to_mx(bias), act, glu,
-                          None if index is None else to_mx(index), threshold)
+    out = fmlx.sparse_ffn(
+        to_mx(x),
+        to_mx(m),
+        num_used,
+        None if bias is None else to_mx(bias),
+        act,
+        glu,
+        None if index is None else to_mx(index),
+        threshold,
+    )
     return to_torch(out, x.dtype)
 
 

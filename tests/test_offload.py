@@ -1,5 +1,6 @@
 """Offloaded inference (flashllm_ext.offload): greedy tokens equal to transformers' in every mode, placement by the
 budget (nearest first, more layers when kept compressed), the minimum budget, read failures, the store format."""
+
 import os
 import re
 from functools import partial
@@ -27,12 +28,26 @@ N_LAYERS = 6
 def tiny_model(kind: str) -> torch.nn.Module:
     torch.manual_seed(0)
     if kind == "llama":
-        config = LlamaConfig(hidden_size=128, intermediate_size=352, num_hidden_layers=N_LAYERS, num_attention_heads=4,
-                             num_key_value_heads=2, vocab_size=96, max_position_embeddings=64)
+        config = LlamaConfig(
+            hidden_size=128,
+            intermediate_size=352,
+            num_hidden_layers=N_LAYERS,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=96,
+            max_position_embeddings=64,
+        )
         model = LlamaForCausalLM(config)
     else:
-        config = OPTConfig(hidden_size=128, ffn_dim=352, num_hidden_layers=N_LAYERS, num_attention_heads=4,
-                           vocab_size=96, word_embed_proj_dim=128, max_position_embeddings=64)
+        config = OPTConfig(
+            hidden_size=128,
+            ffn_dim=352,
+            num_hidden_layers=N_LAYERS,
+            num_attention_heads=4,
+            vocab_size=96,
+            word_embed_proj_dim=128,
+            max_position_embeddings=64,
+        )
         model = OPTForCausalLM(config)
     with torch.no_grad():  # 50% magnitude pruning of every decoder-layer Linear, as a pruned checkpoint has
         for name, p in model.named_parameters():
@@ -74,8 +89,15 @@ def _staging(store: LayerStore, mode: str, k: int) -> int:
     matrix computed from its compressed form (SSD layers, and in-memory ones in endor+more-resident)."""
     rest = [store.stored_bytes(i) for i in range(k, store.n_layers)]
     item = store.dtype.itemsize
-    decompress = max((offload.decompress_block_rows(*e.shape, item) * e.shape[1] * item for i in range(store.n_layers)
-                      for e in store.layers[i] if e.endor and (i >= k or mode == "endor+more-resident")), default=0)
+    decompress = max(
+        (
+            offload.decompress_block_rows(*e.shape, item) * e.shape[1] * item
+            for i in range(store.n_layers)
+            for e in store.layers[i]
+            if e.endor and (i >= k or mode == "endor+more-resident")
+        ),
+        default=0,
+    )
     return 2 * max(rest, default=0) + decompress
 
 
@@ -107,8 +129,9 @@ def test_endor_reads_fewer_bytes_and_decode_paths_agree(case):
         assert torch.equal(model.generate(case["prompt"], max_new_tokens=8, do_sample=False), case["reference"])
 
 
-@pytest.mark.parametrize("block_bytes, buffer_bytes", [(1, 352 * 4), (3 * 128 * 4, 3 * 128 * 4),
-                                                       (1 << 30, 352 * 128 * 4)])
+@pytest.mark.parametrize(
+    "block_bytes, buffer_bytes", [(1, 352 * 4), (3 * 128 * 4, 3 * 128 * 4), (1 << 30, 352 * 128 * 4)]
+)
 def test_prompts_decompress_a_block_of_rows_at_a_time(case, monkeypatch, block_bytes, buffer_bytes):
     """Blocks of one row (the buffer holds the widest row, of fc2/down: 352 columns), of 3 rows of 128 columns (no
     matrix has a multiple of 3 rows: short last blocks; the wider ones one row a block), and whole matrices (the
@@ -125,8 +148,9 @@ def test_placement_nearest_first_and_more_layers_when_compressed(case):
     store = LayerStore(case["endor"])
     resident = load_offload(store.path, None, mode="endor").offload.resident_bytes
     counts = {}
-    for budget in range(resident + _staging(store, "endor", 0), resident + 4 * store.dense_bytes(0),
-                        store.dense_bytes(0) // 8):
+    for budget in range(
+        resident + _staging(store, "endor", 0), resident + 4 * store.dense_bytes(0), store.dense_bytes(0) // 8
+    ):
         for mode in ("endor", "endor+more-resident"):
             model = load_offload(store.path, budget, mode=mode)
             runtime, k = model.offload, model.offload.layers_in_memory
@@ -220,9 +244,17 @@ def test_bad_arguments_and_stores(case, tmp_path):
     with pytest.raises(FileExistsError):
         convert_offload(model_checkpoint(case["model"]), case["dense"], dtype="fp32")
     # Counts are ints (not floats, strings or bools), budgets finite; each refusal names its argument.
-    for name, value in (("layers_in_memory", 2.5), ("layers_in_memory", "2"), ("layers_in_memory", True),
-                        ("layers_on_device", 1.0), ("slots", 1.0), ("slots", True), ("threads", 0),
-                        ("dram_budget", float("nan")), ("dram_budget", float("inf"))):
+    for name, value in (
+        ("layers_in_memory", 2.5),
+        ("layers_in_memory", "2"),
+        ("layers_in_memory", True),
+        ("layers_on_device", 1.0),
+        ("slots", 1.0),
+        ("slots", True),
+        ("threads", 0),
+        ("dram_budget", float("nan")),
+        ("dram_budget", float("inf")),
+    ):
         with pytest.raises(ValueError, match=f"{name} must be"):
             load_offload(case["endor"], **{"dram_budget": None, "mode": "endor", name: value})
     store = LayerStore(case["endor"])
@@ -236,17 +268,21 @@ def test_bad_arguments_and_stores(case, tmp_path):
         plan_placement(store, "endor", "30%")
     case["model"].save_pretrained(tmp_path / "hf")
     flash = convert(tmp_path / "hf", tmp_path / "flash", progress=False)
-    for where, says in ((tmp_path / "none", "it does not exist"), (flash, "it is a flash store: load_flash"),
-                        (tmp_path / "hf", "a checkpoint\\? convert_offload"),
-                        (tmp_path, "no layers.safetensors in it")):
+    for where, says in (
+        (tmp_path / "none", "it does not exist"),
+        (flash, "it is a flash store: load_flash"),
+        (tmp_path / "hf", "a checkpoint\\? convert_offload"),
+        (tmp_path, "no layers.safetensors in it"),
+    ):
         with pytest.raises(FileNotFoundError, match=f"is not a layer store \\({says}"):
             LayerStore(where)
     broken = tmp_path / "broken"
     broken.mkdir()
     data = open(os.path.join(case["endor"], "layers.safetensors"), "rb").read()
-    (broken / "resident.safetensors").write_bytes(open(os.path.join(case["endor"], "resident.safetensors"),
-                                                       "rb").read())
-    (broken / "layers.safetensors").write_bytes(data[:len(data) // 2])
+    (broken / "resident.safetensors").write_bytes(
+        open(os.path.join(case["endor"], "resident.safetensors"), "rb").read()
+    )
+    (broken / "layers.safetensors").write_bytes(data[: len(data) // 2])
     with pytest.raises(FormatError, match="layers.safetensors"):
         LayerStore(broken)
 
@@ -256,23 +292,29 @@ def test_cli_converts_a_hugging_face_directory(tmp_path, capsys):
 
     model = tiny_model("opt")
     model.save_pretrained(tmp_path / "hf")
-    assert cli.main(["offload", str(tmp_path / "store"), "--convert", str(tmp_path / "hf"), "--endor",
-                     "--dtype", "fp32"]) == 0
+    assert (
+        cli.main(["offload", str(tmp_path / "store"), "--convert", str(tmp_path / "hf"), "--endor", "--dtype", "fp32"])
+        == 0
+    )
     assert "endor=True" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="flashllm offload: device_budget is the GPU memory"):
         cli.main(["offload", str(tmp_path / "store"), "--tokenizer", str(tmp_path / "hf"), "--device-budget", "20%"])
     # Clean exits, not tracebacks: a store there already, no store, a missing tokenizer (before the model loads).
-    for store, argv, says in (("store", ["--convert", str(tmp_path / "hf")], "exists; pass force=True"),
-                              ("new", ["--convert", str(tmp_path / "none")], "none"),
-                              ("nowhere", ["--tokenizer", str(tmp_path / "hf")], "is not a layer store"),
-                              ("store", ["--tokenizer", str(tmp_path / "no-tokenizer")], "--tokenizer .* does not"),
-                              ("store", ["--tokenizer", str(tmp_path / "hf"), "--endor"], "apply to --convert")):
+    for store, argv, says in (
+        ("store", ["--convert", str(tmp_path / "hf")], "exists; pass force=True"),
+        ("new", ["--convert", str(tmp_path / "none")], "none"),
+        ("nowhere", ["--tokenizer", str(tmp_path / "hf")], "is not a layer store"),
+        ("store", ["--tokenizer", str(tmp_path / "no-tokenizer")], "--tokenizer .* does not"),
+        ("store", ["--tokenizer", str(tmp_path / "hf"), "--endor"], "apply to --convert"),
+    ):
         with pytest.raises(SystemExit, match=f"flashllm offload: .*{says}"):
             cli.main(["offload", str(tmp_path / store), *argv])
     offloaded = load_offload(tmp_path / "store", "60%", mode="endor")
     prompt = torch.tensor([[5, 7, 11, 13]])
-    assert torch.equal(offloaded.generate(prompt, max_new_tokens=4, do_sample=False),
-                       model.generate(prompt, max_new_tokens=4, do_sample=False))
+    assert torch.equal(
+        offloaded.generate(prompt, max_new_tokens=4, do_sample=False),
+        model.generate(prompt, max_new_tokens=4, do_sample=False),
+    )
     offloaded.offload.close()
 
 
@@ -288,8 +330,9 @@ def test_default_model_wanda_pruned_greedy_tokens(default_model, tmp_path, capsy
     gguf, model, tokenizer = default_model
     names = decoder_linear_names(model)
     originals = {f"{n}.weight": model.get_submodule(n).weight.detach().clone() for n in names}
-    pruned = wanda_prune(model, corpus_token_ids(tokenizer, "calibration", 128), names, 0.5, torch.float16,
-                         progress=False)
+    pruned = wanda_prune(
+        model, corpus_token_ids(tokenizer, "calibration", 128), names, 0.5, torch.float16, progress=False
+    )
     try:
         replace_weights(model, pruned)
         reference_model = model.to(torch.float16)
@@ -297,15 +340,20 @@ def test_default_model_wanda_pruned_greedy_tokens(default_model, tmp_path, capsy
         prompt = corpus_token_ids(tokenizer, "heldout", 16).view(1, -1)
         reference = reference_model.generate(prompt, max_new_tokens=12, do_sample=False)
         for mode, compress in (("dense", False), ("endor", True)):
-            store = convert_offload(ckpt, tmp_path / mode, dtype="fp16", endor_compress=compress, force=True,
-                                    progress=False)
+            store = convert_offload(
+                ckpt, tmp_path / mode, dtype="fp16", endor_compress=compress, force=True, progress=False
+            )
             offloaded = load_offload(store, "30%", mode=mode)
             assert offloaded.offload.layers_on_ssd > 0
             out = offloaded.generate(prompt, max_new_tokens=12, do_sample=False)
             assert out.tolist() == reference.tolist(), mode
             offloaded.offload.close()
-        assert cli.main(["offload", str(store), "--tokenizer", str(gguf), "--mode", "endor", "--tokens", "4",
-                         "--slots", "1"]) == 0
+        assert (
+            cli.main(
+                ["offload", str(store), "--tokenizer", str(gguf), "--mode", "endor", "--tokens", "4", "--slots", "1"]
+            )
+            == 0
+        )
         out = capsys.readouterr().out
         assert "tokens in" in out and "bytes_read_per_token" in out and "slots 1" in out
     finally:
@@ -351,8 +399,12 @@ def test_in_memory_layers_do_not_map_the_store(case, mode):
     store = LayerStore(store_of(case, mode))
     model = load_offload(store.path, None, mode=mode)
     mapped = mapped_ranges(store.layers_path)
-    tensors = [t for layer in model.offload.memory for w in layer.values()
-               for t in ((w.values, w.bitmap, w.row_offsets) if isinstance(w, endor.EndorTensor) else (w,))]
+    tensors = [
+        t
+        for layer in model.offload.memory
+        for w in layer.values()
+        for t in ((w.values, w.bitmap, w.row_offsets) if isinstance(w, endor.EndorTensor) else (w,))
+    ]
     assert model.offload.layers_in_memory == store.n_layers and tensors
     assert not [t for t in tensors if any(b <= t.data_ptr() < e for b, e in mapped)]
     assert not mapped_ranges(store.resident_path)  # the resident tensors are copies, the file unmapped
@@ -360,6 +412,7 @@ def test_in_memory_layers_do_not_map_the_store(case, mode):
 
 
 # ---- three tiers (the GPU's placement): resident, staged in host memory, SSD ---------------------------------------
+
 
 @pytest.mark.parametrize("slots", [1, 2])
 @pytest.mark.parametrize("mode", ["dense", "endor", "endor+more-resident"])
@@ -371,8 +424,9 @@ def test_staged_tier_on_the_cpu_runs_the_three_tier_path(case, mode, slots):
     model = load_offload(store.path, None, mode=mode, layers_on_device=1, layers_in_memory=4, slots=slots)
     runtime = model.offload
     assert [runtime.placement.tier(i) for i in range(N_LAYERS)] == ["resident"] + ["staged"] * 3 + ["ssd"] * 2
-    assert len(runtime.memory) == 1 and [t.numel() for t in runtime.host_layers] == \
-        [store.stored_bytes(i) for i in range(1, 4)]
+    assert len(runtime.memory) == 1 and [t.numel() for t in runtime.host_layers] == [
+        store.stored_bytes(i) for i in range(1, 4)
+    ]
     assert torch.equal(model.generate(case["prompt"], max_new_tokens=8, do_sample=False), case["reference"])
     stats = model.offload.stats()
     assert stats["forwards"] == 8 and stats["read_path"] == "host" and stats["layers_on_device"] == 1
@@ -436,13 +490,15 @@ def test_gpu_placement_fills_device_then_host_memory(case):
         keep = mode == "endor+more-resident"
 
         def device_need(g):
-            return sum(store.stored_bytes(i) if keep else store.dense_bytes(i) for i in range(g)) + \
-                _staging(store, mode, g)
+            return sum(store.stored_bytes(i) if keep else store.dense_bytes(i) for i in range(g)) + _staging(
+                store, mode, g
+            )
 
         def host_need(g, k, bounce):
             largest_on_ssd = max((store.stored_bytes(i) for i in range(k, n)), default=0)
-            return sum(store.stored_bytes(i) for i in range(g, k)) + \
-                (pinned_bytes(largest_on_ssd) if bounce and largest_on_ssd else 0)
+            return sum(store.stored_bytes(i) for i in range(g, k)) + (
+                pinned_bytes(largest_on_ssd) if bounce and largest_on_ssd else 0
+            )
 
         for bounce in (None, partial(host_bounce_bytes, "pinned", threads=32)):
             device_budgets = sorted({device_need(g) for g in range(n + 1)})
@@ -453,20 +509,28 @@ def test_gpu_placement_fills_device_then_host_memory(case):
                     fits = [k for k in range(g, n + 1) if host_need(g, k, bounce) <= host_budget]
                     if not fits:
                         with pytest.raises(ValueError) as info:
-                            plan_placement(store, mode, host_budget, device_layer_budget=device_budget,
-                                           separate=True, bounce=bounce)
+                            plan_placement(
+                                store,
+                                mode,
+                                host_budget,
+                                device_layer_budget=device_budget,
+                                separate=True,
+                                bounce=bounce,
+                            )
                         assert info.value.pool == "host"
                         continue
-                    p = plan_placement(store, mode, host_budget, device_layer_budget=device_budget, separate=True,
-                                       bounce=bounce)
+                    p = plan_placement(
+                        store, mode, host_budget, device_layer_budget=device_budget, separate=True, bounce=bounce
+                    )
                     assert (p.on_device, p.in_memory) == (g, max(fits))
                     assert (p.device_bytes, p.host_bytes) == (device_need(g), host_need(g, max(fits), bounce))
     with pytest.raises(ValueError) as info:
         plan_placement(store, "endor", 0, device_layer_budget=_staging(store, "endor", 0) - 1, separate=True)
     assert info.value.pool == "device"
     with pytest.raises(ValueError, match="bytes of device memory and .* of host memory .* the budgets leave"):
-        plan_placement(store, "endor", 0, device_layer_budget=None, separate=True, layers_on_device=1,
-                       layers_in_memory=2)
+        plan_placement(
+            store, "endor", 0, device_layer_budget=None, separate=True, layers_on_device=1, layers_in_memory=2
+        )
 
 
 def test_device_arguments_are_checked(case):
@@ -491,8 +555,9 @@ def test_gpu_offload_three_tiers_greedy_tokens(case, mode, slots):
     a pinned buffer), Endor ones decompressed on the GPU; the greedy tokens of transformers on the CPU. With one
     slot, each fetch waits for the event after the compute of the layer before it."""
     store = LayerStore(store_of(case, mode))
-    model = load_offload(store.path, None, mode=mode, device="cuda", layers_on_device=2, layers_in_memory=4,
-                           slots=slots)
+    model = load_offload(
+        store.path, None, mode=mode, device="cuda", layers_on_device=2, layers_in_memory=4, slots=slots
+    )
     out = model.generate(case["prompt"].cuda(), max_new_tokens=8, do_sample=False)
     assert torch.equal(out.cpu(), case["reference"])
     stats = model.offload.stats()

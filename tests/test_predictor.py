@@ -9,15 +9,44 @@ from transformers import LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalL
 
 from conftest import refuses_without_blocking
 from flashllm_ext import FormatError, cli
-from flashllm_ext.predictor import (LowRankPredictor, PredictorSet, activation_score, auto_rank, calibrate_thresholds,
-                                    capture_activations, choose_prob_thresholds, evaluate, ffn_hooks, ffn_modules,
-                                    load_predictors, patched_ffn, save_predictors, save_predictors_to_store,
-                                    train_predictor)
+from flashllm_ext.predictor import (
+    LowRankPredictor,
+    PredictorSet,
+    activation_score,
+    auto_rank,
+    calibrate_thresholds,
+    capture_activations,
+    choose_prob_thresholds,
+    evaluate,
+    ffn_hooks,
+    ffn_modules,
+    load_predictors,
+    patched_ffn,
+    save_predictors,
+    save_predictors_to_store,
+    train_predictor,
+)
 
-LLAMA = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-             vocab_size=128, max_position_embeddings=256, rms_norm_eps=1e-6)
-OPT = dict(hidden_size=64, ffn_dim=96, num_hidden_layers=2, num_attention_heads=4, vocab_size=128,
-           max_position_embeddings=256, word_embed_proj_dim=64, dropout=0.0)
+LLAMA = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=128,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+)
+OPT = dict(
+    hidden_size=64,
+    ffn_dim=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    vocab_size=128,
+    max_position_embeddings=256,
+    word_embed_proj_dim=64,
+    dropout=0.0,
+)
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +72,7 @@ def _predictor_set(model, n_layers: int, d: int, n: int, thresholds: torch.Tenso
 
 # --------------------------------------------------------------------------------------------------- capture
 
+
 def test_capture_matches_manual_forward_llama(llama):
     ids = _ids(40, 1)
     thresholds = torch.tensor([0.01, 0.02, 0.03])
@@ -51,8 +81,10 @@ def test_capture_matches_manual_forward_llama(llama):
         hidden = llama(ids.unsqueeze(0), output_hidden_states=True).hidden_states
     # Windows of 16 tokens are scored independently: rebuild the hidden states window by window.
     with torch.no_grad():
-        hidden = [torch.cat([llama(w.unsqueeze(0), output_hidden_states=True).hidden_states[i][0]
-                             for w in ids.split(16)]) for i in range(len(hidden))]
+        hidden = [
+            torch.cat([llama(w.unsqueeze(0), output_hidden_states=True).hidden_states[i][0] for w in ids.split(16)])
+            for i in range(len(hidden))
+        ]
     for i, layer in enumerate(llama.model.layers):
         # The captured input is the FFN's own input: the residual stream after post_attention_layernorm.
         xn = cap.inputs[i].float()
@@ -113,6 +145,7 @@ def test_opt_relu_exact_zeros(opt):
 
 
 # ------------------------------------------------------------------------------------------------ thresholds
+
 
 def test_thresholds_hit_target_on_held_out_tokens(llama):
     targets = [0.5, 0.7, 0.9]
@@ -180,6 +213,7 @@ def test_hooks_removed_on_error(llama):
 
 # ------------------------------------------------------------------------------------------------ predictors
 
+
 def _low_rank_rule(n: int, d: int = 48, n_neurons: int = 64, rank: int = 4, density: float = 0.25, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     a, b = torch.randn(n_neurons, rank, generator=g), torch.randn(rank, d, generator=g)
@@ -220,8 +254,9 @@ def test_auto_rank_grows_with_density():
 
 
 def test_save_load_round_trip(tmp_path, llama):
-    predictors = _predictor_set(llama, 3, 64, 96, torch.tensor([0.1, 0.2, 0.3]),
-                                prob_thresholds=torch.tensor([0.4, 0.5, 0.6]))
+    predictors = _predictor_set(
+        llama, 3, 64, 96, torch.tensor([0.1, 0.2, 0.3]), prob_thresholds=torch.tensor([0.4, 0.5, 0.6])
+    )
     save_predictors(predictors, tmp_path / "p.safetensors")
     loaded = load_predictors(tmp_path / "p.safetensors")
     assert loaded.top_k is None
@@ -294,6 +329,7 @@ def test_load_rejects_malformed_files(tmp_path, llama):
 
 # ------------------------------------------------------------------------------------------------- evaluation
 
+
 def test_evaluate_predict_all_equals_threshold_only(llama):
     ids = _ids(64, 7)
     thresholds = calibrate_thresholds(llama, _ids(256, 8), 0.7, window=64, progress=False)
@@ -360,8 +396,24 @@ def test_cli_train_predictors_writes_a_loadable_file(default_model, tmp_path, mo
     monkeypatch.setattr(flashllm_ext.hub, "load_hf_model", lambda p: (model, tokenizer))  # reuse the loaded one
     # A store with the default model's FFN shapes; converting the real model would only add minutes.
     store_dir = synthesize(tmp_path / "store", n_layers=30, hidden_size=576, n_neurons=1536, glu=True)
-    cli.main(["train-predictors", str(path), "--store", str(store_dir), "--tokens", "512", "--epochs", "1",
-              "--method", "lowrank", "--rank", "16", "--target-sparsity", "0.8"])
+    cli.main(
+        [
+            "train-predictors",
+            str(path),
+            "--store",
+            str(store_dir),
+            "--tokens",
+            "512",
+            "--epochs",
+            "1",
+            "--method",
+            "lowrank",
+            "--rank",
+            "16",
+            "--target-sparsity",
+            "0.8",
+        ]
+    )
     assert "wrote 30 lowrank predictors" in capsys.readouterr().out
     predictors = load_predictors(store_dir)
     assert [p.rank for p in predictors.predictors] == [16] * 30 and (predictors.thresholds > 0).all()

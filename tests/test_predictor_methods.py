@@ -1,6 +1,7 @@
 """Predictor methods behind one interface (flashllm_ext.predictor.base, issue 10): save/load through a store,
 determinism, shapes checked, the oracle equal to the true sets, selection by a target loaded density, and
 FlashFFN serving every method by the one rule; GPTQ rounding of quant's codes and per-layer density allocation."""
+
 import copy
 
 import pytest
@@ -14,12 +15,32 @@ from flashllm_ext import FormatError
 from flashllm_ext.ops import dequantize_rows, unpack_codes
 from flashllm_ext.flash.convert import convert, synthesize
 from flashllm_ext.hub import perplexity
-from flashllm_ext.predictor import (DEFAULT_DENSITY, DEFAULT_GROUP_SIZE, DEFAULT_RECIPE, PREDICTOR_METHODS,
-                                    OraclePredictor, QuantPredictor, TealPredictor, activation_score,
-                                    allocate_densities, build_predictors, calibrate_thresholds, capture_activations,
-                                    default_group_size, default_rounding, ffn_hooks, fisher_costs, load_predictors,
-                                    operating_point, predictors_recipe, predictors_recipe_of, quantize_rows,
-                                    save_predictors, save_predictors_to_store, select_density)
+from flashllm_ext.predictor import (
+    DEFAULT_DENSITY,
+    DEFAULT_GROUP_SIZE,
+    DEFAULT_RECIPE,
+    PREDICTOR_METHODS,
+    OraclePredictor,
+    QuantPredictor,
+    TealPredictor,
+    activation_score,
+    allocate_densities,
+    build_predictors,
+    calibrate_thresholds,
+    capture_activations,
+    default_group_size,
+    default_rounding,
+    ffn_hooks,
+    fisher_costs,
+    load_predictors,
+    operating_point,
+    predictors_recipe,
+    predictors_recipe_of,
+    quantize_rows,
+    save_predictors,
+    save_predictors_to_store,
+    select_density,
+)
 from flashllm_ext.predictor.base import keep_cutoff
 from flashllm_ext.predictor.quant import pack_codes
 
@@ -29,9 +50,17 @@ ALL_METHODS = METHODS + ["teal"]  # teal: input sparsity, evaluation only (no st
 
 def _llama(n_layers: int = 3):
     torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=n_layers,
-                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
-                                        max_position_embeddings=256)).eval()
+    return LlamaForCausalLM(
+        LlamaConfig(
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=n_layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=128,
+            max_position_embeddings=256,
+        )
+    ).eval()
 
 
 def _ids(n: int, seed: int) -> torch.Tensor:
@@ -46,8 +75,12 @@ def llama():
 @pytest.fixture(scope="module")
 def built(llama):
     """method -> predictors at loaded density 0.4, from 1024 calibration tokens."""
-    return {m: build_predictors(llama, _ids(1024, 0), m, density=0.4, rank=16, epochs=1, block=8, window=256,
-                                progress=False) for m in ALL_METHODS}
+    return {
+        m: build_predictors(
+            llama, _ids(1024, 0), m, density=0.4, rank=16, epochs=1, block=8, window=256, progress=False
+        )
+        for m in ALL_METHODS
+    }
 
 
 def test_every_method_is_registered():
@@ -86,8 +119,9 @@ def test_a_store_keeps_the_recipe_of_its_predictors(tmp_path, built):
 
 @pytest.mark.parametrize("method", ALL_METHODS)
 def test_building_is_deterministic(llama, built, method):
-    again = build_predictors(llama, _ids(1024, 0), method, density=0.4, rank=16, epochs=1, block=8, window=256,
-                             progress=False)
+    again = build_predictors(
+        llama, _ids(1024, 0), method, density=0.4, rank=16, epochs=1, block=8, window=256, progress=False
+    )
     for (k, v), (_, v2) in zip(built[method].state_dict().items(), again.state_dict().items()):
         assert torch.equal(v, v2), k
 
@@ -108,8 +142,7 @@ def test_mismatched_shapes_are_refused(tmp_path, built, llama):
     with safe_open(file, "pt") as f:
         metadata, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
     bad = tmp_path / "bad.safetensors"
-    save_file({**tensors, "predictor.layers.0.up_codes": torch.zeros(96, 8, dtype=torch.uint8)}, bad,
-              metadata=metadata)
+    save_file({**tensors, "predictor.layers.0.up_codes": torch.zeros(96, 8, dtype=torch.uint8)}, bad, metadata=metadata)
     with pytest.raises(FormatError, match=r"predictor\.\*: tensors disagree"):
         load_predictors(bad)
     save_file(tensors, bad, metadata={**metadata, "version": "3", "predictors_version": "3"})  # as v3 wrote them
@@ -124,9 +157,22 @@ def test_mismatched_shapes_are_refused(tmp_path, built, llama):
 @torch.no_grad()
 def test_oracle_reproduces_the_true_masks_exactly(family):
     torch.manual_seed(0)
-    model = _llama() if family == "llama" else OPTForCausalLM(OPTConfig(
-        hidden_size=48, ffn_dim=136, num_hidden_layers=2, num_attention_heads=4, vocab_size=128,
-        word_embed_proj_dim=48, max_position_embeddings=256, dropout=0.0)).eval()
+    model = (
+        _llama()
+        if family == "llama"
+        else OPTForCausalLM(
+            OPTConfig(
+                hidden_size=48,
+                ffn_dim=136,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                vocab_size=128,
+                word_embed_proj_dim=48,
+                max_position_embeddings=256,
+                dropout=0.0,
+            )
+        ).eval()
+    )
     ids = _ids(96, 3)
     thresholds = calibrate_thresholds(model, ids, 0.6, window=48, progress=False)
     oracle = OraclePredictor.from_model(model, thresholds)
@@ -165,12 +211,14 @@ def test_quantize_rows(bits):
 
 @pytest.mark.parametrize("method", ALL_METHODS)
 def test_target_density_holds_on_held_out_text(llama, built, method):
-    point = operating_point(llama, built[method], _ids(512, 9), built[method].true_thresholds, window=128,
-                            n_windows=4, progress=False)
+    point = operating_point(
+        llama, built[method], _ids(512, 9), built[method].true_thresholds, window=128, n_windows=4, progress=False
+    )
     assert all(abs(layer["density"] - 0.4) <= 0.02 for layer in point["layers"]), point["layers"]
     if method == "teal":  # the same fraction of input entries and of neurons (TEAL's uniform allocation)
-        assert all(abs(layer[k] - 0.4) <= 0.02 for layer in point["layers"] for k in ("neuron_density",
-                                                                                     "input_density"))
+        assert all(
+            abs(layer[k] - 0.4) <= 0.02 for layer in point["layers"] for k in ("neuron_density", "input_density")
+        )
     else:  # whole neurons: every weight byte of a loaded neuron is read
         assert point["input_density"] == pytest.approx(point["neuron_density"]) == pytest.approx(point["density"])
     if method == "oracle":
@@ -184,8 +232,9 @@ def test_flash_mode_serves_every_method_by_the_rule(tmp_path, llama, built, meth
     llama.save_pretrained(tmp_path / "hf")
     path = convert(tmp_path / "hf", tmp_path / "store", dtype="fp32", progress=False)
     ids = _ids(64, 4)
-    expected = operating_point(llama, built[method], ids, built[method].true_thresholds, window=32, n_windows=2,
-                               progress=False)["ppl"]
+    expected = operating_point(
+        llama, built[method], ids, built[method].true_thresholds, window=32, n_windows=2, progress=False
+    )["ppl"]
     patched = copy.deepcopy(llama)
     runtime = flashllm_ext.patch_flash(patched, path, mode="flash", predictors=built[method], window=3)
     assert perplexity(patched, ids, 32, 2, progress=False) == pytest.approx(expected, rel=2e-5)
@@ -255,8 +304,9 @@ def test_default_model_target_density_within_002_on_held_out_text(default_model)
     calibration = spread_windows(corpus_token_ids(tokenizer, "calibration"), 2, 512)
     heldout = spread_windows(corpus_token_ids(tokenizer, "heldout"), 1, 512)
     predictors = build_predictors(model, calibration, progress=False)  # the default method and density
-    point = operating_point(model, predictors, heldout, predictors.true_thresholds, window=512, n_windows=1,
-                            progress=False)
+    point = operating_point(
+        model, predictors, heldout, predictors.true_thresholds, window=512, n_windows=1, progress=False
+    )
     assert abs(point["density"] - DEFAULT_DENSITY) <= 0.02, point["density"]
     # Single layers drift further on 512 tokens (BENCHMARKS.md: up to 0.03 at density 0.35, 0.012 at 0.7).
     errors = [abs(layer["density"] - DEFAULT_DENSITY) for layer in point["layers"]]
@@ -264,6 +314,7 @@ def test_default_model_target_density_within_002_on_held_out_text(default_model)
 
 
 # GPTQ rounding of quant's codes and per-layer density allocation (issue 10, fifth pass).
+
 
 def test_gptq_rounding_lowers_the_pre_activation_error_in_the_same_format():
     torch.manual_seed(1)
@@ -300,42 +351,89 @@ def assert_round_trip(tmp_path, predictors, recipe: dict) -> None:
 
 def test_gptq_quant_and_fisher_allocation_round_trip_through_a_store(tmp_path, llama):
     ids = _ids(1024, 0)
-    predictors = build_predictors(llama, ids, "quant", density=0.4, gate_bits=3, up_bits=4, rounding="gptq",
-                                  allocation="fisher", window=256, progress=False)
-    again = build_predictors(llama, ids, "quant", density=0.4, gate_bits=3, up_bits=4, rounding="gptq",
-                             allocation="fisher", window=256, progress=False)
+    predictors = build_predictors(
+        llama,
+        ids,
+        "quant",
+        density=0.4,
+        gate_bits=3,
+        up_bits=4,
+        rounding="gptq",
+        allocation="fisher",
+        window=256,
+        progress=False,
+    )
+    again = build_predictors(
+        llama,
+        ids,
+        "quant",
+        density=0.4,
+        gate_bits=3,
+        up_bits=4,
+        rounding="gptq",
+        allocation="fisher",
+        window=256,
+        progress=False,
+    )
     for (k, v), (_, v2) in zip(predictors.state_dict().items(), again.state_dict().items()):
         assert torch.equal(v, v2), k  # deterministic
     assert predictors.config()["rounding"] == "gptq"
     recipe = predictors_recipe_of("quant", 0.4, 3, 4, "gptq", "fisher")
-    assert recipe == {"method": "quant", "density": 0.4, "gate_bits": 3, "up_bits": 4, "rounding": "gptq",
-                      "allocation": "fisher"}
+    assert recipe == {
+        "method": "quant",
+        "density": 0.4,
+        "gate_bits": 3,
+        "up_bits": 4,
+        "rounding": "gptq",
+        "allocation": "fisher",
+    }
     assert_round_trip(tmp_path, predictors, recipe)
     # Predictors saved before the option existed have no "rounding": they were rounded to nearest.
     old = {k: v for k, v in predictors.config().items() if k != "rounding"}
     assert QuantPredictor.from_config(old).rounding == "nearest"
     # The original options leave the recipe as it was, so stores built before the options existed keep theirs; the
     # default recipe names its rounding.
-    assert predictors_recipe_of("quant", 0.55, 3, 4) == {"method": "quant", "density": 0.55, "gate_bits": 3,
-                                                         "up_bits": 4}
-    assert predictors_recipe_of(DEFAULT_RECIPE["method"], DEFAULT_RECIPE["density"], DEFAULT_RECIPE["gate_bits"],
-                                DEFAULT_RECIPE["up_bits"], default_rounding(DEFAULT_RECIPE["method"]),
-                                group_size=DEFAULT_GROUP_SIZE) == DEFAULT_RECIPE
+    assert predictors_recipe_of("quant", 0.55, 3, 4) == {
+        "method": "quant",
+        "density": 0.55,
+        "gate_bits": 3,
+        "up_bits": 4,
+    }
+    assert (
+        predictors_recipe_of(
+            DEFAULT_RECIPE["method"],
+            DEFAULT_RECIPE["density"],
+            DEFAULT_RECIPE["gate_bits"],
+            DEFAULT_RECIPE["up_bits"],
+            default_rounding(DEFAULT_RECIPE["method"]),
+            group_size=DEFAULT_GROUP_SIZE,
+        )
+        == DEFAULT_RECIPE
+    )
 
 
 def test_group_scales_round_trip_and_fit_better(tmp_path, llama):
     """quant with one scale per 64 columns (d = 64 here is one group; 128 below is two): built deterministically,
     saved and loaded with its recipe, scored by the op; the default group size is the least multiple of 64 >= 192
     dividing d."""
-    assert [default_group_size(d) for d in (576, 4096, 960, 768, 2048, 64, 100, 4095)] == \
-        [192, 256, 192, 192, 256, None, None, None]
+    assert [default_group_size(d) for d in (576, 4096, 960, 768, 2048, 64, 100, 4095)] == [
+        192,
+        256,
+        192,
+        192,
+        256,
+        None,
+        None,
+        None,
+    ]
     torch.manual_seed(2)
     w = torch.randn(32, 128) * torch.linspace(0.1, 3, 128)  # columns of very different ranges: groups pay
     row_codes, row_scale = quantize_rows(w, 3)
     codes, scale = quantize_rows(w, 3, group_size=64)
     assert scale.shape == (32, 2) and codes.shape == row_codes.shape
-    assert ((dequantize_rows(codes, scale, 3, 128) - w) ** 2).sum() < ((dequantize_rows(row_codes, row_scale, 3, 128)
-                                                                        - w) ** 2).sum()
+    assert ((dequantize_rows(codes, scale, 3, 128) - w) ** 2).sum() < (
+        (dequantize_rows(row_codes, row_scale, 3, 128) - w) ** 2
+    ).sum()
     with pytest.raises(ValueError, match="group_size must be a positive multiple of 64 dividing d=128"):
         quantize_rows(w, 3, group_size=96)
     with pytest.raises(ValueError, match="group_size must be a positive multiple of 64 dividing d=64"):
@@ -344,16 +442,42 @@ def test_group_scales_round_trip_and_fit_better(tmp_path, llama):
         build_predictors(llama, _ids(256, 0), "oracle", density=0.4, group_size=64, window=256, progress=False)
 
     ids = _ids(1024, 0)
-    predictors = build_predictors(llama, ids, "quant", density=0.4, gate_bits=3, up_bits=4, rounding="gptq",
-                                  group_size=64, window=256, progress=False)
-    again = build_predictors(llama, ids, "quant", density=0.4, gate_bits=3, up_bits=4, rounding="gptq",
-                             group_size=64, window=256, progress=False)
+    predictors = build_predictors(
+        llama,
+        ids,
+        "quant",
+        density=0.4,
+        gate_bits=3,
+        up_bits=4,
+        rounding="gptq",
+        group_size=64,
+        window=256,
+        progress=False,
+    )
+    again = build_predictors(
+        llama,
+        ids,
+        "quant",
+        density=0.4,
+        gate_bits=3,
+        up_bits=4,
+        rounding="gptq",
+        group_size=64,
+        window=256,
+        progress=False,
+    )
     for (k, v), (_, v2) in zip(predictors.state_dict().items(), again.state_dict().items()):
         assert torch.equal(v, v2), k  # deterministic
     assert predictors.config()["group_size"] == 64 and predictors.layers[0].up_scale.shape == (96, 1)
     recipe = predictors_recipe_of("quant", 0.4, 3, 4, "gptq", group_size=64)
-    assert recipe == {"method": "quant", "density": 0.4, "gate_bits": 3, "up_bits": 4, "rounding": "gptq",
-                      "group_size": 64}
+    assert recipe == {
+        "method": "quant",
+        "density": 0.4,
+        "gate_bits": 3,
+        "up_bits": 4,
+        "rounding": "gptq",
+        "group_size": 64,
+    }
     assert_round_trip(tmp_path, predictors, recipe)
     # Predictors saved before groups existed have no "group_size": one scale per row.
     old = {k: v for k, v in predictors.config().items() if k != "group_size"}
@@ -370,8 +494,9 @@ def test_gptq_and_allocation_refuse_bad_options(llama):
     with pytest.raises(ValueError, match="allocation must be one of"):
         build_predictors(llama, _ids(256, 0), "quant", density=0.4, allocation="owl", window=256, progress=False)
     with pytest.raises(ValueError, match="spreads one target density"):
-        build_predictors(llama, _ids(256, 0), "quant", density=[0.4, 0.5, 0.6], allocation="fisher", window=256,
-                         progress=False)
+        build_predictors(
+            llama, _ids(256, 0), "quant", density=[0.4, 0.5, 0.6], allocation="fisher", window=256, progress=False
+        )
 
 
 @pytest.fixture(scope="module")
@@ -390,18 +515,18 @@ def test_fisher_allocation_keeps_the_mean_and_holds_on_held_out_text(llama, cali
     thresholds = calibrate_thresholds(model, ids, 0.6, window=256, progress=False)
     inputs = capture_activations(model, ids, thresholds, window=256, progress=False).inputs
     oracle = OraclePredictor.from_model(model, thresholds)
-    densities = allocate_densities(model, oracle, ids, inputs, 0.4, "fisher", step=0.05, window=256,
-                                   progress=False)
+    densities = allocate_densities(model, oracle, ids, inputs, 0.4, "fisher", step=0.05, window=256, progress=False)
     assert densities.mean().item() == pytest.approx(0.4, abs=0.05 / 3 / 2)
     assert ((densities >= 0.05) & (densities <= 1.0)).all() and densities[1] > max(densities[0], densities[2])
-    assert torch.equal(allocate_densities(model, oracle, ids, inputs, 0.4, "fisher", step=0.05, window=256,
-                                          progress=False), densities)
-    assert torch.equal(allocate_densities(model, oracle, ids, inputs, 0.4),
-                       torch.full((3,), 0.4, dtype=torch.float64))
+    assert torch.equal(
+        allocate_densities(model, oracle, ids, inputs, 0.4, "fisher", step=0.05, window=256, progress=False), densities
+    )
+    assert torch.equal(allocate_densities(model, oracle, ids, inputs, 0.4), torch.full((3,), 0.4, dtype=torch.float64))
     predictors = copy.deepcopy(oracle)
     select_density(model, predictors, inputs, ids, densities.tolist(), window=256, progress=False)
-    point = operating_point(model, predictors, _ids(512, 9), predictors.true_thresholds, window=128, n_windows=4,
-                            progress=False)
+    point = operating_point(
+        model, predictors, _ids(512, 9), predictors.true_thresholds, window=128, n_windows=4, progress=False
+    )
     assert all(abs(layer["density"] - r) <= 0.02 for layer, r in zip(point["layers"], densities.tolist()))
     assert point["recall"] > 0.95  # the oracle at its own per-layer densities: true_thresholds follow them
     with pytest.raises(ValueError, match="min_density <= density"):
@@ -443,9 +568,17 @@ def test_cli_builds_gptq_quant_with_fisher_allocation_into_a_store(tmp_path, mon
     from flashllm_ext import cli
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
-                                         max_position_embeddings=512)).eval()
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=128,
+            max_position_embeddings=512,
+        )
+    ).eval()
     monkeypatch.setattr(flashllm_ext.hub, "load_hf_model", lambda path: (model, None))
     monkeypatch.setattr(flashllm_ext.hub, "corpus_token_ids", lambda tokenizer, split: _ids(2048, 0))
     # Never read: the model comes from the patched loader, and the header check before any work is patched too.
@@ -453,9 +586,30 @@ def test_cli_builds_gptq_quant_with_fisher_allocation_into_a_store(tmp_path, mon
     checkpoint = tmp_path / "tiny.gguf"
     checkpoint.write_bytes(b"GGUF")
     store_dir = synthesize(tmp_path / "store", n_layers=3, hidden_size=64, n_neurons=96, glu=True)
-    cli.main(["train-predictors", str(checkpoint), "--store", str(store_dir), "--tokens", "512", "--method",
-              "quant", "--gate-bits", "3", "--up-bits", "4", "--rounding", "gptq", "--allocation", "fisher",
-              "--density", "0.5", "--group-size", "64"])
+    cli.main(
+        [
+            "train-predictors",
+            str(checkpoint),
+            "--store",
+            str(store_dir),
+            "--tokens",
+            "512",
+            "--method",
+            "quant",
+            "--gate-bits",
+            "3",
+            "--up-bits",
+            "4",
+            "--rounding",
+            "gptq",
+            "--allocation",
+            "fisher",
+            "--density",
+            "0.5",
+            "--group-size",
+            "64",
+        ]
+    )
     assert "wrote 3 quant predictors" in capsys.readouterr().out
     assert predictors_recipe(store_dir) == predictors_recipe_of("quant", 0.5, 3, 4, "gptq", "fisher", 64)
     assert load_predictors(store_dir).rounding == "gptq" and load_predictors(store_dir).group_size == 64

@@ -2,6 +2,7 @@
 pure-torch reference (round x to int8 per token, dequantise, then matmul) to float32 rounding over shapes, bits,
 biases, gate and activations, on every CPU path; the int8 rounding of x is part of the contract on every path;
 opcheck and the fake kernel; bad inputs; the predictor calls it."""
+
 import itertools
 
 import pytest
@@ -17,8 +18,9 @@ OPS = torch.ops.flashllm
 isa = forced_isa_fixture(cpu_isas(paths=("avx2", "avx512", "avx512vnni", "avx512vbmi2")))
 
 
-def quant_matrix(n: int, d: int, bits: int, g: torch.Generator, groups: int | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def quant_matrix(
+    n: int, d: int, bits: int, g: torch.Generator, groups: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     codes = torch.randint(0, 1 << bits, (n, d), dtype=torch.uint8, generator=g)
     packed = pack_codes(codes, bits) if n else torch.zeros(0, -(-d * bits // 8), dtype=torch.uint8)
     padding = packed.shape[1] * 8 - d * bits
@@ -29,8 +31,18 @@ def quant_matrix(n: int, d: int, bits: int, g: torch.Generator, groups: int | No
     return packed, (torch.rand(shape, generator=g) * 0.1 + 0.01).half()
 
 
-def case(T: int, d: int, n: int, up_bits: int, gate_bits: int | None, biases: bool, seed: int = 0,
-         dtype: torch.dtype = torch.float32, up_groups: int | None = None, gate_groups: int | None = None) -> tuple:
+def case(
+    T: int,
+    d: int,
+    n: int,
+    up_bits: int,
+    gate_bits: int | None,
+    biases: bool,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    up_groups: int | None = None,
+    gate_groups: int | None = None,
+) -> tuple:
     """Positional args of the op: x, up_codes, up_scale, up_bias, gate_codes, gate_scale, gate_bias, bits...
     (*_groups: scales per group of d / groups columns; None: per row)."""
     g = torch.Generator().manual_seed(seed)
@@ -56,14 +68,16 @@ def assert_close_to_reference(args: tuple, activation: str) -> None:
     if gate_codes is not None:
         mag_gate = x.abs() @ dequantize_rows(gate_codes, gate_scale, gate_bits, d).abs().t()
         up = (x @ dequantize_rows(up_codes, up_scale, up_bits, d).t()).abs() + mag_up * 1e-5
-        tol = (mag_gate * 1e-5 + 1e-6) * 1.2 * (up + (up_bias.abs() if up_bias is not None else 0)) + \
-            (mag_gate + (gate_bias.abs() if gate_bias is not None else 0)) * 1.2 * tol
+        tol = (mag_gate * 1e-5 + 1e-6) * 1.2 * (up + (up_bias.abs() if up_bias is not None else 0)) + (
+            mag_gate + (gate_bias.abs() if gate_bias is not None else 0)
+        ) * 1.2 * tol
     assert bool(((got - want).abs() <= tol).all()), float(((got - want).abs() - tol).max())
 
 
 @pytest.mark.parametrize("T,d", [(1, 576), (1, 13), (2, 7), (3, 64), (5, 101), (8, 576), (9, 33), (17, 250)])
-@pytest.mark.parametrize("up_bits,gate_bits", [(2, 4), (1, 1), (4, 2), (2, None), (4, None), (1, None), (3, 4),
-                                               (3, 3), (2, 3), (3, None)])
+@pytest.mark.parametrize(
+    "up_bits,gate_bits", [(2, 4), (1, 1), (4, 2), (2, None), (4, None), (1, None), (3, 4), (3, 3), (2, 3), (3, None)]
+)
 def test_matches_reference(isa, T, d, up_bits, gate_bits):
     for activation, biases in itertools.product(ACTIVATIONS, (False, True)):
         assert_close_to_reference(case(T, d, 37, up_bits, gate_bits, biases, seed=T * 1000 + d), activation)
@@ -81,13 +95,14 @@ def test_chunk_boundaries(isa, d, up_bits, gate_bits):
 # Scales per group of d / G columns (a multiple of 64, so a group is whole bytes): groups that are whole VNNI steps
 # (3 bits: 64 columns) and groups that end inside one (4 bits: 128 columns a step; 2 bits: 256), up and gate with their
 # own group counts, one group given as [n, 1].
-@pytest.mark.parametrize("d,up_groups,gate_groups", [(576, 3, 3), (576, 9, 1), (576, None, 3), (576, 3, None),
-                                                     (192, 3, 1), (1024, 4, 16), (64, 1, 1)])
+@pytest.mark.parametrize(
+    "d,up_groups,gate_groups",
+    [(576, 3, 3), (576, 9, 1), (576, None, 3), (576, 3, None), (192, 3, 1), (1024, 4, 16), (64, 1, 1)],
+)
 @pytest.mark.parametrize("up_bits,gate_bits", [(4, 3), (3, 4), (2, 1), (1, 2), (4, 4)])
 def test_group_scales_match_reference(isa, d, up_groups, gate_groups, up_bits, gate_bits):
     for T, biases in ((1, False), (3, True), (8, True), (9, False)):
-        args = case(T, d, 21, up_bits, gate_bits, biases, seed=T * 7 + d, up_groups=up_groups,
-                    gate_groups=gate_groups)
+        args = case(T, d, 21, up_bits, gate_bits, biases, seed=T * 7 + d, up_groups=up_groups, gate_groups=gate_groups)
         assert_close_to_reference(args, "silu")
 
 
@@ -151,8 +166,18 @@ def test_empty_shapes(isa):
 
 def test_wrapper_passes_arguments_by_name():
     x, uc, us, ub, gc, gs, gb, up_bits, gate_bits = args = case(2, 40, 9, 2, 4, True)
-    got = ops.quant_scores(x, uc, us, up_bits=up_bits, up_bias=ub, gate_codes=gc, gate_scale=gs,
-                           gate_bits=gate_bits, gate_bias=gb, activation="gelu")
+    got = ops.quant_scores(
+        x,
+        uc,
+        us,
+        up_bits=up_bits,
+        up_bias=ub,
+        gate_codes=gc,
+        gate_scale=gs,
+        gate_bits=gate_bits,
+        gate_bias=gb,
+        activation="gelu",
+    )
     torch.testing.assert_close(got, quant_scores_reference(*args, "gelu"), rtol=1e-5, atol=1e-5)
 
 
@@ -183,30 +208,47 @@ def _replace(args: tuple, **changes) -> tuple:
     return tuple(changes.get(name, a) for name, a in zip(names, args))
 
 
-@pytest.mark.parametrize("changes,message", [
-    ({"up_bits": 5}, "up_bits must be 1, 2, 3 or 4"),
-    ({"gate_bits": 8}, "gate_bits must be 1, 2, 3 or 4"),
-    ({"x": torch.zeros(2, 30, dtype=torch.int32)}, "x must be a 2-D float32/float16/bfloat16"),
-    ({"x": torch.zeros(30)}, "x must be a 2-D"),
-    ({"x": torch.zeros(1, QUANT_MAX_COLUMNS + 1)}, r"x has d=1048577 columns, at most 1048576"),
-    ({"x": torch.zeros(2, 33)}, r"up_codes must be uint8 of shape \[n=17, ceil\(d=33 \* 2 / 8\)=9\]"),
-    ({"up_codes": torch.zeros(17, 8, dtype=torch.int8)}, "up_codes must be uint8"),
-    ({"up_scale": torch.zeros(17)}, "up_scale must be float16"),
-    ({"up_scale": torch.zeros(17, 1, 1, dtype=torch.float16)}, "up_scale must be float16 of shape"),
-    ({"up_scale": torch.zeros(17, 1, dtype=torch.float16)},
-     "up_scale has 1 groups per row: d=30 must split into groups of a multiple of 64 columns"),
-    ({"x": torch.zeros(2, 128), "up_codes": torch.zeros(17, 32, dtype=torch.uint8),
-      "gate_codes": torch.zeros(17, 64, dtype=torch.uint8), "gate_scale": torch.zeros(17, 3, dtype=torch.float16)},
-     "gate_scale has 3 groups per row: d=128 must split"),
-    ({"x": torch.zeros(2, 128), "up_codes": torch.zeros(17, 32, dtype=torch.uint8),
-      "gate_codes": torch.zeros(17, 64, dtype=torch.uint8), "gate_scale": torch.zeros(17, 4, dtype=torch.float16)},
-     "gate_scale has 4 groups per row: d=128 must split into groups of a multiple of 64"),
-    ({"up_bias": torch.zeros(16)}, r"up_bias must be float32 of shape \[n=17\]"),
-    ({"gate_bias": torch.zeros(17, dtype=torch.float16)}, "gate_bias must be float32"),
-    ({"gate_codes": torch.zeros(17, 14, dtype=torch.uint8)}, "gate_codes must be uint8 of shape"),
-    ({"gate_scale": None}, "gate_codes and gate_scale come together"),
-    ({"gate_codes": None, "gate_scale": None}, "gate_bias needs gate_codes"),
-])
+@pytest.mark.parametrize(
+    "changes,message",
+    [
+        ({"up_bits": 5}, "up_bits must be 1, 2, 3 or 4"),
+        ({"gate_bits": 8}, "gate_bits must be 1, 2, 3 or 4"),
+        ({"x": torch.zeros(2, 30, dtype=torch.int32)}, "x must be a 2-D float32/float16/bfloat16"),
+        ({"x": torch.zeros(30)}, "x must be a 2-D"),
+        ({"x": torch.zeros(1, QUANT_MAX_COLUMNS + 1)}, r"x has d=1048577 columns, at most 1048576"),
+        ({"x": torch.zeros(2, 33)}, r"up_codes must be uint8 of shape \[n=17, ceil\(d=33 \* 2 / 8\)=9\]"),
+        ({"up_codes": torch.zeros(17, 8, dtype=torch.int8)}, "up_codes must be uint8"),
+        ({"up_scale": torch.zeros(17)}, "up_scale must be float16"),
+        ({"up_scale": torch.zeros(17, 1, 1, dtype=torch.float16)}, "up_scale must be float16 of shape"),
+        (
+            {"up_scale": torch.zeros(17, 1, dtype=torch.float16)},
+            "up_scale has 1 groups per row: d=30 must split into groups of a multiple of 64 columns",
+        ),
+        (
+            {
+                "x": torch.zeros(2, 128),
+                "up_codes": torch.zeros(17, 32, dtype=torch.uint8),
+                "gate_codes": torch.zeros(17, 64, dtype=torch.uint8),
+                "gate_scale": torch.zeros(17, 3, dtype=torch.float16),
+            },
+            "gate_scale has 3 groups per row: d=128 must split",
+        ),
+        (
+            {
+                "x": torch.zeros(2, 128),
+                "up_codes": torch.zeros(17, 32, dtype=torch.uint8),
+                "gate_codes": torch.zeros(17, 64, dtype=torch.uint8),
+                "gate_scale": torch.zeros(17, 4, dtype=torch.float16),
+            },
+            "gate_scale has 4 groups per row: d=128 must split into groups of a multiple of 64",
+        ),
+        ({"up_bias": torch.zeros(16)}, r"up_bias must be float32 of shape \[n=17\]"),
+        ({"gate_bias": torch.zeros(17, dtype=torch.float16)}, "gate_bias must be float32"),
+        ({"gate_codes": torch.zeros(17, 14, dtype=torch.uint8)}, "gate_codes must be uint8 of shape"),
+        ({"gate_scale": None}, "gate_codes and gate_scale come together"),
+        ({"gate_codes": None, "gate_scale": None}, "gate_bias needs gate_codes"),
+    ],
+)
 def test_bad_inputs_are_refused(changes, message):
     args = _replace(case(2, 30, 17, 2, 4, True), **changes)
     for fn in (OPS.quant_scores, quant_scores_reference):
@@ -227,10 +269,14 @@ def test_predictor_scores_through_the_op():
     g = torch.Generator().manual_seed(3)
     for layer in p.layers:
         for buf in layer.buffers():
-            buf.copy_(torch.randint(0, 256, buf.shape, generator=g) if buf.dtype == torch.uint8
-                      else torch.rand(buf.shape, generator=g) * 0.1)
+            buf.copy_(
+                torch.randint(0, 256, buf.shape, generator=g)
+                if buf.dtype == torch.uint8
+                else torch.rand(buf.shape, generator=g) * 0.1
+            )
     x = torch.randn(3, 24, generator=g)
     q = p.layers[1]
-    want = quant_scores_reference(x, q.up_codes, q.up_scale, q.up_bias, q.gate_codes, q.gate_scale, q.gate_bias,
-                                  2, 4, "silu")
+    want = quant_scores_reference(
+        x, q.up_codes, q.up_scale, q.up_bias, q.gate_codes, q.gate_scale, q.gate_bias, 2, 4, "silu"
+    )
     torch.testing.assert_close(p.scores(1, x), want, rtol=1e-5, atol=1e-6)

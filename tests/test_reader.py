@@ -29,8 +29,16 @@ ENGINES = ["threads"] + (["io_uring"] if has_io_uring() else [])
 def store_dir(tmp_path_factory):
     """A Llama store with 700 neurons of 384 bytes per layer, on the repository's disk (O_DIRECT capable)."""
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=700, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=64))
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            hidden_size=64,
+            intermediate_size=700,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=64,
+        )
+    )
     root = tmp_path_factory.mktemp("reader")
     model.save_pretrained(root / "ckpt")
     return convert(root / "ckpt", root / "store", progress=False)
@@ -43,9 +51,15 @@ def flash_store(store_dir):
 
 def _id_sets(n: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(3)
-    return {"sorted": torch.randperm(n, generator=g)[:90].sort().values, "unsorted": torch.randperm(n, generator=g)[:90],
-            "repeated": torch.randint(0, n, (200,), generator=g), "empty": torch.empty(0, dtype=torch.int64),
-            "all": torch.arange(n), "ends": torch.tensor([n - 1, 0, n - 1]), "dense_run": torch.arange(100, 180)}
+    return {
+        "sorted": torch.randperm(n, generator=g)[:90].sort().values,
+        "unsorted": torch.randperm(n, generator=g)[:90],
+        "repeated": torch.randint(0, n, (200,), generator=g),
+        "empty": torch.empty(0, dtype=torch.int64),
+        "all": torch.arange(n),
+        "ends": torch.tensor([n - 1, 0, n - 1]),
+        "dense_run": torch.arange(100, 180),
+    }
 
 
 @pytest.mark.parametrize("engine", ENGINES)
@@ -92,9 +106,13 @@ def test_coalescing_follows_the_gap_rule(flash_store):
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(ids=st.lists(st.integers(0, 699), max_size=300), layer=st.integers(0, 1),
-       max_gap=st.sampled_from([0, 384, 4096, 1 << 20]), min_read=st.sampled_from([0, 4096, 32 << 10]),
-       engine=st.sampled_from(ENGINES))
+@given(
+    ids=st.lists(st.integers(0, 699), max_size=300),
+    layer=st.integers(0, 1),
+    max_gap=st.sampled_from([0, 384, 4096, 1 << 20]),
+    min_read=st.sampled_from([0, 4096, 32 << 10]),
+    engine=st.sampled_from(ENGINES),
+)
 def test_random_id_sets(flash_store, ids, layer, max_gap, min_read, engine):
     ids = torch.tensor(ids, dtype=torch.int64)
     with FlashReader(flash_store, threads=4, engine=engine, min_read=min_read, max_gap=max_gap) as r:
@@ -157,8 +175,10 @@ def test_file_truncated_behind_the_readers_back(store_dir, tmp_path, engine):
         assert torch.equal(r.read(0, torch.arange(700)).data, fs.bundle(0, torch.arange(700)))
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"),
-                    reason="O_DIRECT is Linux's; elsewhere the reader reads buffered and says so in .direct")
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux"),
+    reason="O_DIRECT is Linux's; elsewhere the reader reads buffered and says so in .direct",
+)
 def test_direct_io_on_linux(flash_store):
     with FlashReader(flash_store, threads=2) as r:
         assert r.direct
@@ -225,6 +245,7 @@ def test_concurrent_calls_keep_their_own_stats(flash_store):
     """A background read and calls from another thread on the same reader: each result carries the stats of
     its own call (distinct id counts make them tell apart), never those of a call that finished later."""
     with FlashReader(flash_store, threads=4, min_read=0, max_gap=-1) as r:
+
         def many_reads(n: int) -> list[tuple[int, ReadResult]]:
             return [(k, r.read(k % 2, torch.arange(0, 7 * k, 7))) for k in range(n, 0, -1)]
 
@@ -248,18 +269,19 @@ def test_raw_file_contents(tmp_path):
             ids = torch.randint(0, n_rows, (25,))
             out = torch.empty(25 * row_bytes, dtype=torch.uint8)
             r.read_rows(base, row_bytes, n_rows, ids, out)
-            want = torch.cat([data[base + i * row_bytes: base + (i + 1) * row_bytes] for i in ids.tolist()])
+            want = torch.cat([data[base + i * row_bytes : base + (i + 1) * row_bytes] for i in ids.tolist()])
             assert torch.equal(out, want)
 
 
 def _page_aligned(nbytes: int) -> torch.Tensor:
     buf = torch.zeros(nbytes + 4096, dtype=torch.uint8)
     skip = -buf.data_ptr() % 4096
-    return buf[skip:skip + nbytes]
+    return buf[skip : skip + nbytes]
 
 
-@pytest.mark.parametrize("ids", [[3, 4, 5, 9], [9, 5, 4, 3], [4, 4, 5], list(range(64))],
-                         ids=["runs", "reversed", "repeated", "long_run"])
+@pytest.mark.parametrize(
+    "ids", [[3, 4, 5, 9], [9, 5, 4, 3], [4, 4, 5], list(range(64))], ids=["runs", "reversed", "repeated", "long_run"]
+)
 def test_reads_straight_into_aligned_out(tmp_path, ids):
     """Aligned rows into an aligned buffer skip the bounce buffer (in-order runs) or use it (other orders)."""
     path = tmp_path / "f.bin"
@@ -289,14 +311,20 @@ def test_calibrate_disk_and_profile(tmp_path, monkeypatch, flash_store, capsys):
         assert FlashReader(flash_store, threads=1).max_gap == reader.DEFAULT_MAX_GAP
 
 
-@pytest.mark.parametrize("saved", [
-    {"latency_s": float("nan"), "bandwidth_bps": 1e9, "path": "/"},
-    {"latency_s": float("inf"), "bandwidth_bps": 1e9, "path": "/"},
-    {"latency_s": -1e-4, "bandwidth_bps": 1e9, "path": "/"},
-    {"latency_s": 1e-4, "bandwidth_bps": 0, "path": "/"},
-    {"latency_s": 1e300, "bandwidth_bps": 1e300, "path": "/"},
-    {"latency_s": 1e-4}, [1e-4, 1e9], "{broken",
-], ids=["nan", "inf", "negative", "no_bandwidth", "overflow", "missing_fields", "list", "not_json"])
+@pytest.mark.parametrize(
+    "saved",
+    [
+        {"latency_s": float("nan"), "bandwidth_bps": 1e9, "path": "/"},
+        {"latency_s": float("inf"), "bandwidth_bps": 1e9, "path": "/"},
+        {"latency_s": -1e-4, "bandwidth_bps": 1e9, "path": "/"},
+        {"latency_s": 1e-4, "bandwidth_bps": 0, "path": "/"},
+        {"latency_s": 1e300, "bandwidth_bps": 1e300, "path": "/"},
+        {"latency_s": 1e-4},
+        [1e-4, 1e9],
+        "{broken",
+    ],
+    ids=["nan", "inf", "negative", "no_bandwidth", "overflow", "missing_fields", "list", "not_json"],
+)
 def test_a_damaged_disk_profile_only_loses_the_tuning(tmp_path, monkeypatch, flash_store, saved):
     monkeypatch.setenv("FLASHLLM_DISK_PROFILE", str(tmp_path / "disk.json"))
     (tmp_path / "disk.json").write_text(saved if isinstance(saved, str) else json.dumps(saved))
@@ -374,7 +402,7 @@ def _statx_dio_align(path: str) -> tuple[int, int] | None:
     at_fdcwd, statx_dioalign = -100, 0x2000
     if libc.statx(at_fdcwd, os.fsencode(path), 0, statx_dioalign, buf) != 0:
         return None
-    mask, = struct.unpack_from("I", buf, 0)
+    (mask,) = struct.unpack_from("I", buf, 0)
     mem_align, offset_align = struct.unpack_from("II", buf, 152)  # stx_dio_mem_align, stx_dio_offset_align
     return (offset_align, mem_align) if mask & statx_dioalign and offset_align and mem_align else None
 
@@ -404,7 +432,7 @@ def test_rows_longer_than_one_request(tmp_path, engine):
     with FlashReader.for_file(path, threads=2, min_read=0, max_gap=0, max_read=4096, engine=engine) as r:
         out = torch.empty(ids.numel() * row_bytes, dtype=torch.uint8)
         stats = r.read_rows(base, row_bytes, n_rows, ids, out)
-    want = torch.cat([data[base + i * row_bytes: base + (i + 1) * row_bytes] for i in ids.tolist()])
+    want = torch.cat([data[base + i * row_bytes : base + (i + 1) * row_bytes] for i in ids.tolist()])
     assert torch.equal(out, want)
     assert stats.n_reads == 5 and stats.bytes_requested == 5 * row_bytes  # merging 7 and 8 would pass max_read
 

@@ -3,6 +3,7 @@
 Emulator semantics are checked against scalar models of each intrinsic; the kernel bodies against the pure-torch
 reference, bitwise. Shapes stay small: every emulated GPU thread is an OS thread.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -27,6 +28,7 @@ def lane_inputs(n: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
 
 
 # ---- scalar models ----------------------------------------------------------------------------------------------
+
 
 def model_cuda(name: str, x: list, param: list, mask: int, width: int) -> list:
     """What each thread of one block gets from a CUDA warp intrinsic; threads outside `mask` keep x."""
@@ -104,6 +106,7 @@ def wrap(values: list, dtype: torch.dtype) -> torch.Tensor:
 
 # ---- emulator: warp / SIMD intrinsics ---------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.float32])
 @pytest.mark.parametrize("name", ["shfl", "shfl_up", "shfl_down", "shfl_xor"])
 @pytest.mark.parametrize("width", [32, 8])
@@ -138,9 +141,20 @@ def test_cuda_partial_warp_takes_the_lanes_that_exist():
 
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.float32])
-@pytest.mark.parametrize("name", ["simd_sum", "simd_prefix_exclusive_sum", "simd_prefix_inclusive_sum",
-                                  "simd_shuffle", "simd_shuffle_up", "simd_shuffle_down", "simd_shuffle_xor",
-                                  "simd_ballot", "popcount"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "simd_sum",
+        "simd_prefix_exclusive_sum",
+        "simd_prefix_inclusive_sum",
+        "simd_shuffle",
+        "simd_shuffle_up",
+        "simd_shuffle_down",
+        "simd_shuffle_xor",
+        "simd_ballot",
+        "popcount",
+    ],
+)
 def test_metal_simd_functions_match_scalar_model(name, dtype):
     if name == "popcount" and dtype == torch.float32:
         pytest.skip("popcount takes integers")
@@ -172,6 +186,7 @@ def test_shuffle_from_a_missing_lane_is_reported():
 
 # ---- emulator: barriers and block-shared memory -----------------------------------------------------------------
 
+
 @pytest.mark.parametrize("metal", [False, True])
 @pytest.mark.parametrize("n_threads,n_active", [(64, 64), (96, 50)])
 def test_barrier_orders_shared_memory_per_block(metal, n_threads, n_active):
@@ -182,21 +197,25 @@ def test_barrier_orders_shared_memory_per_block(metal, n_threads, n_active):
     assert np.array_equal(got.numpy(), want)
 
 
-@pytest.mark.parametrize("what,message", [
-    ("divergent_intrinsics", "warp divergence"),
-    ("exit_in_mask", "exited"),
-    ("barrier_in_divergent_warp", "waits for it|deadlock"),
-    ("shuffle_outside_mask", "not taking part"),
-    ("mask_without_caller", "does not name the calling lane"),
-    ("misaligned_vector_store", "misaligned 16-byte vector store"),
-    ("kernel_throws", "kernel threw: index 99 past the end"),
-])
+@pytest.mark.parametrize(
+    "what,message",
+    [
+        ("divergent_intrinsics", "warp divergence"),
+        ("exit_in_mask", "exited"),
+        ("barrier_in_divergent_warp", "waits for it|deadlock"),
+        ("shuffle_outside_mask", "not taking part"),
+        ("mask_without_caller", "does not name the calling lane"),
+        ("misaligned_vector_store", "misaligned 16-byte vector store"),
+        ("kernel_throws", "kernel threw: index 99 past the end"),
+    ],
+)
 def test_misuse_fails_the_launch_with_a_reason(what, message):
     with pytest.raises(RuntimeError, match=message):
         OPS.misuse(what)
 
 
 # ---- the Endor kernel bodies ------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("body", BODIES)
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -276,6 +295,7 @@ def test_import_alone_does_not_load_the_test_extension():
     # flashllm_ext._simt registers test-only ops; the package must not pull it in.
     import subprocess
     import sys
+
     code = "import sys, flashllm_ext; print('flashllm_ext._simt' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

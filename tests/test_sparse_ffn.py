@@ -1,6 +1,7 @@
 """flashllm::sparse_ffn on the CPU: native kernel (every ISA path) against the pure-torch reference and dense
 math; opcheck and the fake kernel; bad inputs; the default model's real FFN weights (slow).
 The CUDA and Metal bodies are tested in test_ffn_simt.py."""
+
 import re
 from pathlib import Path
 
@@ -38,7 +39,7 @@ def test_native_matches_reference(isa, dtype, glu, act, n_tok):
     d, capacity, num_used = 37, 50, 41  # d: a 16-element loop plus a tail on every ISA
     x, m, b = ffn_case(n_tok, d, capacity, glu, dtype, seed=n_tok)
     index = torch.tensor([40, 3, 3, 0, 17, 22, 39, 8])  # any order, repeats count twice
-    few = torch.tensor([40, 5, 5][n_tok % 2:])  # 2 or 3 of 41 rows: put in order by comparison or by counting
+    few = torch.tensor([40, 5, 5][n_tok % 2 :])  # 2 or 3 of 41 rows: put in order by comparison or by counting
     for kwargs in ({}, {"index": index}, {"index": few}, {"threshold": 0.2}, {"index": index, "threshold": 0.05}):
         for bias in (b, None):
             want = sparse_ffn_reference(x, m, num_used, bias, act, glu, **kwargs)
@@ -52,11 +53,14 @@ def test_odd_shapes(isa, shape):
         x, m, b = ffn_case(n_tok, d, max(capacity, 1), glu, torch.float32)
         m, b = m[:capacity], b[:capacity]
         for num_used in {0, capacity}:
-            assert_close(ops.sparse_ffn(x, m, num_used=num_used, activation="silu", glu=glu, bias=b),
-                         sparse_ffn_reference(x, m, num_used, b, "silu", glu))
+            assert_close(
+                ops.sparse_ffn(x, m, num_used=num_used, activation="silu", glu=glu, bias=b),
+                sparse_ffn_reference(x, m, num_used, b, "silu", glu),
+            )
     empty = torch.empty(0, dtype=torch.int64)
-    assert torch.equal(ops.sparse_ffn(x, m, num_used=capacity, activation="relu", glu=glu, bias=b, index=empty),
-                       torch.zeros_like(x))
+    assert torch.equal(
+        ops.sparse_ffn(x, m, num_used=capacity, activation="relu", glu=glu, bias=b, index=empty), torch.zeros_like(x)
+    )
 
 
 @pytest.mark.parametrize("dtype", FFN_DTYPES)
@@ -76,14 +80,16 @@ def test_non_contiguous_x_and_bias():
     x, m, b = ffn_case(4, 24, 30, False, torch.float32)
     xt = torch.randn(24, 4).t()
     bias = torch.randn(60)[::2]
-    assert_close(ops.sparse_ffn(xt, m, num_used=30, activation="relu", glu=False, bias=bias),
-                 sparse_ffn_reference(xt, m, 30, bias, "relu", False))
+    assert_close(
+        ops.sparse_ffn(xt, m, num_used=30, activation="relu", glu=False, bias=bias),
+        sparse_ffn_reference(xt, m, 30, bias, "relu", False),
+    )
 
 
 def test_threshold_skips_small_glu_products(isa):
     d = 16
     x, m, _ = ffn_case(3, d, 20, True, torch.float32, seed=5)
-    up, gate, down = m[:, :d], m[:, d:2 * d], m[:, 2 * d:].t()
+    up, gate, down = m[:, :d], m[:, d : 2 * d], m[:, 2 * d :].t()
     h = F.silu(x @ gate.t()) * (x @ up.t())  # [T, 20]: the GLU product the threshold applies to
     for threshold in (0.0, h.abs().median().item(), 1e9):  # nothing, about half, everything skipped
         want = torch.where(h.abs() > threshold, h, 0.0) @ down.t()
@@ -94,12 +100,14 @@ def test_threshold_skips_small_glu_products(isa):
 
 def test_opcheck():
     x, m, b = ffn_case(3, 16, 12, True, torch.float32)
-    torch.library.opcheck(OPS.sparse_ffn, (x, m, 10, b, "silu", True), {"index": torch.tensor([1, 4]),
-                                                                     "threshold": 0.1})
+    torch.library.opcheck(
+        OPS.sparse_ffn, (x, m, 10, b, "silu", True), {"index": torch.tensor([1, 4]), "threshold": 0.1}
+    )
 
 
-@pytest.mark.parametrize("case", [c for c in bad_ffn_cases() if not c[0].startswith(r"index\[")],
-                         ids=lambda c: c[0][:30])
+@pytest.mark.parametrize(
+    "case", [c for c in bad_ffn_cases() if not c[0].startswith(r"index\[")], ids=lambda c: c[0][:30]
+)
 def test_fake_kernel_refuses_bad_metadata(case):
     # Every check but the index range (data) is made on meta tensors too, with the same words.
     match, args, kwargs = case
@@ -140,12 +148,13 @@ def test_default_model_ffn_weights():
                 half = torch.randperm(matrix.shape[0], generator=g)[: matrix.shape[0] // 2]
                 mask = torch.zeros(matrix.shape[0], dtype=torch.bool)
                 mask[half] = True
-                want_half = dense_ffn(x, up.to(dtype)[mask], down.to(dtype)[:, mask], gate.to(dtype)[mask], None,
-                                      "silu")
-                got_half = ops.sparse_ffn(x, matrix, num_used=matrix.shape[0], activation="silu", glu=True,
-                                          index=half)
-                torch.testing.assert_close(got_half.float(), want_half, rtol=1e-2,
-                                           atol=2e-2 * want_half.abs().max().item())
+                want_half = dense_ffn(
+                    x, up.to(dtype)[mask], down.to(dtype)[:, mask], gate.to(dtype)[mask], None, "silu"
+                )
+                got_half = ops.sparse_ffn(x, matrix, num_used=matrix.shape[0], activation="silu", glu=True, index=half)
+                torch.testing.assert_close(
+                    got_half.float(), want_half, rtol=1e-2, atol=2e-2 * want_half.abs().max().item()
+                )
 
 
 @pytest.mark.parametrize("kernel", ["native", "reference"])

@@ -1,4 +1,5 @@
 """FlashStore: reads what convert wrote, and refuses stores whose headers lie (FormatError naming file and field)."""
+
 import json
 import os
 import shutil
@@ -42,28 +43,31 @@ def _rewrite_header(path, mutate) -> None:
     """Apply mutate(header dict) to a safetensors header in place, keeping its length (space padding)."""
     raw = path.read_bytes()
     (size,) = struct.unpack("<Q", raw[:8])
-    header = json.loads(raw[8:8 + size])
+    header = json.loads(raw[8 : 8 + size])
     mutate(header)
     text = json.dumps(header, separators=(",", ":")).encode()
     assert len(text) <= size
-    path.write_bytes(raw[:8] + text + b" " * (size - len(text)) + raw[8 + size:])
+    path.write_bytes(raw[:8] + text + b" " * (size - len(text)) + raw[8 + size :])
 
 
-@pytest.mark.parametrize("field,value,match", [
-    ("magic", "not-a-store", "magic"),
-    ("format_version", "99", "format_version"),
-    ("dtype", "fp8", "dtype"),
-    ("n_neurons", "abc", "n_neurons"),
-    ("bundle_width", "65", "bundle_width"),
-    ("alignment", "1000", "alignment"),
-    ("n_layers", "4", "layers.3.bundles"),
-    ("n_neurons", "161", r"layers\.0\.bundles\.shape"),
-    ("config", "{", "config"),
-    ("format_version", "1", "format_version"),  # stores written before ffn_roles
-    ("ffn_roles", "{", "ffn_roles"),
-    ("ffn_roles", "[]", "ffn_roles"),
-    ("ffn_roles", '[{"up":"a"},{"up":"a"},{"up":"a"}]', r"ffn_roles\[0\]"),
-])
+@pytest.mark.parametrize(
+    "field,value,match",
+    [
+        ("magic", "not-a-store", "magic"),
+        ("format_version", "99", "format_version"),
+        ("dtype", "fp8", "dtype"),
+        ("n_neurons", "abc", "n_neurons"),
+        ("bundle_width", "65", "bundle_width"),
+        ("alignment", "1000", "alignment"),
+        ("n_layers", "4", "layers.3.bundles"),
+        ("n_neurons", "161", r"layers\.0\.bundles\.shape"),
+        ("config", "{", "config"),
+        ("format_version", "1", "format_version"),  # stores written before ffn_roles
+        ("ffn_roles", "{", "ffn_roles"),
+        ("ffn_roles", "[]", "ffn_roles"),
+        ("ffn_roles", '[{"up":"a"},{"up":"a"},{"up":"a"}]', r"ffn_roles\[0\]"),
+    ],
+)
 def test_metadata_lies_raise_format_error(store_copy, field, value, match):
     bundles = store_copy / store.BUNDLES_FILE
     _rewrite_header(bundles, lambda h: h["__metadata__"].__setitem__(field, value))
@@ -95,8 +99,9 @@ def test_misaligned_tensor(tmp_path, llama_store):
     d.mkdir()
     (d / store.RESIDENT_FILE).write_bytes((llama_store / store.RESIDENT_FILE).read_bytes())
     entry = header.tensors[store.layer_tensor_name(0)]
-    specs = [TensorSpec("small", "U8", (3,))] + [TensorSpec(store.layer_tensor_name(l), entry.dtype, entry.shape)
-                                                  for l in range(3)]
+    specs = [TensorSpec("small", "U8", (3,))] + [
+        TensorSpec(store.layer_tensor_name(l), entry.dtype, entry.shape) for l in range(3)
+    ]
     with AlignedWriter(d / store.BUNDLES_FILE, specs, header.metadata, alignment=64) as w:
         w.write("small", torch.zeros(3, dtype=torch.uint8))
         for l in range(3):
@@ -151,7 +156,7 @@ def test_fuzzed_headers_raise_format_error_or_load(store_copy, data):
             corrupted = bytearray(original)
             corrupted[pos] = data.draw(st.integers(0, 255))
         else:
-            corrupted = original[:data.draw(st.integers(0, len(original) - 1))]
+            corrupted = original[: data.draw(st.integers(0, len(original) - 1))]
         bundles.write_bytes(bytes(corrupted))
         try:
             fs = store.FlashStore(store_copy)
@@ -162,11 +167,14 @@ def test_fuzzed_headers_raise_format_error_or_load(store_copy, data):
         bundles.write_bytes(original)
 
 
-@pytest.mark.parametrize("role,name,match", [
-    ("gate_bias", "model.layers.0.no_such.bias", "not a resident tensor"),
-    ("up_bias", "model.norm.weight", r"shape \(160,\)"),  # [d], not [n_neurons]
-    ("bias", "model.norm.weight", "needs exactly the weights"),
-])
+@pytest.mark.parametrize(
+    "role,name,match",
+    [
+        ("gate_bias", "model.layers.0.no_such.bias", "not a resident tensor"),
+        ("up_bias", "model.norm.weight", r"shape \(160,\)"),  # [d], not [n_neurons]
+        ("bias", "model.norm.weight", "needs exactly the weights"),
+    ],
+)
 def test_ffn_roles_must_name_resident_tensors_of_the_right_shape(store_copy, role, name, match):
     def add_role(h):
         roles = json.loads(h["__metadata__"]["ffn_roles"])
@@ -228,8 +236,11 @@ def test_a_fifo_in_place_of_a_layer_store_file_is_refused(layer_store, tmp_path)
     refuses_without_blocking(lambda: LayerStore(copy), copy / store.RESIDENT_FILE)
 
 
-@pytest.mark.parametrize("ids", [torch.tensor([0.7, 1.2]), [0.0, 1.0], torch.tensor([True, False])],
-                         ids=["float_tensor", "float_list", "bool"])
+@pytest.mark.parametrize(
+    "ids",
+    [torch.tensor([0.7, 1.2]), [0.0, 1.0], torch.tensor([True, False])],
+    ids=["float_tensor", "float_list", "bool"],
+)
 def test_non_integer_neuron_ids_are_refused(llama_store, ids):
     fs = store.FlashStore(llama_store)
     with pytest.raises(ValueError, match="neuron ids must be integers"):
@@ -238,18 +249,25 @@ def test_non_integer_neuron_ids_are_refused(llama_store, ids):
         fs.bundle(0, ids)
 
 
-@pytest.mark.parametrize("edit,match", [
-    (lambda c: [c], r"config: must be a JSON object"),
-    (lambda c: {**c, "vocab_size": 10**11}, r"config\.vocab_size: 100000000000 is the row count of no resident"),
-    (lambda c: {**c, "vocab_size": 1e11}, r"config\.vocab_size: must be a positive integer"),
-    (lambda c: {**c, "hidden_size": "64"}, r"config\.hidden_size: must be a positive integer"),
-    (lambda c: {**c, "num_hidden_layers": 0}, r"config\.num_hidden_layers: must be a positive integer"),
-], ids=["list", "vocab_10e11", "vocab_float", "hidden_str", "no_layers"])
+@pytest.mark.parametrize(
+    "edit,match",
+    [
+        (lambda c: [c], r"config: must be a JSON object"),
+        (lambda c: {**c, "vocab_size": 10**11}, r"config\.vocab_size: 100000000000 is the row count of no resident"),
+        (lambda c: {**c, "vocab_size": 1e11}, r"config\.vocab_size: must be a positive integer"),
+        (lambda c: {**c, "hidden_size": "64"}, r"config\.hidden_size: must be a positive integer"),
+        (lambda c: {**c, "num_hidden_layers": 0}, r"config\.num_hidden_layers: must be a positive integer"),
+    ],
+    ids=["list", "vocab_10e11", "vocab_float", "hidden_str", "no_layers"],
+)
 @pytest.mark.parametrize("kind", ["flash", "layers"])
 def test_model_config_lies_raise_format_error(store_copy, layer_store, tmp_path, kind, edit, match):
     # The model is built from the config: sizes the files do not back must fail here, not allocate there.
-    root, file, load = ((store_copy, store.BUNDLES_FILE, store.FlashStore) if kind == "flash" else
-                        (shutil.copytree(layer_store, tmp_path / "layers"), LAYERS_FILE, LayerStore))
+    root, file, load = (
+        (store_copy, store.BUNDLES_FILE, store.FlashStore)
+        if kind == "flash"
+        else (shutil.copytree(layer_store, tmp_path / "layers"), LAYERS_FILE, LayerStore)
+    )
 
     def rewrite(header):
         header["__metadata__"]["config"] = json.dumps(edit(json.loads(header["__metadata__"]["config"])))

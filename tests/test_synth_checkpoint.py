@@ -1,4 +1,5 @@
 """bench/synth_checkpoint.py: synthesized Hugging Face checkpoints with real 7B shapes (tiny configs here)."""
+
 import json
 
 import pytest
@@ -14,9 +15,14 @@ from flashllm_ext.flash.store import FlashStore
 @pytest.fixture(scope="module", params=sorted(SMOKE_OVERRIDES))
 def tiny_checkpoint(request, tmp_path_factory):
     name = request.param
-    path = synthesize_checkpoint(name, tmp_path_factory.mktemp(name) / "ckpt", prune=0.5,
-                                 overrides=SMOKE_OVERRIDES[name],
-                                 shard_bytes=20_000, progress=False)
+    path = synthesize_checkpoint(
+        name,
+        tmp_path_factory.mktemp(name) / "ckpt",
+        prune=0.5,
+        overrides=SMOKE_OVERRIDES[name],
+        shard_bytes=20_000,
+        progress=False,
+    )
     return name, path
 
 

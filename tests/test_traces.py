@@ -1,4 +1,5 @@
 """bench/traces.py: the benchmarks' activation masks (benchmark support, imported from the checkout root)."""
+
 import pytest
 import torch
 
@@ -31,9 +32,20 @@ def test_default_model_masks_hit_the_target_sparsity():
 
 
 def test_predictor_training_spells_quant_bits():
-    assert predictor_training("quant", 0.97) == ("--method", "quant", "--gate-bits", "4", "--up-bits", "4",
-                                                 "--density", "0.06", "--rounding", "nearest",
-                                                 "--group-size", "row")
+    assert predictor_training("quant", 0.97) == (
+        "--method",
+        "quant",
+        "--gate-bits",
+        "4",
+        "--up-bits",
+        "4",
+        "--density",
+        "0.06",
+        "--rounding",
+        "nearest",
+        "--group-size",
+        "row",
+    )
     assert predictor_training("quant:4/2", 0.9)[2:6] == ("--gate-bits", "4", "--up-bits", "2")
     for bad in ("quant:4", "quant:a/b", "teal"):
         with pytest.raises(ValueError, match="quant:G/U"):

@@ -3,6 +3,7 @@ code a CUDA cache runs (host mirror planning, the mirror's swap-delete, the devi
 emulation of the shipped CUDA launcher, reads into the staging buffer, deferred copies into the rows, device pointer
 and bias updates) and must agree with the plain CPU cache step by step; a failed read leaves it consistent; FlashFFN
 and the engine on it give the CPU results. tests/test_cuda.py runs the same comparisons on a real GPU."""
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -37,17 +38,35 @@ def stores(tmp_path_factory):
     """OPT (ReLU, fc1 bias rows) and Llama (GLU, no bias) stores, fp16; and the transformers models (fp32 stores)."""
     root = tmp_path_factory.mktemp("transfer")
     torch.manual_seed(1)
-    opt = OPTForCausalLM(OPTConfig(hidden_size=48, ffn_dim=N_NEURONS, num_hidden_layers=2, num_attention_heads=4,
-                                   vocab_size=100, word_embed_proj_dim=48, max_position_embeddings=64,
-                                   dropout=0.0)).eval()
-    llama = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=N_NEURONS, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=64)).eval()
+    opt = OPTForCausalLM(
+        OPTConfig(
+            hidden_size=48,
+            ffn_dim=N_NEURONS,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            vocab_size=100,
+            word_embed_proj_dim=48,
+            max_position_embeddings=64,
+            dropout=0.0,
+        )
+    ).eval()
+    llama = LlamaForCausalLM(
+        LlamaConfig(
+            hidden_size=32,
+            intermediate_size=N_NEURONS,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=64,
+        )
+    ).eval()
     out = {}
     for name, model in (("opt", opt), ("llama", llama)):
         model.save_pretrained(root / f"{name}-ckpt")
         out[name] = store.FlashStore(convert(root / f"{name}-ckpt", root / name, progress=False))
-        out[name + "32"] = store.FlashStore(convert(root / f"{name}-ckpt", root / f"{name}32", dtype="fp32",
-                                                    progress=False))
+        out[name + "32"] = store.FlashStore(
+            convert(root / f"{name}-ckpt", root / f"{name}32", dtype="fp32", progress=False)
+        )
         out[name + "_model"] = model
     return out
 
@@ -87,8 +106,11 @@ def test_staged_cache_matches_the_cpu_cache_step_by_step(stores, name, capacity,
     layer = flash_store.n_layers - 1
 
     @settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck))
-    @given(tokens=st.lists(st.tuples(st.lists(st.integers(0, N_NEURONS - 1), max_size=30), st.booleans()),
-                           min_size=1, max_size=10))
+    @given(
+        tokens=st.lists(
+            st.tuples(st.lists(st.integers(0, N_NEURONS - 1), max_size=30), st.booleans()), min_size=1, max_size=10
+        )
+    )
     def run(tokens):
         transfer = staged()
         host = NeuronCache(flash_store, layer, capacity, window)
@@ -153,7 +175,7 @@ def test_flash_ffn_on_a_staged_cache_matches_the_cpu_one(stores, name):
     at = [0]
 
     def predictor(chunk):
-        return masks[at[0]:at[0] + chunk.shape[0]]
+        return masks[at[0] : at[0] + chunk.shape[0]]
 
     host = FlashFFN(s, 1, predictor=predictor, capacity=60, window=2)
     dev = FlashFFN(s, 1, predictor=predictor, capacity=60, window=2, transfer=staged())
@@ -163,7 +185,7 @@ def test_flash_ffn_on_a_staged_cache_matches_the_cpu_one(stores, name):
     assert got.dtype == x.dtype and torch.equal(got, want)
     for t in range(6, 12):  # decode steps, reads overlapped with the hits' compute
         at[0] = t
-        assert torch.equal(dev(x[t:t + 1]), host(x[t:t + 1]))
+        assert torch.equal(dev(x[t : t + 1]), host(x[t : t + 1]))
     assert dev.stats.inserted == host.stats.inserted > 0 and dev.cache.transfer.uploads > 0
 
 
@@ -199,9 +221,12 @@ def test_ffn_stack_on_a_staged_transfer_matches_the_cpu_stack(stores, mode):
 def test_cuda_is_refused_clearly_without_a_gpu(stores):
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is present: tests/test_cuda.py runs the CUDA path")
-    for make in (lambda: cuda_device("cuda"), lambda: make_transfer("cuda"),
-                 lambda: NeuronCache(stores["opt"], 0, capacity=4, device="cuda"),
-                 lambda: flashllm_ext.load_flash(stores["opt32"].path, None, mode="exact", device="cuda")):
+    for make in (
+        lambda: cuda_device("cuda"),
+        lambda: make_transfer("cuda"),
+        lambda: NeuronCache(stores["opt"], 0, capacity=4, device="cuda"),
+        lambda: flashllm_ext.load_flash(stores["opt32"].path, None, mode="exact", device="cuda"),
+    ):
         with pytest.raises(ValueError, match="CUDA is not available"):
             make()
     with pytest.raises(ValueError, match="must be cpu or cuda"):
@@ -227,8 +252,9 @@ def test_load_flash_on_a_staged_transfer_generates_the_tokens_of_transformers(st
     import flashllm_ext.flash.engine
 
     transfers = []
-    monkeypatch.setattr(flashllm_ext.flash.engine, "make_transfer", lambda device: transfers.append(staged()) or
-                        transfers[-1])
+    monkeypatch.setattr(
+        flashllm_ext.flash.engine, "make_transfer", lambda device: transfers.append(staged()) or transfers[-1]
+    )
     model = stores[name + "_model"]
     prompt = torch.randint(3, 60, (1, 7), generator=torch.Generator().manual_seed(2))
     want = model.generate(prompt, max_new_tokens=16, min_new_tokens=16, do_sample=False)

@@ -4,6 +4,7 @@ The environment sees the system's site-packages so torch is not downloaded again
 with --ignore-installed, so an editable install of the checkout (what `make build` leaves) does not stand in for it.
 Every command runs outside the checkout, whose flashllm_ext would otherwise be imported first.
 """
+
 import json
 import os
 import subprocess
@@ -46,8 +47,10 @@ def _run(args, cwd):
 def installed(tmp_path_factory):
     """(wheel, virtual environment) with the wheel installed."""
     work = tmp_path_factory.mktemp("wheel")
-    _run([sys.executable, "-m", "pip", "wheel", "-q", "--no-build-isolation", "--no-deps", "-w", work / "dist", ROOT],
-         cwd=ROOT)
+    _run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-build-isolation", "--no-deps", "-w", work / "dist", ROOT],
+        cwd=ROOT,
+    )
     (wheel,) = (work / "dist").glob("flashllm_ext-*.whl")
     venv = work / "venv"
     _run([sys.executable, "-m", "venv", "--system-site-packages", venv], cwd=work)

@@ -11,6 +11,7 @@ breakdown, bytes and reads per token, the cache hit rate, the cgroup's limit and
 
     python -m flashllm_ext.demos.flash [--budget 50%] [--tokens 64] [--window 5] [--prompt TEXT] [--modes ...]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,9 +34,24 @@ from flashllm_ext.harness.report import print_table
 from flashllm_ext.flash.store import FlashStore
 
 
-COLUMNS = ["mode", "ms/token", "io ms", "mem ms", "predictor ms", "ffn compute ms", "MB read/token", "reads/token",
-           "hit rate", "budget MB", "accounted MB", "cgroup limit MB", "peak MB", "OOM", "tokens = transformers",
-           "s (with load)"]
+COLUMNS = [
+    "mode",
+    "ms/token",
+    "io ms",
+    "mem ms",
+    "predictor ms",
+    "ffn compute ms",
+    "MB read/token",
+    "reads/token",
+    "hit rate",
+    "budget MB",
+    "accounted MB",
+    "cgroup limit MB",
+    "peak MB",
+    "OOM",
+    "tokens = transformers",
+    "s (with load)",
+]
 
 
 def prepare_store(gguf: Path, cache_dir: Path) -> Path:
@@ -95,17 +111,26 @@ def run_mode(config: dict) -> dict:
         store = FlashStore(config["store"])
         empty_model(store.config, store.dtype, store.path)
         return {}
-    model = load_flash(config["store"], dram_budget=config["budget_bytes"], mode=config["mode"],
-                       window=config["window"])
+    model = load_flash(
+        config["store"], dram_budget=config["budget_bytes"], mode=config["mode"], window=config["window"]
+    )
     ids, seconds = greedy_decode(model, torch.tensor([config["prompt"]]), config["tokens"])
     row = {"ids": ids.tolist(), "ms/token": seconds * 1e3}
     if model.flash is not None:
         s = model.flash.stats()
-        row.update({"io ms": s["io_ms"], "mem ms": s["mem_ms"], "predictor ms": s["predictor_ms"],
-                    "ffn compute ms": s["compute_ms"], "MB read/token": s["bytes_per_token"] / 1e6,
-                    "reads/token": s["reads_per_token"], "hit rate": s["hit_rate"],
-                    "budget MB": None if s["budget_bytes"] is None else s["budget_bytes"] / 1e6,
-                    "accounted MB": s["accounted_bytes"] / 1e6})
+        row.update(
+            {
+                "io ms": s["io_ms"],
+                "mem ms": s["mem_ms"],
+                "predictor ms": s["predictor_ms"],
+                "ffn compute ms": s["compute_ms"],
+                "MB read/token": s["bytes_per_token"] / 1e6,
+                "reads/token": s["reads_per_token"],
+                "hit rate": s["hit_rate"],
+                "budget MB": None if s["budget_bytes"] is None else s["budget_bytes"] / 1e6,
+                "accounted MB": s["accounted_bytes"] / 1e6,
+            }
+        )
         model.flash.close()
     return row
 
@@ -123,8 +148,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     prompt = tokenizer(args.prompt, return_tensors="pt").input_ids
     reference, _ = load_hf_model(gguf)
     with torch.inference_mode():
-        expected = reference.generate(prompt, max_new_tokens=args.tokens, min_new_tokens=args.tokens,
-                                      do_sample=False)[0, prompt.shape[1]:]
+        expected = reference.generate(prompt, max_new_tokens=args.tokens, min_new_tokens=args.tokens, do_sample=False)[
+            0, prompt.shape[1] :
+        ]
     del reference
     sizing = load_flash(store_dir, None, mode="naive")  # "50%" is of what load_flash counts (engine.model_bytes)
     total = model_bytes(sizing, sizing.flash.store)
@@ -139,10 +165,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     baseline = None  # the probe runs unlimited: its peak is every child's baseline
     _, probe = child({**base, "mode": "probe"}, None)
     baseline = None if probe["cgroup_peak_mb"] is None else int(probe["cgroup_peak_mb"] * 1e6)
-    print(f"\nprompt: {args.prompt!r} ({prompt.shape[1]} tokens), {args.tokens} greedy tokens, budget {args.budget} "
-          f"({parse_budget(args.budget, total) / 1e6:.1f} MB of {total / 1e6:.1f} MB), window {args.window}, "
-          f"{torch.get_num_threads()} CPU threads; each mode in a memory cgroup of its baseline "
-          f"({'none: ' + str(probe['cgroup_note']) if baseline is None else f'{baseline / 1e6:.0f} MB'}) + budget\n")
+    print(
+        f"\nprompt: {args.prompt!r} ({prompt.shape[1]} tokens), {args.tokens} greedy tokens, budget {args.budget} "
+        f"({parse_budget(args.budget, total) / 1e6:.1f} MB of {total / 1e6:.1f} MB), window {args.window}, "
+        f"{torch.get_num_threads()} CPU threads; each mode in a memory cgroup of its baseline "
+        f"({'none: ' + str(probe['cgroup_note']) if baseline is None else f'{baseline / 1e6:.0f} MB'}) + budget\n"
+    )
     rows = []
     for mode in args.modes.split(","):
         budget = None if mode == "dense" else parse_budget(args.budget, total)
@@ -155,13 +183,22 @@ def main(argv: Sequence[str] | None = None) -> None:
         ids = torch.tensor(row.pop("ids"))
         same = int((ids == expected).long().cumprod(0).sum())  # leading tokens equal to transformers'
         print(f"[{mode}] {args.prompt}{tokenizer.decode(ids)}")
-        rows.append({**row, "cgroup limit MB": facts["cgroup_limit_mb"], "peak MB": facts["cgroup_peak_mb"],
-                     "OOM": facts["oom_killed"], "tokens = transformers": f"{same}/{args.tokens}",
-                     "s (with load)": time.perf_counter() - start})
+        rows.append(
+            {
+                **row,
+                "cgroup limit MB": facts["cgroup_limit_mb"],
+                "peak MB": facts["cgroup_peak_mb"],
+                "OOM": facts["oom_killed"],
+                "tokens = transformers": f"{same}/{args.tokens}",
+                "s (with load)": time.perf_counter() - start,
+            }
+        )
     print()
     print_table(rows, [c for c in COLUMNS if any(c in row for row in rows)])
-    print("\nOne sequential run of each mode on a shared machine: compare modes within a run, and repeat it; "
-          "bench/bench_e2e.py interleaves rounds and takes medians.")
+    print(
+        "\nOne sequential run of each mode on a shared machine: compare modes within a run, and repeat it; "
+        "bench/bench_e2e.py interleaves rounds and takes medians."
+    )
 
 
 if __name__ == "__main__":

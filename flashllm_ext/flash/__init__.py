@@ -1,5 +1,6 @@
 """LLM in a flash: FFN weights in a row-column bundled store on flash, read by neuron through a sliding-window
 neuron cache, served to a Hugging Face model within a DRAM budget (engine: load_flash / patch_flash)."""
+
 from __future__ import annotations
 
 from flashllm_ext.flash.cache import NeuronCache

@@ -26,6 +26,7 @@ Capacity comes from a byte budget (or is given); when the window's union does no
 rows that the current token does not need are evicted early and counted in StepStats.evicted_budget. A token
 whose own active set exceeds the capacity raises ValueError. After construction a step allocates no tensor memory.
 """
+
 from __future__ import annotations
 
 import os
@@ -46,6 +47,7 @@ _NEVER = -(1 << 62)  # last_active of a neuron never seen: outside every window
 @dataclass(frozen=True)
 class StepStats:
     """What one NeuronCache.step did."""
+
     evicted: int  # rows that left because their neuron was not active in the last `window` tokens
     evicted_budget: int  # rows evicted early (least recently active first) because the window's union did not fit
     inserted: int  # bundles read from flash
@@ -90,9 +92,18 @@ class NeuronCache:
     (default: a new one for `device`; a model's caches share one).
     """
 
-    def __init__(self, store: FlashStore | str | os.PathLike, layer: int, capacity: int | None = None,
-                 window: int = 5, *, budget_bytes: int | None = None, reader: FlashReader | None = None,
-                 device: str | torch.device | None = None, transfer: Transfer | None = None):
+    def __init__(
+        self,
+        store: FlashStore | str | os.PathLike,
+        layer: int,
+        capacity: int | None = None,
+        window: int = 5,
+        *,
+        budget_bytes: int | None = None,
+        reader: FlashReader | None = None,
+        device: str | torch.device | None = None,
+        transfer: Transfer | None = None,
+    ):
         self.store = store if isinstance(store, FlashStore) else FlashStore(store)
         if not 0 <= layer < self.store.n_layers:
             raise ValueError(f"layer {layer} out of range [0, {self.store.n_layers})")
@@ -112,8 +123,10 @@ class NeuronCache:
         if budget_bytes is not None:
             capacity = min(n, max(0, (budget_bytes - fixed) // per_row))
             if capacity < 1:
-                raise ValueError(f"budget_bytes={budget_bytes} cannot hold one row ({fixed} bytes of per-neuron "
-                                 f"state + {per_row} bytes per row)")
+                raise ValueError(
+                    f"budget_bytes={budget_bytes} cannot hold one row ({fixed} bytes of per-neuron "
+                    f"state + {per_row} bytes per row)"
+                )
         if not 1 <= capacity <= n:
             raise ValueError(f"capacity must be in [1, n_neurons={n}], got {capacity}")
         self.capacity = capacity
@@ -153,8 +166,7 @@ class NeuronCache:
         out of range or more distinct ids than the capacity."""
         return self.begin_step(active_ids).finish()
 
-    def begin_step(self, active_ids: torch.Tensor, background: bool = False, same_token: bool = False
-                   ) -> PendingStep:
+    def begin_step(self, active_ids: torch.Tensor, background: bool = False, same_token: bool = False) -> PendingStep:
         """The first half of `step`: plan, evict (swap-delete) and start reading the missing bundles, in a reader
         thread if `background`. Until `finish()`, rows [0, num_used) hold the neurons that were already cached
         (their slot_of is valid; the missing ids still map to -1), so work on them overlaps the reads.
@@ -171,31 +183,45 @@ class NeuronCache:
             self._spare_last_step(active_ids)
         try:
             n_window, n_budget, n_missing = ops.cache_plan(
-                active_ids, self.last_active, self.slot_of, self.pointer, self._evict_rows, self._missing,
-                num_used=self.num_used, step=step, window=self.window)
+                active_ids,
+                self.last_active,
+                self.slot_of,
+                self.pointer,
+                self._evict_rows,
+                self._missing,
+                num_used=self.num_used,
+                step=step,
+                window=self.window,
+            )
         except RuntimeError as e:
             raise ValueError(str(e)) from None
         self.steps = step
-        evict = self._evict_rows[:n_window + n_budget]
+        evict = self._evict_rows[: n_window + n_budget]
         if self.transfer.staged:  # the mirror first (host), then the same moves on the device, queued
-            kept = ops.cache_compact(self._mirror_rows, self.pointer, evict, num_used=self.num_used,
-                                     slot_of=self.slot_of)
+            kept = ops.cache_compact(
+                self._mirror_rows, self.pointer, evict, num_used=self.num_used, slot_of=self.slot_of
+            )
             self.transfer.compact(self.matrix, self.device_pointer, evict, num_used=self.num_used, bias=self.bias)
         else:
-            kept = ops.cache_compact(self.matrix, self.pointer, evict, num_used=self.num_used, bias=self.bias,
-                                     slot_of=self.slot_of)
+            kept = ops.cache_compact(
+                self.matrix, self.pointer, evict, num_used=self.num_used, bias=self.bias, slot_of=self.slot_of
+            )
         # Rows [kept, kept + n_missing) are free after the compaction. The new neurons are recorded only once their
         # bundles are in (PendingStep.finish): a failed read leaves a consistent cache of `kept` rows, and the next
         # step retries them.
         self.num_used = kept
         ids = self._missing[:n_missing]
-        out = (self.transfer.staging((n_missing, self.store.bundle_width), self.store.dtype) if self.transfer.staged
-               else self.matrix[kept:kept + n_missing])
+        out = (
+            self.transfer.staging((n_missing, self.store.bundle_width), self.store.dtype)
+            if self.transfer.staged
+            else self.matrix[kept : kept + n_missing]
+        )
         mem_s = self.transfer.clock() - t0
         read: Future | ReadResult | None = None
         if n_missing:
-            read = self.reader.read_async(self.layer, ids, out) if background else self.reader.read(self.layer, ids,
-                                                                                                      out)
+            read = (
+                self.reader.read_async(self.layer, ids, out) if background else self.reader.read(self.layer, ids, out)
+            )
         return PendingStep(self, n_window, n_budget, ids, read, mem_s)
 
     def serve(self, layer: int, input_bias: torch.Tensor | None) -> None:
@@ -206,9 +232,11 @@ class NeuronCache:
         if not 0 <= layer < self.store.n_layers:
             raise ValueError(f"layer {layer} out of range [0, {self.store.n_layers})")
         if (input_bias is None) != (self._bias_all is None):
-            raise ValueError(f"layer {layer}'s input bias is {'absent' if input_bias is None else 'present'}, "
-                             f"unlike layer {self.layer}'s")
-        used = self.pointer[:self.num_used]
+            raise ValueError(
+                f"layer {layer}'s input bias is {'absent' if input_bias is None else 'present'}, "
+                f"unlike layer {self.layer}'s"
+            )
+        used = self.pointer[: self.num_used]
         self.slot_of[used] = -1
         used.fill_(-1)
         self.last_active.fill_(_NEVER)
@@ -217,7 +245,7 @@ class NeuronCache:
 
     def _spare_last_step(self, active_ids: torch.Tensor) -> None:
         """Mark the cached neurons of the last step that are not in active_ids as active one step earlier."""
-        cached = self.pointer[:self.num_used]
+        cached = self.pointer[: self.num_used]
         wanted = torch.zeros(self.store.n_neurons, dtype=torch.bool)
         wanted[self.store.check_ids(active_ids)] = True
         spare = cached[(self.last_active[cached] == self.steps) & ~wanted[cached]]
@@ -242,18 +270,27 @@ class NeuronCache:
 
     def cached_ids(self) -> torch.Tensor:
         """Neuron ids of rows [0, num_used), in row order (a view)."""
-        return self.pointer[:self.num_used]
+        return self.pointer[: self.num_used]
 
     def __repr__(self) -> str:
-        return (f"NeuronCache(layer={self.layer}, capacity={self.capacity}, window={self.window}, "
-                f"num_used={self.num_used}, nbytes={self.nbytes})")
+        return (
+            f"NeuronCache(layer={self.layer}, capacity={self.capacity}, window={self.window}, "
+            f"num_used={self.num_used}, nbytes={self.nbytes})"
+        )
 
 
 class PendingStep:
     """A NeuronCache step begun by `begin_step`: evictions done, reads of the missing bundles issued."""
 
-    def __init__(self, cache: NeuronCache, evicted: int, evicted_budget: int, ids: torch.Tensor,
-                 read: Future | ReadResult | None, mem_s: float):
+    def __init__(
+        self,
+        cache: NeuronCache,
+        evicted: int,
+        evicted_budget: int,
+        ids: torch.Tensor,
+        read: Future | ReadResult | None,
+        mem_s: float,
+    ):
         self.cache, self.evicted, self.evicted_budget, self.ids = cache, evicted, evicted_budget, ids
         self._read, self._mem_s = read, mem_s
 
@@ -271,8 +308,16 @@ class PendingStep:
         mem_s = self._mem_s + self.cache.transfer.clock() - start
         read = result.stats if result is not None else None
         read_s, bytes_read = (read.wall_s, read.bytes_read) if read is not None else (0.0, 0)
-        return StepStats(self.evicted, self.evicted_budget, self.ids.numel(), bytes_read, waited, mem_s,
-                         self.cache.num_used, max(0.0, read_s - waited),
-                         read.decompress_s if read is not None else 0.0,
-                         read.bytes_requested if read is not None else 0,
-                         read.n_reads if read is not None else 0)
+        return StepStats(
+            self.evicted,
+            self.evicted_budget,
+            self.ids.numel(),
+            bytes_read,
+            waited,
+            mem_s,
+            self.cache.num_used,
+            max(0.0, read_s - waited),
+            read.decompress_s if read is not None else 0.0,
+            read.bytes_requested if read is not None else 0,
+            read.n_reads if read is not None else 0,
+        )

@@ -1,5 +1,6 @@
 """Disk calibration: random-read throughput of the FlashReader by read size and threads, saved as the
 DiskProfile the reader sizes its reads by (flashllm calibrate-disk)."""
+
 from __future__ import annotations
 
 import json
@@ -31,8 +32,14 @@ def make_test_file(path: str | os.PathLike, size: int, chunk: int = 64 << 20) ->
         os.fsync(f.fileno())
 
 
-def random_read_throughput(reader: FlashReader, file_size: int, read_bytes: int, n_reads: int,
-                           generator: torch.Generator | None = None, out: torch.Tensor | None = None) -> ReadStats:
+def random_read_throughput(
+    reader: FlashReader,
+    file_size: int,
+    read_bytes: int,
+    n_reads: int,
+    generator: torch.Generator | None = None,
+    out: torch.Tensor | None = None,
+) -> ReadStats:
     """One batch of n_reads distinct random aligned reads of read_bytes each over the whole file, as fio's
     randread does; a reader with min_read=0 and max_gap=-1 (no coalescing) issues exactly n_reads reads. The bench
     and calibrate_disk use it. out: an optional uint8 buffer of at least n_reads * read_bytes bytes."""
@@ -60,12 +67,22 @@ def calibrate_disk(directory: str | os.PathLike = ".", size: int = 1 << 30, save
             latency = random_read_throughput(one, size, 4096, min(2000, size // 4096), generator)
         with FlashReader.for_file(path, threads=32, min_read=0, max_gap=-1) as many:
             bandwidth = random_read_throughput(many, size, 1 << 20, min(512, size >> 20), generator)
-    profile = DiskProfile(latency.wall_s / latency.n_reads, bandwidth.bytes_read / bandwidth.wall_s,
-                          str(Path(directory).resolve()))
+    profile = DiskProfile(
+        latency.wall_s / latency.n_reads, bandwidth.bytes_read / bandwidth.wall_s, str(Path(directory).resolve())
+    )
     if save:
         target = disk_profile_path()
         target.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(target, json.dumps({**asdict(profile), "max_gap_bytes_1_thread": profile.max_gap_bytes(1),
-                                         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}, indent=1).encode(),
-                     private=False)
+        write_atomic(
+            target,
+            json.dumps(
+                {
+                    **asdict(profile),
+                    "max_gap_bytes_1_thread": profile.max_gap_bytes(1),
+                    "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                },
+                indent=1,
+            ).encode(),
+            private=False,
+        )
     return profile

@@ -5,6 +5,7 @@ convert reads the checkpoint one tensor at a time (flashllm_ext.io.checkpoint) a
 per layer, the up/gate/down weights become one bundle matrix [n_neurons, bundle_width] (bundle_layer), everything
 else goes to the resident file in the store dtype (float tensors only).
 """
+
 from __future__ import annotations
 
 import json
@@ -22,8 +23,17 @@ from flashllm_ext.errors import FormatError
 from flashllm_ext.io.paths import check_out_dir, install_dir, staging_dir
 from flashllm_ext.io.safetensors import DTYPE_SIZES, FLOAT_DTYPES, AlignedWriter, TensorSpec, dtype_name, save_tensors
 from flashllm_ext.io.buffers import ALIGNMENT
-from flashllm_ext.flash.store import (BUNDLES_FILE, DTYPES, FORMAT_VERSION, MAGIC, RESIDENT_FILE, WEIGHT_ROLES,
-                                      FlashStore, layer_specs, layer_tensor_name)
+from flashllm_ext.flash.store import (
+    BUNDLES_FILE,
+    DTYPES,
+    FORMAT_VERSION,
+    MAGIC,
+    RESIDENT_FILE,
+    WEIGHT_ROLES,
+    FlashStore,
+    layer_specs,
+    layer_tensor_name,
+)
 
 # FFN tensor names of the supported families: Llama/Mistral/SmolLM (gate/up/down) and OPT (fc1/fc2). The only place
 # a family's naming scheme is read: the store records the names it finds per layer and role (store.ffn_roles).
@@ -43,8 +53,11 @@ def _ffn_layout(names: list[str], model_type: object) -> tuple[dict[int, dict[st
             role = _ROLE[m.group(2)] + ("_bias" if m.group(3) == "bias" else "")
             layers.setdefault(int(m.group(1)), {})[role] = name
     if not layers:
-        raise unsupported_model(model_type, "no FFN weights named as in Llama, Mistral or SmolLM "
-                                "(layers.{i}.mlp.gate_proj/up_proj/down_proj) or OPT (layers.{i}.fc1/fc2)")
+        raise unsupported_model(
+            model_type,
+            "no FFN weights named as in Llama, Mistral or SmolLM "
+            "(layers.{i}.mlp.gate_proj/up_proj/down_proj) or OPT (layers.{i}.fc1/fc2)",
+        )
     if sorted(layers) != list(range(len(layers))):
         raise FormatError("layers", f"non-contiguous layer numbers {sorted(layers)[:8]}")
     # Numeric order: tensor names sort as strings (layers.10 before layers.2), and the header's declaration order
@@ -68,13 +81,21 @@ def bundle_layer(up: torch.Tensor, down: torch.Tensor, gate: torch.Tensor | None
     parts = [up] + ([gate] if gate is not None else []) + [down.t()]
     ffn = up.shape[0]
     if any(p.dim() != 2 or p.shape[0] != ffn for p in parts):
-        raise ValueError(f"FFN shapes disagree: up {tuple(up.shape)}, down {tuple(down.shape)}, "
-                         f"gate {None if gate is None else tuple(gate.shape)}")
+        raise ValueError(
+            f"FFN shapes disagree: up {tuple(up.shape)}, down {tuple(down.shape)}, "
+            f"gate {None if gate is None else tuple(gate.shape)}"
+        )
     return torch.cat(parts, dim=1).contiguous()
 
 
-def convert(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, dtype: str = "fp16", endor: bool = False,
-            force: bool = False, progress: bool = True) -> Path:
+def convert(
+    checkpoint: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    dtype: str = "fp16",
+    endor: bool = False,
+    force: bool = False,
+    progress: bool = True,
+) -> Path:
     """Convert a Hugging Face safetensors directory (OPT, Llama/Mistral/SmolLM; sharded or not) or a GGUF file
     into a flash store at `out_dir`. Atomic: written under a temporary name and renamed at the end, then a sample
     of every layer is read back and compared. Refuses to replace an existing `out_dir` unless `force`, and even
@@ -92,11 +113,11 @@ def convert(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, dtype: st
     metadata = _bundles_metadata(ckpt.config, dtype, ffn, hidden, glu, endor, list(layers.values()))
     tmp = staging_dir(out_dir)
     try:
-        expected = _write_bundles(tmp / BUNDLES_FILE, ckpt, layers, torch_dtype, endor, ffn, width, metadata,
-                                  progress)
+        expected = _write_bundles(tmp / BUNDLES_FILE, ckpt, layers, torch_dtype, endor, ffn, width, metadata, progress)
         bundled = {name for roles in layers.values() for role, name in roles.items() if role in WEIGHT_ROLES}
-        resident = _write_resident(tmp / RESIDENT_FILE, ckpt, [n for n in ckpt.names if n not in bundled],
-                                   torch_dtype, dtype, progress)
+        resident = _write_resident(
+            tmp / RESIDENT_FILE, ckpt, [n for n in ckpt.names if n not in bundled], torch_dtype, dtype, progress
+        )
         with FlashStore(tmp) as written:
             _verify(written, expected, resident)
         install_dir(tmp, out_dir, STORE_FILES)
@@ -106,14 +127,16 @@ def convert(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, dtype: st
     return out_dir
 
 
-def _write_resident(path: Path, ckpt: Checkpoint, names: list[str], dtype: torch.dtype, dtype_key: str,
-                    progress: bool) -> dict[str, torch.Tensor]:
+def _write_resident(
+    path: Path, ckpt: Checkpoint, names: list[str], dtype: torch.dtype, dtype_key: str, progress: bool
+) -> dict[str, torch.Tensor]:
     """Write the resident tensors one at a time (a 7B model's attention is gigabytes); returns the first one for
     verification. Packed as the safetensors library packs them: widest element size first, so each tensor is
     aligned to its element size without padding tensors."""
     store_name = dtype_name(dtype)
-    specs = [TensorSpec(n, store_name if ckpt.dtype(n) in FLOAT_DTYPES else ckpt.dtype(n), ckpt.shape(n))
-             for n in names]
+    specs = [
+        TensorSpec(n, store_name if ckpt.dtype(n) in FLOAT_DTYPES else ckpt.dtype(n), ckpt.shape(n)) for n in names
+    ]
     specs.sort(key=lambda spec: -DTYPE_SIZES[spec.dtype])
     first: dict[str, torch.Tensor] = {}
     metadata = {"magic": MAGIC, "format_version": FORMAT_VERSION, "dtype": dtype_key}
@@ -133,17 +156,35 @@ def _to_store_dtype(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return tensor.to(dtype) if tensor.is_floating_point() else tensor
 
 
-def _bundles_metadata(config: dict, dtype: str, n_neurons: int, hidden: int, glu: bool, use_endor: bool,
-                      ffn_roles: list[dict[str, str]]) -> dict[str, str]:
+def _bundles_metadata(
+    config: dict, dtype: str, n_neurons: int, hidden: int, glu: bool, use_endor: bool, ffn_roles: list[dict[str, str]]
+) -> dict[str, str]:
     width = (3 if glu else 2) * hidden
-    return {"magic": MAGIC, "format_version": FORMAT_VERSION, "config": json.dumps(config), "dtype": dtype,
-            "bundle_width": str(width), "n_layers": str(len(ffn_roles)), "n_neurons": str(n_neurons),
-            "hidden_size": str(hidden), "glu": str(int(glu)), "alignment": str(ALIGNMENT),
-            "endor": str(int(use_endor)), "ffn_roles": json.dumps(ffn_roles)}
+    return {
+        "magic": MAGIC,
+        "format_version": FORMAT_VERSION,
+        "config": json.dumps(config),
+        "dtype": dtype,
+        "bundle_width": str(width),
+        "n_layers": str(len(ffn_roles)),
+        "n_neurons": str(n_neurons),
+        "hidden_size": str(hidden),
+        "glu": str(int(glu)),
+        "alignment": str(ALIGNMENT),
+        "endor": str(int(use_endor)),
+        "ffn_roles": json.dumps(ffn_roles),
+    }
 
 
-def synthesize(out_dir: str | os.PathLike, n_layers: int, hidden_size: int, n_neurons: int, glu: bool = False,
-               dtype: str = "fp16", seed: int = 0) -> Path:
+def synthesize(
+    out_dir: str | os.PathLike,
+    n_layers: int,
+    hidden_size: int,
+    n_neurons: int,
+    glu: bool = False,
+    dtype: str = "fp16",
+    seed: int = 0,
+) -> Path:
     """A store of random weights with a real model's FFN shapes (e.g. OPT-6.7B: hidden 4096, 16384 neurons), for
     I/O benchmarks at a scale no checkpoint here has. No resident tensors. Written one layer at a time."""
     out_dir = Path(out_dir)
@@ -151,33 +192,52 @@ def synthesize(out_dir: str | os.PathLike, n_layers: int, hidden_size: int, n_ne
     torch_dtype = DTYPES[dtype]
     width = (3 if glu else 2) * hidden_size
     # The activation of the families these shapes come from: OPT's ReLU, Llama's SiLU (SwiGLU).
-    config = {"model_type": "synthetic", "hidden_size": hidden_size, "intermediate_size": n_neurons,
-              "num_hidden_layers": n_layers, "hidden_act": "silu" if glu else "relu"}
+    config = {
+        "model_type": "synthetic",
+        "hidden_size": hidden_size,
+        "intermediate_size": n_neurons,
+        "num_hidden_layers": n_layers,
+        "hidden_act": "silu" if glu else "relu",
+    }
     specs = [spec for layer in range(n_layers) for spec in layer_specs(layer, n_neurons, width, torch_dtype, None)]
     generator = torch.Generator().manual_seed(seed)
     # No checkpoint: the weight roles are named after the bundle tensor that holds them; no biases.
-    roles = [{role: f"{layer_tensor_name(layer)}.{role}" for role in WEIGHT_ROLES if glu or role != "gate"}
-             for layer in range(n_layers)]
+    roles = [
+        {role: f"{layer_tensor_name(layer)}.{role}" for role in WEIGHT_ROLES if glu or role != "gate"}
+        for layer in range(n_layers)
+    ]
     metadata = _bundles_metadata(config, dtype, n_neurons, hidden_size, glu, False, roles)
     with AlignedWriter(out_dir / BUNDLES_FILE, specs, metadata, ALIGNMENT) as writer:
         for layer in range(n_layers):
-            writer.write(layer_tensor_name(layer),
-                         torch.randn((n_neurons, width), generator=generator, dtype=torch.float32).to(torch_dtype))
+            writer.write(
+                layer_tensor_name(layer),
+                torch.randn((n_neurons, width), generator=generator, dtype=torch.float32).to(torch_dtype),
+            )
     save_tensors({}, out_dir / RESIDENT_FILE, {"magic": MAGIC, "format_version": FORMAT_VERSION, "dtype": dtype})
     return out_dir
 
 
-def _write_bundles(path: Path, ckpt: Checkpoint, layers: dict[int, dict[str, str]], dtype: torch.dtype,
-                   use_endor: bool, ffn: int, width: int, metadata: dict[str, str],
-                   progress: bool) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+def _write_bundles(
+    path: Path,
+    ckpt: Checkpoint,
+    layers: dict[int, dict[str, str]],
+    dtype: torch.dtype,
+    use_endor: bool,
+    ffn: int,
+    width: int,
+    metadata: dict[str, str],
+    progress: bool,
+) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
     """Writes every layer; returns per layer (sample neuron ids, their expected bundles) for verification."""
+
     def bundles(layer: int) -> torch.Tensor:
         roles = layers[layer]
         gate = ckpt[roles["gate"]].to(dtype) if "gate" in roles else None
         layer_bundles = bundle_layer(ckpt[roles["up"]].to(dtype), ckpt[roles["down"]].to(dtype), gate)
         if tuple(layer_bundles.shape) != (ffn, width):
-            raise FormatError(layer_tensor_name(layer), f"shape {tuple(layer_bundles.shape)} differs from layer 0's "
-                              f"{(ffn, width)}")
+            raise FormatError(
+                layer_tensor_name(layer), f"shape {tuple(layer_bundles.shape)} differs from layer 0's {(ffn, width)}"
+            )
         return layer_bundles
 
     # The header (written first) declares the length of each layer's Endor rows: a first pass counts the values, one
@@ -192,8 +252,9 @@ def _write_bundles(path: Path, ckpt: Checkpoint, layers: dict[int, dict[str, str
     generator = torch.Generator().manual_seed(0)
     with AlignedWriter(path, specs, metadata, ALIGNMENT) as writer:
         for layer in tqdm(layers, desc="bundling FFN layers", unit="layer", disable=not progress):
-            ids = torch.cat([torch.tensor([0, ffn - 1]), torch.randint(0, ffn, (_VERIFY_SAMPLES - 2,),
-                                                                       generator=generator)])
+            ids = torch.cat(
+                [torch.tensor([0, ffn - 1]), torch.randint(0, ffn, (_VERIFY_SAMPLES - 2,), generator=generator)]
+            )
             name = layer_tensor_name(layer)
             if use_endor:
                 expected[layer] = (ids, _write_endor_layer(writer, name, bundles(layer), ids))
@@ -204,8 +265,9 @@ def _write_bundles(path: Path, ckpt: Checkpoint, layers: dict[int, dict[str, str
     return expected
 
 
-def _write_endor_layer(writer: AlignedWriter, name: str, layer_bundles: torch.Tensor, ids: torch.Tensor
-                       ) -> torch.Tensor:
+def _write_endor_layer(
+    writer: AlignedWriter, name: str, layer_bundles: torch.Tensor, ids: torch.Tensor
+) -> torch.Tensor:
     """Compress and write one layer in the rows layout (endor.pack_rows); returns its rows `ids` for verification.
     The compressed layer is freed on return, before the next is built."""
     compressed = endor.compress(layer_bundles)
@@ -214,15 +276,15 @@ def _write_endor_layer(writer: AlignedWriter, name: str, layer_bundles: torch.Te
     return compressed.decompress(ids)
 
 
-def _verify(store: FlashStore, expected: dict[int, tuple[torch.Tensor, torch.Tensor]],
-            resident: dict[str, torch.Tensor]) -> None:
+def _verify(
+    store: FlashStore, expected: dict[int, tuple[torch.Tensor, torch.Tensor]], resident: dict[str, torch.Tensor]
+) -> None:
     for layer, (ids, want) in expected.items():
         if not torch.equal(store.bundle(layer, ids).view(torch.uint8), want.view(torch.uint8)):
-            raise RuntimeError(f"{store.path}: read-back of layer {layer} neurons {ids.tolist()} differs from "
-                               "what was written")
+            raise RuntimeError(
+                f"{store.path}: read-back of layer {layer} neurons {ids.tolist()} differs from what was written"
+            )
     if resident:
         name = next(iter(resident))
         if not torch.equal(store.resident_tensor(name), resident[name]):
             raise RuntimeError(f"{store.path}: read-back of resident tensor {name} differs from what was written")
-
-

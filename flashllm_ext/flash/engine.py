@@ -24,6 +24,7 @@ device="cuda" puts the model, the caches (flashllm_ext/flash/transfer.py) and th
 then sizes them as on the CPU (what the model holds, wherever), and the host keeps the cache's planning state and
 one pinned staging buffer shared by every layer (counted in ffn_bytes).
 """
+
 from __future__ import annotations
 
 import os
@@ -60,6 +61,7 @@ def store_ffn_bytes(store: FlashStore) -> int:
 @dataclass
 class FlashRuntime(Runtime):
     """What the engine installed in a model: mode, budget split, modules and their accumulated stats."""
+
     store: FlashStore
     mode: str
     budget_bytes: int | None
@@ -90,18 +92,30 @@ class FlashRuntime(Runtime):
         s, layers = self.counters, max(1, self.store.n_layers)
         tokens = s.tokens // layers
         per = 1e3 / max(tokens, 1)
-        return {"mode": self.mode, "tokens": tokens, "io_ms": s.io_s * per, "hidden_io_ms": s.hidden_io_s * per,
-                "decompress_ms": s.decompress_s * per, "mem_ms": s.mem_s * per,
-                "predictor_ms": s.predictor_s * per, "compute_ms": s.compute_s * per,
-                "bytes_per_token": s.bytes_read / max(tokens, 1), "bytes_read": s.bytes_read,
-                "requested_bytes_per_token": s.bytes_requested / max(tokens, 1),
-                "reads_per_token": s.n_reads / max(tokens, 1),
-                "mean_read_bytes": s.bytes_read / s.n_reads if s.n_reads else 0.0,
-                "hit_rate": s.hit_rate, "steps": s.steps, "budget_bytes": self.budget_bytes,
-                "accounted_bytes": self.accounted_bytes, "resident_bytes": self.resident_bytes,
-                "predictor_bytes": self.predictor_bytes, "ffn_bytes": self.ffn_bytes,
-                "cache_layout": self.cache_layout,
-                "reader_bounce_bytes": None if self.reader is None else self.reader.bounce_bytes()}
+        return {
+            "mode": self.mode,
+            "tokens": tokens,
+            "io_ms": s.io_s * per,
+            "hidden_io_ms": s.hidden_io_s * per,
+            "decompress_ms": s.decompress_s * per,
+            "mem_ms": s.mem_s * per,
+            "predictor_ms": s.predictor_s * per,
+            "compute_ms": s.compute_s * per,
+            "bytes_per_token": s.bytes_read / max(tokens, 1),
+            "bytes_read": s.bytes_read,
+            "requested_bytes_per_token": s.bytes_requested / max(tokens, 1),
+            "reads_per_token": s.n_reads / max(tokens, 1),
+            "mean_read_bytes": s.bytes_read / s.n_reads if s.n_reads else 0.0,
+            "hit_rate": s.hit_rate,
+            "steps": s.steps,
+            "budget_bytes": self.budget_bytes,
+            "accounted_bytes": self.accounted_bytes,
+            "resident_bytes": self.resident_bytes,
+            "predictor_bytes": self.predictor_bytes,
+            "ffn_bytes": self.ffn_bytes,
+            "cache_layout": self.cache_layout,
+            "reader_bounce_bytes": None if self.reader is None else self.reader.bounce_bytes(),
+        }
 
     flash_stats = deprecated_alias(stats, "FlashRuntime.flash_stats()", "FlashRuntime.stats()")
 
@@ -127,22 +141,36 @@ def _resident_bytes(model: nn.Module) -> int:
     return tensor_bytes([p for p in model.parameters() if id(p) not in ffn] + list(model.buffers()))
 
 
-def _check_model_matches(model: nn.Module, store: FlashStore,
-                         slots: list[tuple[nn.Module, dict[str, nn.Module]]]) -> None:
+def _check_model_matches(
+    model: nn.Module, store: FlashStore, slots: list[tuple[nn.Module, dict[str, nn.Module]]]
+) -> None:
     if len(slots) != store.n_layers:
-        raise ValueError(f"{type(model).__name__} has {len(slots)} decoder layers, the store {store.path} has "
-                         f"{store.n_layers}")
+        raise ValueError(
+            f"{type(model).__name__} has {len(slots)} decoder layers, the store {store.path} has {store.n_layers}"
+        )
     hidden = getattr(model.config, "hidden_size", None) or getattr(model.config, "word_embed_proj_dim", None)
     ffn = getattr(model.config, "intermediate_size", None) or getattr(model.config, "ffn_dim", None)
     if (hidden, ffn) != (store.hidden_size, store.n_neurons):
-        raise ValueError(f"the model has hidden size {hidden} and {ffn} FFN neurons, the store {store.path} "
-                         f"{store.hidden_size} and {store.n_neurons}: not the same model")
+        raise ValueError(
+            f"the model has hidden size {hidden} and {ffn} FFN neurons, the store {store.path} "
+            f"{store.hidden_size} and {store.n_neurons}: not the same model"
+        )
 
 
-def _install(model: nn.Module, store: FlashStore, mode: str, budget_bytes: int | None, window: int,
-             predictors: nn.Module | None, threads: int, keep_originals: bool,
-             device: torch.device, reader_options: dict | None = None, lookahead: str | None = None,
-             cache_layout: str = "auto") -> FlashRuntime:
+def _install(
+    model: nn.Module,
+    store: FlashStore,
+    mode: str,
+    budget_bytes: int | None,
+    window: int,
+    predictors: nn.Module | None,
+    threads: int,
+    keep_originals: bool,
+    device: torch.device,
+    reader_options: dict | None = None,
+    lookahead: str | None = None,
+    cache_layout: str = "auto",
+) -> FlashRuntime:
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if mode == "dense":
@@ -152,22 +180,35 @@ def _install(model: nn.Module, store: FlashStore, mode: str, budget_bytes: int |
     if lookahead and mode not in ("flash", "exact"):
         raise ValueError(f"lookahead needs a neuron cache (flash or exact mode), not {mode} mode")
     if lookahead and cache_layout == "shared":
-        raise ValueError("lookahead needs per-layer caches (a prefetched set must stay in its layer's rows), not "
-                         "cache_layout='shared'")
+        raise ValueError(
+            "lookahead needs per-layer caches (a prefetched set must stay in its layer's rows), not "
+            "cache_layout='shared'"
+        )
     if lookahead:
         cache_layout = "per-layer"
     slots = ffn_slots(model)
     _check_model_matches(model, store, slots)
-    runtime = ffn_stack(store, mode, budget_bytes, window=window, predictors=predictors, threads=threads,
-                        resident_bytes=_resident_bytes(model), device=device, reader_options=reader_options,
-                        lookahead=lookahead or "ahead", cache_layout=cache_layout)
+    runtime = ffn_stack(
+        store,
+        mode,
+        budget_bytes,
+        window=window,
+        predictors=predictors,
+        threads=threads,
+        resident_bytes=_resident_bytes(model),
+        device=device,
+        reader_options=reader_options,
+        lookahead=lookahead or "ahead",
+        cache_layout=cache_layout,
+    )
     if keep_originals:
         runtime.originals = [(layer, dict(mods)) for layer, mods in slots]
     for (layer, _), module in zip(slots, runtime.modules):
         set_ffn(layer, module)
         if lookahead:
-            runtime.hooks.append(layer.register_forward_pre_hook(partial(_look_ahead, module, ffn_norm(layer)),
-                                                                 with_kwargs=True))
+            runtime.hooks.append(
+                layer.register_forward_pre_hook(partial(_look_ahead, module, ffn_norm(layer)), with_kwargs=True)
+            )
     runtime.install_on(model)
     return runtime
 
@@ -180,17 +221,31 @@ def _look_ahead(ffn: FlashFFN, norm: nn.Module, _layer: nn.Module, args: tuple, 
         ffn.prefetch(norm(hidden))
 
 
-def _make_modules(store: FlashStore, mode: str, ffn_budget: int | None, window: int, predictors, reader, stats,
-                  budget_bytes, fixed_bytes, transfer: Transfer, lookahead: str,
-                  ffn_class: type[FlashFFN] = FlashFFN, streaming_class: type[StreamingFFN] = StreamingFFN,
-                  layout: str | None = None) -> tuple[list[nn.Module], int]:
+def _make_modules(
+    store: FlashStore,
+    mode: str,
+    ffn_budget: int | None,
+    window: int,
+    predictors,
+    reader,
+    stats,
+    budget_bytes,
+    fixed_bytes,
+    transfer: Transfer,
+    lookahead: str,
+    ffn_class: type[FlashFFN] = FlashFFN,
+    streaming_class: type[StreamingFFN] = StreamingFFN,
+    layout: str | None = None,
+) -> tuple[list[nn.Module], int]:
     """(the FFN modules, the bytes they hold); layout: flash / exact mode's, "per-layer" or "shared"."""
     n_layers, n, row = store.n_layers, store.n_neurons, store.row_bytes
 
     def too_small(need: int) -> ValueError:
-        return ValueError(f"dram_budget of {budget_bytes} bytes is below the minimum of {fixed_bytes + need} for "
-                          f"{mode} mode ({fixed_bytes} resident tensors, predictors and read staging + {need} for "
-                          "the FFNs)")
+        return ValueError(
+            f"dram_budget of {budget_bytes} bytes is below the minimum of {fixed_bytes + need} for "
+            f"{mode} mode ({fixed_bytes} resident tensors, predictors and read staging + {need} for "
+            "the FFNs)"
+        )
 
     if mode in ("flash", "exact"):
         flash, shared, cache = mode == "flash", layout == "shared", None
@@ -204,22 +259,40 @@ def _make_modules(store: FlashStore, mode: str, ffn_budget: int | None, window: 
             cache_fixed, _ = NeuronCache.bytes_for(store, with_bias=bias > 0)
             if ffn_budget is not None and ffn_budget < layers_fixed + cache_fixed + per_row:
                 raise too_small(layers_fixed + cache_fixed + per_row)
-            cache = NeuronCache(store, 0, n if ffn_budget is None else None, window,
-                                budget_bytes=None if ffn_budget is None else ffn_budget - layers_fixed,
-                                reader=reader, transfer=transfer)
+            cache = NeuronCache(
+                store,
+                0,
+                n if ffn_budget is None else None,
+                window,
+                budget_bytes=None if ffn_budget is None else ffn_budget - layers_fixed,
+                reader=reader,
+                transfer=transfer,
+            )
         elif per_layer is not None and per_layer < fixed + per_row:
             raise too_small(n_layers * (fixed + per_row))
         # (a predictor may choose its sets ahead its own way: bench_e2e's replayed sets)
         ahead = getattr(predictors, "predict_ahead", None) if flash else None
-        modules = [ffn_class(store, i, predictor=partial(predictors.predict, i) if flash else None,
-                             threshold=float(predictors.thresholds[i]) if flash else 0.0,
-                             budget_bytes=None if shared else per_layer,
-                             capacity=None if shared or per_layer else n, window=window, reader=reader, stats=stats,
-                             transfer=transfer, lookahead=lookahead,
-                             ahead_predictor=None if ahead is None else partial(ahead, i), cache=cache)
-                   for i in range(n_layers)]
+        modules = [
+            ffn_class(
+                store,
+                i,
+                predictor=partial(predictors.predict, i) if flash else None,
+                threshold=float(predictors.thresholds[i]) if flash else 0.0,
+                budget_bytes=None if shared else per_layer,
+                capacity=None if shared or per_layer else n,
+                window=window,
+                reader=reader,
+                stats=stats,
+                transfer=transfer,
+                lookahead=lookahead,
+                ahead_predictor=None if ahead is None else partial(ahead, i),
+                cache=cache,
+            )
+            for i in range(n_layers)
+        ]
         held = sum(m.nbytes for m in modules) + transfer.nbytes + (cache.nbytes if shared else 0)
         return modules, held
+
     # naive / hybrid: a staging buffer for the streamed bundles, shared by every layer, plus resident bundles.
     def streaming_bytes(resident_rows: int) -> int:  # (a staged transfer's host staging: once more)
         staging_copies = 2 if transfer.staged else 1
@@ -242,8 +315,7 @@ def _make_modules(store: FlashStore, mode: str, ffn_budget: int | None, window: 
     return modules, staging.nbytes + transfer.nbytes + sum(m.nbytes for m in modules)
 
 
-def _cache_layout(cache_layout: str, store: FlashStore, predictors, transfer: Transfer,
-                  ffn_budget: int | None) -> str:
+def _cache_layout(cache_layout: str, store: FlashStore, predictors, transfer: Transfer, ffn_budget: int | None) -> str:
     """Flash / exact mode's cache layout, "per-layer" or "shared" (CACHE_LAYOUTS: "auto" decides), for an FFN
     budget of `ffn_budget` bytes (None: none; the per-layer rows "auto" compares with a set are estimated before
     the reader takes its share); predictors: flash mode's (None in exact mode: every neuron active)."""
@@ -267,8 +339,9 @@ READER_BUFFER_SHARE = 64  # the reader's buffers may take 1/64 of what the budge
 SHARED_CACHE_READER_SHARE = 2
 
 
-def _bounded_reader_options(store: FlashStore, budget_bytes: int | None, taken: int,
-                            share_of: int = READER_BUFFER_SHARE) -> dict:
+def _bounded_reader_options(
+    store: FlashStore, budget_bytes: int | None, taken: int, share_of: int = READER_BUFFER_SHARE
+) -> dict:
     """The engine's reader options under a budget: the reader's buffers (FlashReader.buffer_bound, charged to the
     budget) limited to 1 / `share_of` of the FFN budget. A dense store's reader has only bounce
     buffers; an Endor store's splits the share between them and its compressed staging, so both formats of a model
@@ -284,11 +357,23 @@ def _bounded_reader_options(store: FlashStore, budget_bytes: int | None, taken: 
     return {**options, "max_read": min(DEFAULT_MAX_READ, max(4096, options["bounce_limit"]))}
 
 
-def ffn_stack(store: FlashStore, mode: str, budget_bytes: int | None, *, window: int = 5, predictors=None,
-              threads: int = 32, resident_bytes: int = 0, device: str | torch.device = "cpu",
-              transfer: Transfer | None = None, reader_options: dict | None = None, lookahead: str = "ahead",
-              ffn_class: type[FlashFFN] = FlashFFN, streaming_class: type[StreamingFFN] = StreamingFFN,
-              cache_layout: str = "auto") -> FlashRuntime:
+def ffn_stack(
+    store: FlashStore,
+    mode: str,
+    budget_bytes: int | None,
+    *,
+    window: int = 5,
+    predictors=None,
+    threads: int = 32,
+    resident_bytes: int = 0,
+    device: str | torch.device = "cpu",
+    transfer: Transfer | None = None,
+    reader_options: dict | None = None,
+    lookahead: str = "ahead",
+    ffn_class: type[FlashFFN] = FlashFFN,
+    streaming_class: type[StreamingFFN] = StreamingFFN,
+    cache_layout: str = "auto",
+) -> FlashRuntime:
     """Every FFN layer of `store` served by `mode` within `budget_bytes`, of which `resident_bytes` are already
     taken (a model's own tensors; 0 for a bare stack): runtime.modules[i](x) computes layer i of x [T, d]. The
     builder behind load_flash and patch_flash, and alone for FFN-only benchmarks at scales no checkpoint here has.
@@ -303,21 +388,33 @@ def ffn_stack(store: FlashStore, mode: str, budget_bytes: int | None, *, window:
     predictor_bytes = 0
     if mode == "flash":
         if predictors is None:
-            raise ValueError(f"flash mode needs predictors: train them into the store (flashllm train-predictors "
-                             f"--store {store.path}) or pass predictors=")
+            raise ValueError(
+                f"flash mode needs predictors: train them into the store (flashllm train-predictors "
+                f"--store {store.path}) or pass predictors="
+            )
         predictors.check_shape(store.n_layers, store.hidden_size, store.n_neurons, f"the store {store.path}")
         if getattr(predictors, "store_layout", "bundles") != "bundles":
-            raise ValueError(f"{predictors.method} predictors read W_gate / W_up by input channel, a store layout "
-                             f"({predictors.store_layout}) that is not written: they are for evaluation only "
-                             "(bench/bench_predictor.py); use a neuron method (e.g. quant)")
+            raise ValueError(
+                f"{predictors.method} predictors read W_gate / W_up by input channel, a store layout "
+                f"({predictors.store_layout}) that is not written: they are for evaluation only "
+                "(bench/bench_predictor.py); use a neuron method (e.g. quant)"
+            )
         predictor_bytes = predictors.memory_bytes
     transfer = transfer if transfer is not None else make_transfer(device)
     if mode == "flash":
         predictors.to(transfer.device)
     taken = resident_bytes + predictor_bytes
-    layout = None if mode not in ("flash", "exact") else \
-        _cache_layout(cache_layout, store, predictors if mode == "flash" else None, transfer,
-                      None if budget_bytes is None else budget_bytes - taken)
+    layout = (
+        None
+        if mode not in ("flash", "exact")
+        else _cache_layout(
+            cache_layout,
+            store,
+            predictors if mode == "flash" else None,
+            transfer,
+            None if budget_bytes is None else budget_bytes - taken,
+        )
+    )
     share_of = SHARED_CACHE_READER_SHARE if layout == "shared" else READER_BUFFER_SHARE
     reader_options = {**_bounded_reader_options(store, budget_bytes, taken, share_of), **(reader_options or {})}
     reader, stats = FlashReader(store, threads=threads, **reader_options), FFNStats()
@@ -326,14 +423,39 @@ def ffn_stack(store: FlashStore, mode: str, budget_bytes: int | None, *, window:
     fixed = resident_bytes + predictor_bytes + reader.buffer_bound()
     ffn_budget = None if budget_bytes is None else budget_bytes - fixed
     try:
-        modules, ffn_bytes = _make_modules(store, mode, ffn_budget, window, predictors, reader, stats, budget_bytes,
-                                           fixed, transfer, lookahead, ffn_class, streaming_class, layout)
+        modules, ffn_bytes = _make_modules(
+            store,
+            mode,
+            ffn_budget,
+            window,
+            predictors,
+            reader,
+            stats,
+            budget_bytes,
+            fixed,
+            transfer,
+            lookahead,
+            ffn_class,
+            streaming_class,
+            layout,
+        )
         ffn_bytes += reader.buffer_bound()
     except BaseException:
         reader.close()
         raise
-    return FlashRuntime(store, mode, budget_bytes, resident_bytes, predictor_bytes, ffn_bytes, modules, stats,
-                        reader, predictors=predictors, cache_layout=layout)
+    return FlashRuntime(
+        store,
+        mode,
+        budget_bytes,
+        resident_bytes,
+        predictor_bytes,
+        ffn_bytes,
+        modules,
+        stats,
+        reader,
+        predictors=predictors,
+        cache_layout=layout,
+    )
 
 
 def model_bytes(model: nn.Module, store: FlashStore) -> int:
@@ -350,17 +472,28 @@ def predictors_for_mode(store: FlashStore, predictors, mode: str):
     try:
         predictors = load_predictors(store.path)
     except Exception as e:  # FormatError: no predictors in the store
-        raise ValueError(f"flash mode needs predictors and {store.path} has none usable ({e}); train them with "
-                         f"`flashllm train-predictors CHECKPOINT --store {store.path}`") from None
+        raise ValueError(
+            f"flash mode needs predictors and {store.path} has none usable ({e}); train them with "
+            f"`flashllm train-predictors CHECKPOINT --store {store.path}`"
+        ) from None
     if predictors.loaded_density is None:  # saved before predictors kept it: their recipe's target, if any
         density = (predictors_recipe(store.path) or {}).get("density")
         predictors.loaded_density = None if density is None else float(density)
     return predictors
 
 
-def patch_flash(model: nn.Module, store: FlashStore | str | os.PathLike, *, mode: str = "flash",
-                dram_budget: int | float | str | None = None, window: int = 5, predictors=None,
-                threads: int = 32, lookahead: str | None = None, cache_layout: str = "auto") -> FlashRuntime:
+def patch_flash(
+    model: nn.Module,
+    store: FlashStore | str | os.PathLike,
+    *,
+    mode: str = "flash",
+    dram_budget: int | float | str | None = None,
+    window: int = 5,
+    predictors=None,
+    threads: int = 32,
+    lookahead: str | None = None,
+    cache_layout: str = "auto",
+) -> FlashRuntime:
     """Serve the FFNs of an already loaded Llama-family or OPT model from `store` (converted from the same
     checkpoint). The original FFN modules are kept for `unpatch` (so they still occupy memory: for a real budget
     use load_flash). dram_budget (default: none) bounds what the engine accounts, as in load_flash. The FFNs go on
@@ -372,14 +505,35 @@ def patch_flash(model: nn.Module, store: FlashStore | str | os.PathLike, *, mode
     predictors = predictors_for_mode(store, predictors, mode)
     budget = None if dram_budget is None else parse_budget(dram_budget, model_bytes(model, store))
     device = cuda_device(next(model.parameters()).device)
-    return _install(model, store, mode, budget, window, predictors, threads, keep_originals=True, device=device,
-                    lookahead=lookahead, cache_layout=cache_layout)
+    return _install(
+        model,
+        store,
+        mode,
+        budget,
+        window,
+        predictors,
+        threads,
+        keep_originals=True,
+        device=device,
+        lookahead=lookahead,
+        cache_layout=cache_layout,
+    )
 
 
-def load_flash(store_dir: str | os.PathLike, dram_budget: int | float | str | None = "50%", *,
-               mode: str = "flash", window: int = 5, predictors=None, dtype: torch.dtype | None = None,
-               threads: int = 32, device: str | torch.device = "cpu", reader_options: dict | None = None,
-               lookahead: str | None = None, cache_layout: str = "auto") -> nn.Module:
+def load_flash(
+    store_dir: str | os.PathLike,
+    dram_budget: int | float | str | None = "50%",
+    *,
+    mode: str = "flash",
+    window: int = 5,
+    predictors=None,
+    dtype: torch.dtype | None = None,
+    threads: int = 32,
+    device: str | torch.device = "cpu",
+    reader_options: dict | None = None,
+    lookahead: str | None = None,
+    cache_layout: str = "auto",
+) -> nn.Module:
     """A Hugging Face causal LM built from a flash store, its FFNs served by `mode` within `dram_budget` (bytes,
     "50%" of the model, or "200MB"; None: no limit). Only resident tensors are materialised (in `dtype`, default
     the store's); in dense
@@ -408,8 +562,20 @@ def load_flash(store_dir: str | os.PathLike, dram_budget: int | float | str | No
         model.flash = None
     else:
         budget = None if dram_budget is None else parse_budget(dram_budget, model_bytes(model, store))
-        _install(model, store, mode, budget, window, predictors, threads, keep_originals=False, device=device,
-                 reader_options=reader_options, lookahead=lookahead, cache_layout=cache_layout)
+        _install(
+            model,
+            store,
+            mode,
+            budget,
+            window,
+            predictors,
+            threads,
+            keep_originals=False,
+            device=device,
+            reader_options=reader_options,
+            lookahead=lookahead,
+            cache_layout=cache_layout,
+        )
         store.close_resident()  # the FFNs read their biases from it
     leftover = [name for name, p in model.named_parameters() if p.device.type == "meta"]
     if leftover:
@@ -429,7 +595,7 @@ def _assign_dense_ffn(model: nn.Module, store: FlashStore, dtype: torch.dtype) -
                 mlp = modules["mlp"]
                 weights = {mlp.up_proj: up, mlp.down_proj: down}
                 if store.glu:
-                    weights[mlp.gate_proj] = bundles[:, d:2 * d]
+                    weights[mlp.gate_proj] = bundles[:, d : 2 * d]
             else:
                 weights = {modules["fc1"]: up, modules["fc2"]: down}
             for linear, w in weights.items():

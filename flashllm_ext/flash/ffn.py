@@ -22,6 +22,7 @@ each kernel covers, is decided on the host from the predictor's answer of this v
 the mask per layer), and the reads are host I/O. A part boundary of the breakdown synchronises the compute stream on
 CUDA (the transfer's clock), so each part is device time rather than launch time.
 """
+
 from __future__ import annotations
 
 import os
@@ -72,19 +73,22 @@ def active_ids_of(selection: torch.Tensor, n_neurons: int) -> torch.Tensor:
     (a neuron active for any token)."""
     if selection.dtype == torch.bool:
         if selection.shape[-1] != n_neurons or selection.dim() not in (1, 2):
-            raise ValueError(f"a bool mask must have shape [n] or [T, n] with n={n_neurons}, got "
-                             f"{tuple(selection.shape)}")
+            raise ValueError(
+                f"a bool mask must have shape [n] or [T, n] with n={n_neurons}, got {tuple(selection.shape)}"
+            )
         mask = selection if selection.dim() == 1 else selection.any(dim=0)
         return mask.nonzero().flatten()
     if selection.dim() != 1 or selection.dtype not in (torch.int64, torch.int32):
-        raise ValueError(f"active ids must be a 1-D integer tensor, got {selection.dtype} of shape "
-                         f"{tuple(selection.shape)}")
+        raise ValueError(
+            f"active ids must be a 1-D integer tensor, got {selection.dtype} of shape {tuple(selection.shape)}"
+        )
     return selection.to(torch.int64)
 
 
 @dataclass
 class FFNStats:
     """Costs accumulated by the FFN modules of a model (reset with `reset`)."""
+
     tokens: int = 0  # tokens the FFN ran on (per layer: a model's total is tokens / layers)
     steps: int = 0  # NeuronCache steps (flash) or streamed reads (naive/hybrid)
     needed: int = 0  # neurons the steps needed (a cache hit when already cached)
@@ -154,12 +158,27 @@ class FlashFFN(nn.Module):
     `nbytes`, and capacity / budget_bytes / window / reader / device / transfer are its own.
     """
 
-    def __init__(self, store: FlashStore | str | os.PathLike, layer: int, *, predictor: Predictor | None = None,
-                 active_ids: torch.Tensor | None = None, threshold: float = 0.0, capacity: int | None = None,
-                 budget_bytes: int | None = None, window: int = 5, reader: FlashReader | None = None,
-                 stats: FFNStats | None = None, overlap: bool = True, device: str | torch.device | None = None,
-                 transfer: Transfer | None = None, prefill: str = "auto", lookahead: str = "ahead",
-                 ahead_predictor: Predictor | None = None, cache: NeuronCache | None = None):
+    def __init__(
+        self,
+        store: FlashStore | str | os.PathLike,
+        layer: int,
+        *,
+        predictor: Predictor | None = None,
+        active_ids: torch.Tensor | None = None,
+        threshold: float = 0.0,
+        capacity: int | None = None,
+        budget_bytes: int | None = None,
+        window: int = 5,
+        reader: FlashReader | None = None,
+        stats: FFNStats | None = None,
+        overlap: bool = True,
+        device: str | torch.device | None = None,
+        transfer: Transfer | None = None,
+        prefill: str = "auto",
+        lookahead: str = "ahead",
+        ahead_predictor: Predictor | None = None,
+        cache: NeuronCache | None = None,
+    ):
         super().__init__()
         if prefill not in PREFILL_PATHS:
             raise ValueError(f"prefill must be one of {PREFILL_PATHS}, got {prefill!r}")
@@ -181,11 +200,20 @@ class FlashFFN(nn.Module):
                 capacity = n
             if budget_bytes is not None:  # the output bias and a fixed set (bytes_for's shares) come out of it too
                 budget_bytes -= 4 * self.store.hidden_size + (0 if self.fixed_ids is None else self.fixed_ids.nbytes)
-            cache = NeuronCache(self.store, layer, capacity, window, budget_bytes=budget_bytes, reader=reader,
-                                device=device, transfer=transfer)
+            cache = NeuronCache(
+                self.store,
+                layer,
+                capacity,
+                window,
+                budget_bytes=budget_bytes,
+                reader=reader,
+                device=device,
+                transfer=transfer,
+            )
         elif capacity is not None or budget_bytes is not None:
-            raise ValueError("a shared cache has its own capacity and budget: give cache or capacity / budget_bytes, "
-                             "not both")
+            raise ValueError(
+                "a shared cache has its own capacity and budget: give cache or capacity / budget_bytes, not both"
+            )
         elif cache.store.path != self.store.path:
             raise ValueError(f"the shared cache serves {cache.store.path}, not {self.store.path}")
         self.cache = cache
@@ -195,8 +223,7 @@ class FlashFFN(nn.Module):
         self.overlap = overlap
         self.activation = store_activation(self.store)
         out_bias = _output_bias(self.store, layer)
-        self.register_buffer("out_bias", None if out_bias is None else out_bias.to(self.cache.device),
-                             persistent=False)
+        self.register_buffer("out_bias", None if out_bias is None else out_bias.to(self.cache.device), persistent=False)
         self.stats = stats if stats is not None else FFNStats()
         self.last_stats: list[StepStats] = []  # the cache steps of the last forward
         # prefetch's (set, its cache step begun, or None when the set exceeds the cache) for the next forward
@@ -207,8 +234,11 @@ class FlashFFN(nn.Module):
     def nbytes(self) -> int:
         """DRAM this layer holds: its cache (matrix, pointer, bias, per-neuron state; a shared one: its input bias
         instead), output bias and fixed set's ids (exact mode, active_ids)."""
-        own = self.cache.nbytes if not self.shares_cache else \
-            (self.input_bias.nbytes if self.input_bias is not None else 0)
+        own = (
+            self.cache.nbytes
+            if not self.shares_cache
+            else (self.input_bias.nbytes if self.input_bias is not None else 0)
+        )
         return own + sum(t.nbytes for t in (self.out_bias, self.fixed_ids) if t is not None)
 
     @staticmethod
@@ -216,12 +246,14 @@ class FlashFFN(nn.Module):
         """(fixed bytes, bytes per cache row) of one FlashFFN layer over `store`: NeuronCache.bytes_for plus an
         output bias (float32 [d], counted whether or not the model has one) and, every_neuron (exact mode: no
         predictor), the int64 ids of that fixed set."""
-        fixed, per_row = NeuronCache.bytes_for(store, with_bias=input_bias_role(store) in store.ffn_roles[0],
-                                               staged=staged)
+        fixed, per_row = NeuronCache.bytes_for(
+            store, with_bias=input_bias_role(store) in store.ffn_roles[0], staged=staged
+        )
         return fixed + 4 * store.hidden_size + (8 * store.n_neurons if every_neuron else 0), per_row
 
-    def _token_sets(self, flat: torch.Tensor, predictor: Predictor | None = None
-                    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+    def _token_sets(
+        self, flat: torch.Tensor, predictor: Predictor | None = None
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """(per-token bool masks [T, n] or None when every token shares one set, the shared/union ids), chosen by
         `predictor` (default: this FFN's)."""
         n = self.store.n_neurons
@@ -233,8 +265,9 @@ class FlashFFN(nn.Module):
         self.stats.predictor_s += self.cache.transfer.clock() - start
         if selection.dtype == torch.bool and selection.dim() == 2:
             if tuple(selection.shape) != (flat.shape[0], n):
-                raise ValueError(f"the predictor returned a mask of shape {tuple(selection.shape)}, expected "
-                                 f"{(flat.shape[0], n)}")
+                raise ValueError(
+                    f"the predictor returned a mask of shape {tuple(selection.shape)}, expected {(flat.shape[0], n)}"
+                )
             return selection, active_ids_of(selection, n)
         return None, self.store.check_ids(active_ids_of(selection, n)).unique()
 
@@ -273,8 +306,9 @@ class FlashFFN(nn.Module):
         self._record_step(ahead[1].finish(), 0, prefetch=True)
         return True
 
-    def _step_overlapped(self, x: torch.Tensor, ids: torch.Tensor, out: torch.Tensor,
-                         pending: PendingStep | None = None) -> None:
+    def _step_overlapped(
+        self, x: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, pending: PendingStep | None = None
+    ) -> None:
         """One token's step over its distinct neuron `ids` (begun already when `pending` is given), with the reads
         in flight while the FFN of the already-cached neurons is computed, then the FFN of the neurons just read:
         the same sum, in two parts."""
@@ -292,8 +326,16 @@ class FlashFFN(nn.Module):
         start = self.cache.transfer.clock()
         cache = self.cache
         rows = cache.transfer.to_device(cache.slot_of[ids])
-        y = ops.sparse_ffn(x, cache.matrix, num_used=cache.num_used, bias=cache.bias, activation=self.activation,
-                           glu=self.store.glu, index=rows, threshold=self.threshold)
+        y = ops.sparse_ffn(
+            x,
+            cache.matrix,
+            num_used=cache.num_used,
+            bias=cache.bias,
+            activation=self.activation,
+            glu=self.store.glu,
+            index=rows,
+            threshold=self.threshold,
+        )
         out += y.float()
         self.stats.compute_s += self.cache.transfer.clock() - start
 
@@ -320,7 +362,7 @@ class FlashFFN(nn.Module):
         if self.shares_cache:  # the other layers have used its rows since this one's last forward
             self.cache.serve(self.layer, self.input_bias)
         if self._ahead is not None and out.shape[0] == 1 and self.lookahead == "ahead":  # compute the set chosen
-            (ids, pending), self._ahead = self._ahead, None                              # ahead, its reads under way
+            (ids, pending), self._ahead = self._ahead, None  # ahead, its reads under way
             if pending is None:
                 self._run_set(xs, ids, out)
             else:
@@ -345,7 +387,7 @@ class FlashFFN(nn.Module):
                     continue
                 self._step(group_union)
                 for t in range(first, last):
-                    self._compute(xs[t:t + 1], masks[t].nonzero().flatten(), out[t:t + 1])
+                    self._compute(xs[t : t + 1], masks[t].nonzero().flatten(), out[t : t + 1])
         self._end_accumulate(out)
 
     def _end_accumulate(self, out: torch.Tensor) -> None:
@@ -363,9 +405,9 @@ class FlashFFN(nn.Module):
             self._step(part)
             first = int(part[0])
             for t in range(xs.shape[0]):
-                ids = masks[t, first:first + part.numel()].nonzero().flatten() + first
+                ids = masks[t, first : first + part.numel()].nonzero().flatten() + first
                 if ids.numel():
-                    self._compute(xs[t:t + 1], ids, out[t:t + 1])
+                    self._compute(xs[t : t + 1], ids, out[t : t + 1])
 
     def prefill_path(self, masks: torch.Tensor) -> str:
         """How a forward of several tokens with per-token sets masks bool [T, n] reads the layer: "union" (each group
@@ -394,8 +436,9 @@ class FlashFFN(nn.Module):
         def seconds(reads: int, nbytes: int) -> float:
             return reads * latency_s / reader.threads + nbytes / bandwidth_bps
 
-        return "sequential" if seconds(sequential_reads, sequential_bytes) < seconds(union_reads, union_bytes) \
-            else "union"
+        return (
+            "sequential" if seconds(sequential_reads, sequential_bytes) < seconds(union_reads, union_bytes) else "union"
+        )
 
     def _groups(self, masks: torch.Tensor) -> list[tuple[int, int]]:
         """Consecutive token ranges [first, last) whose union of active sets fits the cache (a token whose own
@@ -419,15 +462,25 @@ class StreamingFFN(nn.Module):
     device, resident bundles and `staging` live there and the reads reach it through `transfer` (a StagedTransfer
     with the same device as `staging`)."""
 
-    def __init__(self, store: FlashStore, layer: int, resident_rows: int, staging: torch.Tensor,
-                 reader: FlashReader, stats: FFNStats | None = None, transfer: Transfer | None = None):
+    def __init__(
+        self,
+        store: FlashStore,
+        layer: int,
+        resident_rows: int,
+        staging: torch.Tensor,
+        reader: FlashReader,
+        stats: FFNStats | None = None,
+        transfer: Transfer | None = None,
+    ):
         super().__init__()
         n = store.n_neurons
         if not 0 <= resident_rows <= n:
             raise ValueError(f"resident_rows must be in [0, {n}], got {resident_rows}")
         if staging.shape[0] < n - resident_rows or staging.shape[1:] != (store.bundle_width,):
-            raise ValueError(f"staging must hold {n - resident_rows} bundles of width {store.bundle_width}, got "
-                             f"{tuple(staging.shape)}")
+            raise ValueError(
+                f"staging must hold {n - resident_rows} bundles of width {store.bundle_width}, got "
+                f"{tuple(staging.shape)}"
+            )
         self.transfer = transfer if transfer is not None else HostTransfer()
         if staging.device.type != self.transfer.device.type:
             raise ValueError(f"staging is on {staging.device} but the transfer places rows on {self.transfer.device}")
@@ -442,8 +495,11 @@ class StreamingFFN(nn.Module):
         if resident_rows and self.transfer.staged:  # read on the host, placed on the device once
             self.resident = reader.read(layer, torch.arange(resident_rows)).data.to(device)
         elif resident_rows:  # straight into the transfer's memory (flashllm_ext.mlx's: an mx.array)
-            self.resident = reader.read(layer, torch.arange(resident_rows),
-                                        self.transfer.empty((resident_rows, store.bundle_width), store.dtype)).data
+            self.resident = reader.read(
+                layer,
+                torch.arange(resident_rows),
+                self.transfer.empty((resident_rows, store.bundle_width), store.dtype),
+            ).data
         self.resident_bias = None if bias is None else bias[:resident_rows].to(device)
         self.streamed_ids = torch.arange(resident_rows, n)
         self.streamed_bias = None if bias is None else bias[resident_rows:].to(device)
@@ -502,8 +558,9 @@ class StreamingFFN(nn.Module):
     def _compute(self, xs: torch.Tensor, out: torch.Tensor) -> None:
         """out [T, d] float32 += the FFN of xs [T, d] over every neuron, the streamed ones read already."""
         for rows, num_used, bias in self._parts():
-            out += ops.sparse_ffn(xs, rows, num_used=num_used, bias=bias, activation=self.activation,
-                                  glu=self.store.glu).float()
+            out += ops.sparse_ffn(
+                xs, rows, num_used=num_used, bias=bias, activation=self.activation, glu=self.store.glu
+            ).float()
 
 
 def ffn_slots(model: nn.Module) -> list[tuple[nn.Module, dict[str, nn.Module]]]:
@@ -531,8 +588,9 @@ def set_ffn(layer: nn.Module, ffn: nn.Module) -> None:
         layer.fc1, layer.activation_fn, layer.fc2 = ffn, nn.Identity(), nn.Identity()
 
 
-def install_flash_ffn(model: nn.Module, store: FlashStore | str | os.PathLike,
-                      make: Callable[[FlashStore, int], nn.Module] | None = None) -> list[nn.Module]:
+def install_flash_ffn(
+    model: nn.Module, store: FlashStore | str | os.PathLike, make: Callable[[FlashStore, int], nn.Module] | None = None
+) -> list[nn.Module]:
     """Replace every FFN of a Llama-family (layer.mlp) or OPT (fc1 -> act -> fc2) model by make(store, layer)
     (default: FlashFFN in exact mode). Every cache reads through the store's one reader, shared_reader(store), unless
     `make` passes another. Returns the modules."""

@@ -6,6 +6,7 @@ one token PyTorch's CPU fp16 matrix-vector product is already at the read bound,
 AVX-512 machines, one thread (bench/bench_half_linear.py, BENCHMARKS.md). load_flash swaps its CPU model's half-precision nn.Linear layers to this class in place
 (`use_half_linears`): same Parameters (tied weights stay tied), same state dict, F.linear on any other device.
 """
+
 from __future__ import annotations
 
 import torch

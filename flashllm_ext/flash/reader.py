@@ -29,6 +29,7 @@ Table 2 with 32 threads, the single-read gap of 116 KiB read 1.95x the needed by
 merging adjacent neurons only). `flashllm_ext.flash.calibrate.calibrate_disk` measures both and saves them; readers created
 without an explicit `max_gap` use the saved profile, else DEFAULT_MAX_GAP.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -130,6 +131,7 @@ class ReadStats:
     """What one read call did. bytes_read counts alignment padding and coalesced gaps; bytes_requested counts
     each distinct requested bundle once (compressed bytes for an Endor store). wall_s is the whole call, Endor
     decompression (decompress_s) included; path is how the data reached `out` (READ_PATHS)."""
+
     bytes_requested: int
     bytes_read: int
     n_reads: int
@@ -150,6 +152,7 @@ class ReadStats:
 class ReadResult(NamedTuple):
     """What one FlashReader.read call returns: `bundles, stats = reader.read(layer, ids)`. Each call has its own
     stats, so concurrent calls (read_async, several caches sharing a reader) never see each other's."""
+
     data: torch.Tensor  # [len(ids), bundle_width], the `out` tensor when one was given
     stats: ReadStats
 
@@ -177,10 +180,20 @@ class FlashReader:
     lengths / for buffers, as statx reports it (STATX_DIOALIGN), else 4096.
     """
 
-    def __init__(self, store: FlashStore | str | os.PathLike | None, threads: int = DEFAULT_THREADS,
-                 min_read: int = DEFAULT_MIN_READ, max_gap: int | None = None, max_read: int = DEFAULT_MAX_READ,
-                 direct: bool = True, engine: str = "threads", *, file: str | os.PathLike | None = None,
-                 staging_bytes: int = DEFAULT_ENDOR_STAGING, bounce_limit: int | None = None):
+    def __init__(
+        self,
+        store: FlashStore | str | os.PathLike | None,
+        threads: int = DEFAULT_THREADS,
+        min_read: int = DEFAULT_MIN_READ,
+        max_gap: int | None = None,
+        max_read: int = DEFAULT_MAX_READ,
+        direct: bool = True,
+        engine: str = "threads",
+        *,
+        file: str | os.PathLike | None = None,
+        staging_bytes: int = DEFAULT_ENDOR_STAGING,
+        bounce_limit: int | None = None,
+    ):
         if (store is None) == (file is None):
             raise ValueError("give exactly one of store and file")
         self.store = None if store is None else store if isinstance(store, FlashStore) else FlashStore(store)
@@ -190,8 +203,16 @@ class FlashReader:
             max_gap = profile.max_gap_bytes(threads) if profile else DEFAULT_MAX_GAP
         if bounce_limit is not None and bounce_limit < 0:
             raise ValueError(f"bounce_limit must be >= 0 or None, got {bounce_limit}")
-        self._native = _native_reader_class()(path, int(threads), int(min_read), int(max_gap), int(max_read),
-                                              bool(direct), engine, -1 if bounce_limit is None else int(bounce_limit))
+        self._native = _native_reader_class()(
+            path,
+            int(threads),
+            int(min_read),
+            int(max_gap),
+            int(max_read),
+            bool(direct),
+            engine,
+            -1 if bounce_limit is None else int(bounce_limit),
+        )
         self.bounce_limit = bounce_limit
         self.path, self.threads, self.min_read, self.max_gap, self.max_read = path, threads, min_read, max_gap, max_read
         self.engine = engine
@@ -302,15 +323,17 @@ class FlashReader:
         decompress_s, begin = 0.0, 0
         for size in sizes.tolist():
             piece = slice(begin, begin + size)
-            requested, read, n_reads, piece_decompress_s = self._read_endor_piece(layer, loc, ids[piece], out[piece],
-                                                                                  path)
+            requested, read, n_reads, piece_decompress_s = self._read_endor_piece(
+                layer, loc, ids[piece], out[piece], path
+            )
             totals = [totals[0] + requested, totals[1] + read, totals[2] + n_reads]
             decompress_s += piece_decompress_s
             begin += size
         return ReadStats(*totals, time.perf_counter() - start, path, decompress_s)
 
-    def _read_endor_piece(self, layer: int, loc: EndorLocation, ids: torch.Tensor, out: torch.Tensor,
-                          path: str) -> tuple[int, int, int, float]:
+    def _read_endor_piece(
+        self, layer: int, loc: EndorLocation, ids: torch.Tensor, out: torch.Tensor, path: str
+    ) -> tuple[int, int, int, float]:
         """One piece: the distinct rows, coalesced, into bitmap + values staging; then decompression into out on its
         device. Returns (bytes requested, bytes read, reads, decompression seconds)."""
         unique, inverse = torch.unique(ids, return_inverse=True)
@@ -323,8 +346,9 @@ class FlashReader:
         else:
             bitmap = torch.empty((unique.numel(), loc.head_bytes), dtype=torch.uint8, pin_memory=pinned)
             values = torch.empty(int(tail_offsets[-1]), dtype=torch.uint8, pin_memory=pinned)
-            raw = self._native_reader().read_var_rows(loc.offset, loc.starts, self.store.row_bytes, loc.head_bytes,
-                                                      unique, bitmap, values, tail_offsets)
+            raw = self._native_reader().read_var_rows(
+                loc.offset, loc.starts, self.store.row_bytes, loc.head_bytes, unique, bitmap, values, tail_offsets
+            )
         start = time.perf_counter()
         row_offsets, rows = tail_offsets // item, inverse
         if out.device != bitmap.device:
@@ -332,12 +356,15 @@ class FlashReader:
         if out.device != row_offsets.device:
             row_offsets, rows = row_offsets.to(out.device), rows.to(out.device)
         try:
-            ops.endor_decompress(values.view(self.store.dtype), bitmap, row_offsets, n_cols=self.store.bundle_width,
-                                 rows=rows, out=out)
+            ops.endor_decompress(
+                values.view(self.store.dtype), bitmap, row_offsets, n_cols=self.store.bundle_width, rows=rows, out=out
+            )
         except RuntimeError as e:
-            raise FormatError(f"{layer_tensor_name(layer)}.rows", f"neuron rows {unique.tolist()[:8]}"
-                              f"{'...' if unique.numel() > 8 else ''} are inconsistent: {e}",
-                              self.store.bundles_path) from None
+            raise FormatError(
+                f"{layer_tensor_name(layer)}.rows",
+                f"neuron rows {unique.tolist()[:8]}{'...' if unique.numel() > 8 else ''} are inconsistent: {e}",
+                self.store.bundles_path,
+            ) from None
         return raw[0], raw[1], raw[2], time.perf_counter() - start
 
     def _cufile(self):
@@ -350,8 +377,9 @@ class FlashReader:
             self._cufile_handle = kvikio.CuFile(self.path, "r")
         return self._cufile_handle
 
-    def _cufile_stage(self, plan: torch.Tensor, device: torch.device,
-                      staging: torch.Tensor | None = None) -> torch.Tensor:
+    def _cufile_stage(
+        self, plan: torch.Tensor, device: torch.device, staging: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The coalesced reads `plan` [n, 2] (offset, length) back to back into one uint8 buffer on `device`
         (`staging` when given, else a new one), through kvikio (its thread pool runs them in parallel). Returns the
         buffer."""
@@ -365,7 +393,7 @@ class FlashReader:
             torch.cuda.current_stream(device).synchronize()
         futures, at = [], 0
         for offset, length in plan.tolist():
-            futures.append((handle.pread(staging[at:at + length], length, offset), length, offset))
+            futures.append((handle.pread(staging[at : at + length], length, offset), length, offset))
             at += length
         for future, length, offset in futures:
             got = future.get()
@@ -394,11 +422,13 @@ class FlashReader:
         else:
             staging = self._cufile_stage(plan, out.device)
             torch.index_select(staging.view(-1, row_bytes), 0, rows.to(out.device), out=flat.view(-1, row_bytes))
-        return ReadStats(torch.unique(ids).numel() * row_bytes, staging.numel(), plan.shape[0],
-                         time.perf_counter() - start, "kvikio")
+        return ReadStats(
+            torch.unique(ids).numel() * row_bytes, staging.numel(), plan.shape[0], time.perf_counter() - start, "kvikio"
+        )
 
-    def _read_endor_cufile(self, loc: EndorLocation, unique: torch.Tensor, tail_offsets: torch.Tensor,
-                           device: torch.device) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    def _read_endor_cufile(
+        self, loc: EndorLocation, unique: torch.Tensor, tail_offsets: torch.Tensor, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         """Distinct Endor rows through kvikio into a staging buffer on `device`, split there into the bitmap rows
         and the values (gathers by index). Returns (bitmap, values bytes, [bytes requested, bytes read, reads])."""
         plan = self._native_reader().plan_reads(loc.offset, self.store.row_bytes, 0, loc.starts, unique)
@@ -438,8 +468,10 @@ class FlashReader:
         self.close()
 
     def __repr__(self) -> str:
-        return (f"FlashReader({self.path!r}, engine={self.engine}, threads={self.threads}, direct={self.direct}, "
-                f"min_read={self.min_read}, max_gap={self.max_gap})")
+        return (
+            f"FlashReader({self.path!r}, engine={self.engine}, threads={self.threads}, direct={self.direct}, "
+            f"min_read={self.min_read}, max_gap={self.max_gap})"
+        )
 
 
 def shared_reader(store: FlashStore) -> FlashReader:

@@ -16,6 +16,7 @@ the bundles, and BIAS_ROLES present in the model, which are resident tensors und
 store re-derives names from a model family's naming scheme.
 `flashllm_ext.flash.convert` writes a store, `FlashStore` opens and validates one.
 """
+
 from __future__ import annotations
 
 import json
@@ -42,8 +43,17 @@ DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 WEIGHT_ROLES = ("up", "gate", "down")  # gate only in GLU models
 BIAS_ROLES = ("up_bias", "gate_bias", "down_bias")
 # The sizes a model is built from (Hugging Face config names of the supported families).
-CONFIG_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "ffn_dim", "num_hidden_layers",
-                "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings")
+CONFIG_SIZES = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "ffn_dim",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "max_position_embeddings",
+)
 
 
 def parse_model_config(raw: str | None, path: str, resident: dict[str, TensorEntry]) -> dict:
@@ -63,8 +73,9 @@ def parse_model_config(raw: str | None, path: str, resident: dict[str, TensorEnt
             raise FormatError(f"{field}.{key}", f"must be a positive integer, got {value!r}", path)
     vocab = config.get("vocab_size")
     if vocab is not None and not any(len(e.shape) == 2 and e.shape[0] == vocab for e in resident.values()):
-        raise FormatError(f"{field}.vocab_size", f"{vocab} is the row count of no resident tensor (the embedding)",
-                          path)
+        raise FormatError(
+            f"{field}.vocab_size", f"{vocab} is the row count of no resident tensor (the embedding)", path
+        )
     return config
 
 
@@ -94,6 +105,7 @@ def layer_specs(layer: int, ffn: int, width: int, dtype: torch.dtype, endor_nnz:
 @dataclass(frozen=True)
 class LayerLocation:
     """Where a layer's bundles lie in bundles.safetensors (absolute byte offsets), for the native reader."""
+
     offset: int
     row_bytes: int
     n_neurons: int
@@ -103,6 +115,7 @@ class LayerLocation:
 class EndorLocation:
     """Where an Endor layer's rows lie in bundles.safetensors, for the native reader: neuron i spans bytes
     [offset + starts[i], offset + starts[i + 1]), its bitmap (head_bytes) then its values."""
+
     offset: int
     starts: torch.Tensor  # int64 [n_neurons + 1], relative to offset
     row_offsets: torch.Tensor  # int64 [n_neurons + 1], the Endor row offsets of the values
@@ -133,27 +146,37 @@ class FlashStore:
         self._resident_entries = resident_header.tensors
         self.dtype_name = meta.get("dtype")
         if self.dtype_name not in DTYPES:
-            raise FormatError("__metadata__.dtype", f"must be one of {sorted(DTYPES)}, got {self.dtype_name!r}",
-                              self.bundles_path)
+            raise FormatError(
+                "__metadata__.dtype", f"must be one of {sorted(DTYPES)}, got {self.dtype_name!r}", self.bundles_path
+            )
         self.dtype = DTYPES[self.dtype_name]
-        ints = {key: self._int_field(meta, key) for key in
-                ("bundle_width", "n_layers", "n_neurons", "hidden_size", "glu", "alignment", "endor")}
+        ints = {
+            key: self._int_field(meta, key)
+            for key in ("bundle_width", "n_layers", "n_neurons", "hidden_size", "glu", "alignment", "endor")
+        }
         self.bundle_width, self.n_layers, self.n_neurons = ints["bundle_width"], ints["n_layers"], ints["n_neurons"]
         self.hidden_size, self.glu, self.alignment = ints["hidden_size"], bool(ints["glu"]), ints["alignment"]
         self.endor = bool(ints["endor"])
         if self.alignment & (self.alignment - 1) or self.alignment < 512:
-            raise FormatError("__metadata__.alignment", f"must be a power of two >= 512, got {self.alignment}",
-                              self.bundles_path)
+            raise FormatError(
+                "__metadata__.alignment", f"must be a power of two >= 512, got {self.alignment}", self.bundles_path
+            )
         if self.bundle_width != (3 if self.glu else 2) * self.hidden_size:
-            raise FormatError("__metadata__.bundle_width", f"{self.bundle_width} disagrees with hidden_size "
-                              f"{self.hidden_size} and glu={self.glu}", self.bundles_path)
+            raise FormatError(
+                "__metadata__.bundle_width",
+                f"{self.bundle_width} disagrees with hidden_size {self.hidden_size} and glu={self.glu}",
+                self.bundles_path,
+            )
         self.config = parse_model_config(meta.get("config"), self.bundles_path, self._resident_entries)
         self.row_bytes = self.bundle_width * self.dtype.itemsize
         self._entries = header.tensors
         self._endor_index: dict[int, EndorLocation] = {}
         if self.endor and f"{layer_tensor_name(0)}.values" in self._entries:
-            raise FormatError("__metadata__.endor", "Endor layers in the older layout (separate values and bitmap "
-                              "tensors): convert the checkpoint again", self.bundles_path)
+            raise FormatError(
+                "__metadata__.endor",
+                "Endor layers in the older layout (separate values and bitmap tensors): convert the checkpoint again",
+                self.bundles_path,
+            )
         for layer in range(self.n_layers):
             for spec in layer_specs(layer, self.n_neurons, self.bundle_width, self.dtype, -1 if self.endor else None):
                 self._check_entry(spec)
@@ -190,9 +213,11 @@ class FlashStore:
         if meta.get("magic") != MAGIC:
             raise FormatError("__metadata__.magic", f"expected {MAGIC!r}, got {meta.get('magic')!r}", path)
         if meta.get("format_version") != FORMAT_VERSION:
-            raise FormatError("__metadata__.format_version",
-                              f"unsupported version {meta.get('format_version')!r} (this library reads "
-                              f"{FORMAT_VERSION})", path)
+            raise FormatError(
+                "__metadata__.format_version",
+                f"unsupported version {meta.get('format_version')!r} (this library reads {FORMAT_VERSION})",
+                path,
+            )
 
     def _parse_ffn_roles(self, raw: str | None) -> list[dict[str, str]]:
         """Per layer, role -> checkpoint tensor name: the weight roles of this model exactly, bias roles only for
@@ -203,8 +228,11 @@ class FlashStore:
         except json.JSONDecodeError as e:
             raise FormatError(field, f"not JSON ({e})", self.bundles_path) from None
         if not isinstance(roles, list) or len(roles) != self.n_layers:
-            raise FormatError(field, f"must list the roles of each of the {self.n_layers} layers, got "
-                              f"{str(roles)[:80]}", self.bundles_path)
+            raise FormatError(
+                field,
+                f"must list the roles of each of the {self.n_layers} layers, got {str(roles)[:80]}",
+                self.bundles_path,
+            )
         weights = {"up", "down"} | ({"gate"} if self.glu else set())
         for layer, names in enumerate(roles):
             where = f"{field}[{layer}]"
@@ -212,22 +240,29 @@ class FlashStore:
                 raise FormatError(where, "must map roles to tensor names", self.bundles_path)
             unknown = set(names) - set(WEIGHT_ROLES) - set(BIAS_ROLES)
             if unknown or weights - set(names) or set(names) & set(WEIGHT_ROLES) - weights:
-                raise FormatError(where, f"roles {sorted(names)}: needs exactly the weights {sorted(weights)} "
-                                  f"and biases among {BIAS_ROLES}", self.bundles_path)
+                raise FormatError(
+                    where,
+                    f"roles {sorted(names)}: needs exactly the weights {sorted(weights)} and biases among {BIAS_ROLES}",
+                    self.bundles_path,
+                )
             for role in set(names) & set(BIAS_ROLES):
                 entry = self._resident_entries.get(names[role])
                 size = self.hidden_size if role == "down_bias" else self.n_neurons
                 if entry is None or entry.shape != (size,):
-                    raise FormatError(f"{where}.{role}", f"{names[role]!r} is not a resident tensor of shape "
-                                      f"({size},)", self.bundles_path)
+                    raise FormatError(
+                        f"{where}.{role}",
+                        f"{names[role]!r} is not a resident tensor of shape ({size},)",
+                        self.bundles_path,
+                    )
         return roles
 
     def _int_field(self, meta: dict[str, str], key: str) -> int:
         try:
             value = int(meta[key])
         except (KeyError, ValueError):
-            raise FormatError(f"__metadata__.{key}", f"missing or not an integer: {meta.get(key)!r}",
-                              self.bundles_path) from None
+            raise FormatError(
+                f"__metadata__.{key}", f"missing or not an integer: {meta.get(key)!r}", self.bundles_path
+            ) from None
         if value < 0:
             raise FormatError(f"__metadata__.{key}", f"must be non-negative, got {value}", self.bundles_path)
         return value
@@ -239,11 +274,17 @@ class FlashStore:
         # Endor values have a data-dependent length (declared as -1 here); everything else is fixed by metadata.
         shape_ok = len(entry.shape) == 1 if spec.shape == (-1,) else entry.shape == spec.shape
         if entry.dtype != spec.dtype or not shape_ok:
-            raise FormatError(f"{spec.name}.shape", f"{entry.dtype}{list(entry.shape)}, expected "
-                              f"{spec.dtype}{list(spec.shape)}", self.bundles_path)
+            raise FormatError(
+                f"{spec.name}.shape",
+                f"{entry.dtype}{list(entry.shape)}, expected {spec.dtype}{list(spec.shape)}",
+                self.bundles_path,
+            )
         if entry.begin % self.alignment:
-            raise FormatError(f"{spec.name}.data_offsets", f"starts at byte {entry.begin}, not a multiple of the "
-                              f"{self.alignment}-byte alignment", self.bundles_path)
+            raise FormatError(
+                f"{spec.name}.data_offsets",
+                f"starts at byte {entry.begin}, not a multiple of the {self.alignment}-byte alignment",
+                self.bundles_path,
+            )
 
     def layer_location(self, layer: int) -> LayerLocation:
         """Absolute file offset and row size of a dense layer, for FlashReader."""
@@ -260,8 +301,9 @@ class FlashStore:
     def check_ids(self, ids: torch.Tensor | list[int]) -> torch.Tensor:
         ids = neuron_ids(ids)
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.n_neurons):
-            raise ValueError(f"neuron ids must lie in [0, {self.n_neurons}), got min {int(ids.min())} "
-                             f"max {int(ids.max())}")
+            raise ValueError(
+                f"neuron ids must lie in [0, {self.n_neurons}), got min {int(ids.min())} max {int(ids.max())}"
+            )
         return ids
 
     def bundle(self, layer: int, ids: torch.Tensor | list[int]) -> torch.Tensor:
@@ -276,8 +318,9 @@ class FlashStore:
             rows = self._endor_rows(layer, unique)
         else:
             entry = self._entries[layer_tensor_name(layer)]
-            rows = self._read_runs(unique, lambda a, b: (entry.begin + a * self.row_bytes,
-                                                         entry.begin + b * self.row_bytes))
+            rows = self._read_runs(
+                unique, lambda a, b: (entry.begin + a * self.row_bytes, entry.begin + b * self.row_bytes)
+            )
             rows = rows.view(self.dtype).view(-1, self.bundle_width)
         return rows[inverse]
 
@@ -289,21 +332,31 @@ class FlashStore:
                 begin, end = span(a, b)
                 data = os.pread(f.fileno(), end - begin, begin)
                 if len(data) != end - begin:
-                    raise FormatError("data", f"short read at offset {begin}: {len(data)} of {end - begin} bytes "
-                                      "(file truncated?)", self.bundles_path)
+                    raise FormatError(
+                        "data",
+                        f"short read at offset {begin}: {len(data)} of {end - begin} bytes (file truncated?)",
+                        self.bundles_path,
+                    )
                 chunks.append(data)
-        return torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8) if chunks else \
-            torch.empty(0, dtype=torch.uint8)
+        return (
+            torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8)
+            if chunks
+            else torch.empty(0, dtype=torch.uint8)
+        )
 
     def _endor_rows(self, layer: int, sorted_ids: torch.Tensor) -> torch.Tensor:
         loc = self.endor_location(layer)
-        rows = self._read_runs(sorted_ids, lambda a, b: (loc.offset + int(loc.starts[a]),
-                                                         loc.offset + int(loc.starts[b])))
+        rows = self._read_runs(
+            sorted_ids, lambda a, b: (loc.offset + int(loc.starts[a]), loc.offset + int(loc.starts[b]))
+        )
         try:
             return endor.unpack_rows(rows, loc.counts[sorted_ids], self.bundle_width, self.dtype).decompress()
         except (FormatError, RuntimeError) as e:  # a row's bitmap disagrees with its value count
-            raise FormatError(f"{layer_tensor_name(layer)}.rows", f"neurons {sorted_ids.tolist()[:8]} (row k of the "
-                              f"message is the k-th of them) are inconsistent: {e}", self.bundles_path) from None
+            raise FormatError(
+                f"{layer_tensor_name(layer)}.rows",
+                f"neurons {sorted_ids.tolist()[:8]} (row k of the message is the k-th of them) are inconsistent: {e}",
+                self.bundles_path,
+            ) from None
 
     def endor_location(self, layer: int) -> EndorLocation:
         """Where an Endor layer's neuron rows lie, for FlashReader. Its row offsets are read and validated once
@@ -324,12 +377,18 @@ class FlashStore:
             width, item = (self.bundle_width + 7) // 8, self.dtype.itemsize
             counts = row_offsets.diff()
             if int(row_offsets[0]) != 0 or bool((counts < 0).any()) or bool((counts > self.bundle_width).any()):
-                raise FormatError(f"{name}.row_offsets", f"must rise from 0 by at most the bundle width "
-                                  f"{self.bundle_width} per neuron", self.bundles_path)
+                raise FormatError(
+                    f"{name}.row_offsets",
+                    f"must rise from 0 by at most the bundle width {self.bundle_width} per neuron",
+                    self.bundles_path,
+                )
             starts = endor.row_starts(row_offsets, width, item)
             if int(starts[-1]) != rows.end - rows.begin:
-                raise FormatError(f"{name}.row_offsets", f"describe {int(starts[-1])} bytes of rows, "
-                                  f"{name}.rows holds {rows.end - rows.begin}", self.bundles_path)
+                raise FormatError(
+                    f"{name}.row_offsets",
+                    f"describe {int(starts[-1])} bytes of rows, {name}.rows holds {rows.end - rows.begin}",
+                    self.bundles_path,
+                )
             location = EndorLocation(rows.begin, starts, row_offsets, width)
             self._endor_index[layer] = location
         return location
@@ -359,8 +418,10 @@ class FlashStore:
         self._resident.close()
 
     def __repr__(self) -> str:
-        return (f"FlashStore({str(self.path)!r}, layers={self.n_layers}, neurons={self.n_neurons}, "
-                f"bundle_width={self.bundle_width}, dtype={self.dtype_name}, glu={self.glu}, endor={self.endor})")
+        return (
+            f"FlashStore({str(self.path)!r}, layers={self.n_layers}, neurons={self.n_neurons}, "
+            f"bundle_width={self.bundle_width}, dtype={self.dtype_name}, glu={self.glu}, endor={self.endor})"
+        )
 
 
 def _runs(sorted_unique: list[int]) -> Iterator[tuple[int, int]]:

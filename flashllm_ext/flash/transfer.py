@@ -13,6 +13,7 @@ is behind this small interface:
 A model's caches share one transfer (its staging buffer is sized by the largest step of any of them; steps run one at
 a time), as they share one FlashReader.
 """
+
 from __future__ import annotations
 
 import time
@@ -58,8 +59,9 @@ class StagedTransfer:
 
     staged = True
 
-    def __init__(self, device: str | torch.device = "cuda", *, compact: CompactFn | None = None,
-                 sync_timing: bool = True):
+    def __init__(
+        self, device: str | torch.device = "cuda", *, compact: CompactFn | None = None, sync_timing: bool = True
+    ):
         self.device = cuda_device(device)
         self.sync_timing = sync_timing
         self._cuda = self.device.type == "cuda"
@@ -131,8 +133,16 @@ class StagedTransfer:
             return host
         return host.pin_memory().to(self.device, non_blocking=True)
 
-    def compact(self, matrix: torch.Tensor, pointer: torch.Tensor, rows: torch.Tensor, *, num_used: int,
-                bias: torch.Tensor | None = None, slot_of: torch.Tensor | None = None) -> int:
+    def compact(
+        self,
+        matrix: torch.Tensor,
+        pointer: torch.Tensor,
+        rows: torch.Tensor,
+        *,
+        num_used: int,
+        bias: torch.Tensor | None = None,
+        slot_of: torch.Tensor | None = None,
+    ) -> int:
         """The swap-delete of the host `rows` on the device's rows (queued on the compute stream)."""
         kept = self._compact(matrix, pointer, self.to_device(rows), num_used=num_used, bias=bias, slot_of=slot_of)
         if self._cuda:

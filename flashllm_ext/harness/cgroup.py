@@ -2,6 +2,7 @@
 in its own process inside a memory cgroup (page cache counted) whose limit is the process's baseline plus the
 configuration's DRAM budget; the cgroup's peak proves the budget. cgroup v1 (/sys/fs/cgroup/memory) or v2; where
 neither can be created (no root, no hierarchy) the child still runs and the facts say why nothing was enforced."""
+
 from __future__ import annotations
 
 import os
@@ -86,8 +87,9 @@ class MemoryCgroup:
             self.path = None
 
 
-def run_limited_child(argv: list[str], budget_bytes: int | None, baseline_bytes: int | None, name: str,
-                      timeout_s: float = 1800) -> tuple[list[dict], dict]:
+def run_limited_child(
+    argv: list[str], budget_bytes: int | None, baseline_bytes: int | None, name: str, timeout_s: float = 1800
+) -> tuple[list[dict], dict]:
     """Run `argv` (a child that prints JSON rows) in a fresh memory cgroup limited to baseline + budget, after
     dropping the page cache. Returns (the child's JSON rows, the cgroup facts: cgroup_limit_mb, cgroup_peak_mb,
     oom_killed, cgroup_failcnt, exit_status, cgroup_note). No budget or baseline: no limit, the peak is still
@@ -100,17 +102,26 @@ def run_limited_child(argv: list[str], budget_bytes: int | None, baseline_bytes:
     group = MemoryCgroup(f"flashllm-{name}-{os.getpid()}", limit)
     try:
         try:
-            proc = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                  timeout=timeout_s, preexec_fn=group.enter)
+            proc = subprocess.run(
+                argv,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                timeout=timeout_s,
+                preexec_fn=group.enter,
+            )
         except subprocess.TimeoutExpired as e:  # run() has killed the child: report it as a row
-            proc = subprocess.CompletedProcess(argv, -9, e.stdout or "",
-                                               f"timed out after {timeout_s:g} s (killed)")
+            proc = subprocess.CompletedProcess(argv, -9, e.stdout or "", f"timed out after {timeout_s:g} s (killed)")
             proc.stdout = proc.stdout.decode() if isinstance(proc.stdout, bytes) else proc.stdout
         oom = group.oom_kills()
-        facts = {"cgroup_limit_mb": None if limit is None or group.unavailable else limit / 1e6,
-                 "cgroup_peak_mb": None if group.unavailable else group.peak_bytes() / 1e6,
-                 "oom_killed": bool(oom), "cgroup_failcnt": group.failcnt(),
-                 "exit_status": proc.returncode, "cgroup_note": group.unavailable}
+        facts = {
+            "cgroup_limit_mb": None if limit is None or group.unavailable else limit / 1e6,
+            "cgroup_peak_mb": None if group.unavailable else group.peak_bytes() / 1e6,
+            "oom_killed": bool(oom),
+            "cgroup_failcnt": group.failcnt(),
+            "exit_status": proc.returncode,
+            "cgroup_note": group.unavailable,
+        }
     finally:
         group.close()
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]

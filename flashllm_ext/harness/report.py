@@ -1,4 +1,5 @@
 """The one table printer, shared by the benchmarks (bench/common.py) and the demo."""
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence

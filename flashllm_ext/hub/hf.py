@@ -1,4 +1,5 @@
 """The `transformers` reference model for a GGUF file, weight replacement and Linear-input capture."""
+
 from __future__ import annotations
 
 import os
@@ -40,8 +41,7 @@ def ffn_norm(layer: nn.Module) -> nn.Module:
     raise ValueError(f"{type(layer).__name__}: no post_attention_layernorm (Llama) or final_layer_norm (OPT)")
 
 
-def load_hf_model(path: str | os.PathLike | None = None,
-                  state_dict: Mapping[str, torch.Tensor] | None = None):
+def load_hf_model(path: str | os.PathLike | None = None, state_dict: Mapping[str, torch.Tensor] | None = None):
     """(model, tokenizer) loaded offline by `transformers` from a GGUF file (default: the default model).
 
     The model is fp32, in eval mode. `state_dict` (Hugging Face names -> tensors, any subset) replaces those
@@ -90,8 +90,9 @@ def replace_weights(model: torch.nn.Module, state_dict: Mapping[str, torch.Tenso
 
 
 @torch.inference_mode()
-def collect_linear_inputs(model: torch.nn.Module, input_ids: torch.Tensor,
-                          module_names: Iterable[str]) -> dict[str, torch.Tensor]:
+def collect_linear_inputs(
+    model: torch.nn.Module, input_ids: torch.Tensor, module_names: Iterable[str]
+) -> dict[str, torch.Tensor]:
     """Inputs seen by the named Linear modules during one forward pass of `input_ids` ([T] or [B, T]).
 
     Returns module name -> fp32 [B*T, in_features]. Hooks are removed afterwards, even on error.
@@ -102,6 +103,7 @@ def collect_linear_inputs(model: torch.nn.Module, input_ids: torch.Tensor,
     def hook_for(name: str):
         def hook(module: torch.nn.Module, args: tuple, _output: torch.Tensor) -> None:
             captured[name].append(args[0].detach().reshape(-1, args[0].shape[-1]).float())
+
         return hook
 
     try:
@@ -113,7 +115,6 @@ def collect_linear_inputs(model: torch.nn.Module, input_ids: torch.Tensor,
         for handle in handles:
             handle.remove()
     return {name: torch.cat(chunks) for name, chunks in captured.items()}
-
 
 
 def empty_model(config: dict, dtype: torch.dtype, source: str | os.PathLike) -> nn.Module:
@@ -146,8 +147,9 @@ def assign_resident(model: nn.Module, store, dtype: torch.dtype) -> None:
         module = model.get_submodule(module_name)
         value = store.resident_tensor(name).to(dtype)
         if tuple(value.shape) != tuple(params[target].shape):
-            raise ValueError(f"{store.path}: {name} has shape {tuple(value.shape)}, the model expects "
-                             f"{tuple(params[target].shape)}")
+            raise ValueError(
+                f"{store.path}: {name} has shape {tuple(value.shape)}, the model expects {tuple(params[target].shape)}"
+            )
         setattr(module, attr, nn.Parameter(value, requires_grad=False))
     if getattr(model.config, "tie_word_embeddings", False):
         model.tie_weights()

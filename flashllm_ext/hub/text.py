@@ -4,6 +4,7 @@ The split is by document: the distinct topic texts, in sorted topic-name order (
 e.g. "if" and "else"), go every HELDOUT_EVERY-th to the held-out part and otherwise to calibration, so the
 two parts never share a document. The text depends on the CPython version (3.11 here).
 """
+
 from __future__ import annotations
 
 import math
@@ -40,26 +41,31 @@ def spread_windows(token_ids: torch.Tensor, n_windows: int, window: int) -> torc
     carry over to held-out text.
     """
     if token_ids.dim() != 1 or n_windows < 1 or window < 1 or token_ids.numel() < n_windows * window:
-        raise ValueError(f"cannot take {n_windows} windows of {window} tokens from token ids of shape "
-                         f"{tuple(token_ids.shape)}")
+        raise ValueError(
+            f"cannot take {n_windows} windows of {window} tokens from token ids of shape {tuple(token_ids.shape)}"
+        )
     starts = torch.linspace(0, token_ids.numel() - window, n_windows).long()
-    return torch.cat([token_ids[s:s + window] for s in starts.tolist()])
+    return torch.cat([token_ids[s : s + window] for s in starts.tolist()])
 
 
 @torch.inference_mode()
-def perplexity(model: torch.nn.Module, token_ids: torch.Tensor, window: int = 512, n_windows: int = 4,
-               progress: bool = True) -> float:
+def perplexity(
+    model: torch.nn.Module, token_ids: torch.Tensor, window: int = 512, n_windows: int = 4, progress: bool = True
+) -> float:
     """exp(mean next-token NLL) over the first `n_windows` non-overlapping windows of `window` tokens.
 
     token_ids: int64 [T] with T >= window * n_windows. Each window is scored independently (no carried context),
     so every window contributes window - 1 predictions.
     """
     if token_ids.dim() != 1 or window < 2 or n_windows < 1:
-        raise ValueError(f"need 1-D token ids, window >= 2, n_windows >= 1; got shape {tuple(token_ids.shape)}, "
-                         f"window={window}, n_windows={n_windows}")
+        raise ValueError(
+            f"need 1-D token ids, window >= 2, n_windows >= 1; got shape {tuple(token_ids.shape)}, "
+            f"window={window}, n_windows={n_windows}"
+        )
     if token_ids.numel() < window * n_windows:
-        raise ValueError(f"{n_windows} windows of {window} tokens need {window * n_windows} tokens, "
-                         f"got {token_ids.numel()}")
+        raise ValueError(
+            f"{n_windows} windows of {window} tokens need {window * n_windows} tokens, got {token_ids.numel()}"
+        )
     total_nll, count = 0.0, 0
     windows = token_ids[: window * n_windows].view(n_windows, window)
     for ids in tqdm(windows, desc="perplexity", disable=not progress, leave=False):

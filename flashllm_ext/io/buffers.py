@@ -1,10 +1,10 @@
 """Host buffers that direct I/O and DMA need: ALIGNMENT-aligned memory and page-locked (pinned) memory."""
+
 from __future__ import annotations
 
 import weakref
 
 import torch
-
 
 
 ALIGNMENT = 4096  # O_DIRECT offsets, lengths and buffers: the logical block size of every disk here
@@ -15,7 +15,7 @@ def aligned_buffer(nbytes: int) -> torch.Tensor:
     copy."""
     raw = torch.empty(nbytes + ALIGNMENT, dtype=torch.uint8)
     skip = -raw.data_ptr() % ALIGNMENT
-    return raw[skip:skip + nbytes]
+    return raw[skip : skip + nbytes]
 
 
 def pinned_buffer(nbytes: int) -> torch.Tensor:

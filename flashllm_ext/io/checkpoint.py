@@ -7,6 +7,7 @@ holds one tensor at a time, not the whole model in fp32.
 GGUF tensors equal what `transformers` loads from the same file: both dequantize with `gguf.quants.dequantize`,
 and llama.cpp's rotary permutation of the Q/K rows is undone here as transformers undoes it.
 """
+
 from __future__ import annotations
 
 import json
@@ -29,9 +30,15 @@ GGUF_MAGIC = b"GGUF"
 SUPPORTED_ARCHITECTURES = ("llama",)
 # GGUF name inside a block -> Hugging Face name inside `model.layers.{i}`.
 _BLOCK_NAMES = {
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
 }
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 # Errors the gguf reader raises on malformed or truncated files (it indexes a memmap with header values).
@@ -75,15 +82,17 @@ def _size(reader, key: str, path: str, default: int | None = None) -> int:
 def _config_from_reader(reader, path: str) -> dict[str, Any]:
     arch = _field(reader, "general.architecture", path)
     if arch not in SUPPORTED_ARCHITECTURES:
-        raise FormatError("general.architecture", f"{arch!r} is not supported (only {SUPPORTED_ARCHITECTURES})",
-                          path)
+        raise FormatError("general.architecture", f"{arch!r} is not supported (only {SUPPORTED_ARCHITECTURES})", path)
     hidden = _size(reader, f"{arch}.embedding_length", path)
     heads = _size(reader, f"{arch}.attention.head_count", path)
     blocks = _size(reader, f"{arch}.block_count", path)
     # Every name of every block is built from this count (expected_shapes): a file cannot hold fewer tensors.
     if blocks * len(_BLOCK_NAMES) > len(reader.tensors):
-        raise FormatError(f"{arch}.block_count", f"{blocks} blocks need {blocks * len(_BLOCK_NAMES)} tensors, the "
-                          f"file has {len(reader.tensors)}", path)
+        raise FormatError(
+            f"{arch}.block_count",
+            f"{blocks} blocks need {blocks * len(_BLOCK_NAMES)} tensors, the file has {len(reader.tensors)}",
+            path,
+        )
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     vocab = _size(reader, f"{arch}.vocab_size", path, default=len(tokens.data) if tokens is not None else None)
     names = {t.name for t in reader.tensors}
@@ -104,13 +113,15 @@ def _config_from_reader(reader, path: str) -> dict[str, Any]:
         # llama.cpp drops output.weight when the LM head shares the embedding matrix.
         "tie_word_embeddings": "output.weight" not in names,
     }
-    for key, name in (("tokenizer.ggml.bos_token_id", "bos_token_id"), ("tokenizer.ggml.eos_token_id",
-                                                                          "eos_token_id")):
+    for key, name in (("tokenizer.ggml.bos_token_id", "bos_token_id"), ("tokenizer.ggml.eos_token_id", "eos_token_id")):
         if key in reader.fields:
             config[name] = int(_field(reader, key, path))
     if hidden % heads or config["num_attention_heads"] % config["num_key_value_heads"]:
-        raise FormatError(f"{arch}.attention.head_count", f"{heads} heads / {config['num_key_value_heads']} kv "
-                          f"heads do not divide hidden size {hidden}", path)
+        raise FormatError(
+            f"{arch}.attention.head_count",
+            f"{heads} heads / {config['num_key_value_heads']} kv heads do not divide hidden size {hidden}",
+            path,
+        )
     return config
 
 
@@ -133,10 +144,17 @@ def expected_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     shapes = {"model.embed_tokens.weight": (config["vocab_size"], hidden), "model.norm.weight": (hidden,)}
     if not config["tie_word_embeddings"]:
         shapes["lm_head.weight"] = (config["vocab_size"], hidden)
-    per_layer = {"self_attn.q_proj": (q_rows, hidden), "self_attn.k_proj": (kv_rows, hidden),
-                 "self_attn.v_proj": (kv_rows, hidden), "self_attn.o_proj": (hidden, q_rows),
-                 "mlp.gate_proj": (ffn, hidden), "mlp.up_proj": (ffn, hidden), "mlp.down_proj": (hidden, ffn),
-                 "input_layernorm": (hidden,), "post_attention_layernorm": (hidden,)}
+    per_layer = {
+        "self_attn.q_proj": (q_rows, hidden),
+        "self_attn.k_proj": (kv_rows, hidden),
+        "self_attn.v_proj": (kv_rows, hidden),
+        "self_attn.o_proj": (hidden, q_rows),
+        "mlp.gate_proj": (ffn, hidden),
+        "mlp.up_proj": (ffn, hidden),
+        "mlp.down_proj": (hidden, ffn),
+        "input_layernorm": (hidden,),
+        "post_attention_layernorm": (hidden,),
+    }
     for i in range(config["num_hidden_layers"]):
         shapes.update({f"model.layers.{i}.{name}.weight": shape for name, shape in per_layer.items()})
     return shapes
@@ -160,6 +178,7 @@ def _undo_rotary_permutation(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 class Checkpoint(ABC):
     """A checkpoint's config and tensors under Hugging Face names, each read only when asked for."""
+
     config: dict[str, Any]
     names: list[str]
 
@@ -307,11 +326,15 @@ class GGUFCheckpoint(Checkpoint):
         try:
             array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         except (*_READER_ERRORS, NotImplementedError) as e:
-            raise FormatError(tensor.name, f"cannot dequantize {tensor.tensor_type.name} data ({e})",
-                              self.path) from None
+            raise FormatError(
+                tensor.name, f"cannot dequantize {tensor.tensor_type.name} data ({e})", self.path
+            ) from None
         if tuple(array.shape) != self._shapes[name]:
-            raise FormatError(tensor.name, f"dequantized to shape {tuple(array.shape)}, expected "
-                              f"{self._shapes[name]} for {name}", self.path)
+            raise FormatError(
+                tensor.name,
+                f"dequantized to shape {tuple(array.shape)}, expected {self._shapes[name]} for {name}",
+                self.path,
+            )
         if array.dtype != np.float32 or not array.flags.writeable:
             array = array.astype(np.float32)
         weight = torch.from_numpy(array)
@@ -330,5 +353,7 @@ def load_gguf(path: str | os.PathLike, progress: bool = True) -> dict[str, torch
     unknown, missing or wrongly shaped tensors.
     """
     ckpt = GGUFCheckpoint(path)
-    return {name: ckpt[name] for name in tqdm(ckpt.names, desc=f"dequantizing {Path(path).name}",
-                                              disable=not progress, unit="t")}
+    return {
+        name: ckpt[name]
+        for name in tqdm(ckpt.names, desc=f"dequantizing {Path(path).name}", disable=not progress, unit="t")
+    }

@@ -4,6 +4,7 @@ cache directory), from which FlashReader sizes the gap it reads through to merge
 `flashllm calibrate-disk` runs calibrate_disk, so it is library code; `make_test_file` and `random_read_throughput`
 are its measuring tools, shared with bench/bench_io.py.
 """
+
 from __future__ import annotations
 
 import json
@@ -52,7 +53,10 @@ def load_disk_profile() -> DiskProfile | None:
         if not (profile.latency_s > 0 and profile.bandwidth_bps > 0 and math.isfinite(gap) and gap < 2**62):
             raise ValueError(f"latency {profile.latency_s} s, bandwidth {profile.bandwidth_bps} B/s")
     except (OSError, KeyError, TypeError, ValueError) as e:  # json's and UnicodeDecodeError are ValueErrors
-        warnings.warn(f"{path}: ignoring a damaged disk profile ({e!r}); readers use the default coalescing gap "
-                      "until `flashllm calibrate-disk` measures the disk again", stacklevel=2)
+        warnings.warn(
+            f"{path}: ignoring a damaged disk profile ({e!r}); readers use the default coalescing gap "
+            "until `flashllm calibrate-disk` measures the disk again",
+            stacklevel=2,
+        )
         return None
     return profile

@@ -2,6 +2,7 @@
 it creates files: every file the library writes itself goes through `create_file`, so none is written through a
 symbolic link planted at its name, and one rule sets the modes: K/V and scratch files are private to the user
 (0600), stores, profiles and downloads take the user's umask."""
+
 from __future__ import annotations
 
 import os
@@ -75,14 +76,22 @@ def regular_file(path: str | os.PathLike, field: str = "file") -> str:
     path = os.fspath(path)
     mode = os.stat(path).st_mode
     if not stat.S_ISREG(mode):
-        kind = ("a FIFO" if stat.S_ISFIFO(mode) else "a directory" if stat.S_ISDIR(mode) else
-                "a socket" if stat.S_ISSOCK(mode) else "a device")
+        kind = (
+            "a FIFO"
+            if stat.S_ISFIFO(mode)
+            else "a directory"
+            if stat.S_ISDIR(mode)
+            else "a socket"
+            if stat.S_ISSOCK(mode)
+            else "a device"
+        )
         raise FormatError(field, f"is {kind}, not a regular file", path)
     return path
 
 
-def check_out_dir(out_dir: str | os.PathLike, force: bool, store_files: tuple[str, ...],
-                  source: str | os.PathLike | None = None) -> Path:
+def check_out_dir(
+    out_dir: str | os.PathLike, force: bool, store_files: tuple[str, ...], source: str | os.PathLike | None = None
+) -> Path:
     """`out_dir`, absolute, once a store may be written there: it does not exist, or `force` is given and it is an
     empty directory or a store (it holds `store_files[0]`) holding nothing but `store_files`. It is never `source`,
     the checkpoint the store is written from, nor a directory holding it. Raises FileExistsError or ValueError
@@ -92,8 +101,9 @@ def check_out_dir(out_dir: str | os.PathLike, force: bool, store_files: tuple[st
     if source is not None:
         src = Path(source).resolve()
         if out == src or out in src.parents:
-            raise ValueError(f"out_dir {str(out_dir)!r} is or holds {str(source)!r}, the checkpoint it would be "
-                             "written from")
+            raise ValueError(
+                f"out_dir {str(out_dir)!r} is or holds {str(source)!r}, the checkpoint it would be written from"
+            )
     if out.exists():
         if not force:
             raise FileExistsError(f"{out_dir} exists; pass force=True (--force) to replace it")
@@ -101,12 +111,15 @@ def check_out_dir(out_dir: str | os.PathLike, force: bool, store_files: tuple[st
             raise FileExistsError(f"{out_dir} exists and is not a directory: not replacing it")
         names = sorted(p.name for p in out.iterdir())
         if names and store_files[0] not in names:
-            raise FileExistsError(f"{out_dir} holds files but no {store_files[0]}: force replaces a store, not other "
-                                  "files")
+            raise FileExistsError(
+                f"{out_dir} holds files but no {store_files[0]}: force replaces a store, not other files"
+            )
         others = [n for n in names if n not in store_files]
         if others:
-            raise FileExistsError(f"{out_dir} holds {others[0]!r}, which is not a file of the store: force replaces "
-                                  "a store's own files only (move it out first)")
+            raise FileExistsError(
+                f"{out_dir} holds {others[0]!r}, which is not a file of the store: force replaces "
+                "a store's own files only (move it out first)"
+            )
     return out
 
 
@@ -119,12 +132,14 @@ def staging_dir(out: Path) -> Path:
     for entry in os.scandir(out.parent):
         if not entry.name.startswith(prefix) or not entry.is_dir(follow_symlinks=False):
             continue
-        pid = entry.name[len(prefix):].partition("-")[0]
+        pid = entry.name[len(prefix) :].partition("-")[0]
         if pid.isdigit() and not _alive(int(pid)):
             shutil.rmtree(entry.path)
         else:
-            warnings.warn(f"{entry.path}: a staging folder of another process writing {out} (or left by one); not "
-                          "removed", stacklevel=3)
+            warnings.warn(
+                f"{entry.path}: a staging folder of another process writing {out} (or left by one); not removed",
+                stacklevel=3,
+            )
     path = out.parent / f"{prefix}{os.getpid()}-{secrets.token_hex(4)}"
     path.mkdir(mode=0o777)  # less the umask: the mode of the store's folder
     return path

@@ -3,6 +3,7 @@
 safetensors itself rejects malformed files, but with messages that do not name our fields; this parser checks
 the header before any data is touched and raises FormatError naming the file and the field.
 """
+
 from __future__ import annotations
 
 import json
@@ -19,8 +20,23 @@ from flashllm_ext.errors import FormatError
 from flashllm_ext.io.paths import create_file, regular_file
 
 MAX_HEADER_BYTES = 100 << 20  # the limit the safetensors library itself enforces
-DTYPE_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
-               "BOOL": 1, "U16": 2, "U32": 4, "U64": 8, "F8_E4M3": 1, "F8_E5M2": 1}
+DTYPE_SIZES = {
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+    "U16": 2,
+    "U32": 4,
+    "U64": 8,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+}
 
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")
 
@@ -107,8 +123,9 @@ def read_header(path: str | os.PathLike) -> SafetensorsHeader:
     if not isinstance(header, dict):
         raise FormatError("header", "must be a JSON object", path)
     metadata = header.pop("__metadata__", {}) or {}
-    if not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str)
-                                                 for k, v in metadata.items()):
+    if not isinstance(metadata, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
+    ):
         raise FormatError("__metadata__", "must map strings to strings", path)
     data_start = 8 + header_size
     data_size = file_size - data_start
@@ -130,18 +147,35 @@ def _parse_entry(name: str, info: object, data_start: int, data_size: int, path:
         raise FormatError(f"{name}.dtype", f"unknown dtype {dtype!r}", path)
     if not isinstance(shape, list) or not all(isinstance(s, int) and s >= 0 for s in shape):
         raise FormatError(f"{name}.shape", f"must be a list of non-negative integers, got {shape!r}", path)
-    if (not isinstance(offsets, list) or len(offsets) != 2 or not all(isinstance(o, int) for o in offsets)
-            or not 0 <= offsets[0] <= offsets[1] <= data_size):
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(isinstance(o, int) for o in offsets)
+        or not 0 <= offsets[0] <= offsets[1] <= data_size
+    ):
         raise FormatError(f"{name}.data_offsets", f"{offsets!r} outside the {data_size}-byte data section", path)
     nbytes = math.prod(shape) * DTYPE_SIZES[dtype]
     if offsets[1] - offsets[0] != nbytes:
-        raise FormatError(f"{name}.data_offsets", f"span of {offsets[1] - offsets[0]} bytes, shape {shape} "
-                          f"of {dtype} needs {nbytes}", path)
+        raise FormatError(
+            f"{name}.data_offsets",
+            f"span of {offsets[1] - offsets[0]} bytes, shape {shape} of {dtype} needs {nbytes}",
+            path,
+        )
     return TensorEntry(dtype, tuple(shape), data_start + offsets[0], data_start + offsets[1])
 
 
-_TORCH_DTYPE_NAMES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64",
-                      "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
+_TORCH_DTYPE_NAMES = {
+    "float64": "F64",
+    "float32": "F32",
+    "float16": "F16",
+    "bfloat16": "BF16",
+    "int64": "I64",
+    "int32": "I32",
+    "int16": "I16",
+    "int8": "I8",
+    "uint8": "U8",
+    "bool": "BOOL",
+}
 
 
 def dtype_name(dtype: object) -> str:
@@ -183,8 +217,14 @@ class AlignedWriter:
     go from the widest element size to the narrowest), the data section still starting `alignment`-aligned.
     """
 
-    def __init__(self, path: str | os.PathLike, specs: list[TensorSpec], metadata: dict[str, str] | None = None,
-                 alignment: int = 4096, tensor_alignment: int | None = None):
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        specs: list[TensorSpec],
+        metadata: dict[str, str] | None = None,
+        alignment: int = 4096,
+        tensor_alignment: int | None = None,
+    ):
         tensor_alignment = alignment if tensor_alignment is None else tensor_alignment
         for value in (alignment, tensor_alignment):
             if value <= 0 or value & (value - 1):
@@ -202,8 +242,11 @@ class AlignedWriter:
                 header[name] = {"dtype": "U8", "shape": [gap], "data_offsets": [offset, offset + gap]}
                 offset += gap
             self.offsets[spec.name] = offset
-            header[spec.name] = {"dtype": spec.dtype, "shape": list(spec.shape),
-                                 "data_offsets": [offset, offset + spec.nbytes]}
+            header[spec.name] = {
+                "dtype": spec.dtype,
+                "shape": list(spec.shape),
+                "data_offsets": [offset, offset + spec.nbytes],
+            }
             offset += spec.nbytes
         raw = json.dumps(header, separators=(",", ":")).encode()
         padded = _round_up(8 + len(raw), alignment) - 8
@@ -221,8 +264,10 @@ class AlignedWriter:
         data = tensor_bytes(tensor)
         declared_dtype = dtype_name(tensor.dtype) if hasattr(tensor, "element_size") else spec.dtype
         if tuple(tensor.shape) != spec.shape or len(data) != spec.nbytes or declared_dtype != spec.dtype:
-            raise ValueError(f"{name}: declared {spec.dtype}{list(spec.shape)}, got {getattr(tensor, 'dtype', '?')}"
-                             f"{list(tensor.shape)}")
+            raise ValueError(
+                f"{name}: declared {spec.dtype}{list(spec.shape)}, got {getattr(tensor, 'dtype', '?')}"
+                f"{list(tensor.shape)}"
+            )
         pad = self.data_start + self.offsets[name] - self._file.tell()
         self._file.write(b"\0" * pad)
         self._file.write(data)
@@ -243,12 +288,15 @@ class AlignedWriter:
             self._file.close()
 
 
-def save_tensors(tensors: dict[str, torch.Tensor], path: str | os.PathLike,
-                 metadata: dict[str, str] | None = None) -> None:
+def save_tensors(
+    tensors: dict[str, torch.Tensor], path: str | os.PathLike, metadata: dict[str, str] | None = None
+) -> None:
     """The file safetensors.torch.save_file writes (same packing: widest element first, then by name), through
     paths.create_file: never through a symbolic link, with the umask's mode (save_file's files are 0600)."""
-    specs = sorted((TensorSpec(name, dtype_name(t.dtype), tuple(t.shape)) for name, t in tensors.items()),
-                   key=lambda spec: (-DTYPE_SIZES[spec.dtype], spec.name))
+    specs = sorted(
+        (TensorSpec(name, dtype_name(t.dtype), tuple(t.shape)) for name, t in tensors.items()),
+        key=lambda spec: (-DTYPE_SIZES[spec.dtype], spec.name),
+    )
     with AlignedWriter(path, specs, metadata, alignment=8, tensor_alignment=1) as writer:
         for spec in specs:
             writer.write(spec.name, tensors[spec.name])

@@ -7,6 +7,7 @@ traffic: byte counters per layer, step and shard. link: token-bucket bandwidth e
 HostKVAttention, FlexGen-style host attention over the same store. xcache: XCacheAttention and choose_alpha.
 hf: Hugging Face Llama-family / OPT models generating with their KV on storage.
 """
+
 from flashllm_ext.kv.attention import ShardAttention
 from flashllm_ext.kv.baseline import HostKVAttention
 from flashllm_ext.kv.files import IOCounters, KVFile
@@ -17,7 +18,28 @@ from flashllm_ext.kv.traffic import PREFILL, Traffic, TrafficLog
 from flashllm_ext.kv.worker import LocalShard, ShardSpec, ShardWorker, WorkerError
 from flashllm_ext.kv.xcache import AlphaChoice, XCacheAttention, choose_alpha, linear_projector
 
-__all__ = ["AlphaChoice", "HostKVAttention", "IOCounters", "KVFile", "KVShard", "KVView", "Link", "LocalShard",
-           "NearStorageAttention", "PREFILL", "ShardAttention", "ShardInUseError", "ShardSpec", "ShardWorker",
-           "SpillError", "Traffic", "TrafficLog", "WorkerError", "XCacheAttention", "choose_alpha", "default_writeback",
-           "linear_projector", "split_pairs"]
+__all__ = [
+    "AlphaChoice",
+    "HostKVAttention",
+    "IOCounters",
+    "KVFile",
+    "KVShard",
+    "KVView",
+    "Link",
+    "LocalShard",
+    "NearStorageAttention",
+    "PREFILL",
+    "ShardAttention",
+    "ShardInUseError",
+    "ShardSpec",
+    "ShardWorker",
+    "SpillError",
+    "Traffic",
+    "TrafficLog",
+    "WorkerError",
+    "XCacheAttention",
+    "choose_alpha",
+    "default_writeback",
+    "linear_projector",
+    "split_pairs",
+]

@@ -1,6 +1,7 @@
 """What every attention backend of this package (near storage, host baseline, X-cache) shares as a context manager:
 a clean exit closes it (the last spills written), an exit by an exception terminates it (workers stopped, nothing
 spilled, so a failure is not followed by writes of state the failure may have left half done)."""
+
 from __future__ import annotations
 
 from typing import Self

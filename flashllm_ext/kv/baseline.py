@@ -9,6 +9,7 @@ attention runs, so the comparison isolates what INF² changes: the history cross
 The prefetch holds one layer's history in memory (2 x context x batch x kv heads x head_dim values); size the run
 so that fits, as FlexGen sizes its GPU buffers.
 """
+
 from __future__ import annotations
 
 import os
@@ -32,24 +33,50 @@ class HostKVAttention(AttentionBackend):
     storage_gbps: emulated bandwidth of each directory's device, which paces its reads and its spills;
     write_request_bytes: that device's least charge per write request (kv/link.py)."""
 
-    def __init__(self, directories: list[str | os.PathLike], *, n_layers: int, batch: int, q_heads: int,
-                 kv_heads: int, head_dim: int, dtype: torch.dtype, max_tokens: int, writeback: int | None = None,
-                 scale: float | None = None, link: Link | None = None, storage_gbps: float | None = None,
-                 write_request_bytes: int = 0, read_threads: int = 4):
+    def __init__(
+        self,
+        directories: list[str | os.PathLike],
+        *,
+        n_layers: int,
+        batch: int,
+        q_heads: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        max_tokens: int,
+        writeback: int | None = None,
+        scale: float | None = None,
+        link: Link | None = None,
+        storage_gbps: float | None = None,
+        write_request_bytes: int = 0,
+        read_threads: int = 4,
+    ):
         if q_heads % kv_heads:
             raise ValueError(f"q_heads {q_heads} is not a multiple of kv_heads {kv_heads}")
         self.n_layers, self.batch, self.head_dim = n_layers, batch, head_dim
         self.q_heads, self.kv_heads = q_heads, kv_heads
         self.group, self.dtype, self.link = q_heads // kv_heads, dtype, link
-        self.scale = head_dim ** -0.5 if scale is None else scale
+        self.scale = head_dim**-0.5 if scale is None else scale
         self.ranges = split_pairs(batch * kv_heads, len(directories))
-        self.storage_links = [None if storage_gbps is None else Link(storage_gbps, request_bytes=write_request_bytes)
-                              for _ in self.ranges]
+        self.storage_links = [
+            None if storage_gbps is None else Link(storage_gbps, request_bytes=write_request_bytes) for _ in self.ranges
+        ]
         self.shards: list[KVShard] = []
         try:
             for (p0, p1), d, device in zip(self.ranges, directories, self.storage_links):
-                self.shards.append(KVShard.create(Path(d), n_layers, p1 - p0, head_dim, dtype, max_tokens,
-                                                  writeback=writeback, read_threads=read_threads, device=device))
+                self.shards.append(
+                    KVShard.create(
+                        Path(d),
+                        n_layers,
+                        p1 - p0,
+                        head_dim,
+                        dtype,
+                        max_tokens,
+                        writeback=writeback,
+                        read_threads=read_threads,
+                        device=device,
+                    )
+                )
         except BaseException:
             for s in self.shards:
                 s.abandon()
@@ -58,8 +85,9 @@ class HostKVAttention(AttentionBackend):
         self._step = [0] * n_layers
         self._io = [IOCounters() for _ in self.shards]
         # per shard its own reader thread: the devices are read in parallel, as FlexGen stripes its KV files
-        self._readers = [ThreadPoolExecutor(max_workers=1, thread_name_prefix="flashllm-kv-prefetch")
-                         for _ in self.shards]
+        self._readers = [
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="flashllm-kv-prefetch") for _ in self.shards
+        ]
         self._prefetch: dict[int, list[Future]] = {}
         self._starts: torch.Tensor | None = None  # per pair (left padding)
 
@@ -90,7 +118,7 @@ class HostKVAttention(AttentionBackend):
         block = max(1, DEFAULT_BLOCK_BYTES // shard.token_bytes)
         for b0 in range(t0, t1, block):
             b1 = min(b0 + block, t1)
-            kb, vb = k[b0 - t0:b1 - t0], v[b0 - t0:b1 - t0]
+            kb, vb = k[b0 - t0 : b1 - t0], v[b0 - t0 : b1 - t0]
             shard.read(layer, b0, b1, kb, vb)
             for link in (self.storage_links[i], self.link):
                 if link is not None:
@@ -102,7 +130,8 @@ class HostKVAttention(AttentionBackend):
             return
         self._prefetch[layer] = [
             self._readers[i].submit(lambda i=i, d=shard.view(layer).disk_len: (d, *self._read(i, layer, 0, d)))
-            for i, shard in enumerate(self.shards)]
+            for i, shard in enumerate(self.shards)
+        ]
 
     def _history(self, i: int, layer: int, view: KVView, prefetched: Future):
         """Disk rows [0, view.disk_len) of shard i: the prefetched ones plus any spilled since the prefetch."""
@@ -116,8 +145,9 @@ class HostKVAttention(AttentionBackend):
         """Left padding (until reset()): sequence b attends only its tokens from starts[b] on (None: no padding)."""
         self._starts = pair_starts(starts, self.batch, self.kv_heads)
 
-    def step(self, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor
-             ) -> tuple[torch.Tensor, torch.Tensor]:
+    def step(
+        self, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """One decode step of `layer`: q [batch, q_heads, D], k_new / v_new [batch, kv_heads, D].
         Returns (out [batch, q_heads, D] float32, lse [batch, q_heads] float32)."""
         step = self._step[layer]
@@ -135,8 +165,10 @@ class HostKVAttention(AttentionBackend):
                 self.link.transfer(kk.nbytes + vv.nbytes)
         prefetched = self._prefetch.pop(layer, None)
         if prefetched is None:  # the first step of a layer: read the shards now, in parallel
-            prefetched = [self._readers[i].submit(lambda i=i, d=view.disk_len: (d, *self._read(i, layer, 0, d)))
-                          for i, view in enumerate(views)]
+            prefetched = [
+                self._readers[i].submit(lambda i=i, d=view.disk_len: (d, *self._read(i, layer, 0, d)))
+                for i, view in enumerate(views)
+            ]
         histories = [self._history(i, layer, view, prefetched[i]) for i, view in enumerate(views)]
         # the next layer's read starts once this layer's is in, so the two never share the link or the devices;
         # it overlaps this layer's attention and everything up to the next layer's step
@@ -145,17 +177,27 @@ class HostKVAttention(AttentionBackend):
         for i, ((p0, p1), view, (k, v)) in enumerate(zip(self.ranges, views, histories)):
             self.traffic.at(layer, step, i).kv_read_bytes += k.nbytes + v.nbytes
             starts = None if self._starts is None else self._starts[p0:p1]
-            parts = [masked_decode_attention(q[p0:p1], k.unsqueeze(2), v.unsqueeze(2), scale=self.scale,
-                                             starts=starts),
-                     masked_decode_attention(q[p0:p1], view.k_buf.unsqueeze(2), view.v_buf.unsqueeze(2),
-                                             scale=self.scale, starts=starts, t0=view.disk_len)]
-            out, lse = ops.merge_attention_states(torch.stack([p[0] for p in parts]),
-                                                  torch.stack([p[1] for p in parts]))
+            parts = [
+                masked_decode_attention(q[p0:p1], k.unsqueeze(2), v.unsqueeze(2), scale=self.scale, starts=starts),
+                masked_decode_attention(
+                    q[p0:p1],
+                    view.k_buf.unsqueeze(2),
+                    view.v_buf.unsqueeze(2),
+                    scale=self.scale,
+                    starts=starts,
+                    t0=view.disk_len,
+                ),
+            ]
+            out, lse = ops.merge_attention_states(
+                torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts])
+            )
             outs.append(out)
             lses.append(lse)
             self._record_io(layer, step, i)
-        return (torch.cat(outs).reshape(self.batch, self.q_heads, self.head_dim),
-                torch.cat(lses).reshape(self.batch, self.q_heads))
+        return (
+            torch.cat(outs).reshape(self.batch, self.q_heads, self.head_dim),
+            torch.cat(lses).reshape(self.batch, self.q_heads),
+        )
 
     def _record_io(self, layer: int, step: int, i: int) -> None:
         now = self.shards[i].counters().copy()

@@ -12,6 +12,7 @@ rewritten tail are storage bytes and are counted as such.
 
 Reads go through the native FlashReader (parallel pread on an O_DIRECT descriptor, reads widened to the block).
 """
+
 from __future__ import annotations
 
 import errno
@@ -47,6 +48,7 @@ def align_up(x: int, a: int = BLOCK) -> int:
 class IOCounters:
     """Storage traffic of one file or shard: bytes as the device moves them (padding and rewritten tails
     included) and the number of requests."""
+
     bytes_read: int = 0
     n_reads: int = 0
     bytes_written: int = 0
@@ -59,8 +61,12 @@ class IOCounters:
         self.n_writes += other.n_writes
 
     def minus(self, other: IOCounters) -> IOCounters:
-        return IOCounters(self.bytes_read - other.bytes_read, self.n_reads - other.n_reads,
-                          self.bytes_written - other.bytes_written, self.n_writes - other.n_writes)
+        return IOCounters(
+            self.bytes_read - other.bytes_read,
+            self.n_reads - other.n_reads,
+            self.bytes_written - other.bytes_written,
+            self.n_writes - other.n_writes,
+        )
 
     def copy(self) -> IOCounters:
         return IOCounters(self.bytes_read, self.n_reads, self.bytes_written, self.n_writes)
@@ -73,8 +79,17 @@ class KVFile:
     data. Neither follows a symbolic link at `path`.
     """
 
-    def __init__(self, path: str | os.PathLike, row_bytes: int, max_tokens: int, *, create: bool, length: int = 0,
-                 fault_injector: FaultInjector | None = None, read_threads: int = READ_THREADS):
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        row_bytes: int,
+        max_tokens: int,
+        *,
+        create: bool,
+        length: int = 0,
+        fault_injector: FaultInjector | None = None,
+        read_threads: int = READ_THREADS,
+    ):
         if row_bytes <= 0 or max_tokens <= 0:
             raise ValueError(f"row_bytes and max_tokens must be positive, got {row_bytes} and {max_tokens}")
         if not 0 <= length <= max_tokens:
@@ -103,10 +118,13 @@ class KVFile:
             if create:
                 os.posix_fallocate(self._fd, 0, self.capacity)
             elif size < self.capacity:
-                raise ValueError(f"{self.path}: {size} bytes, a KV file of {max_tokens} rows of {row_bytes} bytes "
-                                 f"needs {self.capacity}")
-            self._reader = FlashReader.for_file(self.path, threads=read_threads, min_read=0, max_gap=0,
-                                                max_read=MAX_READ, direct=self.direct)
+                raise ValueError(
+                    f"{self.path}: {size} bytes, a KV file of {max_tokens} rows of {row_bytes} bytes "
+                    f"needs {self.capacity}"
+                )
+            self._reader = FlashReader.for_file(
+                self.path, threads=read_threads, min_read=0, max_gap=0, max_read=MAX_READ, direct=self.direct
+            )
         except BaseException:
             os.close(self._fd)
             raise
@@ -124,7 +142,7 @@ class KVFile:
             got = os.preadv(self._fd, [buf], start)
             if got < end - start:
                 raise OSError(errno.EIO, f"{self.path}: short read of the tail block at offset {start}")
-            self._tail = bytearray(buf[:end - start])
+            self._tail = bytearray(buf[: end - start])
         else:
             self._tail = bytearray()
 
@@ -156,14 +174,14 @@ class KVFile:
         head = begin - start
         if head:
             view[:head] = torch.frombuffer(self._tail, dtype=torch.uint8)
-        view[head:head + data.numel()] = data
-        view[end_data - start:] = 0
-        self._pwrite(memoryview(buf)[:end - start], start)
+        view[head : head + data.numel()] = data
+        view[end_data - start :] = 0
+        self._pwrite(memoryview(buf)[: end - start], start)
         with self._lock:
             self.counters.bytes_written += end - start
             self.counters.n_writes += 1
         tail_start = align_down(end_data)
-        self._tail = bytearray(buf[tail_start - start:end_data - start])
+        self._tail = bytearray(buf[tail_start - start : end_data - start])
         self.length += n
         return end - start
 
@@ -178,8 +196,9 @@ class KVFile:
                     raise OSError(errno.EIO, "short direct write")
                 done += n
         except OSError as e:
-            raise OSError(e.errno, f"KV write of {len(buf)} bytes to {self.path} at offset {offset} failed: "
-                          f"{e.strerror or e}") from e
+            raise OSError(
+                e.errno, f"KV write of {len(buf)} bytes to {self.path} at offset {offset} failed: {e.strerror or e}"
+            ) from e
 
     def sync(self) -> None:
         """Makes every appended row durable (fdatasync: O_DIRECT bypasses the page cache, not the device's write
@@ -213,5 +232,6 @@ class KVFile:
             self._fd = -1
 
     def __repr__(self) -> str:
-        return (f"KVFile({self.path!r}, {self.length}/{self.max_tokens} rows of {self.row_bytes} B, "
-                f"direct={self.direct})")
+        return (
+            f"KVFile({self.path!r}, {self.length}/{self.max_tokens} rows of {self.row_bytes} B, direct={self.direct})"
+        )

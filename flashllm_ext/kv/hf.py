@@ -14,6 +14,7 @@ the pad tokens' K/V are stored with the prompt (every pair's rows stay one token
 told each sequence's padding (`set_starts`), so no storage-side softmax ever includes a padded position; the
 model's own position ids already skip the padding (generate derives them from the mask).
 """
+
 from __future__ import annotations
 
 import os
@@ -41,13 +42,27 @@ def attention_shape(model: nn.Module) -> dict:
     q_heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or q_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // q_heads
-    scale = 1.0 if config.model_type == "opt" else head_dim ** -0.5
-    return {"n_layers": config.num_hidden_layers, "q_heads": q_heads, "kv_heads": kv_heads, "head_dim": head_dim,
-            "scale": scale}
+    scale = 1.0 if config.model_type == "opt" else head_dim**-0.5
+    return {
+        "n_layers": config.num_hidden_layers,
+        "q_heads": q_heads,
+        "kv_heads": kv_heads,
+        "head_dim": head_dim,
+        "scale": scale,
+    }
 
 
-def storage_attention(model: nn.Module, directories: list[str | os.PathLike], *, batch: int, max_tokens: int,
-                      kind: str = "near_storage", dtype: torch.dtype | None = None, x_cache: int = 0, **kwargs):
+def storage_attention(
+    model: nn.Module,
+    directories: list[str | os.PathLike],
+    *,
+    batch: int,
+    max_tokens: int,
+    kind: str = "near_storage",
+    dtype: torch.dtype | None = None,
+    x_cache: int = 0,
+    **kwargs,
+):
     """A backend shaped for `model`: kind "near_storage" (NearStorageAttention; kwargs: processes, writeback, link,
     block_tokens, ...) or "baseline" (HostKVAttention). dtype: KV storage dtype (default: the model's).
     x_cache: sequences (the first of the batch) kept as X on the host (XCacheAttention; 0: none)."""
@@ -61,12 +76,14 @@ def storage_attention(model: nn.Module, directories: list[str | os.PathLike], *,
     if not 0 <= x_cache < batch:
         raise ValueError(f"x_cache must be in [0, batch), got {x_cache} of {batch}")
     dtype = dtype or next(model.parameters()).dtype
-    storage = cls(directories, batch=batch - x_cache, max_tokens=max_tokens, dtype=dtype, **attention_shape(model),
-                  **kwargs)
+    storage = cls(
+        directories, batch=batch - x_cache, max_tokens=max_tokens, dtype=dtype, **attention_shape(model), **kwargs
+    )
     if not x_cache:
         return storage
-    return XCacheAttention(storage, hf_projector(model), n_x=x_cache, hidden=model.config.hidden_size,
-                           max_tokens=max_tokens)
+    return XCacheAttention(
+        storage, hf_projector(model), n_x=x_cache, hidden=model.config.hidden_size, max_tokens=max_tokens
+    )
 
 
 def hf_projector(model: nn.Module):
@@ -90,10 +107,15 @@ def hf_projector(model: nn.Module):
         half = k.shape[-1] // 2
         rotated = torch.cat([-k[..., half:], k[..., :half]], dim=-1)
         return k * cos + rotated * sin
-    return linear_projector([m.k_proj.weight for m in modules], [m.v_proj.weight for m in modules],
-                            kv_heads=shape["kv_heads"], bk=[m.k_proj.bias for m in modules] if bias else None,
-                            bv=[m.v_proj.bias for m in modules] if bias else None,
-                            rope=None if rotary is None or model.config.model_type == "opt" else rope)
+
+    return linear_projector(
+        [m.k_proj.weight for m in modules],
+        [m.v_proj.weight for m in modules],
+        kv_heads=shape["kv_heads"],
+        bk=[m.k_proj.bias for m in modules] if bias else None,
+        bv=[m.v_proj.bias for m in modules] if bias else None,
+        rope=None if rotary is None or model.config.model_type == "opt" else rope,
+    )
 
 
 def _register() -> None:
@@ -105,8 +127,16 @@ def _register() -> None:
     AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
 
 
-def _attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0, **kwargs):
+def _attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+):
     """The registered attention function: query [B, Hq, q_len, D], key / value [B, Hkv, q_len, D] (the new tokens
     only: StorageKVCache keeps nothing). Returns (out [B, q_len, Hq, D], None)."""
     backend = getattr(module, "_flashllm_kv_backend", None)
@@ -115,8 +145,9 @@ def _attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value:
     if query.shape[2] > 1:  # prefill: dense causal attention over the prompt, exactly as transformers does it
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     if scaling is not None and abs(scaling - backend.scale) > 1e-12 * max(1.0, abs(scaling)):
         raise ValueError(f"the model's attention scale {scaling} differs from the backend's {backend.scale}")
     out, _ = backend.step(module.layer_idx, query[:, :, 0], key[:, :, 0], value[:, :, 0])
@@ -133,6 +164,7 @@ def _storage_layer_class():
 
     class StorageLayer(CacheLayerMixin):
         """One layer of StorageKVCache: counts tokens, sends the prompt's K/V to the backend, keeps nothing."""
+
         is_sliding = False
         is_compileable = False
 
@@ -150,8 +182,10 @@ def _storage_layer_class():
             n = key_states.shape[2]
             if n > 1:
                 if self.length:
-                    raise ValueError("StorageKVCache: several tokens after the prompt (chunked prefill, speculative "
-                                     "decoding) are not supported")
+                    raise ValueError(
+                        "StorageKVCache: several tokens after the prompt (chunked prefill, speculative "
+                        "decoding) are not supported"
+                    )
                 self.backend.prefill(self.layer_idx, key_states, value_states)
             self.length += n
             return key_states, value_states
@@ -193,16 +227,19 @@ def left_padding(attention_mask: torch.Tensor | None, shape: torch.Size) -> torc
     valid = torch.arange(mask.shape[1])[None] >= starts[:, None]
     if not torch.equal(valid, mask.bool()):
         bad = int((valid != mask.bool()).any(1).nonzero()[0])
-        raise ValueError(f"sequence {bad}: the padding must all be on the left (tokenizer padding_side='left'), got "
-                         f"attention_mask {mask[bad].tolist()}")
+        raise ValueError(
+            f"sequence {bad}: the padding must all be on the left (tokenizer padding_side='left'), got "
+            f"attention_mask {mask[bad].tolist()}"
+        )
     if bool((starts == mask.shape[1]).any()):
         raise ValueError(f"sequence {int((starts == mask.shape[1]).nonzero()[0])} is all padding")
     return starts if bool(starts.any()) else None
 
 
 @torch.no_grad()
-def generate(model: nn.Module, input_ids: torch.Tensor, backend, *, attention_mask: torch.Tensor | None = None,
-             **generate_kwargs) -> torch.Tensor:
+def generate(
+    model: nn.Module, input_ids: torch.Tensor, backend, *, attention_mask: torch.Tensor | None = None, **generate_kwargs
+) -> torch.Tensor:
     """`model.generate(input_ids, ...)` with the KV cache in `backend` (reset first; see storage_attention).
     input_ids [batch, prompt]; attention_mask [batch, prompt] (None: no padding): 0 for the pad tokens, which must
     be on the left (a tokenizer with padding_side="left"). Returns generate's token ids."""

@@ -10,6 +10,7 @@ transfer is charged max(nbytes, request_bytes), so fewer, larger writes (delayed
 device. Reads keep their byte charge: the devices' reads are large (1 MiB blocks) and pipelined, so their per-request
 cost is hidden behind the transfer. `probe_write_request` measures request_bytes on a real disk.
 """
+
 from __future__ import annotations
 
 import mmap
@@ -65,6 +66,7 @@ class Link:
 class WriteRequestProbe:
     """A disk's per-request write cost: `request_s` per small durable write, `seq_bytes_per_s` streaming, and their
     product `request_bytes` (the bytes the device could have streamed in the time of one small write)."""
+
     request_s: float
     seq_bytes_per_s: float
     write_bytes: int
@@ -74,8 +76,15 @@ class WriteRequestProbe:
         return round(self.request_s * self.seq_bytes_per_s)
 
 
-def probe_write_request(directory: str | os.PathLike, *, write_bytes: int = 4096, writes: int = 256,
-                        seq_bytes: int = 64 << 20, seq_block: int = 1 << 20, rounds: int = 3) -> WriteRequestProbe:
+def probe_write_request(
+    directory: str | os.PathLike,
+    *,
+    write_bytes: int = 4096,
+    writes: int = 256,
+    seq_bytes: int = 64 << 20,
+    seq_block: int = 1 << 20,
+    rounds: int = 3,
+) -> WriteRequestProbe:
     """Measures, in a scratch file under `directory` (on the disk to model; removed after), the time of one
     `write_bytes` O_DIRECT | O_DSYNC write appended into a fallocated file (each write durable before the next,
     as a KV spill is written and fdatasync'ed into its preallocated file) and the sequential bandwidth of

@@ -6,6 +6,7 @@ each shard its slice of q, k_new, v_new, every shard computes attention over its
 gathers (out, lse): the shards hold disjoint (batch, head) pairs, so gathering is placing each slice. Every byte is
 counted in `traffic` (kv/traffic.py), and an optional emulated link (kv/link.py) paces the transfers.
 """
+
 from __future__ import annotations
 
 import os
@@ -37,10 +38,24 @@ class NearStorageAttention(AttentionBackend):
     worker's emulated device, which paces its reads and its spills).
     """
 
-    def __init__(self, directories: list[str | os.PathLike], *, n_layers: int, batch: int, q_heads: int,
-                 kv_heads: int, head_dim: int, dtype: torch.dtype, max_tokens: int, writeback: int | None = None,
-                 scale: float | None = None, processes: bool = True, link: Link | None = None,
-                 timeout_s: float = 600.0, **worker_kwargs):
+    def __init__(
+        self,
+        directories: list[str | os.PathLike],
+        *,
+        n_layers: int,
+        batch: int,
+        q_heads: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        max_tokens: int,
+        writeback: int | None = None,
+        scale: float | None = None,
+        processes: bool = True,
+        link: Link | None = None,
+        timeout_s: float = 600.0,
+        **worker_kwargs,
+    ):
         if q_heads % kv_heads:
             raise ValueError(f"q_heads {q_heads} is not a multiple of kv_heads {kv_heads}")
         dtype_name = next((n for n, d in DTYPES.items() if d == dtype), None)
@@ -49,7 +64,7 @@ class NearStorageAttention(AttentionBackend):
         self.n_layers, self.batch, self.head_dim = n_layers, batch, head_dim
         self.q_heads, self.kv_heads = q_heads, kv_heads
         self.group, self.dtype, self.link = q_heads // kv_heads, dtype, link
-        self.scale = head_dim ** -0.5 if scale is None else scale
+        self.scale = head_dim**-0.5 if scale is None else scale
         self.ranges = split_pairs(batch * kv_heads, len(directories))
         self.traffic = TrafficLog()
         self._step = [0] * n_layers
@@ -62,8 +77,18 @@ class NearStorageAttention(AttentionBackend):
         try:
             for i, ((p0, p1), directory) in enumerate(zip(self.ranges, directories)):
                 c = writeback or default_writeback((p1 - p0) * head_dim * dtype.itemsize)
-                spec = ShardSpec(str(Path(directory)), n_layers, p1 - p0, self.group, head_dim, dtype_name,
-                                 max_tokens, writeback=c, scale=scale, **worker_kwargs)
+                spec = ShardSpec(
+                    str(Path(directory)),
+                    n_layers,
+                    p1 - p0,
+                    self.group,
+                    head_dim,
+                    dtype_name,
+                    max_tokens,
+                    writeback=c,
+                    scale=scale,
+                    **worker_kwargs,
+                )
                 self.shards.append(make(spec, timeout_s=timeout_s, name=f"shard{i}"))
         except BaseException:
             self.terminate()
@@ -94,8 +119,9 @@ class NearStorageAttention(AttentionBackend):
             per_pair = torch.zeros(self.batch * self.kv_heads, dtype=torch.int64)
         self._all(lambda i, shard: shard.submit_starts(per_pair[slice(*self.ranges[i])]))
 
-    def step(self, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor
-             ) -> tuple[torch.Tensor, torch.Tensor]:
+    def step(
+        self, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """One decode step of `layer`: q [batch, q_heads, D], k_new / v_new [batch, kv_heads, D].
         Returns (out [batch, q_heads, D] float32, lse [batch, q_heads] float32)."""
         self.submit(layer, q, k_new, v_new)
@@ -105,8 +131,10 @@ class NearStorageAttention(AttentionBackend):
         """The first half of step: sends every shard its request and returns at once (the host can compute
         something else, e.g. the X-cache part, while the workers run); collect() gives the result."""
         if self._failed is not None:
-            raise WorkerError(f"an earlier step failed ({self._failed}); the shards no longer hold the same tokens: "
-                              f"reset() for a new batch, or close()")
+            raise WorkerError(
+                f"an earlier step failed ({self._failed}); the shards no longer hold the same tokens: "
+                f"reset() for a new batch, or close()"
+            )
         step = self._step[layer]
         q = q.to(self.dtype).reshape(self.batch * self.kv_heads, self.group, self.head_dim)
         k_new = k_new.to(self.dtype).reshape(self.batch * self.kv_heads, self.head_dim)
@@ -233,8 +261,10 @@ class NearStorageAttention(AttentionBackend):
                 error = error or e
         self.shards = []
         if dead:
-            raise WorkerError(f"{'; '.join(dead)} (a dead worker's buffered tokens are lost; every other shard was "
-                              "spilled and closed)")
+            raise WorkerError(
+                f"{'; '.join(dead)} (a dead worker's buffered tokens are lost; every other shard was "
+                "spilled and closed)"
+            )
         if error is not None:
             raise error
 

@@ -21,6 +21,7 @@ from the next call on the shard; `flush()` then retries, the manifest too if tha
 A folder has one owner: the shard holds an flock on `shard.lock` until it is closed, and a second shard there is
 refused (ShardInUseError). The files are private to the user (0600) and never written through a symbolic link.
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -62,6 +63,7 @@ def default_writeback(token_bytes: int, min_write: int = BLOCK) -> int:
 class KVView:
     """What attention of one layer sees: rows [0, disk_len) on disk, then the buffered tokens
     k_buf / v_buf [n_buf, pairs, head_dim]."""
+
     layer: int
     disk_len: int
     k_buf: torch.Tensor
@@ -83,12 +85,27 @@ class KVShard:
     Use `KVShard.create(...)` for a new shard and `KVShard.open(directory)` to reopen one.
     """
 
-    def __init__(self, directory: str | os.PathLike, n_layers: int, pairs: int, head_dim: int, dtype: torch.dtype,
-                 max_tokens: int, *, create: bool, lengths: list[int] | None = None, writeback: int | None = None,
-                 fault_injector: FaultInjector | None = None, read_threads: int = 4, device: Link | None = None):
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        n_layers: int,
+        pairs: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        max_tokens: int,
+        *,
+        create: bool,
+        lengths: list[int] | None = None,
+        writeback: int | None = None,
+        fault_injector: FaultInjector | None = None,
+        read_threads: int = 4,
+        device: Link | None = None,
+    ):
         if min(n_layers, pairs, head_dim, max_tokens) <= 0:
-            raise ValueError(f"n_layers, pairs, head_dim and max_tokens must be positive, got {n_layers}, {pairs}, "
-                             f"{head_dim}, {max_tokens}")
+            raise ValueError(
+                f"n_layers, pairs, head_dim and max_tokens must be positive, got {n_layers}, {pairs}, "
+                f"{head_dim}, {max_tokens}"
+            )
         if dtype not in DTYPES.values():
             raise ValueError(f"dtype must be one of {list(DTYPES)}, got {dtype}")
         self.directory = Path(directory)
@@ -105,10 +122,20 @@ class KVShard:
         self._files: list[tuple[KVFile, KVFile]] = []
         try:
             for layer in range(n_layers):
-                self._files.append(tuple(  # type: ignore[arg-type]
-                    KVFile(self.directory / f"layer{layer}.{kind}", self.token_bytes, max_tokens, create=create,
-                           length=lengths[layer], fault_injector=fault_injector, read_threads=read_threads)
-                    for kind in ("k", "v")))
+                self._files.append(
+                    tuple(  # type: ignore[arg-type]
+                        KVFile(
+                            self.directory / f"layer{layer}.{kind}",
+                            self.token_bytes,
+                            max_tokens,
+                            create=create,
+                            length=lengths[layer],
+                            fault_injector=fault_injector,
+                            read_threads=read_threads,
+                        )
+                        for kind in ("k", "v")
+                    )
+                )
         except BaseException:
             self._close_files()
             raise
@@ -135,8 +162,16 @@ class KVShard:
 
     # ------------------------------------------------------------------------------------------------ lifecycle
     @classmethod
-    def create(cls, directory: str | os.PathLike, n_layers: int, pairs: int, head_dim: int, dtype: torch.dtype,
-               max_tokens: int, **kwargs) -> KVShard:
+    def create(
+        cls,
+        directory: str | os.PathLike,
+        n_layers: int,
+        pairs: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        max_tokens: int,
+        **kwargs,
+    ) -> KVShard:
         """A new, empty shard (files fallocated to max_tokens rows); an existing shard there is replaced."""
         return cls(directory, n_layers, pairs, head_dim, dtype, max_tokens, create=True, **kwargs)
 
@@ -152,29 +187,50 @@ class KVShard:
         if not isinstance(meta, dict):
             raise FormatError("manifest", f"must be a JSON object, got {type(meta).__name__}", str(path))
         if meta.get("format_version") != FORMAT_VERSION:
-            raise FormatError("format_version", f"expected {FORMAT_VERSION}, got {meta.get('format_version')}",
-                              str(path))
+            raise FormatError(
+                "format_version", f"expected {FORMAT_VERSION}, got {meta.get('format_version')}", str(path)
+            )
         if meta.get("dtype") not in DTYPES:
             raise FormatError("dtype", f"unknown {meta.get('dtype')!r}", str(path))
         for key in ("n_layers", "pairs", "head_dim", "max_tokens", "writeback"):
             if type(meta.get(key)) is not int or meta[key] <= 0:
                 raise FormatError(key, f"must be a positive integer, got {meta.get(key)!r}", str(path))
         lengths = meta.get("lengths")
-        if (not isinstance(lengths, list) or len(lengths) != meta["n_layers"]
-                or not all(type(n) is int and 0 <= n <= meta["max_tokens"] for n in lengths)):
-            raise FormatError("lengths", f"expected one length in [0, max_tokens] per layer, got {lengths!r}",
-                              str(path))
-        return cls(directory, meta["n_layers"], meta["pairs"], meta["head_dim"], DTYPES[meta["dtype"]],
-                   meta["max_tokens"], create=False, lengths=lengths,
-                   writeback=kwargs.pop("writeback", meta["writeback"]), **kwargs)
+        if (
+            not isinstance(lengths, list)
+            or len(lengths) != meta["n_layers"]
+            or not all(type(n) is int and 0 <= n <= meta["max_tokens"] for n in lengths)
+        ):
+            raise FormatError(
+                "lengths", f"expected one length in [0, max_tokens] per layer, got {lengths!r}", str(path)
+            )
+        return cls(
+            directory,
+            meta["n_layers"],
+            meta["pairs"],
+            meta["head_dim"],
+            DTYPES[meta["dtype"]],
+            meta["max_tokens"],
+            create=False,
+            lengths=lengths,
+            writeback=kwargs.pop("writeback", meta["writeback"]),
+            **kwargs,
+        )
 
     def _write_manifest(self, lengths: list[int] | None = None) -> None:
         """Records `lengths` (default: the rows on disk now) durably. Writers never overlap: the spill thread, or
         the caller once the spills are waited for."""
         dtype_name = next(name for name, d in DTYPES.items() if d == self.dtype)
-        meta = {"format_version": FORMAT_VERSION, "n_layers": self.n_layers, "pairs": self.pairs,
-                "head_dim": self.head_dim, "dtype": dtype_name, "max_tokens": self.max_tokens,
-                "writeback": self.writeback, "lengths": list(self._disk_len if lengths is None else lengths)}
+        meta = {
+            "format_version": FORMAT_VERSION,
+            "n_layers": self.n_layers,
+            "pairs": self.pairs,
+            "head_dim": self.head_dim,
+            "dtype": dtype_name,
+            "max_tokens": self.max_tokens,
+            "writeback": self.writeback,
+            "lengths": list(self._disk_len if lengths is None else lengths),
+        }
         write_atomic(self.directory / MANIFEST, json.dumps(meta).encode(), private=True)
 
     def _record(self, lengths: list[int] | None = None) -> None:
@@ -183,8 +239,9 @@ class KVShard:
             self._write_manifest(lengths)
         except OSError as e:  # the rows are on disk and nothing is lost here; a restart would not see them yet
             self._manifest_stale = True
-            raise SpillError(f"recording the rows on disk in {self.directory / MANIFEST} failed: {e}; flush() "
-                             "retries") from e
+            raise SpillError(
+                f"recording the rows on disk in {self.directory / MANIFEST} failed: {e}; flush() retries"
+            ) from e
         self._manifest_stale = False
 
     def flush(self) -> None:
@@ -260,14 +317,17 @@ class KVShard:
         expected = (self.pairs, self.head_dim)
         for name, t in (("k", k), ("v", v)):
             if t.dim() != 3 or tuple(t.shape[1:]) != expected or t.dtype != self.dtype or t.device.type != "cpu":
-                raise ValueError(f"{name} must be a CPU {self.dtype} tensor [n, {self.pairs}, {self.head_dim}], got "
-                                 f"{t.dtype} {tuple(t.shape)} on {t.device}")
+                raise ValueError(
+                    f"{name} must be a CPU {self.dtype} tensor [n, {self.pairs}, {self.head_dim}], got "
+                    f"{t.dtype} {tuple(t.shape)} on {t.device}"
+                )
         if k.shape[0] != v.shape[0]:
             raise ValueError(f"k has {k.shape[0]} tokens, v {v.shape[0]}")
         with self._lock:
             if self._length(layer) + k.shape[0] > self.max_tokens:
-                raise ValueError(f"layer {layer}: {self._length(layer)} + {k.shape[0]} tokens exceed max_tokens "
-                                 f"{self.max_tokens}")
+                raise ValueError(
+                    f"layer {layer}: {self._length(layer)} + {k.shape[0]} tokens exceed max_tokens {self.max_tokens}"
+                )
             self._k_buf[layer] = torch.cat([self._k_buf[layer], k])
             self._v_buf[layer] = torch.cat([self._v_buf[layer], v])
             view = self._view(layer)
@@ -356,8 +416,10 @@ class KVShard:
             with self._lock:
                 self._assigned[layer] -= n if queued else 0
             if self._error is None:
-                self._error = SpillError(f"spilling {n} tokens of layer {layer} to {self.directory} failed: {e}; "
-                                         f"the {buffered} buffered tokens are kept (flush() retries)")
+                self._error = SpillError(
+                    f"spilling {n} tokens of layer {layer} to {self.directory} failed: {e}; "
+                    f"the {buffered} buffered tokens are kept (flush() retries)"
+                )
                 self._error.__cause__ = e
             return
         with self._lock:
@@ -392,8 +454,10 @@ class KVShard:
             raise ValueError(f"layer {layer} outside [0, {self.n_layers})")
 
     def __repr__(self) -> str:
-        return (f"KVShard({str(self.directory)!r}, layers={self.n_layers}, pairs={self.pairs}, "
-                f"head_dim={self.head_dim}, {self.dtype}, max_tokens={self.max_tokens}, writeback={self.writeback})")
+        return (
+            f"KVShard({str(self.directory)!r}, layers={self.n_layers}, pairs={self.pairs}, "
+            f"head_dim={self.head_dim}, {self.dtype}, max_tokens={self.max_tokens}, writeback={self.writeback})"
+        )
 
 
 def _check_no_links(directory: Path) -> None:
@@ -402,8 +466,10 @@ def _check_no_links(directory: Path) -> None:
     if directory.is_dir():
         for entry in os.scandir(directory):
             if entry.is_symlink():
-                raise ValueError(f"{directory}: {entry.name} is a symbolic link; a KV folder holds only its shard's "
-                                 "files, and no file is written through a link")
+                raise ValueError(
+                    f"{directory}: {entry.name} is a symbolic link; a KV folder holds only its shard's "
+                    "files, and no file is written through a link"
+                )
 
 
 def _own(directory: Path) -> int:
@@ -414,8 +480,10 @@ def _own(directory: Path) -> int:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
-        raise ShardInUseError(f"KV folder {directory} is in use by another shard (it holds {LOCK_FILE}'s lock); "
-                              "give each shard a folder of its own") from None
+        raise ShardInUseError(
+            f"KV folder {directory} is in use by another shard (it holds {LOCK_FILE}'s lock); "
+            "give each shard a folder of its own"
+        ) from None
     except BaseException:
         os.close(fd)
         raise

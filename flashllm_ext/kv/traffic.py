@@ -9,6 +9,7 @@ Background spills are counted when they have finished, in the record of the step
 Storage bytes are what the device moves: direct-I/O blocks, padding and rewritten tail blocks included, with the
 number of requests, so mean read/write sizes follow.
 """
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -37,8 +38,14 @@ class Traffic:
 
     def interconnect_bytes(self, include_lse: bool = True) -> int:
         """Bytes over the host <-> storage-side link."""
-        return (self.q_bytes + self.kv_new_bytes + self.out_bytes + self.kv_read_bytes + self.writeback_bytes
-                + (self.lse_bytes if include_lse else 0))
+        return (
+            self.q_bytes
+            + self.kv_new_bytes
+            + self.out_bytes
+            + self.kv_read_bytes
+            + self.writeback_bytes
+            + (self.lse_bytes if include_lse else 0)
+        )
 
     @property
     def mean_write_bytes(self) -> float:
@@ -68,8 +75,13 @@ class TrafficLog:
     def at(self, layer: int, step: int, shard: int) -> Traffic:
         return self.records[(layer, step, shard)]
 
-    def total(self, *, layers: Iterable[int] | None = None, steps: Iterable[int] | None = None,
-              shards: Iterable[int] | None = None) -> Traffic:
+    def total(
+        self,
+        *,
+        layers: Iterable[int] | None = None,
+        steps: Iterable[int] | None = None,
+        shards: Iterable[int] | None = None,
+    ) -> Traffic:
         """The sum over the records whose layer, step and shard are in the given sets (None: any)."""
         keep = [None if s is None else set(s) for s in (layers, steps, shards)]
         out = Traffic()

@@ -11,6 +11,7 @@ crashed, out of memory) gives `WorkerError` naming the shard and the exit code, 
 
 `LocalShard` is the same interface in the calling process (tests, small runs): the exact same ShardAttention.
 """
+
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -29,8 +30,14 @@ from flashllm_ext.kv.store import DTYPES, KVShard
 
 # ops
 OP_STEP, OP_APPEND, OP_FLUSH, OP_RESET, OP_CLOSE, OP_STARTS = 1, 2, 3, 4, 5, 6
-OP_NAMES = {OP_STEP: "step", OP_APPEND: "append", OP_FLUSH: "flush", OP_RESET: "reset",
-            OP_CLOSE: "close", OP_STARTS: "set_starts"}
+OP_NAMES = {
+    OP_STEP: "step",
+    OP_APPEND: "append",
+    OP_FLUSH: "flush",
+    OP_RESET: "reset",
+    OP_CLOSE: "close",
+    OP_STARTS: "set_starts",
+}
 REQUEST = struct.Struct("<iiqq")  # op, layer, sequence number, tokens (OP_APPEND)
 REPLY = struct.Struct("<iqqqqqq")  # status (0 ok, 1 error: the message is in the reply region), sequence number,
 #                                    bytes read, reads, bytes written, writes (the shard's totals), message bytes
@@ -45,6 +52,7 @@ class WorkerError(RuntimeError):
 @dataclass(frozen=True)
 class ShardSpec:
     """Everything a worker needs to own its shard (plain values: it crosses the process boundary once)."""
+
     directory: str
     n_layers: int
     pairs: int
@@ -88,11 +96,26 @@ class ShardSpec:
 def open_shard(spec: ShardSpec) -> ShardAttention:
     """The shard and its attention; with storage_gbps one emulated device paces both its reads and its spills."""
     device = None if spec.storage_gbps is None else Link(spec.storage_gbps, request_bytes=spec.write_request_bytes)
-    shard = KVShard.create(spec.directory, spec.n_layers, spec.pairs, spec.head_dim, spec.torch_dtype,
-                           spec.max_tokens, writeback=spec.writeback, read_threads=spec.read_threads,
-                           fault_injector=spec.fault_injector, device=device)
-    return ShardAttention(shard, group=spec.group, scale=spec.scale, block_tokens=spec.block_tokens,
-                          prefetch=spec.prefetch, storage_link=device)
+    shard = KVShard.create(
+        spec.directory,
+        spec.n_layers,
+        spec.pairs,
+        spec.head_dim,
+        spec.torch_dtype,
+        spec.max_tokens,
+        writeback=spec.writeback,
+        read_threads=spec.read_threads,
+        fault_injector=spec.fault_injector,
+        device=device,
+    )
+    return ShardAttention(
+        shard,
+        group=spec.group,
+        scale=spec.scale,
+        block_tokens=spec.block_tokens,
+        prefetch=spec.prefetch,
+        storage_link=device,
+    )
 
 
 class _Regions:
@@ -107,7 +130,7 @@ class _Regions:
         n = 1
         for s in shape:
             n *= s
-        return self.raw[offset:offset + n * dtype.itemsize].view(dtype).view(shape)
+        return self.raw[offset : offset + n * dtype.itemsize].view(dtype).view(shape)
 
     def step_request(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         s, dt = self.spec, self.spec.torch_dtype
@@ -130,10 +153,10 @@ class _Regions:
         return out, self._tensor(self.request_bytes + out.nbytes, (s.pairs, s.group), torch.float32)
 
     def message(self, n: int | None = None, text: str | None = None) -> str | None:
-        region = self.raw[self.request_bytes:]
+        region = self.raw[self.request_bytes :]
         if text is not None:
-            data = text.encode()[:region.numel()]
-            region[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            data = text.encode()[: region.numel()]
+            region[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
             return str(len(data))
         return bytes(region[:n].numpy()).decode(errors="replace")
 
@@ -199,8 +222,9 @@ class ShardWorker:
         self._regions = _Regions(spec, self._shm.buf)
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=worker_main, args=(spec, self._shm.name, child), daemon=True,
-                                 name=f"flashllm-kv-{name}")
+        self._proc = ctx.Process(
+            target=worker_main, args=(spec, self._shm.name, child), daemon=True, name=f"flashllm-kv-{name}"
+        )
         self._proc.start()
         child.close()
         self._seq = 0
@@ -234,8 +258,10 @@ class ShardWorker:
         self._proc.join(timeout=1.0)
         code = self._proc.exitcode
         what = what or (f"exited with code {code}" if code is not None else "stopped answering")
-        self._dead = (f"KV worker {self.name} (pid {self._proc.pid}, {self.spec.directory}) {what} "
-                      f"during {OP_NAMES[op]} of layer {layer}")
+        self._dead = (
+            f"KV worker {self.name} (pid {self._proc.pid}, {self.spec.directory}) {what} "
+            f"during {OP_NAMES[op]} of layer {layer}"
+        )
         raise WorkerError(self._dead)
 
     def wait(self) -> None:
@@ -261,8 +287,9 @@ class ShardWorker:
             if got_seq == -1:  # the shard could not be opened: the worker has exited
                 self._dead = f"KV worker {self.name} ({self.spec.directory}) failed to start:\n{text}"
                 raise WorkerError(self._dead)
-            raise WorkerError(f"KV worker {self.name} ({self.spec.directory}) failed in {OP_NAMES[op]} of layer "
-                              f"{layer}:\n{text}")
+            raise WorkerError(
+                f"KV worker {self.name} ({self.spec.directory}) failed in {OP_NAMES[op]} of layer {layer}:\n{text}"
+            )
         if got_seq != seq:
             raise WorkerError(f"KV worker {self.name}: reply {got_seq} to request {seq}")
         self.counters = IOCounters(*io)
@@ -371,4 +398,3 @@ class LocalShard:
     def terminate(self, timeout_s: float = 0.0) -> None:
         self.engine.shard.abandon()
         self.engine.close()
-

@@ -13,6 +13,7 @@ budget are StreamingFFN's, its resident bundles and the staging buffer the layer
 MLXTransfer (the reads land in them), and every neuron is computed by sparse_ffn on those arrays. The result is
 evaluated before the forward returns for the same reason: the next layer's reads overwrite the shared staging.
 """
+
 from __future__ import annotations
 
 import os
@@ -43,8 +44,10 @@ def _check_transfer(cls: type, transfer) -> MLXTransfer:
     if transfer is None:
         return MLXTransfer()
     if not isinstance(transfer, MLXTransfer):
-        raise ValueError(f"{cls.__name__} keeps its rows in mx.arrays: transfer must be an MLXTransfer, got "
-                         f"{type(transfer).__name__}")
+        raise ValueError(
+            f"{cls.__name__} keeps its rows in mx.arrays: transfer must be an MLXTransfer, got "
+            f"{type(transfer).__name__}"
+        )
     return transfer
 
 
@@ -53,8 +56,15 @@ class MLXFlashFFN(FlashFFN):
     shape and dtype. Arguments are FlashFFN's; `transfer` must be an MLXTransfer (default: a new one; a model's
     layers share one). predictor: as FlashFFN's, a torch callable on x [T, d] (x reaches it as a torch view)."""
 
-    def __init__(self, store: FlashStore | str | os.PathLike, layer: int, *, transfer: MLXTransfer | None = None,
-                 device: str | torch.device | None = None, **kwargs):
+    def __init__(
+        self,
+        store: FlashStore | str | os.PathLike,
+        layer: int,
+        *,
+        transfer: MLXTransfer | None = None,
+        device: str | torch.device | None = None,
+        **kwargs,
+    ):
         transfer = _check_transfer(MLXFlashFFN, transfer)
         if device is not None and torch.device(device).type != "cpu":
             raise ValueError(f"MLXFlashFFN runs where mlx runs; its host side is on the CPU, got device={device}")
@@ -78,8 +88,16 @@ class MLXFlashFFN(FlashFFN):
         start = self.cache.transfer.clock()
         cache = self.cache
         rows = to_mx(cache.slot_of[ids])
-        y = sparse_ffn(x, self.matrix, cache.num_used, self.bias, self.activation, self.store.glu, index=rows,
-                       threshold=self.threshold)
+        y = sparse_ffn(
+            x,
+            self.matrix,
+            cache.num_used,
+            self.bias,
+            self.activation,
+            self.store.glu,
+            index=rows,
+            threshold=self.threshold,
+        )
         out += torch_view(y.astype(mx.float32))  # evaluates y: the rows may be written again from here on
         self.stats.compute_s += self.cache.transfer.clock() - start
 
@@ -89,15 +107,25 @@ class MLXStreamingFFN(StreamingFFN):
     [..., d]) -> mx.array of x's shape and dtype. Arguments are StreamingFFN's; `staging` must come from
     `transfer`, an MLXTransfer (the engine allocates it there: flashllm_ext.flash.engine.ffn_stack)."""
 
-    def __init__(self, store: FlashStore, layer: int, resident_rows: int, staging: torch.Tensor,
-                 reader: FlashReader, stats: FFNStats | None = None, transfer: MLXTransfer | None = None):
+    def __init__(
+        self,
+        store: FlashStore,
+        layer: int,
+        resident_rows: int,
+        staging: torch.Tensor,
+        reader: FlashReader,
+        stats: FFNStats | None = None,
+        transfer: MLXTransfer | None = None,
+    ):
         transfer = _check_transfer(MLXStreamingFFN, transfer)
         super().__init__(store, layer, resident_rows, staging, reader, stats, transfer)
         self.dtype = MX_DTYPE[store.dtype]
         # The mx.arrays the resident bundles and the staging are (views of), with their input biases: what
         # sparse_ffn reads.
-        self.arrays = [(transfer.array(rows), num_used, None if bias is None else to_mx(bias))
-                       for rows, num_used, bias in self._parts()]
+        self.arrays = [
+            (transfer.array(rows), num_used, None if bias is None else to_mx(bias))
+            for rows, num_used, bias in self._parts()
+        ]
 
     def forward(self, x: mx.array) -> mx.array:
         flat = _flat_input(self, x)

@@ -15,6 +15,7 @@ scaled-dot-product attention with a key/value cache. The FFNs, by mode:
 The budget is the torch engine's rule (resident tensors first, then predictors, then the caches / resident
 bundles / staging), with the resident mx.arrays counted.
 """
+
 from __future__ import annotations
 
 import os
@@ -46,7 +47,9 @@ class DenseFFN:
 
     def __init__(self, bundles: torch.Tensor, hidden_size: int, activation: str):
         d = hidden_size
-        self.up, self.gate, self.down = (to_mx(part) for part in (bundles[:, :d], bundles[:, d:2 * d], bundles[:, -d:]))
+        self.up, self.gate, self.down = (
+            to_mx(part) for part in (bundles[:, :d], bundles[:, d : 2 * d], bundles[:, -d:])
+        )
         self.activation = activation
 
     def __call__(self, x: mx.array) -> mx.array:
@@ -60,8 +63,14 @@ class MLXLlama:
     q_proj.weight, ..., norm.weight, lm_head.weight when not tied); ffns: one callable per layer, x [T, d] -> [T, d];
     runtime: the flash stack (None in dense mode)."""
 
-    def __init__(self, store: FlashStore, weights: dict[str, mx.array], ffns: Sequence[FFN], mode: str,
-                 runtime: FlashRuntime | None):
+    def __init__(
+        self,
+        store: FlashStore,
+        weights: dict[str, mx.array],
+        ffns: Sequence[FFN],
+        mode: str,
+        runtime: FlashRuntime | None,
+    ):
         config = store.config
         self.store, self.mode, self.runtime, self.ffns = store, mode, runtime, list(ffns)
         self.n_layers, self.hidden_size = store.n_layers, store.hidden_size
@@ -92,13 +101,15 @@ class MLXLlama:
         def rope(a: mx.array) -> mx.array:  # Llama's RoPE rotates the two halves of each head (not interleaved)
             return mx.fast.rope(a, self.head_dim, traditional=False, base=self.rope_base, scale=1.0, offset=offset)
 
-        q, k, v = rope(heads("q_proj", self.n_heads)), rope(heads("k_proj", self.n_kv_heads)), heads("v_proj",
-                                                                                                        self.n_kv_heads)
+        q, k, v = (
+            rope(heads("q_proj", self.n_heads)),
+            rope(heads("k_proj", self.n_kv_heads)),
+            heads("v_proj", self.n_kv_heads),
+        )
         if kv[layer] is not None:
             k, v = mx.concatenate([kv[layer][0], k], axis=2), mx.concatenate([kv[layer][1], v], axis=2)
         kv[layer] = (k, v)
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.head_dim ** -0.5,
-                                                   mask="causal" if t > 1 else None)
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.head_dim**-0.5, mask="causal" if t > 1 else None)
         return self._linear(out.transpose(0, 2, 1, 3).reshape(t, -1), f"{prefix}.o_proj")
 
     def forward(self, ids: mx.array, kv: list, offset: int) -> mx.array:
@@ -107,21 +118,24 @@ class MLXLlama:
         h = self.w["embed_tokens.weight"][ids]
         for i in range(self.n_layers):
             prefix = f"layers.{i}"
-            h = h + self._attention(i, mx.fast.rms_norm(h, self.w[f"{prefix}.input_layernorm.weight"], self.eps), kv,
-                                    offset)
+            h = h + self._attention(
+                i, mx.fast.rms_norm(h, self.w[f"{prefix}.input_layernorm.weight"], self.eps), kv, offset
+            )
             h = h + self.ffns[i](mx.fast.rms_norm(h, self.w[f"{prefix}.post_attention_layernorm.weight"], self.eps))
         self.tokens += ids.size
         return mx.fast.rms_norm(h[-1], self.w["norm.weight"], self.eps) @ self.lm_head.T
 
-    def generate(self, prompt_ids: Sequence[int] | np.ndarray | torch.Tensor | mx.array,
-                 max_new_tokens: int) -> list[int]:
+    def generate(
+        self, prompt_ids: Sequence[int] | np.ndarray | torch.Tensor | mx.array, max_new_tokens: int
+    ) -> list[int]:
         """Greedy continuation: the prompt's ids followed by `max_new_tokens` generated ids (an end-of-sequence token
         does not stop it). prompt_ids: token ids [T] or [1, T]."""
         ids = self._check_prompt(prompt_ids)
         return ids + self._greedy(ids, max_new_tokens)
 
-    def greedy_decode(self, prompt_ids: Sequence[int] | np.ndarray | torch.Tensor | mx.array,
-                      n_tokens: int) -> tuple[list[int], float]:
+    def greedy_decode(
+        self, prompt_ids: Sequence[int] | np.ndarray | torch.Tensor | mx.array, n_tokens: int
+    ) -> tuple[list[int], float]:
         """(the `n_tokens` generated ids, decode seconds per token), as flashllm_ext.demos.flash.greedy_decode does
         for a torch model: the stats are reset after the prompt, so stats() then covers the decode tokens."""
         new = self._greedy(self._check_prompt(prompt_ids), n_tokens, after_prompt=self.reset_stats)
@@ -150,20 +164,25 @@ class MLXLlama:
         if array.ndim == 2 and array.shape[0] == 1:
             array = array[0]
         if array.ndim != 1 or array.size == 0 or not np.issubdtype(array.dtype, np.integer):
-            raise ValueError(f"prompt_ids must be a non-empty sequence of integer token ids ([T] or [1, T]), got "
-                             f"{array.dtype} of shape {array.shape}")
+            raise ValueError(
+                f"prompt_ids must be a non-empty sequence of integer token ids ([T] or [1, T]), got "
+                f"{array.dtype} of shape {array.shape}"
+            )
         if array.min() < 0 or array.max() >= self.vocab_size:
-            raise ValueError(f"token ids must lie in [0, vocab_size={self.vocab_size}), got min {array.min()} max "
-                             f"{array.max()}")
+            raise ValueError(
+                f"token ids must lie in [0, vocab_size={self.vocab_size}), got min {array.min()} max {array.max()}"
+            )
         return array.tolist()
 
     def stats(self) -> dict:
         """The torch engine's per-token breakdown (FlashRuntime.stats; dense mode: the mode and token count
         only), plus the wall time of generate(): prefill milliseconds and decode milliseconds per token."""
         stats = self.runtime.stats() if self.runtime is not None else {"mode": self.mode, "tokens": self.tokens}
-        return {**stats, "prefill_ms": self.prefill_s * 1e3,
-                "decode_ms_per_token": self.decode_s * 1e3 / max(1, self.decode_tokens)}
-
+        return {
+            **stats,
+            "prefill_ms": self.prefill_s * 1e3,
+            "decode_ms_per_token": self.decode_s * 1e3 / max(1, self.decode_tokens),
+        }
 
     flash_stats = deprecated_alias(stats, "MLXLlama.flash_stats()", "MLXLlama.stats()")
 
@@ -182,14 +201,17 @@ class MLXLlama:
 def _check_llama(store: FlashStore) -> None:
     config = store.config
     if config.get("model_type") not in MODEL_TYPES:
-        raise ValueError(f"{store.path}: the MLX decoder runs the Llama family ({MODEL_TYPES}), the store holds a "
-                         f"{config.get('model_type')!r} model (use flashllm_ext.load_flash, the torch engine)")
+        raise ValueError(
+            f"{store.path}: the MLX decoder runs the Llama family ({MODEL_TYPES}), the store holds a "
+            f"{config.get('model_type')!r} model (use flashllm_ext.load_flash, the torch engine)"
+        )
     scaling = config.get("rope_scaling")
     if scaling and (scaling.get("rope_type") or scaling.get("type")) not in (None, "default"):
         raise ValueError(f"{store.path}: rope_scaling {scaling} is not supported by the MLX decoder")
     if not store.glu or store.endor:
-        raise ValueError(f"{store.path}: the MLX decoder needs a dense GLU store (glu={store.glu}, "
-                         f"endor={store.endor})")
+        raise ValueError(
+            f"{store.path}: the MLX decoder needs a dense GLU store (glu={store.glu}, endor={store.endor})"
+        )
     if any(role in roles for roles in store.ffn_roles for role in BIAS_ROLES):
         raise ValueError(f"{store.path}: FFN biases (mlp_bias) are not supported by the MLX decoder")
 
@@ -201,18 +223,33 @@ def _resident_arrays(store: FlashStore, dtype: torch.dtype) -> dict[str, mx.arra
         if not name.startswith("predictor."):
             weights[name.removeprefix("model.")] = to_mx(store.resident_tensor(name).to(dtype))
     tied = bool(store.config.get("tie_word_embeddings", False))  # (transformers' default for Llama: untied)
-    needed = ["embed_tokens.weight", "norm.weight"] + ([] if tied else ["lm_head.weight"]) + [
-        f"layers.{i}.{part}.weight" for i in range(store.n_layers)
-        for part in ("input_layernorm", "post_attention_layernorm", *(f"self_attn.{p}" for p in _ATTENTION))]
+    needed = (
+        ["embed_tokens.weight", "norm.weight"]
+        + ([] if tied else ["lm_head.weight"])
+        + [
+            f"layers.{i}.{part}.weight"
+            for i in range(store.n_layers)
+            for part in ("input_layernorm", "post_attention_layernorm", *(f"self_attn.{p}" for p in _ATTENTION))
+        ]
+    )
     missing = [name for name in needed if name not in weights]
     if missing:
         raise ValueError(f"{store.path}: the store has no resident tensor for {missing[:3]} ({len(missing)} in all)")
     return weights
 
 
-def load_flash(store_dir: str | os.PathLike, dram_budget: int | float | str | None = "50%", *, mode: str = "flash",
-               window: int = 5, predictors=None, dtype: torch.dtype | None = None, threads: int = 32,
-               reader_options: dict | None = None, cache_layout: str = "auto") -> MLXLlama:
+def load_flash(
+    store_dir: str | os.PathLike,
+    dram_budget: int | float | str | None = "50%",
+    *,
+    mode: str = "flash",
+    window: int = 5,
+    predictors=None,
+    dtype: torch.dtype | None = None,
+    threads: int = 32,
+    reader_options: dict | None = None,
+    cache_layout: str = "auto",
+) -> MLXLlama:
     """The MLX engine: a Llama-family model from a flash store on mx.arrays, its FFNs served by `mode` (MODES)
     within `dram_budget` (bytes, "50%" of the model, "200MB"; None: no limit; dense mode holds everything and
     ignores it). dtype: of the resident tensors and the activations (default: the store's), and of dense mode's FFN
@@ -232,12 +269,25 @@ def load_flash(store_dir: str | os.PathLike, dram_budget: int | float | str | No
     if mode == "dense":
         activation = store_activation(store)
         with shared_reader(store) as reader:
-            ffns = [DenseFFN(reader.read(i, torch.arange(store.n_neurons)).data.to(dtype), store.hidden_size,
-                             activation) for i in range(store.n_layers)]
+            ffns = [
+                DenseFFN(reader.read(i, torch.arange(store.n_neurons)).data.to(dtype), store.hidden_size, activation)
+                for i in range(store.n_layers)
+            ]
         return MLXLlama(store, weights, ffns, mode, None)
     resident_bytes = sum(a.nbytes for a in weights.values())
     budget = None if dram_budget is None else parse_budget(dram_budget, resident_bytes + store_ffn_bytes(store))
-    runtime = ffn_stack(store, mode, budget, window=window, predictors=predictors, threads=threads,
-                        resident_bytes=resident_bytes, transfer=MLXTransfer(), reader_options=reader_options,
-                        ffn_class=MLXFlashFFN, streaming_class=MLXStreamingFFN, cache_layout=cache_layout)
+    runtime = ffn_stack(
+        store,
+        mode,
+        budget,
+        window=window,
+        predictors=predictors,
+        threads=threads,
+        resident_bytes=resident_bytes,
+        transfer=MLXTransfer(),
+        reader_options=reader_options,
+        ffn_class=MLXFlashFFN,
+        streaming_class=MLXStreamingFFN,
+        cache_layout=cache_layout,
+    )
     return MLXLlama(store, weights, runtime.modules, mode, runtime)

@@ -11,6 +11,7 @@ mlx arrays are lazy and treated as immutable by mlx itself, so one rule keeps th
 reads the rows is evaluated before the cache next writes them (MLXFlashFFN evaluates each sparse_ffn result
 before its step returns). The arrays are owned by the transfer, so mlx never donates their buffers to a result.
 """
+
 from __future__ import annotations
 
 import mlx.core as mx
@@ -19,8 +20,16 @@ import torch
 from flashllm_ext.ops.bits import BITS_VIEW
 from flashllm_ext.flash.transfer import HostTransfer
 
-MX_DTYPE = {torch.float32: mx.float32, torch.float16: mx.float16, torch.bfloat16: mx.bfloat16, torch.int8: mx.int8,
-            torch.uint8: mx.uint8, torch.int32: mx.int32, torch.int64: mx.int64, torch.bool: mx.bool_}
+MX_DTYPE = {
+    torch.float32: mx.float32,
+    torch.float16: mx.float16,
+    torch.bfloat16: mx.bfloat16,
+    torch.int8: mx.int8,
+    torch.uint8: mx.uint8,
+    torch.int32: mx.int32,
+    torch.int64: mx.int64,
+    torch.bool: mx.bool_,
+}
 TORCH_DTYPE = {v: k for k, v in MX_DTYPE.items()}
 
 

@@ -1,4 +1,5 @@
 """load_offload and patch_offload: a model whose decoder layers are offloaded (see flashllm_ext.offload)."""
+
 from __future__ import annotations
 
 import os
@@ -13,7 +14,7 @@ from flashllm_ext.runtime import tensor_bytes, parse_budget
 from flashllm_ext.hub.hf import assign_resident, empty_model
 from flashllm_ext.hub.hf import decoder_layers
 from flashllm_ext.flash.reader import FlashReader, host_bounce_bytes, select_read_path
-from flashllm_ext.io.safetensors import (drop_page_cache)
+from flashllm_ext.io.safetensors import drop_page_cache
 from flashllm_ext.io.buffers import aligned_buffer, pinned_buffer
 from flashllm_ext.runtime import cuda_device
 from flashllm_ext.offload.placement import BudgetTooSmall, check_options, default_slots, plan_placement
@@ -29,8 +30,9 @@ def _linear_slots(model: nn.Module, store: LayerStore) -> list[list[tuple[nn.Mod
     if layers is None:
         raise ValueError(f"{type(model).__name__}: not a Llama-family or OPT causal LM (no decoder layers found)")
     if len(layers) != store.n_layers:
-        raise ValueError(f"{type(model).__name__} has {len(layers)} decoder layers, the store {store.path} has "
-                         f"{store.n_layers}")
+        raise ValueError(
+            f"{type(model).__name__} has {len(layers)} decoder layers, the store {store.path} has {store.n_layers}"
+        )
     names = {id(m): n for n, m in model.named_modules()}
     out = []
     for i, layer in enumerate(layers):
@@ -39,67 +41,99 @@ def _linear_slots(model: nn.Module, store: LayerStore) -> list[list[tuple[nn.Mod
         for sub, module in layer.named_modules():
             if isinstance(module, (nn.Linear, OffloadedLinear)):
                 parent_name, _, attr = sub.rpartition(".")
-                slots.append((layer.get_submodule(parent_name) if parent_name else layer, attr, module,
-                              f"{prefix}.{sub}.weight"))
+                slots.append(
+                    (layer.get_submodule(parent_name) if parent_name else layer, attr, module, f"{prefix}.{sub}.weight")
+                )
         want = {e.name: e.shape for e in store.layers[i]}
         have = {s[3]: (s[2].out_features, s[2].in_features) for s in slots}
         if want != have:
-            raise ValueError(f"layer {i}: the model's Linear weights {sorted(have.items())[:4]} differ from the "
-                             f"store's {sorted(want.items())[:4]} ({store.path}): not the same model")
+            raise ValueError(
+                f"layer {i}: the model's Linear weights {sorted(have.items())[:4]} differ from the "
+                f"store's {sorted(want.items())[:4]} ({store.path}): not the same model"
+            )
         out.append(slots)
     return out
 
 
-def _install(model: nn.Module, store: LayerStore, mode: str, budget: int | float | str | None, compute: str,
-             threads: int, keep_originals: bool, device: torch.device, layers_in_memory: int | None = None,
-             device_budget: int | float | str | None = None, layers_on_device: int | None = None,
-             slots: int | None = None, progress: bool = False) -> OffloadRuntime:
+def _install(
+    model: nn.Module,
+    store: LayerStore,
+    mode: str,
+    budget: int | float | str | None,
+    compute: str,
+    threads: int,
+    keep_originals: bool,
+    device: torch.device,
+    layers_in_memory: int | None = None,
+    device_budget: int | float | str | None = None,
+    layers_on_device: int | None = None,
+    slots: int | None = None,
+    progress: bool = False,
+) -> OffloadRuntime:
     if getattr(model, "offload", None) is not None:
         raise ValueError("this model is already offloaded: unpatch it first")
     separate = device.type == "cuda"
     slots = default_slots(device) if slots is None else slots
     if device_budget is not None and not separate:
-        raise ValueError("device_budget is the GPU memory for layers on a CUDA device; on the CPU dram_budget is the "
-                         "one budget")
+        raise ValueError(
+            "device_budget is the GPU memory for layers on a CUDA device; on the CPU dram_budget is the one budget"
+        )
     linear_slots = _linear_slots(model, store)
     params = [p for p in model.parameters() if p.device.type != "meta" and p.is_floating_point()]
     if params and params[0].dtype != store.dtype:
-        raise ValueError(f"the model is {params[0].dtype}, the store {store.path} {store.dtype}: load the model in "
-                         f"the store's dtype")
+        raise ValueError(
+            f"the model is {params[0].dtype}, the store {store.path} {store.dtype}: load the model in the store's dtype"
+        )
     weights = {id(s[2].weight) for layer in linear_slots for s in layer if isinstance(s[2], nn.Linear)}
     resident = tensor_bytes([p for p in model.parameters() if id(p) not in weights] + list(model.buffers()))
     model_bytes = resident + sum(store.dense_bytes(i) for i in range(store.n_layers))
     budget_bytes = None if budget is None else parse_budget(budget, model_bytes)
-    device_budget_bytes = None if device_budget is None else parse_budget(device_budget, model_bytes,
-                                                                          "device_budget")
+    device_budget_bytes = None if device_budget is None else parse_budget(device_budget, model_bytes, "device_budget")
     # On the CPU the resident tensors share the one budget with the layers; on a GPU they live in device memory.
     host_layer_budget = None if budget_bytes is None else budget_bytes - (0 if separate else resident)
     device_layer_budget = None if device_budget_bytes is None else device_budget_bytes - resident
     read_path = select_read_path(device)
     try:
-        placement = plan_placement(store, mode, host_layer_budget, layers_in_memory,
-                                   device_layer_budget=device_layer_budget, separate=separate,
-                                   bounce=partial(host_bounce_bytes, read_path, threads=threads) if separate else None,
-                                   layers_on_device=layers_on_device, slots=slots)
+        placement = plan_placement(
+            store,
+            mode,
+            host_layer_budget,
+            layers_in_memory,
+            device_layer_budget=device_layer_budget,
+            separate=separate,
+            bounce=partial(host_bounce_bytes, read_path, threads=threads) if separate else None,
+            layers_on_device=layers_on_device,
+            slots=slots,
+        )
     except BudgetTooSmall as e:
         if e.pool == "device":
-            raise ValueError(f"device_budget of {device_budget_bytes} bytes is below the minimum of "
-                             f"{resident + e.need} for {mode} offload on {device} ({resident} resident tensors + "
-                             f"{e.need} for {slots} slot(s) of the largest layer and the decompression buffer)"
-                             ) from None
+            raise ValueError(
+                f"device_budget of {device_budget_bytes} bytes is below the minimum of "
+                f"{resident + e.need} for {mode} offload on {device} ({resident} resident tensors + "
+                f"{e.need} for {slots} slot(s) of the largest layer and the decompression buffer)"
+            ) from None
         if separate:
-            raise ValueError(f"dram_budget of {budget_bytes} bytes is below the minimum of {e.need} for {mode} "
-                             f"offload to {device} (the pinned host memory SSD reads pass through on the "
-                             f"{read_path!r} read path)") from None
-        raise ValueError(f"dram_budget of {budget_bytes} bytes is below the minimum of {resident + e.need} for "
-                         f"{mode} offload ({resident} resident tensors + {e.need} for {slots} staging buffer(s) of the "
-                         f"largest layer and the decompression buffer)") from None
-    runtime = OffloadRuntime(store, mode, compute, device, budget_bytes, device_budget_bytes, resident, placement,
-                             threads)
+            raise ValueError(
+                f"dram_budget of {budget_bytes} bytes is below the minimum of {e.need} for {mode} "
+                f"offload to {device} (the pinned host memory SSD reads pass through on the "
+                f"{read_path!r} read path)"
+            ) from None
+        raise ValueError(
+            f"dram_budget of {budget_bytes} bytes is below the minimum of {resident + e.need} for "
+            f"{mode} offload ({resident} resident tensors + {e.need} for {slots} staging buffer(s) of the "
+            f"largest layer and the decompression buffer)"
+        ) from None
+    runtime = OffloadRuntime(
+        store, mode, compute, device, budget_bytes, device_budget_bytes, resident, placement, threads
+    )
     if runtime.moved_layers:  # the staged layers are read once here, the SSD ones every forward
         runtime.reader = FlashReader.for_file(store.layers_path, threads=threads)
-    for i in tqdm(range(placement.in_memory), desc="loading layers into memory", unit="layer",
-                  disable=not progress or not placement.in_memory):
+    for i in tqdm(
+        range(placement.in_memory),
+        desc="loading layers into memory",
+        unit="layer",
+        disable=not progress or not placement.in_memory,
+    ):
         if i >= placement.on_device:  # staged: the stored bytes, pinned on CUDA
             size = store.layer_range(i)[1]
             host = pinned_buffer(size) if separate else aligned_buffer(size)
@@ -127,9 +161,17 @@ def _install(model: nn.Module, store: LayerStore, mode: str, budget: int | float
     return runtime
 
 
-def patch_offload(model: nn.Module, store: LayerStore | str | os.PathLike, *, mode: str = "endor",
-                  dram_budget: int | float | str | None = None, compute: str = "auto", threads: int = 32,
-                  device_budget: int | float | str | None = None, slots: int | None = None) -> OffloadRuntime:
+def patch_offload(
+    model: nn.Module,
+    store: LayerStore | str | os.PathLike,
+    *,
+    mode: str = "endor",
+    dram_budget: int | float | str | None = None,
+    compute: str = "auto",
+    threads: int = 32,
+    device_budget: int | float | str | None = None,
+    slots: int | None = None,
+) -> OffloadRuntime:
     """Offload the decoder layers of an already loaded Llama-family or OPT model (in the store's dtype, on the CPU
     or a CUDA device: the layers are computed where the model is) to `store` (converted from the same weights). The
     original Linear modules are kept for `unpatch`, so they still occupy memory: for a real budget use
@@ -137,15 +179,34 @@ def patch_offload(model: nn.Module, store: LayerStore | str | os.PathLike, *, mo
     store = store if isinstance(store, LayerStore) else LayerStore(store)
     check_options(store, mode, compute=compute, threads=threads, slots=slots)
     device = next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
-    return _install(model, store, mode, dram_budget, compute, threads, keep_originals=True,
-                    device=cuda_device(device), device_budget=device_budget, slots=slots)
+    return _install(
+        model,
+        store,
+        mode,
+        dram_budget,
+        compute,
+        threads,
+        keep_originals=True,
+        device=cuda_device(device),
+        device_budget=device_budget,
+        slots=slots,
+    )
 
 
-def load_offload(store_dir: str | os.PathLike, dram_budget: int | float | str | None = "30%", *,
-                   mode: str = "endor", compute: str = "auto", threads: int = 32,
-                   layers_in_memory: int | None = None, device: str | torch.device = "cpu",
-                   device_budget: int | float | str | None = None, layers_on_device: int | None = None,
-                   slots: int | None = None, progress: bool = True) -> nn.Module:
+def load_offload(
+    store_dir: str | os.PathLike,
+    dram_budget: int | float | str | None = "30%",
+    *,
+    mode: str = "endor",
+    compute: str = "auto",
+    threads: int = 32,
+    layers_in_memory: int | None = None,
+    device: str | torch.device = "cpu",
+    device_budget: int | float | str | None = None,
+    layers_on_device: int | None = None,
+    slots: int | None = None,
+    progress: bool = True,
+) -> nn.Module:
     """A Hugging Face causal LM built from a layer store, computed on `device` ("cpu" or "cuda").
 
     On the CPU its decoder layers are in memory or on SSD by `dram_budget` (bytes, "30%" of the dense model, or
@@ -161,14 +222,33 @@ def load_offload(store_dir: str | os.PathLike, dram_budget: int | float | str | 
     beside a fetch); None: default_slots(device). Only the resident tensors and the placed layers are materialised, in the store's dtype (a
     progress bar while the layers load, unless progress=False). `model.offload.stats()` reports per-token costs."""
     store = LayerStore(store_dir)
-    check_options(store, mode, compute=compute, threads=threads, slots=slots, layers_in_memory=layers_in_memory,
-                   layers_on_device=layers_on_device)
+    check_options(
+        store,
+        mode,
+        compute=compute,
+        threads=threads,
+        slots=slots,
+        layers_in_memory=layers_in_memory,
+        layers_on_device=layers_on_device,
+    )
     device = cuda_device(device)
     model = empty_model(store.config, store.dtype, store.path)
     assign_resident(model, store, store.dtype)
-    _install(model, store, mode, dram_budget, compute, threads, keep_originals=False, device=device,
-             layers_in_memory=layers_in_memory, device_budget=device_budget, layers_on_device=layers_on_device,
-             slots=slots, progress=progress)
+    _install(
+        model,
+        store,
+        mode,
+        dram_budget,
+        compute,
+        threads,
+        keep_originals=False,
+        device=device,
+        layers_in_memory=layers_in_memory,
+        device_budget=device_budget,
+        layers_on_device=layers_on_device,
+        slots=slots,
+        progress=progress,
+    )
     leftover = [name for name, p in model.named_parameters() if p.device.type == "meta"]
     if leftover:
         raise ValueError(f"{store.path}: the store has no tensor for {leftover[:3]} ({len(leftover)} in all)")

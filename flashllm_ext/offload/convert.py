@@ -1,4 +1,5 @@
 """convert_offload: a checkpoint into a layer store, dense or Endor, written to staging and installed whole."""
+
 from __future__ import annotations
 
 import json
@@ -14,15 +15,24 @@ from flashllm_ext import endor
 from flashllm_ext.io.checkpoint import Checkpoint, open_checkpoint, unsupported_model
 from flashllm_ext.errors import FormatError
 from flashllm_ext.io.paths import check_out_dir, install_dir, staging_dir
-from flashllm_ext.io.safetensors import (AlignedWriter, TensorSpec, save_tensors)
+from flashllm_ext.io.safetensors import AlignedWriter, TensorSpec, save_tensors
 from flashllm_ext.io.buffers import ALIGNMENT
 from flashllm_ext.flash.store import DTYPES
-from flashllm_ext.offload.store import (END_TENSOR, FORMAT_VERSION, LAYERS_FILE, MAGIC, RESIDENT_FILE, STORE_FILES,
-                                       TENSOR_ALIGNMENT, LayerStore, MatrixEntry, round_up)
+from flashllm_ext.offload.store import (
+    END_TENSOR,
+    FORMAT_VERSION,
+    LAYERS_FILE,
+    MAGIC,
+    RESIDENT_FILE,
+    STORE_FILES,
+    TENSOR_ALIGNMENT,
+    LayerStore,
+    MatrixEntry,
+    round_up,
+)
 
 
 _LAYER_WEIGHT = re.compile(r"^(?:.*\.)?layers\.(\d+)\..+\.weight$")
-
 
 
 def _layer_matrices(ckpt: Checkpoint) -> list[list[str]]:
@@ -39,8 +49,15 @@ def _layer_matrices(ckpt: Checkpoint) -> list[list[str]]:
     return [layers[i] for i in range(len(layers))]
 
 
-def convert_offload(checkpoint: str | os.PathLike | Checkpoint, out_dir: str | os.PathLike, *, dtype: str = "fp16",
-                    endor_compress: bool = False, force: bool = False, progress: bool = True) -> Path:
+def convert_offload(
+    checkpoint: str | os.PathLike | Checkpoint,
+    out_dir: str | os.PathLike,
+    *,
+    dtype: str = "fp16",
+    endor_compress: bool = False,
+    force: bool = False,
+    progress: bool = True,
+) -> Path:
     """Write a layer store of `checkpoint` (a Hugging Face safetensors directory, a GGUF file, or a Checkpoint such
     as `TensorsCheckpoint(config, state_dict)`) at `out_dir`, one tensor in memory at a time. endor_compress: store
     each matrix as Endor where that is smaller than dense (pruned weights); a first pass counts the non-zeros (the
@@ -65,8 +82,9 @@ def convert_offload(checkpoint: str | os.PathLike | Checkpoint, out_dir: str | o
         for name in names:
             rows, cols = ckpt.shape(name)
             # Endor only where it is smaller: values + bitmap + row offsets against the dense matrix.
-            compressed = name in nnz and \
-                nnz[name] * item + rows * ((cols + 7) // 8) + (rows + 1) * 8 < rows * cols * item
+            compressed = (
+                name in nnz and nnz[name] * item + rows * ((cols + 7) // 8) + (rows + 1) * 8 < rows * cols * item
+            )
             layer.append(MatrixEntry(name, (rows, cols), compressed))
         entries.append(layer)
     # A layer is one read range: its first tensor starts on a block (a zero-filled `layers.{l}.align` tensor fills
@@ -83,14 +101,19 @@ def convert_offload(checkpoint: str | os.PathLike | Checkpoint, out_dir: str | o
             offset = round_up(offset, TENSOR_ALIGNMENT) + spec.nbytes
     start = round_up(offset, TENSOR_ALIGNMENT)
     specs.append(TensorSpec(END_TENSOR, "U8", (round_up(start, ALIGNMENT) - start,)))
-    metadata = {"magic": MAGIC, "format_version": FORMAT_VERSION, "config": json.dumps(ckpt.config),
-                "dtype": dtype, "alignment": str(ALIGNMENT), "tensor_alignment": str(TENSOR_ALIGNMENT),
-                "layers": json.dumps([[[e.name, list(e.shape), int(e.endor)] for e in layer] for layer in entries])}
+    metadata = {
+        "magic": MAGIC,
+        "format_version": FORMAT_VERSION,
+        "config": json.dumps(ckpt.config),
+        "dtype": dtype,
+        "alignment": str(ALIGNMENT),
+        "tensor_alignment": str(TENSOR_ALIGNMENT),
+        "layers": json.dumps([[[e.name, list(e.shape), int(e.endor)] for e in layer] for layer in entries]),
+    }
     tmp = staging_dir(out_dir)
     try:
         with AlignedWriter(tmp / LAYERS_FILE, specs, metadata, ALIGNMENT, TENSOR_ALIGNMENT) as writer:
-            for pad, layer in tqdm(list(zip(pads, entries)), desc="writing layers", unit="layer",
-                                   disable=not progress):
+            for pad, layer in tqdm(list(zip(pads, entries)), desc="writing layers", unit="layer", disable=not progress):
                 if pad is not None:
                     writer.write(pad.name, torch.zeros(pad.shape, dtype=torch.uint8))
                 for e in layer:
@@ -103,8 +126,11 @@ def convert_offload(checkpoint: str | os.PathLike | Checkpoint, out_dir: str | o
                         writer.write(e.name, w)
             writer.write(END_TENSOR, torch.zeros(specs[-1].shape, dtype=torch.uint8))
         in_layers = {e.name for layer in entries for e in layer}
-        resident = {n: (ckpt[n].to(torch_dtype) if ckpt[n].is_floating_point() else ckpt[n]).contiguous()
-                    for n in ckpt.names if n not in in_layers}
+        resident = {
+            n: (ckpt[n].to(torch_dtype) if ckpt[n].is_floating_point() else ckpt[n]).contiguous()
+            for n in ckpt.names
+            if n not in in_layers
+        }
         save_tensors(resident, tmp / RESIDENT_FILE, {"magic": MAGIC, "format_version": FORMAT_VERSION})
         _verify(LayerStore(tmp), ckpt, torch_dtype)
         install_dir(tmp, out_dir, STORE_FILES)

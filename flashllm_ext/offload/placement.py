@@ -1,4 +1,5 @@
 """Placement: which decoder layers live on the device, in host memory and on SSD, within the budgets."""
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -20,6 +21,7 @@ DECOMPRESS_BLOCK_BYTES = 8 << 20
 
 # ------------------------------------------------------------------------------------------ placement, install
 
+
 @dataclass(frozen=True)
 class Placement:
     """Where each decoder layer lives, nearest first, and the bytes that costs.
@@ -37,6 +39,7 @@ class Placement:
     bounce_bytes: the pinned host memory SSD layers pass through on their way to a GPU (reader.host_bounce_bytes:
     one buffer as large as a layer when kvikio is absent, kvikio's pool of bounce buffers in its compatibility
     mode)."""
+
     n_layers: int
     on_device: int
     in_memory: int
@@ -56,7 +59,7 @@ class Placement:
         return self.host_layer_bytes + self.bounce_bytes
 
     def tier(self, layer: int) -> str:
-        """"resident" (computed where it lies), "staged" (in host memory, copied to a slot per use) or "ssd"."""
+        """ "resident" (computed where it lies), "staged" (in host memory, copied to a slot per use) or "ssd"."""
         return "resident" if layer < self.on_device else "staged" if layer < self.in_memory else "ssd"
 
 
@@ -66,27 +69,49 @@ def decompress_block_rows(rows: int, cols: int, itemsize: int) -> int:
     return max(1, min(rows, DECOMPRESS_BLOCK_BYTES // (cols * itemsize)))
 
 
-def _placement(store: LayerStore, mode: str, on_device: int, in_memory: int, slots: int,
-               bounce: Callable[[int], int] | None) -> Placement:
+def _placement(
+    store: LayerStore, mode: str, on_device: int, in_memory: int, slots: int, bounce: Callable[[int], int] | None
+) -> Placement:
     n, item = store.n_layers, store.dtype.itemsize
     keep_compressed = mode == "endor+more-resident"
     moved = [store.stored_bytes(i) for i in range(on_device, n)]
     # Endor matrices computed from their compressed form (moved layers, and on-device ones kept compressed) are
     # decompressed into one buffer for prompts, a block of rows at a time.
-    decompress = max((decompress_block_rows(*e.shape, item) * e.shape[1] * item for i in range(n)
-                      for e in store.layers[i] if e.endor and (i >= on_device or keep_compressed)), default=0)
+    decompress = max(
+        (
+            decompress_block_rows(*e.shape, item) * e.shape[1] * item
+            for i in range(n)
+            for e in store.layers[i]
+            if e.endor and (i >= on_device or keep_compressed)
+        ),
+        default=0,
+    )
     largest_on_ssd = max((store.stored_bytes(i) for i in range(in_memory, n)), default=0)
-    return Placement(n, on_device, in_memory, slots,
-                     sum(store.stored_bytes(i) if keep_compressed else store.dense_bytes(i) for i in range(on_device)),
-                     sum(store.stored_bytes(i) for i in range(on_device, in_memory)),
-                     slots * max(moved, default=0), decompress,
-                     bounce(largest_on_ssd) if bounce and largest_on_ssd else 0)
+    return Placement(
+        n,
+        on_device,
+        in_memory,
+        slots,
+        sum(store.stored_bytes(i) if keep_compressed else store.dense_bytes(i) for i in range(on_device)),
+        sum(store.stored_bytes(i) for i in range(on_device, in_memory)),
+        slots * max(moved, default=0),
+        decompress,
+        bounce(largest_on_ssd) if bounce and largest_on_ssd else 0,
+    )
 
 
-def plan_placement(store: LayerStore, mode: str, layer_budget: int | None, layers_in_memory: int | None = None, *,
-                   device_layer_budget: int | None = None, separate: bool = False,
-                   bounce: Callable[[int], int] | None = None,
-                   layers_on_device: int | None = None, slots: int = 2) -> Placement:
+def plan_placement(
+    store: LayerStore,
+    mode: str,
+    layer_budget: int | None,
+    layers_in_memory: int | None = None,
+    *,
+    device_layer_budget: int | None = None,
+    separate: bool = False,
+    bounce: Callable[[int], int] | None = None,
+    layers_on_device: int | None = None,
+    slots: int = 2,
+) -> Placement:
     """The placement, nearest first, within the budgets left for layers (None: no limit).
 
     separate=False (the CPU): one pool, `layer_budget`, holds every byte of the Placement; layers_on_device
@@ -128,13 +153,17 @@ def plan_placement(store: LayerStore, mode: str, layer_budget: int | None, layer
     if not given:
         raise BudgetTooSmall(p.host_bytes if separate else p.host_bytes + p.device_bytes, "host")
     if separate:
-        raise ValueError(f"{p.on_device} layers on the device and {p.in_memory} in memory in {mode} mode need "
-                         f"{p.device_bytes} bytes of device memory and {p.host_bytes} of host memory for the layers "
-                         f"and their buffers; the budgets leave {device_layer_budget} and {layer_budget}")
+        raise ValueError(
+            f"{p.on_device} layers on the device and {p.in_memory} in memory in {mode} mode need "
+            f"{p.device_bytes} bytes of device memory and {p.host_bytes} of host memory for the layers "
+            f"and their buffers; the budgets leave {device_layer_budget} and {layer_budget}"
+        )
     staged = f" ({p.in_memory - p.on_device} of them staged)" if p.on_device < p.in_memory else ""
-    raise ValueError(f"{p.in_memory} layers in memory in {mode} mode{staged} need "
-                     f"{p.device_bytes + p.host_bytes} bytes for the layers and staging, {layer_budget} are left of "
-                     f"the budget")
+    raise ValueError(
+        f"{p.in_memory} layers in memory in {mode} mode{staged} need "
+        f"{p.device_bytes + p.host_bytes} bytes for the layers and staging, {layer_budget} are left of "
+        f"the budget"
+    )
 
 
 def default_slots(device: torch.device) -> int:
@@ -148,16 +177,26 @@ def is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def check_options(store: LayerStore, mode: str, *, compute: str = "auto", threads: int = 1, slots: int | None = 2,
-                   layers_in_memory: int | None = None, layers_on_device: int | None = None) -> None:
+def check_options(
+    store: LayerStore,
+    mode: str,
+    *,
+    compute: str = "auto",
+    threads: int = 1,
+    slots: int | None = 2,
+    layers_in_memory: int | None = None,
+    layers_on_device: int | None = None,
+) -> None:
     """ValueError (TypeError for a store that is not a LayerStore) naming the first bad argument, before any work."""
     if not isinstance(store, LayerStore):
         raise TypeError(f"store must be a LayerStore, got {type(store).__name__}")
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if (mode != "dense") != store.endor:
-        raise ValueError(f"{mode} mode needs {'an Endor' if mode != 'dense' else 'a dense'} layer store; {store.path} "
-                         f"is {'Endor' if store.endor else 'dense'} (convert_offload endor_compress=)")
+        raise ValueError(
+            f"{mode} mode needs {'an Endor' if mode != 'dense' else 'a dense'} layer store; {store.path} "
+            f"is {'Endor' if store.endor else 'dense'} (convert_offload endor_compress=)"
+        )
     if compute not in COMPUTES:
         raise ValueError(f"compute must be one of {COMPUTES}, got {compute!r}")
     if not is_int(threads) or not 1 <= threads <= MAX_THREADS:
@@ -174,6 +213,8 @@ def check_options(store: LayerStore, mode: str, *, compute: str = "auto", thread
 
 class BudgetTooSmall(ValueError):
     def __init__(self, need: int, pool: str):
-        super().__init__(f"offloading needs at least {need} bytes of {pool} memory for the layers' buffers, beside "
-                         f"the resident tensors")
+        super().__init__(
+            f"offloading needs at least {need} bytes of {pool} memory for the layers' buffers, beside "
+            f"the resident tensors"
+        )
         self.need, self.pool = need, pool

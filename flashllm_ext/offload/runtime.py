@@ -1,4 +1,5 @@
 """OffloadRuntime: what offloading installs in a model: slots, background fetches, per-forward weights, stats."""
+
 from __future__ import annotations
 
 import contextlib
@@ -26,11 +27,13 @@ CUDA_LINEAR_MAX_TOKENS = 1
 
 # ---------------------------------------------------------------------------------------------- the runtime
 
+
 @dataclass
 class OffloadStats:
     """Accumulated costs: forwards (one per model call), bytes and reads of the consumed layer reads, bytes moved
     from host memory to the device, read time exposed (waited for) and in all (the fetches' wall time, hidden or
     not), decompression, layer compute (decoder-layer time minus waits and decompression)."""
+
     forwards: int = 0
     bytes_read: int = 0
     n_reads: int = 0
@@ -49,8 +52,9 @@ class OffloadedLinear(nn.Module):
     """A decoder layer's Linear whose weight the runtime provides per forward: dense or Endor, resident or in a
     slot. The bias (if any) stays a parameter here."""
 
-    def __init__(self, runtime: OffloadRuntime, layer: int, name: str, shape: tuple[int, int],
-                 bias: nn.Parameter | None):
+    def __init__(
+        self, runtime: OffloadRuntime, layer: int, name: str, shape: tuple[int, int], bias: nn.Parameter | None
+    ):
         super().__init__()
         self.runtime, self.layer, self.name = runtime, layer, name
         self.out_features, self.in_features = shape
@@ -60,8 +64,10 @@ class OffloadedLinear(nn.Module):
         return self.runtime.linear(x, self.runtime.weight(self.layer, self.name), self.bias)
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, layer={self.layer}, "
-                f"{self.runtime.placement.tier(self.layer)}")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, layer={self.layer}, "
+            f"{self.runtime.placement.tier(self.layer)}"
+        )
 
 
 @dataclass
@@ -74,6 +80,7 @@ class _Pending:
 @dataclass(frozen=True)
 class _Fetched:
     """What bringing one layer into a slot did: store bytes read and reads, host bytes moved, wall seconds."""
+
     bytes_read: int
     n_reads: int
     bytes_moved: int
@@ -83,6 +90,7 @@ class _Fetched:
 @dataclass
 class OffloadRuntime(Runtime):
     """What offloading installed in a model: placement, budgets, buffers, reader and stats."""
+
     store: LayerStore
     mode: str
     compute: str
@@ -115,10 +123,12 @@ class OffloadRuntime(Runtime):
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flashllm-offload") if spans else None
         self._closed = False
         self._layer_start = self._decompress_at_start = 0.0
-        self._decompress = torch.empty(p.decompress_bytes // self.store.dtype.itemsize, dtype=self.store.dtype,
-                                       device=self.device)
-        self._row_ids = torch.arange(max((e.shape[0] for layer in self.store.layers for e in layer if e.endor),
-                                         default=0), device=self.device)
+        self._decompress = torch.empty(
+            p.decompress_bytes // self.store.dtype.itemsize, dtype=self.store.dtype, device=self.device
+        )
+        self._row_ids = torch.arange(
+            max((e.shape[0] for layer in self.store.layers for e in layer if e.endor), default=0), device=self.device
+        )
 
     def _slot_buffer(self, nbytes: int) -> torch.Tensor:
         if self._cuda:
@@ -174,11 +184,16 @@ class OffloadRuntime(Runtime):
             for first in range(0, rows, block):
                 n = min(block, rows - first)
                 start = self._clock()
-                dense = ops.endor_decompress(w.values, w.bitmap, w.row_offsets, n_cols=cols,
-                                             rows=None if n == rows else self._row_ids[first:first + n],
-                                             out=self._decompress[:n * cols].view(n, cols))
+                dense = ops.endor_decompress(
+                    w.values,
+                    w.bitmap,
+                    w.row_offsets,
+                    n_cols=cols,
+                    rows=None if n == rows else self._row_ids[first : first + n],
+                    out=self._decompress[: n * cols].view(n, cols),
+                )
                 self.counters.decompress_s += self._clock() - start
-                parts.append(F.linear(flat, dense, None if bias is None else bias[first:first + n]))
+                parts.append(F.linear(flat, dense, None if bias is None else bias[first : first + n]))
             y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
         return y.reshape(*x.shape[:-1], rows)
 
@@ -220,8 +235,9 @@ class OffloadRuntime(Runtime):
                 fetched = pending.future.result()
             except Exception as e:
                 if pending.layer == layer:
-                    raise RuntimeError(f"offload: reading layer {layer} from {self.store.layers_path} failed: "
-                                       f"{e}") from e
+                    raise RuntimeError(
+                        f"offload: reading layer {layer} from {self.store.layers_path} failed: {e}"
+                    ) from e
                 fetched = None  # a fetch nobody needs any more (an earlier forward stopped early): its error too
             wait = time.perf_counter() - start
             slot = pending.slot  # written by the fetch, done now: this layer goes there either way
@@ -233,8 +249,7 @@ class OffloadRuntime(Runtime):
             try:
                 fetched = self._fetch(layer, slot, self._slot_free[slot])
             except Exception as e:
-                raise RuntimeError(f"offload: reading layer {layer} from {self.store.layers_path} failed: "
-                                   f"{e}") from e
+                raise RuntimeError(f"offload: reading layer {layer} from {self.store.layers_path} failed: {e}") from e
             self.counters.read_wait_s += time.perf_counter() - start
             self._account(fetched)
         self._slot_of[layer] = slot
@@ -246,8 +261,9 @@ class OffloadRuntime(Runtime):
         layer of the next forward) into `slot`, in the background thread, after the compute that last used it."""
         position = self.moved_layers.index(layer)
         following = self.moved_layers[(position + 1) % len(self.moved_layers)]
-        self._pending = _Pending(following, slot, self._executor.submit(self._fetch, following, slot,
-                                                                        self._slot_free[slot]))
+        self._pending = _Pending(
+            following, slot, self._executor.submit(self._fetch, following, slot, self._slot_free[slot])
+        )
 
     def _fetch(self, layer: int, slot: int, slot_free: torch.cuda.Event | None) -> _Fetched:
         """Bring `layer`'s stored bytes into `slot`: a copy from host memory (the staged tier) or a read of the
@@ -273,7 +289,7 @@ class OffloadRuntime(Runtime):
         """The stored bytes of moved layer `layer` (its whole read range) into `out` (uint8, that many bytes, host or
         device), with the parallel direct-I/O reader."""
         offset, size = self.store.layer_range(layer)
-        return self.reader.read_rows(offset, ALIGNMENT, size // ALIGNMENT, self._ids[:size // ALIGNMENT], out)
+        return self.reader.read_rows(offset, ALIGNMENT, size // ALIGNMENT, self._ids[: size // ALIGNMENT], out)
 
     def _account(self, fetched: _Fetched) -> None:
         self.counters.bytes_read += fetched.bytes_read
@@ -288,7 +304,7 @@ class OffloadRuntime(Runtime):
 
         def part(name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
             entry = self.store.entry(name)
-            return buffer[entry.begin - base:entry.end - base].view(dtype).view(shape)
+            return buffer[entry.begin - base : entry.end - base].view(dtype).view(shape)
 
         views = {}
         for e in self.store.layers[layer]:
@@ -298,7 +314,10 @@ class OffloadRuntime(Runtime):
                 views[e.name] = endor.EndorTensor(
                     part(f"{e.name}.values", self.store.dtype, values.shape),
                     part(f"{e.name}.bitmap", torch.uint8, (rows, (cols + 7) // 8)),
-                    part(f"{e.name}.row_offsets", torch.int64, (rows + 1,)), e.shape, validate=False)
+                    part(f"{e.name}.row_offsets", torch.int64, (rows + 1,)),
+                    e.shape,
+                    validate=False,
+                )
             else:
                 views[e.name] = part(e.name, self.store.dtype, e.shape)
         return views
@@ -313,16 +332,31 @@ class OffloadRuntime(Runtime):
         s, p = self.counters, self.placement
         per = 1e3 / max(s.forwards, 1)
         tokens = max(s.forwards, 1)
-        return {"mode": self.mode, "compute": self.compute, "device": str(self.device), "forwards": s.forwards,
-                "read_path": self.read_path, "read_ms": s.read_wait_s * per, "read_wall_ms": s.read_wall_s * per,
-                "decompress_ms": s.decompress_s * per, "compute_ms": s.compute_s * per,
-                "bytes_read_per_token": s.bytes_read / tokens, "reads_per_token": s.n_reads / tokens,
-                "bytes_moved_per_token": s.bytes_moved / tokens, "layers_on_device": p.on_device,
-                "layers_in_memory": p.in_memory, "layers_on_ssd": self.layers_on_ssd,
-                "budget_bytes": self.budget_bytes, "accounted_bytes": self.accounted_bytes,
-                "device_budget_bytes": self.device_budget_bytes, "device_accounted_bytes": self.device_accounted_bytes,
-                "resident_bytes": self.resident_bytes, "memory_layer_bytes": p.device_layer_bytes + p.host_layer_bytes,
-                "staging_bytes": p.slot_bytes + p.decompress_bytes + p.bounce_bytes, "slots": p.slots}
+        return {
+            "mode": self.mode,
+            "compute": self.compute,
+            "device": str(self.device),
+            "forwards": s.forwards,
+            "read_path": self.read_path,
+            "read_ms": s.read_wait_s * per,
+            "read_wall_ms": s.read_wall_s * per,
+            "decompress_ms": s.decompress_s * per,
+            "compute_ms": s.compute_s * per,
+            "bytes_read_per_token": s.bytes_read / tokens,
+            "reads_per_token": s.n_reads / tokens,
+            "bytes_moved_per_token": s.bytes_moved / tokens,
+            "layers_on_device": p.on_device,
+            "layers_in_memory": p.in_memory,
+            "layers_on_ssd": self.layers_on_ssd,
+            "budget_bytes": self.budget_bytes,
+            "accounted_bytes": self.accounted_bytes,
+            "device_budget_bytes": self.device_budget_bytes,
+            "device_accounted_bytes": self.device_accounted_bytes,
+            "resident_bytes": self.resident_bytes,
+            "memory_layer_bytes": p.device_layer_bytes + p.host_layer_bytes,
+            "staging_bytes": p.slot_bytes + p.decompress_bytes + p.bounce_bytes,
+            "slots": p.slots,
+        }
 
     offload_stats = deprecated_alias(stats, "OffloadRuntime.offload_stats()", "OffloadRuntime.stats()")
 

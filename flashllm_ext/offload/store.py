@@ -1,5 +1,6 @@
 """The offload layer store (see flashllm_ext.offload): its format constants and LayerStore, which opens and
 validates one."""
+
 from __future__ import annotations
 
 import json
@@ -12,7 +13,7 @@ from safetensors import safe_open
 
 from flashllm_ext import endor
 from flashllm_ext.errors import FormatError
-from flashllm_ext.io.safetensors import (ResidentFile, TensorEntry, TensorSpec, dtype_name, owned_tensor, read_header)
+from flashllm_ext.io.safetensors import ResidentFile, TensorEntry, TensorSpec, dtype_name, owned_tensor, read_header
 from flashllm_ext.io.buffers import ALIGNMENT
 from flashllm_ext.flash.store import BUNDLES_FILE, DTYPES, parse_model_config
 
@@ -28,6 +29,7 @@ TENSOR_ALIGNMENT = 64  # inside a layer: every element size and a cache line; la
 
 # ------------------------------------------------------------------------------------------------ the store
 
+
 def round_up(n: int, alignment: int) -> int:
     return (n + alignment - 1) // alignment * alignment
 
@@ -35,6 +37,7 @@ def round_up(n: int, alignment: int) -> int:
 @dataclass(frozen=True)
 class MatrixEntry:
     """One decoder-layer Linear weight in the store: its checkpoint name, shape and form."""
+
     name: str
     shape: tuple[int, int]
     endor: bool
@@ -43,9 +46,11 @@ class MatrixEntry:
         if not self.endor:
             return [TensorSpec(self.name, dtype_name(dtype), self.shape)]
         rows, cols = self.shape
-        return [TensorSpec(f"{self.name}.values", dtype_name(dtype), (nnz,)),
-                TensorSpec(f"{self.name}.bitmap", "U8", (rows, (cols + 7) // 8)),
-                TensorSpec(f"{self.name}.row_offsets", "I64", (rows + 1,))]
+        return [
+            TensorSpec(f"{self.name}.values", dtype_name(dtype), (nnz,)),
+            TensorSpec(f"{self.name}.bitmap", "U8", (rows, (cols + 7) // 8)),
+            TensorSpec(f"{self.name}.row_offsets", "I64", (rows + 1,)),
+        ]
 
 
 class LayerStore:
@@ -60,10 +65,15 @@ class LayerStore:
         self.layers_path = str(self.path / LAYERS_FILE)
         self.resident_path = str(self.path / RESIDENT_FILE)
         if not os.path.lexists(self.layers_path):
-            hint = ("it does not exist" if not self.path.exists() else
-                    "it is a flash store: load_flash / flashllm run" if (self.path / BUNDLES_FILE).is_file() else
-                    "a checkpoint? convert_offload / flashllm offload --convert writes a layer store from it"
-                    if (self.path / "config.json").is_file() else f"no {LAYERS_FILE} in it")
+            hint = (
+                "it does not exist"
+                if not self.path.exists()
+                else "it is a flash store: load_flash / flashllm run"
+                if (self.path / BUNDLES_FILE).is_file()
+                else "a checkpoint? convert_offload / flashllm offload --convert writes a layer store from it"
+                if (self.path / "config.json").is_file()
+                else f"no {LAYERS_FILE} in it"
+            )
             raise FileNotFoundError(f"{self.path} is not a layer store ({hint})")
         header = read_header(self.layers_path)
         meta = header.metadata
@@ -73,11 +83,15 @@ class LayerStore:
             if m.get("magic") != MAGIC:
                 raise FormatError("__metadata__.magic", f"expected {MAGIC!r}, got {m.get('magic')!r}", file)
             if m.get("format_version") != FORMAT_VERSION:
-                raise FormatError("__metadata__.format_version", f"unsupported version {m.get('format_version')!r} "
-                                  f"(this library reads {FORMAT_VERSION})", file)
+                raise FormatError(
+                    "__metadata__.format_version",
+                    f"unsupported version {m.get('format_version')!r} (this library reads {FORMAT_VERSION})",
+                    file,
+                )
         if meta.get("dtype") not in DTYPES:
-            raise FormatError("__metadata__.dtype", f"must be one of {sorted(DTYPES)}, got {meta.get('dtype')!r}",
-                              self.layers_path)
+            raise FormatError(
+                "__metadata__.dtype", f"must be one of {sorted(DTYPES)}, got {meta.get('dtype')!r}", self.layers_path
+            )
         self.dtype = DTYPES[meta["dtype"]]
         for key, value in (("alignment", ALIGNMENT), ("tensor_alignment", TENSOR_ALIGNMENT)):
             if meta.get(key) != str(value):
@@ -85,11 +99,13 @@ class LayerStore:
         self.config = parse_model_config(meta.get("config"), self.layers_path, resident.tensors)
         try:
             raw_layers = json.loads(meta.get("layers", ""))
-            self.layers = [[MatrixEntry(str(n), (int(s[0]), int(s[1])), bool(e)) for n, s, e in layer]
-                           for layer in raw_layers]
+            self.layers = [
+                [MatrixEntry(str(n), (int(s[0]), int(s[1])), bool(e)) for n, s, e in layer] for layer in raw_layers
+            ]
         except (json.JSONDecodeError, TypeError, ValueError, IndexError) as e:
-            raise FormatError("__metadata__.layers", f"not a list of [name, [rows, cols], endor] per layer ({e})",
-                              self.layers_path) from None
+            raise FormatError(
+                "__metadata__.layers", f"not a list of [name, [rows, cols], endor] per layer ({e})", self.layers_path
+            ) from None
         if not self.layers or not all(self.layers):
             raise FormatError("__metadata__.layers", "no layers, or a layer without weights", self.layers_path)
         self._entries = header.tensors
@@ -101,21 +117,25 @@ class LayerStore:
                     t = self._entries.get(spec.name)
                     shape_ok = t is not None and (len(t.shape) == 1 if spec.shape == (-1,) else t.shape == spec.shape)
                     if not shape_ok or t.dtype != spec.dtype:
-                        raise FormatError(spec.name, f"missing or not {spec.dtype}{list(spec.shape)}",
-                                          self.layers_path)
+                        raise FormatError(spec.name, f"missing or not {spec.dtype}{list(spec.shape)}", self.layers_path)
                     if t.begin % TENSOR_ALIGNMENT:
-                        raise FormatError(f"{spec.name}.data_offsets", f"starts at byte {t.begin}, not on a "
-                                          f"{TENSOR_ALIGNMENT}-byte boundary", self.layers_path)
+                        raise FormatError(
+                            f"{spec.name}.data_offsets",
+                            f"starts at byte {t.begin}, not on a {TENSOR_ALIGNMENT}-byte boundary",
+                            self.layers_path,
+                        )
                     begin = t.begin if begin is None else min(begin, t.begin)
                     end = t.end if end is None else max(end, t.end)
             if begin % ALIGNMENT:
-                raise FormatError(f"layers[{i}]", f"starts at byte {begin}, not on a {ALIGNMENT}-byte boundary",
-                                  self.layers_path)
+                raise FormatError(
+                    f"layers[{i}]", f"starts at byte {begin}, not on a {ALIGNMENT}-byte boundary", self.layers_path
+                )
             self._ranges.append((begin, round_up(end, ALIGNMENT) - begin))
         last = self._ranges[-1][0] + self._ranges[-1][1]
         if os.path.getsize(self.layers_path) < last:
-            raise FormatError(END_TENSOR, f"the file ends before byte {last}, the end of the last layer's range",
-                              self.layers_path)
+            raise FormatError(
+                END_TENSOR, f"the file ends before byte {last}, the end of the last layer's range", self.layers_path
+            )
         self._resident = ResidentFile(self.resident_path)
 
     @property
@@ -161,6 +181,8 @@ class LayerStore:
         self._resident.close()
 
     def __repr__(self) -> str:
-        return (f"LayerStore({str(self.path)!r}, layers={self.n_layers}, dtype={self.dtype}, endor={self.endor}, "
-                f"{sum(self.stored_bytes(i) for i in range(self.n_layers)) / 1e6:.1f} MB stored of "
-                f"{sum(self.dense_bytes(i) for i in range(self.n_layers)) / 1e6:.1f} MB dense)")
+        return (
+            f"LayerStore({str(self.path)!r}, layers={self.n_layers}, dtype={self.dtype}, endor={self.endor}, "
+            f"{sum(self.stored_bytes(i) for i in range(self.n_layers)) / 1e6:.1f} MB stored of "
+            f"{sum(self.dense_bytes(i) for i in range(self.n_layers)) / 1e6:.1f} MB dense)"
+        )

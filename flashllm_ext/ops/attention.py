@@ -4,6 +4,7 @@ Each op: schema, checks (worded as the native kernels word them, csrc/common/<op
 reference kernel (registered as CompositeExplicitAutograd: every device without a native kernel, the test
 oracle and the benchmark baseline), fake kernel, and the typed wrapper library code calls.
 """
+
 from __future__ import annotations
 
 import math
@@ -25,37 +26,54 @@ LIB.define("decode_attention(Tensor q, Tensor k, Tensor v, float? scale=None) ->
 ATTENTION_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def _check_decode_attention_metadata(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                                     scale: float | None) -> float:
+def _check_decode_attention_metadata(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> float:
     """The metadata checks of csrc/common/decode_attention_checks.h. Returns the scale to use."""
-    torch._check(q.dtype in ATTENTION_DTYPES and q.dim() == 3,
-                 lambda: f"decode_attention: q must be a 3-D float32/float16/bfloat16 tensor [B, Hq, D], got "
-                         f"{q.dtype} of shape {list(q.shape)}")
+    torch._check(
+        q.dtype in ATTENTION_DTYPES and q.dim() == 3,
+        lambda: (
+            f"decode_attention: q must be a 3-D float32/float16/bfloat16 tensor [B, Hq, D], got "
+            f"{q.dtype} of shape {list(q.shape)}"
+        ),
+    )
     batch, n_q_heads, head_dim = q.shape
     for name, t in (("k", k), ("v", v)):
-        torch._check(t.dtype == q.dtype and t.dim() == 4,
-                     lambda: f"decode_attention: {name} must be a 4-D tensor [S, B, Hkv, D] of q's dtype, got "
-                             f"{t.dtype} of shape {list(t.shape)}")
+        torch._check(
+            t.dtype == q.dtype and t.dim() == 4,
+            lambda: (
+                f"decode_attention: {name} must be a 4-D tensor [S, B, Hkv, D] of q's dtype, got "
+                f"{t.dtype} of shape {list(t.shape)}"
+            ),
+        )
         torch._check(t.device == q.device, lambda: f"decode_attention: {name} is on {t.device} but q is on {q.device}")
-    torch._check(k.shape == v.shape,
-                 lambda: f"decode_attention: k and v must have the same shape, got {list(k.shape)} and "
-                         f"{list(v.shape)}")
-    torch._check(k.shape[1] == batch and k.shape[3] == head_dim,
-                 lambda: f"decode_attention: k and v must be [S, B={batch}, Hkv, D={head_dim}] to match q "
-                         f"{list(q.shape)}, got {list(k.shape)}")
+    torch._check(
+        k.shape == v.shape,
+        lambda: f"decode_attention: k and v must have the same shape, got {list(k.shape)} and {list(v.shape)}",
+    )
+    torch._check(
+        k.shape[1] == batch and k.shape[3] == head_dim,
+        lambda: (
+            f"decode_attention: k and v must be [S, B={batch}, Hkv, D={head_dim}] to match q "
+            f"{list(q.shape)}, got {list(k.shape)}"
+        ),
+    )
     torch._check(head_dim >= 1, lambda: "decode_attention: head_dim D must be >= 1")
     n_kv_heads = k.shape[2]
-    torch._check(n_kv_heads >= 1 and n_q_heads >= 1 and n_q_heads % n_kv_heads == 0,
-                 lambda: f"decode_attention: the query heads Hq={n_q_heads} must be a positive multiple of the kv "
-                         f"heads Hkv={n_kv_heads}")
+    torch._check(
+        n_kv_heads >= 1 and n_q_heads >= 1 and n_q_heads % n_kv_heads == 0,
+        lambda: (
+            f"decode_attention: the query heads Hq={n_q_heads} must be a positive multiple of the kv "
+            f"heads Hkv={n_kv_heads}"
+        ),
+    )
     if scale is None:
-        return head_dim ** -0.5
+        return head_dim**-0.5
     torch._check(math.isfinite(scale), lambda: f"decode_attention: scale must be finite, got {scale}")
     return scale
 
 
-def decode_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                               scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def decode_attention_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Pure-torch decode attention in float32 (two passes: exact logsumexp, then the weighted sum).
     q [B, Hq, D], k and v [S, B, Hkv, D] -> out [B, Hq, D] float32, lse [B, Hq] float32."""
     scale = _check_decode_attention_metadata(q, k, v, scale)
@@ -91,17 +109,31 @@ LIB.define("merge_attention_states(Tensor outs, Tensor lses) -> (Tensor, Tensor)
 
 def _check_merge_attention_states_metadata(outs: torch.Tensor, lses: torch.Tensor) -> None:
     """The metadata checks of csrc/common/merge_attention_states_checks.h."""
-    torch._check(outs.dtype == torch.float32 and outs.dim() == 4,
-                 lambda: f"merge_attention_states: outs must be a 4-D float32 tensor [P, B, H, D], got {outs.dtype} "
-                         f"of shape {list(outs.shape)}")
-    torch._check(lses.dtype == torch.float32 and lses.dim() == 3,
-                 lambda: f"merge_attention_states: lses must be a 3-D float32 tensor [P, B, H], got {lses.dtype} "
-                         f"of shape {list(lses.shape)}")
-    torch._check(lses.shape == outs.shape[:3],
-                 lambda: f"merge_attention_states: lses must be [P, B, H] = {list(outs.shape[:3])} to match outs "
-                         f"{list(outs.shape)}, got {list(lses.shape)}")
-    torch._check(lses.device == outs.device,
-                 lambda: f"merge_attention_states: lses is on {lses.device} but outs is on {outs.device}")
+    torch._check(
+        outs.dtype == torch.float32 and outs.dim() == 4,
+        lambda: (
+            f"merge_attention_states: outs must be a 4-D float32 tensor [P, B, H, D], got {outs.dtype} "
+            f"of shape {list(outs.shape)}"
+        ),
+    )
+    torch._check(
+        lses.dtype == torch.float32 and lses.dim() == 3,
+        lambda: (
+            f"merge_attention_states: lses must be a 3-D float32 tensor [P, B, H], got {lses.dtype} "
+            f"of shape {list(lses.shape)}"
+        ),
+    )
+    torch._check(
+        lses.shape == outs.shape[:3],
+        lambda: (
+            f"merge_attention_states: lses must be [P, B, H] = {list(outs.shape[:3])} to match outs "
+            f"{list(outs.shape)}, got {list(lses.shape)}"
+        ),
+    )
+    torch._check(
+        lses.device == outs.device,
+        lambda: f"merge_attention_states: lses is on {lses.device} but outs is on {outs.device}",
+    )
 
 
 def merge_attention_states_reference(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -130,8 +162,9 @@ def _merge_attention_states_fake(outs, lses):
     return outs.new_empty(outs.shape[1:]), lses.new_empty(lses.shape[1:])
 
 
-def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-                     scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def decode_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of one new query token per sequence over S keys/values in INF²'s token-major KV block layout.
 
     q: [B, Hq, D] float32 | float16 | bfloat16

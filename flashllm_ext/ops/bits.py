@@ -3,6 +3,7 @@
 Packed bitmaps (docs/design.md §5): uint8 [rows, ceil(cols/8)], each row starting on a byte, little bit order (bit j of
 byte b is column 8*b + j), as `numpy.packbits(mask, axis=-1, bitorder="little")`.
 """
+
 from __future__ import annotations
 
 import torch
@@ -10,8 +11,12 @@ import torch
 # The integer type of the same width as each element type Endor stores. Its kernels copy bits, never values, so
 # they move every element type through this view; "non-zero" means a non-zero bit pattern (-0.0 and NaN payloads
 # survive), and bitwise comparisons in tests go through it too (NaN != NaN as floats).
-BITS_VIEW = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16,
-             torch.int8: torch.int8}
+BITS_VIEW = {
+    torch.float32: torch.int32,
+    torch.float16: torch.int16,
+    torch.bfloat16: torch.int16,
+    torch.int8: torch.int8,
+}
 
 _POPCOUNT_LUT = torch.tensor([bin(i).count("1") for i in range(256)], dtype=torch.int64)
 _BIT_SHIFTS = torch.arange(8, dtype=torch.uint8)

@@ -3,11 +3,17 @@ named beside it; this module mirrors them for Python and for the Metal bodies ru
 MLX prepends to each body, while the SIMT build of the same bodies includes the C headers themselves), and
 tests/test_kernel_constants.py fails when a mirror drifts from its header.
 """
+
 from __future__ import annotations
 
 # EndorRowCode (csrc/common/endor_codes.h): why a kernel refused an Endor row.
-ENDOR_ROW_CODES = {"kEndorRowOk": 0, "kEndorRowIndexOutOfRange": 1, "kEndorRowOffsetsInvalid": 2,
-                   "kEndorRowPaddingBits": 3, "kEndorRowCountMismatch": 4}
+ENDOR_ROW_CODES = {
+    "kEndorRowOk": 0,
+    "kEndorRowIndexOutOfRange": 1,
+    "kEndorRowOffsetsInvalid": 2,
+    "kEndorRowPaddingBits": 3,
+    "kEndorRowCountMismatch": 4,
+}
 # csrc/common/ffn_grid.h: tokens one sparse_ffn / endor_linear launch holds in registers (kFfnMaxTokens); rows per
 # chunk of the down kernel and the cap on chunks (kFfnRowsPerChunk, kFfnMaxChunks).
 FFN_MAX_TOKENS = 8

@@ -4,6 +4,7 @@ Each op: schema, checks (worded as the native kernels word them, csrc/common/<op
 reference kernel (registered as CompositeExplicitAutograd: every device without a native kernel, the test
 oracle and the benchmark baseline), fake kernel, and the typed wrapper library code calls.
 """
+
 from __future__ import annotations
 
 from typing import Callable, NamedTuple
@@ -33,6 +34,7 @@ FFN_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 class Activation(NamedTuple):
     """One activation of sparse_ffn."""
+
     code: int  # what the native and Metal kernels take: FfnActivation in csrc/common/sparse_ffn_checks.h
     fn: Callable[[torch.Tensor], torch.Tensor]  # exact float32 math, as the reference kernel computes it
     config_names: tuple[str, ...]  # Hugging Face config names (hidden_act / activation_function) meaning exactly it
@@ -46,39 +48,77 @@ ACTIVATIONS = {
 }
 
 
-def _check_sparse_ffn_metadata(x: torch.Tensor, matrix: torch.Tensor, num_used: int, bias: torch.Tensor | None,
-                               activation: str, glu: bool, index: torch.Tensor | None, threshold: float) -> int:
+def _check_sparse_ffn_metadata(
+    x: torch.Tensor,
+    matrix: torch.Tensor,
+    num_used: int,
+    bias: torch.Tensor | None,
+    activation: str,
+    glu: bool,
+    index: torch.Tensor | None,
+    threshold: float,
+) -> int:
     """The metadata checks of csrc/common/sparse_ffn_checks.h. Returns d (the hidden size)."""
-    torch._check(x.dtype in FFN_DTYPES and x.dim() == 2,
-                 lambda: f"sparse_ffn: x must be a 2-D float32/float16/bfloat16 tensor [T, d], got {x.dtype} of "
-                         f"shape {tuple(x.shape)}")
+    torch._check(
+        x.dtype in FFN_DTYPES and x.dim() == 2,
+        lambda: (
+            f"sparse_ffn: x must be a 2-D float32/float16/bfloat16 tensor [T, d], got {x.dtype} of "
+            f"shape {tuple(x.shape)}"
+        ),
+    )
     d = x.shape[1]
     width = (3 if glu else 2) * d
-    torch._check(matrix.dtype == x.dtype and matrix.dim() == 2 and matrix.shape[1] == width,
-                 lambda: f"sparse_ffn: matrix must be {x.dtype} of shape [capacity, {width}] ({'3' if glu else '2'} "
-                         f"x d={d}), got {matrix.dtype} of shape {tuple(matrix.shape)}")
-    torch._check(matrix.stride(1) == 1 and (matrix.shape[0] <= 1 or matrix.stride(0) == width),
-                 lambda: "sparse_ffn: matrix must be contiguous")
-    torch._check(0 <= num_used <= matrix.shape[0],
-                 lambda: f"sparse_ffn: num_used={num_used} is outside [0, capacity={matrix.shape[0]}]")
-    torch._check(activation in ACTIVATIONS,
-                 lambda: f"sparse_ffn: activation must be one of {tuple(ACTIVATIONS)}, got {activation!r}")
-    torch._check(threshold >= 0 and threshold != float("inf"),  # NaN fails the first comparison
-                 lambda: f"sparse_ffn: threshold must be finite and >= 0, got {threshold}")
+    torch._check(
+        matrix.dtype == x.dtype and matrix.dim() == 2 and matrix.shape[1] == width,
+        lambda: (
+            f"sparse_ffn: matrix must be {x.dtype} of shape [capacity, {width}] ({'3' if glu else '2'} "
+            f"x d={d}), got {matrix.dtype} of shape {tuple(matrix.shape)}"
+        ),
+    )
+    torch._check(
+        matrix.stride(1) == 1 and (matrix.shape[0] <= 1 or matrix.stride(0) == width),
+        lambda: "sparse_ffn: matrix must be contiguous",
+    )
+    torch._check(
+        0 <= num_used <= matrix.shape[0],
+        lambda: f"sparse_ffn: num_used={num_used} is outside [0, capacity={matrix.shape[0]}]",
+    )
+    torch._check(
+        activation in ACTIVATIONS,
+        lambda: f"sparse_ffn: activation must be one of {tuple(ACTIVATIONS)}, got {activation!r}",
+    )
+    torch._check(
+        threshold >= 0 and threshold != float("inf"),  # NaN fails the first comparison
+        lambda: f"sparse_ffn: threshold must be finite and >= 0, got {threshold}",
+    )
     for name, t in (("matrix", matrix), ("bias", bias), ("index", index)):
-        torch._check(t is None or t.device == x.device,
-                     lambda: f"sparse_ffn: {name} is on {t.device} but x is on {x.device}")
-    torch._check(bias is None or (bias.dtype == x.dtype and bias.dim() == 1 and bias.shape[0] == matrix.shape[0]),
-                 lambda: f"sparse_ffn: bias must be {x.dtype} of shape [capacity={matrix.shape[0]}], got "
-                         f"{bias.dtype} of shape {tuple(bias.shape)}")
-    torch._check(index is None or (index.dtype == torch.int64 and index.dim() == 1),
-                 lambda: f"sparse_ffn: index must be a 1-D int64 tensor, got {index.dtype} of shape "
-                         f"{tuple(index.shape)}")
+        torch._check(
+            t is None or t.device == x.device, lambda: f"sparse_ffn: {name} is on {t.device} but x is on {x.device}"
+        )
+    torch._check(
+        bias is None or (bias.dtype == x.dtype and bias.dim() == 1 and bias.shape[0] == matrix.shape[0]),
+        lambda: (
+            f"sparse_ffn: bias must be {x.dtype} of shape [capacity={matrix.shape[0]}], got "
+            f"{bias.dtype} of shape {tuple(bias.shape)}"
+        ),
+    )
+    torch._check(
+        index is None or (index.dtype == torch.int64 and index.dim() == 1),
+        lambda: f"sparse_ffn: index must be a 1-D int64 tensor, got {index.dtype} of shape {tuple(index.shape)}",
+    )
     return d
 
 
-def check_sparse_ffn_args(x: torch.Tensor, matrix: torch.Tensor, num_used: int, bias: torch.Tensor | None,
-                          activation: str, glu: bool, index: torch.Tensor | None, threshold: float) -> int:
+def check_sparse_ffn_args(
+    x: torch.Tensor,
+    matrix: torch.Tensor,
+    num_used: int,
+    bias: torch.Tensor | None,
+    activation: str,
+    glu: bool,
+    index: torch.Tensor | None,
+    threshold: float,
+) -> int:
     """Every check the native kernels make, in torch (index range included). Returns d (the hidden size)."""
     d = _check_sparse_ffn_metadata(x, matrix, num_used, bias, activation, glu, index, threshold)
     if index is not None and index.numel():
@@ -89,15 +129,22 @@ def check_sparse_ffn_args(x: torch.Tensor, matrix: torch.Tensor, num_used: int, 
     return d
 
 
-def sparse_ffn_reference(x: torch.Tensor, matrix: torch.Tensor, num_used: int, bias: torch.Tensor | None,
-                         activation: str, glu: bool, index: torch.Tensor | None = None,
-                         threshold: float = 0.0) -> torch.Tensor:
+def sparse_ffn_reference(
+    x: torch.Tensor,
+    matrix: torch.Tensor,
+    num_used: int,
+    bias: torch.Tensor | None,
+    activation: str,
+    glu: bool,
+    index: torch.Tensor | None = None,
+    threshold: float = 0.0,
+) -> torch.Tensor:
     """Pure-torch sparse FFN in float32. x [T, d], matrix [capacity, 2d | 3d] -> [T, d] of x.dtype."""
     d = check_sparse_ffn_args(x, matrix, num_used, bias, activation, glu, index, threshold)
     rows = matrix[:num_used] if index is None else matrix[index]
     rows = rows.float()
     xf = x.float()
-    first = rows[:, d:2 * d] if glu else rows[:, :d]  # the column the activation applies to
+    first = rows[:, d : 2 * d] if glu else rows[:, :d]  # the column the activation applies to
     pre = xf @ first.t()
     if bias is not None:
         row_bias = bias[:num_used] if index is None else bias[index]
@@ -121,9 +168,17 @@ def _sparse_ffn_fake(x, matrix, num_used, bias, activation, glu, index=None, thr
     return x.new_empty(x.shape)
 
 
-def sparse_ffn(x: torch.Tensor, matrix: torch.Tensor, *, num_used: int, activation: str, glu: bool,
-               bias: torch.Tensor | None = None, index: torch.Tensor | None = None,
-               threshold: float = 0.0) -> torch.Tensor:
+def sparse_ffn(
+    x: torch.Tensor,
+    matrix: torch.Tensor,
+    *,
+    num_used: int,
+    activation: str,
+    glu: bool,
+    bias: torch.Tensor | None = None,
+    index: torch.Tensor | None = None,
+    threshold: float = 0.0,
+) -> torch.Tensor:
     """The FFN of x over the neuron bundles in the rows of `matrix` (float32 accumulation).
 
     x: [T, d] float32 | float16 | bfloat16

@@ -1,4 +1,5 @@
 """The `flashllm` op library: every schema of torch.ops.flashllm is defined on LIB (ops/<family>.py)."""
+
 from __future__ import annotations
 
 import torch

@@ -4,6 +4,7 @@ Each op: schema, checks (worded as the native kernels word them, csrc/common/<op
 reference kernel (registered as CompositeExplicitAutograd: every device without a native kernel, the test
 oracle and the benchmark baseline), fake kernel, and the typed wrapper library code calls.
 """
+
 from __future__ import annotations
 
 
@@ -23,18 +24,34 @@ LIB.define("half_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
 
 def _check_half_linear_metadata(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
     """The checks of csrc/common/half_linear_checks.h."""
-    torch._check(x.dtype in FFN_DTYPES and x.dim() == 2,
-                 lambda: f"half_linear: x must be a 2-D float32/float16/bfloat16 tensor [T, d], got {x.dtype} of "
-                         f"shape {tuple(x.shape)}")
-    torch._check(weight.dtype in FFN_DTYPES and weight.dim() == 2 and weight.shape[1] == x.shape[1],
-                 lambda: f"half_linear: weight must be a 2-D float32/float16/bfloat16 tensor [n, d={x.shape[1]}], "
-                         f"got {weight.dtype} of shape {tuple(weight.shape)}")
-    torch._check(bias is None or (bias.dtype == weight.dtype and bias.dim() == 1 and bias.shape[0] == weight.shape[0]),
-                 lambda: f"half_linear: bias must be {weight.dtype} (the weight's dtype) of shape [n={weight.shape[0]}], "
-                         f"got {bias.dtype} of shape {tuple(bias.shape)}")
-    torch._check(weight.device == x.device and (bias is None or bias.device == x.device),
-                 lambda: f"half_linear: weight and bias must be on x's device ({x.device}), got {weight.device}"
-                         + ("" if bias is None else f" and {bias.device}"))
+    torch._check(
+        x.dtype in FFN_DTYPES and x.dim() == 2,
+        lambda: (
+            f"half_linear: x must be a 2-D float32/float16/bfloat16 tensor [T, d], got {x.dtype} of "
+            f"shape {tuple(x.shape)}"
+        ),
+    )
+    torch._check(
+        weight.dtype in FFN_DTYPES and weight.dim() == 2 and weight.shape[1] == x.shape[1],
+        lambda: (
+            f"half_linear: weight must be a 2-D float32/float16/bfloat16 tensor [n, d={x.shape[1]}], "
+            f"got {weight.dtype} of shape {tuple(weight.shape)}"
+        ),
+    )
+    torch._check(
+        bias is None or (bias.dtype == weight.dtype and bias.dim() == 1 and bias.shape[0] == weight.shape[0]),
+        lambda: (
+            f"half_linear: bias must be {weight.dtype} (the weight's dtype) of shape [n={weight.shape[0]}], "
+            f"got {bias.dtype} of shape {tuple(bias.shape)}"
+        ),
+    )
+    torch._check(
+        weight.device == x.device and (bias is None or bias.device == x.device),
+        lambda: (
+            f"half_linear: weight and bias must be on x's device ({x.device}), got {weight.device}"
+            + ("" if bias is None else f" and {bias.device}")
+        ),
+    )
 
 
 def half_linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """The native library flashllm_ext._C, loaded once: importing it registers the native kernels of the op schemas
 (flashllm_ext.ops must be imported first) and the FlashReader class. `native_available` says whether it was built."""
+
 from __future__ import annotations
 
 from types import ModuleType

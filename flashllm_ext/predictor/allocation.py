@@ -13,6 +13,7 @@ searches greedily within a block, here across layers):
   costs the least, until the mean reaches the target (within step / L).
 The costs assume layers add up (each one measured with the others dense); the held-out figures are the check.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -28,10 +29,18 @@ from flashllm_ext.predictor.rule import ffn_hooks
 ALLOCATIONS = ("uniform", "fisher")
 
 
-def allocate_densities(model: nn.Module, predictors: NeuronPredictor, token_ids: torch.Tensor,
-                       inputs: Sequence[torch.Tensor], density: float, allocation: str = "uniform",
-                       step: float = 0.025, min_density: float = 0.05, window: int = 512,
-                       progress: bool = True) -> torch.Tensor:
+def allocate_densities(
+    model: nn.Module,
+    predictors: NeuronPredictor,
+    token_ids: torch.Tensor,
+    inputs: Sequence[torch.Tensor],
+    density: float,
+    allocation: str = "uniform",
+    step: float = 0.025,
+    min_density: float = 0.05,
+    window: int = 512,
+    progress: bool = True,
+) -> torch.Tensor:
     """float64 [L] per-layer densities with mean `density` (see the module doc) for `predictors`, whose per-layer
     cut-offs will be set from the calibration `inputs` (per layer [N, d], e.g. a capture of `token_ids` [T]) with
     set_density; the Fisher costs come from one forward and backward pass over `token_ids`."""
@@ -43,15 +52,19 @@ def allocate_densities(model: nn.Module, predictors: NeuronPredictor, token_ids:
     if allocation == "uniform":
         return torch.full((n_layers,), float(density), dtype=torch.float64)
     if not 0.0 < step < 1.0 or not 0.0 < min_density <= density:
-        raise ValueError(f"need 0 < step < 1 and 0 < min_density <= density, got step {step}, min_density "
-                         f"{min_density}, density {density}")
+        raise ValueError(
+            f"need 0 < step < 1 and 0 < min_density <= density, got step {step}, min_density "
+            f"{min_density}, density {density}"
+        )
     # The densities a layer can take, descending (rounded: 1 - k * step in floating point drifts off the grid).
     grid = [round(1.0 - k * step, 9) for k in range(int((1.0 - min_density) / step + 1e-9) + 1)]
     costs = fisher_costs(model, predictors, token_ids, inputs, grid, window, progress)
     index = [0] * n_layers  # each layer's place in grid
     for _ in range(int(round((1.0 - density) * n_layers / step))):
-        extra = [costs[i, index[i] + 1] - costs[i, index[i]] if index[i] + 1 < len(grid) else float("inf")
-                 for i in range(n_layers)]
+        extra = [
+            costs[i, index[i] + 1] - costs[i, index[i]] if index[i] + 1 < len(grid) else float("inf")
+            for i in range(n_layers)
+        ]
         cheapest = min(range(n_layers), key=lambda i: (extra[i], i))  # ties: the first layer (deterministic)
         if extra[cheapest] == float("inf"):
             break  # every layer at min_density
@@ -59,9 +72,15 @@ def allocate_densities(model: nn.Module, predictors: NeuronPredictor, token_ids:
     return torch.tensor([grid[i] for i in index], dtype=torch.float64)
 
 
-def fisher_costs(model: nn.Module, predictors: NeuronPredictor, token_ids: torch.Tensor,
-                 inputs: Sequence[torch.Tensor], grid: Sequence[float], window: int = 512,
-                 progress: bool = True) -> torch.Tensor:
+def fisher_costs(
+    model: nn.Module,
+    predictors: NeuronPredictor,
+    token_ids: torch.Tensor,
+    inputs: Sequence[torch.Tensor],
+    grid: Sequence[float],
+    window: int = 512,
+    progress: bool = True,
+) -> torch.Tensor:
     """float64 [L, len(grid)]: per layer, the empirical-Fisher loss increase (module doc) when that layer loads
     only the neurons `predictors` select at each density of `grid` (cut-offs from the calibration `inputs`)."""
     n_layers = predictors.n_layers
@@ -71,8 +90,10 @@ def fisher_costs(model: nn.Module, predictors: NeuronPredictor, token_ids: torch
         raise ValueError(f"token_ids must be a 1-D tensor of at least 2 tokens, got shape {tuple(token_ids.shape)}")
     # Per layer, the cut-off at each density, ascending (grid is descending): the neurons with a score at or below
     # cut-off j are the ones not loaded at grid[j], exactly as set_density selects them.
-    cutoffs = [torch.stack([keep_cutoff(predictors.scores(i, x.float()), r) for r in grid]) for i, x in
-               enumerate(tqdm(inputs, desc="allocation cut-offs", disable=not progress, leave=False))]
+    cutoffs = [
+        torch.stack([keep_cutoff(predictors.scores(i, x.float()), r) for r in grid])
+        for i, x in enumerate(tqdm(inputs, desc="allocation cut-offs", disable=not progress, leave=False))
+    ]
     costs = torch.zeros(n_layers, len(grid), dtype=torch.float64)
     stash: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     leaves: dict[int, torch.Tensor] = {}
@@ -85,6 +106,7 @@ def fisher_costs(model: nn.Module, predictors: NeuronPredictor, token_ids: torch
         def hook(module, args, out):
             leaves[i] = torch.zeros_like(out, requires_grad=True)
             return out + leaves[i]
+
         return hook
 
     requires = [p.requires_grad for p in model.parameters()]
@@ -93,9 +115,10 @@ def fisher_costs(model: nn.Module, predictors: NeuronPredictor, token_ids: torch
         try:
             for p in model.parameters():
                 p.requires_grad_(False)
-            for start in tqdm(range(0, token_ids.numel(), window), desc="allocation (Fisher)",
-                              disable=not progress, leave=False):
-                ids = token_ids[start:start + window]  # next-token loss within the window, as perplexity() scores
+            for start in tqdm(
+                range(0, token_ids.numel(), window), desc="allocation (Fisher)", disable=not progress, leave=False
+            ):
+                ids = token_ids[start : start + window]  # next-token loss within the window, as perplexity() scores
                 logits = model(ids.unsqueeze(0)).logits[0]
                 F.cross_entropy(logits[:-1].float(), ids[1:], reduction="sum").backward()
                 for i, m in enumerate(modules):

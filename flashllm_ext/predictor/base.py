@@ -12,6 +12,7 @@ predictors' loaded density on the calibration text: the oracle at the same densi
 measured. A method registers itself by subclassing with `method = "<name>"`; `save`/`load` in
 `predictor.io` store `config()` (JSON) next to the tensors of `state_dict()` and rebuild with `from_config`.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -28,6 +29,7 @@ class NeuronPredictor(nn.Module):
 
     Subclasses define `method`, `scores`, `config` (adding their own keys to the base's) and `from_config`.
     """
+
     method: ClassVar[str] = ""
     # The store layout its reads need: "bundles" (whole neurons, what convert.py writes and the engine serves), or
     # "input-channels" (W_gate / W_up columns by input channel: no such store exists, evaluation only).
@@ -41,8 +43,14 @@ class NeuronPredictor(nn.Module):
         if cls.method:
             PREDICTOR_METHODS[cls.method] = cls
 
-    def __init__(self, n_layers: int, hidden_size: int, n_neurons: int, thresholds: torch.Tensor | None = None,
-                 cutoffs: torch.Tensor | None = None):
+    def __init__(
+        self,
+        n_layers: int,
+        hidden_size: int,
+        n_neurons: int,
+        thresholds: torch.Tensor | None = None,
+        cutoffs: torch.Tensor | None = None,
+    ):
         super().__init__()
         self.n_layers, self.hidden_size, self.n_neurons = n_layers, hidden_size, n_neurons
         self.register_buffer("thresholds", _per_layer(thresholds, n_layers, "thresholds", 0.0))
@@ -59,8 +67,9 @@ class NeuronPredictor(nn.Module):
         return self.scores(layer, x) > self.cutoffs[layer]
 
     @torch.no_grad()
-    def read(self, layer: int, x: torch.Tensor, h: torch.Tensor
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def read(
+        self, layer: int, x: torch.Tensor, h: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """What the FFN computes from this method's reads, for inputs x [T, d] whose dense activations are h [T, n]:
         (the activations it computes [T, n], bool [T, n] the neurons whose W_down rows are read, bool [T, d] the
         input channels whose W_gate / W_up columns are read, or None: those of every loaded neuron). A neuron
@@ -79,8 +88,9 @@ class NeuronPredictor(nn.Module):
         """Cut-offs so that a fraction `density` (one for all layers, or one per layer) of the (token, neuron)
         pairs of the calibration inputs (per layer [N, d]) is predicted active. Returns the cut-offs [L]."""
         densities = self.layer_densities(inputs, density)
-        cutoffs = torch.stack([keep_cutoff(self.scores(i, x.float()), float(densities[i]))
-                               for i, x in enumerate(inputs)])
+        cutoffs = torch.stack(
+            [keep_cutoff(self.scores(i, x.float()), float(densities[i])) for i, x in enumerate(inputs)]
+        )
         self.set_cutoffs(cutoffs)
         self.loaded_density = float(densities.mean())
         return cutoffs
@@ -89,16 +99,25 @@ class NeuronPredictor(nn.Module):
         """fp32 [L]: `density` (one for all layers, or one per layer), checked, for calibration inputs (per layer)."""
         if len(inputs) != self.n_layers:
             raise ValueError(f"need calibration inputs for {self.n_layers} layers, got {len(inputs)}")
-        densities = _per_layer(None if isinstance(density, (int, float)) else torch.tensor(density), self.n_layers,
-                               "density", float(density) if isinstance(density, (int, float)) else 0.0)
+        densities = _per_layer(
+            None if isinstance(density, (int, float)) else torch.tensor(density),
+            self.n_layers,
+            "density",
+            float(density) if isinstance(density, (int, float)) else 0.0,
+        )
         if not ((densities > 0) & (densities <= 1)).all():
             raise ValueError(f"densities must be in (0, 1], got {densities.tolist()}")
         return densities
 
     def config(self) -> dict:
         """JSON-serialisable description from which `from_config` rebuilds an empty set of the same shapes."""
-        return {"method": self.method, "n_layers": self.n_layers, "hidden_size": self.hidden_size,
-                "n_neurons": self.n_neurons, "loaded_density": self.loaded_density}
+        return {
+            "method": self.method,
+            "n_layers": self.n_layers,
+            "hidden_size": self.hidden_size,
+            "n_neurons": self.n_neurons,
+            "loaded_density": self.loaded_density,
+        }
 
     @classmethod
     def from_config(cls, config: dict) -> NeuronPredictor:
@@ -114,8 +133,10 @@ class NeuronPredictor(nn.Module):
         """ValueError unless these predictors are for a model of (n_layers, hidden_size, n_neurons)."""
         mine = (self.n_layers, self.hidden_size, self.n_neurons)
         if mine != (n_layers, hidden_size, n_neurons):
-            raise ValueError(f"{where} has (layers, hidden, neurons) = {(n_layers, hidden_size, n_neurons)}, the "
-                             f"{self.method} predictors {mine}")
+            raise ValueError(
+                f"{where} has (layers, hidden, neurons) = {(n_layers, hidden_size, n_neurons)}, the "
+                f"{self.method} predictors {mine}"
+            )
 
 
 def keep_cutoff(values: torch.Tensor, density: float) -> torch.Tensor:

@@ -1,4 +1,5 @@
 """Recording what the predictors learn from: every layer's FFN input and active set (the rule) over a text."""
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -18,6 +19,7 @@ class ActivationCapture:
 
     `scores` holds the raw scores fp32 [T, n] of the layers listed in `keep_scores` only (they are large).
     """
+
     inputs: list[torch.Tensor]
     bitmaps: list[torch.Tensor]
     n_neurons: int
@@ -32,9 +34,15 @@ class ActivationCapture:
         return self.mask(layer).float().mean().item()
 
 
-def capture_activations(model: nn.Module, token_ids: torch.Tensor, thresholds: torch.Tensor, window: int = 512,
-                        keep_scores: Sequence[int] = (), progress: bool = True,
-                        lookahead: bool = False) -> ActivationCapture:
+def capture_activations(
+    model: nn.Module,
+    token_ids: torch.Tensor,
+    thresholds: torch.Tensor,
+    window: int = 512,
+    keep_scores: Sequence[int] = (),
+    progress: bool = True,
+    lookahead: bool = False,
+) -> ActivationCapture:
     """Record every layer's predictor input and active set (score > threshold) over `token_ids` [T]. lookahead:
     the inputs are what the engine's look-ahead predicts from instead (the FFN's norm of the decoder layer's
     input, before attention: flashllm_ext.flash.engine); the active sets stay the true ones."""
@@ -52,6 +60,7 @@ def capture_activations(model: nn.Module, token_ids: torch.Tensor, thresholds: t
         def hook(_layer, args, kwargs):
             hidden = args[0] if args else kwargs["hidden_states"]
             ahead[i] = norm(hidden).reshape(-1, hidden.shape[-1])
+
         return hook
 
     def record(i, x, h):
@@ -63,13 +72,24 @@ def capture_activations(model: nn.Module, token_ids: torch.Tensor, thresholds: t
         if i in kept:
             kept[i].append(s.float())
 
-    handles = [layer.register_forward_pre_hook(keep_ahead(i, ffn_norm(layer)), with_kwargs=True)
-               for i, layer in enumerate(decoder_layers(model))] if lookahead else []
+    handles = (
+        [
+            layer.register_forward_pre_hook(keep_ahead(i, ffn_norm(layer)), with_kwargs=True)
+            for i, layer in enumerate(decoder_layers(model))
+        ]
+        if lookahead
+        else []
+    )
     try:
         with ffn_hooks(model, record):
             run_windows(model, token_ids, window, progress, "capturing activations")
     finally:
         for handle in handles:
             handle.remove()
-    return ActivationCapture([torch.cat(c) for c in inputs], [torch.cat(c) for c in bitmaps], n_neurons,
-                             thresholds.clone(), {i: torch.cat(c) for i, c in kept.items()})
+    return ActivationCapture(
+        [torch.cat(c) for c in inputs],
+        [torch.cat(c) for c in bitmaps],
+        n_neurons,
+        thresholds.clone(),
+        {i: torch.cat(c) for i, c in kept.items()},
+    )

@@ -10,6 +10,7 @@ forward); a call of more than one token starts a new sequence (`reset` does too)
 forward of a whole window) therefore sees exactly the sets token-by-token decoding would: the set of a block
 depends only on earlier tokens.
 """
+
 from __future__ import annotations
 
 import torch
@@ -19,6 +20,7 @@ from flashllm_ext.predictor.base import NeuronPredictor, predictor_class
 
 class ContextPredictor(NeuronPredictor):
     """Block-level sets chosen from a base method's mean scores (see the module doc)."""
+
     method = "context"
 
     def __init__(self, base: NeuronPredictor, block: int = 16, prompt: int = 32, density: float = 0.5):

@@ -2,6 +2,7 @@
 of a flash store's resident file (with the `predictors` metadata entry), so a store carries the predictors of its
 model. The metadata is the predictor's `config()` (its method and shapes); loading rebuilds that method's class
 and refuses tensors that disagree with it."""
+
 from __future__ import annotations
 
 import json
@@ -34,8 +35,9 @@ def save_predictors(predictors: NeuronPredictor, path: str | os.PathLike) -> Non
     save_tensors(tensors, path, {"format": FORMAT_NAME, "version": FORMAT_VERSION, **meta})
 
 
-def save_predictors_to_store(predictors: NeuronPredictor, store_dir: str | os.PathLike,
-                             recipe: dict | None = None) -> Path:
+def save_predictors_to_store(
+    predictors: NeuronPredictor, store_dir: str | os.PathLike, recipe: dict | None = None
+) -> Path:
     """Add (or replace) the predictors in a flash store's resident file: tensors `predictor.*` and the
     `predictors` metadata entry; everything else in the file is kept. Atomic (temp file + rename). ValueError if
     they were made for a model of other shapes. recipe: how they were built (e.g. training.DEFAULT_RECIPE), kept in
@@ -84,11 +86,13 @@ def load_predictors(path: str | os.PathLike) -> NeuronPredictor:
         raise FormatError("header", str(e), path) from e
     standalone = metadata.get("format") == FORMAT_NAME and metadata.get("version") == FORMAT_VERSION
     if not standalone and metadata.get("predictors_version") != FORMAT_VERSION:
-        found = metadata.get("version") if metadata.get("format") == FORMAT_NAME else \
-            metadata.get("predictors_version")
-        raise FormatError("__metadata__.format", f"expected {FORMAT_NAME} v{FORMAT_VERSION} or a store with "
-                          f"predictors v{FORMAT_VERSION}, got v{found!r} (older predictors: train them again)",
-                          path)
+        found = metadata.get("version") if metadata.get("format") == FORMAT_NAME else metadata.get("predictors_version")
+        raise FormatError(
+            "__metadata__.format",
+            f"expected {FORMAT_NAME} v{FORMAT_VERSION} or a store with "
+            f"predictors v{FORMAT_VERSION}, got v{found!r} (older predictors: train them again)",
+            path,
+        )
     try:
         config = json.loads(metadata["predictors"])
         out = predictor_class(config["method"]).from_config(config)
@@ -100,6 +104,7 @@ def load_predictors(path: str | os.PathLike) -> NeuronPredictor:
     try:
         out.load_state_dict(state)
     except RuntimeError as e:
-        raise FormatError("predictor.*", f"tensors disagree with the metadata: {' '.join(str(e).split())}"[:600],
-                          path) from None
+        raise FormatError(
+            "predictor.*", f"tensors disagree with the metadata: {' '.join(str(e).split())}"[:600], path
+        ) from None
     return out.eval()

@@ -1,6 +1,7 @@
 """Low-rank predictors: a LowRankPredictor per layer, as a classifier of the active set (`PredictorSet`, method
 "lowrank": 'LLM in a flash', class-balanced BCE, probability thresholds) or as a regression of log|h|
 (`RegressionPredictorSet`, method "lowrank-reg": selected by a target density, not a probability)."""
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -40,8 +41,12 @@ class LowRankPredictor(nn.Module):
 class _LowRankSet(NeuronPredictor):
     """One LowRankPredictor per layer; scores are their outputs."""
 
-    def __init__(self, predictors: Sequence[LowRankPredictor], thresholds: torch.Tensor | None,
-                 cutoffs: torch.Tensor | None = None):
+    def __init__(
+        self,
+        predictors: Sequence[LowRankPredictor],
+        thresholds: torch.Tensor | None,
+        cutoffs: torch.Tensor | None = None,
+    ):
         if not predictors:
             raise ValueError("need at least one predictor")
         first = predictors[0]
@@ -71,10 +76,16 @@ class PredictorSet(_LowRankSet):
                       set_cutoffs / set_density write it (as sigmoid of the logit cut-off)
     top_k             predict the k most likely neurons per token instead
     """
+
     method = "lowrank"
 
-    def __init__(self, predictors: Sequence[LowRankPredictor], thresholds: torch.Tensor,
-                 prob_thresholds: torch.Tensor | None = None, top_k: int | None = None):
+    def __init__(
+        self,
+        predictors: Sequence[LowRankPredictor],
+        thresholds: torch.Tensor,
+        prob_thresholds: torch.Tensor | None = None,
+        top_k: int | None = None,
+    ):
         if thresholds.shape != (len(predictors),):
             raise ValueError(f"need one threshold per predictor ({len(predictors)}), got {tuple(thresholds.shape)}")
         super().__init__(predictors, thresholds)
@@ -101,14 +112,16 @@ class PredictorSet(_LowRankSet):
     @classmethod
     def from_config(cls, config: dict) -> PredictorSet:
         top_k = config.get("top_k")
-        return cls(cls._empty(config), torch.zeros(int(config["n_layers"])),
-                   top_k=None if top_k is None else int(top_k))
+        return cls(
+            cls._empty(config), torch.zeros(int(config["n_layers"])), top_k=None if top_k is None else int(top_k)
+        )
 
 
 class RegressionPredictorSet(_LowRankSet):
     """Low-rank regressions of log|h| per neuron (method "lowrank-reg"), fitted in closed form
     (`fit_log_regression`); a neuron is predicted active when its predicted log|h| is above the layer's cut-off,
     chosen for a target density (`set_density`)."""
+
     method = "lowrank-reg"
 
     @classmethod
@@ -116,8 +129,9 @@ class RegressionPredictorSet(_LowRankSet):
         return cls(cls._empty(config), None)
 
 
-def fit_log_regression(x: torch.Tensor, scores: torch.Tensor, rank: int, ridge: float = 1e-3,
-                       floor: float = 1e-6) -> LowRankPredictor:
+def fit_log_regression(
+    x: torch.Tensor, scores: torch.Tensor, rank: int, ridge: float = 1e-3, floor: float = 1e-6
+) -> LowRankPredictor:
     """Reduced-rank least squares of log(|h| + floor) [N, n] on the RMS-normalised x [N, d]: the full ridge
     solution projected on the top-`rank` directions of its fitted values. Deterministic (no SGD)."""
     if x.dim() != 2 or scores.shape[0] != x.shape[0] or scores.dim() != 2:

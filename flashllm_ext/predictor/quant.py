@@ -12,6 +12,7 @@ rounded through the inverse of H = X^T X, minimising ||X (w - w_q)||^2, the erro
 scores are made of, rather than ||w - w_q||^2). Both give the same format, scales and kernel: only the codes differ.
 Scoring is the op quant_scores (flashllm_ext/ops.py): a CPU kernel reading each code once, never dequantising, with x
 rounded to int8 per token (integer dot products: AVX-512 VNNI where the CPU has it)."""
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -42,12 +43,15 @@ def default_group_size(d: int) -> int | None:
 def check_group_size(group_size: int | None, d: int) -> None:
     """Refuse a group size the quant_scores kernels cannot take (None: one scale per row)."""
     if group_size is not None and (group_size <= 0 or group_size % QUANT_GROUP_MULTIPLE or d % group_size):
-        raise ValueError(f"group_size must be a positive multiple of {QUANT_GROUP_MULTIPLE} dividing d={d} (or None "
-                         f"for one scale per row), got {group_size}")
+        raise ValueError(
+            f"group_size must be a positive multiple of {QUANT_GROUP_MULTIPLE} dividing d={d} (or None "
+            f"for one scale per row), got {group_size}"
+        )
 
 
-def quantize_rows(w: torch.Tensor, bits: int, grid: int = 20, inputs: torch.Tensor | None = None,
-                  group_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(
+    w: torch.Tensor, bits: int, grid: int = 20, inputs: torch.Tensor | None = None, group_size: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(codes uint8 [n, ceil(d * bits / 8)], scales float16 [n], or [n, d / group_size] with groups) of w [n, d]
     (see the module doc). inputs [N, d]: calibration inputs of the layer: GPTQ rounding against them (None: round to
     nearest)."""
@@ -94,10 +98,10 @@ def _gptq_codes(w: torch.Tensor, scale: torch.Tensor, bits: int, inputs: torch.T
     rest = w.clone()
     codes = torch.empty(w.shape, dtype=torch.uint8)
     for j in range(w.shape[1]):
-        q = torch.clamp(torch.round(rest[:, j:j + 1] / scale[:, j:j + 1] + center), 0, levels - 1)
+        q = torch.clamp(torch.round(rest[:, j : j + 1] / scale[:, j : j + 1] + center), 0, levels - 1)
         codes[:, j] = q.squeeze(1).to(torch.uint8)
-        error = (rest[:, j:j + 1] - (q - center) * scale[:, j:j + 1]) / u[j, j]
-        rest[:, j + 1:] -= error * u[j, j + 1:]
+        error = (rest[:, j : j + 1] - (q - center) * scale[:, j : j + 1]) / u[j, j]
+        rest[:, j + 1 :] -= error * u[j, j + 1 :]
     return codes
 
 
@@ -107,13 +111,22 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     n, d = codes.shape
     width = -(-d * bits // 8)
     stream = torch.zeros(n, width * 8, dtype=torch.uint8)
-    stream[:, :d * bits] = ((codes.unsqueeze(-1) >> torch.arange(bits, dtype=torch.uint8)) & 1).view(n, d * bits)
+    stream[:, : d * bits] = ((codes.unsqueeze(-1) >> torch.arange(bits, dtype=torch.uint8)) & 1).view(n, d * bits)
     return (stream.view(n, width, 8) << torch.arange(8, dtype=torch.uint8)).sum(-1, dtype=torch.uint8)
 
 
 class _QuantLayer(nn.Module):
-    def __init__(self, d: int, n: int, glu: bool, gate_bits: int, up_bits: int, gate_bias: bool, up_bias: bool,
-                 group_size: int | None):
+    def __init__(
+        self,
+        d: int,
+        n: int,
+        glu: bool,
+        gate_bits: int,
+        up_bits: int,
+        gate_bias: bool,
+        up_bias: bool,
+        group_size: int | None,
+    ):
         super().__init__()
         self.d = d
         scale_shape = (n,) if group_size is None else (n, d // group_size)
@@ -128,11 +141,24 @@ class _QuantLayer(nn.Module):
 class QuantPredictor(NeuronPredictor):
     """scores = |h| computed from low-bit copies of W_gate (gate_bits) and W_up (up_bits) with one scale per row
     (group_size None) or per group of group_size columns, their codes rounded by `rounding` (one of ROUNDINGS)."""
+
     method = "quant"
 
-    def __init__(self, n_layers: int, hidden_size: int, n_neurons: int, activation: str, glu: bool,
-                 gate_bits: int = 4, up_bits: int = 2, gate_bias: bool = False, up_bias: bool = False,
-                 thresholds: torch.Tensor | None = None, rounding: str = "nearest", group_size: int | None = None):
+    def __init__(
+        self,
+        n_layers: int,
+        hidden_size: int,
+        n_neurons: int,
+        activation: str,
+        glu: bool,
+        gate_bits: int = 4,
+        up_bits: int = 2,
+        gate_bias: bool = False,
+        up_bias: bool = False,
+        thresholds: torch.Tensor | None = None,
+        rounding: str = "nearest",
+        group_size: int | None = None,
+    ):
         for bits in (gate_bits, up_bits):
             if bits not in BITS:
                 raise ValueError(f"bits must be one of {BITS}, got {bits}")
@@ -142,13 +168,23 @@ class QuantPredictor(NeuronPredictor):
         super().__init__(n_layers, hidden_size, n_neurons, thresholds)
         self.activation, self.glu, self.rounding, self.group_size = activation, glu, rounding, group_size
         self.gate_bits, self.up_bits, self.gate_bias, self.up_bias = gate_bits, up_bits, gate_bias, up_bias
-        self.layers = nn.ModuleList(_QuantLayer(hidden_size, n_neurons, glu, gate_bits, up_bits, gate_bias, up_bias,
-                                                group_size) for _ in range(n_layers))
+        self.layers = nn.ModuleList(
+            _QuantLayer(hidden_size, n_neurons, glu, gate_bits, up_bits, gate_bias, up_bias, group_size)
+            for _ in range(n_layers)
+        )
 
     @classmethod
-    def from_model(cls, model: nn.Module, gate_bits: int, up_bits: int, thresholds: torch.Tensor | None = None,
-                   rounding: str = "nearest", inputs: Sequence[torch.Tensor] | None = None,
-                   group_size: int | str | None = None, progress: bool = False) -> QuantPredictor:
+    def from_model(
+        cls,
+        model: nn.Module,
+        gate_bits: int,
+        up_bits: int,
+        thresholds: torch.Tensor | None = None,
+        rounding: str = "nearest",
+        inputs: Sequence[torch.Tensor] | None = None,
+        group_size: int | str | None = None,
+        progress: bool = False,
+    ) -> QuantPredictor:
         """Quantise the input projections of a Llama-family or OPT model (default bits: training.DEFAULT_RECIPE).
         inputs (per layer [N, d], the FFN's calibration inputs): what rounding "gptq" minimises the error on.
         group_size: columns per scale, None for one per row, "auto" for default_group_size(d)."""
@@ -156,11 +192,25 @@ class QuantPredictor(NeuronPredictor):
         first = weights[0]
         if group_size == "auto":
             group_size = default_group_size(first.up.shape[1])
-        out = cls(len(weights), first.up.shape[1], first.up.shape[0], activation, first.gate is not None, gate_bits,
-                  up_bits, first.gate_bias is not None, first.up_bias is not None, thresholds, rounding, group_size)
+        out = cls(
+            len(weights),
+            first.up.shape[1],
+            first.up.shape[0],
+            activation,
+            first.gate is not None,
+            gate_bits,
+            up_bits,
+            first.gate_bias is not None,
+            first.up_bias is not None,
+            thresholds,
+            rounding,
+            group_size,
+        )
         if rounding == "gptq" and (inputs is None or len(inputs) != len(weights)):
-            raise ValueError(f"rounding 'gptq' needs calibration inputs for each of the {len(weights)} layers, got "
-                             f"{None if inputs is None else len(inputs)}")
+            raise ValueError(
+                f"rounding 'gptq' needs calibration inputs for each of the {len(weights)} layers, got "
+                f"{None if inputs is None else len(inputs)}"
+            )
         for i in tqdm(range(len(weights)), desc="quantising predictors", disable=not progress):
             layer, w = out.layers[i], weights[i]
             x = inputs[i].float() if rounding == "gptq" else None
@@ -179,19 +229,44 @@ class QuantPredictor(NeuronPredictor):
     @torch.no_grad()
     def scores(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         q = self.layers[layer]
-        return ops.quant_scores(x, q.up_codes, q.up_scale, up_bits=self.up_bits, up_bias=q.up_bias,
-                                gate_codes=q.gate_codes, gate_scale=q.gate_scale, gate_bits=self.gate_bits,
-                                gate_bias=q.gate_bias, activation=self.activation)
+        return ops.quant_scores(
+            x,
+            q.up_codes,
+            q.up_scale,
+            up_bits=self.up_bits,
+            up_bias=q.up_bias,
+            gate_codes=q.gate_codes,
+            gate_scale=q.gate_scale,
+            gate_bits=self.gate_bits,
+            gate_bias=q.gate_bias,
+            activation=self.activation,
+        )
 
     def config(self) -> dict:
-        return {**super().config(), "activation": self.activation, "glu": self.glu, "gate_bits": self.gate_bits,
-                "up_bits": self.up_bits, "gate_bias": self.gate_bias, "up_bias": self.up_bias,
-                "rounding": self.rounding, "group_size": self.group_size}
+        return {
+            **super().config(),
+            "activation": self.activation,
+            "glu": self.glu,
+            "gate_bits": self.gate_bits,
+            "up_bits": self.up_bits,
+            "gate_bias": self.gate_bias,
+            "up_bias": self.up_bias,
+            "rounding": self.rounding,
+            "group_size": self.group_size,
+        }
 
     @classmethod
     def from_config(cls, config: dict) -> QuantPredictor:
-        return cls(int(config["n_layers"]), int(config["hidden_size"]), int(config["n_neurons"]),
-                   str(config["activation"]), bool(config["glu"]), int(config["gate_bits"]), int(config["up_bits"]),
-                   bool(config["gate_bias"]), bool(config["up_bias"]),
-                   rounding=str(config.get("rounding", "nearest")),  # predictors saved before GPTQ: nearest
-                   group_size=config.get("group_size"))  # and before groups: one scale per row
+        return cls(
+            int(config["n_layers"]),
+            int(config["hidden_size"]),
+            int(config["n_neurons"]),
+            str(config["activation"]),
+            bool(config["glu"]),
+            int(config["gate_bits"]),
+            int(config["up_bits"]),
+            bool(config["gate_bias"]),
+            bool(config["up_bias"]),
+            rounding=str(config.get("rounding", "nearest")),  # predictors saved before GPTQ: nearest
+            group_size=config.get("group_size"),
+        )  # and before groups: one scale per row

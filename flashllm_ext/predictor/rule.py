@@ -13,6 +13,7 @@ per FFN layer with n neurons:
 A predictor guesses the active set from x. The patched FFN used for perplexity computes h = act(gate) * up
 densely, then zeroes the inactive neurons: it measures accuracy, not speed.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
@@ -31,6 +32,7 @@ from flashllm_ext.hub.hf import decoder_layers
 @dataclass
 class FFNModules:
     """The modules of one FFN layer the hooks attach to."""
+
     ffn_input: nn.Module  # its (first) input is x, the FFN's own input
     down: nn.Module  # its input is h
 
@@ -49,6 +51,7 @@ def ffn_modules(model: nn.Module) -> list[FFNModules]:
 class FFNWeights:
     """One FFN layer's input projections as the model computes h (float32 copies): act(x . gate + gate_bias) *
     (x . up + up_bias) for GLU layers (gate not None), act(x . up + up_bias) otherwise (biases None if absent)."""
+
     gate: torch.Tensor | None  # [n, d]
     gate_bias: torch.Tensor | None  # [n]
     up: torch.Tensor  # [n, d]
@@ -78,8 +81,14 @@ def ffn_weights(model: nn.Module) -> tuple[list[FFNWeights], str]:
     for layer in decoder_layers(model):
         if hasattr(layer, "mlp") and hasattr(layer.mlp, "gate_proj"):
             mlp = layer.mlp
-            out.append(FFNWeights(copy(mlp.gate_proj, "weight"), copy(mlp.gate_proj, "bias"),
-                                  copy(mlp.up_proj, "weight"), copy(mlp.up_proj, "bias")))
+            out.append(
+                FFNWeights(
+                    copy(mlp.gate_proj, "weight"),
+                    copy(mlp.gate_proj, "bias"),
+                    copy(mlp.up_proj, "weight"),
+                    copy(mlp.up_proj, "bias"),
+                )
+            )
         else:
             out.append(FFNWeights(None, None, copy(layer.fc1, "weight"), copy(layer.fc1, "bias")))
     return out, activation
@@ -117,6 +126,7 @@ def ffn_hooks(model: nn.Module, callback: FFNCallback) -> Iterator[list[FFNModul
             x = stash.pop(("x", i))
             flat = callback(i, x.reshape(-1, x.shape[-1]), h.reshape(-1, h.shape[-1]))
             return None if flat is None else (flat.view_as(h),)
+
         return hook
 
     try:
@@ -135,5 +145,5 @@ def run_windows(model: nn.Module, token_ids: torch.Tensor, window: int, progress
     if token_ids.dim() != 1 or token_ids.numel() == 0:
         raise ValueError(f"token_ids must be a non-empty 1-D tensor, got shape {tuple(token_ids.shape)}")
     for start in tqdm(range(0, token_ids.numel(), window), desc=desc, disable=not progress, leave=False):
-        model(token_ids[start:start + window].unsqueeze(0))
+        model(token_ids[start : start + window].unsqueeze(0))
     return token_ids.numel()

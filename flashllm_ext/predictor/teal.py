@@ -17,6 +17,7 @@ neuron methods at the same loaded density. Computing h needs the model's input p
 `attach` hold references to float32 copies of them, which are the FFN's own weights (read from the store at run
 time), not predictor memory; a loaded predictor keeps only its thresholds and must be attached before use.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -31,6 +32,7 @@ from flashllm_ext.predictor.rule import FFNWeights, ffn_weights
 
 class TealPredictor(NeuronPredictor):
     """Magnitude thresholds on the FFN input (`input_thresholds` [L]) and on h (`cutoffs` [L]); see the module doc."""
+
     method = "teal"
     store_layout: ClassVar[str] = "input-channels"
 
@@ -55,8 +57,10 @@ class TealPredictor(NeuronPredictor):
         first = weights[0]
         self.check_shape(len(weights), first.up.shape[1], first.up.shape[0], "the model")
         if (activation, first.gate is not None) != (self.activation, self.glu):
-            raise ValueError(f"the model's FFN is ({activation}, glu={first.gate is not None}), the teal predictors' "
-                             f"({self.activation}, glu={self.glu})")
+            raise ValueError(
+                f"the model's FFN is ({activation}, glu={first.gate is not None}), the teal predictors' "
+                f"({self.activation}, glu={self.glu})"
+            )
         self._weights = weights
         return self
 
@@ -66,8 +70,10 @@ class TealPredictor(NeuronPredictor):
 
     def _sparse_h(self, layer: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self._weights is None:
-            raise ValueError("teal predictors compute h from the model's input projections: build them with "
-                             "TealPredictor.from_model(model) or call .attach(model) after loading")
+            raise ValueError(
+                "teal predictors compute h from the model's input projections: build them with "
+                "TealPredictor.from_model(model) or call .attach(model) after loading"
+            )
         keep = self.input_mask(layer, x)
         return self._weights[layer].h(x.float() * keep, self.activation), keep
 
@@ -77,8 +83,9 @@ class TealPredictor(NeuronPredictor):
         return self._sparse_h(layer, x)[0].abs()
 
     @torch.no_grad()
-    def read(self, layer: int, x: torch.Tensor, h: torch.Tensor
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def read(
+        self, layer: int, x: torch.Tensor, h: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         used, keep = self._sparse_h(layer, x)
         loaded = used.abs() > self.cutoffs[layer]
         return used, loaded, keep
@@ -97,5 +104,10 @@ class TealPredictor(NeuronPredictor):
 
     @classmethod
     def from_config(cls, config: dict) -> TealPredictor:
-        return cls(int(config["n_layers"]), int(config["hidden_size"]), int(config["n_neurons"]),
-                   str(config["activation"]), bool(config["glu"]))
+        return cls(
+            int(config["n_layers"]),
+            int(config["hidden_size"]),
+            int(config["n_neurons"]),
+            str(config["activation"]),
+            bool(config["glu"]),
+        )

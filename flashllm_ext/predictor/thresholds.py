@@ -1,5 +1,6 @@
 """Per-layer thresholds on the active-neuron rule's score, calibrated to a target sparsity (SwiGLU has no exact
 zeros; ReLU layers keep theirs)."""
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -10,8 +11,13 @@ from torch import nn
 from flashllm_ext.predictor.rule import activation_score, ffn_hooks, run_windows
 
 
-def calibrate_thresholds(model: nn.Module, token_ids: torch.Tensor, target: float | Sequence[float] = 0.5,
-                         window: int = 512, progress: bool = True) -> torch.Tensor | dict[float, torch.Tensor]:
+def calibrate_thresholds(
+    model: nn.Module,
+    token_ids: torch.Tensor,
+    target: float | Sequence[float] = 0.5,
+    window: int = 512,
+    progress: bool = True,
+) -> torch.Tensor | dict[float, torch.Tensor]:
     """Per-layer thresholds on the rule's score so that a fraction `target` of (token, neuron) scores lies at or
     below.
 

@@ -2,6 +2,7 @@
 density); `train_predictors` is the low-rank classifier's training ('LLM in a flash': one LowRankPredictor per
 layer fitted to the captured active sets with a class-balanced loss, probability thresholds chosen for a recall on
 held-out tokens)."""
+
 from __future__ import annotations
 
 import math
@@ -36,8 +37,14 @@ DEFAULT_UP_BITS = 4
 DEFAULT_ROUNDING = "gptq"
 DEFAULT_GROUP_SIZE = "auto"  # quant.default_group_size of the model's hidden size
 # What a cached store's predictors must have been built with to be the default ones (io.predictors_recipe).
-DEFAULT_RECIPE = {"method": DEFAULT_METHOD, "density": DEFAULT_DENSITY, "gate_bits": DEFAULT_GATE_BITS,
-                  "up_bits": DEFAULT_UP_BITS, "rounding": DEFAULT_ROUNDING, "group_size": DEFAULT_GROUP_SIZE}
+DEFAULT_RECIPE = {
+    "method": DEFAULT_METHOD,
+    "density": DEFAULT_DENSITY,
+    "gate_bits": DEFAULT_GATE_BITS,
+    "up_bits": DEFAULT_UP_BITS,
+    "rounding": DEFAULT_ROUNDING,
+    "group_size": DEFAULT_GROUP_SIZE,
+}
 
 
 def default_rounding(method: str) -> str:
@@ -46,9 +53,15 @@ def default_rounding(method: str) -> str:
     return DEFAULT_ROUNDING if method == "quant" else "nearest"
 
 
-def predictors_recipe_of(method: str, density: float | None, gate_bits: int = DEFAULT_GATE_BITS,
-                         up_bits: int = DEFAULT_UP_BITS, rounding: str = "nearest",
-                         allocation: str = "uniform", group_size: int | str | None = None) -> dict:
+def predictors_recipe_of(
+    method: str,
+    density: float | None,
+    gate_bits: int = DEFAULT_GATE_BITS,
+    up_bits: int = DEFAULT_UP_BITS,
+    rounding: str = "nearest",
+    allocation: str = "uniform",
+    group_size: int | str | None = None,
+) -> dict:
     """The recipe saved with a store's predictors (io.save_predictors_to_store): the options build_predictors was
     given. Bits, rounding and group size only for quant; rounding, group size and allocation only where they are not
     the original "nearest" / per row / "uniform", so the recipes of stores built before those options existed still
@@ -72,9 +85,16 @@ def auto_rank(density: float, d: int, base_rank: int = 64, base_density: float =
     return int(min(max(rank, 16), max(16, d // 2)))
 
 
-def train_predictor(x: torch.Tensor, mask: torch.Tensor, rank: int, epochs: int = 10, batch_size: int = 256,
-                    lr: float = 1e-2, false_negative_weight: float | None = None, seed: int = 0
-                    ) -> LowRankPredictor:
+def train_predictor(
+    x: torch.Tensor,
+    mask: torch.Tensor,
+    rank: int,
+    epochs: int = 10,
+    batch_size: int = 256,
+    lr: float = 1e-2,
+    false_negative_weight: float | None = None,
+    seed: int = 0,
+) -> LowRankPredictor:
     """Fit a LowRankPredictor to x [N, d] -> mask bool [N, n] with a class-balanced BCE.
 
     Positives (active neurons) weigh n_inactive / n_active unless `false_negative_weight` is given: a missed
@@ -100,8 +120,9 @@ def train_predictor(x: torch.Tensor, mask: torch.Tensor, rank: int, epochs: int 
     return predictor.eval()
 
 
-def choose_prob_thresholds(predictors: Sequence[LowRankPredictor], inputs: Sequence[torch.Tensor],
-                           masks: Sequence[torch.Tensor], recall: float) -> torch.Tensor:
+def choose_prob_thresholds(
+    predictors: Sequence[LowRankPredictor], inputs: Sequence[torch.Tensor], masks: Sequence[torch.Tensor], recall: float
+) -> torch.Tensor:
     """Per layer, the largest probability threshold that keeps recall >= `recall` on (inputs, masks)."""
     out = torch.zeros(len(predictors))
     with torch.no_grad():
@@ -115,8 +136,15 @@ def choose_prob_thresholds(predictors: Sequence[LowRankPredictor], inputs: Seque
     return out
 
 
-def _train_lowrank(capture: ActivationCapture, rank, epochs: int, recall: float | None, top_k: int | None,
-                   validation_fraction: float, progress: bool) -> PredictorSet:
+def _train_lowrank(
+    capture: ActivationCapture,
+    rank,
+    epochs: int,
+    recall: float | None,
+    top_k: int | None,
+    validation_fraction: float,
+    progress: bool,
+) -> PredictorSet:
     n_layers = len(capture.inputs)
     if isinstance(rank, Sequence) and len(rank) != n_layers:
         raise ValueError(f"need one rank per layer ({n_layers}), got {len(rank)}")
@@ -133,13 +161,26 @@ def _train_lowrank(capture: ActivationCapture, rank, epochs: int, recall: float 
     return PredictorSet(predictors, capture.thresholds, probs, top_k)
 
 
-def build_predictors(model: nn.Module, token_ids: torch.Tensor, method: str = DEFAULT_METHOD, *,
-                     density: float | Sequence[float] | None = DEFAULT_DENSITY, target_sparsity: float = 0.6,
-                     rank: int | Sequence[int] | None = None, epochs: int = 10, recall: float | None = 0.95,
-                     gate_bits: int = DEFAULT_GATE_BITS, up_bits: int = DEFAULT_UP_BITS, rounding: str | None = None,
-                     group_size: int | str | None = DEFAULT_GROUP_SIZE, allocation: str = "uniform",
-                     base: str = "quant", block: int = 16, window: int = 512, progress: bool = True
-                     ) -> NeuronPredictor:
+def build_predictors(
+    model: nn.Module,
+    token_ids: torch.Tensor,
+    method: str = DEFAULT_METHOD,
+    *,
+    density: float | Sequence[float] | None = DEFAULT_DENSITY,
+    target_sparsity: float = 0.6,
+    rank: int | Sequence[int] | None = None,
+    epochs: int = 10,
+    recall: float | None = 0.95,
+    gate_bits: int = DEFAULT_GATE_BITS,
+    up_bits: int = DEFAULT_UP_BITS,
+    rounding: str | None = None,
+    group_size: int | str | None = DEFAULT_GROUP_SIZE,
+    allocation: str = "uniform",
+    base: str = "quant",
+    block: int = 16,
+    window: int = 512,
+    progress: bool = True,
+) -> NeuronPredictor:
     """Predictors of `method` (a name of PREDICTOR_METHODS) for `model`, from the calibration `token_ids` [T].
 
     density: the loaded density (one for all layers or one per layer): each layer's cut-off keeps this fraction
@@ -166,44 +207,99 @@ def build_predictors(model: nn.Module, token_ids: torch.Tensor, method: str = DE
         raise ValueError(f"allocation {allocation!r} spreads one target density over the layers, got {density}")
     thresholds = calibrate_thresholds(model, token_ids, target_sparsity, window, progress)
     capture = capture_activations(model, token_ids, thresholds, window, progress=progress)
-    predictors = predictors_from_capture(model, capture, method, rank=rank, epochs=epochs, recall=recall,
-                                         gate_bits=gate_bits, up_bits=up_bits, rounding=rounding,
-                                         group_size=group_size, base=base, block=block, progress=progress)
+    predictors = predictors_from_capture(
+        model,
+        capture,
+        method,
+        rank=rank,
+        epochs=epochs,
+        recall=recall,
+        gate_bits=gate_bits,
+        up_bits=up_bits,
+        rounding=rounding,
+        group_size=group_size,
+        base=base,
+        block=block,
+        progress=progress,
+    )
     if density is not None:
         if isinstance(density, (int, float)):
-            density = allocate_densities(model, predictors, token_ids, capture.inputs, float(density), allocation,
-                                         window=window, progress=progress).tolist()
+            density = allocate_densities(
+                model,
+                predictors,
+                token_ids,
+                capture.inputs,
+                float(density),
+                allocation,
+                window=window,
+                progress=progress,
+            ).tolist()
         select_density(model, predictors, capture.inputs, token_ids, density, window, progress)
     return predictors
 
 
-def predictors_from_capture(model: nn.Module, capture: ActivationCapture, method: str, *,
-                            rank: int | Sequence[int] | None = None, epochs: int = 10, recall: float | None = 0.95,
-                            gate_bits: int = DEFAULT_GATE_BITS, up_bits: int = DEFAULT_UP_BITS,
-                            rounding: str = "nearest", group_size: int | str | None = None, base: str = "quant",
-                            block: int = 16, progress: bool = True) -> NeuronPredictor:
+def predictors_from_capture(
+    model: nn.Module,
+    capture: ActivationCapture,
+    method: str,
+    *,
+    rank: int | Sequence[int] | None = None,
+    epochs: int = 10,
+    recall: float | None = 0.95,
+    gate_bits: int = DEFAULT_GATE_BITS,
+    up_bits: int = DEFAULT_UP_BITS,
+    rounding: str = "nearest",
+    group_size: int | str | None = None,
+    base: str = "quant",
+    block: int = 16,
+    progress: bool = True,
+) -> NeuronPredictor:
     """Predictors of `method` from a capture of the calibration text (lowrank learns its active sets; the others
     use its inputs or the model's weights), at their own default operating point (see select_density)."""
     n_layers = len(capture.inputs)
     if method == "context":
         if base == "context":
             raise ValueError("a context predictor needs another method as its base")
-        return ContextPredictor(predictors_from_capture(model, capture, base, rank=rank, epochs=epochs,
-                                                        recall=recall, gate_bits=gate_bits, up_bits=up_bits,
-                                                        rounding=rounding, group_size=group_size,
-                                                        progress=progress), block)
+        return ContextPredictor(
+            predictors_from_capture(
+                model,
+                capture,
+                base,
+                rank=rank,
+                epochs=epochs,
+                recall=recall,
+                gate_bits=gate_bits,
+                up_bits=up_bits,
+                rounding=rounding,
+                group_size=group_size,
+                progress=progress,
+            ),
+            block,
+        )
     if method == "lowrank":
         return _train_lowrank(capture, rank, epochs, recall, None, 0.1, progress)
     if method == "lowrank-reg":
         weights, activation = ffn_weights(model)
         layer_rank = list(rank) if isinstance(rank, Sequence) else [rank or 96] * n_layers
         return RegressionPredictorSet(
-            [fit_log_regression(x.float(), w.h(x.float(), activation).abs(), r)
-             for x, w, r in tqdm(list(zip(capture.inputs, weights, layer_rank)), desc="fitting predictors",
-                                 disable=not progress)], torch.zeros(n_layers))
+            [
+                fit_log_regression(x.float(), w.h(x.float(), activation).abs(), r)
+                for x, w, r in tqdm(
+                    list(zip(capture.inputs, weights, layer_rank)), desc="fitting predictors", disable=not progress
+                )
+            ],
+            torch.zeros(n_layers),
+        )
     if method == "quant":
-        return QuantPredictor.from_model(model, gate_bits, up_bits, rounding=rounding, inputs=capture.inputs,
-                                         group_size=group_size, progress=progress)
+        return QuantPredictor.from_model(
+            model,
+            gate_bits,
+            up_bits,
+            rounding=rounding,
+            inputs=capture.inputs,
+            group_size=group_size,
+            progress=progress,
+        )
     if method == "oracle":
         return OraclePredictor.from_model(model, capture.thresholds)
     if method == "teal":
@@ -212,25 +308,40 @@ def predictors_from_capture(model: nn.Module, capture: ActivationCapture, method
     raise ValueError(f"method {method!r} cannot be built from a capture")
 
 
-def select_density(model: nn.Module, predictors: NeuronPredictor, inputs: Sequence[torch.Tensor],
-                   token_ids: torch.Tensor, density: float | Sequence[float], window: int = 512,
-                   progress: bool = True) -> None:
+def select_density(
+    model: nn.Module,
+    predictors: NeuronPredictor,
+    inputs: Sequence[torch.Tensor],
+    token_ids: torch.Tensor,
+    density: float | Sequence[float],
+    window: int = 512,
+    progress: bool = True,
+) -> None:
     """Put `predictors` at a target loaded density (one, or one per layer) calibrated on the calibration `inputs`
     (per layer [N, d]) and `token_ids` (the text they came from): cut-offs for the density, thresholds 0 (every
     loaded neuron computed), true_thresholds the oracle's at that density."""
     predictors.set_density(inputs, density)
     predictors.thresholds.zero_()
-    densities = [float(r) for r in ([density] * predictors.n_layers if isinstance(density, (int, float))
-                                    else density)]  # as given: the float32 of set_density would shift the quantile
+    densities = [
+        float(r) for r in ([density] * predictors.n_layers if isinstance(density, (int, float)) else density)
+    ]  # as given: the float32 of set_density would shift the quantile
     # One calibration pass serves every distinct density (an allocation may give each layer its own).
     true = calibrate_thresholds(model, token_ids, sorted({1.0 - r for r in densities}), window, progress)
     predictors.true_thresholds.copy_(torch.stack([true[1.0 - r][i] for i, r in enumerate(densities)]))
 
 
-def train_predictors(model: nn.Module, token_ids: torch.Tensor, target_sparsity: float = 0.7,
-                     rank: int | Sequence[int] | None = None, epochs: int = 10,
-                     recall: float | None = 0.95, top_k: int | None = None, window: int = 512,
-                     validation_fraction: float = 0.1, progress: bool = True) -> PredictorSet:
+def train_predictors(
+    model: nn.Module,
+    token_ids: torch.Tensor,
+    target_sparsity: float = 0.7,
+    rank: int | Sequence[int] | None = None,
+    epochs: int = 10,
+    recall: float | None = 0.95,
+    top_k: int | None = None,
+    window: int = 512,
+    validation_fraction: float = 0.1,
+    progress: bool = True,
+) -> PredictorSet:
     """Calibrate thresholds at `target_sparsity`, capture activations over `token_ids` and train one predictor
     per layer. rank: one for all layers, one per layer, or None (auto_rank from each layer's density).
     recall: pick each layer's probability threshold to reach it on the last `validation_fraction` of the tokens
