@@ -13,7 +13,7 @@ deps: .deps.stamp
 	# compressed-tensors 0.13.0: the newest release that still ships the sparse-bitmask compressor tests/test_endor.py
 	# checks interop with (0.15 removed it) and that accepts transformers 5 (0.14 pins transformers<5).
 	$(PIP) install -q numpy "safetensors>=0.4" tqdm "transformers>=4.45" accelerate "gguf>=0.10" \
-		pytest hypothesis matplotlib ninja compressed-tensors==0.13.0 "setuptools>=64" wheel ruff
+		pytest hypothesis matplotlib ninja compressed-tensors==0.13.0 "setuptools>=64" wheel ruff clang-format
 	# mlx (the [mlx] extra): the Metal kernels and the MLX engine on Apple Silicon, mlx's CPU device on Linux (tested
 	# here); elsewhere pip ignores both lines and the MLX tests skip, saying so.
 	$(PIP) install -q "mlx; sys_platform == 'darwin' and platform_machine == 'arm64'" \
@@ -41,11 +41,13 @@ test: build
 test-fast: build
 	$(PYTHON) -m pytest -q -m "not slow"
 
-# ruff's lint and format checks on every Python file (pyproject.toml [tool.ruff]; `pre-commit install` runs them on
-# each commit).
+# ruff's lint and format checks on every Python file (pyproject.toml [tool.ruff]) and clang-format's on the C++ and
+# CUDA sources (.clang-format); `pre-commit install` runs the same on each commit.
+CXX_SOURCES = $(shell git ls-files 'csrc/*.h' 'csrc/*.cpp' 'csrc/*.cu' 'csrc/*.cuh')
 lint: deps
 	$(PYTHON) -m ruff check .
 	$(PYTHON) -m ruff format --check .
+	$(PYTHON) -c "import clang_format; clang_format.clang_format()" --dry-run --Werror $(CXX_SOURCES)
 
 # The native extensions built with AddressSanitizer and UndefinedBehaviorSanitizer in their own folder
 # (build-asan/lib holds a whole package, which the tests import first), then the fast tests against them (about

@@ -499,7 +499,7 @@ def model_bytes_of(store_path: Path, ffn: bool = True) -> int:
     '50%' is a share of."""
     from safetensors import safe_open
 
-    from flashllm_ext.flash.engine import store_ffn_bytes
+    from flashllm_ext.flash.stack import store_ffn_bytes
     from flashllm_ext.flash.store import FlashStore
 
     store = FlashStore(store_path)
@@ -708,7 +708,7 @@ def default_model_sets(config: dict, n_tokens: int, ahead: bool | None = None) -
 def run_scale_child(config: dict) -> dict:
     """FFN-only decoding of a scale store: per token, every layer's FFN on a fresh random hidden state, within the
     FFN's share of the model's budget."""
-    from flashllm_ext.flash.engine import ffn_stack
+    from flashllm_ext.flash.stack import ffn_stack
     from flashllm_ext.flash.store import FlashStore
 
     device = config.get("device", "cpu")

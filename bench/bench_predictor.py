@@ -327,7 +327,7 @@ def main() -> None:
 
     from bench.bench_e2e import default_store
 
-    from flashllm_ext.flash.engine import store_ffn_bytes
+    from flashllm_ext.flash.stack import store_ffn_bytes
     from flashllm_ext.flash.store import FlashStore
 
     model, tokenizer = load_hf_model()

@@ -418,7 +418,7 @@ def _add_offload(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_run(sub: argparse._SubParsersAction) -> None:
-    from flashllm_ext.flash.engine import MODES
+    from flashllm_ext.flash.stack import MODES
 
     run = sub.add_parser("run", help="generate text with a model served from a flash store")
     run.add_argument("store", help="a flash store directory (flashllm convert)")

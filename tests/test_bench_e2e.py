@@ -83,7 +83,7 @@ def test_scale_run_on_tiny_checkpoints_at_the_shared_paths(tmp_path):
     where the shared 7B ones live, in a private cache; naive only (each row is a child process; the flash rows
     need the default model's trained predictors)."""
     from bench.synth_checkpoint import SHARED_DIRS, SMOKE_OVERRIDES, synthesize_checkpoint
-    from flashllm_ext.flash.engine import store_ffn_bytes
+    from flashllm_ext.flash.stack import store_ffn_bytes
     from flashllm_ext.flash.store import FlashStore
 
     for name, (directory, prune) in SHARED_DIRS.items():

@@ -16,7 +16,7 @@ from flashllm_ext import FormatError, endor
 from flashllm_ext.flash import reader, store
 from flashllm_ext.flash.cache import NeuronCache
 from flashllm_ext.flash.convert import bundle_layer, convert
-from flashllm_ext.flash.engine import ffn_stack
+from flashllm_ext.flash.stack import ffn_stack
 from flashllm_ext.flash.reader import FlashReader, has_io_uring, select_read_path
 
 ENGINES = ["threads"] + (["io_uring"] if has_io_uring() else [])
@@ -196,7 +196,7 @@ def test_ffn_stack_charges_the_reader_buffers(pruned, layout):
     """Under a budget the engine limits the reader's bounce buffers (and an Endor store's staging) to a share of the
     FFN budget (a larger one beside a shared cache) and charges them to it: ffn_bytes = the modules (+ the shared
     cache) + FlashReader.buffer_bound()."""
-    from flashllm_ext.flash.engine import READER_BUFFER_SHARE, SHARED_CACHE_READER_SHARE, store_ffn_bytes
+    from flashllm_ext.flash.stack import READER_BUFFER_SHARE, SHARED_CACHE_READER_SHARE, store_ffn_bytes
 
     model, stores, dense_path = pruned
     x = torch.randn(2, 64, generator=torch.Generator().manual_seed(2))

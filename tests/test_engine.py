@@ -13,7 +13,8 @@ import flashllm_ext
 from flashllm_ext.flash import store
 from flashllm_ext.flash.convert import convert
 from flashllm_ext.flash.cache import NeuronCache
-from flashllm_ext.flash.engine import MODES
+from flashllm_ext.flash.ffn import FlashFFN
+from flashllm_ext.flash.stack import MODES
 from flashllm_ext.runtime import tensor_bytes, parse_budget
 from flashllm_ext.hub import perplexity
 from flashllm_ext.predictor import LowRankPredictor, PredictorSet, calibrate_thresholds, evaluate
@@ -107,7 +108,7 @@ def test_exact_mode_under_a_small_budget_reads_in_parts(models, layout):
     resident = sum(p.numel() * 4 for n, p in model.named_parameters() if "mlp" not in n) + sum(
         b.nbytes for b in model.buffers()
     )  # (the rotary frequencies)
-    fixed, per_row = flashllm_ext.flash.engine.FlashFFN.bytes_for(s, every_neuron=True)
+    fixed, per_row = FlashFFN.bytes_for(s, every_neuron=True)
     options = {"bounce_limit": 0, "max_read": 4096}  # the reader's buffers, charged too: one read's bounce buffer
     with flashllm_ext.flash.reader.FlashReader(s, **options) as reader:
         buffers = reader.buffer_bound()
@@ -143,7 +144,7 @@ def test_a_shared_cache_computes_what_per_layer_caches_compute(models, name):
     want = model(ids).logits
     patched = copy.deepcopy(model)
     resident = flashllm_ext.flash.engine._resident_bytes(patched)
-    fixed, per_row = flashllm_ext.flash.engine.FlashFFN.bytes_for(s)
+    fixed, per_row = FlashFFN.bytes_for(s)
     budget = resident + predictors.memory_bytes + (64 << 10) + s.n_layers * (fixed + per_row * (s.n_neurons // 8))
     got = {}
     for layout in ("per-layer", "shared"):
@@ -382,7 +383,7 @@ def test_default_model_exact_mode_and_cli_run(default_model, tmp_path, capsys):
 @torch.no_grad()
 def test_ffn_stack_serves_every_layer_within_its_budget(models):
     """The FFN-only stack of the scale benchmark: the same modules as load_flash, layer i = the model's FFN i."""
-    from flashllm_ext.flash.engine import ffn_stack, store_ffn_bytes
+    from flashllm_ext.flash.stack import ffn_stack, store_ffn_bytes
 
     model, path = models["llama"]
     s = store.FlashStore(path)

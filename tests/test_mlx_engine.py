@@ -12,7 +12,7 @@ import flashllm_ext
 from flashllm_ext.flash import store
 from flashllm_ext.flash.cache import NeuronCache
 from flashllm_ext.flash.convert import convert
-from flashllm_ext.flash.engine import ffn_stack, store_ffn_bytes
+from flashllm_ext.flash.stack import ffn_stack, store_ffn_bytes
 from flashllm_ext.flash.ffn import FlashFFN
 from flashllm_ext.flash.transfer import HostTransfer
 

@@ -15,7 +15,7 @@ from conftest import require_simt
 from flashllm_ext.flash import store
 from flashllm_ext.flash.cache import NeuronCache
 from flashllm_ext.flash.convert import convert
-from flashllm_ext.flash.engine import ffn_stack, store_ffn_bytes
+from flashllm_ext.flash.stack import ffn_stack, store_ffn_bytes
 from flashllm_ext.flash.ffn import FlashFFN
 from flashllm_ext.flash.transfer import HostTransfer, StagedTransfer, make_transfer
 from flashllm_ext.runtime import cuda_device
@@ -249,11 +249,11 @@ def test_flash_ffn_refuses_input_on_another_device(stores):
 def test_load_flash_on_a_staged_transfer_generates_the_tokens_of_transformers(stores, monkeypatch, name, mode):
     """The engine as device="cuda" builds it (a StagedTransfer shared by every layer, budgets with its staging), on
     CPU tensors: transformers' greedy tokens. tests/test_cuda.py runs the same on a GPU."""
-    import flashllm_ext.flash.engine
+    import flashllm_ext.flash.stack
 
     transfers = []
     monkeypatch.setattr(
-        flashllm_ext.flash.engine, "make_transfer", lambda device: transfers.append(staged()) or transfers[-1]
+        flashllm_ext.flash.stack, "make_transfer", lambda device: transfers.append(staged()) or transfers[-1]
     )
     model = stores[name + "_model"]
     prompt = torch.randint(3, 60, (1, 7), generator=torch.Generator().manual_seed(2))

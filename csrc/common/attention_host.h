@@ -19,12 +19,11 @@ namespace flashllm {
 template <class Launch>
 std::tuple<at::Tensor, at::Tensor> decode_attention_gpu_style(const at::Tensor& q, const at::Tensor& k_in,
                                                               const at::Tensor& v_in,
-                                                              const std::optional<double>& scale_in,
-                                                              Launch&& launch) {
+                                                              const std::optional<double>& scale_in, Launch&& launch) {
   double scale = 0;
   const AttentionShape s = check_decode_attention_args(q, k_in, v_in, scale_in, &scale);
-  TORCH_CHECK(s.head_dim <= kAttentionMaxHeadDim, "decode_attention: the GPU kernel takes head_dim D <= ",
-              kAttentionMaxHeadDim, ", got ", s.head_dim);
+  TORCH_CHECK(s.head_dim <= kAttentionMaxHeadDim,
+              "decode_attention: the GPU kernel takes head_dim D <= ", kAttentionMaxHeadDim, ", got ", s.head_dim);
   const at::Tensor k = with_unit_inner_stride(k_in), v = with_unit_inner_stride(v_in);
   const at::Tensor qf = q.to(at::kFloat).mul(scale).contiguous();
   at::Tensor out = at::empty({s.batch, s.n_q_heads, s.head_dim}, qf.options());

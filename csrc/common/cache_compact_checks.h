@@ -14,21 +14,25 @@ namespace flashllm {
 inline void check_cache_compact_args(const at::Tensor& matrix, const at::Tensor& pointer,
                                      const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& slot_of,
                                      int64_t num_used, const at::Tensor& rows) {
-  TORCH_CHECK(matrix.dim() == 2 && matrix.is_contiguous(), "cache_compact: matrix must be a contiguous 2-D tensor, "
-              "got shape ", matrix.sizes());
+  TORCH_CHECK(matrix.dim() == 2 && matrix.is_contiguous(),
+              "cache_compact: matrix must be a contiguous 2-D tensor, "
+              "got shape ",
+              matrix.sizes());
   const int64_t capacity = matrix.size(0);
   TORCH_CHECK(pointer.scalar_type() == at::kLong && pointer.dim() == 1 && pointer.size(0) == capacity,
               "cache_compact: pointer must be int64 of shape [capacity=", capacity, "], got ", pointer.scalar_type(),
               " of shape ", pointer.sizes());
   if (bias.has_value())
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == capacity, "cache_compact: bias must be 1-D of shape [capacity=",
-                capacity, "], got shape ", bias->sizes());
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == capacity,
+                "cache_compact: bias must be 1-D of shape [capacity=", capacity, "], got shape ", bias->sizes());
   if (slot_of.has_value())
     TORCH_CHECK(slot_of->scalar_type() == at::kLong && slot_of->dim() == 1,
                 "cache_compact: slot_of must be a 1-D int64 tensor, got ", slot_of->scalar_type(), " of shape ",
                 slot_of->sizes());
-  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1, "cache_compact: rows must be a 1-D int64 tensor, "
-              "got ", rows.scalar_type(), " of shape ", rows.sizes());
+  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1,
+              "cache_compact: rows must be a 1-D int64 tensor, "
+              "got ",
+              rows.scalar_type(), " of shape ", rows.sizes());
   auto same_device = [&](const at::Tensor& t, const char* name) {
     TORCH_CHECK(t.device() == matrix.device(), "cache_compact: ", name, " is on ", t.device(), " but matrix is on ",
                 matrix.device());

@@ -15,13 +15,15 @@ inline void check_cache_plan_args(const at::Tensor& active, const at::Tensor& la
                 t->sizes(), " on ", t->device());
   for (const at::Tensor* t : {&last_active, &slot_of, &pointer, &evict_rows, &missing})
     TORCH_CHECK(t->is_contiguous(), "cache_plan: state tensors must be contiguous");
-  TORCH_CHECK(last_active.numel() == slot_of.numel(), "cache_plan: last_active and slot_of must both have one entry "
-              "per neuron, got ", last_active.numel(), " and ", slot_of.numel());
+  TORCH_CHECK(last_active.numel() == slot_of.numel(),
+              "cache_plan: last_active and slot_of must both have one entry "
+              "per neuron, got ",
+              last_active.numel(), " and ", slot_of.numel());
   const int64_t capacity = pointer.numel();
   TORCH_CHECK(evict_rows.numel() >= capacity && missing.numel() >= capacity,
               "cache_plan: evict_rows and missing need capacity=", capacity, " entries");
-  TORCH_CHECK(num_used >= 0 && num_used <= capacity, "cache_plan: num_used=", num_used, " is outside [0, capacity=",
-              capacity, "]");
+  TORCH_CHECK(num_used >= 0 && num_used <= capacity, "cache_plan: num_used=", num_used,
+              " is outside [0, capacity=", capacity, "]");
   TORCH_CHECK(window >= 1, "cache_plan: window must be >= 1, got ", window);
 }
 

@@ -22,7 +22,10 @@ FLASHLLM_HD inline int64_t lower_bound_i64(const int64_t* sorted, int64_t c, int
   int64_t lo = 0, hi = c;
   while (lo < hi) {
     const int64_t mid = lo + (hi - lo) / 2;
-    if (sorted[mid] < v) lo = mid + 1; else hi = mid;
+    if (sorted[mid] < v)
+      lo = mid + 1;
+    else
+      hi = mid;
   }
   return lo;
 }

@@ -16,11 +16,20 @@ namespace {
 // "+avx512bf16"). A path needs the features of every path below it too (a kernel with no code of its own at one
 // level runs the level below), so a CPU or VM that masks FMA or F16C gets the scalar path rather than SIGILL. One
 // list, used both to probe the CPU and to decide.
-#define FLASHLLM_CPU_FEATURES(X)                                  \
-  X("avx2", kAvx2) X("fma", kAvx2) X("f16c", kAvx2) X("popcnt", kAvx2) \
-  X("avx512f", kAvx512) X("avx512bw", kAvx512) X("avx512vl", kAvx512)  \
-  X("avx512vnni", kAvx512Vnni) X("avx512vbmi", kAvx512Vbmi2) X("avx512vbmi2", kAvx512Vbmi2) \
+// clang-format off: an X-macro list, one feature a line
+#define FLASHLLM_CPU_FEATURES(X) \
+  X("avx2", kAvx2) \
+  X("fma", kAvx2) \
+  X("f16c", kAvx2) \
+  X("popcnt", kAvx2) \
+  X("avx512f", kAvx512) \
+  X("avx512bw", kAvx512) \
+  X("avx512vl", kAvx512) \
+  X("avx512vnni", kAvx512Vnni) \
+  X("avx512vbmi", kAvx512Vbmi2) \
+  X("avx512vbmi2", kAvx512Vbmi2) \
   X("avx512bf16", kAvx512Bf16)
+// clang-format on
 
 struct CpuFeature {
   const char* name;
@@ -81,12 +90,18 @@ void force_cpu_isa(CpuIsa isa) {
 
 const char* cpu_isa_name(CpuIsa isa) {
   switch (isa) {
-    case CpuIsa::kAvx512Bf16: return "avx512bf16";
-    case CpuIsa::kAvx512Vbmi2: return "avx512vbmi2";
-    case CpuIsa::kAvx512Vnni: return "avx512vnni";
-    case CpuIsa::kAvx512: return "avx512";
-    case CpuIsa::kAvx2: return "avx2";
-    default: return "scalar";
+    case CpuIsa::kAvx512Bf16:
+      return "avx512bf16";
+    case CpuIsa::kAvx512Vbmi2:
+      return "avx512vbmi2";
+    case CpuIsa::kAvx512Vnni:
+      return "avx512vnni";
+    case CpuIsa::kAvx512:
+      return "avx512";
+    case CpuIsa::kAvx2:
+      return "avx2";
+    default:
+      return "scalar";
   }
 }
 

@@ -11,12 +11,12 @@ namespace flashllm {
 // CPUs with both (Sapphire Rapids, Zen 4) get it; Cooper Lake (BF16 without VBMI2) runs the VNNI level, Ice Lake
 // (VBMI2 without BF16) the VBMI2 level.
 enum class CpuIsa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Vnni = 3, kAvx512Vbmi2 = 4, kAvx512Bf16 = 5 };
-inline constexpr CpuIsa kCpuIsas[] = {CpuIsa::kScalar,      CpuIsa::kAvx2,         CpuIsa::kAvx512,
+inline constexpr CpuIsa kCpuIsas[] = {CpuIsa::kScalar,     CpuIsa::kAvx2,        CpuIsa::kAvx512,
                                       CpuIsa::kAvx512Vnni, CpuIsa::kAvx512Vbmi2, CpuIsa::kAvx512Bf16};  // lowest first
 
-CpuIsa detected_cpu_isa();           // best ISA this CPU and OS support
-CpuIsa active_cpu_isa();             // what kernels use now: detected, or lower if forced
-void force_cpu_isa(CpuIsa isa);      // throws std::invalid_argument above the detected ISA
+CpuIsa detected_cpu_isa();       // best ISA this CPU and OS support
+CpuIsa active_cpu_isa();         // what kernels use now: detected, or lower if forced
+void force_cpu_isa(CpuIsa isa);  // throws std::invalid_argument above the detected ISA
 const char* cpu_isa_name(CpuIsa isa);
 CpuIsa cpu_isa_from_name(const std::string& name);  // throws std::invalid_argument on an unknown name
 

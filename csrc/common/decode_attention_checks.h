@@ -21,14 +21,14 @@ inline AttentionShape check_decode_attention_args(const at::Tensor& q, const at:
                                                   const std::optional<double>& scale_in, double* scale) {
   const auto dtype = q.scalar_type();
   TORCH_CHECK((dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16) && q.dim() == 3,
-              "decode_attention: q must be a 3-D float32/float16/bfloat16 tensor [B, Hq, D], got ", dtype,
-              " of shape ", q.sizes());
+              "decode_attention: q must be a 3-D float32/float16/bfloat16 tensor [B, Hq, D], got ", dtype, " of shape ",
+              q.sizes());
   const char* names[2] = {"k", "v"};
   const at::Tensor* kv[2] = {&k, &v};
   for (int i = 0; i < 2; ++i) {
     TORCH_CHECK(kv[i]->scalar_type() == dtype && kv[i]->dim() == 4, "decode_attention: ", names[i],
-                " must be a 4-D tensor [S, B, Hkv, D] of q's dtype, got ", kv[i]->scalar_type(),
-                " of shape ", kv[i]->sizes());
+                " must be a 4-D tensor [S, B, Hkv, D] of q's dtype, got ", kv[i]->scalar_type(), " of shape ",
+                kv[i]->sizes());
     TORCH_CHECK(kv[i]->device() == q.device(), "decode_attention: ", names[i], " is on ", kv[i]->device(),
                 " but q is on ", q.device());
   }
@@ -39,8 +39,8 @@ inline AttentionShape check_decode_attention_args(const at::Tensor& q, const at:
               ", Hkv, D=", s.head_dim, "] to match q ", q.sizes(), ", got ", k.sizes());
   TORCH_CHECK(s.head_dim >= 1, "decode_attention: head_dim D must be >= 1");
   TORCH_CHECK(s.n_kv_heads >= 1 && s.n_q_heads >= 1 && s.n_q_heads % s.n_kv_heads == 0,
-              "decode_attention: the query heads Hq=", s.n_q_heads, " must be a positive multiple of the kv heads Hkv=",
-              s.n_kv_heads);
+              "decode_attention: the query heads Hq=", s.n_q_heads,
+              " must be a positive multiple of the kv heads Hkv=", s.n_kv_heads);
   if (scale_in.has_value()) {
     TORCH_CHECK(std::isfinite(*scale_in), "decode_attention: scale must be finite, got ", *scale_in);
     *scale = *scale_in;

@@ -31,8 +31,8 @@ inline void check_endor_tensor(const char* op, const at::Tensor& values, const a
   TORCH_CHECK(n_cols >= 0 && bitmap.size(1) == (n_cols + 7) / 8, op, ": bitmap has ", bitmap.size(1),
               " bytes per row, n_cols=", n_cols, " needs ", (n_cols + 7) / 8);
   const int64_t n_rows = bitmap.size(0);
-  TORCH_CHECK(row_offsets.scalar_type() == at::kLong && row_offsets.dim() == 1 && row_offsets.numel() == n_rows + 1,
-              op, ": row_offsets must be int64 of length rows+1=", n_rows + 1, ", got ", row_offsets.scalar_type(),
+  TORCH_CHECK(row_offsets.scalar_type() == at::kLong && row_offsets.dim() == 1 && row_offsets.numel() == n_rows + 1, op,
+              ": row_offsets must be int64 of length rows+1=", n_rows + 1, ", got ", row_offsets.scalar_type(),
               " of shape ", row_offsets.sizes());
   check_same_device(op, bitmap, "bitmap", values);
   check_same_device(op, row_offsets, "row_offsets", values);
@@ -56,8 +56,8 @@ inline int64_t check_endor_args(const at::Tensor& values, const at::Tensor& bitm
     check_same_device("endor_decompress", *out, "out", values);
     TORCH_CHECK(out->scalar_type() == values.scalar_type() && out->dim() == 2 && out->size(0) == n_out &&
                     out->size(1) == n_cols && out->is_contiguous(),
-                "endor_decompress: out must be a contiguous ", values.scalar_type(), " tensor of shape [", n_out,
-                ", ", n_cols, "], got ", out->scalar_type(), " of shape ", out->sizes());
+                "endor_decompress: out must be a contiguous ", values.scalar_type(), " tensor of shape [", n_out, ", ",
+                n_cols, "], got ", out->scalar_type(), " of shape ", out->sizes());
   }
   return n_out;
 }
@@ -89,7 +89,8 @@ inline int64_t check_endor_linear_args(const at::Tensor& x, const at::Tensor& va
                                        const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(is_endor_linear_dtype(values.scalar_type()),
               "endor_linear: values must be float32, float16 or bfloat16 (int8 is not supported: it needs a scale), "
-              "got ", values.scalar_type());
+              "got ",
+              values.scalar_type());
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == values.scalar_type() || x.scalar_type() == at::kFloat),
               "endor_linear: x must be a 2-D ", values.scalar_type(), " or float32 tensor [T, n_cols], got ",
               x.scalar_type(), " of shape ", x.sizes());

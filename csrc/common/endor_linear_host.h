@@ -33,8 +33,12 @@ at::Tensor endor_linear_gpu_style(const at::Tensor& x, const at::Tensor& values,
   static_assert(sizeof(EndorReport) % sizeof(int64_t) == 0);
   at::Tensor report = at::empty({int64_t(sizeof(EndorReport) / sizeof(int64_t))}, values.options().dtype(at::kLong));
   const at::Tensor xf = x.to(at::kFloat).contiguous();
-  EndorLinearCall call{xf, values.contiguous(), bitmap.contiguous(), row_offsets.contiguous(),
-                       at::empty({x.size(0), n_rows}, xf.options()), std::nullopt,
+  EndorLinearCall call{xf,
+                       values.contiguous(),
+                       bitmap.contiguous(),
+                       row_offsets.contiguous(),
+                       at::empty({x.size(0), n_rows}, xf.options()),
+                       std::nullopt,
                        reinterpret_cast<EndorReport*>(report.data_ptr<int64_t>())};
   if (bias.has_value()) call.bias = bias->to(at::kFloat).contiguous();
   launch(call);

@@ -13,14 +13,14 @@ namespace flashllm {
 
 // The check the CPU kernels make before decoding: row_offsets spans exactly `values`.
 inline void check_endor_offset_ends(const char* op, int64_t first, int64_t last, int64_t nnz) {
-  TORCH_CHECK(first == 0 && last == nnz, op, ": row_offsets must start at 0 and end at values.numel()=", nnz,
-              ", got ", first, "..", last);
+  TORCH_CHECK(first == 0 && last == nnz, op, ": row_offsets must start at 0 and end at values.numel()=", nnz, ", got ",
+              first, "..", last);
 }
 
 // out_row is the output row the kernel refused: row rows[out_row] of the weight, or row out_row without `rows`.
 [[noreturn]] inline void throw_endor_row_error(const char* op, int64_t out_row, int code, const at::Tensor& values,
-                                               const at::Tensor& bitmap, const at::Tensor& row_offsets,
-                                               int64_t n_cols, const std::optional<at::Tensor>& rows) {
+                                               const at::Tensor& bitmap, const at::Tensor& row_offsets, int64_t n_cols,
+                                               const std::optional<at::Tensor>& rows) {
   const int64_t n_rows = bitmap.size(0);
   const int64_t r = rows.has_value() ? (*rows)[out_row].item<int64_t>() : out_row;
   TORCH_CHECK(code != kEndorRowIndexOutOfRange && r >= 0 && r < n_rows, op, ": rows[", out_row, "]=", r,
@@ -35,8 +35,8 @@ inline void check_endor_offset_ends(const char* op, int64_t first, int64_t last,
     const uint8_t* bytes = row_bits.data_ptr<uint8_t>();
     int64_t set_bits = 0;
     for (int64_t b = 0; b < row_bits.numel(); ++b) set_bits += __builtin_popcount(bytes[b]);
-    TORCH_CHECK(false, op, ": row ", r, ": row_offsets says ", end - start, " values but the bitmap has ",
-                set_bits, " set bits");
+    TORCH_CHECK(false, op, ": row ", r, ": row_offsets says ", end - start, " values but the bitmap has ", set_bits,
+                " set bits");
   }
   TORCH_CHECK(false, op, ": kernel reported unknown code ", code, " for output row ", out_row);
 }
@@ -47,8 +47,8 @@ inline void throw_if_endor_bad_row(const char* op, unsigned long long bad_row, c
                                    const std::optional<at::Tensor>& rows) {
   if (bad_row == kEndorNoError) return;
   throw_endor_row_error(op, static_cast<int64_t>(bad_row >> kEndorCodeBits),
-                        static_cast<int>(bad_row & ((1ull << kEndorCodeBits) - 1)), values, bitmap, row_offsets,
-                        n_cols, rows);
+                        static_cast<int>(bad_row & ((1ull << kEndorCodeBits) - 1)), values, bitmap, row_offsets, n_cols,
+                        rows);
 }
 
 // Raises for what a CUDA-style report holds: offsets not spanning values first (as the CPU kernels check them before

@@ -3,7 +3,7 @@
 namespace flashllm {
 
 __attribute__((target_clones("popcnt", "default"))) int64_t endor_row_popcount(const uint8_t* row_bitmap,
-                                                                                int64_t n_cols) {
+                                                                               int64_t n_cols) {
   const int64_t n_bytes = (n_cols + 7) / 8;
   if ((n_cols % 8) && (row_bitmap[n_bytes - 1] >> (n_cols % 8))) return -1;
   int64_t count = 0, b = 0;

@@ -25,7 +25,9 @@ inline void check_ids_below(const at::Tensor& ids, int64_t limit, const char* op
               ")");
 }
 
-inline FfnKind ffn_kind(at::ScalarType t) { return t == at::kFloat ? kFfnF32 : t == at::kHalf ? kFfnF16 : kFfnBF16; }
+inline FfnKind ffn_kind(at::ScalarType t) {
+  return t == at::kFloat ? kFfnF32 : t == at::kHalf ? kFfnF16 : kFfnBF16;
+}
 
 // launch(x_f32 [T, d], n_rows, index or nullptr, act code, y_f32 [T, d]) runs the kernels; the result is cast to x's
 // dtype. Unchecked index entries outside [0, num_used) contribute nothing (sparse_ffn_kernel.cuh).

@@ -50,9 +50,12 @@ using Storage = typename std::conditional<KIND == kFfnF32, float, uint16_t>::typ
 
 template <int KIND>
 FLASHLLM_CONVERT float to_float(Storage<KIND> v) {
-  if constexpr (KIND == kFfnF32) return v;
-  else if constexpr (KIND == kFfnF16) return half_to_float(v);
-  else return bits_to_float(uint32_t(v) << 16);
+  if constexpr (KIND == kFfnF32)
+    return v;
+  else if constexpr (KIND == kFfnF16)
+    return half_to_float(v);
+  else
+    return bits_to_float(uint32_t(v) << 16);
 }
 
 }  // namespace flashllm::ffn_detail

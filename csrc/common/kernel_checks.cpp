@@ -17,8 +17,12 @@ std::atomic<bool>& kernel_checks() {
 
 }  // namespace
 
-bool kernel_checks_enabled() { return kernel_checks().load(std::memory_order_relaxed); }
+bool kernel_checks_enabled() {
+  return kernel_checks().load(std::memory_order_relaxed);
+}
 
-void set_kernel_checks(bool enabled) { kernel_checks().store(enabled, std::memory_order_relaxed); }
+void set_kernel_checks(bool enabled) {
+  kernel_checks().store(enabled, std::memory_order_relaxed);
+}
 
 }  // namespace flashllm

@@ -1,6 +1,6 @@
 // The Python module object of flashllm_ext._C. Importing it runs the static TORCH_LIBRARY_IMPL registrations of
-// every kernel linked into the library; its functions let tests and benchmarks see and choose the CPU code path and turn the
-// CUDA glue's host-side data checks on or off (common/kernel_checks.h).
+// every kernel linked into the library; its functions let tests and benchmarks see and choose the CPU code path and
+// turn the CUDA glue's host-side data checks on or off (common/kernel_checks.h).
 #include <Python.h>
 
 #include <iterator>
@@ -62,7 +62,9 @@ PyObject* isa_for_features(PyObject*, PyObject* arg) {
   return PyUnicode_FromString(flashllm::cpu_isa_name(flashllm::isa_for_features(features)));
 }
 
-PyObject* kernel_checks(PyObject*, PyObject*) { return PyBool_FromLong(flashllm::kernel_checks_enabled()); }
+PyObject* kernel_checks(PyObject*, PyObject*) {
+  return PyBool_FromLong(flashllm::kernel_checks_enabled());
+}
 
 PyObject* set_kernel_checks(PyObject*, PyObject* arg) {
   const int enabled = PyObject_IsTrue(arg);

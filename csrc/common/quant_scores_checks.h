@@ -8,11 +8,15 @@
 
 namespace flashllm {
 
-inline bool is_quant_bits(int64_t bits) { return bits >= 1 && bits <= 4; }
+inline bool is_quant_bits(int64_t bits) {
+  return bits >= 1 && bits <= 4;
+}
 
-// 15 * 127 * 2^20 < 2^31: a row's sum of code x int8 products fits in int32 (flashllm_ext/ops/quant.py: QUANT_MAX_COLUMNS).
+// 15 * 127 * 2^20 < 2^31: a row's sum of code x int8 products fits in int32 (flashllm_ext/ops/quant.py:
+// QUANT_MAX_COLUMNS).
 constexpr int64_t kQuantMaxColumns = int64_t{1} << 20;
-// A scale group is whole 64-code steps of every path, and whole bytes (flashllm_ext/ops/quant.py: QUANT_GROUP_MULTIPLE).
+// A scale group is whole 64-code steps of every path, and whole bytes (flashllm_ext/ops/quant.py:
+// QUANT_GROUP_MULTIPLE).
 constexpr int64_t kQuantGroupMultiple = 64;
 
 // One low-bit matrix: codes uint8 [n, ceil(d * bits / 8)], scale float16 [n] or [n, groups] (one per d / groups
@@ -29,9 +33,8 @@ inline void check_quant_matrix(const char* name, const at::Tensor& codes, const 
               scale.scalar_type(), " of shape ", scale.sizes());
   const int64_t groups = scale.dim() == 2 ? scale.size(1) : 1;
   TORCH_CHECK(scale.dim() == 1 || (groups > 0 && d % groups == 0 && (d / groups) % kQuantGroupMultiple == 0),
-              "quant_scores: ", name,
-              "_scale has ", groups, " groups per row: d=", d, " must split into groups of a multiple of ",
-              kQuantGroupMultiple, " columns");
+              "quant_scores: ", name, "_scale has ", groups, " groups per row: d=", d,
+              " must split into groups of a multiple of ", kQuantGroupMultiple, " columns");
   TORCH_CHECK(!bias || (bias->scalar_type() == at::kFloat && bias->dim() == 1 && bias->size(0) == n),
               "quant_scores: ", name, "_bias must be float32 of shape [n=", n, "], got ",
               bias ? bias->scalar_type() : at::kFloat, " of shape ", bias ? bias->sizes() : at::IntArrayRef{});

@@ -34,7 +34,9 @@ __attribute__((target("avx2"))) inline float hsum_avx2(__m256 v) {
 }
 
 // The lanes [0, n) of a 16-lane mask, n <= 16.
-inline __mmask16 first_lanes16(int64_t n) { return static_cast<__mmask16>((1u << n) - 1u); }
+inline __mmask16 first_lanes16(int64_t n) {
+  return static_cast<__mmask16>((1u << n) - 1u);
+}
 
 // The 16 values at p whose lanes are set in m, as fp32 (zeros elsewhere); never touches memory of a clear lane.
 template <class T>
@@ -60,6 +62,8 @@ __attribute__((target("avx512f"))) inline __m512 fresh_zero_ps() {
   return z;
 }
 
-__attribute__((target("avx512f"))) inline __m512i fresh_zero_si512() { return _mm512_castps_si512(fresh_zero_ps()); }
+__attribute__((target("avx512f"))) inline __m512i fresh_zero_si512() {
+  return _mm512_castps_si512(fresh_zero_ps());
+}
 
 }  // namespace flashllm::simd

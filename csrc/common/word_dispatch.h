@@ -11,10 +11,14 @@ namespace flashllm {
 template <class Fn>
 decltype(auto) dispatch_word(int64_t elem_bytes, Fn&& fn) {
   switch (elem_bytes) {
-    case 1: return fn(uint8_t{});
-    case 2: return fn(uint16_t{});
-    case 4: return fn(uint32_t{});
-    default: throw std::invalid_argument("element size must be 1, 2 or 4 bytes");
+    case 1:
+      return fn(uint8_t{});
+    case 2:
+      return fn(uint16_t{});
+    case 4:
+      return fn(uint32_t{});
+    default:
+      throw std::invalid_argument("element size must be 1, 2 or 4 bytes");
   }
 }
 

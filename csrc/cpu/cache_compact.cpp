@@ -57,6 +57,8 @@ int64_t cache_compact_cpu(at::Tensor& matrix, at::Tensor& pointer, const std::op
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(flashllm, CPU, m) { m.impl("cache_compact", &cache_compact_cpu); }
+TORCH_LIBRARY_IMPL(flashllm, CPU, m) {
+  m.impl("cache_compact", &cache_compact_cpu);
+}
 
 }  // namespace flashllm

@@ -15,8 +15,8 @@ namespace {
 
 // The counts are returned as SymInt (the schema says SymInt[]) so the fake kernel can return unbacked sizes for them.
 std::vector<c10::SymInt> cache_plan_cpu(const at::Tensor& active_in, at::Tensor& last_active, at::Tensor& slot_of,
-                                    const at::Tensor& pointer, int64_t num_used, int64_t step, int64_t window,
-                                    at::Tensor& evict_rows, at::Tensor& missing) {
+                                        const at::Tensor& pointer, int64_t num_used, int64_t step, int64_t window,
+                                        at::Tensor& evict_rows, at::Tensor& missing) {
   check_cache_plan_args(active_in, last_active, slot_of, pointer, num_used, window, evict_rows, missing);
   const at::Tensor active_c = active_in.contiguous();
   const int64_t k = active_c.numel(), n_neurons = slot_of.numel(), capacity = pointer.numel();
@@ -53,8 +53,8 @@ std::vector<c10::SymInt> cache_plan_cpu(const at::Tensor& active_in, at::Tensor&
     if (fits && seen[id] && slots[id] < 0) miss[n_missing++] = id;
     seen[id] = 0;
   }
-  TORCH_CHECK(fits, "cache_plan: the token has ", n_distinct, " distinct active neurons but the cache holds ",
-              capacity, " rows; raise the byte budget");
+  TORCH_CHECK(fits, "cache_plan: the token has ", n_distinct, " distinct active neurons but the cache holds ", capacity,
+              " rows; raise the byte budget");
   for (int64_t i = 0; i < k; ++i) last[ids[i]] = step;
   // Rows whose neuron was not active in the last `window` tokens (steps step-window+1 .. step) leave.
   int64_t n_window = 0;
@@ -80,6 +80,8 @@ std::vector<c10::SymInt> cache_plan_cpu(const at::Tensor& active_in, at::Tensor&
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(flashllm, CPU, m) { m.impl("cache_plan", &cache_plan_cpu); }
+TORCH_LIBRARY_IMPL(flashllm, CPU, m) {
+  m.impl("cache_plan", &cache_plan_cpu);
+}
 
 }  // namespace flashllm

@@ -98,8 +98,7 @@ float exp_shifted_scalar(float* s, int64_t n, float shift) {
 // The vector paths' exp of x <= 0 (a score minus the running max): Cephes' expf (range reduction by ln 2 in two
 // parts, degree-7 polynomial; about 2 ulp), 0 below kExpLow (where expf is denormal or 0; the max's own term is 1),
 // NaN kept. The scalar path and the vector tails use glibc's expf.
-constexpr float kExpLow = -87.33654f, kLog2e = 1.44269504088896341f, kLn2High = 0.693359375f,
-                kLn2Low = -2.12194440e-4f;
+constexpr float kExpLow = -87.33654f, kLog2e = 1.44269504088896341f, kLn2High = 0.693359375f, kLn2Low = -2.12194440e-4f;
 constexpr float kExpPoly[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
                                4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
 
@@ -116,8 +115,8 @@ FLASHLLM_AVX2 inline __m256 exp_nonpositive_avx2(__m256 x) {
   for (int i = 1; i < 6; ++i) y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(kExpPoly[i]));
   y = _mm256_add_ps(_mm256_fmadd_ps(y, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.f));
   // 2^n for n in [-126, 0]: the exponent field directly.
-  const __m256 scale = _mm256_castsi256_ps(
-      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
+  const __m256 scale =
+      _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
   const __m256 e = _mm256_andnot_ps(tiny, _mm256_mul_ps(y, scale));
   return _mm256_blendv_ps(e, x, nan);
 }
@@ -134,8 +133,7 @@ FLASHLLM_AVX2 float exp_shifted_avx2(float* s, int64_t n, float shift) {
 }
 
 template <class T, int NH>
-FLASHLLM_AVX2 void scores_avx2(const float* q, int64_t head_dim, const T* k, int64_t k_row, int64_t n,
-                               float* scores) {
+FLASHLLM_AVX2 void scores_avx2(const float* q, int64_t head_dim, const T* k, int64_t k_row, int64_t n, float* scores) {
   const int64_t vec_end = head_dim - head_dim % 8;
   for (int64_t t = 0; t < n; ++t) {
     const T* row = k + t * k_row;
@@ -154,8 +152,7 @@ FLASHLLM_AVX2 void scores_avx2(const float* q, int64_t head_dim, const T* k, int
 }
 
 template <class T, int NH>
-FLASHLLM_AVX2 void accumulate_avx2(const float* p, int64_t head_dim, const T* v, int64_t v_row, int64_t n,
-                                   float* acc) {
+FLASHLLM_AVX2 void accumulate_avx2(const float* p, int64_t head_dim, const T* v, int64_t v_row, int64_t n, float* acc) {
   const int64_t vec_end = head_dim - head_dim % 8;
   for (int64_t d = 0; d < vec_end; d += 8) {
     __m256 a[NH];
@@ -275,14 +272,14 @@ struct AttentionProblem {
   const T* k;
   const T* v;
   int64_t k_stride[3], v_stride[3];  // token, sequence, kv head (head_dim is unit-stride)
-  float* out;                         // [B, Hq, D]: the running accumulator, zeroed
-  float* sum;                         // [B, Hq]: the running softmax denominator, zeroed; the lse at the end
+  float* out;                        // [B, Hq, D]: the running accumulator, zeroed
+  float* sum;                        // [B, Hq]: the running softmax denominator, zeroed; the lse at the end
 };
 
 // The online-softmax step of one item's heads over a chunk of n scores each: scores become exp(score - new max),
 // the running max, sum and accumulator follow.
-inline void softmax_step(ExpFn exp_shifted, float* scores, int64_t n_heads, int64_t head_dim, int64_t n,
-                         float* run_max, float* run_sum, float* acc) {
+inline void softmax_step(ExpFn exp_shifted, float* scores, int64_t n_heads, int64_t head_dim, int64_t n, float* run_max,
+                         float* run_sum, float* acc) {
   for (int64_t h = 0; h < n_heads; ++h) {
     float* s = scores + h * kChunk;
     float chunk_max = s[0];
@@ -301,8 +298,8 @@ inline void softmax_step(ExpFn exp_shifted, float* scores, int64_t n_heads, int6
 
 // Prefetches the n rows (token t0 on) of one item's K or V into L1.
 template <class T>
-inline void prefetch_rows(const T* base, const int64_t* stride, int64_t n_kv_heads, int64_t t0, int64_t n,
-                          int64_t item, int64_t head_dim) {
+inline void prefetch_rows(const T* base, const int64_t* stride, int64_t n_kv_heads, int64_t t0, int64_t n, int64_t item,
+                          int64_t head_dim) {
   const char* row = reinterpret_cast<const char*>(base + t0 * stride[0] + item / n_kv_heads * stride[1] +
                                                   item % n_kv_heads * stride[2]);
   const int64_t row_bytes = head_dim * int64_t(sizeof(T)), step = stride[0] * int64_t(sizeof(T));
@@ -380,15 +377,22 @@ std::tuple<at::Tensor, at::Tensor> decode_attention_cpu(const at::Tensor& q, con
                                lse.data_ptr<float>()});
   };
   switch (q.scalar_type()) {
-    case at::kFloat: run(float{}); break;
-    case at::kHalf: run(Half{}); break;
-    default: run(BF16{});
+    case at::kFloat:
+      run(float{});
+      break;
+    case at::kHalf:
+      run(Half{});
+      break;
+    default:
+      run(BF16{});
   }
   return {out, lse};
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(flashllm, CPU, m) { m.impl("decode_attention", &decode_attention_cpu); }
+TORCH_LIBRARY_IMPL(flashllm, CPU, m) {
+  m.impl("decode_attention", &decode_attention_cpu);
+}
 
 }  // namespace flashllm

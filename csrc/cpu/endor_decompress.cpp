@@ -41,7 +41,7 @@ void decode_row_scalar(const W* v, const uint8_t* bm, int64_t n_cols, W* out) {
 // ---------------------------------------------------------------------------------------------- AVX2
 template <typename W>
 __attribute__((target("avx2,popcnt"))) void decode_row_avx2(const W* v, const uint8_t* bm, int64_t n_cols, W* out,
-                                                             const W* v_end) {
+                                                            const W* v_end) {
   const EndorAvx2Tables& t = endor_avx2_tables();
   const __m256i lane_bits = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
   int64_t c = 0;
@@ -69,12 +69,14 @@ __attribute__((target("avx2,popcnt"))) void decode_row_avx2(const W* v, const ui
 }
 
 // ---------------------------------------------------------------------------------------------- AVX-512
-inline __mmask16 first_k16(int k) { return static_cast<__mmask16>((1u << k) - 1u); }  // k <= 16
+inline __mmask16 first_k16(int k) {
+  return static_cast<__mmask16>((1u << k) - 1u);
+}  // k <= 16
 
 // 16 columns per step; 8- and 16-bit elements go through 32-bit lanes because vpexpand{b,w} needs VBMI2.
 template <typename W>
 __attribute__((target("avx512f,avx512bw,avx512vl,popcnt"))) inline void expand16_avx512(const W* v, __mmask16 m,
-                                                                                          __mmask16 keep, W* out) {
+                                                                                        __mmask16 keep, W* out) {
   const __mmask16 first = first_k16(__builtin_popcount(m));
   // Expands merge into a fresh zero (simd::fresh_zero_si512: zero-masking chains them on AMD Zen 4).
   const __m512i zero = simd::fresh_zero_si512();
@@ -91,7 +93,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,popcnt"))) inline void expand16
 
 template <typename W>
 __attribute__((target("avx512f,avx512bw,avx512vl,popcnt"))) void decode_row_avx512(const W* v, const uint8_t* bm,
-                                                                                     int64_t n_cols, W* out) {
+                                                                                   int64_t n_cols, W* out) {
   int64_t c = 0;
   for (; c + 16 <= n_cols; c += 16) {
     const __mmask16 m = load_word<uint16_t>(bm + c / 8);
@@ -108,7 +110,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,popcnt"))) void decode_row_avx5
 // One full 512-bit register per step: 16, 32 or 64 columns of 4-, 2- or 1-byte elements.
 template <typename W>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi2,popcnt"))) inline __m512i expand_vbmi2(const W* v,
-                                                                                                      uint64_t m) {
+                                                                                                    uint64_t m) {
   const int count = __builtin_popcountll(m);
   const uint64_t first = count == 64 ? ~0ull : (1ull << count) - 1;
   const __m512i zero = simd::fresh_zero_si512();  // zero-masked expands chain on AMD Zen 4 (simd::fresh_zero_ps)
@@ -124,8 +126,10 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi2,popcnt"))) inline _
 }
 
 template <typename W>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi2,popcnt"))) void decode_row_avx512_vbmi2(
-    const W* v, const uint8_t* bm, int64_t n_cols, W* out) {
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi2,popcnt"))) void decode_row_avx512_vbmi2(const W* v,
+                                                                                                     const uint8_t* bm,
+                                                                                                     int64_t n_cols,
+                                                                                                     W* out) {
   constexpr int64_t kStep = 64 / sizeof(W);
   using Word = std::conditional_t<kStep == 64, uint64_t, std::conditional_t<kStep == 32, uint32_t, uint16_t>>;
   int64_t c = 0;
@@ -181,19 +185,26 @@ unsigned long long decompress(const W* values, int64_t nnz, const uint8_t* bitma
     W* dst = out + i * n_cols;
     switch (isa) {
       case CpuIsa::kAvx512Bf16:
-      case CpuIsa::kAvx512Vbmi2: decode_row_avx512_vbmi2(v, bm, n_cols, dst); break;
+      case CpuIsa::kAvx512Vbmi2:
+        decode_row_avx512_vbmi2(v, bm, n_cols, dst);
+        break;
       case CpuIsa::kAvx512Vnni:
-      case CpuIsa::kAvx512: decode_row_avx512(v, bm, n_cols, dst); break;
-      case CpuIsa::kAvx2: decode_row_avx2(v, bm, n_cols, dst, values + nnz); break;
-      default: decode_row_scalar(v, bm, n_cols, dst);
+      case CpuIsa::kAvx512:
+        decode_row_avx512(v, bm, n_cols, dst);
+        break;
+      case CpuIsa::kAvx2:
+        decode_row_avx2(v, bm, n_cols, dst, values + nnz);
+        break;
+      default:
+        decode_row_scalar(v, bm, n_cols, dst);
     }
   }
   return bad_row.packed();
 }
 
 void endor_decompress_out_cpu(const at::Tensor& values_in, const at::Tensor& bitmap_in,
-                              const at::Tensor& row_offsets_in, int64_t n_cols, const std::optional<at::Tensor>& rows_in,
-                              at::Tensor out) {
+                              const at::Tensor& row_offsets_in, int64_t n_cols,
+                              const std::optional<at::Tensor>& rows_in, at::Tensor out) {
   check_endor_args(values_in, bitmap_in, row_offsets_in, n_cols, rows_in, &out);
   const at::Tensor values = values_in.contiguous(), bitmap = bitmap_in.contiguous();
   const at::Tensor offsets = row_offsets_in.contiguous();

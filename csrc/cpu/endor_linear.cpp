@@ -81,8 +81,8 @@ template <class T>
 FLASHLLM_AVX2 inline __m256 expand8_avx2(const T* v, unsigned byte, const EndorAvx2Tables& tables) {
   const __m256i lane_bits = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
   const __m256i perm = _mm256_load_si256(reinterpret_cast<const __m256i*>(tables.perm32[byte].data()));
-  const __m256i set = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(static_cast<int>(byte)), lane_bits),
-                                         lane_bits);
+  const __m256i set =
+      _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(static_cast<int>(byte)), lane_bits), lane_bits);
   return _mm256_and_ps(_mm256_permutevar8x32_ps(load8_avx2(v), perm), _mm256_castsi256_ps(set));
 }
 
@@ -166,7 +166,8 @@ FLASHLLM_AVX512 void row_dots_avx512(const T* v, const uint8_t* bm, int64_t n_co
     const __mmask16 m = static_cast<__mmask16>(load_mask_bytes(bm + c / 8, std::min<int64_t>(2, (left + 7) / 8)));
     const __m512 w = expand16_avx512(v, m);
     v += __builtin_popcount(m);
-    for (int t = 0; t < NT; ++t) acc0[t] = _mm512_fmadd_ps(w, _mm512_maskz_loadu_ps(keep, x + t * x_stride + c), acc0[t]);
+    for (int t = 0; t < NT; ++t)
+      acc0[t] = _mm512_fmadd_ps(w, _mm512_maskz_loadu_ps(keep, x + t * x_stride + c), acc0[t]);
   }
   for (int t = 0; t < NT; ++t) dots[t] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[t], acc1[t]));
 }
@@ -245,8 +246,7 @@ FLASHLLM_AVX512_VBMI2 void row_dots_avx512_vbmi2(const T* v, const uint8_t* bm, 
 }
 
 // ---------------------------------------------------------------------------------------------- AVX-512 BF16
-#define FLASHLLM_AVX512_BF16 \
-  __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi2,avx512bf16,fma,f16c,popcnt")))
+#define FLASHLLM_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi2,avx512bf16,fma,f16c,popcnt")))
 
 // xb: the NT tokens' rows of x in bf16 [NT, n_cols]; x: the same rows in float32, for the row's tail.
 template <int NT>
@@ -306,9 +306,14 @@ void linear_group(const LinearProblem<T>& p, const float* x, const BF16* x_bf16,
         }
         [[fallthrough]];
       case CpuIsa::kAvx512Vnni:
-      case CpuIsa::kAvx512: row_dots_avx512<T, NT>(v, bm, p.n_cols, x, p.n_cols, dots); break;
-      case CpuIsa::kAvx2: row_dots_avx2<T, NT>(v, bm, p.n_cols, x, p.values + p.nnz, dots); break;
-      default: row_dots_scalar<T, NT>(v, bm, p.n_cols, x, p.n_cols, dots);
+      case CpuIsa::kAvx512:
+        row_dots_avx512<T, NT>(v, bm, p.n_cols, x, p.n_cols, dots);
+        break;
+      case CpuIsa::kAvx2:
+        row_dots_avx2<T, NT>(v, bm, p.n_cols, x, p.values + p.nnz, dots);
+        break;
+      default:
+        row_dots_scalar<T, NT>(v, bm, p.n_cols, x, p.n_cols, dots);
     }
     const float b = p.bias ? p.bias[r] : 0.f;
     for (int t = 0; t < NT; ++t) y[t * p.n_rows + r] = dots[t] + b;
@@ -331,21 +336,31 @@ at::Tensor endor_linear_cpu(const at::Tensor& x, const at::Tensor& values_in, co
   LowestBadRow bad_row;
   auto run = [&](auto element) {
     using T = decltype(element);
-    const LinearProblem<T> p{values.data_ptr<T>(), nnz, bitmap.data_ptr<uint8_t>(), off, n_rows, n_cols,
+    const LinearProblem<T> p{values.data_ptr<T>(),
+                             nnz,
+                             bitmap.data_ptr<uint8_t>(),
+                             off,
+                             n_rows,
+                             n_cols,
                              bias_f ? bias_f->data_ptr<float>() : nullptr};
     for (int64_t t0 = 0; t0 < n_tok && bad_row.packed() == kEndorNoError; t0 += kCpuMaxTokens) {
       const int nt = static_cast<int>(std::min<int64_t>(kCpuMaxTokens, n_tok - t0));
       with_tokens(nt, [&](auto nt_c) {
         linear_group<T, decltype(nt_c)::value>(p, xf.data_ptr<float>() + t0 * n_cols,
-                                                 xb.defined() ? xb.data_ptr<BF16>() + t0 * n_cols : nullptr,
-                                                 yf.data_ptr<float>() + t0 * n_rows, bad_row);
+                                               xb.defined() ? xb.data_ptr<BF16>() + t0 * n_cols : nullptr,
+                                               yf.data_ptr<float>() + t0 * n_rows, bad_row);
       });
     }
   };
   switch (values.scalar_type()) {
-    case at::kFloat: run(float{}); break;
-    case at::kHalf: run(Half{}); break;
-    default: run(BF16{});
+    case at::kFloat:
+      run(float{});
+      break;
+    case at::kHalf:
+      run(Half{});
+      break;
+    default:
+      run(BF16{});
   }
   throw_if_endor_bad_row("endor_linear", bad_row.packed(), values, bitmap, offsets, n_cols, std::nullopt);
   return yf.to(x.scalar_type());
@@ -353,6 +368,8 @@ at::Tensor endor_linear_cpu(const at::Tensor& x, const at::Tensor& values_in, co
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(flashllm, CPU, m) { m.impl("endor_linear", &endor_linear_cpu); }
+TORCH_LIBRARY_IMPL(flashllm, CPU, m) {
+  m.impl("endor_linear", &endor_linear_cpu);
+}
 
 }  // namespace flashllm

@@ -2,11 +2,12 @@
 //
 // Why: a flash-offloaded model keeps its resident weights (attention, LM head) in the store's fp16, and on CPUs
 // without FP16 arithmetic PyTorch's fp16 matmul falls behind once tokens share a weight pass (1.5-3.5x slower than
-// this kernel at 8-64 tokens; at one token both are at the read bound: bench/bench_half_linear.py). Decoding is a matrix-vector product, bound by
-// reading W once: each row is read once per group of up to 8 tokens (common/token_groups.h), widened to fp32 in
-// registers and dotted with every token of the group (common/row_dots.h, the loop sparse_ffn uses for its columns).
-// Rows are split across OpenMP threads in static chunks (every row costs the same); each writes its own outputs.
-// Longer inputs (prompts) take ATen's fp32 GEMM on fp32 copies of row blocks (half_linear_gemm).
+// this kernel at 8-64 tokens; at one token both are at the read bound: bench/bench_half_linear.py). Decoding is a
+// matrix-vector product, bound by reading W once: each row is read once per group of up to 8 tokens
+// (common/token_groups.h), widened to fp32 in registers and dotted with every token of the group (common/row_dots.h,
+// the loop sparse_ffn uses for its columns). Rows are split across OpenMP threads in static chunks (every row costs the
+// same); each writes its own outputs. Longer inputs (prompts) take ATen's fp32 GEMM on fp32 copies of row blocks
+// (half_linear_gemm).
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -97,15 +98,23 @@ at::Tensor half_linear_cpu(const at::Tensor& x, const at::Tensor& weight_in, con
   const at::Tensor* b = bias ? &*bias : nullptr;
   at::Tensor yf = at::empty({n_tok, n}, x.options().dtype(at::kFloat));
   switch (weight.scalar_type()) {
-    case at::kFloat: half_linear_typed<float>(xf, weight, b, yf); break;
-    case at::kHalf: half_linear_typed<c10::Half>(xf, weight, b, yf); break;
-    default: half_linear_typed<c10::BFloat16>(xf, weight, b, yf); break;
+    case at::kFloat:
+      half_linear_typed<float>(xf, weight, b, yf);
+      break;
+    case at::kHalf:
+      half_linear_typed<c10::Half>(xf, weight, b, yf);
+      break;
+    default:
+      half_linear_typed<c10::BFloat16>(xf, weight, b, yf);
+      break;
   }
   return x.scalar_type() == at::kFloat ? yf : yf.to(x.scalar_type());
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(flashllm, CPU, m) { m.impl("half_linear", &half_linear_cpu); }
+TORCH_LIBRARY_IMPL(flashllm, CPU, m) {
+  m.impl("half_linear", &half_linear_cpu);
+}
 
 }  // namespace flashllm

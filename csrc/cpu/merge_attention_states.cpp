@@ -51,6 +51,8 @@ std::tuple<at::Tensor, at::Tensor> merge_attention_states_cpu(const at::Tensor& 
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(flashllm, CPU, m) { m.impl("merge_attention_states", &merge_attention_states_cpu); }
+TORCH_LIBRARY_IMPL(flashllm, CPU, m) {
+  m.impl("merge_attention_states", &merge_attention_states_cpu);
+}
 
 }  // namespace flashllm

@@ -113,10 +113,11 @@ template <int TB, int BITS>
 __attribute__((target("avx512f"))) void row_dots_avx512(const uint8_t* codes, int64_t width, const float* xpad,
                                                         int64_t dpad, float* acc) {
   constexpr bool kHalves = BITS >= 3;  // 16 codes span more than 32 bits
-  const __m512i shifts = kHalves ? _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7),
-                                                      _mm512_set1_epi32(BITS))
-                                 : _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13,
-                                                                        14, 15), _mm512_set1_epi32(BITS));
+  const __m512i shifts =
+      kHalves ? _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7),
+                                   _mm512_set1_epi32(BITS))
+              : _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                   _mm512_set1_epi32(BITS));
   const __m512i mask = _mm512_set1_epi32((1 << BITS) - 1);
   const __m512 center = _mm512_set1_ps(static_cast<float>((1 << BITS) - 1) / 2.f);
   constexpr int64_t kStep = BITS * 2;  // bytes per 16 codes
@@ -126,8 +127,8 @@ __attribute__((target("avx512f"))) void row_dots_avx512(const uint8_t* codes, in
     const __m512i lanes = kHalves ? _mm512_inserti64x4(_mm512_set1_epi32(static_cast<int>(raw)),
                                                        _mm256_set1_epi32(static_cast<int>(raw >> (8 * BITS))), 1)
                                   : _mm512_set1_epi32(static_cast<int>(raw));
-    const __m512 w = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srlv_epi32(lanes, shifts), mask)),
-                                   center);
+    const __m512 w =
+        _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srlv_epi32(lanes, shifts), mask)), center);
     for (int t = 0; t < TB; ++t) sum[t] = _mm512_fmadd_ps(w, _mm512_loadu_ps(xpad + t * dpad + col), sum[t]);
   };
   int64_t off = 0, col = 0;
@@ -177,8 +178,12 @@ void round_x_int8(const float* x, int64_t d, int8_t* q, float* scale) {
 // 24 bytes (64 codes) for 3 bits, and multiplies each 64 codes it yields into 64 bytes of x laid out in that order.
 #define FLASHLLM_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
 
-constexpr int64_t vnni_chunk_bytes(int64_t bits) { return bits == 3 ? 24 : 64; }
-constexpr int64_t vnni_chunk_cols(int64_t bits) { return bits == 3 ? 64 : 512 / bits; }
+constexpr int64_t vnni_chunk_bytes(int64_t bits) {
+  return bits == 3 ? 24 : 64;
+}
+constexpr int64_t vnni_chunk_cols(int64_t bits) {
+  return bits == 3 ? 64 : 512 / bits;
+}
 int64_t vnni_chunks(int64_t width, int64_t bits) {
   return (width + vnni_chunk_bytes(bits) - 1) / vnni_chunk_bytes(bits);
 }
@@ -236,8 +241,8 @@ constexpr Decode3Tables kDecode3 = make_decode3_tables();
 // The 64 codes of 24 bytes (raw: those bytes and 8 more, unused). Lane l needs bytes [6l, 6l + 6): qwords {0,1},
 // {0,1}, {1,2}, {2,3} put them at 0, 6, 4, 2 within the lane.
 FLASHLLM_VNNI inline __m512i decode3(__m256i raw) {
-  const __m512i spread = _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 1, 0, 1, 1, 2, 2, 3),
-                                                  _mm512_castsi256_si512(raw));
+  const __m512i spread =
+      _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 1, 0, 1, 1, 2, 2, 3), _mm512_castsi256_si512(raw));
   const __m512i low = _mm512_srlv_epi16(_mm512_shuffle_epi8(spread, _mm512_load_si512(kDecode3.low)),
                                         _mm512_load_si512(kDecode3.right));
   const __m512i high = _mm512_sllv_epi16(_mm512_shuffle_epi8(spread, _mm512_load_si512(kDecode3.high)),
@@ -299,15 +304,20 @@ FLASHLLM_VNNI inline void dot_chunk(__m512i raw, const int8_t* xc, int64_t xstri
 
 inline float activate(float v, int act) {
   switch (act) {
-    case kActRelu: return v < 0.f ? 0.f : v;  // NaN stays NaN, as torch.relu
-    case kActSilu: return v / (1.f + std::exp(-v));
-    default: return 0.5f * v * (1.f + std::erf(v * 0.70710678118654752f));
+    case kActRelu:
+      return v < 0.f ? 0.f : v;  // NaN stays NaN, as torch.relu
+    case kActSilu:
+      return v / (1.f + std::exp(-v));
+    default:
+      return 0.5f * v * (1.f + std::erf(v * 0.70710678118654752f));
   }
 }
 
 // kVnniVbmi: the VNNI path with 3-bit codes decoded by VBMI's multishift (multishift3), the rest as kVnni.
 enum class Path { kTables, kAvx512, kVnni, kVnniVbmi };
-inline bool is_vnni(Path path) { return path == Path::kVnni || path == Path::kVnniVbmi; }
+inline bool is_vnni(Path path) {
+  return path == Path::kVnni || path == Path::kVnniVbmi;
+}
 
 struct Matrix {
   const uint8_t* codes;
@@ -327,11 +337,22 @@ struct Matrix {
   int32_t* xlanes;
 };
 
-Matrix matrix_of(const at::Tensor& codes, const at::Tensor& scale, const std::optional<at::Tensor>& bias,
-                 int64_t bits, int64_t d) {
+Matrix matrix_of(const at::Tensor& codes, const at::Tensor& scale, const std::optional<at::Tensor>& bias, int64_t bits,
+                 int64_t d) {
   const int64_t width = (d * bits + 7) / 8, groups = scale.dim() == 2 ? scale.size(1) : 1;
-  return {codes.data_ptr<uint8_t>(), scale.data_ptr<c10::Half>(), bias ? bias->data_ptr<float>() : nullptr, bits,
-          width, groups, d / groups, groups == 1 ? width : d / groups * bits / 8, nullptr, nullptr, 0, 0, nullptr};
+  return {codes.data_ptr<uint8_t>(),
+          scale.data_ptr<c10::Half>(),
+          bias ? bias->data_ptr<float>() : nullptr,
+          bits,
+          width,
+          groups,
+          d / groups,
+          groups == 1 ? width : d / groups * bits / 8,
+          nullptr,
+          nullptr,
+          0,
+          0,
+          nullptr};
 }
 
 // Per group, the centre comes off lane by lane in int32 (2 sum - xlanes: exact) and the scale is applied by one FMA
@@ -350,13 +371,17 @@ constexpr int kRowBlock = 4;
 // CpuIsa::kAvx512Vbmi2, whose CPUs have VBMI.
 namespace shuffle3 {
 #define FLASHLLM_VNNI_ROWS FLASHLLM_VNNI
-FLASHLLM_VNNI inline __m512i decode3_rows(__m256i raw) { return decode3(raw); }
+FLASHLLM_VNNI inline __m512i decode3_rows(__m256i raw) {
+  return decode3(raw);
+}
 #include "cpu/quant_scores_vnni_rows.h"
 #undef FLASHLLM_VNNI_ROWS
 }  // namespace shuffle3
 namespace multishift3 {
 #define FLASHLLM_VNNI_ROWS FLASHLLM_VNNI_VBMI
-FLASHLLM_VNNI_VBMI inline __m512i decode3_rows(__m256i raw) { return decode3_multishift(raw); }
+FLASHLLM_VNNI_VBMI inline __m512i decode3_rows(__m256i raw) {
+  return decode3_multishift(raw);
+}
 #include "cpu/quant_scores_vnni_rows.h"
 #undef FLASHLLM_VNNI_ROWS
 }  // namespace multishift3
@@ -385,11 +410,16 @@ void score_rows(const Matrix& up, const Matrix* gate, const Block& block, Path p
   // acc[t] = sum over the row's groups of scale x sum_k (q_k - centre) * x_k (x rounded, in fp32).
   const auto dots = [&](const Matrix& m, int64_t r, float* acc) {
     if (is_vnni(path)) {
-      if (m.bits == 4) shuffle3::row_scores_vnni<TB, 4>(m, r, block.scale, acc);
-      else if (m.bits == 3 && path == Path::kVnniVbmi) multishift3::row_scores_vnni<TB, 3>(m, r, block.scale, acc);
-      else if (m.bits == 3) shuffle3::row_scores_vnni<TB, 3>(m, r, block.scale, acc);
-      else if (m.bits == 2) shuffle3::row_scores_vnni<TB, 2>(m, r, block.scale, acc);
-      else shuffle3::row_scores_vnni<TB, 1>(m, r, block.scale, acc);
+      if (m.bits == 4)
+        shuffle3::row_scores_vnni<TB, 4>(m, r, block.scale, acc);
+      else if (m.bits == 3 && path == Path::kVnniVbmi)
+        multishift3::row_scores_vnni<TB, 3>(m, r, block.scale, acc);
+      else if (m.bits == 3)
+        shuffle3::row_scores_vnni<TB, 3>(m, r, block.scale, acc);
+      else if (m.bits == 2)
+        shuffle3::row_scores_vnni<TB, 2>(m, r, block.scale, acc);
+      else
+        shuffle3::row_scores_vnni<TB, 1>(m, r, block.scale, acc);
       return;
     }
     const uint8_t* row = m.codes + r * m.width;
@@ -401,10 +431,14 @@ void score_rows(const Matrix& up, const Matrix* gate, const Block& block, Path p
       const float* xpad = block.xpad + g * m.group_cols;
       float part[TB];
       if (path == Path::kAvx512) {
-        if (m.bits == 4) row_dots_avx512<TB, 4>(codes, w, xpad, block.dpad, part);
-        else if (m.bits == 3) row_dots_avx512<TB, 3>(codes, w, xpad, block.dpad, part);
-        else if (m.bits == 2) row_dots_avx512<TB, 2>(codes, w, xpad, block.dpad, part);
-        else row_dots_avx512<TB, 1>(codes, w, xpad, block.dpad, part);
+        if (m.bits == 4)
+          row_dots_avx512<TB, 4>(codes, w, xpad, block.dpad, part);
+        else if (m.bits == 3)
+          row_dots_avx512<TB, 3>(codes, w, xpad, block.dpad, part);
+        else if (m.bits == 2)
+          row_dots_avx512<TB, 2>(codes, w, xpad, block.dpad, part);
+        else
+          row_dots_avx512<TB, 1>(codes, w, xpad, block.dpad, part);
       } else if (m.bits == 3) {
         row_dots_3bit<TB>(codes, w, xpad, block.dpad, part);
       } else {
@@ -419,11 +453,16 @@ void score_rows(const Matrix& up, const Matrix* gate, const Block& block, Path p
     if constexpr (TB == 1) {
       if (is_vnni(path) && rows == kRowBlock) {
         float four[kRowBlock];
-        if (m.bits == 4) shuffle3::rows_dots_vnni<4>(m, r0, block.scale[0], four);
-        else if (m.bits == 3 && path == Path::kVnniVbmi) multishift3::rows_dots_vnni<3>(m, r0, block.scale[0], four);
-        else if (m.bits == 3) shuffle3::rows_dots_vnni<3>(m, r0, block.scale[0], four);
-        else if (m.bits == 2) shuffle3::rows_dots_vnni<2>(m, r0, block.scale[0], four);
-        else shuffle3::rows_dots_vnni<1>(m, r0, block.scale[0], four);
+        if (m.bits == 4)
+          shuffle3::rows_dots_vnni<4>(m, r0, block.scale[0], four);
+        else if (m.bits == 3 && path == Path::kVnniVbmi)
+          multishift3::rows_dots_vnni<3>(m, r0, block.scale[0], four);
+        else if (m.bits == 3)
+          shuffle3::rows_dots_vnni<3>(m, r0, block.scale[0], four);
+        else if (m.bits == 2)
+          shuffle3::rows_dots_vnni<2>(m, r0, block.scale[0], four);
+        else
+          shuffle3::rows_dots_vnni<1>(m, r0, block.scale[0], four);
         for (int i = 0; i < kRowBlock; ++i) acc[i][0] = four[i];
         return;
       }
@@ -444,8 +483,7 @@ void score_rows(const Matrix& up, const Matrix* gate, const Block& block, Path p
       const float ub = up.bias ? up.bias[r] : 0.f;
       if (gate) {
         const float gb = gate->bias ? gate->bias[r] : 0.f;
-        for (int t = 0; t < TB; ++t)
-          out[t * out_stride + r] = std::abs(activate(g[i][t] + gb, act) * (u[i][t] + ub));
+        for (int t = 0; t < TB; ++t) out[t * out_stride + r] = std::abs(activate(g[i][t] + gb, act) * (u[i][t] + ub));
       } else {
         for (int t = 0; t < TB; ++t) out[t * out_stride + r] = std::abs(activate(u[i][t] + ub, act));
       }
@@ -558,14 +596,30 @@ at::Tensor quant_scores_cpu(const at::Tensor& x_in, const at::Tensor& up_codes_i
     const Block block{xpad.data(), dpad, x_scale.data() + t0};
     float* o = op + t0 * n;
     switch (tb) {
-      case 1: score_rows<1>(up, g, block, path, act, n, o, n); break;
-      case 2: score_rows<2>(up, g, block, path, act, n, o, n); break;
-      case 3: score_rows<3>(up, g, block, path, act, n, o, n); break;
-      case 4: score_rows<4>(up, g, block, path, act, n, o, n); break;
-      case 5: score_rows<5>(up, g, block, path, act, n, o, n); break;
-      case 6: score_rows<6>(up, g, block, path, act, n, o, n); break;
-      case 7: score_rows<7>(up, g, block, path, act, n, o, n); break;
-      default: score_rows<8>(up, g, block, path, act, n, o, n); break;
+      case 1:
+        score_rows<1>(up, g, block, path, act, n, o, n);
+        break;
+      case 2:
+        score_rows<2>(up, g, block, path, act, n, o, n);
+        break;
+      case 3:
+        score_rows<3>(up, g, block, path, act, n, o, n);
+        break;
+      case 4:
+        score_rows<4>(up, g, block, path, act, n, o, n);
+        break;
+      case 5:
+        score_rows<5>(up, g, block, path, act, n, o, n);
+        break;
+      case 6:
+        score_rows<6>(up, g, block, path, act, n, o, n);
+        break;
+      case 7:
+        score_rows<7>(up, g, block, path, act, n, o, n);
+        break;
+      default:
+        score_rows<8>(up, g, block, path, act, n, o, n);
+        break;
     }
   }
   return out;
@@ -573,6 +627,8 @@ at::Tensor quant_scores_cpu(const at::Tensor& x_in, const at::Tensor& up_codes_i
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(flashllm, CPU, m) { m.impl("quant_scores", &quant_scores_cpu); }
+TORCH_LIBRARY_IMPL(flashllm, CPU, m) {
+  m.impl("quant_scores", &quant_scores_cpu);
+}
 
 }  // namespace flashllm

@@ -9,12 +9,12 @@
 // The 64 codes of the 24-byte chunk of 3-bit codes at `off`; reads 32 bytes, the last 8 only while inside the row.
 FLASHLLM_VNNI_ROWS inline __m512i chunk3(const uint8_t* codes, int64_t off, int64_t width) {
   return decode3_rows(off + 32 <= width ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + off))
-                                   : _mm256_maskz_loadu_epi8((__mmask32{1} << (width - off)) - 1, codes + off));
+                                        : _mm256_maskz_loadu_epi8((__mmask32{1} << (width - off)) - 1, codes + off));
 }
 
 template <int TB>
 FLASHLLM_VNNI_ROWS inline void dot_chunk3(const uint8_t* codes, int64_t off, int64_t width, const int8_t* xc,
-                                     int64_t xstride, __m512i (&sum)[TB]) {
+                                          int64_t xstride, __m512i (&sum)[TB]) {
   dot_step<TB>(sum, chunk3(codes, off, width), xc, xstride);
 }
 
@@ -23,7 +23,7 @@ FLASHLLM_VNNI_ROWS inline void dot_chunk3(const uint8_t* codes, int64_t off, int
 // xstride bytes apart.
 template <int TB, int BITS>
 FLASHLLM_VNNI_ROWS void row_dots_vnni(const uint8_t* codes, int64_t width, const int8_t* xl, int64_t xstride,
-                                 __m512i (&lanes)[TB]) {
+                                      __m512i (&lanes)[TB]) {
   // Every loop over t fully unrolled, so the accumulators stay in registers (a rolled loop keeps the arrays in
   // memory and stores every vpdpbusd result).
   __m512i even[TB], odd[TB];
@@ -92,8 +92,7 @@ FLASHLLM_VNNI_ROWS void rows_dots_vnni(const Matrix& m, int64_t r0, float x_scal
       for (int64_t c = 0; c < chunks; ++c) {
         __m512i raw[kRowBlock];
 #pragma GCC unroll 4
-        for (int i = 0; i < kRowBlock; ++i)
-          raw[i] = load_bytes(codes + i * m.width + c * 64, m.group_width - c * 64);
+        for (int i = 0; i < kRowBlock; ++i) raw[i] = load_bytes(codes + i * m.width + c * 64, m.group_width - c * 64);
 #pragma GCC unroll 8
         for (int j = 0; j < kPer; ++j) {
           const __m512i xv = _mm512_loadu_si512(xl + (c * kPer + j) * 64);
@@ -111,4 +110,3 @@ FLASHLLM_VNNI_ROWS void rows_dots_vnni(const Matrix& m, int64_t r0, float x_scal
 #pragma GCC unroll 4
   for (int i = 0; i < kRowBlock; ++i) acc[i] = _mm512_reduce_add_ps(total[i]) * x_scale;
 }
-

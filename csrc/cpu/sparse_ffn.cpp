@@ -84,9 +84,12 @@ FLASHLLM_AVX512 void axpy_avx512(const T* row, const float* h, float* acc, int64
 // ---------------------------------------------------------------------------------------------- driver
 inline float activate(float v, int act) {
   switch (act) {
-    case kActRelu: return v > 0.f ? v : 0.f;
-    case kActSilu: return v / (1.f + std::exp(-v));
-    default: return 0.5f * v * (1.f + std::erf(v * 0.70710678118654752f));
+    case kActRelu:
+      return v > 0.f ? v : 0.f;
+    case kActSilu:
+      return v / (1.f + std::exp(-v));
+    default:
+      return 0.5f * v * (1.f + std::erf(v * 0.70710678118654752f));
   }
 }
 
@@ -94,8 +97,8 @@ template <class T>
 struct FfnProblem {
   const float* x;  // [n_tok, d] fp32, this token group
   const T* matrix;
-  const T* bias;          // per row, or null
-  const int64_t* index;   // rows to use, or null: rows [0, n_rows)
+  const T* bias;         // per row, or null
+  const int64_t* index;  // rows to use, or null: rows [0, n_rows)
   int64_t n_rows, d, width;
   int act;
   bool glu;
@@ -194,8 +197,9 @@ void sparse_ffn_typed(const at::Tensor& x, const at::Tensor& matrix, int64_t n_r
   const int64_t n_tok = x.size(0), d = x.size(1);
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   at::Tensor yf = at::empty({n_tok, d}, x.options().dtype(at::kFloat));
-  FfnProblem<T> p{nullptr, matrix.data_ptr<T>(), bias ? bias->data_ptr<T>() : nullptr, index, n_rows, d,
-                  matrix.size(1), act, glu, threshold};
+  FfnProblem<T> p{
+      nullptr,  matrix.data_ptr<T>(), bias ? bias->data_ptr<T>() : nullptr, index, n_rows, d, matrix.size(1), act, glu,
+      threshold};
   for (int64_t t0 = 0; t0 < n_tok; t0 += kCpuMaxTokens) {
     const int nt = static_cast<int>(std::min<int64_t>(kCpuMaxTokens, n_tok - t0));
     p.x = xf.data_ptr<float>() + t0 * d;
@@ -247,15 +251,22 @@ at::Tensor sparse_ffn_cpu(const at::Tensor& x, const at::Tensor& matrix, int64_t
   const int64_t* ids = index.has_value() ? sorted_index.data() : nullptr;
   if (x.size(0) == 0) return out;
   switch (x.scalar_type()) {
-    case at::kFloat: sparse_ffn_typed<float>(x, matrix, n_rows, bias_ptr, ids, act, glu, float(threshold), out); break;
-    case at::kHalf: sparse_ffn_typed<Half>(x, matrix, n_rows, bias_ptr, ids, act, glu, float(threshold), out); break;
-    default: sparse_ffn_typed<BF16>(x, matrix, n_rows, bias_ptr, ids, act, glu, float(threshold), out);
+    case at::kFloat:
+      sparse_ffn_typed<float>(x, matrix, n_rows, bias_ptr, ids, act, glu, float(threshold), out);
+      break;
+    case at::kHalf:
+      sparse_ffn_typed<Half>(x, matrix, n_rows, bias_ptr, ids, act, glu, float(threshold), out);
+      break;
+    default:
+      sparse_ffn_typed<BF16>(x, matrix, n_rows, bias_ptr, ids, act, glu, float(threshold), out);
   }
   return out;
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(flashllm, CPU, m) { m.impl("sparse_ffn", &sparse_ffn_cpu); }
+TORCH_LIBRARY_IMPL(flashllm, CPU, m) {
+  m.impl("sparse_ffn", &sparse_ffn_cpu);
+}
 
 }  // namespace flashllm

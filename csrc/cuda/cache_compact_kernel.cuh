@@ -74,8 +74,8 @@ cudaError_t launch_cache_compact(const Launch& launch, uint8_t* matrix, int64_t 
     if (err != cudaSuccess) return err;
   }
   const bool vector = reinterpret_cast<uintptr_t>(matrix) % 16 == 0 && row_bytes % 16 == 0;
-  return launch(compact_move_kernel, dim3(unsigned(c)), dim3(kCompactThreads), matrix, row_bytes, vector, pointer,
-                bias, bias_bytes, slot_of, n_slots, sorted_rows, c, num_used - c);
+  return launch(compact_move_kernel, dim3(unsigned(c)), dim3(kCompactThreads), matrix, row_bytes, vector, pointer, bias,
+                bias_bytes, slot_of, n_slots, sorted_rows, c, num_used - c);
 }
 
 }  // namespace flashllm

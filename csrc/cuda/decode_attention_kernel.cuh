@@ -141,7 +141,8 @@ cudaError_t launch_decode_attention(const Launch& launch, const float* q, const 
     case kFfnBF16:
       return launch(decode_attention_kernel<kFfnBF16>, grid, block, q, static_cast<const Storage<kFfnBF16>*>(k),
                     static_cast<const Storage<kFfnBF16>*>(v), a, out, lse);
-    default: return cudaErrorInvalidValue;
+    default:
+      return cudaErrorInvalidValue;
   }
 }
 

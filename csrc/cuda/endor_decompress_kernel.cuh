@@ -57,7 +57,8 @@ __device__ __forceinline__ void store8_vector(W* dst, const W (&e)[8]) {
   if constexpr (kWords >= 4) {
     uint4* v = reinterpret_cast<uint4*>(dst);
 #pragma unroll
-    for (int s = 0; s < kWords / 4; ++s) v[s] = make_uint4(words[4 * s], words[4 * s + 1], words[4 * s + 2], words[4 * s + 3]);
+    for (int s = 0; s < kWords / 4; ++s)
+      v[s] = make_uint4(words[4 * s], words[4 * s + 1], words[4 * s + 2], words[4 * s + 3]);
   } else {
     *reinterpret_cast<uint2*>(dst) = make_uint2(words[0], words[1]);
   }
@@ -92,8 +93,8 @@ __device__ __forceinline__ void zero_row(W* __restrict__ dst, int64_t n_cols, in
 template <class W>
 __global__ void __launch_bounds__(kEndorThreadsPerBlock)
     endor_decompress_kernel(const W* __restrict__ values, const uint8_t* __restrict__ bitmap,
-                            const int64_t* __restrict__ row_offsets, const int64_t* __restrict__ rows,
-                            int64_t n_rows, int64_t n_cols, int64_t nnz, int64_t n_out, W* __restrict__ out,
+                            const int64_t* __restrict__ row_offsets, const int64_t* __restrict__ rows, int64_t n_rows,
+                            int64_t n_cols, int64_t nnz, int64_t n_out, W* __restrict__ out,
                             EndorReport* __restrict__ report) {
   using namespace endor_detail;
   const int lane = threadIdx.x % 32;
@@ -118,7 +119,7 @@ __global__ void __launch_bounds__(kEndorThreadsPerBlock)
     }
     const bool aligned = reinterpret_cast<uintptr_t>(dst) % kStoreBytes<W> == 0;
     const int64_t used = walk_row(bitmap + r * row_bytes, 0, row_bytes, values + start, length, lane,
-                                  [&](int64_t b0, const W (&e)[kEndorStepsPerIter][8]) {
+                                  [&](int64_t b0, const W(&e)[kEndorStepsPerIter][8]) {
 #pragma unroll
                                     for (int s = 0; s < kEndorStepsPerIter; ++s)
                                       store_byte(e[s], dst, 8 * (b0 + 32 * s + lane), n_cols, aligned);
@@ -144,8 +145,8 @@ cudaError_t launch_endor_decompress(const Launch& launch, const void* values, in
   return dispatch_word(elem_bytes, [&](auto word) {
     using W = decltype(word);
     return launch(endor_decompress_kernel<W>, dim3(static_cast<unsigned>(endor_grid_blocks(n_out))),
-                  dim3(kEndorThreadsPerBlock), static_cast<const W*>(values), bitmap, row_offsets, rows, n_rows,
-                  n_cols, nnz, n_out, static_cast<W*>(out), report);
+                  dim3(kEndorThreadsPerBlock), static_cast<const W*>(values), bitmap, row_offsets, rows, n_rows, n_cols,
+                  nnz, n_out, static_cast<W*>(out), report);
   });
 }
 

@@ -79,8 +79,8 @@ __global__ void __launch_bounds__(kEndorThreadsPerBlock)
        base += int64_t(gridDim.x) * warps_per_block) {
     const int64_t r = base + threadIdx.x / 32;
     int64_t start = 0, length = 0;
-    const int code = r < n_rows ? check_row_bounds(bitmap, row_offsets, r, n_rows, n_cols, nnz, start, length)
-                                : kEndorRowOk;
+    const int code =
+        r < n_rows ? check_row_bounds(bitmap, row_offsets, r, n_rows, n_cols, nnz, start, length) : kEndorRowOk;
     bool active = r < n_rows && code == kEndorRowOk;
     if (r < n_rows && code != kEndorRowOk && lane == 0) report_row(report, r, code);
     const uint8_t* row_bitmap = bitmap + (active ? r : 0) * row_bytes;
@@ -96,7 +96,7 @@ __global__ void __launch_bounds__(kEndorThreadsPerBlock)
       const int64_t b_tile = tile0 / 8;
       const int64_t b_end = b_tile + tile_cols / 8 < row_bytes ? b_tile + tile_cols / 8 : row_bytes;
       used += walk_row(row_bitmap, b_tile, b_end, values + start + used, length - used, lane,
-                       [&](int64_t b0, const Value (&e)[kEndorStepsPerIter][8]) {
+                       [&](int64_t b0, const Value(&e)[kEndorStepsPerIter][8]) {
 #pragma unroll
                          for (int s = 0; s < kEndorStepsPerIter; ++s) {
                            float w[8];
@@ -150,8 +150,8 @@ cudaError_t launch_endor_linear(const Launch& launch, const float* x, int64_t n_
     const auto run = [&](auto kind_tag, auto max_tok) {
       constexpr int K = decltype(kind_tag)::value, M = decltype(max_tok)::value;
       return launch(endor_linear_kernel<K, M>, grid, block, x + t0 * n_cols, nt,
-                    static_cast<const ffn_detail::Storage<K>*>(values), bitmap, row_offsets, n_rows, n_cols, nnz,
-                    bias, y + t0 * n_rows, report);
+                    static_cast<const ffn_detail::Storage<K>*>(values), bitmap, row_offsets, n_rows, n_cols, nnz, bias,
+                    y + t0 * n_rows, report);
     };
     const auto run_kind = [&](auto kind_tag) {
       return nt <= 1 ? run(kind_tag, std::integral_constant<int, 1>{})

@@ -44,8 +44,8 @@ struct BitmapIteration {
   unsigned consumed;
 };
 
-__device__ __forceinline__ void load_bitmap_bytes(const uint8_t* __restrict__ row_bitmap, int64_t end_byte,
-                                                  int64_t b0, int lane, unsigned (&bits)[kEndorStepsPerIter]) {
+__device__ __forceinline__ void load_bitmap_bytes(const uint8_t* __restrict__ row_bitmap, int64_t end_byte, int64_t b0,
+                                                  int lane, unsigned (&bits)[kEndorStepsPerIter]) {
 #pragma unroll
   for (int s = 0; s < kEndorStepsPerIter; ++s) {
     const int64_t b = b0 + 32 * s + lane;

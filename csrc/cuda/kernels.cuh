@@ -15,17 +15,15 @@ namespace flashllm {
 
 cudaError_t launch_endor_decompress(const void* values, int elem_bytes, const uint8_t* bitmap,
                                     const int64_t* row_offsets, const int64_t* rows, int64_t n_rows, int64_t n_cols,
-                                    int64_t nnz, int64_t n_out, void* out, EndorReport* report,
-                                    cudaStream_t stream);
+                                    int64_t nnz, int64_t n_out, void* out, EndorReport* report, cudaStream_t stream);
 
 cudaError_t launch_endor_linear(const float* x, int64_t n_tok, const void* values, int kind, const uint8_t* bitmap,
                                 const int64_t* row_offsets, int64_t n_rows, int64_t n_cols, int64_t nnz,
                                 const float* bias, float* y, EndorReport* report, cudaStream_t stream);
 
-cudaError_t launch_sparse_ffn(const float* x, int64_t n_tok, int64_t d, const void* matrix, int kind,
-                              const void* bias, const int64_t* index, int64_t n_rows, int64_t num_used, int act,
-                              bool glu, float threshold, float* act_buf, float* partial, float* y,
-                              cudaStream_t stream);
+cudaError_t launch_sparse_ffn(const float* x, int64_t n_tok, int64_t d, const void* matrix, int kind, const void* bias,
+                              const int64_t* index, int64_t n_rows, int64_t num_used, int act, bool glu,
+                              float threshold, float* act_buf, float* partial, float* y, cudaStream_t stream);
 
 cudaError_t launch_cache_compact(uint8_t* matrix, int64_t row_bytes, int64_t* pointer, uint8_t* bias, int bias_bytes,
                                  int64_t* slot_of, int64_t n_slots, const int64_t* sorted_rows, int64_t c,

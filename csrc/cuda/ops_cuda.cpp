@@ -55,8 +55,8 @@ at::Tensor endor_linear_cuda(const at::Tensor& x, const at::Tensor& values, cons
         C10_CUDA_CHECK(launch_endor_linear(call.x.data_ptr<float>(), call.x.size(0), call.values.data_ptr(),
                                            call.kind(), call.bitmap.data_ptr<uint8_t>(),
                                            call.offsets.data_ptr<int64_t>(), call.bitmap.size(0), n_cols,
-                                           call.values.numel(), call.bias_ptr(), call.y.data_ptr<float>(),
-                                           call.report, c10::cuda::getCurrentCUDAStream()));
+                                           call.values.numel(), call.bias_ptr(), call.y.data_ptr<float>(), call.report,
+                                           c10::cuda::getCurrentCUDAStream()));
       });
 }
 
@@ -97,8 +97,9 @@ std::tuple<at::Tensor, at::Tensor> decode_attention_cuda(const at::Tensor& q, co
                                                          std::optional<double> scale) {
   const c10::cuda::CUDAGuard guard(q.device());
   return decode_attention_gpu_style(
-      q, k, v, scale, [&](const at::Tensor& qf, const at::Tensor& kc, const at::Tensor& vc, int kind,
-                          const AttentionArgs& args, at::Tensor& out, at::Tensor& lse) {
+      q, k, v, scale,
+      [&](const at::Tensor& qf, const at::Tensor& kc, const at::Tensor& vc, int kind, const AttentionArgs& args,
+          at::Tensor& out, at::Tensor& lse) {
         C10_CUDA_CHECK(launch_decode_attention(qf.data_ptr<float>(), kc.data_ptr(), vc.data_ptr(), kind, args,
                                                out.data_ptr<float>(), lse.data_ptr<float>(),
                                                c10::cuda::getCurrentCUDAStream()));
@@ -108,8 +109,9 @@ std::tuple<at::Tensor, at::Tensor> decode_attention_cuda(const at::Tensor& q, co
 std::tuple<at::Tensor, at::Tensor> merge_attention_states_cuda(const at::Tensor& outs, const at::Tensor& lses) {
   const c10::cuda::CUDAGuard guard(outs.device());
   return merge_attention_states_gpu_style(
-      outs, lses, [&](const at::Tensor& oc, const at::Tensor& lc, int64_t n_parts, int64_t n_rows, int64_t head_dim,
-                      at::Tensor& out, at::Tensor& lse) {
+      outs, lses,
+      [&](const at::Tensor& oc, const at::Tensor& lc, int64_t n_parts, int64_t n_rows, int64_t head_dim,
+          at::Tensor& out, at::Tensor& lse) {
         C10_CUDA_CHECK(launch_merge_attention_states(oc.data_ptr<float>(), lc.data_ptr<float>(), n_parts, n_rows,
                                                      head_dim, out.data_ptr<float>(), lse.data_ptr<float>(),
                                                      c10::cuda::getCurrentCUDAStream()));

@@ -131,8 +131,8 @@ __global__ void __launch_bounds__(kFfnActWarps * 32)
 template <int KIND>
 __global__ void __launch_bounds__(kFfnDownThreads)
     ffn_down_kernel(const ffn_detail::Storage<KIND>* __restrict__ matrix, const int64_t* __restrict__ index,
-                    const float* __restrict__ act_in, int64_t n_rows, int64_t num_used, int64_t d, int n_tok,
-                    bool glu, int64_t rows_per_chunk, bool vector, float* __restrict__ partial) {
+                    const float* __restrict__ act_in, int64_t n_rows, int64_t num_used, int64_t d, int n_tok, bool glu,
+                    int64_t rows_per_chunk, bool vector, float* __restrict__ partial) {
   using namespace ffn_detail;
   constexpr int V = kVec<KIND>;
   __shared__ float tile_act[kFfnMaxTokens][kFfnTileRows];
@@ -213,9 +213,9 @@ cudaError_t launch_sparse_ffn_typed(const Launch& launch, const float* x, int64_
   const bool vector = reinterpret_cast<uintptr_t>(matrix) % 16 == 0 && (d * int64_t(sizeof(S))) % 16 == 0;
   for (int64_t t0 = 0; t0 < n_tok; t0 += kFfnMaxTokens) {
     const int nt = int(n_tok - t0 < kFfnMaxTokens ? n_tok - t0 : kFfnMaxTokens);
-    cudaError_t err = launch(ffn_act_kernel<KIND>, dim3(unsigned(g.act_blocks)), dim3(kFfnActWarps * 32), x + t0 * d,
-                             bundles, static_cast<const S*>(bias), index, n_rows, num_used, d, nt, act, glu, threshold,
-                             vector, act_buf);
+    cudaError_t err =
+        launch(ffn_act_kernel<KIND>, dim3(unsigned(g.act_blocks)), dim3(kFfnActWarps * 32), x + t0 * d, bundles,
+               static_cast<const S*>(bias), index, n_rows, num_used, d, nt, act, glu, threshold, vector, act_buf);
     if (err != cudaSuccess) return err;
     err = launch(ffn_down_kernel<KIND>, dim3(unsigned(g.col_blocks), unsigned(g.chunks)), dim3(kFfnDownThreads),
                  bundles, index, act_buf, n_rows, num_used, d, nt, glu, g.rows_per_chunk, vector, partial);

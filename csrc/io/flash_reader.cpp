@@ -5,10 +5,11 @@
 // [base + starts[i], base + starts[i + 1]), an Endor neuron: a fixed-size head, its bitmap, then its values). One
 // call = one batch: ids are sorted and deduplicated, runs of nearby ids are coalesced into one read when the gap
 // costs less than a separate read (gap <= max_gap) or the merged read is still below min_read (see plan(): the
-// rule counts rows, so a compressed file merges the same runs as its dense twin), reads are widened to the file's direct-I/O alignment (statx STATX_DIOALIGN, else 4 KiB), executed by the engine (a pool of
-// pread workers, or one io_uring ring when built with liburing), and each row is copied from the aligned bounce
-// buffer into every output slot that asked for it (a variable row: its head into the head output, the rest into
-// the tail output at that slot's offset).
+// rule counts rows, so a compressed file merges the same runs as its dense twin), reads are widened to the file's
+// direct-I/O alignment (statx STATX_DIOALIGN, else 4 KiB), executed by the engine (a pool of pread workers, or one
+// io_uring ring when built with liburing), and each row is copied from the aligned bounce buffer into every output slot
+// that asked for it (a variable row: its head into the head output, the rest into the tail output at that slot's
+// offset).
 #include <Python.h>
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -50,7 +51,9 @@ constexpr int64_t kDefaultDirectAlign = 4096;
 // signed 32-bit byte count, so longer reads are split (1 GiB keeps both far from overflow).
 constexpr int64_t kMaxUringRequest = int64_t{1} << 30;
 
-bool is_power_of_two(int64_t x) { return x > 0 && (x & (x - 1)) == 0; }
+bool is_power_of_two(int64_t x) {
+  return x > 0 && (x & (x - 1)) == 0;
+}
 
 // The direct-I/O alignment of one open file: `offset` for file offsets and lengths, `memory` for buffers.
 struct DirectAlign {
@@ -189,7 +192,7 @@ struct Batch {
   // Fixed rows: their size. Variable rows: the bytes one row counts for in the coalescing rule (the dense row an
   // Endor row compresses), so the rule counts rows, whatever their stored length.
   int64_t row_bytes = 0;
-  char* out = nullptr;    // fixed rows: slot i at out + i * row_bytes; variable rows: the heads, head_bytes each
+  char* out = nullptr;  // fixed rows: slot i at out + i * row_bytes; variable rows: the heads, head_bytes each
   // Variable rows: row id spans [base + starts[id], base + starts[id + 1]); its first head_bytes go to the head
   // output, the rest to tail + tail_offsets[slot].
   const int64_t* starts = nullptr;
@@ -289,18 +292,24 @@ class FlashReader : public torch::CustomClassHolder {
   // bounce_limit: the most bytes the bounce buffers hold at once (-1: no limit; see BouncePool).
   FlashReader(std::string path, int64_t threads, int64_t min_read, int64_t max_gap, int64_t max_read, bool direct,
               std::string engine, int64_t bounce_limit)
-      : path_(std::move(path)), min_read_(min_read), max_gap_(max_gap), max_read_(max_read),
-        bounce_limit_(bounce_limit), bounce_(bounce_limit), engine_(engine) {
+      : path_(std::move(path)),
+        min_read_(min_read),
+        max_gap_(max_gap),
+        max_read_(max_read),
+        bounce_limit_(bounce_limit),
+        bounce_(bounce_limit),
+        engine_(engine) {
     TORCH_CHECK(bounce_limit >= -1, "FlashReader: bounce_limit must be >= -1, got ", bounce_limit);
     TORCH_CHECK(threads >= 1 && threads <= 1024, "FlashReader: threads must be in [1, 1024], got ", threads);
-    TORCH_CHECK(min_read >= 0 && max_gap >= -1, "FlashReader: min_read must be >= 0 and max_gap >= -1, got ",
-                min_read, " and ", max_gap);
+    TORCH_CHECK(min_read >= 0 && max_gap >= -1, "FlashReader: min_read must be >= 0 and max_gap >= -1, got ", min_read,
+                " and ", max_gap);
     TORCH_CHECK(max_read >= kDefaultDirectAlign, "FlashReader: max_read must be at least ", kDefaultDirectAlign,
                 " bytes, got ", max_read);
-    TORCH_CHECK(engine == "threads" || engine == "io_uring", "FlashReader: engine must be 'threads' or 'io_uring', got '",
-                engine, "'");
+    TORCH_CHECK(engine == "threads" || engine == "io_uring",
+                "FlashReader: engine must be 'threads' or 'io_uring', got '", engine, "'");
 #ifndef FLASHLLM_WITH_URING
-    TORCH_CHECK(engine == "threads", "FlashReader: engine 'io_uring' requested but this build has no liburing "
+    TORCH_CHECK(engine == "threads",
+                "FlashReader: engine 'io_uring' requested but this build has no liburing "
                 "(install liburing-dev and rebuild)");
 #endif
     fd_ = -1;
@@ -352,8 +361,8 @@ class FlashReader : public torch::CustomClassHolder {
     // ids may repeat, so n can exceed n_rows: the checks of fixed_batch do not bound n * row_bytes.
     TORCH_CHECK(n == 0 || row_bytes <= std::numeric_limits<int64_t>::max() / n, "FlashReader: ", n, " rows of ",
                 row_bytes, " bytes overflow an output size");
-    TORCH_CHECK(out.nbytes() == static_cast<size_t>(n * row_bytes), "FlashReader: out holds ", out.nbytes(),
-                " bytes, ", n, " rows of ", row_bytes, " bytes need ", n * row_bytes);
+    TORCH_CHECK(out.nbytes() == static_cast<size_t>(n * row_bytes), "FlashReader: out holds ", out.nbytes(), " bytes, ",
+                n, " rows of ", row_bytes, " bytes need ", n * row_bytes);
     batch->out = static_cast<char*>(out.data_ptr());
     return execute(batch, start);
   }
@@ -370,14 +379,15 @@ class FlashReader : public torch::CustomClassHolder {
     auto batch = var_batch(base, starts, unit_bytes, head_bytes, ids);
     const int64_t n = ids.numel();
     for (const auto* t : {&head_out, &tail_out})
-      TORCH_CHECK(t->device().is_cpu() && t->is_contiguous(), "FlashReader: head_out and tail_out must be contiguous "
+      TORCH_CHECK(t->device().is_cpu() && t->is_contiguous(),
+                  "FlashReader: head_out and tail_out must be contiguous "
                   "CPU tensors");
     TORCH_CHECK(n == 0 || head_bytes <= std::numeric_limits<int64_t>::max() / n, "FlashReader: ", n,
                 " heads overflow an output size");
     TORCH_CHECK(head_out.nbytes() == static_cast<size_t>(n * head_bytes), "FlashReader: head_out holds ",
                 head_out.nbytes(), " bytes, ", n, " heads of ", head_bytes, " bytes need ", n * head_bytes);
-    TORCH_CHECK(tail_offsets.device().is_cpu() && tail_offsets.scalar_type() == at::kLong &&
-                    tail_offsets.dim() == 1 && tail_offsets.numel() == n + 1 && tail_offsets.is_contiguous(),
+    TORCH_CHECK(tail_offsets.device().is_cpu() && tail_offsets.scalar_type() == at::kLong && tail_offsets.dim() == 1 &&
+                    tail_offsets.numel() == n + 1 && tail_offsets.is_contiguous(),
                 "FlashReader: tail_offsets must be a contiguous 1-D int64 CPU tensor of ", n + 1, " entries");
     const int64_t* tail_at = tail_offsets.data_ptr<int64_t>();
     const auto tail_bytes = static_cast<int64_t>(tail_out.nbytes());
@@ -439,16 +449,18 @@ class FlashReader : public torch::CustomClassHolder {
     const int64_t* id = ids_c.data_ptr<int64_t>();
     batch->rows.reserve(n);
     for (int64_t i = 0; i < n; ++i) {
-      TORCH_CHECK(id[i] >= 0 && id[i] < n_rows, "FlashReader: neuron id ", id[i], " at position ", i,
-                  " outside [0, ", n_rows, ")");
+      TORCH_CHECK(id[i] >= 0 && id[i] < n_rows, "FlashReader: neuron id ", id[i], " at position ", i, " outside [0, ",
+                  n_rows, ")");
       batch->rows.emplace_back(id[i], i);
     }
     return batch;
   }
 
   static std::shared_ptr<Batch> fixed_batch(int64_t base, int64_t row_bytes, int64_t n_rows, const at::Tensor& ids) {
-    TORCH_CHECK(base >= 0 && row_bytes > 0 && n_rows >= 0, "FlashReader: need base >= 0, row_bytes > 0, "
-                "n_rows >= 0, got ", base, ", ", row_bytes, ", ", n_rows);
+    TORCH_CHECK(base >= 0 && row_bytes > 0 && n_rows >= 0,
+                "FlashReader: need base >= 0, row_bytes > 0, "
+                "n_rows >= 0, got ",
+                base, ", ", row_bytes, ", ", n_rows);
     TORCH_CHECK(n_rows == 0 || row_bytes <= (std::numeric_limits<int64_t>::max() - base) / n_rows,
                 "FlashReader: base + n_rows * row_bytes overflows a file offset");
     auto batch = new_batch(ids, n_rows);
@@ -460,10 +472,13 @@ class FlashReader : public torch::CustomClassHolder {
   // Checks every row the call touches: it starts at or after 0, holds its head and ends inside a file offset.
   static std::shared_ptr<Batch> var_batch(int64_t base, const at::Tensor& starts, int64_t unit_bytes,
                                           int64_t head_bytes, const at::Tensor& ids) {
-    TORCH_CHECK(starts.device().is_cpu() && starts.scalar_type() == at::kLong && starts.dim() == 1 &&
-                    starts.numel() >= 1, "FlashReader: starts must be a 1-D int64 CPU tensor of n_rows + 1 entries");
-    TORCH_CHECK(base >= 0 && head_bytes >= 0 && unit_bytes > 0, "FlashReader: need base >= 0, head_bytes >= 0 and "
-                "unit_bytes > 0, got ", base, ", ", head_bytes, ", ", unit_bytes);
+    TORCH_CHECK(
+        starts.device().is_cpu() && starts.scalar_type() == at::kLong && starts.dim() == 1 && starts.numel() >= 1,
+        "FlashReader: starts must be a 1-D int64 CPU tensor of n_rows + 1 entries");
+    TORCH_CHECK(base >= 0 && head_bytes >= 0 && unit_bytes > 0,
+                "FlashReader: need base >= 0, head_bytes >= 0 and "
+                "unit_bytes > 0, got ",
+                base, ", ", head_bytes, ", ", unit_bytes);
     const int64_t n_rows = starts.numel() - 1;
     // plan() measures spans as rows x unit_bytes: keep that inside an int64 as fixed_batch does.
     TORCH_CHECK(n_rows == 0 || unit_bytes <= std::numeric_limits<int64_t>::max() / (n_rows + 1),
@@ -476,10 +491,10 @@ class FlashReader : public torch::CustomClassHolder {
     const int64_t* at = batch->keep[0].data_ptr<int64_t>();
     batch->starts = at;
     for (const auto& [id, slot] : batch->rows) {
-      TORCH_CHECK(at[id] >= 0 && at[id + 1] - at[id] >= head_bytes &&
-                      at[id + 1] <= std::numeric_limits<int64_t>::max() - base,
-                  "FlashReader: row ", id, " spans [", at[id], ", ", at[id + 1], "): needs 0 <= start, at least ",
-                  head_bytes, " bytes, and an end inside a file offset");
+      TORCH_CHECK(
+          at[id] >= 0 && at[id + 1] - at[id] >= head_bytes && at[id + 1] <= std::numeric_limits<int64_t>::max() - base,
+          "FlashReader: row ", id, " spans [", at[id], ", ", at[id + 1], "): needs 0 <= start, at least ", head_bytes,
+          " bytes, and an end inside a file offset");
     }
     return batch;
   }
@@ -492,8 +507,10 @@ class FlashReader : public torch::CustomClassHolder {
       std::sort(batch->rows.begin(), batch->rows.end());
       plan(*batch);
       if (!batch->reads.empty()) {
-        if (engine_ == "threads") run_threads(batch);
-        else run_uring(*batch);
+        if (engine_ == "threads")
+          run_threads(batch);
+        else
+          run_uring(*batch);
       }
       const auto& rows = batch->rows;
       for (size_t k = 0; k < rows.size(); ++k)
@@ -549,8 +566,8 @@ class FlashReader : public torch::CustomClassHolder {
   }
 
   std::string io_error(const char* what, int err, int64_t offset, int64_t length) const {
-    return std::string("FlashReader: ") + what + " reading " + path_ + " at offset " + std::to_string(offset) +
-           " (" + std::to_string(length) + " bytes): " + std::strerror(err) + " (errno " + std::to_string(err) + ")";
+    return std::string("FlashReader: ") + what + " reading " + path_ + " at offset " + std::to_string(offset) + " (" +
+           std::to_string(length) + " bytes): " + std::strerror(err) + " (errno " + std::to_string(err) + ")";
   }
 
   // Reads file bytes [start, start + want) into buf, of which the first `need` must arrive (the tail past the data

@@ -21,23 +21,25 @@ void require_cpu(const at::Tensor& t, const char* op) {
 std::tuple<at::Tensor, at::Tensor> decode_attention_simt(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                          std::optional<double> scale) {
   require_cpu(q, "decode_attention");
-  return decode_attention_gpu_style(
-      q, k, v, scale, [&](const at::Tensor& qf, const at::Tensor& kc, const at::Tensor& vc, int kind,
-                          const AttentionArgs& args, at::Tensor& out, at::Tensor& lse) {
-        try {
-          simt_bodies::run_decode_attention_cuda(qf.data_ptr<float>(), kc.data_ptr(), vc.data_ptr(), kind, args,
-                                                 out.data_ptr<float>(), lse.data_ptr<float>());
-        } catch (const std::runtime_error& e) {
-          TORCH_CHECK(false, "decode_attention: SIMT emulation failed: ", e.what());
-        }
-      });
+  return decode_attention_gpu_style(q, k, v, scale,
+                                    [&](const at::Tensor& qf, const at::Tensor& kc, const at::Tensor& vc, int kind,
+                                        const AttentionArgs& args, at::Tensor& out, at::Tensor& lse) {
+                                      try {
+                                        simt_bodies::run_decode_attention_cuda(
+                                            qf.data_ptr<float>(), kc.data_ptr(), vc.data_ptr(), kind, args,
+                                            out.data_ptr<float>(), lse.data_ptr<float>());
+                                      } catch (const std::runtime_error& e) {
+                                        TORCH_CHECK(false, "decode_attention: SIMT emulation failed: ", e.what());
+                                      }
+                                    });
 }
 
 std::tuple<at::Tensor, at::Tensor> merge_attention_states_simt(const at::Tensor& outs, const at::Tensor& lses) {
   require_cpu(outs, "merge_attention_states");
   return merge_attention_states_gpu_style(
-      outs, lses, [&](const at::Tensor& oc, const at::Tensor& lc, int64_t n_parts, int64_t n_rows, int64_t head_dim,
-                      at::Tensor& out, at::Tensor& lse) {
+      outs, lses,
+      [&](const at::Tensor& oc, const at::Tensor& lc, int64_t n_parts, int64_t n_rows, int64_t head_dim,
+          at::Tensor& out, at::Tensor& lse) {
         try {
           simt_bodies::run_merge_attention_states_cuda(oc.data_ptr<float>(), lc.data_ptr<float>(), n_parts, n_rows,
                                                        head_dim, out.data_ptr<float>(), lse.data_ptr<float>());

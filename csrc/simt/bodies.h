@@ -18,8 +18,8 @@ void run_endor_linear_cuda(const float* x, int64_t n_tok, const void* values, in
 
 // Runs metal/endor_linear.metal for at most 8 tokens with the grid flashllm_ext/mlx uses. row_status: [n_rows] int32.
 void run_endor_linear_metal(const float* x, int64_t n_tok, const void* values, int kind, const uint8_t* bitmap,
-                            const int64_t* row_offsets, int64_t n_rows, int64_t n_cols, int64_t nnz,
-                            const float* bias, float* y, int32_t* row_status);
+                            const int64_t* row_offsets, int64_t n_rows, int64_t n_cols, int64_t nnz, const float* bias,
+                            float* y, int32_t* row_status);
 
 // Runs metal/endor_decompress.metal with the grid flashllm_ext/mlx uses. row_status: [n_out] int32.
 void run_endor_metal(const void* values, int elem_bytes, const uint8_t* bitmap, const int64_t* row_offsets,

@@ -25,11 +25,10 @@ void require_success(cudaError_t status, const char* launcher) {
 }  // namespace
 
 EndorReport run_endor_cuda(const void* values, int elem_bytes, const uint8_t* bitmap, const int64_t* row_offsets,
-                           const int64_t* rows, int64_t n_rows, int64_t n_cols, int64_t nnz, int64_t n_out,
-                           void* out) {
+                           const int64_t* rows, int64_t n_rows, int64_t n_cols, int64_t nnz, int64_t n_out, void* out) {
   EndorReport report{};
-  require_success(launch_endor_decompress(simt::EmulatedLaunch{}, values, elem_bytes, bitmap, row_offsets, rows,
-                                          n_rows, n_cols, nnz, n_out, out, &report),
+  require_success(launch_endor_decompress(simt::EmulatedLaunch{}, values, elem_bytes, bitmap, row_offsets, rows, n_rows,
+                                          n_cols, nnz, n_out, out, &report),
                   "launch_endor_decompress");
   return report;
 }
@@ -66,9 +65,9 @@ void run_decode_attention_cuda(const float* q, const void* k, const void* v, int
 
 void run_merge_attention_states_cuda(const float* outs, const float* lses, int64_t n_parts, int64_t n_rows,
                                      int64_t head_dim, float* out, float* lse) {
-  require_success(launch_merge_attention_states(simt::EmulatedLaunch{}, outs, lses, n_parts, n_rows, head_dim, out,
-                                                lse),
-                  "launch_merge_attention_states");
+  require_success(
+      launch_merge_attention_states(simt::EmulatedLaunch{}, outs, lses, n_parts, n_rows, head_dim, out, lse),
+      "launch_merge_attention_states");
 }
 
 }  // namespace flashllm::simt_bodies

@@ -21,20 +21,20 @@ void endor_linear_metal(const float* x, const T* values, const uint8_t* bitmap, 
 }
 
 template <class T, bool HAS_BIAS>
-void run_typed(const float* x, const void* values, const uint8_t* bitmap, const int64_t* row_offsets,
-               const float* bias, const int64_t* params, int64_t n_rows, float* y, int32_t* row_status) {
+void run_typed(const float* x, const void* values, const uint8_t* bitmap, const int64_t* row_offsets, const float* bias,
+               const int64_t* params, int64_t n_rows, float* y, int32_t* row_status) {
   const uint64_t threads = uint64_t(32) * n_rows;
   const uint64_t grid = (threads + kMetalThreadgroup - 1) / kMetalThreadgroup * kMetalThreadgroup;
   if (grid > UINT32_MAX) throw std::invalid_argument("run_endor_linear_metal: too many rows for one dispatch");
   simt::dispatch_threads(uint3{unsigned(grid), 1, 1}, uint3{kMetalThreadgroup, 1, 1}, [&](const simt::MetalThread& t) {
-    endor_linear_metal<T, HAS_BIAS>(x, static_cast<const T*>(values), bitmap, row_offsets, bias, params, y,
-                                    row_status, t.thread_position_in_grid, t.thread_index_in_simdgroup);
+    endor_linear_metal<T, HAS_BIAS>(x, static_cast<const T*>(values), bitmap, row_offsets, bias, params, y, row_status,
+                                    t.thread_position_in_grid, t.thread_index_in_simdgroup);
   });
 }
 
 template <class T>
-void run_bias(const float* x, const void* values, const uint8_t* bitmap, const int64_t* row_offsets,
-              const float* bias, const int64_t* params, int64_t n_rows, float* y, int32_t* row_status) {
+void run_bias(const float* x, const void* values, const uint8_t* bitmap, const int64_t* row_offsets, const float* bias,
+              const int64_t* params, int64_t n_rows, float* y, int32_t* row_status) {
   if (bias != nullptr)
     run_typed<T, true>(x, values, bitmap, row_offsets, bias, params, n_rows, y, row_status);
   else
@@ -44,15 +44,19 @@ void run_bias(const float* x, const void* values, const uint8_t* bitmap, const i
 }  // namespace
 
 void run_endor_linear_metal(const float* x, int64_t n_tok, const void* values, int kind, const uint8_t* bitmap,
-                            const int64_t* row_offsets, int64_t n_rows, int64_t n_cols, int64_t nnz,
-                            const float* bias, float* y, int32_t* row_status) {
+                            const int64_t* row_offsets, int64_t n_rows, int64_t n_cols, int64_t nnz, const float* bias,
+                            float* y, int32_t* row_status) {
   if (n_tok > 8) throw std::invalid_argument("run_endor_linear_metal: at most 8 tokens per dispatch");
   const int64_t params[4] = {n_rows, n_cols, nnz, n_tok};
   switch (kind) {
-    case kFfnF32: return run_bias<float>(x, values, bitmap, row_offsets, bias, params, n_rows, y, row_status);
-    case kFfnF16: return run_bias<half>(x, values, bitmap, row_offsets, bias, params, n_rows, y, row_status);
-    case kFfnBF16: return run_bias<bfloat16_t>(x, values, bitmap, row_offsets, bias, params, n_rows, y, row_status);
-    default: throw std::invalid_argument("run_endor_linear_metal: unknown element kind");
+    case kFfnF32:
+      return run_bias<float>(x, values, bitmap, row_offsets, bias, params, n_rows, y, row_status);
+    case kFfnF16:
+      return run_bias<half>(x, values, bitmap, row_offsets, bias, params, n_rows, y, row_status);
+    case kFfnBF16:
+      return run_bias<bfloat16_t>(x, values, bitmap, row_offsets, bias, params, n_rows, y, row_status);
+    default:
+      throw std::invalid_argument("run_endor_linear_metal: unknown element kind");
   }
 }
 

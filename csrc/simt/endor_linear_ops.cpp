@@ -28,11 +28,10 @@ at::Tensor endor_linear_simt_cuda(const at::Tensor& x, const at::Tensor& values,
   return endor_linear_gpu_style(
       x, values, bitmap, row_offsets, n_cols, bias, check_data, [&](const EndorLinearCall& call) {
         try {
-          simt_bodies::run_endor_linear_cuda(call.x.data_ptr<float>(), call.x.size(0), call.values.data_ptr(),
-                                             call.kind(), call.bitmap.data_ptr<uint8_t>(),
-                                             call.offsets.data_ptr<int64_t>(), call.bitmap.size(0), n_cols,
-                                             call.values.numel(), call.bias_ptr(), call.y.data_ptr<float>(),
-                                             call.report);
+          simt_bodies::run_endor_linear_cuda(
+              call.x.data_ptr<float>(), call.x.size(0), call.values.data_ptr(), call.kind(),
+              call.bitmap.data_ptr<uint8_t>(), call.offsets.data_ptr<int64_t>(), call.bitmap.size(0), n_cols,
+              call.values.numel(), call.bias_ptr(), call.y.data_ptr<float>(), call.report);
         } catch (const std::runtime_error& e) {
           // A failed emulated launch (simt::LaunchError) is a kernel bug: say so rather than blame the input.
           TORCH_CHECK(false, "endor_linear: SIMT emulation failed: ", e.what());
@@ -80,10 +79,12 @@ at::Tensor endor_linear_simt_metal(const at::Tensor& x, const at::Tensor& values
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(flashllm_simt, m) {
-  m.def("endor_linear_cuda(Tensor x, Tensor values, Tensor bitmap, Tensor row_offsets, int n_cols, "
-        "Tensor? bias=None, bool check_data=True) -> Tensor");
-  m.def("endor_linear_metal(Tensor x, Tensor values, Tensor bitmap, Tensor row_offsets, int n_cols, "
-        "Tensor? bias=None) -> Tensor");
+  m.def(
+      "endor_linear_cuda(Tensor x, Tensor values, Tensor bitmap, Tensor row_offsets, int n_cols, "
+      "Tensor? bias=None, bool check_data=True) -> Tensor");
+  m.def(
+      "endor_linear_metal(Tensor x, Tensor values, Tensor bitmap, Tensor row_offsets, int n_cols, "
+      "Tensor? bias=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(flashllm_simt, CPU, m) {

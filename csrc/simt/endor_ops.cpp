@@ -36,15 +36,14 @@ EndorCall prepare_endor_call(const at::Tensor& values, const at::Tensor& bitmap,
 }
 
 // check_data=false leaves the report unread, as the CUDA glue does without kernel checks (refused rows are zeros).
-at::Tensor endor_decompress_simt_cuda(const at::Tensor& values, const at::Tensor& bitmap,
-                                      const at::Tensor& row_offsets, int64_t n_cols,
-                                      const std::optional<at::Tensor>& rows, bool check_data) {
+at::Tensor endor_decompress_simt_cuda(const at::Tensor& values, const at::Tensor& bitmap, const at::Tensor& row_offsets,
+                                      int64_t n_cols, const std::optional<at::Tensor>& rows, bool check_data) {
   const EndorCall call = prepare_endor_call(values, bitmap, row_offsets, n_cols, rows);
   EndorReport report;
   try {
     report = simt_bodies::run_endor_cuda(call.values.data_ptr(), call.elem_bytes(), call.bitmap.data_ptr<uint8_t>(),
-                                         call.offsets.data_ptr<int64_t>(), call.rows_ptr(), call.bitmap.size(0),
-                                         n_cols, call.values.numel(), call.out.size(0), call.out.data_ptr());
+                                         call.offsets.data_ptr<int64_t>(), call.rows_ptr(), call.bitmap.size(0), n_cols,
+                                         call.values.numel(), call.out.size(0), call.out.data_ptr());
   } catch (const std::runtime_error& e) {
     // A failed emulated launch (simt::LaunchError) is a kernel bug: say so rather than blame the input.
     TORCH_CHECK(false, "endor_decompress: SIMT emulation failed: ", e.what());
@@ -83,9 +82,12 @@ at::Tensor endor_decompress_simt_metal(const at::Tensor& values, const at::Tenso
 }  // namespace
 
 TORCH_LIBRARY(flashllm_simt, m) {
-  m.def("endor_decompress_cuda(Tensor values, Tensor bitmap, Tensor row_offsets, int n_cols, Tensor? rows=None, "
-        "bool check_data=True) -> Tensor");
-  m.def("endor_decompress_metal(Tensor values, Tensor bitmap, Tensor row_offsets, int n_cols, Tensor? rows=None) -> Tensor");
+  m.def(
+      "endor_decompress_cuda(Tensor values, Tensor bitmap, Tensor row_offsets, int n_cols, Tensor? rows=None, "
+      "bool check_data=True) -> Tensor");
+  m.def(
+      "endor_decompress_metal(Tensor values, Tensor bitmap, Tensor row_offsets, int n_cols, Tensor? rows=None) -> "
+      "Tensor");
 }
 
 TORCH_LIBRARY_IMPL(flashllm_simt, CPU, m) {

@@ -12,8 +12,7 @@ void run_sparse_ffn_cuda(const float* x, int64_t n_tok, int64_t d, const void* m
                          const int64_t* index, int64_t n_rows, int64_t num_used, int act, bool glu, float threshold,
                          float* act_buf, float* partial, float* y);
 void run_cache_compact_cuda(uint8_t* matrix, int64_t row_bytes, int64_t* pointer, uint8_t* bias, int bias_bytes,
-                            int64_t* slot_of, int64_t n_slots, const int64_t* sorted_rows, int64_t c,
-                            int64_t num_used);
+                            int64_t* slot_of, int64_t n_slots, const int64_t* sorted_rows, int64_t c, int64_t num_used);
 
 // Runs metal/sparse_ffn_act.metal then metal/sparse_ffn_down.metal with the grids flashllm_ext.mlx uses, for at
 // most 8 tokens. partial: [chunks * n_tok * d], chunks = ffn_grid(n_rows, d, elem).chunks. The caller sums it.

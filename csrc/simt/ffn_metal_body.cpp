@@ -56,11 +56,10 @@ void run_typed(const float* x, int64_t n_tok, int64_t d, const void* matrix, con
                          });
   const int64_t down_params[6] = {n_rows, num_used, d, n_tok, glu, rows_per_chunk};
   // MLX dispatches exactly (d, chunks) threads; threadgroups at the edge are cut short.
-  simt::dispatch_threads(uint3{unsigned(d), unsigned(chunks), 1}, uint3{kFfnMetalThreadgroup, 1, 1},
-                         [&](const simt::MetalThread& t) {
-                           ffn_down_metal<T, HAS_INDEX>(m, index, act_buf, down_params, partial,
-                                                        t.thread_position_in_grid);
-                         });
+  simt::dispatch_threads(
+      uint3{unsigned(d), unsigned(chunks), 1}, uint3{kFfnMetalThreadgroup, 1, 1}, [&](const simt::MetalThread& t) {
+        ffn_down_metal<T, HAS_INDEX>(m, index, act_buf, down_params, partial, t.thread_position_in_grid);
+      });
 }
 
 template <class T>
@@ -68,16 +67,20 @@ void run_flags(bool has_index, bool has_bias, const float* x, int64_t n_tok, int
                const void* bias, const int64_t* index, int64_t n_rows, int64_t num_used, int act, bool glu,
                float threshold, float* act_buf, int64_t chunks, int64_t rows_per_chunk, float* partial) {
   auto run = [&](auto has_index_c, auto has_bias_c) {
-    run_typed<T, decltype(has_index_c)::value, decltype(has_bias_c)::value>(
-        x, n_tok, d, matrix, bias, index, n_rows, num_used, act, glu, threshold, act_buf, chunks, rows_per_chunk,
-        partial);
+    run_typed<T, decltype(has_index_c)::value, decltype(has_bias_c)::value>(x, n_tok, d, matrix, bias, index, n_rows,
+                                                                            num_used, act, glu, threshold, act_buf,
+                                                                            chunks, rows_per_chunk, partial);
   };
   using Yes = std::true_type;
   using No = std::false_type;
-  if (has_index && has_bias) run(Yes{}, Yes{});
-  else if (has_index) run(Yes{}, No{});
-  else if (has_bias) run(No{}, Yes{});
-  else run(No{}, No{});
+  if (has_index && has_bias)
+    run(Yes{}, Yes{});
+  else if (has_index)
+    run(Yes{}, No{});
+  else if (has_bias)
+    run(No{}, Yes{});
+  else
+    run(No{}, No{});
 }
 
 }  // namespace

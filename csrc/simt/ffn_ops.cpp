@@ -47,10 +47,9 @@ at::Tensor sparse_ffn_simt(const at::Tensor& x, const at::Tensor& matrix, int64_
             for (int64_t t0 = 0; t0 < n_tok; t0 += kFfnMaxTokens) {
               const int64_t nt = std::min<int64_t>(kFfnMaxTokens, n_tok - t0);
               at::Tensor part = partial.narrow(0, 0, g.chunks * nt * d);
-              simt_bodies::run_sparse_ffn_metal(xf.data_ptr<float>() + t0 * d, nt, d, matrix.data_ptr(), kind, b,
-                                                ids, n_rows, num_used, act, glu, float(threshold),
-                                                act_buf.data_ptr<float>(), g.chunks, g.rows_per_chunk,
-                                                part.data_ptr<float>());
+              simt_bodies::run_sparse_ffn_metal(xf.data_ptr<float>() + t0 * d, nt, d, matrix.data_ptr(), kind, b, ids,
+                                                n_rows, num_used, act, glu, float(threshold), act_buf.data_ptr<float>(),
+                                                g.chunks, g.rows_per_chunk, part.data_ptr<float>());
               y.narrow(0, t0, nt).copy_(part.view({g.chunks, nt, d}).sum(0));
             }
           }
@@ -96,12 +95,15 @@ int64_t cache_compact_simt(at::Tensor& matrix, at::Tensor& pointer, const std::o
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(flashllm_simt, m) {
-  m.def("sparse_ffn_cuda(Tensor x, Tensor matrix, int num_used, Tensor? bias, str activation, bool glu, "
-        "Tensor? index=None, float threshold=0.0, bool check_data=True) -> Tensor");
-  m.def("sparse_ffn_metal(Tensor x, Tensor matrix, int num_used, Tensor? bias, str activation, bool glu, "
-        "Tensor? index=None, float threshold=0.0) -> Tensor");
-  m.def("cache_compact_cuda(Tensor(a!) matrix, Tensor(b!) pointer, Tensor(c!)? bias, Tensor(d!)? slot_of, "
-        "int num_used, Tensor rows, bool check_data=True) -> int");
+  m.def(
+      "sparse_ffn_cuda(Tensor x, Tensor matrix, int num_used, Tensor? bias, str activation, bool glu, "
+      "Tensor? index=None, float threshold=0.0, bool check_data=True) -> Tensor");
+  m.def(
+      "sparse_ffn_metal(Tensor x, Tensor matrix, int num_used, Tensor? bias, str activation, bool glu, "
+      "Tensor? index=None, float threshold=0.0) -> Tensor");
+  m.def(
+      "cache_compact_cuda(Tensor(a!) matrix, Tensor(b!) pointer, Tensor(c!)? bias, Tensor(d!)? slot_of, "
+      "int num_used, Tensor rows, bool check_data=True) -> int");
 }
 
 TORCH_LIBRARY_IMPL(flashllm_simt, CPU, m) {

@@ -31,8 +31,8 @@ void run_typed(const void* values, const uint8_t* bitmap, const int64_t* row_off
 }
 
 template <class T>
-void run_rows(bool has_rows, const void* values, const uint8_t* bitmap, const int64_t* row_offsets,
-              const int64_t* rows, const int64_t* params, int64_t n_out, void* out, int32_t* row_status) {
+void run_rows(bool has_rows, const void* values, const uint8_t* bitmap, const int64_t* row_offsets, const int64_t* rows,
+              const int64_t* params, int64_t n_out, void* out, int32_t* row_status) {
   if (has_rows)
     run_typed<T, true>(values, bitmap, row_offsets, rows, params, n_out, out, row_status);
   else

@@ -3,7 +3,7 @@
 #include <Python.h>
 
 PyMODINIT_FUNC PyInit__simt(void) {
-  static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_simt", "flashllm_ext GPU kernel bodies on the CPU SIMT emulation",
-                                      -1, nullptr};
+  static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_simt",
+                                      "flashllm_ext GPU kernel bodies on the CPU SIMT emulation", -1, nullptr};
   return PyModule_Create(&module);
 }

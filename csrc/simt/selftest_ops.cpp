@@ -90,7 +90,8 @@ at::Tensor cuda_intrinsic(const std::string& name, const at::Tensor& x, const at
     rethrow_as_torch([&] {
       simt::launch(dim3(1), dim3(unsigned(x.numel())), [&] {
         const unsigned t = threadIdx.x;
-        if (uint64_t(mask) >> (t % 32) & 1) os[t] = apply_cuda_intrinsic<T>(name, xs[t], ps[t], unsigned(mask), int(width));
+        if (uint64_t(mask) >> (t % 32) & 1)
+          os[t] = apply_cuda_intrinsic<T>(name, xs[t], ps[t], unsigned(mask), int(width));
       });
     });
   });
@@ -141,8 +142,9 @@ at::Tensor barrier_rounds(int64_t n_blocks, int64_t n_threads, int64_t n_active,
       simt::dispatch_threads(uint3{unsigned(n_blocks * n_threads), 1, 1}, uint3{unsigned(n_threads), 1, 1},
                              [&](const simt::MetalThread& t) {
                                static int64_t slot[1024];  // what `threadgroup int64_t slot[1024];` becomes
-                               round_trip(t.threadgroup_position_in_grid.x, t.thread_index_in_threadgroup,
-                                          [] { metal::threadgroup_barrier(metal::mem_flags::mem_threadgroup); }, slot);
+                               round_trip(
+                                   t.threadgroup_position_in_grid.x, t.thread_index_in_threadgroup,
+                                   [] { metal::threadgroup_barrier(metal::mem_flags::mem_threadgroup); }, slot);
                              });
     } else {
       simt::launch(dim3(unsigned(n_blocks)), dim3(unsigned(n_threads)), [&] {
@@ -174,8 +176,10 @@ void misuse(const std::string& what) {
       } else if (what == "exit_in_mask") {
         if (lane != 5) __shfl_sync(0xffffffffu, 1, 0);
       } else if (what == "barrier_in_divergent_warp") {
-        if (lane == 0) __syncthreads();
-        else __syncwarp();
+        if (lane == 0)
+          __syncthreads();
+        else
+          __syncwarp();
       } else if (what == "shuffle_outside_mask") {
         if (lane < 2) __shfl_sync(0x3u, 1, 7);
       } else if (what == "mask_without_caller") {

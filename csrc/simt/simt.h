@@ -52,19 +52,19 @@ inline void check_vector_aligned(const void* p, std::size_t align, const char* w
 }  // namespace simt::detail
 
 // CUDA's vector types; copying one through a pointer is a vector load or store, so it checks alignment.
-#define SIMT_VECTOR_TYPE(NAME, N, ...)                                                              \
-  struct alignas(N * 4) NAME {                                                                      \
-    unsigned __VA_ARGS__;                                                                           \
-    NAME() = default;                                                                               \
-    NAME(const NAME& o) {                                                                           \
-      simt::detail::check_vector_aligned(&o, N * 4, "load");                                        \
-      std::memcpy(static_cast<void*>(this), &o, N * 4);                                             \
-    }                                                                                               \
-    NAME& operator=(const NAME& o) {                                                                \
-      simt::detail::check_vector_aligned(this, N * 4, "store");                                     \
-      std::memcpy(static_cast<void*>(this), &o, N * 4);                                             \
-      return *this;                                                                                 \
-    }                                                                                               \
+#define SIMT_VECTOR_TYPE(NAME, N, ...)                          \
+  struct alignas(N * 4) NAME {                                  \
+    unsigned __VA_ARGS__;                                       \
+    NAME() = default;                                           \
+    NAME(const NAME& o) {                                       \
+      simt::detail::check_vector_aligned(&o, N * 4, "load");    \
+      std::memcpy(static_cast<void*>(this), &o, N * 4);         \
+    }                                                           \
+    NAME& operator=(const NAME& o) {                            \
+      simt::detail::check_vector_aligned(this, N * 4, "store"); \
+      std::memcpy(static_cast<void*>(this), &o, N * 4);         \
+      return *this;                                             \
+    }                                                           \
   };
 SIMT_VECTOR_TYPE(uint2, 2, x, y)
 SIMT_VECTOR_TYPE(uint4, 4, x, y, z, w)
@@ -120,7 +120,7 @@ struct Warp {
   uint32_t exited = 0;
   // The open round, if any.
   uint32_t arrived = 0;
-  uint32_t mask = 0;        // lanes named by the round (explicit_mask) ...
+  uint32_t mask = 0;           // lanes named by the round (explicit_mask) ...
   bool explicit_mask = false;  // ... or, for Metal SIMD ops, whichever lanes are still running
   CollectiveFn fn = nullptr;
   const char* name = nullptr;
@@ -174,8 +174,8 @@ inline std::mutex& launch_mutex() {
 
 inline std::string thread_name(unsigned tid) {
   return "thread " + std::to_string(tid) + " (warp " + std::to_string(tid / kWarp) + ", lane " +
-         std::to_string(tid % kWarp) + ") of block (" + std::to_string(blockIdx.x) + "," +
-         std::to_string(blockIdx.y) + "," + std::to_string(blockIdx.z) + ")";
+         std::to_string(tid % kWarp) + ") of block (" + std::to_string(blockIdx.x) + "," + std::to_string(blockIdx.y) +
+         "," + std::to_string(blockIdx.z) + ")";
 }
 
 // Blocks the calling thread until `done` holds, with deadlock detection. Requires the block lock.
@@ -190,7 +190,9 @@ void wait_locked(Block& b, std::unique_lock<std::mutex>& lock, std::condition_va
   if (b.aborted) throw Abort{};
 }
 
-inline uint32_t running_lanes(const Warp& w) { return w.present & ~w.exited; }
+inline uint32_t running_lanes(const Warp& w) {
+  return w.present & ~w.exited;
+}
 
 // Completes the warp's open round if every member has arrived; `caller_arrived` says whether the calling thread is
 // one of the arrivals (it is not blocked, the others are). Requires the block lock.
@@ -243,8 +245,7 @@ inline uint64_t collective(const char* name, CollectiveFn fn, bool explicit_mask
   w.arrived |= 1u << lane;
   const uint64_t my_generation = w.generation;
   try_complete_round(b, w, true);
-  if (w.generation == my_generation)
-    wait_locked(b, lock, w.cv, name, [&] { return w.generation != my_generation; });
+  if (w.generation == my_generation) wait_locked(b, lock, w.cv, name, [&] { return w.generation != my_generation; });
   return w.results[lane];
 }
 
@@ -255,8 +256,8 @@ inline void syncthreads() {
   const Warp& w = *b.warps[tls.tid / kWarp];
   const uint32_t bit = 1u << (tls.tid % kWarp);
   if (w.arrived && ((w.explicit_mask ? w.mask : running_lanes(w)) & bit) && !(w.arrived & bit))
-    fail_locked(b, "__syncthreads: " + thread_name(tls.tid) + " reached the barrier while its warp waits for it in " +
-                       w.name);
+    fail_locked(
+        b, "__syncthreads: " + thread_name(tls.tid) + " reached the barrier while its warp waits for it in " + w.name);
   ++b.bar_arrived;
   const uint64_t my_generation = b.bar_generation;
   try_complete_barrier(b, true);
@@ -387,7 +388,9 @@ inline uint64_t ballot_fn(const uint64_t* vals, const int64_t*, uint32_t members
   return bits;
 }
 
-inline uint64_t nothing_fn(const uint64_t*, const int64_t*, uint32_t, int) { return 0; }
+inline uint64_t nothing_fn(const uint64_t*, const int64_t*, uint32_t, int) {
+  return 0;
+}
 
 // The source lane of a CUDA shuffle within segments of `width` lanes, or -1 for "keep own value".
 inline int64_t cuda_shfl_src(int lane, int target, int width) {
@@ -401,7 +404,9 @@ inline void check_width(int width) {
     throw std::invalid_argument("shuffle width must be a power of two in [1, 32], got " + std::to_string(width));
 }
 
-inline int lane_id() { return static_cast<int>(tls.tid % kWarp); }
+inline int lane_id() {
+  return static_cast<int>(tls.tid % kWarp);
+}
 
 }  // namespace detail
 
@@ -414,7 +419,8 @@ void launch(dim3 grid, dim3 block, Body&& body) {
   detail::run_blocks(
       n_blocks, n_threads,
       [&](uint64_t blk, unsigned tid) {
-        blockIdx = {unsigned(blk % grid.x), unsigned(blk / grid.x % grid.y), unsigned(blk / (uint64_t(grid.x) * grid.y))};
+        blockIdx = {unsigned(blk % grid.x), unsigned(blk / grid.x % grid.y),
+                    unsigned(blk / (uint64_t(grid.x) * grid.y))};
         threadIdx = {tid % block.x, tid / block.x % block.y, tid / (block.x * block.y)};
         blockDim = block;
         gridDim = grid;
@@ -442,8 +448,12 @@ struct EmulatedLaunch {
 
 // ---- CUDA intrinsics -------------------------------------------------------------------------------------------
 
-inline int __popc(unsigned x) { return __builtin_popcount(x); }
-inline int __popcll(unsigned long long x) { return __builtin_popcountll(x); }
+inline int __popc(unsigned x) {
+  return __builtin_popcount(x);
+}
+inline int __popcll(unsigned long long x) {
+  return __builtin_popcountll(x);
+}
 
 template <class T>
 T __shfl_sync(unsigned mask, T var, int src_lane, int width = warpSize) {
@@ -459,8 +469,8 @@ T __shfl_up_sync(unsigned mask, T var, unsigned delta, int width = warpSize) {
   using namespace simt::detail;
   check_width(width);
   const int lane = lane_id();
-  return from_bits<T>(collective("__shfl_up_sync", read_lane, true, mask, to_bits(var),
-                                 cuda_shfl_src(lane, lane - int(delta), width)));
+  return from_bits<T>(
+      collective("__shfl_up_sync", read_lane, true, mask, to_bits(var), cuda_shfl_src(lane, lane - int(delta), width)));
 }
 
 template <class T>
@@ -493,7 +503,9 @@ inline void __syncwarp(unsigned mask = 0xffffffffu) {
   collective("__syncwarp", nothing_fn, true, mask, 0, 0);
 }
 
-inline void __syncthreads() { simt::detail::syncthreads(); }
+inline void __syncthreads() {
+  simt::detail::syncthreads();
+}
 
 // Atomics on memory shared by the emulated threads (GCC builtins: sequentially consistent, any address).
 inline unsigned long long atomicMin(unsigned long long* addr, unsigned long long val) {

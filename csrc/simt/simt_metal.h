@@ -18,9 +18,13 @@ using uchar = unsigned char;
 using ushort = unsigned short;
 
 enum class mem_flags : unsigned { mem_none = 0, mem_device = 1, mem_threadgroup = 2, mem_texture = 4 };
-inline mem_flags operator|(mem_flags a, mem_flags b) { return mem_flags(unsigned(a) | unsigned(b)); }
+inline mem_flags operator|(mem_flags a, mem_flags b) {
+  return mem_flags(unsigned(a) | unsigned(b));
+}
 
-inline void threadgroup_barrier(mem_flags) { simt::detail::syncthreads(); }
+inline void threadgroup_barrier(mem_flags) {
+  simt::detail::syncthreads();
+}
 
 template <class To, class From>
 To as_type(From v) {
@@ -70,7 +74,9 @@ T simd_collective(const char* name, simt::detail::CollectiveFn fn, T v, int64_t 
   return from_bits<T>(simt::detail::collective(name, fn, false, 0, to_bits(v), param));
 }
 
-inline int lane() { return simt::detail::lane_id(); }
+inline int lane() {
+  return simt::detail::lane_id();
+}
 }  // namespace detail
 
 template <class T>
@@ -145,10 +151,9 @@ void dispatch_threads(uint3 grid, uint3 threadgroup, Body&& body) {
                                       unsigned(blk / (uint64_t(groups.x) * groups.y))};
     t.thread_position_in_threadgroup = {tid % threadgroup.x, tid / threadgroup.x % threadgroup.y,
                                         tid / (threadgroup.x * threadgroup.y)};
-    t.thread_position_in_grid = {
-        t.threadgroup_position_in_grid.x * threadgroup.x + t.thread_position_in_threadgroup.x,
-        t.threadgroup_position_in_grid.y * threadgroup.y + t.thread_position_in_threadgroup.y,
-        t.threadgroup_position_in_grid.z * threadgroup.z + t.thread_position_in_threadgroup.z};
+    t.thread_position_in_grid = {t.threadgroup_position_in_grid.x * threadgroup.x + t.thread_position_in_threadgroup.x,
+                                 t.threadgroup_position_in_grid.y * threadgroup.y + t.thread_position_in_threadgroup.y,
+                                 t.threadgroup_position_in_grid.z * threadgroup.z + t.thread_position_in_threadgroup.z};
     t.threads_per_threadgroup = threadgroup;
     t.threadgroups_per_grid = groups;
     t.threads_per_grid = grid;

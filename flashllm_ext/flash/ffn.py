@@ -39,7 +39,8 @@ from flashllm_ext.io.disk import load_disk_profile
 from flashllm_ext.hub.hf import decoder_layers
 from flashllm_ext.flash.reader import FlashReader
 from flashllm_ext.flash.store import FlashStore
-from flashllm_ext.flash.transfer import HostTransfer, Transfer
+from flashllm_ext.flash.transfer import Transfer
+
 
 PREFILL_PATHS = ("auto", "union", "sequential")
 # What a decode forward does with the set FlashFFN.prefetch chose ahead: "ahead" computes it (DejaVu); "prefetch"
@@ -62,7 +63,7 @@ def store_activation(store: FlashStore) -> str:
     raise ValueError(f"{store.path}: activation {name!r} is not supported (one of {supported})")
 
 
-def _output_bias(store: FlashStore, layer: int) -> torch.Tensor | None:
+def output_bias(store: FlashStore, layer: int) -> torch.Tensor | None:
     """The down projection's bias (OPT's fc2.bias) in float32, added to the float32 accumulator; None if none."""
     bias = store.layer_bias(layer, "down_bias")
     return None if bias is None else bias.float()
@@ -130,7 +131,7 @@ class FFNStats:
         return 1.0 - self.inserted / self.needed if self.needed else 1.0
 
 
-def _check_input(x: torch.Tensor, d: int, device: torch.device) -> torch.Tensor:
+def check_ffn_input(x: torch.Tensor, d: int, device: torch.device) -> torch.Tensor:
     if x.shape[-1] != d:
         raise ValueError(f"x must end in the hidden size {d}, got shape {tuple(x.shape)}")
     if x.device.type != device.type:
@@ -222,7 +223,7 @@ class FlashFFN(nn.Module):
         self.layer, self.predictor, self.threshold = layer, predictor, float(threshold)
         self.overlap = overlap
         self.activation = store_activation(self.store)
-        out_bias = _output_bias(self.store, layer)
+        out_bias = output_bias(self.store, layer)
         self.register_buffer("out_bias", None if out_bias is None else out_bias.to(self.cache.device), persistent=False)
         self.stats = stats if stats is not None else FFNStats()
         self.last_stats: list[StepStats] = []  # the cache steps of the last forward
@@ -291,7 +292,7 @@ class FlashFFN(nn.Module):
         exactly this set (its own input only meets the kernel's threshold); "prefetch": it computes the set its
         predictor chooses from its own input, reading only what this step did not. Several tokens: nothing (a
         prompt forward chooses its sets itself)."""
-        flat = _check_input(x, self.store.hidden_size, self.cache.device)
+        flat = check_ffn_input(x, self.store.hidden_size, self.cache.device)
         if flat.shape[0] != 1 or self.shares_cache:  # (a shared cache: the forward starts from no rows)
             return
         self._finish_ahead()  # a set chosen ahead that no forward took (that forward failed): land its reads
@@ -346,7 +347,7 @@ class FlashFFN(nn.Module):
             self._compute(x, part, out)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = _check_input(x, self.store.hidden_size, self.cache.device)
+        flat = check_ffn_input(x, self.store.hidden_size, self.cache.device)
         out = torch.zeros(flat.shape, dtype=torch.float32, device=flat.device)
         self._accumulate(flat, flat.to(self.store.dtype).contiguous(), out)
         if self.out_bias is not None:
@@ -454,113 +455,6 @@ class FlashFFN(nn.Module):
         if masks.shape[0]:
             groups.append((first, masks.shape[0]))
         return groups
-
-
-class StreamingFFN(nn.Module):
-    """One FFN layer computed densely: bundles [0, resident_rows) held in DRAM, the rest re-read from flash on every
-    forward into `staging` (shared between layers: [>= n - resident_rows, bundle_width] of the store dtype). On a
-    device, resident bundles and `staging` live there and the reads reach it through `transfer` (a StagedTransfer
-    with the same device as `staging`)."""
-
-    def __init__(
-        self,
-        store: FlashStore,
-        layer: int,
-        resident_rows: int,
-        staging: torch.Tensor,
-        reader: FlashReader,
-        stats: FFNStats | None = None,
-        transfer: Transfer | None = None,
-    ):
-        super().__init__()
-        n = store.n_neurons
-        if not 0 <= resident_rows <= n:
-            raise ValueError(f"resident_rows must be in [0, {n}], got {resident_rows}")
-        if staging.shape[0] < n - resident_rows or staging.shape[1:] != (store.bundle_width,):
-            raise ValueError(
-                f"staging must hold {n - resident_rows} bundles of width {store.bundle_width}, got "
-                f"{tuple(staging.shape)}"
-            )
-        self.transfer = transfer if transfer is not None else HostTransfer()
-        if staging.device.type != self.transfer.device.type:
-            raise ValueError(f"staging is on {staging.device} but the transfer places rows on {self.transfer.device}")
-        if self.transfer.staged:
-            self.transfer.reserve((n - resident_rows) * store.row_bytes)
-        self.store, self.layer, self.reader, self.staging = store, layer, reader, staging
-        self.activation = store_activation(store)
-        self.stats = stats if stats is not None else FFNStats()
-        bias = layer_input_bias(store, layer)
-        device = staging.device
-        self.resident = None
-        if resident_rows and self.transfer.staged:  # read on the host, placed on the device once
-            self.resident = reader.read(layer, torch.arange(resident_rows)).data.to(device)
-        elif resident_rows:  # straight into the transfer's memory (flashllm_ext.mlx's: an mx.array)
-            self.resident = reader.read(
-                layer,
-                torch.arange(resident_rows),
-                self.transfer.empty((resident_rows, store.bundle_width), store.dtype),
-            ).data
-        self.resident_bias = None if bias is None else bias[:resident_rows].to(device)
-        self.streamed_ids = torch.arange(resident_rows, n)
-        self.streamed_bias = None if bias is None else bias[resident_rows:].to(device)
-        out_bias = _output_bias(store, layer)
-        self.register_buffer("out_bias", None if out_bias is None else out_bias.to(device), persistent=False)
-        self.nbytes = self.bytes_for(store, resident_rows)
-
-    @staticmethod
-    def bytes_for(store: FlashStore, resident_rows: int) -> int:
-        """DRAM one layer holds on its own (the shared staging buffer is counted once by its owner): resident
-        bundles, the ids of the streamed ones, the input bias (if any) and a float32 output bias (counted always)."""
-        n = store.n_neurons
-        bias = store.dtype.itemsize * n if input_bias_role(store) in store.ffn_roles[0] else 0
-        return resident_rows * store.row_bytes + 8 * (n - resident_rows) + bias + 4 * store.hidden_size
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = _check_input(x, self.store.hidden_size, self.staging.device)
-        out = torch.zeros(flat.shape, dtype=torch.float32, device=flat.device)
-        self._accumulate(flat.to(self.store.dtype).contiguous(), out)
-        return out.to(x.dtype).reshape(x.shape)
-
-    def _accumulate(self, xs, out: torch.Tensor) -> None:
-        """out [T, d] float32 += the FFN (output bias included) of the T tokens xs [T, d] in the store's dtype, the
-        streamed bundles read first. xs is whatever `_compute` computes on (a torch tensor here, an mx.array in
-        flashllm_ext.mlx); the reads and the stats are torch on the host either way."""
-        n_streamed = self.streamed_ids.numel()
-        if n_streamed:
-            start = self.transfer.clock()
-            if self.transfer.staged:
-                landing = self.transfer.staging((n_streamed, self.store.bundle_width), self.store.dtype)
-                read = self.reader.read(self.layer, self.streamed_ids, landing)
-                self.transfer.upload(landing, self.staging[:n_streamed])
-            else:
-                read = self.reader.read(self.layer, self.streamed_ids, self.staging[:n_streamed])
-            self.stats.io_s += self.transfer.clock() - start
-            self.stats.bytes_read += read.stats.bytes_read
-            self.stats.bytes_requested += read.stats.bytes_requested
-            self.stats.decompress_s += read.stats.decompress_s
-            self.stats.n_reads += read.stats.n_reads
-            self.stats.inserted += n_streamed
-            self.stats.steps += 1
-        self.stats.needed += self.store.n_neurons
-        start = self.transfer.clock()
-        self._compute(xs, out)
-        if self.out_bias is not None:
-            out += self.out_bias
-        self.stats.compute_s += self.transfer.clock() - start
-        self.stats.tokens += out.shape[0]
-
-    def _parts(self) -> list[tuple[torch.Tensor, int, torch.Tensor | None]]:
-        """(rows, rows used, their input bias or None) of every neuron: the resident bundles, the streamed ones."""
-        parts = [] if self.resident is None else [(self.resident, self.resident.shape[0], self.resident_bias)]
-        n_streamed = self.streamed_ids.numel()
-        return parts + ([(self.staging, n_streamed, self.streamed_bias)] if n_streamed else [])
-
-    def _compute(self, xs: torch.Tensor, out: torch.Tensor) -> None:
-        """out [T, d] float32 += the FFN of xs [T, d] over every neuron, the streamed ones read already."""
-        for rows, num_used, bias in self._parts():
-            out += ops.sparse_ffn(
-                xs, rows, num_used=num_used, bias=bias, activation=self.activation, glu=self.store.glu
-            ).float()
 
 
 def ffn_slots(model: nn.Module) -> list[tuple[nn.Module, dict[str, nn.Module]]]:

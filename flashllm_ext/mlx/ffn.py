@@ -21,7 +21,8 @@ import os
 import mlx.core as mx
 import torch
 
-from flashllm_ext.flash.ffn import FFNStats, FlashFFN, StreamingFFN
+from flashllm_ext.flash.ffn import FFNStats, FlashFFN
+from flashllm_ext.flash.streaming import StreamingFFN
 from flashllm_ext.flash.reader import FlashReader
 from flashllm_ext.flash.store import FlashStore
 from flashllm_ext.mlx import sparse_ffn
@@ -105,7 +106,7 @@ class MLXFlashFFN(FlashFFN):
 class MLXStreamingFFN(StreamingFFN):
     """One FFN layer computed densely from a flash store on mx.arrays (naive / hybrid modes): forward(x mx.array
     [..., d]) -> mx.array of x's shape and dtype. Arguments are StreamingFFN's; `staging` must come from
-    `transfer`, an MLXTransfer (the engine allocates it there: flashllm_ext.flash.engine.ffn_stack)."""
+    `transfer`, an MLXTransfer (the engine allocates it there: flashllm_ext.flash.stack.ffn_stack)."""
 
     def __init__(
         self,

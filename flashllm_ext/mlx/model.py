@@ -9,7 +9,7 @@ scaled-dot-product attention with a key/value cache. The FFNs, by mode:
   naive   every FFN bundle re-read from the store for every forward into one staging mx.array the layers share
   hybrid  as many bundles of each layer resident in mx.arrays as the budget allows, the rest re-read every forward
           (naive and hybrid: the torch engine's StreamingFFN layers as MLXStreamingFFN, same reads and stats)
-  flash   the torch engine's flash stack (flashllm_ext.flash.engine.ffn_stack: budget split, predictors, window,
+  flash   the torch engine's flash stack (flashllm_ext.flash.stack.ffn_stack: budget split, predictors, window,
           coalesced parallel reads) with MLXFlashFFN layers: the neuron caches' rows are mx.arrays
   exact   flash's caches and reads with every neuron active: dense results through the flash path
 The budget is the torch engine's rule (resident tensors first, then predictors, then the caches / resident
@@ -26,7 +26,8 @@ import mlx.core as mx
 import numpy as np
 import torch
 
-from flashllm_ext.flash.engine import FlashRuntime, predictors_for_mode, ffn_stack, store_ffn_bytes
+from flashllm_ext.flash.engine import predictors_for_mode
+from flashllm_ext.flash.stack import FlashRuntime, ffn_stack, store_ffn_bytes
 from flashllm_ext.runtime import deprecated_alias, parse_budget
 from flashllm_ext.flash.ffn import store_activation
 from flashllm_ext.flash.store import BIAS_ROLES, FlashStore
