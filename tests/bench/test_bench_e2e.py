@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from flashllm_ext.flash.convert import convert
 from flashllm_ext.predictor import LowRankPredictor, PredictorSet, save_predictors_to_store
+from tests.helpers.models import tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = [sys.executable, "-m", "bench.bench_e2e"]  # run from ROOT, as a user does
@@ -38,17 +38,7 @@ KEYS = {
 
 @pytest.mark.slow
 def test_quick_run_reports_every_mode_with_its_keys(tmp_path):
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=160,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=128,
-        max_position_embeddings=128,
-    )
-    LlamaForCausalLM(config).save_pretrained(tmp_path / "hf")
+    tiny_model("llama", max_position_embeddings=128).save_pretrained(tmp_path / "hf")
     path = convert(tmp_path / "hf", tmp_path / "store", dtype="fp16", progress=False)
     save_predictors_to_store(
         PredictorSet([LowRankPredictor(64, 160, 8) for _ in range(2)], torch.full((2,), 0.05)), path
@@ -140,28 +130,15 @@ def test_scale_run_on_tiny_checkpoints_at_the_shared_paths(tmp_path):
 def test_scale_rows_pay_for_a_predictor_of_the_large_shapes(tmp_path, monkeypatch):
     """The scale rows replay the default model's sets but charge and run a predictor of the same method at the large
     store's shapes (scale_cost_predictor): its memory is the replayed predictor's, its scoring runs every call."""
-    from transformers import OPTConfig, OPTForCausalLM
-
     from flashllm_ext.predictor import QuantPredictor, load_predictors, save_predictors
     from flashllm_ext.flash.store import FlashStore
 
     from bench.bench_e2e import ReplayedSets, scale_cost_predictor
 
-    torch.manual_seed(0)
-    small = LlamaForCausalLM(
-        LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4, vocab_size=64)
+    small = tiny_model(
+        "llama", hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_key_value_heads=4, vocab_size=64
     )
-    OPTForCausalLM(
-        OPTConfig(
-            hidden_size=64,
-            ffn_dim=256,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            vocab_size=64,
-            word_embed_proj_dim=64,
-            max_position_embeddings=64,
-        )
-    ).save_pretrained(tmp_path / "opt")
+    tiny_model("opt", seed=None, hidden_size=64, ffn_dim=256, vocab_size=64).save_pretrained(tmp_path / "opt")
     store = FlashStore(convert(tmp_path / "opt", tmp_path / "store", dtype="fp16", progress=False))
     for trained in (
         QuantPredictor.from_model(small, gate_bits=4, up_bits=4),
@@ -221,17 +198,15 @@ def test_decode_warms_up_untimed_and_counts_the_timed_tokens():
     generated greedily, as model.generate would."""
     from bench.bench_e2e import _decode
 
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(
-        LlamaConfig(
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            vocab_size=64,
-            max_position_embeddings=64,
-        )
-    ).eval()
+    model = tiny_model(
+        "llama",
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        vocab_size=64,
+        max_position_embeddings=64,
+    )
     forwards, reset_at = [], []
     model.register_forward_pre_hook(lambda *_: forwards.append(1))
     prompt = torch.tensor([[3, 5, 7]])

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import OPTConfig, OPTForCausalLM
 
 from flashllm_ext import endor
+from tests.helpers.models import tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = [sys.executable, "-m", "bench.bench_offload"]  # run from ROOT, as a user does
@@ -34,17 +34,9 @@ KEYS = {
 
 @pytest.mark.slow
 def test_quick_run_reports_every_mode_with_its_keys(tmp_path):
-    torch.manual_seed(0)
-    config = OPTConfig(
-        hidden_size=128,
-        ffn_dim=512,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        vocab_size=128,
-        word_embed_proj_dim=128,
-        max_position_embeddings=128,
-    )
-    model = OPTForCausalLM(config).to(torch.float16)
+    model = tiny_model(
+        "opt", hidden_size=128, ffn_dim=512, num_hidden_layers=4, vocab_size=128, max_position_embeddings=128
+    ).to(torch.float16)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if ".layers." in name and name.endswith(".weight") and p.dim() == 2:

@@ -6,29 +6,18 @@ import sys
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from flashllm_ext.harness.cgroup import run_limited_child
 from flashllm_ext.flash.convert import convert
 from flashllm_ext.demos.flash import run_mode
 from flashllm_ext.predictor import DEFAULT_RECIPE, build_predictors, predictors_recipe, save_predictors_to_store
+from tests.helpers.models import tiny_model
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """(transformers model, fp32 store with the default recipe's predictors)."""
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(
-        LlamaConfig(
-            hidden_size=64,
-            intermediate_size=160,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            vocab_size=128,
-            max_position_embeddings=128,
-        )
-    ).eval()
+    model = tiny_model("llama", max_position_embeddings=128)
     root = tmp_path_factory.mktemp("demo")
     model.save_pretrained(root / "hf")
     store = convert(root / "hf", root / "store", dtype="fp32", progress=False)

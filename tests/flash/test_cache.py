@@ -7,12 +7,12 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 from torch.profiler import ProfilerActivity, profile
-from transformers import LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM
 
 from flashllm_ext.flash import store
 from flashllm_ext.flash.convert import convert
 from flashllm_ext.flash.cache import NeuronCache
 from flashllm_ext.flash.reader import FlashReader, shared_reader
+from tests.helpers.models import tiny_model
 
 N_NEURONS = 136
 
@@ -21,27 +21,9 @@ N_NEURONS = 136
 def stores(tmp_path_factory):
     """An OPT store (ReLU, fc1 bias: the cache carries bias rows) and a Llama store (GLU, no bias), fp16."""
     root = tmp_path_factory.mktemp("cache")
-    torch.manual_seed(1)
-    opt = OPTForCausalLM(
-        OPTConfig(
-            hidden_size=48,
-            ffn_dim=N_NEURONS,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            vocab_size=100,
-            word_embed_proj_dim=48,
-            max_position_embeddings=64,
-        )
-    )
-    llama = LlamaForCausalLM(
-        LlamaConfig(
-            hidden_size=32,
-            intermediate_size=N_NEURONS,
-            num_hidden_layers=1,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            vocab_size=64,
-        )
+    opt = tiny_model("opt", seed=1, ffn_dim=N_NEURONS)
+    llama = tiny_model(
+        "llama", seed=None, hidden_size=32, intermediate_size=N_NEURONS, num_hidden_layers=1, vocab_size=64
     )
     out = {}
     for name, model in (("opt", opt), ("llama", llama)):

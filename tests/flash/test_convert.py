@@ -5,41 +5,20 @@ from functools import partial
 import pytest
 import torch
 from safetensors import safe_open
-from transformers import LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM
 
 from flashllm_ext import FormatError, cli, endor
 from flashllm_ext.flash import store
 from flashllm_ext.flash.convert import convert, synthesize
 from flashllm_ext.io.safetensors import PADDING_PREFIX, AlignedWriter, read_header
+from tests.helpers.models import tiny_model
 
 
-def _llama() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    return LlamaForCausalLM(
-        LlamaConfig(
-            hidden_size=64,
-            intermediate_size=160,
-            num_hidden_layers=3,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            vocab_size=128,
-        )
-    )
+def _llama() -> torch.nn.Module:
+    return tiny_model("llama", num_hidden_layers=3)
 
 
-def _opt() -> OPTForCausalLM:
-    torch.manual_seed(1)
-    return OPTForCausalLM(
-        OPTConfig(
-            hidden_size=48,
-            ffn_dim=136,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            vocab_size=100,
-            word_embed_proj_dim=48,
-            max_position_embeddings=64,
-        )
-    )
+def _opt() -> torch.nn.Module:
+    return tiny_model("opt", seed=1)
 
 
 @pytest.fixture(scope="module")
@@ -140,17 +119,14 @@ def test_glu_biases(tmp_path):
     place in the bundle kernel and the cache refuses it."""
     from flashllm_ext.flash.cache import NeuronCache, layer_input_bias
 
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(
-        LlamaConfig(
-            hidden_size=16,
-            intermediate_size=24,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            vocab_size=32,
-            mlp_bias=True,
-        )
+    model = tiny_model(
+        "llama",
+        hidden_size=16,
+        intermediate_size=24,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=32,
+        mlp_bias=True,
     )
     model.save_pretrained(tmp_path / "ckpt")
     fs = store.FlashStore(convert(tmp_path / "ckpt", tmp_path / "s", dtype="fp32", progress=False))
@@ -386,16 +362,14 @@ def test_convert_the_default_model(default_model, tmp_path):
 
 def test_convert_more_than_ten_layers(tmp_path):
     # tensor names sort as strings (layers.10 before layers.2); the store must still be written in layer order
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(
-        LlamaConfig(
-            hidden_size=8,
-            intermediate_size=16,
-            num_hidden_layers=11,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            vocab_size=32,
-        )
+    model = tiny_model(
+        "llama",
+        hidden_size=8,
+        intermediate_size=16,
+        num_hidden_layers=11,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=32,
     )
     model.save_pretrained(tmp_path / "ckpt")
     s = store.FlashStore(convert(tmp_path / "ckpt", tmp_path / "s", dtype="fp32", progress=False))

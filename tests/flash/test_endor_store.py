@@ -9,7 +9,6 @@ import weakref
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 import flashllm_ext
 from flashllm_ext import FormatError, endor
@@ -18,24 +17,16 @@ from flashllm_ext.flash.cache import NeuronCache
 from flashllm_ext.flash.convert import bundle_layer, convert
 from flashllm_ext.flash.engine import ffn_stack
 from flashllm_ext.flash.reader import FlashReader, has_io_uring, select_read_path
+from tests.helpers.models import tiny_model
 
 ENGINES = ["threads"] + (["io_uring"] if has_io_uring() else [])
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
 
-def _pruned_llama(n_neurons: int = 300, n_layers: int = 2, sparsity: float = 0.5) -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(
-        LlamaConfig(
-            hidden_size=64,
-            intermediate_size=n_neurons,
-            num_hidden_layers=n_layers,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            vocab_size=96,
-            max_position_embeddings=128,
-        )
-    ).eval()
+def _pruned_llama(n_neurons: int = 300, n_layers: int = 2, sparsity: float = 0.5) -> torch.nn.Module:
+    model = tiny_model(
+        "llama", intermediate_size=n_neurons, num_hidden_layers=n_layers, vocab_size=96, max_position_embeddings=128
+    )
     with torch.no_grad():
         for layer in model.model.layers:
             for proj in (layer.mlp.up_proj, layer.mlp.gate_proj, layer.mlp.down_proj):

@@ -7,7 +7,6 @@ import os
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM
 
 import flashllm_ext
 from flashllm_ext.flash import store
@@ -20,37 +19,15 @@ from flashllm_ext.predictor import LowRankPredictor, PredictorSet, calibrate_thr
 from flashllm_ext.flash.transfer import Transfer
 from tests.helpers.faults import read_failure_at
 from tests.helpers.memory import mapped_ranges
+from tests.helpers.models import tiny_model
 
 
 def _llama():
-    torch.manual_seed(0)
-    return LlamaForCausalLM(
-        LlamaConfig(
-            hidden_size=64,
-            intermediate_size=160,
-            num_hidden_layers=3,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            vocab_size=128,
-            max_position_embeddings=256,
-        )
-    ).eval()
+    return tiny_model("llama", num_hidden_layers=3, max_position_embeddings=256)
 
 
 def _opt():
-    torch.manual_seed(1)
-    return OPTForCausalLM(
-        OPTConfig(
-            hidden_size=48,
-            ffn_dim=136,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            vocab_size=100,
-            word_embed_proj_dim=48,
-            max_position_embeddings=256,
-            dropout=0.0,
-        )
-    ).eval()
+    return tiny_model("opt", seed=1, max_position_embeddings=256, dropout=0.0)
 
 
 @pytest.fixture(scope="module")

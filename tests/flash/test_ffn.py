@@ -6,42 +6,21 @@ import os
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM
 
 from flashllm_ext.flash import store
 from flashllm_ext.flash.cache import NeuronCache
 from flashllm_ext.flash.convert import convert
 from flashllm_ext.flash.ffn import FlashFFN, active_ids_of, install_flash_ffn
 from flashllm_ext.flash.reader import shared_reader
+from tests.helpers.models import tiny_model
 
 
 def _llama():
-    torch.manual_seed(0)
-    return LlamaForCausalLM(
-        LlamaConfig(
-            hidden_size=64,
-            intermediate_size=160,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            vocab_size=128,
-        )
-    ).eval()
+    return tiny_model("llama")
 
 
 def _opt():
-    torch.manual_seed(1)
-    return OPTForCausalLM(
-        OPTConfig(
-            hidden_size=48,
-            ffn_dim=136,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            vocab_size=100,
-            word_embed_proj_dim=48,
-            max_position_embeddings=64,
-        )
-    ).eval()
+    return tiny_model("opt", seed=1)
 
 
 @pytest.fixture(scope="module")
@@ -105,17 +84,15 @@ def _threads_of_this_process() -> int:
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through /proc (Linux)")
 @torch.no_grad()
 def test_install_on_a_30_layer_model_opens_one_reader(tmp_path):
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(
-        LlamaConfig(
-            hidden_size=16,
-            intermediate_size=24,
-            num_hidden_layers=30,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            vocab_size=32,
-        )
-    ).eval()
+    model = tiny_model(
+        "llama",
+        hidden_size=16,
+        intermediate_size=24,
+        num_hidden_layers=30,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=32,
+    )
     model.save_pretrained(tmp_path / "ckpt")
     ids = torch.randint(0, 32, (1, 4))
     want = model(ids).logits  # also starts torch's own worker threads before the count

@@ -13,7 +13,6 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from flashllm_ext import FormatError, cli
 from flashllm_ext.io import disk
@@ -21,6 +20,7 @@ from flashllm_ext.flash import calibrate, reader, store
 from flashllm_ext.flash.convert import convert
 from flashllm_ext.flash.reader import FlashReader, ReadResult, has_io_uring, shared_reader
 from tests.helpers.faults import refuses_without_blocking
+from tests.helpers.models import tiny_model
 
 ENGINES = ["threads"] + (["io_uring"] if has_io_uring() else [])
 
@@ -28,17 +28,7 @@ ENGINES = ["threads"] + (["io_uring"] if has_io_uring() else [])
 @pytest.fixture(scope="module")
 def store_dir(tmp_path_factory):
     """A Llama store with 700 neurons of 384 bytes per layer, on the repository's disk (O_DIRECT capable)."""
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(
-        LlamaConfig(
-            hidden_size=64,
-            intermediate_size=700,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            vocab_size=64,
-        )
-    )
+    model = tiny_model("llama", intermediate_size=700, vocab_size=64)
     root = tmp_path_factory.mktemp("reader")
     model.save_pretrained(root / "ckpt")
     return convert(root / "ckpt", root / "store", progress=False)

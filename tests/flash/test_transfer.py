@@ -8,7 +8,6 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from transformers import LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM
 
 import flashllm_ext
 from flashllm_ext.flash import store
@@ -18,8 +17,9 @@ from flashllm_ext.flash.engine import ffn_stack, store_ffn_bytes
 from flashllm_ext.flash.ffn import FlashFFN
 from flashllm_ext.flash.transfer import HostTransfer, StagedTransfer, make_transfer
 from flashllm_ext.runtime import cuda_device
+from tests.helpers.models import tiny_model
 from tests.helpers.native import require_simt
-from tests.helpers.neuron_cache import assert_same_state, step_both
+from tests.helpers.neuron_cache import step_both
 
 require_simt()
 N_NEURONS = 136
@@ -38,29 +38,8 @@ def staged() -> StagedTransfer:
 def stores(tmp_path_factory):
     """OPT (ReLU, fc1 bias rows) and Llama (GLU, no bias) stores, fp16; and the transformers models (fp32 stores)."""
     root = tmp_path_factory.mktemp("transfer")
-    torch.manual_seed(1)
-    opt = OPTForCausalLM(
-        OPTConfig(
-            hidden_size=48,
-            ffn_dim=N_NEURONS,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            vocab_size=100,
-            word_embed_proj_dim=48,
-            max_position_embeddings=64,
-            dropout=0.0,
-        )
-    ).eval()
-    llama = LlamaForCausalLM(
-        LlamaConfig(
-            hidden_size=32,
-            intermediate_size=N_NEURONS,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            vocab_size=64,
-        )
-    ).eval()
+    opt = tiny_model("opt", seed=1, ffn_dim=N_NEURONS, dropout=0.0)
+    llama = tiny_model("llama", seed=None, hidden_size=32, intermediate_size=N_NEURONS, vocab_size=64)
     out = {}
     for name, model in (("opt", opt), ("llama", llama)):
         model.save_pretrained(root / f"{name}-ckpt")

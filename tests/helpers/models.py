@@ -3,8 +3,9 @@
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM
 
-# tiny_model's defaults. A Llama has no learned position table, so its max_position_embeddings stays transformers'
-# default unless given; an OPT's is a table, kept small. OPT without dropout, its word embeddings at hidden_size.
+# tiny_model's defaults; every other field is transformers' default. A Llama has no learned position table, so its
+# max_position_embeddings stays transformers' 2048 unless given; an OPT's is a table, kept small, and its word
+# embeddings are hidden_size wide unless given.
 LLAMA = dict(
     hidden_size=64,
     intermediate_size=160,
@@ -20,7 +21,6 @@ OPT = dict(
     num_attention_heads=4,
     vocab_size=100,
     max_position_embeddings=64,
-    dropout=0.0,
 )
 # The Llama of the tiny_llama fixture (tests/conftest.py), which tests/io/test_checkpoint.py also writes as a GGUF.
 TINY_LLAMA = dict(

@@ -6,32 +6,14 @@ import torch
 
 from flashllm_ext.kv import hf
 
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers")
+from tests.helpers.models import tiny_model  # noqa: E402  (after the skip: imports transformers)
 
 
 def tiny(kind):
-    torch.manual_seed(0)
     if kind == "llama":
-        config = transformers.LlamaConfig(
-            vocab_size=97,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=128,
-        )
-        return transformers.LlamaForCausalLM(config).eval()
-    config = transformers.OPTConfig(
-        vocab_size=97,
-        hidden_size=64,
-        ffn_dim=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        max_position_embeddings=128,
-        word_embed_proj_dim=64,
-    )
-    return transformers.OPTForCausalLM(config).eval()
+        return tiny_model("llama", vocab_size=97, intermediate_size=128, max_position_embeddings=128)
+    return tiny_model("opt", vocab_size=97, hidden_size=64, ffn_dim=128, max_position_embeddings=128)
 
 
 @pytest.mark.parametrize("model_kind", ["llama", "opt"])

@@ -6,7 +6,6 @@ the torch engine's (outputs, reads, stats, budget), greedy tokens against transf
 import numpy as np
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM
 
 import flashllm_ext
 from flashllm_ext.flash import store
@@ -20,42 +19,22 @@ mx = pytest.importorskip("mlx.core", reason="mlx is not importable (install the 
 fmlx = pytest.importorskip("flashllm_ext.mlx")
 from flashllm_ext.mlx.transfer import to_mx, torch_view  # noqa: E402  (after the skip: imports mlx)
 from tests.helpers.faults import read_failure_at  # noqa: E402
+from tests.helpers.models import tiny_model  # noqa: E402
 
 N_NEURONS = 136
 
 
-def _llama(seed: int = 0, layers: int = 2) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(
-        LlamaConfig(
-            hidden_size=64,
-            intermediate_size=N_NEURONS,
-            num_hidden_layers=layers,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            vocab_size=128,
-            max_position_embeddings=256,
-        )
-    ).eval()
+def _llama(seed: int = 0, layers: int = 2) -> torch.nn.Module:
+    return tiny_model(
+        "llama", seed=seed, intermediate_size=N_NEURONS, num_hidden_layers=layers, max_position_embeddings=256
+    )
 
 
 @pytest.fixture(scope="module")
 def stores(tmp_path_factory):
     """OPT (ReLU, fc1 bias: the cache moves bias rows) and Llama (GLU) stores in fp16 and fp32, and the Llama model."""
     root = tmp_path_factory.mktemp("mlx_engine")
-    torch.manual_seed(1)
-    opt = OPTForCausalLM(
-        OPTConfig(
-            hidden_size=48,
-            ffn_dim=N_NEURONS,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            vocab_size=100,
-            word_embed_proj_dim=48,
-            max_position_embeddings=64,
-            dropout=0.0,
-        )
-    ).eval()
+    opt = tiny_model("opt", seed=1, ffn_dim=N_NEURONS, dropout=0.0)
     out = {"llama_model": _llama(layers=3)}
     for name, model in (("opt", opt), ("llama", out["llama_model"])):
         model.save_pretrained(root / f"{name}-ckpt")

@@ -7,7 +7,6 @@ from functools import partial
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM
 
 from flashllm_ext import FormatError, endor, offload
 from flashllm_ext.io.checkpoint import TensorsCheckpoint
@@ -21,34 +20,17 @@ from flashllm_ext.offload.placement import plan_placement
 from flashllm_ext.flash.reader import host_bounce_bytes, kvikio_available
 from flashllm_ext.io.buffers import pinned_buffer, pinned_bytes
 from tests.helpers.memory import mapped_ranges, page_locked
+from tests.helpers.models import tiny_model
 
 N_LAYERS = 6
 
 
-def tiny_model(kind: str) -> torch.nn.Module:
-    torch.manual_seed(0)
+def pruned_model(kind: str) -> torch.nn.Module:
+    sizes = dict(hidden_size=128, num_hidden_layers=N_LAYERS, vocab_size=96, max_position_embeddings=64)
     if kind == "llama":
-        config = LlamaConfig(
-            hidden_size=128,
-            intermediate_size=352,
-            num_hidden_layers=N_LAYERS,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            vocab_size=96,
-            max_position_embeddings=64,
-        )
-        model = LlamaForCausalLM(config)
+        model = tiny_model("llama", intermediate_size=352, **sizes)
     else:
-        config = OPTConfig(
-            hidden_size=128,
-            ffn_dim=352,
-            num_hidden_layers=N_LAYERS,
-            num_attention_heads=4,
-            vocab_size=96,
-            word_embed_proj_dim=128,
-            max_position_embeddings=64,
-        )
-        model = OPTForCausalLM(config)
+        model = tiny_model("opt", ffn_dim=352, **sizes)
     with torch.no_grad():  # 50% magnitude pruning of every decoder-layer Linear, as a pruned checkpoint has
         for name, p in model.named_parameters():
             if ".layers." in name and name.endswith(".weight") and p.dim() == 2:
@@ -63,7 +45,7 @@ def model_checkpoint(model: torch.nn.Module) -> TensorsCheckpoint:
 
 @pytest.fixture(scope="module", params=["llama", "opt"])
 def case(request, tmp_path_factory):
-    model = tiny_model(request.param)
+    model = pruned_model(request.param)
     root = tmp_path_factory.mktemp(request.param)
     ckpt = model_checkpoint(model)
     dense = convert_offload(ckpt, root / "dense", dtype="fp32", progress=False)
@@ -240,7 +222,7 @@ def test_bad_arguments_and_stores(case, tmp_path):
     with pytest.raises(ValueError, match="compute must be one of"):
         load_offload(case["endor"], None, mode="endor", compute="gemm")
     with pytest.raises(ValueError, match="differ from the store's"):
-        patch_offload(tiny_model("llama" if "opt" in str(case["endor"]) else "opt"), case["endor"])
+        patch_offload(pruned_model("llama" if "opt" in str(case["endor"]) else "opt"), case["endor"])
     with pytest.raises(FileExistsError):
         convert_offload(model_checkpoint(case["model"]), case["dense"], dtype="fp32")
     # Counts are ints (not floats, strings or bools), budgets finite; each refusal names its argument.
@@ -290,7 +272,7 @@ def test_bad_arguments_and_stores(case, tmp_path):
 def test_cli_converts_a_hugging_face_directory(tmp_path, capsys):
     from flashllm_ext import cli
 
-    model = tiny_model("opt")
+    model = pruned_model("opt")
     model.save_pretrained(tmp_path / "hf")
     assert (
         cli.main(["offload", str(tmp_path / "store"), "--convert", str(tmp_path / "hf"), "--endor", "--dtype", "fp32"])

@@ -214,37 +214,14 @@ def test_cache_compact_refuses_bad_rows(kernel_checks):
 @pytest.fixture(scope="module")
 def tiny_stores(tmp_path_factory):
     """name -> (transformers model, fp32 store, fp16 store) of tiny random Llama and OPT models."""
-    from transformers import LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM
-
     from flashllm_ext.flash.convert import convert
     from flashllm_ext.flash.store import FlashStore
+    from tests.helpers.models import tiny_model
 
     root = tmp_path_factory.mktemp("cuda-engine")
-    torch.manual_seed(0)
     models = {
-        "llama": LlamaForCausalLM(
-            LlamaConfig(
-                hidden_size=64,
-                intermediate_size=160,
-                num_hidden_layers=3,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                vocab_size=128,
-                max_position_embeddings=256,
-            )
-        ).eval(),
-        "opt": OPTForCausalLM(
-            OPTConfig(
-                hidden_size=48,
-                ffn_dim=136,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                vocab_size=100,
-                word_embed_proj_dim=48,
-                max_position_embeddings=256,
-                dropout=0.0,
-            )
-        ).eval(),
+        "llama": tiny_model("llama", num_hidden_layers=3, max_position_embeddings=256),
+        "opt": tiny_model("opt", seed=None, max_position_embeddings=256, dropout=0.0),
     }
     out = {}
     for name, model in models.items():

@@ -5,7 +5,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
-from transformers import LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM
 
 from flashllm_ext import FormatError, cli
 from flashllm_ext.predictor import (
@@ -26,6 +25,7 @@ from flashllm_ext.predictor import (
     train_predictor,
 )
 from tests.helpers.faults import refuses_without_blocking
+from tests.helpers.models import tiny_model
 
 LLAMA = dict(
     hidden_size=64,
@@ -51,14 +51,12 @@ OPT = dict(
 
 @pytest.fixture(scope="module")
 def llama():
-    torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(**LLAMA)).eval()
+    return tiny_model("llama", **LLAMA)
 
 
 @pytest.fixture(scope="module")
 def opt():
-    torch.manual_seed(0)
-    return OPTForCausalLM(OPTConfig(**OPT)).eval()
+    return tiny_model("opt", **OPT)
 
 
 def _ids(n: int, seed: int) -> torch.Tensor:

@@ -8,7 +8,6 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
-from transformers import LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM
 
 import flashllm_ext
 from flashllm_ext import FormatError
@@ -43,24 +42,14 @@ from flashllm_ext.predictor import (
 )
 from flashllm_ext.predictor.base import keep_cutoff
 from flashllm_ext.predictor.quant import pack_codes
+from tests.helpers.models import tiny_model
 
 METHODS = ["lowrank", "lowrank-reg", "quant", "oracle", "context"]  # neuron methods: the engine serves them
 ALL_METHODS = METHODS + ["teal"]  # teal: input sparsity, evaluation only (no store read by input channel)
 
 
 def _llama(n_layers: int = 3):
-    torch.manual_seed(0)
-    return LlamaForCausalLM(
-        LlamaConfig(
-            hidden_size=64,
-            intermediate_size=96,
-            num_hidden_layers=n_layers,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            vocab_size=128,
-            max_position_embeddings=256,
-        )
-    ).eval()
+    return tiny_model("llama", intermediate_size=96, num_hidden_layers=n_layers, max_position_embeddings=256)
 
 
 def _ids(n: int, seed: int) -> torch.Tensor:
@@ -156,22 +145,8 @@ def test_mismatched_shapes_are_refused(tmp_path, built, llama):
 @pytest.mark.parametrize("family", ["llama", "opt"])
 @torch.no_grad()
 def test_oracle_reproduces_the_true_masks_exactly(family):
-    torch.manual_seed(0)
     model = (
-        _llama()
-        if family == "llama"
-        else OPTForCausalLM(
-            OPTConfig(
-                hidden_size=48,
-                ffn_dim=136,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                vocab_size=128,
-                word_embed_proj_dim=48,
-                max_position_embeddings=256,
-                dropout=0.0,
-            )
-        ).eval()
+        _llama() if family == "llama" else tiny_model("opt", vocab_size=128, max_position_embeddings=256, dropout=0.0)
     )
     ids = _ids(96, 3)
     thresholds = calibrate_thresholds(model, ids, 0.6, window=48, progress=False)
@@ -567,18 +542,7 @@ def test_cli_builds_gptq_quant_with_fisher_allocation_into_a_store(tmp_path, mon
     import flashllm_ext.hub
     from flashllm_ext import cli
 
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(
-        LlamaConfig(
-            hidden_size=64,
-            intermediate_size=96,
-            num_hidden_layers=3,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            vocab_size=128,
-            max_position_embeddings=512,
-        )
-    ).eval()
+    model = tiny_model("llama", intermediate_size=96, num_hidden_layers=3, max_position_embeddings=512)
     monkeypatch.setattr(flashllm_ext.hub, "load_hf_model", lambda path: (model, None))
     monkeypatch.setattr(flashllm_ext.hub, "corpus_token_ids", lambda tokenizer, split: _ids(2048, 0))
     # Never read: the model comes from the patched loader, and the header check before any work is patched too.
