@@ -2,7 +2,7 @@
 code a CUDA cache runs (host mirror planning, the mirror's swap-delete, the device rows' swap-delete through the SIMT
 emulation of the shipped CUDA launcher, reads into the staging buffer, deferred copies into the rows, device pointer
 and bias updates) and must agree with the plain CPU cache step by step; a failed read leaves it consistent; FlashFFN
-and the engine on it give the CPU results. tests/test_cuda.py runs the same comparisons on a real GPU."""
+and the engine on it give the CPU results. tests/ops/test_cuda.py runs the same comparisons on a real GPU."""
 
 import pytest
 import torch
@@ -172,7 +172,7 @@ def test_ffn_stack_on_a_staged_transfer_matches_the_cpu_stack(stores, mode):
 
 def test_cuda_is_refused_clearly_without_a_gpu(stores):
     if torch.cuda.is_available():
-        pytest.skip("a CUDA device is present: tests/test_cuda.py runs the CUDA path")
+        pytest.skip("a CUDA device is present: tests/ops/test_cuda.py runs the CUDA path")
     for make in (
         lambda: cuda_device("cuda"),
         lambda: make_transfer("cuda"),
@@ -200,7 +200,7 @@ def test_flash_ffn_refuses_input_on_another_device(stores):
 @torch.no_grad()
 def test_load_flash_on_a_staged_transfer_generates_the_tokens_of_transformers(stores, monkeypatch, name, mode):
     """The engine as device="cuda" builds it (a StagedTransfer shared by every layer, budgets with its staging), on
-    CPU tensors: transformers' greedy tokens. tests/test_cuda.py runs the same on a GPU."""
+    CPU tensors: transformers' greedy tokens. tests/ops/test_cuda.py runs the same on a GPU."""
     import flashllm_ext.flash.engine
 
     transfers = []

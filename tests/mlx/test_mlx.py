@@ -1,6 +1,6 @@
 """The MLX backend (flashllm_ext.mlx): its mlx-op fallback everywhere and, on Apple Silicon, its Metal kernel
 (metal/endor_decompress.metal), against the torch reference, bitwise. Off Apple Silicon the Metal kernel body is
-tested through the SIMT emulation in tests/test_simt.py.
+tested through the SIMT emulation in tests/ops/test_simt.py.
 """
 
 from __future__ import annotations
