@@ -8,7 +8,8 @@
    held-out pass with the predictor patched in (rows bench:"method"): perplexity, loaded density (mean, and the
    worst layer's distance from the target), recall of the oracle's active set at the same density and of the output
    mass, predictor memory as a fraction of the store's FFN bytes. The oracle (true sets) is the frontier. The
-   patched FFN computes exactly what FlashFFN computes in flash mode (tests/test_engine.py checks equal perplexity).
+   patched FFN computes exactly what FlashFFN computes in flash mode (tests/flash/test_engine.py checks equal
+   perplexity).
    `teal` (TEAL / R-Sparse input sparsity, flashllm_ext.predictor.teal) is measured the same way, its loaded
    density being the fraction of weight bytes read (W_gate / W_up columns of the kept input channels, W_down rows
    of the kept neurons: columns neuron_density / input_density); it needs a store read by input channel, which

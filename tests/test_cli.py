@@ -9,13 +9,13 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
-import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
 
 from flashllm_ext import cli
 from flashllm_ext.flash.convert import convert
 from flashllm_ext.offload.convert import convert_offload
+from tests.helpers.models import tiny_model
 
 ROOT = Path(__file__).resolve().parent.parent
 VOCAB = 64
@@ -26,16 +26,14 @@ def files(tmp_path_factory) -> dict[str, Path]:
     """Tiny inputs, good and bad: a Llama checkpoint and its flash and layer stores (VOCAB tokens), a GPT-2
     checkpoint, a tokenizer of 300 tokens, a GGUF without a tokenizer, a file that is no GGUF, an empty folder."""
     root = tmp_path_factory.mktemp("cli")
-    torch.manual_seed(0)
-    LlamaForCausalLM(
-        LlamaConfig(
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            vocab_size=VOCAB,
-        )
+    tiny_model(
+        "llama",
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=VOCAB,
     ).save_pretrained(root / "llama")
     GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=VOCAB)).save_pretrained(root / "gpt2")
     convert(root / "llama", root / "store", progress=False)

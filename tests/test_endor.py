@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from safetensors import safe_open
 
 from flashllm_ext import FormatError, endor
-from conftest import refuses_without_blocking
-from test_endor_decompress import assert_bitwise_equal, make_weight
+from tests.helpers.faults import refuses_without_blocking
+from tests.helpers.kernel_cases import assert_bitwise_equal, make_weight
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int8]
 

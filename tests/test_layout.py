@@ -38,4 +38,4 @@ def test_every_op_has_a_row_and_a_wrapper():
     } - {"reader_has_io_uring"}
     assert registered == set(table) == set(ops.__all__)
     for op, paths in table.items():
-        assert f"tests/test_{op}.py" in paths, op  # every op's own test file
+        assert f"tests/ops/test_{op}.py" in paths, op  # every op's own test file

@@ -1,4 +1,4 @@
-// torch.ops.flashllm_simt.* kernels that test the SIMT emulation itself (tests/test_simt.py compares them with
+// torch.ops.flashllm_simt.* kernels that test the SIMT emulation itself (tests/ops/test_simt.py compares them with
 // scalar models): every warp/SIMD intrinsic, barriers and block-shared memory, and the misuse it must report.
 #include <ATen/ATen.h>
 #include <torch/library.h>

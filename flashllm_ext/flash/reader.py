@@ -388,7 +388,8 @@ class FlashReader:
             staging = torch.empty(int(plan[:, 1].sum()), dtype=torch.uint8, device=device)
         # kvikio writes device memory from its own threads, outside torch's stream order: kernels still queued on the
         # current stream may read the destination (the caller's `out`) or memory the allocator just handed out again
-        # as `staging`, so they finish first. (tests/test_endor_store.py runs this on the CPU with a stand-in CuFile.)
+        # as `staging`, so they finish first. (tests/flash/test_endor_store.py runs this on the CPU with a stand-in
+        # CuFile.)
         if device.type == "cuda":
             torch.cuda.current_stream(device).synchronize()
         futures, at = [], 0

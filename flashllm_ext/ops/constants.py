@@ -1,7 +1,7 @@
 """Numbers the native kernels, the Metal bodies and Python must agree on. Each is defined once, in the C header
 named beside it; this module mirrors them for Python and for the Metal bodies run by MLX (`metal_header()`, which
 MLX prepends to each body, while the SIMT build of the same bodies includes the C headers themselves), and
-tests/test_kernel_constants.py fails when a mirror drifts from its header.
+tests/ops/test_kernel_constants.py fails when a mirror drifts from its header.
 """
 
 from __future__ import annotations

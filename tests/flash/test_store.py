@@ -1,0 +1,278 @@
+"""FlashStore: reads what convert wrote, and refuses stores whose headers lie (FormatError naming file and field)."""
+
+import json
+import os
+import shutil
+import struct
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from flashllm_ext import FormatError
+from flashllm_ext.flash import store
+from flashllm_ext.flash.convert import convert
+from flashllm_ext.offload.store import LAYERS_FILE, LayerStore
+from flashllm_ext.offload.convert import convert_offload
+from flashllm_ext.io.safetensors import AlignedWriter, TensorSpec, read_header
+from tests.helpers.faults import refuses_without_blocking
+from tests.helpers.memory import mapped_ranges
+from tests.helpers.models import tiny_model
+
+
+@pytest.fixture(scope="module")
+def llama_store(tmp_path_factory):
+    root = tmp_path_factory.mktemp("store")
+    tiny_model("llama", num_hidden_layers=3).save_pretrained(root / "ckpt")
+    return convert(root / "ckpt", root / "store", progress=False)
+
+
+@pytest.fixture(scope="module")
+def layer_store(tmp_path_factory):
+    root = tmp_path_factory.mktemp("layers")
+    tiny_model("llama", num_hidden_layers=3).save_pretrained(root / "ckpt")
+    return convert_offload(root / "ckpt", root / "store")
+
+
+@pytest.fixture
+def store_copy(llama_store, tmp_path):
+    return shutil.copytree(llama_store, tmp_path / "copy")
+
+
+def _rewrite_header(path, mutate) -> None:
+    """Apply mutate(header dict) to a safetensors header in place, keeping its length (space padding)."""
+    raw = path.read_bytes()
+    (size,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + size])
+    mutate(header)
+    text = json.dumps(header, separators=(",", ":")).encode()
+    assert len(text) <= size
+    path.write_bytes(raw[:8] + text + b" " * (size - len(text)) + raw[8 + size :])
+
+
+@pytest.mark.parametrize(
+    "field,value,match",
+    [
+        ("magic", "not-a-store", "magic"),
+        ("format_version", "99", "format_version"),
+        ("dtype", "fp8", "dtype"),
+        ("n_neurons", "abc", "n_neurons"),
+        ("bundle_width", "65", "bundle_width"),
+        ("alignment", "1000", "alignment"),
+        ("n_layers", "4", "layers.3.bundles"),
+        ("n_neurons", "161", r"layers\.0\.bundles\.shape"),
+        ("config", "{", "config"),
+        ("format_version", "1", "format_version"),  # stores written before ffn_roles
+        ("ffn_roles", "{", "ffn_roles"),
+        ("ffn_roles", "[]", "ffn_roles"),
+        ("ffn_roles", '[{"up":"a"},{"up":"a"},{"up":"a"}]', r"ffn_roles\[0\]"),
+    ],
+)
+def test_metadata_lies_raise_format_error(store_copy, field, value, match):
+    bundles = store_copy / store.BUNDLES_FILE
+    _rewrite_header(bundles, lambda h: h["__metadata__"].__setitem__(field, value))
+    with pytest.raises(FormatError, match=match) as info:
+        store.FlashStore(store_copy)
+    assert str(bundles) in str(info.value)
+
+
+def test_resident_magic_checked(store_copy):
+    resident = store_copy / store.RESIDENT_FILE
+    _rewrite_header(resident, lambda h: h["__metadata__"].__setitem__("magic", "x"))
+    with pytest.raises(FormatError, match="resident.*magic"):
+        store.FlashStore(store_copy)
+
+
+def test_header_lies_about_sizes(store_copy):
+    def shrink(h):
+        h[store.layer_tensor_name(1)]["shape"][0] -= 1
+
+    _rewrite_header(store_copy / store.BUNDLES_FILE, shrink)
+    with pytest.raises(FormatError, match="layers.1.bundles"):
+        store.FlashStore(store_copy)
+
+
+def test_misaligned_tensor(tmp_path, llama_store):
+    # A store written with 64-byte alignment but claiming 4096: the loader must check offsets, not trust metadata.
+    header = read_header(store.FlashStore(llama_store).bundles_path)
+    d = tmp_path / "s"
+    d.mkdir()
+    (d / store.RESIDENT_FILE).write_bytes((llama_store / store.RESIDENT_FILE).read_bytes())
+    entry = header.tensors[store.layer_tensor_name(0)]
+    specs = [TensorSpec("small", "U8", (3,))] + [
+        TensorSpec(store.layer_tensor_name(l), entry.dtype, entry.shape) for l in range(3)
+    ]
+    with AlignedWriter(d / store.BUNDLES_FILE, specs, header.metadata, alignment=64) as w:
+        w.write("small", torch.zeros(3, dtype=torch.uint8))
+        for l in range(3):
+            w.write(store.layer_tensor_name(l), torch.zeros(entry.shape, dtype=torch.float16))
+    with pytest.raises(FormatError, match="not a multiple"):
+        store.FlashStore(d)
+
+
+def test_truncated_store(store_copy):
+    bundles = store_copy / store.BUNDLES_FILE
+    size = bundles.stat().st_size
+    with open(bundles, "r+b") as f:
+        f.truncate(size - 100)
+    with pytest.raises(FormatError, match="data_offsets"):
+        store.FlashStore(store_copy)
+
+
+def test_truncated_behind_the_back_of_an_open_store(store_copy):
+    fs = store.FlashStore(store_copy)
+    with open(fs.bundles_path, "r+b") as f:
+        f.truncate(fs.layer_location(2).offset + 10)
+    with pytest.raises(FormatError, match="short read"):
+        fs.bundle(2, [0, 5])
+    assert fs.bundle(1, [0, 5]).shape == (2, fs.bundle_width)
+
+
+def test_missing_file(store_copy):
+    (store_copy / store.RESIDENT_FILE).unlink()
+    with pytest.raises(FormatError, match="resident"):
+        store.FlashStore(store_copy)
+
+
+def test_bad_ids_and_layers(llama_store):
+    fs = store.FlashStore(llama_store)
+    with pytest.raises(ValueError, match="neuron ids"):
+        fs.bundle(0, [fs.n_neurons])
+    with pytest.raises(ValueError, match="neuron ids"):
+        fs.bundle(0, [-1])
+    with pytest.raises(ValueError, match="layer"):
+        fs.bundle(3, [0])
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_fuzzed_headers_raise_format_error_or_load(store_copy, data):
+    bundles = store_copy / store.BUNDLES_FILE
+    original = bundles.read_bytes()
+    try:
+        (size,) = struct.unpack("<Q", original[:8])
+        if data.draw(st.booleans()):
+            pos = data.draw(st.integers(0, 8 + size - 1))
+            corrupted = bytearray(original)
+            corrupted[pos] = data.draw(st.integers(0, 255))
+        else:
+            corrupted = original[: data.draw(st.integers(0, len(original) - 1))]
+        bundles.write_bytes(bytes(corrupted))
+        try:
+            fs = store.FlashStore(store_copy)
+        except FormatError:
+            return
+        fs.bundle(0, [0, fs.n_neurons - 1])  # what loads must be consistent enough to read
+    finally:
+        bundles.write_bytes(original)
+
+
+@pytest.mark.parametrize(
+    "role,name,match",
+    [
+        ("gate_bias", "model.layers.0.no_such.bias", "not a resident tensor"),
+        ("up_bias", "model.norm.weight", r"shape \(160,\)"),  # [d], not [n_neurons]
+        ("bias", "model.norm.weight", "needs exactly the weights"),
+    ],
+)
+def test_ffn_roles_must_name_resident_tensors_of_the_right_shape(store_copy, role, name, match):
+    def add_role(h):
+        roles = json.loads(h["__metadata__"]["ffn_roles"])
+        roles[0][role] = name
+        h["__metadata__"]["ffn_roles"] = json.dumps(roles)
+        h["__metadata__"]["config"] = "{}"  # room in the header for the longer roles
+
+    _rewrite_header(store_copy / store.BUNDLES_FILE, add_role)
+    with pytest.raises(FormatError, match=match):
+        store.FlashStore(store_copy)
+
+
+def test_resident_file_is_opened_once(llama_store, monkeypatch):
+    import flashllm_ext.io.safetensors as safetensors_io
+
+    opened = []
+    real = safetensors_io.safe_open
+    monkeypatch.setattr(safetensors_io, "safe_open", lambda *a, **k: opened.append(a[0]) or real(*a, **k))
+    fs = store.FlashStore(llama_store)
+    names = fs.resident_names()
+    assert all(torch.equal(fs.resident_tensor(n), fs.resident()[n]) for n in names[:3])
+    assert [fs.layer_bias(layer, "down_bias") for layer in range(fs.n_layers)] == [None] * fs.n_layers
+    assert opened == [fs.resident_path]
+    fs.close()  # closes the handle; the next read opens it again
+    fs.resident_tensor(names[0])
+    assert opened == [fs.resident_path] * 2
+    with pytest.raises(ValueError, match="role"):
+        fs.layer_bias(0, "up")
+
+
+def test_resident_tensors_do_not_map_the_store(llama_store):
+    """Resident tensors own their memory, and so do the engine's resident weights: a view of a mapping of
+    resident.safetensors could be evicted by a memory cgroup and read again from storage on every use."""
+    import flashllm_ext
+
+    model = flashllm_ext.load_flash(llama_store, None, mode="exact")
+    fs = store.FlashStore(llama_store)
+    # Loaded, the engine unmaps the file: its pages would stay charged to a memory cgroup.
+    assert not mapped_ranges(fs.resident_path)
+    tensors = [fs.resident_tensor(n) for n in fs.resident_names()] + list(model.parameters())
+    mapped = mapped_ranges(fs.resident_path)
+    assert mapped  # the store's handle maps the file: the check below can fail
+    assert not [t for t in tensors if any(b <= t.data_ptr() < e for b, e in mapped)]
+    model.flash.close()
+    fs.close()
+
+
+@pytest.mark.parametrize("name", [store.BUNDLES_FILE, store.RESIDENT_FILE])
+def test_a_fifo_in_place_of_a_store_file_is_refused(store_copy, name):
+    (store_copy / name).unlink()
+    os.mkfifo(store_copy / name)
+    refuses_without_blocking(lambda: store.FlashStore(store_copy), store_copy / name)
+
+
+def test_a_fifo_in_place_of_a_layer_store_file_is_refused(layer_store, tmp_path):
+    copy = shutil.copytree(layer_store, tmp_path / "copy")
+    (copy / store.RESIDENT_FILE).unlink()
+    os.mkfifo(copy / store.RESIDENT_FILE)
+    refuses_without_blocking(lambda: LayerStore(copy), copy / store.RESIDENT_FILE)
+
+
+@pytest.mark.parametrize(
+    "ids",
+    [torch.tensor([0.7, 1.2]), [0.0, 1.0], torch.tensor([True, False])],
+    ids=["float_tensor", "float_list", "bool"],
+)
+def test_non_integer_neuron_ids_are_refused(llama_store, ids):
+    fs = store.FlashStore(llama_store)
+    with pytest.raises(ValueError, match="neuron ids must be integers"):
+        fs.check_ids(ids)
+    with pytest.raises(ValueError, match="neuron ids must be integers"):
+        fs.bundle(0, ids)
+
+
+@pytest.mark.parametrize(
+    "edit,match",
+    [
+        (lambda c: [c], r"config: must be a JSON object"),
+        (lambda c: {**c, "vocab_size": 10**11}, r"config\.vocab_size: 100000000000 is the row count of no resident"),
+        (lambda c: {**c, "vocab_size": 1e11}, r"config\.vocab_size: must be a positive integer"),
+        (lambda c: {**c, "hidden_size": "64"}, r"config\.hidden_size: must be a positive integer"),
+        (lambda c: {**c, "num_hidden_layers": 0}, r"config\.num_hidden_layers: must be a positive integer"),
+    ],
+    ids=["list", "vocab_10e11", "vocab_float", "hidden_str", "no_layers"],
+)
+@pytest.mark.parametrize("kind", ["flash", "layers"])
+def test_model_config_lies_raise_format_error(store_copy, layer_store, tmp_path, kind, edit, match):
+    # The model is built from the config: sizes the files do not back must fail here, not allocate there.
+    root, file, load = (
+        (store_copy, store.BUNDLES_FILE, store.FlashStore)
+        if kind == "flash"
+        else (shutil.copytree(layer_store, tmp_path / "layers"), LAYERS_FILE, LayerStore)
+    )
+
+    def rewrite(header):
+        header["__metadata__"]["config"] = json.dumps(edit(json.loads(header["__metadata__"]["config"])))
+
+    _rewrite_header(root / file, rewrite)
+    with pytest.raises(FormatError, match=match):
+        load(root)

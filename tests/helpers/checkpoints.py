@@ -1,0 +1,82 @@
+"""Checkpoint files as other tools write them: a GGUF laid out as llama.cpp writes Llama models."""
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+from transformers import LlamaForCausalLM
+
+_GGUF_BLOCK = {
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+}
+
+
+def _llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    # The rule of llama.cpp's convert_hf_to_gguf.py, written independently of the code under test.
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _gguf_name(hf: str) -> str:
+    if hf == "model.embed_tokens.weight":
+        return "token_embd.weight"
+    if hf == "model.norm.weight":
+        return "output_norm.weight"
+    parts = hf.split(".")
+    module = ".".join(parts[3:5]) if parts[3] in ("self_attn", "mlp") else parts[3]
+    return f"blk.{parts[2]}.{_GGUF_BLOCK[module]}.weight"
+
+
+def write_tiny_gguf(
+    path: Path,
+    model: LlamaForCausalLM,
+    qtype=gguf.GGMLQuantizationType.F32,
+    arch: str = "llama",
+    drop: tuple[str, ...] = (),
+    transpose: tuple[str, ...] = (),
+    **fields: int,
+) -> Path:
+    """A GGUF laid out as llama.cpp writes Llama models (Q/K rows permuted, 2-D weights quantized to qtype).
+    `fields` replace the model's values of the size fields (block_count=10**9: a header that lies)."""
+    cfg = model.config
+    writer = gguf.GGUFWriter(str(path), arch)
+    sizes = {
+        "block_count": cfg.num_hidden_layers,
+        "context_length": cfg.max_position_embeddings,
+        "embedding_length": cfg.hidden_size,
+        "feed_forward_length": cfg.intermediate_size,
+        "head_count": cfg.num_attention_heads,
+        "head_count_kv": cfg.num_key_value_heads,
+        **fields,
+    }
+    for key, value in sizes.items():
+        getattr(writer, f"add_{key}")(value)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    writer.add_vocab_size(cfg.vocab_size)
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" or name in drop:
+            continue
+        array = tensor.numpy()
+        if ".q_proj." in name:
+            array = _llama_cpp_permute(array, cfg.num_attention_heads)
+        elif ".k_proj." in name:
+            array = _llama_cpp_permute(array, cfg.num_key_value_heads)
+        if name in transpose:
+            array = np.ascontiguousarray(array.T)
+        if array.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(_gguf_name(name), gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(_gguf_name(name), array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

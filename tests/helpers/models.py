@@ -1,0 +1,50 @@
+"""Tiny random transformers models: Llama (GLU FFN, grouped-query attention) and OPT (ReLU FFN with biases)."""
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM
+
+# tiny_model's defaults; every other field is transformers' default. A Llama has no learned position table, so its
+# max_position_embeddings stays transformers' 2048 unless given; an OPT's is a table, kept small, and its word
+# embeddings are hidden_size wide unless given.
+LLAMA = dict(
+    hidden_size=64,
+    intermediate_size=160,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=128,
+)
+OPT = dict(
+    hidden_size=48,
+    ffn_dim=136,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    vocab_size=100,
+    max_position_embeddings=64,
+)
+# The Llama of the tiny_llama fixture (tests/conftest.py), which tests/io/test_checkpoint.py also writes as a GGUF.
+TINY_LLAMA = dict(
+    LLAMA,
+    intermediate_size=96,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+    tie_word_embeddings=True,
+)
+
+_FAMILIES = {"llama": (LlamaConfig, LlamaForCausalLM, LLAMA), "opt": (OPTConfig, OPTForCausalLM, OPT)}
+
+
+def tiny_model(family: str, seed: int | None = 0, **config) -> torch.nn.Module:
+    """A random causal LM of `family` ("llama" or "opt") in eval mode: the family's defaults above, any of them or
+    any other config field replaced by keyword. Its weights are drawn after torch.manual_seed(seed); seed=None draws
+    them from the random state as the caller left it (a second model after a first, from one seed)."""
+    if family not in _FAMILIES:
+        raise ValueError(f"unknown family {family!r}: one of {sorted(_FAMILIES)}")
+    config_class, model_class, defaults = _FAMILIES[family]
+    fields = {**defaults, **config}
+    if family == "opt":
+        fields.setdefault("word_embed_proj_dim", fields["hidden_size"])
+    if seed is not None:
+        torch.manual_seed(seed)
+    return model_class(config_class(**fields)).eval()
