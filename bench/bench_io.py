@@ -255,10 +255,10 @@ SYNTHESIZED_STORES = {
 
 def table2_store(spec: str, layers: int | None) -> tuple[store.FlashStore, int, str]:
     """(the store, the model's layer count, a description) for --store: "default" = the default model's fp16 store
-    (bench_e2e.default_store), "opt-6.7b" = a synthesized store with OPT-6.7B's FFN shapes (d=4096, 16384 neurons,
+    (e2e_common.default_store), "opt-6.7b" = a synthesized store with OPT-6.7B's FFN shapes (d=4096, 16384 neurons,
     fp16; `layers` of its 32), else a store directory."""
     if spec == "default":
-        from bench.bench_e2e import DEFAULT_MODEL, default_store
+        from bench.e2e_common import DEFAULT_MODEL, default_store
 
         fs = store.FlashStore(default_store(resolve_cache_dir() / "e2e", train_predictors=False))
         return fs, fs.n_layers, f"{DEFAULT_MODEL} fp16 store"

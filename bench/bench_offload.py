@@ -36,8 +36,9 @@ from pathlib import Path
 
 import torch
 
-from bench.bench_e2e import RESULTS, _decode, _load, prompt_ids
 from bench.common import arg_parser, device_name, emit, error_fields, median_rows, run_limited_child, stacked_token_bars
+from bench.e2e_common import RESULTS, prompt_ids
+from bench.e2e_decode import _decode, _load
 
 from flashllm_ext.errors import FormatError
 from flashllm_ext.io.paths import resolve_cache_dir

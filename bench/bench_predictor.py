@@ -326,7 +326,7 @@ def main() -> None:
         print(f"figure: {figure}", flush=True)
         return
 
-    from bench.bench_e2e import default_store
+    from bench.e2e_common import default_store
 
     from flashllm_ext.flash.stack import store_ffn_bytes
     from flashllm_ext.flash.store import FlashStore

@@ -152,7 +152,7 @@ def _make_modules(
             )
         elif per_layer is not None and per_layer < fixed + per_row:
             raise too_small(n_layers * (fixed + per_row))
-        # (a predictor may choose its sets ahead its own way: bench_e2e's replayed sets)
+        # (a predictor may choose its sets ahead its own way: bench_e2e_scale's replayed sets)
         ahead = getattr(predictors, "predict_ahead", None) if flash else None
         modules = [
             ffn_class(

@@ -1,5 +1,6 @@
-"""bench/bench_e2e.py cannot rot: a quick run on a tiny random Llama store, each mode in its own memory cgroup,
-gives rows with the issue's keys (or an error row that says why)."""
+"""The end-to-end benchmarks cannot rot: a quick run of bench/bench_e2e.py on a tiny random Llama store and one of
+bench/bench_e2e_scale.py on tiny checkpoints, each mode in its own memory cgroup, give rows with the keys every row
+carries (or an error row that says why)."""
 
 import json
 import os
@@ -16,6 +17,7 @@ from tests.helpers.models import tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = [sys.executable, "-m", "bench.bench_e2e"]  # run from ROOT, as a user does
+SCALE_BENCH = [sys.executable, "-m", "bench.bench_e2e_scale"]
 KEYS = {
     "bench",
     "model",
@@ -69,9 +71,9 @@ def test_quick_run_reports_every_mode_with_its_keys(tmp_path):
 
 @pytest.mark.slow
 def test_scale_run_on_tiny_checkpoints_at_the_shared_paths(tmp_path):
-    """--scale end to end (checkpoint -> store -> FFN-stack and whole-model rows in cgroups) on tiny checkpoints put
-    where the shared 7B ones live, in a private cache; naive only (each row is a child process; the flash rows
-    need the default model's trained predictors)."""
+    """bench_e2e_scale end to end (checkpoint -> store -> FFN-stack and whole-model rows in cgroups) on tiny
+    checkpoints put where the shared 7B ones live, in a private cache; naive only (each row is a child process; the
+    flash rows need the default model's trained predictors)."""
     from bench.synth_checkpoint import SHARED_DIRS, SMOKE_OVERRIDES, synthesize_checkpoint
     from flashllm_ext.flash.stack import store_ffn_bytes
     from flashllm_ext.flash.store import FlashStore
@@ -82,8 +84,7 @@ def test_scale_run_on_tiny_checkpoints_at_the_shared_paths(tmp_path):
         )
     out = subprocess.run(
         [
-            *BENCH,
-            "--scale",
+            *SCALE_BENCH,
             "--json",
             "--no-plot",
             "--modes",
@@ -133,7 +134,7 @@ def test_scale_rows_pay_for_a_predictor_of_the_large_shapes(tmp_path, monkeypatc
     from flashllm_ext.predictor import QuantPredictor, load_predictors, save_predictors
     from flashllm_ext.flash.store import FlashStore
 
-    from bench.bench_e2e import ReplayedSets, scale_cost_predictor
+    from bench.e2e_replay import ReplayedSets, scale_cost_predictor
 
     small = tiny_model(
         "llama", hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_key_value_heads=4, vocab_size=64
@@ -165,7 +166,7 @@ def test_scale_rows_pay_for_a_predictor_of_the_large_shapes(tmp_path, monkeypatc
 
 
 def test_scale_configs_expand_the_quant_family_at_point_a_only(monkeypatch):
-    from bench.bench_e2e import SCALE_CONFIGS, scale_configs
+    from bench.bench_e2e_scale import SCALE_CONFIGS, scale_configs
 
     flash = [
         (point, method) for mode, point, method in scale_configs(["quant", "quant:4/2", "lowrank"]) if mode == "flash"
@@ -178,7 +179,7 @@ def test_scale_configs_expand_the_quant_family_at_point_a_only(monkeypatch):
 def test_prompt_of_a_synthesized_checkpoint_without_the_default_model(monkeypatch):
     # A machine with no network (the GPU image) cannot fetch the default model's tokenizer: a synthesized
     # checkpoint's benchmark decodes from seeded random ids and says so; every other caller still fails loudly.
-    from bench import bench_e2e
+    from bench import e2e_common
 
     import flashllm_ext.hub
 
@@ -186,17 +187,17 @@ def test_prompt_of_a_synthesized_checkpoint_without_the_default_model(monkeypatc
         raise RuntimeError("could not fetch the default model: no network")
 
     monkeypatch.setattr(flashllm_ext.hub, "fetch_default", offline)
-    ids, note = bench_e2e.prompt_ids(6, 50, synthesized=True)
-    assert ids == bench_e2e.prompt_ids(6, 50, synthesized=True)[0] and len(ids) == 6 and max(ids) < 50
+    ids, note = e2e_common.prompt_ids(6, 50, synthesized=True)
+    assert ids == e2e_common.prompt_ids(6, 50, synthesized=True)[0] and len(ids) == 6 and max(ids) < 50
     assert "seeded random token ids" in note and "no network" in note
     with pytest.raises(RuntimeError, match="could not fetch the default model"):
-        bench_e2e.prompt_ids(6, 50)
+        e2e_common.prompt_ids(6, 50)
 
 
 def test_decode_warms_up_untimed_and_counts_the_timed_tokens():
     """_decode(warmup=k): k decode tokens before the stats reset and the timing, then n timed ones; every token is
     generated greedily, as model.generate would."""
-    from bench.bench_e2e import _decode
+    from bench.e2e_decode import _decode
 
     model = tiny_model(
         "llama",

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "bench"
 # Their smoke runs are the steps of `.ci/gpu-checks --dry-run` (tests/bench/test_gpu_checks.py), with the arguments a
 # GPU run gives them: running them here again would only add minutes.
-IN_GPU_CHECKS = {"bench_e2e", "bench_endor", "bench_ffn", "bench_offload"}
+IN_GPU_CHECKS = {"bench_e2e_scale", "bench_endor", "bench_ffn", "bench_offload"}
 MODULES = sorted(p.stem for p in BENCH.glob("bench_*.py"))
 
 
