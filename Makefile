@@ -60,6 +60,7 @@ lint: deps
 # when a report aborts the process.
 SANITIZE := -fsanitize=address,undefined -fno-omit-frame-pointer
 sanitize: build
+	rm -rf build-asan/lib  # setup.py build copies modules in but never removes one: a moved module would linger
 	CFLAGS="-g $(SANITIZE)" LDFLAGS="$(SANITIZE)" $(PYTHON) setup.py -q build --build-base build-asan \
 		--build-lib build-asan/lib
 	LD_PRELOAD="$$($${CXX:-c++} -print-file-name=libasan.so) $$($${CXX:-c++} -print-file-name=libstdc++.so)" \
