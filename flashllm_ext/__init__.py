@@ -11,11 +11,13 @@ from flashllm_ext import endor, ops  # ops: registers the schemas with their ref
 from flashllm_ext.errors import FormatError
 from flashllm_ext.ops.native import native_available
 from flashllm_ext.flash.engine import load_flash, patch_flash, patch_model
+from flashllm_ext.decoder import load_decoder
 from flashllm_ext.offload import load_offload, patch_offload
 
 __all__ = [
     "FormatError",
     "endor",
+    "load_decoder",
     "load_flash",
     "load_offload",
     "native_available",

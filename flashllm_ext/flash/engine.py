@@ -84,21 +84,9 @@ def _install(
     lookahead: str | None = None,
     cache_layout: str = "auto",
 ) -> FlashRuntime:
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if mode == "dense":
         raise ValueError("dense mode keeps the model's own FFNs: nothing to install")
-    if lookahead is not None and lookahead not in LOOKAHEAD_MODES:
-        raise ValueError(f"lookahead must be None or one of {LOOKAHEAD_MODES}, got {lookahead!r}")
-    if lookahead and mode not in ("flash", "exact"):
-        raise ValueError(f"lookahead needs a neuron cache (flash or exact mode), not {mode} mode")
-    if lookahead and cache_layout == "shared":
-        raise ValueError(
-            "lookahead needs per-layer caches (a prefetched set must stay in its layer's rows), not "
-            "cache_layout='shared'"
-        )
-    if lookahead:
-        cache_layout = "per-layer"
+    cache_layout = check_lookahead(mode, lookahead, cache_layout)
     slots = ffn_slots(model)
     _check_model_matches(model, store, slots)
     runtime = ffn_stack(
@@ -124,6 +112,23 @@ def _install(
             )
     runtime.install_on(model)
     return runtime
+
+
+def check_lookahead(mode: str, lookahead: str | None, cache_layout: str) -> str:
+    """ValueError for a mode or a look-ahead the engine does not run, or a look-ahead without per-layer caches;
+    returns the cache layout to build ("per-layer" whenever look-ahead is on)."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if lookahead is not None and lookahead not in LOOKAHEAD_MODES:
+        raise ValueError(f"lookahead must be None or one of {LOOKAHEAD_MODES}, got {lookahead!r}")
+    if lookahead and mode not in ("flash", "exact"):
+        raise ValueError(f"lookahead needs a neuron cache (flash or exact mode), not {mode} mode")
+    if lookahead and cache_layout == "shared":
+        raise ValueError(
+            "lookahead needs per-layer caches (a prefetched set must stay in its layer's rows), not "
+            "cache_layout='shared'"
+        )
+    return "per-layer" if lookahead else cache_layout
 
 
 def _look_ahead(ffn: FlashFFN, norm: nn.Module, _layer: nn.Module, args: tuple, kwargs: dict) -> None:

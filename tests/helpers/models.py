@@ -1,7 +1,19 @@
-"""Tiny random transformers models: Llama (GLU FFN, grouped-query attention) and OPT (ReLU FFN with biases)."""
+"""Tiny random transformers models: Llama and its relatives (GLU FFN, grouped-query attention) and OPT (ReLU FFN
+with biases)."""
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    OPTConfig,
+    OPTForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 # tiny_model's defaults; every other field is transformers' default. A Llama has no learned position table, so its
 # max_position_embeddings stays transformers' 2048 unless given; an OPT's is a table, kept small, and its word
@@ -32,11 +44,19 @@ TINY_LLAMA = dict(
     tie_word_embeddings=True,
 )
 
-_FAMILIES = {"llama": (LlamaConfig, LlamaForCausalLM, LLAMA), "opt": (OPTConfig, OPTForCausalLM, OPT)}
+# The Llama relatives share its defaults: Qwen2 adds q/k/v biases, Qwen3 per-head q/k norms, Mistral a sliding
+# window (off unless sliding_window is given).
+_FAMILIES = {
+    "llama": (LlamaConfig, LlamaForCausalLM, LLAMA),
+    "opt": (OPTConfig, OPTForCausalLM, OPT),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, LLAMA),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM, dict(LLAMA, head_dim=16)),
+    "mistral": (MistralConfig, MistralForCausalLM, dict(LLAMA, sliding_window=None)),
+}
 
 
 def tiny_model(family: str, seed: int | None = 0, **config) -> torch.nn.Module:
-    """A random causal LM of `family` ("llama" or "opt") in eval mode: the family's defaults above, any of them or
+    """A random causal LM of `family` (a key of _FAMILIES) in eval mode: the family's defaults above, any of them or
     any other config field replaced by keyword. Its weights are drawn after torch.manual_seed(seed); seed=None draws
     them from the random state as the caller left it (a second model after a first, from one seed)."""
     if family not in _FAMILIES:

@@ -1,0 +1,157 @@
+"""The pieces every lean decoder family is built from: linears on the store's half-precision weights, rotary tables,
+attention over the static KV cache, the dense FFN, and resident-weight lookup by name.
+
+Activations are float32 throughout (the residual stream, norms, softmax); weights stay in the store's dtype and
+are read by flashllm::half_linear (float32 accumulation) on the CPU, so a token reads each weight byte once.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from flashllm_ext import ops
+from flashllm_ext.flash.reader import FlashReader
+from flashllm_ext.flash.store import BIAS_ROLES, FlashStore
+
+# FFN activations by config name (hidden_act / activation_function), exact forms only as in ops.ACTIVATIONS.
+ACTIVATION_FNS = {name: spec.fn for spec in ops.ACTIVATIONS.values() for name in spec.config_names}
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, in] float32, weight [out, in] (any float dtype), bias [out] | None -> float32 [T, out]."""
+    if x.device.type == "cpu":
+        return ops.half_linear(x, weight, bias=bias)
+    return F.linear(x.to(weight.dtype), weight, bias).float()
+
+
+class Rotary:
+    """RoPE in Llama's half-split form (each head's first half paired with its second), cos / sin float32
+    [max_positions, 1, head_dim] computed once from the inverse frequencies."""
+
+    def __init__(self, inverse_frequencies: torch.Tensor, max_positions: int, device: str | torch.device = "cpu"):
+        angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inverse_frequencies)
+        angles = torch.cat((angles, angles), dim=-1)[:, None, :]
+        self.cos, self.sin = angles.cos().to(device), angles.sin().to(device)
+        self.half = inverse_frequencies.numel()
+
+    def __call__(self, x: torch.Tensor, start: int) -> torch.Tensor:
+        """x [T, H, head_dim] of positions start .. start + T - 1 -> rotated, float32."""
+        end = start + x.shape[0]
+        rotated = torch.cat((-x[..., self.half :], x[..., : self.half]), dim=-1)
+        return x * self.cos[start:end] + rotated * self.sin[start:end]
+
+
+def attend(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, window: int | None, scale: float
+) -> torch.Tensor:
+    """Causal attention of T new queries at positions start .. start + T - 1 over every key so far.
+
+    q [T, Hq, D] float32; keys, values [start + T, 1, Hkv, D] (the KV cache's views); window: a query at p sees keys
+    (p - window, p] only. Returns float32 [T, Hq * D]. One token: flashllm::decode_attention on the cache's own
+    layout; several (a prompt): scaled_dot_product_attention under the causal (and window) mask."""
+    n_tokens, n_heads, head_dim = q.shape
+    if n_tokens == 1:
+        if window is not None:
+            keys, values = keys[-window:], values[-window:]
+        out, _ = ops.decode_attention(q.to(keys.dtype), keys, values, scale=scale)
+        return out.view(1, n_heads * head_dim)
+    positions = torch.arange(start, start + n_tokens, device=q.device)[:, None]
+    key_positions = torch.arange(keys.shape[0], device=q.device)[None, :]
+    mask = key_positions <= positions
+    if window is not None:
+        mask &= key_positions > positions - window
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None],
+        keys[:, 0].transpose(0, 1)[None].float(),
+        values[:, 0].transpose(0, 1)[None].float(),
+        attn_mask=mask,
+        scale=scale,
+        enable_gqa=True,
+    )
+    return out[0].transpose(0, 1).reshape(n_tokens, n_heads * head_dim)
+
+
+class DenseFFN:
+    """One FFN layer held whole in DRAM: act(gate x) * (up x) then down (GLU), or act(up x + b) then down (OPT).
+    The GLU's gate and up rows are one matrix, so a token reads them in one half_linear call."""
+
+    def __init__(self, store: FlashStore, layer: int, bundles: torch.Tensor):
+        d, self.glu = store.hidden_size, store.glu
+        self.activation = ACTIVATION_FNS[store.config.get("hidden_act") or store.config["activation_function"]]
+        up = bundles[:, :d]
+        self.w_in = torch.cat((bundles[:, d : 2 * d], up)) if self.glu else up.contiguous()
+        self.w_out = bundles[:, -d:].t().contiguous()  # [d, n]: the down projection's rows
+        biases = [store.layer_bias(layer, role) for role in ("gate_bias", "up_bias", "down_bias")]
+        self.b_in = None
+        if biases[1] is not None:
+            self.b_in = torch.cat(biases[:2]) if self.glu else biases[1]
+            self.b_in = self.b_in.to(bundles.dtype)
+        self.b_out = None if biases[2] is None else biases[2].to(bundles.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in (self.w_in, self.w_out, self.b_in, self.b_out) if t is not None)
+
+    def to(self, device: torch.device) -> DenseFFN:
+        for name in ("w_in", "w_out", "b_in", "b_out"):
+            t = getattr(self, name)
+            setattr(self, name, None if t is None else t.to(device))
+        return self
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        h = linear(x, self.w_in, self.b_in)
+        if self.glu:
+            gate, up = h.chunk(2, dim=-1)
+            h = self.activation(gate) * up
+        else:
+            h = self.activation(h)
+        return linear(h, self.w_out, self.b_out)
+
+
+def dense_ffns(store: FlashStore, dtype: torch.dtype) -> list[DenseFFN]:
+    """Every FFN layer of the store, read whole (one layer's bundles at a time) into DenseFFN layers."""
+    ffns = []
+    with FlashReader(store) as reader:
+        for layer in range(store.n_layers):
+            bundles = reader.read(layer, torch.arange(store.n_neurons)).data.to(dtype)
+            ffns.append(DenseFFN(store, layer, bundles))
+    return ffns
+
+
+class ResidentWeights:
+    """The store's resident tensors by Hugging Face name (with or without the leading "model."), cast to `dtype`
+    (norms: float32), each taken once: `left()` names what no family claimed, a model the decoder misreads."""
+
+    def __init__(self, store: FlashStore, dtype: torch.dtype):
+        self.store, self.dtype = store, dtype
+        # The FFN biases are resident tensors too, but the FFN modules read them (FlashStore.layer_bias).
+        ffn_biases = {roles[role] for roles in store.ffn_roles for role in BIAS_ROLES if role in roles}
+        self.names = {
+            name.removeprefix("model."): name
+            for name in store.resident_names()
+            if not name.startswith("predictor.") and name not in ffn_biases
+        }
+
+    def get(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor | None:
+        full = self.names.pop(name.removeprefix("model."), None)
+        if full is None:
+            return None
+        return self.store.resident_tensor(full).to(dtype or self.dtype, copy=True)
+
+    def require(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        t = self.get(name, dtype)
+        if t is None:
+            raise ValueError(f"{self.store.path}: the store has no resident tensor {name!r}")
+        return t
+
+    def left(self) -> list[str]:
+        return sorted(self.names.values())
+
+
+def move_tensors(obj: object, device: torch.device) -> None:
+    """Every tensor attribute of obj moved to device (tied tensors stay tied: each storage moves once)."""
+    moved: dict[int, torch.Tensor] = {}
+    for name, value in vars(obj).items():
+        if isinstance(value, torch.Tensor):
+            setattr(obj, name, moved.setdefault(id(value), value.to(device)))

@@ -1,0 +1,102 @@
+"""The Llama family on the lean decoder: Llama 2/3, Mistral, Qwen2, Qwen3 and SmolLM (RMSNorm, RoPE, grouped-query
+attention; Qwen2's q/k/v biases, Qwen3's per-head q/k norms, Mistral's and Qwen's sliding windows).
+
+A layer: x += o(attention(rope(q), rope(k), v)) of rms_norm(x), then x += ffn(rms_norm(x)), with q, k and v one
+fused matrix (one read of the three), exactly the arithmetic of transformers' LlamaDecoderLayer in float32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from flashllm_ext.decoder.config import DecoderConfig, rope_inverse_frequencies
+from flashllm_ext.decoder.kv_cache import StaticKVCache
+from flashllm_ext.decoder.layers import ResidentWeights, Rotary, attend, linear, move_tensors
+
+FFN = Callable[[torch.Tensor], torch.Tensor]
+
+
+class LlamaLayer:
+    """One decoder layer's resident weights (attention and norms) and its forward."""
+
+    def __init__(self, config: DecoderConfig, weights: ResidentWeights, index: int):
+        attn = f"layers.{index}.self_attn."
+        q, k, v = (weights.require(f"{attn}{name}_proj.weight") for name in "qkv")
+        self.qkv = torch.cat((q, k, v))
+        del q, k, v
+        self.qkv_bias = (
+            torch.cat([weights.require(f"{attn}{name}_proj.bias") for name in "qkv"]) if config.qkv_bias else None
+        )
+        self.o = weights.require(f"{attn}o_proj.weight")
+        self.o_bias = weights.require(f"{attn}o_proj.bias") if config.o_bias else None
+        self.attention_norm = weights.require(f"layers.{index}.input_layernorm.weight", torch.float32)
+        self.ffn_norm = weights.require(f"layers.{index}.post_attention_layernorm.weight", torch.float32)
+        self.q_norm = self.k_norm = None
+        if config.qk_norm:
+            self.q_norm = weights.require(f"{attn}q_norm.weight", torch.float32)
+            self.k_norm = weights.require(f"{attn}k_norm.weight", torch.float32)
+        self.index, self.window, self.eps = index, config.windows[index], config.norm_eps
+        self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
+        self.scale = config.head_dim**-0.5
+
+    def tensors(self) -> list[torch.Tensor | None]:
+        return [self.qkv, self.qkv_bias, self.o, self.o_bias, self.attention_norm, self.ffn_norm]
+
+    def ffn_input(self, x: torch.Tensor) -> torch.Tensor:
+        """What this layer's FFN would see if the attention added nothing (a look-ahead predictor's input)."""
+        return F.rms_norm(x, self.ffn_norm.shape, self.ffn_norm, self.eps)
+
+    def __call__(self, x: torch.Tensor, ffn: FFN, cache: StaticKVCache, rotary: Rotary) -> torch.Tensor:
+        """x [T, d] float32 (the tokens after the cache's `length`) -> the layer's output [T, d]."""
+        n_tokens, start = x.shape[0], cache.length
+        h = F.rms_norm(x, self.attention_norm.shape, self.attention_norm, self.eps)
+        qkv = linear(h, self.qkv, self.qkv_bias)
+        q_end, k_end = self.n_heads * self.head_dim, (self.n_heads + self.n_kv_heads) * self.head_dim
+        q = qkv[:, :q_end].view(n_tokens, self.n_heads, self.head_dim)
+        k = qkv[:, q_end:k_end].view(n_tokens, self.n_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = F.rms_norm(q, self.q_norm.shape, self.q_norm, self.eps)
+            k = F.rms_norm(k, self.k_norm.shape, self.k_norm, self.eps)
+        keys, values = cache.write(
+            self.index, rotary(k, start), qkv[:, k_end:].view(n_tokens, self.n_kv_heads, self.head_dim)
+        )
+        out = attend(rotary(q, start), keys, values, start, self.window, self.scale)
+        x = x + linear(out, self.o, self.o_bias)
+        return x + ffn(self.ffn_input(x))
+
+
+class LlamaModel:
+    """Embedding, layers, final norm and LM head of a Llama-family model, from the store's resident tensors."""
+
+    def __init__(self, config: DecoderConfig, weights: ResidentWeights, max_len: int):
+        self.embedding = weights.require("embed_tokens.weight")
+        self.layers = [LlamaLayer(config, weights, i) for i in range(config.n_layers)]
+        self.norm = weights.require("norm.weight", torch.float32)
+        head = weights.get("lm_head.weight")
+        if head is None and not config.tie_embeddings:
+            raise ValueError(f"{weights.store.path}: no lm_head.weight and the config does not tie it to the embedding")
+        self.head = self.embedding if head is None else head
+        self.rotary = Rotary(rope_inverse_frequencies(config), max_len)
+        self.eps = config.norm_eps
+
+    def tensors(self) -> list[torch.Tensor | None]:
+        own = [self.embedding, self.norm, self.head, self.rotary.cos, self.rotary.sin]
+        return own + [t for layer in self.layers for t in layer.tensors()]
+
+    def to(self, device: torch.device) -> LlamaModel:
+        move_tensors(self, device)
+        for layer in self.layers:
+            move_tensors(layer, device)
+        move_tensors(self.rotary, device)
+        return self
+
+    def embed(self, ids: torch.Tensor, start: int) -> torch.Tensor:
+        """ids [T] at positions start.. -> float32 [T, d]."""
+        return self.embedding[ids].float()
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, d] -> float32 [T, vocab]."""
+        return linear(F.rms_norm(x, self.norm.shape, self.norm, self.eps), self.head)

@@ -1,0 +1,200 @@
+"""LeanDecoder: a causal LM read straight from a flash store and run without transformers, its FFNs served by any
+engine mode (flashllm_ext/flash/engine.py's modes, the same FFN modules and budget rule).
+
+    decoder = flashllm_ext.load_decoder(store_dir, dram_budget="50%", mode="flash")
+    logits = decoder.forward(prompt_ids)          # [vocab] of the last token; the KV cache advances
+    decoder.stats(); decoder.reset(); decoder.close()
+
+A token costs its bytes and FLOPs: per layer one fused q/k/v matrix product, RoPE, one write into the static KV
+cache, flashllm::decode_attention over the cache in place, the output projection and the FFN; no module dispatch,
+hooks or dynamic cache. The budget charges what the decoder holds (resident weights, RoPE tables, the KV cache for
+max_len tokens) before the FFN state, as load_flash charges its model's tensors.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from flashllm_ext.decoder.config import DecoderConfig
+from flashllm_ext.decoder.kv_cache import StaticKVCache
+from flashllm_ext.decoder.layers import ResidentWeights, dense_ffns
+from flashllm_ext.decoder.llama import LlamaModel
+from flashllm_ext.decoder.opt import OPTModel
+from flashllm_ext.flash.engine import check_lookahead, predictors_for_mode
+from flashllm_ext.flash.stack import FlashRuntime, ffn_stack, store_ffn_bytes
+from flashllm_ext.flash.store import BIAS_ROLES, FlashStore
+from flashllm_ext.runtime import cuda_device, parse_budget, tensor_bytes
+
+FAMILY_MODELS = {"llama": LlamaModel, "opt": OPTModel}
+FFN = Callable[[torch.Tensor], torch.Tensor]
+
+
+class LeanDecoder:
+    """A decoder-only LM on the store's weights (see the module doc). Built by `load_decoder`.
+
+    model: the family's resident part (embed, layers, logits); ffns: one callable per layer, x [T, d] -> [T, d];
+    cache: the static KV cache of one sequence; runtime: the flash stack (None in dense mode)."""
+
+    def __init__(
+        self,
+        store: FlashStore,
+        config: DecoderConfig,
+        model: LlamaModel | OPTModel,
+        ffns: Sequence[FFN],
+        cache: StaticKVCache,
+        mode: str,
+        runtime: FlashRuntime | None,
+        lookahead: bool = False,
+    ):
+        self.store, self.config, self.model, self.ffns = store, config, model, list(ffns)
+        self.cache, self.mode, self.runtime, self.lookahead = cache, mode, runtime, lookahead
+        self.tokens, self.seconds = 0, 0.0  # forwarded so far, and the wall time they took
+
+    @property
+    def length(self) -> int:
+        """Tokens in the KV cache: the position of the next token."""
+        return self.cache.length
+
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor | Sequence[int], all_logits: bool = False) -> torch.Tensor:
+        """Run tokens ids [T] after the `length` already cached; returns float32 logits [vocab] of the last token,
+        or [T, vocab] with all_logits. ValueError when the cache has no room for them."""
+        ids = torch.as_tensor(ids, dtype=torch.int64).flatten()
+        if ids.numel() == 0:
+            raise ValueError("forward needs at least one token id")
+        if int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size:
+            raise ValueError(f"token ids must lie in [0, {self.config.vocab_size}), got {ids.min()}..{ids.max()}")
+        self.cache.check_room(ids.numel())
+        start = time.perf_counter()
+        x = self.model.embed(ids.to(self.model.embedding.device), self.cache.length)
+        ahead = self.lookahead and ids.numel() == 1
+        for layer, ffn in zip(self.model.layers, self.ffns):
+            if ahead:
+                ffn.prefetch(layer.ffn_input(x))
+            x = layer(x, ffn, self.cache, self.model.rotary)
+        logits = self.model.logits(x if all_logits else x[-1:])
+        self.cache.length += ids.numel()
+        self.seconds += time.perf_counter() - start
+        self.tokens += ids.numel()
+        return logits if all_logits else logits[0]
+
+    def prefill(self, ids: torch.Tensor | Sequence[int], chunk: int = 256) -> torch.Tensor:
+        """Run a prompt in chunks of at most `chunk` tokens (bounded activation memory); logits [vocab] of its
+        last token."""
+        ids = torch.as_tensor(ids, dtype=torch.int64).flatten()
+        self.cache.check_room(ids.numel())
+        for part in ids.split(chunk):
+            logits = self.forward(part)
+        return logits
+
+    def reset(self) -> None:
+        """Forget the sequence: the next forward starts at position 0."""
+        self.cache.reset()
+
+    @property
+    def accounted_bytes(self) -> int:
+        """DRAM the decoder holds: resident weights, RoPE tables, KV cache, and the FFN state (or dense FFNs)."""
+        own = tensor_bytes(self.model.tensors()) + self.cache.nbytes
+        if self.runtime is not None:
+            return own + self.runtime.predictor_bytes + self.runtime.ffn_bytes
+        return own + sum(ffn.nbytes for ffn in self.ffns)
+
+    def stats(self) -> dict:
+        """Per token: wall ms, and in flash modes the FFN costs of FlashRuntime.stats() with `other_ms` the rest
+        (attention, resident linears, norms, Python); plus the KV cache's and the accounted bytes."""
+        per = 1e3 / max(self.tokens, 1)
+        out = {"mode": self.mode, "family": self.config.model_type, "tokens": self.tokens}
+        out["ms_per_token"] = self.seconds * per
+        if self.runtime is not None:
+            out.update({k: v for k, v in self.runtime.stats().items() if k not in out})
+            ffn = sum(out[k] for k in ("io_ms", "mem_ms", "predictor_ms", "compute_ms"))
+            out["other_ms"] = out["ms_per_token"] - ffn
+        out["kv_bytes"] = self.cache.nbytes
+        out["accounted_bytes"] = self.accounted_bytes
+        return out
+
+    def close(self) -> None:
+        """Release the reader and its threads (flash modes)."""
+        if self.runtime is not None:
+            self.runtime.close()
+        self.store.close()
+
+
+def _ffn_bias_bytes(store: FlashStore) -> int:
+    biases = (store.layer_bias(layer, role) for layer in range(store.n_layers) for role in BIAS_ROLES)
+    return sum(b.nbytes for b in biases if b is not None)
+
+
+def load_decoder(
+    store_dir: str | os.PathLike,
+    dram_budget: int | float | str | None = "50%",
+    *,
+    mode: str = "flash",
+    max_len: int = 2048,
+    window: int = 5,
+    predictors=None,
+    dtype: torch.dtype | None = None,
+    kv_dtype: torch.dtype = torch.float16,
+    threads: int = 32,
+    device: str | torch.device = "cpu",
+    reader_options: dict | None = None,
+    lookahead: str | None = None,
+    cache_layout: str = "auto",
+) -> LeanDecoder:
+    """A LeanDecoder over a flash store: its resident weights in `dtype` (default the store's), its FFNs served by
+    `mode` within `dram_budget` (bytes, "50%" of the model's weights, "200MB"; None: no limit; dense mode: every
+    FFN weight in DRAM, no budget). max_len: the KV cache's tokens (kv_dtype), charged to the budget. Every other
+    argument as in load_flash. ValueError for a model family the decoder does not run, naming it."""
+    device = cuda_device(device)
+    store = FlashStore(store_dir)
+    try:
+        config = DecoderConfig.from_config(store.config, store.path)
+        cache_layout = check_lookahead(mode, lookahead, cache_layout)
+        dtype = dtype or store.dtype
+        predictors = predictors_for_mode(store, predictors, mode)
+        weights = ResidentWeights(store, dtype)
+        model = FAMILY_MODELS[config.family](config, weights, max_len)
+        if weights.left():
+            raise ValueError(
+                f"{store.path}: resident tensors the {config.model_type} decoder has no place for: {weights.left()[:4]}"
+            )
+        store.close_resident()
+        model.to(device)
+        cache = StaticKVCache(config.n_layers, max_len, config.n_kv_heads, config.head_dim, kv_dtype, device)
+        runtime = None
+        if mode == "dense":
+            ffns = [ffn.to(device) for ffn in dense_ffns(store, dtype)]
+        else:
+            weight_bytes = tensor_bytes(model.tensors()) - model_table_bytes(model)
+            budget = (
+                None
+                if dram_budget is None
+                else parse_budget(dram_budget, weight_bytes + _ffn_bias_bytes(store) + store_ffn_bytes(store))
+            )
+            runtime = ffn_stack(
+                store,
+                mode,
+                budget,
+                window=window,
+                predictors=predictors,
+                threads=threads,
+                resident_bytes=tensor_bytes(model.tensors()) + cache.nbytes,
+                device=device,
+                reader_options=reader_options,
+                lookahead=lookahead or "ahead",
+                cache_layout=cache_layout,
+            )
+            ffns = runtime.modules
+    except BaseException:
+        store.close()
+        raise
+    return LeanDecoder(store, config, model, ffns, cache, mode, runtime, lookahead=lookahead is not None)
+
+
+def model_table_bytes(model: LlamaModel | OPTModel) -> int:
+    """The RoPE tables' bytes: held by the decoder, not weights of the model (no part of a percentage budget)."""
+    return 0 if model.rotary is None else model.rotary.cos.nbytes + model.rotary.sin.nbytes

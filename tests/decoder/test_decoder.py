@@ -1,0 +1,202 @@
+"""The lean decoder (flashllm_ext.decoder) against transformers' own outputs: every family it runs (tiny random
+configs, and the real default model), every engine mode, prompts longer than one chunk, the KV cache charged to the
+budget, and clear refusals (an unknown family, a full cache, ids outside the vocabulary)."""
+
+import pytest
+import torch
+
+import flashllm_ext
+from flashllm_ext.decoder import DecoderConfig, StaticKVCache, load_decoder
+from flashllm_ext.decoder.model import model_table_bytes
+from flashllm_ext.flash.convert import convert
+from flashllm_ext.predictor import LowRankPredictor, PredictorSet, calibrate_thresholds
+from tests.helpers.models import tiny_model
+
+N_NEW = 32
+# family -> the tiny model's config changes: sliding windows short enough that 7 + 32 tokens pass them, OPT-350m's
+# post-norm layers and narrower word embedding.
+CASES = {
+    "llama": dict(num_hidden_layers=3),
+    "qwen2": dict(seed=1),
+    "qwen3": dict(seed=2),
+    "mistral": dict(sliding_window=8, seed=3),
+    "qwen2-window": dict(family="qwen2", use_sliding_window=True, sliding_window=6, max_window_layers=1, seed=4),
+    "opt": dict(seed=1, max_position_embeddings=256, dropout=0.0),
+    "opt-post-norm": dict(
+        family="opt", seed=5, max_position_embeddings=256, do_layer_norm_before=False, word_embed_proj_dim=32
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """case -> (transformers model, fp32 store path)."""
+    root = tmp_path_factory.mktemp("decoder")
+    out = {}
+    for name, config in CASES.items():
+        config = dict(config)
+        family = config.pop("family", name)
+        model = tiny_model(family, **config)
+        model.save_pretrained(root / name)
+        out[name] = (model, convert(root / name, root / f"{name}-fp32", dtype="fp32", progress=False))
+    return out
+
+
+def _prompt(n: int = 7, vocab: int = 90) -> torch.Tensor:
+    return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(2))
+
+
+@torch.no_grad()
+def _transformers_greedy(model, prompt: torch.Tensor, n: int = N_NEW) -> list[int]:
+    out = model.generate(prompt[None], max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    return out[0, prompt.numel() :].tolist()
+
+
+def _greedy(decoder, prompt: torch.Tensor, n: int = N_NEW, chunk: int = 256) -> list[int]:
+    logits, tokens = decoder.prefill(prompt, chunk=chunk), []
+    for _ in range(n):
+        tokens.append(int(logits.argmax()))
+        logits = decoder.forward([tokens[-1]])
+    return tokens
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("mode", ["dense", "exact"])
+def test_greedy_tokens_and_logits_equal_transformers(models, case, mode):
+    model, path = models[case]
+    prompt = _prompt()
+    decoder = load_decoder(path, None, mode=mode, max_len=64, kv_dtype=torch.float32)
+    with torch.no_grad():
+        want_logits = model(prompt[None]).logits[0]
+    torch.testing.assert_close(decoder.forward(prompt, all_logits=True), want_logits, rtol=1e-4, atol=1e-4)
+    decoder.reset()
+    assert _greedy(decoder, prompt) == _transformers_greedy(model, prompt)
+    assert decoder.length == prompt.numel() + N_NEW
+    decoder.close()
+
+
+@pytest.mark.parametrize("case", ["llama", "mistral", "opt"])
+def test_a_prompt_longer_than_one_chunk(models, case):
+    model, path = models[case]
+    prompt = _prompt(19)
+    decoder = load_decoder(path, None, mode="dense", max_len=64, kv_dtype=torch.float32)
+    assert _greedy(decoder, prompt, chunk=4) == _transformers_greedy(model, prompt)
+
+
+@pytest.mark.parametrize("case", ["llama", "opt"])
+@pytest.mark.parametrize("mode", ["naive", "hybrid"])
+def test_streaming_modes_equal_transformers(models, case, mode):
+    model, path = models[case]
+    prompt = _prompt()
+    decoder = load_decoder(path, "100%", mode=mode, max_len=40, kv_dtype=torch.float32)
+    assert _greedy(decoder, prompt) == _transformers_greedy(model, prompt)
+    stats = decoder.stats()
+    assert stats["mode"] == mode and stats["tokens"] == prompt.numel() + N_NEW
+    assert stats["bytes_read"] > 0 and stats["accounted_bytes"] <= stats["budget_bytes"]
+    assert stats["ms_per_token"] > 0 and stats["other_ms"] > 0
+
+
+def test_flash_mode_computes_what_load_flash_computes(models):
+    """The same store, predictors and budget: the lean decoder's FFNs are the engine's, so its tokens are those of
+    the transformers model load_flash builds."""
+    model, path = models["llama"]
+    ids = torch.randint(0, 90, (64,), generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    thresholds = calibrate_thresholds(model, ids, 0.5, window=32, progress=False)
+    c = model.config
+    predictors = PredictorSet(
+        [LowRankPredictor(c.hidden_size, c.intermediate_size, 8) for _ in range(c.num_hidden_layers)], thresholds
+    )
+    prompt = _prompt()
+    hf = flashllm_ext.load_flash(path, "90%", mode="flash", predictors=predictors)
+    with torch.no_grad():
+        want = hf.generate(prompt[None], max_new_tokens=N_NEW, min_new_tokens=N_NEW, do_sample=False)
+    decoder = load_decoder(path, "90%", mode="flash", predictors=predictors, max_len=64, kv_dtype=torch.float32)
+    assert _greedy(decoder, prompt) == want[0, prompt.numel() :].tolist()
+    assert decoder.stats()["hit_rate"] > 0
+
+
+def test_lookahead_prefetch_keeps_the_results(models):
+    model, path = models["llama"]
+    prompt = _prompt()
+    decoder = load_decoder(path, None, mode="exact", lookahead="prefetch", max_len=64, kv_dtype=torch.float32)
+    assert _greedy(decoder, prompt) == _transformers_greedy(model, prompt)
+
+
+def test_the_kv_cache_is_charged_to_the_budget(models):
+    _, path = models["llama"]
+    small = load_decoder(path, "85%", mode="naive", max_len=16)
+    large = load_decoder(path, "85%", mode="naive", max_len=64)
+    kv = StaticKVCache.bytes_for(3, 64 - 16, 2, 16, torch.float16)
+    assert large.stats()["kv_bytes"] - small.stats()["kv_bytes"] == kv
+    tables = model_table_bytes(large.model) - model_table_bytes(small.model)  # RoPE tables sized by max_len too
+    assert large.runtime.resident_bytes - small.runtime.resident_bytes == kv + tables
+    assert large.stats()["accounted_bytes"] <= large.stats()["budget_bytes"]
+    with pytest.raises(ValueError, match="minimum"):  # a cache that leaves no room for one bundle per layer
+        load_decoder(path, "85%", mode="naive", max_len=100_000)
+
+
+def test_a_family_the_decoder_does_not_run_is_refused_by_name():
+    with pytest.raises(ValueError, match="'gemma2'"):
+        DecoderConfig.from_config({"model_type": "gemma2", "hidden_size": 8}, "store")
+    llama = {
+        "model_type": "llama",
+        "hidden_size": 8,
+        "num_attention_heads": 2,
+        "num_hidden_layers": 1,
+        "vocab_size": 10,
+        "rope_scaling": {"rope_type": "yarn", "factor": 4.0},
+    }
+    with pytest.raises(ValueError, match="'yarn'"):
+        DecoderConfig.from_config(llama, "store")
+
+
+def test_a_full_cache_and_bad_ids_are_refused(models):
+    _, path = models["llama"]
+    decoder = load_decoder(path, None, mode="dense", max_len=8)
+    decoder.forward(list(range(8)))
+    with pytest.raises(ValueError, match="no room for 1 more"):
+        decoder.forward([1])
+    decoder.reset()
+    with pytest.raises(ValueError, match=r"token ids must lie in \[0, 128\)"):
+        decoder.forward([128])
+    with pytest.raises(ValueError, match="at least one"):
+        decoder.forward([])
+
+
+def test_llama3_rope_scaling_matches_transformers(tmp_path):
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16,
+    }
+    model = tiny_model("llama", rope_scaling=scaling, seed=6)
+    model.save_pretrained(tmp_path / "hf")
+    decoder = load_decoder(
+        convert(tmp_path / "hf", tmp_path / "store", dtype="fp32", progress=False),
+        None,
+        mode="dense",
+        max_len=64,
+        kv_dtype=torch.float32,
+    )
+    prompt = _prompt(30)
+    with torch.no_grad():
+        want = model(prompt[None]).logits[0]
+    torch.testing.assert_close(decoder.forward(prompt, all_logits=True), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def default_store(default_model, tmp_path_factory):
+    gguf, _, _ = default_model
+    return convert(gguf, tmp_path_factory.mktemp("default") / "store", dtype="fp16", progress=False)
+
+
+def test_the_default_model_decodes_the_tokens_of_transformers(default_store):
+    """The real default model from its fp16 store, with the decoder's defaults (an fp16 KV cache): the same 32
+    greedy tokens as transformers running the store's weights in float32."""
+    reference = flashllm_ext.load_flash(default_store, mode="dense", dtype=torch.float32)
+    prompt = torch.tensor([1, 504, 3458, 282, 4649, 314, 1345, 28, 253, 1052, 1156])
+    decoder = load_decoder(default_store, mode="dense")
+    assert _greedy(decoder, prompt) == _transformers_greedy(reference, prompt)
