@@ -3,7 +3,8 @@
   flashllm convert CHECKPOINT OUT_DIR [--dtype fp16|bf16|fp32] [--endor] [--force]
   flashllm calibrate-disk [--dir DIR] [--size-mib N]
   flashllm train-predictors CHECKPOINT [--store DIR] [--method M] [--density D] [--rank R] ...
-  flashllm run STORE_DIR --tokenizer PATH [--prompt TEXT] [--mode flash] [--budget 50%] [--tokens N] [--sample]
+  flashllm run STORE_DIR --tokenizer PATH [--prompt TEXT] [--chat] [--mode flash] [--budget 50%] [--tokens N]
+               [--temperature T --top-k K --top-p P --repeat-penalty R --seed S] [--stop TEXT] [--hf]
                [--device cpu|cuda]
   flashllm offload STORE_DIR --convert CHECKPOINT [--endor] | --tokenizer PATH [--mode endor] [--budget 30%]
                    [--device cuda --device-budget 20%] ...
@@ -335,7 +336,64 @@ def _generate(args: argparse.Namespace, model, stats) -> int:
     return 0
 
 
+def _sampling(args: argparse.Namespace):
+    from flashllm_ext.decoder.generate import Sampling
+
+    temperature = args.temperature if args.temperature is not None else (1.0 if args.sample else 0.0)
+    return Sampling(temperature, args.top_k, args.top_p, args.repeat_penalty, args.seed)
+
+
 def _run(args: argparse.Namespace) -> int:
+    if args.hf:
+        return _run_transformers(args)
+    import time
+
+    from flashllm_ext.decoder import load_decoder
+    from flashllm_ext.decoder.generate import TextStream, generate
+    from flashllm_ext.flash.store import FlashStore
+    from flashllm_ext.hub.tokenizer import load_tokenizer
+
+    sampling = _sampling(args)
+    _check_tokenizer(args)
+    tokenizer = load_tokenizer(args.tokenizer)
+    with FlashStore(args.store) as store:
+        vocab = int(store.config["vocab_size"])
+    if len(tokenizer) > vocab:
+        raise ValueError(
+            f"--tokenizer {args.tokenizer} has {len(tokenizer)} tokens, the model {vocab} embeddings: "
+            "the tokenizer of another model?"
+        )
+    text = tokenizer.chat([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
+    prompt = tokenizer.encode(text, add_special_tokens=not args.chat)  # a chat template writes its own
+    decoder = load_decoder(
+        args.store,
+        None if args.mode == "dense" else args.budget,
+        mode=args.mode,
+        window=args.window,
+        device=args.device,
+        lookahead=args.lookahead,
+        max_len=len(prompt) + args.tokens,
+    )
+    stream = TextStream(tokenizer.decode, args.stop)
+
+    def show(token: int) -> bool:
+        piece, stop = stream.push(token)
+        print(piece, end="", flush=True)
+        return stop
+
+    if not args.chat:
+        print(args.prompt, end="", flush=True)
+    start = time.perf_counter()
+    new = generate(decoder, prompt, args.tokens, sampling=sampling, stop_ids=tokenizer.eos_ids, on_token=show)
+    seconds = time.perf_counter() - start
+    print(f"\n\n{len(new)} tokens in {seconds:.2f} s ({args.mode} on {args.device}, prompt {len(prompt)} tokens)")
+    stats = decoder.stats()
+    print(", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in stats.items()))
+    decoder.close()
+    return 0
+
+
+def _run_transformers(args: argparse.Namespace) -> int:
     from flashllm_ext.flash.engine import load_flash
     from flashllm_ext.runtime import cuda_device
 
@@ -435,7 +493,19 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
         "FFN before its attention and read it during the attention; ahead: compute that set (faster, "
         "predicted from an earlier input); prefetch: compute the FFN's own set as without look-ahead",
     )
-    run.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
+    run.add_argument("--sample", action="store_true", help="sample (temperature 1 unless --temperature is given)")
+    run.add_argument("--temperature", type=float, help="sampling temperature (default 0: greedy)")
+    run.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0: all)")
+    run.add_argument("--top-p", type=float, default=1.0, help="sample among the likeliest tokens of this mass")
+    run.add_argument("--repeat-penalty", type=float, default=1.0, help="> 1: tokens already seen less likely")
+    run.add_argument("--seed", type=int, help="seed of the sampler (default: a fresh one each run)")
+    run.add_argument("--stop", action="append", default=[], help="stop before this text (repeatable)")
+    run.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    run.add_argument(
+        "--hf",
+        action="store_true",
+        help="run through transformers (load_flash) instead of the lean decoder: the reference path",
+    )
     run.add_argument(
         "--device",
         choices=("cpu", "cuda"),
