@@ -53,6 +53,8 @@ class LeanDecoder:
         self.store, self.config, self.model, self.ffns = store, config, model, list(ffns)
         self.cache, self.mode, self.runtime, self.lookahead = cache, mode, runtime, lookahead
         self.tokens, self.seconds = 0, 0.0  # forwarded so far, and the wall time they took
+        # What a percentage budget is a share of: resident weights, FFN biases and every FFN bundle.
+        self.model_bytes = model_weight_bytes(model) + _ffn_bias_bytes(store) + store_ffn_bytes(store)
 
     @property
     def length(self) -> int:
@@ -94,6 +96,12 @@ class LeanDecoder:
     def reset(self) -> None:
         """Forget the sequence: the next forward starts at position 0."""
         self.cache.reset()
+
+    def reset_stats(self) -> None:
+        """Start stats() afresh (after a prompt, say, so that they cover the decode tokens only)."""
+        self.tokens, self.seconds = 0, 0.0
+        if self.runtime is not None:
+            self.runtime.counters.reset()
 
     @property
     def accounted_bytes(self) -> int:
@@ -169,12 +177,8 @@ def load_decoder(
         if mode == "dense":
             ffns = [ffn.to(device) for ffn in dense_ffns(store, dtype)]
         else:
-            weight_bytes = tensor_bytes(model.tensors()) - model_table_bytes(model)
-            budget = (
-                None
-                if dram_budget is None
-                else parse_budget(dram_budget, weight_bytes + _ffn_bias_bytes(store) + store_ffn_bytes(store))
-            )
+            total = model_weight_bytes(model) + _ffn_bias_bytes(store) + store_ffn_bytes(store)
+            budget = None if dram_budget is None else parse_budget(dram_budget, total)
             runtime = ffn_stack(
                 store,
                 mode,
@@ -198,3 +202,8 @@ def load_decoder(
 def model_table_bytes(model: LlamaModel | OPTModel) -> int:
     """The RoPE tables' bytes: held by the decoder, not weights of the model (no part of a percentage budget)."""
     return 0 if model.rotary is None else model.rotary.cos.nbytes + model.rotary.sin.nbytes
+
+
+def model_weight_bytes(model: LlamaModel | OPTModel) -> int:
+    """The resident weights' bytes (tied ones once), without the RoPE tables."""
+    return tensor_bytes(model.tensors()) - model_table_bytes(model)

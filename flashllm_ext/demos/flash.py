@@ -3,7 +3,8 @@
 Steps (each cached in the cache dir after the first run): convert SmolLM2-135M-Instruct (GGUF) into an fp16 flash
 store; build the default neuron predictors (flashllm_ext.predictor.DEFAULT_RECIPE) into the store, again whenever
 the store's were built by another recipe; then generate the same greedy continuation of one prompt in each engine mode
-of --modes (dense, naive, hybrid and flash by default), each mode in its own process inside a memory cgroup of that
+of --modes (dense, naive, hybrid and flash by default) on the lean decoder (flashllm_ext.decoder), each mode in its own
+process inside a memory cgroup of that
 process's baseline + the DRAM budget (page cache counted, dropped first: flashllm_ext/harness/cgroup.py; dense, the reference,
 has no limit). Prints the text, the decode time per token with its I/O / memory-management / predictor / compute
 breakdown, bytes and reads per token, the cache hit rate, the cgroup's limit and peak, and how many tokens equal
@@ -25,7 +26,7 @@ import torch
 
 from flashllm_ext.flash.convert import convert
 from flashllm_ext.harness.cgroup import run_limited_child
-from flashllm_ext.flash.engine import load_flash, model_bytes
+from flashllm_ext.decoder import LeanDecoder, load_decoder
 from flashllm_ext.runtime import parse_budget
 from flashllm_ext.errors import FormatError
 from flashllm_ext.hub import corpus_token_ids, fetch_default, load_hf_model, resolve_cache_dir, spread_windows
@@ -71,21 +72,17 @@ def prepare_store(gguf: Path, cache_dir: Path) -> Path:
     return store_dir
 
 
-@torch.inference_mode()
-def greedy_decode(model: torch.nn.Module, prompt: torch.Tensor, n_tokens: int) -> tuple[torch.Tensor, float]:
-    """(generated ids [n_tokens], decode seconds per token). The engine's stats are reset after the prompt, so
-    model.flash.stats() then covers the decode tokens only."""
-    out = model(prompt, use_cache=True)
-    past, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
-    if getattr(model, "flash", None) is not None:
-        model.flash.counters.reset()
+def greedy_decode(decoder: LeanDecoder, prompt: list[int], n_tokens: int) -> tuple[list[int], float]:
+    """(n_tokens generated ids, decode seconds per token). The decoder's stats are reset after the prompt, so
+    decoder.stats() then covers the decode tokens only."""
+    token = int(decoder.prefill(prompt).argmax())
+    decoder.reset_stats()
     generated = [token]
     start = time.perf_counter()
     for _ in range(n_tokens - 1):
-        out = model(token, past_key_values=past, use_cache=True)
-        past, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        token = int(decoder.forward([token]).argmax())
         generated.append(token)
-    return torch.cat(generated, dim=1)[0], (time.perf_counter() - start) / max(1, n_tokens - 1)
+    return generated, (time.perf_counter() - start) / max(1, n_tokens - 1)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -105,19 +102,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def run_mode(config: dict) -> dict:
     """One mode in this process (a child): load from the store, decode, and the row the parent prints."""
-    if config["mode"] == "probe":  # what every child holds before loading: the imports and the model's modules
-        from flashllm_ext.hub.hf import empty_model
-
-        store = FlashStore(config["store"])
-        empty_model(store.config, store.dtype, store.path)
+    if config["mode"] == "probe":  # what every child holds before loading: its imports
         return {}
-    model = load_flash(
-        config["store"], dram_budget=config["budget_bytes"], mode=config["mode"], window=config["window"]
+    decoder = load_decoder(
+        config["store"],
+        config["budget_bytes"],
+        mode=config["mode"],
+        window=config["window"],
+        max_len=len(config["prompt"]) + config["tokens"],
     )
-    ids, seconds = greedy_decode(model, torch.tensor([config["prompt"]]), config["tokens"])
-    row = {"ids": ids.tolist(), "ms/token": seconds * 1e3}
-    if model.flash is not None:
-        s = model.flash.stats()
+    ids, seconds = greedy_decode(decoder, config["prompt"], config["tokens"])
+    row = {"ids": ids, "ms/token": seconds * 1e3}
+    if decoder.runtime is not None:
+        s = decoder.stats()
         row.update(
             {
                 "io ms": s["io_ms"],
@@ -131,7 +128,7 @@ def run_mode(config: dict) -> dict:
                 "accounted MB": s["accounted_bytes"] / 1e6,
             }
         )
-        model.flash.close()
+    decoder.close()
     return row
 
 
@@ -152,9 +149,9 @@ def main(argv: Sequence[str] | None = None) -> None:
             0, prompt.shape[1] :
         ]
     del reference
-    sizing = load_flash(store_dir, None, mode="naive")  # "50%" is of what load_flash counts (engine.model_bytes)
-    total = model_bytes(sizing, sizing.flash.store)
-    sizing.flash.close()
+    sizing = load_decoder(store_dir, None, mode="naive", max_len=1)  # "50%" is of what the decoder counts
+    total = sizing.model_bytes
+    sizing.close()
     del sizing
     base = {"store": str(store_dir), "prompt": prompt[0].tolist(), "tokens": args.tokens, "window": args.window}
 

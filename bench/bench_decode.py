@@ -1,0 +1,289 @@
+"""Decode and prefill speed with every weight in memory: the lean decoder (flashllm_ext.decoder) against the
+transformers path (load_flash, the same fp16 store) and llama.cpp (llama-cpp-python built from source, mmap, the same
+weights as an F16 GGUF), at each thread count, each system in a fresh process, interleaved over --rounds rounds.
+
+Rows (bench:"decode", one per system, threads and round; bench:"decode_median" the medians):
+  ms_per_token    the median greedy decode token after a --prompt-tokens prompt (--tokens of them)
+  prefill_tok_s   a --prefill-tokens prompt's tokens per second (chunks of 256 on the lean decoder)
+  baseline_mb     the process's resident memory after its imports, before any weight (what `flashllm run` imports
+                  for the lean decoder; torch alone: torch_mb)
+  rss_mb          after loading the weights
+  vs_llama_cpp    ms_per_token / llama.cpp's at the same threads (medians of the same run)
+  agree           greedy tokens equal to the lean decoder's of the same round (fp16 weights: a late flip is rounding)
+The lean decoder's flash modes (--modes naive,hybrid,flash at --budget, no memory limit: this measures the non-I/O
+cost) add their per-token breakdown: nonio_ms = ms_per_token - io_ms, the target's numerator.
+
+    python -m bench.bench_decode [--json] [--threads 1,2] [--rounds 3] [--tokens 32] [--prefill-tokens 512]
+                                 [--modes dense,naive,hybrid,flash] [--no-llama-cpp] [--smoke]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from bench.common import arg_parser, emit, error_fields, median_rows
+from bench.e2e_common import child_argv, default_store, prompt_ids
+
+MODULE = "bench.bench_decode"
+COLUMNS = [
+    "system",
+    "mode",
+    "threads",
+    "ms_per_token",
+    "vs_llama_cpp",
+    "nonio_ms",
+    "prefill_tok_s",
+    "baseline_mb",
+    "rss_mb",
+    "agree",
+    "error",
+]
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+
+
+def _decode_times(step, first: int, n: int) -> tuple[list[int], list[float]]:
+    """n greedy tokens from `first`; step(token) -> the next token. (ids, seconds per token)."""
+    ids, times, token = [first], [], first
+    for _ in range(n - 1):
+        start = time.perf_counter()
+        token = step(token)
+        times.append(time.perf_counter() - start)
+        ids.append(token)
+    return ids, times
+
+
+def run_lean(config: dict) -> dict:
+    import torch
+
+    import flashllm_ext.decoder  # noqa: F401  (what `flashllm run` imports before its model)
+    import flashllm_ext.hub.tokenizer  # noqa: F401
+
+    baseline = _rss_mb()
+    from flashllm_ext.decoder import load_decoder
+
+    torch.set_num_threads(config["threads"])
+    mode = config["mode"]
+    prompt, prefill = config["prompt"], config["prefill"]
+    decoder = load_decoder(
+        config["store"],
+        None if mode == "dense" else config["budget"],
+        mode=mode,
+        max_len=max(len(prefill), len(prompt) + config["tokens"]) + 1,
+    )
+    row = {"baseline_mb": baseline, "rss_mb": _rss_mb()}
+    start = time.perf_counter()
+    decoder.prefill(prefill)
+    row["prefill_tok_s"] = len(prefill) / (time.perf_counter() - start)
+    decoder.reset()
+    first = int(decoder.prefill(prompt).argmax())
+    if decoder.runtime is not None:
+        decoder.runtime.counters.reset()
+    ids, times = _decode_times(lambda t: int(decoder.forward([t]).argmax()), first, config["tokens"])
+    row.update(ids=ids, ms_per_token=statistics.median(times) * 1e3)
+    if decoder.runtime is not None:
+        s = decoder.runtime.stats()
+        row.update({k: s[k] for k in ("io_ms", "mem_ms", "predictor_ms", "compute_ms", "bytes_per_token")})
+        row["nonio_ms"] = row["ms_per_token"] - s["io_ms"]
+    decoder.close()
+    return row
+
+
+def run_transformers(config: dict) -> dict:
+    import torch
+
+    import flashllm_ext  # noqa: F401
+    import transformers  # noqa: F401
+
+    baseline = _rss_mb()
+    from flashllm_ext.flash.engine import load_flash
+
+    torch.set_num_threads(config["threads"])
+    model = load_flash(config["store"], mode="dense")
+    row = {"baseline_mb": baseline, "rss_mb": _rss_mb()}
+    with torch.inference_mode():
+        start = time.perf_counter()
+        model(torch.tensor([config["prefill"]]))
+        row["prefill_tok_s"] = len(config["prefill"]) / (time.perf_counter() - start)
+        out = model(torch.tensor([config["prompt"]]), use_cache=True)
+        past = out.past_key_values
+
+        def step(token: int) -> int:
+            nonlocal past
+            result = model(torch.tensor([[token]]), past_key_values=past, use_cache=True)
+            past = result.past_key_values
+            return int(result.logits[0, -1].argmax())
+
+        ids, times = _decode_times(step, int(out.logits[0, -1].argmax()), config["tokens"])
+    row.update(ids=ids, ms_per_token=statistics.median(times) * 1e3)
+    return row
+
+
+def run_child(config: dict) -> dict:
+    try:
+        return (run_lean if config["system"] == "lean" else run_transformers)(config)
+    except Exception as e:  # a row that says what failed, so the other systems' rows still print
+        return error_fields(e)
+
+
+def _run_llama_cpp(config: dict, gguf: Path) -> dict:
+    from flashllm_ext.harness.llama_cpp import run_llama_cpp
+
+    r = run_llama_cpp(gguf, config["prefill"], 1, config["threads"], n_ctx=len(config["prefill"]) + 8)
+    prefill_tok_s = r.get("prefill_tok_s")
+    r = run_llama_cpp(gguf, config["prompt"], config["tokens"], config["threads"])
+    return {
+        "ms_per_token": r.get("decode_ms_median", r.get("ms_per_token")),
+        "prefill_tok_s": prefill_tok_s,
+        "baseline_mb": r.get("rss_baseline_mb"),
+        "rss_mb": r.get("rss_loaded_mb"),
+        "ids": r.get("tokens", r.get("ids")),
+        **({"error": r["error"]} if r.get("error") else {}),
+    }
+
+
+def _child(config: dict) -> dict:
+    import subprocess
+
+    done = subprocess.run(child_argv(MODULE, config), capture_output=True, text=True, timeout=1800)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode or not lines:
+        return {"error": f"child exited {done.returncode}: {done.stderr.strip()[-300:]}"}
+    return json.loads(lines[-1])
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = arg_parser(__doc__.splitlines()[0])
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--threads", default="1,2")
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--prompt-tokens", type=int, default=16)
+    parser.add_argument("--prefill-tokens", type=int, default=512)
+    parser.add_argument("--modes", default="dense", help="the lean decoder's modes (dense also runs transformers)")
+    parser.add_argument("--budget", default="50%", help="the flash modes' DRAM budget (no cgroup: non-I/O cost)")
+    parser.add_argument("--store", type=Path, help="a flash store (default: the default model's fp16 store)")
+    parser.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp (it builds once, minutes)")
+    parser.set_defaults(rounds=3)
+    args = parser.parse_args(argv)
+    if args.child:
+        print(json.dumps(run_child(json.loads(args.child))), flush=True)
+        return
+    from flashllm_ext.io.paths import resolve_cache_dir
+
+    store, gguf, notes = args.store, None, []
+    if args.smoke:
+        store = _smoke_store(resolve_cache_dir() / "bench-decode-smoke")
+        args.rounds, args.tokens, args.prompt_tokens, args.prefill_tokens = 1, 3, 4, 8
+        args.threads = args.threads.split(",")[0]
+        notes.append("smoke: a tiny random store; llama.cpp skipped (it needs its own build)")
+    elif store is None:
+        store = default_store(resolve_cache_dir() / "e2e", train_predictors="flash" in args.modes)
+    from flashllm_ext.flash.store import FlashStore
+
+    with FlashStore(store) as s:
+        vocab = int(s.config["vocab_size"])
+    prompt, note = prompt_ids(args.prompt_tokens, vocab, synthesized=args.smoke)
+    prefill, _ = prompt_ids(args.prefill_tokens, vocab, synthesized=args.smoke)
+    if note:
+        notes.append(note)
+    if not (args.smoke or args.no_llama_cpp or args.store):
+        from flashllm_ext.harness.llama_cpp import ensure_env, write_f16_gguf
+        from flashllm_ext.hub import fetch_default
+
+        ensure_env()
+        source = fetch_default()
+        gguf = write_f16_gguf(source, resolve_cache_dir() / "e2e" / f"{source.stem}.F16.gguf")
+    systems = [("lean", m) for m in args.modes.split(",")] + (
+        [("transformers", "dense")] if "dense" in args.modes else []
+    )
+    systems += [("llama.cpp", "dense")] if gguf is not None else []
+    rows = []
+    for round_ in range(args.rounds):
+        for threads in [int(t) for t in args.threads.split(",")]:
+            lean_ids = None
+            for system, mode in systems:
+                config = {
+                    "system": system,
+                    "mode": mode,
+                    "threads": threads,
+                    "store": str(store),
+                    "prompt": prompt,
+                    "prefill": prefill,
+                    "tokens": args.tokens,
+                    "budget": args.budget,
+                }
+                row = _run_llama_cpp(config, gguf) if system == "llama.cpp" else _child(config)
+                ids = row.pop("ids", None)
+                if system == "lean" and mode == "dense":
+                    lean_ids = ids
+                elif ids is not None and lean_ids is not None and mode == "dense":
+                    row["agree"] = sum(a == b for a, b in zip(ids, lean_ids)) / len(lean_ids)
+                row = {
+                    "bench": "decode",
+                    "system": system,
+                    "mode": mode,
+                    "threads": threads,
+                    "round": round_,
+                    "tokens": args.tokens,
+                    "store": Path(store).name,
+                    **row,
+                }
+                rows.append(row)
+                if args.json:  # as soon as measured: a late failure keeps what ran
+                    emit([row], True)
+                else:
+                    print(
+                        f"round {round_}: {system} {mode} {threads} threads: {row.get('ms_per_token')} ms/token "
+                        f"{row.get('error', '')}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+    medians = median_rows(rows, ("system", "mode", "threads"), "decode_median")
+    for row in medians:
+        peer = next((r for r in medians if r["system"] == "llama.cpp" and r["threads"] == row["threads"]), None)
+        if peer and peer.get("ms_per_token") and row.get("ms_per_token"):
+            row["vs_llama_cpp"] = row["ms_per_token"] / peer["ms_per_token"]
+        row.pop("round", None)
+        if notes:
+            row["note"] = "; ".join(notes)
+    emit(medians, args.json, COLUMNS)
+
+
+def _smoke_store(path: Path) -> Path:
+    """A tiny random Llama's fp16 store (built once): seconds, no download."""
+    from flashllm_ext.errors import FormatError
+    from flashllm_ext.flash.convert import convert
+    from flashllm_ext.flash.store import FlashStore
+
+    try:
+        FlashStore(path).close()
+        return path
+    except (OSError, FormatError):  # none yet, or an older format's
+        pass
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+    )
+    hf = path.with_name(path.name + "-hf")
+    LlamaForCausalLM(config).save_pretrained(hf)
+    return convert(hf, path, dtype="fp16", force=True, progress=False)
+
+
+if __name__ == "__main__":
+    main()
