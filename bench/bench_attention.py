@@ -6,7 +6,7 @@ the KV store), in one process, interleaved round-robin (flashllm_ext.harness.tim
   disk       FlashReader (O_DIRECT, page cache bypassed) reading a file of the same size, in 1 MiB sequential reads
              by --io-threads threads, as a worker reads its KV block: bytes read per second
   reference  the pure-torch reference kernel (flashllm_ext.ops.decode_attention_reference) on the same block
-ratio = kernel GB/s / disk GB/s (the issue's target: >= 0.8; attention must never be a worker's bottleneck), and the
+ratio = kernel GB/s / disk GB/s (the target: >= 0.8; attention must never be a worker's bottleneck), and the
 speedup of the native kernel over the reference. A last row times merge_attention_states against its reference.
 Kernels run with --threads OpenMP threads (one worker's share of the cores).
 

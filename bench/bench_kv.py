@@ -117,7 +117,7 @@ def make_backend(config: str, workers: int, args, root: Path):
 
 def unpaced(backend, link: Link | None) -> None:
     """Attaches `link` to the backend's storage side (None: detaches it): the prompt's bulk write is not timed, so
-    it is not paced either (at the issue's sizes it would cost minutes of wall time per run)."""
+    it is not paced either (at the default sizes it would cost minutes of wall time per run)."""
     storage = getattr(backend, "storage", backend)
     storage.link = link
 

@@ -308,7 +308,7 @@ def measure_baseline(base: dict, timeout_s: float = 600) -> int | None:
 
 
 def ratios(medians: list[dict]) -> dict:
-    """The issue's targets from the medians: endor vs accelerate and vs dense per token, bytes endor / dense."""
+    """The targets from the medians: endor vs accelerate and vs dense per token, bytes endor / dense."""
     by = {r["mode"]: r for r in medians}
     out = {"bench": "offload_ratios"}
     for name, (a, b, key) in {
@@ -400,7 +400,7 @@ def main(argv: list[str] | None = None) -> None:
     resident, layers = resident_and_layer_bytes(stores["dense"])
     total = resident + layers
     budget = parse_budget(args.budget, total)
-    # endor runs on dense's placement (the issue's "same placement"): with smaller staging buffers the budget may
+    # endor runs on dense's placement (the same placement): with smaller staging buffers the budget may
     # hold one more dense layer, which would credit Endor with more than its reads.
     cuda = args.device == "cuda"
     device_budget = parse_budget(args.device_budget, total, "device_budget") if cuda else None

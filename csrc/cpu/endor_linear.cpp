@@ -113,8 +113,8 @@ FLASHLLM_AVX2 void row_dots_avx2(const T* v, const uint8_t* bm, int64_t n_cols, 
 // ---------------------------------------------------------------------------------------------- AVX-512
 // How far ahead of the values being expanded the AVX-512 loops prefetch (one line per 64 columns, ~64 bytes of fp16
 // values at 50% density), values and bitmap alike: the loop body from a DRAM-resident 16384 x 4096 fp16 weight ran
-// 1.5-1.6x faster with 2-4 KiB of lookahead than on the hardware prefetcher alone (AMD Zen 4, BENCHMARKS.md, issue 11
-// fourth pass).
+// 1.5-1.6x faster with 2-4 KiB of lookahead than on the hardware prefetcher alone (AMD Zen 4, BENCHMARKS.md,
+// Endor section).
 constexpr int64_t kPrefetchBytes = 2048;
 
 template <class T>
@@ -188,7 +188,7 @@ FLASHLLM_AVX512_VBMI2 inline __m512i expand32_vbmi2(const T* v, uint32_t m, int 
 // `values`), both 32-value loads are whole loads, which the expand masks; otherwise (and always without kWholeLoads)
 // each load reads exactly its half's values. Whole loads pay only in the BF16 step, which widens nothing: there the
 // masked loads' mask arithmetic was ~15% of a step (L2-resident, Zen 4). In the widening VBMI2 step they gained
-// nothing (tenth session) and measured 0-7% slower in a noisy A/B (thirteenth).
+// nothing and measured 0-7% slower in a noisy A/B.
 struct Expanded64 {
   __m512i lo, hi;
 };

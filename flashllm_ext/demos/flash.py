@@ -87,7 +87,7 @@ def greedy_decode(decoder: LeanDecoder, prompt: list[int], n_tokens: int) -> tup
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    # 50%: half the weight bytes, the paper's setting and the issue's. On this 135M model the resident tensors take
+    # 50%: half the weight bytes, the paper's setting. On this 135M model the resident tensors take
     # 41% and the predictors 9%, so ~1 MB is left for the FFNs: one cache shared by the layers reads each token's
     # set of ~690 neurons in parts with no hits. 85% is the least budget whose per-layer caches hold a token's set
     # (BENCHMARKS.md, "Default model: budgets and the shared cache").

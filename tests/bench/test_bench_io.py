@@ -1,4 +1,4 @@
-"""bench/bench_io.py Table 2 on a tiny synthesized store with given sets: every configuration of issue 9 item 8 is
+"""bench/bench_io.py Table 2 on a tiny synthesized store with given sets: every configuration of the table is
 a row, each reads its own file copy, the order rotates per token, and the counts are the ones the sets imply."""
 
 import argparse

@@ -1,5 +1,5 @@
 """bench/bench_offload.py cannot rot: a quick run on a tiny pruned OPT checkpoint, each mode (accelerate included) in
-its own memory cgroup, gives rows with the issue's keys, the ratio row and the figure."""
+its own memory cgroup, gives rows with the documented keys, the ratio row and the figure."""
 
 import json
 import os

@@ -1,4 +1,4 @@
-"""Endor on the flash path (issue 11 items 1 and 4): an Endor store's neuron rows read through FlashReader (coalesced,
+"""Endor on the flash path: an Endor store's neuron rows read through FlashReader (coalesced,
 decompressed into `out`), NeuronCache / FlashFFN / the engine over it, its format errors, the streaming convert, and
 how a read reaches a CUDA destination (select_read_path; kvikio's staging logic with a stand-in CuFile)."""
 

@@ -1,4 +1,4 @@
-"""Predictor methods behind one interface (flashllm_ext.predictor.base, issue 10): save/load through a store,
+"""Predictor methods behind one interface (flashllm_ext.predictor.base): save/load through a store,
 determinism, shapes checked, the oracle equal to the true sets, selection by a target loaded density, and
 FlashFFN serving every method by the one rule; GPTQ rounding of quant's codes and per-layer density allocation."""
 
@@ -288,7 +288,7 @@ def test_default_model_target_density_within_002_on_held_out_text(default_model)
     assert max(errors) <= 0.04, errors
 
 
-# GPTQ rounding of quant's codes and per-layer density allocation (issue 10, fifth pass).
+# GPTQ rounding of quant's codes and per-layer density allocation.
 
 
 def test_gptq_rounding_lowers_the_pre_activation_error_in_the_same_format():
