@@ -1,0 +1,108 @@
+"""llama.cpp (`llama-cpp-python`, weights memory-mapped) as a measured peer of the engine (docs/design.md §8).
+
+`ensure_env()` builds llama-cpp-python from source once into a cached virtual environment of its own (it must not
+meet torch or this package). `python -m flashllm_ext.harness.llama_cpp --build` (`make llama-cpp`) builds it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from flashllm_ext.io.paths import resolve_cache_dir
+
+LLAMA_CPP_VERSION = "0.3.36"
+# A CPU build for this machine's ISA. mtmd (multimodal, "llava") is imported lazily by llama-cpp-python and never
+# by the worker: leaving it out halves the build.
+CMAKE_ARGS = "-DGGML_NATIVE=ON -DLLAVA_BUILD=OFF"
+ENV_VARIABLE = "FLASHLLM_LLAMA_CPP_ENV"
+_STAMP = "flashllm-build.json"
+_BUILD_LOG = "build.log"
+_NINJA_STEP = re.compile(r"^\s*\[(\d+)/(\d+)\]")
+
+
+def env_dir() -> Path:
+    """The virtual environment's folder: $FLASHLLM_LLAMA_CPP_ENV, else <cache>/llama-cpp/venv."""
+    override = os.environ.get(ENV_VARIABLE)
+    return Path(override) if override else resolve_cache_dir() / "llama-cpp" / "venv"
+
+
+def env_python(env: Path | None = None) -> Path:
+    return (env or env_dir()) / "bin" / "python"
+
+
+def _wanted_stamp(cmake_args: str) -> dict:
+    return {"llama_cpp_python": LLAMA_CPP_VERSION, "cmake_args": cmake_args}
+
+
+def env_ready(env: Path | None = None, cmake_args: str = CMAKE_ARGS) -> bool:
+    """Whether `env` holds a finished build of LLAMA_CPP_VERSION with `cmake_args`."""
+    env = env or env_dir()
+    try:
+        stamp = json.loads((env / _STAMP).read_text())
+    except (OSError, ValueError):
+        return False
+    return stamp == _wanted_stamp(cmake_args) and env_python(env).is_file()
+
+
+def ensure_env(env: Path | None = None, *, cmake_args: str = CMAKE_ARGS) -> Path:
+    """The folder of a virtual environment holding llama-cpp-python LLAMA_CPP_VERSION built from source with
+    `cmake_args`; built on the first call (minutes: llama.cpp compiles on every core), reused after. A stamp file
+    records the version and the CMake arguments: a change of either rebuilds from an empty environment.
+
+    Raises RuntimeError naming the build log when the build fails, FileExistsError when `env` is a folder of other
+    files (it is emptied before a build)."""
+    env = env or env_dir()
+    if env_ready(env, cmake_args):
+        return env
+    if env.is_dir() and any(env.iterdir()) and not (env / "pyvenv.cfg").is_file():
+        raise FileExistsError(f"{env} holds files but no virtual environment: not replacing it")
+    env.parent.mkdir(parents=True, exist_ok=True)
+    print(f"llama-cpp-python {LLAMA_CPP_VERSION}: creating {env}", flush=True)
+    subprocess.run([sys.executable, "-m", "venv", "--clear", str(env)], check=True)
+    log_path = env / _BUILD_LOG
+    command = [
+        str(env_python(env)),
+        *("-m", "pip", "install", "-v", "--no-binary", "llama-cpp-python"),
+        f"llama-cpp-python=={LLAMA_CPP_VERSION}",
+    ]
+    jobs = os.environ.get("MAX_JOBS") or str(os.cpu_count() or 1)
+    build_env = {**os.environ, "CMAKE_ARGS": cmake_args, "CMAKE_BUILD_PARALLEL_LEVEL": jobs}
+    print(f"llama-cpp-python {LLAMA_CPP_VERSION}: building from source (CMAKE_ARGS={cmake_args!r}), log: {log_path}")
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=build_env)
+        shown = -1
+        for line in proc.stdout:
+            log.write(line)
+            step = _NINJA_STEP.match(line)
+            if step:  # one line per tenth of the compile steps, not one per object file
+                tenth = 10 * int(step[1]) // int(step[2])
+                if tenth > shown:
+                    shown = tenth
+                    print(f"  compiled {step[1]}/{step[2]}", flush=True)
+        status = proc.wait()
+    if status != 0:
+        raise RuntimeError(
+            f"building llama-cpp-python {LLAMA_CPP_VERSION} failed (pip exited with {status}); see {log_path}"
+        )
+    (env / _STAMP).write_text(json.dumps(_wanted_stamp(cmake_args)))
+    print(f"llama-cpp-python {LLAMA_CPP_VERSION}: ready in {env}", flush=True)
+    return env
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m flashllm_ext.harness.llama_cpp", description=__doc__)
+    parser.add_argument("--build", action="store_true", help="build the llama-cpp-python environment (once)")
+    args = parser.parse_args(argv)
+    if args.build:
+        ensure_env()
+
+
+if __name__ == "__main__":
+    main()
