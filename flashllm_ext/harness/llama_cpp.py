@@ -1,7 +1,8 @@
 """llama.cpp (`llama-cpp-python`, weights memory-mapped) as a measured peer of the engine (docs/design.md §8).
 
 `ensure_env()` builds llama-cpp-python from source once into a cached virtual environment of its own (it must not
-meet torch or this package). `python -m flashllm_ext.harness.llama_cpp --build` (`make llama-cpp`) builds it.
+meet torch or this package); `write_f16_gguf(src, dst)` writes a GGUF's weights dequantized to F16, the weights the fp16 store holds.
+`python -m flashllm_ext.harness.llama_cpp --build` (`make llama-cpp`) builds the environment.
 """
 
 from __future__ import annotations
@@ -10,12 +11,13 @@ import argparse
 import json
 import os
 import re
+import secrets
 import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from flashllm_ext.io.paths import resolve_cache_dir
+from flashllm_ext.io.paths import create_file, resolve_cache_dir
 
 LLAMA_CPP_VERSION = "0.3.36"
 # A CPU build for this machine's ISA. mtmd (multimodal, "llava") is imported lazily by llama-cpp-python and never
@@ -94,6 +96,55 @@ def ensure_env(env: Path | None = None, *, cmake_args: str = CMAKE_ARGS) -> Path
     (env / _STAMP).write_text(json.dumps(_wanted_stamp(cmake_args)))
     print(f"llama-cpp-python {LLAMA_CPP_VERSION}: ready in {env}", flush=True)
     return env
+
+
+def write_f16_gguf(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
+    """A copy of the GGUF `src` at `dst` with every KV field (architecture, hyperparameters, tokenizer, chat
+    template) and every tensor dequantized: 2-D and larger as F16, 1-D (norms) as F32, as llama.cpp's converter
+    writes them. These are the weights an fp16 store of `src` holds. Kept when `dst` is newer than `src`.
+
+    Tensors are dequantized and written one at a time: memory stays at one tensor, whatever the model's size."""
+    import gguf
+    import numpy as np
+
+    src, dst = Path(src), Path(dst)
+    if dst.is_file() and dst.stat().st_mtime > src.stat().st_mtime:
+        return dst
+    reader = gguf.GGUFReader(src)
+    tmp = dst.with_name(f".{dst.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    os.close(create_file(tmp, private=False))
+    try:
+        writer = gguf.GGUFWriter(tmp, reader.fields["general.architecture"].contents())
+        for field in reader.fields.values():
+            name, value = field.name, field.contents()
+            if name.startswith("GGUF.") or name == "general.architecture":  # the writer writes these itself
+                continue
+            if name == "general.alignment":
+                writer.add_custom_alignment(value)
+            elif name == "general.file_type":
+                writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+            else:
+                sub_type = field.types[1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+                writer.add_key_value(name, value, field.types[0], sub_type=sub_type)
+        if "general.file_type" not in reader.fields:
+            writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+        dtypes = [np.float32 if len(t.shape) == 1 else np.float16 for t in reader.tensors]
+        for tensor, dtype in zip(reader.tensors, dtypes):
+            shape = [int(n) for n in reversed(tensor.shape)]
+            writer.add_tensor_info(
+                tensor.name, shape, np.dtype(dtype), int(tensor.n_elements) * np.dtype(dtype).itemsize
+            )
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        for tensor, dtype in zip(reader.tensors, dtypes):
+            writer.write_tensor_data(gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(dtype))
+        writer.close()
+        os.replace(tmp, dst)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return dst
 
 
 def main(argv: Sequence[str] | None = None) -> None:

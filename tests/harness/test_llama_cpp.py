@@ -1,10 +1,55 @@
-"""The llama-cpp-python environment of the llama.cpp peer: built once, reused while its stamp matches."""
+"""llama.cpp as a peer: its llama-cpp-python environment, and the F16 GGUF writer (every field kept, every tensor
+the dequantized source)."""
 
 import json
+import os
 
+import gguf
+import numpy as np
 import pytest
 
-from flashllm_ext.harness.llama_cpp import CMAKE_ARGS, LLAMA_CPP_VERSION, ensure_env, env_ready
+from flashllm_ext.harness.llama_cpp import CMAKE_ARGS, LLAMA_CPP_VERSION, ensure_env, env_ready, write_f16_gguf
+from flashllm_ext.hub.fetch import fetch_default
+from tests.helpers.checkpoints import write_tiny_gguf
+
+
+def _fields(reader: gguf.GGUFReader) -> dict:
+    return {name: field.contents() for name, field in reader.fields.items() if not name.startswith("GGUF.")}
+
+
+def assert_f16_copy(src, dst) -> None:
+    """dst holds src's fields (file type F16) and src's tensors dequantized: F16, or F32 for 1-D ones."""
+    source, copy = gguf.GGUFReader(src), gguf.GGUFReader(dst)
+    expected = {**_fields(source), "general.file_type": int(gguf.LlamaFileType.MOSTLY_F16)}
+    assert _fields(copy) == expected
+    assert [t.name for t in copy.tensors] == [t.name for t in source.tensors]
+    for s, c in zip(source.tensors, copy.tensors):
+        assert list(c.shape) == list(s.shape), s.name
+        one_d = len(s.shape) == 1
+        assert c.tensor_type == (gguf.GGMLQuantizationType.F32 if one_d else gguf.GGMLQuantizationType.F16), s.name
+        dequantized = gguf.quants.dequantize(s.data, s.tensor_type)
+        assert np.array_equal(c.data, dequantized.astype(np.float32 if one_d else np.float16)), s.name
+
+
+@pytest.mark.parametrize("qtype", [gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.Q8_0])
+def test_f16_gguf_holds_every_field_and_the_dequantized_tensors(tmp_path, tiny_llama, qtype):
+    src = write_tiny_gguf(tmp_path / "tiny.gguf", tiny_llama, qtype=qtype)
+    dst = write_f16_gguf(src, tmp_path / "tiny.F16.gguf")
+    assert dst == tmp_path / "tiny.F16.gguf"
+    assert_f16_copy(src, dst)
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no staging file left
+
+
+def test_f16_gguf_is_kept_until_the_source_changes(tmp_path, tiny_llama):
+    src = write_tiny_gguf(tmp_path / "tiny.gguf", tiny_llama)
+    dst = write_f16_gguf(src, tmp_path / "tiny.F16.gguf")
+    written = dst.stat().st_mtime_ns
+    assert write_f16_gguf(src, dst).stat().st_mtime_ns == written
+    os.utime(src, ns=(written + 10**9, written + 10**9))
+    assert write_f16_gguf(src, dst).stat().st_mtime_ns > written
+
+
+# ----------------------------------------------------------------------------- the llama-cpp-python environment
 
 
 def test_env_is_ready_only_with_the_stamp_of_this_version_and_cmake_args(tmp_path):
@@ -32,3 +77,17 @@ def test_a_failed_build_names_its_log(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match=f"failed .* see {env / 'build.log'}"):
         ensure_env(env)
     assert (env / "build.log").stat().st_size > 0 and not env_ready(env)
+
+
+# ------------------------------------------------------------------------------------ the real default model
+
+
+@pytest.fixture(scope="module")
+def default_f16():
+    src = fetch_default()
+    return write_f16_gguf(src, src.with_name(f"{src.stem}.F16.gguf"))
+
+
+@pytest.mark.slow
+def test_default_f16_gguf_keeps_the_tokenizer_and_chat_template(default_f16):
+    assert_f16_copy(fetch_default(), default_f16)
