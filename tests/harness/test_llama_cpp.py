@@ -1,5 +1,6 @@
-"""llama.cpp as a peer: its llama-cpp-python environment, and the F16 GGUF writer (every field kept, every tensor
-the dequantized source)."""
+"""llama.cpp as a peer: its llama-cpp-python environment, the F16 GGUF writer (every field kept, every tensor the
+dequantized source), and the worker against transformers' greedy tokens on the same F16 weights. The worker's tests
+skip where `make llama-cpp` has not built that environment."""
 
 import json
 import os
@@ -7,10 +8,25 @@ import os
 import gguf
 import numpy as np
 import pytest
+import torch
 
-from flashllm_ext.harness.llama_cpp import CMAKE_ARGS, LLAMA_CPP_VERSION, ensure_env, env_ready, write_f16_gguf
+from flashllm_ext.harness.cgroup import MemoryCgroup
+from flashllm_ext.harness.llama_cpp import (
+    CMAKE_ARGS,
+    LLAMA_CPP_VERSION,
+    baseline_bytes,
+    env_dir,
+    env_ready,
+    ensure_env,
+    run_llama_cpp,
+    write_f16_gguf,
+)
 from flashllm_ext.hub.fetch import fetch_default
 from tests.helpers.checkpoints import write_tiny_gguf
+
+needs_env = pytest.mark.skipif(
+    not env_ready(), reason=f"llama-cpp-python is not built in {env_dir()}: `make llama-cpp` builds it (minutes)"
+)
 
 
 def _fields(reader: gguf.GGUFReader) -> dict:
@@ -91,3 +107,37 @@ def default_f16():
 @pytest.mark.slow
 def test_default_f16_gguf_keeps_the_tokenizer_and_chat_template(default_f16):
     assert_f16_copy(fetch_default(), default_f16)
+
+
+@pytest.mark.slow
+@needs_env
+def test_llama_cpp_greedy_tokens_equal_transformers_on_the_f16_weights(default_f16):
+    from flashllm_ext.hub.hf import load_hf_model
+
+    model, tokenizer = load_hf_model(default_f16)
+    prompt = tokenizer("The three most important things to remember when you learn to cook are").input_ids
+    row = run_llama_cpp(default_f16, prompt, 8, 2)
+    assert "error" not in row, row
+    with torch.no_grad():
+        expected = model.generate(torch.tensor([prompt]), max_new_tokens=9, do_sample=False)[0, len(prompt) :]
+    # llama.cpp multiplies F16 weights by activations rounded to F16, transformers in fp32: their logits on this
+    # sequence differ by 0.027 at most (0.006 on average), under its smallest top-two gap (0.10): same tokens.
+    assert row["generated"] == expected.tolist()
+    assert row["tokens"] == 8 and len(row["token_ms"]) == 8 and row["ms_per_token"] > 0 and row["prefill_tok_s"] > 0
+    assert row["prompt_tokens"] == len(prompt) and row["rss_baseline_mb"] > 0
+    # no repacking: the weights are llama.cpp's memory-mapped file, not a copy
+    assert "CPU_REPACK model" not in row["buffers_mib"] and row["buffers_mib"]["CPU_Mapped model"] > 250
+
+
+@pytest.mark.slow
+@needs_env
+def test_llama_cpp_killed_by_its_memory_limit_is_a_row():
+    probe = MemoryCgroup(f"flashllm-probe-{os.getpid()}", None)
+    probe.close()
+    if probe.unavailable:
+        pytest.skip(f"no memory limit to test: {probe.unavailable}")
+    # Without mmap the 98 MB of weights are anonymous memory, which a 30 MB budget cannot hold.
+    row = run_llama_cpp(
+        fetch_default(), [1, 2, 3], 2, 1, use_mmap=False, memory_limit_bytes=baseline_bytes() + 30 * 10**6
+    )
+    assert row["oom_killed"] and "error" in row and row["cgroup_peak_mb"] <= row["cgroup_limit_mb"]
