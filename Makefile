@@ -3,7 +3,7 @@ PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 export MAX_JOBS ?= 2
 
-.PHONY: deps build test test-fast lint sanitize demo bench cuda-check cuda-glue-check clean
+.PHONY: deps build test test-fast lint sanitize demo bench llama-cpp cuda-check cuda-glue-check clean
 
 # Installs what the project needs. torch is installed only when absent, so a CUDA torch already on the
 # machine is never replaced (pip would otherwise pull the newest CUDA wheel, several GB).
@@ -85,6 +85,12 @@ bench: build
 		name=$$(basename $$script .py); \
 		echo "== $$script"; $(PYTHON) -m bench.$$name || exit 1; \
 	done
+
+# llama.cpp, the benchmarks' mmap peer: llama-cpp-python built from source for this CPU into a virtual environment
+# of its own, $$FLASHLLM_CACHE/llama-cpp/venv or $$FLASHLLM_LLAMA_CPP_ENV (minutes; once, then reused). Not part of
+# deps or test: CI never builds it, and its tests skip without it.
+llama-cpp: deps
+	$(PYTHON) -m flashllm_ext.harness.llama_cpp --build
 
 # Compiles every CUDA source for Ampere and Hopper without torch headers; needs nvcc only, no driver.
 CUDA_SOURCES := $(wildcard csrc/cuda/*.cu)
