@@ -30,6 +30,7 @@ class StaticKVCache:
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.max_len, self.length = max_len, 0
+        self.layers = [(self.k[i], self.v[i]) for i in range(n_layers)]  # per-layer views, made once
 
     @staticmethod
     def bytes_for(n_layers: int, max_len: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

@@ -14,6 +14,8 @@ from flashllm_ext import ops
 from flashllm_ext.flash.reader import FlashReader
 from flashllm_ext.flash.store import BIAS_ROLES, FlashStore
 
+HALF_LINEAR = torch.ops.flashllm.half_linear.default
+DECODE_ATTENTION = torch.ops.flashllm.decode_attention.default
 # FFN activations by config name (hidden_act / activation_function), exact forms only as in ops.ACTIVATIONS.
 ACTIVATION_FNS = {name: spec.fn for spec in ops.ACTIVATIONS.values() for name in spec.config_names}
 
@@ -21,25 +23,30 @@ ACTIVATION_FNS = {name: spec.fn for spec in ops.ACTIVATIONS.values() for name in
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, in] float32, weight [out, in] (any float dtype), bias [out] | None -> float32 [T, out]."""
     if x.device.type == "cpu":
-        return ops.half_linear(x, weight, bias=bias)
+        return HALF_LINEAR(x, weight, bias)  # the op itself: the typed wrapper's call costs ~1 us a matrix
     return F.linear(x.to(weight.dtype), weight, bias).float()
 
 
 class Rotary:
-    """RoPE in Llama's half-split form (each head's first half paired with its second), cos / sin float32
-    [max_positions, 1, head_dim] computed once from the inverse frequencies."""
+    """RoPE in Llama's half-split form (each head's first half paired with its second), cos and a signed sin float32
+    [max_positions, 1, head_dim] computed once from the inverse frequencies: rotating x is x * cos + swap(x) * sin
+    with swap exchanging the halves, -sin on the first half (-x2 sin, then +x1 sin), four ops."""
 
     def __init__(self, inverse_frequencies: torch.Tensor, max_positions: int, device: str | torch.device = "cpu"):
         angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inverse_frequencies)
-        angles = torch.cat((angles, angles), dim=-1)[:, None, :]
-        self.cos, self.sin = angles.cos().to(device), angles.sin().to(device)
+        self.cos = torch.cat((angles.cos(), angles.cos()), dim=-1)[:, None, :].to(device)
+        self.sin = torch.cat((-angles.sin(), angles.sin()), dim=-1)[:, None, :].to(device)
         self.half = inverse_frequencies.numel()
 
-    def __call__(self, x: torch.Tensor, start: int) -> torch.Tensor:
-        """x [T, H, head_dim] of positions start .. start + T - 1 -> rotated, float32."""
-        end = start + x.shape[0]
-        rotated = torch.cat((-x[..., self.half :], x[..., : self.half]), dim=-1)
-        return x * self.cos[start:end] + rotated * self.sin[start:end]
+    def tables(self, start: int, n_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, signed sin [T, 1, head_dim] of positions start .. start + T - 1 (once per forward)."""
+        return self.cos[start : start + n_tokens], self.sin[start : start + n_tokens]
+
+    def __call__(self, x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """x [T, H, head_dim] rotated by `tables` (Rotary.tables), float32."""
+        cos, sin = tables
+        swapped = x.unflatten(-1, (2, self.half)).flip(-2).flatten(-2)
+        return torch.addcmul(x * cos, swapped, sin)
 
 
 def attend(
@@ -54,7 +61,7 @@ def attend(
     if n_tokens == 1:
         if window is not None:
             keys, values = keys[-window:], values[-window:]
-        out, _ = ops.decode_attention(q.to(keys.dtype), keys, values, scale=scale)
+        out, _ = DECODE_ATTENTION(q.to(keys.dtype), keys, values, scale)
         return out.view(1, n_heads * head_dim)
     positions = torch.arange(start, start + n_tokens, device=q.device)[:, None]
     key_positions = torch.arange(keys.shape[0], device=q.device)[None, :]

@@ -17,6 +17,7 @@ from flashllm_ext.decoder.kv_cache import StaticKVCache
 from flashllm_ext.decoder.layers import ResidentWeights, Rotary, attend, linear, move_tensors
 
 FFN = Callable[[torch.Tensor], torch.Tensor]
+DECODER_ATTENTION = torch.ops.flashllm.decoder_attention.default  # the op itself (flashllm_ext/ops/decoder.py)
 
 
 class LlamaLayer:
@@ -49,21 +50,49 @@ class LlamaLayer:
         """What this layer's FFN would see if the attention added nothing (a look-ahead predictor's input)."""
         return F.rms_norm(x, self.ffn_norm.shape, self.ffn_norm, self.eps)
 
-    def __call__(self, x: torch.Tensor, ffn: FFN, cache: StaticKVCache, rotary: Rotary) -> torch.Tensor:
-        """x [T, d] float32 (the tokens after the cache's `length`) -> the layer's output [T, d]."""
+    def __call__(
+        self, x: torch.Tensor, ffn: FFN, cache: StaticKVCache, rotary: Rotary, tables: tuple[torch.Tensor, torch.Tensor]
+    ) -> torch.Tensor:
+        """x [T, d] float32 (the tokens after the cache's `length`) -> the layer's output [T, d]; tables: the
+        rotary's for these tokens (Rotary.tables)."""
         n_tokens, start = x.shape[0], cache.length
+        if n_tokens == 1:  # decoding: the attention half in one call, which also norms the FFN's input
+            x, h = DECODER_ATTENTION(
+                x,
+                self.attention_norm,
+                self.qkv,
+                self.qkv_bias,
+                self.q_norm,
+                self.k_norm,
+                tables[0][0, 0],
+                tables[1][0, 0],
+                *cache.layers[self.index],
+                self.o,
+                self.o_bias,
+                self.ffn_norm,
+                start,
+                self.window or 0,
+                self.eps,
+                self.scale,
+            )
+            return x + ffn(h)
         h = F.rms_norm(x, self.attention_norm.shape, self.attention_norm, self.eps)
         qkv = linear(h, self.qkv, self.qkv_bias)
-        q_end, k_end = self.n_heads * self.head_dim, (self.n_heads + self.n_kv_heads) * self.head_dim
-        q = qkv[:, :q_end].view(n_tokens, self.n_heads, self.head_dim)
-        k = qkv[:, q_end:k_end].view(n_tokens, self.n_kv_heads, self.head_dim)
+        k_end = (self.n_heads + self.n_kv_heads) * self.head_dim
+        qk = qkv[:, :k_end].view(n_tokens, self.n_heads + self.n_kv_heads, self.head_dim)
         if self.q_norm is not None:
-            q = F.rms_norm(q, self.q_norm.shape, self.q_norm, self.eps)
-            k = F.rms_norm(k, self.k_norm.shape, self.k_norm, self.eps)
+            qk = torch.cat(
+                (
+                    F.rms_norm(qk[:, : self.n_heads], self.q_norm.shape, self.q_norm, self.eps),
+                    F.rms_norm(qk[:, self.n_heads :], self.k_norm.shape, self.k_norm, self.eps),
+                ),
+                dim=1,
+            )
+        qk = rotary(qk, tables)  # q and k rotated together
         keys, values = cache.write(
-            self.index, rotary(k, start), qkv[:, k_end:].view(n_tokens, self.n_kv_heads, self.head_dim)
+            self.index, qk[:, self.n_heads :], qkv[:, k_end:].view(n_tokens, self.n_kv_heads, self.head_dim)
         )
-        out = attend(rotary(q, start), keys, values, start, self.window, self.scale)
+        out = attend(qk[:, : self.n_heads], keys, values, start, self.window, self.scale)
         x = x + linear(out, self.o, self.o_bias)
         return x + ffn(self.ffn_input(x))
 

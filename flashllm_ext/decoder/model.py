@@ -74,10 +74,12 @@ class LeanDecoder:
         start = time.perf_counter()
         x = self.model.embed(ids.to(self.model.embedding.device), self.cache.length)
         ahead = self.lookahead and ids.numel() == 1
+        rotary = self.model.rotary
+        tables = None if rotary is None else rotary.tables(self.cache.length, ids.numel())
         for layer, ffn in zip(self.model.layers, self.ffns):
             if ahead:
                 ffn.prefetch(layer.ffn_input(x))
-            x = layer(x, ffn, self.cache, self.model.rotary)
+            x = layer(x, ffn, self.cache, rotary, tables)
         logits = self.model.logits(x if all_logits else x[-1:])
         self.cache.length += ids.numel()
         self.seconds += time.perf_counter() - start

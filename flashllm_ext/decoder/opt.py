@@ -52,7 +52,7 @@ class OPTLayer:
         self.attention_norm = tuple(t if t is None else t.to(device) for t in self.attention_norm)
         self.ffn_norm = tuple(t if t is None else t.to(device) for t in self.ffn_norm)
 
-    def __call__(self, x: torch.Tensor, ffn: FFN, cache: StaticKVCache, rotary: None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, ffn: FFN, cache: StaticKVCache, rotary: None, tables: None) -> torch.Tensor:
         """x [T, d] float32 (the tokens after the cache's `length`) -> the layer's output [T, d]."""
         n_tokens, start, width = x.shape[0], cache.length, self.n_heads * self.head_dim
         h = self._layer_norm(x, self.attention_norm) if self.norm_before else x

@@ -53,12 +53,14 @@ from flashllm_ext.ops.attention import (
     merge_attention_states,
     merge_attention_states_reference,
 )
+from flashllm_ext.ops.decoder import decoder_attention, decoder_attention_reference
 from flashllm_ext.ops.native import native_available, require_native  # after the schemas: loads _C
 
 __all__ = [
     "cache_compact",
     "cache_plan",
     "decode_attention",
+    "decoder_attention",
     "endor_decompress",
     "endor_linear",
     "half_linear",
