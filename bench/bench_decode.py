@@ -135,19 +135,20 @@ def run_child(config: dict) -> dict:
 
 
 def _run_llama_cpp(config: dict, gguf: Path) -> dict:
+    """llama.cpp's row: a prefill-only run for prefill_tok_s, then the decode run (same prompt and token count)."""
     from flashllm_ext.harness.llama_cpp import run_llama_cpp
 
-    r = run_llama_cpp(gguf, config["prefill"], 1, config["threads"], n_ctx=len(config["prefill"]) + 8)
-    prefill_tok_s = r.get("prefill_tok_s")
-    r = run_llama_cpp(gguf, config["prompt"], config["tokens"], config["threads"])
-    return {
-        "ms_per_token": r.get("decode_ms_median", r.get("ms_per_token")),
-        "prefill_tok_s": prefill_tok_s,
+    prefill = run_llama_cpp(gguf, config["prefill"], 1, config["threads"], n_ctx=len(config["prefill"]) + 8)
+    r = run_llama_cpp(gguf, config["prompt"], config["tokens"] - 1, config["threads"])
+    row = {
+        "ms_per_token": r.get("ms_per_token"),
+        "prefill_tok_s": prefill.get("prefill_tok_s"),
         "baseline_mb": r.get("rss_baseline_mb"),
-        "rss_mb": r.get("rss_loaded_mb"),
-        "ids": r.get("tokens", r.get("ids")),
-        **({"error": r["error"]} if r.get("error") else {}),
+        "rss_mb": r.get("rss_load_mb"),
+        "ids": r.get("generated"),
     }
+    errors = [e for e in (prefill.get("error"), r.get("error")) if e]
+    return {**row, **({"error": "; ".join(errors)} if errors else {})}
 
 
 def _child(config: dict) -> dict:
