@@ -16,7 +16,8 @@ import re
 import secrets
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 from flashllm_ext.harness.cgroup import run_limited_child
@@ -163,6 +164,28 @@ def _run_plain(argv: list[str], timeout: float) -> tuple[list[dict], dict]:
     return rows, {"exit_status": proc.returncode}
 
 
+@contextmanager
+def _staged(dst: Path) -> Iterator[Path]:
+    """A staging file beside `dst`, renamed to `dst` when the block ends and removed when it raises: a reader of
+    `dst` never meets a partial file."""
+    tmp = dst.with_name(f".{dst.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    os.close(create_file(tmp, private=False))
+    try:
+        yield tmp
+        os.replace(tmp, dst)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _copy_field(writer, field) -> None:
+    """A GGUF reader's KV field into `writer`, with its value type (and its elements' type for an array)."""
+    import gguf
+
+    sub_type = field.types[1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+    writer.add_key_value(field.name, field.contents(), field.types[0], sub_type=sub_type)
+
+
 def write_f16_gguf(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
     """A copy of the GGUF `src` at `dst` with every KV field (architecture, hyperparameters, tokenizer, chat
     template) and every tensor dequantized: 2-D and larger as F16, 1-D (norms) as F32, as llama.cpp's converter
@@ -176,21 +199,18 @@ def write_f16_gguf(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
     if dst.is_file() and dst.stat().st_mtime > src.stat().st_mtime:
         return dst
     reader = gguf.GGUFReader(src)
-    tmp = dst.with_name(f".{dst.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
-    os.close(create_file(tmp, private=False))
-    try:
+    with _staged(dst) as tmp:
         writer = gguf.GGUFWriter(tmp, reader.fields["general.architecture"].contents())
         for field in reader.fields.values():
-            name, value = field.name, field.contents()
+            name = field.name
             if name.startswith("GGUF.") or name == "general.architecture":  # the writer writes these itself
                 continue
             if name == "general.alignment":
-                writer.add_custom_alignment(value)
+                writer.add_custom_alignment(field.contents())
             elif name == "general.file_type":
                 writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
             else:
-                sub_type = field.types[1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
-                writer.add_key_value(name, value, field.types[0], sub_type=sub_type)
+                _copy_field(writer, field)
         if "general.file_type" not in reader.fields:
             writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
         dtypes = [np.float32 if len(t.shape) == 1 else np.float16 for t in reader.tensors]
@@ -205,10 +225,6 @@ def write_f16_gguf(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
         for tensor, dtype in zip(reader.tensors, dtypes):
             writer.write_tensor_data(gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(dtype))
         writer.close()
-        os.replace(tmp, dst)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
     return dst
 
 
