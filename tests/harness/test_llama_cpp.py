@@ -130,8 +130,8 @@ def test_llama_gguf_reads_back_as_the_checkpoint_rounded_to_f16(tmp_path, tiny_t
         one_d = len(hf.shape(name)) == 1
         expected = hf[name].float() if one_d else hf[name].half().float()
         assert torch.equal(ours[name], expected), name
-    # In the file, Q/K rows are in llama.cpp's order: its converter's rule, written independently in
-    # tests/helpers/checkpoints.py; 2-D weights F16, norms F32.
+    # In the file, Q/K rows are in llama.cpp's order (llama_cpp_permute: its converter's rule, written apart from
+    # the library's); 2-D weights F16, norms F32.
     raw = {t.name: t for t in gguf.GGUFReader(dst).tensors}
     q, k = (model.state_dict()[f"model.layers.0.self_attn.{m}_proj.weight"].half().numpy() for m in "qk")
     assert np.array_equal(raw["blk.0.attn_q.weight"].data, llama_cpp_permute(q, model.config.num_attention_heads))
@@ -187,6 +187,21 @@ def test_llama_gguf_is_kept_until_the_config_changes(tmp_path, tiny_tokenizer):
     assert write_llama_gguf(tmp_path / "hf", dst, tiny_tokenizer).stat().st_mtime_ns == written
     os.utime(tmp_path / "hf" / "config.json", ns=(written + 10**9, written + 10**9))
     assert write_llama_gguf(tmp_path / "hf", dst, tiny_tokenizer).stat().st_mtime_ns > written
+
+
+def test_a_synthesized_checkpoint_with_the_tokenizer_s_vocab_size_is_written(tmp_path, tiny_tokenizer, monkeypatch):
+    from bench.synth_checkpoint import shared_checkpoint
+
+    monkeypatch.setenv("FLASHLLM_CACHE", str(tmp_path))
+    # Llama-2-7B's smoke shapes with the tokenizer's vocabulary size, as `--vocab-size` writes the real shapes
+    hf_dir = shared_checkpoint("llama-2-7b", progress=False, smoke=True, vocab_size=TINY_VOCAB)
+    assert hf_dir == tmp_path / "scale" / "llama-2-7b-vocab262-smoke-hf"
+    dst = write_llama_gguf(hf_dir, tmp_path / "synth.gguf", tiny_tokenizer)
+    hf, ours = open_checkpoint(hf_dir), open_checkpoint(dst)
+    assert ours.config["vocab_size"] == hf.config["vocab_size"] == TINY_VOCAB
+    assert ours.shape("lm_head.weight") == ours.shape("model.embed_tokens.weight") == (TINY_VOCAB, 128)
+    for name in ("model.embed_tokens.weight", "lm_head.weight", "model.layers.1.self_attn.k_proj.weight"):
+        assert torch.equal(ours[name], hf[name].float()), name  # F16 in both
 
 
 @pytest.mark.slow
