@@ -16,9 +16,18 @@ fraction of every decoder-layer Linear weight per output row, smallest magnitude
 magnitude-pruned checkpoint (with random weights Wanda's |W| * ||X|| order is the magnitude order up to the input
 norms), which changes what Endor compression stores, not what flash reads.
 
+`vocab_size` replaces the model's vocabulary size. llama.cpp runs a checkpoint with a tokenizer of exactly as many
+tokens as the embedding has rows, and none of Llama-2-7B's 32000 is stored here: vocab_size=49152 gives a Llama-2-7B
+shape checkpoint the default model's tokenizer, which `flashllm_ext.harness.llama_cpp.write_llama_gguf` copies into
+its GGUF. Its embedding and LM head then have 49152 rows, not Llama-2-7B's 32000: 140 M more parameters (0.28 GB in
+fp16), the decoder layers unchanged.
+
+    synthesize_checkpoint("llama-2-7b", out_dir, vocab_size=49152)
+
 The shared copies on this machine (written once by `python -m bench.synth_checkpoint`, ~13 GB each):
     ~/.cache/flashllm_ext/scale/opt-6.7b-hf      OPT-6.7B shapes, prune=0.5 (fp16)
     ~/.cache/flashllm_ext/scale/llama-2-7b-hf    Llama-2-7B shapes, dense (fp16)
+and with `--vocab-size N` a copy of its own, e.g. ~/.cache/flashllm_ext/scale/llama-2-7b-vocab49152-hf.
 """
 
 from __future__ import annotations
@@ -145,11 +154,13 @@ def synthesize_checkpoint(
     dtype: str = "fp16",
     seed: int = 0,
     overrides: dict | None = None,
+    vocab_size: int | None = None,
     shard_bytes: int = 2 << 30,
     progress: bool = True,
 ) -> Path:
     """Write a Hugging Face checkpoint with the shapes of `name` ("opt-6.7b" or "llama-2-7b"; `overrides` replaces
-    config fields, e.g. a tiny config for tests) at `out_dir`: config.json, safetensors shards of at most
+    config fields, e.g. a tiny config for tests; `vocab_size`, the vocabulary size, the embedding's [vocab_size,
+    hidden] rows and the LM head's, see the module doc) at `out_dir`: config.json, safetensors shards of at most
     `shard_bytes` (a larger tensor gets a shard of its own) and model.safetensors.index.json. Written under a
     temporary name and renamed at the end; an existing `out_dir` is replaced. Returns out_dir."""
     if name not in CONFIGS:
@@ -158,7 +169,11 @@ def synthesize_checkpoint(
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     if prune is not None and not 0.0 <= prune < 1.0:
         raise ValueError(f"prune must be in [0, 1), got {prune}")
+    if vocab_size is not None and vocab_size < 1:
+        raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
     config = {**CONFIGS[name], **(overrides or {}), "torch_dtype": str(DTYPES[dtype]).removeprefix("torch.")}
+    if vocab_size is not None:
+        config["vocab_size"] = vocab_size
     specs = checkpoint_specs(config, DTYPES[dtype])
     shards: list[list[TensorSpec]] = [[]]
     for spec in specs:
@@ -200,27 +215,40 @@ def synthesize_checkpoint(
     return out_dir
 
 
-def shared_checkpoint(name: str, progress: bool = True, layers: int | None = None, smoke: bool = False) -> Path:
+def shared_checkpoint(
+    name: str, progress: bool = True, layers: int | None = None, smoke: bool = False, vocab_size: int | None = None
+) -> Path:
     """The shared copy of `name` under the cache's scale/ directory (see the module doc), written if missing.
     layers: only the first that many decoder layers (a shorter run of the same shapes, e.g. within a lent GPU's
-    minutes), in a directory of its own; smoke: SMOKE_OVERRIDES' shapes instead (with `layers`, that many)."""
+    minutes), in a directory of its own; smoke: SMOKE_OVERRIDES' shapes instead (with `layers`, that many);
+    vocab_size: that vocabulary size (e.g. 49152, the default model's tokenizer), in a directory of its own."""
     directory, prune = SHARED_DIRS[name]
     if layers is not None and layers < 1:
         raise ValueError(f"layers must be >= 1, got {layers}")
-    stem = directory.removesuffix("-hf") + ("-smoke" if smoke else "") + (f"-{layers}layers" if layers else "")
+    stem = (
+        directory.removesuffix("-hf")
+        + (f"-vocab{vocab_size}" if vocab_size is not None else "")
+        + ("-smoke" if smoke else "")
+        + (f"-{layers}layers" if layers else "")
+    )
     path = resolve_cache_dir() / "scale" / f"{stem}-hf"
     if not (path / INDEX_FILE).is_file():
         overrides = {**(SMOKE_OVERRIDES[name] if smoke else {}), **({"num_hidden_layers": layers} if layers else {})}
-        synthesize_checkpoint(name, path, prune=prune, overrides=overrides, progress=progress)
+        synthesize_checkpoint(name, path, prune=prune, overrides=overrides, vocab_size=vocab_size, progress=progress)
     return path
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("names", nargs="*", default=sorted(CONFIGS), help=f"among {sorted(CONFIGS)}")
+    parser.add_argument(
+        "--vocab-size",
+        type=int,
+        help="vocabulary size in place of the model's (49152: the default model's tokenizer), in a directory of its own",
+    )
     args = parser.parse_args(argv)
     for name in args.names:
-        print(shared_checkpoint(name))
+        print(shared_checkpoint(name, vocab_size=args.vocab_size))
 
 
 if __name__ == "__main__":

@@ -3,7 +3,9 @@
 `ensure_env()` builds llama-cpp-python from source once into a cached virtual environment of its own (it must not
 meet torch or this package); `run_llama_cpp(gguf, prompt_ids, n_tokens, threads)` runs `llama_cpp_worker.py` with
 that environment's python, optionally inside a memory cgroup, and returns its measurements as a row;
-`write_f16_gguf(src, dst)` writes a GGUF's weights dequantized to F16, the weights the fp16 store holds.
+`write_f16_gguf(src, dst)` writes a GGUF's weights dequantized to F16, the weights the fp16 store holds;
+`write_llama_gguf(checkpoint_dir, dst, tokenizer_gguf)` writes a Hugging Face Llama checkpoint (synthesized 7B shapes
+included) as llama.cpp's F16 GGUF, with the tokenizer of another GGUF.
 `python -m flashllm_ext.harness.llama_cpp --build` (`make llama-cpp`) builds the environment.
 """
 
@@ -11,12 +13,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import secrets
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 from flashllm_ext.harness.cgroup import run_limited_child
@@ -163,6 +167,28 @@ def _run_plain(argv: list[str], timeout: float) -> tuple[list[dict], dict]:
     return rows, {"exit_status": proc.returncode}
 
 
+@contextmanager
+def _staged(dst: Path) -> Iterator[Path]:
+    """A staging file beside `dst`, renamed to `dst` when the block ends and removed when it raises: a reader of
+    `dst` never meets a partial file."""
+    tmp = dst.with_name(f".{dst.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    os.close(create_file(tmp, private=False))
+    try:
+        yield tmp
+        os.replace(tmp, dst)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _copy_field(writer, field) -> None:
+    """A GGUF reader's KV field into `writer`, with its value type (and its elements' type for an array)."""
+    import gguf
+
+    sub_type = field.types[1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+    writer.add_key_value(field.name, field.contents(), field.types[0], sub_type=sub_type)
+
+
 def write_f16_gguf(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
     """A copy of the GGUF `src` at `dst` with every KV field (architecture, hyperparameters, tokenizer, chat
     template) and every tensor dequantized: 2-D and larger as F16, 1-D (norms) as F32, as llama.cpp's converter
@@ -176,21 +202,18 @@ def write_f16_gguf(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
     if dst.is_file() and dst.stat().st_mtime > src.stat().st_mtime:
         return dst
     reader = gguf.GGUFReader(src)
-    tmp = dst.with_name(f".{dst.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
-    os.close(create_file(tmp, private=False))
-    try:
+    with _staged(dst) as tmp:
         writer = gguf.GGUFWriter(tmp, reader.fields["general.architecture"].contents())
         for field in reader.fields.values():
-            name, value = field.name, field.contents()
+            name = field.name
             if name.startswith("GGUF.") or name == "general.architecture":  # the writer writes these itself
                 continue
             if name == "general.alignment":
-                writer.add_custom_alignment(value)
+                writer.add_custom_alignment(field.contents())
             elif name == "general.file_type":
                 writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
             else:
-                sub_type = field.types[1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
-                writer.add_key_value(name, value, field.types[0], sub_type=sub_type)
+                _copy_field(writer, field)
         if "general.file_type" not in reader.fields:
             writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
         dtypes = [np.float32 if len(t.shape) == 1 else np.float16 for t in reader.tensors]
@@ -205,10 +228,99 @@ def write_f16_gguf(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
         for tensor, dtype in zip(reader.tensors, dtypes):
             writer.write_tensor_data(gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(dtype))
         writer.close()
-        os.replace(tmp, dst)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    return dst
+
+
+def write_llama_gguf(
+    checkpoint_dir: str | os.PathLike, dst: str | os.PathLike, tokenizer_gguf: str | os.PathLike
+) -> Path:
+    """A llama-architecture F16 GGUF at `dst` of the Hugging Face Llama checkpoint `checkpoint_dir` (config.json and
+    safetensors shards), laid out as llama.cpp's convert_hf_to_gguf.py writes one: tensors under llama.cpp's names
+    (io.checkpoint.gguf_name), q_proj and k_proj rows in its rotary order (io.checkpoint.rotary_permutation), 2-D
+    weights F16 [out, in], 1-D norms F32; the llama hyperparameters from config.json; every `tokenizer.*` field
+    (model, pre-tokenizer, tokens, token types, merges, special ids, chat template) of `tokenizer_gguf`. llama.cpp
+    then runs the checkpoint's weights (rounded to F16) with that tokenizer. Kept when `dst` is newer than the
+    checkpoint's config.json; written under a staging name and renamed.
+
+    Tensors are read and written one at a time: memory stays near one tensor, whatever the model's size. Raises
+    ValueError naming both files when the checkpoint's vocab_size differs from the tokenizer's token count, naming
+    the tensor for one outside llama.cpp's llama layout (biases, per-head q/k norms), and for RoPE scaling, which is
+    not written."""
+    import gguf
+    import numpy as np
+    import torch
+
+    from flashllm_ext.io.checkpoint import gguf_name, open_checkpoint, rotary_permutation
+
+    checkpoint_dir, dst = Path(checkpoint_dir), Path(dst)
+    if dst.is_file() and dst.stat().st_mtime > (checkpoint_dir / "config.json").stat().st_mtime:
+        return dst
+    ckpt = open_checkpoint(checkpoint_dir)
+    config = ckpt.config
+    tokenizer = gguf.GGUFReader(tokenizer_gguf)
+    tokens = tokenizer.fields.get("tokenizer.ggml.tokens")
+    if tokens is None:
+        raise ValueError(f"{tokenizer_gguf} holds no tokenizer (no tokenizer.ggml.tokens)")
+    vocab = int(config["vocab_size"])
+    if vocab != len(tokens.data):
+        raise ValueError(
+            f"{checkpoint_dir}: vocab_size {vocab} differs from the {len(tokens.data)} tokens of {tokenizer_gguf}"
+        )
+    # transformers 5 writes rope_parameters (rope_theta inside); older configs rope_scaling beside rope_theta.
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type") or rope.get("type") or "default"
+    if rope_type != "default":
+        raise ValueError(f"{checkpoint_dir}: RoPE scaling {rope_type!r} is not written to the GGUF")
+    hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
+    kv_heads = int(config.get("num_key_value_heads") or heads)
+    head_dim = int(config.get("head_dim") or hidden // heads)
+    tied = bool(config.get("tie_word_embeddings", False))
+    # (Hugging Face name, llama.cpp name, GGUF dtype), in the checkpoint's order; a tied LM head is the embedding,
+    # which llama.cpp reads in place of an absent output.weight.
+    plan = []
+    for name in ckpt.names:
+        if name == "lm_head.weight" and tied:
+            continue
+        target = gguf_name(name)
+        if target is None or not name.endswith(".weight"):  # a q/k bias would need the rotary permutation too
+            raise ValueError(f"{checkpoint_dir}: tensor {name} has no place in llama.cpp's llama layout")
+        plan.append((name, target, np.dtype(np.float32 if len(ckpt.shape(name)) == 1 else np.float16)))
+
+    with _staged(dst) as tmp:
+        writer = gguf.GGUFWriter(tmp, "llama")
+        writer.add_name(checkpoint_dir.name)
+        writer.add_context_length(int(config["max_position_embeddings"]))
+        writer.add_embedding_length(hidden)
+        writer.add_block_count(int(config["num_hidden_layers"]))
+        writer.add_feed_forward_length(int(config["intermediate_size"]))
+        writer.add_rope_dimension_count(head_dim)
+        writer.add_head_count(heads)
+        writer.add_head_count_kv(kv_heads)
+        if "head_dim" in config:  # as the converter: llama.cpp's default is hidden_size / head_count
+            writer.add_key_length(head_dim)
+            writer.add_value_length(head_dim)
+        writer.add_layer_norm_rms_eps(float(config["rms_norm_eps"]))
+        writer.add_rope_freq_base(float(rope.get("rope_theta") or config.get("rope_theta", 10000.0)))
+        writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+        writer.add_vocab_size(vocab)
+        for field in tokenizer.fields.values():
+            if field.name.startswith("tokenizer."):
+                _copy_field(writer, field)
+        for name, target, dtype in plan:
+            shape = ckpt.shape(name)
+            writer.add_tensor_info(target, shape, dtype, math.prod(shape) * dtype.itemsize)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        for name, _, dtype in plan:
+            weight = ckpt[name]
+            if name.endswith("self_attn.q_proj.weight"):
+                weight = rotary_permutation(weight, heads)
+            elif name.endswith("self_attn.k_proj.weight"):
+                weight = rotary_permutation(weight, kv_heads)
+            torch_dtype = torch.float32 if dtype == np.float32 else torch.float16
+            writer.write_tensor_data(weight.to(torch_dtype).contiguous().numpy())
+        writer.close()
     return dst
 
 

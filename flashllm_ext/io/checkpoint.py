@@ -41,6 +41,8 @@ _BLOCK_NAMES = {
     "ffn_norm": "post_attention_layernorm",
 }
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_GGUF_BLOCK_NAMES = {hf: name for name, hf in _BLOCK_NAMES.items()}
+_GGUF_TOP_NAMES = {hf: name for name, hf in _TOP_NAMES.items()}
 # Errors the gguf reader raises on malformed or truncated files (it indexes a memmap with header values).
 _READER_ERRORS = (ValueError, IndexError, KeyError, TypeError, OverflowError, struct.error)
 
@@ -168,6 +170,28 @@ def hf_name(gguf_name: str) -> str | None:
     if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _BLOCK_NAMES:
         return f"model.layers.{parts[1]}.{_BLOCK_NAMES[parts[2]]}.{parts[3]}"
     return None
+
+
+def gguf_name(hf: str) -> str | None:
+    """`model.layers.3.mlp.up_proj.weight` -> `blk.3.ffn_up.weight` (the inverse of hf_name); None for names
+    outside the Llama layout."""
+    module, dot, suffix = hf.rpartition(".")
+    if not dot:
+        return None
+    if module in _GGUF_TOP_NAMES:
+        return f"{_GGUF_TOP_NAMES[module]}.{suffix}"
+    parts = module.split(".", 3)
+    if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[2].isdigit() and parts[3] in _GGUF_BLOCK_NAMES:
+        return f"blk.{parts[2]}.{_GGUF_BLOCK_NAMES[parts[3]]}.{suffix}"
+    return None
+
+
+def rotary_permutation(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """[rows, cols] q_proj or k_proj rows of a Hugging Face checkpoint -> the same rows in llama.cpp's order (its
+    converter's `permute` for the llama architecture): each head's two rotary halves interleaved. The exact
+    inverse of what GGUFCheckpoint undoes on reading; `n_heads` is the query or the key/value head count."""
+    rows, cols = w.shape
+    return w.reshape(n_heads, 2, rows // n_heads // 2, cols).transpose(1, 2).reshape(rows, cols)
 
 
 def _undo_rotary_permutation(w: torch.Tensor, n_heads: int) -> torch.Tensor:

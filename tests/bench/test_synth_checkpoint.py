@@ -38,6 +38,24 @@ def test_real_shapes_match_the_published_models():
     assert names["model.layers.0.mlp.gate_proj.weight"] == (11008, 4096) and "lm_head.weight" in names
 
 
+def test_a_vocab_size_changes_the_embedding_and_the_lm_head_only():
+    # Llama-2-7B with the default model's 49152 tokens: 2 * 17152 * 4096 more parameters, the layers unchanged.
+    llama = {s.name: s.shape for s in checkpoint_specs(CONFIGS["llama-2-7b"], torch.float16)}
+    wide = {s.name: s.shape for s in checkpoint_specs({**CONFIGS["llama-2-7b"], "vocab_size": 49152}, torch.float16)}
+    changed = {name for name in llama if wide[name] != llama[name]}
+    assert wide.keys() == llama.keys() and changed == {"model.embed_tokens.weight", "lm_head.weight"}
+    assert wide["lm_head.weight"] == wide["model.embed_tokens.weight"] == (49152, 4096)
+
+
+def test_the_command_line_takes_a_vocab_size(monkeypatch, capsys):
+    from bench import synth_checkpoint
+
+    calls = []
+    monkeypatch.setattr(synth_checkpoint, "shared_checkpoint", lambda name, **kwargs: calls.append((name, kwargs)))
+    synth_checkpoint.main(["llama-2-7b", "--vocab-size", "49152"])
+    assert calls == [("llama-2-7b", {"vocab_size": 49152})]
+
+
 def test_transformers_loads_it_sharded_and_pruned(tiny_checkpoint):
     name, path = tiny_checkpoint
     index = json.loads((path / "model.safetensors.index.json").read_text())

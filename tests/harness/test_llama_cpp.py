@@ -1,9 +1,11 @@
 """llama.cpp as a peer: its llama-cpp-python environment, the F16 GGUF writer (every field kept, every tensor the
-dequantized source), and the worker against transformers' greedy tokens on the same F16 weights. The worker's tests
-skip where `make llama-cpp` has not built that environment."""
+dequantized source), the Llama GGUF writer of Hugging Face checkpoints (read back as the checkpoint's tensors, with
+its config and another GGUF's tokenizer), and the worker against transformers' greedy tokens on the same F16 weights.
+The worker's tests skip where `make llama-cpp` has not built that environment."""
 
 import json
 import os
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -20,9 +22,12 @@ from flashllm_ext.harness.llama_cpp import (
     ensure_env,
     run_llama_cpp,
     write_f16_gguf,
+    write_llama_gguf,
 )
 from flashllm_ext.hub.fetch import fetch_default
-from tests.helpers.checkpoints import write_tiny_gguf
+from flashllm_ext.io.checkpoint import gguf_config, open_checkpoint
+from tests.helpers.checkpoints import llama_cpp_permute, write_tiny_gguf
+from tests.helpers.models import tiny_model
 
 needs_env = pytest.mark.skipif(
     not env_ready(), reason=f"llama-cpp-python is not built in {env_dir()}: `make llama-cpp` builds it (minutes)"
@@ -63,6 +68,159 @@ def test_f16_gguf_is_kept_until_the_source_changes(tmp_path, tiny_llama):
     assert write_f16_gguf(src, dst).stat().st_mtime_ns == written
     os.utime(src, ns=(written + 10**9, written + 10**9))
     assert write_f16_gguf(src, dst).stat().st_mtime_ns > written
+
+
+# ------------------------------------------------------------------------ Llama GGUFs of Hugging Face checkpoints
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+MERGES = ["Ġ t", "h e", "Ġt he"]
+
+
+def byte_symbols() -> list[str]:
+    """GPT-2's byte-level alphabet: the printable character standing for each of the 256 bytes."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    shifted = iter(range(256, 512))
+    return [chr(b) if b in kept else chr(next(shifted)) for b in range(256)]
+
+
+def write_tiny_tokenizer(path) -> Path:
+    """A GGUF of a byte-level BPE tokenizer only (no tensors): 3 control tokens, the 256 byte symbols, 3 merges and
+    their results, 262 tokens in all."""
+    tokens = SPECIAL_TOKENS + byte_symbols() + [m.replace(" ", "") for m in MERGES]
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([gguf.TokenType.CONTROL] * len(SPECIAL_TOKENS) + [gguf.TokenType.NORMAL] * 259)
+    writer.add_token_merges(MERGES)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_chat_template("{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+TINY_VOCAB = 262
+
+
+@pytest.fixture(scope="module")
+def tiny_tokenizer(tmp_path_factory):
+    return write_tiny_tokenizer(tmp_path_factory.mktemp("tokenizer") / "tokenizer.gguf")
+
+
+def save_tiny_llama(path, dtype=torch.float32, **config):
+    """A tiny random Llama of the tiny tokenizer's vocabulary, saved by save_pretrained at `path`."""
+    model = tiny_model("llama", vocab_size=TINY_VOCAB, **config).to(dtype)
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.mark.parametrize("dtype,tied", [(torch.float32, False), (torch.bfloat16, True)])
+def test_llama_gguf_reads_back_as_the_checkpoint_rounded_to_f16(tmp_path, tiny_tokenizer, dtype, tied):
+    model = save_tiny_llama(tmp_path / "hf", dtype, tie_word_embeddings=tied)
+    dst = write_llama_gguf(tmp_path / "hf", tmp_path / "tiny.gguf", tiny_tokenizer)
+    assert dst == tmp_path / "tiny.gguf"
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no staging file left
+    hf, ours = open_checkpoint(tmp_path / "hf"), open_checkpoint(dst)  # ours: Q/K rows un-permuted on reading
+    assert sorted(ours.names) == sorted(hf.names) and ("lm_head.weight" in hf.names) == (not tied)
+    for name in hf.names:
+        one_d = len(hf.shape(name)) == 1
+        expected = hf[name].float() if one_d else hf[name].half().float()
+        assert torch.equal(ours[name], expected), name
+    # In the file, Q/K rows are in llama.cpp's order (llama_cpp_permute: its converter's rule, written apart from
+    # the library's); 2-D weights F16, norms F32.
+    raw = {t.name: t for t in gguf.GGUFReader(dst).tensors}
+    q, k = (model.state_dict()[f"model.layers.0.self_attn.{m}_proj.weight"].half().numpy() for m in "qk")
+    assert np.array_equal(raw["blk.0.attn_q.weight"].data, llama_cpp_permute(q, model.config.num_attention_heads))
+    assert np.array_equal(raw["blk.0.attn_k.weight"].data, llama_cpp_permute(k, model.config.num_key_value_heads))
+    assert not np.array_equal(raw["blk.0.attn_q.weight"].data, q)
+    for tensor in raw.values():
+        one_d = len(tensor.shape) == 1
+        assert tensor.tensor_type == (gguf.GGMLQuantizationType.F32 if one_d else gguf.GGMLQuantizationType.F16)
+
+
+def test_llama_gguf_holds_the_config_and_the_tokenizer(tmp_path, tiny_tokenizer):
+    model = save_tiny_llama(tmp_path / "hf", max_position_embeddings=512, rms_norm_eps=1e-5, rope_theta=50000.0)
+    dst = write_llama_gguf(tmp_path / "hf", tmp_path / "tiny.gguf", tiny_tokenizer)
+    config, hf = gguf_config(dst), model.config
+    assert {key: config[key] for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers")} == {
+        "vocab_size": TINY_VOCAB,
+        "hidden_size": hf.hidden_size,
+        "intermediate_size": hf.intermediate_size,
+        "num_hidden_layers": hf.num_hidden_layers,
+    }
+    assert (config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]) == (4, 2, 16)
+    assert (config["max_position_embeddings"], config["rope_theta"]) == (512, 50000.0)
+    assert config["rms_norm_eps"] == pytest.approx(1e-5, rel=1e-7)  # stored as float32
+    assert not config["tie_word_embeddings"] and (config["bos_token_id"], config["eos_token_id"]) == (1, 2)
+    fields = _fields(gguf.GGUFReader(dst))
+    assert fields["general.architecture"] == "llama"
+    assert fields["general.file_type"] == int(gguf.LlamaFileType.MOSTLY_F16)
+    assert fields["llama.rope.dimension_count"] == 16
+    tokenizer = {k: v for k, v in _fields(gguf.GGUFReader(tiny_tokenizer)).items() if k.startswith("tokenizer.")}
+    assert {k: v for k, v in fields.items() if k.startswith("tokenizer.")} == tokenizer
+    assert len(tokenizer["tokenizer.ggml.tokens"]) == TINY_VOCAB and tokenizer["tokenizer.chat_template"]
+
+
+def test_llama_gguf_refuses_a_vocabulary_other_than_the_tokenizer_s(tmp_path, tiny_tokenizer):
+    tiny_model("llama", vocab_size=TINY_VOCAB + 1).save_pretrained(tmp_path / "hf")
+    with pytest.raises(ValueError, match="vocab_size 263 differs from the 262 tokens") as refused:
+        write_llama_gguf(tmp_path / "hf", tmp_path / "tiny.gguf", tiny_tokenizer)
+    assert str(tmp_path / "hf") in str(refused.value) and str(tiny_tokenizer) in str(refused.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+
+
+def test_llama_gguf_refuses_tensors_outside_the_llama_layout(tmp_path, tiny_tokenizer):
+    tiny_model("qwen2", vocab_size=TINY_VOCAB).save_pretrained(tmp_path / "hf")  # q/k/v biases
+    with pytest.raises(ValueError, match=r"tensor model\.layers\.0\.self_attn\.[qkv]_proj\.bias has no place"):
+        write_llama_gguf(tmp_path / "hf", tmp_path / "tiny.gguf", tiny_tokenizer)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+
+
+def test_llama_gguf_is_kept_until_the_config_changes(tmp_path, tiny_tokenizer):
+    save_tiny_llama(tmp_path / "hf")
+    dst = write_llama_gguf(tmp_path / "hf", tmp_path / "tiny.gguf", tiny_tokenizer)
+    written = dst.stat().st_mtime_ns
+    assert write_llama_gguf(tmp_path / "hf", dst, tiny_tokenizer).stat().st_mtime_ns == written
+    os.utime(tmp_path / "hf" / "config.json", ns=(written + 10**9, written + 10**9))
+    assert write_llama_gguf(tmp_path / "hf", dst, tiny_tokenizer).stat().st_mtime_ns > written
+
+
+def test_a_synthesized_checkpoint_with_the_tokenizer_s_vocab_size_is_written(tmp_path, tiny_tokenizer, monkeypatch):
+    from bench.synth_checkpoint import shared_checkpoint
+
+    monkeypatch.setenv("FLASHLLM_CACHE", str(tmp_path))
+    # Llama-2-7B's smoke shapes with the tokenizer's vocabulary size, as `--vocab-size` writes the real shapes
+    hf_dir = shared_checkpoint("llama-2-7b", progress=False, smoke=True, vocab_size=TINY_VOCAB)
+    assert hf_dir == tmp_path / "scale" / "llama-2-7b-vocab262-smoke-hf"
+    dst = write_llama_gguf(hf_dir, tmp_path / "synth.gguf", tiny_tokenizer)
+    hf, ours = open_checkpoint(hf_dir), open_checkpoint(dst)
+    assert ours.config["vocab_size"] == hf.config["vocab_size"] == TINY_VOCAB
+    assert ours.shape("lm_head.weight") == ours.shape("model.embed_tokens.weight") == (TINY_VOCAB, 128)
+    for name in ("model.embed_tokens.weight", "lm_head.weight", "model.layers.1.self_attn.k_proj.weight"):
+        assert torch.equal(ours[name], hf[name].float()), name  # F16 in both
+
+
+@pytest.mark.slow
+@needs_env
+def test_llama_cpp_greedy_tokens_on_a_llama_gguf_equal_transformers_on_its_checkpoint(tmp_path, tiny_tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    save_tiny_llama(tmp_path / "hf", torch.float16)  # F16 in both: the GGUF holds the checkpoint's weights exactly
+    dst = write_llama_gguf(tmp_path / "hf", tmp_path / "tiny.gguf", tiny_tokenizer)
+    prompt = [1, 20, 40, 60, 80, 100, 120, 140]
+    row = run_llama_cpp(dst, prompt, 8, 1)
+    assert "error" not in row, row
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    with torch.no_grad():  # llama.cpp's worker does not stop at the end-of-sequence token: neither does this
+        expected = model.generate(torch.tensor([prompt]), max_new_tokens=9, do_sample=False, eos_token_id=None)
+    # Exact equality, no tolerance: llama.cpp rounds the activations entering its F16 products to F16, transformers
+    # keeps them in fp32; with Linear inputs rounded to fp16, transformers' logits on this sequence move by 0.0002
+    # at most, under their smallest top-two gap (0.0011).
+    assert row["generated"] == expected[0, len(prompt) :].tolist()
 
 
 # ----------------------------------------------------------------------------- the llama-cpp-python environment

@@ -19,7 +19,7 @@ _GGUF_BLOCK = {
 }
 
 
-def _llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
+def llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
     # The rule of llama.cpp's convert_hf_to_gguf.py, written independently of the code under test.
     return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
@@ -66,9 +66,9 @@ def write_tiny_gguf(
             continue
         array = tensor.numpy()
         if ".q_proj." in name:
-            array = _llama_cpp_permute(array, cfg.num_attention_heads)
+            array = llama_cpp_permute(array, cfg.num_attention_heads)
         elif ".k_proj." in name:
-            array = _llama_cpp_permute(array, cfg.num_key_value_heads)
+            array = llama_cpp_permute(array, cfg.num_key_value_heads)
         if name in transpose:
             array = np.ascontiguousarray(array.T)
         if array.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:

@@ -9,12 +9,31 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from flashllm_ext import FormatError
-from flashllm_ext.io.checkpoint import GGUFCheckpoint, gguf_config, load_gguf, open_checkpoint
+from flashllm_ext.io.checkpoint import (
+    GGUFCheckpoint,
+    expected_shapes,
+    gguf_config,
+    gguf_name,
+    hf_name,
+    load_gguf,
+    open_checkpoint,
+)
 from tests.helpers.checkpoints import write_tiny_gguf
 from tests.helpers.faults import refuses_without_blocking
 from tests.helpers.models import TINY_LLAMA
 
 # ------------------------------------------------------------------------------------------ GGUF on a tiny Llama
+
+
+def test_gguf_name_is_the_inverse_of_hf_name(tmp_path, tiny_llama):
+    config = {**gguf_config(write_tiny_gguf(tmp_path / "tiny.gguf", tiny_llama)), "tie_word_embeddings": False}
+    names = list(expected_shapes(config))
+    assert [hf_name(gguf_name(name)) for name in names] == names
+    assert gguf_name("model.layers.0.mlp.up_proj.weight") == "blk.0.ffn_up.weight"
+    assert gguf_name("lm_head.weight") == "output.weight" and gguf_name("model.norm.weight") == "output_norm.weight"
+    assert gguf_name("model.layers.0.self_attn.q_proj.bias") == "blk.0.attn_q.bias"  # as hf_name, any suffix
+    for outside in ("model.layers.0.self_attn.q_norm.weight", "model.layers.x.mlp.up_proj.weight", "lm_head"):
+        assert gguf_name(outside) is None, outside
 
 
 def test_load_gguf_undoes_rotary_permutation_exactly(tmp_path, tiny_llama):
