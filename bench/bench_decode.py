@@ -6,7 +6,7 @@ Rows (bench:"decode", one per system, threads and round; bench:"decode_median" t
   ms_per_token    the median greedy decode token after a --prompt-tokens prompt (--tokens of them)
   prefill_tok_s   a --prefill-tokens prompt's tokens per second (chunks of 256 on the lean decoder)
   baseline_mb     the process's resident memory after its imports, before any weight (what `flashllm run` imports
-                  for the lean decoder; torch alone: torch_mb)
+                  for the lean decoder; torch_mb: python and torch alone)
   rss_mb          after loading the weights
   vs_llama_cpp    ms_per_token / llama.cpp's at the same threads (medians of the same run)
   agree           greedy tokens equal to the lean decoder's of the same round (fp16 weights: a late flip is rounding)
@@ -30,6 +30,7 @@ from bench.common import arg_parser, emit, error_fields, median_rows
 from bench.e2e_common import child_argv, default_store, prompt_ids
 
 MODULE = "bench.bench_decode"
+TOKENIZER_VOCAB = 49152  # the default model's tokenizer: llama.cpp needs one, and the scale checkpoints take it
 COLUMNS = [
     "system",
     "mode",
@@ -64,6 +65,7 @@ def _decode_times(step, first: int, n: int) -> tuple[list[int], list[float]]:
 def run_lean(config: dict) -> dict:
     import torch
 
+    torch_mb = _rss_mb()
     import flashllm_ext.decoder  # noqa: F401  (what `flashllm run` imports before its model)
     import flashllm_ext.hub.tokenizer  # noqa: F401
 
@@ -79,7 +81,7 @@ def run_lean(config: dict) -> dict:
         mode=mode,
         max_len=max(len(prefill), len(prompt) + config["tokens"]) + 1,
     )
-    row = {"baseline_mb": baseline, "rss_mb": _rss_mb()}
+    row = {"baseline_mb": baseline, "torch_mb": torch_mb, "rss_mb": _rss_mb()}
     start = time.perf_counter()
     decoder.prefill(prefill)
     row["prefill_tok_s"] = len(prefill) / (time.perf_counter() - start)
@@ -172,6 +174,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--budget", default="50%", help="the flash modes' DRAM budget (no cgroup: non-I/O cost)")
     parser.add_argument("--store", type=Path, help="a flash store (default: the default model's fp16 store)")
     parser.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp (it builds once, minutes)")
+    parser.add_argument(
+        "--scale",
+        choices=["llama-2-7b"],
+        help="a synthesized checkpoint of these shapes with the default tokenizer's 49152-token vocabulary, as an "
+        "fp16 store and an F16 GGUF of the same weights (each written once, ~13.5 GB)",
+    )
     parser.set_defaults(rounds=3)
     args = parser.parse_args(argv)
     if args.child:
@@ -185,6 +193,9 @@ def main(argv: list[str] | None = None) -> None:
         args.rounds, args.tokens, args.prompt_tokens, args.prefill_tokens = 1, 3, 4, 8
         args.threads = args.threads.split(",")[0]
         notes.append("smoke: a tiny random store; llama.cpp skipped (it needs its own build)")
+    elif args.scale:
+        store, gguf = _scale_files(args.scale)
+        notes.append(f"synthesized weights with {args.scale} shapes (49152-token vocabulary)")
     elif store is None:
         store = default_store(resolve_cache_dir() / "e2e", train_predictors="flash" in args.modes)
     from flashllm_ext.flash.store import FlashStore
@@ -195,7 +206,13 @@ def main(argv: list[str] | None = None) -> None:
     prefill, _ = prompt_ids(args.prefill_tokens, vocab, synthesized=args.smoke)
     if note:
         notes.append(note)
-    if not (args.smoke or args.no_llama_cpp or args.store):
+    if args.no_llama_cpp:
+        gguf = None
+    elif gguf is not None:
+        from flashllm_ext.harness.llama_cpp import ensure_env
+
+        ensure_env()
+    elif not (args.smoke or args.store):
         from flashllm_ext.harness.llama_cpp import ensure_env, write_f16_gguf
         from flashllm_ext.hub import fetch_default
 
@@ -256,6 +273,26 @@ def main(argv: list[str] | None = None) -> None:
         if notes:
             row["note"] = "; ".join(notes)
     emit(medians, args.json, COLUMNS)
+
+
+def _scale_files(name: str) -> tuple[Path, Path]:
+    """(fp16 store, F16 GGUF) of the shared synthesized checkpoint `name` with the default tokenizer's vocabulary,
+    each written once (bench/synth_checkpoint.py, flashllm_ext.harness.llama_cpp.write_llama_gguf)."""
+    from bench.synth_checkpoint import shared_checkpoint
+    from flashllm_ext.errors import FormatError
+    from flashllm_ext.flash.convert import convert
+    from flashllm_ext.flash.store import FlashStore
+    from flashllm_ext.harness.llama_cpp import write_llama_gguf
+    from flashllm_ext.hub import fetch_default
+
+    tokenizer = fetch_default()
+    hf = shared_checkpoint(name, vocab_size=TOKENIZER_VOCAB)
+    store = hf.with_name(hf.name.removesuffix("-hf") + "-store")
+    try:
+        FlashStore(store).close()
+    except (OSError, FormatError):  # none yet, or an older format's
+        convert(hf, store, dtype="fp16", force=True)
+    return store, write_llama_gguf(hf, hf.with_name(hf.name.removesuffix("-hf") + ".F16.gguf"), tokenizer)
 
 
 def _smoke_store(path: Path) -> Path:
