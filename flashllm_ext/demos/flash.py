@@ -90,7 +90,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     # 50%: half the weight bytes, the paper's setting. On this 135M model the resident tensors take
     # 41% and the predictors 9%, so ~1 MB is left for the FFNs: one cache shared by the layers reads each token's
     # set of ~690 neurons in parts with no hits. 85% is the least budget whose per-layer caches hold a token's set
-    # (BENCHMARKS.md, "Default model: budgets and the shared cache").
+    # (docs/benchmarks/bench_e2e.md, "Default model: budgets and the shared cache").
     parser.add_argument("--budget", default="50%", help="DRAM budget: bytes, a share of the model, or a size")
     parser.add_argument("--tokens", type=int, default=64, help="tokens to generate")
     parser.add_argument("--window", type=int, default=5, help="flash: the neuron cache's window in tokens")

@@ -228,10 +228,10 @@ def load_flash(
     (FlashFFN.prefetch, as DejaVu predicts ahead). "ahead": the FFN computes that set (predicted from an input one
     attention earlier: fewer exposed reads, lower recall); "prefetch": the FFN computes the set its predictor
     chooses from its own input, as without look-ahead, and reads only what the prefetch missed (the same results,
-    a second predictor pass). BENCHMARKS.md measures both. cache_layout (flash / exact, CACHE_LAYOUTS): "per-layer"
-    caches (the paper's), "shared" (one row matrix the layers use in turn), or "auto": shared when a per-layer cache
-    would hold less than the predictors' loaded density of a layer's neurons, and no look-ahead is asked for;
-    `model.flash.stats()["cache_layout"]` says which."""
+    a second predictor pass). docs/benchmarks/bench_e2e_scale.md measures both. cache_layout (flash / exact,
+    CACHE_LAYOUTS): "per-layer" caches (the paper's), "shared" (one row matrix the layers use in turn), or "auto":
+    shared when a per-layer cache would hold less than the predictors' loaded density of a layer's neurons, and no
+    look-ahead is asked for; `model.flash.stats()["cache_layout"]` says which."""
     device = cuda_device(device)
     store = FlashStore(store_dir)
     dtype = dtype or store.dtype

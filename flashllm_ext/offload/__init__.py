@@ -29,9 +29,9 @@ Modes, one placement code:
                          in-memory layers decompressed once (dense, as in dense mode), SSD layers read compressed
   endor+more-resident    Endor store; in-memory layers kept compressed, so more of them fit the same budget
 Endor matrices are computed with the fused `endor_linear` for decode (T <= LINEAR_MAX_TOKENS tokens: it reads the
-compressed weight once, measured 1.2-2x dense F.linear and 2-3.5x decompress + F.linear, BENCHMARKS.md) and by
-`endor_decompress` + F.linear for prompts (a GEMM amortises the decompression), DECOMPRESS_BLOCK_BYTES of rows at a
-time into one reused buffer.
+compressed weight once, measured 1.2-2x dense F.linear and 2-3.5x decompress + F.linear,
+docs/benchmarks/bench_endor.md) and by `endor_decompress` + F.linear for prompts (a GEMM amortises the decompression),
+DECOMPRESS_BLOCK_BYTES of rows at a time into one reused buffer.
 
 The store (`LayerStore`): a directory with
   layers.safetensors    every decoder-layer Linear weight (attention and FFN), layer by layer (the flash store's

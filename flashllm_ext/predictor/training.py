@@ -24,7 +24,7 @@ from flashllm_ext.predictor.teal import TealPredictor
 from flashllm_ext.predictor.thresholds import calibrate_thresholds
 
 # The default recipe, the one place that names it (`flashllm train-predictors`, `make demo`, bench_e2e and the
-# engine's stores use it). BENCHMARKS.md, "Predictors": under the 15%-of-the-FFN-bytes
+# engine's stores use it). docs/benchmarks/bench_predictor.md: under the 15%-of-the-FFN-bytes
 # memory bound, quant with a 3-bit W_gate and a 4-bit W_up (14.7%) whose codes GPTQ rounds against the calibration
 # inputs is the measured method with the least loaded density at held-out perplexity <= 1.05x dense: 1.048x at
 # density 0.473 (0.466 interpolated, 1.12x the oracle's), where the same format rounded to nearest needed 0.55

@@ -283,7 +283,8 @@ def test_default_model_target_density_within_002_on_held_out_text(default_model)
         model, predictors, heldout, predictors.true_thresholds, window=512, n_windows=1, progress=False
     )
     assert abs(point["density"] - DEFAULT_DENSITY) <= 0.02, point["density"]
-    # Single layers drift further on 512 tokens (BENCHMARKS.md: up to 0.03 at density 0.35, 0.012 at 0.7).
+    # Single layers drift further on 512 tokens (docs/benchmarks/bench_predictor.md: up to 0.03 at density 0.35,
+    # 0.012 at 0.7).
     errors = [abs(layer["density"] - DEFAULT_DENSITY) for layer in point["layers"]]
     assert max(errors) <= 0.04, errors
 
