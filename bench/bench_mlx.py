@@ -1,4 +1,4 @@
-"""The MLX engine (flashllm_ext.mlx.load_flash) against the torch engine (flashllm_ext.load_flash) on the default
+"""The MLX engine (flashllm_ext.mlx.load_flash) against the torch engine (flashllm_ext.load_decoder) on the default
 model's fp16 store, in one process: greedy decode milliseconds per token in each mode at one DRAM budget, the
 per-token breakdown (I/O, memory management, predictor, FFN compute), bytes read and whether the tokens equal the
 torch engine's dense ones. The models (each mode on both engines) run round-robin (the order rotated every round)
@@ -22,7 +22,6 @@ from bench.common import arg_parser, device_name, emit, time_interleaved
 import flashllm_ext
 from flashllm_ext import mlx as fmlx
 from flashllm_ext.demos.flash import greedy_decode, prepare_store
-from flashllm_ext.mlx.model import MLXLlama
 from flashllm_ext.mlx.transfer import to_mx
 from flashllm_ext.hub import fetch_default, resolve_cache_dir
 
@@ -75,7 +74,9 @@ def main() -> None:
     models, runs = {}, {}
     for mode in args.modes.split(","):
         budget = None if mode == "dense" else args.budget
-        models[("torch", mode, "fp16")] = flashllm_ext.load_flash(store_dir, dram_budget=budget, mode=mode)
+        models[("torch", mode, "fp16")] = flashllm_ext.load_decoder(
+            store_dir, budget, mode=mode, max_len=prompt.shape[1] + args.tokens
+        )
         models[("mlx", mode, "fp16")] = fmlx.load_flash(store_dir, dram_budget=budget, mode=mode)
     if args.mlx_fp32:
         models[("mlx", "dense", "fp32")] = fmlx.load_flash(store_dir, mode="dense", dtype=torch.float32)
@@ -83,9 +84,8 @@ def main() -> None:
     def run(engine: str, mode: str, dtype: str) -> dict:
         model = models[(engine, mode, dtype)]
         if engine == "torch":
-            with torch.inference_mode():
-                ids, seconds = greedy_decode(model, prompt, args.tokens)
-            ids, stats = ids.tolist(), (model.flash.stats() if model.flash is not None else {})
+            ids, seconds = greedy_decode(model, prompt[0].tolist(), args.tokens)
+            stats = model.stats() if model.runtime is not None else {}
         else:
             ids, seconds = model.greedy_decode(prompt, args.tokens)
             stats = model.stats() if model.runtime is not None else {}
@@ -123,10 +123,7 @@ def main() -> None:
             row["vs_torch"] = row["ms_per_token"] / statistics.median(s["ms_per_token"] for s in torch_row)
         rows.append(row)
     for model in models.values():
-        if isinstance(model, MLXLlama):
-            model.close()
-        elif model.flash is not None:
-            model.flash.close()
+        model.close()
     emit(
         rows,
         args.json,

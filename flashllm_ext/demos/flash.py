@@ -73,8 +73,9 @@ def prepare_store(gguf: Path, cache_dir: Path) -> Path:
 
 
 def greedy_decode(decoder: LeanDecoder, prompt: list[int], n_tokens: int) -> tuple[list[int], float]:
-    """(n_tokens generated ids, decode seconds per token). The decoder's stats are reset after the prompt, so
-    decoder.stats() then covers the decode tokens only."""
+    """(n_tokens generated ids, decode seconds per token) of a fresh sequence. The decoder's stats are reset after
+    the prompt, so decoder.stats() then covers the decode tokens only."""
+    decoder.reset()
     token = int(decoder.prefill(prompt).argmax())
     decoder.reset_stats()
     generated = [token]
