@@ -5,8 +5,9 @@ weights as an F16 GGUF), at each thread count, each system in a fresh process, i
 Rows (bench:"decode", one per system, threads and round; bench:"decode_median" the medians):
   ms_per_token    the median greedy decode token after a --prompt-tokens prompt (--tokens of them)
   prefill_tok_s   a --prefill-tokens prompt's tokens per second (chunks of 256 on the lean decoder)
-  baseline_mb     the process's resident memory after its imports, before any weight (what `flashllm run` imports
-                  for the lean decoder; torch_mb: python and torch alone)
+  baseline_mb     resident memory after the imports, before any weight: a bare interpreter importing what `flashllm
+                  run` imports (lean), load_flash and the Llama modeling code (transformers), or llama.cpp's worker's
+                  own figure; torch_mb: python and torch alone
   rss_mb          after loading the weights
   vs_llama_cpp    ms_per_token / llama.cpp's at the same threads (medians of the same run)
   agree           greedy tokens equal to the lean decoder's of the same round (fp16 weights: a late flip is rounding)
@@ -26,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.common import arg_parser, emit, error_fields, median_rows
+from bench.common import arg_parser, emit, error_fields, median_rows, process_memory
 from bench.e2e_common import child_argv, default_store, prompt_ids
 
 MODULE = "bench.bench_decode"
@@ -47,8 +48,7 @@ COLUMNS = [
 
 
 def _rss_mb() -> float:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+    return process_memory()["VmRSS"] / 1e6
 
 
 def _decode_times(step, first: int, n: int) -> tuple[list[int], list[float]]:
@@ -62,14 +62,29 @@ def _decode_times(step, first: int, n: int) -> tuple[list[int], list[float]]:
     return ids, times
 
 
+# What each system's process imports before its first weight, measured in a bare interpreter (a child of this
+# script has imported the benchmark's own modules too): the lean decoder's `flashllm run`, the transformers path's
+# load_flash with its modeling code, and torch alone.
+IMPORTS = {
+    "lean": "import flashllm_ext.cli, flashllm_ext.decoder.generate, flashllm_ext.hub.tokenizer",
+    "transformers": "import flashllm_ext.flash.engine, transformers.models.llama.modeling_llama",
+    "torch": "import torch",
+}
+
+
+def imports_rss_mb(statement: str) -> float:
+    """Resident MB of a fresh interpreter after `statement`."""
+    import subprocess
+
+    rss = "next(int(line.split()[1]) for line in open('/proc/self/status') if line.startswith('VmRSS:')) * 1024 / 1e6"
+    probe = f"{statement}\nprint({rss})"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=300)
+    return float(done.stdout.strip().splitlines()[-1])
+
+
 def run_lean(config: dict) -> dict:
     import torch
 
-    torch_mb = _rss_mb()
-    import flashllm_ext.decoder  # noqa: F401  (what `flashllm run` imports before its model)
-    import flashllm_ext.hub.tokenizer  # noqa: F401
-
-    baseline = _rss_mb()
     from flashllm_ext.decoder import load_decoder
 
     torch.set_num_threads(config["threads"])
@@ -82,7 +97,7 @@ def run_lean(config: dict) -> dict:
         mode=mode,
         max_len=max(len(prefill), len(prompt) + config["tokens"]),
     )
-    row = {"baseline_mb": baseline, "torch_mb": torch_mb, "rss_mb": _rss_mb()}
+    row = {"rss_mb": _rss_mb()}
     if prefill:
         start = time.perf_counter()
         decoder.prefill(prefill)
@@ -104,15 +119,11 @@ def run_lean(config: dict) -> dict:
 def run_transformers(config: dict) -> dict:
     import torch
 
-    import flashllm_ext  # noqa: F401
-    import transformers  # noqa: F401
-
-    baseline = _rss_mb()
     from flashllm_ext.flash.engine import load_flash
 
     torch.set_num_threads(config["threads"])
     model = load_flash(config["store"], mode="dense")
-    row = {"baseline_mb": baseline, "rss_mb": _rss_mb()}
+    row = {"rss_mb": _rss_mb()}
     with torch.inference_mode():
         start = time.perf_counter()
         model(torch.tensor([config["prefill"]]))
@@ -267,11 +278,14 @@ def main(argv: list[str] | None = None) -> None:
                         flush=True,
                     )
     medians = median_rows(rows, ("system", "mode", "threads"), "decode_median")
+    baselines = {name: imports_rss_mb(statement) for name, statement in IMPORTS.items()}
     for row in medians:
         peer = next((r for r in medians if r["system"] == "llama.cpp" and r["threads"] == row["threads"]), None)
         if peer and peer.get("ms_per_token") and row.get("ms_per_token"):
             row["vs_llama_cpp"] = row["ms_per_token"] / peer["ms_per_token"]
         row.pop("round", None)
+        if row["system"] in baselines:
+            row.update(baseline_mb=baselines[row["system"]], torch_mb=baselines["torch"])
         if notes:
             row["note"] = "; ".join(notes)
     emit(medians, args.json, COLUMNS)

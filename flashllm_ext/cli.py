@@ -288,9 +288,8 @@ def _check_tokenizer(args: argparse.Namespace) -> None:
 
 
 def _load_tokenizer(path: Path, n_embeddings: int):
-    """The tokenizer of a .gguf file or a Hugging Face directory, refused (ValueError) when it cannot be loaded or
-    has more tokens than the model has embeddings: a tokenizer of another model, whose ids index past the
-    embedding or name other tokens."""
+    """The transformers tokenizer of a .gguf file or a Hugging Face directory, refused (ValueError) when it cannot be
+    loaded or has more tokens than the model has embeddings (_check_vocabulary)."""
     from transformers import AutoTokenizer
     from transformers.utils import logging
 
@@ -303,12 +302,18 @@ def _load_tokenizer(path: Path, n_embeddings: int):
         raise ValueError(f"--tokenizer {path}: no tokenizer loads from it ({type(e).__name__}: {e})") from None
     finally:
         logging.set_verbosity(verbosity)
-    if len(tokenizer) > n_embeddings:
+    _check_vocabulary(path, len(tokenizer), n_embeddings)
+    return tokenizer
+
+
+def _check_vocabulary(path: Path, n_tokens: int, n_embeddings: int) -> None:
+    """Refuse a tokenizer with more tokens than the model has embeddings: a tokenizer of another model, whose ids
+    index past the embedding or name other tokens."""
+    if n_tokens > n_embeddings:
         raise ValueError(
-            f"--tokenizer {path} has {len(tokenizer)} tokens, the model {n_embeddings} embeddings: "
+            f"--tokenizer {path} has {n_tokens} tokens, the model {n_embeddings} embeddings: "
             "the tokenizer of another model?"
         )
-    return tokenizer
 
 
 def _generate(args: argparse.Namespace, model, stats) -> int:
@@ -350,19 +355,18 @@ def _run(args: argparse.Namespace) -> int:
 
     from flashllm_ext.decoder import load_decoder
     from flashllm_ext.decoder.generate import TextStream, generate
+    from flashllm_ext.flash.engine import check_lookahead
     from flashllm_ext.flash.store import FlashStore
     from flashllm_ext.hub.tokenizer import load_tokenizer
+    from flashllm_ext.runtime import cuda_device
 
     sampling = _sampling(args)
+    cuda_device(args.device)  # the mistakes that need no file first
+    check_lookahead(args.mode, args.lookahead, "auto")
     _check_tokenizer(args)
     tokenizer = load_tokenizer(args.tokenizer)
     with FlashStore(args.store) as store:
-        vocab = int(store.config["vocab_size"])
-    if len(tokenizer) > vocab:
-        raise ValueError(
-            f"--tokenizer {args.tokenizer} has {len(tokenizer)} tokens, the model {vocab} embeddings: "
-            "the tokenizer of another model?"
-        )
+        _check_vocabulary(args.tokenizer, len(tokenizer), int(store.config["vocab_size"]))
     text = tokenizer.chat([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
     prompt = tokenizer.encode(text, add_special_tokens=not args.chat)  # a chat template writes its own
     decoder = load_decoder(
