@@ -199,41 +199,8 @@ def _decoder_attention_default(*args):
 
 
 @torch.library.register_fake("flashllm::decoder_attention")
-def _decoder_attention_fake(
-    x,
-    norm_weight,
-    qkv_weight,
-    qkv_bias,
-    q_norm,
-    k_norm,
-    cos,
-    sin,
-    k_cache,
-    v_cache,
-    o_weight,
-    o_bias,
-    ffn_norm_weight,
-    position,
-    window,
-    eps,
-    scale,
-):
-    _check_decoder_attention_metadata(
-        x,
-        norm_weight,
-        qkv_weight,
-        qkv_bias,
-        q_norm,
-        k_norm,
-        cos,
-        sin,
-        k_cache,
-        v_cache,
-        o_weight,
-        o_bias,
-        ffn_norm_weight,
-        position,
-    )
+def _decoder_attention_fake(x, *rest):
+    _check_decoder_attention_metadata(x, *rest[:13])  # the tensors and the position
     return torch.empty_like(x), torch.empty_like(x)
 
 
