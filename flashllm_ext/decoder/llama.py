@@ -44,7 +44,8 @@ class LlamaLayer:
         self.scale = config.head_dim**-0.5
 
     def tensors(self) -> list[torch.Tensor | None]:
-        return [self.qkv, self.qkv_bias, self.o, self.o_bias, self.attention_norm, self.ffn_norm]
+        norms = [self.attention_norm, self.ffn_norm, self.q_norm, self.k_norm]
+        return [self.qkv, self.qkv_bias, self.o, self.o_bias, *norms]
 
     def ffn_input(self, x: torch.Tensor) -> torch.Tensor:
         """What this layer's FFN would see if the attention added nothing (a look-ahead predictor's input)."""
