@@ -104,8 +104,7 @@ def run_lean(config: dict) -> dict:
         row["prefill_tok_s"] = len(prefill) / (time.perf_counter() - start)
         decoder.reset()
     first = int(decoder.prefill(prompt).argmax())
-    if decoder.runtime is not None:
-        decoder.runtime.counters.reset()
+    decoder.reset_stats()  # the breakdown then covers the decode tokens only
     ids, times = _decode_times(lambda t: int(decoder.forward([t]).argmax()), first, config["tokens"])
     row.update(ids=ids, ms_per_token=statistics.median(times) * 1e3)
     if decoder.runtime is not None:
