@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 SCRIPT = Path(__file__).resolve().parents[2] / ".ci" / "gpu-checks"
-STEPS = ["e2e_flash", "ffn", "tests", "offload_30", "endor", "offload_50"]
+STEPS = ["tests", "e2e_flash", "endor", "offload_30", "offload_50", "ffn"]
 
 
 @pytest.mark.slow
@@ -45,10 +45,9 @@ def test_dry_run_runs_every_step_and_each_writes_rows_without_errors(tmp_path):
     e2e = [json.loads(line) for line in (tmp_path / "bench_e2e_flash_cpu.jsonl").read_text().splitlines()]
     assert {r["mode"] for r in e2e if r["bench"] == "e2e"} == {"naive", "hybrid", "flash-oracle", "flash"}
     offload = [json.loads(line) for line in (tmp_path / "bench_offload_cpu_30.jsonl").read_text().splitlines()]
-    assert sorted(
-        (r["mode"], r["slots"]) for r in offload if r["bench"] == "offload" and r["mode"] != "accelerate"
-    ) == sorted((m, s) for m in ("dense", "endor", "endor+more-resident") for s in (1, 2))
-    assert [r["slots"] for r in offload if r["bench"] == "offload_ratios"] == [1, 2]
+    modes = [r["mode"] for r in offload if r["bench"] == "offload"]
+    assert sorted(modes) == ["accelerate", "dense", "endor", "endor+more-resident"]  # one slot count: the default
+    assert len([r for r in offload if r["bench"] == "offload_ratios"]) == 1
 
 
 def test_unknown_option_is_refused():

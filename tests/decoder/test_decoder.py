@@ -75,6 +75,26 @@ def test_greedy_tokens_and_logits_equal_transformers(models, case, mode):
     decoder.close()
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none on this machine)")
+@pytest.mark.parametrize("case", ["llama", "qwen3", "opt"])
+@pytest.mark.parametrize("mode", ["dense", "hybrid"])
+def test_the_decoder_on_cuda_decodes_what_it_decodes_on_the_cpu(models, case, mode):
+    """The same store on the GPU (weights resident, or streamed to it layer by layer): the CPU's logits and tokens.
+    Hybrid's budget leaves room for the pinned read staging a GPU adds (at 100% of the weights it does not fit)."""
+    _, path = models[case]
+    prompt = _prompt()
+    budget = None if mode == "dense" else "150%"
+    cpu = load_decoder(path, budget, mode=mode, max_len=64, kv_dtype=torch.float32)
+    gpu = load_decoder(path, budget, mode=mode, max_len=64, kv_dtype=torch.float32, device="cuda")
+    want = cpu.forward(prompt, all_logits=True)
+    torch.testing.assert_close(gpu.forward(prompt, all_logits=True).cpu(), want, rtol=1e-3, atol=1e-3)
+    cpu.reset()
+    gpu.reset()
+    assert _greedy(gpu, prompt) == _greedy(cpu, prompt)
+    cpu.close()
+    gpu.close()
+
+
 @pytest.mark.parametrize("case", ["llama", "mistral", "opt"])
 def test_a_prompt_longer_than_one_chunk(models, case):
     model, path = models[case]
