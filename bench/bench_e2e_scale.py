@@ -11,7 +11,8 @@ FFN's share of --budget (of the whole model's weight bytes, the resident tensors
 them). --full adds whole-model rows (load_flash at --budget, a prompt of --prompt-tokens held-out tokens, then
 --full-tokens greedy tokens) and the accelerate peer on the same checkpoint; --full-only runs those alone;
 --lookahead ahead,prefetch adds each whole-model flash row with those look-ahead modes, and each --flash-options JSON
-one with those load_flash keyword arguments. The configurations run round-robin for --rounds rounds; the summary
+a flash row with those keyword arguments (load_flash's in a whole-model row, ffn_stack's in an FFN-stack row: e.g.
+cache_layout, window). The configurations run round-robin for --rounds rounds; the summary
 rows (bench:"e2e_median") are per-configuration medians. --smoke: the checkpoints at their smoke shapes.
 
     python -m bench.bench_e2e_scale [--json] [--budget 50%] [--tokens 32] [--rounds 3] [--device cpu|cuda]
@@ -198,14 +199,15 @@ def run_scale(args) -> list[dict]:
                     )
                 continue
             if not args.full_only:
-                configs.append(
-                    {
-                        **common,
-                        "model": f"{name} (synthesized checkpoint{shapes}, FFN stack)",
-                        "budget_bytes": model_budget - resident,
-                        "tokens": args.tokens,
-                    }
-                )
+                stack = {
+                    **common,
+                    "model": f"{name} (synthesized checkpoint{shapes}, FFN stack)",
+                    "budget_bytes": model_budget - resident,
+                    "tokens": args.tokens,
+                }
+                configs.append(stack)
+                if mode == "flash":
+                    configs += [{**stack, "options": json.loads(options)} for options in args.flash_options]
             if args.full or args.full_only:
                 configs.append(whole)
                 if mode == "flash":
@@ -285,8 +287,8 @@ def main(argv: list[str] | None = None) -> None:
         action="append",
         default=[],
         metavar="JSON",
-        help="--full: a whole-model flash row also with these load_flash keyword arguments, e.g. "
-        '\'{"window": 20}\' or \'{"cache_layout": "per-layer"}\' (repeatable)',
+        help="a flash row also with these keyword arguments (load_flash's / ffn_stack's), e.g. "
+        '\'{"window": 20}\' or \'{"cache_layout": "hot-cold"}\' (repeatable)',
     )
     parser.add_argument(
         "--lookahead",

@@ -48,6 +48,7 @@ COLUMNS = [
     "mode",
     "options",
     "cache_layout",
+    "hot_fraction",
     "budget_mb",
     "cgroup_limit_mb",
     "cgroup_peak_mb",

@@ -219,6 +219,7 @@ def run_child(config: dict, load: Callable[[dict], tuple] = _load) -> dict:
                     "accounted_bytes",
                     "reader_bounce_bytes",
                     "cache_layout",
+                    "hot_fraction",
                 )
             }
         )

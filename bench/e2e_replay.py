@@ -27,7 +27,8 @@ class ReplayedSets(NeuronPredictor):
     memory is what this one holds (charged to the budget by the engine) and it scores every input (its answer
     discarded), so a row pays what a real predictor would at that size. Without one (the oracle), nothing.
     ahead_masks: the sets the predictors choose from the look-ahead input, replayed by predict_ahead (the engine's
-    prefetch, load_flash(lookahead=...)); without them, predict's."""
+    prefetch, load_flash(lookahead=...)); without them, predict's. frequency: the predictors' calibration
+    frequencies tiled the same way ([layers, neurons]; the hot-cold layout pins by them), zeros without."""
 
     def __init__(
         self,
@@ -36,9 +37,12 @@ class ReplayedSets(NeuronPredictor):
         hidden_size: int,
         cost: NeuronPredictor | None = None,
         ahead_masks: torch.Tensor | None = None,
+        frequency: torch.Tensor | None = None,
     ):
         super().__init__(masks.shape[1], hidden_size, masks.shape[2])  # thresholds 0 (ReLU: exact zeros only)
         self.masks, self.at, self.cost = masks, at, cost
+        if frequency is not None:
+            self.frequency.copy_(frequency)
         self.ahead_masks = masks if ahead_masks is None else ahead_masks
 
     @property
@@ -61,15 +65,19 @@ class ReplayedSets(NeuronPredictor):
 def scale_cost_predictor(predictors_path: str, store) -> NeuronPredictor:
     """The predictors' method and settings at the store's shapes, every buffer filled with random values (so its
     pages are resident, as trained weights' would be): what that predictor costs a layer of the large model.
-    Low-rank ranks repeat the small model's per-layer ranks; quant takes the store's gate / activation / biases."""
+    Low-rank ranks repeat the small model's per-layer ranks; quant takes the store's gate / activation / biases and,
+    when the small one had column groups, the default group of the store's hidden size."""
     from flashllm_ext.flash.ffn import store_activation
     from flashllm_ext.predictor import load_predictors, predictor_class
+    from flashllm_ext.predictor.quant import default_group_size
 
     small = load_predictors(predictors_path).config()
     config = {**small, "n_layers": store.n_layers, "hidden_size": store.hidden_size, "n_neurons": store.n_neurons}
     if "ranks" in small:
         config["ranks"] = [small["ranks"][i % len(small["ranks"])] for i in range(store.n_layers)]
     if small["method"] == "quant":
+        if small.get("group_size") is not None:  # the default's "auto" group, chosen again for the large rows
+            config["group_size"] = default_group_size(store.hidden_size)
         config.update(
             glu=store.glu,
             activation=store_activation(store),
@@ -84,6 +92,17 @@ def scale_cost_predictor(predictors_path: str, store) -> NeuronPredictor:
             else:
                 t.copy_(torch.randn(t.shape, generator=generator).mul_(0.02))
     return cost.eval()
+
+
+def scale_frequency(config: dict, n_layers: int, n_neurons: int) -> torch.Tensor | None:
+    """float [n_layers, n_neurons]: the default model's predictors' calibration frequencies (a flash row's
+    config["predictors"]), tiled as their sets are; None without predictors (flash-oracle)."""
+    from bench.traces import tile_layers
+    from flashllm_ext.predictor import load_predictors
+
+    if not config.get("predictors"):
+        return None
+    return tile_layers(load_predictors(config["predictors"]).frequency[None], n_layers, n_neurons)[0]
 
 
 def scale_masks(config: dict, n_tokens: int, n_layers: int, n_neurons: int, ahead: bool | None = None) -> torch.Tensor:
@@ -126,7 +145,8 @@ def load_replayed(config: dict):
         scale_masks(config, n_tokens, store.n_layers, store.n_neurons, ahead=True) if config.get("lookahead") else None
     )
     cost = scale_cost_predictor(config["predictors"], store) if config.get("predictors") else None
-    predictors = ReplayedSets(masks, at, store.hidden_size, cost, ahead)
+    frequency = scale_frequency(config, store.n_layers, store.n_neurons)
+    predictors = ReplayedSets(masks, at, store.hidden_size, cost, ahead, frequency)
     model = flashllm_ext.load_flash(
         config["store"],
         config["budget_bytes"],
@@ -168,13 +188,15 @@ def run_scale_child(config: dict) -> dict:
             else None
         )
         cost = scale_cost_predictor(config["predictors"], store) if config.get("predictors") else None
-        predictors = None if masks is None else ReplayedSets(masks, at, store.hidden_size, cost)
+        frequency = scale_frequency(config, store.n_layers, store.n_neurons)
+        predictors = None if masks is None else ReplayedSets(masks, at, store.hidden_size, cost, frequency=frequency)
         runtime = ffn_stack(
             store,
             "flash" if predictors is not None else config["mode"],
             config["budget_bytes"],
             predictors=predictors,
             device=device,
+            **config.get("options", {}),
         )
         generator = torch.Generator().manual_seed(0)
         times = []
@@ -206,6 +228,8 @@ def run_scale_child(config: dict) -> dict:
             accounted_bytes=stats["accounted_bytes"],
             reads_per_token=runtime.counters.n_reads / len(times),
             mean_read_bytes=stats["mean_read_bytes"],
+            cache_layout=stats["cache_layout"],
+            hot_fraction=stats["hot_fraction"],
             **{
                 k: getattr(runtime.counters, k.removesuffix("_ms") + "_s") * per
                 for k in ("io_ms", "hidden_io_ms", "mem_ms", "predictor_ms", "compute_ms")

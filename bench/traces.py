@@ -56,9 +56,14 @@ def predictor_training(method: str, target_sparsity: float) -> tuple[str, ...]:
 
 
 def trained_predictors(cache: Path, train_args: tuple[str, ...]) -> Path:
-    """A predictors file of the default model built (once) by `flashllm train-predictors default *train_args`."""
+    """A predictors file of the default model built (once) by `flashllm train-predictors default *train_args`; again
+    if the cached one was built before predictors kept their calibration frequencies (all zero)."""
+    from flashllm_ext.predictor import load_predictors
+
     path = cache / f"smollm2-135m-predictors-{'-'.join(train_args[1::2])}.safetensors"
-    if not path.is_file():
+    if not path.is_file() or not load_predictors(path).frequency.any():
+        for sets in path.parent.glob(f"sets-{path.stem}-*.pt"):  # the sets the old file chose (predicted_masks)
+            sets.unlink()
         path.parent.mkdir(parents=True, exist_ok=True)
         subprocess.run(
             [sys.executable, "-m", "flashllm_ext.cli", "train-predictors", "default", "--out", str(path), *train_args],
@@ -156,10 +161,16 @@ def tile_masks(masks: torch.Tensor, n_layers: int, n_neurons: int) -> torch.Tens
 
     Neuron j of large layer l takes block j // N0 from small layer (l * blocks + j // N0) % L0, so a large layer is
     a concatenation of whole small layers (each keeps its own density and token-to-token persistence) and
-    consecutive large layers use different small layers.
+    consecutive large layers use different small layers. Per-neuron values [T, L0, N0] of any dtype (the
+    predictors' frequencies) tile the same way with tile_layers.
     """
     if masks.dim() != 3 or masks.dtype != torch.bool:
         raise ValueError(f"masks must be bool [tokens, layers, neurons], got {masks.dtype} {tuple(masks.shape)}")
+    return tile_layers(masks, n_layers, n_neurons)
+
+
+def tile_layers(masks: torch.Tensor, n_layers: int, n_neurons: int) -> torch.Tensor:
+    """tile_masks' tiling of any [T, L0, N0] tensor."""
     _, small_layers, small_neurons = masks.shape
     blocks = -(-n_neurons // small_neurons)
     layers = []

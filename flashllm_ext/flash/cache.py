@@ -25,6 +25,10 @@ the rows (flashllm_ext/flash/transfer.py). Row order, and so every row's content
 Capacity comes from a byte budget (or is given); when the window's union does not fit, the least recently active
 rows that the current token does not need are evicted early and counted in StepStats.evicted_budget. A token
 whose own active set exceeds the capacity raises ValueError. After construction a step allocates no tensor memory.
+
+Pinned neurons (the engine's hot set, `pinned_ids`) are read once at construction and never leave: a step drops
+them from its set before planning, so their last_active stays at _PINNED, past every window and last in the
+budget's least-recently-active order. The other neurons share the `step_capacity` rows left.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from flashllm_ext.flash.store import FlashStore
 from flashllm_ext.flash.transfer import Transfer, make_transfer
 
 _NEVER = -(1 << 62)  # last_active of a neuron never seen: outside every window
+_PINNED = 1 << 62  # last_active of a pinned neuron: inside every window, the most recent for the budget rule
 
 
 @dataclass(frozen=True)
@@ -89,7 +94,8 @@ class NeuronCache:
     holds (matrix, pointer, bias, per-neuron state, scratch), from which the capacity follows. window: tokens.
     reader: the FlashReader to read bundles with (default: the store's shared one, shared_reader(store)).
     device: where the rows live ("cpu" or "cuda"); transfer: the flashllm_ext.flash.transfer object that places them
-    (default: a new one for `device`; a model's caches share one).
+    (default: a new one for `device`; a model's caches share one). pinned_ids: int64 [h] distinct neurons held in
+    rows from construction on and never evicted (fewer than the capacity).
     """
 
     def __init__(
@@ -103,6 +109,7 @@ class NeuronCache:
         reader: FlashReader | None = None,
         device: str | torch.device | None = None,
         transfer: Transfer | None = None,
+        pinned_ids: torch.Tensor | None = None,
     ):
         self.store = store if isinstance(store, FlashStore) else FlashStore(store)
         if not 0 <= layer < self.store.n_layers:
@@ -149,21 +156,47 @@ class NeuronCache:
         self.num_used = 0
         self.steps = 0
         self.reader = reader if reader is not None else shared_reader(self.store)
+        self.pinned = torch.zeros(n, dtype=torch.bool)  # neurons that never leave (all False: none)
+        self.step_capacity = capacity  # rows the unpinned neurons share
+        if pinned_ids is not None and pinned_ids.numel():
+            self._pin(pinned_ids)
+
+    def _pin(self, ids: torch.Tensor) -> None:
+        ids = self.store.check_ids(ids)
+        if ids.unique().numel() != ids.numel() or ids.numel() >= self.capacity:
+            raise ValueError(
+                f"pinned_ids must be distinct and fewer than the capacity ({self.capacity}), got {ids.numel()}"
+            )
+        self.begin_step(ids).finish()
+        self.pinned[ids] = True
+        self.last_active[ids] = _PINNED
+        self.step_capacity, self.steps = self.capacity - ids.numel(), 0
+
+    @property
+    def n_pinned(self) -> int:
+        return self.capacity - self.step_capacity
+
+    def partition(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the pinned ones of neuron `ids`, the others), each in the order given."""
+        if not self.n_pinned:
+            return ids[:0], ids
+        pinned = self.pinned[ids]
+        return ids[pinned], ids[~pinned]
 
     @staticmethod
     def bytes_for(store: FlashStore, with_bias: bool, staged: bool = False) -> tuple[int, int]:
         """(fixed bytes, bytes per row) of a cache over `store`: per-neuron state (slot_of, last_active, the
-        resident bias vector) and per row (bundle, pointer, bias, two int64 scratch entries, a row id; staged on a
+        pinned mask, the resident bias vector) and per row (bundle, pointer, bias, two int64 scratch entries, a row id; staged on a
         device: the device's pointer too). The transfer's shared staging buffer is counted by its owner."""
         item = store.dtype.itemsize
-        fixed = store.n_neurons * (8 + 8 + (item if with_bias else 0))
+        fixed = store.n_neurons * (8 + 8 + 1 + (item if with_bias else 0))
         per_row = store.row_bytes + 8 * (5 if staged else 4) + (item if with_bias else 0)
         return fixed, per_row
 
     def step(self, active_ids: torch.Tensor) -> StepStats:
         """Make the cache hold the neurons active in the last `window` tokens, this token's `active_ids` (int64
         [k], any order, repeats allowed, in [0, n_neurons)) included. Raises ValueError, changing nothing, for ids
-        out of range or more distinct ids than the capacity."""
+        out of range or more distinct unpinned ids than the step capacity."""
         return self.begin_step(active_ids).finish()
 
     def begin_step(self, active_ids: torch.Tensor, background: bool = False, same_token: bool = False) -> PendingStep:
@@ -178,6 +211,14 @@ class NeuronCache:
         if active_ids.device.type != "cpu":
             raise ValueError(f"active_ids must be on the CPU, got {active_ids.device}")
         t0 = time.perf_counter()
+        if self.n_pinned:  # cached for good: nothing to plan (and their last_active stays _PINNED)
+            active_ids = self.store.check_ids(active_ids)
+            active_ids = active_ids[~self.pinned[active_ids]]
+            if active_ids.numel() > self.step_capacity and active_ids.unique().numel() > self.step_capacity:
+                raise ValueError(
+                    f"{active_ids.unique().numel()} distinct unpinned neurons do not fit the "
+                    f"{self.step_capacity} rows the {self.n_pinned} pinned ones leave; raise the byte budget"
+                )
         step = self.steps if same_token else self.steps + 1
         if same_token and self.steps:
             self._spare_last_step(active_ids)
@@ -231,6 +272,8 @@ class NeuronCache:
         another layer has overwritten them since this layer's last step."""
         if not 0 <= layer < self.store.n_layers:
             raise ValueError(f"layer {layer} out of range [0, {self.store.n_layers})")
+        if self.n_pinned:
+            raise ValueError("a cache with pinned neurons holds one layer's: it cannot serve another")
         if (input_bias is None) != (self._bias_all is None):
             raise ValueError(
                 f"layer {layer}'s input bias is {'absent' if input_bias is None else 'present'}, "
@@ -274,7 +317,7 @@ class NeuronCache:
 
     def __repr__(self) -> str:
         return (
-            f"NeuronCache(layer={self.layer}, capacity={self.capacity}, window={self.window}, "
+            f"NeuronCache(layer={self.layer}, capacity={self.capacity}, pinned={self.n_pinned}, window={self.window}, "
             f"num_used={self.num_used}, nbytes={self.nbytes})"
         )
 

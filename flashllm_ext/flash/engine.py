@@ -116,7 +116,7 @@ def _install(
 
 def check_lookahead(mode: str, lookahead: str | None, cache_layout: str) -> str:
     """ValueError for a mode or a look-ahead the engine does not run, or a look-ahead without per-layer caches;
-    returns the cache layout to build ("per-layer" whenever look-ahead is on)."""
+    returns the cache layout to build ("auto" is "per-layer" when look-ahead is on)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if lookahead is not None and lookahead not in LOOKAHEAD_MODES:
@@ -128,7 +128,7 @@ def check_lookahead(mode: str, lookahead: str | None, cache_layout: str) -> str:
             "lookahead needs per-layer caches (a prefetched set must stay in its layer's rows), not "
             "cache_layout='shared'"
         )
-    return "per-layer" if lookahead else cache_layout
+    return "per-layer" if lookahead and cache_layout == "auto" else cache_layout
 
 
 def _look_ahead(ffn: FlashFFN, norm: nn.Module, _layer: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -229,9 +229,11 @@ def load_flash(
     attention earlier: fewer exposed reads, lower recall); "prefetch": the FFN computes the set its predictor
     chooses from its own input, as without look-ahead, and reads only what the prefetch missed (the same results,
     a second predictor pass). docs/benchmarks/bench_e2e_scale.md measures both. cache_layout (flash / exact,
-    CACHE_LAYOUTS): "per-layer" caches (the paper's), "shared" (one row matrix the layers use in turn), or "auto":
-    shared when a per-layer cache would hold less than the predictors' loaded density of a layer's neurons, and no
-    look-ahead is asked for; `model.flash.stats()["cache_layout"]` says which."""
+    CACHE_LAYOUTS): "per-layer" caches (the paper's), "shared" (one row matrix the layers use in turn), "hot-cold"
+    (per-layer caches that pin the neurons the predictors' calibration found most often active, the split chosen by
+    flashllm_ext.flash.hot_cold), or "auto": shared when a per-layer cache would hold less than the predictors'
+    loaded density of a layer's neurons, and no look-ahead is asked for; `model.flash.stats()["cache_layout"]`
+    says which (and "hot_fraction" how much is pinned)."""
     device = cuda_device(device)
     store = FlashStore(store_dir)
     dtype = dtype or store.dtype

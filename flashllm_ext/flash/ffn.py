@@ -6,7 +6,9 @@ rows of the cache (+ the output projection's bias). A forward of T tokens (a pro
 each group's union of active sets fits the cache: one cache step (one batch of coalesced reads) per group, then
 one sparse_ffn call per token with that token's own rows, so a prompt costs a few large reads, not T steps, and
 every token still follows the active-neuron rule exactly (flashllm_ext.predictor.rule). A token whose own set exceeds
-the cache is computed in capacity-sized parts.
+the cache is computed in capacity-sized parts. With a hot set (`hot_ids`: the engine's hot-cold layout) those neurons
+are pinned in the cache, read once and never evicted; a token reads only its cold misses, and only its cold neurons
+count against the rows the hot set leaves.
 
 StreamingFFN (the paper's baselines): the first `resident_rows` bundles of the layer are read once and kept, the
 others are re-read from flash on every forward into a staging buffer that all layers share; every neuron is
@@ -156,7 +158,8 @@ class FlashFFN(nn.Module):
     engine's shared cache layout, for budgets whose per-layer caches would hold less than a token's set): each
     forward first makes it serve this layer (NeuronCache.serve), so nothing is reused across tokens and there is no
     look-ahead, but a set is read and computed in a few large parts; the cache is counted by its owner, not in
-    `nbytes`, and capacity / budget_bytes / window / reader / device / transfer are its own.
+    `nbytes`, and capacity / budget_bytes / window / reader / device / transfer are its own. hot_ids: int64 [h]
+    neurons pinned in the cache of this layer (NeuronCache pinned_ids; not with a shared cache).
     """
 
     def __init__(
@@ -179,6 +182,7 @@ class FlashFFN(nn.Module):
         lookahead: str = "ahead",
         ahead_predictor: Predictor | None = None,
         cache: NeuronCache | None = None,
+        hot_ids: torch.Tensor | None = None,
     ):
         super().__init__()
         if prefill not in PREFILL_PATHS:
@@ -210,7 +214,10 @@ class FlashFFN(nn.Module):
                 reader=reader,
                 device=device,
                 transfer=transfer,
+                pinned_ids=hot_ids,
             )
+        elif hot_ids is not None:
+            raise ValueError("a hot set is pinned in a layer's own cache, not in a shared one")
         elif capacity is not None or budget_bytes is not None:
             raise ValueError(
                 "a shared cache has its own capacity and budget: give cache or capacity / budget_bytes, not both"
@@ -297,7 +304,8 @@ class FlashFFN(nn.Module):
             return
         self._finish_ahead()  # a set chosen ahead that no forward took (that forward failed): land its reads
         _, ids = self._token_sets(flat, self.ahead_predictor)
-        self._ahead = (ids, self._begin(ids, background=True) if ids.numel() <= self.cache.capacity else None)
+        fits = self.cache.partition(ids)[1].numel() <= self.cache.step_capacity
+        self._ahead = (ids, self._begin(ids, background=True) if fits else None)
 
     def _finish_ahead(self) -> bool:
         """Land the reads of a set chosen ahead (counted as prefetched); whether there were any."""
@@ -341,8 +349,11 @@ class FlashFFN(nn.Module):
         self.stats.compute_s += self.cache.transfer.clock() - start
 
     def _run_set(self, x: torch.Tensor, ids: torch.Tensor, out: torch.Tensor) -> None:
-        """The FFN of x over distinct neuron `ids`, in capacity-sized parts if they do not fit the cache."""
-        for part in ids.split(self.cache.capacity):
+        """The FFN of x over distinct neuron `ids`, in parts whose unpinned neurons fit the cache if they do not
+        (the pinned ones with the first part)."""
+        hot, cold = self.cache.partition(ids)
+        for i, part in enumerate(cold.split(self.cache.step_capacity) if cold.numel() else [cold]):
+            part = torch.cat([hot, part]) if i == 0 and hot.numel() else part
             self._step(part)
             self._compute(x, part, out)
 
@@ -380,7 +391,7 @@ class FlashFFN(nn.Module):
         else:
             for first, last in self._groups(masks):
                 group_union = masks[first:last].any(dim=0).nonzero().flatten()
-                if group_union.numel() > self.cache.capacity:  # a single token larger than the cache
+                if self.cache.partition(group_union)[1].numel() > self.cache.step_capacity:  # one token > the cache
                     self._run_set(xs[first:last], group_union, out[first:last])
                     continue
                 if last - first == 1 and self.overlap:  # a decode step: hide the reads behind the hits' compute
@@ -402,7 +413,7 @@ class FlashFFN(nn.Module):
     def _prefill_sequential(self, xs: torch.Tensor, masks: torch.Tensor, out: torch.Tensor) -> None:
         """Every bundle of the layer read in capacity-sized runs of consecutive neurons (a few long reads), each token
         computed over its own active neurons of each run: the same sums as the union path."""
-        for part in torch.arange(self.store.n_neurons).split(self.cache.capacity):
+        for part in torch.arange(self.store.n_neurons).split(self.cache.step_capacity):
             self._step(part)
             first = int(part[0])
             for t in range(xs.shape[0]):
@@ -442,13 +453,14 @@ class FlashFFN(nn.Module):
         )
 
     def _groups(self, masks: torch.Tensor) -> list[tuple[int, int]]:
-        """Consecutive token ranges [first, last) whose union of active sets fits the cache (a token whose own
-        set does not fit is a range of its own)."""
-        capacity, groups, first = self.cache.capacity, [], 0
+        """Consecutive token ranges [first, last) whose union of active unpinned neurons fits the cache (a token
+        whose own set does not fit is a range of its own)."""
+        capacity, groups, first = self.cache.step_capacity, [], 0
         union = torch.zeros(masks.shape[1], dtype=torch.bool)
+        unpinned = ~self.cache.pinned
         for t in range(masks.shape[0]):
             grown = union | masks[t]
-            if t > first and int(grown.sum()) > capacity:
+            if t > first and int((grown & unpinned).sum()) > capacity:
                 groups.append((first, t))
                 first, grown = t, masks[t].clone()
             union = grown

@@ -11,6 +11,7 @@ from torch import nn
 
 from flashllm_ext.flash.cache import NeuronCache, input_bias_role
 from flashllm_ext.flash.ffn import FFNStats, FlashFFN
+from flashllm_ext.flash.hot_cold import hot_count, hot_ids
 from flashllm_ext.flash.streaming import StreamingFFN
 from flashllm_ext.flash.reader import DEFAULT_MAX_READ, FlashReader
 from flashllm_ext.flash.store import FlashStore
@@ -21,9 +22,10 @@ from flashllm_ext.runtime import Runtime, deprecated_alias
 MODES = ("dense", "naive", "hybrid", "flash", "exact")
 # How flash / exact mode lays out its caches: one per layer (the paper's: hits across tokens), or one NeuronCache that
 # every layer uses in turn (no hits; for budgets whose per-layer caches would hold less than a token's set, which
-# they would then read and compute in many small parts). "auto": shared exactly then, judged by the
-# predictors' calibrated loaded density (per-layer when it is unknown).
-CACHE_LAYOUTS = ("auto", "per-layer", "shared")
+# they would then read and compute in many small parts), or per-layer caches that pin each layer's most frequently
+# active neurons and keep a window cache for the rest ("hot-cold": flashllm_ext.flash.hot_cold splits the rows).
+# "auto": shared exactly then, judged by the predictors' calibrated loaded density (per-layer when it is unknown).
+CACHE_LAYOUTS = ("auto", "per-layer", "shared", "hot-cold")
 
 
 def store_ffn_bytes(store: FlashStore) -> int:
@@ -45,7 +47,7 @@ class FlashRuntime(Runtime):
     reader: FlashReader | None
     originals: list[tuple[nn.Module, dict[str, nn.Module]]] = field(default_factory=list)
     predictors: nn.Module | None = None
-    cache_layout: str | None = None  # flash / exact: "per-layer" or "shared" (CACHE_LAYOUTS); None otherwise
+    cache_layout: str | None = None  # flash / exact: "per-layer", "shared" or "hot-cold" (CACHE_LAYOUTS); else None
     hooks: list = field(default_factory=list)  # the look-ahead hooks on the decoder layers (removable handles)
 
     @property
@@ -86,8 +88,15 @@ class FlashRuntime(Runtime):
             "predictor_bytes": self.predictor_bytes,
             "ffn_bytes": self.ffn_bytes,
             "cache_layout": self.cache_layout,
+            "hot_fraction": self.hot_fraction,
             "reader_bounce_bytes": None if self.reader is None else self.reader.bounce_bytes(),
         }
+
+    @property
+    def hot_fraction(self) -> float:
+        """The share of the FFN neurons pinned in the caches (the hot-cold layout; 0 otherwise)."""
+        pinned = sum(m.cache.n_pinned for m in self.modules if isinstance(m, FlashFFN) and not m.shares_cache)
+        return pinned / (self.store.n_layers * self.store.n_neurons)
 
     flash_stats = deprecated_alias(stats, "FlashRuntime.flash_stats()", "FlashRuntime.stats()")
 
@@ -152,6 +161,7 @@ def _make_modules(
             )
         elif per_layer is not None and per_layer < fixed + per_row:
             raise too_small(n_layers * (fixed + per_row))
+        hot = _hot_sets(store, predictors if flash else None, per_layer, fixed, per_row, window, layout)
         # (a predictor may choose its sets ahead its own way: bench_e2e_scale's replayed sets)
         ahead = getattr(predictors, "predict_ahead", None) if flash else None
         modules = [
@@ -169,6 +179,7 @@ def _make_modules(
                 lookahead=lookahead,
                 ahead_predictor=None if ahead is None else partial(ahead, i),
                 cache=cache,
+                hot_ids=hot[i],
             )
             for i in range(n_layers)
         ]
@@ -195,6 +206,26 @@ def _make_modules(
     staging = transfer.empty((n - resident_rows, store.bundle_width), store.dtype)
     modules = [streaming_class(store, i, resident_rows, staging, reader, stats, transfer) for i in range(n_layers)]
     return modules, staging.nbytes + transfer.nbytes + sum(m.nbytes for m in modules)
+
+
+def _hot_sets(
+    store: FlashStore, predictors, per_layer: int | None, fixed: int, per_row: int, window: int, layout: str
+) -> list[torch.Tensor | None]:
+    """Per layer, the neurons its cache pins (the hot-cold layout; None: none), by the predictors' calibration
+    frequencies (exact mode, no predictors: every neuron is always active, so the first ones)."""
+    n_layers, n = store.n_layers, store.n_neurons
+    if layout != "hot-cold":
+        return [None] * n_layers
+    if per_layer is None:
+        raise ValueError("cache_layout='hot-cold' splits a byte budget between hot and cold rows: give a budget")
+    frequency = torch.ones(n_layers, n) if predictors is None else getattr(predictors, "frequency", None)
+    if frequency is None or not frequency.any():
+        raise ValueError(
+            "cache_layout='hot-cold' pins neurons by their calibration frequency, which these predictors do not "
+            "carry: build them again (flashllm train-predictors)"
+        )
+    frequency, rows = frequency.float().cpu(), min(n, (per_layer - fixed) // per_row)
+    return [hot_ids(frequency[i], hot_count(frequency[i], rows, store.row_bytes, window)) for i in range(n_layers)]
 
 
 def _cache_layout(cache_layout: str, store: FlashStore, predictors, transfer: Transfer, ffn_budget: int | None) -> str:

@@ -9,7 +9,8 @@ score quantile that keeps that fraction of (token, neuron) pairs on calibration 
 `thresholds` [L] are the rule's per-layer thresholds the kernel applies to the loaded neurons (0: every loaded
 neuron is computed). `true_thresholds` [L] (0 if unknown) are the rule's thresholds whose true active sets have the
 predictors' loaded density on the calibration text: the oracle at the same density, against which recall is
-measured. A method registers itself by subclassing with `method = "<name>"`; `save`/`load` in
+measured. `frequency` [L, n] is the fraction of the calibration tokens whose predicted set holds each neuron (set with
+the density; zeros: unknown), the statistics the engine's hot-cold cache pins its hot neurons by. A method registers itself by subclassing with `method = "<name>"`; `save`/`load` in
 `predictor.io` store `config()` (JSON) next to the tensors of `state_dict()` and rebuild with `from_config`.
 """
 
@@ -56,6 +57,7 @@ class NeuronPredictor(nn.Module):
         self.register_buffer("thresholds", _per_layer(thresholds, n_layers, "thresholds", 0.0))
         self.register_buffer("cutoffs", _per_layer(cutoffs, n_layers, "cutoffs", 0.0))
         self.register_buffer("true_thresholds", torch.zeros(n_layers))
+        self.register_buffer("frequency", torch.zeros(n_layers, n_neurons))
 
     def scores(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         """float32 [T, n]: how likely each neuron is active for each input x [T, d] (higher: more)."""
@@ -86,12 +88,15 @@ class NeuronPredictor(nn.Module):
     @torch.no_grad()
     def set_density(self, inputs: Sequence[torch.Tensor], density: float | Sequence[float]) -> torch.Tensor:
         """Cut-offs so that a fraction `density` (one for all layers, or one per layer) of the (token, neuron)
-        pairs of the calibration inputs (per layer [N, d]) is predicted active. Returns the cut-offs [L]."""
+        pairs of the calibration inputs (per layer [N, d]) is predicted active, and each neuron's frequency in
+        those sets. Returns the cut-offs [L]."""
         densities = self.layer_densities(inputs, density)
-        cutoffs = torch.stack(
-            [keep_cutoff(self.scores(i, x.float()), float(densities[i])) for i, x in enumerate(inputs)]
-        )
-        self.set_cutoffs(cutoffs)
+        cutoffs = []
+        for i, x in enumerate(inputs):
+            scores = self.scores(i, x.float())
+            cutoffs.append(keep_cutoff(scores, float(densities[i])))
+            self.frequency[i] = (scores > cutoffs[-1]).float().mean(dim=0)
+        self.set_cutoffs(torch.stack(cutoffs))
         self.loaded_density = float(densities.mean())
         return cutoffs
 

@@ -44,6 +44,7 @@ DEFAULT_RECIPE = {
     "up_bits": DEFAULT_UP_BITS,
     "rounding": DEFAULT_ROUNDING,
     "group_size": DEFAULT_GROUP_SIZE,
+    "statistics": "frequency",
 }
 
 
@@ -65,8 +66,9 @@ def predictors_recipe_of(
     """The recipe saved with a store's predictors (io.save_predictors_to_store): the options build_predictors was
     given. Bits, rounding and group size only for quant; rounding, group size and allocation only where they are not
     the original "nearest" / per row / "uniform", so the recipes of stores built before those options existed still
-    read the same."""
-    recipe: dict = {"method": method, "density": density}
+    read the same. "statistics": what the predictors carry beside their scores (the neurons' calibration frequency,
+    which predictors built before it was kept lack)."""
+    recipe: dict = {"method": method, "density": density, "statistics": "frequency"}
     if method == "quant":
         recipe |= {"gate_bits": gate_bits, "up_bits": up_bits}
         if rounding != "nearest":

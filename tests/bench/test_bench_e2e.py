@@ -156,7 +156,9 @@ def test_scale_rows_pay_for_a_predictor_of_the_large_shapes(tmp_path, monkeypatc
             assert cost.config()["ranks"] == [2, 3]
         assert cost.memory_bytes == type(cost).from_config(cost.config()).memory_bytes > 0
         masks = torch.rand(4, 2, 256) < 0.1
-        replayed = ReplayedSets(masks, [1], 64, cost)
+        frequency = masks.float().mean(dim=0)
+        replayed = ReplayedSets(masks, [1], 64, cost, frequency=frequency)
+        assert torch.equal(replayed.frequency, frequency)  # what the hot-cold layout pins by
         calls, scores = [], cost.scores  # recorded, and still run at the large shapes
         monkeypatch.setattr(cost, "scores", lambda layer, x: calls.append((layer, x.shape)) or scores(layer, x))
         assert torch.equal(replayed.predict(1, torch.randn(2, 64)), masks[1:3, 1])

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from bench.traces import default_model_masks, predictor_training, tile_masks
+from bench.traces import default_model_masks, predictor_training, tile_layers, tile_masks
 
 
 def test_tile_masks_concatenates_whole_small_layers():
@@ -16,6 +16,13 @@ def test_tile_masks_concatenates_whole_small_layers():
     assert torch.equal(big[:, 0, 8:], small[:, 2, :2])
     assert torch.equal(big[:, 1, :4], small[:, (1 * 3) % 3])
     assert abs(big.float().mean() - small.float().mean()) < 0.15
+
+
+def test_tile_layers_tiles_any_values_as_masks_are_tiled():
+    """The predictors' frequencies follow their sets onto the large layers."""
+    small = torch.rand(1, 3, 4)
+    big = tile_layers(small, 2, 10)
+    assert big.dtype == small.dtype and torch.equal(big > 0.5, tile_masks(small > 0.5, 2, 10))
 
 
 def test_tile_masks_rejects_non_masks():

@@ -1,5 +1,5 @@
-"""NeuronCache: a hypothesis state machine over random token sequences (window rule, budget rule, row contents,
-stats), no tensor allocation after construction, byte budget, bad input."""
+"""NeuronCache: a hypothesis state machine over random token sequences (window rule, budget rule, pinned neurons,
+row contents, stats), no tensor allocation after construction, byte budget, bad input."""
 
 import pytest
 import torch
@@ -34,28 +34,34 @@ def stores(tmp_path_factory):
 
 
 class CacheMachine(RuleBasedStateMachine):
-    """Model: the active set of every token so far. Checked after every step against the cache."""
+    """Model: the active set of every token so far, and the pinned neurons, which never leave and take no part in
+    the window and budget rules. Checked after every step against the cache."""
 
-    def __init__(self, flash_store, capacity: int, window: int, reader):
+    def __init__(self, flash_store, capacity: int, window: int, reader, pinned: int = 0):
         super().__init__()
         self.store = flash_store
-        self.cache = NeuronCache(flash_store, flash_store.n_layers - 1, capacity, window, reader=reader)
+        pinned_ids = torch.randperm(N_NEURONS, generator=torch.Generator().manual_seed(pinned))[:pinned]
+        self.pinned = set(pinned_ids.tolist())
+        self.cache = NeuronCache(
+            flash_store, flash_store.n_layers - 1, capacity, window, reader=reader, pinned_ids=pinned_ids
+        )
         self.bundles = flash_store.bundle(flash_store.n_layers - 1, torch.arange(flash_store.n_neurons))
         self.history: list[set[int]] = []
         self.last: dict[int, int] = {}  # neuron -> last step active
         self.budget_pressure = False  # once the budget rule evicts, the cache may hold a subset of the union
 
     def union(self) -> set[int]:
+        """The neurons the cache must hold: those of the window, and the pinned ones."""
         step = len(self.history)
-        return {n for n, last in self.last.items() if last > step - self.cache.window}
+        return {n for n, last in self.last.items() if last > step - self.cache.window} | self.pinned
 
     @rule(ids=st.lists(st.integers(0, N_NEURONS - 1), max_size=40))
     def step(self, ids):
         before = set(self.cache.cached_ids().tolist())
-        active = set(ids)
-        if len(active) > self.cache.capacity:
+        active = set(ids) - self.pinned
+        if len(active) > self.cache.step_capacity:
             snapshot = [t.clone() for t in (self.cache.matrix, self.cache.pointer, self.cache.last_active)]
-            with pytest.raises(ValueError, match="distinct active neurons"):
+            with pytest.raises(ValueError, match="distinct (active|unpinned) neurons"):
                 self.cache.step(torch.tensor(ids, dtype=torch.int64))
             assert all(
                 torch.equal(a, b)
@@ -74,14 +80,14 @@ class CacheMachine(RuleBasedStateMachine):
         assert stats.num_used == self.cache.num_used == len(before) - stats.total_evicted + stats.inserted
         assert (stats.bytes_read >= stats.inserted * self.store.row_bytes) and (stats.inserted or not stats.bytes_read)
         # Window rule: exactly the neurons that left the window leave by it; the rest leave by the budget rule.
-        left_window = {n for n in before if self.last[n] <= step - self.cache.window}
+        left_window = {n for n in before - self.pinned if self.last[n] <= step - self.cache.window}
         assert left_window <= before - after
         assert stats.evicted == len(left_window)
         budget_evicted = before - after - left_window
         if budget_evicted:
             self.budget_pressure = True
             assert self.cache.num_used == self.cache.capacity  # never more evicted than needed
-            kept_idle = [self.last[n] for n in after - active]
+            kept_idle = [self.last[n] for n in after - active - self.pinned]
             assert not budget_evicted & active
             assert max(self.last[n] for n in budget_evicted) <= min(kept_idle, default=step)  # least recent first
         assert active <= after <= self.union()
@@ -92,8 +98,8 @@ class CacheMachine(RuleBasedStateMachine):
     def same_token_step(self, ids):
         """A second step for the last token (the engine's lookahead="prefetch": the set read ahead, then the set
         the token needs): the window stays; the last step's other neurons count as the token before's."""
-        active = set(ids)
-        if not self.history or len(active) > self.cache.capacity:
+        active = set(ids) - self.pinned
+        if not self.history or len(active) > self.cache.step_capacity:
             return
         step = len(self.history)
         before = set(self.cache.cached_ids().tolist())
@@ -106,14 +112,14 @@ class CacheMachine(RuleBasedStateMachine):
         self.history[-1] = active
         after = set(self.cache.cached_ids().tolist())
         assert self.cache.steps == step and stats.inserted == len(active - before)
-        left_window = {n for n in before if self.last[n] <= step - self.cache.window}
+        left_window = {n for n in before - self.pinned if self.last[n] <= step - self.cache.window}
         assert left_window <= before - after and stats.evicted == len(left_window)
         budget_evicted = before - after - left_window
         if budget_evicted:
             self.budget_pressure = True
             assert not budget_evicted & active
             assert max(self.last[n] for n in budget_evicted) <= min(
-                (self.last[n] for n in after - active), default=step
+                (self.last[n] for n in after - active - self.pinned), default=step
             )
         assert active <= after <= self.union()
         if not self.budget_pressure:
@@ -125,6 +131,7 @@ class CacheMachine(RuleBasedStateMachine):
         ids = c.cached_ids()
         assert c.num_used <= c.capacity
         assert ids.unique().numel() == ids.numel()  # no duplicates
+        assert self.pinned <= set(ids.tolist())
         assert bool((c.pointer[c.num_used :] == -1).all())
         assert torch.equal(c.slot_of[ids], torch.arange(c.num_used))
         assert int((c.slot_of >= 0).sum()) == c.num_used
@@ -134,16 +141,35 @@ class CacheMachine(RuleBasedStateMachine):
 
 
 @pytest.mark.parametrize("name", ["opt", "llama"])
-@pytest.mark.parametrize("capacity,window", [(N_NEURONS, 3), (45, 2), (30, 5), (12, 1)])
-def test_state_machine(stores, name, capacity, window):
+@pytest.mark.parametrize(
+    "capacity,window,pinned", [(N_NEURONS, 3, 0), (45, 2, 0), (30, 5, 0), (12, 1, 0), (60, 2, 25), (40, 3, 30)]
+)
+def test_state_machine(stores, name, capacity, window, pinned):
     flash_store = stores[name]
     reader = FlashReader(flash_store)
     run_state_machine_as_test(
-        lambda: CacheMachine(flash_store, capacity, window, reader),
+        lambda: CacheMachine(flash_store, capacity, window, reader, pinned),
         settings=settings(
             max_examples=25, stateful_step_count=20, deadline=None, suppress_health_check=list(HealthCheck)
         ),
     )
+
+
+def test_pinned_neurons_are_read_once_and_refuse_what_cannot_hold_them(stores):
+    flash_store = stores["opt"]
+    cache = NeuronCache(flash_store, 0, capacity=10, window=1, pinned_ids=torch.tensor([7, 3, 90]))
+    assert (cache.n_pinned, cache.step_capacity, cache.num_used, cache.steps) == (3, 7, 3, 0)
+    hot, cold = cache.partition(torch.tensor([1, 3, 5, 90]))
+    assert hot.tolist() == [3, 90] and cold.tolist() == [1, 5]
+    stats = cache.step(torch.tensor([3, 7, 90, 11]))  # the pinned ones are hits; only 11 is read
+    assert stats.inserted == 1 and cache.num_used == 4
+    with pytest.raises(ValueError, match="8 distinct unpinned neurons do not fit the 7 rows"):
+        cache.step(torch.arange(20, 28))
+    with pytest.raises(ValueError, match="cannot serve another"):
+        cache.serve(1, None)
+    for ids, match in ((torch.tensor([1, 1]), "distinct"), (torch.arange(10), "fewer than the capacity")):
+        with pytest.raises(ValueError, match=match):
+            NeuronCache(flash_store, 0, capacity=10, pinned_ids=ids)
 
 
 def test_bias_rows_come_from_the_resident_fc1_bias(stores):
@@ -220,6 +246,7 @@ def test_byte_budget(stores):
             cache.bias,
             cache.slot_of,
             cache.last_active,
+            cache.pinned,
             cache._evict_rows,
             cache._missing,
             cache._row_ids,

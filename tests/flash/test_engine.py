@@ -74,12 +74,14 @@ def test_load_flash_generates_the_tokens_of_transformers(models, name, mode):
         assert stats["bytes_read"] > 0 and stats["io_ms"] > 0
 
 
-@pytest.mark.parametrize("layout", ["per-layer", "shared", "auto"])
+@pytest.mark.parametrize("layout", ["per-layer", "shared", "auto", "hot-cold"])
 @torch.no_grad()
 def test_exact_mode_under_a_small_budget_reads_in_parts(models, layout):
     """A cache smaller than one token's active set still computes every neuron, in capacity-sized parts: of
-    per-layer caches, or of one cache the layers share ("auto" takes it: a layer's share holds a quarter of the
-    layer's neurons, and exact mode's set is all of them)."""
+    per-layer caches, of one cache the layers share ("auto" takes it: a layer's share holds a quarter of the
+    layer's neurons, and exact mode's set is all of them), or of the rows per-layer caches leave beside their
+    pinned neurons (hot-cold: every neuron equally frequent, so the first ones; here none, since each pinned row
+    would add a part, a batch of reads, to save one small bundle)."""
     model, path = models["llama"]
     prompt = torch.randint(3, 90, (1, 5), generator=torch.Generator().manual_seed(3))
     s = store.FlashStore(path)
@@ -93,19 +95,42 @@ def test_exact_mode_under_a_small_budget_reads_in_parts(models, layout):
     budget = resident + buffers + s.n_layers * (fixed + per_row * (s.n_neurons // 4))
     flash = flashllm_ext.load_flash(path, dram_budget=budget, mode="exact", reader_options=options, cache_layout=layout)
     caches = [m.cache for m in flash.flash.modules]
-    if layout == "per-layer":
+    if layout in ("per-layer", "hot-cold"):
         assert all(c.capacity == s.n_neurons // 4 for c in caches)
     else:  # one cache: more rows than a layer's share, still less than a layer
         assert all(c is caches[0] for c in caches)
         assert s.n_neurons // 4 < caches[0].capacity < s.n_neurons
+    hot = caches[0].n_pinned
+    assert hot == 0 or layout == "hot-cold"
     assert torch.equal(_greedy(flash, prompt, 8), _greedy(model, prompt, 8))
     stats = flash.flash.stats()
-    parts = -(-s.n_neurons // caches[0].capacity)  # each forward of each layer (8 forwards: prompt + 7 tokens)
+    # each forward of each layer (8 forwards: prompt + 7 tokens), its unpinned neurons in parts
+    parts = -(-(s.n_neurons - hot) // caches[0].step_capacity)
     assert parts > 1 and stats["steps"] == 8 * s.n_layers * parts
     assert stats["accounted_bytes"] <= budget
-    assert stats["cache_layout"] == ("per-layer" if layout == "per-layer" else "shared")
+    assert stats["cache_layout"] == {"per-layer": "per-layer", "hot-cold": "hot-cold"}.get(layout, "shared")
+    assert stats["hot_fraction"] == hot / s.n_neurons
     if layout != "per-layer":  # a shared cache starts every forward empty: no reuse across tokens
         assert stats["hit_rate"] == 0
+
+
+@pytest.mark.parametrize("name", ["llama", "opt"])
+@torch.no_grad()
+def test_hot_cold_exact_mode_generates_the_tokens_of_transformers(models, name):
+    """Hot-cold caches in exact mode at 85%: the first neurons pinned (every one is always active), the rest read
+    in parts of the rows left; the tokens and logits of transformers, the pinned neurons hits in every step."""
+    model, path = models[name]
+    prompt = torch.randint(3, 90, (1, 7), generator=torch.Generator().manual_seed(2))
+    flash = flashllm_ext.load_flash(path, dram_budget="85%", mode="exact", cache_layout="hot-cold")
+    s, caches = store.FlashStore(path), [m.cache for m in flash.flash.modules]
+    hot = caches[0].n_pinned
+    assert hot > 0 and all(torch.equal(c.partition(torch.arange(hot))[0], torch.arange(hot)) for c in caches)
+    assert torch.equal(_greedy(flash, prompt), _greedy(model, prompt))
+    torch.testing.assert_close(flash(prompt).logits, model(prompt).logits, rtol=1e-4, atol=1e-4)
+    stats = flash.flash.stats()
+    assert stats["cache_layout"] == "hot-cold" and stats["hot_fraction"] == hot / s.n_neurons
+    assert stats["hit_rate"] >= hot / s.n_neurons and stats["accounted_bytes"] <= stats["budget_bytes"]
+    assert all(bool(c.pinned[:hot].all()) and bool((c.slot_of[:hot] >= 0).all()) for c in caches)  # still held
 
 
 @pytest.mark.parametrize("name", ["llama", "opt"])
@@ -125,7 +150,12 @@ def test_a_shared_cache_computes_what_per_layer_caches_compute(models, name):
     fixed, per_row = FlashFFN.bytes_for(s)
     budget = resident + predictors.memory_bytes + (64 << 10) + s.n_layers * (fixed + per_row * (s.n_neurons // 8))
     got = {}
-    for layout in ("per-layer", "shared"):
+    with pytest.raises(ValueError, match="calibration frequency, which these predictors do not carry"):
+        flashllm_ext.patch_flash(
+            patched, path, mode="flash", predictors=predictors, dram_budget=budget, cache_layout="hot-cold"
+        )
+    predictors.frequency.copy_(torch.rand(predictors.frequency.shape, generator=torch.Generator().manual_seed(1)))
+    for layout in ("per-layer", "shared", "hot-cold"):
         runtime = flashllm_ext.patch_flash(
             patched, path, mode="flash", predictors=predictors, dram_budget=budget, cache_layout=layout
         )
@@ -135,6 +165,7 @@ def test_a_shared_cache_computes_what_per_layer_caches_compute(models, name):
             layer_rows = runtime.modules[0].cache.capacity
         runtime.unpatch(patched)
     assert torch.allclose(got["shared"], got["per-layer"], rtol=1e-4, atol=1e-4)
+    assert torch.allclose(got["hot-cold"], got["per-layer"], rtol=1e-4, atol=1e-4)
     assert not torch.allclose(got["shared"], want, rtol=1e-3, atol=1e-3)  # the predicted sets matter here
     above, below = 2 * layer_rows / s.n_neurons, layer_rows / 2 / s.n_neurons  # sets larger / smaller than a cache
     for density, lookahead, layout in (
@@ -222,8 +253,10 @@ def _held_bytes(runtime) -> int:
         ("hybrid", "auto"),
         ("flash", "per-layer"),
         ("flash", "shared"),
+        ("flash", "hot-cold"),
         ("exact", "per-layer"),
         ("exact", "shared"),
+        ("exact", "hot-cold"),
     ],
 )
 @torch.no_grad()
@@ -236,6 +269,8 @@ def test_ffn_bytes_are_the_bytes_the_modules_hold(models, name, mode, layout):
     model, path = models[name]
     s = store.FlashStore(path)
     predictors = _random_predictors(model, s.n_layers, s.hidden_size, s.n_neurons, 0.5) if mode == "flash" else None
+    if predictors is not None:
+        predictors.frequency.uniform_(generator=torch.Generator().manual_seed(2))
     flash = flashllm_ext.load_flash(path, dram_budget="85%", mode=mode, predictors=predictors, cache_layout=layout)
     _greedy(flash, torch.tensor([[5, 6, 7]]), 4)
     runtime, stats = flash.flash, flash.flash.stats()

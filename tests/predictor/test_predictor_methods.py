@@ -77,6 +77,28 @@ def test_every_method_is_registered():
 
 
 @pytest.mark.parametrize("method", ALL_METHODS)
+def test_frequencies_are_each_neurons_share_of_the_calibration_sets(tmp_path, built, method, monkeypatch):
+    """NeuronPredictor.frequency (what the hot-cold caches pin by): the share of calibration tokens whose predicted
+    set holds each neuron, so each layer's mean is its loaded density; computed from the calibration inputs alone
+    (set_density scores nothing else), and predictors saved without it load as unknown (zeros)."""
+    predictors = copy.deepcopy(built[method])
+    assert predictors.frequency.shape == (3, 96)
+    torch.testing.assert_close(predictors.frequency.mean(dim=1), torch.full((3,), 0.4), atol=0.02, rtol=0)
+    path = tmp_path / "predictors.safetensors"
+    save_predictors(predictors, path)
+    with safe_open(path, "pt") as f:
+        metadata, kept = f.metadata(), {k: f.get_tensor(k) for k in f.keys() if not k.endswith("frequency")}
+    save_file(kept, path, metadata)
+    assert not load_predictors(path).frequency.any()
+    inputs = [torch.randn(50, 64) for _ in range(3)]
+    scored = []
+    monkeypatch.setattr(predictors, "scores", lambda layer, x: scored.append(x) or torch.rand(x.shape[0], 96))
+    predictors.set_density(inputs, 0.25)
+    assert len(scored) == 3 and all(x is i or torch.equal(x, i) for x, i in zip(scored, inputs))
+    torch.testing.assert_close(predictors.frequency.mean(dim=1), torch.full((3,), 0.25), atol=0.02, rtol=0)
+
+
+@pytest.mark.parametrize("method", ALL_METHODS)
 def test_round_trip_through_a_store(tmp_path, llama, built, method):
     predictors = built[method]
     store_dir = synthesize(tmp_path / "store", n_layers=3, hidden_size=64, n_neurons=96, glu=True)
@@ -243,7 +265,8 @@ def test_teal_computes_what_the_model_computes_from_the_kept_inputs(llama, built
     for layer in point["layers"]:
         want = 2 / 3 * layer["input_density"] + 1 / 3 * layer["neuron_density"]
         assert layer["density"] == pytest.approx(want)
-    assert teal.memory_bytes == 4 * 4 * 3  # four fp32 thresholds per layer: no predictor weights
+    # four fp32 thresholds per layer and the neurons' calibration frequencies: no predictor weights
+    assert teal.memory_bytes == 4 * 4 * 3 + teal.frequency.nbytes
 
 
 def test_teal_is_refused_where_it_cannot_run(tmp_path, llama, built):
@@ -358,6 +381,7 @@ def test_gptq_quant_and_fisher_allocation_round_trip_through_a_store(tmp_path, l
     assert recipe == {
         "method": "quant",
         "density": 0.4,
+        "statistics": "frequency",
         "gate_bits": 3,
         "up_bits": 4,
         "rounding": "gptq",
@@ -367,11 +391,12 @@ def test_gptq_quant_and_fisher_allocation_round_trip_through_a_store(tmp_path, l
     # Predictors saved before the option existed have no "rounding": they were rounded to nearest.
     old = {k: v for k, v in predictors.config().items() if k != "rounding"}
     assert QuantPredictor.from_config(old).rounding == "nearest"
-    # The original options leave the recipe as it was, so stores built before the options existed keep theirs; the
-    # default recipe names its rounding.
+    # The original options leave the recipe as it was, so stores built before the options existed keep theirs (unless
+    # they lack the frequencies, "statistics"); the default recipe names its rounding.
     assert predictors_recipe_of("quant", 0.55, 3, 4) == {
         "method": "quant",
         "density": 0.55,
+        "statistics": "frequency",
         "gate_bits": 3,
         "up_bits": 4,
     }
@@ -449,6 +474,7 @@ def test_group_scales_round_trip_and_fit_better(tmp_path, llama):
     assert recipe == {
         "method": "quant",
         "density": 0.4,
+        "statistics": "frequency",
         "gate_bits": 3,
         "up_bits": 4,
         "rounding": "gptq",
