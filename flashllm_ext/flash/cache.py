@@ -28,7 +28,8 @@ whose own active set exceeds the capacity raises ValueError. After construction 
 
 Pinned neurons (the engine's hot set, `pinned_ids`) are read once at construction and never leave: a step drops
 them from its set before planning, so their last_active stays at _PINNED, past every window and last in the
-budget's least-recently-active order. The other neurons share the `step_capacity` rows left.
+budget's least-recently-active order. The other neurons share the `step_capacity` rows left. (Dropping them takes a
+few small tensors a step: the no-allocation property holds for caches without pins.)
 """
 
 from __future__ import annotations
@@ -186,8 +187,9 @@ class NeuronCache:
     @staticmethod
     def bytes_for(store: FlashStore, with_bias: bool, staged: bool = False) -> tuple[int, int]:
         """(fixed bytes, bytes per row) of a cache over `store`: per-neuron state (slot_of, last_active, the
-        pinned mask, the resident bias vector) and per row (bundle, pointer, bias, two int64 scratch entries, a row id; staged on a
-        device: the device's pointer too). The transfer's shared staging buffer is counted by its owner."""
+        pinned mask, the resident bias vector) and per row (bundle, pointer, bias, two int64 scratch entries, a row
+        id; staged on a device: the device's pointer too). The transfer's shared staging buffer is counted by its
+        owner."""
         item = store.dtype.itemsize
         fixed = store.n_neurons * (8 + 8 + 1 + (item if with_bias else 0))
         per_row = store.row_bytes + 8 * (5 if staged else 4) + (item if with_bias else 0)
@@ -317,8 +319,8 @@ class NeuronCache:
 
     def __repr__(self) -> str:
         return (
-            f"NeuronCache(layer={self.layer}, capacity={self.capacity}, pinned={self.n_pinned}, window={self.window}, "
-            f"num_used={self.num_used}, nbytes={self.nbytes})"
+            f"NeuronCache(layer={self.layer}, capacity={self.capacity}, pinned={self.n_pinned}, "
+            f"window={self.window}, num_used={self.num_used}, nbytes={self.nbytes})"
         )
 
 

@@ -10,8 +10,9 @@ score quantile that keeps that fraction of (token, neuron) pairs on calibration 
 neuron is computed). `true_thresholds` [L] (0 if unknown) are the rule's thresholds whose true active sets have the
 predictors' loaded density on the calibration text: the oracle at the same density, against which recall is
 measured. `frequency` [L, n] is the fraction of the calibration tokens whose predicted set holds each neuron (set with
-the density; zeros: unknown), the statistics the engine's hot-cold cache pins its hot neurons by. A method registers itself by subclassing with `method = "<name>"`; `save`/`load` in
-`predictor.io` store `config()` (JSON) next to the tensors of `state_dict()` and rebuild with `from_config`.
+the density; zeros: unknown), the statistics the engine's hot-cold cache pins its hot neurons by. A method registers
+itself by subclassing with `method = "<name>"`; `save`/`load` in `predictor.io` store `config()` (JSON) next to the
+tensors of `state_dict()` and rebuild with `from_config`.
 """
 
 from __future__ import annotations
