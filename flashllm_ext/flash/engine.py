@@ -33,7 +33,8 @@ from functools import partial
 import torch
 from torch import nn
 
-from flashllm_ext.flash.ffn import LOOKAHEAD_MODES, FlashFFN, ffn_slots, set_ffn
+from flashllm_ext.flash.ffn import LOOKAHEAD_MODES, FlashFFN
+from flashllm_ext.flash.install import ffn_slots, set_ffn
 from flashllm_ext.flash.half_linear import use_half_linears
 from flashllm_ext.hub.hf import ffn_norm
 from flashllm_ext.flash.reader import FlashReader

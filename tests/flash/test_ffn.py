@@ -10,7 +10,8 @@ import torch
 from flashllm_ext.flash import store
 from flashllm_ext.flash.cache import NeuronCache
 from flashllm_ext.flash.convert import convert
-from flashllm_ext.flash.ffn import FlashFFN, active_ids_of, install_flash_ffn
+from flashllm_ext.flash.ffn import FlashFFN, active_ids_of
+from flashllm_ext.flash.install import install_flash_ffn
 from flashllm_ext.flash.reader import shared_reader
 from tests.helpers.models import tiny_model
 
