@@ -92,12 +92,12 @@ class NeuronPredictor(nn.Module):
         pairs of the calibration inputs (per layer [N, d]) is predicted active, and each neuron's frequency in
         those sets. Returns the cut-offs [L]."""
         densities = self.layer_densities(inputs, density)
-        cutoffs = []
+        cutoffs = torch.zeros(self.n_layers)
         for i, x in enumerate(inputs):
             scores = self.scores(i, x.float())
-            cutoffs.append(keep_cutoff(scores, float(densities[i])))
-            self.frequency[i] = (scores > cutoffs[-1]).float().mean(dim=0)
-        self.set_cutoffs(torch.stack(cutoffs))
+            cutoffs[i] = keep_cutoff(scores, float(densities[i]))
+            self.frequency[i] = (scores > cutoffs[i]).float().mean(dim=0)
+        self.set_cutoffs(cutoffs)
         self.loaded_density = float(densities.mean())
         return cutoffs
 

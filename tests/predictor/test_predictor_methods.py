@@ -93,7 +93,8 @@ def test_frequencies_are_each_neurons_share_of_the_calibration_sets(tmp_path, bu
     inputs = [torch.randn(50, 64) for _ in range(3)]
     scored = []
     monkeypatch.setattr(predictors, "scores", lambda layer, x: scored.append(x) or torch.rand(x.shape[0], 96))
-    predictors.set_density(inputs, 0.25)
+    cutoffs = predictors.set_density(inputs, 0.25)
+    assert isinstance(cutoffs, torch.Tensor) and torch.equal(cutoffs, predictors.cutoffs)
     assert len(scored) == 3 and all(x is i or torch.equal(x, i) for x, i in zip(scored, inputs))
     torch.testing.assert_close(predictors.frequency.mean(dim=1), torch.full((3,), 0.25), atol=0.02, rtol=0)
 
