@@ -10,6 +10,11 @@ positive (with random data half would be zero and their down rows skipped, flatt
 sparse_graph_ms / dense_graph_ms time the same calls replayed from a CUDA graph: the GPU's own time, where back-to-back
 calls of a few-microsecond kernel time the host's python, dispatch and launches (bound_ratio_graph: the kernel's).
 
+bench "qffn": flashllm_ext.ops.quantized_sparse_ffn over rows of GGUF blocks (q8_0+q8_0, q4_0+q8_0, q4_0+q4_0) on
+Llama-2-7B's layer shape (d=4096, 11008 neurons, SwiGLU) at loaded densities 0.05 and 0.45, T=1 and 4; against
+its byte bound (the rows' quantized bytes / the streaming-sum bandwidth, interleaved) and against sparse_ffn over
+the same neurons' float16 bundles. Rows rotate over copies spanning >= 256 MiB as in bench "ffn".
+
 bench "cache": NeuronCache memory management per token over a real activation trace: SmolLM2-135M (the default
 model) on held-out text, |act(gate)*up| thresholded per layer to 95% sparsity (calibrated on the calibration
 text), whole layers' masks side by side cut to 16384 neurons (bench/traces.py) so each token drives an
@@ -18,7 +23,7 @@ k = 1..8: neurons inserted and evicted per token, memory-management time (planni
 StepStats.mem_s), I/O time, and the sparse_ffn compute time on the cache after each step. Plots: Figure 4a
 (aggregated neuron usage vs tokens) and per-token load vs window, in bench/results/.
 
-    python -m bench.bench_ffn [--json] [--rounds N] [--only ffn|cache] [--quick] [--dtype fp16|bf16|fp32]
+    python -m bench.bench_ffn [--json] [--rounds N] [--only ffn|qffn|cache] [--quick] [--dtype fp16|bf16|fp32]
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from bench.common import arg_parser, cycling, device_name, emit, stream_probe, t
 from bench.traces import default_model_masks, tile_masks
 
 from flashllm_ext import ops
+from flashllm_ext.ops.blocks import BundleFormat
 from flashllm_ext.flash.cache import NeuronCache
 from flashllm_ext.flash.convert import synthesize
 from flashllm_ext.flash.store import DTYPES, FlashStore
@@ -187,6 +193,84 @@ def bench_ffn(
     return rows
 
 
+# ------------------------------------------------------------------------------------------------ bench qffn
+QUANTIZED_FORMATS = ("q8_0+q8_0", "q4_0+q8_0", "q4_0+q4_0")
+
+
+def bench_quantized_ffn(
+    rounds: int, quick: bool, smoke: bool = False, on_row: Callable[[dict], object] = lambda row: None
+) -> list[dict]:
+    """quantized_sparse_ffn on the CPU against its byte bound and against sparse_ffn on float16 bundles (see the
+    module doc). smoke: SMOKE_SHAPES' Llama shape, two copies."""
+    probe_bytes, stream = stream_probe("cpu", smoke)
+    shape_name, (d, n, glu, act) = list((SMOKE_SHAPES if smoke else SHAPES).items())[1]
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for density in (0.05,) if quick or smoke else (0.05, 0.45):
+        used = int(round(density * n))
+        bundles = torch.randn(used, 3 * d, generator=g) / d**0.5  # [up | gate | down] of the loaded neurons
+        half_copies = 2 if smoke else max(2, -(-ROTATE_BYTES // (used * 3 * d * 2)))
+        halves = [bundles.half() for _ in range(half_copies)]
+        for name in QUANTIZED_FORMATS[:1] if smoke else QUANTIZED_FORMATS:
+            layout = BundleFormat.parse(name)
+            quantized = layout.quantize(bundles[:, :d], bundles[:, 2 * d :].t(), bundles[:, d : 2 * d])
+            row_bytes = quantized.shape[1]
+            copies = 2 if smoke else max(2, -(-ROTATE_BYTES // (used * row_bytes)))
+            mats = [quantized] + [quantized.clone() for _ in range(copies - 1)]
+            for n_tok in (1,) if quick or smoke else (1, 4):
+                x = torch.randn(n_tok, d, generator=g).half()
+                qffn = cycling(
+                    lambda i: ops.quantized_sparse_ffn(
+                        x, mats[i], num_used=used, activation=act, glu=glu, bundle_format=name
+                    ),
+                    copies,
+                )
+                want = ops.quantized_sparse_ffn_reference(x, quantized, used, None, act, glu, name)
+                got = qffn().float()
+                assert torch.allclose(got, want.float(), rtol=1e-2, atol=1e-2 * want.abs().max().item()), "wrong"
+                threads = torch.get_num_threads()
+
+                def qffn_one_thread():
+                    torch.set_num_threads(1)
+                    qffn()
+                    torch.set_num_threads(threads)
+
+                candidates = {
+                    "quantized": qffn,
+                    "fp16": cycling(
+                        lambda i: ops.sparse_ffn(x, halves[i], num_used=used, activation=act, glu=glu), half_copies
+                    ),
+                    "stream": stream,
+                    "quantized_1t": qffn_one_thread,
+                }
+                times = time_interleaved(candidates, rounds=rounds)
+                bound = used * row_bytes / (probe_bytes / times["stream"])
+                rows.append(
+                    {
+                        "bench": "qffn",
+                        "shape": shape_name,
+                        "bundle_format": name,
+                        "density": density,
+                        "tokens": n_tok,
+                        "rows": used,
+                        "row_bytes": row_bytes,
+                        "fp16_row_bytes": 3 * d * 2,
+                        "quantized_ms": times["quantized"] * 1e3,
+                        "fp16_ms": times["fp16"] * 1e3,
+                        "speedup_vs_fp16": times["fp16"] / times["quantized"],
+                        "bound_ms": bound * 1e3,
+                        "bound_ratio": times["quantized"] / bound,
+                        "quantized_1t_ms": times["quantized_1t"] * 1e3,
+                        "bound_ratio_1t": times["quantized_1t"] / bound,
+                        "stream_gbps": probe_bytes / times["stream"] / 1e9,
+                        "device": device_name("cpu"),
+                    }
+                )
+                on_row(rows[-1])
+            mats = None
+    return rows
+
+
 # ------------------------------------------------------------------------------------------------ bench cache
 def bench_cache(
     rounds: int,
@@ -283,7 +367,7 @@ def plot_cache(trace: torch.Tensor, loads: dict[int, list[int]], info: dict) -> 
 
 def main() -> None:
     parser = arg_parser(__doc__.splitlines()[0])
-    parser.add_argument("--only", choices=["ffn", "cache"])
+    parser.add_argument("--only", choices=["ffn", "qffn", "cache"])
     parser.add_argument("--quick", action="store_true", help="one sparsity, T=1, a short trace (smoke run)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp16")
     parser.add_argument(
@@ -333,6 +417,12 @@ def main() -> None:
                     "bound_ratio_graph",
                 ],
             )
+    if args.only in (None, "qffn") and args.device == "cpu":
+        rows = bench_quantized_ffn(args.rounds, args.quick, args.smoke, on_row)
+        if not args.json:
+            columns = ["bundle_format", "density", "tokens", "rows", "row_bytes", "quantized_ms", "fp16_ms"]
+            columns += ["speedup_vs_fp16", "bound_ms", "bound_ratio", "stream_gbps", "quantized_1t_ms", "bound_ratio_1t"]
+            emit(rows, False, columns)
     if args.only in (None, "cache"):
         with tempfile.TemporaryDirectory(dir=os.getcwd(), prefix=".bench-ffn-") as tmp:
             store_dir = args.store_dir or Path(tmp) / "opt-6.7b-layer"

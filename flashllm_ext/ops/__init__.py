@@ -24,6 +24,8 @@ from flashllm_ext.ops.ffn import (
     Activation,
     FFN_DTYPES,
     check_sparse_ffn_args,
+    quantized_sparse_ffn,
+    quantized_sparse_ffn_reference,
     sparse_ffn,
     sparse_ffn_reference,
 )
@@ -66,5 +68,6 @@ __all__ = [
     "half_linear",
     "merge_attention_states",
     "quant_scores",
+    "quantized_sparse_ffn",
     "sparse_ffn",
 ]
