@@ -421,7 +421,14 @@ def main() -> None:
         rows = bench_quantized_ffn(args.rounds, args.quick, args.smoke, on_row)
         if not args.json:
             columns = ["bundle_format", "density", "tokens", "rows", "row_bytes", "quantized_ms", "fp16_ms"]
-            columns += ["speedup_vs_fp16", "bound_ms", "bound_ratio", "stream_gbps", "quantized_1t_ms", "bound_ratio_1t"]
+            columns += [
+                "speedup_vs_fp16",
+                "bound_ms",
+                "bound_ratio",
+                "stream_gbps",
+                "quantized_1t_ms",
+                "bound_ratio_1t",
+            ]
             emit(rows, False, columns)
     if args.only in (None, "cache"):
         with tempfile.TemporaryDirectory(dir=os.getcwd(), prefix=".bench-ffn-") as tmp:

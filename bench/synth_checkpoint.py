@@ -28,12 +28,17 @@ The shared copies on this machine (written once by `python -m bench.synth_checkp
     ~/.cache/flashllm_ext/scale/opt-6.7b-hf      OPT-6.7B shapes, prune=0.5 (fp16)
     ~/.cache/flashllm_ext/scale/llama-2-7b-hf    Llama-2-7B shapes, dense (fp16)
 and with `--vocab-size N` a copy of its own, e.g. ~/.cache/flashllm_ext/scale/llama-2-7b-vocab49152-hf.
+
+`synthesize_gguf` writes a Llama GGUF of quantized random weights instead, as llama.cpp's quantized files are laid
+out (what `flashllm convert --dtype q4` reads at scale); `python -m bench.synth_checkpoint llama-3-8b --gguf q4_0`:
+    ~/.cache/flashllm_ext/scale/llama-3-8b.Q4_0.gguf   Llama-3-8B shapes, every 2-D weight Q4_0 (4.5 GB)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 from pathlib import Path
@@ -41,9 +46,11 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from flashllm_ext.io.checkpoint import expected_shapes, gguf_name
 from flashllm_ext.io.paths import resolve_cache_dir
 from flashllm_ext.io.safetensors import AlignedWriter, TensorSpec, dtype_name
 from flashllm_ext.flash.store import DTYPES
+from flashllm_ext.ops.blocks import BLOCK_FORMATS, block_format, quantize_rows
 
 # The published config.json of facebook/opt-6.7b and meta-llama/Llama-2-7b-hf (architecture fields).
 CONFIGS: dict[str, dict] = {
@@ -83,8 +90,26 @@ CONFIGS: dict[str, dict] = {
         "eos_token_id": 2,
         "tie_word_embeddings": False,
     },
+    "llama-3-8b": {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_act": "silu",
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "vocab_size": 128256,
+        "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "bos_token_id": 128000,
+        "eos_token_id": 128001,
+        "tie_word_embeddings": False,
+    },
 }
-SHARED_DIRS = {"opt-6.7b": ("opt-6.7b-hf", 0.5), "llama-2-7b": ("llama-2-7b-hf", None)}  # name -> (dir, prune)
+# name -> (dir, prune) of the shared Hugging Face checkpoints (the GGUF ones: shared_gguf)
+SHARED_DIRS = {"opt-6.7b": ("opt-6.7b-hf", 0.5), "llama-2-7b": ("llama-2-7b-hf", None)}
 # The smoke shapes of each family (a benchmark's --smoke, the tests): every code path of the real shapes, ~0.4 MB a
 # layer, so that a share of the model still holds the resident tensors and two layer buffers (bench_offload's 30%).
 SMOKE_OVERRIDES = {
@@ -238,17 +263,116 @@ def shared_checkpoint(
     return path
 
 
+def synthesize_gguf(
+    name: str,
+    path: str | os.PathLike,
+    *,
+    qtype: str = "q4_0",
+    seed: int = 0,
+    overrides: dict | None = None,
+    progress: bool = True,
+) -> Path:
+    """Write a Llama GGUF with the shapes of `name` (a Llama model of CONFIGS; `overrides` replaces config fields)
+    at `path`, laid out as llama.cpp writes a quantized one: every tensor flashllm_ext.io.checkpoint expects under
+    llama.cpp's names, 2-D weights normal(0, INIT_STD) in `qtype` blocks (q8_0, q4_0 or q4_1; quantized by
+    flashllm_ext.ops.blocks, bit for bit what gguf's numpy quantizer writes, many times faster), norms F32 ones.
+    The size fields are written, no tokenizer. One tensor in memory at a time (the largest, a [vocab, hidden]
+    matrix, 0.3 GB in q4_0), written under a temporary name and renamed; an existing file is replaced."""
+    import gguf
+    import numpy as np
+
+    config = {**CONFIGS[name], **(overrides or {})} if name in CONFIGS else None
+    if config is None or config["model_type"] != "llama":
+        raise ValueError(f"name must be a Llama model among {sorted(CONFIGS)}, got {name!r}")
+    fmt = block_format(qtype)
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    shapes = expected_shapes({"head_dim": hidden // heads, **config})
+    raw_dtype = gguf.GGMLQuantizationType(fmt.ggml_type)
+    file_type = {"q8_0": "MOSTLY_Q8_0", "q4_0": "MOSTLY_Q4_0", "q4_1": "MOSTLY_Q4_1"}[fmt.name]
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    generator = torch.Generator().manual_seed(seed)
+    try:
+        writer = gguf.GGUFWriter(str(tmp), "llama")
+        writer.add_name(name)
+        writer.add_context_length(config["max_position_embeddings"])
+        writer.add_embedding_length(hidden)
+        writer.add_block_count(config["num_hidden_layers"])
+        writer.add_feed_forward_length(config["intermediate_size"])
+        writer.add_rope_dimension_count(hidden // heads)
+        writer.add_head_count(heads)
+        writer.add_head_count_kv(config["num_key_value_heads"])
+        writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+        writer.add_rope_freq_base(config["rope_theta"])
+        writer.add_file_type(gguf.LlamaFileType[file_type])
+        writer.add_vocab_size(config["vocab_size"])
+        for hf, shape in shapes.items():
+            if len(shape) == 2:
+                nbytes = shape[0] * fmt.row_bytes(shape[1])
+                writer.add_tensor_info(gguf_name(hf), (shape[0], nbytes // shape[0]), np.uint8, nbytes, raw_dtype)
+            else:
+                writer.add_tensor_info(gguf_name(hf), shape, np.float32, shape[0] * 4)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        total = sum(math.prod(shape) for shape in shapes.values())
+        with tqdm(
+            total=total, unit="w", unit_scale=True, disable=not progress, desc=f"synthesizing {path.name}"
+        ) as bar:
+            for shape in shapes.values():
+                if len(shape) == 1:
+                    writer.write_tensor_data(np.ones(shape, dtype=np.float32))
+                    bar.update(shape[0])
+                    continue
+                rows, cols = shape
+                blocks = torch.empty((rows, fmt.row_bytes(cols)), dtype=torch.uint8)
+                step = max(1, (64 << 20) // (4 * cols))  # 64 MB of float32 weights at a time
+                for start in range(0, rows, step):
+                    stop = min(start + step, rows)
+                    weight = torch.randn((stop - start, cols), generator=generator).mul_(INIT_STD)
+                    blocks[start:stop] = quantize_rows(weight, fmt.name)
+                    bar.update((stop - start) * cols)
+                writer.write_tensor_data(blocks.numpy())
+        writer.close()
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def shared_gguf(name: str, qtype: str = "q4_0", progress: bool = True) -> Path:
+    """The shared GGUF of `name` in `qtype` blocks under the cache's scale/ directory (see the module doc), written
+    if missing."""
+    path = resolve_cache_dir() / "scale" / f"{name}.{qtype.upper()}.gguf"
+    if not path.is_file():
+        synthesize_gguf(name, path, qtype=qtype, progress=progress)
+    return path
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("names", nargs="*", default=sorted(CONFIGS), help=f"among {sorted(CONFIGS)}")
+    parser.add_argument(
+        "names", nargs="*", help=f"among {sorted(CONFIGS)} (default: the shared checkpoints, {sorted(SHARED_DIRS)})"
+    )
     parser.add_argument(
         "--vocab-size",
         type=int,
         help="vocabulary size in place of the model's (49152: the default model's tokenizer), in a directory of its own",
     )
+    parser.add_argument(
+        "--gguf",
+        choices=tuple(BLOCK_FORMATS),
+        help="write a Llama GGUF of the model's shapes in these blocks instead (synthesize_gguf, shared_gguf)",
+    )
     args = parser.parse_args(argv)
-    for name in args.names:
-        print(shared_checkpoint(name, vocab_size=args.vocab_size))
+    if args.gguf and args.vocab_size:
+        parser.error("--vocab-size applies to Hugging Face checkpoints, not to --gguf")
+    for name in args.names or sorted(SHARED_DIRS):
+        if args.gguf:
+            print(shared_gguf(name, args.gguf))
+        else:
+            print(shared_checkpoint(name, vocab_size=args.vocab_size))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """`flashllm` command line: one subcommand per offline task.
 
-  flashllm convert CHECKPOINT OUT_DIR [--dtype fp16|bf16|fp32] [--endor] [--force]
+  flashllm convert CHECKPOINT OUT_DIR [--dtype fp16|bf16|fp32|q8|q4] [--down-format q8_0|q4_0|q4_1] [--endor] [--force]
   flashllm calibrate-disk [--dir DIR] [--size-mib N]
   flashllm train-predictors CHECKPOINT [--store DIR] [--method M] [--density D] [--rank R] ...
   flashllm run STORE_DIR --tokenizer PATH [--prompt TEXT] [--chat] [--mode flash] [--budget 50%] [--tokens N]
@@ -43,11 +43,21 @@ def _positive_int(text: str) -> int:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from flashllm_ext.flash.convert import convert
+    from flashllm_ext.flash.convert import convert, describe_sources
     from flashllm_ext.flash.store import FlashStore
 
-    out = convert(args.checkpoint, args.out_dir, dtype=args.dtype, endor=args.endor, force=args.force)
-    print(FlashStore(out))
+    out = convert(
+        args.checkpoint,
+        args.out_dir,
+        dtype=args.dtype,
+        endor=args.endor,
+        force=args.force,
+        down_format=args.down_format,
+    )
+    store = FlashStore(out)
+    print(store)
+    if store.tensor_sources is not None:
+        print(f"FFN tensors: {describe_sources(store.tensor_sources)}")
     return 0
 
 
@@ -155,11 +165,28 @@ def _train_predictors(args: argparse.Namespace) -> int:
 
 
 def _add_convert(sub: argparse._SubParsersAction) -> None:
+    from flashllm_ext.flash.convert import DEFAULT_DOWN_FORMAT, QUANTIZED_DTYPES
+    from flashllm_ext.flash.store import DTYPES
+    from flashllm_ext.ops.blocks import BLOCK_FORMATS
+
     p = sub.add_parser("convert", help="convert a HF safetensors dir or GGUF file into a flash store")
     p.add_argument("checkpoint", help="Hugging Face model directory (safetensors, sharded or not) or .gguf file")
     p.add_argument("out_dir", help="store directory to create")
-    p.add_argument("--dtype", choices=("fp16", "bf16", "fp32"), default="fp16")
-    p.add_argument("--endor", action="store_true", help="Endor-compress the bundles (pruned models)")
+    p.add_argument(
+        "--dtype",
+        choices=(*DTYPES, *QUANTIZED_DTYPES),
+        default="fp16",
+        help="fp16, bf16, fp32: float bundles. q8: GGUF's Q8_0 blocks (8.5 bits a weight) for the up/gate rows; "
+        "q4: Q4_0 blocks (4.5 bits; Q4_1 from a GGUF whose up/gate tensors are Q4_1); with either, the down rows "
+        "in --down-format. A GGUF's up/gate blocks already in that format are kept bit for bit, the other FFN "
+        "weights quantized by round to nearest; a quantized store's other tensors are fp16 (default: fp16)",
+    )
+    p.add_argument(
+        "--down-format",
+        choices=tuple(BLOCK_FORMATS),
+        help=f"with --dtype q8 or q4: the block format of the down rows (default {DEFAULT_DOWN_FORMAT})",
+    )
+    p.add_argument("--endor", action="store_true", help="Endor-compress the bundles (pruned models; float dtypes)")
     p.add_argument("--force", action="store_true", help="replace the flash store at out_dir if there is one")
     p.set_defaults(func=_convert)
 

@@ -121,7 +121,7 @@ def dense_ffns(store: FlashStore, dtype: torch.dtype) -> list[DenseFFN]:
     ffns = []
     with FlashReader(store) as reader:
         for layer in range(store.n_layers):
-            bundles = reader.read(layer, torch.arange(store.n_neurons)).data.to(dtype)
+            bundles = store.float_rows(reader.read(layer, torch.arange(store.n_neurons)).data).to(dtype)
             ffns.append(DenseFFN(store, layer, bundles))
     return ffns
 

@@ -1,7 +1,8 @@
 """NeuronCache: the DRAM side of "LLM in a flash" for one FFN layer.
 
 The cache holds, preallocated once, the bundles of the neurons active in the last `window` tokens:
-  matrix   [capacity, bundle_width]  one neuron's bundle [up | gate (GLU) | down] per row (the store's layout)
+  matrix   [capacity, row_width]     one neuron's bundle [up | gate (GLU) | down] per row, as the store holds it
+                                     (floats, or a quantized store's uint8 blocks)
   pointer  [capacity] int64          neuron id of each row; rows [0, num_used) are in use, the rest hold -1
   bias     [capacity] or None        the input projection's bias of each row's neuron (OPT's fc1.bias), moved
                                      with its row; None for bias-free models (Llama family)
@@ -138,7 +139,7 @@ class NeuronCache:
         if not 1 <= capacity <= n:
             raise ValueError(f"capacity must be in [1, n_neurons={n}], got {capacity}")
         self.capacity = capacity
-        self.matrix = transfer.empty((capacity, self.store.bundle_width), self.store.dtype).zero_()
+        self.matrix = transfer.empty((capacity, self.store.row_width), self.store.row_dtype).zero_()
         self.pointer = torch.full((capacity,), -1, dtype=torch.int64)
         # The device's copy of the pointer; on the CPU the same tensor. The host mirror, `pointer`, is planned on.
         self.device_pointer = transfer.empty((capacity,), torch.int64).fill_(-1) if transfer.staged else self.pointer
@@ -255,7 +256,7 @@ class NeuronCache:
         self.num_used = kept
         ids = self._missing[:n_missing]
         out = (
-            self.transfer.staging((n_missing, self.store.bundle_width), self.store.dtype)
+            self.transfer.staging((n_missing, self.store.row_width), self.store.row_dtype)
             if self.transfer.staged
             else self.matrix[kept : kept + n_missing]
         )

@@ -3,7 +3,13 @@
 
 convert reads the checkpoint one tensor at a time (flashllm_ext.io.checkpoint) and writes one FFN layer at a time:
 per layer, the up/gate/down weights become one bundle matrix [n_neurons, bundle_width] (bundle_layer), everything
-else goes to the resident file in the store dtype (float tensors only).
+else goes to the resident file in the store dtype (float tensors only), a block of rows at a time.
+
+Quantized stores (dtype "q8" or "q4", QUANTIZED_DTYPES) hold GGUF's blocks (flashllm_ext.ops.blocks.BundleFormat):
+up and gate rows in the input format, the down row in `down_format`, resident tensors in fp16. A GGUF's up/gate
+tensors already in the input format are copied block for block (nothing of the file's quantization is lost); its
+down tensor's blocks run along the neuron dimension, not the hidden one, so down is dequantized and quantized again,
+as are tensors of other types (K-quants, floats). Each tensor's path is recorded (store.tensor_sources).
 """
 
 from __future__ import annotations
@@ -12,19 +18,23 @@ import json
 import os
 import re
 import shutil
+from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from flashllm_ext import endor
-from flashllm_ext.io.checkpoint import Checkpoint, open_checkpoint, unsupported_model
+from flashllm_ext.io.checkpoint import Checkpoint, GGUFCheckpoint, open_checkpoint, unsupported_model
 from flashllm_ext.errors import FormatError
 from flashllm_ext.io.paths import check_out_dir, install_dir, staging_dir
 from flashllm_ext.io.safetensors import DTYPE_SIZES, FLOAT_DTYPES, AlignedWriter, TensorSpec, dtype_name, save_tensors
 from flashllm_ext.io.buffers import ALIGNMENT
 from flashllm_ext.flash.store import (
     BUNDLES_FILE,
+    DENSE_FORMAT,
     DTYPES,
     FORMAT_VERSION,
     MAGIC,
@@ -34,6 +44,7 @@ from flashllm_ext.flash.store import (
     layer_specs,
     layer_tensor_name,
 )
+from flashllm_ext.ops.blocks import BundleFormat, block_format, quantize_rows
 
 # FFN tensor names of the supported families: Llama/Mistral/SmolLM (gate/up/down) and OPT (fc1/fc2). The only place
 # a family's naming scheme is read: the store records the names it finds per layer and role (store.ffn_roles).
@@ -41,6 +52,15 @@ _FFN_NAME = re.compile(r"^(?:.*\.)?layers\.(\d+)\.(?:mlp\.)?(gate_proj|up_proj|d
 _ROLE = {"gate_proj": "gate", "up_proj": "up", "fc1": "up", "down_proj": "down", "fc2": "down"}
 _VERIFY_SAMPLES = 4  # neurons per layer read back after writing
 STORE_FILES = (BUNDLES_FILE, RESIDENT_FILE)  # what convert writes: --force replaces these and nothing else
+# The quantized dtypes -> the block formats their up/gate rows may take: the first, unless more of a GGUF's up/gate
+# tensors are already in another one (a Q4_1 file to q4), whose blocks are then kept bit for bit.
+QUANTIZED_DTYPES = {"q8": ("q8_0",), "q4": ("q4_0", "q4_1")}
+DEFAULT_DOWN_FORMAT = "q8_0"
+QUANTIZED_FLOAT_DTYPE = "fp16"  # a quantized store's resident tensors (and so its activations)
+_FLOAT_SOURCES = ("F16", "BF16", "F32", "F64")  # tensor types a quantized store quantizes (others it requantizes)
+# float32 bytes converted at a time: quantize_rows makes several float32 temporaries of its input (about 1.2 GB
+# for a whole 8B-model FFN matrix), and an 8B model's embedding is 2.1 GB in fp32.
+_CHUNK_BYTES = 32 << 20
 
 
 def _ffn_layout(names: list[str], model_type: object) -> tuple[dict[int, dict[str, str]], bool]:
@@ -95,28 +115,47 @@ def convert(
     endor: bool = False,
     force: bool = False,
     progress: bool = True,
+    down_format: str | None = None,
 ) -> Path:
     """Convert a Hugging Face safetensors directory (OPT, Llama/Mistral/SmolLM; sharded or not) or a GGUF file
     into a flash store at `out_dir`. Atomic: written under a temporary name and renamed at the end, then a sample
     of every layer is read back and compared. Refuses to replace an existing `out_dir` unless `force`, and even
     then anything but a flash store or an empty directory (paths.check_out_dir). Returns `out_dir`, absolute.
+
+    dtype: "fp16", "bf16" or "fp32" (float bundles), or a quantized one (QUANTIZED_DTYPES, see the module doc):
+    "q8" (q8_0 rows) or "q4" (q4_0 up/gate rows, q4_1 from a GGUF whose up/gate tensors are Q4_1), the down row
+    in `down_format` (a flashllm_ext.ops.blocks format, default q8_0). Endor compression takes float bundles only.
     """
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    quantized = dtype in QUANTIZED_DTYPES
+    if dtype not in DTYPES and not quantized:
+        raise ValueError(f"dtype must be one of {[*DTYPES, *QUANTIZED_DTYPES]}, got {dtype!r}")
+    if quantized and endor:
+        raise ValueError(f"Endor compression takes float bundles (dtype {list(DTYPES)}), not {dtype!r} blocks")
+    if down_format is not None and not quantized:
+        raise ValueError(f"down_format applies to the quantized dtypes {list(QUANTIZED_DTYPES)}, not {dtype!r}")
+    down_format = block_format(down_format or DEFAULT_DOWN_FORMAT).name
     out_dir = check_out_dir(out_dir, force, STORE_FILES, checkpoint)
     ckpt = open_checkpoint(checkpoint)
     layers, glu = _ffn_layout(ckpt.names, ckpt.config.get("model_type"))
-    torch_dtype = DTYPES[dtype]
+    float_dtype = QUANTIZED_FLOAT_DTYPE if quantized else dtype
+    torch_dtype = DTYPES[float_dtype]
     first = layers[0]
     ffn, hidden = ckpt.shape(first["up"])
-    width = (3 if glu else 2) * hidden
-    metadata = _bundles_metadata(ckpt.config, dtype, ffn, hidden, glu, endor, list(layers.values()))
+    bundle_format, sources = None, None
+    if quantized:
+        bundle_format = BundleFormat(_input_format(ckpt, layers, QUANTIZED_DTYPES[dtype]), down_format)
+        sources = [_tensor_sources(ckpt, roles, bundle_format) for roles in layers.values()]
+    metadata = _bundles_metadata(
+        ckpt.config, float_dtype, ffn, hidden, glu, endor, list(layers.values()), bundle_format, sources
+    )
     tmp = staging_dir(out_dir)
     try:
-        expected = _write_bundles(tmp / BUNDLES_FILE, ckpt, layers, torch_dtype, endor, ffn, width, metadata, progress)
+        expected = _write_bundles(
+            tmp / BUNDLES_FILE, ckpt, layers, torch_dtype, endor, ffn, hidden, metadata, progress, bundle_format
+        )
         bundled = {name for roles in layers.values() for role, name in roles.items() if role in WEIGHT_ROLES}
         resident = _write_resident(
-            tmp / RESIDENT_FILE, ckpt, [n for n in ckpt.names if n not in bundled], torch_dtype, dtype, progress
+            tmp / RESIDENT_FILE, ckpt, [n for n in ckpt.names if n not in bundled], torch_dtype, float_dtype, progress
         )
         with FlashStore(tmp) as written:
             _verify(written, expected, resident)
@@ -127,26 +166,88 @@ def convert(
     return out_dir
 
 
+def _input_format(ckpt: Checkpoint, layers: dict[int, dict[str, str]], formats: tuple[str, ...]) -> str:
+    """The one of `formats` most up/gate tensors already have (their blocks are kept), the first on a tie."""
+    types = Counter(ckpt.source_type(roles[r]) for roles in layers.values() for r in ("up", "gate") if r in roles)
+    return max(formats, key=lambda f: (types[f.upper()], f == formats[0]))
+
+
+def _keeps_blocks(ckpt: Checkpoint, name: str, fmt: str) -> bool:
+    """Whether the rows of input tensor `name` are copied block for block: a GGUF tensor already in `fmt`."""
+    return isinstance(ckpt, GGUFCheckpoint) and ckpt.source_type(name) == fmt.upper()
+
+
+def _tensor_sources(ckpt: Checkpoint, roles: dict[str, str], bundle_format: BundleFormat) -> dict[str, str]:
+    """How each FFN weight of one layer reaches a quantized store, e.g. {"up": "kept Q4_0 blocks", "down":
+    "requantized Q4_0 -> q8_0", ...} ("quantized F16 -> q4_0" from a float tensor)."""
+    sources = {}
+    for role in WEIGHT_ROLES:
+        if role not in roles:
+            continue
+        name, kind = roles[role], ckpt.source_type(roles[role])
+        fmt = bundle_format.down_format if role == "down" else bundle_format.in_format
+        if role != "down" and _keeps_blocks(ckpt, name, fmt):
+            sources[role] = f"kept {kind} blocks"
+        else:
+            sources[role] = f"{'quantized' if kind in _FLOAT_SOURCES else 'requantized'} {kind} -> {fmt}"
+    return sources
+
+
+def describe_sources(sources: list[dict[str, str]]) -> str:
+    """One line counting a quantized store's FFN tensors per path (store.tensor_sources), the commonest first:
+    "64 kept Q4_0 blocks, 32 requantized Q4_0 -> q8_0"."""
+    counts = Counter(path for layer in sources for path in layer.values())
+    return ", ".join(f"{n} {path}" for path, n in counts.most_common())
+
+
+def _quantized_bundles(ckpt: Checkpoint, roles: dict[str, str], bundle_format: BundleFormat) -> torch.Tensor:
+    """One layer's quantized bundle rows, uint8 [n_neurons, bundle_format.row_bytes(d, glu)]: the up and gate
+    rows kept block for block where the checkpoint holds them in the input format (_keeps_blocks), else quantized
+    (round to nearest, as BundleFormat.quantize); the down row quantized along the hidden dimension."""
+    parts = []
+    for role in ("up", "gate"):
+        if role in roles:
+            name = roles[role]
+            if _keeps_blocks(ckpt, name, bundle_format.in_format):
+                parts.append(ckpt.raw_blocks(name)[0])
+            else:
+                parts.append(_quantize(ckpt[name], bundle_format.in_format))
+    parts.append(_quantize(ckpt[roles["down"]].t(), bundle_format.down_format))
+    return torch.cat(parts, dim=1)
+
+
+def _quantize(w: torch.Tensor, fmt: str) -> torch.Tensor:
+    """quantize_rows(w [R, d], fmt) a block of rows at a time, bounding its float32 temporaries (_CHUNK_BYTES)."""
+    step = max(1, _CHUNK_BYTES // (4 * w.shape[1]))
+    return torch.cat([quantize_rows(w[i : i + step], fmt) for i in range(0, w.shape[0], step)])
+
+
 def _write_resident(
     path: Path, ckpt: Checkpoint, names: list[str], dtype: torch.dtype, dtype_key: str, progress: bool
-) -> dict[str, torch.Tensor]:
-    """Write the resident tensors one at a time (a 7B model's attention is gigabytes); returns the first one for
-    verification. Packed as the safetensors library packs them: widest element size first, so each tensor is
-    aligned to its element size without padding tensors."""
+) -> tuple[str, torch.Tensor] | None:
+    """Write the resident tensors one block of rows at a time (a 7B model's attention is gigabytes, its embedding
+    alone 1-2 GB in fp32); returns the first tensor's name and first block, for verification. Packed as the
+    safetensors library packs them: widest element size first, so each tensor is aligned to its element size
+    without padding tensors."""
     store_name = dtype_name(dtype)
     specs = [
         TensorSpec(n, store_name if ckpt.dtype(n) in FLOAT_DTYPES else ckpt.dtype(n), ckpt.shape(n)) for n in names
     ]
     specs.sort(key=lambda spec: -DTYPE_SIZES[spec.dtype])
-    first: dict[str, torch.Tensor] = {}
+    samples: dict[str, torch.Tensor] = {}
+
+    def blocks(name: str) -> Iterator[torch.Tensor]:
+        for chunk in ckpt.row_chunks(name, _CHUNK_BYTES):
+            chunk = _to_store_dtype(chunk, dtype).contiguous()
+            if not samples:
+                samples[name] = chunk
+            yield chunk
+
     metadata = {"magic": MAGIC, "format_version": FORMAT_VERSION, "dtype": dtype_key}
     with AlignedWriter(path, specs, metadata, alignment=8, tensor_alignment=1) as writer:
         for spec in tqdm(specs, desc="writing resident tensors", unit="t", disable=not progress):
-            tensor = _to_store_dtype(ckpt[spec.name], dtype).contiguous()
-            writer.write(spec.name, tensor)
-            if not first:
-                first[spec.name] = tensor
-    return first
+            writer.write_rows(spec.name, blocks(spec.name))
+    return next(iter(samples.items()), None)
 
 
 def _to_store_dtype(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -157,10 +258,18 @@ def _to_store_dtype(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _bundles_metadata(
-    config: dict, dtype: str, n_neurons: int, hidden: int, glu: bool, use_endor: bool, ffn_roles: list[dict[str, str]]
+    config: dict,
+    dtype: str,
+    n_neurons: int,
+    hidden: int,
+    glu: bool,
+    use_endor: bool,
+    ffn_roles: list[dict[str, str]],
+    bundle_format: BundleFormat | None = None,
+    tensor_sources: list[dict[str, str]] | None = None,
 ) -> dict[str, str]:
     width = (3 if glu else 2) * hidden
-    return {
+    metadata = {
         "magic": MAGIC,
         "format_version": FORMAT_VERSION,
         "config": json.dumps(config),
@@ -172,8 +281,12 @@ def _bundles_metadata(
         "glu": str(int(glu)),
         "alignment": str(ALIGNMENT),
         "endor": str(int(use_endor)),
+        "bundle_format": bundle_format.name if bundle_format else DENSE_FORMAT,
         "ffn_roles": json.dumps(ffn_roles),
     }
+    if tensor_sources is not None:
+        metadata["tensor_sources"] = json.dumps(tensor_sources)
+    return metadata
 
 
 def synthesize(
@@ -224,14 +337,25 @@ def _write_bundles(
     dtype: torch.dtype,
     use_endor: bool,
     ffn: int,
-    width: int,
+    hidden: int,
     metadata: dict[str, str],
     progress: bool,
+    bundle_format: BundleFormat | None = None,
 ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-    """Writes every layer; returns per layer (sample neuron ids, their expected bundles) for verification."""
+    """Writes every layer (float bundles in `dtype`, or `bundle_format`'s quantized rows); returns per layer
+    (sample neuron ids, their expected rows) for verification."""
+    glu = "gate" in layers[0]
+    width = (3 if glu else 2) * hidden
+    quantized_row_bytes = None if bundle_format is None else bundle_format.row_bytes(hidden, glu)
 
     def bundles(layer: int) -> torch.Tensor:
         roles = layers[layer]
+        if bundle_format is not None:
+            for role, name in roles.items():
+                want = (hidden, ffn) if role == "down" else (ffn, hidden)
+                if role in WEIGHT_ROLES and tuple(ckpt.shape(name)) != want:
+                    raise FormatError(name, f"shape {tuple(ckpt.shape(name))}, expected {want} as in layer 0")
+            return _quantized_bundles(ckpt, roles, bundle_format)
         gate = ckpt[roles["gate"]].to(dtype) if "gate" in roles else None
         layer_bundles = bundle_layer(ckpt[roles["up"]].to(dtype), ckpt[roles["down"]].to(dtype), gate)
         if tuple(layer_bundles.shape) != (ffn, width):
@@ -247,7 +371,7 @@ def _write_bundles(
     if use_endor:
         for layer in tqdm(layers, desc="sizing Endor layers", unit="layer", disable=not progress):
             nnz[layer] = endor.count_nonzero(bundles(layer))
-    specs = [s for l in layers for s in layer_specs(l, ffn, width, dtype, nnz.get(l))]
+    specs = [s for l in layers for s in layer_specs(l, ffn, width, dtype, nnz.get(l), quantized_row_bytes)]
     expected = {}
     generator = torch.Generator().manual_seed(0)
     with AlignedWriter(path, specs, metadata, ALIGNMENT) as writer:
@@ -277,14 +401,19 @@ def _write_endor_layer(
 
 
 def _verify(
-    store: FlashStore, expected: dict[int, tuple[torch.Tensor, torch.Tensor]], resident: dict[str, torch.Tensor]
+    store: FlashStore,
+    expected: dict[int, tuple[torch.Tensor, torch.Tensor]],
+    resident: tuple[str, torch.Tensor] | None,
 ) -> None:
     for layer, (ids, want) in expected.items():
         if not torch.equal(store.bundle(layer, ids).view(torch.uint8), want.view(torch.uint8)):
             raise RuntimeError(
                 f"{store.path}: read-back of layer {layer} neurons {ids.tolist()} differs from what was written"
             )
-    if resident:
-        name = next(iter(resident))
-        if not torch.equal(store.resident_tensor(name), resident[name]):
+    if resident is not None:
+        # The first rows only: reading a whole embedding back would double the converter's memory.
+        name, want = resident
+        with safe_open(store.resident_path, framework="pt") as f:
+            got = f.get_slice(name)[: len(want)] if want.dim() else f.get_tensor(name)
+        if not torch.equal(got, want):
             raise RuntimeError(f"{store.path}: read-back of resident tensor {name} differs from what was written")

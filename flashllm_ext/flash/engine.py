@@ -273,7 +273,7 @@ def _assign_dense_ffn(model: nn.Module, store: FlashStore, dtype: torch.dtype) -
     d = store.hidden_size
     with FlashReader(store) as reader:
         for i, (layer, modules) in enumerate(ffn_slots(model)):
-            bundles = reader.read(i, torch.arange(store.n_neurons)).data.to(dtype)
+            bundles = store.float_rows(reader.read(i, torch.arange(store.n_neurons)).data).to(dtype)
             up, down = bundles[:, :d], bundles[:, -d:].t()
             if "mlp" in modules:
                 mlp = modules["mlp"]

@@ -132,6 +132,25 @@ class FFNStats:
         return 1.0 - self.inserted / self.needed if self.needed else 1.0
 
 
+def bundle_ffn(
+    store: FlashStore,
+    x: torch.Tensor,
+    matrix: torch.Tensor,
+    *,
+    num_used: int,
+    activation: str,
+    bias: torch.Tensor | None = None,
+    index: torch.Tensor | None = None,
+    threshold: float = 0.0,
+) -> torch.Tensor:
+    """The FFN of x [T, d] over bundle rows of `store` as it holds them (matrix [C, row_width] of its row_dtype):
+    ops.sparse_ffn over float bundles, ops.quantized_sparse_ffn over a quantized store's. Arguments as theirs."""
+    kwargs = dict(num_used=num_used, activation=activation, glu=store.glu, bias=bias, index=index, threshold=threshold)
+    if store.bundle_format is None:
+        return ops.sparse_ffn(x, matrix, **kwargs)
+    return ops.quantized_sparse_ffn(x, matrix, bundle_format=store.bundle_format.name, **kwargs)
+
+
 def check_ffn_input(x: torch.Tensor, d: int, device: torch.device) -> torch.Tensor:
     if x.shape[-1] != d:
         raise ValueError(f"x must end in the hidden size {d}, got shape {tuple(x.shape)}")
@@ -334,13 +353,13 @@ class FlashFFN(nn.Module):
         start = self.cache.transfer.clock()
         cache = self.cache
         rows = cache.transfer.to_device(cache.slot_of[ids])
-        y = ops.sparse_ffn(
+        y = bundle_ffn(
+            self.store,
             x,
             cache.matrix,
             num_used=cache.num_used,
             bias=cache.bias,
             activation=self.activation,
-            glu=self.store.glu,
             index=rows,
             threshold=self.threshold,
         )

@@ -254,17 +254,18 @@ class FlashReader:
         return self._native
 
     def read(self, layer: int, ids: torch.Tensor | list[int], out: torch.Tensor | None = None) -> ReadResult:
-        """Bundles `ids` [k] (any order, repeats allowed) of `layer` into out [k, bundle_width] (allocated on the CPU
+        """Bundles `ids` [k] (any order, repeats allowed) of `layer` into out [k, row_width] of the store's row_dtype
+        (its float bundles or its quantized rows; allocated on the CPU
         when None; a contiguous CPU or CUDA tensor, see select_read_path). Endor stores are decompressed into out.
         Returns (out, the stats of this call)."""
         if self.store is None:
             raise ValueError("read() needs a store; this reader was opened on a plain file (use read_rows)")
         ids = neuron_ids(ids).contiguous()
-        shape = (ids.numel(), self.store.bundle_width)
+        shape, dtype = (ids.numel(), self.store.row_width), self.store.row_dtype
         if out is None:
-            out = torch.empty(shape, dtype=self.store.dtype)
-        if tuple(out.shape) != shape or out.dtype != self.store.dtype:
-            raise ValueError(f"out must be {self.store.dtype} of shape {shape}, got {out.dtype} {tuple(out.shape)}")
+            out = torch.empty(shape, dtype=dtype)
+        if tuple(out.shape) != shape or out.dtype != dtype:
+            raise ValueError(f"out must be {dtype} of shape {shape}, got {out.dtype} {tuple(out.shape)}")
         path = select_read_path(out.device)
         if not out.is_contiguous():
             raise ValueError(f"out must be contiguous, got strides {out.stride()}")

@@ -203,7 +203,7 @@ def _make_modules(
             resident_rows = low
     if ffn_budget is not None and streaming_bytes(resident_rows) > ffn_budget:
         raise too_small(streaming_bytes(0))
-    staging = transfer.empty((n - resident_rows, store.bundle_width), store.dtype)
+    staging = transfer.empty((n - resident_rows, store.row_width), store.row_dtype)
     modules = [streaming_class(store, i, resident_rows, staging, reader, stats, transfer) for i in range(n_layers)]
     return modules, staging.nbytes + transfer.nbytes + sum(m.nbytes for m in modules)
 

@@ -9,11 +9,16 @@ A store is a directory with two safetensors files (docs/design.md §5):
                         50% sparsity) and `layers.{l}.bundles.row_offsets` (int64 [n_neurons + 1], the Endor
                         row offsets of the values; neuron i starts at byte i * ceil(width/8) + row_offsets[i] *
                         itemsize of `.rows`, endor.row_starts).
-  resident.safetensors  embeddings, attention, norms, biases: what stays in memory.
-Both headers carry `magic` and `format_version`; bundles.safetensors also the model config, dtype, widths,
-alignment and `ffn_roles`: per layer, the checkpoint tensor name of each FFN role (WEIGHT_ROLES, whose weights are
-the bundles, and BIAS_ROLES present in the model, which are resident tensors under that name), so nothing reading a
-store re-derives names from a model family's naming scheme.
+                        Quantized stores (`bundle_format` "<in>+<down>", e.g. "q4_0+q8_0") hold uint8
+                        `layers.{l}.bundles` [n_neurons, row_bytes]: a neuron's up, gate and down rows in GGUF's
+                        blocks of 32 weights with their scales (flashllm_ext.ops.blocks.BundleFormat), so a neuron is
+                        still one contiguous read, of 2.6-3.5x fewer bytes than float16.
+  resident.safetensors  embeddings, attention, norms, biases: what stays in memory (float tensors in `dtype`).
+Both headers carry `magic` and `format_version`; bundles.safetensors also the model config, dtype, bundle format,
+widths, alignment and `ffn_roles`: per layer, the checkpoint tensor name of each FFN role (WEIGHT_ROLES, whose
+weights are the bundles, and BIAS_ROLES present in the model, which are resident tensors under that name), so nothing
+reading a store re-derives names from a model family's naming scheme. A quantized store also records per layer how
+each FFN weight reached it (`tensor_sources`: its blocks kept from a GGUF, or quantized from another type).
 `flashllm_ext.flash.convert` writes a store, `FlashStore` opens and validates one.
 """
 
@@ -32,10 +37,13 @@ import torch
 from flashllm_ext import endor
 from flashllm_ext.errors import FormatError
 from flashllm_ext.io.safetensors import ResidentFile, TensorEntry, TensorSpec, dtype_name, read_header
+from flashllm_ext.ops.blocks import BundleFormat
 
 
 MAGIC = "flashllm-store"
-FORMAT_VERSION = "2"  # 2: ffn_roles
+FORMAT_VERSION = "3"  # 3: bundle_format (quantized bundles); 2: ffn_roles
+READABLE_VERSIONS = ("2", "3")  # a version-2 store has float bundles in `dtype`
+DENSE_FORMAT = "float"  # bundle_format of float bundles in the store's dtype
 ALIGNMENT = 4096
 BUNDLES_FILE = "bundles.safetensors"
 RESIDENT_FILE = "resident.safetensors"
@@ -92,10 +100,15 @@ def layer_tensor_name(layer: int) -> str:
     return f"layers.{layer}.bundles"
 
 
-def layer_specs(layer: int, ffn: int, width: int, dtype: torch.dtype, endor_nnz: int | None) -> list[TensorSpec]:
-    """The tensors of one layer in bundles.safetensors: dense bundles, or the Endor rows and row offsets (rows
-    holding `endor_nnz` values; -1 where the reader does not know it yet)."""
+def layer_specs(
+    layer: int, ffn: int, width: int, dtype: torch.dtype, endor_nnz: int | None, quantized_row_bytes: int | None = None
+) -> list[TensorSpec]:
+    """The tensors of one layer in bundles.safetensors: dense bundles, quantized bundles (uint8 rows of
+    `quantized_row_bytes`), or the Endor rows and row offsets (rows holding `endor_nnz` values; -1 where the reader
+    does not know it yet)."""
     name = layer_tensor_name(layer)
+    if quantized_row_bytes is not None:
+        return [TensorSpec(name, "U8", (ffn, quantized_row_bytes))]
     if endor_nnz is None:
         return [TensorSpec(name, dtype_name(dtype), (ffn, width))]
     rows_bytes = -1 if endor_nnz < 0 else ffn * ((width + 7) // 8) + endor_nnz * dtype.itemsize
@@ -168,7 +181,13 @@ class FlashStore:
                 self.bundles_path,
             )
         self.config = parse_model_config(meta.get("config"), self.bundles_path, self._resident_entries)
-        self.row_bytes = self.bundle_width * self.dtype.itemsize
+        self.bundle_format = self._parse_bundle_format(meta)
+        if self.bundle_format is None:
+            self.row_bytes = self.bundle_width * self.dtype.itemsize
+            self.row_width, self.row_dtype = self.bundle_width, self.dtype
+        else:
+            self.row_bytes = self.bundle_format.row_bytes(self.hidden_size, self.glu)
+            self.row_width, self.row_dtype = self.row_bytes, torch.uint8
         self._entries = header.tensors
         self._endor_index: dict[int, EndorLocation] = {}
         if self.endor and f"{layer_tensor_name(0)}.values" in self._entries:
@@ -178,9 +197,12 @@ class FlashStore:
                 self.bundles_path,
             )
         for layer in range(self.n_layers):
-            for spec in layer_specs(layer, self.n_neurons, self.bundle_width, self.dtype, -1 if self.endor else None):
+            quantized = None if self.bundle_format is None else self.row_bytes
+            endor_nnz = -1 if self.endor else None
+            for spec in layer_specs(layer, self.n_neurons, self.bundle_width, self.dtype, endor_nnz, quantized):
                 self._check_entry(spec)
         self.ffn_roles = self._parse_ffn_roles(meta.get("ffn_roles"))
+        self.tensor_sources = self._parse_tensor_sources(meta.get("tensor_sources"))
         self._shared: dict[str, Any] = {}
         self._shared_lock = threading.Lock()
         self._resident = ResidentFile(self.resident_path)
@@ -209,15 +231,33 @@ class FlashStore:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    @property
+    def quantized(self) -> bool:
+        """Whether the bundles are quantized blocks (bundle_format), not floats in `dtype`."""
+        return self.bundle_format is not None
+
     def _check_magic(self, meta: dict[str, str], path: str) -> None:
         if meta.get("magic") != MAGIC:
             raise FormatError("__metadata__.magic", f"expected {MAGIC!r}, got {meta.get('magic')!r}", path)
-        if meta.get("format_version") != FORMAT_VERSION:
+        if meta.get("format_version") not in READABLE_VERSIONS:
             raise FormatError(
                 "__metadata__.format_version",
-                f"unsupported version {meta.get('format_version')!r} (this library reads {FORMAT_VERSION})",
+                f"unsupported version {meta.get('format_version')!r} (this library reads {READABLE_VERSIONS})",
                 path,
             )
+
+    def _parse_bundle_format(self, meta: dict[str, str]) -> BundleFormat | None:
+        """None for float bundles; the quantized layout otherwise (never with Endor compression)."""
+        name = meta.get("bundle_format", DENSE_FORMAT if meta.get("format_version") == "2" else None)
+        if name == DENSE_FORMAT:
+            return None
+        try:
+            bundle_format = BundleFormat.parse(name if isinstance(name, str) else "")
+        except ValueError as e:
+            raise FormatError("__metadata__.bundle_format", f"{name!r}: {e}", self.bundles_path) from None
+        if self.endor:
+            raise FormatError("__metadata__.bundle_format", f"{name!r} with Endor compression", self.bundles_path)
+        return bundle_format
 
     def _parse_ffn_roles(self, raw: str | None) -> list[dict[str, str]]:
         """Per layer, role -> checkpoint tensor name: the weight roles of this model exactly, bias roles only for
@@ -255,6 +295,28 @@ class FlashStore:
                         self.bundles_path,
                     )
         return roles
+
+    def _parse_tensor_sources(self, raw: str | None) -> list[dict[str, str]] | None:
+        """A quantized store's record of how each FFN weight reached it, per layer role -> path ("kept Q4_0 blocks",
+        "requantized Q6_K -> q8_0", "quantized F16 -> q4_0"); None where the converter wrote none (float stores)."""
+        if raw is None:
+            return None
+        field = "__metadata__.tensor_sources"
+        try:
+            sources = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise FormatError(field, f"not JSON ({e})", self.bundles_path) from None
+        weights = [{role for role in names if role in WEIGHT_ROLES} for names in self.ffn_roles]
+        if (
+            not isinstance(sources, list)
+            or len(sources) != self.n_layers
+            or any(not isinstance(layer, dict) or set(layer) != roles for layer, roles in zip(sources, weights))
+            or any(not isinstance(path, str) for layer in sources for path in layer.values())
+        ):
+            raise FormatError(
+                field, f"must map each layer's weight roles to a string, got {str(sources)[:80]}", self.bundles_path
+            )
+        return sources
 
     def _int_field(self, meta: dict[str, str], key: str) -> int:
         try:
@@ -307,7 +369,8 @@ class FlashStore:
         return ids
 
     def bundle(self, layer: int, ids: torch.Tensor | list[int]) -> torch.Tensor:
-        """Bundles of neurons `ids` (any order, repeats allowed) of `layer`: [len(ids), bundle_width] of self.dtype.
+        """Bundles of neurons `ids` (any order, repeats allowed) of `layer` as stored: [len(ids), row_width] of
+        row_dtype (float bundles, or a quantized store's uint8 rows; float_bundle dequantizes them).
 
         Plain buffered reads (os.pread, one per run of consecutive neurons); FlashReader is the fast path.
         """
@@ -321,8 +384,20 @@ class FlashStore:
             rows = self._read_runs(
                 unique, lambda a, b: (entry.begin + a * self.row_bytes, entry.begin + b * self.row_bytes)
             )
-            rows = rows.view(self.dtype).view(-1, self.bundle_width)
+            rows = rows.view(self.row_dtype).view(-1, self.row_width)
         return rows[inverse]
+
+    def float_bundle(self, layer: int, ids: torch.Tensor | list[int]) -> torch.Tensor:
+        """Bundles of neurons `ids` of `layer` as floats: [len(ids), bundle_width] of self.dtype (a quantized store's
+        rows dequantized)."""
+        return self.float_rows(self.bundle(layer, ids))
+
+    def float_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """Bundle rows as stored [R, row_width] (row_dtype) -> as floats [R, bundle_width] of self.dtype (a quantized
+        store's dequantized, on their device; float rows as they are)."""
+        if self.bundle_format is None:
+            return rows
+        return self.bundle_format.dequantize(rows, self.hidden_size, self.glu).to(self.dtype)
 
     def _read_runs(self, sorted_ids: torch.Tensor, span: Callable[[int, int], tuple[int, int]]) -> torch.Tensor:
         """Concatenated bytes of span(a, b) for each run a..b-1 of consecutive ids, as uint8."""
@@ -420,7 +495,9 @@ class FlashStore:
     def __repr__(self) -> str:
         return (
             f"FlashStore({str(self.path)!r}, layers={self.n_layers}, neurons={self.n_neurons}, "
-            f"bundle_width={self.bundle_width}, dtype={self.dtype_name}, glu={self.glu}, endor={self.endor})"
+            f"bundle_width={self.bundle_width}, dtype={self.dtype_name}, "
+            f"bundle_format={self.bundle_format.name if self.bundle_format else DENSE_FORMAT}, glu={self.glu}, "
+            f"endor={self.endor})"
         )
 
 

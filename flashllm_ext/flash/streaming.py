@@ -7,17 +7,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from flashllm_ext import ops
 from flashllm_ext.flash.cache import input_bias_role, layer_input_bias
 from flashllm_ext.flash.reader import FlashReader
 from flashllm_ext.flash.store import FlashStore
 from flashllm_ext.flash.transfer import HostTransfer, Transfer
-from flashllm_ext.flash.ffn import FFNStats, check_ffn_input, output_bias, store_activation
+from flashllm_ext.flash.ffn import FFNStats, bundle_ffn, check_ffn_input, output_bias, store_activation
 
 
 class StreamingFFN(nn.Module):
     """One FFN layer computed densely: bundles [0, resident_rows) held in DRAM, the rest re-read from flash on every
-    forward into `staging` (shared between layers: [>= n - resident_rows, bundle_width] of the store dtype). On a
+    forward into `staging` (shared between layers: [>= n - resident_rows, row_width] of the store's row_dtype). On a
     device, resident bundles and `staging` live there and the reads reach it through `transfer` (a StagedTransfer
     with the same device as `staging`)."""
 
@@ -35,10 +34,9 @@ class StreamingFFN(nn.Module):
         n = store.n_neurons
         if not 0 <= resident_rows <= n:
             raise ValueError(f"resident_rows must be in [0, {n}], got {resident_rows}")
-        if staging.shape[0] < n - resident_rows or staging.shape[1:] != (store.bundle_width,):
+        if staging.shape[0] < n - resident_rows or staging.shape[1:] != (store.row_width,):
             raise ValueError(
-                f"staging must hold {n - resident_rows} bundles of width {store.bundle_width}, got "
-                f"{tuple(staging.shape)}"
+                f"staging must hold {n - resident_rows} bundles of width {store.row_width}, got {tuple(staging.shape)}"
             )
         self.transfer = transfer if transfer is not None else HostTransfer()
         if staging.device.type != self.transfer.device.type:
@@ -57,7 +55,7 @@ class StreamingFFN(nn.Module):
             self.resident = reader.read(
                 layer,
                 torch.arange(resident_rows),
-                self.transfer.empty((resident_rows, store.bundle_width), store.dtype),
+                self.transfer.empty((resident_rows, store.row_width), store.row_dtype),
             ).data
         self.resident_bias = None if bias is None else bias[:resident_rows].to(device)
         self.streamed_ids = torch.arange(resident_rows, n)
@@ -88,7 +86,7 @@ class StreamingFFN(nn.Module):
         if n_streamed:
             start = self.transfer.clock()
             if self.transfer.staged:
-                landing = self.transfer.staging((n_streamed, self.store.bundle_width), self.store.dtype)
+                landing = self.transfer.staging((n_streamed, self.store.row_width), self.store.row_dtype)
                 read = self.reader.read(self.layer, self.streamed_ids, landing)
                 self.transfer.upload(landing, self.staging[:n_streamed])
             else:
@@ -117,6 +115,4 @@ class StreamingFFN(nn.Module):
     def _compute(self, xs: torch.Tensor, out: torch.Tensor) -> None:
         """out [T, d] float32 += the FFN of xs [T, d] over every neuron, the streamed ones read already."""
         for rows, num_used, bias in self._parts():
-            out += ops.sparse_ffn(
-                xs, rows, num_used=num_used, bias=bias, activation=self.activation, glu=self.store.glu
-            ).float()
+            out += bundle_ffn(self.store, xs, rows, num_used=num_used, bias=bias, activation=self.activation).float()

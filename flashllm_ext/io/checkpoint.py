@@ -2,7 +2,9 @@
 
 `open_checkpoint(path)` gives a Checkpoint: a Hugging Face style `config`, the tensor `names`, each tensor's `shape`
 from the header, and `ckpt[name]` that reads (GGUF: dequantizes) that one tensor only, so converting a 7B model
-holds one tensor at a time, not the whole model in fp32.
+holds one tensor at a time, not the whole model in fp32; `ckpt.row_chunks(name, max_bytes)` reads one block of
+rows at a time (an 8B model's embedding is 2.1 GB in fp32). `GGUFCheckpoint.raw_blocks(name)` gives a tensor's rows
+as the file stores them (a quantized type's blocks), for stores that keep them bit for bit.
 
 GGUF tensors equal what `transformers` loads from the same file: both dequantize with `gguf.quants.dequantize`,
 and llama.cpp's rotary permutation of the Q/K rows is undone here as transformers undoes it.
@@ -11,9 +13,11 @@ and llama.cpp's rotary permutation of the Q/K rows is undone here as transformer
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +49,9 @@ _GGUF_BLOCK_NAMES = {hf: name for name, hf in _BLOCK_NAMES.items()}
 _GGUF_TOP_NAMES = {hf: name for name, hf in _TOP_NAMES.items()}
 # Errors the gguf reader raises on malformed or truncated files (it indexes a memmap with header values).
 _READER_ERRORS = (ValueError, IndexError, KeyError, TypeError, OverflowError, struct.error)
+# float32 bytes a GGUF tensor is dequantized in at a time: gguf's numpy dequantizers make temporaries several times
+# the size of their output, which for a whole 8B-model FFN matrix (235 MB in fp32) is about a gigabyte.
+_DEQUANTIZE_CHUNK_BYTES = 32 << 20
 
 
 def _open(path: str | os.PathLike):
@@ -218,6 +225,32 @@ class Checkpoint(ABC):
     def __getitem__(self, name: str) -> torch.Tensor:
         """Tensor `name`, read (GGUF: dequantized to fp32) now; nothing of it is kept."""
 
+    def source_type(self, name: str) -> str:
+        """The type tensor `name` has in the file: a safetensors dtype ("F16", "BF16", ...) or a GGUF type ("Q4_0",
+        "Q6_K", "F16", ...)."""
+        return self.dtype(name)
+
+    def row_chunks(self, name: str, max_bytes: int) -> Iterator[torch.Tensor]:
+        """Tensor `name` as `ckpt[name]` gives it, in consecutive blocks of rows (first dimension) of about
+        `max_bytes` in fp32 each (at least one row, or one attention head's rows where a block must hold whole
+        heads); a 1-D tensor comes whole. Only the rows of a block are read, where the format allows."""
+        shape = self.shape(name)
+        if len(shape) < 2:
+            yield self[name]
+            return
+        unit = self._row_unit(name)
+        step = max(1, max_bytes // (4 * math.prod(shape[1:]) * unit)) * unit
+        for start in range(0, shape[0], step):
+            yield self._rows(name, start, min(start + step, shape[0]))
+
+    def _rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) of tensor `name`; formats that can read part of a tensor override this."""
+        return self[name][start:stop]
+
+    def _row_unit(self, name: str) -> int:
+        """The rows a block of `row_chunks` is a multiple of."""
+        return 1
+
 
 class TensorsCheckpoint(Checkpoint):
     """Tensors already in memory (a loaded model's state_dict, pruned weights) as a Checkpoint, so the store
@@ -306,23 +339,32 @@ class SafetensorsCheckpoint(Checkpoint):
         return self._entries[name].dtype
 
     def __getitem__(self, name: str) -> torch.Tensor:
+        return self._handle(name).get_tensor(name)
+
+    def _rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        return self._handle(name).get_slice(name)[start:stop]
+
+    def _handle(self, name: str) -> Any:
         shard = self._shard_of[name]
         if shard not in self._handles:
             self._handles[shard] = safe_open(str(shard), framework="pt")
-        return self._handles[shard].get_tensor(name)
+        return self._handles[shard]
 
 
 class GGUFCheckpoint(Checkpoint):
     """A Llama GGUF file under Hugging Face names. Opening validates the header (architecture, every tensor's name
-    and shape, none missing) and maps the file; `ckpt[name]` dequantizes that one tensor to fp32 (Q/K rows
-    un-permuted). Raises FormatError naming the file and the field."""
+    and shape, none missing); `ckpt[name]` dequantizes that one tensor to fp32 (Q/K rows un-permuted). Tensor data
+    is read with pread into memory of its own, never through the reader's map of the file: pages of a mapped file
+    that were read stay in the process (resident, counted by a memory cgroup) until it unmaps them, so a converter
+    reading a 4.5 GB file through the map would hold 4.5 GB. Raises FormatError naming the file and the field."""
 
     def __init__(self, path: str | os.PathLike):
         self.path = os.fspath(path)
         reader = _open(self.path)
         self.config = _config_from_reader(reader, self.path)
         shapes = expected_shapes(self.config)
-        self._tensors: dict[str, Any] = {}  # Hugging Face name -> gguf ReaderTensor (a view of the mapped file)
+        # Hugging Face name -> gguf ReaderTensor: its offset, size and type (its data, the map, is not read).
+        self._tensors: dict[str, Any] = {}
         for tensor in reader.tensors:
             name = hf_name(tensor.name)
             if name is None or name not in shapes:
@@ -343,30 +385,93 @@ class GGUFCheckpoint(Checkpoint):
     def dtype(self, name: str) -> str:
         return "F32"  # every tensor is dequantized to fp32
 
+    def source_type(self, name: str) -> str:
+        return self._tensors[name].tensor_type.name
+
     def __getitem__(self, name: str) -> torch.Tensor:
+        shape = self._shapes[name]
+        if len(shape) < 2:
+            return self._rows(name, 0, shape[0])
+        # Filled a block of rows at a time: the dequantizers' temporaries stay those of one block.
+        weight = torch.empty(shape, dtype=torch.float32)
+        row = 0
+        for chunk in self.row_chunks(name, _DEQUANTIZE_CHUNK_BYTES):
+            weight[row : row + len(chunk)] = chunk
+            row += len(chunk)
+        return weight
+
+    def raw_blocks(self, name: str) -> tuple[torch.Tensor, str]:
+        """Tensor `name`'s rows as the file stores them, not dequantized: uint8 [rows, row_bytes] (a quantized
+        type's blocks of each row, a float type's bytes) and the GGUF type's name ("Q4_0", "Q6_K", "F16", ...).
+        q_proj and k_proj rows are stored in llama.cpp's rotary order, not the Hugging Face order, so they are
+        refused (ValueError)."""
+        if self._rotary_heads(name):
+            raise ValueError(f"{name}: rows are stored in llama.cpp's rotary order; read it dequantized")
+        tensor = self._tensors[name]
+        rows = math.prod(self._shapes[name][:-1])
+        data = self._read(tensor, 0, tensor.n_bytes)
+        return torch.frombuffer(data, dtype=torch.uint8).view(rows, -1), tensor.tensor_type.name
+
+    def _rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         import gguf
 
         tensor = self._tensors[name]
+        shape = self._shapes[name]
+        # tensor.data is the reader's map of the file: its dtype and shape are header values, nothing is read.
+        if len(shape) > 1:
+            row_bytes = tensor.n_bytes // shape[0]
+            data = self._read(tensor, start * row_bytes, (stop - start) * row_bytes)
+            layout, expected = (stop - start, *tensor.data.shape[1:]), (stop - start, *shape[1:])
+        else:  # 1-D: read whole (__getitem__ asks for no less)
+            data = self._read(tensor, 0, tensor.n_bytes)
+            layout, expected = tensor.data.shape, shape
         try:
-            array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+            array = gguf.quants.dequantize(
+                np.frombuffer(data, dtype=tensor.data.dtype).reshape(layout), tensor.tensor_type
+            )
         except (*_READER_ERRORS, NotImplementedError) as e:
             raise FormatError(
                 tensor.name, f"cannot dequantize {tensor.tensor_type.name} data ({e})", self.path
             ) from None
-        if tuple(array.shape) != self._shapes[name]:
+        if tuple(array.shape) != expected:
             raise FormatError(
-                tensor.name,
-                f"dequantized to shape {tuple(array.shape)}, expected {self._shapes[name]} for {name}",
-                self.path,
+                tensor.name, f"dequantized to shape {tuple(array.shape)}, expected {expected} for {name}", self.path
             )
         if array.dtype != np.float32 or not array.flags.writeable:
             array = array.astype(np.float32)
         weight = torch.from_numpy(array)
-        if name.endswith("self_attn.q_proj.weight"):
-            weight = _undo_rotary_permutation(weight, self.config["num_attention_heads"])
-        elif name.endswith("self_attn.k_proj.weight"):
-            weight = _undo_rotary_permutation(weight, self.config["num_key_value_heads"])
+        heads = self._rotary_heads(name)
+        if heads:  # a block holds whole heads (_row_unit), each un-permuted on its own
+            weight = _undo_rotary_permutation(weight, heads * (stop - start) // shape[0])
         return weight
+
+    def _row_unit(self, name: str) -> int:
+        heads = self._rotary_heads(name)
+        return self._shapes[name][0] // heads if heads else 1
+
+    def _rotary_heads(self, name: str) -> int | None:
+        """The head count of a q_proj or k_proj weight (its rows are in llama.cpp's rotary order), None otherwise."""
+        if name.endswith("self_attn.q_proj.weight"):
+            return self.config["num_attention_heads"]
+        if name.endswith("self_attn.k_proj.weight"):
+            return self.config["num_key_value_heads"]
+        return None
+
+    def _read(self, tensor: Any, offset: int, size: int) -> bytearray:
+        """`size` bytes of `tensor`'s data from `offset` on, read into memory of its own."""
+        data = bytearray(size)
+        view = memoryview(data)
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            done = 0
+            while done < size:
+                n = os.preadv(fd, [view[done:]], tensor.data_offset + offset + done)
+                if n == 0:
+                    raise FormatError(tensor.name, f"data ends {size - done} bytes early (file truncated?)", self.path)
+                done += n
+        finally:
+            os.close(fd)
+        return data
 
 
 def load_gguf(path: str | os.PathLike, progress: bool = True) -> dict[str, torch.Tensor]:

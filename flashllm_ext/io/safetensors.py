@@ -11,6 +11,7 @@ import math
 import os
 import struct
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -257,20 +258,32 @@ class AlignedWriter:
 
     def write(self, name: str, tensor: object) -> None:
         """Write the next declared tensor (a torch tensor or numpy array of the declared dtype and shape)."""
+        self.write_rows(name, [tensor])
+
+    def write_rows(self, name: str, chunks: Iterable[object]) -> None:
+        """Write the next declared tensor from consecutive blocks of its rows (torch tensors or numpy arrays of the
+        declared dtype, each of the declared shape but in its first dimension), so that a tensor need never be whole
+        in memory (an 8B model's embedding is 2.1 GB in fp32)."""
         if self._next >= len(self.specs) or self.specs[self._next].name != name:
             expected = self.specs[self._next].name if self._next < len(self.specs) else "nothing"
             raise ValueError(f"{self.path}: tensors must be written in declared order, expected {expected}, got {name}")
         spec = self.specs[self._next]
-        data = tensor_bytes(tensor)
-        declared_dtype = dtype_name(tensor.dtype) if hasattr(tensor, "element_size") else spec.dtype
-        if tuple(tensor.shape) != spec.shape or len(data) != spec.nbytes or declared_dtype != spec.dtype:
-            raise ValueError(
-                f"{name}: declared {spec.dtype}{list(spec.shape)}, got {getattr(tensor, 'dtype', '?')}"
-                f"{list(tensor.shape)}"
-            )
-        pad = self.data_start + self.offsets[name] - self._file.tell()
-        self._file.write(b"\0" * pad)
-        self._file.write(data)
+        rows = written = 0
+        for chunk in chunks:
+            data = tensor_bytes(chunk)
+            declared_dtype = dtype_name(chunk.dtype) if hasattr(chunk, "element_size") else spec.dtype
+            shape = tuple(chunk.shape)
+            if shape[1:] != spec.shape[1:] or declared_dtype != spec.dtype or written + len(data) > spec.nbytes:
+                raise ValueError(
+                    f"{name}: declared {spec.dtype}{list(spec.shape)}, got {getattr(chunk, 'dtype', '?')}"
+                    f"{list(shape)} (rows from {rows} on)"
+                )
+            if not written:  # padding up to the tensor's offset once its first block is known to fit
+                self._file.write(b"\0" * (self.data_start + self.offsets[name] - self._file.tell()))
+            self._file.write(data)
+            rows, written = rows + (shape[0] if shape else 1), written + len(data)
+        if written != spec.nbytes:
+            raise ValueError(f"{name}: declared {spec.dtype}{list(spec.shape)}, got {rows} rows ({written} bytes)")
         self._next += 1
 
     def close(self) -> None:

@@ -265,13 +265,22 @@ def load_flash(
     dtype = dtype or store.dtype
     if dtype not in MX_DTYPE or not dtype.is_floating_point:
         raise ValueError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
+    if store.quantized and mode != "dense":
+        raise ValueError(
+            f"{store.path}: the MLX engine's {mode} mode computes float bundles; a {store.bundle_format.name} store "
+            "runs in dense mode here (or convert with a float --dtype)"
+        )
     predictors = predictors_for_mode(store, predictors, mode)
     weights = _resident_arrays(store, dtype)
     if mode == "dense":
         activation = store_activation(store)
         with shared_reader(store) as reader:
             ffns = [
-                DenseFFN(reader.read(i, torch.arange(store.n_neurons)).data.to(dtype), store.hidden_size, activation)
+                DenseFFN(
+                    store.float_rows(reader.read(i, torch.arange(store.n_neurons)).data).to(dtype),
+                    store.hidden_size,
+                    activation,
+                )
                 for i in range(store.n_layers)
             ]
         return MLXLlama(store, weights, ffns, mode, None)

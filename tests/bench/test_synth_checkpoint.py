@@ -1,14 +1,22 @@
 """bench/synth_checkpoint.py: synthesized Hugging Face checkpoints with real 7B shapes (tiny configs here)."""
 
 import json
+import math
 
 import pytest
 import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
-from bench.synth_checkpoint import CONFIGS, SMOKE_OVERRIDES, checkpoint_specs, synthesize_checkpoint
-from flashllm_ext.flash.convert import bundle_layer, convert
+from bench.synth_checkpoint import (
+    CONFIGS,
+    INIT_STD,
+    SMOKE_OVERRIDES,
+    checkpoint_specs,
+    synthesize_checkpoint,
+    synthesize_gguf,
+)
+from flashllm_ext.flash.convert import bundle_layer, convert, describe_sources
 from flashllm_ext.flash.store import FlashStore
 
 
@@ -91,8 +99,45 @@ def test_the_store_converted_from_it_matches(tiny_checkpoint, tmp_path):
         assert all(torch.equal(resident[n], state[n]) for n in resident)
 
 
+def test_llama_3_8b_shapes_match_the_published_model():
+    # Llama-3-8B: 8,030,261,248 parameters (lm_head separate), grouped-query attention with 8 key/value heads.
+    specs = {s.name: s.shape for s in checkpoint_specs(CONFIGS["llama-3-8b"], torch.float16)}
+    assert sum(math.prod(shape) for shape in specs.values()) == 8_030_261_248
+    assert specs["model.layers.0.self_attn.k_proj.weight"] == (1024, 4096)
+
+
+@pytest.mark.parametrize("qtype", ["q4_0", "q8_0"])
+def test_a_synthesized_gguf_opens_and_converts_keeping_its_blocks(tmp_path, qtype):
+    """The GGUF holds what GGUFCheckpoint expects of a Llama of those shapes, its 2-D weights in qtype blocks of
+    normal(0, INIT_STD) weights; a quantized store of it keeps every up/gate block."""
+    import gguf
+
+    from flashllm_ext.io.checkpoint import GGUFCheckpoint
+
+    tiny = {**SMOKE_OVERRIDES["llama-2-7b"], "num_key_value_heads": 2}
+    path = synthesize_gguf("llama-3-8b", tmp_path / "x.gguf", qtype=qtype, overrides=tiny, progress=False)
+    ckpt = GGUFCheckpoint(path)
+    assert {k: ckpt.config[k] for k in tiny} == tiny and ckpt.config["rope_theta"] == 500000.0
+    types = {t.name: t.tensor_type for t in gguf.GGUFReader(path).tensors}
+    assert {types[n] for n in types if not n.endswith("norm.weight")} == {gguf.GGMLQuantizationType[qtype.upper()]}
+    up = ckpt["model.layers.1.mlp.up_proj.weight"]
+    assert abs(up.std().item() - INIT_STD) < 0.1 * INIT_STD
+    assert torch.equal(ckpt["model.norm.weight"], torch.ones(128))
+    dtype = qtype[:2]
+    with FlashStore(convert(path, tmp_path / "store", dtype=dtype, progress=False)) as store:
+        assert set(describe_sources(store.tensor_sources).split(", ")) == {
+            f"4 kept {qtype.upper()} blocks",
+            f"2 requantized {qtype.upper()} -> q8_0",
+        }
+
+
 def test_bad_arguments_raise(tmp_path):
     with pytest.raises(ValueError, match="name must be one of"):
         synthesize_checkpoint("gpt-2", tmp_path / "x")
+    with pytest.raises(ValueError, match="name must be a Llama model"):
+        synthesize_gguf("opt-6.7b", tmp_path / "x.gguf")
+    with pytest.raises(ValueError, match="block format"):
+        synthesize_gguf("llama-3-8b", tmp_path / "x.gguf", qtype="q6_k")
+    assert list(tmp_path.iterdir()) == []
     with pytest.raises(ValueError, match="prune"):
         synthesize_checkpoint("opt-6.7b", tmp_path / "x", prune=1.5)

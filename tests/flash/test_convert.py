@@ -9,7 +9,7 @@ from safetensors import safe_open
 from flashllm_ext import FormatError, cli, endor
 from flashllm_ext.flash import store
 from flashllm_ext.flash.convert import convert, synthesize
-from flashllm_ext.io.safetensors import PADDING_PREFIX, AlignedWriter, read_header
+from flashllm_ext.io.safetensors import PADDING_PREFIX, AlignedWriter, TensorSpec, read_header
 from tests.helpers.models import tiny_model
 
 
@@ -472,3 +472,24 @@ def test_store_files_follow_the_umask(checkpoints, tmp_path, umask, converter):
         out = write(checkpoints["opt"][0], tmp_path / f"s{mask:o}")
         assert out.stat().st_mode & 0o777 == dir_mode
         assert {p.stat().st_mode & 0o777 for p in out.iterdir()} == {file_mode}
+
+
+def test_aligned_writer_takes_a_tensor_in_blocks_of_rows(tmp_path):
+    """write_rows writes a tensor from blocks of its rows (what safetensors reads back is the whole tensor) and
+    refuses blocks of another row shape or dtype, and too many or too few rows."""
+    tensor = torch.arange(24, dtype=torch.float16).reshape(6, 4)
+    specs = [TensorSpec("a", "F16", (6, 4)), TensorSpec("b", "F16", (3,))]
+    with AlignedWriter(tmp_path / "x.safetensors", specs, alignment=64) as writer:
+        writer.write_rows("a", [tensor[:1], tensor[1:5], tensor[5:]])
+        writer.write("b", torch.ones(3, dtype=torch.float16))
+    with safe_open(tmp_path / "x.safetensors", framework="pt") as f:
+        assert torch.equal(f.get_tensor("a"), tensor) and torch.equal(f.get_tensor("b"), torch.ones(3).half())
+    for blocks, match in (
+        ([tensor[:3], tensor[3:].reshape(-1, 2)], r"got torch.float16\[6, 2\] \(rows from 3 on\)"),
+        ([tensor[:3], tensor[3:].float()], r"got torch.float32\[3, 4\]"),
+        ([tensor, tensor[:1]], r"got torch.float16\[1, 4\] \(rows from 6 on\)"),
+        ([tensor[:5]], r"got 5 rows \(40 bytes\)"),
+    ):
+        writer = AlignedWriter(tmp_path / "y.safetensors", specs[:1])
+        with pytest.raises(ValueError, match=r"a: declared F16\[6, 4\], " + match):
+            writer.write_rows("a", blocks)

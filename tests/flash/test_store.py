@@ -276,3 +276,80 @@ def test_model_config_lies_raise_format_error(store_copy, layer_store, tmp_path,
     _rewrite_header(root / file, rewrite)
     with pytest.raises(FormatError, match=match):
         load(root)
+
+
+@pytest.fixture(scope="module")
+def q4_store(tmp_path_factory):
+    root = tmp_path_factory.mktemp("q4")
+    tiny_model("llama", num_hidden_layers=3).save_pretrained(root / "ckpt")
+    return convert(root / "ckpt", root / "store", dtype="q4", progress=False)
+
+
+def _set(**fields):
+    return lambda h: h["__metadata__"].update(fields)
+
+
+def _reshape_layer_1(h):
+    n, row_bytes = h[store.layer_tensor_name(1)]["shape"]
+    h[store.layer_tensor_name(1)]["shape"] = [2 * n, row_bytes // 2]  # the same bytes, other rows
+
+
+@pytest.mark.parametrize(
+    "edit,match",
+    [
+        (_set(bundle_format="q5_0+q8_0"), r"__metadata__\.bundle_format: 'q5_0\+q8_0'"),
+        (_set(bundle_format="q4_0"), r"__metadata__\.bundle_format: 'q4_0'"),
+        (lambda h: h["__metadata__"].pop("bundle_format"), r"__metadata__\.bundle_format: None"),
+        (_set(endor="1"), r"__metadata__\.bundle_format: 'q4_0\+q8_0' with Endor compression"),
+        (_set(bundle_format="float"), r"layers\.0\.bundles\.shape: U8\[160, 140\], expected F16\[160, 192\]"),
+        (_set(bundle_format="q8_0+q8_0"), r"layers\.0\.bundles\.shape: U8\[160, 140\], expected U8\[160, 204\]"),
+        (_reshape_layer_1, r"layers\.1\.bundles\.shape: U8\[320, 70\], expected U8\[160, 140\]"),
+        (_set(format_version="9"), r"__metadata__\.format_version: unsupported version '9'"),
+        (_set(tensor_sources="{"), r"__metadata__\.tensor_sources: not JSON"),
+        (_set(tensor_sources='[{"up": "kept Q4_0 blocks"}]'), r"__metadata__\.tensor_sources: must map"),
+    ],
+    ids=[
+        "unknown_format",
+        "one_format",
+        "no_format",
+        "endor",
+        "float_with_u8_rows",
+        "q8_rows_of_q4_size",
+        "rows_of_wrong_shape",
+        "version_9",
+        "sources_not_json",
+        "sources_of_one_layer",
+    ],
+)
+def test_quantized_store_lies_raise_format_error(q4_store, tmp_path, edit, match):
+    copy = shutil.copytree(q4_store, tmp_path / "copy")
+    bundles = copy / store.BUNDLES_FILE
+    _rewrite_header(bundles, edit)
+    with pytest.raises(FormatError, match=match) as info:
+        store.FlashStore(copy)
+    assert str(bundles) in str(info.value)
+
+
+def test_quantized_store_reads_uint8_rows_and_floats(q4_store):
+    fs = store.FlashStore(q4_store)
+    assert fs.quantized and fs.bundle_format.name == "q4_0+q8_0" and fs.dtype == torch.float16
+    rows = fs.bundle(2, [7, 0, 7])
+    assert rows.dtype == torch.uint8 and rows.shape == (3, fs.row_bytes) and torch.equal(rows[0], rows[2])
+    assert fs.layer_location(2).row_bytes == fs.row_bytes == 140
+    floats = fs.float_bundle(2, [7, 0])
+    assert torch.equal(floats, fs.bundle_format.dequantize(rows[:2], fs.hidden_size, True).half())
+
+
+def test_a_version_2_store_opens_as_float(store_copy, llama_store):
+    """Stores written before quantized bundles (format version 2, no bundle_format) still open, as float stores."""
+
+    def downgrade(h):
+        h["__metadata__"]["format_version"] = "2"
+        del h["__metadata__"]["bundle_format"]
+
+    _rewrite_header(store_copy / store.BUNDLES_FILE, downgrade)
+    _rewrite_header(store_copy / store.RESIDENT_FILE, _set(format_version="2"))
+    old, new = store.FlashStore(store_copy), store.FlashStore(llama_store)
+    assert old.bundle_format is None and not old.quantized and old.tensor_sources is None
+    ids = [0, 5, old.n_neurons - 1]
+    assert torch.equal(old.bundle(1, ids), new.bundle(1, ids)) and old.bundle(1, ids).dtype == torch.float16

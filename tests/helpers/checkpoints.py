@@ -34,6 +34,28 @@ def _gguf_name(hf: str) -> str:
     return f"blk.{parts[2]}.{_GGUF_BLOCK[module]}.weight"
 
 
+def random_blocks(shape: tuple[int, int], qtype: gguf.GGMLQuantizationType, seed: int = 0) -> np.ndarray:
+    """Random valid blocks uint8 [rows, row_bytes] of a type gguf cannot quantize: Q6_K (per 256 weights: 128 bytes
+    of low bits, 64 of high bits, 16 int8 scales, then the float16 scale d, set finite here)."""
+    if qtype != gguf.GGMLQuantizationType.Q6_K:
+        raise ValueError(f"no random blocks of {qtype.name}")
+    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    rows, cols = shape
+    blocks = np.random.default_rng(seed).integers(0, 256, (rows, cols // block_size, type_size), dtype=np.uint8)
+    blocks[..., 208:210] = np.frombuffer(np.float16(1e-4).tobytes(), np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+def _encode(array: np.ndarray, qtype: gguf.GGMLQuantizationType) -> tuple[np.ndarray, object]:
+    """(data, raw_dtype) of a 2-D weight for GGUFWriter.add_tensor."""
+    if qtype in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F64):
+        return array.astype(np.float32 if qtype == gguf.GGMLQuantizationType.F32 else np.float64), None
+    try:
+        return gguf.quants.quantize(array, qtype), qtype
+    except NotImplementedError:
+        return random_blocks(array.shape, qtype), qtype
+
+
 def write_tiny_gguf(
     path: Path,
     model: LlamaForCausalLM,
@@ -41,9 +63,12 @@ def write_tiny_gguf(
     arch: str = "llama",
     drop: tuple[str, ...] = (),
     transpose: tuple[str, ...] = (),
+    qtypes: dict[str, gguf.GGMLQuantizationType] | None = None,
     **fields: int,
 ) -> Path:
     """A GGUF laid out as llama.cpp writes Llama models (Q/K rows permuted, 2-D weights quantized to qtype).
+    `qtypes` replaces qtype for some kinds of weight (GGUF names: {"ffn_up": Q4_1, "ffn_down": Q8_0}); a type gguf
+    cannot quantize (Q6_K) is written as random blocks (random_blocks), not the model's weights, and F64 as float64.
     `fields` replace the model's values of the size fields (block_count=10**9: a header that lies)."""
     cfg = model.config
     writer = gguf.GGUFWriter(str(path), arch)
@@ -71,10 +96,12 @@ def write_tiny_gguf(
             array = llama_cpp_permute(array, cfg.num_key_value_heads)
         if name in transpose:
             array = np.ascontiguousarray(array.T)
-        if array.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
-            writer.add_tensor(_gguf_name(name), gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+        target = _gguf_name(name)
+        if array.ndim == 2:
+            array, raw_dtype = _encode(array, (qtypes or {}).get(target.split(".")[-2], qtype))
+            writer.add_tensor(target, array, raw_dtype=raw_dtype)
         else:
-            writer.add_tensor(_gguf_name(name), array)
+            writer.add_tensor(target, array)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

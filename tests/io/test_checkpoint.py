@@ -4,6 +4,7 @@ tensor at a time; Hugging Face safetensors directories; bad files raise FormatEr
 import os
 
 import gguf
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -151,6 +152,56 @@ def test_gguf_checkpoint_dequantizes_one_tensor_at_a_time(tmp_path, tiny_llama, 
     first, second = ckpt[name], ckpt[name]
     assert len(calls) == 2 and torch.equal(first, second) and first.data_ptr() != second.data_ptr()
     assert set(ckpt.names) == set(load_gguf(path, progress=False))
+
+
+@pytest.mark.parametrize("qtype", [gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.Q4_1])
+def test_gguf_row_chunks_are_the_tensor_in_blocks_of_whole_heads(tmp_path, tiny_llama, qtype):
+    """row_chunks reads a block of rows at a time, q/k blocks of whole heads (each un-permuted on its own): their
+    concatenation is ckpt[name]; __getitem__ itself fills a tensor from such blocks."""
+    ckpt = open_checkpoint(write_tiny_gguf(tmp_path / "tiny.gguf", tiny_llama, qtype=qtype))
+    kv_rows = TINY_LLAMA["hidden_size"] // TINY_LLAMA["num_attention_heads"]  # one key head's rows
+    for name, rows in (
+        ("model.layers.1.self_attn.k_proj.weight", [kv_rows] * TINY_LLAMA["num_key_value_heads"]),
+        ("model.layers.1.mlp.up_proj.weight", [1] * TINY_LLAMA["intermediate_size"]),
+        ("model.embed_tokens.weight", [1] * TINY_LLAMA["vocab_size"]),
+    ):
+        chunks = list(ckpt.row_chunks(name, 1))  # smaller than a row: a row, or a head's rows, each
+        assert [len(c) for c in chunks] == rows, name
+        assert torch.equal(torch.cat(chunks), ckpt[name]), name
+        big = list(ckpt.row_chunks(name, 1 << 30))
+        assert len(big) == 1 and torch.equal(big[0], ckpt[name]), name
+    if qtype == gguf.GGMLQuantizationType.F32:
+        state = tiny_llama.state_dict()
+        assert torch.equal(
+            ckpt["model.layers.1.self_attn.k_proj.weight"], state["model.layers.1.self_attn.k_proj.weight"]
+        )
+    norm = "model.layers.0.input_layernorm.weight"
+    assert [c.shape for c in ckpt.row_chunks(norm, 1)] == [(TINY_LLAMA["hidden_size"],)]
+
+
+def test_gguf_raw_blocks_are_the_file_bytes(tmp_path, tiny_llama):
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", tiny_llama, qtype=gguf.GGMLQuantizationType.Q4_0)
+    ckpt = GGUFCheckpoint(path)
+    data = {t.name: t.data for t in gguf.GGUFReader(path).tensors}
+    blocks, kind = ckpt.raw_blocks("model.layers.1.mlp.down_proj.weight")
+    assert kind == "Q4_0" and blocks.dtype == torch.uint8
+    assert torch.equal(blocks, torch.from_numpy(data["blk.1.ffn_down.weight"].copy()))
+    assert ckpt.source_type("model.layers.1.mlp.down_proj.weight") == "Q4_0"
+    assert ckpt.source_type("model.norm.weight") == "F32"
+    with pytest.raises(ValueError, match="rotary order"):
+        ckpt.raw_blocks("model.layers.0.self_attn.q_proj.weight")
+
+
+def test_gguf_tensor_data_is_not_read_through_the_map(tmp_path, tiny_llama):
+    """Tensors are read from the file, not through the reader's map of it (pages read through a map stay in the
+    process until it is unmapped: an 8B GGUF's 4.5 GB): with the map's arrays swapped for zeros, nothing changes."""
+    ckpt = GGUFCheckpoint(write_tiny_gguf(tmp_path / "tiny.gguf", tiny_llama, qtype=gguf.GGMLQuantizationType.Q8_0))
+    want = {name: ckpt[name] for name in ckpt.names}
+    up = "model.layers.1.mlp.up_proj.weight"
+    blocks = ckpt.raw_blocks(up)[0]
+    ckpt._tensors = {n: t._replace(data=np.zeros(t.data.shape, t.data.dtype)) for n, t in ckpt._tensors.items()}
+    assert all(torch.equal(ckpt[name], want[name]) for name in ckpt.names)
+    assert torch.equal(ckpt.raw_blocks(up)[0], blocks) and blocks.any()
 
 
 def test_safetensors_checkpoint_shapes_come_from_the_header(tmp_path, tiny_llama):

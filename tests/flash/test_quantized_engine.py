@@ -1,0 +1,103 @@
+"""The engines over quantized stores (q8, q4): every mode of load_flash and of the lean decoder computes the FFN from
+the store's blocks (quantized_sparse_ffn), against transformers running the same dequantized weights, and charges
+the budget the quantized bytes."""
+
+import copy
+
+import pytest
+import torch
+
+import flashllm_ext
+from flashllm_ext.flash.convert import convert
+from flashllm_ext.flash.store import FlashStore
+from flashllm_ext.hub.hf import replace_weights
+from tests.helpers.models import tiny_model
+
+ROLES = {"up": "up_proj", "gate": "gate_proj", "down": "down_proj"}
+OPT_ROLES = {"up": "fc1", "down": "fc2"}
+
+
+@pytest.fixture(scope="module")
+def stores(tmp_path_factory):
+    """(family, dtype) -> (transformers model holding the store's weights as fp32, store path)."""
+    root = tmp_path_factory.mktemp("quantized-engine")
+    out = {}
+    for family in ("llama", "opt"):
+        model = tiny_model(family, num_hidden_layers=3, max_position_embeddings=256, hidden_size=64)
+        model.save_pretrained(root / family)
+        for dtype in ("q8", "q4"):
+            path = convert(root / family, root / f"{family}-{dtype}", dtype=dtype, progress=False)
+            out[family, dtype] = (_model_of_store(model, path), path)
+    return out
+
+
+def _model_of_store(model: torch.nn.Module, path) -> torch.nn.Module:
+    """A copy of `model` holding exactly the store's weights: its resident tensors (fp16) and its FFN bundles
+    dequantized, all as fp32."""
+    twin = copy.deepcopy(model).float()
+    with FlashStore(path) as store:
+        weights = {name: t.float() for name, t in store.resident().items()}
+        d = store.hidden_size
+        for layer, roles in enumerate(store.ffn_roles):
+            bundles = store.float_bundle(layer, torch.arange(store.n_neurons)).float()
+            parts = {"up": bundles[:, :d], "gate": bundles[:, d : 2 * d], "down": bundles[:, -d:].t()}
+            for role in ("up", "gate", "down"):
+                if role in roles:
+                    weights[roles[role]] = parts[role].contiguous()
+    replace_weights(twin, {k: v for k, v in weights.items() if k in dict(twin.named_parameters())})
+    return twin.eval()
+
+
+def _greedy(model, prompt, n: int = 24):
+    return model.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+
+
+@pytest.mark.parametrize("family", ["llama", "opt"])
+@pytest.mark.parametrize("dtype", ["q8", "q4"])
+@pytest.mark.parametrize("mode", ["dense", "naive", "hybrid", "exact"])
+@torch.no_grad()
+def test_every_mode_computes_the_stores_weights(stores, family, dtype, mode):
+    """The same greedy tokens as transformers on the dequantized weights, and logits within the rounding of x to
+    int8 per block (none in dense mode, which computes the dequantized weights as they are)."""
+    reference, path = stores[family, dtype]
+    prompt = torch.randint(3, 90, (1, 7), generator=torch.Generator().manual_seed(2))
+    flash = flashllm_ext.load_flash(path, dram_budget=None, mode=mode, dtype=torch.float32)
+    want = reference(prompt).logits
+    got = flash(prompt).logits
+    tol = 1e-4 if mode == "dense" else 2e-2
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol * want.abs().max().item())
+    assert torch.equal(_greedy(flash, prompt), _greedy(reference, prompt))
+    if mode != "dense":
+        flash.flash.close()
+
+
+@pytest.mark.parametrize("family", ["llama", "opt"])
+@torch.no_grad()
+def test_flash_caches_hold_the_quantized_rows_and_charge_their_bytes(stores, family):
+    """A flash cache's rows are the store's uint8 blocks: the same budget holds ~3x the rows of an fp16 store's."""
+    _, path = stores[family, "q4"]
+    flash = flashllm_ext.load_flash(path, dram_budget="95%", mode="exact")
+    try:
+        stats = flash.flash.stats()
+        assert stats["accounted_bytes"] <= stats["budget_bytes"]
+        with FlashStore(path) as store:
+            caches = [m.cache for m in flash.flash.modules]
+            assert all(c.matrix.dtype == torch.uint8 and c.matrix.shape[1] == store.row_bytes for c in caches)
+            assert store.row_bytes == store.bundle_format.row_bytes(store.hidden_size, store.glu)
+            assert store.row_bytes < store.bundle_width * 2 / 1.8  # q4_0 up/gate + q8_0 down vs fp16 (d=48: padded)
+    finally:
+        flash.flash.close()
+
+
+@pytest.mark.parametrize("mode", ["dense", "hybrid", "exact"])
+@torch.no_grad()
+def test_the_lean_decoder_runs_a_quantized_store(stores, mode):
+    reference, path = stores["llama", "q8"]
+    prompt = torch.randint(3, 90, (7,), generator=torch.Generator().manual_seed(3))
+    decoder = flashllm_ext.load_decoder(path, dram_budget=None, mode=mode, dtype=torch.float32, max_len=64)
+    try:
+        want = reference(prompt.unsqueeze(0)).logits[0, -1]
+        got = decoder.forward(prompt).reshape(-1, want.numel())[-1]
+        torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+    finally:
+        decoder.close()

@@ -1,0 +1,216 @@
+"""Quantized flash stores (convert dtype "q8" / "q4"): a GGUF's up/gate blocks kept bit for bit, down and other
+types quantized again along the hidden dimension, Hugging Face weights rounded to nearest, each path recorded."""
+
+import weakref
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from flashllm_ext import FormatError, cli
+from flashllm_ext.flash import store
+from flashllm_ext.flash.convert import convert, describe_sources
+from flashllm_ext.io.checkpoint import GGUFCheckpoint
+from flashllm_ext.ops.blocks import BLOCK, BundleFormat, quantize_rows
+from tests.helpers.checkpoints import write_tiny_gguf
+from tests.helpers.models import tiny_model
+
+Q = gguf.GGMLQuantizationType
+
+
+def _gguf_tensor(path, name: str):
+    """(raw data, type) of a GGUF tensor as gguf's own reader gives it."""
+    tensor = next(t for t in gguf.GGUFReader(path).tensors if t.name == name)
+    return np.array(tensor.data), tensor.tensor_type
+
+
+def _dequantized(path, name: str) -> torch.Tensor:
+    data, qtype = _gguf_tensor(path, name)
+    return torch.from_numpy(gguf.quants.dequantize(data, qtype).astype(np.float32))
+
+
+def _parts(fs: store.FlashStore, layer: int) -> dict[str, torch.Tensor]:
+    """A quantized store's rows of every neuron of `layer`, split into their up, gate and down blocks."""
+    rows = fs.bundle(layer, torch.arange(fs.n_neurons))
+    col, _ = fs.bundle_format.part_bytes(fs.hidden_size)
+    return {"up": rows[:, :col], "gate": rows[:, col : 2 * col], "down": rows[:, 2 * col :]}
+
+
+@pytest.mark.parametrize(
+    "qtype,dtype,down_format",
+    [
+        (Q.Q8_0, "q8", None),
+        (Q.Q4_0, "q4", None),
+        (Q.Q4_1, "q4", None),
+        (Q.Q4_0, "q4", "q4_1"),
+        (Q.Q4_0, "q8", None),
+        (Q.Q8_0, "q4", "q4_0"),
+    ],
+)
+def test_gguf_blocks_in_the_input_format_are_kept_bit_for_bit(tmp_path, tiny_llama, qtype, dtype, down_format):
+    """Up/gate rows already in the store's input format are the file's bytes (dequantizing to exactly what gguf
+    gives); in another format they are gguf's values quantized again; down is gguf's values quantized along the
+    hidden dimension. tensor_sources says which."""
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", tiny_llama, qtype=qtype)
+    fs = store.FlashStore(convert(path, tmp_path / "s", dtype=dtype, down_format=down_format, progress=False))
+    in_format = {"q8": "q8_0", "q4": "q4_1" if qtype == Q.Q4_1 else "q4_0"}[dtype]
+    down_format = down_format or "q8_0"
+    kept = in_format == qtype.name.lower()
+    assert fs.bundle_format == BundleFormat(in_format, down_format) and fs.quantized
+    assert (fs.dtype_name, fs.row_dtype, fs.row_bytes) == ("fp16", torch.uint8, fs.bundle_format.row_bytes(64, True))
+    d = fs.hidden_size
+    for layer in range(fs.n_layers):
+        parts = _parts(fs, layer)
+        read = fs.bundle_format.dequantize(fs.bundle(layer, torch.arange(fs.n_neurons)), d, True)
+        for k, role in enumerate(("up", "gate")):
+            name = f"blk.{layer}.ffn_{role}.weight"
+            values = _dequantized(path, name)
+            if kept:
+                assert torch.equal(parts[role], torch.from_numpy(_gguf_tensor(path, name)[0])), name
+                assert torch.equal(read[:, k * d : (k + 1) * d], values), name
+            else:
+                assert torch.equal(parts[role], quantize_rows(values, in_format)), name
+        down = _dequantized(path, f"blk.{layer}.ffn_down.weight")
+        assert torch.equal(parts["down"], quantize_rows(down.t(), down_format))
+        assert torch.equal(fs.float_bundle(layer, [5, 0]), read[[5, 0]].half())
+        path_of = f"kept {qtype.name} blocks" if kept else f"requantized {qtype.name} -> {in_format}"
+        assert fs.tensor_sources[layer] == {
+            "up": path_of,
+            "gate": path_of,
+            "down": f"requantized {qtype.name} -> {down_format}",
+        }
+    resident = fs.resident()
+    assert {t.dtype for t in resident.values()} == {torch.float16}
+    embedding = "model.embed_tokens.weight"
+    assert torch.equal(resident[embedding], _dequantized(path, "token_embd.weight").half())
+
+
+@pytest.mark.parametrize("dtype,in_format,error", [("q8", "q8_0", 1 / 254), ("q4", "q4_0", 1 / 8)])
+def test_hugging_face_weights_round_to_nearest(tmp_path, dtype, in_format, error):
+    """A safetensors checkpoint's FFN weights are quantized as BundleFormat.quantize rounds them (bit for bit), and
+    read back within the format's rounding error of each block's largest magnitude; resident tensors are fp16."""
+    model = tiny_model("llama", num_hidden_layers=2)
+    model.save_pretrained(tmp_path / "ckpt")
+    fs = store.FlashStore(convert(tmp_path / "ckpt", tmp_path / "s", dtype=dtype, progress=False))
+    assert fs.bundle_format.name == f"{in_format}+q8_0" and fs.dtype == torch.float16
+    state = model.state_dict()
+    for layer in range(fs.n_layers):
+        mlp = f"model.layers.{layer}.mlp."
+        up, gate, down = (state[f"{mlp}{r}_proj.weight"] for r in ("up", "gate", "down"))
+        ids = torch.arange(fs.n_neurons)
+        assert torch.equal(fs.bundle(layer, ids), fs.bundle_format.quantize(up, down, gate))
+        want = torch.cat([up, gate, down.t()], dim=1)
+        got = fs.float_bundle(layer, ids).float()
+        # Rounding to a code, plus the float16 rounding of each block's scale and of the values read back.
+        blocks = want.abs().reshape(fs.n_neurons, -1, BLOCK)
+        bound = ((error + 2**-10) * blocks.amax(-1, keepdim=True) + 2**-11 * blocks).reshape(want.shape)
+        assert bool(((got - want).abs() <= bound).all()), layer
+        assert (got - want).abs().max() > 0  # quantized, not copied
+        assert fs.tensor_sources[layer] == {
+            "up": f"quantized F32 -> {in_format}",
+            "gate": f"quantized F32 -> {in_format}",
+            "down": "quantized F32 -> q8_0",
+        }
+    resident = fs.resident()
+    assert all(t.dtype == torch.float16 for t in resident.values())
+    assert torch.equal(resident["model.embed_tokens.weight"], state["model.embed_tokens.weight"].half())
+
+
+def test_k_quant_blocks_are_quantized_again(tmp_path):
+    """Q6_K up/gate tensors (a type the store does not hold) become q8_0 rows of their gguf-dequantized values."""
+    model = tiny_model(
+        "llama",
+        hidden_size=256,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=32,
+    )
+    k_quants = {"ffn_up": Q.Q6_K, "ffn_gate": Q.Q6_K}
+    path = write_tiny_gguf(tmp_path / "k.gguf", model, qtype=Q.Q8_0, qtypes=k_quants)
+    fs = store.FlashStore(convert(path, tmp_path / "s", dtype="q8", progress=False))
+    assert fs.tensor_sources == [
+        {"up": "requantized Q6_K -> q8_0", "gate": "requantized Q6_K -> q8_0", "down": "requantized Q8_0 -> q8_0"}
+    ]
+    parts = _parts(fs, 0)
+    for role in ("up", "gate"):
+        values = _dequantized(path, f"blk.0.ffn_{role}.weight")
+        assert values.abs().max() > 0 and torch.equal(parts[role], quantize_rows(values, "q8_0"))
+
+
+@pytest.mark.parametrize("dtype", ["q4", "fp16"])
+def test_a_type_gguf_cannot_dequantize_names_the_tensor_and_the_type(tmp_path, tiny_llama, dtype):
+    path = write_tiny_gguf(tmp_path / "f64.gguf", tiny_llama, qtypes={"ffn_up": Q.F64})
+    with pytest.raises(FormatError, match=r"f64\.gguf: blk\.0\.ffn_up\.weight: cannot dequantize F64 data"):
+        convert(path, tmp_path / "s", dtype=dtype, progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f64.gguf"]
+
+
+def test_mostly_q4_1_inputs_make_a_q4_1_store(tmp_path, tiny_llama):
+    """q4 takes q4_1 when more up/gate tensors are Q4_1 than Q4_0: those are kept, the rest quantized to q4_1."""
+    types = {"ffn_up": Q.Q4_1, "ffn_gate": Q.Q4_0}
+    path = write_tiny_gguf(tmp_path / "mixed.gguf", tiny_llama, qtype=Q.Q4_1, qtypes=types)
+    fs = store.FlashStore(convert(path, tmp_path / "s", dtype="q4", progress=False))
+    assert fs.bundle_format.name == "q4_0+q8_0"  # a tie: up Q4_1, gate Q4_0 in every layer
+    assert fs.tensor_sources[1] == {
+        "up": "requantized Q4_1 -> q4_0",
+        "gate": "kept Q4_0 blocks",
+        "down": "requantized Q4_1 -> q8_0",
+    }
+    path = write_tiny_gguf(tmp_path / "q41.gguf", tiny_llama, qtype=Q.Q4_1, qtypes={"ffn_down": Q.Q4_0})
+    fs = store.FlashStore(convert(path, tmp_path / "s1", dtype="q4", progress=False))
+    assert fs.bundle_format.name == "q4_1+q8_0"
+    assert describe_sources(fs.tensor_sources) == "4 kept Q4_1 blocks, 2 requantized Q4_0 -> q8_0"
+
+
+def test_quantized_convert_holds_one_layer_at_a_time(tmp_path, tiny_llama, monkeypatch):
+    """Reading a GGUF for a quantized store never holds more than one layer's up, gate and down tensors, and never
+    dequantizes the up/gate tensors whose blocks it keeps."""
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", tiny_llama, qtype=Q.Q4_0)
+    alive: weakref.WeakSet = weakref.WeakSet()
+    most_alive = [0]
+    dequantized = []
+
+    def tracked(real, calls=None):
+        def read(self, name):
+            got = real(self, name)
+            if calls is not None:
+                calls.append(name)
+            alive.add(got[0] if isinstance(got, tuple) else got)
+            most_alive[0] = max(most_alive[0], len(alive))
+            return got
+
+        return read
+
+    monkeypatch.setattr(GGUFCheckpoint, "__getitem__", tracked(GGUFCheckpoint.__getitem__, dequantized))
+    monkeypatch.setattr(GGUFCheckpoint, "raw_blocks", tracked(GGUFCheckpoint.raw_blocks))
+    convert(path, tmp_path / "s", dtype="q4", progress=False)
+    assert 0 < most_alive[0] <= 3
+    ffn = [name for name in dequantized if ".mlp." in name]
+    assert ffn == [f"model.layers.{layer}.mlp.down_proj.weight" for layer in range(2)]
+
+
+def test_quantized_dtype_arguments_are_checked(tmp_path, tiny_llama):
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", tiny_llama, qtype=Q.Q4_0)
+    with pytest.raises(ValueError, match="Endor compression takes float bundles"):
+        convert(path, tmp_path / "s", dtype="q4", endor=True, progress=False)
+    with pytest.raises(ValueError, match="down_format applies to the quantized dtypes"):
+        convert(path, tmp_path / "s", dtype="fp16", down_format="q4_0", progress=False)
+    with pytest.raises(ValueError, match="block format must be one of"):
+        convert(path, tmp_path / "s", dtype="q4", down_format="q5_0", progress=False)
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        convert(path, tmp_path / "s", dtype="q2", progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny.gguf"]
+
+
+def test_cli_convert_q4(tmp_path, tiny_llama, capsys):
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", tiny_llama, qtype=Q.Q4_0)
+    out = tmp_path / "s"
+    assert cli.main(["convert", str(path), str(out), "--dtype", "q4", "--down-format", "q4_1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "bundle_format=q4_0+q4_1" in lines[0]
+    assert lines[1] == "FFN tensors: 4 kept Q4_0 blocks, 2 requantized Q4_0 -> q4_1"
+    fs = store.FlashStore(out)
+    assert torch.equal(_parts(fs, 1)["up"], torch.from_numpy(_gguf_tensor(path, "blk.1.ffn_up.weight")[0]))
