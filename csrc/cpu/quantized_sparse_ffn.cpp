@@ -22,6 +22,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include "common/cpu_isa.h"
@@ -60,19 +61,46 @@ inline int64_t codes_offset(int format) {
   return format == kQ4_1 ? 4 : 2;  // the codes follow d (and Q4_1's m)
 }
 
-// Tokens quantized per block: codes [nt][n_blocks * 32] (zeros past d), scale [nt][n_blocks], scaled sums
-// s * sum(codes) [nt][n_blocks], and each scale repeated 8 times [nt][n_blocks * 8] (the lanes a block's integer sums
-// fill in the vector paths).
+// Tokens quantized per block: codes [nt][n_blocks * 32] (zeros past d), scale [nt][n_blocks] and scaled sums
+// s * sum(codes) [nt][n_blocks]; and for the VNNI path, per pair of blocks p (2p, 2p + 1) and token, 16 int32 lanes of
+// 4 codes each in the order the pair's weight codes come in (pair_order), with per lane: the codes (64 bytes), the
+// offset correction -offset * (the lane's code sum) that vpdpbusd starts from, the block's scale s, and s times the
+// lane's code sum (Q4_1's m term).
 struct QuantizedX {
   std::vector<int8_t> codes;
-  std::vector<float> scale, scaled_sum, lane_scale;
-  int64_t n_blocks;
+  std::vector<float> scale, scaled_sum;
+  int64_t n_blocks, n_pairs;
+  std::vector<int8_t> pair_codes;    // [nt][n_pairs * 64]
+  std::vector<int32_t> pair_offset;  // [nt][n_pairs * 16]
+  std::vector<float> pair_scale;     // [nt][n_pairs * 16]
+  std::vector<float> pair_sum;       // [nt][n_pairs * 16]
 };
 
+// Where code j (0..63) of a pair's vpdpbusd operand comes from, as (block 0 or 1, column in the block): a 4-bit pair
+// decodes as [low nibbles of block 0 | of block 1 | high nibbles of block 0 | of block 1] (weights 0-15 of each block,
+// then 16-31), a Q8_0 pair as [block 0 | block 1].
+inline std::pair<int, int> pair_order(int format, int j) {
+  if (format == kQ8_0) return {j / 32, j % 32};
+  return {(j / 16) % 2, (j / 32) * 16 + j % 16};
+}
+
+// The unsigned codes' offset per format: Q4_0's nibbles n stand for n - 8, Q8_0's q + 128 (VNNI) for q.
+inline int32_t vnni_offset(int format) {
+  return format == kQ4_0 ? 8 : format == kQ8_0 ? 128 : 0;
+}
+
 // Q8_0's rule with a float32 scale: s = max |x| / 127, code = roundf(x * (1 / s)), as quantize_x_blocks.
-QuantizedX quantize_x(const float* x, int nt, int64_t d, int64_t n_blocks) {
-  QuantizedX q{std::vector<int8_t>(nt * n_blocks * kBlock, 0), std::vector<float>(nt * n_blocks),
-               std::vector<float>(nt * n_blocks), std::vector<float>(nt * n_blocks * 8), n_blocks};
+QuantizedX quantize_x(const float* x, int nt, int64_t d, int64_t n_blocks, int in_format) {
+  const int64_t n_pairs = n_blocks / 2;
+  QuantizedX q{std::vector<int8_t>(nt * n_blocks * kBlock, 0),
+               std::vector<float>(nt * n_blocks),
+               std::vector<float>(nt * n_blocks),
+               n_blocks,
+               n_pairs,
+               std::vector<int8_t>(nt * n_pairs * 64),
+               std::vector<int32_t>(nt * n_pairs * 16),
+               std::vector<float>(nt * n_pairs * 16),
+               std::vector<float>(nt * n_pairs * 16)};
   for (int t = 0; t < nt; ++t)
     for (int64_t b = 0; b < n_blocks; ++b) {
       const float* xb = x + t * d + b * kBlock;
@@ -88,7 +116,26 @@ QuantizedX quantize_x(const float* x, int nt, int64_t d, int64_t n_blocks) {
       }
       q.scale[t * n_blocks + b] = s;
       q.scaled_sum[t * n_blocks + b] = s * static_cast<float>(sum);
-      std::fill_n(q.lane_scale.data() + (t * n_blocks + b) * 8, 8, s);
+    }
+  const int32_t offset = vnni_offset(in_format);
+  for (int t = 0; t < nt; ++t)
+    for (int64_t p = 0; p < n_pairs; ++p) {
+      const int64_t k = t * n_pairs + p;
+      for (int lane = 0; lane < 16; ++lane) {
+        int32_t sum = 0;
+        int block = 0;
+        for (int i = 0; i < 4; ++i) {
+          const auto [blk, col] = pair_order(in_format, 4 * lane + i);
+          const int8_t code = q.codes[((t * n_blocks) + 2 * p + blk) * kBlock + col];
+          q.pair_codes[k * 64 + 4 * lane + i] = code;
+          sum += code;
+          block = blk;
+        }
+        const float s = q.scale[t * n_blocks + 2 * p + block];
+        q.pair_offset[k * 16 + lane] = -offset * sum;
+        q.pair_scale[k * 16 + lane] = s;
+        q.pair_sum[k * 16 + lane] = s * static_cast<float>(sum);
+      }
     }
   return q;
 }
@@ -233,7 +280,7 @@ FLASHLLM_QAVX2 void axpy_avx2(const uint8_t* row, const float* h, float* acc, in
 }
 
 // ---------------------------------------------------------------------------------------------- AVX-512
-// A block's 32 codes as unsigned bytes for vpdpbusd (Q8_0: q + 128, corrected by c = -128 d).
+// A block's 32 codes as unsigned bytes for vpdpbusd, in natural order (Q8_0: q + 128).
 template <int FMT>
 FLASHLLM_QVNNI inline __m256i unsigned_codes_vnni(const uint8_t* blk) {
   const uint8_t* codes = blk + codes_offset(FMT);
@@ -243,52 +290,73 @@ FLASHLLM_QVNNI inline __m256i unsigned_codes_vnni(const uint8_t* blk) {
     return nibbles_avx2(codes);
 }
 
+// A pair of blocks' 64 codes as unsigned bytes in pair_order.
 template <int FMT>
-FLASHLLM_QVNNI inline float correction_vnni(const uint8_t* blk, float d) {
-  return FMT == kQ4_0 ? -8.f * d : FMT == kQ4_1 ? half_at_f16c(blk + 2) : -128.f * d;
+FLASHLLM_QVNNI inline __m512i pair_codes_vnni(const uint8_t* blk, int64_t block_bytes_) {
+  const uint8_t* codes = blk + codes_offset(FMT);
+  if constexpr (FMT == kQ8_0) {
+    const __m512i both = _mm512_inserti64x4(
+        _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes))),
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + block_bytes_)), 1);
+    return _mm512_xor_si512(both, _mm512_set1_epi8(-128));
+  } else {
+    const __m256i packed = _mm256_inserti128_si256(
+        _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes))),
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + block_bytes_)), 1);
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(packed, low)),
+                              _mm256_and_si256(_mm256_srli_epi16(packed, 4), low), 1);
+  }
 }
 
-// Two blocks per step: their codes fill one 512-bit vpdpbusd, lanes 0-7 the first block's sums, 8-15 the second's,
-// scaled by the blocks' d times the token's per-lane x scales (QuantizedX::lane_scale).
+// The float16 values at a and b (a pair's two scales, or mins) spread over the lanes of their blocks (pair_order).
+template <int FMT>
+FLASHLLM_QVNNI inline __m512 pair_lanes_vnni(const uint8_t* a, const uint8_t* b) {
+  const __m128 two = _mm_cvtph_ps(_mm_insert_epi16(_mm_cvtsi32_si128(half_bits_at(a)), half_bits_at(b), 1));
+  const __m512i index = FMT == kQ8_0 ? _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1)
+                                     : _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1);
+  return _mm512_permutexvar_ps(index, _mm512_castps128_ps512(two));
+}
+
+// Two blocks per step: one 512-bit vpdpbusd, started from the token's offset correction, then one FMA by the
+// blocks' d times the token's per-lane scales (and, Q4_1, one FMA of the mins by s times the lane sums). An odd last
+// block is summed alone from the natural-order codes.
 template <int FMT, int NT>
 FLASHLLM_QVNNI void dots_vnni(const uint8_t* col, const QuantizedX& x, int t0, float* out) {
   constexpr int64_t kBytes = FMT == kQ8_0 ? 34 : FMT == kQ4_0 ? 18 : 20;
   __m512 acc[NT];
-  float corr[NT] = {};
   for (int t = 0; t < NT; ++t) acc[t] = _mm512_setzero_ps();
-  const int64_t nb = x.n_blocks;
-  int64_t b = 0;
-  for (; b + 2 <= nb; b += 2) {
-    const uint8_t* blk = col + b * kBytes;
-    const __m512i u = _mm512_inserti64x4(_mm512_castsi256_si512(unsigned_codes_vnni<FMT>(blk)),
-                                         unsigned_codes_vnni<FMT>(blk + kBytes), 1);
-    const float d0 = half_at_f16c(blk), d1 = half_at_f16c(blk + kBytes);
-    const float c0 = correction_vnni<FMT>(blk, d0), c1 = correction_vnni<FMT>(blk + kBytes, d1);
-    const __m512 dv = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_set1_ps(d0)),
-                                                          _mm256_castps_pd(_mm256_set1_ps(d1)), 1));
+  const int64_t np = x.n_pairs;
+  for (int64_t p = 0; p < np; ++p) {
+    const uint8_t* blk = col + 2 * p * kBytes;
+    const __m512i u = pair_codes_vnni<FMT>(blk, kBytes);
+    const __m512 dv = pair_lanes_vnni<FMT>(blk, blk + kBytes);
+    __m512 mv;
+    if constexpr (FMT == kQ4_1) mv = pair_lanes_vnni<FMT>(blk + 2, blk + kBytes + 2);
     for (int t = 0; t < NT; ++t) {
-      const int64_t k = (t0 + t) * nb + b;
-      const __m512i xq = _mm512_loadu_si512(x.codes.data() + k * kBlock);
-      const __m512i isum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, xq);
-      const __m512 scale = _mm512_mul_ps(dv, _mm512_loadu_ps(x.lane_scale.data() + k * 8));
+      const int64_t k = (t0 + t) * np + p;
+      const __m512i isum = _mm512_dpbusd_epi32(_mm512_loadu_si512(x.pair_offset.data() + k * 16), u,
+                                               _mm512_loadu_si512(x.pair_codes.data() + k * 64));
+      const __m512 scale = _mm512_mul_ps(dv, _mm512_loadu_ps(x.pair_scale.data() + k * 16));
       acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, acc[t]);
-      corr[t] += c0 * x.scaled_sum[k] + c1 * x.scaled_sum[k + 1];
+      if constexpr (FMT == kQ4_1) acc[t] = _mm512_fmadd_ps(mv, _mm512_loadu_ps(x.pair_sum.data() + k * 16), acc[t]);
     }
   }
-  for (; b < nb; ++b) {  // an odd last block: the low half alone
+  float tail[NT] = {};
+  if (x.n_blocks % 2) {
+    const int64_t b = x.n_blocks - 1;
     const uint8_t* blk = col + b * kBytes;
     const __m256i u = unsigned_codes_vnni<FMT>(blk);
-    const float d = half_at_f16c(blk), c = correction_vnni<FMT>(blk, d);
+    const float d = half_at_f16c(blk);
+    const float c = FMT == kQ4_0 ? -8.f * d : FMT == kQ4_1 ? half_at_f16c(blk + 2) : -128.f * d;
     for (int t = 0; t < NT; ++t) {
-      const int64_t k = (t0 + t) * nb + b;
+      const int64_t k = (t0 + t) * x.n_blocks + b;
       const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.codes.data() + k * kBlock));
       const __m256i isum = _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, xq);
-      const __m512 sums = _mm512_castps256_ps512(_mm256_mul_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(d * x.scale[k])));
-      acc[t] = _mm512_add_ps(acc[t], _mm512_maskz_mov_ps(0x00FF, sums));
-      corr[t] += c * x.scaled_sum[k];
+      tail[t] = d * x.scale[k] * simd::hsum_avx2(_mm256_cvtepi32_ps(isum)) + c * x.scaled_sum[k];
     }
   }
-  for (int t = 0; t < NT; ++t) out[t] = _mm512_reduce_add_ps(acc[t]) + corr[t];
+  for (int t = 0; t < NT; ++t) out[t] = _mm512_reduce_add_ps(acc[t]) + tail[t];
 }
 
 // Weights [16 * half, 16 * half + 16) of a block as fp32.
@@ -399,7 +467,7 @@ at::Tensor quantized_sparse_ffn_cpu(const at::Tensor& x, const at::Tensor& matri
   if (n_tok == 0) return at::empty_like(x, at::MemoryFormat::Contiguous);
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   const at::Tensor bias_f = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
-  const QuantizedX xq = quantize_x(xf.data_ptr<float>(), static_cast<int>(n_tok), d, layout.n_blocks);
+  const QuantizedX xq = quantize_x(xf.data_ptr<float>(), static_cast<int>(n_tok), d, layout.n_blocks, layout.in_format);
   at::Tensor yf = at::empty({n_tok, d}, xf.options());
   // Waking the thread team costs more than it saves below ~256 KiB of rows.
   const bool parallel = n_rows * layout.row_bytes >= (256 << 10);

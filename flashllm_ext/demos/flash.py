@@ -1,21 +1,25 @@
 """`make demo`, part 1: generate text with the default model while its FFN weights stay on flash.
 
-Steps (each cached in the cache dir after the first run): convert SmolLM2-135M-Instruct (GGUF) into an fp16 flash
-store; build the default neuron predictors (flashllm_ext.predictor.DEFAULT_RECIPE) into the store, again whenever
-the store's were built by another recipe; then generate the same greedy continuation of one prompt in each engine mode
-of --modes (dense, naive, hybrid and flash by default) on the lean decoder (flashllm_ext.decoder), each mode in its own
+Steps (each cached in the cache dir after the first run): convert SmolLM2-135M-Instruct (GGUF, Q4_1) into a flash
+store per format of --formats (fp16; q4: the file's Q4_1 blocks of up and gate kept bit for bit, down in Q8_0, the
+resident tensors fp16); build the default neuron predictors (flashllm_ext.predictor.DEFAULT_RECIPE) into each store,
+again whenever the store's were built by another recipe; then generate the same greedy continuation of one prompt in
+each engine mode of --modes (dense, naive, hybrid and flash by default) on the lean decoder (flashllm_ext.decoder), per
+format, with the same DRAM budget in bytes (--budget of the fp16 store's model), each mode in its own
 process inside a memory cgroup of that
 process's baseline + the DRAM budget (page cache counted, dropped first: flashllm_ext/harness/cgroup.py; dense, the reference,
 has no limit). Prints the text, the decode time per token with its I/O / memory-management / predictor / compute
 breakdown, bytes and reads per token, the cache hit rate, the cgroup's limit and peak, and how many tokens equal
-`transformers`' own greedy output (the GGUF model in fp32; the store is fp16, so a late tie can differ).
+`transformers`' own greedy output (the GGUF model in fp32; the stores round it, so a late tie can differ).
 
     python -m flashllm_ext.demos.flash [--budget 60%] [--tokens 64] [--window 5] [--prompt TEXT] [--modes ...]
+                                       [--formats fp16,q4]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import time
@@ -36,6 +40,7 @@ from flashllm_ext.flash.store import FlashStore
 
 
 COLUMNS = [
+    "format",
     "mode",
     "ms/token",
     "io ms",
@@ -55,15 +60,15 @@ COLUMNS = [
 ]
 
 
-def prepare_store(gguf: Path, cache_dir: Path) -> Path:
-    """The default model's fp16 flash store with the default predictors (DEFAULT_RECIPE), each built once: the
-    predictors again whenever the store's were built by another recipe."""
-    store_dir = cache_dir / f"{gguf.stem}.store-fp16"
+def prepare_store(gguf: Path, cache_dir: Path, dtype: str = "fp16") -> Path:
+    """The default model's flash store in `dtype` (convert's) with the default predictors (DEFAULT_RECIPE), each
+    built once: the predictors again whenever the store's were built by another recipe."""
+    store_dir = cache_dir / f"{gguf.stem}.store-{dtype}"
     try:
         FlashStore(store_dir).close()
     except FormatError:  # no store yet, or one in an older format: (re)convert
-        print(f"converting {gguf.name} into a flash store at {store_dir}")
-        convert(gguf, store_dir, dtype="fp16", force=True)
+        print(f"converting {gguf.name} into a {dtype} flash store at {store_dir}")
+        convert(gguf, store_dir, dtype=dtype, force=True)
     if predictors_recipe(store_dir) != DEFAULT_RECIPE:  # none yet, or another recipe's (an older default)
         print(f"building the default neuron predictors ({DEFAULT_RECIPE}) into {store_dir}")
         model, tokenizer = load_hf_model(gguf)
@@ -98,6 +103,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--window", type=int, default=5, help="flash: the neuron cache's window in tokens")
     parser.add_argument("--prompt", default="The three primary colors are")
     parser.add_argument("--modes", default="dense,naive,hybrid,flash")
+    parser.add_argument("--formats", default="fp16,q4", help="store formats (convert --dtype) to run the modes on")
     parser.add_argument("--child", help=argparse.SUPPRESS)  # one mode, in this process (the parent's JSON)
     return parser.parse_args(argv)
 
@@ -142,7 +148,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     from transformers import AutoTokenizer
 
     gguf = fetch_default()
-    store_dir = prepare_store(gguf, resolve_cache_dir())
+    stores = {dtype: prepare_store(gguf, resolve_cache_dir(), dtype) for dtype in args.formats.split(",")}
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
     prompt = tokenizer(args.prompt, return_tensors="pt").input_ids
     reference, _ = load_hf_model(gguf)
@@ -151,11 +157,12 @@ def main(argv: Sequence[str] | None = None) -> None:
             0, prompt.shape[1] :
         ]
     del reference
-    sizing = load_decoder(store_dir, None, mode="naive", max_len=1)  # "60%" is of what the decoder counts
+    # "60%" is of what the decoder counts of the fp16 store's model: every format gets the same bytes.
+    sizing = load_decoder(prepare_store(gguf, resolve_cache_dir()), None, mode="naive", max_len=1)
     total = sizing.model_bytes
     sizing.close()
     del sizing
-    base = {"store": str(store_dir), "prompt": prompt[0].tolist(), "tokens": args.tokens, "window": args.window}
+    base = {"prompt": prompt[0].tolist(), "tokens": args.tokens, "window": args.window}
 
     def child(config: dict, budget: int | None) -> tuple[list[dict], dict]:
         argv = [sys.executable, "-m", "flashllm_ext.demos.flash", "--child", json.dumps(config)]
@@ -171,17 +178,17 @@ def main(argv: Sequence[str] | None = None) -> None:
         f"({'none: ' + str(probe['cgroup_note']) if baseline is None else f'{baseline / 1e6:.0f} MB'}) + budget\n"
     )
     rows = []
-    for mode in args.modes.split(","):
+    for (dtype, store_dir), mode in itertools.product(stores.items(), args.modes.split(",")):
         budget = None if mode == "dense" else parse_budget(args.budget, total)
         start = time.perf_counter()
-        out, facts = child({**base, "mode": mode, "budget_bytes": budget}, budget)
-        row = {"mode": mode, **(out[0] if out else {"error": "the child printed no row"})}
+        out, facts = child({**base, "store": str(store_dir), "mode": mode, "budget_bytes": budget}, budget)
+        row = {"format": dtype, "mode": mode, **(out[0] if out else {"error": "the child printed no row"})}
         if "error" in row:
-            print(f"[{mode}] failed: {row['error']}")
+            print(f"[{dtype} {mode}] failed: {row['error']}")
             continue
         ids = torch.tensor(row.pop("ids"))
         same = int((ids == expected).long().cumprod(0).sum())  # leading tokens equal to transformers'
-        print(f"[{mode}] {args.prompt}{tokenizer.decode(ids)}")
+        print(f"[{dtype} {mode}] {args.prompt}{tokenizer.decode(ids)}")
         rows.append(
             {
                 **row,
