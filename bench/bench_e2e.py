@@ -19,7 +19,7 @@ context), and the budget still sizes the caches; accelerate's peer then offloads
 bench_e2e_endor.
 
     python -m bench.bench_e2e [--json] [--budget 50%] [--tokens 32] [--rounds 3] [--quick] [--store DIR]
-                              [--device cpu|cuda] [--modes ...] [--flash-options JSON]
+                              [--store-dtype fp16|q8|q4] [--device cpu|cuda] [--modes ...] [--flash-options JSON]
 """
 
 from __future__ import annotations
@@ -68,6 +68,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--hf-dir", help="Hugging Face checkpoint of --store for the accelerate peer")
     parser.add_argument(
+        "--store-dtype",
+        default="fp16",
+        choices=["fp16", "q8", "q4"],
+        help="the default model's store format (convert --dtype; q4 keeps the GGUF's Q4_1 blocks of up and gate)",
+    )
+    parser.add_argument(
         "--flash-options",
         action="append",
         default=[],
@@ -102,7 +108,8 @@ def run_modes(args) -> list[dict]:
 
     cache = resolve_cache_dir() / "e2e"
     modes = [m for m in args.modes.split(",") if m]
-    store = Path(args.store) if args.store else default_store(cache, any(m.startswith("flash") for m in modes))
+    flash_modes = any(m.startswith("flash") for m in modes)
+    store = Path(args.store) if args.store else default_store(cache, flash_modes, args.store_dtype)
     hf_dir = (
         Path(args.hf_dir)
         if args.hf_dir
@@ -120,6 +127,7 @@ def run_modes(args) -> list[dict]:
         "timeout_s": args.child_timeout,
         "offload_dir": str(cache / "accelerate-offload"),
         "hf_dir": None if hf_dir is None else str(hf_dir),
+        **({} if args.store else {"store_format": args.store_dtype}),
     }
     rows = []
     jobs = [(m, {}) for m in modes] + [("flash", json.loads(o)) for o in args.flash_options if "flash" in modes]

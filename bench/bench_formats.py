@@ -76,7 +76,7 @@ def main() -> None:
         store = store_for(name, gguf, args.store_dir)
         with store:
             neuron_bytes = store.row_bytes
-            resident_bytes = sum(t.nbytes for t in store.resident().values())
+            resident_bytes = store.resident_nbytes()
             bundle_format = store.bundle_format.name if store.quantized else store.dtype_name
         model = load_flash(store.path, None, mode="exact")
         try:

@@ -1,7 +1,9 @@
 """flashllm::half_linear (y = x W^T + b from fp16 / bf16 weights, fp32 math) against PyTorch's F.linear on the same
 half-precision weights and on an fp32 copy, on the shapes a flash-loaded model keeps resident (the default model's
 attention projection and LM head, OPT-6.7B's / Llama-2-7B's attention projection), interleaved in one process
-(medians); the bound is the weight bytes over the read bandwidth of a streaming sum measured in the same run.
+(medians); the bound is the weight bytes over the read bandwidth of a streaming sum measured in the same run. Beside
+them flashllm::quantized_linear on the same weights in Q8_0 and Q4_0 blocks ("q8_0 ms", "q4_0 ms": a quantized store's
+resident linears), each against the bound of its own bytes.
 
     python -m bench.bench_half_linear [--tokens 1,8,64] [--dtype float16] [--json]
 """
@@ -14,6 +16,9 @@ import torch.nn.functional as F
 from bench.common import arg_parser, device_name, emit, stream_probe, time_interleaved
 
 from flashllm_ext import ops
+from flashllm_ext.ops.blocks import quantize_rows
+
+QUANTIZED = ("q8_0", "q4_0")
 
 SHAPES = {
     "default q_proj (576 x 576)": (576, 576),
@@ -36,6 +41,7 @@ def main() -> None:
     for name, (n, d) in (SMOKE_SHAPES if args.smoke else SHAPES).items():
         w32 = torch.randn(n, d, generator=g) / d**0.5
         w = w32.to(dtype)
+        blocks = {fmt: quantize_rows(w32, fmt) for fmt in QUANTIZED}
         for T in (int(t) for t in args.tokens.split(",")):
             x = torch.randn(T, d, generator=g).to(dtype)
             x32 = x.float()
@@ -45,6 +51,10 @@ def main() -> None:
                     "torch": lambda: F.linear(x, w),
                     "torch fp32": lambda: F.linear(x32, w32),
                     "stream": stream,
+                    **{
+                        fmt: (lambda fmt=fmt: ops.quantized_linear(x, blocks[fmt], weight_format=fmt))
+                        for fmt in QUANTIZED
+                    },
                 },
                 rounds=args.rounds,
             )
@@ -60,6 +70,13 @@ def main() -> None:
                     "torch fp32 ms": round(times["torch fp32"] * 1e3, 3),
                     "torch fp32 / native": round(times["torch fp32"] / times["native"], 2),
                     "native / bound": round(times["native"] / bound, 2),
+                    **{f"{fmt} ms": round(times[fmt] * 1e3, 3) for fmt in QUANTIZED},
+                    **{
+                        f"{fmt} / its bound": round(
+                            times[fmt] / (blocks[fmt].nbytes / (probe_bytes / times["stream"])), 2
+                        )
+                        for fmt in QUANTIZED
+                    },
                     "device": device_name(),
                 }
             )

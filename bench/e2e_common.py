@@ -96,21 +96,27 @@ def prompt_ids(n_prompt: int, vocab_size: int, synthesized: bool = False) -> tup
 # ------------------------------------------------------------------------------------------------- the stores
 
 
-def default_store(cache: Path, train_predictors: bool = True) -> Path:
-    """The default model converted to an fp16 store (cached), with trained predictors (trained once: minutes)."""
+def default_store(cache: Path, train_predictors: bool = True, dtype: str = "fp16") -> Path:
+    """The default model converted to a store in `dtype` (convert's: fp16, or q8 / q4, which keep the GGUF's blocks
+    where they can; cached), with trained predictors (trained once: minutes; a quantized store takes the fp16
+    store's, trained on the same GGUF model)."""
     import subprocess
 
     from flashllm_ext.flash.convert import convert
     from flashllm_ext.hub import fetch_default
-    from flashllm_ext.predictor import DEFAULT_RECIPE, predictors_recipe
+    from flashllm_ext.predictor import DEFAULT_RECIPE, load_predictors, predictors_recipe, save_predictors_to_store
     from flashllm_ext.flash.store import FlashStore
 
-    path = cache / "smollm2-135m-fp16"
+    path = cache / f"smollm2-135m-{dtype}"
     try:
         FlashStore(path)
     except (OSError, FormatError):  # none yet, or written by an older format: (re)convert
-        convert(fetch_default(), path, dtype="fp16", force=True)
+        convert(fetch_default(), path, dtype=dtype, force=True)
     if train_predictors and predictors_recipe(path) != DEFAULT_RECIPE:  # none yet, or an older default's
+        if dtype != "fp16":
+            trained = default_store(cache, True)
+            save_predictors_to_store(load_predictors(trained), path, DEFAULT_RECIPE)
+            return path
         subprocess.run(
             [sys.executable, "-m", "flashllm_ext.cli", "train-predictors", "default", "--store", str(path)],
             check=True,
@@ -256,21 +262,13 @@ def check_device(parser: argparse.ArgumentParser, device: str) -> None:
 
 
 def model_bytes_of(store_path: Path, ffn: bool = True) -> int:
-    """Resident tensors (without predictors) + every FFN bundle of the store (ffn=False: without the bundles): what
-    '50%' is a share of."""
-    from safetensors import safe_open
-
+    """Resident tensors as stored (without predictors) + every FFN bundle of the store (ffn=False: without the
+    bundles): what '50%' is a share of."""
     from flashllm_ext.flash.stack import store_ffn_bytes
     from flashllm_ext.flash.store import FlashStore
 
-    store = FlashStore(store_path)
-    with safe_open(store.resident_path, framework="pt") as f:
-        resident = sum(
-            math.prod(f.get_slice(n).get_shape()) * store.dtype.itemsize
-            for n in f.keys()
-            if not n.startswith("predictor.")
-        )
-    return resident + (store_ffn_bytes(store) if ffn else 0)
+    with FlashStore(store_path) as store:
+        return store.resident_nbytes() + (store_ffn_bytes(store) if ffn else 0)
 
 
 def budget_of_first_layers(store_path: Path, spec: str, whole_layers: int) -> int:

@@ -38,6 +38,7 @@ def parse_budget(budget: int | float | str, model_bytes: int, name: str = "dram_
 def tensor_bytes(tensors) -> int:
     seen, total = set(), 0
     for t in tensors:
+        t = getattr(t, "blocks", t)  # a QuantizedWeight (flashllm_ext.ops.blocks): its blocks hold its bytes
         if t is None or t.device.type == "meta":
             continue
         key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())

@@ -2,7 +2,9 @@
 attention over the static KV cache, the dense FFN, and resident-weight lookup by name.
 
 Activations are float32 throughout (the residual stream, norms, softmax); weights stay in the store's dtype and
-are read by flashllm::half_linear (float32 accumulation) on the CPU, so a token reads each weight byte once.
+are read by flashllm::half_linear (float32 accumulation) on the CPU, so a token reads each weight byte once. A
+quantized store's attention, embedding and LM head stay in their blocks (QuantizedWeight): its linears are
+flashllm::quantized_linear, its embedding dequantizes the rows it looks up.
 """
 
 from __future__ import annotations
@@ -13,18 +15,38 @@ import torch.nn.functional as F
 from flashllm_ext import ops
 from flashllm_ext.flash.reader import FlashReader
 from flashllm_ext.flash.store import BIAS_ROLES, FlashStore
+from flashllm_ext.ops.blocks import QuantizedWeight
 
 HALF_LINEAR = torch.ops.flashllm.half_linear.default
+QUANTIZED_LINEAR = torch.ops.flashllm.quantized_linear.default
+Weight = torch.Tensor | QuantizedWeight
 DECODE_ATTENTION = torch.ops.flashllm.decode_attention.default
 # FFN activations by config name (hidden_act / activation_function), exact forms only as in ops.ACTIVATIONS.
 ACTIVATION_FNS = {name: spec.fn for spec in ops.ACTIVATIONS.values() for name in spec.config_names}
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, in] float32, weight [out, in] (any float dtype), bias [out] | None -> float32 [T, out]."""
+def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, in] float32, weight [out, in] (any float dtype, or blocks), bias [out] | None -> float32 [T, out]."""
+    if isinstance(weight, QuantizedWeight):
+        bias = None if bias is None else bias.float()
+        if x.device.type == "cpu":
+            return QUANTIZED_LINEAR(x, weight.blocks, weight.fmt, bias)
+        return F.linear(x, weight.dequantize(), bias)
     if x.device.type == "cpu":
         return HALF_LINEAR(x, weight, bias)  # the op itself: the typed wrapper's call costs ~1 us a matrix
     return F.linear(x.to(weight.dtype), weight, bias).float()
+
+
+def embedding_rows(embedding: Weight, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` [T] of an embedding [vocab, d] as float32 [T, d] (blocks: only those rows dequantized)."""
+    return embedding.rows(ids) if isinstance(embedding, QuantizedWeight) else embedding[ids].float()
+
+
+def cat_rows(weights: list[Weight]) -> Weight:
+    """The weights' rows one after another (fused q/k/v), blocks or floats as they come."""
+    if all(isinstance(w, QuantizedWeight) for w in weights):
+        return QuantizedWeight.cat(weights)
+    return torch.cat([w.dequantize() if isinstance(w, QuantizedWeight) else w for w in weights])
 
 
 class Rotary:
@@ -140,13 +162,18 @@ class ResidentWeights:
             if not name.startswith("predictor.") and name not in ffn_biases
         }
 
-    def get(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor | None:
+    def get(self, name: str, dtype: torch.dtype | None = None) -> Weight | None:
+        """The tensor (in `dtype`, default the decoder's), or a weight the store holds as blocks as a
+        QuantizedWeight."""
         full = self.names.pop(name.removeprefix("model."), None)
         if full is None:
             return None
-        return self.store.resident_tensor(full).to(dtype or self.dtype, copy=True)
+        weight = self.store.resident_weight(full)
+        if isinstance(weight, QuantizedWeight):
+            return weight
+        return weight.to(dtype or self.dtype, copy=True)
 
-    def require(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+    def require(self, name: str, dtype: torch.dtype | None = None) -> Weight:
         t = self.get(name, dtype)
         if t is None:
             raise ValueError(f"{self.store.path}: the store has no resident tensor {name!r}")
@@ -160,5 +187,5 @@ def move_tensors(obj: object, device: torch.device) -> None:
     """Every tensor attribute of obj moved to device (tied tensors stay tied: each storage moves once)."""
     moved: dict[int, torch.Tensor] = {}
     for name, value in vars(obj).items():
-        if isinstance(value, torch.Tensor):
+        if isinstance(value, (torch.Tensor, QuantizedWeight)):
             setattr(obj, name, moved.setdefault(id(value), value.to(device)))

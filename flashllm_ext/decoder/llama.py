@@ -14,7 +14,16 @@ import torch.nn.functional as F
 
 from flashllm_ext.decoder.config import DecoderConfig, rope_inverse_frequencies
 from flashllm_ext.decoder.kv_cache import StaticKVCache
-from flashllm_ext.decoder.layers import ResidentWeights, Rotary, attend, linear, move_tensors
+from flashllm_ext.decoder.layers import (
+    ResidentWeights,
+    Rotary,
+    attend,
+    cat_rows,
+    embedding_rows,
+    linear,
+    move_tensors,
+)
+from flashllm_ext.ops.blocks import QuantizedWeight
 
 FFN = Callable[[torch.Tensor], torch.Tensor]
 DECODER_ATTENTION = torch.ops.flashllm.decoder_attention.default  # the op itself (flashllm_ext/ops/decoder.py)
@@ -25,9 +34,7 @@ class LlamaLayer:
 
     def __init__(self, config: DecoderConfig, weights: ResidentWeights, index: int):
         attn = f"layers.{index}.self_attn."
-        q, k, v = (weights.require(f"{attn}{name}_proj.weight") for name in "qkv")
-        self.qkv = torch.cat((q, k, v))
-        del q, k, v
+        self.qkv = cat_rows([weights.require(f"{attn}{name}_proj.weight") for name in "qkv"])
         self.qkv_bias = (
             torch.cat([weights.require(f"{attn}{name}_proj.bias") for name in "qkv"]) if config.qkv_bias else None
         )
@@ -57,7 +64,8 @@ class LlamaLayer:
         """x [T, d] float32 (the tokens after the cache's `length`) -> the layer's output [T, d]; tables: the
         rotary's for these tokens (Rotary.tables)."""
         n_tokens, start = x.shape[0], cache.length
-        if n_tokens == 1:  # decoding: the attention half in one call, which also norms the FFN's input
+        # decoding: the attention half in one call, which also norms the FFN's input (float weights only)
+        if n_tokens == 1 and not isinstance(self.qkv, QuantizedWeight):
             x, h = DECODER_ATTENTION(
                 x,
                 self.attention_norm,
@@ -125,7 +133,7 @@ class LlamaModel:
 
     def embed(self, ids: torch.Tensor, start: int) -> torch.Tensor:
         """ids [T] at positions start.. -> float32 [T, d]."""
-        return self.embedding[ids].float()
+        return embedding_rows(self.embedding, ids)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, d] -> float32 [T, vocab]."""

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from flashllm_ext.decoder.config import DecoderConfig
 from flashllm_ext.decoder.kv_cache import StaticKVCache
-from flashllm_ext.decoder.layers import ResidentWeights, attend, linear, move_tensors
+from flashllm_ext.decoder.layers import ResidentWeights, attend, cat_rows, embedding_rows, linear, move_tensors
 
 FFN = Callable[[torch.Tensor], torch.Tensor]
 POSITION_OFFSET = 2  # OPT's learned position table starts two rows in (its padding convention)
@@ -25,7 +25,7 @@ class OPTLayer:
     def __init__(self, config: DecoderConfig, weights: ResidentWeights, index: int):
         prefix = f"decoder.layers.{index}."
         attn = prefix + "self_attn."
-        self.qkv = torch.cat([weights.require(f"{attn}{name}_proj.weight") for name in "qkv"])
+        self.qkv = cat_rows([weights.require(f"{attn}{name}_proj.weight") for name in "qkv"])
         self.qkv_bias = (
             torch.cat([weights.require(f"{attn}{name}_proj.bias") for name in "qkv"]) if config.qkv_bias else None
         )
@@ -98,7 +98,7 @@ class OPTModel:
 
     def embed(self, ids: torch.Tensor, start: int) -> torch.Tensor:
         """ids [T] at positions start.. -> float32 [T, d]."""
-        x = self.embedding[ids].float()
+        x = embedding_rows(self.embedding, ids)
         if self.project_in is not None:
             x = linear(x, self.project_in)
         first = start + POSITION_OFFSET

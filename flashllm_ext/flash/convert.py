@@ -44,7 +44,7 @@ from flashllm_ext.flash.store import (
     layer_specs,
     layer_tensor_name,
 )
-from flashllm_ext.ops.blocks import BundleFormat, block_format, quantize_rows
+from flashllm_ext.ops.blocks import BLOCK_FORMATS, BundleFormat, block_format, quantize_rows
 
 # FFN tensor names of the supported families: Llama/Mistral/SmolLM (gate/up/down) and OPT (fc1/fc2). The only place
 # a family's naming scheme is read: the store records the names it finds per layer and role (store.ffn_roles).
@@ -154,8 +154,10 @@ def convert(
             tmp / BUNDLES_FILE, ckpt, layers, torch_dtype, endor, ffn, hidden, metadata, progress, bundle_format
         )
         bundled = {name for roles in layers.values() for role, name in roles.items() if role in WEIGHT_ROLES}
+        resident_names = [n for n in ckpt.names if n not in bundled]
+        blocks = _resident_block_formats(ckpt, resident_names, bundle_format) if quantized else {}
         resident = _write_resident(
-            tmp / RESIDENT_FILE, ckpt, [n for n in ckpt.names if n not in bundled], torch_dtype, float_dtype, progress
+            tmp / RESIDENT_FILE, ckpt, resident_names, torch_dtype, float_dtype, progress, blocks
         )
         with FlashStore(tmp) as written:
             _verify(written, expected, resident)
@@ -222,28 +224,76 @@ def _quantize(w: torch.Tensor, fmt: str) -> torch.Tensor:
     return torch.cat([quantize_rows(w[i : i + step], fmt) for i in range(0, w.shape[0], step)])
 
 
+# Resident weights a quantized store holds as blocks: the attention projections, the embedding and the LM head (the
+# linears the decoder multiplies by, ops.quantized_linear; an embedding dequantizes the rows it looks up).
+_BLOCK_RESIDENT = re.compile(r"(?:self_attn\.(?:q|k|v|o|out)_proj|embed_tokens|lm_head)\.weight$")
+
+
+def _resident_block_formats(
+    ckpt: Checkpoint, names: list[str], bundle_format: BundleFormat
+) -> dict[str, tuple[str, bool]]:
+    """name -> (block format, kept) of the resident weights a quantized store holds as blocks: a GGUF tensor
+    already in a block format keeps its blocks; any other is quantized, the attention to the bundles' input format
+    and the embedding and LM head (every token's logits) to q8_0."""
+    out = {}
+    for name in names:
+        if not _BLOCK_RESIDENT.search(name) or len(ckpt.shape(name)) != 2:
+            continue
+        kind = ckpt.source_type(name).lower()
+        if isinstance(ckpt, GGUFCheckpoint) and kind in BLOCK_FORMATS:
+            out[name] = (kind, True)
+        else:
+            out[name] = ("q8_0" if "self_attn" not in name else bundle_format.in_format, False)
+    return out
+
+
 def _write_resident(
-    path: Path, ckpt: Checkpoint, names: list[str], dtype: torch.dtype, dtype_key: str, progress: bool
+    path: Path,
+    ckpt: Checkpoint,
+    names: list[str],
+    dtype: torch.dtype,
+    dtype_key: str,
+    progress: bool,
+    block_formats: dict[str, tuple[str, bool]] | None = None,
 ) -> tuple[str, torch.Tensor] | None:
     """Write the resident tensors one block of rows at a time (a 7B model's attention is gigabytes, its embedding
     alone 1-2 GB in fp32); returns the first tensor's name and first block, for verification. Packed as the
     safetensors library packs them: widest element size first, so each tensor is aligned to its element size
-    without padding tensors."""
+    without padding tensors. block_formats (_resident_block_formats): the weights written as uint8 rows of blocks,
+    listed in the `resident_formats` metadata."""
+    block_formats = block_formats or {}
     store_name = dtype_name(dtype)
-    specs = [
-        TensorSpec(n, store_name if ckpt.dtype(n) in FLOAT_DTYPES else ckpt.dtype(n), ckpt.shape(n)) for n in names
-    ]
+
+    def spec_of(n: str) -> TensorSpec:
+        if n in block_formats:
+            rows, cols = ckpt.shape(n)
+            return TensorSpec(n, "U8", (rows, BLOCK_FORMATS[block_formats[n][0]].row_bytes(cols)))
+        return TensorSpec(n, store_name if ckpt.dtype(n) in FLOAT_DTYPES else ckpt.dtype(n), ckpt.shape(n))
+
+    specs = [spec_of(n) for n in names]
     specs.sort(key=lambda spec: -DTYPE_SIZES[spec.dtype])
     samples: dict[str, torch.Tensor] = {}
 
     def blocks(name: str) -> Iterator[torch.Tensor]:
-        for chunk in ckpt.row_chunks(name, _CHUNK_BYTES):
-            chunk = _to_store_dtype(chunk, dtype).contiguous()
+        if name in block_formats:
+            fmt, kept = block_formats[name]
+            chunks = (
+                [ckpt.raw_blocks(name)[0]]
+                if kept
+                else (quantize_rows(c, fmt) for c in ckpt.row_chunks(name, _CHUNK_BYTES))
+            )
+        else:
+            chunks = (_to_store_dtype(c, dtype) for c in ckpt.row_chunks(name, _CHUNK_BYTES))
+        for chunk in chunks:
+            chunk = chunk.contiguous()
             if not samples:
                 samples[name] = chunk
             yield chunk
 
     metadata = {"magic": MAGIC, "format_version": FORMAT_VERSION, "dtype": dtype_key}
+    if block_formats:
+        formats = {n: [fmt, ckpt.shape(n)[1]] for n, (fmt, _) in block_formats.items()}
+        metadata["resident_formats"] = json.dumps(formats)
     with AlignedWriter(path, specs, metadata, alignment=8, tensor_alignment=1) as writer:
         for spec in tqdm(specs, desc="writing resident tensors", unit="t", disable=not progress):
             writer.write_rows(spec.name, blocks(spec.name))

@@ -37,7 +37,7 @@ import torch
 from flashllm_ext import endor
 from flashllm_ext.errors import FormatError
 from flashllm_ext.io.safetensors import ResidentFile, TensorEntry, TensorSpec, dtype_name, read_header
-from flashllm_ext.ops.blocks import BundleFormat
+from flashllm_ext.ops.blocks import BLOCK_FORMATS, BundleFormat, QuantizedWeight
 
 
 MAGIC = "flashllm-store"
@@ -157,6 +157,7 @@ class FlashStore:
         resident_header = read_header(self.resident_path)
         self._check_magic(resident_header.metadata, self.resident_path)
         self._resident_entries = resident_header.tensors
+        self.resident_formats = self._parse_resident_formats(resident_header.metadata.get("resident_formats"))
         self.dtype_name = meta.get("dtype")
         if self.dtype_name not in DTYPES:
             raise FormatError(
@@ -245,6 +246,37 @@ class FlashStore:
                 f"unsupported version {meta.get('format_version')!r} (this library reads {READABLE_VERSIONS})",
                 path,
             )
+
+    def _parse_resident_formats(self, raw: str | None) -> dict[str, tuple[str, int]]:
+        """Resident weights held as GGUF blocks (a quantized store's linears and embeddings): name -> (block format,
+        columns), each a uint8 tensor [rows, its row bytes]. FormatError naming the field otherwise."""
+        field = "__metadata__.resident_formats"
+        if raw is None:
+            return {}
+        try:
+            formats = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise FormatError(field, f"not JSON ({e})", self.resident_path) from None
+        if not isinstance(formats, dict):
+            raise FormatError(field, "must map tensor names to [format, columns]", self.resident_path)
+        out = {}
+        for name, spec in formats.items():
+            where = f"{field}[{name!r}]"
+            ok = isinstance(spec, list) and len(spec) == 2 and spec[0] in BLOCK_FORMATS and type(spec[1]) is int
+            if not ok or spec[1] <= 0:
+                raise FormatError(
+                    where, f"must be [one of {tuple(BLOCK_FORMATS)}, columns > 0], got {spec!r}", self.resident_path
+                )
+            entry = self._resident_entries.get(name)
+            width = BLOCK_FORMATS[spec[0]].row_bytes(spec[1])
+            if entry is None or entry.dtype != "U8" or len(entry.shape) != 2 or entry.shape[1] != width:
+                raise FormatError(
+                    where,
+                    f"{name!r} is not a resident uint8 tensor [rows, {width}] ({spec[0]} rows of {spec[1]})",
+                    self.resident_path,
+                )
+            out[name] = (spec[0], spec[1])
+        return out
 
     def _parse_bundle_format(self, meta: dict[str, str]) -> BundleFormat | None:
         """None for float bundles; the quantized layout otherwise (never with Endor compression)."""
@@ -485,8 +517,22 @@ class FlashStore:
         return {name: self.resident_tensor(name) for name in self._resident_entries}
 
     def resident_tensor(self, name: str) -> torch.Tensor:
-        """One resident tensor, read through the store's one handle of resident.safetensors into memory of its own."""
-        return self._resident.tensor(name)
+        """One resident tensor, read through the store's one handle of resident.safetensors into memory of its own;
+        a weight held as blocks (resident_formats) dequantized to the store's dtype (resident_weight keeps them)."""
+        weight = self.resident_weight(name)
+        return weight.dequantize(self.dtype) if isinstance(weight, QuantizedWeight) else weight
+
+    def resident_weight(self, name: str) -> torch.Tensor | QuantizedWeight:
+        """One resident tensor as stored: a QuantizedWeight for the weights held as blocks (resident_formats)."""
+        tensor = self._resident.tensor(name)
+        if name in self.resident_formats:
+            fmt, cols = self.resident_formats[name]
+            return QuantizedWeight(tensor, fmt, cols)
+        return tensor
+
+    def resident_nbytes(self) -> int:
+        """Bytes of the resident tensors as stored (predictors not counted)."""
+        return sum(e.end - e.begin for n, e in self._resident_entries.items() if not n.startswith("predictor."))
 
     def close_resident(self) -> None:
         """Unmaps resident.safetensors (io.safetensors.ResidentFile); a later resident_tensor() maps it again."""

@@ -403,14 +403,16 @@ class GGUFCheckpoint(Checkpoint):
     def raw_blocks(self, name: str) -> tuple[torch.Tensor, str]:
         """Tensor `name`'s rows as the file stores them, not dequantized: uint8 [rows, row_bytes] (a quantized
         type's blocks of each row, a float type's bytes) and the GGUF type's name ("Q4_0", "Q6_K", "F16", ...).
-        q_proj and k_proj rows are stored in llama.cpp's rotary order, not the Hugging Face order, so they are
-        refused (ValueError)."""
-        if self._rotary_heads(name):
-            raise ValueError(f"{name}: rows are stored in llama.cpp's rotary order; read it dequantized")
+        q_proj and k_proj rows, stored in llama.cpp's rotary order, come back in the Hugging Face order (a row
+        permutation: each row's blocks are unchanged)."""
         tensor = self._tensors[name]
         rows = math.prod(self._shapes[name][:-1])
         data = self._read(tensor, 0, tensor.n_bytes)
-        return torch.frombuffer(data, dtype=torch.uint8).view(rows, -1), tensor.tensor_type.name
+        blocks = torch.frombuffer(data, dtype=torch.uint8).view(rows, -1)
+        heads = self._rotary_heads(name)
+        if heads:
+            blocks = _undo_rotary_permutation(blocks, heads).contiguous()
+        return blocks, tensor.tensor_type.name
 
     def _rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         import gguf

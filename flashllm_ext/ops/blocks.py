@@ -203,3 +203,58 @@ class BundleFormat:
         parts = [dequantize_rows(rows[:, k * col : (k + 1) * col], self.in_format, d) for k in range(n_in)]
         parts.append(dequantize_rows(rows[:, n_in * col :], self.down_format, d))
         return torch.cat(parts, dim=1)
+
+
+@dataclass
+class QuantizedWeight:
+    """A 2-D weight [rows, cols] held as rows of GGUF blocks (a quantized store's resident linears and embeddings):
+    `blocks` uint8 [rows, BLOCK_FORMATS[fmt].row_bytes(cols)]. ops.quantized_linear multiplies by it; `rows`
+    dequantizes the rows an embedding looks up."""
+
+    blocks: torch.Tensor
+    fmt: str
+    cols: int
+
+    def __post_init__(self) -> None:
+        width = block_format(self.fmt).row_bytes(self.cols)
+        if self.blocks.dtype != torch.uint8 or self.blocks.dim() != 2 or self.blocks.shape[1] != width:
+            raise ValueError(
+                f"blocks must be uint8 [rows, {width}] ({self.fmt} rows of {self.cols}), got {self.blocks.dtype} "
+                f"of shape {tuple(self.blocks.shape)}"
+            )
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.blocks.shape[0], self.cols
+
+    @property
+    def nbytes(self) -> int:
+        return self.blocks.nbytes
+
+    @property
+    def device(self) -> torch.device:
+        return self.blocks.device
+
+    def to(self, device: torch.device | str) -> QuantizedWeight:
+        return QuantizedWeight(self.blocks.to(device), self.fmt, self.cols)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The whole weight as floats [rows, cols]."""
+        return dequantize_rows(self.blocks, self.fmt, self.cols).to(dtype)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` [k] dequantized: float32 [k, cols] (an embedding's lookup)."""
+        return dequantize_rows(self.blocks[ids], self.fmt, self.cols)
+
+    @staticmethod
+    def cat(weights: list[QuantizedWeight]) -> QuantizedWeight:
+        """The weights' rows one after another (fused q/k/v). Weights of different formats are quantized again, as
+        q8_0, from their values (a GGUF may hold v in another type than q and k)."""
+        cols = {w.cols for w in weights}
+        if len(cols) != 1:
+            raise ValueError(f"weights to concatenate have different column counts {sorted(cols)}")
+        fmts = {w.fmt for w in weights}
+        if len(fmts) == 1:
+            return QuantizedWeight(torch.cat([w.blocks for w in weights]), weights[0].fmt, weights[0].cols)
+        dense = torch.cat([w.dequantize() for w in weights])
+        return QuantizedWeight(quantize_rows(dense, "q8_0"), "q8_0", weights[0].cols)

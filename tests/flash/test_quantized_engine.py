@@ -11,6 +11,7 @@ import flashllm_ext
 from flashllm_ext.flash.convert import convert
 from flashllm_ext.flash.store import FlashStore
 from flashllm_ext.hub.hf import replace_weights
+from flashllm_ext.ops.blocks import QuantizedWeight
 from tests.helpers.models import tiny_model
 
 ROLES = {"up": "up_proj", "gate": "gate_proj", "down": "down_proj"}
@@ -89,13 +90,20 @@ def test_flash_caches_hold_the_quantized_rows_and_charge_their_bytes(stores, fam
         flash.flash.close()
 
 
+@pytest.mark.parametrize("family", ["llama", "opt"])
 @pytest.mark.parametrize("mode", ["dense", "hybrid", "exact"])
 @torch.no_grad()
-def test_the_lean_decoder_runs_a_quantized_store(stores, mode):
-    reference, path = stores["llama", "q8"]
+def test_the_lean_decoder_runs_a_quantized_store(stores, family, mode):
+    """Its attention, embedding and LM head stay in blocks (quantized_linear; the embedding's looked-up rows
+    dequantized) and it is charged their bytes; its logits are transformers' on the dequantized weights."""
+    reference, path = stores[family, "q8"]
     prompt = torch.randint(3, 90, (7,), generator=torch.Generator().manual_seed(3))
     decoder = flashllm_ext.load_decoder(path, dram_budget=None, mode=mode, dtype=torch.float32, max_len=64)
     try:
+        layer = decoder.model.layers[0]
+        assert isinstance(layer.qkv, QuantizedWeight) and isinstance(decoder.model.embedding, QuantizedWeight)
+        with FlashStore(path) as store:
+            assert decoder.model_bytes < sum(t.numel() * 4 for t in store.resident().values())  # not as floats
         want = reference(prompt.unsqueeze(0)).logits[0, -1]
         got = decoder.forward(prompt).reshape(-1, want.numel())[-1]
         torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())

@@ -89,7 +89,8 @@ def test_gguf_blocks_in_the_input_format_are_kept_bit_for_bit(tmp_path, tiny_lla
 @pytest.mark.parametrize("dtype,in_format,error", [("q8", "q8_0", 1 / 254), ("q4", "q4_0", 1 / 8)])
 def test_hugging_face_weights_round_to_nearest(tmp_path, dtype, in_format, error):
     """A safetensors checkpoint's FFN weights are quantized as BundleFormat.quantize rounds them (bit for bit), and
-    read back within the format's rounding error of each block's largest magnitude; resident tensors are fp16."""
+    read back within the format's rounding error of each block's largest magnitude; resident tensors are fp16 but
+    the attention, embedding and LM head, held as blocks."""
     model = tiny_model("llama", num_hidden_layers=2)
     model.save_pretrained(tmp_path / "ckpt")
     fs = store.FlashStore(convert(tmp_path / "ckpt", tmp_path / "s", dtype=dtype, progress=False))
@@ -112,9 +113,12 @@ def test_hugging_face_weights_round_to_nearest(tmp_path, dtype, in_format, error
             "gate": f"quantized F32 -> {in_format}",
             "down": "quantized F32 -> q8_0",
         }
-    resident = fs.resident()
+    resident = fs.resident()  # floats, the blocks dequantized
     assert all(t.dtype == torch.float16 for t in resident.values())
-    assert torch.equal(resident["model.embed_tokens.weight"], state["model.embed_tokens.weight"].half())
+    norm = "model.norm.weight"
+    assert norm not in fs.resident_formats and torch.equal(resident[norm], state[norm].half())
+    embedding = "model.embed_tokens.weight"
+    assert torch.equal(fs.resident_weight(embedding).blocks, quantize_rows(state[embedding], "q8_0"))
 
 
 def test_k_quant_blocks_are_quantized_again(tmp_path):
@@ -214,3 +218,61 @@ def test_cli_convert_q4(tmp_path, tiny_llama, capsys):
     assert lines[1] == "FFN tensors: 4 kept Q4_0 blocks, 2 requantized Q4_0 -> q4_1"
     fs = store.FlashStore(out)
     assert torch.equal(_parts(fs, 1)["up"], torch.from_numpy(_gguf_tensor(path, "blk.1.ffn_up.weight")[0]))
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0])
+def test_gguf_attention_and_embedding_blocks_are_kept_as_resident_blocks(tmp_path, tiny_llama, qtype):
+    """A quantized store holds the GGUF's attention, embedding (and LM head) blocks as they are, q/k rows in the
+    Hugging Face order: each dequantizes to exactly what the dequantized file gives; resident_tensor gives floats,
+    resident_weight the blocks."""
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", tiny_llama, qtype=qtype)
+    ckpt = GGUFCheckpoint(path)
+    fs = store.FlashStore(convert(path, tmp_path / "s", dtype="q4", progress=False))
+    fmt = qtype.name.lower()
+    names = [n for n in ckpt.names if "self_attn" in n or "embed_tokens" in n or "lm_head" in n]
+    assert names and set(fs.resident_formats) == set(names)
+    for name in names:
+        weight = fs.resident_weight(name)
+        assert weight.fmt == fmt and weight.shape == tuple(ckpt.shape(name))
+        assert torch.equal(weight.dequantize(), ckpt[name])  # q and k un-permuted as the dequantized reader does
+        assert torch.equal(fs.resident_tensor(name), ckpt[name].to(fs.dtype))
+    assert fs.resident_nbytes() < sum(t.numel() * 2 for t in fs.resident().values())
+
+
+def test_hugging_face_attention_takes_the_input_format_and_the_embedding_q8_0(tmp_path):
+    model = tiny_model("llama", num_hidden_layers=1)
+    model.save_pretrained(tmp_path / "hf")
+    fs = store.FlashStore(convert(tmp_path / "hf", tmp_path / "s", dtype="q4", progress=False))
+    formats = {name: fmt for name, (fmt, _) in fs.resident_formats.items()}
+    assert formats["model.embed_tokens.weight"] == "q8_0" and formats["lm_head.weight"] == "q8_0"
+    attention = {fmt for name, fmt in formats.items() if "self_attn" in name}
+    assert attention == {"q4_0"} and len([n for n in formats if "self_attn" in n]) == 4
+    weights = dict(model.state_dict())
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert torch.equal(fs.resident_weight(q).blocks, quantize_rows(weights[q], "q4_0"))
+
+
+@pytest.mark.parametrize(
+    "formats,message",
+    [
+        ('{"model.norm.weight": ["q8_0", 64]}', "is not a resident uint8 tensor"),
+        ('{"model.embed_tokens.weight": ["q5_0", 64]}', "must be \\[one of"),
+        ('{"model.embed_tokens.weight": ["q8_0", 65]}', "is not a resident uint8 tensor"),
+        ("[1]", "must map tensor names"),
+        ("{", "not JSON"),
+    ],
+)
+def test_bad_resident_formats_name_the_file_and_field(tmp_path, tiny_llama, formats, message):
+    from safetensors import safe_open
+    from flashllm_ext.io.safetensors import save_tensors
+
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", tiny_llama, qtype=Q.Q8_0)
+    out = convert(path, tmp_path / "s", dtype="q8", progress=False)
+    resident = out / store.RESIDENT_FILE
+    with safe_open(resident, "pt") as f:
+        meta, tensors = dict(f.metadata()), {k: f.get_tensor(k).clone() for k in f.keys()}
+    save_tensors(tensors, tmp_path / "patched", {**meta, "resident_formats": formats})
+    (tmp_path / "patched").replace(resident)
+    with pytest.raises(FormatError, match=message) as e:
+        store.FlashStore(out)
+    assert "resident_formats" in str(e.value) and str(resident) in str(e.value)

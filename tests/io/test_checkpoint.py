@@ -10,6 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from flashllm_ext import FormatError
+from flashllm_ext.ops.blocks import dequantize_rows
 from flashllm_ext.io.checkpoint import (
     GGUFCheckpoint,
     expected_shapes,
@@ -188,8 +189,10 @@ def test_gguf_raw_blocks_are_the_file_bytes(tmp_path, tiny_llama):
     assert torch.equal(blocks, torch.from_numpy(data["blk.1.ffn_down.weight"].copy()))
     assert ckpt.source_type("model.layers.1.mlp.down_proj.weight") == "Q4_0"
     assert ckpt.source_type("model.norm.weight") == "F32"
-    with pytest.raises(ValueError, match="rotary order"):
-        ckpt.raw_blocks("model.layers.0.self_attn.q_proj.weight")
+    # q_proj's rows come back in the Hugging Face order: they dequantize to exactly what ckpt[name] gives
+    q = "model.layers.0.self_attn.q_proj.weight"
+    q_blocks, _ = ckpt.raw_blocks(q)
+    assert torch.equal(dequantize_rows(q_blocks, "q4_0", TINY_LLAMA["hidden_size"]), ckpt[q])
 
 
 def test_gguf_tensor_data_is_not_read_through_the_map(tmp_path, tiny_llama):
