@@ -104,8 +104,8 @@ void sum_row_chunks(int64_t n_rows, int64_t span, bool parallel, float* y, Accum
 // [0, num_used), naming the op.
 inline std::vector<int64_t> rows_in_address_order(const char* op, const int64_t* ids, int64_t n, int64_t num_used) {
   for (int64_t i = 0; i < n; ++i)
-    TORCH_CHECK(ids[i] >= 0 && ids[i] < num_used, op, ": index[", i, "]=", ids[i], " is outside [0, num_used=",
-                num_used, ")");
+    TORCH_CHECK(ids[i] >= 0 && ids[i] < num_used, op, ": index[", i, "]=", ids[i],
+                " is outside [0, num_used=", num_used, ")");
   if (n * 16 < num_used) {
     std::vector<int64_t> out(ids, ids + n);
     std::sort(out.begin(), out.end());

@@ -225,14 +225,14 @@ template <int FMT>
 FLASHLLM_QVNNI inline __m512i pair_codes_vnni(const uint8_t* blk, int64_t block_bytes_) {
   const uint8_t* codes = blk + codes_offset(FMT);
   if constexpr (FMT == kQ8_0) {
-    const __m512i both = _mm512_inserti64x4(
-        _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes))),
-        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + block_bytes_)), 1);
+    const __m512i both =
+        _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes))),
+                           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + block_bytes_)), 1);
     return _mm512_xor_si512(both, _mm512_set1_epi8(-128));
   } else {
-    const __m256i packed = _mm256_inserti128_si256(
-        _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes))),
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + block_bytes_)), 1);
+    const __m256i packed =
+        _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes))),
+                                _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + block_bytes_)), 1);
     const __m256i low = _mm256_set1_epi8(0x0F);
     return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(packed, low)),
                               _mm256_and_si256(_mm256_srli_epi16(packed, 4), low), 1);
@@ -304,6 +304,5 @@ DotsFn dots_for(int format, CpuIsa isa) {
   if (format == kQ4_0) return pick(std::integral_constant<int, kQ4_0>{});
   return pick(std::integral_constant<int, kQ4_1>{});
 }
-
 
 }  // namespace flashllm::quantized_dots

@@ -21,10 +21,10 @@ inline int check_quantized_linear_args(const at::Tensor& x, const at::Tensor& we
   TORCH_CHECK(format >= 0, "quantized_linear: weight_format must be one of ('q8_0', 'q4_0', 'q4_1'), got '",
               weight_format, "'");
   const int64_t width = (x.size(1) + kBlock - 1) / kBlock * block_bytes(format);
-  TORCH_CHECK(weight.scalar_type() == at::kByte && weight.dim() == 2 && weight.size(1) == width &&
-                  weight.is_contiguous(),
-              "quantized_linear: weight must be contiguous uint8 of shape [n, ", width, "] (", weight_format,
-              " rows of d=", x.size(1), "), got ", weight.scalar_type(), " of shape ", weight.sizes());
+  TORCH_CHECK(
+      weight.scalar_type() == at::kByte && weight.dim() == 2 && weight.size(1) == width && weight.is_contiguous(),
+      "quantized_linear: weight must be contiguous uint8 of shape [n, ", width, "] (", weight_format,
+      " rows of d=", x.size(1), "), got ", weight.scalar_type(), " of shape ", weight.sizes());
   TORCH_CHECK(!bias || (bias->scalar_type() == x.scalar_type() && bias->dim() == 1 && bias->size(0) == weight.size(0)),
               "quantized_linear: bias must be ", x.scalar_type(), " (x's dtype) of shape [n=", weight.size(0),
               "], got ", bias ? bias->scalar_type() : x.scalar_type(), " of shape ",

@@ -41,8 +41,8 @@ inline void check_ffn_rows_args(const char* op, const at::Tensor& x, const at::T
                                 const std::optional<at::Tensor>& index, double threshold) {
   TORCH_CHECK(matrix.stride(1) == 1 && (matrix.size(0) <= 1 || matrix.stride(0) == width), op,
               ": matrix must be contiguous");
-  TORCH_CHECK(num_used >= 0 && num_used <= matrix.size(0), op, ": num_used=", num_used, " is outside [0, capacity=",
-              matrix.size(0), "]");
+  TORCH_CHECK(num_used >= 0 && num_used <= matrix.size(0), op, ": num_used=", num_used,
+              " is outside [0, capacity=", matrix.size(0), "]");
   TORCH_CHECK(std::isfinite(threshold) && threshold >= 0, op, ": threshold must be finite and >= 0, got ", threshold);
   TORCH_CHECK(matrix.device() == x.device(), op, ": matrix is on ", matrix.device(), " but x is on ", x.device());
   if (bias.has_value()) {

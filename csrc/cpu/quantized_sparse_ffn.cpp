@@ -5,10 +5,10 @@
 // contract, flashllm_ext/ops/blocks.py: quantize_x_blocks), so a column's dot product with a token is, per block b,
 // an integer sum of its codes times the token's codes:
 //   x . w = sum_b  d_b * s_b * isum_b  +  c_b * (s_b * sum(codes_b))
-// where isum_b sums the weight codes u as the path holds them and c_b corrects for how: Q4_0's nibbles n (w = d (n - 8):
-// c = -8 d), Q4_1's (w = d n + m: c = m), Q8_0's signed codes q (as they are: c = 0; or, VNNI, q + 128 unsigned:
-// c = -128 d). The down row is dequantized a block at a time and added into the output as in sparse_ffn.
-// Per ISA (common/cpu_isa.h), a block's integer sum for each of up to 8 tokens:
+// where isum_b sums the weight codes u as the path holds them and c_b corrects for how: Q4_0's nibbles n (w = d (n -
+// 8): c = -8 d), Q4_1's (w = d n + m: c = m), Q8_0's signed codes q (as they are: c = 0; or, VNNI, q + 128 unsigned: c
+// = -128 d). The down row is dequantized a block at a time and added into the output as in sparse_ffn. Per ISA
+// (common/cpu_isa.h), a block's integer sum for each of up to 8 tokens:
 //   avx512_vnni  vpdpbusd: 32 unsigned codes x 32 int8 codes into 8 int32 lanes, one instruction
 //   avx2         vpmaddubsw + vpmaddwd (Q8_0: |q| times x with q's sign, so the int16 pairs cannot saturate)
 //   scalar       integer loop
@@ -38,18 +38,22 @@ namespace {
 using namespace quantized_dots;  // QuantizedX, quantize_x, dots_for, the half and block helpers
 
 // ---------------------------------------------------------------------------------------------- scalar
+// acc[t * d + c0 + j] += h[t] * w_j for the weights j < min(32, d - c0) of the block at blk (columns c0...).
+template <int FMT, int NT>
+void axpy_block_scalar(const uint8_t* blk, const float* h, float* acc, int64_t d, int64_t c0) {
+  int32_t w[kBlock];
+  const float c = block_ints<FMT>(blk, w), scale = half_at(blk);
+  const int64_t n = std::min<int64_t>(kBlock, d - c0);
+  for (int64_t j = 0; j < n; ++j) {
+    const float v = scale * static_cast<float>(w[j]) + c;
+    for (int t = 0; t < NT; ++t) acc[t * d + c0 + j] += h[t] * v;
+  }
+}
+
 template <int FMT, int NT>
 void axpy_scalar(const uint8_t* row, const float* h, float* acc, int64_t d) {
-  int32_t w[kBlock];
-  for (int64_t b = 0, c0 = 0; c0 < d; ++b, c0 += kBlock) {
-    const uint8_t* blk = row + b * block_bytes(FMT);
-    const float c = block_ints<FMT>(blk, w), scale = half_at(blk);
-    const int64_t n = std::min<int64_t>(kBlock, d - c0);
-    for (int64_t j = 0; j < n; ++j) {
-      const float v = scale * static_cast<float>(w[j]) + c;
-      for (int t = 0; t < NT; ++t) acc[t * d + c0 + j] += h[t] * v;
-    }
-  }
+  for (int64_t b = 0, c0 = 0; c0 < d; ++b, c0 += kBlock)
+    axpy_block_scalar<FMT, NT>(row + b * block_bytes(FMT), h, acc, d, c0);
 }
 
 // ---------------------------------------------------------------------------------------------- AVX2
@@ -88,15 +92,8 @@ FLASHLLM_QAVX2 void axpy_avx2(const uint8_t* row, const float* h, float* acc, in
       }
     }
   }
-  if (whole * kBlock < d) {  // the last, partial block
-    int32_t w[kBlock];
-    const uint8_t* blk = row + whole * block_bytes(FMT);
-    const float c = block_ints<FMT>(blk, w), scale = half_at(blk);
-    for (int64_t c0 = whole * kBlock, j = 0; c0 + j < d; ++j) {
-      const float v = scale * static_cast<float>(w[j]) + c;
-      for (int t = 0; t < NT; ++t) acc[t * d + c0 + j] += h[t] * v;
-    }
-  }
+  if (whole * kBlock < d)  // the last, partial block
+    axpy_block_scalar<FMT, NT>(row + whole * block_bytes(FMT), h, acc, d, whole * kBlock);
 }
 
 // ---------------------------------------------------------------------------------------------- AVX-512

@@ -34,7 +34,13 @@ from flashllm_ext.decoder import LeanDecoder, load_decoder
 from flashllm_ext.runtime import parse_budget
 from flashllm_ext.errors import FormatError
 from flashllm_ext.hub import corpus_token_ids, fetch_default, load_hf_model, resolve_cache_dir, spread_windows
-from flashllm_ext.predictor import DEFAULT_RECIPE, build_predictors, predictors_recipe, save_predictors_to_store
+from flashllm_ext.predictor import (
+    DEFAULT_RECIPE,
+    build_predictors,
+    load_predictors,
+    predictors_recipe,
+    save_predictors_to_store,
+)
 from flashllm_ext.harness.report import print_table
 from flashllm_ext.flash.store import FlashStore
 
@@ -62,13 +68,16 @@ COLUMNS = [
 
 def prepare_store(gguf: Path, cache_dir: Path, dtype: str = "fp16") -> Path:
     """The default model's flash store in `dtype` (convert's) with the default predictors (DEFAULT_RECIPE), each
-    built once: the predictors again whenever the store's were built by another recipe."""
+    built once: the predictors again whenever the store's were built by another recipe (a quantized store takes the
+    fp16 store's, built from the same GGUF model)."""
     store_dir = cache_dir / f"{gguf.stem}.store-{dtype}"
     try:
         FlashStore(store_dir).close()
     except FormatError:  # no store yet, or one in an older format: (re)convert
         print(f"converting {gguf.name} into a {dtype} flash store at {store_dir}")
         convert(gguf, store_dir, dtype=dtype, force=True)
+    if predictors_recipe(store_dir) != DEFAULT_RECIPE and dtype != "fp16":  # the same model's: the fp16 store's
+        save_predictors_to_store(load_predictors(prepare_store(gguf, cache_dir)), store_dir, DEFAULT_RECIPE)
     if predictors_recipe(store_dir) != DEFAULT_RECIPE:  # none yet, or another recipe's (an older default)
         print(f"building the default neuron predictors ({DEFAULT_RECIPE}) into {store_dir}")
         model, tokenizer = load_hf_model(gguf)
