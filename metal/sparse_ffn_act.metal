@@ -56,7 +56,7 @@ if (r >= 0 && r < num_used) {
     if (glu) {
       a *= simd_sum(up[t]);
     }
-    h[t] = fabs(a) > threshold[0] ? a : 0.f;
+    h[t] = fabs(a) <= threshold[0] ? 0.f : a;  // NaN stays
   }
 }
 if (lane == 0) {

@@ -55,8 +55,9 @@ void accumulate_ffn_rows(const Rows& rows, const int64_t* index, int64_t begin, 
       for (int t = 0; t < NT; ++t) h[t] *= up[t];
     }
     any = false;
-    for (int t = 0; t < NT; ++t) {  // the active-neuron rule: |h| > threshold, h = act (times x.up for GLU)
-      h[t] = std::fabs(h[t]) > threshold ? h[t] : 0.f;
+    // the active-neuron rule: |h| > threshold, h = act (times x.up for GLU); a NaN stays (never silently dropped)
+    for (int t = 0; t < NT; ++t) {
+      h[t] = std::fabs(h[t]) <= threshold ? 0.f : h[t];
       any |= h[t] != 0.f;
     }
     if (!any) continue;  // every token's term is below the threshold: skip the read of the down row

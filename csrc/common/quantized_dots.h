@@ -96,11 +96,16 @@ inline QuantizedX quantize_x(const float* x, int nt, int64_t d, int64_t n_blocks
       const float* xb = x + t * d + b * kBlock;
       const int64_t n = std::min<int64_t>(kBlock, d - b * kBlock);
       float amax = 0.f;
-      for (int64_t j = 0; j < n; ++j) amax = std::max(amax, std::fabs(xb[j]));
-      const float s = amax / 127.f, inv = s == 0.f ? 0.f : 1.f / s;
+      bool finite = true;
+      for (int64_t j = 0; j < n; ++j) {
+        amax = std::max(amax, std::fabs(xb[j]));
+        finite &= std::isfinite(xb[j]);
+      }
+      // A block holding inf or NaN gets a NaN scale and zero codes: every output it feeds is NaN, as the reference's.
+      const float s = finite ? amax / 127.f : NAN, inv = s == 0.f || !finite ? 0.f : 1.f / s;
       int8_t* codes = q.codes.data() + (t * n_blocks + b) * kBlock;
       int sum = 0;
-      for (int64_t j = 0; j < n; ++j) {
+      for (int64_t j = 0; j < n && finite; ++j) {
         codes[j] = static_cast<int8_t>(std::round(xb[j] * inv));
         sum += codes[j];
       }

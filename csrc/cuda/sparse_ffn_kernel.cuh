@@ -116,7 +116,7 @@ __global__ void __launch_bounds__(kFfnActWarps * 32)
       for (int t = 0; t < kFfnMaxTokens; ++t) {
         const float a = activate(warp_sum(h[t]) + b, act);
         const float value = glu ? a * warp_sum(up[t]) : a;
-        h[t] = fabsf(value) > threshold ? value : 0.f;  // the active-neuron rule: |h| > threshold
+        h[t] = fabsf(value) <= threshold ? 0.f : value;  // the active-neuron rule: |h| > threshold (NaN stays)
       }
     }
     if (lane == 0) {

@@ -422,7 +422,7 @@ def _sparse_ffn_mlx_ops(x, matrix, num_used, bias, activation, glu, index, thres
     if glu:
         h = h * (xf @ rows[:, :d].T)
     if threshold > 0:
-        h = mx.where(mx.abs(h) > threshold, h, 0.0)
+        h = mx.where(mx.abs(h) <= threshold, 0.0, h)  # NaN stays
     return (h @ rows[:, -d:]).astype(x.dtype)
 
 

@@ -195,7 +195,7 @@ def _ffn_of_rows(
     if glu:
         h = h * (xf @ rows[:, :d].t())
     if threshold > 0:  # the active-neuron rule: |h| > threshold, h = act(...) (times x.up for GLU)
-        h = torch.where(h.abs() > threshold, h, torch.zeros((), dtype=h.dtype, device=h.device))
+        h = torch.where(h.abs() <= threshold, torch.zeros((), dtype=h.dtype, device=h.device), h)  # NaN stays
     return h @ rows[:, -d:]
 
 

@@ -203,3 +203,15 @@ def test_block_codes_match_the_native_header():
     assert {f.name: f.code for f in BLOCK_FORMATS.values()} == {"q" + k.lower(): int(v) for k, v in codes.items()}
     sizes = re.search(r"return format == kQ8_0 \? (\d+) : format == kQ4_0 \? (\d+) : (\d+);", header).groups()
     assert [BLOCK_FORMATS[f].block_bytes for f in ("q8_0", "q4_0", "q4_1")] == [int(s) for s in sizes]
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_input_gives_nan_not_garbage(isa, bad):
+    layout = BundleFormat("q4_0", "q8_0")
+    x, m, _ = quantized_case(2, 64, 8, True, layout, bias=False)
+    x[1, 40] = bad
+    for y in (
+        ops.quantized_sparse_ffn(x, m, num_used=8, activation="silu", glu=True, bundle_format=layout.name),
+        quantized_sparse_ffn_reference(x, m, 8, None, "silu", True, layout.name),
+    ):
+        assert bool(torch.isfinite(y[0]).all()) and bool(torch.isnan(y[1]).all())
