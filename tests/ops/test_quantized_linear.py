@@ -25,7 +25,7 @@ def linear_case(n_tok, d, n, fmt, dtype=torch.float32, seed=0):
 
 
 @pytest.mark.parametrize("fmt", list(BLOCK_FORMATS))
-@pytest.mark.parametrize("n_tok", [1, 3, 8, 11])
+@pytest.mark.parametrize("n_tok", [1, 3, 8, 11, 17, 40])  # past 16 tokens: the GEMM path
 @pytest.mark.parametrize("d", [1, 33, 64, 200])
 def test_native_matches_reference(isa, fmt, n_tok, d):
     x, w, b = linear_case(n_tok, d, 37, fmt, seed=d + n_tok)
