@@ -80,8 +80,9 @@ inline int32_t vnni_offset(int format) {
 }
 
 // Q8_0's rule with a float32 scale: s = max |x| / 127, code = roundf(x * (1 / s)), as quantize_x_blocks.
-inline QuantizedX quantize_x(const float* x, int nt, int64_t d, int64_t n_blocks, int in_format) {
-  const int64_t n_pairs = n_blocks / 2;
+// pair_layout: also the VNNI path's per-pair lanes (only that path reads them).
+inline QuantizedX quantize_x(const float* x, int nt, int64_t d, int64_t n_blocks, int in_format, bool pair_layout) {
+  const int64_t n_pairs = pair_layout ? n_blocks / 2 : 0;
   QuantizedX q{std::vector<int8_t>(nt * n_blocks * kBlock, 0),
                std::vector<float>(nt * n_blocks),
                std::vector<float>(nt * n_blocks),
@@ -295,19 +296,29 @@ FLASHLLM_QVNNI void dots_vnni(const uint8_t* col, const QuantizedX& x, int t0, f
 }
 
 // ---------------------------------------------------------------------------------------------- dispatch
+// f(std::integral_constant<int, FMT>{}) for the block format code `format`: what each per-format template is picked by.
+template <class F>
+decltype(auto) with_block_format(int format, F&& f) {
+  if (format == kQ8_0) return f(std::integral_constant<int, kQ8_0>{});
+  if (format == kQ4_0) return f(std::integral_constant<int, kQ4_0>{});
+  return f(std::integral_constant<int, kQ4_1>{});
+}
+
+// Whether the ISA runs dots_vnni, which reads QuantizedX's pair layout.
+inline bool uses_pair_layout(CpuIsa isa) {
+  return isa >= CpuIsa::kAvx512Vnni;
+}
+
 using DotsFn = void (*)(const uint8_t*, const QuantizedX&, int, float*);
 
 template <int NT>
 DotsFn dots_for(int format, CpuIsa isa) {
-  auto pick = [&](auto fmt) -> DotsFn {
+  return with_block_format(format, [&](auto fmt) -> DotsFn {
     constexpr int F = decltype(fmt)::value;
-    if (isa >= CpuIsa::kAvx512Vnni) return &dots_vnni<F, NT>;
+    if (uses_pair_layout(isa)) return &dots_vnni<F, NT>;
     if (isa >= CpuIsa::kAvx2) return &dots_avx2<F, NT>;
     return &dots_scalar<F, NT>;
-  };
-  if (format == kQ8_0) return pick(std::integral_constant<int, kQ8_0>{});
-  if (format == kQ4_0) return pick(std::integral_constant<int, kQ4_0>{});
-  return pick(std::integral_constant<int, kQ4_1>{});
+  });
 }
 
 }  // namespace flashllm::quantized_dots

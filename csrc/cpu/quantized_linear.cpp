@@ -46,9 +46,9 @@ void quantized_linear_gemm(const QuantizedX& xq, int format, const uint8_t* w, i
   for (int64_t t = 0; t < n_tok; ++t)
     for (int64_t c = 0; c < d; ++c)
       x[t * d + c] = static_cast<float>(xq.codes[t * nb * kBlock + c]) * xq.scale[t * nb + c / kBlock];
-  void (*dequantize)(const uint8_t*, int64_t, float*) = format == kQ8_0   ? &dequantize_row<kQ8_0>
-                                                        : format == kQ4_0 ? &dequantize_row<kQ4_0>
-                                                                          : &dequantize_row<kQ4_1>;
+  using DequantizeFn = void (*)(const uint8_t*, int64_t, float*);
+  const DequantizeFn dequantize =
+      with_block_format(format, [](auto fmt) -> DequantizeFn { return &dequantize_row<decltype(fmt)::value>; });
   const int64_t block = std::max<int64_t>(1, (int64_t{1} << 20) / (4 * d));
   at::Tensor wf = at::empty({std::min(block, n), d}, yf.options());
   for (int64_t r0 = 0; r0 < n; r0 += block) {
@@ -70,15 +70,17 @@ at::Tensor quantized_linear_cpu(const at::Tensor& x, const at::Tensor& weight, c
   if (n_tok == 0 || n == 0) return y.to(x.scalar_type());
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   const int64_t n_blocks = (d + kBlock - 1) / kBlock;
-  const QuantizedX xq = quantize_x(xf.data_ptr<float>(), static_cast<int>(n_tok), d, n_blocks, format);
+  const CpuIsa isa = active_cpu_isa();
+  const bool gemm = n_tok > kGemmTokens;  // (the GEMM path reads x as rounded, not the VNNI path's pair layout)
+  const QuantizedX xq =
+      quantize_x(xf.data_ptr<float>(), static_cast<int>(n_tok), d, n_blocks, format, !gemm && uses_pair_layout(isa));
   const at::Tensor bias_f = bias ? bias->to(at::kFloat).contiguous() : at::Tensor();
   const float* b = bias ? bias_f.data_ptr<float>() : nullptr;
   const uint8_t* w = weight.data_ptr<uint8_t>();
   float* out = y.data_ptr<float>();
-  const CpuIsa isa = active_cpu_isa();
   // Waking the thread team costs more than it saves below ~256 KiB of rows.
   const int threads = n * row_bytes >= (256 << 10) ? omp_get_max_threads() : 1;
-  if (n_tok > kGemmTokens) {
+  if (gemm) {
     quantized_linear_gemm(xq, format, w, row_bytes, n, d, b, y);
     return y.to(x.scalar_type());
   }

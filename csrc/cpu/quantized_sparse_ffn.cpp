@@ -140,15 +140,12 @@ using AxpyFn = void (*)(const uint8_t*, const float*, float*, int64_t);
 
 template <int NT>
 AxpyFn axpy_for(int format, CpuIsa isa) {
-  auto pick = [&](auto fmt) -> AxpyFn {
+  return with_block_format(format, [&](auto fmt) -> AxpyFn {
     constexpr int F = decltype(fmt)::value;
     if (isa >= CpuIsa::kAvx512) return &axpy_avx512<F, NT>;
     if (isa >= CpuIsa::kAvx2) return &axpy_avx2<F, NT>;
     return &axpy_scalar<F, NT>;
-  };
-  if (format == kQ8_0) return pick(std::integral_constant<int, kQ8_0>{});
-  if (format == kQ4_0) return pick(std::integral_constant<int, kQ4_0>{});
-  return pick(std::integral_constant<int, kQ4_1>{});
+  });
 }
 
 // The rows of a quantized bundle matrix for accumulate_ffn_rows (common/ffn_rows.h).
@@ -191,11 +188,12 @@ at::Tensor quantized_sparse_ffn_cpu(const at::Tensor& x, const at::Tensor& matri
   if (n_tok == 0) return at::empty_like(x, at::MemoryFormat::Contiguous);
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   const at::Tensor bias_f = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
-  const QuantizedX xq = quantize_x(xf.data_ptr<float>(), static_cast<int>(n_tok), d, layout.n_blocks, layout.in_format);
+  const CpuIsa isa = active_cpu_isa();
+  const QuantizedX xq = quantize_x(xf.data_ptr<float>(), static_cast<int>(n_tok), d, layout.n_blocks, layout.in_format,
+                                   uses_pair_layout(isa));
   at::Tensor yf = at::empty({n_tok, d}, xf.options());
   // Waking the thread team costs more than it saves below ~256 KiB of rows.
   const bool parallel = n_rows * layout.row_bytes >= (256 << 10);
-  const CpuIsa isa = active_cpu_isa();
   for (int64_t t0 = 0; t0 < n_tok; t0 += kCpuMaxTokens) {
     const int nt = static_cast<int>(std::min<int64_t>(kCpuMaxTokens, n_tok - t0));
     with_tokens(nt, [&](auto nt_c) {
