@@ -24,7 +24,6 @@ each FFN weight reached it (`tensor_sources`: its blocks kept from a GGUF, or qu
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 from collections.abc import Callable, Iterator
@@ -36,55 +35,31 @@ import torch
 
 from flashllm_ext import endor
 from flashllm_ext.errors import FormatError
-from flashllm_ext.io.safetensors import ResidentFile, TensorEntry, TensorSpec, dtype_name, read_header
-from flashllm_ext.ops.blocks import BLOCK_FORMATS, BundleFormat, QuantizedWeight
-
-
-MAGIC = "flashllm-store"
-FORMAT_VERSION = "3"  # 3: bundle_format (quantized bundles); 2: ffn_roles
-READABLE_VERSIONS = ("2", "3")  # a version-2 store has float bundles in `dtype`
-DENSE_FORMAT = "float"  # bundle_format of float bundles in the store's dtype
-ALIGNMENT = 4096
-BUNDLES_FILE = "bundles.safetensors"
-RESIDENT_FILE = "resident.safetensors"
-DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
-WEIGHT_ROLES = ("up", "gate", "down")  # gate only in GLU models
-BIAS_ROLES = ("up_bias", "gate_bias", "down_bias")
-# The sizes a model is built from (Hugging Face config names of the supported families).
-CONFIG_SIZES = (
-    "vocab_size",
-    "hidden_size",
-    "intermediate_size",
-    "ffn_dim",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "max_position_embeddings",
+from flashllm_ext.flash.store_header import (  # noqa: F401  (the store's names, imported from here by its users)
+    ALIGNMENT,
+    BIAS_ROLES,
+    BUNDLES_FILE,
+    CONFIG_SIZES,
+    DENSE_FORMAT,
+    DTYPES,
+    FORMAT_VERSION,
+    MAGIC,
+    READABLE_VERSIONS,
+    RESIDENT_FILE,
+    WEIGHT_ROLES,
+    check_entry,
+    check_magic,
+    int_field,
+    layer_specs,
+    layer_tensor_name,
+    parse_bundle_format,
+    parse_ffn_roles,
+    parse_model_config,
+    parse_resident_formats,
+    parse_tensor_sources,
 )
-
-
-def parse_model_config(raw: str | None, path: str, resident: dict[str, TensorEntry]) -> dict:
-    """The model config in a store's `config` metadata entry: a JSON object whose sizes (CONFIG_SIZES, where given)
-    are positive integers and whose vocab_size is the row count of a resident tensor (the embedding), so a model is
-    never built from sizes the files do not back (a vocab_size of 1e11). FormatError naming the field otherwise."""
-    field = "__metadata__.config"
-    try:
-        config = json.loads(raw if raw is not None else "")
-    except json.JSONDecodeError as e:
-        raise FormatError(field, f"not JSON ({e})", path) from None
-    if not isinstance(config, dict):
-        raise FormatError(field, f"must be a JSON object, got {type(config).__name__}", path)
-    for key in CONFIG_SIZES:
-        value = config.get(key)
-        if value is not None and (type(value) is not int or value <= 0):
-            raise FormatError(f"{field}.{key}", f"must be a positive integer, got {value!r}", path)
-    vocab = config.get("vocab_size")
-    if vocab is not None and not any(len(e.shape) == 2 and e.shape[0] == vocab for e in resident.values()):
-        raise FormatError(
-            f"{field}.vocab_size", f"{vocab} is the row count of no resident tensor (the embedding)", path
-        )
-    return config
+from flashllm_ext.io.safetensors import ResidentFile, read_header
+from flashllm_ext.ops.blocks import QuantizedWeight
 
 
 def neuron_ids(ids: torch.Tensor | list[int]) -> torch.Tensor:
@@ -94,25 +69,6 @@ def neuron_ids(ids: torch.Tensor | list[int]) -> torch.Tensor:
     if ids.numel() and (ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool):
         raise ValueError(f"neuron ids must be integers, got {ids.dtype}")
     return ids.to(torch.int64).reshape(-1)
-
-
-def layer_tensor_name(layer: int) -> str:
-    return f"layers.{layer}.bundles"
-
-
-def layer_specs(
-    layer: int, ffn: int, width: int, dtype: torch.dtype, endor_nnz: int | None, quantized_row_bytes: int | None = None
-) -> list[TensorSpec]:
-    """The tensors of one layer in bundles.safetensors: dense bundles, quantized bundles (uint8 rows of
-    `quantized_row_bytes`), or the Endor rows and row offsets (rows holding `endor_nnz` values; -1 where the reader
-    does not know it yet)."""
-    name = layer_tensor_name(layer)
-    if quantized_row_bytes is not None:
-        return [TensorSpec(name, "U8", (ffn, quantized_row_bytes))]
-    if endor_nnz is None:
-        return [TensorSpec(name, dtype_name(dtype), (ffn, width))]
-    rows_bytes = -1 if endor_nnz < 0 else ffn * ((width + 7) // 8) + endor_nnz * dtype.itemsize
-    return [TensorSpec(f"{name}.rows", "U8", (rows_bytes,)), TensorSpec(f"{name}.row_offsets", "I64", (ffn + 1,))]
 
 
 @dataclass(frozen=True)
@@ -153,11 +109,13 @@ class FlashStore:
         self.resident_path = str(self.path / RESIDENT_FILE)
         header = read_header(self.bundles_path)
         meta = header.metadata
-        self._check_magic(meta, self.bundles_path)
+        check_magic(meta, self.bundles_path)
         resident_header = read_header(self.resident_path)
-        self._check_magic(resident_header.metadata, self.resident_path)
+        check_magic(resident_header.metadata, self.resident_path)
         self._resident_entries = resident_header.tensors
-        self.resident_formats = self._parse_resident_formats(resident_header.metadata.get("resident_formats"))
+        self.resident_formats = parse_resident_formats(
+            resident_header.metadata.get("resident_formats"), self._resident_entries, self.resident_path
+        )
         self.dtype_name = meta.get("dtype")
         if self.dtype_name not in DTYPES:
             raise FormatError(
@@ -165,7 +123,7 @@ class FlashStore:
             )
         self.dtype = DTYPES[self.dtype_name]
         ints = {
-            key: self._int_field(meta, key)
+            key: int_field(meta, key, self.bundles_path)
             for key in ("bundle_width", "n_layers", "n_neurons", "hidden_size", "glu", "alignment", "endor")
         }
         self.bundle_width, self.n_layers, self.n_neurons = ints["bundle_width"], ints["n_layers"], ints["n_neurons"]
@@ -182,7 +140,7 @@ class FlashStore:
                 self.bundles_path,
             )
         self.config = parse_model_config(meta.get("config"), self.bundles_path, self._resident_entries)
-        self.bundle_format = self._parse_bundle_format(meta)
+        self.bundle_format = parse_bundle_format(meta, self.endor, self.bundles_path)
         if self.bundle_format is None:
             self.row_bytes = self.bundle_width * self.dtype.itemsize
             self.row_width, self.row_dtype = self.bundle_width, self.dtype
@@ -201,9 +159,17 @@ class FlashStore:
             quantized = None if self.bundle_format is None else self.row_bytes
             endor_nnz = -1 if self.endor else None
             for spec in layer_specs(layer, self.n_neurons, self.bundle_width, self.dtype, endor_nnz, quantized):
-                self._check_entry(spec)
-        self.ffn_roles = self._parse_ffn_roles(meta.get("ffn_roles"))
-        self.tensor_sources = self._parse_tensor_sources(meta.get("tensor_sources"))
+                check_entry(self._entries, spec, self.alignment, self.bundles_path)
+        self.ffn_roles = parse_ffn_roles(
+            meta.get("ffn_roles"),
+            self.n_layers,
+            self.glu,
+            self.hidden_size,
+            self.n_neurons,
+            self._resident_entries,
+            self.bundles_path,
+        )
+        self.tensor_sources = parse_tensor_sources(meta.get("tensor_sources"), self.ffn_roles, self.bundles_path)
         self._shared: dict[str, Any] = {}
         self._shared_lock = threading.Lock()
         self._resident = ResidentFile(self.resident_path)
@@ -236,149 +202,6 @@ class FlashStore:
     def quantized(self) -> bool:
         """Whether the bundles are quantized blocks (bundle_format), not floats in `dtype`."""
         return self.bundle_format is not None
-
-    def _check_magic(self, meta: dict[str, str], path: str) -> None:
-        if meta.get("magic") != MAGIC:
-            raise FormatError("__metadata__.magic", f"expected {MAGIC!r}, got {meta.get('magic')!r}", path)
-        if meta.get("format_version") not in READABLE_VERSIONS:
-            raise FormatError(
-                "__metadata__.format_version",
-                f"unsupported version {meta.get('format_version')!r} (this library reads {READABLE_VERSIONS})",
-                path,
-            )
-
-    def _parse_resident_formats(self, raw: str | None) -> dict[str, tuple[str, int]]:
-        """Resident weights held as GGUF blocks (a quantized store's linears and embeddings): name -> (block format,
-        columns), each a uint8 tensor [rows, its row bytes]. FormatError naming the field otherwise."""
-        field = "__metadata__.resident_formats"
-        if raw is None:
-            return {}
-        try:
-            formats = json.loads(raw)
-        except json.JSONDecodeError as e:
-            raise FormatError(field, f"not JSON ({e})", self.resident_path) from None
-        if not isinstance(formats, dict):
-            raise FormatError(field, "must map tensor names to [format, columns]", self.resident_path)
-        out = {}
-        for name, spec in formats.items():
-            where = f"{field}[{name!r}]"
-            ok = isinstance(spec, list) and len(spec) == 2 and spec[0] in BLOCK_FORMATS and type(spec[1]) is int
-            if not ok or spec[1] <= 0:
-                raise FormatError(
-                    where, f"must be [one of {tuple(BLOCK_FORMATS)}, columns > 0], got {spec!r}", self.resident_path
-                )
-            entry = self._resident_entries.get(name)
-            width = BLOCK_FORMATS[spec[0]].row_bytes(spec[1])
-            if entry is None or entry.dtype != "U8" or len(entry.shape) != 2 or entry.shape[1] != width:
-                raise FormatError(
-                    where,
-                    f"{name!r} is not a resident uint8 tensor [rows, {width}] ({spec[0]} rows of {spec[1]})",
-                    self.resident_path,
-                )
-            out[name] = (spec[0], spec[1])
-        return out
-
-    def _parse_bundle_format(self, meta: dict[str, str]) -> BundleFormat | None:
-        """None for float bundles; the quantized layout otherwise (never with Endor compression)."""
-        name = meta.get("bundle_format", DENSE_FORMAT if meta.get("format_version") == "2" else None)
-        if name == DENSE_FORMAT:
-            return None
-        try:
-            bundle_format = BundleFormat.parse(name if isinstance(name, str) else "")
-        except ValueError as e:
-            raise FormatError("__metadata__.bundle_format", f"{name!r}: {e}", self.bundles_path) from None
-        if self.endor:
-            raise FormatError("__metadata__.bundle_format", f"{name!r} with Endor compression", self.bundles_path)
-        return bundle_format
-
-    def _parse_ffn_roles(self, raw: str | None) -> list[dict[str, str]]:
-        """Per layer, role -> checkpoint tensor name: the weight roles of this model exactly, bias roles only for
-        resident tensors of the right shape ([n_neurons] before the activation, [hidden_size] after down)."""
-        field = "__metadata__.ffn_roles"
-        try:
-            roles = json.loads(raw) if raw is not None else None
-        except json.JSONDecodeError as e:
-            raise FormatError(field, f"not JSON ({e})", self.bundles_path) from None
-        if not isinstance(roles, list) or len(roles) != self.n_layers:
-            raise FormatError(
-                field,
-                f"must list the roles of each of the {self.n_layers} layers, got {str(roles)[:80]}",
-                self.bundles_path,
-            )
-        weights = {"up", "down"} | ({"gate"} if self.glu else set())
-        for layer, names in enumerate(roles):
-            where = f"{field}[{layer}]"
-            if not isinstance(names, dict) or not all(isinstance(v, str) for v in names.values()):
-                raise FormatError(where, "must map roles to tensor names", self.bundles_path)
-            unknown = set(names) - set(WEIGHT_ROLES) - set(BIAS_ROLES)
-            if unknown or weights - set(names) or set(names) & set(WEIGHT_ROLES) - weights:
-                raise FormatError(
-                    where,
-                    f"roles {sorted(names)}: needs exactly the weights {sorted(weights)} and biases among {BIAS_ROLES}",
-                    self.bundles_path,
-                )
-            for role in set(names) & set(BIAS_ROLES):
-                entry = self._resident_entries.get(names[role])
-                size = self.hidden_size if role == "down_bias" else self.n_neurons
-                if entry is None or entry.shape != (size,):
-                    raise FormatError(
-                        f"{where}.{role}",
-                        f"{names[role]!r} is not a resident tensor of shape ({size},)",
-                        self.bundles_path,
-                    )
-        return roles
-
-    def _parse_tensor_sources(self, raw: str | None) -> list[dict[str, str]] | None:
-        """A quantized store's record of how each FFN weight reached it, per layer role -> path ("kept Q4_0 blocks",
-        "requantized Q6_K -> q8_0", "quantized F16 -> q4_0"); None where the converter wrote none (float stores)."""
-        if raw is None:
-            return None
-        field = "__metadata__.tensor_sources"
-        try:
-            sources = json.loads(raw)
-        except json.JSONDecodeError as e:
-            raise FormatError(field, f"not JSON ({e})", self.bundles_path) from None
-        weights = [{role for role in names if role in WEIGHT_ROLES} for names in self.ffn_roles]
-        if (
-            not isinstance(sources, list)
-            or len(sources) != self.n_layers
-            or any(not isinstance(layer, dict) or set(layer) != roles for layer, roles in zip(sources, weights))
-            or any(not isinstance(path, str) for layer in sources for path in layer.values())
-        ):
-            raise FormatError(
-                field, f"must map each layer's weight roles to a string, got {str(sources)[:80]}", self.bundles_path
-            )
-        return sources
-
-    def _int_field(self, meta: dict[str, str], key: str) -> int:
-        try:
-            value = int(meta[key])
-        except (KeyError, ValueError):
-            raise FormatError(
-                f"__metadata__.{key}", f"missing or not an integer: {meta.get(key)!r}", self.bundles_path
-            ) from None
-        if value < 0:
-            raise FormatError(f"__metadata__.{key}", f"must be non-negative, got {value}", self.bundles_path)
-        return value
-
-    def _check_entry(self, spec: TensorSpec) -> None:
-        entry = self._entries.get(spec.name)
-        if entry is None:
-            raise FormatError(spec.name, "missing", self.bundles_path)
-        # Endor values have a data-dependent length (declared as -1 here); everything else is fixed by metadata.
-        shape_ok = len(entry.shape) == 1 if spec.shape == (-1,) else entry.shape == spec.shape
-        if entry.dtype != spec.dtype or not shape_ok:
-            raise FormatError(
-                f"{spec.name}.shape",
-                f"{entry.dtype}{list(entry.shape)}, expected {spec.dtype}{list(spec.shape)}",
-                self.bundles_path,
-            )
-        if entry.begin % self.alignment:
-            raise FormatError(
-                f"{spec.name}.data_offsets",
-                f"starts at byte {entry.begin}, not a multiple of the {self.alignment}-byte alignment",
-                self.bundles_path,
-            )
 
     def layer_location(self, layer: int) -> LayerLocation:
         """Absolute file offset and row size of a dense layer, for FlashReader."""

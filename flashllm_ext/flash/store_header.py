@@ -1,0 +1,232 @@
+"""The flash store's header: the names and versions of its files and the validation of each metadata field, each a
+FormatError naming the file and the field (flashllm_ext.flash.store opens a store with these)."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from flashllm_ext.errors import FormatError
+from flashllm_ext.io.safetensors import TensorEntry, TensorSpec, dtype_name
+from flashllm_ext.ops.blocks import BLOCK_FORMATS, BundleFormat
+
+MAGIC = "flashllm-store"
+FORMAT_VERSION = "3"  # 3: bundle_format (quantized bundles); 2: ffn_roles
+READABLE_VERSIONS = ("2", "3")  # a version-2 store has float bundles in `dtype`
+DENSE_FORMAT = "float"  # bundle_format of float bundles in the store's dtype
+ALIGNMENT = 4096
+BUNDLES_FILE = "bundles.safetensors"
+RESIDENT_FILE = "resident.safetensors"
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+WEIGHT_ROLES = ("up", "gate", "down")  # gate only in GLU models
+BIAS_ROLES = ("up_bias", "gate_bias", "down_bias")
+# The sizes a model is built from (Hugging Face config names of the supported families).
+CONFIG_SIZES = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "ffn_dim",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "max_position_embeddings",
+)
+
+
+def parse_model_config(raw: str | None, path: str, resident: dict[str, TensorEntry]) -> dict:
+    """The model config in a store's `config` metadata entry: a JSON object whose sizes (CONFIG_SIZES, where given)
+    are positive integers and whose vocab_size is the row count of a resident tensor (the embedding), so a model is
+    never built from sizes the files do not back (a vocab_size of 1e11). FormatError naming the field otherwise."""
+    field = "__metadata__.config"
+    try:
+        config = json.loads(raw if raw is not None else "")
+    except json.JSONDecodeError as e:
+        raise FormatError(field, f"not JSON ({e})", path) from None
+    if not isinstance(config, dict):
+        raise FormatError(field, f"must be a JSON object, got {type(config).__name__}", path)
+    for key in CONFIG_SIZES:
+        value = config.get(key)
+        if value is not None and (type(value) is not int or value <= 0):
+            raise FormatError(f"{field}.{key}", f"must be a positive integer, got {value!r}", path)
+    vocab = config.get("vocab_size")
+    if vocab is not None and not any(len(e.shape) == 2 and e.shape[0] == vocab for e in resident.values()):
+        raise FormatError(
+            f"{field}.vocab_size", f"{vocab} is the row count of no resident tensor (the embedding)", path
+        )
+    return config
+
+
+def layer_tensor_name(layer: int) -> str:
+    return f"layers.{layer}.bundles"
+
+
+def layer_specs(
+    layer: int, ffn: int, width: int, dtype: torch.dtype, endor_nnz: int | None, quantized_row_bytes: int | None = None
+) -> list[TensorSpec]:
+    """The tensors of one layer in bundles.safetensors: dense bundles, quantized bundles (uint8 rows of
+    `quantized_row_bytes`), or the Endor rows and row offsets (rows holding `endor_nnz` values; -1 where the reader
+    does not know it yet)."""
+    name = layer_tensor_name(layer)
+    if quantized_row_bytes is not None:
+        return [TensorSpec(name, "U8", (ffn, quantized_row_bytes))]
+    if endor_nnz is None:
+        return [TensorSpec(name, dtype_name(dtype), (ffn, width))]
+    rows_bytes = -1 if endor_nnz < 0 else ffn * ((width + 7) // 8) + endor_nnz * dtype.itemsize
+    return [TensorSpec(f"{name}.rows", "U8", (rows_bytes,)), TensorSpec(f"{name}.row_offsets", "I64", (ffn + 1,))]
+
+
+def check_magic(meta: dict[str, str], path: str) -> None:
+    """FormatError unless a header carries the store's magic and a version this library reads."""
+    if meta.get("magic") != MAGIC:
+        raise FormatError("__metadata__.magic", f"expected {MAGIC!r}, got {meta.get('magic')!r}", path)
+    if meta.get("format_version") not in READABLE_VERSIONS:
+        raise FormatError(
+            "__metadata__.format_version",
+            f"unsupported version {meta.get('format_version')!r} (this library reads {READABLE_VERSIONS})",
+            path,
+        )
+
+
+def parse_resident_formats(raw: str | None, resident: dict[str, TensorEntry], path: str) -> dict[str, tuple[str, int]]:
+    """Resident weights held as GGUF blocks (a quantized store's linears and embeddings): name -> (block format,
+    columns), each a uint8 tensor [rows, its row bytes]. FormatError naming the field otherwise."""
+    field = "__metadata__.resident_formats"
+    if raw is None:
+        return {}
+    try:
+        formats = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise FormatError(field, f"not JSON ({e})", path) from None
+    if not isinstance(formats, dict):
+        raise FormatError(field, "must map tensor names to [format, columns]", path)
+    out = {}
+    for name, spec in formats.items():
+        where = f"{field}[{name!r}]"
+        ok = isinstance(spec, list) and len(spec) == 2 and spec[0] in BLOCK_FORMATS and type(spec[1]) is int
+        if not ok or spec[1] <= 0:
+            raise FormatError(where, f"must be [one of {tuple(BLOCK_FORMATS)}, columns > 0], got {spec!r}", path)
+        entry = resident.get(name)
+        width = BLOCK_FORMATS[spec[0]].row_bytes(spec[1])
+        if entry is None or entry.dtype != "U8" or len(entry.shape) != 2 or entry.shape[1] != width:
+            raise FormatError(
+                where,
+                f"{name!r} is not a resident uint8 tensor [rows, {width}] ({spec[0]} rows of {spec[1]})",
+                path,
+            )
+        out[name] = (spec[0], spec[1])
+    return out
+
+
+def parse_bundle_format(meta: dict[str, str], endor: bool, path: str) -> BundleFormat | None:
+    """None for float bundles; the quantized layout otherwise (never with Endor compression)."""
+    name = meta.get("bundle_format", DENSE_FORMAT if meta.get("format_version") == "2" else None)
+    if name == DENSE_FORMAT:
+        return None
+    try:
+        bundle_format = BundleFormat.parse(name if isinstance(name, str) else "")
+    except ValueError as e:
+        raise FormatError("__metadata__.bundle_format", f"{name!r}: {e}", path) from None
+    if endor:
+        raise FormatError("__metadata__.bundle_format", f"{name!r} with Endor compression", path)
+    return bundle_format
+
+
+def parse_ffn_roles(
+    raw: str | None,
+    n_layers: int,
+    glu: bool,
+    hidden_size: int,
+    n_neurons: int,
+    resident: dict[str, TensorEntry],
+    path: str,
+) -> list[dict[str, str]]:
+    """Per layer, role -> checkpoint tensor name: the weight roles of this model exactly, bias roles only for
+    resident tensors of the right shape ([n_neurons] before the activation, [hidden_size] after down)."""
+    field = "__metadata__.ffn_roles"
+    try:
+        roles = json.loads(raw) if raw is not None else None
+    except json.JSONDecodeError as e:
+        raise FormatError(field, f"not JSON ({e})", path) from None
+    if not isinstance(roles, list) or len(roles) != n_layers:
+        raise FormatError(
+            field,
+            f"must list the roles of each of the {n_layers} layers, got {str(roles)[:80]}",
+            path,
+        )
+    weights = {"up", "down"} | ({"gate"} if glu else set())
+    for layer, names in enumerate(roles):
+        where = f"{field}[{layer}]"
+        if not isinstance(names, dict) or not all(isinstance(v, str) for v in names.values()):
+            raise FormatError(where, "must map roles to tensor names", path)
+        unknown = set(names) - set(WEIGHT_ROLES) - set(BIAS_ROLES)
+        if unknown or weights - set(names) or set(names) & set(WEIGHT_ROLES) - weights:
+            raise FormatError(
+                where,
+                f"roles {sorted(names)}: needs exactly the weights {sorted(weights)} and biases among {BIAS_ROLES}",
+                path,
+            )
+        for role in set(names) & set(BIAS_ROLES):
+            entry = resident.get(names[role])
+            size = hidden_size if role == "down_bias" else n_neurons
+            if entry is None or entry.shape != (size,):
+                raise FormatError(
+                    f"{where}.{role}",
+                    f"{names[role]!r} is not a resident tensor of shape ({size},)",
+                    path,
+                )
+    return roles
+
+
+def parse_tensor_sources(raw: str | None, ffn_roles: list[dict[str, str]], path: str) -> list[dict[str, str]] | None:
+    """A quantized store's record of how each FFN weight reached it, per layer role -> path ("kept Q4_0 blocks",
+    "requantized Q6_K -> q8_0", "quantized F16 -> q4_0"); None where the converter wrote none (float stores)."""
+    if raw is None:
+        return None
+    field = "__metadata__.tensor_sources"
+    try:
+        sources = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise FormatError(field, f"not JSON ({e})", path) from None
+    weights = [{role for role in names if role in WEIGHT_ROLES} for names in ffn_roles]
+    if (
+        not isinstance(sources, list)
+        or len(sources) != len(ffn_roles)
+        or any(not isinstance(layer, dict) or set(layer) != roles for layer, roles in zip(sources, weights))
+        or any(not isinstance(path, str) for layer in sources for path in layer.values())
+    ):
+        raise FormatError(field, f"must map each layer's weight roles to a string, got {str(sources)[:80]}", path)
+    return sources
+
+
+def int_field(meta: dict[str, str], key: str, path: str) -> int:
+    """A non-negative integer metadata field; FormatError naming it otherwise."""
+    try:
+        value = int(meta[key])
+    except (KeyError, ValueError):
+        raise FormatError(f"__metadata__.{key}", f"missing or not an integer: {meta.get(key)!r}", path) from None
+    if value < 0:
+        raise FormatError(f"__metadata__.{key}", f"must be non-negative, got {value}", path)
+    return value
+
+
+def check_entry(entries: dict[str, TensorEntry], spec: TensorSpec, alignment: int, path: str) -> None:
+    """FormatError unless the header holds `spec` with its dtype and shape, aligned."""
+    entry = entries.get(spec.name)
+    if entry is None:
+        raise FormatError(spec.name, "missing", path)
+    # Endor values have a data-dependent length (declared as -1 here); everything else is fixed by metadata.
+    shape_ok = len(entry.shape) == 1 if spec.shape == (-1,) else entry.shape == spec.shape
+    if entry.dtype != spec.dtype or not shape_ok:
+        raise FormatError(
+            f"{spec.name}.shape",
+            f"{entry.dtype}{list(entry.shape)}, expected {spec.dtype}{list(spec.shape)}",
+            path,
+        )
+    if entry.begin % alignment:
+        raise FormatError(
+            f"{spec.name}.data_offsets",
+            f"starts at byte {entry.begin}, not a multiple of the {alignment}-byte alignment",
+            path,
+        )
