@@ -119,7 +119,7 @@ def test_ctrl_c_is_a_short_message_and_status_130(monkeypatch, capsys):
     def interrupted(args):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(cli, "_calibrate_disk", interrupted)
+    monkeypatch.setattr(cli.prepare, "_calibrate_disk", interrupted)
     with pytest.raises(SystemExit) as info:
         cli.main(["calibrate-disk"])
     assert info.value.code == 130 and capsys.readouterr().err == "flashllm calibrate-disk: interrupted\n"
