@@ -130,7 +130,8 @@ def error_fields(error: BaseException) -> dict[str, str]:
 @functools.cache
 def provenance() -> dict[str, str]:
     """What every JSON row carries so that a figure can be traced to its run: `commit` (the checkout's, "+" when its
-    tracked files differ from it), `date` (UTC, when this process printed its first row) and `host` (the CPU model)."""
+    tracked files differ from it), `date` (UTC) and `host` (the CPU model), taken when this module is imported: a run
+    of hours must name the code it started with, not a commit made while it ran."""
     root = Path(__file__).resolve().parent.parent
 
     def git(*args: str) -> str:
@@ -149,6 +150,9 @@ def provenance() -> dict[str, str]:
     except OSError:
         pass
     return {"commit": commit, "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "host": host}
+
+
+provenance()
 
 
 def emit(rows: Iterable[dict], as_json: bool, columns: list[str] | None = None) -> None:
