@@ -25,7 +25,7 @@ from flashllm_ext.flash.ffn import FFNStats, FlashFFN
 from flashllm_ext.flash.streaming import StreamingFFN
 from flashllm_ext.flash.reader import FlashReader
 from flashllm_ext.flash.store import FlashStore
-from flashllm_ext.mlx import sparse_ffn
+from flashllm_ext.mlx.sparse_ffn import sparse_ffn
 from flashllm_ext.mlx.transfer import MX_DTYPE, MLXTransfer, to_mx, torch_view
 
 

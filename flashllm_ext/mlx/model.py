@@ -32,7 +32,7 @@ from flashllm_ext.runtime import deprecated_alias, parse_budget
 from flashllm_ext.flash.ffn import store_activation
 from flashllm_ext.flash.store import BIAS_ROLES, FlashStore
 from flashllm_ext.flash.reader import shared_reader
-from flashllm_ext.mlx import _activate
+from flashllm_ext.mlx.sparse_ffn import activate
 from flashllm_ext.mlx.ffn import MLXFlashFFN, MLXStreamingFFN
 from flashllm_ext.mlx.transfer import MX_DTYPE, MLXTransfer, to_mx
 
@@ -54,7 +54,7 @@ class DenseFFN:
         self.activation = activation
 
     def __call__(self, x: mx.array) -> mx.array:
-        return (_activate(x @ self.gate.T, self.activation) * (x @ self.up.T)) @ self.down
+        return (activate(x @ self.gate.T, self.activation) * (x @ self.up.T)) @ self.down
 
 
 class MLXLlama:

@@ -40,7 +40,7 @@ def to_torch(a: "mx.array", dtype: torch.dtype) -> torch.Tensor:
 def path(request, monkeypatch):
     """Each test runs the mlx-op fallback (forced where Metal exists) and, on Apple Silicon, the Metal kernel."""
     if request.param == "mlx_ops":
-        monkeypatch.setattr(fmlx, "metal_available", lambda: False)
+        monkeypatch.setattr(fmlx.metal, "metal_available", lambda: False)
     elif not fmlx.metal_available():
         pytest.skip("no Metal device (Apple Silicon only)")
     return request.param

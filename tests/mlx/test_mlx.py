@@ -63,4 +63,4 @@ def test_names_the_first_bad_row():
 def test_metal_kernel_source_is_found_and_accepted():
     # Running it needs Metal; building the kernel object checks the file is found and the call shape is valid.
     assert "simd_prefix_exclusive_sum" in fmlx.metal_source("endor_decompress.metal")
-    assert fmlx._endor_kernel() is not None
+    assert fmlx.endor._endor_kernel() is not None

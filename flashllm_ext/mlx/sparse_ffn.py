@@ -1,0 +1,178 @@
+"""The sparse FFN op on mlx arrays: sparse_ffn (semantics: flashllm_ext/ops/ffn.py), Metal kernels on Apple
+Silicon and mlx ops elsewhere, raising the torch kernels' RuntimeError messages."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import mlx.core as mx
+
+from flashllm_ext.mlx import metal
+from flashllm_ext.mlx.metal import metal_source
+from flashllm_ext.ops import ACTIVATIONS
+from flashllm_ext.ops.constants import (
+    FFN_MAX_CHUNKS,
+    FFN_MAX_TOKENS,
+    FFN_ROWS_PER_CHUNK,
+    METAL_THREADGROUP,
+    metal_header,
+)
+
+
+_FFN_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
+# Launch geometry of metal/sparse_ffn_*.metal (csrc/common/ffn_grid.h, mirrored in flashllm_ext.ops.constants).
+
+
+def _ffn_fail(msg: str) -> None:
+    raise RuntimeError(f"sparse_ffn: {msg}")
+
+
+def _check_ffn(
+    x: mx.array,
+    matrix: mx.array,
+    num_used: int,
+    bias: mx.array | None,
+    activation: str,
+    glu: bool,
+    index: mx.array | None,
+    threshold: float,
+) -> int:
+    """The checks of csrc/common/sparse_ffn_checks.h plus the index range. Returns d."""
+    if x.dtype not in _FFN_DTYPES or x.ndim != 2:
+        _ffn_fail(f"x must be a 2-D float32/float16/bfloat16 tensor [T, d], got {x.dtype} of shape {tuple(x.shape)}")
+    d = x.shape[1]
+    width = (3 if glu else 2) * d
+    if matrix.dtype != x.dtype or matrix.ndim != 2 or matrix.shape[1] != width:
+        _ffn_fail(
+            f"matrix must be {x.dtype} of shape [capacity, {width}], got {matrix.dtype} of shape {tuple(matrix.shape)}"
+        )
+    if not 0 <= num_used <= matrix.shape[0]:
+        _ffn_fail(f"num_used={num_used} is outside [0, capacity={matrix.shape[0]}]")
+    if activation not in ACTIVATIONS:
+        _ffn_fail(f"activation must be one of {tuple(ACTIVATIONS)}, got {activation!r}")
+    if not threshold >= 0 or threshold == float("inf"):
+        _ffn_fail(f"threshold must be finite and >= 0, got {threshold}")
+    if bias is not None and (bias.dtype != x.dtype or bias.ndim != 1 or bias.shape[0] != matrix.shape[0]):
+        _ffn_fail(
+            f"bias must be {x.dtype} of shape [capacity={matrix.shape[0]}], got {bias.dtype} of shape "
+            f"{tuple(bias.shape)}"
+        )
+    if index is not None:
+        if index.dtype != mx.int64 or index.ndim != 1:
+            _ffn_fail(f"index must be a 1-D int64 tensor, got {index.dtype} of shape {tuple(index.shape)}")
+        bad = (index < 0) | (index >= num_used)
+        if index.size and bool(mx.any(bad).item()):
+            k = int(mx.argmax(bad).item())
+            _ffn_fail(f"index[{k}]={int(index[k].item())} is outside [0, num_used={num_used})")
+    return d
+
+
+def activate(pre: mx.array, activation: str) -> mx.array:
+    if activation == "relu":
+        return mx.maximum(pre, 0)
+    if activation == "silu":
+        return pre * mx.sigmoid(pre)
+    return 0.5 * pre * (1 + mx.erf(pre * 0.7071067811865476))
+
+
+def _sparse_ffn_mlx_ops(x, matrix, num_used, bias, activation, glu, index, threshold, d):
+    """Fallback with mlx ops, float32: gather the rows, two matmuls."""
+    ids = index if index is not None else mx.arange(num_used)
+    rows = matrix[ids].astype(mx.float32)
+    xf = x.astype(mx.float32)
+    first = rows[:, d : 2 * d] if glu else rows[:, :d]
+    pre = xf @ first.T
+    if bias is not None:
+        pre = pre + bias[ids].astype(mx.float32)
+    h = activate(pre, activation)
+    if glu:
+        h = h * (xf @ rows[:, :d].T)
+    if threshold > 0:
+        h = mx.where(mx.abs(h) <= threshold, 0.0, h)  # NaN stays
+    return (h @ rows[:, -d:]).astype(x.dtype)
+
+
+@lru_cache(maxsize=None)
+def _ffn_kernels():
+    act = mx.fast.metal_kernel(
+        name="flashllm_sparse_ffn_act",
+        input_names=["x", "matrix", "bias", "index", "params", "threshold"],
+        output_names=["act"],
+        header=metal_header(),
+        source=metal_source("sparse_ffn_act.metal"),
+    )
+    down = mx.fast.metal_kernel(
+        name="flashllm_sparse_ffn_down",
+        input_names=["matrix", "index", "act", "params"],
+        output_names=["partial"],
+        header=metal_header(),
+        source=metal_source("sparse_ffn_down.metal"),
+    )
+    return act, down
+
+
+def _sparse_ffn_metal(x, matrix, num_used, bias, activation, glu, index, threshold, d):
+    """metal/sparse_ffn_act.metal + sparse_ffn_down.metal per group of 8 tokens, then the sum over chunks."""
+    act_kernel, down_kernel = _ffn_kernels()
+    n_rows = index.size if index is not None else num_used
+    chunks = max(1, min(FFN_MAX_CHUNKS, -(-n_rows // FFN_ROWS_PER_CHUNK)))
+    rows_per_chunk = -(-n_rows // chunks)
+    placeholder_index = mx.zeros((1,), dtype=mx.int64)
+    idx = index if index is not None else placeholder_index
+    b = bias if bias is not None else mx.zeros((1,), dtype=matrix.dtype)
+    flat = matrix.reshape(-1)
+    xf = x.astype(mx.float32)
+    outs = []
+    for t0 in range(0, x.shape[0], FFN_MAX_TOKENS):
+        xs = xf[t0 : t0 + FFN_MAX_TOKENS]
+        nt = xs.shape[0]
+        template = [("T", matrix.dtype), ("HAS_INDEX", index is not None)]
+        (act,) = act_kernel(
+            inputs=[
+                xs.reshape(-1),
+                flat,
+                b,
+                idx,
+                mx.array([n_rows, num_used, d, nt, ACTIVATIONS[activation].code, int(glu)], dtype=mx.int64),
+                mx.array([threshold], dtype=mx.float32),
+            ],
+            template=template + [("HAS_BIAS", bias is not None)],
+            grid=(-(-32 * n_rows // METAL_THREADGROUP) * METAL_THREADGROUP, 1, 1),
+            threadgroup=(METAL_THREADGROUP, 1, 1),
+            output_shapes=[(nt * n_rows,)],
+            output_dtypes=[mx.float32],
+        )
+        (partial,) = down_kernel(
+            inputs=[flat, idx, act, mx.array([n_rows, num_used, d, nt, int(glu), rows_per_chunk], dtype=mx.int64)],
+            template=template,
+            grid=(d, chunks, 1),
+            threadgroup=(min(METAL_THREADGROUP, d), 1, 1),
+            output_shapes=[(chunks * nt * d,)],
+            output_dtypes=[mx.float32],
+        )
+        outs.append(partial.reshape(chunks, nt, d).sum(axis=0))
+    return mx.concatenate(outs).astype(x.dtype)
+
+
+def sparse_ffn(
+    x: mx.array,
+    matrix: mx.array,
+    num_used: int,
+    bias: mx.array | None,
+    activation: str,
+    glu: bool,
+    index: mx.array | None = None,
+    threshold: float = 0.0,
+) -> mx.array:
+    """torch.ops.flashllm.sparse_ffn on mlx arrays (semantics: flashllm_ext/ops/).
+
+    x [T, d]; matrix [capacity, 2d | 3d] of x's dtype, rows [up | gate (GLU) | down]; bias [capacity] or None;
+    index int64 [k] of rows below num_used, or None for rows [0, num_used) -> [T, d] of x's dtype.
+    """
+    d = _check_ffn(x, matrix, num_used, bias, activation, glu, index, threshold)
+    n_rows = index.size if index is not None else num_used
+    if n_rows == 0 or x.shape[0] == 0 or d == 0:
+        return mx.zeros(x.shape, dtype=x.dtype)
+    if metal.metal_available():
+        return _sparse_ffn_metal(x, matrix, num_used, bias, activation, glu, index, threshold, d)
+    return _sparse_ffn_mlx_ops(x, matrix, num_used, bias, activation, glu, index, threshold, d)
