@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import statistics
 
+import mlx.core as mx
 import torch
 import torch.nn.functional as F
 
@@ -31,7 +32,6 @@ BREAKDOWN = ("io_ms", "mem_ms", "predictor_ms", "compute_ms", "bytes_per_token",
 
 def lm_head_rows(rounds: int) -> list[dict]:
     """ms of x W^T for W [49152, 576] and one token, torch (F.linear) and mlx, fp16 and fp32, interleaved."""
-    mx = fmlx.mx
     w32 = torch.randn(49152, 576, generator=torch.Generator().manual_seed(0)) / 24
     x32 = torch.randn(1, 576, generator=torch.Generator().manual_seed(1))
     candidates = {}
@@ -103,7 +103,7 @@ def main() -> None:
     reference = runs[("torch", "dense", "fp16")][0]["ids"] if ("torch", "dense", "fp16") in runs else None
     rows = []
     for (engine, mode, dtype), samples in runs.items():
-        device = f"mlx {fmlx.mx.default_device()}" if engine == "mlx" else device_name()
+        device = f"mlx {mx.default_device()}" if engine == "mlx" else device_name()
         row = {
             "bench": "mlx",
             "engine": engine,

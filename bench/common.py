@@ -156,11 +156,12 @@ provenance()
 
 
 def emit(rows: Iterable[dict], as_json: bool, columns: list[str] | None = None) -> None:
-    """Print result rows as JSON lines (each with provenance(), unless it has those keys) or as an aligned table
-    (flashllm_ext.harness.report.print_table)."""
+    """Print result rows as JSON lines (each with provenance() and the `device` that ran it, unless it has those keys:
+    a row without one ran on the CPU) or as an aligned table (flashllm_ext.harness.report.print_table)."""
     if as_json:
         for row in rows:
-            print(json.dumps({**row, **{k: v for k, v in provenance().items() if k not in row}}), flush=True)
+            fields = provenance() if "device" in row else {**provenance(), "device": device_name()}
+            print(json.dumps({**row, **{k: v for k, v in fields.items() if k not in row}}), flush=True)
     else:
         print_table(rows, columns)
 

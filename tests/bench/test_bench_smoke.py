@@ -41,3 +41,8 @@ def test_smoke_run_prints_rows(module, tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     assert rows, f"bench.{module} --smoke printed no rows: {out.stdout[-1000:]}"
+    # Every row can be traced to the code, the time, the machine and the device that produced it.
+    missing = [
+        (i, key) for i, row in enumerate(rows) for key in ("commit", "date", "host", "device") if not row.get(key)
+    ]
+    assert not missing, f"bench.{module} rows without provenance (row, key): {missing[:5]}"
