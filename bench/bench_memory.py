@@ -1,0 +1,234 @@
+"""Decode speed against total process memory: the lean decoder's modes on a quantized store (what `flashllm run`
+serves) and llama.cpp (llama-cpp-python, mmap, with and without its weight repacking) on the user's GGUF, each process
+in a memory cgroup of its own baseline + a share of the GGUF file's bytes (page cache counted, dropped first).
+
+"Faster than llama.cpp" means at the same total memory: every system runs at every --memory level, the limit being
+that system's baseline (its imports, measured as the peak of a probe process's cgroup, the same way for both) + the
+level's bytes; our engine also gets the level's bytes as its DRAM budget. A point where a system cannot run (its
+engine refuses the budget, or the cgroup OOM-kills it) is a row with `error`, drawn as a cross on the figure.
+
+Rows (bench:"memory", one per system, level and round; bench:"memory_median" the medians over --rounds, round-robin):
+  system, mode      lean naive | hybrid | flash, or llama.cpp mmap (repack on or off)
+  memory_pct        the level, a share of the GGUF file's bytes; limit_mb = baseline_mb + the level's bytes
+  ms_per_token      median greedy decode token after a --prompt-tokens prompt of held-out text
+  read_mb_per_token storage bytes read per decode token (the engine's counters; llama.cpp: /proc/self/io)
+  peak_mb           the cgroup's peak (page cache counted)
+  vs_llama_cpp      ms_per_token / the faster llama.cpp row's at the same level (medians)
+  agree             leading greedy tokens equal to llama.cpp's (no repack) of the same round, as a share
+Figure (not with --smoke or --no-plot): bench/results/memory_sweep.png, ms/token against limit_mb.
+
+    python -m bench.bench_memory [--json] [--memory 30%,50%,75%,100%,150%] [--modes naive,hybrid,flash]
+                                 [--format q4] [--tokens 16] [--rounds 3] [--no-llama-cpp] [--smoke]
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from bench.common import arg_parser, emit, median_rows
+
+RESULTS = Path(__file__).resolve().parent / "results"
+COLUMNS = [
+    "system",
+    "mode",
+    "memory_pct",
+    "limit_mb",
+    "ms_per_token",
+    "vs_llama_cpp",
+    "read_mb_per_token",
+    "hit_rate",
+    "peak_mb",
+    "agree",
+    "error",
+]
+LEAN_CHILD = [sys.executable, "-m", "flashllm_ext.demos.flash", "--child"]
+
+
+def cgroup_baseline(argv: list[str], name: str) -> int:
+    """Bytes a process holds before its weights: the peak of an unlimited cgroup around a run of `argv` that stops
+    after its imports (docs/design.md §8)."""
+    from flashllm_ext.harness.cgroup import run_limited_child
+
+    _, facts = run_limited_child(argv, None, None, name, 300)
+    if facts["cgroup_peak_mb"] is None:
+        raise RuntimeError(f"no cgroup to measure the baseline: {facts['cgroup_note']}")
+    return int(facts["cgroup_peak_mb"] * 1e6)
+
+
+def run_lean(store: Path, mode: str, budget: int, limit: int, prompt: list[int], tokens: int) -> dict:
+    """One lean-decoder mode in a child (flashllm_ext.demos.flash's) limited to `limit` bytes, its DRAM budget
+    `budget`."""
+    from flashllm_ext.harness.cgroup import run_limited_child
+
+    config = {
+        "store": str(store),
+        "mode": mode,
+        "budget_bytes": budget,
+        "prompt": prompt,
+        "tokens": tokens,
+        "window": 5,
+    }
+    rows, facts = run_limited_child([*LEAN_CHILD, json.dumps(config)], limit, 0, f"memory-{mode}")
+    out = rows[-1] if rows else {"error": "the child printed no row"}
+    return {
+        "ms_per_token": out.get("ms/token"),
+        "read_mb_per_token": out.get("MB read/token", 0.0),
+        "hit_rate": out.get("hit rate"),
+        "ids": out.get("ids"),
+        "peak_mb": facts["cgroup_peak_mb"],
+        "oom_killed": facts["oom_killed"],
+        # A refused budget ends the child with a traceback: its last line says why.
+        **({"error": out["error"].strip().splitlines()[-1][-300:]} if "error" in out else {}),
+    }
+
+
+def run_llama(gguf: Path, repack: bool, limit: int, prompt: list[int], tokens: int, threads: int) -> dict:
+    from flashllm_ext.harness.llama_cpp import run_llama_cpp
+
+    r = run_llama_cpp(gguf, prompt, tokens - 1, threads, repack=repack, memory_limit_bytes=limit)
+    error = r.get("error") or ("OOM-killed" if r.get("oom_killed") else None)
+    return {
+        "ms_per_token": r.get("ms_per_token"),
+        "read_mb_per_token": r.get("proc_read_mb_per_token"),
+        "ids": r.get("generated"),
+        "peak_mb": r.get("cgroup_peak_mb"),
+        "oom_killed": r.get("oom_killed"),
+        **({"error": error} if error else {}),
+    }
+
+
+def plot(medians: list[dict], failed: list[dict], path: Path) -> None:
+    """ms/token against total process memory, a line per system; the levels where a system could not run as
+    crosses on the figure's top edge."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    systems = sorted({(r["system"], r["mode"]) for r in medians + failed})
+    top = max((r["ms_per_token"] for r in medians), default=1.0) * 1.5
+    for system, mode in systems:
+        ok = sorted((r for r in medians if (r["system"], r["mode"]) == (system, mode)), key=lambda r: r["limit_mb"])
+        (line,) = ax.plot([r["limit_mb"] for r in ok], [r["ms_per_token"] for r in ok], "o-", label=f"{system} {mode}")
+        bad = [r["limit_mb"] for r in failed if (r["system"], r["mode"]) == (system, mode)]
+        ax.plot(bad, [top] * len(bad), "x", color=line.get_color(), markersize=9)
+    ax.set_yscale("log")
+    ax.set_xlabel("total process memory (cgroup limit, MB)")
+    ax.set_ylabel("ms per token (median)")
+    ax.set_title("decode speed at the same total memory (x: could not run)")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = arg_parser(__doc__.splitlines()[0])
+    parser.add_argument("--memory", default="30%,50%,75%,100%,150%", help="levels: shares of the GGUF file's bytes")
+    parser.add_argument("--modes", default="naive,hybrid,flash", help="the lean decoder's modes")
+    parser.add_argument("--format", default="q4", choices=["fp16", "q8", "q4"], help="the store's format")
+    parser.add_argument("--tokens", type=int, default=16)
+    parser.add_argument("--prompt-tokens", type=int, default=16)
+    parser.add_argument("--threads", type=int, default=2, help="llama.cpp's threads (ours: torch's default)")
+    parser.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp (it builds once, minutes)")
+    parser.add_argument("--no-plot", action="store_true")
+    parser.set_defaults(rounds=3)
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.memory, args.modes, args.tokens, args.prompt_tokens, args.rounds = "150%", "naive", 3, 4, 1
+        args.no_llama_cpp, args.no_plot = True, True
+
+    from bench.e2e_common import prompt_ids
+    from flashllm_ext.demos.flash import prepare_store
+    from flashllm_ext.flash.store import FlashStore
+    from flashllm_ext.hub import fetch_default, resolve_cache_dir
+    from flashllm_ext.runtime import parse_budget
+
+    gguf = fetch_default()
+    store = prepare_store(gguf, resolve_cache_dir(), args.format)
+    file_bytes = gguf.stat().st_size
+    with FlashStore(store) as opened:
+        prompt, _ = prompt_ids(args.prompt_tokens, int(opened.config["vocab_size"]))
+    levels = [(spec, parse_budget(spec, file_bytes)) for spec in args.memory.split(",")]
+    systems = [("lean", mode) for mode in args.modes.split(",")]
+    baselines = {"lean": cgroup_baseline([*LEAN_CHILD, json.dumps({"mode": "probe"})], "memory-probe")}
+    if args.smoke:
+        print("smoke: llama.cpp skipped (it needs its own build)", file=sys.stderr)
+    elif not args.no_llama_cpp:
+        from flashllm_ext.harness.llama_cpp import WORKER, env_python, ensure_env
+
+        baselines["llama.cpp"] = cgroup_baseline(
+            [str(env_python(ensure_env())), "-I", str(WORKER), "--baseline"], "llama-probe"
+        )
+        systems += [("llama.cpp", "mmap, no repack"), ("llama.cpp", "mmap, repack")]
+    rows = []
+    for round_ in range(args.rounds):
+        for spec, level in levels:
+            reference = None
+            for system, mode in sorted(
+                systems, key=lambda s: s[0] != "llama.cpp"
+            ):  # llama.cpp first: the reference ids
+                limit = baselines[system] + level
+                if system == "lean":
+                    row = run_lean(store, mode, level, limit, prompt, args.tokens)
+                else:
+                    row = run_llama(gguf, mode.endswith(" repack"), limit, prompt, args.tokens, args.threads)
+                ids = row.pop("ids", None)
+                if mode == "mmap, no repack":
+                    reference = ids
+                elif ids and reference:
+                    same = next((i for i, (a, b) in enumerate(zip(ids, reference)) if a != b), len(reference))
+                    row["agree"] = same / len(reference)
+                row = {
+                    "bench": "memory",
+                    "system": system,
+                    "mode": mode,
+                    "format": args.format if system == "lean" else gguf.suffix[1:],
+                    "memory_pct": spec,
+                    "level_mb": level / 1e6,
+                    "baseline_mb": baselines[system] / 1e6,
+                    "limit_mb": (baselines[system] + level) / 1e6,
+                    "file_mb": file_bytes / 1e6,
+                    "tokens": args.tokens,
+                    "round": round_,
+                    **row,
+                }
+                rows.append(row)
+                emit([row], args.json, COLUMNS)
+    medians = median_rows(rows, ("system", "mode", "memory_pct"), "memory_median")
+    for row in medians:
+        peers = [
+            r["ms_per_token"] for r in medians if r["system"] == "llama.cpp" and r["memory_pct"] == row["memory_pct"]
+        ]
+        if peers and row.get("ms_per_token"):
+            row["vs_llama_cpp"] = row["ms_per_token"] / min(peers)
+        row.pop("round", None)
+    failed = [
+        {
+            "system": r["system"],
+            "mode": r["mode"],
+            "memory_pct": r["memory_pct"],
+            "limit_mb": r["limit_mb"],
+            "error": r["error"],
+        }
+        for r in rows
+        if r.get("error")
+        and not any(
+            (m["system"], m["mode"], m["memory_pct"]) == (r["system"], r["mode"], r["memory_pct"]) for m in medians
+        )
+    ]
+    if not args.json:
+        print(f"\nmedians over {args.rounds} round(s):")
+    emit(medians, args.json, COLUMNS)
+    if not args.no_plot and medians:
+        RESULTS.mkdir(exist_ok=True)
+        plot(medians, failed, RESULTS / "memory_sweep.png")
+        print(f"figure: {RESULTS / 'memory_sweep.png'}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
