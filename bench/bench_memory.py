@@ -7,6 +7,11 @@ that system's baseline (its imports, measured as the peak of a probe process's c
 level's bytes; our engine also gets the level's bytes as its DRAM budget. A point where a system cannot run (its
 engine refuses the budget, or the cgroup OOM-kills it) is a row with `error`, drawn as a cross on the figure.
 
+--scale llama-3-8b: a Llama-3-8B-shaped Q4_0 GGUF of synthesized weights (bench/synth_checkpoint.py, written once,
+4.5 GB) and its q4 store (converted once); the lean decoder's flash rows there are flash-oracle: the default model's
+true sets at the SwiGLU-real operating point (threshold sparsity TARGET_SPARSITY) tiled onto the large layers and
+replayed (bench/e2e_replay.py), with no predictor to pay for: an upper bound of flash at these shapes.
+
 Rows (bench:"memory", one per system, level and round; bench:"memory_median" the medians over --rounds, round-robin):
   system, mode      lean naive | hybrid | flash, or llama.cpp mmap (repack on or off)
   memory_pct        the level, a share of the GGUF file's bytes; limit_mb = baseline_mb + the level's bytes
@@ -15,14 +20,17 @@ Rows (bench:"memory", one per system, level and round; bench:"memory_median" the
   peak_mb           the cgroup's peak (page cache counted)
   vs_llama_cpp      ms_per_token / the faster llama.cpp row's at the same level (medians)
   agree             leading greedy tokens equal to llama.cpp's (no repack) of the same round, as a share
-Figure (not with --smoke or --no-plot): bench/results/memory_sweep.png, ms/token against limit_mb.
+Figure (not with --smoke or --no-plot): bench/results/memory_sweep.png (--scale: memory_sweep_<name>.png), ms/token
+against limit_mb.
 
     python -m bench.bench_memory [--json] [--memory 30%,50%,75%,100%,150%] [--modes naive,hybrid,flash]
                                  [--format q4] [--tokens 16] [--rounds 3] [--no-llama-cpp] [--smoke]
+                                 [--scale llama-3-8b]
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -43,7 +51,60 @@ COLUMNS = [
     "agree",
     "error",
 ]
-LEAN_CHILD = [sys.executable, "-m", "flashllm_ext.demos.flash", "--child"]
+MODULE = "bench.bench_memory"  # what its children run
+
+
+def run_child(config: dict) -> dict:
+    """One lean-decoder mode in this process (a child): load within the budget, greedy-decode, the row. The probe
+    stops after the imports every child of this configuration makes (its baseline)."""
+    import statistics
+    import time
+
+    from flashllm_ext.decoder import load_decoder
+
+    replay = config["mode"] == "flash-oracle"
+    if replay:
+        from bench.e2e_replay import ReplayedSets, scale_masks
+        from flashllm_ext.flash.store import FlashStore
+    if config.get("probe"):
+        return {}
+    prompt, tokens, at, predictors = config["prompt"], config["tokens"], [0], None
+    if replay:  # the sets of the token at position at[0] and after: the prompt's at 0, then one per decode step
+        with FlashStore(config["store"]) as store:
+            sets = {"mode": "flash-oracle", "sparsity": config["sparsity"]}
+            masks = scale_masks(sets, len(prompt) + tokens + 1, store.n_layers, store.n_neurons, ahead=False)
+            predictors = ReplayedSets(masks, at, store.hidden_size)
+    decoder = load_decoder(
+        config["store"],
+        config["budget_bytes"],
+        mode="flash" if replay else config["mode"],
+        predictors=predictors,
+        window=5,
+        max_len=len(prompt) + tokens,
+    )
+    token = int(decoder.prefill(prompt).argmax())
+    decoder.reset_stats()  # the counters then cover the decode tokens only
+    ids, times = [token], []
+    for step in range(tokens - 1):
+        at[0] = len(prompt) + step
+        start = time.perf_counter()
+        token = int(decoder.forward([token]).argmax())
+        times.append(time.perf_counter() - start)
+        ids.append(token)
+    stats = decoder.stats()
+    decoder.close()
+    return {
+        "ms_per_token": statistics.median(times) * 1e3,
+        "read_mb_per_token": stats["bytes_per_token"] / 1e6,
+        "reads_per_token": stats["reads_per_token"],
+        "hit_rate": stats["hit_rate"],
+        "io_ms": stats["io_ms"],
+        "ids": ids,
+    }
+
+
+def child_argv(config: dict) -> list[str]:
+    return [sys.executable, "-m", MODULE, "--child", json.dumps(config)]
 
 
 def cgroup_baseline(argv: list[str], name: str) -> int:
@@ -57,30 +118,20 @@ def cgroup_baseline(argv: list[str], name: str) -> int:
     return int(facts["cgroup_peak_mb"] * 1e6)
 
 
-def run_lean(store: Path, mode: str, budget: int, limit: int, prompt: list[int], tokens: int) -> dict:
-    """One lean-decoder mode in a child (flashllm_ext.demos.flash's) limited to `limit` bytes, its DRAM budget
-    `budget`."""
+def run_lean(config: dict, limit: int) -> dict:
+    """One lean-decoder mode (config: run_child's) in a child limited to `limit` bytes."""
     from flashllm_ext.harness.cgroup import run_limited_child
 
-    config = {
-        "store": str(store),
-        "mode": mode,
-        "budget_bytes": budget,
-        "prompt": prompt,
-        "tokens": tokens,
-        "window": 5,
-    }
-    rows, facts = run_limited_child([*LEAN_CHILD, json.dumps(config)], limit, 0, f"memory-{mode}")
+    rows, facts = run_limited_child(child_argv(config), limit, 0, f"memory-{config['mode']}")
     out = rows[-1] if rows else {"error": "the child printed no row"}
+    if "error" in out:  # a refused budget ends the child with a traceback: its last line says why
+        out["error"] = out["error"].strip().splitlines()[-1][-300:]
+    error = out.get("error") or ("OOM-killed" if facts["oom_killed"] else None)
     return {
-        "ms_per_token": out.get("ms/token"),
-        "read_mb_per_token": out.get("MB read/token", 0.0),
-        "hit_rate": out.get("hit rate"),
-        "ids": out.get("ids"),
+        **out,
         "peak_mb": facts["cgroup_peak_mb"],
         "oom_killed": facts["oom_killed"],
-        # A refused budget ends the child with a traceback: its last line says why.
-        **({"error": out["error"].strip().splitlines()[-1][-300:]} if "error" in out else {}),
+        **({"error": error} if error else {}),
     }
 
 
@@ -126,11 +177,42 @@ def plot(medians: list[dict], failed: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def model_files(args) -> tuple[Path, Path, list[str]]:
+    """(GGUF, its store in --format, notes): the default model's (the demo's stores, with their predictors), or the
+    synthesized --scale checkpoint's, each written once."""
+    from flashllm_ext.hub import fetch_default, resolve_cache_dir
+
+    if not args.scale:
+        from flashllm_ext.demos.flash import prepare_store
+
+        gguf = fetch_default()
+        return gguf, prepare_store(gguf, resolve_cache_dir(), args.format), []
+    from bench.synth_checkpoint import shared_gguf
+    from flashllm_ext.errors import FormatError
+    from flashllm_ext.flash.convert import convert
+    from flashllm_ext.flash.store import FlashStore
+
+    gguf = shared_gguf(args.scale, "q4_0")
+    store = gguf.with_name(f"{args.scale}-{args.format}-store")
+    try:
+        FlashStore(store).close()
+    except FormatError:  # none yet, or an older format
+        print(f"converting {gguf} to {store} (once)", file=sys.stderr)
+        convert(gguf, store, dtype=args.format, force=True)
+    return gguf, store, [f"synthesized weights with {args.scale} shapes (Q4_0)"]
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = arg_parser(__doc__.splitlines()[0])
+    parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--memory", default="30%,50%,75%,100%,150%", help="levels: shares of the GGUF file's bytes")
-    parser.add_argument("--modes", default="naive,hybrid,flash", help="the lean decoder's modes")
+    parser.add_argument(
+        "--modes",
+        default=None,
+        help="the lean decoder's modes (default naive,hybrid,flash; with --scale naive,hybrid,flash-oracle)",
+    )
     parser.add_argument("--format", default="q4", choices=["fp16", "q8", "q4"], help="the store's format")
+    parser.add_argument("--scale", choices=["llama-3-8b"], help="a synthesized Q4_0 GGUF of these shapes instead")
     parser.add_argument("--tokens", type=int, default=16)
     parser.add_argument("--prompt-tokens", type=int, default=16)
     parser.add_argument("--threads", type=int, default=2, help="llama.cpp's threads (ours: torch's default)")
@@ -138,24 +220,32 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-plot", action="store_true")
     parser.set_defaults(rounds=3)
     args = parser.parse_args(argv)
+    if args.child:
+        print(json.dumps(run_child(json.loads(args.child))), flush=True)
+        return
+    args.modes = args.modes or ("naive,hybrid,flash-oracle" if args.scale else "naive,hybrid,flash")
     if args.smoke:
         args.memory, args.modes, args.tokens, args.prompt_tokens, args.rounds = "150%", "naive", 3, 4, 1
-        args.no_llama_cpp, args.no_plot = True, True
+        args.no_llama_cpp, args.no_plot, args.scale = True, True, None
 
-    from bench.e2e_common import prompt_ids
-    from flashllm_ext.demos.flash import prepare_store
+    from bench.e2e_common import TARGET_SPARSITY, prompt_ids
     from flashllm_ext.flash.store import FlashStore
-    from flashllm_ext.hub import fetch_default, resolve_cache_dir
     from flashllm_ext.runtime import parse_budget
 
-    gguf = fetch_default()
-    store = prepare_store(gguf, resolve_cache_dir(), args.format)
+    gguf, store, notes = model_files(args)
     file_bytes = gguf.stat().st_size
     with FlashStore(store) as opened:
-        prompt, _ = prompt_ids(args.prompt_tokens, int(opened.config["vocab_size"]))
+        prompt, _ = prompt_ids(args.prompt_tokens, int(opened.config["vocab_size"]), synthesized=bool(args.scale))
+    modes = args.modes.split(",")
+    base = {"store": str(store), "prompt": prompt, "tokens": args.tokens, "sparsity": TARGET_SPARSITY}
+    if "flash-oracle" in modes:  # the parent computes (and caches) the default model's sets: no child has room
+        from bench.e2e_replay import default_model_sets
+
+        default_model_sets({"mode": "flash-oracle", "sparsity": TARGET_SPARSITY}, len(prompt) + args.tokens + 1)
     levels = [(spec, parse_budget(spec, file_bytes)) for spec in args.memory.split(",")]
-    systems = [("lean", mode) for mode in args.modes.split(",")]
-    baselines = {"lean": cgroup_baseline([*LEAN_CHILD, json.dumps({"mode": "probe"})], "memory-probe")}
+    systems = [("lean", mode) for mode in modes]
+    probe = {**base, "mode": modes[-1], "probe": True}  # the imports of the heaviest child (flash-oracle's replay)
+    baselines = {"lean": cgroup_baseline(child_argv(probe), "memory-probe")}
     if args.smoke:
         print("smoke: llama.cpp skipped (it needs its own build)", file=sys.stderr)
     elif not args.no_llama_cpp:
@@ -164,17 +254,15 @@ def main(argv: list[str] | None = None) -> None:
         baselines["llama.cpp"] = cgroup_baseline(
             [str(env_python(ensure_env())), "-I", str(WORKER), "--baseline"], "llama-probe"
         )
-        systems += [("llama.cpp", "mmap, no repack"), ("llama.cpp", "mmap, repack")]
+        systems = [("llama.cpp", "mmap, no repack"), ("llama.cpp", "mmap, repack"), *systems]  # first: reference ids
     rows = []
     for round_ in range(args.rounds):
         for spec, level in levels:
             reference = None
-            for system, mode in sorted(
-                systems, key=lambda s: s[0] != "llama.cpp"
-            ):  # llama.cpp first: the reference ids
+            for system, mode in systems:
                 limit = baselines[system] + level
                 if system == "lean":
-                    row = run_lean(store, mode, level, limit, prompt, args.tokens)
+                    row = run_lean({**base, "mode": mode, "budget_bytes": level}, limit)
                 else:
                     row = run_llama(gguf, mode.endswith(" repack"), limit, prompt, args.tokens, args.threads)
                 ids = row.pop("ids", None)
@@ -187,7 +275,8 @@ def main(argv: list[str] | None = None) -> None:
                     "bench": "memory",
                     "system": system,
                     "mode": mode,
-                    "format": args.format if system == "lean" else gguf.suffix[1:],
+                    "model": args.scale or "SmolLM2-135M-Instruct",
+                    "format": args.format if system == "lean" else gguf.name,
                     "memory_pct": spec,
                     "level_mb": level / 1e6,
                     "baseline_mb": baselines[system] / 1e6,
@@ -207,27 +296,18 @@ def main(argv: list[str] | None = None) -> None:
         if peers and row.get("ms_per_token"):
             row["vs_llama_cpp"] = row["ms_per_token"] / min(peers)
         row.pop("round", None)
-    failed = [
-        {
-            "system": r["system"],
-            "mode": r["mode"],
-            "memory_pct": r["memory_pct"],
-            "limit_mb": r["limit_mb"],
-            "error": r["error"],
-        }
-        for r in rows
-        if r.get("error")
-        and not any(
-            (m["system"], m["mode"], m["memory_pct"]) == (r["system"], r["mode"], r["memory_pct"]) for m in medians
-        )
-    ]
+        if notes:
+            row["note"] = "; ".join(notes)
+    ran = {(m["system"], m["mode"], m["memory_pct"]) for m in medians}
+    failed = [r for r in rows if r.get("error") and (r["system"], r["mode"], r["memory_pct"]) not in ran]
     if not args.json:
         print(f"\nmedians over {args.rounds} round(s):")
     emit(medians, args.json, COLUMNS)
     if not args.no_plot and medians:
         RESULTS.mkdir(exist_ok=True)
-        plot(medians, failed, RESULTS / "memory_sweep.png")
-        print(f"figure: {RESULTS / 'memory_sweep.png'}", file=sys.stderr)
+        figure = RESULTS / f"memory_sweep{'_' + args.scale if args.scale else ''}.png"
+        plot(medians, failed, figure)
+        print(f"figure: {figure}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -276,7 +276,8 @@ def synthesize_gguf(
     at `path`, laid out as llama.cpp writes a quantized one: every tensor flashllm_ext.io.checkpoint expects under
     llama.cpp's names, 2-D weights normal(0, INIT_STD) in `qtype` blocks (q8_0, q4_0 or q4_1; quantized by
     flashllm_ext.ops.blocks, bit for bit what gguf's numpy quantizer writes, many times faster), norms F32 ones.
-    The size fields are written, no tokenizer. One tensor in memory at a time (the largest, a [vocab, hidden]
+    The size fields are written, and a placeholder vocabulary of vocab_size tokens (synthetic_vocabulary) so that
+    llama.cpp, which refuses a model without one, loads it: prompts are token ids. One tensor in memory at a time (the largest, a [vocab, hidden]
     matrix, 0.3 GB in q4_0), written under a temporary name and renamed; an existing file is replaced."""
     import gguf
     import numpy as np
@@ -307,6 +308,14 @@ def synthesize_gguf(
         writer.add_rope_freq_base(config["rope_theta"])
         writer.add_file_type(gguf.LlamaFileType[file_type])
         writer.add_vocab_size(config["vocab_size"])
+        tokens, types = synthetic_vocabulary(config["vocab_size"])
+        writer.add_tokenizer_model("llama")
+        writer.add_token_list(tokens)
+        writer.add_token_scores([0.0] * len(tokens))
+        writer.add_token_types(types)
+        writer.add_unk_token_id(0)
+        writer.add_bos_token_id(1)
+        writer.add_eos_token_id(2)
         for hf, shape in shapes.items():
             if len(shape) == 2:
                 nbytes = shape[0] * fmt.row_bytes(shape[1])
@@ -339,6 +348,23 @@ def synthesize_gguf(
     finally:
         tmp.unlink(missing_ok=True)
     return path
+
+
+def synthetic_vocabulary(size: int) -> tuple[list[str], list[int]]:
+    """(tokens, gguf token types) of a SentencePiece-style vocabulary of `size` placeholder tokens: <unk>, <s>, </s>,
+    the 256 byte tokens where `size` leaves room (llama.cpp's loader looks up the newline's), then "t<i>"."""
+    import gguf
+
+    if size < 3:
+        raise ValueError(f"vocab_size must be at least 3 for the placeholder vocabulary, got {size}")
+    tokens = ["<unk>", "<s>", "</s>"]
+    types = [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL]
+    if size >= 3 + 256:
+        tokens += [f"<0x{b:02X}>" for b in range(256)]
+        types += [gguf.TokenType.BYTE] * 256
+    tokens += [f"t{i}" for i in range(len(tokens), size)]
+    types += [gguf.TokenType.NORMAL] * (size - len(types))
+    return tokens, [int(t) for t in types]
 
 
 def shared_gguf(name: str, qtype: str = "q4_0", progress: bool = True) -> Path:

@@ -141,3 +141,28 @@ def test_bad_arguments_raise(tmp_path):
     assert list(tmp_path.iterdir()) == []
     with pytest.raises(ValueError, match="prune"):
         synthesize_checkpoint("opt-6.7b", tmp_path / "x", prune=1.5)
+
+
+def test_llama_cpp_decodes_a_synthesized_gguf(tmp_path):
+    """llama.cpp refuses a model without a vocabulary: the synthesized file carries a placeholder one of exactly
+    vocab_size tokens, with and without room for the byte tokens."""
+    from flashllm_ext.harness.llama_cpp import env_dir, env_ready, run_llama_cpp
+
+    if not env_ready():
+        pytest.skip(f"llama-cpp-python is not built in {env_dir()}: `make llama-cpp` builds it (minutes)")
+    for vocab in (100, 300):
+        tiny = {**SMOKE_OVERRIDES["llama-2-7b"], "num_key_value_heads": 2, "vocab_size": vocab}
+        path = synthesize_gguf("llama-3-8b", tmp_path / f"v{vocab}.gguf", qtype="q4_0", overrides=tiny, progress=False)
+        row = run_llama_cpp(path, [1, 5, 9, 13], 3, 1)
+        assert "error" not in row, row
+        assert len(row["generated"]) == 4 and all(0 <= t < vocab for t in row["generated"])
+
+
+def test_the_placeholder_vocabulary_has_the_size_asked():
+    from bench.synth_checkpoint import synthetic_vocabulary
+
+    for size in (3, 100, 259, 128256):
+        tokens, types = synthetic_vocabulary(size)
+        assert len(tokens) == len(types) == len(set(tokens)) == size
+    with pytest.raises(ValueError, match="at least 3"):
+        synthetic_vocabulary(2)
