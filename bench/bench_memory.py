@@ -118,11 +118,11 @@ def cgroup_baseline(argv: list[str], name: str) -> int:
     return int(facts["cgroup_peak_mb"] * 1e6)
 
 
-def run_lean(config: dict, limit: int) -> dict:
+def run_lean(config: dict, limit: int, timeout: float) -> dict:
     """One lean-decoder mode (config: run_child's) in a child limited to `limit` bytes."""
     from flashllm_ext.harness.cgroup import run_limited_child
 
-    rows, facts = run_limited_child(child_argv(config), limit, 0, f"memory-{config['mode']}")
+    rows, facts = run_limited_child(child_argv(config), limit, 0, f"memory-{config['mode']}", timeout)
     out = rows[-1] if rows else {"error": "the child printed no row"}
     if "error" in out:  # a refused budget ends the child with a traceback: its last line says why
         out["error"] = out["error"].strip().splitlines()[-1][-300:]
@@ -135,10 +135,12 @@ def run_lean(config: dict, limit: int) -> dict:
     }
 
 
-def run_llama(gguf: Path, repack: bool, limit: int, prompt: list[int], tokens: int, threads: int) -> dict:
+def run_llama(
+    gguf: Path, repack: bool, limit: int, prompt: list[int], tokens: int, threads: int, timeout: float
+) -> dict:
     from flashllm_ext.harness.llama_cpp import run_llama_cpp
 
-    r = run_llama_cpp(gguf, prompt, tokens - 1, threads, repack=repack, memory_limit_bytes=limit)
+    r = run_llama_cpp(gguf, prompt, tokens - 1, threads, repack=repack, memory_limit_bytes=limit, timeout=timeout)
     error = r.get("error") or ("OOM-killed" if r.get("oom_killed") else None)
     return {
         "ms_per_token": r.get("ms_per_token"),
@@ -217,7 +219,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt-tokens", type=int, default=16)
     parser.add_argument("--threads", type=int, default=2, help="llama.cpp's threads (ours: torch's default)")
     parser.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp (it builds once, minutes)")
+    parser.add_argument(
+        "--llama-cpp",
+        default="no repack,repack",
+        help="llama.cpp's variants: its weight repacking off (mmap only) and on (copies into anonymous memory)",
+    )
     parser.add_argument("--no-plot", action="store_true")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=1800,
+        help="seconds a process may run (one that thrashes is killed: an error row)",
+    )
     parser.set_defaults(rounds=3)
     args = parser.parse_args(argv)
     if args.child:
@@ -254,7 +267,8 @@ def main(argv: list[str] | None = None) -> None:
         baselines["llama.cpp"] = cgroup_baseline(
             [str(env_python(ensure_env())), "-I", str(WORKER), "--baseline"], "llama-probe"
         )
-        systems = [("llama.cpp", "mmap, no repack"), ("llama.cpp", "mmap, repack"), *systems]  # first: reference ids
+        peers = [("llama.cpp", f"mmap, {how}") for how in args.llama_cpp.split(",")]
+        systems = [*sorted(peers), *systems]  # first (no repack first): the reference ids
     rows = []
     for round_ in range(args.rounds):
         for spec, level in levels:
@@ -262,9 +276,10 @@ def main(argv: list[str] | None = None) -> None:
             for system, mode in systems:
                 limit = baselines[system] + level
                 if system == "lean":
-                    row = run_lean({**base, "mode": mode, "budget_bytes": level}, limit)
+                    row = run_lean({**base, "mode": mode, "budget_bytes": level}, limit, args.timeout)
                 else:
-                    row = run_llama(gguf, mode.endswith(" repack"), limit, prompt, args.tokens, args.threads)
+                    repack = mode.endswith(" repack")
+                    row = run_llama(gguf, repack, limit, prompt, args.tokens, args.threads, args.timeout)
                 ids = row.pop("ids", None)
                 if mode == "mmap, no repack":
                     reference = ids

@@ -358,7 +358,7 @@ class FlashStore:
         return sum(e.end - e.begin for n, e in self._resident_entries.items() if not n.startswith("predictor."))
 
     def close_resident(self) -> None:
-        """Unmaps resident.safetensors (io.safetensors.ResidentFile); a later resident_tensor() maps it again."""
+        """Forgets resident.safetensors' header (io.safetensors.ResidentFile); a later resident_tensor() reads it again."""
         self._resident.close()
 
     def __repr__(self) -> str:

@@ -10,7 +10,6 @@ import torch
 from torch import nn
 
 from flashllm_ext.hub.fetch import fetch_default
-from flashllm_ext.io.safetensors import drop_page_cache
 
 FFN_KINDS = ("gate_proj", "up_proj", "down_proj")
 
@@ -153,6 +152,5 @@ def assign_resident(model: nn.Module, store, dtype: torch.dtype) -> None:
         setattr(module, attr, nn.Parameter(value, requires_grad=False))
     if getattr(model.config, "tie_word_embeddings", False):
         model.tie_weights()
-    # Every resident tensor is now a copy of its own: unmap the file and drop its pages (io.safetensors.ResidentFile).
+    # Every resident tensor is a copy of its own, read without a mapping (io.safetensors.ResidentFile).
     store.close_resident()
-    drop_page_cache(store.resident_path)

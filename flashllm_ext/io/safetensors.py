@@ -15,7 +15,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
-from safetensors import safe_open
 
 from flashllm_ext.errors import FormatError
 from flashllm_ext.io.paths import create_file, regular_file
@@ -67,27 +66,43 @@ def owned_tensor(handle, name: str) -> torch.Tensor:
 
 
 class ResidentFile:
-    """A store's resident.safetensors, read into owned tensors through one safe_open handle, opened on first use.
-    close() once the tensors are loaded: the handle keeps the file mapped, and every page read stays in the process
-    as file-backed memory a memory cgroup counts (the OPT-6.7B offload store's 432 MB embeddings held a child over
-    its limit, docs/history.md, "Offload"), then drop_page_cache(path)."""
+    """A store's resident.safetensors, each tensor read (pread) into memory of its own and its range of the page cache
+    dropped after. Never mapped: a mapping keeps every page read as file-backed memory that a memory cgroup counts
+    beside the copies until the file is unmapped, which held a Llama-3-8B-shaped store's 1.35 GB of resident tensors
+    twice at load and had its process OOM-killed at its limit (as did the OPT-6.7B offload store's 432 MB embeddings,
+    docs/history.md, "Offload"). The header is read on first use; close() forgets it."""
 
     def __init__(self, path: str):
         self.path = path
-        self._handle = None
+        self._entries: dict[str, TensorEntry] | None = None
         self._lock = threading.Lock()
 
     def tensor(self, name: str) -> torch.Tensor:
         with self._lock:
-            if self._handle is None:
-                self._handle = safe_open(self.path, framework="pt")
-            handle = self._handle
-        return owned_tensor(handle, name)
+            if self._entries is None:
+                self._entries = read_header(self.path).tensors
+            entries = self._entries
+        entry = entries.get(name)
+        if entry is None:
+            raise KeyError(f"{self.path}: no tensor {name!r}")
+        out = torch.empty(entry.shape, dtype=_TORCH_DTYPES[entry.dtype])
+        data = out.view(-1).view(torch.uint8).numpy() if out.numel() else bytearray()
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            done = os.preadv(fd, [data], entry.begin) if len(data) else 0
+            os.posix_fadvise(fd, entry.begin, entry.end - entry.begin, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+        if done != entry.end - entry.begin:
+            raise FormatError(
+                name, f"short read: {done} of {entry.end - entry.begin} bytes (file truncated?)", self.path
+            )
+        return out
 
     def close(self) -> None:
-        """Unmaps the file (a later tensor() opens it again)."""
+        """Forgets the header (a later tensor() reads it again)."""
         with self._lock:
-            self._handle = None
+            self._entries = None
 
 
 def drop_page_cache(path: str | os.PathLike) -> None:
@@ -177,6 +192,9 @@ _TORCH_DTYPE_NAMES = {
     "uint8": "U8",
     "bool": "BOOL",
 }
+
+
+_TORCH_DTYPES = {name: getattr(torch, dtype) for dtype, name in _TORCH_DTYPE_NAMES.items()}
 
 
 def dtype_name(dtype: object) -> str:
