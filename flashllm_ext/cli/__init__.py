@@ -61,4 +61,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit(INTERRUPTED) from None
     except (OSError, ValueError) as e:
         raise SystemExit(f"{command}: {' '.join(str(e).split())}") from None
-
