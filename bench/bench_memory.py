@@ -103,30 +103,16 @@ def run_child(config: dict) -> dict:
     }
 
 
-def child_argv(config: dict) -> list[str]:
-    return [sys.executable, "-m", MODULE, "--child", json.dumps(config)]
-
-
-def cgroup_baseline(argv: list[str], name: str) -> int:
-    """Bytes a process holds before its weights: the peak of an unlimited cgroup around a run of `argv` that stops
-    after its imports (docs/design.md §8)."""
-    from flashllm_ext.harness.cgroup import run_limited_child
-
-    _, facts = run_limited_child(argv, None, None, name, 300)
-    if facts["cgroup_peak_mb"] is None:
-        raise RuntimeError(f"no cgroup to measure the baseline: {facts['cgroup_note']}")
-    return int(facts["cgroup_peak_mb"] * 1e6)
-
-
 def run_lean(config: dict, limit: int, timeout: float) -> dict:
     """One lean-decoder mode (config: run_child's) in a child limited to `limit` bytes."""
+    from bench.e2e_common import child_argv
     from flashllm_ext.harness.cgroup import run_limited_child
 
-    rows, facts = run_limited_child(child_argv(config), limit, 0, f"memory-{config['mode']}", timeout)
+    rows, facts = run_limited_child(child_argv(MODULE, config), limit, 0, f"memory-{config['mode']}", timeout)
     out = rows[-1] if rows else {"error": "the child printed no row"}
     if "error" in out:  # a refused budget ends the child with a traceback: its last line says why
         out["error"] = out["error"].strip().splitlines()[-1][-300:]
-    error = out.get("error") or ("OOM-killed" if facts["oom_killed"] else None)
+    error = "OOM-killed" if facts["oom_killed"] else out.get("error")
     return {
         **out,
         "peak_mb": facts["cgroup_peak_mb"],
@@ -141,7 +127,7 @@ def run_llama(
     from flashllm_ext.harness.llama_cpp import run_llama_cpp
 
     r = run_llama_cpp(gguf, prompt, tokens - 1, threads, repack=repack, memory_limit_bytes=limit, timeout=timeout)
-    error = r.get("error") or ("OOM-killed" if r.get("oom_killed") else None)
+    error = "OOM-killed" if r.get("oom_killed") else r.get("error")
     return {
         "ms_per_token": r.get("ms_per_token"),
         "read_mb_per_token": r.get("proc_read_mb_per_token"),
@@ -241,7 +227,7 @@ def main(argv: list[str] | None = None) -> None:
         args.memory, args.modes, args.tokens, args.prompt_tokens, args.rounds = "150%", "naive", 3, 4, 1
         args.no_llama_cpp, args.no_plot, args.scale = True, True, None
 
-    from bench.e2e_common import TARGET_SPARSITY, prompt_ids
+    from bench.e2e_common import TARGET_SPARSITY, child_argv, probe_peak_bytes, prompt_ids
     from flashllm_ext.flash.store import FlashStore
     from flashllm_ext.runtime import parse_budget
 
@@ -258,13 +244,13 @@ def main(argv: list[str] | None = None) -> None:
     levels = [(spec, parse_budget(spec, file_bytes)) for spec in args.memory.split(",")]
     systems = [("lean", mode) for mode in modes]
     probe = {**base, "mode": modes[-1], "probe": True}  # the imports of the heaviest child (flash-oracle's replay)
-    baselines = {"lean": cgroup_baseline(child_argv(probe), "memory-probe")}
+    baselines = {"lean": probe_peak_bytes(child_argv(MODULE, probe), "memory-probe")}
     if args.smoke:
         print("smoke: llama.cpp skipped (it needs its own build)", file=sys.stderr)
     elif not args.no_llama_cpp:
         from flashllm_ext.harness.llama_cpp import WORKER, env_python, ensure_env
 
-        baselines["llama.cpp"] = cgroup_baseline(
+        baselines["llama.cpp"] = probe_peak_bytes(
             [str(env_python(ensure_env())), "-I", str(WORKER), "--baseline"], "llama-probe"
         )
         peers = [("llama.cpp", f"mmap, {how}") for how in args.llama_cpp.split(",")]

@@ -179,7 +179,13 @@ def measure_baseline(module: str, device: str = "cpu", store: Path | None = None
     built on the meta device (the modeling code every child imports: ~120 MB for the default model); the peak of an
     unlimited probe child's cgroup."""
     probe = {"mode": "probe", "device": device, **({"store": str(store)} if store is not None else {})}
-    rows, facts = run_limited_child(child_argv(module, probe), None, None, "e2e-probe", timeout_s)
+    return probe_peak_bytes(child_argv(module, probe), "e2e-probe", timeout_s)
+
+
+def probe_peak_bytes(argv: list[str], name: str, timeout_s: float = 600) -> int:
+    """The peak of an unlimited memory cgroup around a run of `argv` that stops after its imports: a process's
+    baseline, the same way for every system compared (page cache of the files it reads counted)."""
+    _, facts = run_limited_child(argv, None, None, name, timeout_s)
     if facts["cgroup_peak_mb"] is None:
         raise RuntimeError(f"no cgroup to measure the baseline: {facts['cgroup_note']}")
     return int(facts["cgroup_peak_mb"] * 1e6)
