@@ -4,11 +4,11 @@ On the default model (flash mode, operating point (b) predictors, --budget), a p
 tokens; each path in its own process inside a memory cgroup of that process's baseline + the budget
 (bench/e2e_common.py), rounds interleaved. The auto rows use the disk profile of $FLASHLLM_DISK_PROFILE (or the
 cache's disk.json), which --calibrate measures into a file of this benchmark's own. The summary rows are per-path
-medians over the rounds. --smoke: a 4-token prompt, one round, a budget of 75% unless --budget says otherwise, and
-the quant predictors of the scale run's point (a) (calibrated: seconds) in place of the low-rank ones (trained:
-minutes).
+medians over the rounds. --budget defaults to 75%: at 50% the resident tensors and the predictors leave the FFNs less
+than flash mode's minimum. --smoke: a 4-token prompt, one round, and the quant predictors of the scale run's point
+(a) (calibrated: seconds) in place of the low-rank ones (trained: minutes).
 
-    python -m bench.bench_e2e_prefill [--json] [--budget 50%] [--prompt-tokens 64] [--rounds 3] [--calibrate]
+    python -m bench.bench_e2e_prefill [--json] [--budget 75%] [--prompt-tokens 64] [--rounds 3] [--calibrate]
 """
 
 from __future__ import annotations
@@ -147,6 +147,8 @@ def run_prefill(args, baseline: int) -> list[dict]:
 def main(argv: list[str] | None = None) -> None:
     parser = e2e_parser(__doc__.splitlines()[0], tokens=False)
     parser.add_argument("--calibrate", action="store_true", help="measure the disk profile auto uses")
+    # 50% leaves the FFNs nothing next to the resident tensors and the predictors (flash refuses it by 0.9 MB)
+    parser.set_defaults(budget="75%")
     args = parser.parse_args(argv)
     if args.child:
         child_main(args.child, run_prefill_child)
@@ -155,8 +157,6 @@ def main(argv: list[str] | None = None) -> None:
         args.prompt_tokens, args.rounds = 16, 1
     if args.smoke:
         args.prompt_tokens, args.rounds = 4, 1
-        if args.budget == parser.get_default("budget"):  # 50% leaves the FFNs nothing next to the resident
-            args.budget = "75%"  # tensors and predictors (BENCHMARKS.md measured at 75%)
     # The probe builds the store's model on the meta device as every child does (~120 MB of modeling code).
     rows = run_prefill(args, measure_baseline(MODULE, store=default_store(resolve_cache_dir() / "e2e", False)))
     if not args.json:
