@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 from bench.common import arg_parser, emit, error_fields, median_rows, process_memory
-from bench.e2e_common import child_argv, default_store, prompt_ids
+from bench.e2e_common import child_argv, converted_once, default_store, prompt_ids
 
 MODULE = "bench.bench_decode"
 TOKENIZER_VOCAB = 49152  # the default model's tokenizer: llama.cpp needs one, and the scale checkpoints take it
@@ -294,19 +294,12 @@ def _scale_files(name: str) -> tuple[Path, Path]:
     """(fp16 store, F16 GGUF) of the shared synthesized checkpoint `name` with the default tokenizer's vocabulary,
     each written once (bench/synth_checkpoint.py, flashllm_ext.harness.llama_cpp.write_llama_gguf)."""
     from bench.synth_checkpoint import shared_checkpoint
-    from flashllm_ext.errors import FormatError
-    from flashllm_ext.flash.convert import convert
-    from flashllm_ext.flash.store import FlashStore
     from flashllm_ext.harness.llama_cpp import write_llama_gguf
     from flashllm_ext.hub import fetch_default
 
     tokenizer = fetch_default()
     hf = shared_checkpoint(name, vocab_size=TOKENIZER_VOCAB)
-    store = hf.with_name(hf.name.removesuffix("-hf") + "-store")
-    try:
-        FlashStore(store).close()
-    except (OSError, FormatError):  # none yet, or an older format's
-        convert(hf, store, dtype="fp16", force=True)
+    store = converted_once(hf, hf.with_name(hf.name.removesuffix("-hf") + "-store"))
     return store, write_llama_gguf(hf, hf.with_name(hf.name.removesuffix("-hf") + ".F16.gguf"), tokenizer)
 
 

@@ -23,7 +23,6 @@ rows (bench:"e2e_median") are per-configuration medians. --smoke: the checkpoint
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 from bench.common import emit, median_rows, run_limited_child
@@ -38,6 +37,7 @@ from bench.e2e_common import (
     check_device,
     child_argv,
     child_main,
+    converted_once,
     e2e_parser,
     measure_baseline,
     model_bytes_of,
@@ -48,7 +48,6 @@ from bench.e2e_decode import run_child
 from bench.e2e_replay import default_model_sets, load_replayed, run_scale_child
 from bench.traces import predictor_training, trained_predictors
 
-from flashllm_ext.errors import FormatError
 from flashllm_ext.io.paths import resolve_cache_dir
 from flashllm_ext.predictor import DEFAULT_RECIPE
 
@@ -117,17 +116,8 @@ def scale_store(name: str, layers: int | None = None, smoke: bool = False) -> Pa
     shared_checkpoint: its first `layers` layers, or its smoke shapes)."""
     from bench.synth_checkpoint import shared_checkpoint
 
-    from flashllm_ext.flash.convert import convert
-    from flashllm_ext.flash.store import FlashStore
-
     checkpoint = shared_checkpoint(name, layers=layers, smoke=smoke)
-    path = checkpoint.with_name(checkpoint.name.removesuffix("-hf") + "-store")
-    try:
-        FlashStore(path)
-    except (OSError, FormatError):
-        print(f"converting {checkpoint} to {path} (once)", file=sys.stderr)
-        convert(checkpoint, path, dtype="fp16", force=True)
-    return path
+    return converted_once(checkpoint, checkpoint.with_name(checkpoint.name.removesuffix("-hf") + "-store"))
 
 
 def run_scale(args) -> list[dict]:

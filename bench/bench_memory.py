@@ -175,18 +175,11 @@ def model_files(args) -> tuple[Path, Path, list[str]]:
 
         gguf = fetch_default()
         return gguf, prepare_store(gguf, resolve_cache_dir(), args.format), []
+    from bench.e2e_common import converted_once
     from bench.synth_checkpoint import shared_gguf
-    from flashllm_ext.errors import FormatError
-    from flashllm_ext.flash.convert import convert
-    from flashllm_ext.flash.store import FlashStore
 
     gguf = shared_gguf(args.scale, "q4_0")
-    store = gguf.with_name(f"{args.scale}-{args.format}-store")
-    try:
-        FlashStore(store).close()
-    except FormatError:  # none yet, or an older format
-        print(f"converting {gguf} to {store} (once)", file=sys.stderr)
-        convert(gguf, store, dtype=args.format, force=True)
+    store = converted_once(gguf, gguf.with_name(f"{args.scale}-{args.format}-store"), args.format)
     return gguf, store, [f"synthesized weights with {args.scale} shapes (Q4_0)"]
 
 

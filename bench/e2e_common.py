@@ -96,6 +96,20 @@ def prompt_ids(n_prompt: int, vocab_size: int, synthesized: bool = False) -> tup
 # ------------------------------------------------------------------------------------------------- the stores
 
 
+def converted_once(checkpoint: Path, store: Path, dtype: str = "fp16") -> Path:
+    """`store`, converted from `checkpoint` (flashllm convert, `dtype`) unless it opens already: the benchmarks'
+    stores of synthesized checkpoints are written once and reused (again when one is missing or in an older format)."""
+    from flashllm_ext.flash.convert import convert
+    from flashllm_ext.flash.store import FlashStore
+
+    try:
+        FlashStore(store).close()
+    except (OSError, FormatError):
+        print(f"converting {checkpoint} to {store} (once)", file=sys.stderr)
+        convert(checkpoint, store, dtype=dtype, force=True)
+    return store
+
+
 def default_store(cache: Path, train_predictors: bool = True, dtype: str = "fp16") -> Path:
     """The default model converted to a store in `dtype` (convert's: fp16, or q8 / q4, which keep the GGUF's blocks
     where they can; cached), with trained predictors (trained once: minutes; a quantized store takes the fp16
