@@ -107,9 +107,70 @@ CONFIGS: dict[str, dict] = {
         "eos_token_id": 128001,
         "tie_word_embeddings": False,
     },
+    # the mixture-of-experts shapes (allenai/OLMoE-1B-7B-0924, Qwen/Qwen3-30B-A3B)
+    "olmoe-1b-7b": {
+        "model_type": "olmoe",
+        "architectures": ["OlmoeForCausalLM"],
+        "hidden_act": "silu",
+        "hidden_size": 2048,
+        "intermediate_size": 1024,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 16,
+        "num_experts": 64,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": False,
+        "vocab_size": 50304,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "bos_token_id": None,
+        "eos_token_id": 50279,
+        "pad_token_id": 1,
+        "tie_word_embeddings": False,
+    },
+    "qwen3-30b-a3b": {
+        "model_type": "qwen3_moe",
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "hidden_act": "silu",
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "moe_intermediate_size": 768,
+        "num_hidden_layers": 48,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "vocab_size": 151936,
+        "max_position_embeddings": 40960,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
+        "tie_word_embeddings": False,
+    },
 }
 # name -> (dir, prune) of the shared Hugging Face checkpoints (the GGUF ones: shared_gguf)
-SHARED_DIRS = {"opt-6.7b": ("opt-6.7b-hf", 0.5), "llama-2-7b": ("llama-2-7b-hf", None)}
+SHARED_DIRS = {
+    "opt-6.7b": ("opt-6.7b-hf", 0.5),
+    "llama-2-7b": ("llama-2-7b-hf", None),
+    "olmoe-1b-7b": ("olmoe-1b-7b-hf", None),
+    "qwen3-30b-a3b": ("qwen3-30b-a3b-hf", None),
+}
+_SMOKE_MOE = {  # 8 experts of 64 neurons, 2 a token
+    "hidden_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "vocab_size": 100,
+    "max_position_embeddings": 64,
+}
 # The smoke shapes of each family (a benchmark's --smoke, the tests): every code path of the real shapes, ~0.4 MB a
 # layer, so that a share of the model still holds the resident tensors and two layer buffers (bench_offload's 30%).
 SMOKE_OVERRIDES = {
@@ -131,6 +192,8 @@ SMOKE_OVERRIDES = {
         "vocab_size": 100,
         "max_position_embeddings": 64,
     },
+    "olmoe-1b-7b": {**_SMOKE_MOE, "intermediate_size": 64},
+    "qwen3-30b-a3b": {**_SMOKE_MOE, "moe_intermediate_size": 64, "head_dim": 32},
 }
 INIT_STD = 0.02
 INDEX_FILE = "model.safetensors.index.json"
@@ -146,7 +209,24 @@ def checkpoint_specs(config: dict, dtype: torch.dtype) -> list[TensorSpec]:
         model = AutoModelForCausalLM.from_config(hf_config)
     # named_parameters drops the second name of a tied weight (lm_head.weight of OPT): save_pretrained does too.
     tensors = list(model.named_parameters()) + [(n, b) for n, b in model.named_buffers() if n in model.state_dict()]
-    return [TensorSpec(name, dtype_name(dtype), tuple(t.shape)) for name, t in tensors]
+    specs = []
+    for name, t in tensors:
+        specs.extend(_expert_specs(name, tuple(t.shape)) or [(name, tuple(t.shape))])
+    return [TensorSpec(name, dtype_name(dtype), shape) for name, shape in specs]
+
+
+def _expert_specs(name: str, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...]]] | None:
+    """A module's fused expert parameter ([E, 2m, d] gate_up_proj, [E, d, m] down_proj: how transformers holds
+    experts in memory) as save_pretrained writes it, one weight per expert and role (the published checkpoints'
+    layout: mlp.experts.{e}.gate_proj.weight ...); None for any other parameter."""
+    prefix, _, kind = name.rpartition(".")
+    if not prefix.endswith(".experts") or kind not in ("gate_up_proj", "down_proj"):
+        return None
+    count = shape[0]
+    if kind == "down_proj":
+        return [(f"{prefix}.{e}.down_proj.weight", shape[1:]) for e in range(count)]
+    size = shape[1] // 2
+    return [(f"{prefix}.{e}.{role}_proj.weight", (size, shape[2])) for e in range(count) for role in ("gate", "up")]
 
 
 def _is_pruned(spec: TensorSpec) -> bool:

@@ -104,6 +104,7 @@ def _run(args: argparse.Namespace) -> int:
         device=args.device,
         lookahead=args.lookahead,
         max_len=len(prompt) + args.tokens,
+        expert_policy=args.expert_policy,
     )
     stream = TextStream(tokenizer.decode, args.stop)
 
@@ -207,6 +208,7 @@ def add_offload(sub: argparse._SubParsersAction) -> None:
 
 
 def add_run(sub: argparse._SubParsersAction) -> None:
+    from flashllm_ext.flash.experts import EXPERT_POLICIES
     from flashllm_ext.flash.stack import MODES
 
     run = sub.add_parser("run", help="generate text with a model served from a flash store")
@@ -217,6 +219,13 @@ def add_run(sub: argparse._SubParsersAction) -> None:
     run.add_argument("--budget", default="50%", help="DRAM budget: bytes, a share of the model like 50%%, or 200MB")
     run.add_argument("--window", type=positive_int, default=5, help="tokens whose active neurons stay cached (flash)")
     run.add_argument("--tokens", type=positive_int, default=32, help="tokens to generate")
+    run.add_argument(
+        "--expert-policy",
+        choices=EXPERT_POLICIES,
+        default="lru",
+        help="a mixture-of-experts store in flash mode: which cached expert leaves for a missing one (window: "
+        "only the experts of the last --window tokens stay)",
+    )
     run.add_argument(
         "--lookahead",
         choices=("ahead", "prefetch"),

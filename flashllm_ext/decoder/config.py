@@ -11,6 +11,8 @@ import torch
 
 # model_type -> the decoder family that runs it (flashllm_ext/decoder/<family>.py)
 FAMILIES = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llama", "opt": "opt"}
+# the mixture-of-experts families: a Llama-family attention, experts and a router in place of the FFN
+FAMILIES.update({"mixtral": "llama", "qwen2_moe": "llama", "qwen3_moe": "llama", "olmoe": "llama"})
 ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -38,6 +40,12 @@ class DecoderConfig:
     rope_scaling: dict | None
     norm_before: bool = True  # OPT's do_layer_norm_before (False: OPT-350m's post-norm layers)
     word_embed_dim: int | None = None  # OPT's word_embed_proj_dim when it differs from hidden_size
+    full_qk_norm: bool = False  # OLMoE: one RMSNorm over all of q's heads (and one over k's) before RoPE
+    n_experts: int = 0  # experts per layer (0: a dense FFN)
+    top_k: int = 0  # experts a token uses per layer
+    norm_top_k: bool = False  # the chosen experts' router probabilities renormalised to sum to 1
+    shared_expert: bool = False  # Qwen2-MoE: a dense expert every token uses, scaled by a sigmoid gate
+    hidden_act: str = "silu"  # the FFN's activation (the shared expert's; the FFN modules read the store's)
 
     @classmethod
     def from_config(cls, config: dict, source: str | os.PathLike) -> DecoderConfig:
@@ -83,6 +91,9 @@ class DecoderConfig:
             raise ValueError(f"{source}: rope_scaling type {rope_type!r} is not supported (one of {ROPE_TYPES})")
         if config.get("partial_rotary_factor", 1.0) != 1.0:
             raise ValueError(f"{source}: partial_rotary_factor {config['partial_rotary_factor']} is not supported")
+        if config.get("clip_qkv") is not None:
+            raise ValueError(f"{source}: clip_qkv {config['clip_qkv']} is not supported")
+        n_experts = int(config.get("num_local_experts") or config.get("num_experts") or 0)
         return cls(
             model_type=model_type,
             family=family,
@@ -95,12 +106,19 @@ class DecoderConfig:
             norm_eps=float(config.get("rms_norm_eps", 1e-6)),
             max_positions=int(config.get("max_position_embeddings", 2048)),
             tie_embeddings=bool(config.get("tie_word_embeddings", False)),
-            qkv_bias=model_type == "qwen2" or bool(config.get("attention_bias", False)),
-            o_bias=model_type != "qwen2" and bool(config.get("attention_bias", False)),
-            qk_norm=model_type == "qwen3",
+            qkv_bias=model_type in ("qwen2", "qwen2_moe") or bool(config.get("attention_bias", False)),
+            o_bias=model_type not in ("qwen2", "qwen2_moe") and bool(config.get("attention_bias", False)),
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             windows=_windows(config, model_type, layers),
             rope_theta=float(scaling.get("rope_theta") or config.get("rope_theta", 10000.0)),
             rope_scaling=None if rope_type == "default" else dict(scaling),
+            full_qk_norm=model_type == "olmoe",
+            n_experts=n_experts,
+            top_k=int(config.get("num_experts_per_tok") or 0) if n_experts else 0,
+            # Mixtral always renormalises; the others as their config says
+            norm_top_k=model_type == "mixtral" or bool(config.get("norm_topk_prob", False)),
+            shared_expert=bool(config.get("shared_expert_intermediate_size")),
+            hidden_act=str(config.get("hidden_act", "silu")),
         )
 
 
@@ -112,9 +130,9 @@ def _windows(config: dict, model_type: str, n_layers: int) -> tuple[int | None, 
         return (None,) * n_layers
     if config.get("layer_types"):
         return tuple(int(window) if kind == "sliding_attention" else None for kind in config["layer_types"])
-    if model_type == "mistral":
+    if model_type in ("mistral", "mixtral"):
         return (int(window),) * n_layers
-    if model_type in ("qwen2", "qwen3") and config.get("use_sliding_window"):
+    if model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and config.get("use_sliding_window"):
         first = int(config.get("max_window_layers", n_layers))
         return tuple(int(window) if i >= first else None for i in range(n_layers))
     return (None,) * n_layers

@@ -1,5 +1,8 @@
 """The Llama family on the lean decoder: Llama 2/3, Mistral, Qwen2, Qwen3 and SmolLM (RMSNorm, RoPE, grouped-query
-attention; Qwen2's q/k/v biases, Qwen3's per-head q/k norms, Mistral's and Qwen's sliding windows).
+attention; Qwen2's q/k/v biases, Qwen3's per-head q/k norms, Mistral's and Qwen's sliding windows), and the
+mixture-of-experts families on the same attention: Mixtral, Qwen2-MoE (a shared expert), Qwen3-MoE and OLMoE (one q
+norm and one k norm over all heads), whose FFN is the experts their layer's router names (flashllm_ext.decoder.moe
+routes, flashllm_ext.flash.experts reads and computes them).
 
 A layer: x += o(attention(rope(q), rope(k), v)) of rms_norm(x), then x += ffn(rms_norm(x)), with q, k and v one
 fused matrix (one read of the three), exactly the arithmetic of transformers' LlamaDecoderLayer in float32.
@@ -14,6 +17,7 @@ import torch.nn.functional as F
 
 from flashllm_ext.decoder.config import DecoderConfig, rope_inverse_frequencies
 from flashllm_ext.decoder.kv_cache import StaticKVCache
+from flashllm_ext.decoder.moe import Router, SharedExpert
 from flashllm_ext.decoder.layers import (
     ResidentWeights,
     Rotary,
@@ -43,16 +47,21 @@ class LlamaLayer:
         self.attention_norm = weights.require(f"layers.{index}.input_layernorm.weight", torch.float32)
         self.ffn_norm = weights.require(f"layers.{index}.post_attention_layernorm.weight", torch.float32)
         self.q_norm = self.k_norm = None
-        if config.qk_norm:
+        if config.qk_norm or config.full_qk_norm:
             self.q_norm = weights.require(f"{attn}q_norm.weight", torch.float32)
             self.k_norm = weights.require(f"{attn}k_norm.weight", torch.float32)
+        self.full_qk_norm = config.full_qk_norm
+        # an MoE layer's router and shared expert (its experts are the FFN's: flashllm_ext.flash.experts)
+        self.router = Router(config, weights, index) if config.n_experts else None
+        self.shared_expert = SharedExpert(config, weights, index) if config.shared_expert else None
         self.index, self.window, self.eps = index, config.windows[index], config.norm_eps
         self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
         self.scale = config.head_dim**-0.5
 
     def tensors(self) -> list[torch.Tensor | None]:
         norms = [self.attention_norm, self.ffn_norm, self.q_norm, self.k_norm]
-        return [self.qkv, self.qkv_bias, self.o, self.o_bias, *norms]
+        moe = [t for part in (self.router, self.shared_expert) if part is not None for t in part.tensors()]
+        return [self.qkv, self.qkv_bias, self.o, self.o_bias, *norms, *moe]
 
     def ffn_input(self, x: torch.Tensor) -> torch.Tensor:
         """What this layer's FFN would see if the attention added nothing (a look-ahead predictor's input)."""
@@ -65,7 +74,7 @@ class LlamaLayer:
         rotary's for these tokens (Rotary.tables)."""
         n_tokens, start = x.shape[0], cache.length
         # decoding: the attention half in one call, which also norms the FFN's input (float weights only)
-        if n_tokens == 1 and not isinstance(self.qkv, QuantizedWeight):
+        if n_tokens == 1 and not isinstance(self.qkv, QuantizedWeight) and not self.full_qk_norm:
             x, h = DECODER_ATTENTION(
                 x,
                 self.attention_norm,
@@ -87,9 +96,13 @@ class LlamaLayer:
             return x + ffn(h)
         h = F.rms_norm(x, self.attention_norm.shape, self.attention_norm, self.eps)
         qkv = linear(h, self.qkv, self.qkv_bias)
-        k_end = (self.n_heads + self.n_kv_heads) * self.head_dim
+        q_end, k_end = self.n_heads * self.head_dim, (self.n_heads + self.n_kv_heads) * self.head_dim
+        if self.full_qk_norm:
+            q = F.rms_norm(qkv[:, :q_end], self.q_norm.shape, self.q_norm, self.eps)
+            k = F.rms_norm(qkv[:, q_end:k_end], self.k_norm.shape, self.k_norm, self.eps)
+            qkv = torch.cat((q, k, qkv[:, k_end:]), dim=1)
         qk = qkv[:, :k_end].view(n_tokens, self.n_heads + self.n_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and not self.full_qk_norm:
             qk = torch.cat(
                 (
                     F.rms_norm(qk[:, : self.n_heads], self.q_norm.shape, self.q_norm, self.eps),
@@ -127,7 +140,9 @@ class LlamaModel:
     def to(self, device: torch.device) -> LlamaModel:
         move_tensors(self, device)
         for layer in self.layers:
-            move_tensors(layer, device)
+            for part in (layer, layer.router, layer.shared_expert):
+                if part is not None:
+                    move_tensors(part, device)
         move_tensors(self.rotary, device)
         return self
 

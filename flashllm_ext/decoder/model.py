@@ -25,6 +25,7 @@ from flashllm_ext.decoder.layers import ResidentWeights, dense_ffns
 from flashllm_ext.decoder.llama import LlamaModel
 from flashllm_ext.decoder.opt import OPTModel
 from flashllm_ext.flash.engine import check_lookahead, predictors_for_mode
+from flashllm_ext.flash.experts import expert_stack
 from flashllm_ext.flash.stack import FlashRuntime, ffn_stack, store_ffn_bytes
 from flashllm_ext.flash.store import BIAS_ROLES, FlashStore
 from flashllm_ext.runtime import cuda_device, parse_budget, tensor_bytes
@@ -154,18 +155,26 @@ def load_decoder(
     reader_options: dict | None = None,
     lookahead: str | None = None,
     cache_layout: str = "auto",
+    expert_policy: str = "lru",
 ) -> LeanDecoder:
     """A LeanDecoder over a flash store: its resident weights in `dtype` (default the store's), its FFNs served by
     `mode` within `dram_budget` (bytes, "50%" of the model's weights, "200MB"; None: no limit; dense mode: every
     FFN weight in DRAM, no budget). max_len: the KV cache's tokens (kv_dtype), charged to the budget. Every other
-    argument as in load_flash. ValueError for a model family the decoder does not run, naming it."""
+    argument as in load_flash. ValueError for a model family the decoder does not run, naming it.
+
+    A mixture-of-experts store (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE) runs in dense, naive or flash mode
+    (flashllm_ext.flash.experts): its routers name the experts exactly, so it needs no predictors; flash mode keeps
+    experts in per-layer caches by `expert_policy` ("lru", "lfu" or "window", with `window` tokens)."""
     device = cuda_device(device)
     store = FlashStore(store_dir)
     try:
         config = DecoderConfig.from_config(store.config, store.path)
-        cache_layout = check_lookahead(mode, lookahead, cache_layout)
+        moe = store.experts is not None
+        if moe and (lookahead is not None or device.type != "cpu"):
+            raise ValueError(f"{store.path}: a mixture-of-experts store runs on the CPU without look-ahead so far")
+        cache_layout = "auto" if moe else check_lookahead(mode, lookahead, cache_layout)
         dtype = dtype or store.dtype
-        predictors = predictors_for_mode(store, predictors, mode)
+        predictors = None if moe else predictors_for_mode(store, predictors, mode)
         weights = ResidentWeights(store, dtype)
         model = FAMILY_MODELS[config.family](config, weights, max_len)
         if weights.left():
@@ -176,11 +185,26 @@ def load_decoder(
         model.to(device)
         cache = StaticKVCache(config.n_layers, max_len, config.n_kv_heads, config.head_dim, kv_dtype, device)
         runtime = None
-        if mode == "dense":
+        total = model_weight_bytes(model) + _ffn_bias_bytes(store) + store_ffn_bytes(store)
+        budget = None if dram_budget is None else parse_budget(dram_budget, total)
+        if moe:
+            runtime = expert_stack(
+                store,
+                mode,
+                budget,
+                routes=[layer.router for layer in model.layers],
+                top_k=config.top_k,
+                shared=[layer.shared_expert for layer in model.layers],
+                policy=expert_policy,
+                window=window,
+                threads=threads,
+                resident_bytes=tensor_bytes(model.tensors()) + cache.nbytes,
+                reader_options=reader_options,
+            )
+            ffns = runtime.modules
+        elif mode == "dense":
             ffns = [ffn.to(device) for ffn in dense_ffns(store, dtype)]
         else:
-            total = model_weight_bytes(model) + _ffn_bias_bytes(store) + store_ffn_bytes(store)
-            budget = None if dram_budget is None else parse_budget(dram_budget, total)
             runtime = ffn_stack(
                 store,
                 mode,

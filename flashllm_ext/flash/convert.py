@@ -34,6 +34,7 @@ from flashllm_ext.io.safetensors import DTYPE_SIZES, FLOAT_DTYPES, AlignedWriter
 from flashllm_ext.io.buffers import ALIGNMENT
 from flashllm_ext.flash.store import (
     BUNDLES_FILE,
+    EXPERT_FIELD,
     DENSE_FORMAT,
     DTYPES,
     FORMAT_VERSION,
@@ -41,15 +42,22 @@ from flashllm_ext.flash.store import (
     RESIDENT_FILE,
     WEIGHT_ROLES,
     FlashStore,
+    expert_name,
     layer_specs,
     layer_tensor_name,
 )
 from flashllm_ext.ops.blocks import BLOCK_FORMATS, BundleFormat, block_format, quantize_rows
 
-# FFN tensor names of the supported families: Llama/Mistral/SmolLM (gate/up/down) and OPT (fc1/fc2). The only place
-# a family's naming scheme is read: the store records the names it finds per layer and role (store.ffn_roles).
+# FFN tensor names of the supported families: Llama/Mistral/SmolLM (gate/up/down) and OPT (fc1/fc2), and the experts
+# of the mixture-of-experts families (Mixtral's block_sparse_moe.experts.{e}.w1/w3/w2, Qwen-MoE's and OLMoE's
+# mlp.experts.{e}.gate_proj/up_proj/down_proj). The only place a family's naming scheme is read: the store records
+# the names it finds per layer and role (store.ffn_roles; an expert's with EXPERT_FIELD in place of its number).
 _FFN_NAME = re.compile(r"^(?:.*\.)?layers\.(\d+)\.(?:mlp\.)?(gate_proj|up_proj|down_proj|fc1|fc2)\.(weight|bias)$")
+_EXPERT_NAME = re.compile(
+    r"^((?:.*\.)?layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.)(\d+)(\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight)$"
+)
 _ROLE = {"gate_proj": "gate", "up_proj": "up", "fc1": "up", "down_proj": "down", "fc2": "down"}
+_ROLE.update({"w1": "gate", "w3": "up", "w2": "down"})  # Mixtral's expert weights
 _VERIFY_SAMPLES = 4  # neurons per layer read back after writing
 STORE_FILES = (BUNDLES_FILE, RESIDENT_FILE)  # what convert writes: --force replaces these and nothing else
 # The quantized dtypes -> the block formats their up/gate rows may take: the first, unless more of a GGUF's up/gate
@@ -63,23 +71,41 @@ _FLOAT_SOURCES = ("F16", "BF16", "F32", "F64")  # tensor types a quantized store
 _CHUNK_BYTES = 32 << 20
 
 
-def _ffn_layout(names: list[str], model_type: object) -> tuple[dict[int, dict[str, str]], bool]:
+def _ffn_layout(names: list[str], model_type: object) -> tuple[dict[int, dict[str, str]], bool, int]:
     """Per layer in layer order, role -> tensor name of its FFN weights (up, gate, down) and biases (up_bias, ...);
-    and whether the model is gated (GLU). `model_type` (the config's) names the model in errors."""
+    whether the model is gated (GLU); and its experts per layer (0: a dense model; an MoE layer's names hold
+    EXPERT_FIELD in place of the expert's number). `model_type` (the config's) names the model in errors."""
     layers: dict[int, dict[str, str]] = {}
+    experts: dict[int, set[int]] = {}
     for name in names:
         m = _FFN_NAME.match(name)
         if m:
             role = _ROLE[m.group(2)] + ("_bias" if m.group(3) == "bias" else "")
             layers.setdefault(int(m.group(1)), {})[role] = name
+            continue
+        m = _EXPERT_NAME.match(name)
+        if m:
+            layer = int(m.group(2))
+            layers.setdefault(layer, {})[_ROLE[m.group(5)]] = m.group(1) + EXPERT_FIELD + m.group(4)
+            experts.setdefault(layer, set()).add(int(m.group(3)))
     if not layers:
         raise unsupported_model(
             model_type,
-            "no FFN weights named as in Llama, Mistral or SmolLM "
-            "(layers.{i}.mlp.gate_proj/up_proj/down_proj) or OPT (layers.{i}.fc1/fc2)",
+            "no FFN weights named as in Llama, Mistral or SmolLM (layers.{i}.mlp.gate_proj/up_proj/down_proj), "
+            "OPT (layers.{i}.fc1/fc2) or an MoE family (layers.{i}.mlp.experts.{e}.*, Mixtral's "
+            "block_sparse_moe.experts.{e}.w1/w2/w3)",
         )
     if sorted(layers) != list(range(len(layers))):
         raise FormatError("layers", f"non-contiguous layer numbers {sorted(layers)[:8]}")
+    n_experts = len(experts.get(0, ()))
+    for layer in layers:
+        found = experts.get(layer, set())
+        if found != set(range(n_experts)):
+            raise unsupported_model(
+                model_type,
+                f"layer {layer} has experts {sorted(found)[:8]} where layer 0 has {n_experts}: models mixing dense "
+                "and expert layers, or with gaps in their expert numbers, are not supported",
+            )
     # Numeric order: tensor names sort as strings (layers.10 before layers.2), and the header's declaration order
     # must be the order the layers are written in.
     layers = dict(sorted(layers.items()))
@@ -89,7 +115,17 @@ def _ffn_layout(names: list[str], model_type: object) -> tuple[dict[int, dict[st
         weights = set(roles) & set(WEIGHT_ROLES)
         if weights != needed:
             raise FormatError(f"layers.{layer}", f"FFN weights {sorted(weights)}, expected {sorted(needed)}")
-    return layers, glu
+        if n_experts and set(roles) != weights:
+            raise FormatError(f"layers.{layer}", f"expert FFNs with biases ({sorted(roles)}) are not supported")
+    return layers, glu, n_experts
+
+
+def _bundled_roles(roles: dict[str, str], n_experts: int) -> list[dict[str, str]]:
+    """The role -> tensor name maps whose bundles make up one layer, in store order: the layer's own (a dense
+    model), or each expert's (an MoE layer: expert e's neurons are rows [e * size, (e + 1) * size))."""
+    if not n_experts:
+        return [roles]
+    return [{role: expert_name(name, e) for role, name in roles.items()} for e in range(n_experts)]
 
 
 def bundle_layer(up: torch.Tensor, down: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
@@ -136,25 +172,30 @@ def convert(
     down_format = block_format(down_format or DEFAULT_DOWN_FORMAT).name
     out_dir = check_out_dir(out_dir, force, STORE_FILES, checkpoint)
     ckpt = open_checkpoint(checkpoint)
-    layers, glu = _ffn_layout(ckpt.names, ckpt.config.get("model_type"))
+    layers, glu, n_experts = _ffn_layout(ckpt.names, ckpt.config.get("model_type"))
     float_dtype = QUANTIZED_FLOAT_DTYPE if quantized else dtype
     torch_dtype = DTYPES[float_dtype]
-    first = layers[0]
-    ffn, hidden = ckpt.shape(first["up"])
+    bundled = {layer: _bundled_roles(roles, n_experts) for layer, roles in layers.items()}
+    size, hidden = ckpt.shape(bundled[0][0]["up"])
+    ffn = size * max(1, n_experts)
     bundle_format, sources = None, None
     if quantized:
-        bundle_format = BundleFormat(_input_format(ckpt, layers, QUANTIZED_DTYPES[dtype]), down_format)
-        sources = [_tensor_sources(ckpt, roles, bundle_format) for roles in layers.values()]
+        bundle_format = BundleFormat(_input_format(ckpt, bundled, QUANTIZED_DTYPES[dtype]), down_format)
+        sources = [_tensor_sources(ckpt, parts[0], bundle_format) for parts in bundled.values()]
     metadata = _bundles_metadata(
         ckpt.config, float_dtype, ffn, hidden, glu, endor, list(layers.values()), bundle_format, sources
     )
+    if n_experts:
+        metadata["experts"] = json.dumps({"count": n_experts, "size": size})
     tmp = staging_dir(out_dir)
     try:
         expected = _write_bundles(
-            tmp / BUNDLES_FILE, ckpt, layers, torch_dtype, endor, ffn, hidden, metadata, progress, bundle_format
+            tmp / BUNDLES_FILE, ckpt, bundled, torch_dtype, endor, size, hidden, metadata, progress, bundle_format
         )
-        bundled = {name for roles in layers.values() for role, name in roles.items() if role in WEIGHT_ROLES}
-        resident_names = [n for n in ckpt.names if n not in bundled]
+        weights = {
+            name for parts in bundled.values() for roles in parts for r, name in roles.items() if r in WEIGHT_ROLES
+        }
+        resident_names = [n for n in ckpt.names if n not in weights]
         blocks = _resident_block_formats(ckpt, resident_names, bundle_format) if quantized else {}
         resident = _write_resident(
             tmp / RESIDENT_FILE, ckpt, resident_names, torch_dtype, float_dtype, progress, blocks
@@ -168,9 +209,11 @@ def convert(
     return out_dir
 
 
-def _input_format(ckpt: Checkpoint, layers: dict[int, dict[str, str]], formats: tuple[str, ...]) -> str:
-    """The one of `formats` most up/gate tensors already have (their blocks are kept), the first on a tie."""
-    types = Counter(ckpt.source_type(roles[r]) for roles in layers.values() for r in ("up", "gate") if r in roles)
+def _input_format(ckpt: Checkpoint, layers: dict[int, list[dict[str, str]]], formats: tuple[str, ...]) -> str:
+    """The one of `formats` most up/gate tensors already have (their blocks are kept), the first on a tie; layers:
+    per layer the role maps of its parts (_bundled_roles)."""
+    parts = [roles for layer in layers.values() for roles in layer]
+    types = Counter(ckpt.source_type(roles[r]) for roles in parts for r in ("up", "gate") if r in roles)
     return max(formats, key=lambda f: (types[f.upper()], f == formats[0]))
 
 
@@ -383,36 +426,36 @@ def synthesize(
 def _write_bundles(
     path: Path,
     ckpt: Checkpoint,
-    layers: dict[int, dict[str, str]],
+    layers: dict[int, list[dict[str, str]]],
     dtype: torch.dtype,
     use_endor: bool,
-    ffn: int,
+    size: int,
     hidden: int,
     metadata: dict[str, str],
     progress: bool,
     bundle_format: BundleFormat | None = None,
 ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-    """Writes every layer (float bundles in `dtype`, or `bundle_format`'s quantized rows); returns per layer
+    """Writes every layer (float bundles in `dtype`, or `bundle_format`'s quantized rows), each the bundles of its
+    parts (_bundled_roles: the layer, or each of its experts, of `size` neurons) one after another; returns per layer
     (sample neuron ids, their expected rows) for verification."""
-    glu = "gate" in layers[0]
+    glu = "gate" in layers[0][0]
     width = (3 if glu else 2) * hidden
     quantized_row_bytes = None if bundle_format is None else bundle_format.row_bytes(hidden, glu)
+    ffn = size * len(layers[0])
 
-    def bundles(layer: int) -> torch.Tensor:
-        roles = layers[layer]
+    def part_bundles(roles: dict[str, str]) -> torch.Tensor:
+        for role, name in roles.items():
+            want = (hidden, size) if role == "down" else (size, hidden)
+            if role in WEIGHT_ROLES and tuple(ckpt.shape(name)) != want:
+                raise FormatError(name, f"shape {tuple(ckpt.shape(name))}, expected {want} as in layer 0")
         if bundle_format is not None:
-            for role, name in roles.items():
-                want = (hidden, ffn) if role == "down" else (ffn, hidden)
-                if role in WEIGHT_ROLES and tuple(ckpt.shape(name)) != want:
-                    raise FormatError(name, f"shape {tuple(ckpt.shape(name))}, expected {want} as in layer 0")
             return _quantized_bundles(ckpt, roles, bundle_format)
         gate = ckpt[roles["gate"]].to(dtype) if "gate" in roles else None
-        layer_bundles = bundle_layer(ckpt[roles["up"]].to(dtype), ckpt[roles["down"]].to(dtype), gate)
-        if tuple(layer_bundles.shape) != (ffn, width):
-            raise FormatError(
-                layer_tensor_name(layer), f"shape {tuple(layer_bundles.shape)} differs from layer 0's {(ffn, width)}"
-            )
-        return layer_bundles
+        return bundle_layer(ckpt[roles["up"]].to(dtype), ckpt[roles["down"]].to(dtype), gate)
+
+    def bundles(layer: int) -> torch.Tensor:
+        parts = [part_bundles(roles) for roles in layers[layer]]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     # The header (written first) declares the length of each layer's Endor rows: a first pass counts the values, one
     # layer's dense bundles at a time; the second compresses and writes. Never more than one compressed layer in

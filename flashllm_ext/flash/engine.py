@@ -42,7 +42,7 @@ from flashllm_ext.flash.store import FlashStore
 from flashllm_ext.runtime import cuda_device
 from flashllm_ext.hub.hf import assign_resident, empty_model
 from flashllm_ext.runtime import deprecated_alias, parse_budget, tensor_bytes
-from flashllm_ext.flash.stack import MODES, FlashRuntime, ffn_stack, store_ffn_bytes
+from flashllm_ext.flash.stack import MODES, FlashRuntime, ffn_stack, refuse_experts, store_ffn_bytes
 
 
 def _ffn_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -237,6 +237,7 @@ def load_flash(
     says which (and "hot_fraction" how much is pinned)."""
     device = cuda_device(device)
     store = FlashStore(store_dir)
+    refuse_experts(store)
     dtype = dtype or store.dtype
     model = empty_model(store.config, dtype, store.path)
     predictors = predictors_for_mode(store, predictors, mode)

@@ -28,6 +28,15 @@ MODES = ("dense", "naive", "hybrid", "flash", "exact")
 CACHE_LAYOUTS = ("auto", "per-layer", "shared", "hot-cold")
 
 
+def refuse_experts(store: FlashStore) -> None:
+    """ValueError for a mixture-of-experts store: its experts run on the lean decoder, not the neuron engine."""
+    if store.experts is not None:
+        raise ValueError(
+            f"{store.path} is a mixture-of-experts store: its experts run on the lean decoder "
+            "(flashllm_ext.load_decoder, `flashllm run`), not through the neuron engine"
+        )
+
+
 def store_ffn_bytes(store: FlashStore) -> int:
     return store.n_layers * store.n_neurons * store.row_bytes
 
@@ -49,6 +58,7 @@ class FlashRuntime(Runtime):
     predictors: nn.Module | None = None
     cache_layout: str | None = None  # flash / exact: "per-layer", "shared" or "hot-cold" (CACHE_LAYOUTS); else None
     hooks: list = field(default_factory=list)  # the look-ahead hooks on the decoder layers (removable handles)
+    expert_policy: str | None = None  # an MoE store's flash mode: its ExpertCache policy (flash.experts)
 
     @property
     def accounted_bytes(self) -> int:
@@ -90,6 +100,19 @@ class FlashRuntime(Runtime):
             "cache_layout": self.cache_layout,
             "hot_fraction": self.hot_fraction,
             "reader_bounce_bytes": None if self.reader is None else self.reader.bounce_bytes(),
+            **self._expert_stats(tokens),
+        }
+
+    def _expert_stats(self, tokens: int) -> dict:
+        """An MoE store's: the cache policy and the experts needed and read per token and layer."""
+        layout = self.store.experts
+        if layout is None:
+            return {}
+        per = layout.size * max(tokens, 1) * self.store.n_layers
+        return {
+            "expert_policy": self.expert_policy,
+            "experts_needed_per_layer": self.counters.needed / per,
+            "experts_read_per_layer": self.counters.inserted / per,
         }
 
     @property
@@ -252,7 +275,7 @@ READER_BUFFER_SHARE = 64  # the reader's buffers may take 1/64 of what the budge
 SHARED_CACHE_READER_SHARE = 2
 
 
-def _bounded_reader_options(
+def bounded_reader_options(
     store: FlashStore, budget_bytes: int | None, taken: int, share_of: int = READER_BUFFER_SHARE
 ) -> dict:
     """The engine's reader options under a budget: the reader's buffers (FlashReader.buffer_bound, charged to the
@@ -298,6 +321,7 @@ def ffn_stack(
     exact mode's (CACHE_LAYOUTS)."""
     if mode not in MODES or mode == "dense":
         raise ValueError(f"mode must be one of {MODES[1:]}, got {mode!r}")
+    refuse_experts(store)
     predictor_bytes = 0
     if mode == "flash":
         if predictors is None:
@@ -329,7 +353,7 @@ def ffn_stack(
         )
     )
     share_of = SHARED_CACHE_READER_SHARE if layout == "shared" else READER_BUFFER_SHARE
-    reader_options = {**_bounded_reader_options(store, budget_bytes, taken, share_of), **(reader_options or {})}
+    reader_options = {**bounded_reader_options(store, budget_bytes, taken, share_of), **(reader_options or {})}
     reader, stats = FlashReader(store, threads=threads, **reader_options), FFNStats()
     # The reader's bounce buffers (one per thread, kept between calls) and an Endor store's compressed staging (one
     # read at a time): a fixed cost.

@@ -19,6 +19,9 @@ widths, alignment and `ffn_roles`: per layer, the checkpoint tensor name of each
 weights are the bundles, and BIAS_ROLES present in the model, which are resident tensors under that name), so nothing
 reading a store re-derives names from a model family's naming scheme. A quantized store also records per layer how
 each FFN weight reached it (`tensor_sources`: its blocks kept from a GGUF, or quantized from another type).
+Mixture-of-experts stores (`experts`: {"count": E, "size": m}, FlashStore.experts) hold each layer's E experts as its
+E * m neurons, expert e the rows [e * m, (e + 1) * m): an expert is one contiguous range, read in one go; its
+ffn_roles name expert e's tensors with EXPERT_FIELD in place of e. The router and shared experts are resident.
 `flashllm_ext.flash.convert` writes a store, `FlashStore` opens and validates one.
 """
 
@@ -42,17 +45,21 @@ from flashllm_ext.flash.store_header import (  # noqa: F401  (the store's names,
     CONFIG_SIZES,
     DENSE_FORMAT,
     DTYPES,
+    EXPERT_FIELD,
     FORMAT_VERSION,
     MAGIC,
     READABLE_VERSIONS,
     RESIDENT_FILE,
     WEIGHT_ROLES,
+    ExpertLayout,
     check_entry,
+    expert_name,
     check_magic,
     int_field,
     layer_specs,
     layer_tensor_name,
     parse_bundle_format,
+    parse_experts,
     parse_ffn_roles,
     parse_model_config,
     parse_resident_formats,
@@ -170,6 +177,7 @@ class FlashStore:
             self.bundles_path,
         )
         self.tensor_sources = parse_tensor_sources(meta.get("tensor_sources"), self.ffn_roles, self.bundles_path)
+        self.experts = parse_experts(meta.get("experts"), self.n_neurons, self.ffn_roles, self.bundles_path)
         self._shared: dict[str, Any] = {}
         self._shared_lock = threading.Lock()
         self._resident = ResidentFile(self.resident_path)

@@ -4,6 +4,7 @@ FormatError naming the file and the field (flashllm_ext.flash.store opens a stor
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 
 import torch
 
@@ -20,6 +21,7 @@ BUNDLES_FILE = "bundles.safetensors"
 RESIDENT_FILE = "resident.safetensors"
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 WEIGHT_ROLES = ("up", "gate", "down")  # gate only in GLU models
+EXPERT_FIELD = "{expert}"  # in an MoE store's ffn_roles: where each expert's number goes in its tensor names
 BIAS_ROLES = ("up_bias", "gate_bias", "down_bias")
 # The sizes a model is built from (Hugging Face config names of the supported families).
 CONFIG_SIZES = (
@@ -56,6 +58,46 @@ def parse_model_config(raw: str | None, path: str, resident: dict[str, TensorEnt
             f"{field}.vocab_size", f"{vocab} is the row count of no resident tensor (the embedding)", path
         )
     return config
+
+
+def expert_name(name: str, expert: int) -> str:
+    """Expert `expert`'s tensor of an MoE store's ffn_roles name (EXPERT_FIELD replaced by its number)."""
+    return name.replace(EXPERT_FIELD, str(expert))
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """An MoE store's layers: `count` experts of `size` neurons each, expert e the bundle rows [e * size,
+    (e + 1) * size) of its layer, one contiguous range of the file."""
+
+    count: int
+    size: int
+
+    def rows(self, expert: int) -> range:
+        return range(expert * self.size, (expert + 1) * self.size)
+
+
+def parse_experts(raw: str | None, n_neurons: int, ffn_roles: list[dict[str, str]], path: str) -> ExpertLayout | None:
+    """None for a dense store; else the `experts` field {"count": E, "size": m}, E * m == n_neurons, every weight
+    role of every layer naming its experts with EXPERT_FIELD. FormatError naming the field otherwise."""
+    if raw is None:
+        return None
+    field = "__metadata__.experts"
+    try:
+        spec = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise FormatError(field, f"not JSON ({e})", path) from None
+    ok = isinstance(spec, dict) and set(spec) == {"count", "size"}
+    if not ok or any(type(spec[k]) is not int or spec[k] <= 0 for k in spec):
+        raise FormatError(field, f"must be {{'count': E > 0, 'size': m > 0}}, got {str(spec)[:80]}", path)
+    if spec["count"] * spec["size"] != n_neurons:
+        raise FormatError(field, f"{spec['count']} experts of {spec['size']} neurons != n_neurons {n_neurons}", path)
+    for layer, roles in enumerate(ffn_roles):
+        if any(role not in WEIGHT_ROLES or EXPERT_FIELD not in name for role, name in roles.items()):
+            raise FormatError(
+                f"__metadata__.ffn_roles[{layer}]", f"an MoE layer's roles must be expert weights, got {roles}", path
+            )
+    return ExpertLayout(spec["count"], spec["size"])
 
 
 def layer_tensor_name(layer: int) -> str:

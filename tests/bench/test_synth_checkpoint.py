@@ -20,7 +20,11 @@ from flashllm_ext.flash.convert import bundle_layer, convert, describe_sources
 from flashllm_ext.flash.store import FlashStore
 
 
-@pytest.fixture(scope="module", params=sorted(SMOKE_OVERRIDES))
+DENSE = ("llama-2-7b", "opt-6.7b")
+MOE = ("olmoe-1b-7b", "qwen3-30b-a3b")
+
+
+@pytest.fixture(scope="module", params=DENSE)
 def tiny_checkpoint(request, tmp_path_factory):
     name = request.param
     path = synthesize_checkpoint(
@@ -44,6 +48,33 @@ def test_real_shapes_match_the_published_models():
     assert names["model.decoder.layers.31.fc1.weight"] == (16384, 4096) and "lm_head.weight" not in names
     names = {s.name: s.shape for s in llama}
     assert names["model.layers.0.mlp.gate_proj.weight"] == (11008, 4096) and "lm_head.weight" in names
+
+
+def test_moe_shapes_match_the_published_models():
+    # OLMoE-1B-7B: 6.92e9 parameters, 64 experts of 1024; Qwen3-30B-A3B: 30.5e9, 128 experts of 768. Each expert's
+    # weights under names of their own, as save_pretrained writes them.
+    olmoe = {s.name: s.shape for s in checkpoint_specs(CONFIGS["olmoe-1b-7b"], torch.float16)}
+    qwen = {s.name: s.shape for s in checkpoint_specs(CONFIGS["qwen3-30b-a3b"], torch.float16)}
+    assert sum(math.prod(shape) for shape in olmoe.values()) == 6_919_161_856
+    assert sum(math.prod(shape) for shape in qwen.values()) == 30_532_122_624
+    assert olmoe["model.layers.15.mlp.experts.63.down_proj.weight"] == (2048, 1024)
+    assert qwen["model.layers.47.mlp.experts.127.gate_proj.weight"] == (768, 2048)
+    assert not any(name.endswith("gate_up_proj") for name in olmoe)
+
+
+@pytest.mark.parametrize("name", MOE)
+def test_an_moe_checkpoint_loads_in_transformers_and_converts_to_its_experts(name, tmp_path):
+    path = synthesize_checkpoint(name, tmp_path / "ckpt", overrides=SMOKE_OVERRIDES[name], progress=False)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    assert type(model).__name__ == CONFIGS[name]["architectures"][0]
+    with FlashStore(convert(path, tmp_path / "store", progress=False)) as store:
+        assert (store.experts.count, store.experts.size) == (8, 64)
+        for layer in range(store.n_layers):
+            experts = model.model.layers[layer].mlp.experts  # transformers' fused [E, 2m, d] and [E, d, m]
+            for e in (0, 7):
+                gate, up = experts.gate_up_proj[e].chunk(2)
+                want = bundle_layer(up, experts.down_proj[e], gate)
+                assert torch.equal(store.bundle(layer, list(store.experts.rows(e))), want)
 
 
 def test_a_vocab_size_changes_the_embedding_and_the_lm_head_only():

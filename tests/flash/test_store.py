@@ -16,6 +16,7 @@ from flashllm_ext.flash.convert import convert
 from flashllm_ext.offload.store import LAYERS_FILE, LayerStore
 from flashllm_ext.offload.convert import convert_offload
 from flashllm_ext.io.safetensors import AlignedWriter, TensorSpec, read_header
+from tests.helpers.checkpoints import rewrite_header
 from tests.helpers.faults import refuses_without_blocking
 from tests.helpers.memory import mapped_ranges
 from tests.helpers.models import tiny_model
@@ -40,17 +41,6 @@ def store_copy(llama_store, tmp_path):
     return shutil.copytree(llama_store, tmp_path / "copy")
 
 
-def _rewrite_header(path, mutate) -> None:
-    """Apply mutate(header dict) to a safetensors header in place, keeping its length (space padding)."""
-    raw = path.read_bytes()
-    (size,) = struct.unpack("<Q", raw[:8])
-    header = json.loads(raw[8 : 8 + size])
-    mutate(header)
-    text = json.dumps(header, separators=(",", ":")).encode()
-    assert len(text) <= size
-    path.write_bytes(raw[:8] + text + b" " * (size - len(text)) + raw[8 + size :])
-
-
 @pytest.mark.parametrize(
     "field,value,match",
     [
@@ -71,7 +61,7 @@ def _rewrite_header(path, mutate) -> None:
 )
 def test_metadata_lies_raise_format_error(store_copy, field, value, match):
     bundles = store_copy / store.BUNDLES_FILE
-    _rewrite_header(bundles, lambda h: h["__metadata__"].__setitem__(field, value))
+    rewrite_header(bundles, lambda h: h["__metadata__"].__setitem__(field, value))
     with pytest.raises(FormatError, match=match) as info:
         store.FlashStore(store_copy)
     assert str(bundles) in str(info.value)
@@ -79,7 +69,7 @@ def test_metadata_lies_raise_format_error(store_copy, field, value, match):
 
 def test_resident_magic_checked(store_copy):
     resident = store_copy / store.RESIDENT_FILE
-    _rewrite_header(resident, lambda h: h["__metadata__"].__setitem__("magic", "x"))
+    rewrite_header(resident, lambda h: h["__metadata__"].__setitem__("magic", "x"))
     with pytest.raises(FormatError, match="resident.*magic"):
         store.FlashStore(store_copy)
 
@@ -88,7 +78,7 @@ def test_header_lies_about_sizes(store_copy):
     def shrink(h):
         h[store.layer_tensor_name(1)]["shape"][0] -= 1
 
-    _rewrite_header(store_copy / store.BUNDLES_FILE, shrink)
+    rewrite_header(store_copy / store.BUNDLES_FILE, shrink)
     with pytest.raises(FormatError, match="layers.1.bundles"):
         store.FlashStore(store_copy)
 
@@ -183,7 +173,7 @@ def test_ffn_roles_must_name_resident_tensors_of_the_right_shape(store_copy, rol
         h["__metadata__"]["ffn_roles"] = json.dumps(roles)
         h["__metadata__"]["config"] = "{}"  # room in the header for the longer roles
 
-    _rewrite_header(store_copy / store.BUNDLES_FILE, add_role)
+    rewrite_header(store_copy / store.BUNDLES_FILE, add_role)
     with pytest.raises(FormatError, match=match):
         store.FlashStore(store_copy)
 
@@ -276,7 +266,7 @@ def test_model_config_lies_raise_format_error(store_copy, layer_store, tmp_path,
     def rewrite(header):
         header["__metadata__"]["config"] = json.dumps(edit(json.loads(header["__metadata__"]["config"])))
 
-    _rewrite_header(root / file, rewrite)
+    rewrite_header(root / file, rewrite)
     with pytest.raises(FormatError, match=match):
         load(root)
 
@@ -327,7 +317,7 @@ def _reshape_layer_1(h):
 def test_quantized_store_lies_raise_format_error(q4_store, tmp_path, edit, match):
     copy = shutil.copytree(q4_store, tmp_path / "copy")
     bundles = copy / store.BUNDLES_FILE
-    _rewrite_header(bundles, edit)
+    rewrite_header(bundles, edit)
     with pytest.raises(FormatError, match=match) as info:
         store.FlashStore(copy)
     assert str(bundles) in str(info.value)
@@ -350,8 +340,8 @@ def test_a_version_2_store_opens_as_float(store_copy, llama_store):
         h["__metadata__"]["format_version"] = "2"
         del h["__metadata__"]["bundle_format"]
 
-    _rewrite_header(store_copy / store.BUNDLES_FILE, downgrade)
-    _rewrite_header(store_copy / store.RESIDENT_FILE, _set(format_version="2"))
+    rewrite_header(store_copy / store.BUNDLES_FILE, downgrade)
+    rewrite_header(store_copy / store.RESIDENT_FILE, _set(format_version="2"))
     old, new = store.FlashStore(store_copy), store.FlashStore(llama_store)
     assert old.bundle_format is None and not old.quantized and old.tensor_sources is None
     ids = [0, 5, old.n_neurons - 1]

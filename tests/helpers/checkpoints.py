@@ -1,5 +1,8 @@
-"""Checkpoint files as other tools write them: a GGUF laid out as llama.cpp writes Llama models."""
+"""Checkpoint files as other tools write them (a GGUF laid out as llama.cpp writes Llama models), and safetensors
+headers rewritten in place (a store that lies about itself)."""
 
+import json
+import struct
 from pathlib import Path
 
 import gguf
@@ -17,6 +20,17 @@ _GGUF_BLOCK = {
     "input_layernorm": "attn_norm",
     "post_attention_layernorm": "ffn_norm",
 }
+
+
+def rewrite_header(path: Path, mutate) -> None:
+    """Apply mutate(header dict) to a safetensors header in place, keeping its length (space padding)."""
+    raw = path.read_bytes()
+    (size,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + size])
+    mutate(header)
+    text = json.dumps(header, separators=(",", ":")).encode()
+    assert len(text) <= size
+    path.write_bytes(raw[:8] + text + b" " * (size - len(text)) + raw[8 + size :])
 
 
 def llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:

@@ -1,5 +1,5 @@
-"""Tiny random transformers models: Llama and its relatives (GLU FFN, grouped-query attention) and OPT (ReLU FFN
-with biases)."""
+"""Tiny random transformers models: Llama and its relatives (GLU FFN, grouped-query attention), OPT (ReLU FFN with
+biases) and the mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE)."""
 
 import torch
 from transformers import (
@@ -7,12 +7,20 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
+    OlmoeConfig,
+    OlmoeForCausalLM,
     OPTConfig,
     OPTForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 # tiny_model's defaults; every other field is transformers' default. A Llama has no learned position table, so its
@@ -53,6 +61,21 @@ _FAMILIES = {
     "qwen3": (Qwen3Config, Qwen3ForCausalLM, dict(LLAMA, head_dim=16)),
     "mistral": (MistralConfig, MistralForCausalLM, dict(LLAMA, sliding_window=None)),
 }
+# The mixture-of-experts families: 8 experts of 48 neurons, 2 a token (Mixtral's experts are intermediate_size
+# wide); Qwen2-MoE adds a shared expert, Qwen3-MoE per-head q/k norms, OLMoE q/k norms over all heads.
+MOE = dict(LLAMA, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48)
+_FAMILIES.update(
+    {
+        "mixtral": (MixtralConfig, MixtralForCausalLM, dict(LLAMA, num_local_experts=8, intermediate_size=48)),
+        "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM, dict(MOE, shared_expert_intermediate_size=80)),
+        "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM, dict(MOE, head_dim=16, norm_topk_prob=True)),
+        "olmoe": (
+            OlmoeConfig,
+            OlmoeForCausalLM,
+            dict(LLAMA, num_experts=8, num_experts_per_tok=2, intermediate_size=48, num_key_value_heads=4),
+        ),
+    }
+)
 
 
 def tiny_model(family: str, seed: int | None = 0, **config) -> torch.nn.Module:

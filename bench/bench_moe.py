@@ -1,0 +1,249 @@
+"""Mixture-of-experts models beyond memory: the lean decoder's expert modes on synthesized MoE checkpoints with real
+shapes, each configuration a process of its own in a memory cgroup of its baseline + the budget (page cache dropped
+first, counted against the limit).
+
+Checkpoints (bench/synth_checkpoint.py, random weights, written once; say so beside every figure): OLMoE-1B-7B
+(64 experts of 1024 neurons, 8 a token, d 2048) and Qwen3-30B-A3B (128 experts of 768, 8 a token), the first
+--layers decoder layers of each (a layer's experts are its own: reads, hits and compute per layer are those of the
+whole model's layers), converted once to an expert store (flashllm convert, --format). The budget is of the whole
+model's weight bytes (e2e_common.budget_of_first_layers: the layers run with the share of a whole model's budget).
+
+Routing (--routing): "model", the checkpoint's own routers on its random weights (near-uniform, little reuse from
+token to token: the pessimistic case); "trace", a replayed synthetic trace (TraceRoutes: expert popularity Zipf with
+exponent TRACE["skew"], each of a token's experts kept from the previous token's set with probability
+TRACE["reuse"]), which is no real model's and says only how the cache policies meet skew and reuse.
+
+Modes: naive (a token's experts read every time, nothing kept), flash:<policy> (flashllm_ext.flash.experts, an
+ExpertCache per layer within the budget: lru, lfu, window).
+
+Rows (bench:"moe", one per configuration and round; bench:"moe_median" the medians over --rounds, round-robin):
+  ms_per_token            median decode token after a --prompt-tokens prompt
+  io_ms mem_ms compute_ms router_ms other_ms   the token's parts (other: attention, norms, LM head, Python)
+  read_mb_per_token reads_per_token mean_read_kib hit_rate experts_read_per_layer   deterministic counts
+  vs_naive                ms_per_token / naive's at the same model, budget and routing (medians)
+  cgroup_limit_mb cgroup_peak_mb oom_killed
+
+    python -m bench.bench_moe [--json] [--models olmoe-1b-7b,qwen3-30b-a3b] [--layers 4] [--budgets 30%,50%]
+                              [--modes naive,flash:lru,flash:lfu,flash:window] [--routing model,trace]
+                              [--format fp16] [--tokens 16] [--rounds 3] [--smoke]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from bench.common import arg_parser, emit, median_rows
+
+MODULE = "bench.bench_moe"
+MODELS = ("olmoe-1b-7b", "qwen3-30b-a3b")
+MODES = ("naive", "flash:lru", "flash:lfu", "flash:window")
+TRACE = {"skew": 1.0, "reuse": 0.5, "seed": 0}
+WINDOW = 2  # flash:window's tokens
+COLUMNS = [
+    "model",
+    "routing",
+    "budget_spec",
+    "mode",
+    "ms_per_token",
+    "vs_naive",
+    "io_ms",
+    "compute_ms",
+    "other_ms",
+    "read_mb_per_token",
+    "mean_read_kib",
+    "hit_rate",
+    "experts_read_per_layer",
+    "cgroup_peak_mb",
+    "error",
+]
+
+
+class TraceRoutes:
+    """The replayed trace's routers, one per layer: route(x [T, d]) -> the next T tokens' experts [T, k] (weights
+    1/k each). Each token keeps each expert of the previous token's set with probability `reuse`; the rest are
+    drawn without repeats from a Zipf popularity of exponent `skew` over a fixed random order of the experts."""
+
+    def __init__(self, n_layers: int, n_experts: int, top_k: int, skew: float, reuse: float, seed: int):
+        self.generator = torch.Generator().manual_seed(seed)
+        rank = torch.arange(1, n_experts + 1, dtype=torch.float64)
+        self.popularity = [(rank**-skew)[torch.randperm(n_experts, generator=self.generator)] for _ in range(n_layers)]
+        self.top_k, self.reuse = top_k, reuse
+        self.previous: list[torch.Tensor | None] = [None] * n_layers
+
+    def _token(self, layer: int) -> torch.Tensor:
+        weights = self.popularity[layer].clone()
+        kept = torch.empty(0, dtype=torch.int64)
+        previous = self.previous[layer]
+        if previous is not None:
+            kept = previous[torch.rand(self.top_k, generator=self.generator) < self.reuse]
+            weights[kept] = 0
+        experts = kept
+        if kept.numel() < self.top_k:
+            drawn = torch.multinomial(weights, self.top_k - kept.numel(), generator=self.generator)
+            experts = torch.cat((kept, drawn))
+        self.previous[layer] = experts
+        return experts
+
+    def route(self, layer: int):
+        def route(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            experts = torch.stack([self._token(layer) for _ in range(x.shape[0])])
+            return experts, torch.full(experts.shape, 1.0 / self.top_k)
+
+        return route
+
+
+def run_child(config: dict) -> dict:
+    """One configuration in this process (a child): load within the budget, decode, the row. The probe stops after
+    the imports every child makes (its baseline)."""
+    import statistics
+    import time
+
+    from flashllm_ext.decoder import load_decoder
+
+    if config.get("probe"):
+        return {}
+    mode, _, policy = config["mode"].partition(":")
+    prompt, tokens = config["prompt"], config["tokens"]
+    decoder = load_decoder(
+        config["store"],
+        config["budget_bytes"],
+        mode=mode,
+        expert_policy=policy or "lru",
+        window=WINDOW,
+        max_len=len(prompt) + tokens,
+    )
+    if config["routing"] == "trace":
+        c = decoder.config
+        trace = TraceRoutes(c.n_layers, c.n_experts, c.top_k, **TRACE)
+        for layer, module in enumerate(decoder.runtime.modules):
+            module.route = trace.route(layer)
+    token = int(decoder.prefill(prompt).argmax())
+    decoder.reset_stats()
+    times = []
+    for _ in range(tokens):
+        start = time.perf_counter()
+        token = int(decoder.forward([token]).argmax())
+        times.append(time.perf_counter() - start)
+    stats = decoder.stats()
+    decoder.close()
+    return {
+        "ms_per_token": statistics.median(times) * 1e3,
+        "io_ms": stats["io_ms"],
+        "mem_ms": stats["mem_ms"],
+        "compute_ms": stats["compute_ms"],
+        "router_ms": stats["predictor_ms"],
+        "other_ms": stats["other_ms"],
+        "read_mb_per_token": stats["bytes_per_token"] / 1e6,
+        "reads_per_token": stats["reads_per_token"],
+        "mean_read_kib": stats["mean_read_bytes"] / 1024,
+        "hit_rate": stats["hit_rate"],
+        "experts_read_per_layer": stats["experts_read_per_layer"],
+        "accounted_mb": stats["accounted_bytes"] / 1e6,
+    }
+
+
+def model_store(name: str, layers: int, fmt: str, smoke: bool) -> Path:
+    """The expert store of `name`'s first `layers` layers (converted once from the shared checkpoint)."""
+    from bench.e2e_common import converted_once
+    from bench.synth_checkpoint import shared_checkpoint
+
+    checkpoint = shared_checkpoint(name, layers=layers, smoke=smoke)
+    return converted_once(checkpoint, checkpoint.with_name(checkpoint.name.removesuffix("-hf") + f"-{fmt}-store"), fmt)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = arg_parser(__doc__.splitlines()[0])
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--models", default=",".join(MODELS), help="among " + ",".join(MODELS))
+    parser.add_argument("--layers", type=int, default=4, help="the first that many decoder layers of each model")
+    parser.add_argument("--budgets", default="30%,50%", help="shares of the whole model's weight bytes")
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--routing", default="model,trace", help="model (its own routers) and/or trace (TRACE)")
+    parser.add_argument("--format", default="fp16", choices=["fp16", "q8", "q4"], help="the expert store's format")
+    parser.add_argument("--tokens", type=int, default=16)
+    parser.add_argument("--prompt-tokens", type=int, default=16)
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds a child may run")
+    parser.set_defaults(rounds=3)
+    args = parser.parse_args(argv)
+    if args.child:
+        print(json.dumps(run_child(json.loads(args.child))), flush=True)
+        return
+    if args.smoke:
+        args.models, args.layers, args.budgets, args.tokens, args.prompt_tokens, args.rounds = (
+            MODELS[0],
+            2,
+            "60%",
+            3,
+            4,
+            1,
+        )
+
+    from bench.e2e_common import budget_of_first_layers, child_argv, probe_peak_bytes, prompt_ids
+    from bench.synth_checkpoint import CONFIGS
+    from flashllm_ext.flash.store import FlashStore
+    from flashllm_ext.harness.cgroup import run_limited_child
+
+    rows = []
+    for name in args.models.split(","):
+        store = model_store(name, args.layers, args.format, args.smoke)
+        with FlashStore(store) as opened:
+            prompt, note = prompt_ids(args.prompt_tokens, int(opened.config["vocab_size"]), synthesized=True)
+        whole = CONFIGS[name]["num_hidden_layers"]
+        budgets = [(spec, budget_of_first_layers(store, spec, whole)) for spec in args.budgets.split(",")]
+        base = {"store": str(store), "prompt": prompt, "tokens": args.tokens}
+        baseline = probe_peak_bytes(child_argv(MODULE, {**base, "probe": True}), "moe-probe")
+        configurations = [
+            (spec, budget, routing, mode)
+            for spec, budget in budgets
+            for routing in args.routing.split(",")
+            for mode in args.modes.split(",")
+        ]
+        for round_ in range(args.rounds):
+            for spec, budget, routing, mode in configurations:
+                config = {**base, "mode": mode, "routing": routing, "budget_bytes": budget}
+                child, facts = run_limited_child(
+                    child_argv(MODULE, config), budget, baseline, f"moe-{mode}", args.timeout
+                )
+                out = child[-1] if child else {"error": "the child printed no row"}
+                if "error" in out:  # a refused budget ends the child with a traceback: its last line says why
+                    out["error"] = out["error"].strip().splitlines()[-1][-300:]
+                row = {
+                    "bench": "moe",
+                    "model": name,
+                    "checkpoint": f"{store.name}: synthesized weights, the first {args.layers} of {whole} layers",
+                    "routing": routing,
+                    "budget_spec": spec,
+                    "budget_mb": budget / 1e6,
+                    "baseline_mb": baseline / 1e6,
+                    "mode": mode,
+                    "tokens": args.tokens,
+                    "round": round_,
+                    **({"prompt_note": note} if note else {}),
+                    **out,
+                    **facts,
+                }
+                if facts["oom_killed"]:
+                    row["error"] = "OOM-killed"
+                rows.append(row)
+                emit([row], args.json, COLUMNS)
+    medians = median_rows(rows, ("model", "routing", "budget_spec", "mode"), "moe_median")
+    for row in medians:
+        naive = [
+            r["ms_per_token"]
+            for r in medians
+            if r["mode"] == "naive" and all(r[k] == row[k] for k in ("model", "routing", "budget_spec"))
+        ]
+        if naive and row.get("ms_per_token"):
+            row["vs_naive"] = row["ms_per_token"] / naive[0]
+    emit(medians, args.json, COLUMNS)
+    if args.smoke:
+        print("smoke: llama.cpp and accelerate peers not run (no MoE GGUF writer here yet)", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,278 @@
+"""Experts on flash: a mixture-of-experts layer's experts read from an MoE store (FlashStore.experts) when its router
+names them, and kept in an ExpertCache of preallocated slots within the DRAM budget.
+
+Per layer and forward: the router (the model's own, exact: nothing is predicted) names each token's top_k experts;
+those the cache holds are computed at once, the others are read, each expert one contiguous range of the file (its
+`size` bundles), into the slots the policy frees, and computed. A prompt's tokens read the union of their experts,
+in rounds of at most `capacity` experts.
+
+Policies (EXPERT_POLICIES): which expert leaves when a miss needs a slot and none is free.
+  lru     the least recently used expert
+  lfu     the least often used since load (the least recently used among equals)
+  window  LLM in a flash's sliding window: the cache holds the experts of the last `window` tokens, at most
+          window x top_k slots a layer (fewer than the budget allows when that is smaller), the least recent
+          out first; it trades hits for DRAM where LRU would fill the budget
+Modes (EXPERT_MODES, expert_stack): dense (every expert read once at load), naive (a forward's experts read every
+time into top_k slots, nothing kept between forwards), flash (the cache by its policy).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from flashllm_ext.flash.ffn import FFNStats, bundle_ffn, store_activation
+from flashllm_ext.flash.reader import FlashReader
+from flashllm_ext.flash.stack import FlashRuntime, bounded_reader_options
+from flashllm_ext.flash.store import FlashStore
+
+EXPERT_POLICIES = ("lru", "lfu", "window")
+EXPERT_MODES = ("dense", "naive", "flash")
+Route = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # x [T, d] -> experts, weights [T, top_k]
+FFN = Callable[[torch.Tensor], torch.Tensor]
+
+
+class ExpertCache:
+    """One layer's expert slots: `slots` [capacity, size, row_width] of the store's row dtype, which expert each
+    holds (`slot_of`), and the policy's clock (a tick per forward) and use counts. lookup / admit / touch / forget
+    are its whole state machine; the ExpertFFN reads into the slots admit hands out."""
+
+    def __init__(
+        self,
+        n_experts: int,
+        capacity: int,
+        size: int,
+        row_width: int,
+        dtype: torch.dtype,
+        policy: str = "lru",
+    ):
+        if policy not in EXPERT_POLICIES:
+            raise ValueError(f"policy must be one of {EXPERT_POLICIES}, got {policy!r}")
+        if not 1 <= capacity <= n_experts:
+            raise ValueError(f"capacity must lie in [1, {n_experts}] experts, got {capacity}")
+        self.n_experts, self.capacity, self.policy = n_experts, capacity, policy
+        self.slots = torch.empty((capacity, size, row_width), dtype=dtype)
+        self.slot_of: dict[int, int] = {}
+        self.expert_in = [-1] * capacity  # -1: a free slot
+        self.last_used = [0] * capacity
+        self.uses = [0] * n_experts
+        self.clock = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.slots.nbytes
+
+    def tick(self) -> None:
+        """A new forward: what it touches is more recent than anything before."""
+        self.clock += 1
+
+    def lookup(self, experts: Sequence[int]) -> tuple[list[tuple[int, int]], list[int]]:
+        """(expert, slot) of the `experts` held, and those not held, each in the given order."""
+        hits = [(e, self.slot_of[e]) for e in experts if e in self.slot_of]
+        return hits, [e for e in experts if e not in self.slot_of]
+
+    def touch(self, experts: Sequence[int]) -> None:
+        """`experts` used by this forward (held or about to be): recency for every policy, counts for lfu."""
+        for e in experts:
+            self.uses[e] += 1
+            if e in self.slot_of:
+                self.last_used[self.slot_of[e]] = self.clock
+
+    def admit(self, experts: Sequence[int]) -> list[tuple[int, int]]:
+        """A slot for each of `experts` (not held, at most `capacity`): free slots first, then the policy's victims,
+        never one of `experts` themselves. The slots are theirs from now on; the caller reads into them."""
+        if len(experts) > self.capacity or any(e in self.slot_of for e in experts):
+            raise ValueError(f"admit takes at most {self.capacity} experts not held, got {list(experts)}")
+        free = [s for s, e in enumerate(self.expert_in) if e < 0]
+        victims = sorted(
+            (s for s, e in enumerate(self.expert_in) if e >= 0),
+            key=lambda s: (
+                (self.uses[self.expert_in[s]], self.last_used[s]) if self.policy == "lfu" else self.last_used[s]
+            ),
+        )
+        pairs = []
+        for e, s in zip(experts, free + victims):
+            if self.expert_in[s] >= 0:
+                del self.slot_of[self.expert_in[s]]
+            self.expert_in[s], self.slot_of[e], self.last_used[s] = e, s, self.clock
+            pairs.append((e, s))
+        return pairs
+
+    def forget(self) -> None:
+        """Hold nothing (naive mode, before each forward)."""
+        self.slot_of.clear()
+        self.expert_in = [-1] * self.capacity
+
+
+class ExpertFFN:
+    """One MoE layer's FFN: route(x) names the experts, `cache` holds them (read through `reader` on a miss),
+    shared(x) (Qwen2-MoE's shared expert) is added when given. x [T, d] float32 -> [T, d] float32. naive: forget
+    the cache before every forward (naive mode). Costs accumulate in `stats` (neurons: an expert counts its size)."""
+
+    def __init__(
+        self,
+        store: FlashStore,
+        layer: int,
+        route: Route,
+        cache: ExpertCache,
+        reader: FlashReader,
+        stats: FFNStats,
+        shared: FFN | None = None,
+        naive: bool = False,
+    ):
+        self.store, self.layer, self.route, self.cache = store, layer, route, cache
+        self.reader, self.stats, self.shared, self.naive = reader, stats, shared, naive
+        self.size = store.experts.size
+        self.activation = store_activation(store)
+
+    @property
+    def nbytes(self) -> int:
+        return self.cache.nbytes
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        stats, cache = self.stats, self.cache
+        start = time.perf_counter()
+        experts, weights = self.route(x)
+        routed = time.perf_counter()
+        needed = experts.unique().tolist()
+        if self.naive:
+            cache.forget()
+        cache.tick()
+        cache.touch(needed)
+        hits, misses = cache.lookup(needed)
+        stats.predictor_s += routed - start
+        stats.mem_s += time.perf_counter() - routed
+        out = torch.zeros(x.shape, dtype=torch.float32)
+        xs = x.to(self.store.dtype)
+        self._compute(xs, experts, weights, hits, out)
+        for first in range(0, len(misses), cache.capacity):
+            start = time.perf_counter()
+            pairs = cache.admit(misses[first : first + cache.capacity])
+            stats.mem_s += time.perf_counter() - start
+            self._read(pairs)
+            self._compute(xs, experts, weights, pairs, out)
+        if self.shared is not None:
+            start = time.perf_counter()
+            out += self.shared(x)
+            stats.compute_s += time.perf_counter() - start
+        stats.tokens += x.shape[0]
+        stats.steps += 1
+        stats.needed += len(needed) * self.size
+        stats.inserted += len(misses) * self.size
+        return out
+
+    def _read(self, pairs: list[tuple[int, int]]) -> None:
+        """Each expert of `pairs` into its slot: one contiguous range of the file, the reader's threads splitting it."""
+        start = time.perf_counter()
+        for expert, slot in pairs:
+            ids = torch.arange(expert * self.size, (expert + 1) * self.size)
+            read = self.reader.read(self.layer, ids, self.cache.slots[slot])
+            self.stats.bytes_read += read.stats.bytes_read
+            self.stats.bytes_requested += read.stats.bytes_requested
+            self.stats.n_reads += read.stats.n_reads
+            self.stats.decompress_s += read.stats.decompress_s
+        self.stats.io_s += time.perf_counter() - start
+
+    def _compute(
+        self,
+        xs: torch.Tensor,
+        experts: torch.Tensor,
+        weights: torch.Tensor,
+        pairs: list[tuple[int, int]],
+        out: torch.Tensor,
+    ) -> None:
+        """out[t] += weight(t, e) * expert e (x[t]) for every token t routed to each expert of `pairs` (held now)."""
+        start = time.perf_counter()
+        for expert, slot in pairs:
+            tokens, rank = (experts == expert).nonzero(as_tuple=True)
+            y = bundle_ffn(
+                self.store, xs[tokens], self.cache.slots[slot], num_used=self.size, activation=self.activation
+            )
+            out.index_add_(0, tokens, y.float() * weights[tokens, rank, None])
+        self.stats.compute_s += time.perf_counter() - start
+
+
+def expert_stack(
+    store: FlashStore,
+    mode: str,
+    budget_bytes: int | None,
+    *,
+    routes: Sequence[Route],
+    top_k: int,
+    shared: Sequence[FFN | None] | None = None,
+    policy: str = "lru",
+    window: int = 5,
+    threads: int = 32,
+    resident_bytes: int = 0,
+    reader_options: dict | None = None,
+) -> FlashRuntime:
+    """Every MoE layer of `store` served by `mode` (EXPERT_MODES) within `budget_bytes` (None: none; dense mode
+    takes none), of which `resident_bytes` are taken already (the decoder's own tensors and KV cache): runtime.
+    modules[i](x) is layer i's FFN. routes[i]: layer i's router; shared[i]: its shared expert or None. The slots
+    per layer: every expert (dense), top_k (naive), as many as the budget holds (flash; window: at most window x
+    top_k). ValueError for a budget below one expert a layer, naming the minimum."""
+    if store.experts is None:
+        raise ValueError(f"{store.path} is not a mixture-of-experts store")
+    if mode not in EXPERT_MODES:
+        raise ValueError(f"an MoE store runs in one of the modes {EXPERT_MODES}, not {mode!r}")
+    if policy not in EXPERT_POLICIES:
+        raise ValueError(f"expert policy must be one of {EXPERT_POLICIES}, got {policy!r}")
+    n_layers, n_experts, size = store.n_layers, store.experts.count, store.experts.size
+    if len(routes) != n_layers or (shared is not None and len(shared) != n_layers):
+        raise ValueError(f"routes (and shared) must give one per layer: {n_layers}")
+    budget_bytes = None if mode == "dense" else budget_bytes
+    reader_options = {**bounded_reader_options(store, budget_bytes, resident_bytes), **(reader_options or {})}
+    reader = FlashReader(store, threads=threads, **reader_options)
+    expert_bytes = size * store.row_bytes
+    fixed = resident_bytes + reader.buffer_bound()
+    capacity = {"dense": n_experts, "naive": top_k, "flash": n_experts}[mode]
+    if policy == "window" and mode == "flash":
+        capacity = min(capacity, window * top_k)
+    if budget_bytes is not None:
+        fits = (budget_bytes - fixed) // (n_layers * expert_bytes)
+        if fits < 1:
+            reader.close()
+            raise ValueError(
+                f"dram_budget of {budget_bytes} bytes is below the minimum of {fixed + n_layers * expert_bytes} "
+                f"for {mode} mode ({fixed} resident tensors, KV cache and read buffers + one expert of "
+                f"{expert_bytes} bytes in each of {n_layers} layers)"
+            )
+        capacity = min(capacity, fits)
+    stats = FFNStats()
+    modules = []
+    try:
+        for layer in range(n_layers):
+            cache = ExpertCache(n_experts, capacity, size, store.row_width, store.row_dtype, policy)
+            if mode == "dense":  # every expert in its own slot, one read of the layer
+                cache.admit(list(range(n_experts)))
+                reader.read(layer, torch.arange(store.n_neurons), cache.slots.view(store.n_neurons, -1))
+            modules.append(
+                ExpertFFN(
+                    store,
+                    layer,
+                    routes[layer],
+                    cache,
+                    reader,
+                    stats,
+                    shared=None if shared is None else shared[layer],
+                    naive=mode == "naive",
+                )
+            )
+    except BaseException:
+        reader.close()
+        raise
+    ffn_bytes = sum(m.nbytes for m in modules) + reader.buffer_bound()
+    return FlashRuntime(
+        store,
+        mode,
+        budget_bytes,
+        resident_bytes,
+        0,
+        ffn_bytes,
+        modules,
+        stats,
+        reader,
+        expert_policy=policy if mode == "flash" else None,
+    )

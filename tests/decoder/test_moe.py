@@ -1,0 +1,217 @@
+"""Mixture-of-experts models on the lean decoder (flashllm_ext.decoder.moe routes, flashllm_ext.flash.experts reads):
+Mixtral, Qwen2-MoE (shared expert), Qwen3-MoE and OLMoE converted to expert stores, decoded in every mode and
+cache policy against transformers' own tokens and logits (the router is exact, so every mode computes the same
+model), budgets charged and refused below one expert a layer, and stores that lie refused."""
+
+import json
+import re
+import shutil
+
+import pytest
+import torch
+
+import flashllm_ext
+from flashllm_ext import FormatError
+from flashllm_ext.decoder import load_decoder
+from flashllm_ext.flash.convert import convert
+from flashllm_ext.flash.store import BUNDLES_FILE, FlashStore
+from tests.helpers.checkpoints import rewrite_header
+from tests.helpers.models import tiny_model
+
+FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+N_NEW = 32
+# (mode, policy, expert slots a layer the budget is sized for; None: no budget)
+RUNS = [
+    ("dense", "lru", None),
+    ("naive", "lru", 2),
+    ("flash", "lru", 3),
+    ("flash", "lfu", 3),
+    ("flash", "window", 3),
+    ("flash", "lru", 1),  # fewer slots than a token's experts: each forward reads in rounds
+]
+
+
+@pytest.fixture(scope="module")
+def moe_models(tmp_path_factory):
+    """family -> (transformers model, fp32 expert store path)."""
+    root = tmp_path_factory.mktemp("moe")
+    out = {}
+    for seed, family in enumerate(FAMILIES):
+        model = tiny_model(family, seed=seed)
+        model.save_pretrained(root / family)
+        out[family] = (model, convert(root / family, root / f"{family}-store", dtype="fp32", progress=False))
+    return out
+
+
+def _prompt(n: int = 7) -> torch.Tensor:
+    return torch.randint(3, 120, (n,), generator=torch.Generator().manual_seed(2))
+
+
+def _minimum_budget(path, mode: str) -> int:
+    """The least budget `mode` takes on the store at `path`, as its refusal of a 1000-byte budget names it."""
+    with pytest.raises(ValueError, match="below the minimum") as info:
+        load_decoder(path, 1000, mode=mode, max_len=64, kv_dtype=torch.float32)
+    return int(re.search(r"minimum of (\d+)", str(info.value)).group(1))
+
+
+def _budget(path, mode: str, slots: int | None) -> int | None:
+    """A budget of `slots` experts a layer (one more expert's bytes would add a slot to every layer)."""
+    if slots is None:
+        return None
+    store = FlashStore(path)
+    expert_bytes = store.experts.size * store.row_bytes
+    return _minimum_budget(path, mode) + (slots - 1) * store.n_layers * expert_bytes + 64
+
+
+@torch.no_grad()
+def _transformers_run(model, prompt: torch.Tensor) -> tuple[list[int], torch.Tensor]:
+    out = model.generate(prompt[None], max_new_tokens=N_NEW, min_new_tokens=N_NEW, do_sample=False)
+    return out[0, prompt.numel() :].tolist(), model(prompt[None]).logits[0]
+
+
+def _decode(decoder, prompt: torch.Tensor, chunk: int = 256) -> tuple[list[int], torch.Tensor]:
+    prompt_logits = torch.cat([decoder.forward(part, all_logits=True) for part in prompt.split(chunk)])
+    logits, tokens = prompt_logits[-1], []
+    for _ in range(N_NEW):
+        tokens.append(int(logits.argmax()))
+        logits = decoder.forward([tokens[-1]])
+    return tokens, prompt_logits
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("mode,policy,slots", RUNS)
+def test_every_mode_and_policy_decodes_the_tokens_of_transformers(moe_models, family, mode, policy, slots):
+    model, path = moe_models[family]
+    prompt = _prompt()
+    want_tokens, want_logits = _transformers_run(model, prompt)
+    budget = _budget(path, mode, slots)
+    decoder = load_decoder(path, budget, mode=mode, expert_policy=policy, window=1, max_len=64, kv_dtype=torch.float32)
+    try:
+        tokens, logits = _decode(decoder, prompt, chunk=3)
+        stats = decoder.stats()
+        capacity = decoder.runtime.modules[0].cache.capacity
+    finally:
+        decoder.close()
+    assert tokens == want_tokens
+    torch.testing.assert_close(logits, want_logits, rtol=1e-4, atol=1e-4)
+    if budget is not None:
+        assert stats["accounted_bytes"] <= budget
+        assert capacity == (min(slots, 2) if policy == "window" else slots)  # window: its 1 token x top_k 2
+    if mode == "dense":
+        assert stats["experts_read_per_layer"] == 0 and stats["hit_rate"] == 1.0
+    if mode == "naive":  # every forward reads its experts: a decode token's top_k (2) distinct ones
+        assert stats["hit_rate"] == 0.0
+    if mode == "flash" and slots == 3:
+        assert 0 < stats["hit_rate"] < 1 and stats["expert_policy"] == policy
+
+
+def test_naive_mode_reads_each_decode_token_s_experts_once(moe_models):
+    _, path = moe_models["qwen3_moe"]
+    store = FlashStore(path)
+    decoder = load_decoder(path, _budget(path, "naive", 2), mode="naive", max_len=64, kv_dtype=torch.float32)
+    try:
+        decoder.prefill(_prompt())
+        decoder.reset_stats()
+        for token in (5, 9, 11):
+            decoder.forward([token])
+        stats = decoder.stats()
+    finally:
+        decoder.close()
+    expert_bytes = store.experts.size * store.row_bytes
+    assert stats["experts_read_per_layer"] == 2.0
+    assert stats["requested_bytes_per_token"] == 2 * store.n_layers * expert_bytes
+
+
+def test_a_budget_below_one_expert_a_layer_is_refused_naming_the_minimum(moe_models):
+    _, path = moe_models["mixtral"]
+    minimum = _minimum_budget(path, "flash")
+    with pytest.raises(ValueError, match=f"minimum of {minimum} for flash mode"):
+        load_decoder(path, minimum - 1, mode="flash", max_len=64, kv_dtype=torch.float32)
+    load_decoder(path, minimum, mode="flash", max_len=64, kv_dtype=torch.float32).close()
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(mode="hybrid"), "modes"),
+        (dict(mode="flash", expert_policy="fifo"), "expert policy"),
+        (dict(mode="flash", lookahead="ahead"), "without look-ahead"),
+    ],
+)
+def test_what_an_moe_store_does_not_run_is_refused(moe_models, kwargs, match):
+    _, path = moe_models["olmoe"]
+    with pytest.raises(ValueError, match=match):
+        load_decoder(path, None, max_len=64, **kwargs)
+
+
+def test_the_transformers_engine_refuses_an_moe_store(moe_models):
+    _, path = moe_models["mixtral"]
+    with pytest.raises(ValueError, match="mixture-of-experts store"):
+        flashllm_ext.load_flash(path, mode="naive", dram_budget=None)
+
+
+def test_the_store_holds_each_expert_as_one_contiguous_range(moe_models):
+    model, path = moe_models["qwen2_moe"]
+    store = FlashStore(path)
+    assert (store.experts.count, store.experts.size) == (8, 48)
+    expert = model.model.layers[1].mlp.experts
+    e = 5
+    rows = store.bundle(1, list(store.experts.rows(e)))
+    gate_up, down = expert.gate_up_proj[e], expert.down_proj[e]  # [2 * size, d] (gate first), [d, size]
+    d = store.hidden_size
+    torch.testing.assert_close(rows[:, :d], gate_up[48:], rtol=0, atol=0)  # up
+    torch.testing.assert_close(rows[:, d : 2 * d], gate_up[:48], rtol=0, atol=0)  # gate
+    torch.testing.assert_close(rows[:, 2 * d :], down.t(), rtol=0, atol=0)
+    resident = set(store.resident_names())
+    assert "model.layers.1.mlp.shared_expert.up_proj.weight" in resident
+    assert not any(".experts." in name for name in resident)
+
+
+@pytest.mark.parametrize(
+    "experts,match",
+    [
+        ('{"count": 8, "size": 47}', "n_neurons"),
+        ('{"count": 0, "size": 48}', "count"),
+        ('{"count": 8}', "count"),
+        ("[8, 48]", "count"),
+    ],
+)
+def test_an_expert_layout_that_lies_raises_format_error(moe_models, tmp_path, experts, match):
+    _, path = moe_models["qwen3_moe"]
+    copy = shutil.copytree(path, tmp_path / "copy")
+    rewrite_header(copy / BUNDLES_FILE, lambda h: h["__metadata__"].__setitem__("experts", experts))
+    with pytest.raises(FormatError, match=match):
+        FlashStore(copy)
+
+
+def test_an_moe_layer_s_roles_must_name_experts(moe_models, tmp_path):
+    _, path = moe_models["mixtral"]
+    copy = shutil.copytree(path, tmp_path / "copy")
+
+    def drop_field(header):
+        roles = json.loads(header["__metadata__"]["ffn_roles"])
+        roles[1]["up"] = roles[1]["up"].replace("{expert}", "0")
+        header["__metadata__"]["ffn_roles"] = json.dumps(roles)
+
+    rewrite_header(copy / BUNDLES_FILE, drop_field)
+    with pytest.raises(FormatError, match=r"ffn_roles\[1\]"):
+        FlashStore(copy)
+
+
+def test_a_model_mixing_dense_and_expert_layers_is_refused(tmp_path):
+    model = tiny_model("qwen2_moe", num_hidden_layers=3, mlp_only_layers=[1])
+    model.save_pretrained(tmp_path / "ckpt")
+    with pytest.raises(FormatError, match="mixing dense and expert layers"):
+        convert(tmp_path / "ckpt", tmp_path / "store", progress=False)
+
+
+def test_flashllm_run_serves_an_moe_store(default_model, tmp_path, capsys):
+    from flashllm_ext import cli
+
+    gguf, _, _ = default_model
+    tiny_model("qwen3_moe", vocab_size=49152).save_pretrained(tmp_path / "ckpt")  # the default tokenizer's vocabulary
+    path = convert(tmp_path / "ckpt", tmp_path / "store", progress=False)
+    argv = ["run", str(path), "--tokenizer", str(gguf), "--mode", "flash", "--budget", "99%", "--tokens", "4"]
+    assert cli.main([*argv, "--expert-policy", "lfu"]) == 0
+    out = capsys.readouterr().out
+    assert "4 tokens in" in out and "experts_read_per_layer" in out
