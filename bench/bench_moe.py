@@ -5,21 +5,25 @@ first, counted against the limit).
 Checkpoints (bench/synth_checkpoint.py, random weights, written once; say so beside every figure): OLMoE-1B-7B
 (64 experts of 1024 neurons, 8 a token, d 2048) and Qwen3-30B-A3B (128 experts of 768, 8 a token), the first
 --layers decoder layers of each (a layer's experts are its own: reads, hits and compute per layer are those of the
-whole model's layers), converted once to an expert store (flashllm convert, --format). The budget is of the whole
+whole model's layers), converted once to an expert store (flashllm convert, --format; the checkpoint is then
+deleted). The budget is of the whole
 model's weight bytes (e2e_common.budget_of_first_layers: the layers run with the share of a whole model's budget).
 
-Routing (--routing): "model", the checkpoint's own routers on its random weights (near-uniform, little reuse from
-token to token: the pessimistic case); "trace", a replayed synthetic trace (TraceRoutes: expert popularity Zipf with
+Routing (--routing): "model", the checkpoint's own routers on its random weights (what they choose is no trained
+model's: measured, they return to few experts, see experts_used_per_layer); "trace", a replayed synthetic trace (TraceRoutes: expert popularity Zipf with
 exponent TRACE["skew"], each of a token's experts kept from the previous token's set with probability
 TRACE["reuse"]), which is no real model's and says only how the cache policies meet skew and reuse.
 
 Modes: naive (a token's experts read every time, nothing kept), flash:<policy> (flashllm_ext.flash.experts, an
-ExpertCache per layer within the budget: lru, lfu, window).
+ExpertCache per layer within the budget: lru, lfu, window), +ahead (each layer reads the experts the next layer's
+router picks for its hidden state while it computes: load_decoder(lookahead="ahead")).
 
 Rows (bench:"moe", one per configuration and round; bench:"moe_median" the medians over --rounds, round-robin):
   ms_per_token            median decode token after a --prompt-tokens prompt
   io_ms mem_ms compute_ms router_ms other_ms   the token's parts (other: attention, norms, LM head, Python)
   read_mb_per_token reads_per_token mean_read_kib hit_rate experts_read_per_layer   deterministic counts
+  experts_used_per_layer  distinct experts a layer's router chose over the prompt and the decode tokens
+  hidden_io_ms ahead_recall   +ahead: read time that overlapped compute; the guessed share of the needed experts
   vs_naive                ms_per_token / naive's at the same model, budget and routing (medians)
   cgroup_limit_mb cgroup_peak_mb oom_killed
 
@@ -41,7 +45,7 @@ from bench.common import arg_parser, emit, median_rows
 
 MODULE = "bench.bench_moe"
 MODELS = ("olmoe-1b-7b", "qwen3-30b-a3b")
-MODES = ("naive", "flash:lru", "flash:lfu", "flash:window")
+MODES = ("naive", "flash:lru", "flash:lfu", "flash:window", "flash:lru+ahead")
 TRACE = {"skew": 1.0, "reuse": 0.5, "seed": 0}
 WINDOW = 2  # flash:window's tokens
 COLUMNS = [
@@ -58,6 +62,9 @@ COLUMNS = [
     "mean_read_kib",
     "hit_rate",
     "experts_read_per_layer",
+    "experts_used_per_layer",
+    "ahead_recall",
+    "hidden_io_ms",
     "cgroup_peak_mb",
     "error",
 ]
@@ -108,6 +115,7 @@ def run_child(config: dict) -> dict:
     if config.get("probe"):
         return {}
     mode, _, policy = config["mode"].partition(":")
+    policy, _, ahead = policy.partition("+")
     prompt, tokens = config["prompt"], config["tokens"]
     decoder = load_decoder(
         config["store"],
@@ -116,6 +124,7 @@ def run_child(config: dict) -> dict:
         expert_policy=policy or "lru",
         window=WINDOW,
         max_len=len(prompt) + tokens,
+        lookahead=ahead or None,
     )
     if config["routing"] == "trace":
         c = decoder.config
@@ -130,6 +139,7 @@ def run_child(config: dict) -> dict:
         token = int(decoder.forward([token]).argmax())
         times.append(time.perf_counter() - start)
     stats = decoder.stats()
+    used = [sum(n > 0 for n in module.cache.uses) for module in decoder.runtime.modules]
     decoder.close()
     return {
         "ms_per_token": statistics.median(times) * 1e3,
@@ -143,17 +153,31 @@ def run_child(config: dict) -> dict:
         "mean_read_kib": stats["mean_read_bytes"] / 1024,
         "hit_rate": stats["hit_rate"],
         "experts_read_per_layer": stats["experts_read_per_layer"],
+        "experts_used_per_layer": sum(used) / len(used),
+        "hidden_io_ms": stats["hidden_io_ms"],
+        "ahead_recall": stats["ahead_recall"],
         "accounted_mb": stats["accounted_bytes"] / 1e6,
     }
 
 
 def model_store(name: str, layers: int, fmt: str, smoke: bool) -> Path:
-    """The expert store of `name`'s first `layers` layers (converted once from the shared checkpoint)."""
-    from bench.e2e_common import converted_once
-    from bench.synth_checkpoint import shared_checkpoint
+    """The expert store of `name`'s first `layers` layers, converted once from a synthesized checkpoint that is
+    deleted afterwards (only the store is read here; the two would not fit this machine's disk side by side twice)."""
+    import shutil
 
-    checkpoint = shared_checkpoint(name, layers=layers, smoke=smoke)
-    return converted_once(checkpoint, checkpoint.with_name(checkpoint.name.removesuffix("-hf") + f"-{fmt}-store"), fmt)
+    from bench.e2e_common import converted_once
+    from bench.synth_checkpoint import shared_checkpoint, shared_checkpoint_path
+    from flashllm_ext.errors import FormatError
+    from flashllm_ext.flash.store import FlashStore
+
+    checkpoint = shared_checkpoint_path(name, layers=layers, smoke=smoke)
+    store = checkpoint.with_name(checkpoint.name.removesuffix("-hf") + f"-{fmt}-store")
+    try:
+        FlashStore(store).close()
+    except (OSError, FormatError):
+        converted_once(shared_checkpoint(name, layers=layers, smoke=smoke), store, fmt)
+        shutil.rmtree(checkpoint)
+    return store
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -197,11 +221,13 @@ def main(argv: list[str] | None = None) -> None:
         budgets = [(spec, budget_of_first_layers(store, spec, whole)) for spec in args.budgets.split(",")]
         base = {"store": str(store), "prompt": prompt, "tokens": args.tokens}
         baseline = probe_peak_bytes(child_argv(MODULE, {**base, "probe": True}), "moe-probe")
+        # a replayed trace has no hidden state for a read-ahead to route: +ahead runs on the model's own routers
         configurations = [
             (spec, budget, routing, mode)
             for spec, budget in budgets
             for routing in args.routing.split(",")
             for mode in args.modes.split(",")
+            if not (routing == "trace" and mode.endswith("+ahead"))
         ]
         for round_ in range(args.rounds):
             for spec, budget, routing, mode in configurations:

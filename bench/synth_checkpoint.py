@@ -320,14 +320,11 @@ def synthesize_checkpoint(
     return out_dir
 
 
-def shared_checkpoint(
-    name: str, progress: bool = True, layers: int | None = None, smoke: bool = False, vocab_size: int | None = None
+def shared_checkpoint_path(
+    name: str, layers: int | None = None, smoke: bool = False, vocab_size: int | None = None
 ) -> Path:
-    """The shared copy of `name` under the cache's scale/ directory (see the module doc), written if missing.
-    layers: only the first that many decoder layers (a shorter run of the same shapes, e.g. within a lent GPU's
-    minutes), in a directory of its own; smoke: SMOKE_OVERRIDES' shapes instead (with `layers`, that many);
-    vocab_size: that vocabulary size (e.g. 49152, the default model's tokenizer), in a directory of its own."""
-    directory, prune = SHARED_DIRS[name]
+    """Where shared_checkpoint keeps `name` with these options (written or not)."""
+    directory, _ = SHARED_DIRS[name]
     if layers is not None and layers < 1:
         raise ValueError(f"layers must be >= 1, got {layers}")
     stem = (
@@ -336,7 +333,18 @@ def shared_checkpoint(
         + ("-smoke" if smoke else "")
         + (f"-{layers}layers" if layers else "")
     )
-    path = resolve_cache_dir() / "scale" / f"{stem}-hf"
+    return resolve_cache_dir() / "scale" / f"{stem}-hf"
+
+
+def shared_checkpoint(
+    name: str, progress: bool = True, layers: int | None = None, smoke: bool = False, vocab_size: int | None = None
+) -> Path:
+    """The shared copy of `name` under the cache's scale/ directory (see the module doc), written if missing.
+    layers: only the first that many decoder layers (a shorter run of the same shapes, e.g. within a lent GPU's
+    minutes), in a directory of its own; smoke: SMOKE_OVERRIDES' shapes instead (with `layers`, that many);
+    vocab_size: that vocabulary size (e.g. 49152, the default model's tokenizer), in a directory of its own."""
+    _, prune = SHARED_DIRS[name]
+    path = shared_checkpoint_path(name, layers, smoke, vocab_size)
     if not (path / INDEX_FILE).is_file():
         overrides = {**(SMOKE_OVERRIDES[name] if smoke else {}), **({"num_hidden_layers": layers} if layers else {})}
         synthesize_checkpoint(name, path, prune=prune, overrides=overrides, vocab_size=vocab_size, progress=progress)

@@ -68,10 +68,17 @@ class LlamaLayer:
         return F.rms_norm(x, self.ffn_norm.shape, self.ffn_norm, self.eps)
 
     def __call__(
-        self, x: torch.Tensor, ffn: FFN, cache: StaticKVCache, rotary: Rotary, tables: tuple[torch.Tensor, torch.Tensor]
+        self,
+        x: torch.Tensor,
+        ffn: FFN,
+        cache: StaticKVCache,
+        rotary: Rotary,
+        tables: tuple[torch.Tensor, torch.Tensor],
+        before_ffn: Callable[[torch.Tensor], None] | None = None,
     ) -> torch.Tensor:
         """x [T, d] float32 (the tokens after the cache's `length`) -> the layer's output [T, d]; tables: the
-        rotary's for these tokens (Rotary.tables)."""
+        rotary's for these tokens (Rotary.tables). before_ffn(x): called with the residual after the attention,
+        before the FFN (an MoE decoder's read-ahead of the next layer's experts)."""
         n_tokens, start = x.shape[0], cache.length
         # decoding: the attention half in one call, which also norms the FFN's input (float weights only)
         if n_tokens == 1 and not isinstance(self.qkv, QuantizedWeight) and not self.full_qk_norm:
@@ -93,6 +100,8 @@ class LlamaLayer:
                 self.eps,
                 self.scale,
             )
+            if before_ffn is not None:
+                before_ffn(x)
             return x + ffn(h)
         h = F.rms_norm(x, self.attention_norm.shape, self.attention_norm, self.eps)
         qkv = linear(h, self.qkv, self.qkv_bias)
@@ -116,6 +125,8 @@ class LlamaLayer:
         )
         out = attend(qk[:, : self.n_heads], keys, values, start, self.window, self.scale)
         x = x + linear(out, self.o, self.o_bias)
+        if before_ffn is not None:
+            before_ffn(x)
         return x + ffn(self.ffn_input(x))
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import time
+from functools import partial
 from collections.abc import Callable, Sequence
 
 import torch
@@ -77,15 +78,27 @@ class LeanDecoder:
         ahead = self.lookahead and ids.numel() == 1
         rotary = self.model.rotary
         tables = None if rotary is None else rotary.tables(self.cache.length, ids.numel())
-        for layer, ffn in zip(self.model.layers, self.ffns):
-            if ahead:
-                ffn.prefetch(layer.ffn_input(x))
-            x = layer(x, ffn, self.cache, rotary, tables)
+        if ahead and self.store.experts is not None:  # each layer guesses the next one's experts (pre-gating)
+            self._prefetch_experts(0, x)
+            for i, (layer, ffn) in enumerate(zip(self.model.layers, self.ffns)):
+                nxt = i + 1 if i + 1 < len(self.ffns) else None
+                x = layer(
+                    x, ffn, self.cache, rotary, tables, None if nxt is None else partial(self._prefetch_experts, nxt)
+                )
+        else:
+            for layer, ffn in zip(self.model.layers, self.ffns):
+                if ahead:
+                    ffn.prefetch(layer.ffn_input(x))
+                x = layer(x, ffn, self.cache, rotary, tables)
         logits = self.model.logits(x if all_logits else x[-1:])
         self.cache.length += ids.numel()
         self.seconds += time.perf_counter() - start
         self.tokens += ids.numel()
         return logits if all_logits else logits[0]
+
+    def _prefetch_experts(self, layer: int, x: torch.Tensor) -> None:
+        """Start reading the experts layer `layer`'s router picks for x, an earlier layer's residual."""
+        self.ffns[layer].prefetch(self.model.layers[layer].ffn_input(x))
 
     def prefill(self, ids: torch.Tensor | Sequence[int], chunk: int = 256) -> torch.Tensor:
         """Run a prompt in chunks of at most `chunk` tokens (bounded activation memory); logits [vocab] of its
@@ -170,8 +183,13 @@ def load_decoder(
     try:
         config = DecoderConfig.from_config(store.config, store.path)
         moe = store.experts is not None
-        if moe and (lookahead is not None or device.type != "cpu"):
-            raise ValueError(f"{store.path}: a mixture-of-experts store runs on the CPU without look-ahead so far")
+        if moe and device.type != "cpu":
+            raise ValueError(f"{store.path}: a mixture-of-experts store runs on the CPU so far")
+        if moe and lookahead is not None and (lookahead != "ahead" or mode != "flash"):
+            raise ValueError(
+                f"{store.path}: a mixture-of-experts store reads ahead in flash mode only, lookahead='ahead' "
+                f"(the next layer's router on this layer's hidden state), not {lookahead!r} in {mode} mode"
+            )
         cache_layout = "auto" if moe else check_lookahead(mode, lookahead, cache_layout)
         dtype = dtype or store.dtype
         predictors = None if moe else predictors_for_mode(store, predictors, mode)

@@ -14,6 +14,11 @@ Policies (EXPERT_POLICIES): which expert leaves when a miss needs a slot and non
           out first; it trades hits for DRAM where LRU would fill the budget
 Modes (EXPERT_MODES, expert_stack): dense (every expert read once at load), naive (a forward's experts read every
 time into top_k slots, nothing kept between forwards), flash (the cache by its policy).
+
+Read-ahead (flash mode, `ExpertFFN.prefetch`): the decoder applies layer l+1's router to layer l's hidden state
+before layer l's FFN (pre-gating) and the guessed experts not held are read in the background while layer l computes;
+layer l+1's forward waits for them, then reads what its real router names beyond the guess. Reported: the guess's
+recall (`stats()["ahead_recall"]`) and the read time that overlapped compute (`hidden_io_ms`).
 """
 
 from __future__ import annotations
@@ -126,6 +131,46 @@ class ExpertFFN:
         self.reader, self.stats, self.shared, self.naive = reader, stats, shared, naive
         self.size = store.experts.size
         self.activation = store_activation(store)
+        self.pending: list = []  # read-ahead: the background reads of the guessed experts (futures)
+        self.guess: set[int] | None = None  # the experts the last prefetch guessed, until the forward
+
+    def prefetch(self, x: torch.Tensor) -> None:
+        """Guess this layer's next experts by routing x (an earlier hidden state, [1, d]) and start reading those
+        not held into slots of their own (at most capacity of them), in the background."""
+        start = time.perf_counter()
+        guessed = self.route(x)[0].unique().tolist()
+        self.stats.predictor_s += time.perf_counter() - start
+        start = time.perf_counter()
+        cache = self.cache
+        cache.tick()
+        cache.touch(guessed)
+        self.guess = set(guessed)
+        _, misses = cache.lookup(guessed)
+        pairs = cache.admit(misses[: cache.capacity])
+        self.stats.mem_s += time.perf_counter() - start
+        self.pending = [self.reader.read_async(self.layer, self._rows(e), cache.slots[s]) for e, s in pairs]
+        self.stats.prefetched += len(pairs) * self.size
+
+    def _land(self) -> None:
+        """Wait for the read-ahead of this layer: the wait is exposed read time, the rest of its reads' time hid
+        behind compute."""
+        start = time.perf_counter()
+        reads = [future.result().stats for future in self.pending]
+        waited = time.perf_counter() - start
+        self.pending = []
+        self._count(reads)
+        self.stats.io_s += waited
+        self.stats.hidden_io_s += max(0.0, sum(r.wall_s for r in reads) - waited)
+
+    def _rows(self, expert: int) -> torch.Tensor:
+        return torch.arange(expert * self.size, (expert + 1) * self.size)
+
+    def _count(self, reads) -> None:
+        for read in reads:
+            self.stats.bytes_read += read.bytes_read
+            self.stats.bytes_requested += read.bytes_requested
+            self.stats.n_reads += read.n_reads
+            self.stats.decompress_s += read.decompress_s
 
     @property
     def nbytes(self) -> int:
@@ -133,13 +178,19 @@ class ExpertFFN:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         stats, cache = self.stats, self.cache
+        if self.pending:
+            self._land()
         start = time.perf_counter()
         experts, weights = self.route(x)
         routed = time.perf_counter()
         needed = experts.unique().tolist()
         if self.naive:
             cache.forget()
-        cache.tick()
+        if self.guess is None:  # a prefetch has ticked for this token already
+            cache.tick()
+        else:
+            stats.guessed += len(self.guess.intersection(needed)) * self.size
+            self.guess = None
         cache.touch(needed)
         hits, misses = cache.lookup(needed)
         stats.predictor_s += routed - start
@@ -166,13 +217,7 @@ class ExpertFFN:
     def _read(self, pairs: list[tuple[int, int]]) -> None:
         """Each expert of `pairs` into its slot: one contiguous range of the file, the reader's threads splitting it."""
         start = time.perf_counter()
-        for expert, slot in pairs:
-            ids = torch.arange(expert * self.size, (expert + 1) * self.size)
-            read = self.reader.read(self.layer, ids, self.cache.slots[slot])
-            self.stats.bytes_read += read.stats.bytes_read
-            self.stats.bytes_requested += read.stats.bytes_requested
-            self.stats.n_reads += read.stats.n_reads
-            self.stats.decompress_s += read.stats.decompress_s
+        self._count([self.reader.read(self.layer, self._rows(e), self.cache.slots[s]).stats for e, s in pairs])
         self.stats.io_s += time.perf_counter() - start
 
     def _compute(

@@ -96,6 +96,7 @@ class FFNStats:
     needed: int = 0  # neurons the steps needed (a cache hit when already cached)
     inserted: int = 0  # bundles read from flash for the sets the FFN computed
     prefetched: int = 0  # bundles read ahead (lookahead="prefetch") before the FFN chose its own set
+    guessed: int = 0  # neurons needed that a look-ahead had guessed (an MoE layer's experts read ahead)
     bytes_read: int = 0
     bytes_requested: int = 0  # the bundles' own bytes (compressed for Endor): bytes_read less padding and gaps
     n_reads: int = 0  # read requests issued (after coalescing)

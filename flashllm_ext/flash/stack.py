@@ -104,15 +104,19 @@ class FlashRuntime(Runtime):
         }
 
     def _expert_stats(self, tokens: int) -> dict:
-        """An MoE store's: the cache policy and the experts needed and read per token and layer."""
-        layout = self.store.experts
+        """An MoE store's: the cache policy, the experts needed and read (ahead, too) per token and layer, and the
+        read-ahead's recall (the share of the needed experts it had guessed; None without read-ahead)."""
+        layout, s = self.store.experts, self.counters
         if layout is None:
             return {}
         per = layout.size * max(tokens, 1) * self.store.n_layers
+        ahead = s.prefetched or s.guessed
         return {
             "expert_policy": self.expert_policy,
-            "experts_needed_per_layer": self.counters.needed / per,
-            "experts_read_per_layer": self.counters.inserted / per,
+            "experts_needed_per_layer": s.needed / per,
+            "experts_read_per_layer": (s.inserted + s.prefetched) / per,
+            "experts_read_ahead_per_layer": s.prefetched / per,
+            "ahead_recall": s.guessed / s.needed if ahead and s.needed else None,
         }
 
     @property

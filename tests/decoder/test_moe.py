@@ -20,14 +20,15 @@ from tests.helpers.models import tiny_model
 
 FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 N_NEW = 32
-# (mode, policy, expert slots a layer the budget is sized for; None: no budget)
+# (mode, policy, expert slots a layer the budget is sized for (None: no budget), lookahead)
 RUNS = [
-    ("dense", "lru", None),
-    ("naive", "lru", 2),
-    ("flash", "lru", 3),
-    ("flash", "lfu", 3),
-    ("flash", "window", 3),
-    ("flash", "lru", 1),  # fewer slots than a token's experts: each forward reads in rounds
+    ("dense", "lru", None, None),
+    ("naive", "lru", 2, None),
+    ("flash", "lru", 3, None),
+    ("flash", "lfu", 3, None),
+    ("flash", "window", 3, None),
+    ("flash", "lru", 1, None),  # fewer slots than a token's experts: each forward reads in rounds
+    ("flash", "lru", 3, "ahead"),  # each layer reads the experts the next layer's router guesses
 ]
 
 
@@ -79,13 +80,15 @@ def _decode(decoder, prompt: torch.Tensor, chunk: int = 256) -> tuple[list[int],
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("mode,policy,slots", RUNS)
-def test_every_mode_and_policy_decodes_the_tokens_of_transformers(moe_models, family, mode, policy, slots):
+@pytest.mark.parametrize("mode,policy,slots,lookahead", RUNS)
+def test_every_mode_and_policy_decodes_the_tokens_of_transformers(moe_models, family, mode, policy, slots, lookahead):
     model, path = moe_models[family]
     prompt = _prompt()
     want_tokens, want_logits = _transformers_run(model, prompt)
     budget = _budget(path, mode, slots)
-    decoder = load_decoder(path, budget, mode=mode, expert_policy=policy, window=1, max_len=64, kv_dtype=torch.float32)
+    decoder = load_decoder(
+        path, budget, mode=mode, expert_policy=policy, window=1, max_len=64, kv_dtype=torch.float32, lookahead=lookahead
+    )
     try:
         tokens, logits = _decode(decoder, prompt, chunk=3)
         stats = decoder.stats()
@@ -103,6 +106,11 @@ def test_every_mode_and_policy_decodes_the_tokens_of_transformers(moe_models, fa
         assert stats["hit_rate"] == 0.0
     if mode == "flash" and slots == 3:
         assert 0 < stats["hit_rate"] < 1 and stats["expert_policy"] == policy
+    if lookahead:  # every decode token read ahead; the guess names some of the experts the routers then chose
+        assert stats["experts_read_ahead_per_layer"] > 0 and 0 < stats["ahead_recall"] <= 1
+        assert stats["hidden_io_ms"] >= 0
+    else:
+        assert stats["ahead_recall"] is None
 
 
 def test_naive_mode_reads_each_decode_token_s_experts_once(moe_models):
@@ -135,7 +143,8 @@ def test_a_budget_below_one_expert_a_layer_is_refused_naming_the_minimum(moe_mod
     [
         (dict(mode="hybrid"), "modes"),
         (dict(mode="flash", expert_policy="fifo"), "expert policy"),
-        (dict(mode="flash", lookahead="ahead"), "without look-ahead"),
+        (dict(mode="naive", lookahead="ahead"), "flash mode only"),
+        (dict(mode="flash", lookahead="prefetch"), "flash mode only"),
     ],
 )
 def test_what_an_moe_store_does_not_run_is_refused(moe_models, kwargs, match):
