@@ -14,6 +14,10 @@ model's: measured, they return to few experts, see experts_used_per_layer); "tra
 exponent TRACE["skew"], each of a token's experts kept from the previous token's set with probability
 TRACE["reuse"]), which is no real model's and says only how the cache policies meet skew and reuse.
 
+Peer: llama.cpp (llama-cpp-python, mmap, --threads) on an F16 GGUF of the same weights (write_moe_gguf), in a cgroup
+of its own baseline + the same budget, with its own (the model's) routers: rows mode "llama.cpp", routing "model";
+`agree`: the share of our greedy tokens equal to llama.cpp's in the same round.
+
 Modes: naive (a token's experts read every time, nothing kept), flash:<policy> (flashllm_ext.flash.experts, an
 ExpertCache per layer within the budget: lru, lfu, window), +ahead (each layer reads the experts the next layer's
 router picks for its hidden state while it computes: load_decoder(lookahead="ahead")).
@@ -25,11 +29,12 @@ Rows (bench:"moe", one per configuration and round; bench:"moe_median" the media
   experts_used_per_layer  distinct experts a layer's router chose over the prompt and the decode tokens
   hidden_io_ms ahead_recall   +ahead: read time that overlapped compute; the guessed share of the needed experts
   vs_naive                ms_per_token / naive's at the same model, budget and routing (medians)
+  vs_llama_cpp            ms_per_token / llama.cpp's at the same model and budget (model routing)
   cgroup_limit_mb cgroup_peak_mb oom_killed
 
     python -m bench.bench_moe [--json] [--models olmoe-1b-7b,qwen3-30b-a3b] [--layers 4] [--budgets 30%,50%]
                               [--modes naive,flash:lru,flash:lfu,flash:window] [--routing model,trace]
-                              [--format fp16] [--tokens 16] [--rounds 3] [--smoke]
+                              [--format fp16] [--tokens 16] [--rounds 3] [--threads 2] [--no-llama-cpp] [--smoke]
 """
 
 from __future__ import annotations
@@ -55,6 +60,8 @@ COLUMNS = [
     "mode",
     "ms_per_token",
     "vs_naive",
+    "vs_llama_cpp",
+    "agree",
     "io_ms",
     "compute_ms",
     "other_ms",
@@ -134,10 +141,12 @@ def run_child(config: dict) -> dict:
     token = int(decoder.prefill(prompt).argmax())
     decoder.reset_stats()
     times = []
+    ids = [token]
     for _ in range(tokens):
         start = time.perf_counter()
         token = int(decoder.forward([token]).argmax())
         times.append(time.perf_counter() - start)
+        ids.append(token)
     stats = decoder.stats()
     used = [sum(n > 0 for n in module.cache.uses) for module in decoder.runtime.modules]
     decoder.close()
@@ -157,27 +166,64 @@ def run_child(config: dict) -> dict:
         "hidden_io_ms": stats["hidden_io_ms"],
         "ahead_recall": stats["ahead_recall"],
         "accounted_mb": stats["accounted_bytes"] / 1e6,
+        "ids": ids,
     }
 
 
-def model_store(name: str, layers: int, fmt: str, smoke: bool) -> Path:
-    """The expert store of `name`'s first `layers` layers, converted once from a synthesized checkpoint that is
-    deleted afterwards (only the store is read here; the two would not fit this machine's disk side by side twice)."""
+def model_files(name: str, layers: int, fmt: str, smoke: bool, gguf: bool) -> tuple[Path, Path | None]:
+    """The expert store of `name`'s first `layers` layers and (gguf) llama.cpp's F16 GGUF of the same weights, each
+    written once from a synthesized checkpoint that is deleted afterwards (the files read here are the store and the
+    GGUF; a checkpoint beside them would not fit this machine's disk)."""
     import shutil
 
     from bench.e2e_common import converted_once
-    from bench.synth_checkpoint import shared_checkpoint, shared_checkpoint_path
+    from bench.synth_checkpoint import shared_checkpoint, shared_checkpoint_path, write_moe_gguf
     from flashllm_ext.errors import FormatError
     from flashllm_ext.flash.store import FlashStore
 
     checkpoint = shared_checkpoint_path(name, layers=layers, smoke=smoke)
-    store = checkpoint.with_name(checkpoint.name.removesuffix("-hf") + f"-{fmt}-store")
+    stem = checkpoint.name.removesuffix("-hf")
+    store, gguf_path = checkpoint.with_name(f"{stem}-{fmt}-store"), checkpoint.with_name(f"{stem}.F16.gguf")
     try:
         FlashStore(store).close()
+        missing_store = False
     except (OSError, FormatError):
-        converted_once(shared_checkpoint(name, layers=layers, smoke=smoke), store, fmt)
+        missing_store = True
+    if missing_store or (gguf and not gguf_path.is_file()):
+        source = shared_checkpoint(name, layers=layers, smoke=smoke)  # the same seed: the same weights again
+        if missing_store:
+            converted_once(source, store, fmt)
+        if gguf and not gguf_path.is_file():
+            write_moe_gguf(source, gguf_path)
         shutil.rmtree(checkpoint)
-    return store
+    return store, gguf_path if gguf else None
+
+
+def run_llama(gguf: Path, limit: int, prompt: list[int], tokens: int, threads: int, timeout: float) -> dict:
+    """llama.cpp (mmap, no repack: F16 is not repacked) on the GGUF in a cgroup of `limit` bytes: its row."""
+    from flashllm_ext.harness.llama_cpp import run_llama_cpp
+
+    r = run_llama_cpp(gguf, prompt, tokens, threads, memory_limit_bytes=limit, timeout=timeout)
+    error = "OOM-killed" if r.get("oom_killed") else r.get("error")
+    keys = ("ms_per_token", "cgroup_limit_mb", "cgroup_peak_mb", "oom_killed")
+    return {
+        **{k: r.get(k) for k in keys},
+        "read_mb_per_token": r.get("proc_read_mb_per_token"),
+        "ids": r.get("generated"),
+        **({"error": str(error).strip().splitlines()[-1][-300:]} if error else {}),
+    }
+
+
+def add_ratios(medians: list[dict]) -> None:
+    """vs_naive and vs_llama_cpp: ms_per_token over naive's / llama.cpp's at the same model, budget (and routing)."""
+    for row in medians:
+        same = [r for r in medians if r["model"] == row["model"] and r["budget_spec"] == row["budget_spec"]]
+        naive = [r["ms_per_token"] for r in same if r["mode"] == "naive" and r["routing"] == row["routing"]]
+        peer = [r["ms_per_token"] for r in same if r["mode"] == "llama.cpp"]
+        if naive and row.get("ms_per_token"):
+            row["vs_naive"] = row["ms_per_token"] / naive[0]
+        if peer and row.get("ms_per_token") and row["routing"] == "model":
+            row["vs_llama_cpp"] = row["ms_per_token"] / peer[0]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -191,36 +237,40 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--format", default="fp16", choices=["fp16", "q8", "q4"], help="the expert store's format")
     parser.add_argument("--tokens", type=int, default=16)
     parser.add_argument("--prompt-tokens", type=int, default=16)
-    parser.add_argument("--timeout", type=float, default=1800, help="seconds a child may run")
+    parser.add_argument("--threads", type=int, default=2, help="llama.cpp's threads (ours: torch's default)")
+    parser.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp (it builds once, minutes)")
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds a process may run")
     parser.set_defaults(rounds=3)
     args = parser.parse_args(argv)
     if args.child:
         print(json.dumps(run_child(json.loads(args.child))), flush=True)
         return
     if args.smoke:
-        args.models, args.layers, args.budgets, args.tokens, args.prompt_tokens, args.rounds = (
-            MODELS[0],
-            2,
-            "60%",
-            3,
-            4,
-            1,
-        )
+        args.models, args.layers, args.budgets, args.rounds = MODELS[0], 2, "60%", 1
+        args.tokens, args.prompt_tokens, args.no_llama_cpp = 3, 4, True
+        print("smoke: llama.cpp skipped (it needs its own build)", file=sys.stderr)
+    peer = not args.no_llama_cpp and args.format == "fp16" and "model" in args.routing.split(",")
 
     from bench.e2e_common import budget_of_first_layers, child_argv, probe_peak_bytes, prompt_ids
     from bench.synth_checkpoint import CONFIGS
     from flashllm_ext.flash.store import FlashStore
     from flashllm_ext.harness.cgroup import run_limited_child
 
+    baselines = {}
+    if peer:
+        from flashllm_ext.harness.llama_cpp import WORKER, env_python, ensure_env
+
+        argv_probe = [str(env_python(ensure_env())), "-I", str(WORKER), "--baseline"]
+        baselines["llama.cpp"] = probe_peak_bytes(argv_probe, "llama-probe")
     rows = []
     for name in args.models.split(","):
-        store = model_store(name, args.layers, args.format, args.smoke)
+        store, gguf = model_files(name, args.layers, args.format, args.smoke, peer)
         with FlashStore(store) as opened:
             prompt, note = prompt_ids(args.prompt_tokens, int(opened.config["vocab_size"]), synthesized=True)
         whole = CONFIGS[name]["num_hidden_layers"]
         budgets = [(spec, budget_of_first_layers(store, spec, whole)) for spec in args.budgets.split(",")]
         base = {"store": str(store), "prompt": prompt, "tokens": args.tokens}
-        baseline = probe_peak_bytes(child_argv(MODULE, {**base, "probe": True}), "moe-probe")
+        baselines["lean"] = probe_peak_bytes(child_argv(MODULE, {**base, "probe": True}), "moe-probe")
         # a replayed trace has no hidden state for a read-ahead to route: +ahead runs on the model's own routers
         configurations = [
             (spec, budget, routing, mode)
@@ -229,15 +279,29 @@ def main(argv: list[str] | None = None) -> None:
             for mode in args.modes.split(",")
             if not (routing == "trace" and mode.endswith("+ahead"))
         ]
+        if peer:  # llama.cpp routes with the model's own routers: one row per budget, first (the reference ids)
+            configurations = [(spec, budget, "model", "llama.cpp") for spec, budget in budgets] + configurations
         for round_ in range(args.rounds):
+            reference: dict[str, list[int]] = {}
             for spec, budget, routing, mode in configurations:
-                config = {**base, "mode": mode, "routing": routing, "budget_bytes": budget}
-                child, facts = run_limited_child(
-                    child_argv(MODULE, config), budget, baseline, f"moe-{mode}", args.timeout
-                )
-                out = child[-1] if child else {"error": "the child printed no row"}
-                if "error" in out:  # a refused budget ends the child with a traceback: its last line says why
-                    out["error"] = out["error"].strip().splitlines()[-1][-300:]
+                system = "llama.cpp" if mode == "llama.cpp" else "lean"
+                limit = baselines[system] + budget
+                if system == "llama.cpp":
+                    out = run_llama(gguf, limit, prompt, args.tokens, args.threads, args.timeout)
+                else:
+                    config = {**base, "mode": mode, "routing": routing, "budget_bytes": budget}
+                    child, facts = run_limited_child(child_argv(MODULE, config), limit, 0, f"moe-{mode}", args.timeout)
+                    out = {**(child[-1] if child else {"error": "the child printed no row"}), **facts}
+                    if "error" in out:  # a refused budget ends the child with a traceback: its last line says why
+                        out["error"] = out["error"].strip().splitlines()[-1][-300:]
+                    if facts["oom_killed"]:
+                        out["error"] = "OOM-killed"
+                ids = out.pop("ids", None)
+                if system == "llama.cpp" and ids:
+                    reference[spec] = ids
+                elif ids and routing == "model" and reference.get(spec):  # the same weights: the same greedy tokens?
+                    agree = next((i for i, (a, b) in enumerate(zip(ids, reference[spec])) if a != b), len(ids))
+                    out["agree"] = agree / len(ids)
                 row = {
                     "bench": "moe",
                     "model": name,
@@ -245,30 +309,18 @@ def main(argv: list[str] | None = None) -> None:
                     "routing": routing,
                     "budget_spec": spec,
                     "budget_mb": budget / 1e6,
-                    "baseline_mb": baseline / 1e6,
+                    "baseline_mb": baselines[system] / 1e6,
                     "mode": mode,
                     "tokens": args.tokens,
                     "round": round_,
                     **({"prompt_note": note} if note else {}),
                     **out,
-                    **facts,
                 }
-                if facts["oom_killed"]:
-                    row["error"] = "OOM-killed"
                 rows.append(row)
                 emit([row], args.json, COLUMNS)
     medians = median_rows(rows, ("model", "routing", "budget_spec", "mode"), "moe_median")
-    for row in medians:
-        naive = [
-            r["ms_per_token"]
-            for r in medians
-            if r["mode"] == "naive" and all(r[k] == row[k] for k in ("model", "routing", "budget_spec"))
-        ]
-        if naive and row.get("ms_per_token"):
-            row["vs_naive"] = row["ms_per_token"] / naive[0]
+    add_ratios(medians)
     emit(medians, args.json, COLUMNS)
-    if args.smoke:
-        print("smoke: llama.cpp and accelerate peers not run (no MoE GGUF writer here yet)", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -438,6 +438,105 @@ def synthesize_gguf(
     return path
 
 
+# model_type -> llama.cpp's architecture of the MoE checkpoints write_moe_gguf writes
+MOE_GGUF_ARCHITECTURES = {"olmoe": "olmoe", "qwen3_moe": "qwen3moe"}
+# Hugging Face name within a decoder layer -> llama.cpp's, for the tensors of an MoE layer that are not experts
+_MOE_LAYER_NAMES = {
+    "input_layernorm.weight": "attn_norm",
+    "self_attn.q_proj.weight": "attn_q",
+    "self_attn.k_proj.weight": "attn_k",
+    "self_attn.v_proj.weight": "attn_v",
+    "self_attn.o_proj.weight": "attn_output",
+    "self_attn.q_norm.weight": "attn_q_norm",
+    "self_attn.k_norm.weight": "attn_k_norm",
+    "post_attention_layernorm.weight": "ffn_norm",
+    "mlp.gate.weight": "ffn_gate_inp",
+}
+
+
+def write_moe_gguf(checkpoint_dir: str | os.PathLike, dst: str | os.PathLike, progress: bool = True) -> Path:
+    """An F16 GGUF at `dst` of a synthesized OLMoE or Qwen3-MoE checkpoint (synthesize_checkpoint), laid out as
+    llama.cpp's converter writes those models: each layer's experts stacked into ffn_gate_exps / ffn_up_exps [E, m, d]
+    and ffn_down_exps [E, d, m], the router ffn_gate_inp, norms and the router float32, q and k as they are (llama.cpp
+    rotates both families NeoX-style, as transformers does), and the placeholder vocabulary (synthetic_vocabulary). One
+    layer's experts in memory at a time; written under a temporary name and renamed."""
+    import gguf
+    import numpy as np
+
+    from flashllm_ext.io.checkpoint import open_checkpoint
+
+    ckpt = open_checkpoint(checkpoint_dir)
+    config = ckpt.config
+    arch = MOE_GGUF_ARCHITECTURES.get(config.get("model_type"))
+    if arch is None:
+        raise ValueError(
+            f"{checkpoint_dir}: model_type {config.get('model_type')!r} is not among {MOE_GGUF_ARCHITECTURES}"
+        )
+    n_layers, n_experts = int(config["num_hidden_layers"]), int(config["num_experts"])
+    hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
+    head_dim = int(config.get("head_dim") or hidden // heads)
+    size = int(config.get("moe_intermediate_size") or config["intermediate_size"])
+    # (llama.cpp name, numpy shape, float32?, the tensor): the experts of a layer one stacked tensor per role
+    plan: list[tuple[str, tuple[int, ...], bool, object]] = []
+    for name, target in (("model.embed_tokens.weight", "token_embd"), ("model.norm.weight", "output_norm")):
+        plan.append((f"{target}.weight", ckpt.shape(name), len(ckpt.shape(name)) == 1, name))
+    if "lm_head.weight" in ckpt.names:
+        plan.append(("output.weight", ckpt.shape("lm_head.weight"), False, "lm_head.weight"))
+    for i in range(n_layers):
+        for suffix, target in _MOE_LAYER_NAMES.items():
+            name = f"model.layers.{i}.{suffix}"
+            if name in ckpt.names:
+                f32 = len(ckpt.shape(name)) == 1 or target == "ffn_gate_inp"
+                plan.append((f"blk.{i}.{target}.weight", ckpt.shape(name), f32, name))
+        for role in ("gate", "up", "down"):
+            names = [f"model.layers.{i}.mlp.experts.{e}.{role}_proj.weight" for e in range(n_experts)]
+            shape = (n_experts, *ckpt.shape(names[0]))
+            plan.append((f"blk.{i}.ffn_{role}_exps.weight", shape, False, names))
+    path = Path(dst)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        writer = gguf.GGUFWriter(str(tmp), arch)
+        writer.add_name(Path(checkpoint_dir).name)
+        writer.add_context_length(int(config["max_position_embeddings"]))
+        writer.add_embedding_length(hidden)
+        writer.add_block_count(n_layers)
+        writer.add_feed_forward_length(int(config["intermediate_size"]))
+        writer.add_expert_feed_forward_length(size)
+        writer.add_expert_count(n_experts)
+        writer.add_expert_used_count(int(config["num_experts_per_tok"]))
+        writer.add_head_count(heads)
+        writer.add_head_count_kv(int(config.get("num_key_value_heads") or heads))
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+        writer.add_rope_dimension_count(head_dim)
+        writer.add_rope_freq_base(float(config.get("rope_theta", 10000.0)))
+        writer.add_layer_norm_rms_eps(float(config["rms_norm_eps"]))
+        writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+        writer.add_vocab_size(int(config["vocab_size"]))
+        tokens, types = synthetic_vocabulary(int(config["vocab_size"]))
+        writer.add_tokenizer_model("llama")
+        writer.add_token_list(tokens)
+        writer.add_token_scores([0.0] * len(tokens))
+        writer.add_token_types(types)
+        writer.add_unk_token_id(0)
+        writer.add_bos_token_id(1)
+        writer.add_eos_token_id(2)
+        for target, shape, f32, _ in plan:
+            dtype = np.dtype(np.float32 if f32 else np.float16)
+            writer.add_tensor_info(target, shape, dtype, math.prod(shape) * dtype.itemsize)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        for _, _, f32, source in tqdm(plan, desc=f"writing {path.name}", unit="t", disable=not progress):
+            tensor = torch.stack([ckpt[n] for n in source]) if isinstance(source, list) else ckpt[source]
+            writer.write_tensor_data(tensor.to(torch.float32 if f32 else torch.float16).contiguous().numpy())
+        writer.close()
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
 def synthetic_vocabulary(size: int) -> tuple[list[str], list[int]]:
     """(tokens, gguf token types) of a SentencePiece-style vocabulary of `size` placeholder tokens: <unk>, <s>, </s>,
     the 256 byte tokens where `size` leaves room (llama.cpp's loader looks up the newline's), then "t<i>"."""

@@ -189,6 +189,37 @@ def test_llama_cpp_decodes_a_synthesized_gguf(tmp_path):
         assert len(row["generated"]) == 4 and all(0 <= t < vocab for t in row["generated"])
 
 
+@pytest.mark.parametrize("name", MOE)
+def test_an_moe_gguf_holds_the_checkpoint_s_experts_and_llama_cpp_decodes_it(name, tmp_path):
+    """write_moe_gguf stacks each layer's experts as llama.cpp's converter does; llama.cpp loads the file and
+    decodes what transformers decodes from the checkpoint (greedy, F16 weights in both)."""
+    import gguf
+
+    from bench.synth_checkpoint import write_moe_gguf
+    from flashllm_ext.harness.llama_cpp import env_dir, env_ready, run_llama_cpp
+
+    hf = synthesize_checkpoint(name, tmp_path / "ckpt", overrides=SMOKE_OVERRIDES[name], progress=False)
+    path = write_moe_gguf(hf, tmp_path / "moe.gguf", progress=False)
+    model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+    tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    experts = model.model.layers[1].mlp.experts  # fused in memory: gate_up [E, 2m, d], down [E, d, m]
+    gate, up = experts.gate_up_proj.chunk(2, dim=1)
+    for role, want in (("gate", gate), ("up", up), ("down", experts.down_proj)):
+        got = torch.from_numpy(tensors[f"blk.1.ffn_{role}_exps.weight"].data.copy()).float()
+        assert torch.equal(got, want.half().float()), role
+    if not env_ready():
+        pytest.skip(f"llama-cpp-python is not built in {env_dir()}: `make llama-cpp` builds it (minutes)")
+    prompt = [1, 20, 40, 60, 80]
+    row = run_llama_cpp(path, prompt, 4, 1)
+    assert "error" not in row, row
+    ids = torch.tensor([prompt])
+    with torch.no_grad():  # (an explicit mask: OLMoE's pad token is id 1, which generate would mask out)
+        expected = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False, eos_token_id=None
+        )
+    assert row["generated"] == expected[0, len(prompt) :].tolist()
+
+
 def test_the_placeholder_vocabulary_has_the_size_asked():
     from bench.synth_checkpoint import synthetic_vocabulary
 
