@@ -3,18 +3,19 @@ shapes, each configuration a process of its own in a memory cgroup of its baseli
 first, counted against the limit).
 
 Checkpoints (bench/synth_checkpoint.py, random weights, written once; say so beside every figure): OLMoE-1B-7B
-(64 experts of 1024 neurons, 8 a token, d 2048) and Qwen3-30B-A3B (128 experts of 768, 8 a token), the first
---layers decoder layers of each (a layer's experts are its own: reads, hits and compute per layer are those of the
-whole model's layers), converted once to an expert store (flashllm convert, --format; the checkpoint is then
-deleted). The budget is of the whole
-model's weight bytes (e2e_common.budget_of_first_layers: the layers run with the share of a whole model's budget).
+(64 experts of 1024 neurons, 8 a token, d 2048; first 4 layers, fp16) and Qwen3-30B-A3B (128 experts of 768, 8 a
+token; first 2 layers, q4), or --layers / --format for every model (a layer's experts are its own: reads, hits and
+compute per layer are those of the whole model's layers), converted once to an expert store (flashllm convert; the
+checkpoint is then deleted). The budget is of the whole model's weight bytes (e2e_common.budget_of_first_layers: the
+layers run with the share of a whole model's budget).
 
 Routing (--routing): "model", the checkpoint's own routers on its random weights (what they choose is no trained
 model's: measured, they return to few experts, see experts_used_per_layer); "trace", a replayed synthetic trace (TraceRoutes: expert popularity Zipf with
 exponent TRACE["skew"], each of a token's experts kept from the previous token's set with probability
 TRACE["reuse"]), which is no real model's and says only how the cache policies meet skew and reuse.
 
-Peer: llama.cpp (llama-cpp-python, mmap, --threads) on an F16 GGUF of the same weights (write_moe_gguf), in a cgroup
+Peer: llama.cpp (llama-cpp-python, mmap, --threads) on an F16 GGUF of the same weights (write_moe_gguf; fp16 stores
+only), in a cgroup
 of its own baseline + the same budget, with its own (the model's) routers: rows mode "llama.cpp", routing "model";
 `agree`: the share of our greedy tokens equal to llama.cpp's in the same round.
 
@@ -32,9 +33,9 @@ Rows (bench:"moe", one per configuration and round; bench:"moe_median" the media
   vs_llama_cpp            ms_per_token / llama.cpp's at the same model and budget (model routing)
   cgroup_limit_mb cgroup_peak_mb oom_killed
 
-    python -m bench.bench_moe [--json] [--models olmoe-1b-7b,qwen3-30b-a3b] [--layers 4] [--budgets 30%,50%]
+    python -m bench.bench_moe [--json] [--models olmoe-1b-7b,qwen3-30b-a3b] [--layers N] [--budgets 30%,50%]
                               [--modes naive,flash:lru,flash:lfu,flash:window] [--routing model,trace]
-                              [--format fp16] [--tokens 16] [--rounds 3] [--threads 2] [--no-llama-cpp] [--smoke]
+                              [--format fp16|q8|q4] [--tokens 16] [--rounds 3] [--threads 2] [--no-llama-cpp] [--smoke]
 """
 
 from __future__ import annotations
@@ -49,7 +50,9 @@ import torch
 from bench.common import arg_parser, emit, median_rows
 
 MODULE = "bench.bench_moe"
-MODELS = ("olmoe-1b-7b", "qwen3-30b-a3b")
+# each shape's default first layers and store format: Qwen3-30B-A3B in 4 bits (as its users hold it; two of its
+# layers in fp16 with their checkpoint and GGUF would not fit this machine's free disk)
+MODELS = {"olmoe-1b-7b": (4, "fp16"), "qwen3-30b-a3b": (2, "q4")}
 MODES = ("naive", "flash:lru", "flash:lfu", "flash:window", "flash:lru+ahead")
 TRACE = {"skew": 1.0, "reuse": 0.5, "seed": 0}
 WINDOW = 2  # flash:window's tokens
@@ -230,11 +233,11 @@ def main(argv: list[str] | None = None) -> None:
     parser = arg_parser(__doc__.splitlines()[0])
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--models", default=",".join(MODELS), help="among " + ",".join(MODELS))
-    parser.add_argument("--layers", type=int, default=4, help="the first that many decoder layers of each model")
+    parser.add_argument("--layers", type=int, help="the first that many decoder layers of each model (MODELS)")
     parser.add_argument("--budgets", default="30%,50%", help="shares of the whole model's weight bytes")
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--routing", default="model,trace", help="model (its own routers) and/or trace (TRACE)")
-    parser.add_argument("--format", default="fp16", choices=["fp16", "q8", "q4"], help="the expert store's format")
+    parser.add_argument("--format", choices=["fp16", "q8", "q4"], help="the expert store's format (MODELS)")
     parser.add_argument("--tokens", type=int, default=16)
     parser.add_argument("--prompt-tokens", type=int, default=16)
     parser.add_argument("--threads", type=int, default=2, help="llama.cpp's threads (ours: torch's default)")
@@ -246,10 +249,10 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(run_child(json.loads(args.child))), flush=True)
         return
     if args.smoke:
-        args.models, args.layers, args.budgets, args.rounds = MODELS[0], 2, "60%", 1
+        args.models, args.layers, args.budgets, args.rounds = "olmoe-1b-7b", 2, "60%", 1
         args.tokens, args.prompt_tokens, args.no_llama_cpp = 3, 4, True
         print("smoke: llama.cpp skipped (it needs its own build)", file=sys.stderr)
-    peer = not args.no_llama_cpp and args.format == "fp16" and "model" in args.routing.split(",")
+    llama_cpp = not args.no_llama_cpp and "model" in args.routing.split(",")
 
     from bench.e2e_common import budget_of_first_layers, child_argv, probe_peak_bytes, prompt_ids
     from bench.synth_checkpoint import CONFIGS
@@ -257,14 +260,16 @@ def main(argv: list[str] | None = None) -> None:
     from flashllm_ext.harness.cgroup import run_limited_child
 
     baselines = {}
-    if peer:
+    if llama_cpp:
         from flashllm_ext.harness.llama_cpp import WORKER, env_python, ensure_env
 
         argv_probe = [str(env_python(ensure_env())), "-I", str(WORKER), "--baseline"]
         baselines["llama.cpp"] = probe_peak_bytes(argv_probe, "llama-probe")
     rows = []
     for name in args.models.split(","):
-        store, gguf = model_files(name, args.layers, args.format, args.smoke, peer)
+        layers, fmt = args.layers or MODELS[name][0], args.format or MODELS[name][1]
+        peer = llama_cpp and fmt == "fp16"  # (the GGUF writer writes F16)
+        store, gguf = model_files(name, layers, fmt, args.smoke, peer)
         with FlashStore(store) as opened:
             prompt, note = prompt_ids(args.prompt_tokens, int(opened.config["vocab_size"]), synthesized=True)
         whole = CONFIGS[name]["num_hidden_layers"]
@@ -305,7 +310,7 @@ def main(argv: list[str] | None = None) -> None:
                 row = {
                     "bench": "moe",
                     "model": name,
-                    "checkpoint": f"{store.name}: synthesized weights, the first {args.layers} of {whole} layers",
+                    "checkpoint": f"{store.name}: synthesized weights, the first {layers} of {whole} layers",
                     "routing": routing,
                     "budget_spec": spec,
                     "budget_mb": budget / 1e6,

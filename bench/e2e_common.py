@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import re
 import sys
 from collections.abc import Callable
@@ -296,21 +295,13 @@ def budget_of_first_layers(store_path: Path, spec: str, whole_layers: int) -> in
     `spec` of the whole model: the store's resident tensors and the share of its FFN bytes that `spec` leaves the
     whole model's FFNs after its resident tensors. (`spec` of the store itself would leave its FFNs less: the
     embeddings are as large in a store of 8 layers as in one of 32.) A layer then runs as in the whole model."""
-    from safetensors import safe_open
-
+    from flashllm_ext.io.safetensors import read_header
     from flashllm_ext.runtime import parse_budget
     from flashllm_ext.flash.store import FlashStore
 
     store = FlashStore(store_path)
-    with safe_open(store.resident_path, framework="pt") as f:
-        per_layer = (
-            sum(
-                math.prod(f.get_slice(n).get_shape()) * store.dtype.itemsize
-                for n in f.keys()
-                if re.search(r"\.layers\.\d+\.", n)
-            )
-            / store.n_layers
-        )
+    entries = read_header(store.resident_path).tensors  # their bytes as stored (a quantized store's blocks too)
+    per_layer = sum(e.end - e.begin for n, e in entries.items() if re.search(r"\.layers\.\d+\.", n)) / store.n_layers
     resident = model_bytes_of(store_path, ffn=False)
     ffn = model_bytes_of(store_path) - resident
     scale = whole_layers / store.n_layers

@@ -224,3 +224,26 @@ def test_flashllm_run_serves_an_moe_store(default_model, tmp_path, capsys):
     assert cli.main([*argv, "--expert-policy", "lfu"]) == 0
     out = capsys.readouterr().out
     assert "4 tokens in" in out and "experts_read_per_layer" in out
+
+
+@pytest.mark.parametrize("fmt", [dict(dtype="q4"), dict(dtype="fp32", endor=True)])
+def test_quantized_and_endor_expert_stores_serve_every_mode_alike(moe_models, tmp_path, fmt):
+    """A q4 store (experts in GGUF blocks) and an Endor store (experts as bitmap + values) read their experts in flash
+    and naive mode into what dense mode computes from the same store."""
+    model, _ = moe_models["qwen3_moe"]
+    model.save_pretrained(tmp_path / "ckpt")
+    path = convert(tmp_path / "ckpt", tmp_path / "store", progress=False, **fmt)
+    prompt = _prompt()
+    logits = {}
+    for mode, slots in (("dense", None), ("naive", 2), ("flash", 3)):
+        decoder = load_decoder(path, _budget(path, mode, slots), mode=mode, max_len=64, kv_dtype=torch.float32)
+        try:
+            logits[mode] = torch.stack([decoder.forward(prompt), decoder.forward([5]), decoder.forward([9])])
+        finally:
+            decoder.close()
+    torch.testing.assert_close(logits["naive"], logits["dense"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logits["flash"], logits["dense"], rtol=1e-5, atol=1e-5)
+    if "endor" in fmt:  # lossless: the fp32 model's own logits
+        with torch.no_grad():
+            want = model(prompt[None]).logits[0, -1]
+        torch.testing.assert_close(logits["dense"][0], want, rtol=1e-4, atol=1e-4)
