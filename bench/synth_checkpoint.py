@@ -50,7 +50,7 @@ from flashllm_ext.io.checkpoint import expected_shapes, gguf_name
 from flashllm_ext.io.paths import resolve_cache_dir
 from flashllm_ext.io.safetensors import AlignedWriter, TensorSpec, dtype_name
 from flashllm_ext.flash.store import DTYPES
-from flashllm_ext.ops.blocks import BLOCK_FORMATS, block_format, quantize_rows
+from flashllm_ext.ops.blocks import BLOCK, BLOCK_FORMATS, block_format, quantize_rows
 
 # The published config.json of facebook/opt-6.7b and meta-llama/Llama-2-7b-hf (architecture fields).
 CONFIGS: dict[str, dict] = {
@@ -396,14 +396,7 @@ def synthesize_gguf(
         writer.add_rope_freq_base(config["rope_theta"])
         writer.add_file_type(gguf.LlamaFileType[file_type])
         writer.add_vocab_size(config["vocab_size"])
-        tokens, types = synthetic_vocabulary(config["vocab_size"])
-        writer.add_tokenizer_model("llama")
-        writer.add_token_list(tokens)
-        writer.add_token_scores([0.0] * len(tokens))
-        writer.add_token_types(types)
-        writer.add_unk_token_id(0)
-        writer.add_bos_token_id(1)
-        writer.add_eos_token_id(2)
+        add_placeholder_tokenizer(writer, config["vocab_size"])
         for hf, shape in shapes.items():
             if len(shape) == 2:
                 nbytes = shape[0] * fmt.row_bytes(shape[1])
@@ -454,12 +447,16 @@ _MOE_LAYER_NAMES = {
 }
 
 
-def write_moe_gguf(checkpoint_dir: str | os.PathLike, dst: str | os.PathLike, progress: bool = True) -> Path:
+def write_moe_gguf(
+    checkpoint_dir: str | os.PathLike, dst: str | os.PathLike, expert_type: str | None = None, progress: bool = True
+) -> Path:
     """An F16 GGUF at `dst` of a synthesized OLMoE or Qwen3-MoE checkpoint (synthesize_checkpoint), laid out as
     llama.cpp's converter writes those models: each layer's experts stacked into ffn_gate_exps / ffn_up_exps [E, m, d]
     and ffn_down_exps [E, d, m], the router ffn_gate_inp, norms and the router float32, q and k as they are (llama.cpp
-    rotates both families NeoX-style, as transformers does), and the placeholder vocabulary (synthetic_vocabulary). One
-    layer's experts in memory at a time; written under a temporary name and renamed."""
+    rotates both families NeoX-style, as transformers does), and the placeholder vocabulary (synthetic_vocabulary).
+    expert_type (a flashllm_ext.ops.blocks format, e.g. "q4_0"): the experts in those blocks, as a quantized file holds
+    them (round to nearest), the rest F16. One layer's experts in memory at a time; written under a temporary name and
+    renamed."""
     import gguf
     import numpy as np
 
@@ -472,7 +469,8 @@ def write_moe_gguf(checkpoint_dir: str | os.PathLike, dst: str | os.PathLike, pr
         raise ValueError(
             f"{checkpoint_dir}: model_type {config.get('model_type')!r} is not among {MOE_GGUF_ARCHITECTURES}"
         )
-    n_layers, n_experts = int(config["num_hidden_layers"]), int(config["num_experts"])
+    n_layers = int(config["num_hidden_layers"])
+    n_experts = int(config.get("num_experts") or config["num_local_experts"])  # (transformers 5 writes the latter)
     hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
     head_dim = int(config.get("head_dim") or hidden // heads)
     size = int(config.get("moe_intermediate_size") or config["intermediate_size"])
@@ -513,28 +511,49 @@ def write_moe_gguf(checkpoint_dir: str | os.PathLike, dst: str | os.PathLike, pr
         writer.add_layer_norm_rms_eps(float(config["rms_norm_eps"]))
         writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
         writer.add_vocab_size(int(config["vocab_size"]))
-        tokens, types = synthetic_vocabulary(int(config["vocab_size"]))
-        writer.add_tokenizer_model("llama")
-        writer.add_token_list(tokens)
-        writer.add_token_scores([0.0] * len(tokens))
-        writer.add_token_types(types)
-        writer.add_unk_token_id(0)
-        writer.add_bos_token_id(1)
-        writer.add_eos_token_id(2)
-        for target, shape, f32, _ in plan:
+        add_placeholder_tokenizer(writer, int(config["vocab_size"]))
+        fmt = None if expert_type is None else block_format(expert_type)
+        for target, shape, f32, source in plan:
+            if fmt is not None and isinstance(source, list):  # quantized experts: uint8 rows of blocks
+                if shape[2] % BLOCK:
+                    raise ValueError(f"{checkpoint_dir}: {target} rows of {shape[2]} are not whole {BLOCK}-blocks")
+                nbytes = shape[0] * shape[1] * fmt.row_bytes(shape[2])
+                raw = gguf.GGMLQuantizationType(fmt.ggml_type)
+                writer.add_tensor_info(target, (*shape[:2], fmt.row_bytes(shape[2])), np.uint8, nbytes, raw)
+                continue
             dtype = np.dtype(np.float32 if f32 else np.float16)
             writer.add_tensor_info(target, shape, dtype, math.prod(shape) * dtype.itemsize)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
         for _, _, f32, source in tqdm(plan, desc=f"writing {path.name}", unit="t", disable=not progress):
-            tensor = torch.stack([ckpt[n] for n in source]) if isinstance(source, list) else ckpt[source]
-            writer.write_tensor_data(tensor.to(torch.float32 if f32 else torch.float16).contiguous().numpy())
+            if not isinstance(source, list):
+                writer.write_tensor_data(ckpt[source].to(torch.float32 if f32 else torch.float16).contiguous().numpy())
+                continue
+            experts = torch.stack([ckpt[n] for n in source])
+            if fmt is None:
+                writer.write_tensor_data(experts.half().numpy())
+            else:
+                blocks = quantize_rows(experts.flatten(0, 1).float(), fmt.name)
+                writer.write_tensor_data(blocks.view(*experts.shape[:2], -1).numpy())
         writer.close()
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
     return path
+
+
+def add_placeholder_tokenizer(writer, size: int) -> None:
+    """The GGUF tokenizer fields of synthetic_vocabulary(size) (a SentencePiece-style "llama" model, ids 0-2 the
+    unknown, begin and end tokens) on a gguf.GGUFWriter."""
+    tokens, types = synthetic_vocabulary(size)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores([0.0] * len(tokens))
+    writer.add_token_types(types)
+    writer.add_unk_token_id(0)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
 
 
 def synthetic_vocabulary(size: int) -> tuple[list[str], list[int]]:

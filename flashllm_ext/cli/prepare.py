@@ -65,10 +65,17 @@ def _train_predictors(args: argparse.Namespace) -> int:
     if args.store:
         from flashllm_ext.flash.store import FlashStore
 
-        FlashStore(args.store)
+        if FlashStore(args.store).experts is not None:
+            raise SystemExit(
+                f"flashllm train-predictors: {args.store} is a mixture-of-experts store; it needs no predictors "
+                "(its routers name each token's experts)"
+            )
     from flashllm_ext.io.checkpoint import gguf_config
 
-    gguf_config(gguf_path)
+    if gguf_config(gguf_path).get("num_experts"):
+        raise SystemExit(
+            f"flashllm train-predictors: {gguf_path} is a mixture-of-experts model; it needs no predictors"
+        )
     out = Path(args.out) if args.out else resolve_cache_dir() / f"{gguf_path.stem}.predictors.safetensors"
     if out.is_dir():
         out = out / "predictors.safetensors"

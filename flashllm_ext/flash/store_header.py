@@ -37,15 +37,20 @@ CONFIG_SIZES = (
 )
 
 
+def json_field(raw: str, field: str, path: str):
+    """A metadata entry's JSON value; FormatError naming the field when it is not JSON."""
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise FormatError(field, f"not JSON ({e})", path) from None
+
+
 def parse_model_config(raw: str | None, path: str, resident: dict[str, TensorEntry]) -> dict:
     """The model config in a store's `config` metadata entry: a JSON object whose sizes (CONFIG_SIZES, where given)
     are positive integers and whose vocab_size is the row count of a resident tensor (the embedding), so a model is
     never built from sizes the files do not back (a vocab_size of 1e11). FormatError naming the field otherwise."""
     field = "__metadata__.config"
-    try:
-        config = json.loads(raw if raw is not None else "")
-    except json.JSONDecodeError as e:
-        raise FormatError(field, f"not JSON ({e})", path) from None
+    config = json_field(raw if raw is not None else "", field, path)
     if not isinstance(config, dict):
         raise FormatError(field, f"must be a JSON object, got {type(config).__name__}", path)
     for key in CONFIG_SIZES:
@@ -83,10 +88,7 @@ def parse_experts(raw: str | None, n_neurons: int, ffn_roles: list[dict[str, str
     if raw is None:
         return None
     field = "__metadata__.experts"
-    try:
-        spec = json.loads(raw)
-    except json.JSONDecodeError as e:
-        raise FormatError(field, f"not JSON ({e})", path) from None
+    spec = json_field(raw, field, path)
     ok = isinstance(spec, dict) and set(spec) == {"count", "size"}
     if not ok or any(type(spec[k]) is not int or spec[k] <= 0 for k in spec):
         raise FormatError(field, f"must be {{'count': E > 0, 'size': m > 0}}, got {str(spec)[:80]}", path)
@@ -137,10 +139,7 @@ def parse_resident_formats(raw: str | None, resident: dict[str, TensorEntry], pa
     field = "__metadata__.resident_formats"
     if raw is None:
         return {}
-    try:
-        formats = json.loads(raw)
-    except json.JSONDecodeError as e:
-        raise FormatError(field, f"not JSON ({e})", path) from None
+    formats = json_field(raw, field, path)
     if not isinstance(formats, dict):
         raise FormatError(field, "must map tensor names to [format, columns]", path)
     out = {}
@@ -187,10 +186,7 @@ def parse_ffn_roles(
     """Per layer, role -> checkpoint tensor name: the weight roles of this model exactly, bias roles only for
     resident tensors of the right shape ([n_neurons] before the activation, [hidden_size] after down)."""
     field = "__metadata__.ffn_roles"
-    try:
-        roles = json.loads(raw) if raw is not None else None
-    except json.JSONDecodeError as e:
-        raise FormatError(field, f"not JSON ({e})", path) from None
+    roles = json_field(raw, field, path) if raw is not None else None
     if not isinstance(roles, list) or len(roles) != n_layers:
         raise FormatError(
             field,
@@ -227,10 +223,7 @@ def parse_tensor_sources(raw: str | None, ffn_roles: list[dict[str, str]], path:
     if raw is None:
         return None
     field = "__metadata__.tensor_sources"
-    try:
-        sources = json.loads(raw)
-    except json.JSONDecodeError as e:
-        raise FormatError(field, f"not JSON ({e})", path) from None
+    sources = json_field(raw, field, path)
     weights = [{role for role in names if role in WEIGHT_ROLES} for names in ffn_roles]
     if (
         not isinstance(sources, list)

@@ -1,4 +1,5 @@
-"""Checkpoints read one tensor at a time: Hugging Face safetensors directories (sharded or not) and Llama GGUF files.
+"""Checkpoints read one tensor at a time: Hugging Face safetensors directories (sharded or not) and GGUF files (Llama,
+and the mixture-of-experts OLMoE and Qwen3-MoE).
 
 `open_checkpoint(path)` gives a Checkpoint: a Hugging Face style `config`, the tensor `names`, each tensor's `shape`
 from the header, and `ckpt[name]` that reads (GGUF: dequantizes) that one tensor only, so converting a 7B model
@@ -7,7 +8,10 @@ rows at a time (an 8B model's embedding is 2.1 GB in fp32). `GGUFCheckpoint.raw_
 as the file stores them (a quantized type's blocks), for stores that keep them bit for bit.
 
 GGUF tensors equal what `transformers` loads from the same file: both dequantize with `gguf.quants.dequantize`,
-and llama.cpp's rotary permutation of the Q/K rows is undone here as transformers undoes it.
+and llama.cpp's rotary permutation of a Llama's Q/K rows is undone here as transformers undoes it (OLMoE and Qwen3-MoE
+rotate NeoX-style in both, unpermuted). An MoE GGUF's fused expert tensors (`blk.{i}.ffn_gate_exps` [E, m, d], ...)
+read as each expert's own Hugging Face tensor (`model.layers.{i}.mlp.experts.{e}.gate_proj.weight` [m, d]): a range
+of the fused tensor's rows.
 """
 
 from __future__ import annotations
@@ -31,7 +35,9 @@ from flashllm_ext.io.paths import regular_file
 from flashllm_ext.io.safetensors import TensorEntry, dtype_name, read_header
 
 GGUF_MAGIC = b"GGUF"
-SUPPORTED_ARCHITECTURES = ("llama",)
+SUPPORTED_ARCHITECTURES = ("llama", "olmoe", "qwen3moe")
+# GGUF architecture -> the Hugging Face model_type and class of the mixture-of-experts ones
+_MOE_ARCHITECTURES = {"olmoe": ("olmoe", "OlmoeForCausalLM"), "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM")}
 # GGUF name inside a block -> Hugging Face name inside `model.layers.{i}`.
 _BLOCK_NAMES = {
     "attn_q": "self_attn.q_proj",
@@ -44,6 +50,14 @@ _BLOCK_NAMES = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
+# ... and in an MoE layer: its q/k norms, router and fused experts (GGUF name -> the experts' Hugging Face role)
+_MOE_BLOCK_NAMES = {
+    **{k: v for k, v in _BLOCK_NAMES.items() if not k.startswith(("ffn_gate", "ffn_up", "ffn_down"))},
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate_inp": "mlp.gate",
+}
+_EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _GGUF_BLOCK_NAMES = {hf: name for name, hf in _BLOCK_NAMES.items()}
 _GGUF_TOP_NAMES = {hf: name for name, hf in _TOP_NAMES.items()}
@@ -96,10 +110,11 @@ def _config_from_reader(reader, path: str) -> dict[str, Any]:
     heads = _size(reader, f"{arch}.attention.head_count", path)
     blocks = _size(reader, f"{arch}.block_count", path)
     # Every name of every block is built from this count (expected_shapes): a file cannot hold fewer tensors.
-    if blocks * len(_BLOCK_NAMES) > len(reader.tensors):
+    per_block = len(_MOE_BLOCK_NAMES) + len(_EXPERT_NAMES) - 2 if arch in _MOE_ARCHITECTURES else len(_BLOCK_NAMES)
+    if blocks * per_block > len(reader.tensors):
         raise FormatError(
             f"{arch}.block_count",
-            f"{blocks} blocks need {blocks * len(_BLOCK_NAMES)} tensors, the file has {len(reader.tensors)}",
+            f"{blocks} blocks need {blocks * per_block} tensors, the file has {len(reader.tensors)}",
             path,
         )
     tokens = reader.fields.get("tokenizer.ggml.tokens")
@@ -122,6 +137,8 @@ def _config_from_reader(reader, path: str) -> dict[str, Any]:
         # llama.cpp drops output.weight when the LM head shares the embedding matrix.
         "tie_word_embeddings": "output.weight" not in names,
     }
+    if arch in _MOE_ARCHITECTURES:
+        config.update(_moe_config(reader, arch, path, config["intermediate_size"]))
     for key, name in (("tokenizer.ggml.bos_token_id", "bos_token_id"), ("tokenizer.ggml.eos_token_id", "eos_token_id")):
         if key in reader.fields:
             config[name] = int(_field(reader, key, path))
@@ -132,6 +149,25 @@ def _config_from_reader(reader, path: str) -> dict[str, Any]:
             path,
         )
     return config
+
+
+def _moe_config(reader, arch: str, path: str, intermediate_size: int) -> dict[str, Any]:
+    """The Hugging Face config fields of an MoE GGUF: experts, experts a token, their size, whether the chosen
+    experts' weights are renormalised (the file's expert_weights_norm, else what llama.cpp does for the family)."""
+    model_type, architecture = _MOE_ARCHITECTURES[arch]
+    size = _size(reader, f"{arch}.expert_feed_forward_length", path, default=intermediate_size)
+    norm = _field(reader, f"{arch}.expert_weights_norm", path, default=model_type == "qwen3_moe")
+    fields = {
+        "model_type": model_type,
+        "architectures": [architecture],
+        "num_experts": _size(reader, f"{arch}.expert_count", path),
+        "num_experts_per_tok": _size(reader, f"{arch}.expert_used_count", path),
+        "norm_topk_prob": bool(norm),
+    }
+    # OLMoE's experts are intermediate_size wide; Qwen3-MoE's moe_intermediate_size (intermediate_size: its dense
+    # layers', none here)
+    fields["intermediate_size" if model_type == "olmoe" else "moe_intermediate_size"] = size
+    return fields
 
 
 def unsupported_model(model_type: object, found: str) -> FormatError:
@@ -146,7 +182,10 @@ def gguf_config(path: str | os.PathLike) -> dict[str, Any]:
 
 
 def expected_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
-    """Hugging Face tensor name -> shape [out, in] (or [n] for norms) for a Llama config."""
+    """Hugging Face tensor name -> shape [out, in] (or [n] for norms) for a Llama config, or an OLMoE / Qwen3-MoE
+    one (each expert's weights under names of their own, as save_pretrained writes them)."""
+    if config.get("num_experts"):
+        return _moe_shapes(config)
     hidden, ffn = config["hidden_size"], config["intermediate_size"]
     q_rows = config["num_attention_heads"] * config["head_dim"]
     kv_rows = config["num_key_value_heads"] * config["head_dim"]
@@ -169,6 +208,40 @@ def expected_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def _moe_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    hidden, heads, kv_heads = config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim, experts = config["head_dim"], config["num_experts"]
+    size = config.get("moe_intermediate_size") or config["intermediate_size"]
+    q_rows, kv_rows = heads * head_dim, kv_heads * head_dim
+    # OLMoE norms q and k whole, Qwen3-MoE each head
+    q_norm, k_norm = ((q_rows,), (kv_rows,)) if config["model_type"] == "olmoe" else ((head_dim,), (head_dim,))
+    shapes = {"model.embed_tokens.weight": (config["vocab_size"], hidden), "model.norm.weight": (hidden,)}
+    if not config["tie_word_embeddings"]:
+        shapes["lm_head.weight"] = (config["vocab_size"], hidden)
+    per_layer = {
+        "self_attn.q_proj": (q_rows, hidden),
+        "self_attn.k_proj": (kv_rows, hidden),
+        "self_attn.v_proj": (kv_rows, hidden),
+        "self_attn.o_proj": (hidden, q_rows),
+        "self_attn.q_norm": q_norm,
+        "self_attn.k_norm": k_norm,
+        "input_layernorm": (hidden,),
+        "post_attention_layernorm": (hidden,),
+        "mlp.gate": (experts, hidden),
+    }
+    for e in range(experts):
+        per_layer.update(
+            {
+                f"mlp.experts.{e}.gate_proj": (size, hidden),
+                f"mlp.experts.{e}.up_proj": (size, hidden),
+                f"mlp.experts.{e}.down_proj": (hidden, size),
+            }
+        )
+    for i in range(config["num_hidden_layers"]):
+        shapes.update({f"model.layers.{i}.{name}.weight": shape for name, shape in per_layer.items()})
+    return shapes
+
+
 def hf_name(gguf_name: str) -> str | None:
     """`blk.3.ffn_up.weight` -> `model.layers.3.mlp.up_proj.weight`; None for names outside the Llama layout."""
     parts = gguf_name.split(".")
@@ -177,6 +250,30 @@ def hf_name(gguf_name: str) -> str | None:
     if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _BLOCK_NAMES:
         return f"model.layers.{parts[1]}.{_BLOCK_NAMES[parts[2]]}.{parts[3]}"
     return None
+
+
+def moe_hf_name(gguf_name: str) -> str | None:
+    """hf_name for the tensors of an OLMoE / Qwen3-MoE GGUF that are not fused experts (`blk.3.ffn_gate_inp.weight`
+    -> `model.layers.3.mlp.gate.weight`); None for names outside that layout."""
+    parts = gguf_name.split(".")
+    if len(parts) == 2 and parts[0] in _TOP_NAMES:
+        return f"{_TOP_NAMES[parts[0]]}.{parts[1]}"
+    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _MOE_BLOCK_NAMES:
+        return f"model.layers.{parts[1]}.{_MOE_BLOCK_NAMES[parts[2]]}.{parts[3]}"
+    return None
+
+
+def _expert_parts(gguf_name: str, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...], int]] | None:
+    """A fused expert tensor (`blk.{i}.ffn_up_exps.weight`, shape [E, rows, cols]) as each expert's Hugging Face
+    tensor: (name, [rows, cols], its first row in the fused tensor's [E * rows, cols]); None for any other name."""
+    parts = gguf_name.split(".")
+    if len(parts) != 4 or parts[0] != "blk" or not parts[1].isdigit() or parts[2] not in _EXPERT_NAMES:
+        return None
+    if len(shape) != 3:
+        return [(f"{gguf_name} of shape {shape}", shape, 0)]  # no place in the layout: refused by its name
+    experts, rows, cols = shape
+    role = _EXPERT_NAMES[parts[2]]
+    return [(f"model.layers.{parts[1]}.mlp.experts.{e}.{role}.weight", (rows, cols), e * rows) for e in range(experts)]
 
 
 def gguf_name(hf: str) -> str | None:
@@ -363,16 +460,22 @@ class GGUFCheckpoint(Checkpoint):
         reader = _open(self.path)
         self.config = _config_from_reader(reader, self.path)
         shapes = expected_shapes(self.config)
-        # Hugging Face name -> gguf ReaderTensor: its offset, size and type (its data, the map, is not read).
+        moe = bool(self.config.get("num_experts"))
+        # Hugging Face name -> gguf ReaderTensor: its offset, size and type (its data, the map, is not read); and
+        # the first row of the tensor's data where the name is one expert's part of a fused tensor.
         self._tensors: dict[str, Any] = {}
+        self._first_row: dict[str, int] = {}
         for tensor in reader.tensors:
-            name = hf_name(tensor.name)
-            if name is None or name not in shapes:
-                raise FormatError(tensor.name, "tensor has no place in the Llama layout of this config", self.path)
             shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists dimensions innermost first
-            if shape != shapes[name]:
-                raise FormatError(tensor.name, f"shape {shape}, expected {shapes[name]} for {name}", self.path)
-            self._tensors[name] = tensor
+            parts = _expert_parts(tensor.name, shape) if moe else None
+            if parts is None:
+                parts = [((moe_hf_name if moe else hf_name)(tensor.name), shape, 0)]
+            for name, part_shape, first_row in parts:
+                if name is None or name not in shapes:
+                    raise FormatError(tensor.name, "tensor has no place in the layout of this config", self.path)
+                if part_shape != shapes[name]:
+                    raise FormatError(tensor.name, f"shape {part_shape}, expected {shapes[name]} for {name}", self.path)
+                self._tensors[name], self._first_row[name] = tensor, first_row
         missing = [name for name in shapes if name not in self._tensors]
         if missing:
             raise FormatError(missing[0], f"missing tensor ({len(missing)} missing in all)", self.path)
@@ -406,8 +509,8 @@ class GGUFCheckpoint(Checkpoint):
         q_proj and k_proj rows, stored in llama.cpp's rotary order, come back in the Hugging Face order (a row
         permutation: each row's blocks are unchanged)."""
         tensor = self._tensors[name]
-        rows = math.prod(self._shapes[name][:-1])
-        data = self._read(tensor, 0, tensor.n_bytes)
+        rows, row_bytes = math.prod(self._shapes[name][:-1]), self._row_bytes(name)
+        data = self._read(tensor, self._first_row[name] * row_bytes, rows * row_bytes)
         blocks = torch.frombuffer(data, dtype=torch.uint8).view(rows, -1)
         heads = self._rotary_heads(name)
         if heads:
@@ -421,9 +524,9 @@ class GGUFCheckpoint(Checkpoint):
         shape = self._shapes[name]
         # tensor.data is the reader's map of the file: its dtype and shape are header values, nothing is read.
         if len(shape) > 1:
-            row_bytes = tensor.n_bytes // shape[0]
-            data = self._read(tensor, start * row_bytes, (stop - start) * row_bytes)
-            layout, expected = (stop - start, *tensor.data.shape[1:]), (stop - start, *shape[1:])
+            row_bytes = self._row_bytes(name)
+            data = self._read(tensor, (self._first_row[name] + start) * row_bytes, (stop - start) * row_bytes)
+            layout, expected = (stop - start, *tensor.data.shape[-1:]), (stop - start, *shape[1:])
         else:  # 1-D: read whole (__getitem__ asks for no less)
             data = self._read(tensor, 0, tensor.n_bytes)
             layout, expected = tensor.data.shape, shape
@@ -447,12 +550,20 @@ class GGUFCheckpoint(Checkpoint):
             weight = _undo_rotary_permutation(weight, heads * (stop - start) // shape[0])
         return weight
 
+    def _row_bytes(self, name: str) -> int:
+        """Bytes of one row of tensor `name` in the file (of its fused tensor: an expert's rows are some of them)."""
+        tensor = self._tensors[name]
+        return tensor.n_bytes // math.prod(int(n) for n in tensor.shape[1:])
+
     def _row_unit(self, name: str) -> int:
         heads = self._rotary_heads(name)
         return self._shapes[name][0] // heads if heads else 1
 
     def _rotary_heads(self, name: str) -> int | None:
-        """The head count of a q_proj or k_proj weight (its rows are in llama.cpp's rotary order), None otherwise."""
+        """The head count of a Llama's q_proj or k_proj weight (its rows are in llama.cpp's rotary order), None
+        otherwise (the MoE families' rows are in the Hugging Face order)."""
+        if self.config["model_type"] != "llama":
+            return None
         if name.endswith("self_attn.q_proj.weight"):
             return self.config["num_attention_heads"]
         if name.endswith("self_attn.k_proj.weight"):

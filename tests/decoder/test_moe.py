@@ -247,3 +247,53 @@ def test_quantized_and_endor_expert_stores_serve_every_mode_alike(moe_models, tm
         with torch.no_grad():
             want = model(prompt[None]).logits[0, -1]
         torch.testing.assert_close(logits["dense"][0], want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["olmoe", "qwen3_moe"])
+@pytest.mark.parametrize("expert_type", [None, "q4_0"])
+def test_an_moe_gguf_converts_to_the_experts_it_holds(tmp_path, family, expert_type):
+    """A GGUF of llama.cpp's MoE layout (fused ffn_*_exps tensors; F16, or Q4_0 experts) converts to a store whose
+    expert rows are gguf's dequantization of those tensors (Q4_0 blocks kept bit for bit in a q4 store), and decodes."""
+    import gguf
+
+    from bench.synth_checkpoint import write_moe_gguf
+
+    size = "intermediate_size" if family == "olmoe" else "moe_intermediate_size"
+    model = tiny_model(family, seed=6, **{size: 64})  # experts' rows of whole 32-weight blocks
+    model.save_pretrained(tmp_path / "ckpt")
+    path = write_moe_gguf(tmp_path / "ckpt", tmp_path / "moe.gguf", expert_type=expert_type, progress=False)
+    fused = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    store = FlashStore(convert(path, tmp_path / "store", dtype="q4" if expert_type else "fp32", progress=False))
+    d, e = store.hidden_size, 3
+    bundles = store.float_bundle(1, list(store.experts.rows(e))).float()
+    for role, columns in (("up", slice(0, d)), ("gate", slice(d, 2 * d))):
+        tensor = fused[f"blk.1.ffn_{role}_exps.weight"]
+        want = torch.from_numpy(gguf.quants.dequantize(tensor.data, tensor.tensor_type).copy())[e]
+        assert torch.equal(bundles[:, columns], want.to(store.dtype).float()), role  # (a q4 store dequantizes to fp16)
+    if expert_type:
+        assert store.tensor_sources[1]["up"] == "kept Q4_0 blocks"
+    else:  # F16 weights: the checkpoint's, rounded
+        down = model.model.layers[1].mlp.experts.down_proj[e]
+        assert torch.equal(bundles[:, 2 * d :], down.t().half().float())
+    prompt = _prompt()
+    logits = {}
+    for mode, slots in (("dense", None), ("flash", 3)):
+        decoder = load_decoder(path.parent / "store", _budget(store.path, mode, slots), mode=mode, max_len=64)
+        try:
+            logits[mode] = torch.stack([decoder.forward(prompt), decoder.forward([7])])
+        finally:
+            decoder.close()
+    torch.testing.assert_close(logits["flash"], logits["dense"], rtol=1e-5, atol=1e-5)
+    if not expert_type:
+        with torch.no_grad():
+            want = model(prompt[None]).logits[0, -1]
+        torch.testing.assert_close(logits["dense"][0], want, rtol=0, atol=2e-3)  # F16 weights, fp16 KV cache
+
+
+def test_train_predictors_refuses_an_moe_store(moe_models, default_model):
+    from flashllm_ext import cli
+
+    gguf, _, _ = default_model
+    _, path = moe_models["olmoe"]
+    with pytest.raises(SystemExit, match="needs no predictors"):
+        cli.main(["train-predictors", str(gguf), "--store", str(path)])
