@@ -184,9 +184,7 @@ def gguf_config(path: str | os.PathLike) -> dict[str, Any]:
 def expected_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     """Hugging Face tensor name -> shape [out, in] (or [n] for norms) for a Llama config, or an OLMoE / Qwen3-MoE
     one (each expert's weights under names of their own, as save_pretrained writes them)."""
-    if config.get("num_experts"):
-        return _moe_shapes(config)
-    hidden, ffn = config["hidden_size"], config["intermediate_size"]
+    hidden = config["hidden_size"]
     q_rows = config["num_attention_heads"] * config["head_dim"]
     kv_rows = config["num_key_value_heads"] * config["head_dim"]
     shapes = {"model.embed_tokens.weight": (config["vocab_size"], hidden), "model.norm.weight": (hidden,)}
@@ -197,69 +195,45 @@ def expected_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
         "self_attn.k_proj": (kv_rows, hidden),
         "self_attn.v_proj": (kv_rows, hidden),
         "self_attn.o_proj": (hidden, q_rows),
-        "mlp.gate_proj": (ffn, hidden),
-        "mlp.up_proj": (ffn, hidden),
-        "mlp.down_proj": (hidden, ffn),
         "input_layernorm": (hidden,),
         "post_attention_layernorm": (hidden,),
     }
+    per_layer.update(_moe_layer_shapes(config, q_rows, kv_rows) if config.get("num_experts") else _ffn_shapes(config))
     for i in range(config["num_hidden_layers"]):
         shapes.update({f"model.layers.{i}.{name}.weight": shape for name, shape in per_layer.items()})
     return shapes
 
 
-def _moe_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
-    hidden, heads, kv_heads = config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"]
-    head_dim, experts = config["head_dim"], config["num_experts"]
+def _ffn_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    hidden, ffn = config["hidden_size"], config["intermediate_size"]
+    return {"mlp.gate_proj": (ffn, hidden), "mlp.up_proj": (ffn, hidden), "mlp.down_proj": (hidden, ffn)}
+
+
+def _moe_layer_shapes(config: dict[str, Any], q_rows: int, kv_rows: int) -> dict[str, tuple[int, ...]]:
+    """An MoE layer's q/k norms (OLMoE's over all heads, Qwen3-MoE's a head), router and experts."""
+    hidden, head_dim, experts = config["hidden_size"], config["head_dim"], config["num_experts"]
     size = config.get("moe_intermediate_size") or config["intermediate_size"]
-    q_rows, kv_rows = heads * head_dim, kv_heads * head_dim
-    # OLMoE norms q and k whole, Qwen3-MoE each head
-    q_norm, k_norm = ((q_rows,), (kv_rows,)) if config["model_type"] == "olmoe" else ((head_dim,), (head_dim,))
-    shapes = {"model.embed_tokens.weight": (config["vocab_size"], hidden), "model.norm.weight": (hidden,)}
-    if not config["tie_word_embeddings"]:
-        shapes["lm_head.weight"] = (config["vocab_size"], hidden)
-    per_layer = {
-        "self_attn.q_proj": (q_rows, hidden),
-        "self_attn.k_proj": (kv_rows, hidden),
-        "self_attn.v_proj": (kv_rows, hidden),
-        "self_attn.o_proj": (hidden, q_rows),
-        "self_attn.q_norm": q_norm,
-        "self_attn.k_norm": k_norm,
-        "input_layernorm": (hidden,),
-        "post_attention_layernorm": (hidden,),
+    whole = config["model_type"] == "olmoe"
+    shapes = {
+        "self_attn.q_norm": (q_rows,) if whole else (head_dim,),
+        "self_attn.k_norm": (kv_rows,) if whole else (head_dim,),
         "mlp.gate": (experts, hidden),
     }
     for e in range(experts):
-        per_layer.update(
-            {
-                f"mlp.experts.{e}.gate_proj": (size, hidden),
-                f"mlp.experts.{e}.up_proj": (size, hidden),
-                f"mlp.experts.{e}.down_proj": (hidden, size),
-            }
-        )
-    for i in range(config["num_hidden_layers"]):
-        shapes.update({f"model.layers.{i}.{name}.weight": shape for name, shape in per_layer.items()})
+        shapes[f"mlp.experts.{e}.gate_proj"] = (size, hidden)
+        shapes[f"mlp.experts.{e}.up_proj"] = (size, hidden)
+        shapes[f"mlp.experts.{e}.down_proj"] = (hidden, size)
     return shapes
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """`blk.3.ffn_up.weight` -> `model.layers.3.mlp.up_proj.weight`; None for names outside the Llama layout."""
+def hf_name(gguf_name: str, block_names: dict[str, str] = _BLOCK_NAMES) -> str | None:
+    """`blk.3.ffn_up.weight` -> `model.layers.3.mlp.up_proj.weight`; None for names outside the Llama layout
+    (block_names=_MOE_BLOCK_NAMES: outside an OLMoE / Qwen3-MoE layer's tensors other than its fused experts)."""
     parts = gguf_name.split(".")
     if len(parts) == 2 and parts[0] in _TOP_NAMES:
         return f"{_TOP_NAMES[parts[0]]}.{parts[1]}"
-    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _BLOCK_NAMES:
-        return f"model.layers.{parts[1]}.{_BLOCK_NAMES[parts[2]]}.{parts[3]}"
-    return None
-
-
-def moe_hf_name(gguf_name: str) -> str | None:
-    """hf_name for the tensors of an OLMoE / Qwen3-MoE GGUF that are not fused experts (`blk.3.ffn_gate_inp.weight`
-    -> `model.layers.3.mlp.gate.weight`); None for names outside that layout."""
-    parts = gguf_name.split(".")
-    if len(parts) == 2 and parts[0] in _TOP_NAMES:
-        return f"{_TOP_NAMES[parts[0]]}.{parts[1]}"
-    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _MOE_BLOCK_NAMES:
-        return f"model.layers.{parts[1]}.{_MOE_BLOCK_NAMES[parts[2]]}.{parts[3]}"
+    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in block_names:
+        return f"model.layers.{parts[1]}.{block_names[parts[2]]}.{parts[3]}"
     return None
 
 
@@ -469,7 +443,7 @@ class GGUFCheckpoint(Checkpoint):
             shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists dimensions innermost first
             parts = _expert_parts(tensor.name, shape) if moe else None
             if parts is None:
-                parts = [((moe_hf_name if moe else hf_name)(tensor.name), shape, 0)]
+                parts = [(hf_name(tensor.name, _MOE_BLOCK_NAMES if moe else _BLOCK_NAMES), shape, 0)]
             for name, part_shape, first_row in parts:
                 if name is None or name not in shapes:
                     raise FormatError(tensor.name, "tensor has no place in the layout of this config", self.path)
