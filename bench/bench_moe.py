@@ -14,8 +14,8 @@ model's: measured, they return to few experts, see experts_used_per_layer); "tra
 exponent TRACE["skew"], each of a token's experts kept from the previous token's set with probability
 TRACE["reuse"]), which is no real model's and says only how the cache policies meet skew and reuse.
 
-Peer: llama.cpp (llama-cpp-python, mmap, --threads) on an F16 GGUF of the same weights (write_moe_gguf; fp16 stores
-only), in a cgroup
+Peer: llama.cpp (llama-cpp-python, mmap, no repacking, --threads) on a GGUF of the same weights (write_moe_gguf: F16,
+or for a quantized store its experts in Q8_0 / Q4_0 blocks, the file the store is converted from), in a cgroup
 of its own baseline + the same budget, with its own (the model's) routers: rows mode "llama.cpp", routing "model";
 `agree`: the share of our greedy tokens equal to llama.cpp's in the same round.
 
@@ -173,10 +173,16 @@ def run_child(config: dict) -> dict:
     }
 
 
+# the store format -> the blocks of the experts in llama.cpp's GGUF (None: F16), from which a quantized store converts
+GGUF_EXPERTS = {"fp16": None, "q8": "q8_0", "q4": "q4_0"}
+
+
 def model_files(name: str, layers: int, fmt: str, smoke: bool, gguf: bool) -> tuple[Path, Path | None]:
-    """The expert store of `name`'s first `layers` layers and (gguf) llama.cpp's F16 GGUF of the same weights, each
+    """The expert store of `name`'s first `layers` layers and (gguf) llama.cpp's GGUF of the same weights, each
     written once from a synthesized checkpoint that is deleted afterwards (the files read here are the store and the
-    GGUF; a checkpoint beside them would not fit this machine's disk)."""
+    GGUF; a checkpoint beside them would not fit this machine's disk). A quantized store is converted from the GGUF,
+    whose experts are in GGUF_EXPERTS[fmt] blocks (the rest F16), as a user converts the file they hold: it keeps the
+    GGUF's up and gate blocks (down is requantized along the hidden dimension, store.tensor_sources)."""
     import shutil
 
     from bench.e2e_common import converted_once
@@ -185,8 +191,10 @@ def model_files(name: str, layers: int, fmt: str, smoke: bool, gguf: bool) -> tu
     from flashllm_ext.flash.store import FlashStore
 
     checkpoint = shared_checkpoint_path(name, layers=layers, smoke=smoke)
-    stem = checkpoint.name.removesuffix("-hf")
-    store, gguf_path = checkpoint.with_name(f"{stem}-{fmt}-store"), checkpoint.with_name(f"{stem}.F16.gguf")
+    stem, experts = checkpoint.name.removesuffix("-hf"), GGUF_EXPERTS[fmt]
+    gguf = gguf or experts is not None
+    store = checkpoint.with_name(f"{stem}-{fmt}-store")
+    gguf_path = checkpoint.with_name(f"{stem}.{'F16' if experts is None else experts.upper() + '-experts'}.gguf")
     try:
         FlashStore(store).close()
         missing_store = False
@@ -194,16 +202,17 @@ def model_files(name: str, layers: int, fmt: str, smoke: bool, gguf: bool) -> tu
         missing_store = True
     if missing_store or (gguf and not gguf_path.is_file()):
         source = shared_checkpoint(name, layers=layers, smoke=smoke)  # the same seed: the same weights again
-        if missing_store:
-            converted_once(source, store, fmt)
         if gguf and not gguf_path.is_file():
-            write_moe_gguf(source, gguf_path)
+            write_moe_gguf(source, gguf_path, expert_type=experts)
+        if missing_store:
+            converted_once(source if experts is None else gguf_path, store, fmt)
         shutil.rmtree(checkpoint)
     return store, gguf_path if gguf else None
 
 
 def run_llama(gguf: Path, limit: int, prompt: list[int], tokens: int, threads: int, timeout: float) -> dict:
-    """llama.cpp (mmap, no repack: F16 is not repacked) on the GGUF in a cgroup of `limit` bytes: its row."""
+    """llama.cpp (mmap, no repacking: the weights stay in the file's pages) on the GGUF in a cgroup of `limit` bytes:
+    its row."""
     from flashllm_ext.harness.llama_cpp import run_llama_cpp
 
     r = run_llama_cpp(gguf, prompt, tokens, threads, memory_limit_bytes=limit, timeout=timeout)
@@ -268,8 +277,8 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for name in args.models.split(","):
         layers, fmt = args.layers or MODELS[name][0], args.format or MODELS[name][1]
-        peer = llama_cpp and fmt == "fp16"  # (the GGUF writer writes F16)
-        store, gguf = model_files(name, layers, fmt, args.smoke, peer)
+        store, gguf = model_files(name, layers, fmt, args.smoke, llama_cpp)
+        peer = llama_cpp and gguf is not None
         with FlashStore(store) as opened:
             prompt, note = prompt_ids(args.prompt_tokens, int(opened.config["vocab_size"]), synthesized=True)
         whole = CONFIGS[name]["num_hidden_layers"]
