@@ -78,10 +78,11 @@ class ExpertCache:
         hits = [(e, self.slot_of[e]) for e in experts if e in self.slot_of]
         return hits, [e for e in experts if e not in self.slot_of]
 
-    def touch(self, experts: Sequence[int]) -> None:
-        """`experts` used by this forward (held or about to be): recency for every policy, counts for lfu."""
+    def touch(self, experts: Sequence[int], count: bool = True) -> None:
+        """`experts` used by this forward (held or about to be): recency for every policy, and (count) a use for
+        lfu; a read-ahead's guesses are recent, not used."""
         for e in experts:
-            self.uses[e] += 1
+            self.uses[e] += count
             if e in self.slot_of:
                 self.last_used[self.slot_of[e]] = self.clock
 
@@ -143,7 +144,7 @@ class ExpertFFN:
         start = time.perf_counter()
         cache = self.cache
         cache.tick()
-        cache.touch(guessed)
+        cache.touch(guessed, count=False)  # (guessed experts held stay while the guesses not held are admitted)
         self.guess = set(guessed)
         _, misses = cache.lookup(guessed)
         pairs = cache.admit(misses[: cache.capacity])
@@ -186,7 +187,7 @@ class ExpertFFN:
         needed = experts.unique().tolist()
         if self.naive:
             cache.forget()
-        if self.guess is None:  # a prefetch has ticked for this token already
+        if self.guess is None:  # no read-ahead for this token: its tick is the forward's
             cache.tick()
         else:
             stats.guessed += len(self.guess.intersection(needed)) * self.size
