@@ -475,11 +475,22 @@ def _write_bundles(
             name = layer_tensor_name(layer)
             if use_endor:
                 expected[layer] = (ids, _write_endor_layer(writer, name, bundles(layer), ids))
-            else:
-                layer_bundles = bundles(layer)
-                writer.write(name, layer_bundles)
-                expected[layer] = (ids, layer_bundles[ids].clone())
+            else:  # an MoE layer one expert at a time: never the whole layer in memory
+                samples: dict[int, torch.Tensor] = {}
+                writer.write_rows(name, _sampled_parts(map(part_bundles, layers[layer]), ids, samples))
+                expected[layer] = (ids, torch.stack([samples[i] for i in ids.tolist()]))
     return expected
+
+
+def _sampled_parts(parts: Iterator[torch.Tensor], ids: torch.Tensor, samples: dict[int, torch.Tensor]):
+    """The layer's parts (consecutive blocks of its rows) as they come, keeping a copy of rows `ids` in `samples`."""
+    start = 0
+    for part in parts:
+        for i in ids.tolist():
+            if start <= i < start + len(part):
+                samples[i] = part[i - start].clone()
+        start += len(part)
+        yield part
 
 
 def _write_endor_layer(

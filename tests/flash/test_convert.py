@@ -274,12 +274,14 @@ def test_failed_conversion_leaves_nothing(checkpoints, tmp_path, monkeypatch):
 
 
 def test_verification_catches_corrupt_write(checkpoints, tmp_path, monkeypatch):
-    real_write = AlignedWriter.write
+    real_write_rows = AlignedWriter.write_rows
 
-    def corrupting_write(self, name, tensor):
-        real_write(self, name, tensor.clone().fill_(1) if name.endswith("1.bundles") else tensor)
+    def corrupting_write_rows(self, name, chunks):
+        if name.endswith("1.bundles"):
+            chunks = (chunk.clone().fill_(1) for chunk in chunks)
+        real_write_rows(self, name, chunks)
 
-    monkeypatch.setattr(AlignedWriter, "write", corrupting_write)
+    monkeypatch.setattr(AlignedWriter, "write_rows", corrupting_write_rows)
     with pytest.raises(RuntimeError, match="layer 1"):
         convert(checkpoints["llama"][0], tmp_path / "s", progress=False)
 
