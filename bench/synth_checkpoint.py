@@ -432,7 +432,13 @@ def synthesize_gguf(
 
 
 # model_type -> llama.cpp's architecture of the MoE checkpoints write_moe_gguf writes
-MOE_GGUF_ARCHITECTURES = {"olmoe": "olmoe", "qwen3_moe": "qwen3moe"}
+MOE_GGUF_ARCHITECTURES = {"olmoe": "olmoe", "qwen3_moe": "qwen3moe", "mixtral": "llama"}
+# model_type -> (its experts' module, their gate / up / down weight names)
+_MOE_EXPERTS = {
+    "olmoe": ("mlp.experts", ("gate_proj", "up_proj", "down_proj")),
+    "qwen3_moe": ("mlp.experts", ("gate_proj", "up_proj", "down_proj")),
+    "mixtral": ("block_sparse_moe.experts", ("w1", "w3", "w2")),
+}
 # Hugging Face name within a decoder layer -> llama.cpp's, for the tensors of an MoE layer that are not experts
 _MOE_LAYER_NAMES = {
     "input_layernorm.weight": "attn_norm",
@@ -444,23 +450,25 @@ _MOE_LAYER_NAMES = {
     "self_attn.k_norm.weight": "attn_k_norm",
     "post_attention_layernorm.weight": "ffn_norm",
     "mlp.gate.weight": "ffn_gate_inp",
+    "block_sparse_moe.gate.weight": "ffn_gate_inp",  # Mixtral's router
 }
 
 
 def write_moe_gguf(
     checkpoint_dir: str | os.PathLike, dst: str | os.PathLike, expert_type: str | None = None, progress: bool = True
 ) -> Path:
-    """An F16 GGUF at `dst` of a synthesized OLMoE or Qwen3-MoE checkpoint (synthesize_checkpoint), laid out as
-    llama.cpp's converter writes those models: each layer's experts stacked into ffn_gate_exps / ffn_up_exps [E, m, d]
-    and ffn_down_exps [E, d, m], the router ffn_gate_inp, norms and the router float32, q and k as they are (llama.cpp
-    rotates both families NeoX-style, as transformers does), and the placeholder vocabulary (synthetic_vocabulary).
+    """An F16 GGUF at `dst` of an OLMoE, Qwen3-MoE or Mixtral checkpoint (synthesize_checkpoint's, or save_pretrained's),
+    laid out as llama.cpp's converter writes those models: each layer's experts stacked into ffn_gate_exps /
+    ffn_up_exps [E, m, d] and ffn_down_exps [E, d, m], the router ffn_gate_inp, norms and the router float32, q and k
+    as they are for OLMoE and Qwen3-MoE (llama.cpp rotates them NeoX-style, as transformers does) and in llama.cpp's
+    rotary order for Mixtral (a "llama" file), and the placeholder vocabulary (synthetic_vocabulary).
     expert_type (a flashllm_ext.ops.blocks format, e.g. "q4_0"): the experts in those blocks, as a quantized file holds
     them (round to nearest), the rest F16. One layer's experts in memory at a time; written under a temporary name and
     renamed."""
     import gguf
     import numpy as np
 
-    from flashllm_ext.io.checkpoint import open_checkpoint
+    from flashllm_ext.io.checkpoint import open_checkpoint, rotary_permutation
 
     ckpt = open_checkpoint(checkpoint_dir)
     config = ckpt.config
@@ -486,10 +494,13 @@ def write_moe_gguf(
             if name in ckpt.names:
                 f32 = len(ckpt.shape(name)) == 1 or target == "ffn_gate_inp"
                 plan.append((f"blk.{i}.{target}.weight", ckpt.shape(name), f32, name))
-        for role in ("gate", "up", "down"):
-            names = [f"model.layers.{i}.mlp.experts.{e}.{role}_proj.weight" for e in range(n_experts)]
+        module, weights = _MOE_EXPERTS[config["model_type"]]
+        for role, weight in zip(("gate", "up", "down"), weights):
+            names = [f"model.layers.{i}.{module}.{e}.{weight}.weight" for e in range(n_experts)]
             shape = (n_experts, *ckpt.shape(names[0]))
             plan.append((f"blk.{i}.ffn_{role}_exps.weight", shape, False, names))
+    kv_heads = int(config.get("num_key_value_heads") or heads)
+    rotary = {"attn_q": heads, "attn_k": kv_heads} if arch == "llama" else {}  # llama.cpp's order of q/k rows
     path = Path(dst)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
@@ -503,11 +514,13 @@ def write_moe_gguf(
         writer.add_expert_count(n_experts)
         writer.add_expert_used_count(int(config["num_experts_per_tok"]))
         writer.add_head_count(heads)
-        writer.add_head_count_kv(int(config.get("num_key_value_heads") or heads))
+        writer.add_head_count_kv(kv_heads)
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
         writer.add_rope_dimension_count(head_dim)
-        writer.add_rope_freq_base(float(config.get("rope_theta", 10000.0)))
+        # (transformers 5 writes rope_theta inside rope_parameters)
+        rope = config.get("rope_parameters") or {}
+        writer.add_rope_freq_base(float(rope.get("rope_theta") or config.get("rope_theta", 10000.0)))
         writer.add_layer_norm_rms_eps(float(config["rms_norm_eps"]))
         writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
         writer.add_vocab_size(int(config["vocab_size"]))
@@ -526,9 +539,13 @@ def write_moe_gguf(
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
-        for _, _, f32, source in tqdm(plan, desc=f"writing {path.name}", unit="t", disable=not progress):
+        for target, _, f32, source in tqdm(plan, desc=f"writing {path.name}", unit="t", disable=not progress):
             if not isinstance(source, list):
-                writer.write_tensor_data(ckpt[source].to(torch.float32 if f32 else torch.float16).contiguous().numpy())
+                tensor = ckpt[source]
+                heads_of = rotary.get(target.split(".")[2]) if target.startswith("blk.") else None
+                if heads_of:
+                    tensor = rotary_permutation(tensor, heads_of)
+                writer.write_tensor_data(tensor.to(torch.float32 if f32 else torch.float16).contiguous().numpy())
                 continue
             experts = torch.stack([ckpt[n] for n in source])
             if fmt is None:

@@ -1,5 +1,5 @@
 """Checkpoints read one tensor at a time: Hugging Face safetensors directories (sharded or not) and GGUF files (Llama,
-and the mixture-of-experts OLMoE and Qwen3-MoE).
+and the mixture-of-experts Mixtral, OLMoE and Qwen3-MoE).
 
 `open_checkpoint(path)` gives a Checkpoint: a Hugging Face style `config`, the tensor `names`, each tensor's `shape`
 from the header, and `ckpt[name]` that reads (GGUF: dequantizes) that one tensor only, so converting a 7B model
@@ -8,8 +8,8 @@ rows at a time (an 8B model's embedding is 2.1 GB in fp32). `GGUFCheckpoint.raw_
 as the file stores them (a quantized type's blocks), for stores that keep them bit for bit.
 
 GGUF tensors equal what `transformers` loads from the same file: both dequantize with `gguf.quants.dequantize`,
-and llama.cpp's rotary permutation of a Llama's Q/K rows is undone here as transformers undoes it (OLMoE and Qwen3-MoE
-rotate NeoX-style in both, unpermuted). An MoE GGUF's fused expert tensors (`blk.{i}.ffn_gate_exps` [E, m, d], ...)
+and llama.cpp's rotary permutation of a Llama's (and Mixtral's) Q/K rows is undone here as transformers undoes it
+(OLMoE and Qwen3-MoE rotate NeoX-style in both, unpermuted). An MoE GGUF's fused expert tensors (`blk.{i}.ffn_gate_exps` [E, m, d], ...)
 read as each expert's own Hugging Face tensor (`model.layers.{i}.mlp.experts.{e}.gate_proj.weight` [m, d]): a range
 of the fused tensor's rows.
 """
@@ -21,6 +21,7 @@ import math
 import os
 import struct
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -35,9 +36,7 @@ from flashllm_ext.io.paths import regular_file
 from flashllm_ext.io.safetensors import TensorEntry, dtype_name, read_header
 
 GGUF_MAGIC = b"GGUF"
-SUPPORTED_ARCHITECTURES = ("llama", "olmoe", "qwen3moe")
-# GGUF architecture -> the Hugging Face model_type and class of the mixture-of-experts ones
-_MOE_ARCHITECTURES = {"olmoe": ("olmoe", "OlmoeForCausalLM"), "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM")}
+SUPPORTED_ARCHITECTURES = ("llama", "olmoe", "qwen3moe")  # llama with experts: Mixtral
 # GGUF name inside a block -> Hugging Face name inside `model.layers.{i}`.
 _BLOCK_NAMES = {
     "attn_q": "self_attn.q_proj",
@@ -50,14 +49,40 @@ _BLOCK_NAMES = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
-# ... and in an MoE layer: its q/k norms, router and fused experts (GGUF name -> the experts' Hugging Face role)
-_MOE_BLOCK_NAMES = {
-    **{k: v for k, v in _BLOCK_NAMES.items() if not k.startswith(("ffn_gate", "ffn_up", "ffn_down"))},
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate_inp": "mlp.gate",
+_ATTENTION_NAMES = {k: v for k, v in _BLOCK_NAMES.items() if not k.startswith(("ffn_gate", "ffn_up", "ffn_down"))}
+
+
+@dataclass(frozen=True)
+class _MoEFamily:
+    """How an MoE family's layer is named and built: its Hugging Face class, router and experts' module, the roles
+    of llama.cpp's fused expert tensors, and its q/k norms ("whole": one over all heads, "head": per head, None)."""
+
+    architecture: str
+    router: str
+    experts: str
+    roles: dict[str, str]
+    qk_norm: str | None
+
+    def block_names(self) -> dict[str, str]:
+        """GGUF name inside a block -> Hugging Face name inside `model.layers.{i}`, fused experts aside."""
+        norms = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"} if self.qk_norm else {}
+        return {**_ATTENTION_NAMES, **norms, "ffn_gate_inp": self.router}
+
+
+_GATE_UP_DOWN = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+# model_type -> its family; a GGUF's architecture -> its model_type (Mixtral's files are "llama" with experts)
+_MOE_FAMILIES = {
+    "olmoe": _MoEFamily("OlmoeForCausalLM", "mlp.gate", "mlp.experts", _GATE_UP_DOWN, "whole"),
+    "qwen3_moe": _MoEFamily("Qwen3MoeForCausalLM", "mlp.gate", "mlp.experts", _GATE_UP_DOWN, "head"),
+    "mixtral": _MoEFamily(
+        "MixtralForCausalLM",
+        "block_sparse_moe.gate",
+        "block_sparse_moe.experts",
+        {"ffn_gate_exps": "w1", "ffn_up_exps": "w3", "ffn_down_exps": "w2"},
+        None,
+    ),
 }
-_EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+_MOE_ARCHITECTURES = {"olmoe": "olmoe", "qwen3moe": "qwen3_moe"}
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _GGUF_BLOCK_NAMES = {hf: name for name, hf in _BLOCK_NAMES.items()}
 _GGUF_TOP_NAMES = {hf: name for name, hf in _TOP_NAMES.items()}
@@ -109,8 +134,9 @@ def _config_from_reader(reader, path: str) -> dict[str, Any]:
     hidden = _size(reader, f"{arch}.embedding_length", path)
     heads = _size(reader, f"{arch}.attention.head_count", path)
     blocks = _size(reader, f"{arch}.block_count", path)
+    moe = _MOE_ARCHITECTURES.get(arch, "mixtral" if f"{arch}.expert_count" in reader.fields else None)
     # Every name of every block is built from this count (expected_shapes): a file cannot hold fewer tensors.
-    per_block = len(_MOE_BLOCK_NAMES) + len(_EXPERT_NAMES) - 2 if arch in _MOE_ARCHITECTURES else len(_BLOCK_NAMES)
+    per_block = len(_BLOCK_NAMES) if moe is None else len(_MOE_FAMILIES[moe].block_names()) + 3
     if blocks * per_block > len(reader.tensors):
         raise FormatError(
             f"{arch}.block_count",
@@ -137,8 +163,8 @@ def _config_from_reader(reader, path: str) -> dict[str, Any]:
         # llama.cpp drops output.weight when the LM head shares the embedding matrix.
         "tie_word_embeddings": "output.weight" not in names,
     }
-    if arch in _MOE_ARCHITECTURES:
-        config.update(_moe_config(reader, arch, path, config["intermediate_size"]))
+    if moe is not None:
+        config.update(_moe_config(reader, arch, moe, path, config["intermediate_size"]))
     for key, name in (("tokenizer.ggml.bos_token_id", "bos_token_id"), ("tokenizer.ggml.eos_token_id", "eos_token_id")):
         if key in reader.fields:
             config[name] = int(_field(reader, key, path))
@@ -151,22 +177,22 @@ def _config_from_reader(reader, path: str) -> dict[str, Any]:
     return config
 
 
-def _moe_config(reader, arch: str, path: str, intermediate_size: int) -> dict[str, Any]:
+def _moe_config(reader, arch: str, model_type: str, path: str, intermediate_size: int) -> dict[str, Any]:
     """The Hugging Face config fields of an MoE GGUF: experts, experts a token, their size, whether the chosen
-    experts' weights are renormalised (the file's expert_weights_norm, else what llama.cpp does for the family)."""
-    model_type, architecture = _MOE_ARCHITECTURES[arch]
+    experts' weights are renormalised (the file's expert_weights_norm, else what llama.cpp does for the family:
+    Qwen3-MoE yes, OLMoE no; Mixtral always)."""
     size = _size(reader, f"{arch}.expert_feed_forward_length", path, default=intermediate_size)
     norm = _field(reader, f"{arch}.expert_weights_norm", path, default=model_type == "qwen3_moe")
     fields = {
         "model_type": model_type,
-        "architectures": [architecture],
+        "architectures": [_MOE_FAMILIES[model_type].architecture],
         "num_experts": _size(reader, f"{arch}.expert_count", path),
         "num_experts_per_tok": _size(reader, f"{arch}.expert_used_count", path),
         "norm_topk_prob": bool(norm),
     }
-    # OLMoE's experts are intermediate_size wide; Qwen3-MoE's moe_intermediate_size (intermediate_size: its dense
-    # layers', none here)
-    fields["intermediate_size" if model_type == "olmoe" else "moe_intermediate_size"] = size
+    # OLMoE's and Mixtral's experts are intermediate_size wide; Qwen3-MoE's moe_intermediate_size
+    # (intermediate_size: its dense layers', none here)
+    fields["moe_intermediate_size" if model_type == "qwen3_moe" else "intermediate_size"] = size
     return fields
 
 
@@ -210,25 +236,26 @@ def _ffn_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
 
 
 def _moe_layer_shapes(config: dict[str, Any], q_rows: int, kv_rows: int) -> dict[str, tuple[int, ...]]:
-    """An MoE layer's q/k norms (OLMoE's over all heads, Qwen3-MoE's a head), router and experts."""
+    """An MoE layer's q/k norms (OLMoE's over all heads, Qwen3-MoE's a head, Mixtral none), router and experts."""
+    family = _MOE_FAMILIES[config["model_type"]]
     hidden, head_dim, experts = config["hidden_size"], config["head_dim"], config["num_experts"]
     size = config.get("moe_intermediate_size") or config["intermediate_size"]
-    whole = config["model_type"] == "olmoe"
-    shapes = {
-        "self_attn.q_norm": (q_rows,) if whole else (head_dim,),
-        "self_attn.k_norm": (kv_rows,) if whole else (head_dim,),
-        "mlp.gate": (experts, hidden),
-    }
+    shapes = {family.router: (experts, hidden)}
+    if family.qk_norm:
+        whole = family.qk_norm == "whole"
+        shapes["self_attn.q_norm"] = (q_rows,) if whole else (head_dim,)
+        shapes["self_attn.k_norm"] = (kv_rows,) if whole else (head_dim,)
+    gate, up, down = family.roles.values()
     for e in range(experts):
-        shapes[f"mlp.experts.{e}.gate_proj"] = (size, hidden)
-        shapes[f"mlp.experts.{e}.up_proj"] = (size, hidden)
-        shapes[f"mlp.experts.{e}.down_proj"] = (hidden, size)
+        shapes[f"{family.experts}.{e}.{gate}"] = (size, hidden)
+        shapes[f"{family.experts}.{e}.{up}"] = (size, hidden)
+        shapes[f"{family.experts}.{e}.{down}"] = (hidden, size)
     return shapes
 
 
 def hf_name(gguf_name: str, block_names: dict[str, str] = _BLOCK_NAMES) -> str | None:
     """`blk.3.ffn_up.weight` -> `model.layers.3.mlp.up_proj.weight`; None for names outside the Llama layout
-    (block_names=_MOE_BLOCK_NAMES: outside an OLMoE / Qwen3-MoE layer's tensors other than its fused experts)."""
+    (block_names: an MoE family's, _MoEFamily.block_names, for the tensors of its layers other than the experts)."""
     parts = gguf_name.split(".")
     if len(parts) == 2 and parts[0] in _TOP_NAMES:
         return f"{_TOP_NAMES[parts[0]]}.{parts[1]}"
@@ -237,17 +264,20 @@ def hf_name(gguf_name: str, block_names: dict[str, str] = _BLOCK_NAMES) -> str |
     return None
 
 
-def _expert_parts(gguf_name: str, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...], int]] | None:
+def _expert_parts(
+    gguf_name: str, shape: tuple[int, ...], family: _MoEFamily
+) -> list[tuple[str, tuple[int, ...], int]] | None:
     """A fused expert tensor (`blk.{i}.ffn_up_exps.weight`, shape [E, rows, cols]) as each expert's Hugging Face
     tensor: (name, [rows, cols], its first row in the fused tensor's [E * rows, cols]); None for any other name."""
     parts = gguf_name.split(".")
-    if len(parts) != 4 or parts[0] != "blk" or not parts[1].isdigit() or parts[2] not in _EXPERT_NAMES:
+    if len(parts) != 4 or parts[0] != "blk" or not parts[1].isdigit() or parts[2] not in family.roles:
         return None
     if len(shape) != 3:
         return [(f"{gguf_name} of shape {shape}", shape, 0)]  # no place in the layout: refused by its name
     experts, rows, cols = shape
-    role = _EXPERT_NAMES[parts[2]]
-    return [(f"model.layers.{parts[1]}.mlp.experts.{e}.{role}.weight", (rows, cols), e * rows) for e in range(experts)]
+    prefix = f"model.layers.{parts[1]}.{family.experts}"
+    role = family.roles[parts[2]]
+    return [(f"{prefix}.{e}.{role}.weight", (rows, cols), e * rows) for e in range(experts)]
 
 
 def gguf_name(hf: str) -> str | None:
@@ -423,8 +453,8 @@ class SafetensorsCheckpoint(Checkpoint):
 
 
 class GGUFCheckpoint(Checkpoint):
-    """A Llama GGUF file under Hugging Face names. Opening validates the header (architecture, every tensor's name
-    and shape, none missing); `ckpt[name]` dequantizes that one tensor to fp32 (Q/K rows un-permuted). Tensor data
+    """A Llama, Mixtral, OLMoE or Qwen3-MoE GGUF file under Hugging Face names. Opening validates the header
+    (architecture, every tensor's name and shape, none missing); `ckpt[name]` dequantizes that one tensor to fp32 (Q/K rows un-permuted). Tensor data
     is read with pread into memory of its own, never through the reader's map of the file: pages of a mapped file
     that were read stay in the process (resident, counted by a memory cgroup) until it unmaps them, so a converter
     reading a 4.5 GB file through the map would hold 4.5 GB. Raises FormatError naming the file and the field."""
@@ -434,16 +464,16 @@ class GGUFCheckpoint(Checkpoint):
         reader = _open(self.path)
         self.config = _config_from_reader(reader, self.path)
         shapes = expected_shapes(self.config)
-        moe = bool(self.config.get("num_experts"))
+        family = _MOE_FAMILIES.get(self.config["model_type"])
         # Hugging Face name -> gguf ReaderTensor: its offset, size and type (its data, the map, is not read); and
         # the first row of the tensor's data where the name is one expert's part of a fused tensor.
         self._tensors: dict[str, Any] = {}
         self._first_row: dict[str, int] = {}
         for tensor in reader.tensors:
             shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists dimensions innermost first
-            parts = _expert_parts(tensor.name, shape) if moe else None
+            parts = None if family is None else _expert_parts(tensor.name, shape, family)
             if parts is None:
-                parts = [(hf_name(tensor.name, _MOE_BLOCK_NAMES if moe else _BLOCK_NAMES), shape, 0)]
+                parts = [(hf_name(tensor.name, _BLOCK_NAMES if family is None else family.block_names()), shape, 0)]
             for name, part_shape, first_row in parts:
                 if name is None or name not in shapes:
                     raise FormatError(tensor.name, "tensor has no place in the layout of this config", self.path)
@@ -534,9 +564,9 @@ class GGUFCheckpoint(Checkpoint):
         return self._shapes[name][0] // heads if heads else 1
 
     def _rotary_heads(self, name: str) -> int | None:
-        """The head count of a Llama's q_proj or k_proj weight (its rows are in llama.cpp's rotary order), None
-        otherwise (the MoE families' rows are in the Hugging Face order)."""
-        if self.config["model_type"] != "llama":
+        """The head count of a Llama's or Mixtral's q_proj or k_proj weight (its rows are in llama.cpp's rotary
+        order), None otherwise (OLMoE's and Qwen3-MoE's rows are in the Hugging Face order)."""
+        if self.config["model_type"] not in ("llama", "mixtral"):
             return None
         if name.endswith("self_attn.q_proj.weight"):
             return self.config["num_attention_heads"]

@@ -249,16 +249,17 @@ def test_quantized_and_endor_expert_stores_serve_every_mode_alike(moe_models, tm
         torch.testing.assert_close(logits["dense"][0], want, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("family", ["olmoe", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["mixtral", "olmoe", "qwen3_moe"])
 @pytest.mark.parametrize("expert_type", [None, "q4_0"])
 def test_an_moe_gguf_converts_to_the_experts_it_holds(tmp_path, family, expert_type):
-    """A GGUF of llama.cpp's MoE layout (fused ffn_*_exps tensors; F16, or Q4_0 experts) converts to a store whose
-    expert rows are gguf's dequantization of those tensors (Q4_0 blocks kept bit for bit in a q4 store), and decodes."""
+    """A GGUF of llama.cpp's MoE layout (fused ffn_*_exps tensors; F16, or Q4_0 experts; Mixtral's a "llama" file with
+    its q/k rows in llama.cpp's rotary order) converts to a store whose expert rows are gguf's dequantization of those
+    tensors (Q4_0 blocks kept bit for bit in a q4 store), and decodes what the checkpoint computes."""
     import gguf
 
     from bench.synth_checkpoint import write_moe_gguf
 
-    size = "intermediate_size" if family == "olmoe" else "moe_intermediate_size"
+    size = "moe_intermediate_size" if family == "qwen3_moe" else "intermediate_size"
     model = tiny_model(family, seed=6, **{size: 64})  # experts' rows of whole 32-weight blocks
     model.save_pretrained(tmp_path / "ckpt")
     path = write_moe_gguf(tmp_path / "ckpt", tmp_path / "moe.gguf", expert_type=expert_type, progress=False)
@@ -288,6 +289,23 @@ def test_an_moe_gguf_converts_to_the_experts_it_holds(tmp_path, family, expert_t
         with torch.no_grad():
             want = model(prompt[None]).logits[0, -1]
         torch.testing.assert_close(logits["dense"][0], want, rtol=0, atol=2e-3)  # F16 weights, fp16 KV cache
+        _llama_cpp_decodes_as_transformers(path, model.half().float(), prompt.tolist())
+
+
+def _llama_cpp_decodes_as_transformers(path, model, prompt: list[int]) -> None:
+    """llama.cpp (where `make llama-cpp` built it) greedy-decodes the GGUF at `path` into transformers' tokens."""
+    from flashllm_ext.harness.llama_cpp import env_ready, run_llama_cpp
+
+    if not env_ready():
+        return
+    row = run_llama_cpp(path, prompt, 4, 1)
+    assert "error" not in row, row
+    ids = torch.tensor([prompt])
+    with torch.no_grad():  # (an explicit mask: a config's pad token would be masked out of the prompt)
+        want = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False, eos_token_id=None
+        )
+    assert row["generated"] == want[0, len(prompt) :].tolist()
 
 
 def test_train_predictors_refuses_an_moe_store(moe_models, default_model):
