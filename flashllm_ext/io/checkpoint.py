@@ -454,10 +454,11 @@ class SafetensorsCheckpoint(Checkpoint):
 
 class GGUFCheckpoint(Checkpoint):
     """A Llama, Mixtral, OLMoE or Qwen3-MoE GGUF file under Hugging Face names. Opening validates the header
-    (architecture, every tensor's name and shape, none missing); `ckpt[name]` dequantizes that one tensor to fp32 (Q/K rows un-permuted). Tensor data
-    is read with pread into memory of its own, never through the reader's map of the file: pages of a mapped file
-    that were read stay in the process (resident, counted by a memory cgroup) until it unmaps them, so a converter
-    reading a 4.5 GB file through the map would hold 4.5 GB. Raises FormatError naming the file and the field."""
+    (architecture, every tensor's name and shape, none missing); `ckpt[name]` dequantizes that one tensor to fp32
+    (Q/K rows un-permuted). Tensor data is read with pread into memory of its own, never through the reader's map of
+    the file: pages of a mapped file that were read stay in the process (resident, counted by a memory cgroup) until
+    it unmaps them, so a converter reading a 4.5 GB file through the map would hold 4.5 GB. Raises FormatError naming
+    the file and the field."""
 
     def __init__(self, path: str | os.PathLike):
         self.path = os.fspath(path)
