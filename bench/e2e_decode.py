@@ -37,12 +37,16 @@ class OraclePredictors(NeuronPredictor):
         width = (2 if store.glu else 1) * store.hidden_size  # a bundle is [up | gate | down] or [up | down]
         # Read in small parts into the kept rows, through a reader closed afterwards: no whole-layer transient and
         # no idle reader threads with their bounce buffers outlive the construction (they would count in the cgroup).
+        # In the model's neuron order, as every predictor answers (a placed store's rows are mapped by the engine)
+        placed = store.neuron_order is not None
+        row_of = torch.argsort(store.neuron_order, dim=1) if placed else None
         self.scoring_rows = [torch.empty((store.n_neurons, width), dtype=store.dtype) for _ in range(store.n_layers)]
         with FlashReader(store, threads=4) as reader:
             for i, rows in enumerate(self.scoring_rows):
                 for part in torch.arange(store.n_neurons).split(256):
-                    rows[part] = reader.read(i, part).data[:, :width]
-        self.biases = [layer_input_bias(store, i) for i in range(store.n_layers)]
+                    rows[part] = reader.read(i, row_of[i][part] if placed else part).data[:, :width]
+        biases = [layer_input_bias(store, i) for i in range(store.n_layers)]
+        self.biases = [b if b is None or not placed else b[row_of[i]] for i, b in enumerate(biases)]
         self.glu, self.d = store.glu, store.hidden_size
         self.activation = ACTIVATIONS[store_activation(store)].fn
 

@@ -9,12 +9,14 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
+import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
 
 from flashllm_ext import cli
 from flashllm_ext.flash.convert import convert
 from flashllm_ext.offload.convert import convert_offload
+from flashllm_ext.predictor import LowRankPredictor, PredictorSet, save_predictors
 from tests.helpers.models import tiny_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -38,6 +40,7 @@ def files(tmp_path_factory) -> dict[str, Path]:
     GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=VOCAB)).save_pretrained(root / "gpt2")
     convert(root / "llama", root / "store", progress=False)
     convert_offload(root / "llama", root / "layers", progress=False)
+    save_predictors(PredictorSet([LowRankPredictor(32, 64, 4)], torch.zeros(1)), root / "bare-predictors.st")
     vocab = {f"w{i}": i for i in range(300)}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
@@ -67,6 +70,12 @@ BAD_INPUTS = {
     "convert-endor-q4": ("convert {llama} {missing}-out --dtype q4 --endor", "Endor compression takes float bundles"),
     "convert-down-format-fp16": ("convert {llama} {missing}-out --down-format q4_0", "down_format applies to"),
     "convert-down-format-q5": ("convert {llama} {missing}-out --dtype q4 --down-format q5_0", "invalid choice"),
+    "convert-placement-alone": ("convert {llama} {missing}-out --placement frequency", "go together"),
+    "convert-placement-unknown": ("convert {llama} {missing}-out --placement random", "invalid choice"),
+    "convert-placement-no-statistics": (
+        "convert {llama} {missing}-out --placement coactivation --predictors {bare_predictors_st}",
+        "carry no calibration statistics",
+    ),
     "calibrate-missing-dir": ("calibrate-disk --dir {missing} --size-mib 1", "is not a directory"),
     "calibrate-size-0": ("calibrate-disk --dir {empty} --size-mib 0", "--size-mib: must be a positive integer"),
     "calibrate-size-negative": ("calibrate-disk --dir {empty} --size-mib -3", "--size-mib"),

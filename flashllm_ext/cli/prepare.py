@@ -15,6 +15,13 @@ def _convert(args: argparse.Namespace) -> int:
     from flashllm_ext.flash.convert import convert, describe_sources
     from flashllm_ext.flash.store import FlashStore
 
+    neuron_order = None
+    if (args.placement is None) != (args.predictors is None):
+        raise ValueError("--placement and --predictors go together: the order comes from the predictors' statistics")
+    if args.placement is not None:
+        from flashllm_ext.predictor import load_predictors, neuron_orders
+
+        neuron_order = neuron_orders(load_predictors(args.predictors), args.placement)
     out = convert(
         args.checkpoint,
         args.out_dir,
@@ -22,9 +29,12 @@ def _convert(args: argparse.Namespace) -> int:
         endor=args.endor,
         force=args.force,
         down_format=args.down_format,
+        neuron_order=neuron_order,
     )
     store = FlashStore(out)
     print(store)
+    if neuron_order is not None:
+        print(f"neurons placed by {args.placement} (the statistics of {args.predictors})")
     if store.tensor_sources is not None:
         print(f"FFN tensors: {describe_sources(store.tensor_sources)}")
     return 0
@@ -129,6 +139,7 @@ def add_convert(sub: argparse._SubParsersAction) -> None:
     from flashllm_ext.flash.convert import DEFAULT_DOWN_FORMAT, QUANTIZED_DTYPES
     from flashllm_ext.flash.store import DTYPES
     from flashllm_ext.ops.blocks import BLOCK_FORMATS
+    from flashllm_ext.predictor.placement import PLACEMENTS
 
     p = sub.add_parser("convert", help="convert a HF safetensors dir or GGUF file into a flash store")
     p.add_argument("checkpoint", help="Hugging Face model directory (safetensors, sharded or not) or .gguf file")
@@ -148,6 +159,18 @@ def add_convert(sub: argparse._SubParsersAction) -> None:
         help=f"with --dtype q8 or q4: the block format of the down rows (default {DEFAULT_DOWN_FORMAT})",
     )
     p.add_argument("--endor", action="store_true", help="Endor-compress the bundles (pruned models; float dtypes)")
+    p.add_argument(
+        "--placement",
+        choices=PLACEMENTS,
+        help="place each layer's neurons on flash by the calibration statistics of --predictors: frequency (the most "
+        "often active first: the hot-cold caches' pinned neurons become one block, never read through) or "
+        "coactivation (neurons that fire together adjacent); the predictors keep working on the placed store",
+    )
+    p.add_argument(
+        "--predictors",
+        help="with --placement: predictors trained on this checkpoint (flashllm train-predictors: a file, or a store "
+        "holding them)",
+    )
     p.add_argument("--force", action="store_true", help="replace the flash store at out_dir if there is one")
     p.set_defaults(func=_convert)
 

@@ -45,6 +45,7 @@ from flashllm_ext.flash.store import (
     expert_name,
     layer_specs,
     layer_tensor_name,
+    neuron_order_problem,
 )
 from flashllm_ext.ops.blocks import BLOCK_FORMATS, BundleFormat, block_format, quantize_rows
 
@@ -152,6 +153,7 @@ def convert(
     force: bool = False,
     progress: bool = True,
     down_format: str | None = None,
+    neuron_order: torch.Tensor | None = None,
 ) -> Path:
     """Convert a Hugging Face safetensors directory (OPT, Llama/Mistral/SmolLM; sharded or not) or a GGUF file
     into a flash store at `out_dir`. Atomic: written under a temporary name and renamed at the end, then a sample
@@ -161,6 +163,11 @@ def convert(
     dtype: "fp16", "bf16" or "fp32" (float bundles), or a quantized one (QUANTIZED_DTYPES, see the module doc):
     "q8" (q8_0 rows) or "q4" (q4_0 up/gate rows, q4_1 from a GGUF whose up/gate tensors are Q4_1), the down row
     in `down_format` (a flashllm_ext.ops.blocks format, default q8_0). Endor compression takes float bundles only.
+
+    neuron_order: int [n_layers, n_neurons], the model neuron each bundle row holds (flashllm_ext.predictor.placement
+    .neuron_orders): every layer's rows and per-neuron biases are written in that order and the order is recorded
+    (FlashStore.neuron_order), so a token's set maps onto the rows it lies in. Dense models only (an expert's rows
+    stay together).
     """
     quantized = dtype in QUANTIZED_DTYPES
     if dtype not in DTYPES and not quantized:
@@ -178,6 +185,11 @@ def convert(
     bundled = {layer: _bundled_roles(roles, n_experts) for layer, roles in layers.items()}
     size, hidden = ckpt.shape(bundled[0][0]["up"])
     ffn = size * max(1, n_experts)
+    if neuron_order is not None:
+        neuron_order = torch.as_tensor(neuron_order).long()
+        problem = neuron_order_problem(neuron_order, len(layers), ffn)
+        if n_experts or problem is not None:
+            raise ValueError(f"neuron_order: {problem or 'an MoE model keeps each expert rows together'}")
     bundle_format, sources = None, None
     if quantized:
         bundle_format = BundleFormat(_input_format(ckpt, bundled, QUANTIZED_DTYPES[dtype]), down_format)
@@ -187,18 +199,40 @@ def convert(
     )
     if n_experts:
         metadata["experts"] = json.dumps({"count": n_experts, "size": size})
+    if neuron_order is not None:
+        metadata["neuron_order"] = json.dumps(neuron_order.tolist())
     tmp = staging_dir(out_dir)
     try:
         expected = _write_bundles(
-            tmp / BUNDLES_FILE, ckpt, bundled, torch_dtype, endor, size, hidden, metadata, progress, bundle_format
+            tmp / BUNDLES_FILE,
+            ckpt,
+            bundled,
+            torch_dtype,
+            endor,
+            size,
+            hidden,
+            metadata,
+            progress,
+            bundle_format,
+            neuron_order,
         )
         weights = {
             name for parts in bundled.values() for roles in parts for r, name in roles.items() if r in WEIGHT_ROLES
         }
         resident_names = [n for n in ckpt.names if n not in weights]
         blocks = _resident_block_formats(ckpt, resident_names, bundle_format) if quantized else {}
+        reordered = (
+            {}
+            if neuron_order is None
+            else {
+                name: neuron_order[layer]
+                for layer, roles in layers.items()
+                for role, name in roles.items()
+                if role in ("up_bias", "gate_bias")
+            }
+        )
         resident = _write_resident(
-            tmp / RESIDENT_FILE, ckpt, resident_names, torch_dtype, float_dtype, progress, blocks
+            tmp / RESIDENT_FILE, ckpt, resident_names, torch_dtype, float_dtype, progress, blocks, reordered
         )
         with FlashStore(tmp) as written:
             _verify(written, expected, resident)
@@ -298,12 +332,14 @@ def _write_resident(
     dtype_key: str,
     progress: bool,
     block_formats: dict[str, tuple[str, bool]] | None = None,
+    reordered: dict[str, torch.Tensor] | None = None,
 ) -> tuple[str, torch.Tensor] | None:
     """Write the resident tensors one block of rows at a time (a 7B model's attention is gigabytes, its embedding
     alone 1-2 GB in fp32); returns the first tensor's name and first block, for verification. Packed as the
     safetensors library packs them: widest element size first, so each tensor is aligned to its element size
     without padding tensors. block_formats (_resident_block_formats): the weights written as uint8 rows of blocks,
-    listed in the `resident_formats` metadata."""
+    listed in the `resident_formats` metadata. reordered: per-neuron tensors (an FFN's input biases) written in
+    the order given, as their layer's bundle rows."""
     block_formats = block_formats or {}
     store_name = dtype_name(dtype)
 
@@ -325,6 +361,8 @@ def _write_resident(
                 if kept
                 else (quantize_rows(c, fmt) for c in ckpt.row_chunks(name, _CHUNK_BYTES))
             )
+        elif reordered and name in reordered:
+            chunks = [_to_store_dtype(ckpt[name][reordered[name]], dtype)]
         else:
             chunks = (_to_store_dtype(c, dtype) for c in ckpt.row_chunks(name, _CHUNK_BYTES))
         for chunk in chunks:
@@ -434,10 +472,11 @@ def _write_bundles(
     metadata: dict[str, str],
     progress: bool,
     bundle_format: BundleFormat | None = None,
+    neuron_order: torch.Tensor | None = None,
 ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
     """Writes every layer (float bundles in `dtype`, or `bundle_format`'s quantized rows), each the bundles of its
-    parts (_bundled_roles: the layer, or each of its experts, of `size` neurons) one after another; returns per layer
-    (sample neuron ids, their expected rows) for verification."""
+    parts (_bundled_roles: the layer, or each of its experts, of `size` neurons) one after another, a dense layer's
+    rows in `neuron_order` where given; returns per layer (sample row ids, their expected rows) for verification."""
     glu = "gate" in layers[0][0]
     width = (3 if glu else 2) * hidden
     quantized_row_bytes = None if bundle_format is None else bundle_format.row_bytes(hidden, glu)
@@ -453,9 +492,14 @@ def _write_bundles(
         gate = ckpt[roles["gate"]].to(dtype) if "gate" in roles else None
         return bundle_layer(ckpt[roles["up"]].to(dtype), ckpt[roles["down"]].to(dtype), gate)
 
+    def parts(layer: int) -> Iterator[torch.Tensor]:
+        for roles in layers[layer]:
+            part = part_bundles(roles)
+            yield part if neuron_order is None else part[neuron_order[layer]]
+
     def bundles(layer: int) -> torch.Tensor:
-        parts = [part_bundles(roles) for roles in layers[layer]]
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+        layer_parts = list(parts(layer))
+        return layer_parts[0] if len(layer_parts) == 1 else torch.cat(layer_parts)
 
     # The header (written first) declares the length of each layer's Endor rows: a first pass counts the values, one
     # layer's dense bundles at a time; the second compresses and writes. Never more than one compressed layer in
@@ -477,7 +521,7 @@ def _write_bundles(
                 expected[layer] = (ids, _write_endor_layer(writer, name, bundles(layer), ids))
             else:  # an MoE layer one expert at a time: never the whole layer in memory
                 samples: dict[int, torch.Tensor] = {}
-                writer.write_rows(name, _sampled_parts(map(part_bundles, layers[layer]), ids, samples))
+                writer.write_rows(name, _sampled_parts(parts(layer), ids, samples))
                 expected[layer] = (ids, torch.stack([samples[i] for i in ids.tolist()]))
     return expected
 

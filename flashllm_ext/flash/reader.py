@@ -248,6 +248,11 @@ class FlashReader:
         raw = self._native_reader().read_rows(base, row_bytes, n_rows, ids, out)
         return ReadStats(raw[0], raw[1], raw[2], raw[3] / 1e9)
 
+    def plan_rows(self, base: int, row_bytes: int, n_rows: int, ids: torch.Tensor) -> torch.Tensor:
+        """int64 [n_reads, 2]: the coalesced reads (file offset, length) read_rows would issue for these rows, in
+        file order, before widening to the direct-I/O alignment; nothing is read (what a placement saves, counted)."""
+        return self._native_reader().plan_reads(base, row_bytes, n_rows, None, ids)
+
     def _native_reader(self):
         if self._native is None:
             raise ValueError(f"{self!r} is closed")
@@ -415,7 +420,7 @@ class FlashReader:
         """Dense rows through kvikio: the native reader's coalesced plan read into a staging buffer on out's device,
         then one gather of the requested rows (every read covers whole rows, so the staging is a matrix of rows)."""
         start = time.perf_counter()
-        plan = self._native_reader().plan_reads(base, row_bytes, n_rows, None, ids)
+        plan = self.plan_rows(base, row_bytes, n_rows, ids)
         rows = self._staged_positions(plan, base + ids * row_bytes) // row_bytes
         flat = out.view(torch.uint8).view(-1)
         if int(plan[:, 1].sum()) == flat.numel() and torch.equal(rows, torch.arange(rows.numel())):

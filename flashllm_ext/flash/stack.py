@@ -12,6 +12,7 @@ from torch import nn
 from flashllm_ext.flash.cache import NeuronCache, input_bias_role
 from flashllm_ext.flash.ffn import FFNStats, FlashFFN
 from flashllm_ext.flash.hot_cold import hot_count, hot_ids
+from flashllm_ext.flash.placement import in_store_order
 from flashllm_ext.flash.streaming import StreamingFFN
 from flashllm_ext.flash.reader import DEFAULT_MAX_READ, FlashReader
 from flashllm_ext.flash.store import FlashStore
@@ -340,6 +341,7 @@ def ffn_stack(
                 f"({predictors.store_layout}) that is not written: they are for evaluation only "
                 "(bench/bench_predictor.py); use a neuron method (e.g. quant)"
             )
+        predictors = in_store_order(predictors, store)
         predictor_bytes = predictors.memory_bytes
     transfer = transfer if transfer is not None else make_transfer(device)
     if mode == "flash":

@@ -22,6 +22,8 @@ each FFN weight reached it (`tensor_sources`: its blocks kept from a GGUF, or qu
 Mixture-of-experts stores (`experts`: {"count": E, "size": m}, FlashStore.experts) hold each layer's E experts as its
 E * m neurons, expert e the rows [e * m, (e + 1) * m): an expert is one contiguous range, read in one go; its
 ffn_roles name expert e's tensors with EXPERT_FIELD in place of e. The router and shared experts are resident.
+A store placed by co-activation (`neuron_order`: per layer the model neuron of each bundle row, FlashStore.neuron_order,
+flashllm_ext.predictor.placement) holds its rows, and its per-neuron biases, in that order.
 `flashllm_ext.flash.convert` writes a store, `FlashStore` opens and validates one.
 """
 
@@ -62,6 +64,8 @@ from flashllm_ext.flash.store_header import (  # noqa: F401  (the store's names,
     parse_experts,
     parse_ffn_roles,
     parse_model_config,
+    neuron_order_problem,
+    parse_neuron_order,
     parse_resident_formats,
     parse_tensor_sources,
 )
@@ -178,6 +182,9 @@ class FlashStore:
         )
         self.tensor_sources = parse_tensor_sources(meta.get("tensor_sources"), self.ffn_roles, self.bundles_path)
         self.experts = parse_experts(meta.get("experts"), self.n_neurons, self.ffn_roles, self.bundles_path)
+        self.neuron_order = parse_neuron_order(
+            meta.get("neuron_order"), self.n_layers, self.n_neurons, self.experts, self.bundles_path
+        )
         self._shared: dict[str, Any] = {}
         self._shared_lock = threading.Lock()
         self._resident = ResidentFile(self.resident_path)
@@ -374,7 +381,7 @@ class FlashStore:
             f"FlashStore({str(self.path)!r}, layers={self.n_layers}, neurons={self.n_neurons}, "
             f"bundle_width={self.bundle_width}, dtype={self.dtype_name}, "
             f"bundle_format={self.bundle_format.name if self.bundle_format else DENSE_FORMAT}, glu={self.glu}, "
-            f"endor={self.endor})"
+            f"endor={self.endor}{'' if self.neuron_order is None else ', placed'})"
         )
 
 

@@ -102,6 +102,36 @@ def parse_experts(raw: str | None, n_neurons: int, ffn_roles: list[dict[str, str
     return ExpertLayout(spec["count"], spec["size"])
 
 
+def parse_neuron_order(
+    raw: str | None, n_layers: int, n_neurons: int, experts: ExpertLayout | None, path: str
+) -> torch.Tensor | None:
+    """None for a store in the model's neuron order; else the `neuron_order` field: per layer the model neuron each
+    bundle row holds (row r of layer l = neuron order[l][r]), int64 [n_layers, n_neurons], every layer a
+    permutation. FormatError naming the field otherwise (and for an MoE store: its rows are whole experts)."""
+    if raw is None:
+        return None
+    field = "__metadata__.neuron_order"
+    if experts is not None:
+        raise FormatError(field, "an MoE store keeps each expert's rows together: it takes no neuron order", path)
+    order = json_field(raw, field, path)
+    try:
+        order = torch.tensor(order, dtype=torch.long)
+    except (TypeError, ValueError, RuntimeError, OverflowError):
+        raise FormatError(field, "must be a list of per-layer lists of neuron ids", path) from None
+    problem = neuron_order_problem(order, n_layers, n_neurons)
+    if problem is not None:
+        raise FormatError(field, problem, path)
+    return order
+
+
+def neuron_order_problem(order: torch.Tensor, n_layers: int, n_neurons: int) -> str | None:
+    """What is wrong with a neuron order for n_layers layers of n_neurons (None: it is one permutation per layer)."""
+    if tuple(order.shape) != (n_layers, n_neurons):
+        return f"shape {tuple(order.shape)}, expected {(n_layers, n_neurons)}"
+    bad = (order.long().sort(dim=1).values != torch.arange(n_neurons)).any(dim=1).nonzero().flatten()
+    return None if not len(bad) else f"layer {int(bad[0])} is not a permutation of the {n_neurons} neuron ids"
+
+
 def layer_tensor_name(layer: int) -> str:
     return f"layers.{layer}.bundles"
 

@@ -13,6 +13,7 @@ from flashllm_ext.predictor.evaluation import SparsityCounter, evaluate, operati
 from flashllm_ext.predictor.io import load_predictors, predictors_recipe, save_predictors, save_predictors_to_store
 from flashllm_ext.predictor.lowrank import LowRankPredictor, PredictorSet, RegressionPredictorSet, fit_log_regression
 from flashllm_ext.predictor.oracle import OraclePredictor
+from flashllm_ext.predictor.placement import PLACEMENTS, coactivation_order, frequency_order, neuron_orders
 from flashllm_ext.predictor.quant import ROUNDINGS, QuantPredictor, default_group_size, quantize_rows
 from flashllm_ext.predictor.rule import (
     FFNModules,
@@ -53,6 +54,7 @@ __all__ = [
     "DEFAULT_RECIPE",
     "DEFAULT_ROUNDING",
     "DEFAULT_UP_BITS",
+    "PLACEMENTS",
     "PREDICTOR_METHODS",
     "ROUNDINGS",
     "ActivationCapture",
@@ -74,6 +76,7 @@ __all__ = [
     "calibrate_thresholds",
     "capture_activations",
     "choose_prob_thresholds",
+    "coactivation_order",
     "default_group_size",
     "default_rounding",
     "evaluate",
@@ -82,8 +85,10 @@ __all__ = [
     "ffn_weights",
     "fisher_costs",
     "fit_log_regression",
+    "frequency_order",
     "input_weight_share",
     "load_predictors",
+    "neuron_orders",
     "operating_point",
     "patched_ffn",
     "predictor_class",

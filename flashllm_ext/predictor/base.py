@@ -10,7 +10,9 @@ score quantile that keeps that fraction of (token, neuron) pairs on calibration 
 neuron is computed). `true_thresholds` [L] (0 if unknown) are the rule's thresholds whose true active sets have the
 predictors' loaded density on the calibration text: the oracle at the same density, against which recall is
 measured. `frequency` [L, n] is the fraction of the calibration tokens whose predicted set holds each neuron (set with
-the density; zeros: unknown), the statistics the engine's hot-cold cache pins its hot neurons by. A method registers
+the density; zeros: unknown), the statistics the engine's hot-cold cache pins its hot neurons by; `neuron_order`
+[L, n] a co-activation order of each layer's neurons on those sets (predictor.placement; zeros: unknown), by which a
+store can place them on flash. A method registers
 itself by subclassing with `method = "<name>"`; `save`/`load` in `predictor.io` store `config()` (JSON) next to the
 tensors of `state_dict()` and rebuild with `from_config`.
 """
@@ -22,6 +24,8 @@ from typing import ClassVar
 
 import torch
 from torch import nn
+
+from flashllm_ext.predictor.placement import coactivation_order
 
 PREDICTOR_METHODS: dict[str, type[NeuronPredictor]] = {}
 
@@ -59,6 +63,7 @@ class NeuronPredictor(nn.Module):
         self.register_buffer("cutoffs", _per_layer(cutoffs, n_layers, "cutoffs", 0.0))
         self.register_buffer("true_thresholds", torch.zeros(n_layers))
         self.register_buffer("frequency", torch.zeros(n_layers, n_neurons))
+        self.register_buffer("neuron_order", torch.zeros(n_layers, n_neurons, dtype=torch.long))
 
     def scores(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         """float32 [T, n]: how likely each neuron is active for each input x [T, d] (higher: more)."""
@@ -90,13 +95,15 @@ class NeuronPredictor(nn.Module):
     def set_density(self, inputs: Sequence[torch.Tensor], density: float | Sequence[float]) -> torch.Tensor:
         """Cut-offs so that a fraction `density` (one for all layers, or one per layer) of the (token, neuron)
         pairs of the calibration inputs (per layer [N, d]) is predicted active, and each neuron's frequency in
-        those sets. Returns the cut-offs [L]."""
+        those sets and their co-activation order. Returns the cut-offs [L]."""
         densities = self.layer_densities(inputs, density)
         cutoffs = torch.zeros(self.n_layers)
         for i, x in enumerate(inputs):
             scores = self.scores(i, x.float())
             cutoffs[i] = keep_cutoff(scores, float(densities[i]))
-            self.frequency[i] = (scores > cutoffs[i]).float().mean(dim=0)
+            active = scores > cutoffs[i]
+            self.frequency[i] = active.float().mean(dim=0)
+            self.neuron_order[i] = coactivation_order(active)
         self.set_cutoffs(cutoffs)
         self.loaded_density = float(densities.mean())
         return cutoffs

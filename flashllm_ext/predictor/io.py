@@ -101,8 +101,9 @@ def load_predictors(path: str | os.PathLike) -> NeuronPredictor:
     except (KeyError, TypeError, ValueError) as e:
         raise FormatError("__metadata__.predictors", f"bad value ({e!r})", path) from None
     state = {k.removeprefix(TENSOR_PREFIX): v for k, v in tensors.items()}
-    for key, value in out.state_dict().items():  # (predictors saved before frequencies were kept: unknown, zeros)
-        if key.split(".")[-1] == "frequency":
+    # (predictors saved before their calibration statistics were kept: unknown, zeros)
+    for key, value in out.state_dict().items():
+        if key.split(".")[-1] in ("frequency", "neuron_order"):
             state.setdefault(key, value)
     try:
         out.load_state_dict(state)

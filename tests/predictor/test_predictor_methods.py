@@ -27,6 +27,7 @@ from flashllm_ext.predictor import (
     build_predictors,
     calibrate_thresholds,
     capture_activations,
+    coactivation_order,
     default_group_size,
     default_rounding,
     ffn_hooks,
@@ -77,26 +78,39 @@ def test_every_method_is_registered():
 
 
 @pytest.mark.parametrize("method", ALL_METHODS)
-def test_frequencies_are_each_neurons_share_of_the_calibration_sets(tmp_path, built, method, monkeypatch):
+def test_statistics_are_each_neurons_share_of_the_calibration_sets_and_their_coactivation_order(
+    tmp_path, built, method, monkeypatch
+):
     """NeuronPredictor.frequency (what the hot-cold caches pin by): the share of calibration tokens whose predicted
-    set holds each neuron, so each layer's mean is its loaded density; computed from the calibration inputs alone
-    (set_density scores nothing else), and predictors saved without it load as unknown (zeros)."""
+    set holds each neuron, so each layer's mean is its loaded density; neuron_order (what a store can be placed by):
+    the co-activation chain of those sets. Both computed from the calibration inputs alone (set_density scores
+    nothing else), kept through save/load, and predictors saved without them load as unknown (zeros)."""
     predictors = copy.deepcopy(built[method])
-    assert predictors.frequency.shape == (3, 96)
+    assert predictors.frequency.shape == predictors.neuron_order.shape == (3, 96)
     torch.testing.assert_close(predictors.frequency.mean(dim=1), torch.full((3,), 0.4), atol=0.02, rtol=0)
+    assert all(torch.equal(o.sort().values, torch.arange(96)) for o in predictors.neuron_order)
     path = tmp_path / "predictors.safetensors"
     save_predictors(predictors, path)
+    assert torch.equal(load_predictors(path).neuron_order, predictors.neuron_order)
     with safe_open(path, "pt") as f:
-        metadata, kept = f.metadata(), {k: f.get_tensor(k) for k in f.keys() if not k.endswith("frequency")}
+        metadata = f.metadata()
+        kept = {k: f.get_tensor(k) for k in f.keys() if not k.endswith(("frequency", "neuron_order"))}
     save_file(kept, path, metadata)
-    assert not load_predictors(path).frequency.any()
+    old = load_predictors(path)
+    assert not old.frequency.any() and not old.neuron_order.any()
     inputs = [torch.randn(50, 64) for _ in range(3)]
-    scored = []
-    monkeypatch.setattr(predictors, "scores", lambda layer, x: scored.append(x) or torch.rand(x.shape[0], 96))
+    scored, returned = [], []
+    monkeypatch.setattr(
+        predictors,
+        "scores",
+        lambda layer, x: scored.append(x) or returned.append(torch.rand(x.shape[0], 96)) or returned[-1],
+    )
     cutoffs = predictors.set_density(inputs, 0.25)
     assert isinstance(cutoffs, torch.Tensor) and torch.equal(cutoffs, predictors.cutoffs)
     assert len(scored) == 3 and all(x is i or torch.equal(x, i) for x, i in zip(scored, inputs))
     torch.testing.assert_close(predictors.frequency.mean(dim=1), torch.full((3,), 0.25), atol=0.02, rtol=0)
+    for layer, scores in enumerate(returned):
+        assert torch.equal(predictors.neuron_order[layer], coactivation_order(scores > cutoffs[layer]))
 
 
 @pytest.mark.parametrize("method", ALL_METHODS)
@@ -266,8 +280,8 @@ def test_teal_computes_what_the_model_computes_from_the_kept_inputs(llama, built
     for layer in point["layers"]:
         want = 2 / 3 * layer["input_density"] + 1 / 3 * layer["neuron_density"]
         assert layer["density"] == pytest.approx(want)
-    # four fp32 thresholds per layer and the neurons' calibration frequencies: no predictor weights
-    assert teal.memory_bytes == 4 * 4 * 3 + teal.frequency.nbytes
+    # four fp32 thresholds per layer and the neurons' calibration statistics: no predictor weights
+    assert teal.memory_bytes == 4 * 4 * 3 + teal.frequency.nbytes + teal.neuron_order.nbytes
 
 
 def test_teal_is_refused_where_it_cannot_run(tmp_path, llama, built):

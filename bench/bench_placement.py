@@ -1,0 +1,277 @@
+"""Neuron placement on flash: the reads a token's set takes on a store placed by frequency or by co-activation against
+the model's order, and decode speed of the hot-cold caches on placed stores against naive and hybrid.
+
+Reads (deterministic, no I/O): the default predictors' sets on held-out text (the default model's own 30 x 1536
+layers, and tiled onto Llama-2-7B FFN shapes, 11008 neurons of 24 KiB fp16 bundles: synthesized, the sets and their
+skew are the 135M model's), each token's set minus the neurons the hot-cold caches would pin (the most frequent on
+the calibration text, a `hot_fraction` of the layer), planned by the reader's own coalescing rule
+(FlashReader.plan_rows: the saved disk profile's gap, else 64 KiB; reads under 32 KiB absorb the next row). Rows:
+reads, MB read and MB requested per token, mean read KiB, and the ratios to the model's order at the same set. The
+tiled layers take the tiled frequencies' order, and for co-activation each block in its small layer's chain.
+
+Decode (--decode): bench_e2e's child on three stores of the default model (the model's order, placed by frequency,
+by co-activation; the same predictors in each) at --budget inside a cgroup of its baseline + the budget: naive and
+hybrid on the model's order, flash with hot-cold caches on each store, round-robin over --rounds, medians.
+
+    python -m bench.bench_placement [--json] [--tokens 256] [--decode] [--budget 75%] [--rounds 3] [--smoke]
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from bench.common import arg_parser, emit, median_rows
+
+PLACEMENTS = ("model", "frequency", "coactivation")
+HOT_FRACTIONS = (0.0, 0.25, 0.5)
+SCALE = ("llama-2-7b (synthesized, tiled sets)", 4, 11008, 3 * 4096 * 2)  # name, layers measured, neurons, row bytes
+SCALE_MODEL_LAYERS = 32
+RESULTS = Path(__file__).resolve().parent / "results"
+READ_COLUMNS = [
+    "model",
+    "placement",
+    "hot_fraction",
+    "reads_per_token",
+    "mb_per_token",
+    "requested_mb_per_token",
+    "mean_read_kib",
+    "reads_vs_model",
+    "bytes_vs_model",
+    "mean_read_vs_model",
+]
+
+
+def predictors_file(cache: Path) -> Path:
+    """The default recipe's predictors of the default model with their calibration statistics (trained once)."""
+    path = cache / "smollm2-135m-predictors-default.safetensors"
+    from flashllm_ext.predictor import load_predictors
+
+    if not path.is_file() or not load_predictors(path).neuron_order.any():
+        subprocess.run(
+            [sys.executable, "-m", "flashllm_ext.cli", "train-predictors", "default", "--out", str(path)],
+            check=True,
+            stdout=sys.stderr,
+        )  # stdout: --json rows
+    return path
+
+
+def layer_orders(predictors, placement: str) -> torch.Tensor:
+    """int64 [L, n] of the default model's layers: the model's order, or the placement's (predictor.placement)."""
+    from flashllm_ext.predictor import neuron_orders
+
+    if placement == "model":
+        return torch.arange(predictors.n_neurons).repeat(predictors.n_layers, 1)
+    return neuron_orders(predictors, placement)
+
+
+def tiled_orders(predictors, placement: str, n_layers: int, n_neurons: int) -> torch.Tensor:
+    """int64 [n_layers, n_neurons]: the order of bench.traces' tiled layers (whole small layers side by side)."""
+    from bench.traces import tile_layers
+    from flashllm_ext.predictor import frequency_order
+
+    if placement == "frequency":
+        frequency = tile_layers(predictors.frequency[None], n_layers, n_neurons)[0]
+        return torch.stack([frequency_order(f) for f in frequency])
+    small = layer_orders(predictors, placement)
+    blocks = -(-n_neurons // predictors.n_neurons)
+    offsets = (torch.arange(blocks) * predictors.n_neurons)[None, :, None]
+    # block b of large layer l holds small layer (l * blocks + b) % L0 (tile_layers): ids tiled the same way
+    ids = tile_layers(small[None], n_layers, blocks * predictors.n_neurons)[0]
+    orders = (ids.view(n_layers, blocks, -1) + offsets).view(n_layers, -1)
+    return torch.stack([o[o < n_neurons] for o in orders])
+
+
+def read_rows(
+    sets: torch.Tensor,
+    frequency: torch.Tensor,
+    orders: dict[str, torch.Tensor],
+    row_bytes: int,
+    reader,
+    model: str,
+    model_layers: int,
+) -> list[dict]:
+    """Rows per placement and hot fraction for sets bool [T, L, n] (model order) of L of a model's `model_layers`
+    layers, frequencies [L, n]: per-token figures scaled to the whole model."""
+    from flashllm_ext.flash.hot_cold import hot_ids
+
+    tokens, n_layers, n = sets.shape
+    rows = []
+    for hot_fraction in HOT_FRACTIONS:
+        cold = sets.clone()
+        for layer in range(n_layers):
+            cold[:, layer, hot_ids(frequency[layer], int(hot_fraction * n))] = False
+        base = None
+        for placement, order in orders.items():
+            row_of = torch.argsort(order, dim=1)  # the row each neuron sits in
+            reads = read = requested = 0
+            for layer in range(n_layers):
+                for token in range(tokens):
+                    ids = row_of[layer][cold[token, layer]].sort().values
+                    if len(ids):
+                        plan = reader.plan_rows(0, row_bytes, n, ids)
+                        reads, read = reads + len(plan), read + int(plan[:, 1].sum())
+                        requested += len(ids) * row_bytes
+            per = tokens * n_layers / model_layers
+            row = {
+                "bench": "placement_reads",
+                "model": model,
+                "placement": placement,
+                "hot_fraction": hot_fraction,
+                "tokens": tokens,
+                "row_bytes": row_bytes,
+                "max_gap_kib": reader.max_gap / 1024,
+                "reads_per_token": reads / per,
+                "mb_per_token": read / per / 1e6,
+                "requested_mb_per_token": requested / per / 1e6,
+                "mean_read_kib": read / max(reads, 1) / 1024,
+            }
+            base = base or row
+            row |= {
+                "reads_vs_model": row["reads_per_token"] / base["reads_per_token"],
+                "bytes_vs_model": row["mb_per_token"] / base["mb_per_token"],
+                "mean_read_vs_model": row["mean_read_kib"] / base["mean_read_kib"],
+            }
+            rows.append(row)
+    return rows
+
+
+def reads_benchmark(cache: Path, n_tokens: int, scale_layers: int) -> list[dict]:
+    from bench.traces import predicted_masks, tile_layers, tile_masks
+    from flashllm_ext.flash.reader import FlashReader
+    from flashllm_ext.flash.store import FlashStore
+    from flashllm_ext.predictor import load_predictors
+    from bench.e2e_common import default_store
+
+    path = predictors_file(cache)
+    predictors = load_predictors(path)
+    sets = predicted_masks(path, n_tokens)  # [T, 30, 1536], held-out text
+    store = FlashStore(default_store(cache.parent / "e2e", train_predictors=False))
+    rows = []
+    with FlashReader.for_file(store.bundles_path, threads=2) as reader:
+        orders = {p: layer_orders(predictors, p) for p in PLACEMENTS}
+        rows += read_rows(sets, predictors.frequency, orders, store.row_bytes, reader, "SmolLM2-135M", store.n_layers)
+        name, _, n, row_bytes = SCALE
+        big = tile_masks(sets, scale_layers, n)
+        frequency = tile_layers(predictors.frequency[None], scale_layers, n)[0]
+        orders = {p: tiled_orders(predictors, p, scale_layers, n) for p in PLACEMENTS}
+        orders["model"] = torch.arange(n).repeat(scale_layers, 1)
+        rows += read_rows(big, frequency, orders, row_bytes, reader, name, SCALE_MODEL_LAYERS)
+    return rows
+
+
+def placed_stores(cache: Path) -> dict[str, Path]:
+    """The default model's fp16 store in each placement, each holding the same predictors (converted once)."""
+    from flashllm_ext.flash.convert import convert
+    from flashllm_ext.flash.store import FlashStore
+    from flashllm_ext.hub import fetch_default
+    from flashllm_ext.predictor import DEFAULT_RECIPE, load_predictors, predictors_recipe, save_predictors_to_store
+
+    predictors = load_predictors(predictors_file(cache))
+    stores = {}
+    for placement in PLACEMENTS:
+        path = cache / f"smollm2-135m-fp16-{placement}"
+        order = None if placement == "model" else layer_orders(predictors, placement)
+        try:
+            FlashStore(path)
+        except (OSError, ValueError):
+            convert(fetch_default(), path, force=True, neuron_order=order)
+        if predictors_recipe(path) != DEFAULT_RECIPE:
+            save_predictors_to_store(predictors, path, DEFAULT_RECIPE)
+        stores[placement] = path
+    return stores
+
+
+def decode_benchmark(cache: Path, args) -> list[dict]:
+    from bench.e2e_common import KEYS, measure_baseline, model_bytes_of, prompt_ids, run_configuration
+    from flashllm_ext.flash.store import FlashStore
+    from flashllm_ext.runtime import parse_budget
+
+    stores = placed_stores(cache)
+    total = model_bytes_of(stores["model"])
+    budget = parse_budget(args.budget, total)
+    baseline = measure_baseline("bench.bench_e2e", "cpu", stores["model"])
+    ids, prompt_note = prompt_ids(args.prompt_tokens, FlashStore(stores["model"]).config["vocab_size"])
+    jobs = [("naive", "model", {}), ("hybrid", "model", {})]
+    jobs += [("flash", p, {"cache_layout": "hot-cold"}) for p in PLACEMENTS]
+    rows = []
+    for round_index in range(args.rounds):
+        for mode, placement, options in jobs:
+            config = {
+                "model": "SmolLM2-135M-Instruct",
+                "device": "cpu",
+                "store": str(stores[placement]),
+                "tokens": args.decode_tokens,
+                "prompt_ids": ids,
+                "timeout_s": 900,
+                "offload_dir": str(cache / "accelerate-offload"),
+                "hf_dir": None,
+                "mode": mode,
+                "budget_bytes": budget,
+                "options": options,
+            }
+            row = run_configuration("bench.bench_e2e", config, baseline)
+            row = {**{k: row.get(k) for k in KEYS}, **row}
+            row.update(
+                bench="placement_decode",
+                placement=placement,
+                budget_spec=args.budget,
+                model_bytes_mb=total / 1e6,
+                baseline_mb=baseline / 1e6,
+                prompt_note=prompt_note,
+                round=round_index,
+                options=str(options) if options else None,
+            )
+            rows.append(row)
+            emit([row], args.json, DECODE_COLUMNS)
+    return rows
+
+
+DECODE_COLUMNS = [
+    "mode",
+    "placement",
+    "ms_per_token",
+    "io_ms",
+    "mem_ms",
+    "compute_ms",
+    "bytes_per_token",
+    "reads_per_token",
+    "hit_rate",
+    "hot_fraction",
+    "cgroup_limit_mb",
+    "cgroup_peak_mb",
+    "error",
+]
+
+
+def main(argv: list[str] | None = None) -> None:
+    from flashllm_ext.io.paths import resolve_cache_dir
+
+    parser = arg_parser(__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=256, help="held-out tokens whose sets are planned")
+    parser.add_argument("--scale-layers", type=int, default=SCALE[1], help="7B-shaped layers planned")
+    parser.add_argument("--decode", action="store_true", help="also time decoding on the placed stores")
+    parser.add_argument("--budget", default="75%", help="--decode's DRAM budget (of the model's bytes)")
+    parser.add_argument("--decode-tokens", type=int, default=32)
+    parser.add_argument("--prompt-tokens", type=int, default=64)
+    parser.set_defaults(rounds=3)
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.tokens, args.scale_layers, args.decode_tokens, args.prompt_tokens, args.rounds = 4, 1, 2, 4, 1
+    cache = resolve_cache_dir() / "placement"
+    cache.mkdir(parents=True, exist_ok=True)
+    rows = reads_benchmark(cache, args.tokens, args.scale_layers)
+    emit(rows, args.json, READ_COLUMNS)
+    if args.decode:
+        rows = decode_benchmark(cache, args)
+        medians = median_rows(rows, ("mode", "placement"), "placement_decode_median")
+        if not args.json:
+            print(f"\nmedians over {args.rounds} round(s):")
+        emit(medians, args.json, DECODE_COLUMNS)
+
+
+if __name__ == "__main__":
+    main()
