@@ -45,18 +45,23 @@ READ_COLUMNS = [
 ]
 
 
-def predictors_file(cache: Path) -> Path:
-    """The default recipe's predictors of the default model with their calibration statistics (trained once)."""
-    path = cache / "smollm2-135m-predictors-default.safetensors"
+def predictors_path(cache: Path) -> Path:
+    """The default store of the end-to-end benchmarks (bench.e2e_common.default_store), whose predictors (the default
+    recipe, trained once) carry the calibration statistics: trained into it again if they were built before the
+    co-activation order was kept (and the sets they chose, cached beside it, dropped)."""
+    from bench.e2e_common import default_store
     from flashllm_ext.predictor import load_predictors
 
-    if not path.is_file() or not load_predictors(path).neuron_order.any():
+    store = default_store(cache / "e2e")
+    if not load_predictors(store).neuron_order.any():
+        for sets in store.parent.glob(f"sets-{store.name}-*.pt"):  # (bench.traces.predicted_masks)
+            sets.unlink()
         subprocess.run(
-            [sys.executable, "-m", "flashllm_ext.cli", "train-predictors", "default", "--out", str(path)],
+            [sys.executable, "-m", "flashllm_ext.cli", "train-predictors", "default", "--store", str(store)],
             check=True,
             stdout=sys.stderr,
         )  # stdout: --json rows
-    return path
+    return store
 
 
 def layer_orders(predictors, placement: str) -> torch.Tensor:
@@ -144,12 +149,11 @@ def reads_benchmark(cache: Path, n_tokens: int, scale_layers: int) -> list[dict]
     from flashllm_ext.flash.reader import FlashReader
     from flashllm_ext.flash.store import FlashStore
     from flashllm_ext.predictor import load_predictors
-    from bench.e2e_common import default_store
 
-    path = predictors_file(cache)
+    path = predictors_path(cache)
     predictors = load_predictors(path)
     sets = predicted_masks(path, n_tokens)  # [T, 30, 1536], held-out text
-    store = FlashStore(default_store(cache.parent / "e2e", train_predictors=False))
+    store = FlashStore(path)
     rows = []
     with FlashReader.for_file(store.bundles_path, threads=2) as reader:
         orders = {p: layer_orders(predictors, p) for p in PLACEMENTS}
@@ -164,23 +168,26 @@ def reads_benchmark(cache: Path, n_tokens: int, scale_layers: int) -> list[dict]
 
 
 def placed_stores(cache: Path) -> dict[str, Path]:
-    """The default model's fp16 store in each placement, each holding the same predictors (converted once)."""
+    """The default model's fp16 store in each placement ("model": the end-to-end benchmarks' default store), each
+    holding the same predictors; a placed store converted again when its order is not its predictors'."""
     from flashllm_ext.flash.convert import convert
     from flashllm_ext.flash.store import FlashStore
     from flashllm_ext.hub import fetch_default
-    from flashllm_ext.predictor import DEFAULT_RECIPE, load_predictors, predictors_recipe, save_predictors_to_store
+    from flashllm_ext.predictor import DEFAULT_RECIPE, load_predictors, save_predictors_to_store
 
-    predictors = load_predictors(predictors_file(cache))
-    stores = {}
-    for placement in PLACEMENTS:
-        path = cache / f"smollm2-135m-fp16-{placement}"
-        order = None if placement == "model" else layer_orders(predictors, placement)
+    model_order = predictors_path(cache)
+    predictors = load_predictors(model_order)
+    stores = {"model": model_order}
+    for placement in PLACEMENTS[1:]:
+        path = cache / "placement" / f"smollm2-135m-fp16-{placement}"
+        order = layer_orders(predictors, placement)
         try:
-            FlashStore(path)
-        except (OSError, ValueError):
+            current = FlashStore(path).neuron_order
+        except (OSError, ValueError):  # none yet, or an older format's
+            current = None
+        if current is None or not torch.equal(current, order):
             convert(fetch_default(), path, force=True, neuron_order=order)
-        if predictors_recipe(path) != DEFAULT_RECIPE:
-            save_predictors_to_store(predictors, path, DEFAULT_RECIPE)
+        save_predictors_to_store(predictors, path, DEFAULT_RECIPE)
         stores[placement] = path
     return stores
 
@@ -207,7 +214,7 @@ def decode_benchmark(cache: Path, args) -> list[dict]:
                 "tokens": args.decode_tokens,
                 "prompt_ids": ids,
                 "timeout_s": 900,
-                "offload_dir": str(cache / "accelerate-offload"),
+                "offload_dir": str(cache / "e2e" / "accelerate-offload"),
                 "hf_dir": None,
                 "mode": mode,
                 "budget_bytes": budget,
@@ -261,8 +268,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.smoke:
         args.tokens, args.scale_layers, args.decode_tokens, args.prompt_tokens, args.rounds = 4, 1, 2, 4, 1
-    cache = resolve_cache_dir() / "placement"
-    cache.mkdir(parents=True, exist_ok=True)
+    cache = resolve_cache_dir()
     rows = reads_benchmark(cache, args.tokens, args.scale_layers)
     emit(rows, args.json, READ_COLUMNS)
     if args.decode:

@@ -15,13 +15,14 @@ def _convert(args: argparse.Namespace) -> int:
     from flashllm_ext.flash.convert import convert, describe_sources
     from flashllm_ext.flash.store import FlashStore
 
-    neuron_order = None
+    neuron_order = predictors = None
     if (args.placement is None) != (args.predictors is None):
         raise ValueError("--placement and --predictors go together: the order comes from the predictors' statistics")
     if args.placement is not None:
         from flashllm_ext.predictor import load_predictors, neuron_orders
 
-        neuron_order = neuron_orders(load_predictors(args.predictors), args.placement)
+        predictors = load_predictors(args.predictors)
+        neuron_order = neuron_orders(predictors, args.placement)
     out = convert(
         args.checkpoint,
         args.out_dir,
@@ -33,8 +34,12 @@ def _convert(args: argparse.Namespace) -> int:
     )
     store = FlashStore(out)
     print(store)
-    if neuron_order is not None:
-        print(f"neurons placed by {args.placement} (the statistics of {args.predictors})")
+    if predictors is not None:  # they answer in the model's order: the engine maps their sets onto the rows
+        from flashllm_ext.predictor import save_predictors_to_store
+
+        predictors.check_shape(store.n_layers, store.hidden_size, store.n_neurons, f"the store {out}")
+        save_predictors_to_store(predictors, out)
+        print(f"neurons placed by {args.placement}; the predictors of {args.predictors} written into the store")
     if store.tensor_sources is not None:
         print(f"FFN tensors: {describe_sources(store.tensor_sources)}")
     return 0
@@ -169,7 +174,7 @@ def add_convert(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--predictors",
         help="with --placement: predictors trained on this checkpoint (flashllm train-predictors: a file, or a store "
-        "holding them)",
+        "holding them), written into the new store too",
     )
     p.add_argument("--force", action="store_true", help="replace the flash store at out_dir if there is one")
     p.set_defaults(func=_convert)

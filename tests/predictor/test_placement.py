@@ -15,6 +15,7 @@ from flashllm_ext.predictor import (
     PredictorSet,
     coactivation_order,
     frequency_order,
+    load_predictors,
     neuron_orders,
     save_predictors,
 )
@@ -64,6 +65,7 @@ def test_convert_places_a_store_by_the_predictors_statistics(tmp_path, placement
     assert f"placed by {placement}" in capsys.readouterr().out
     want = neuron_orders(predictors, placement)
     assert torch.equal(FlashStore(out).neuron_order, want)
+    assert torch.equal(load_predictors(out).neuron_order, predictors.neuron_order)  # written in, as they were
     plain = FlashStore(convert(tmp_path / "model", tmp_path / "plain", progress=False))
     assert torch.equal(FlashStore(out).bundle(1, torch.arange(n)), plain.bundle(1, want[1]))
     if placement == "frequency":  # most frequent first
