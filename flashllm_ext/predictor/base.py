@@ -63,7 +63,8 @@ class NeuronPredictor(nn.Module):
         self.register_buffer("cutoffs", _per_layer(cutoffs, n_layers, "cutoffs", 0.0))
         self.register_buffer("true_thresholds", torch.zeros(n_layers))
         self.register_buffer("frequency", torch.zeros(n_layers, n_neurons))
-        self.register_buffer("neuron_order", torch.zeros(n_layers, n_neurons, dtype=torch.long))
+        # int32: half of int64's memory, which a served predictor is charged for (it is only read at conversion)
+        self.register_buffer("neuron_order", torch.zeros(n_layers, n_neurons, dtype=torch.int32))
 
     def scores(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         """float32 [T, n]: how likely each neuron is active for each input x [T, d] (higher: more)."""

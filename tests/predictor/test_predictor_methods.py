@@ -88,7 +88,7 @@ def test_statistics_are_each_neurons_share_of_the_calibration_sets_and_their_coa
     predictors = copy.deepcopy(built[method])
     assert predictors.frequency.shape == predictors.neuron_order.shape == (3, 96)
     torch.testing.assert_close(predictors.frequency.mean(dim=1), torch.full((3,), 0.4), atol=0.02, rtol=0)
-    assert all(torch.equal(o.sort().values, torch.arange(96)) for o in predictors.neuron_order)
+    assert all(torch.equal(o.long().sort().values, torch.arange(96)) for o in predictors.neuron_order)
     path = tmp_path / "predictors.safetensors"
     save_predictors(predictors, path)
     assert torch.equal(load_predictors(path).neuron_order, predictors.neuron_order)
@@ -110,7 +110,7 @@ def test_statistics_are_each_neurons_share_of_the_calibration_sets_and_their_coa
     assert len(scored) == 3 and all(x is i or torch.equal(x, i) for x, i in zip(scored, inputs))
     torch.testing.assert_close(predictors.frequency.mean(dim=1), torch.full((3,), 0.25), atol=0.02, rtol=0)
     for layer, scores in enumerate(returned):
-        assert torch.equal(predictors.neuron_order[layer], coactivation_order(scores > cutoffs[layer]))
+        assert torch.equal(predictors.neuron_order[layer].long(), coactivation_order(scores > cutoffs[layer]))
 
 
 @pytest.mark.parametrize("method", ALL_METHODS)
