@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import flashllm_ext
+from flashllm_ext.decoder import load_decoder
 from flashllm_ext.errors import FormatError
 from flashllm_ext.flash.convert import convert
 from flashllm_ext.flash.hot_cold import hot_ids
@@ -99,6 +100,27 @@ def test_a_placed_store_computes_what_the_unplaced_one_does(stores, name, mode, 
             frequency = predictors.frequency[layer]
             assert torch.equal(want, hot_ids(frequency, len(want)))
             assert torch.equal(order[layer][pinned].sort().values, hot_ids(frequency, len(pinned)))
+
+
+@pytest.mark.parametrize("name", ["llama", "opt"])
+@pytest.mark.parametrize("mode", ["dense", "hybrid", "exact", "flash"])
+@torch.no_grad()
+def test_the_lean_decoder_on_a_placed_store_computes_what_it_does_on_the_unplaced_one(stores, name, mode):
+    """`flashllm run`'s path: dense mode loads the placed rows and biases as they lie, the other modes read them,
+    flash mode's predictors choose the same neurons (with look-ahead too)."""
+    model, plain, placed, _ = stores[name]
+    predictors = _predictors(model, FlashStore(plain)) if mode == "flash" else None
+    prompt = torch.randint(3, 90, (9,), generator=torch.Generator().manual_seed(4))
+    got = []
+    for path in (plain, placed):
+        budget = {"dense": None, "hybrid": "120%"}.get(mode, "85%")  # (hybrid's minimum on OPT: ~108%)
+        lookahead = "ahead" if mode == "flash" else None
+        decoder = load_decoder(
+            path, budget, mode=mode, max_len=32, kv_dtype=torch.float32, predictors=predictors, lookahead=lookahead
+        )
+        got.append(torch.cat([decoder.forward(prompt, all_logits=True), decoder.forward([5])[None]]))
+        decoder.close()
+    torch.testing.assert_close(got[1], got[0], rtol=1e-4, atol=1e-4)
 
 
 def test_store_order_predictors_map_every_kind_of_answer_onto_rows():
