@@ -30,7 +30,6 @@ PLACEMENTS = ("model", "frequency", "coactivation")
 HOT_FRACTIONS = (0.0, 0.25, 0.5)
 SCALE = ("llama-2-7b (synthesized, tiled sets)", 4, 11008, 3 * 4096 * 2)  # name, layers measured, neurons, row bytes
 SCALE_MODEL_LAYERS = 32
-RESULTS = Path(__file__).resolve().parent / "results"
 READ_COLUMNS = [
     "model",
     "placement",
