@@ -189,7 +189,7 @@ def convert(
         neuron_order = torch.as_tensor(neuron_order).long()
         problem = neuron_order_problem(neuron_order, len(layers), ffn)
         if n_experts or problem is not None:
-            raise ValueError(f"neuron_order: {problem or 'an MoE model keeps each expert rows together'}")
+            raise ValueError(f"neuron_order: {problem or 'an MoE model keeps the rows of each expert together'}")
     bundle_format, sources = None, None
     if quantized:
         bundle_format = BundleFormat(_input_format(ckpt, bundled, QUANTIZED_DTYPES[dtype]), down_format)

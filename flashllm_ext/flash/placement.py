@@ -18,8 +18,7 @@ class StoreOrderPredictors:
 
     def __init__(self, predictors, order: torch.Tensor):
         self.predictors, self.order = predictors, order.long()
-        self.rows = torch.empty_like(self.order)  # rows[l, neuron]: the row neuron sits in
-        self.rows.scatter_(1, self.order, torch.arange(order.shape[1]).expand_as(self.order).contiguous())
+        self.rows = torch.argsort(self.order, dim=1)  # rows[l, neuron]: the row the neuron sits in
         frequency = getattr(predictors, "frequency", None)
         self.frequency = None if frequency is None else frequency.gather(1, self.order.to(frequency.device))
         if hasattr(predictors, "predict_ahead"):

@@ -22,8 +22,8 @@ each FFN weight reached it (`tensor_sources`: its blocks kept from a GGUF, or qu
 Mixture-of-experts stores (`experts`: {"count": E, "size": m}, FlashStore.experts) hold each layer's E experts as its
 E * m neurons, expert e the rows [e * m, (e + 1) * m): an expert is one contiguous range, read in one go; its
 ffn_roles name expert e's tensors with EXPERT_FIELD in place of e. The router and shared experts are resident.
-A store placed by co-activation (`neuron_order`: per layer the model neuron of each bundle row, FlashStore.neuron_order,
-flashllm_ext.predictor.placement) holds its rows, and its per-neuron biases, in that order.
+A placed store (`neuron_order`: per layer the model neuron of each bundle row, FlashStore.neuron_order, by frequency
+or co-activation: flashllm_ext.predictor.placement) holds its rows, and its per-neuron biases, in that order.
 `flashllm_ext.flash.convert` writes a store, `FlashStore` opens and validates one.
 """
 
