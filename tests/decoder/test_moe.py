@@ -207,6 +207,21 @@ def test_an_moe_layer_s_roles_must_name_experts(moe_models, tmp_path):
         FlashStore(copy)
 
 
+def test_an_moe_store_takes_no_neuron_order(moe_models, tmp_path):
+    """An expert's rows stay one range: convert refuses a neuron order for an MoE model, and a store header that
+    carries one anyway is refused by name."""
+    _, path = moe_models["olmoe"]
+    store = FlashStore(path)
+    order = torch.arange(store.n_neurons).repeat(store.n_layers, 1)
+    with pytest.raises(ValueError, match="keeps the rows of each expert together"):
+        convert(path.parent / "olmoe", tmp_path / "placed", progress=False, neuron_order=order)
+    copy = shutil.copytree(path, tmp_path / "copy")
+    # (the header keeps its length: any value of the field, even a short one, is refused on an MoE store)
+    rewrite_header(copy / BUNDLES_FILE, lambda h: h["__metadata__"].__setitem__("neuron_order", "[]"))
+    with pytest.raises(FormatError, match="neuron_order.*MoE store"):
+        FlashStore(copy)
+
+
 def test_a_model_mixing_dense_and_expert_layers_is_refused(tmp_path):
     model = tiny_model("qwen2_moe", num_hidden_layers=3, mlp_only_layers=[1])
     model.save_pretrained(tmp_path / "ckpt")
