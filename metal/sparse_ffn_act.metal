@@ -4,7 +4,7 @@
 // Template parameters: T (float, half or bfloat16_t: the matrix and bias element), HAS_INDEX, HAS_BIAS (bool).
 // Inputs:  x [n_tok * d] float (at most 8 tokens), matrix [capacity * width] T (rows [up | gate (GLU) | down]),
 //          bias [capacity] T (1-element placeholder when !HAS_BIAS), index [n_rows] int64_t (placeholder when
-//          !HAS_INDEX), params [6] int64_t = {n_rows, num_used, d, n_tok, activation (0 relu, 1 silu, 2 gelu), glu},
+//          !HAS_INDEX), params [6] int64_t = {n_rows, num_used, d, n_tok, activation (0 relu, 1 silu, 2 gelu, 3 gelu_tanh), glu},
 //          threshold [1] float.
 // Output:  act [n_tok * n_rows] float: act[t * n_rows + o] = h, the activation (times x.up for GLU), zero where
 //          |h| <= threshold (the active-neuron rule).
@@ -44,6 +44,8 @@ if (r >= 0 && r < num_used) {
       a = v > 0.f ? v : 0.f;
     } else if (activation == 1) {
       a = v / (1.f + exp(-v));
+    } else if (activation == 3) {
+      a = 0.5f * v * (1.f + precise::tanh(0.7978845608028654f * (v + 0.044715f * v * v * v)));
     } else {
       // MSL has no erf: Abramowitz-Stegun 7.1.26 (|error| < 1.5e-7).
       const float z = fabs(v) * 0.70710678118654752f;

@@ -23,8 +23,10 @@ inline float ffn_activate(float v, int act) {
       return v > 0.f ? v : 0.f;
     case kActSilu:
       return v / (1.f + std::exp(-v));
-    default:
+    case kActGelu:
       return 0.5f * v * (1.f + std::erf(v * 0.70710678118654752f));
+    default:  // kActGeluTanh: sqrt(2 / pi) (v + 0.044715 v^3)
+      return 0.5f * v * (1.f + std::tanh(0.7978845608028654f * (v + 0.044715f * v * v * v)));
   }
 }
 

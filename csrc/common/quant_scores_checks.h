@@ -50,8 +50,8 @@ inline void check_quant_scores_args(const at::Tensor& x, const at::Tensor& up_co
                                     const std::optional<at::Tensor>& gate_scale,
                                     const std::optional<at::Tensor>& gate_bias, int64_t up_bits, int64_t gate_bits,
                                     c10::string_view activation) {
-  TORCH_CHECK(activation == "relu" || activation == "silu" || activation == "gelu",
-              "quant_scores: activation must be one of ('relu', 'silu', 'gelu'), got '", activation, "'");
+  TORCH_CHECK(activation == "relu" || activation == "silu" || activation == "gelu" || activation == "gelu_tanh",
+              "quant_scores: activation must be one of ('relu', 'silu', 'gelu', 'gelu_tanh'), got '", activation, "'");
   TORCH_CHECK((x.scalar_type() == at::kFloat || x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16) &&
                   x.dim() == 2,
               "quant_scores: x must be a 2-D float32/float16/bfloat16 tensor [T, d], got ", x.scalar_type(),

@@ -14,13 +14,15 @@
 namespace flashllm {
 
 // Activation codes shared with the CUDA and Metal bodies (csrc/cuda/sparse_ffn_kernel.cuh, metal/sparse_ffn_*.metal).
-enum FfnActivation : int { kActRelu = 0, kActSilu = 1, kActGelu = 2 };
+// kActGeluTanh: GELU's tanh approximation (Gemma's gelu_pytorch_tanh), a different function from the erf form.
+enum FfnActivation : int { kActRelu = 0, kActSilu = 1, kActGelu = 2, kActGeluTanh = 3 };
 
 inline int parse_ffn_activation(const std::string& name, const char* op = "sparse_ffn") {
   if (name == "relu") return kActRelu;
   if (name == "silu") return kActSilu;
   if (name == "gelu") return kActGelu;
-  TORCH_CHECK(false, op, ": activation must be one of ('relu', 'silu', 'gelu'), got '", name, "'");
+  if (name == "gelu_tanh") return kActGeluTanh;
+  TORCH_CHECK(false, op, ": activation must be one of ('relu', 'silu', 'gelu', 'gelu_tanh'), got '", name, "'");
 }
 
 inline bool is_ffn_dtype(at::ScalarType t) {

@@ -308,8 +308,10 @@ inline float activate(float v, int act) {
       return v < 0.f ? 0.f : v;  // NaN stays NaN, as torch.relu
     case kActSilu:
       return v / (1.f + std::exp(-v));
-    default:
+    case kActGelu:
       return 0.5f * v * (1.f + std::erf(v * 0.70710678118654752f));
+    default:
+      return 0.5f * v * (1.f + std::tanh(0.7978845608028654f * (v + 0.044715f * v * v * v)));
   }
 }
 

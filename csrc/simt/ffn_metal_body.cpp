@@ -15,6 +15,9 @@ namespace metal {
 using std::exp;
 using std::fabs;
 using std::min;
+namespace precise {
+using std::tanh;
+}  // namespace precise
 }  // namespace metal
 
 namespace flashllm::simt_bodies {

@@ -9,10 +9,14 @@ from dataclasses import dataclass
 
 import torch
 
+from flashllm_ext.ops import config_activation
+
 # model_type -> the decoder family that runs it (flashllm_ext/decoder/<family>.py)
 FAMILIES = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llama", "opt": "opt"}
 # the mixture-of-experts families: a Llama-family attention, experts and a router in place of the FFN
 FAMILIES.update({"mixtral": "llama", "qwen2_moe": "llama", "qwen3_moe": "llama", "olmoe": "llama"})
+# Gemma 2 and 3 (text): GeGLU, sandwich norms, scaled embeddings, soft-capped logits, local and global layers
+FAMILIES.update({"gemma2": "gemma", "gemma3_text": "gemma"})
 ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -45,7 +49,11 @@ class DecoderConfig:
     top_k: int = 0  # experts a token uses per layer
     norm_top_k: bool = False  # the chosen experts' router probabilities renormalised to sum to 1
     shared_expert: bool = False  # Qwen2-MoE: a dense expert every token uses, scaled by a sigmoid gate
-    hidden_act: str = "silu"  # the FFN's activation (the shared expert's; the FFN modules read the store's)
+    hidden_act: str = "silu"  # an ops.ACTIVATIONS key: the shared expert's (the FFN modules read the store's)
+    attention_scale: float | None = None  # None: head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5)
+    attention_softcap: float | None = None  # Gemma 2: attention logits s -> cap * tanh(s / cap)
+    logit_softcap: float | None = None  # Gemma 2: the LM head's logits capped the same way
+    local_rope_theta: float | None = None  # Gemma 3: the sliding layers' RoPE base (unscaled)
 
     @classmethod
     def from_config(cls, config: dict, source: str | os.PathLike) -> DecoderConfig:
@@ -84,11 +92,19 @@ class DecoderConfig:
                 norm_before=bool(config.get("do_layer_norm_before", True)),
                 word_embed_dim=None if word_dim == hidden else word_dim,
             )
-        # transformers 5 writes rope_parameters (rope_theta inside); older configs rope_scaling beside rope_theta.
+        # transformers 5 writes rope_parameters (rope_theta inside; Gemma 3's per layer type); older configs
+        # rope_scaling beside rope_theta (Gemma 3's sliding layers: rope_local_base_freq).
         scaling = config.get("rope_parameters") or config.get("rope_scaling") or {}
+        local_theta = config.get("rope_local_base_freq") if model_type == "gemma3_text" else None
+        if "full_attention" in scaling:
+            local = scaling.get("sliding_attention") or {}
+            if (local.get("rope_type") or "default") != "default":
+                raise ValueError(f"{source}: sliding layers' rope_type {local['rope_type']!r} is not supported")
+            local_theta, scaling = local.get("rope_theta"), scaling["full_attention"]
         rope_type = scaling.get("rope_type") or scaling.get("type") or "default"
         if rope_type not in ROPE_TYPES:
             raise ValueError(f"{source}: rope_scaling type {rope_type!r} is not supported (one of {ROPE_TYPES})")
+        gemma = family == "gemma"
         if config.get("partial_rotary_factor", 1.0) != 1.0:
             raise ValueError(f"{source}: partial_rotary_factor {config['partial_rotary_factor']} is not supported")
         if config.get("clip_qkv") is not None:
@@ -105,10 +121,10 @@ class DecoderConfig:
             vocab_size=int(config["vocab_size"]),
             norm_eps=float(config.get("rms_norm_eps", 1e-6)),
             max_positions=int(config.get("max_position_embeddings", 2048)),
-            tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+            tie_embeddings=bool(config.get("tie_word_embeddings", gemma)),
             qkv_bias=model_type in ("qwen2", "qwen2_moe") or bool(config.get("attention_bias", False)),
             o_bias=model_type not in ("qwen2", "qwen2_moe") and bool(config.get("attention_bias", False)),
-            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
             windows=_windows(config, model_type, layers),
             rope_theta=float(scaling.get("rope_theta") or config.get("rope_theta", 10000.0)),
             rope_scaling=None if rope_type == "default" else dict(scaling),
@@ -118,13 +134,18 @@ class DecoderConfig:
             # Mixtral always renormalises; the others as their config says
             norm_top_k=model_type == "mixtral" or bool(config.get("norm_topk_prob", False)),
             shared_expert=bool(config.get("shared_expert_intermediate_size")),
-            hidden_act=str(config.get("hidden_act", "silu")),
+            hidden_act=config_activation(config),
+            attention_scale=float(config["query_pre_attn_scalar"]) ** -0.5 if gemma else None,
+            attention_softcap=config.get("attn_logit_softcapping") if gemma else None,
+            logit_softcap=config.get("final_logit_softcapping") if gemma else None,
+            local_rope_theta=None if local_theta is None else float(local_theta),
         )
 
 
 def _windows(config: dict, model_type: str, n_layers: int) -> tuple[int | None, ...]:
     """Each layer's sliding attention window: config `layer_types` where given (newer configs), else Mistral's
-    sliding_window on every layer, Qwen's on the layers from max_window_layers when use_sliding_window is set."""
+    sliding_window on every layer, Qwen's on the layers from max_window_layers when use_sliding_window is set, and
+    Gemma's on its local layers."""
     window = config.get("sliding_window")
     if not window:
         return (None,) * n_layers
@@ -132,19 +153,25 @@ def _windows(config: dict, model_type: str, n_layers: int) -> tuple[int | None, 
         return tuple(int(window) if kind == "sliding_attention" else None for kind in config["layer_types"])
     if model_type in ("mistral", "mixtral"):
         return (int(window),) * n_layers
+    if model_type == "gemma2":  # configs before layer_types: the even layers slide
+        return tuple(int(window) if i % 2 == 0 else None for i in range(n_layers))
+    if model_type == "gemma3_text":  # every sliding_window_pattern-th layer global
+        pattern = int(config.get("sliding_window_pattern", 6))
+        return tuple(int(window) if (i + 1) % pattern else None for i in range(n_layers))
     if model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and config.get("use_sliding_window"):
         first = int(config.get("max_window_layers", n_layers))
         return tuple(int(window) if i >= first else None for i in range(n_layers))
     return (None,) * n_layers
 
 
-def rope_inverse_frequencies(config: DecoderConfig) -> torch.Tensor:
+def rope_inverse_frequencies(config: DecoderConfig, local: bool = False) -> torch.Tensor:
     """float32 [head_dim / 2]: RoPE's per-pair rotation speeds, with the config's scaling (linear, or Llama 3's
-    frequency-dependent one) applied as transformers applies it."""
+    frequency-dependent one) applied as transformers applies it; `local`: Gemma 3's sliding layers' (unscaled)."""
     dim = config.head_dim
-    inv = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    theta = config.local_rope_theta if local else config.rope_theta
+    inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     scaling = config.rope_scaling
-    if scaling is None:
+    if scaling is None or local:
         return inv
     factor = float(scaling["factor"])
     if (scaling.get("rope_type") or scaling.get("type")) == "linear":

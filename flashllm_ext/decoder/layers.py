@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from flashllm_ext import ops
+from flashllm_ext.flash.ffn import store_activation
 from flashllm_ext.flash.reader import FlashReader
 from flashllm_ext.flash.store import BIAS_ROLES, FlashStore
 from flashllm_ext.ops.blocks import QuantizedWeight
@@ -21,8 +22,6 @@ HALF_LINEAR = torch.ops.flashllm.half_linear.default
 QUANTIZED_LINEAR = torch.ops.flashllm.quantized_linear.default
 Weight = torch.Tensor | QuantizedWeight
 DECODE_ATTENTION = torch.ops.flashllm.decode_attention.default
-# FFN activations by config name (hidden_act / activation_function), exact forms only as in ops.ACTIVATIONS.
-ACTIVATION_FNS = {name: spec.fn for spec in ops.ACTIVATIONS.values() for name in spec.config_names}
 
 
 def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -60,6 +59,10 @@ class Rotary:
         self.sin = torch.cat((-angles.sin(), angles.sin()), dim=-1)[:, None, :].to(device)
         self.half = inverse_frequencies.numel()
 
+    @property
+    def nbytes(self) -> int:
+        return self.cos.nbytes + self.sin.nbytes
+
     def tables(self, start: int, n_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, signed sin [T, 1, head_dim] of positions start .. start + T - 1 (once per forward)."""
         return self.cos[start : start + n_tokens], self.sin[start : start + n_tokens]
@@ -72,15 +75,22 @@ class Rotary:
 
 
 def attend(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, window: int | None, scale: float
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    start: int,
+    window: int | None,
+    scale: float,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of T new queries at positions start .. start + T - 1 over every key so far.
 
     q [T, Hq, D] float32; keys, values [start + T, 1, Hkv, D] (the KV cache's views); window: a query at p sees keys
-    (p - window, p] only. Returns float32 [T, Hq * D]. One token: flashllm::decode_attention on the cache's own
-    layout; several (a prompt): scaled_dot_product_attention under the causal (and window) mask."""
+    (p - window, p] only; softcap: scores s become softcap * tanh(s / softcap) before the softmax (Gemma 2). Returns
+    float32 [T, Hq * D]. One token: flashllm::decode_attention on the cache's own layout; several (a prompt):
+    scaled_dot_product_attention under the causal (and window) mask; soft-capped scores: plain torch ops."""
     n_tokens, n_heads, head_dim = q.shape
-    if n_tokens == 1:
+    if n_tokens == 1 and softcap is None:
         if window is not None:
             keys, values = keys[-window:], values[-window:]
         out, _ = DECODE_ATTENTION(q.to(keys.dtype), keys, values, scale)
@@ -90,6 +100,8 @@ def attend(
     mask = key_positions <= positions
     if window is not None:
         mask &= key_positions > positions - window
+    if softcap is not None:
+        return _softcapped_attention(q, keys[:, 0].float(), values[:, 0].float(), mask, scale, softcap)
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1)[None],
         keys[:, 0].transpose(0, 1)[None].float(),
@@ -101,13 +113,25 @@ def attend(
     return out[0].transpose(0, 1).reshape(n_tokens, n_heads * head_dim)
 
 
+def _softcapped_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float, softcap: float
+) -> torch.Tensor:
+    """q [T, Hq, D], keys and values [S, Hkv, D] float32, mask bool [T, S] -> float32 [T, Hq * D]."""
+    group = q.shape[1] // keys.shape[1]
+    keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
+    scores = torch.einsum("thd,shd->hts", q, keys) * scale
+    scores = soft_cap(scores, softcap).masked_fill(~mask, float("-inf"))
+    out = torch.einsum("hts,shd->thd", torch.softmax(scores, dim=-1), values)
+    return out.reshape(q.shape[0], -1)
+
+
 class DenseFFN:
     """One FFN layer held whole in DRAM: act(gate x) * (up x) then down (GLU), or act(up x + b) then down (OPT).
     The GLU's gate and up rows are one matrix, so a token reads them in one half_linear call."""
 
     def __init__(self, store: FlashStore, layer: int, bundles: torch.Tensor):
         d, self.glu = store.hidden_size, store.glu
-        self.activation = ACTIVATION_FNS[store.config.get("hidden_act") or store.config["activation_function"]]
+        self.activation = ops.ACTIVATIONS[store_activation(store)].fn
         up = bundles[:, :d]
         self.w_in = torch.cat((bundles[:, d : 2 * d], up)) if self.glu else up.contiguous()
         self.w_out = bundles[:, -d:].t().contiguous()  # [d, n]: the down projection's rows
@@ -189,3 +213,8 @@ def move_tensors(obj: object, device: torch.device) -> None:
     for name, value in vars(obj).items():
         if isinstance(value, (torch.Tensor, QuantizedWeight)):
             setattr(obj, name, moved.setdefault(id(value), value.to(device)))
+
+
+def soft_cap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """x squashed into (-cap, cap) as cap * tanh(x / cap) (Gemma 2's logits); x itself when cap is None."""
+    return x if cap is None else torch.tanh(x / cap) * cap

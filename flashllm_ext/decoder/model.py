@@ -23,6 +23,7 @@ import torch
 from flashllm_ext.decoder.config import DecoderConfig
 from flashllm_ext.decoder.kv_cache import StaticKVCache
 from flashllm_ext.decoder.layers import ResidentWeights, dense_ffns
+from flashllm_ext.decoder.gemma import GemmaModel
 from flashllm_ext.decoder.llama import LlamaModel
 from flashllm_ext.decoder.opt import OPTModel
 from flashllm_ext.flash.engine import check_lookahead, predictors_for_mode
@@ -31,7 +32,8 @@ from flashllm_ext.flash.stack import FlashRuntime, ffn_stack, store_ffn_bytes
 from flashllm_ext.flash.store import BIAS_ROLES, FlashStore
 from flashllm_ext.runtime import cuda_device, parse_budget, tensor_bytes
 
-FAMILY_MODELS = {"llama": LlamaModel, "opt": OPTModel}
+FAMILY_MODELS = {"llama": LlamaModel, "opt": OPTModel, "gemma": GemmaModel}
+FamilyModel = LlamaModel | OPTModel | GemmaModel
 FFN = Callable[[torch.Tensor], torch.Tensor]
 
 
@@ -45,7 +47,7 @@ class LeanDecoder:
         self,
         store: FlashStore,
         config: DecoderConfig,
-        model: LlamaModel | OPTModel,
+        model: FamilyModel,
         ffns: Sequence[FFN],
         cache: StaticKVCache,
         mode: str,
@@ -243,11 +245,12 @@ def load_decoder(
     return LeanDecoder(store, config, model, ffns, cache, mode, runtime, lookahead=lookahead is not None)
 
 
-def model_table_bytes(model: LlamaModel | OPTModel) -> int:
-    """The RoPE tables' bytes: held by the decoder, not weights of the model (no part of a percentage budget)."""
-    return 0 if model.rotary is None else model.rotary.cos.nbytes + model.rotary.sin.nbytes
+def model_table_bytes(model: FamilyModel) -> int:
+    """The RoPE tables' bytes (Gemma 3's local ones too): held by the decoder, not weights of the model (no part of a
+    percentage budget)."""
+    return sum(r.nbytes for r in (model.rotary, getattr(model, "local_rotary", None)) if r is not None)
 
 
-def model_weight_bytes(model: LlamaModel | OPTModel) -> int:
+def model_weight_bytes(model: FamilyModel) -> int:
     """The resident weights' bytes (tied ones once), without the RoPE tables."""
     return tensor_bytes(model.tensors()) - model_table_bytes(model)

@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from flashllm_ext.decoder.config import DecoderConfig
-from flashllm_ext.decoder.layers import ACTIVATION_FNS, ResidentWeights, linear
+from flashllm_ext.decoder.layers import ResidentWeights, linear
+from flashllm_ext.ops import ACTIVATIONS
 
 # The router's name under each family's layer (Mixtral's block_sparse_moe, the others' mlp)
 ROUTER_NAMES = ("block_sparse_moe.gate.weight", "mlp.gate.weight")
@@ -52,7 +53,7 @@ class SharedExpert:
         self.gate_up = torch.cat([weights.require(f"{prefix}.{name}_proj.weight") for name in ("gate", "up")])
         self.down = weights.require(f"{prefix}.down_proj.weight")
         self.scale = weights.require(f"{prefix}_gate.weight")
-        self.activation = ACTIVATION_FNS[config.hidden_act]
+        self.activation = ACTIVATIONS[config.hidden_act].fn
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.gate_up, self.down, self.scale]

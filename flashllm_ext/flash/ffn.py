@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from flashllm_ext import ops
-from flashllm_ext.ops import ACTIVATIONS
+from flashllm_ext.ops import config_activation
 from flashllm_ext.flash.cache import NeuronCache, PendingStep, StepStats, input_bias_role, layer_input_bias
 from flashllm_ext.io.disk import load_disk_profile
 from flashllm_ext.flash.reader import FlashReader
@@ -53,15 +53,11 @@ Predictor = Callable[[torch.Tensor], torch.Tensor]
 
 
 def store_activation(store: FlashStore) -> str:
-    """The sparse_ffn activation of the store's model (config hidden_act / activation_function)."""
-    name = store.config.get("hidden_act") or store.config.get("activation_function")
-    if name is None:
-        raise ValueError(f"{store.path}: the model config names no activation (hidden_act / activation_function)")
-    for activation, spec in ACTIVATIONS.items():
-        if name in spec.config_names:
-            return activation
-    supported = sorted(n for spec in ACTIVATIONS.values() for n in spec.config_names)
-    raise ValueError(f"{store.path}: activation {name!r} is not supported (one of {supported})")
+    """The sparse_ffn activation of the store's model (ops.config_activation); ValueError naming the store."""
+    try:
+        return config_activation(store.config)
+    except ValueError as e:
+        raise ValueError(f"{store.path}: {e}") from None
 
 
 def output_bias(store: FlashStore, layer: int) -> torch.Tensor | None:

@@ -72,6 +72,8 @@ def activate(pre: mx.array, activation: str) -> mx.array:
         return mx.maximum(pre, 0)
     if activation == "silu":
         return pre * mx.sigmoid(pre)
+    if activation == "gelu_tanh":
+        return 0.5 * pre * (1 + mx.tanh(0.7978845608028654 * (pre + 0.044715 * pre**3)))
     return 0.5 * pre * (1 + mx.erf(pre * 0.7071067811865476))
 
 

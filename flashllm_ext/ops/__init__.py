@@ -24,6 +24,7 @@ from flashllm_ext.ops.ffn import (
     Activation,
     FFN_DTYPES,
     check_sparse_ffn_args,
+    config_activation,
     quantized_sparse_ffn,
     quantized_sparse_ffn_reference,
     sparse_ffn,

@@ -7,6 +7,7 @@ oracle and the benchmark baseline), fake kernel, and the typed wrapper library c
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Callable, NamedTuple
 
 import torch
@@ -46,7 +47,24 @@ ACTIVATIONS = {
     "relu": Activation(0, torch.relu, ("relu",)),
     "silu": Activation(1, F.silu, ("silu", "swish")),
     "gelu": Activation(2, F.gelu, ("gelu",)),  # erf form
+    # tanh-approximated GELU (Gemma's): gelu_new is the same formula written out
+    "gelu_tanh": Activation(3, partial(F.gelu, approximate="tanh"), ("gelu_pytorch_tanh", "gelu_new")),
 }
+# The config fields that name the FFN's activation: Llama's and most families', OPT's, Gemma's.
+ACTIVATION_FIELDS = ("hidden_act", "activation_function", "hidden_activation")
+
+
+def config_activation(config: dict) -> str:
+    """The ACTIVATIONS key of a Hugging Face config (a dict, or a config object's to_dict()); ValueError when the
+    config names none or one no kernel computes exactly."""
+    name = next((config[f] for f in ACTIVATION_FIELDS if config.get(f)), None)
+    if name is None:
+        raise ValueError(f"the model config names no activation (none of {', '.join(ACTIVATION_FIELDS)})")
+    for activation, spec in ACTIVATIONS.items():
+        if name in spec.config_names:
+            return activation
+    supported = sorted(n for spec in ACTIVATIONS.values() for n in spec.config_names)
+    raise ValueError(f"activation {name!r} is not supported (one of {supported})")
 
 
 def _check_ffn_x(op: str, x: torch.Tensor) -> int:
@@ -226,7 +244,7 @@ def sparse_ffn(
     x: [T, d] float32 | float16 | bfloat16
     matrix: [C, 2d] (up | down) or, glu=True, [C, 3d] (up | gate | down), contiguous, x.dtype
     num_used: rows [0, num_used) are in use
-    activation: "relu" | "silu" | "gelu" (flashllm_ext.ops.ACTIVATIONS); applied to x.up (x.gate with GLU) + bias
+    activation: "relu" | "silu" | "gelu" | "gelu_tanh" (flashllm_ext.ops.ACTIVATIONS); applied to x.up (x.gate with GLU) + bias
     bias: [C] of x.dtype, the input projection's bias of each row; None for none
     index: int64 [K] of rows < num_used (any order; a repeat counts twice); None for rows [0, num_used)
     threshold: a (token, row) term counts only when |h| > threshold; 0 skips only exact zeros

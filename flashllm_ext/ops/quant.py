@@ -228,7 +228,7 @@ def quant_scores(
     up_bits, gate_bits: 1 | 2 | 3 | 4
     up_bias, gate_bias: float32 [N]; None for none
     gate_codes: uint8 [N, ceil(d * gate_bits / 8)] and gate_scale: float16 [N] or [N, G'] for a GLU; None for none
-    activation: "relu" | "silu" | "gelu" (flashllm_ext.ops.ACTIVATIONS)
+    activation: "relu" | "silu" | "gelu" | "gelu_tanh" (flashllm_ext.ops.ACTIVATIONS)
     Returns float32 [T, N].
     """
     return torch.ops.flashllm.quant_scores.default(

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
-from flashllm_ext.ops import ACTIVATIONS
+from flashllm_ext.ops import ACTIVATIONS, config_activation
 from flashllm_ext.hub.hf import decoder_layers
 
 
@@ -68,10 +68,7 @@ def ffn_weights(model: nn.Module) -> tuple[list[FFNWeights], str]:
     """Per-layer input projections of a Llama-family or OPT model and the name of its activation (a key of
     flashllm_ext.ops.ACTIVATIONS)."""
     config = model.config
-    name = getattr(config, "hidden_act", None) or getattr(config, "activation_function", None)
-    activation = next((a for a, spec in ACTIVATIONS.items() if name in spec.config_names), None)
-    if activation is None:
-        raise ValueError(f"activation {name!r} is not supported (one of {sorted(ACTIVATIONS)})")
+    activation = config_activation(config.to_dict())
 
     def copy(linear: nn.Module, part: str) -> torch.Tensor | None:
         t = getattr(linear, part, None)

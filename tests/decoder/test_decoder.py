@@ -21,6 +21,26 @@ CASES = {
     "qwen3": dict(seed=2),
     "mistral": dict(sliding_window=8, seed=3),
     "qwen2-window": dict(family="qwen2", use_sliding_window=True, sliding_window=6, max_window_layers=1, seed=4),
+    # Gemma: windows of 6, Gemma 2's soft caps low enough to bend the scores and logits, Gemma 3's global layer
+    # with linearly scaled RoPE and its local layers with their own base
+    "gemma2": dict(
+        num_hidden_layers=3,
+        sliding_window=6,
+        attn_logit_softcapping=2.0,
+        final_logit_softcapping=5.0,
+        query_pre_attn_scalar=24,
+        seed=6,
+    ),
+    "gemma3": dict(
+        num_hidden_layers=3,
+        sliding_window=6,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+        },
+        seed=7,
+    ),
     "opt": dict(seed=1, max_position_embeddings=256, dropout=0.0),
     "opt-post-norm": dict(
         family="opt", seed=5, max_position_embeddings=256, do_layer_norm_before=False, word_embed_proj_dim=32
@@ -95,7 +115,21 @@ def test_the_decoder_on_cuda_decodes_what_it_decodes_on_the_cpu(models, case, mo
     gpu.close()
 
 
-@pytest.mark.parametrize("case", ["llama", "mistral", "opt"])
+@pytest.mark.parametrize("case", ["gemma2", "gemma3"])
+@pytest.mark.parametrize("mode", ["dense", "exact"])
+def test_every_decode_step_equals_transformers(models, case, mode):
+    """Token by token past the sliding window (decode's soft-capped attention and local RoPE): each step's logits are
+    transformers' logits at that position of the whole sequence."""
+    model, path = models[case]
+    ids = _prompt(20)
+    decoder = load_decoder(path, None, mode=mode, max_len=64, kv_dtype=torch.float32)
+    got = torch.stack([decoder.forward([int(token)]) for token in ids])
+    with torch.no_grad():
+        torch.testing.assert_close(got, model(ids[None]).logits[0], rtol=1e-4, atol=1e-4)
+    decoder.close()
+
+
+@pytest.mark.parametrize("case", ["llama", "mistral", "gemma2", "opt"])
 def test_a_prompt_longer_than_one_chunk(models, case):
     model, path = models[case]
     prompt = _prompt(19)
@@ -103,7 +137,7 @@ def test_a_prompt_longer_than_one_chunk(models, case):
     assert _greedy(decoder, prompt, chunk=4) == _transformers_greedy(model, prompt)
 
 
-@pytest.mark.parametrize("case", ["llama", "opt"])
+@pytest.mark.parametrize("case", ["llama", "gemma3", "opt"])
 @pytest.mark.parametrize("mode", ["naive", "hybrid"])
 def test_streaming_modes_equal_transformers(models, case, mode):
     model, path = models[case]
@@ -116,10 +150,11 @@ def test_streaming_modes_equal_transformers(models, case, mode):
     assert stats["ms_per_token"] > 0 and stats["other_ms"] > 0
 
 
-def test_flash_mode_computes_what_load_flash_computes(models):
+@pytest.mark.parametrize("case", ["llama", "gemma2"])
+def test_flash_mode_computes_what_load_flash_computes(models, case):
     """The same store, predictors and budget: the lean decoder's FFNs are the engine's, so its tokens are those of
     the transformers model load_flash builds."""
-    model, path = models["llama"]
+    model, path = models[case]
     ids = torch.randint(0, 90, (64,), generator=torch.Generator().manual_seed(0))
     torch.manual_seed(0)
     thresholds = calibrate_thresholds(model, ids, 0.5, window=32, progress=False)
@@ -156,9 +191,20 @@ def test_the_kv_cache_is_charged_to_the_budget(models):
         load_decoder(path, "85%", mode="naive", max_len=100_000)
 
 
+def test_gemma3_charges_its_local_and_global_rope_tables(models):
+    """Two RoPE bases, two tables, both held and both charged: weight bytes leave them out, accounted bytes not."""
+    _, path = models["gemma3"]
+    decoder = load_decoder(path, None, mode="dense", max_len=32)
+    model = decoder.model
+    assert model.local_rotary is not None and not torch.equal(model.local_rotary.cos, model.rotary.cos)
+    assert model_table_bytes(model) == 2 * model.rotary.nbytes
+    assert [layer.local_rotary is not None for layer in model.layers] == [True, False, True]
+    decoder.close()
+
+
 def test_a_family_the_decoder_does_not_run_is_refused_by_name():
-    with pytest.raises(ValueError, match="'gemma2'"):
-        DecoderConfig.from_config({"model_type": "gemma2", "hidden_size": 8}, "store")
+    with pytest.raises(ValueError, match="'phi3'"):
+        DecoderConfig.from_config({"model_type": "phi3", "hidden_size": 8}, "store")
     llama = {
         "model_type": "llama",
         "hidden_size": 8,
@@ -169,6 +215,23 @@ def test_a_family_the_decoder_does_not_run_is_refused_by_name():
     }
     with pytest.raises(ValueError, match="'yarn'"):
         DecoderConfig.from_config(llama, "store")
+
+
+def test_gemma_configs_before_layer_types_and_per_type_rope():
+    """Configs written before transformers 5: Gemma 2's even layers slide, Gemma 3's every sixth layer is global and
+    its local layers rotate with rope_local_base_freq; a local RoPE scaling is refused by name."""
+    shape = dict(hidden_size=8, num_attention_heads=2, num_hidden_layers=7, vocab_size=10, head_dim=4)
+    shape.update(query_pre_attn_scalar=16, sliding_window=3, hidden_activation="gelu_pytorch_tanh")
+    gemma2 = DecoderConfig.from_config(dict(shape, model_type="gemma2", attn_logit_softcapping=50.0), "store")
+    assert gemma2.windows == (3, None, 3, None, 3, None, 3) and gemma2.attention_softcap == 50.0
+    assert gemma2.local_rope_theta is None and gemma2.hidden_act == "gelu_tanh" and gemma2.attention_scale == 0.25
+    old = dict(shape, model_type="gemma3_text", rope_theta=1e6, rope_local_base_freq=1e4)
+    gemma3 = DecoderConfig.from_config(dict(old, rope_scaling={"rope_type": "linear", "factor": 8.0}), "store")
+    assert gemma3.windows == (3, 3, 3, 3, 3, None, 3) and (gemma3.rope_theta, gemma3.local_rope_theta) == (1e6, 1e4)
+    assert gemma3.rope_scaling["factor"] == 8.0 and gemma3.qk_norm and gemma3.tie_embeddings
+    local_yarn = {"sliding_attention": {"rope_type": "yarn"}, "full_attention": {"rope_theta": 1e6}}
+    with pytest.raises(ValueError, match="'yarn'"):
+        DecoderConfig.from_config(dict(old, rope_parameters=local_yarn), "store")
 
 
 def test_a_full_cache_and_bad_ids_are_refused(models):

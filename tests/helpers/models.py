@@ -1,8 +1,12 @@
-"""Tiny random transformers models: Llama and its relatives (GLU FFN, grouped-query attention), OPT (ReLU FFN with
-biases) and the mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE)."""
+"""Tiny random transformers models: Llama and its relatives (GLU FFN, grouped-query attention), Gemma 2 and 3, OPT
+(ReLU FFN with biases) and the mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE)."""
 
 import torch
 from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -60,6 +64,10 @@ _FAMILIES = {
     "qwen2": (Qwen2Config, Qwen2ForCausalLM, LLAMA),
     "qwen3": (Qwen3Config, Qwen3ForCausalLM, dict(LLAMA, head_dim=16)),
     "mistral": (MistralConfig, MistralForCausalLM, dict(LLAMA, sliding_window=None)),
+    # Gemma's weights drawn wider than transformers' 0.02: its scaled, tied embedding otherwise makes every
+    # layer's contribution too small to change a token.
+    "gemma2": (Gemma2Config, Gemma2ForCausalLM, dict(LLAMA, head_dim=16, initializer_range=0.1)),
+    "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM, dict(LLAMA, head_dim=16, initializer_range=0.1)),
 }
 # The mixture-of-experts families: 8 experts of 48 neurons, 2 a token (Mixtral's experts are intermediate_size
 # wide); Qwen2-MoE adds a shared expert, Qwen3-MoE per-head q/k norms, OLMoE q/k norms over all heads.

@@ -27,7 +27,7 @@ def run(x, m, num_used, bias, act, glu, index=None, threshold=0.0):
 
 
 @pytest.mark.parametrize("dtype", FFN_DTYPES)
-@pytest.mark.parametrize("glu,act", [(False, "relu"), (True, "silu"), (False, "gelu")])
+@pytest.mark.parametrize("glu,act", [(False, "relu"), (True, "silu"), (False, "gelu"), (True, "gelu_tanh")])
 @pytest.mark.parametrize("n_tok", [1, 4, 9])
 def test_matches_reference(dtype, glu, act, n_tok):
     x, m, b = ffn_case(n_tok, 24, 30, glu, dtype, seed=n_tok)

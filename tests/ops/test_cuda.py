@@ -142,7 +142,9 @@ INDEX = torch.tensor([30, 2, 2, 0, 17, 29, 8])
 
 
 @pytest.mark.parametrize("dtype", FFN_DTYPES)
-@pytest.mark.parametrize("glu,act", [(False, "relu"), (True, "silu"), (False, "gelu"), (True, "gelu")])
+@pytest.mark.parametrize(
+    "glu,act", [(False, "relu"), (True, "silu"), (False, "gelu"), (True, "gelu"), (True, "gelu_tanh")]
+)
 @pytest.mark.parametrize(
     "shape",
     [(1, 40, 40, 31), (3, 37, 40, 31), (9, 16, 33, 33), (8, 576, 200, 150), (1, 4096, 700, 650), (4, 1100, 64, 64)],

@@ -25,7 +25,7 @@ INDEX = torch.tensor([30, 2, 2, 0, 17, 29, 8])
 # path); 9 tokens take two token groups; 1100 columns span several down-kernel column blocks.
 @pytest.mark.parametrize("body", ["cuda", "metal"])
 @pytest.mark.parametrize("dtype", FFN_DTYPES)
-@pytest.mark.parametrize("glu,act", [(False, "relu"), (True, "silu"), (False, "gelu")])
+@pytest.mark.parametrize("glu,act", [(False, "relu"), (True, "silu"), (False, "gelu"), (True, "gelu_tanh")])
 @pytest.mark.parametrize("shape", [(1, 40, 40, 31), (3, 37, 40, 31), (9, 16, 33, 33)])
 def test_body_matches_reference(body, dtype, glu, act, shape):
     n_tok, d, capacity, num_used = shape

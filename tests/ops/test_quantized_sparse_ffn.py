@@ -81,7 +81,7 @@ def test_bad_block_arguments():
 
 # ------------------------------------------------------------------------------------------------ kernel
 @pytest.mark.parametrize("layout", FORMATS, ids=lambda f: f.name)
-@pytest.mark.parametrize("glu,act", [(False, "relu"), (True, "silu"), (True, "gelu")])
+@pytest.mark.parametrize("glu,act", [(False, "relu"), (True, "silu"), (True, "gelu"), (True, "gelu_tanh")])
 @pytest.mark.parametrize("n_tok", [1, 3, 8, 11])
 def test_native_matches_reference(isa, layout, glu, act, n_tok):
     d, capacity, num_used = 77, 40, 33  # d: two whole blocks and a partial one

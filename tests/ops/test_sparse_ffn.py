@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from flashllm_ext import ops
-from flashllm_ext.ops import ACTIVATIONS, sparse_ffn_reference
+from flashllm_ext.ops import ACTIVATIONS, config_activation, sparse_ffn_reference
 from tests.helpers.native import cpu_isas, forced_isa_fixture
 from tests.helpers.ffn_cases import FFN_DTYPES, assert_close, bad_ffn_cases, ffn_case
 
@@ -33,7 +33,9 @@ def dense_ffn(x, up, down, gate, bias, act):
 
 
 @pytest.mark.parametrize("dtype", FFN_DTYPES)
-@pytest.mark.parametrize("glu,act", [(False, "relu"), (True, "silu"), (False, "gelu"), (True, "gelu")])
+@pytest.mark.parametrize(
+    "glu,act", [(False, "relu"), (True, "silu"), (False, "gelu"), (True, "gelu"), (True, "gelu_tanh")]
+)
 @pytest.mark.parametrize("n_tok", [1, 2, 3, 4, 5, 6, 7, 8, 11])
 def test_native_matches_reference(isa, dtype, glu, act, n_tok):
     d, capacity, num_used = 37, 50, 41  # d: a 16-element loop plus a tail on every ISA
@@ -167,8 +169,19 @@ def test_threshold_tie_is_dropped_as_the_predictor_does(isa, kernel):
     assert torch.equal(y, torch.full((1, 4), 0.75))  # only the 0.75 row survives
 
 
+def test_config_activation_reads_each_familys_field_and_refuses_the_rest():
+    assert config_activation({"hidden_act": "silu"}) == "silu"  # Llama and most families
+    assert config_activation({"activation_function": "relu"}) == "relu"  # OPT
+    assert config_activation({"hidden_activation": "gelu_pytorch_tanh"}) == "gelu_tanh"  # Gemma
+    with pytest.raises(ValueError, match="'gelu_fast' is not supported"):  # an approximation no kernel computes
+        config_activation({"hidden_act": "gelu_fast"})
+    with pytest.raises(ValueError, match="names no activation"):
+        config_activation({"hidden_act": None})
+
+
 def test_activation_codes_match_the_native_header():
     """ACTIVATIONS' codes are what the native and Metal kernels switch on (FfnActivation in the C header)."""
     header = (Path(__file__).parents[2] / "csrc/common/sparse_ffn_checks.h").read_text()
     codes = dict(re.findall(r"kAct(\w+) = (\d+)", header))
-    assert {name: spec.code for name, spec in ACTIVATIONS.items()} == {k.lower(): int(v) for k, v in codes.items()}
+    snake = {re.sub(r"(?<!^)([A-Z])", r"_\1", k).lower(): int(v) for k, v in codes.items()}  # GeluTanh: gelu_tanh
+    assert {name: spec.code for name, spec in ACTIVATIONS.items()} == snake
