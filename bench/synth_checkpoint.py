@@ -46,7 +46,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from flashllm_ext.io.checkpoint import expected_shapes, gguf_name
+from flashllm_ext.io.gguf_layout import expected_shapes, gguf_name
 from flashllm_ext.io.paths import resolve_cache_dir
 from flashllm_ext.io.safetensors import AlignedWriter, TensorSpec, dtype_name
 from flashllm_ext.flash.store import DTYPES
@@ -468,7 +468,8 @@ def write_moe_gguf(
     import gguf
     import numpy as np
 
-    from flashllm_ext.io.checkpoint import open_checkpoint, rotary_permutation
+    from flashllm_ext.io.checkpoint import open_checkpoint
+    from flashllm_ext.io.gguf_layout import rotary_permutation
 
     ckpt = open_checkpoint(checkpoint_dir)
     config = ckpt.config

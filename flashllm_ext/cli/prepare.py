@@ -85,7 +85,7 @@ def _train_predictors(args: argparse.Namespace) -> int:
                 f"flashllm train-predictors: {args.store} is a mixture-of-experts store; it needs no predictors "
                 "(its routers name each token's experts)"
             )
-    from flashllm_ext.io.checkpoint import gguf_config
+    from flashllm_ext.io.gguf_layout import gguf_config
 
     if gguf_config(gguf_path).get("num_experts"):
         raise SystemExit(

@@ -236,7 +236,7 @@ def write_llama_gguf(
 ) -> Path:
     """A llama-architecture F16 GGUF at `dst` of the Hugging Face Llama checkpoint `checkpoint_dir` (config.json and
     safetensors shards), laid out as llama.cpp's convert_hf_to_gguf.py writes one: tensors under llama.cpp's names
-    (io.checkpoint.gguf_name), q_proj and k_proj rows in its rotary order (io.checkpoint.rotary_permutation), 2-D
+    (io.gguf_layout.gguf_name), q_proj and k_proj rows in its rotary order (io.gguf_layout.rotary_permutation), 2-D
     weights F16 [out, in], 1-D norms F32; the llama hyperparameters from config.json; every `tokenizer.*` field
     (model, pre-tokenizer, tokens, token types, merges, special ids, chat template) of `tokenizer_gguf`. llama.cpp
     then runs the checkpoint's weights (rounded to F16) with that tokenizer. Kept when `dst` is newer than the
@@ -250,7 +250,8 @@ def write_llama_gguf(
     import numpy as np
     import torch
 
-    from flashllm_ext.io.checkpoint import gguf_name, open_checkpoint, rotary_permutation
+    from flashllm_ext.io.checkpoint import open_checkpoint
+    from flashllm_ext.io.gguf_layout import gguf_name, rotary_permutation
 
     checkpoint_dir, dst = Path(checkpoint_dir), Path(dst)
     if dst.is_file() and dst.stat().st_mtime > (checkpoint_dir / "config.json").stat().st_mtime:

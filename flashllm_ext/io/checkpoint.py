@@ -11,7 +11,7 @@ GGUF tensors equal what `transformers` loads from the same file: both dequantize
 and llama.cpp's rotary permutation of a Llama's (and Mixtral's) Q/K rows is undone here as transformers undoes it
 (OLMoE and Qwen3-MoE rotate NeoX-style in both, unpermuted). An MoE GGUF's fused expert tensors (`blk.{i}.ffn_gate_exps` [E, m, d], ...)
 read as each expert's own Hugging Face tensor (`model.layers.{i}.mlp.experts.{e}.gate_proj.weight` [m, d]): a range
-of the fused tensor's rows.
+of the fused tensor's rows. The names and metadata are mapped in flashllm_ext.io.gguf_layout.
 """
 
 from __future__ import annotations
@@ -19,9 +19,7 @@ from __future__ import annotations
 import json
 import math
 import os
-import struct
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -33,279 +31,25 @@ from tqdm.auto import tqdm
 
 from flashllm_ext.errors import FormatError
 from flashllm_ext.io.paths import regular_file
+from flashllm_ext.io.gguf_layout import (
+    BLOCK_NAMES,
+    DEQUANTIZE_CHUNK_BYTES,
+    MOE_FAMILIES,
+    READER_ERRORS,
+    config_from_reader,
+    expected_shapes,
+    expert_parts,
+    hf_name,
+    open_reader,
+    undo_rotary_permutation,
+)
 from flashllm_ext.io.safetensors import TensorEntry, dtype_name, read_header
-
-GGUF_MAGIC = b"GGUF"
-SUPPORTED_ARCHITECTURES = ("llama", "olmoe", "qwen3moe")  # llama with experts: Mixtral
-# GGUF name inside a block -> Hugging Face name inside `model.layers.{i}`.
-_BLOCK_NAMES = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-}
-_ATTENTION_NAMES = {k: v for k, v in _BLOCK_NAMES.items() if not k.startswith(("ffn_gate", "ffn_up", "ffn_down"))}
-
-
-@dataclass(frozen=True)
-class _MoEFamily:
-    """How an MoE family's layer is named and built: its Hugging Face class, router and experts' module, the roles
-    of llama.cpp's fused expert tensors, and its q/k norms ("whole": one over all heads, "head": per head, None)."""
-
-    architecture: str
-    router: str
-    experts: str
-    roles: dict[str, str]
-    qk_norm: str | None
-
-    def block_names(self) -> dict[str, str]:
-        """GGUF name inside a block -> Hugging Face name inside `model.layers.{i}`, fused experts aside."""
-        norms = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"} if self.qk_norm else {}
-        return {**_ATTENTION_NAMES, **norms, "ffn_gate_inp": self.router}
-
-
-_GATE_UP_DOWN = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
-# model_type -> its family; a GGUF's architecture -> its model_type (Mixtral's files are "llama" with experts)
-_MOE_FAMILIES = {
-    "olmoe": _MoEFamily("OlmoeForCausalLM", "mlp.gate", "mlp.experts", _GATE_UP_DOWN, "whole"),
-    "qwen3_moe": _MoEFamily("Qwen3MoeForCausalLM", "mlp.gate", "mlp.experts", _GATE_UP_DOWN, "head"),
-    "mixtral": _MoEFamily(
-        "MixtralForCausalLM",
-        "block_sparse_moe.gate",
-        "block_sparse_moe.experts",
-        {"ffn_gate_exps": "w1", "ffn_up_exps": "w3", "ffn_down_exps": "w2"},
-        None,
-    ),
-}
-_MOE_ARCHITECTURES = {"olmoe": "olmoe", "qwen3moe": "qwen3_moe"}
-_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-_GGUF_BLOCK_NAMES = {hf: name for name, hf in _BLOCK_NAMES.items()}
-_GGUF_TOP_NAMES = {hf: name for name, hf in _TOP_NAMES.items()}
-# Errors the gguf reader raises on malformed or truncated files (it indexes a memmap with header values).
-_READER_ERRORS = (ValueError, IndexError, KeyError, TypeError, OverflowError, struct.error)
-# float32 bytes a GGUF tensor is dequantized in at a time: gguf's numpy dequantizers make temporaries several times
-# the size of their output, which for a whole 8B-model FFN matrix (235 MB in fp32) is about a gigabyte.
-_DEQUANTIZE_CHUNK_BYTES = 32 << 20
-
-
-def _open(path: str | os.PathLike):
-    import gguf
-
-    path = regular_file(path)
-    with open(path, "rb") as f:
-        magic = f.read(4)
-    if magic != GGUF_MAGIC:
-        raise FormatError("magic", f"expected {GGUF_MAGIC!r}, got {magic!r}: not a GGUF file", path)
-    try:
-        return gguf.GGUFReader(path)
-    except _READER_ERRORS as e:
-        raise FormatError("header", f"unreadable GGUF header ({type(e).__name__}: {e})", path) from None
-
-
-def _field(reader, key: str, path: str, default: Any = None) -> Any:
-    field = reader.fields.get(key)
-    if field is None:
-        if default is None:
-            raise FormatError(key, "missing from the GGUF metadata", path)
-        return default
-    try:
-        return field.contents()
-    except _READER_ERRORS as e:
-        raise FormatError(key, f"unreadable value ({e})", path) from None
-
-
-def _size(reader, key: str, path: str, default: int | None = None) -> int:
-    """A positive integer field: sizes size the model built from them, and a zero divides."""
-    value = _field(reader, key, path, default)
-    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value <= 0:
-        raise FormatError(key, f"must be positive, got {value!r}", path)
-    return int(value)
-
-
-def _config_from_reader(reader, path: str) -> dict[str, Any]:
-    arch = _field(reader, "general.architecture", path)
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise FormatError("general.architecture", f"{arch!r} is not supported (only {SUPPORTED_ARCHITECTURES})", path)
-    hidden = _size(reader, f"{arch}.embedding_length", path)
-    heads = _size(reader, f"{arch}.attention.head_count", path)
-    blocks = _size(reader, f"{arch}.block_count", path)
-    moe = _MOE_ARCHITECTURES.get(arch, "mixtral" if f"{arch}.expert_count" in reader.fields else None)
-    # Every name of every block is built from this count (expected_shapes): a file cannot hold fewer tensors.
-    per_block = len(_BLOCK_NAMES) if moe is None else len(_MOE_FAMILIES[moe].block_names()) + 3
-    if blocks * per_block > len(reader.tensors):
-        raise FormatError(
-            f"{arch}.block_count",
-            f"{blocks} blocks need {blocks * per_block} tensors, the file has {len(reader.tensors)}",
-            path,
-        )
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
-    vocab = _size(reader, f"{arch}.vocab_size", path, default=len(tokens.data) if tokens is not None else None)
-    names = {t.name for t in reader.tensors}
-    config = {
-        "model_type": arch,
-        "architectures": ["LlamaForCausalLM"],
-        "hidden_size": hidden,
-        "intermediate_size": _size(reader, f"{arch}.feed_forward_length", path),
-        "num_hidden_layers": blocks,
-        "num_attention_heads": heads,
-        "num_key_value_heads": _size(reader, f"{arch}.attention.head_count_kv", path, default=heads),
-        "head_dim": _size(reader, f"{arch}.attention.key_length", path, default=hidden // heads),
-        "rms_norm_eps": float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", path)),
-        "rope_theta": float(_field(reader, f"{arch}.rope.freq_base", path, default=10000.0)),
-        "max_position_embeddings": _size(reader, f"{arch}.context_length", path),
-        "vocab_size": vocab,
-        "hidden_act": "silu",
-        # llama.cpp drops output.weight when the LM head shares the embedding matrix.
-        "tie_word_embeddings": "output.weight" not in names,
-    }
-    if moe is not None:
-        config.update(_moe_config(reader, arch, moe, path, config["intermediate_size"]))
-    for key, name in (("tokenizer.ggml.bos_token_id", "bos_token_id"), ("tokenizer.ggml.eos_token_id", "eos_token_id")):
-        if key in reader.fields:
-            config[name] = int(_field(reader, key, path))
-    if hidden % heads or config["num_attention_heads"] % config["num_key_value_heads"]:
-        raise FormatError(
-            f"{arch}.attention.head_count",
-            f"{heads} heads / {config['num_key_value_heads']} kv heads do not divide hidden size {hidden}",
-            path,
-        )
-    return config
-
-
-def _moe_config(reader, arch: str, model_type: str, path: str, intermediate_size: int) -> dict[str, Any]:
-    """The Hugging Face config fields of an MoE GGUF: experts, experts a token, their size, whether the chosen
-    experts' weights are renormalised (the file's expert_weights_norm, else what llama.cpp does for the family:
-    Qwen3-MoE yes, OLMoE no; Mixtral always)."""
-    size = _size(reader, f"{arch}.expert_feed_forward_length", path, default=intermediate_size)
-    norm = _field(reader, f"{arch}.expert_weights_norm", path, default=model_type == "qwen3_moe")
-    fields = {
-        "model_type": model_type,
-        "architectures": [_MOE_FAMILIES[model_type].architecture],
-        "num_experts": _size(reader, f"{arch}.expert_count", path),
-        "num_experts_per_tok": _size(reader, f"{arch}.expert_used_count", path),
-        "norm_topk_prob": bool(norm),
-    }
-    # OLMoE's and Mixtral's experts are intermediate_size wide; Qwen3-MoE's moe_intermediate_size
-    # (intermediate_size: its dense layers', none here)
-    fields["moe_intermediate_size" if model_type == "qwen3_moe" else "intermediate_size"] = size
-    return fields
 
 
 def unsupported_model(model_type: object, found: str) -> FormatError:
     """The error for a checkpoint whose tensors are not named as those of a supported family (Llama, Mistral,
     SmolLM, OPT: decoder layers `layers.{i}`): it names the config's model_type, which says more than the names."""
     return FormatError("model_type", f"{model_type!r} is not supported: {found}")
-
-
-def gguf_config(path: str | os.PathLike) -> dict[str, Any]:
-    """Hugging Face style config (model_type, hidden_size, intermediate_size, num_hidden_layers, ...) of a GGUF."""
-    return _config_from_reader(_open(path), os.fspath(path))
-
-
-def expected_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
-    """Hugging Face tensor name -> shape [out, in] (or [n] for norms) for a Llama config, or an OLMoE / Qwen3-MoE
-    one (each expert's weights under names of their own, as save_pretrained writes them)."""
-    hidden = config["hidden_size"]
-    q_rows = config["num_attention_heads"] * config["head_dim"]
-    kv_rows = config["num_key_value_heads"] * config["head_dim"]
-    shapes = {"model.embed_tokens.weight": (config["vocab_size"], hidden), "model.norm.weight": (hidden,)}
-    if not config["tie_word_embeddings"]:
-        shapes["lm_head.weight"] = (config["vocab_size"], hidden)
-    per_layer = {
-        "self_attn.q_proj": (q_rows, hidden),
-        "self_attn.k_proj": (kv_rows, hidden),
-        "self_attn.v_proj": (kv_rows, hidden),
-        "self_attn.o_proj": (hidden, q_rows),
-        "input_layernorm": (hidden,),
-        "post_attention_layernorm": (hidden,),
-    }
-    per_layer.update(_moe_layer_shapes(config, q_rows, kv_rows) if config.get("num_experts") else _ffn_shapes(config))
-    for i in range(config["num_hidden_layers"]):
-        shapes.update({f"model.layers.{i}.{name}.weight": shape for name, shape in per_layer.items()})
-    return shapes
-
-
-def _ffn_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
-    hidden, ffn = config["hidden_size"], config["intermediate_size"]
-    return {"mlp.gate_proj": (ffn, hidden), "mlp.up_proj": (ffn, hidden), "mlp.down_proj": (hidden, ffn)}
-
-
-def _moe_layer_shapes(config: dict[str, Any], q_rows: int, kv_rows: int) -> dict[str, tuple[int, ...]]:
-    """An MoE layer's q/k norms (OLMoE's over all heads, Qwen3-MoE's a head, Mixtral none), router and experts."""
-    family = _MOE_FAMILIES[config["model_type"]]
-    hidden, head_dim, experts = config["hidden_size"], config["head_dim"], config["num_experts"]
-    size = config.get("moe_intermediate_size") or config["intermediate_size"]
-    shapes = {family.router: (experts, hidden)}
-    if family.qk_norm:
-        whole = family.qk_norm == "whole"
-        shapes["self_attn.q_norm"] = (q_rows,) if whole else (head_dim,)
-        shapes["self_attn.k_norm"] = (kv_rows,) if whole else (head_dim,)
-    gate, up, down = family.roles.values()
-    for e in range(experts):
-        shapes[f"{family.experts}.{e}.{gate}"] = (size, hidden)
-        shapes[f"{family.experts}.{e}.{up}"] = (size, hidden)
-        shapes[f"{family.experts}.{e}.{down}"] = (hidden, size)
-    return shapes
-
-
-def hf_name(gguf_name: str, block_names: dict[str, str] = _BLOCK_NAMES) -> str | None:
-    """`blk.3.ffn_up.weight` -> `model.layers.3.mlp.up_proj.weight`; None for names outside the Llama layout
-    (block_names: an MoE family's, _MoEFamily.block_names, for the tensors of its layers other than the experts)."""
-    parts = gguf_name.split(".")
-    if len(parts) == 2 and parts[0] in _TOP_NAMES:
-        return f"{_TOP_NAMES[parts[0]]}.{parts[1]}"
-    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in block_names:
-        return f"model.layers.{parts[1]}.{block_names[parts[2]]}.{parts[3]}"
-    return None
-
-
-def _expert_parts(
-    gguf_name: str, shape: tuple[int, ...], family: _MoEFamily
-) -> list[tuple[str, tuple[int, ...], int]] | None:
-    """A fused expert tensor (`blk.{i}.ffn_up_exps.weight`, shape [E, rows, cols]) as each expert's Hugging Face
-    tensor: (name, [rows, cols], its first row in the fused tensor's [E * rows, cols]); None for any other name."""
-    parts = gguf_name.split(".")
-    if len(parts) != 4 or parts[0] != "blk" or not parts[1].isdigit() or parts[2] not in family.roles:
-        return None
-    if len(shape) != 3:
-        return [(f"{gguf_name} of shape {shape}", shape, 0)]  # no place in the layout: refused by its name
-    experts, rows, cols = shape
-    prefix = f"model.layers.{parts[1]}.{family.experts}"
-    role = family.roles[parts[2]]
-    return [(f"{prefix}.{e}.{role}.weight", (rows, cols), e * rows) for e in range(experts)]
-
-
-def gguf_name(hf: str) -> str | None:
-    """`model.layers.3.mlp.up_proj.weight` -> `blk.3.ffn_up.weight` (the inverse of hf_name); None for names
-    outside the Llama layout."""
-    module, dot, suffix = hf.rpartition(".")
-    if not dot:
-        return None
-    if module in _GGUF_TOP_NAMES:
-        return f"{_GGUF_TOP_NAMES[module]}.{suffix}"
-    parts = module.split(".", 3)
-    if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[2].isdigit() and parts[3] in _GGUF_BLOCK_NAMES:
-        return f"blk.{parts[2]}.{_GGUF_BLOCK_NAMES[parts[3]]}.{suffix}"
-    return None
-
-
-def rotary_permutation(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """[rows, cols] q_proj or k_proj rows of a Hugging Face checkpoint -> the same rows in llama.cpp's order (its
-    converter's `permute` for the llama architecture): each head's two rotary halves interleaved. The exact
-    inverse of what GGUFCheckpoint undoes on reading; `n_heads` is the query or the key/value head count."""
-    rows, cols = w.shape
-    return w.reshape(n_heads, 2, rows // n_heads // 2, cols).transpose(1, 2).reshape(rows, cols)
-
-
-def _undo_rotary_permutation(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    # llama.cpp interleaves the two rotary halves of each head's rows; Hugging Face keeps them as two blocks.
-    rows, cols = w.shape
-    return w.view(n_heads, rows // n_heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
 
 
 class Checkpoint(ABC):
@@ -462,19 +206,19 @@ class GGUFCheckpoint(Checkpoint):
 
     def __init__(self, path: str | os.PathLike):
         self.path = os.fspath(path)
-        reader = _open(self.path)
-        self.config = _config_from_reader(reader, self.path)
+        reader = open_reader(self.path)
+        self.config = config_from_reader(reader, self.path)
         shapes = expected_shapes(self.config)
-        family = _MOE_FAMILIES.get(self.config["model_type"])
+        family = MOE_FAMILIES.get(self.config["model_type"])
         # Hugging Face name -> gguf ReaderTensor: its offset, size and type (its data, the map, is not read); and
         # the first row of the tensor's data where the name is one expert's part of a fused tensor.
         self._tensors: dict[str, Any] = {}
         self._first_row: dict[str, int] = {}
         for tensor in reader.tensors:
             shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists dimensions innermost first
-            parts = None if family is None else _expert_parts(tensor.name, shape, family)
+            parts = None if family is None else expert_parts(tensor.name, shape, family)
             if parts is None:
-                parts = [(hf_name(tensor.name, _BLOCK_NAMES if family is None else family.block_names()), shape, 0)]
+                parts = [(hf_name(tensor.name, BLOCK_NAMES if family is None else family.block_names()), shape, 0)]
             for name, part_shape, first_row in parts:
                 if name is None or name not in shapes:
                     raise FormatError(tensor.name, "tensor has no place in the layout of this config", self.path)
@@ -503,7 +247,7 @@ class GGUFCheckpoint(Checkpoint):
         # Filled a block of rows at a time: the dequantizers' temporaries stay those of one block.
         weight = torch.empty(shape, dtype=torch.float32)
         row = 0
-        for chunk in self.row_chunks(name, _DEQUANTIZE_CHUNK_BYTES):
+        for chunk in self.row_chunks(name, DEQUANTIZE_CHUNK_BYTES):
             weight[row : row + len(chunk)] = chunk
             row += len(chunk)
         return weight
@@ -519,7 +263,7 @@ class GGUFCheckpoint(Checkpoint):
         blocks = torch.frombuffer(data, dtype=torch.uint8).view(rows, -1)
         heads = self._rotary_heads(name)
         if heads:
-            blocks = _undo_rotary_permutation(blocks, heads).contiguous()
+            blocks = undo_rotary_permutation(blocks, heads).contiguous()
         return blocks, tensor.tensor_type.name
 
     def _rows(self, name: str, start: int, stop: int) -> torch.Tensor:
@@ -539,7 +283,7 @@ class GGUFCheckpoint(Checkpoint):
             array = gguf.quants.dequantize(
                 np.frombuffer(data, dtype=tensor.data.dtype).reshape(layout), tensor.tensor_type
             )
-        except (*_READER_ERRORS, NotImplementedError) as e:
+        except (*READER_ERRORS, NotImplementedError) as e:
             raise FormatError(
                 tensor.name, f"cannot dequantize {tensor.tensor_type.name} data ({e})", self.path
             ) from None
@@ -552,7 +296,7 @@ class GGUFCheckpoint(Checkpoint):
         weight = torch.from_numpy(array)
         heads = self._rotary_heads(name)
         if heads:  # a block holds whole heads (_row_unit), each un-permuted on its own
-            weight = _undo_rotary_permutation(weight, heads * (stop - start) // shape[0])
+            weight = undo_rotary_permutation(weight, heads * (stop - start) // shape[0])
         return weight
 
     def _row_bytes(self, name: str) -> int:

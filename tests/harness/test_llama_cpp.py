@@ -25,7 +25,8 @@ from flashllm_ext.harness.llama_cpp import (
     write_llama_gguf,
 )
 from flashllm_ext.hub.fetch import fetch_default
-from flashllm_ext.io.checkpoint import gguf_config, open_checkpoint
+from flashllm_ext.io.checkpoint import open_checkpoint
+from flashllm_ext.io.gguf_layout import gguf_config
 from tests.helpers.checkpoints import llama_cpp_permute, write_tiny_gguf
 from tests.helpers.models import tiny_model
 

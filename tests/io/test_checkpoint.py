@@ -11,15 +11,8 @@ from transformers import AutoModelForCausalLM
 
 from flashllm_ext import FormatError
 from flashllm_ext.ops.blocks import dequantize_rows
-from flashllm_ext.io.checkpoint import (
-    GGUFCheckpoint,
-    expected_shapes,
-    gguf_config,
-    gguf_name,
-    hf_name,
-    load_gguf,
-    open_checkpoint,
-)
+from flashllm_ext.io.checkpoint import GGUFCheckpoint, load_gguf, open_checkpoint
+from flashllm_ext.io.gguf_layout import expected_shapes, gguf_config, gguf_name, hf_name
 from tests.helpers.checkpoints import write_tiny_gguf
 from tests.helpers.faults import refuses_without_blocking
 from tests.helpers.models import TINY_LLAMA
