@@ -12,7 +12,8 @@ WINDOW = 512  # tokens per forward pass while calibrating and capturing
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from flashllm_ext.flash.convert import convert, describe_sources
+    from flashllm_ext.flash.convert import convert
+    from flashllm_ext.flash.quantized_rows import describe_sources
     from flashllm_ext.flash.store import FlashStore
 
     neuron_order = predictors = None
@@ -141,7 +142,7 @@ def _train_predictors(args: argparse.Namespace) -> int:
 
 
 def add_convert(sub: argparse._SubParsersAction) -> None:
-    from flashllm_ext.flash.convert import DEFAULT_DOWN_FORMAT, QUANTIZED_DTYPES
+    from flashllm_ext.flash.quantized_rows import DEFAULT_DOWN_FORMAT, QUANTIZED_DTYPES
     from flashllm_ext.flash.store import DTYPES
     from flashllm_ext.ops.blocks import BLOCK_FORMATS
     from flashllm_ext.predictor.placement import PLACEMENTS

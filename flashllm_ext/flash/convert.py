@@ -9,7 +9,8 @@ Quantized stores (dtype "q8" or "q4", QUANTIZED_DTYPES) hold GGUF's blocks (flas
 up and gate rows in the input format, the down row in `down_format`, resident tensors in fp16. A GGUF's up/gate
 tensors already in the input format are copied block for block (nothing of the file's quantization is lost); its
 down tensor's blocks run along the neuron dimension, not the hidden one, so down is dequantized and quantized again,
-as are tensors of other types (K-quants, floats). Each tensor's path is recorded (store.tensor_sources).
+as are tensors of other types (K-quants, floats). Each tensor's path is recorded (store.tensor_sources); how those
+rows are made: flashllm_ext.flash.quantized_rows.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import json
 import os
 import re
 import shutil
-from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,7 +27,7 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from flashllm_ext import endor
-from flashllm_ext.io.checkpoint import Checkpoint, GGUFCheckpoint, open_checkpoint, unsupported_model
+from flashllm_ext.io.checkpoint import Checkpoint, open_checkpoint, unsupported_model
 from flashllm_ext.errors import FormatError
 from flashllm_ext.io.paths import check_out_dir, install_dir, staging_dir
 from flashllm_ext.io.safetensors import DTYPE_SIZES, FLOAT_DTYPES, AlignedWriter, TensorSpec, dtype_name, save_tensors
@@ -47,6 +47,16 @@ from flashllm_ext.flash.store import (
     layer_tensor_name,
     neuron_order_problem,
 )
+from flashllm_ext.flash.quantized_rows import (
+    CHUNK_BYTES,
+    DEFAULT_DOWN_FORMAT,
+    QUANTIZED_DTYPES,
+    QUANTIZED_FLOAT_DTYPE,
+    input_format,
+    layer_tensor_sources,
+    quantized_bundles,
+    resident_block_formats,
+)
 from flashllm_ext.ops.blocks import BLOCK_FORMATS, BundleFormat, block_format, quantize_rows
 
 # FFN tensor names of the supported families: Llama/Mistral/SmolLM (gate/up/down) and OPT (fc1/fc2), and the experts
@@ -61,15 +71,6 @@ _ROLE = {"gate_proj": "gate", "up_proj": "up", "fc1": "up", "down_proj": "down",
 _ROLE.update({"w1": "gate", "w3": "up", "w2": "down"})  # Mixtral's expert weights
 _VERIFY_SAMPLES = 4  # neurons per layer read back after writing
 STORE_FILES = (BUNDLES_FILE, RESIDENT_FILE)  # what convert writes: --force replaces these and nothing else
-# The quantized dtypes -> the block formats their up/gate rows may take: the first, unless more of a GGUF's up/gate
-# tensors are already in another one (a Q4_1 file to q4), whose blocks are then kept bit for bit.
-QUANTIZED_DTYPES = {"q8": ("q8_0",), "q4": ("q4_0", "q4_1")}
-DEFAULT_DOWN_FORMAT = "q8_0"
-QUANTIZED_FLOAT_DTYPE = "fp16"  # a quantized store's resident tensors (and so its activations)
-_FLOAT_SOURCES = ("F16", "BF16", "F32", "F64")  # tensor types a quantized store quantizes (others it requantizes)
-# float32 bytes converted at a time: quantize_rows makes several float32 temporaries of its input (about 1.2 GB
-# for a whole 8B-model FFN matrix), and an 8B model's embedding is 2.1 GB in fp32.
-_CHUNK_BYTES = 32 << 20
 
 
 def _ffn_layout(names: list[str], model_type: object) -> tuple[dict[int, dict[str, str]], bool, int]:
@@ -192,8 +193,8 @@ def convert(
             raise ValueError(f"neuron_order: {problem or 'an MoE model keeps the rows of each expert together'}")
     bundle_format, sources = None, None
     if quantized:
-        bundle_format = BundleFormat(_input_format(ckpt, bundled, QUANTIZED_DTYPES[dtype]), down_format)
-        sources = [_tensor_sources(ckpt, parts[0], bundle_format) for parts in bundled.values()]
+        bundle_format = BundleFormat(input_format(ckpt, bundled, QUANTIZED_DTYPES[dtype]), down_format)
+        sources = [layer_tensor_sources(ckpt, parts[0], bundle_format) for parts in bundled.values()]
     metadata = _bundles_metadata(
         ckpt.config, float_dtype, ffn, hidden, glu, endor, list(layers.values()), bundle_format, sources
     )
@@ -220,7 +221,7 @@ def convert(
             name for parts in bundled.values() for roles in parts for r, name in roles.items() if r in WEIGHT_ROLES
         }
         resident_names = [n for n in ckpt.names if n not in weights]
-        blocks = _resident_block_formats(ckpt, resident_names, bundle_format) if quantized else {}
+        blocks = resident_block_formats(ckpt, resident_names, bundle_format) if quantized else {}
         reordered = (
             {}
             if neuron_order is None
@@ -243,87 +244,6 @@ def convert(
     return out_dir
 
 
-def _input_format(ckpt: Checkpoint, layers: dict[int, list[dict[str, str]]], formats: tuple[str, ...]) -> str:
-    """The one of `formats` most up/gate tensors already have (their blocks are kept), the first on a tie; layers:
-    per layer the role maps of its parts (_bundled_roles)."""
-    parts = [roles for layer in layers.values() for roles in layer]
-    types = Counter(ckpt.source_type(roles[r]) for roles in parts for r in ("up", "gate") if r in roles)
-    return max(formats, key=lambda f: (types[f.upper()], f == formats[0]))
-
-
-def _keeps_blocks(ckpt: Checkpoint, name: str, fmt: str) -> bool:
-    """Whether the rows of input tensor `name` are copied block for block: a GGUF tensor already in `fmt`."""
-    return isinstance(ckpt, GGUFCheckpoint) and ckpt.source_type(name) == fmt.upper()
-
-
-def _tensor_sources(ckpt: Checkpoint, roles: dict[str, str], bundle_format: BundleFormat) -> dict[str, str]:
-    """How each FFN weight of one layer reaches a quantized store, e.g. {"up": "kept Q4_0 blocks", "down":
-    "requantized Q4_0 -> q8_0", ...} ("quantized F16 -> q4_0" from a float tensor)."""
-    sources = {}
-    for role in WEIGHT_ROLES:
-        if role not in roles:
-            continue
-        name, kind = roles[role], ckpt.source_type(roles[role])
-        fmt = bundle_format.down_format if role == "down" else bundle_format.in_format
-        if role != "down" and _keeps_blocks(ckpt, name, fmt):
-            sources[role] = f"kept {kind} blocks"
-        else:
-            sources[role] = f"{'quantized' if kind in _FLOAT_SOURCES else 'requantized'} {kind} -> {fmt}"
-    return sources
-
-
-def describe_sources(sources: list[dict[str, str]]) -> str:
-    """One line counting a quantized store's FFN tensors per path (store.tensor_sources), the commonest first:
-    "64 kept Q4_0 blocks, 32 requantized Q4_0 -> q8_0"."""
-    counts = Counter(path for layer in sources for path in layer.values())
-    return ", ".join(f"{n} {path}" for path, n in counts.most_common())
-
-
-def _quantized_bundles(ckpt: Checkpoint, roles: dict[str, str], bundle_format: BundleFormat) -> torch.Tensor:
-    """One layer's quantized bundle rows, uint8 [n_neurons, bundle_format.row_bytes(d, glu)]: the up and gate
-    rows kept block for block where the checkpoint holds them in the input format (_keeps_blocks), else quantized
-    (round to nearest, as BundleFormat.quantize); the down row quantized along the hidden dimension."""
-    parts = []
-    for role in ("up", "gate"):
-        if role in roles:
-            name = roles[role]
-            if _keeps_blocks(ckpt, name, bundle_format.in_format):
-                parts.append(ckpt.raw_blocks(name)[0])
-            else:
-                parts.append(_quantize(ckpt[name], bundle_format.in_format))
-    parts.append(_quantize(ckpt[roles["down"]].t(), bundle_format.down_format))
-    return torch.cat(parts, dim=1)
-
-
-def _quantize(w: torch.Tensor, fmt: str) -> torch.Tensor:
-    """quantize_rows(w [R, d], fmt) a block of rows at a time, bounding its float32 temporaries (_CHUNK_BYTES)."""
-    step = max(1, _CHUNK_BYTES // (4 * w.shape[1]))
-    return torch.cat([quantize_rows(w[i : i + step], fmt) for i in range(0, w.shape[0], step)])
-
-
-# Resident weights a quantized store holds as blocks: the attention projections, the embedding and the LM head (the
-# linears the decoder multiplies by, ops.quantized_linear; an embedding dequantizes the rows it looks up).
-_BLOCK_RESIDENT = re.compile(r"(?:self_attn\.(?:q|k|v|o|out)_proj|embed_tokens|lm_head)\.weight$")
-
-
-def _resident_block_formats(
-    ckpt: Checkpoint, names: list[str], bundle_format: BundleFormat
-) -> dict[str, tuple[str, bool]]:
-    """name -> (block format, kept) of the resident weights a quantized store holds as blocks: a GGUF tensor
-    already in a block format keeps its blocks; any other is quantized, the attention to the bundles' input format
-    and the embedding and LM head (every token's logits) to q8_0."""
-    out = {}
-    for name in names:
-        if not _BLOCK_RESIDENT.search(name) or len(ckpt.shape(name)) != 2:
-            continue
-        kind = ckpt.source_type(name).lower()
-        if isinstance(ckpt, GGUFCheckpoint) and kind in BLOCK_FORMATS:
-            out[name] = (kind, True)
-        else:
-            out[name] = ("q8_0" if "self_attn" not in name else bundle_format.in_format, False)
-    return out
-
-
 def _write_resident(
     path: Path,
     ckpt: Checkpoint,
@@ -337,7 +257,7 @@ def _write_resident(
     """Write the resident tensors one block of rows at a time (a 7B model's attention is gigabytes, its embedding
     alone 1-2 GB in fp32); returns the first tensor's name and first block, for verification. Packed as the
     safetensors library packs them: widest element size first, so each tensor is aligned to its element size
-    without padding tensors. block_formats (_resident_block_formats): the weights written as uint8 rows of blocks,
+    without padding tensors. block_formats (resident_block_formats): the weights written as uint8 rows of blocks,
     listed in the `resident_formats` metadata. reordered: per-neuron tensors (an FFN's input biases) written in
     the order given, as their layer's bundle rows."""
     block_formats = block_formats or {}
@@ -359,12 +279,12 @@ def _write_resident(
             chunks = (
                 [ckpt.raw_blocks(name)[0]]
                 if kept
-                else (quantize_rows(c, fmt) for c in ckpt.row_chunks(name, _CHUNK_BYTES))
+                else (quantize_rows(c, fmt) for c in ckpt.row_chunks(name, CHUNK_BYTES))
             )
         elif reordered and name in reordered:
             chunks = [_to_store_dtype(ckpt[name][reordered[name]], dtype)]
         else:
-            chunks = (_to_store_dtype(c, dtype) for c in ckpt.row_chunks(name, _CHUNK_BYTES))
+            chunks = (_to_store_dtype(c, dtype) for c in ckpt.row_chunks(name, CHUNK_BYTES))
         for chunk in chunks:
             chunk = chunk.contiguous()
             if not samples:
@@ -488,7 +408,7 @@ def _write_bundles(
             if role in WEIGHT_ROLES and tuple(ckpt.shape(name)) != want:
                 raise FormatError(name, f"shape {tuple(ckpt.shape(name))}, expected {want} as in layer 0")
         if bundle_format is not None:
-            return _quantized_bundles(ckpt, roles, bundle_format)
+            return quantized_bundles(ckpt, roles, bundle_format)
         gate = ckpt[roles["gate"]].to(dtype) if "gate" in roles else None
         return bundle_layer(ckpt[roles["up"]].to(dtype), ckpt[roles["down"]].to(dtype), gate)
 

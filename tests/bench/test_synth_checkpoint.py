@@ -16,7 +16,8 @@ from bench.synth_checkpoint import (
     synthesize_checkpoint,
     synthesize_gguf,
 )
-from flashllm_ext.flash.convert import bundle_layer, convert, describe_sources
+from flashllm_ext.flash.convert import bundle_layer, convert
+from flashllm_ext.flash.quantized_rows import describe_sources
 from flashllm_ext.flash.store import FlashStore
 
 

@@ -10,7 +10,8 @@ import torch
 
 from flashllm_ext import FormatError, cli
 from flashllm_ext.flash import store
-from flashllm_ext.flash.convert import convert, describe_sources
+from flashllm_ext.flash.convert import convert
+from flashllm_ext.flash.quantized_rows import describe_sources
 from flashllm_ext.io.checkpoint import GGUFCheckpoint
 from flashllm_ext.ops.blocks import BLOCK, BundleFormat, quantize_rows
 from tests.helpers.checkpoints import write_tiny_gguf

@@ -1,0 +1,105 @@
+"""A quantized store's rows made from a checkpoint (flashllm_ext.flash.convert's dtypes "q8" and "q4"): which block
+format the up/gate rows take, which of a GGUF's tensors keep their blocks bit for bit, the rest quantized a chunk of
+rows at a time, and the record of each tensor's path (store.tensor_sources)."""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+
+import torch
+
+from flashllm_ext.flash.store import WEIGHT_ROLES
+from flashllm_ext.io.checkpoint import Checkpoint, GGUFCheckpoint
+from flashllm_ext.ops.blocks import BLOCK_FORMATS, BundleFormat, quantize_rows
+
+# The quantized dtypes -> the block formats their up/gate rows may take: the first, unless more of a GGUF's up/gate
+# tensors are already in another one (a Q4_1 file to q4), whose blocks are then kept bit for bit.
+QUANTIZED_DTYPES = {"q8": ("q8_0",), "q4": ("q4_0", "q4_1")}
+DEFAULT_DOWN_FORMAT = "q8_0"
+QUANTIZED_FLOAT_DTYPE = "fp16"  # a quantized store's resident tensors (and so its activations)
+FLOAT_SOURCES = ("F16", "BF16", "F32", "F64")  # tensor types a quantized store quantizes (others it requantizes)
+# float32 bytes converted at a time: quantize_rows makes several float32 temporaries of its input (about 1.2 GB
+# for a whole 8B-model FFN matrix), and an 8B model's embedding is 2.1 GB in fp32.
+CHUNK_BYTES = 32 << 20
+
+
+def input_format(ckpt: Checkpoint, layers: dict[int, list[dict[str, str]]], formats: tuple[str, ...]) -> str:
+    """The one of `formats` most up/gate tensors already have (their blocks are kept), the first on a tie; layers:
+    per layer the role maps of its parts (_bundled_roles)."""
+    parts = [roles for layer in layers.values() for roles in layer]
+    types = Counter(ckpt.source_type(roles[r]) for roles in parts for r in ("up", "gate") if r in roles)
+    return max(formats, key=lambda f: (types[f.upper()], f == formats[0]))
+
+
+def keeps_blocks(ckpt: Checkpoint, name: str, fmt: str) -> bool:
+    """Whether the rows of input tensor `name` are copied block for block: a GGUF tensor already in `fmt`."""
+    return isinstance(ckpt, GGUFCheckpoint) and ckpt.source_type(name) == fmt.upper()
+
+
+def layer_tensor_sources(ckpt: Checkpoint, roles: dict[str, str], bundle_format: BundleFormat) -> dict[str, str]:
+    """How each FFN weight of one layer reaches a quantized store, e.g. {"up": "kept Q4_0 blocks", "down":
+    "requantized Q4_0 -> q8_0", ...} ("quantized F16 -> q4_0" from a float tensor)."""
+    sources = {}
+    for role in WEIGHT_ROLES:
+        if role not in roles:
+            continue
+        name, kind = roles[role], ckpt.source_type(roles[role])
+        fmt = bundle_format.down_format if role == "down" else bundle_format.in_format
+        if role != "down" and keeps_blocks(ckpt, name, fmt):
+            sources[role] = f"kept {kind} blocks"
+        else:
+            sources[role] = f"{'quantized' if kind in FLOAT_SOURCES else 'requantized'} {kind} -> {fmt}"
+    return sources
+
+
+def describe_sources(sources: list[dict[str, str]]) -> str:
+    """One line counting a quantized store's FFN tensors per path (store.tensor_sources), the commonest first:
+    "64 kept Q4_0 blocks, 32 requantized Q4_0 -> q8_0"."""
+    counts = Counter(path for layer in sources for path in layer.values())
+    return ", ".join(f"{n} {path}" for path, n in counts.most_common())
+
+
+def quantized_bundles(ckpt: Checkpoint, roles: dict[str, str], bundle_format: BundleFormat) -> torch.Tensor:
+    """One layer's quantized bundle rows, uint8 [n_neurons, bundle_format.row_bytes(d, glu)]: the up and gate
+    rows kept block for block where the checkpoint holds them in the input format (keeps_blocks), else quantized
+    (round to nearest, as BundleFormat.quantize); the down row quantized along the hidden dimension."""
+    parts = []
+    for role in ("up", "gate"):
+        if role in roles:
+            name = roles[role]
+            if keeps_blocks(ckpt, name, bundle_format.in_format):
+                parts.append(ckpt.raw_blocks(name)[0])
+            else:
+                parts.append(quantize_in_chunks(ckpt[name], bundle_format.in_format))
+    parts.append(quantize_in_chunks(ckpt[roles["down"]].t(), bundle_format.down_format))
+    return torch.cat(parts, dim=1)
+
+
+def quantize_in_chunks(w: torch.Tensor, fmt: str) -> torch.Tensor:
+    """quantize_rows(w [R, d], fmt) a block of rows at a time, bounding its float32 temporaries (CHUNK_BYTES)."""
+    step = max(1, CHUNK_BYTES // (4 * w.shape[1]))
+    return torch.cat([quantize_rows(w[i : i + step], fmt) for i in range(0, w.shape[0], step)])
+
+
+# Resident weights a quantized store holds as blocks: the attention projections, the embedding and the LM head (the
+# linears the decoder multiplies by, ops.quantized_linear; an embedding dequantizes the rows it looks up).
+BLOCK_RESIDENT = re.compile(r"(?:self_attn\.(?:q|k|v|o|out)_proj|embed_tokens|lm_head)\.weight$")
+
+
+def resident_block_formats(
+    ckpt: Checkpoint, names: list[str], bundle_format: BundleFormat
+) -> dict[str, tuple[str, bool]]:
+    """name -> (block format, kept) of the resident weights a quantized store holds as blocks: a GGUF tensor
+    already in a block format keeps its blocks; any other is quantized, the attention to the bundles' input format
+    and the embedding and LM head (every token's logits) to q8_0."""
+    out = {}
+    for name in names:
+        if not BLOCK_RESIDENT.search(name) or len(ckpt.shape(name)) != 2:
+            continue
+        kind = ckpt.source_type(name).lower()
+        if isinstance(ckpt, GGUFCheckpoint) and kind in BLOCK_FORMATS:
+            out[name] = (kind, True)
+        else:
+            out[name] = ("q8_0" if "self_attn" not in name else bundle_format.in_format, False)
+    return out
