@@ -42,6 +42,7 @@ from flashllm_ext.flash.store import FlashStore
 from flashllm_ext.runtime import cuda_device
 from flashllm_ext.hub.hf import assign_resident, empty_model
 from flashllm_ext.runtime import deprecated_alias, parse_budget, tensor_bytes
+from flashllm_ext.flash.expert_blocks import install_experts
 from flashllm_ext.flash.stack import MODES, FlashRuntime, ffn_stack, refuse_experts, store_ffn_bytes
 
 
@@ -182,6 +183,7 @@ def patch_flash(
     the device of the model's parameters. Returns the runtime; `model.flash.stats()` reports the costs;
     `runtime.unpatch(model)` restores the model. lookahead, cache_layout: as in load_flash."""
     store = store if isinstance(store, FlashStore) else FlashStore(store)
+    refuse_experts(store)
     if getattr(model, "flash", None) is not None:
         raise ValueError("this model is already patched: unpatch it first")
     predictors = predictors_for_mode(store, predictors, mode)
@@ -215,6 +217,7 @@ def load_flash(
     reader_options: dict | None = None,
     lookahead: str | None = None,
     cache_layout: str = "auto",
+    expert_policy: str = "lru",
 ) -> nn.Module:
     """A Hugging Face causal LM built from a flash store, its FFNs served by `mode` within `dram_budget` (bytes,
     "50%" of the model, or "200MB"; None: no limit). Only resident tensors are materialised (in `dtype`, default
@@ -234,11 +237,18 @@ def load_flash(
     (per-layer caches that pin the neurons the predictors' calibration found most often active, the split chosen by
     flashllm_ext.flash.hot_cold), or "auto": shared when a per-layer cache would hold less than the predictors'
     loaded density of a layer's neurons, and no look-ahead is asked for; `model.flash.stats()["cache_layout"]`
-    says which (and "hot_fraction" how much is pinned)."""
+    says which (and "hot_fraction" how much is pinned).
+
+    A mixture-of-experts store runs in dense, naive or flash mode with its experts in per-layer caches by
+    `expert_policy` (flashllm_ext.flash.experts; no predictors: each block's own router names its experts), on the
+    CPU and without look-ahead (the lean decoder, load_decoder, reads the next layer's experts ahead)."""
     device = cuda_device(device)
     store = FlashStore(store_dir)
-    refuse_experts(store)
     dtype = dtype or store.dtype
+    if store.experts is not None:
+        return _load_experts(
+            store, dram_budget, mode, window, dtype, threads, device, reader_options, lookahead, expert_policy
+        )
     model = empty_model(store.config, dtype, store.path)
     predictors = predictors_for_mode(store, predictors, mode)
     assign_resident(model, store, dtype)
@@ -267,6 +277,47 @@ def load_flash(
         raise ValueError(f"{store.path}: the store has no tensor for {leftover[:3]} ({len(leftover)} in all)")
     use_half_linears(model)  # the resident half-precision linears through flashllm::half_linear on the CPU
     return model.to(device).eval()
+
+
+def _load_experts(
+    store: FlashStore,
+    dram_budget: int | float | str | None,
+    mode: str,
+    window: int,
+    dtype: torch.dtype,
+    threads: int,
+    device: torch.device,
+    reader_options: dict | None,
+    lookahead: str | None,
+    expert_policy: str,
+) -> nn.Module:
+    """load_flash of a mixture-of-experts store: the model's resident tensors, its blocks' experts from the store."""
+    if device.type != "cpu" or lookahead is not None:
+        store.close()
+        raise ValueError(
+            f"{store.path}: a mixture-of-experts store runs on the CPU without look-ahead in load_flash "
+            "(load_decoder reads the next layer's experts ahead)"
+        )
+    model = empty_model(store.config, dtype, store.path)
+    assign_resident(model, store, dtype)
+    resident = tensor_bytes([p for p in model.parameters() if p.device.type != "meta"] + list(model.buffers()))
+    budget = None if dram_budget is None else parse_budget(dram_budget, resident + store_ffn_bytes(store))
+    install_experts(
+        model,
+        store,
+        mode,
+        budget,
+        resident_bytes=resident,
+        policy=expert_policy,
+        window=window,
+        threads=threads,
+        reader_options=reader_options,
+    )
+    leftover = [name for name, p in model.named_parameters() if p.device.type == "meta"]
+    if leftover:
+        raise ValueError(f"{store.path}: the store has no tensor for {leftover[:3]} ({len(leftover)} in all)")
+    use_half_linears(model)
+    return model.eval()
 
 
 def _assign_dense_ffn(model: nn.Module, store: FlashStore, dtype: torch.dtype) -> None:

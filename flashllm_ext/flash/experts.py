@@ -178,12 +178,23 @@ class ExpertFFN:
         return self.cache.nbytes
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        stats, cache = self.stats, self.cache
         if self.pending:
             self._land()
         start = time.perf_counter()
         experts, weights = self.route(x)
-        routed = time.perf_counter()
+        self.stats.predictor_s += time.perf_counter() - start
+        out = self.routed(x, experts, weights)
+        if self.shared is not None:
+            start = time.perf_counter()
+            out += self.shared(x)
+            self.stats.compute_s += time.perf_counter() - start
+        return out
+
+    def routed(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """sum over k of weights[t, k] * expert experts[t, k] (x[t]): x [T, d] float32, experts int64 and weights
+        float32 [T, top_k] (a router's answer) -> float32 [T, d]; the experts not held are read first."""
+        stats, cache = self.stats, self.cache
+        start = time.perf_counter()
         needed = experts.unique().tolist()
         if self.naive:
             cache.forget()
@@ -194,8 +205,7 @@ class ExpertFFN:
             self.guess = None
         cache.touch(needed)
         hits, misses = cache.lookup(needed)
-        stats.predictor_s += routed - start
-        stats.mem_s += time.perf_counter() - routed
+        stats.mem_s += time.perf_counter() - start
         out = torch.zeros(x.shape, dtype=torch.float32)
         xs = x.to(self.store.dtype)
         self._compute(xs, experts, weights, hits, out)
@@ -205,10 +215,6 @@ class ExpertFFN:
             stats.mem_s += time.perf_counter() - start
             self._read(pairs)
             self._compute(xs, experts, weights, pairs, out)
-        if self.shared is not None:
-            start = time.perf_counter()
-            out += self.shared(x)
-            stats.compute_s += time.perf_counter() - start
         stats.tokens += x.shape[0]
         stats.steps += 1
         stats.needed += len(needed) * self.size

@@ -30,11 +30,11 @@ CACHE_LAYOUTS = ("auto", "per-layer", "shared", "hot-cold")
 
 
 def refuse_experts(store: FlashStore) -> None:
-    """ValueError for a mixture-of-experts store: its experts run on the lean decoder, not the neuron engine."""
+    """ValueError for a mixture-of-experts store: its experts run in expert caches, not in the neuron engine."""
     if store.experts is not None:
         raise ValueError(
-            f"{store.path} is a mixture-of-experts store: its experts run on the lean decoder "
-            "(flashllm_ext.load_decoder, `flashllm run`), not through the neuron engine"
+            f"{store.path} is a mixture-of-experts store: its experts run through load_flash or the lean decoder "
+            "(flashllm_ext.load_decoder, `flashllm run`), not through the neuron engine's FFNs"
         )
 
 

@@ -131,6 +131,10 @@ def empty_model(config: dict, dtype: torch.dtype, source: str | os.PathLike) -> 
         return AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
 
 
+# Module paths of checkpoints older than the modules transformers 5 builds -> its own (Mixtral's MoE block)
+NAME_ALIASES = ((".block_sparse_moe.", ".mlp."),)
+
+
 def assign_resident(model: nn.Module, store, dtype: torch.dtype) -> None:
     """Load the store's resident tensors into the (meta) model under their names; tie the LM head if the
     checkpoint shares it with the embedding. `store`: anything with `path`, `resident_names()` and
@@ -139,8 +143,9 @@ def assign_resident(model: nn.Module, store, dtype: torch.dtype) -> None:
     for name in store.resident_names():
         if name.startswith("predictor."):
             continue
-        target = name if name in params else f"model.{name}"
-        if target not in params:
+        aliases = [name] + [name.replace(old, new) for old, new in NAME_ALIASES if old in name]
+        target = next((t for a in aliases for t in (a, f"model.{a}") if t in params), None)
+        if target is None:
             raise ValueError(f"{store.path}: resident tensor {name!r} has no place in {type(model).__name__}")
         module_name, _, attr = target.rpartition(".")
         module = model.get_submodule(module_name)

@@ -6,6 +6,7 @@ model), budgets charged and refused below one expert a layer, and stores that li
 import json
 import re
 import shutil
+from functools import partial
 
 import pytest
 import torch
@@ -48,20 +49,22 @@ def _prompt(n: int = 7) -> torch.Tensor:
     return torch.randint(3, 120, (n,), generator=torch.Generator().manual_seed(2))
 
 
-def _minimum_budget(path, mode: str) -> int:
-    """The least budget `mode` takes on the store at `path`, as its refusal of a 1000-byte budget names it."""
+def _minimum_budget(path, mode: str, load=None) -> int:
+    """The least budget `mode` takes on the store at `path` (in load_decoder, or in `load(path, budget, mode=)`),
+    as its refusal of a 1000-byte budget names it."""
+    load = load or partial(load_decoder, max_len=64, kv_dtype=torch.float32)
     with pytest.raises(ValueError, match="below the minimum") as info:
-        load_decoder(path, 1000, mode=mode, max_len=64, kv_dtype=torch.float32)
+        load(path, 1000, mode=mode)
     return int(re.search(r"minimum of (\d+)", str(info.value)).group(1))
 
 
-def _budget(path, mode: str, slots: int | None) -> int | None:
+def _budget(path, mode: str, slots: int | None, load=None) -> int | None:
     """A budget of `slots` experts a layer (one more expert's bytes would add a slot to every layer)."""
     if slots is None:
         return None
     store = FlashStore(path)
     expert_bytes = store.experts.size * store.row_bytes
-    return _minimum_budget(path, mode) + (slots - 1) * store.n_layers * expert_bytes + 64
+    return _minimum_budget(path, mode, load) + (slots - 1) * store.n_layers * expert_bytes + 64
 
 
 @torch.no_grad()
@@ -153,10 +156,45 @@ def test_what_an_moe_store_does_not_run_is_refused(moe_models, kwargs, match):
         load_decoder(path, None, max_len=64, **kwargs)
 
 
-def test_the_transformers_engine_refuses_an_moe_store(moe_models):
-    _, path = moe_models["mixtral"]
-    with pytest.raises(ValueError, match="mixture-of-experts store"):
-        flashllm_ext.load_flash(path, mode="naive", dram_budget=None)
+# each family in one mode: the experts' modes and policies are the lean decoder's tests' (the same ExpertFFN)
+@pytest.mark.parametrize(
+    "family,mode,policy,slots",
+    [
+        ("mixtral", "dense", "lru", None),
+        ("qwen2_moe", "naive", "lru", 2),
+        ("qwen3_moe", "flash", "lfu", 3),
+        ("olmoe", "flash", "lru", 1),
+    ],
+)
+def test_load_flash_serves_an_moe_store_as_transformers_computes_it(moe_models, family, mode, policy, slots):
+    """The transformers model load_flash builds keeps each block's router and shared expert; its experts come from
+    the store's caches within the budget, so generate() gives transformers' own tokens."""
+    model, path = moe_models[family]
+    prompt = _prompt()
+    want_tokens, want_logits = _transformers_run(model, prompt)
+    budget = _budget(path, mode, slots, load=partial(flashllm_ext.load_flash, expert_policy=policy))
+    served = flashllm_ext.load_flash(path, budget, mode=mode, expert_policy=policy)
+    try:
+        tokens, logits = _transformers_run(served, prompt)
+        stats = served.flash.stats()
+    finally:
+        served.flash.close()
+    assert tokens == want_tokens
+    torch.testing.assert_close(logits, want_logits, rtol=1e-4, atol=1e-4)
+    if budget is not None:
+        assert stats["accounted_bytes"] <= budget
+    assert stats["hit_rate"] == {"dense": 1.0, "naive": 0.0}.get(mode, stats["hit_rate"])
+    assert 0 < stats["experts_needed_per_layer"]
+
+
+def test_what_load_flash_does_not_run_on_an_moe_store_is_refused(moe_models):
+    model, path = moe_models["mixtral"]
+    with pytest.raises(ValueError, match="without look-ahead"):
+        flashllm_ext.load_flash(path, None, mode="flash", lookahead="ahead")
+    with pytest.raises(ValueError, match="expert policy"):
+        flashllm_ext.load_flash(path, None, mode="flash", expert_policy="fifo")
+    with pytest.raises(ValueError, match="mixture-of-experts store"):  # the neuron engine's FFNs cannot serve it
+        flashllm_ext.patch_flash(model, path, mode="naive")
 
 
 def test_the_store_holds_each_expert_as_one_contiguous_range(moe_models):
