@@ -432,32 +432,40 @@ def synthesize_gguf(
 
 
 # model_type -> llama.cpp's architecture of the MoE checkpoints write_moe_gguf writes
-MOE_GGUF_ARCHITECTURES = {"olmoe": "olmoe", "qwen3_moe": "qwen3moe", "mixtral": "llama"}
+MOE_GGUF_ARCHITECTURES = {"olmoe": "olmoe", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "mixtral": "llama"}
 # model_type -> (its experts' module, their gate / up / down weight names)
 _MOE_EXPERTS = {
     "olmoe": ("mlp.experts", ("gate_proj", "up_proj", "down_proj")),
+    "qwen2_moe": ("mlp.experts", ("gate_proj", "up_proj", "down_proj")),
     "qwen3_moe": ("mlp.experts", ("gate_proj", "up_proj", "down_proj")),
     "mixtral": ("block_sparse_moe.experts", ("w1", "w3", "w2")),
 }
 # Hugging Face name within a decoder layer -> llama.cpp's, for the tensors of an MoE layer that are not experts
 _MOE_LAYER_NAMES = {
-    "input_layernorm.weight": "attn_norm",
-    "self_attn.q_proj.weight": "attn_q",
-    "self_attn.k_proj.weight": "attn_k",
-    "self_attn.v_proj.weight": "attn_v",
-    "self_attn.o_proj.weight": "attn_output",
-    "self_attn.q_norm.weight": "attn_q_norm",
-    "self_attn.k_norm.weight": "attn_k_norm",
-    "post_attention_layernorm.weight": "ffn_norm",
-    "mlp.gate.weight": "ffn_gate_inp",
-    "block_sparse_moe.gate.weight": "ffn_gate_inp",  # Mixtral's router
+    "input_layernorm.weight": "attn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",  # Qwen2-MoE's
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "mlp.gate.weight": "ffn_gate_inp.weight",
+    "block_sparse_moe.gate.weight": "ffn_gate_inp.weight",  # Mixtral's router
+    "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",  # Qwen2-MoE's shared expert
+    "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
+    "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
+    "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
 }
 
 
 def write_moe_gguf(
     checkpoint_dir: str | os.PathLike, dst: str | os.PathLike, expert_type: str | None = None, progress: bool = True
 ) -> Path:
-    """An F16 GGUF at `dst` of an OLMoE, Qwen3-MoE or Mixtral checkpoint (synthesize_checkpoint's, or save_pretrained's),
+    """An F16 GGUF at `dst` of an OLMoE, Qwen2-MoE, Qwen3-MoE or Mixtral checkpoint (synthesize_checkpoint's, or save_pretrained's),
     laid out as llama.cpp's converter writes those models: each layer's experts stacked into ffn_gate_exps /
     ffn_up_exps [E, m, d] and ffn_down_exps [E, d, m], the router ffn_gate_inp, norms and the router float32, q and k
     as they are for OLMoE and Qwen3-MoE (llama.cpp rotates them NeoX-style, as transformers does) and in llama.cpp's
@@ -493,8 +501,8 @@ def write_moe_gguf(
         for suffix, target in _MOE_LAYER_NAMES.items():
             name = f"model.layers.{i}.{suffix}"
             if name in ckpt.names:
-                f32 = len(ckpt.shape(name)) == 1 or target == "ffn_gate_inp"
-                plan.append((f"blk.{i}.{target}.weight", ckpt.shape(name), f32, name))
+                f32 = len(ckpt.shape(name)) == 1 or target == "ffn_gate_inp.weight"
+                plan.append((f"blk.{i}.{target}", ckpt.shape(name), f32, name))
         module, weights = _MOE_EXPERTS[config["model_type"]]
         for role, weight in zip(("gate", "up", "down"), weights):
             names = [f"model.layers.{i}.{module}.{e}.{weight}.weight" for e in range(n_experts)]
@@ -514,6 +522,8 @@ def write_moe_gguf(
         writer.add_expert_feed_forward_length(size)
         writer.add_expert_count(n_experts)
         writer.add_expert_used_count(int(config["num_experts_per_tok"]))
+        if config.get("shared_expert_intermediate_size"):
+            writer.add_expert_shared_feed_forward_length(int(config["shared_expert_intermediate_size"]))
         writer.add_head_count(heads)
         writer.add_head_count_kv(kv_heads)
         writer.add_key_length(head_dim)

@@ -1,5 +1,5 @@
 """Checkpoints read one tensor at a time: Hugging Face safetensors directories (sharded or not) and GGUF files (Llama,
-and the mixture-of-experts Mixtral, OLMoE and Qwen3-MoE).
+and the mixture-of-experts Mixtral, OLMoE, Qwen2-MoE and Qwen3-MoE).
 
 `open_checkpoint(path)` gives a Checkpoint: a Hugging Face style `config`, the tensor `names`, each tensor's `shape`
 from the header, and `ckpt[name]` that reads (GGUF: dequantizes) that one tensor only, so converting a 7B model
@@ -9,9 +9,9 @@ as the file stores them (a quantized type's blocks), for stores that keep them b
 
 GGUF tensors equal what `transformers` loads from the same file: both dequantize with `gguf.quants.dequantize`,
 and llama.cpp's rotary permutation of a Llama's (and Mixtral's) Q/K rows is undone here as transformers undoes it
-(OLMoE and Qwen3-MoE rotate NeoX-style in both, unpermuted). An MoE GGUF's fused expert tensors (`blk.{i}.ffn_gate_exps` [E, m, d], ...)
-read as each expert's own Hugging Face tensor (`model.layers.{i}.mlp.experts.{e}.gate_proj.weight` [m, d]): a range
-of the fused tensor's rows. The names and metadata are mapped in flashllm_ext.io.gguf_layout.
+(OLMoE and the Qwen MoEs rotate NeoX-style in both, unpermuted). An MoE GGUF's fused expert tensors
+(`blk.{i}.ffn_gate_exps` [E, m, d], ...) read as each expert's own Hugging Face tensor
+(`model.layers.{i}.mlp.experts.{e}.gate_proj.weight` [m, d]): a range of the fused tensor's rows. The names and metadata are mapped in flashllm_ext.io.gguf_layout.
 """
 
 from __future__ import annotations
@@ -197,7 +197,7 @@ class SafetensorsCheckpoint(Checkpoint):
 
 
 class GGUFCheckpoint(Checkpoint):
-    """A Llama, Mixtral, OLMoE or Qwen3-MoE GGUF file under Hugging Face names. Opening validates the header
+    """A Llama, Mixtral, OLMoE, Qwen2-MoE or Qwen3-MoE GGUF file under Hugging Face names. Opening validates the header
     (architecture, every tensor's name and shape, none missing); `ckpt[name]` dequantizes that one tensor to fp32
     (Q/K rows un-permuted). Tensor data is read with pread into memory of its own, never through the reader's map of
     the file: pages of a mapped file that were read stay in the process (resident, counted by a memory cgroup) until

@@ -1,5 +1,5 @@
 """What a GGUF file's names and metadata mean in Hugging Face terms: the reader opened with clear errors, the config
-from its key-values (Llama, and the mixture-of-experts Mixtral, OLMoE and Qwen3-MoE), every tensor's expected shape,
+from its key-values (Llama, and the mixture-of-experts Mixtral, OLMoE, Qwen2-MoE and Qwen3-MoE), every tensor's expected shape,
 tensor names both ways (a fused expert tensor as each expert's rows), and llama.cpp's rotary row order of Q/K.
 flashllm_ext.io.checkpoint's GGUFCheckpoint reads the tensors by these names."""
 
@@ -17,7 +17,7 @@ from flashllm_ext.errors import FormatError
 from flashllm_ext.io.paths import regular_file
 
 GGUF_MAGIC = b"GGUF"
-SUPPORTED_ARCHITECTURES = ("llama", "olmoe", "qwen3moe")  # llama with experts: Mixtral
+SUPPORTED_ARCHITECTURES = ("llama", "olmoe", "qwen2moe", "qwen3moe")  # llama with experts: Mixtral
 # GGUF name inside a block -> Hugging Face name inside `model.layers.{i}`.
 BLOCK_NAMES = {
     "attn_q": "self_attn.q_proj",
@@ -36,18 +36,34 @@ ATTENTION_NAMES = {k: v for k, v in BLOCK_NAMES.items() if not k.startswith(("ff
 @dataclass(frozen=True)
 class MoEFamily:
     """How an MoE family's layer is named and built: its Hugging Face class, router and experts' module, the roles
-    of llama.cpp's fused expert tensors, and its q/k norms ("whole": one over all heads, "head": per head, None)."""
+    of llama.cpp's fused expert tensors, its q/k norms ("whole": one over all heads, "head": per head, None), and
+    Qwen2-MoE's q/k/v biases and shared expert."""
 
     architecture: str
     router: str
     experts: str
     roles: dict[str, str]
     qk_norm: str | None
+    shared_expert: bool = False  # (with the q/k/v biases of its Qwen2 attention)
 
     def block_names(self) -> dict[str, str]:
         """GGUF name inside a block -> Hugging Face name inside `model.layers.{i}`, fused experts aside."""
         norms = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"} if self.qk_norm else {}
-        return {**ATTENTION_NAMES, **norms, "ffn_gate_inp": self.router}
+        return {
+            **ATTENTION_NAMES,
+            **norms,
+            "ffn_gate_inp": self.router,
+            **(SHARED_EXPERT if self.shared_expert else {}),
+        }
+
+
+# Qwen2-MoE's shared expert: llama.cpp's names -> transformers'
+SHARED_EXPERT = {
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+}
 
 
 GATE_UP_DOWN = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
@@ -55,6 +71,7 @@ GATE_UP_DOWN = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_dow
 MOE_FAMILIES = {
     "olmoe": MoEFamily("OlmoeForCausalLM", "mlp.gate", "mlp.experts", GATE_UP_DOWN, "whole"),
     "qwen3_moe": MoEFamily("Qwen3MoeForCausalLM", "mlp.gate", "mlp.experts", GATE_UP_DOWN, "head"),
+    "qwen2_moe": MoEFamily("Qwen2MoeForCausalLM", "mlp.gate", "mlp.experts", GATE_UP_DOWN, None, shared_expert=True),
     "mixtral": MoEFamily(
         "MixtralForCausalLM",
         "block_sparse_moe.gate",
@@ -63,7 +80,7 @@ MOE_FAMILIES = {
         None,
     ),
 }
-MOE_ARCHITECTURES = {"olmoe": "olmoe", "qwen3moe": "qwen3_moe"}
+MOE_ARCHITECTURES = {"olmoe": "olmoe", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
 TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 GGUF_BLOCK_NAMES = {hf: name for name, hf in BLOCK_NAMES.items()}
 GGUF_TOP_NAMES = {hf: name for name, hf in TOP_NAMES.items()}
@@ -161,7 +178,7 @@ def config_from_reader(reader, path: str) -> dict[str, Any]:
 def _moe_config(reader, arch: str, model_type: str, path: str, intermediate_size: int) -> dict[str, Any]:
     """The Hugging Face config fields of an MoE GGUF: experts, experts a token, their size, whether the chosen
     experts' weights are renormalised (the file's expert_weights_norm, else what llama.cpp does for the family:
-    Qwen3-MoE yes, OLMoE no; Mixtral always)."""
+    Qwen3-MoE yes, OLMoE and Qwen2-MoE no; Mixtral always), Qwen2-MoE's shared expert's size."""
     size = _size(reader, f"{arch}.expert_feed_forward_length", path, default=intermediate_size)
     norm = _field(reader, f"{arch}.expert_weights_norm", path, default=model_type == "qwen3_moe")
     fields = {
@@ -171,9 +188,12 @@ def _moe_config(reader, arch: str, model_type: str, path: str, intermediate_size
         "num_experts_per_tok": _size(reader, f"{arch}.expert_used_count", path),
         "norm_topk_prob": bool(norm),
     }
-    # OLMoE's and Mixtral's experts are intermediate_size wide; Qwen3-MoE's moe_intermediate_size
-    # (intermediate_size: its dense layers', none here)
-    fields["moe_intermediate_size" if model_type == "qwen3_moe" else "intermediate_size"] = size
+    # OLMoE's and Mixtral's experts are intermediate_size wide; Qwen's moe_intermediate_size (intermediate_size:
+    # their dense layers', none here)
+    fields["moe_intermediate_size" if model_type.startswith("qwen") else "intermediate_size"] = size
+    if MOE_FAMILIES[model_type].shared_expert:
+        key = f"{arch}.expert_shared_feed_forward_length"
+        fields["shared_expert_intermediate_size"] = _size(reader, key, path)
     return fields
 
 
@@ -200,8 +220,11 @@ def expected_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
         "post_attention_layernorm": (hidden,),
     }
     per_layer.update(_moe_layer_shapes(config, q_rows, kv_rows) if config.get("num_experts") else _ffn_shapes(config))
+    family = MOE_FAMILIES.get(config["model_type"])
+    biases = {"q_proj": q_rows, "k_proj": kv_rows, "v_proj": kv_rows} if family and family.shared_expert else {}
     for i in range(config["num_hidden_layers"]):
         shapes.update({f"model.layers.{i}.{name}.weight": shape for name, shape in per_layer.items()})
+        shapes.update({f"model.layers.{i}.self_attn.{name}.bias": (rows,) for name, rows in biases.items()})
     return shapes
 
 
@@ -220,6 +243,12 @@ def _moe_layer_shapes(config: dict[str, Any], q_rows: int, kv_rows: int) -> dict
         whole = family.qk_norm == "whole"
         shapes["self_attn.q_norm"] = (q_rows,) if whole else (head_dim,)
         shapes["self_attn.k_norm"] = (kv_rows,) if whole else (head_dim,)
+    if family.shared_expert:
+        shared = config["shared_expert_intermediate_size"]
+        shapes["mlp.shared_expert_gate"] = (1, hidden)
+        shapes["mlp.shared_expert.gate_proj"] = (shared, hidden)
+        shapes["mlp.shared_expert.up_proj"] = (shared, hidden)
+        shapes["mlp.shared_expert.down_proj"] = (hidden, shared)
     gate, up, down = family.roles.values()
     for e in range(experts):
         shapes[f"{family.experts}.{e}.{gate}"] = (size, hidden)

@@ -302,7 +302,7 @@ def test_quantized_and_endor_expert_stores_serve_every_mode_alike(moe_models, tm
         torch.testing.assert_close(logits["dense"][0], want, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("family", ["mixtral", "olmoe", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["mixtral", "olmoe", "qwen2_moe", "qwen3_moe"])
 @pytest.mark.parametrize("expert_type", [None, "q4_0"])
 def test_an_moe_gguf_converts_to_the_experts_it_holds(tmp_path, family, expert_type):
     """A GGUF of llama.cpp's MoE layout (fused ffn_*_exps tensors; F16, or Q4_0 experts; Mixtral's a "llama" file with
@@ -312,7 +312,7 @@ def test_an_moe_gguf_converts_to_the_experts_it_holds(tmp_path, family, expert_t
 
     from bench.synth_checkpoint import write_moe_gguf
 
-    size = "moe_intermediate_size" if family == "qwen3_moe" else "intermediate_size"
+    size = "moe_intermediate_size" if family.startswith("qwen") else "intermediate_size"
     model = tiny_model(family, seed=6, **{size: 64})  # experts' rows of whole 32-weight blocks
     model.save_pretrained(tmp_path / "ckpt")
     path = write_moe_gguf(tmp_path / "ckpt", tmp_path / "moe.gguf", expert_type=expert_type, progress=False)
