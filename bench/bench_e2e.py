@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> None:
     emit(medians, args.json, COLUMNS)
     if not args.no_plot:
         RESULTS.mkdir(exist_ok=True)
-        plot_breakdown(medians, RESULTS / "e2e_breakdown.png")
+        plot_breakdown(medians, RESULTS / "bench_e2e.png")
 
 
 def run_modes(args) -> list[dict]:

@@ -304,7 +304,7 @@ def main(argv: list[str] | None = None) -> None:
         RESULTS.mkdir(exist_ok=True)
         for model in dict.fromkeys(r["model"] for r in medians):
             plot_breakdown(
-                [r for r in medians if r["model"] == model], RESULTS / f"e2e_scale_{model.split()[0]}_breakdown.png"
+                [r for r in medians if r["model"] == model], RESULTS / f"bench_e2e_scale_{model.split()[0]}.png"
             )
 
 

@@ -21,7 +21,8 @@ text), whole layers' masks side by side cut to 16384 neurons (bench/traces.py) s
 OPT-6.7B-shaped layer (synthetic random weights in a flash store on disk, read with O_DIRECT). Per window
 k = 1..8: neurons inserted and evicted per token, memory-management time (planning + swap-delete + bookkeeping,
 StepStats.mem_s), I/O time, and the sparse_ffn compute time on the cache after each step. Plots: Figure 4a
-(aggregated neuron usage vs tokens) and per-token load vs window, in bench/results/.
+(aggregated neuron usage vs tokens) and per-token load vs window, bench/results/bench_ffn_neuron_usage.png and
+bench_ffn_load_vs_window.png.
 
     python -m bench.bench_ffn [--json] [--rounds N] [--only ffn|qffn|cache] [--quick] [--dtype fp16|bf16|fp32]
 """
@@ -353,7 +354,7 @@ def plot_cache(trace: torch.Tensor, loads: dict[int, list[int]], info: dict) -> 
     )
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(RESULTS / "ffn_fig4a_neuron_usage.png", dpi=120)
+    fig.savefig(RESULTS / "bench_ffn_neuron_usage.png", dpi=120)
     fig, ax = plt.subplots(figsize=(5, 3.5))
     windows = sorted(loads)
     ax.plot(windows, [statistics.mean(loads[k][1:]) for k in windows], marker="o")
@@ -362,7 +363,7 @@ def plot_cache(trace: torch.Tensor, loads: dict[int, list[int]], info: dict) -> 
     ax.set_title("per-token load vs window (OPT-6.7B-shaped layer)")
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(RESULTS / "ffn_load_vs_window.png", dpi=120)
+    fig.savefig(RESULTS / "bench_ffn_load_vs_window.png", dpi=120)
 
 
 def main() -> None:

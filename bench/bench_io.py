@@ -2,7 +2,8 @@
 
 fig2b   random-read throughput vs read size and threads: FlashReader (O_DIRECT, no coalescing) paired with fio
         (randread, same block size, numjobs = threads, direct=1) on the same test file, interleaved, alternating
-        which goes first; medians of the repeats, ratio = median of the paired ratios. Plot: bench/results/fig2b.png.
+        which goes first; medians of the repeats, ratio = median of the paired ratios. Plot:
+        bench/results/bench_io_fig2b.png.
 table2  Flash-to-DRAM bytes / reads / I/O ms per token of each configuration of the paper's Table 2 (naive, then
         predictor-driven, + window, + bundling, + 32 threads, + coalescing, each step driven once by the default
         model's trained predictors' sets and once by the true sets, "oracle") on a flash store (--store: the default
@@ -184,7 +185,7 @@ def plot_fig2b(rows: list[dict]) -> None:
     ax.legend(fontsize=7)
     RESULTS.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
-    fig.savefig(RESULTS / "fig2b.png", dpi=120)
+    fig.savefig(RESULTS / "bench_io_fig2b.png", dpi=120)
 
 
 # ----------------------------------------------------------------------------------------------- table2

@@ -554,7 +554,7 @@ def plot(rows: list[dict], scaling: list[dict], tag: str = "") -> None:
         ax.set_ylabel("tokens/s vs baseline")
         ax.set_title(f"INF² ablation ({rows[0]['workers']} devices, context {rows[0]['context']})")
         fig.tight_layout()
-        fig.savefig(RESULTS / f"kv_ablation{tag}.png", dpi=120)
+        fig.savefig(RESULTS / f"bench_kv_ablation{tag}.png", dpi=120)
     if scaling:
         fig, ax = plt.subplots(figsize=(6, 3.5))
         for config in sorted({r["config"] for r in scaling}):
@@ -565,7 +565,7 @@ def plot(rows: list[dict], scaling: list[dict], tag: str = "") -> None:
         ax.set_ylabel("tokens/s")
         ax.legend()
         fig.tight_layout()
-        fig.savefig(RESULTS / f"kv_scaling{tag}.png", dpi=120)
+        fig.savefig(RESULTS / f"bench_kv_scaling{tag}.png", dpi=120)
 
 
 def main() -> None:
@@ -621,7 +621,7 @@ def main() -> None:
     parser.add_argument(
         "--results-tag",
         default=None,
-        help="also write every row to bench/results/kv<TAG>.jsonl; the plots get the suffix too",
+        help="also write every row to bench/results/bench_kv<TAG>.jsonl; the plots get the suffix too",
     )
     parser.add_argument(
         "--x-alpha",
@@ -662,7 +662,7 @@ def main() -> None:
     results = None
     if args.results_tag is not None:
         RESULTS.mkdir(exist_ok=True)
-        results = RESULTS / f"kv{args.results_tag}.jsonl"
+        results = RESULTS / f"bench_kv{args.results_tag}.jsonl"
         results.write_text("")
 
     def report(rows: list[dict]) -> list[dict]:

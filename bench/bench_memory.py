@@ -20,7 +20,8 @@ Rows (bench:"memory", one per system, level and round; bench:"memory_median" the
   peak_mb           the cgroup's peak (page cache counted)
   vs_llama_cpp      ms_per_token / the faster llama.cpp row's at the same level (medians)
   agree             leading greedy tokens equal to llama.cpp's (no repack) of the same round, as a share
-Figure (not with --smoke or --no-plot): bench/results/memory_sweep.png (--scale: memory_sweep_<name>.png), ms/token
+Figure (not with --smoke or --no-plot): bench/results/bench_memory_smollm2_<format>.png (--scale:
+bench_memory_<name>_<format>.png), ms/token
 against limit_mb.
 
     python -m bench.bench_memory [--json] [--memory 30%,50%,75%,100%,150%] [--modes naive,hybrid,flash]
@@ -299,7 +300,7 @@ def main(argv: list[str] | None = None) -> None:
     emit(medians, args.json, COLUMNS)
     if not args.no_plot and medians:
         RESULTS.mkdir(exist_ok=True)
-        figure = RESULTS / f"memory_sweep{'_' + args.scale if args.scale else ''}.png"
+        figure = RESULTS / f"bench_memory_{args.scale or 'smollm2'}_{args.format}.png"
         plot(medians, failed, figure)
         print(f"figure: {figure}", file=sys.stderr)
 

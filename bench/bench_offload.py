@@ -366,7 +366,7 @@ def main(argv: list[str] | None = None) -> None:
         "interleaved (default: the library's, 1 on cuda and 2 on cpu)",
     )
     parser.add_argument("--no-plot", action="store_true", help="no figure")
-    parser.add_argument("--figure", help="the figure's path (default bench/results/offload[_scale][_cuda].png)")
+    parser.add_argument("--figure", help="the figure's path (default bench/results/bench_offload[_scale][_cuda].png)")
     parser.set_defaults(rounds=3)
     args = parser.parse_args(argv)
     if args.child:
@@ -498,7 +498,9 @@ def main(argv: list[str] | None = None) -> None:
         args.json,
     )
     if not args.no_plot:
-        path = Path(args.figure or RESULTS / f"offload{'_scale' if args.scale else ''}{'_cuda' if cuda else ''}.png")
+        path = Path(
+            args.figure or RESULTS / f"bench_offload{'_scale' if args.scale else ''}{'_cuda' if cuda else ''}.png"
+        )
         plot_offload(medians, path)
         print(f"figure: {path}", file=sys.stderr)
 

@@ -19,7 +19,7 @@
    --decode-tokens held-out tokens one at a time: bytes read per token after the first `window` tokens, predictor
    and FFN compute ms per token, the decoded tokens' perplexity against dense decoding (with --lookahead: also with
    the engine's look-ahead). A method whose predictors leave no room in the budget gets an error row saying so.
-4. Figure: perplexity vs loaded density per method with the oracle frontier, bench/results/predictor_methods.png
+4. Figure: perplexity vs loaded density per method with the oracle frontier, bench/results/bench_predictor.png
    for a run of the default --methods and --densities (and for --plot), else only to --figure PATH.
 
     python -m bench.bench_predictor [--json] [--methods quant,teal,lowrank-reg,lowrank,oracle] [--densities ...]
@@ -58,7 +58,7 @@ from flashllm_ext.predictor import (
 
 WINDOW = 512
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-DEFAULT_FIGURE = os.path.join(RESULTS, "predictor_methods.png")
+DEFAULT_FIGURE = os.path.join(RESULTS, "bench_predictor.png")
 
 
 def threshold_sweep(model, calibration, heldout, targets, n_windows, as_json) -> None:
