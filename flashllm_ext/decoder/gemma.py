@@ -23,9 +23,9 @@ from flashllm_ext.decoder.config import DecoderConfig, rope_inverse_frequencies
 from flashllm_ext.decoder.kv_cache import StaticKVCache
 from flashllm_ext.decoder.layers import (
     ResidentWeights,
+    attention_projections,
     Rotary,
     attend,
-    cat_rows,
     embedding_rows,
     linear,
     move_tensors,
@@ -46,12 +46,7 @@ class GemmaLayer:
 
     def __init__(self, config: DecoderConfig, weights: ResidentWeights, index: int, local_rotary: Rotary | None):
         prefix, attn = f"layers.{index}.", f"layers.{index}.self_attn."
-        self.qkv = cat_rows([weights.require(f"{attn}{name}_proj.weight") for name in "qkv"])
-        self.qkv_bias = (
-            torch.cat([weights.require(f"{attn}{name}_proj.bias") for name in "qkv"]) if config.qkv_bias else None
-        )
-        self.o = weights.require(f"{attn}o_proj.weight")
-        self.o_bias = weights.require(f"{attn}o_proj.bias") if config.o_bias else None
+        self.qkv, self.qkv_bias, self.o, self.o_bias = attention_projections(config, weights, attn)
         norms = (
             "input_layernorm",
             "post_attention_layernorm",

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from flashllm_ext import ops
+from flashllm_ext.decoder.config import DecoderConfig
 from flashllm_ext.flash.ffn import store_activation
 from flashllm_ext.flash.reader import FlashReader
 from flashllm_ext.flash.store import BIAS_ROLES, FlashStore
@@ -39,6 +40,17 @@ def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) ->
 def embedding_rows(embedding: Weight, ids: torch.Tensor) -> torch.Tensor:
     """Rows `ids` [T] of an embedding [vocab, d] as float32 [T, d] (blocks: only those rows dequantized)."""
     return embedding.rows(ids) if isinstance(embedding, QuantizedWeight) else embedding[ids].float()
+
+
+def attention_projections(
+    config: DecoderConfig, weights: ResidentWeights, prefix: str
+) -> tuple[Weight, torch.Tensor | None, Weight, torch.Tensor | None]:
+    """(qkv, its bias, o, its bias) of the attention at `prefix` ("layers.{i}.self_attn."): q, k and v one fused
+    matrix (one read of the three); the biases where the config has them, else None."""
+    qkv = cat_rows([weights.require(f"{prefix}{name}_proj.weight") for name in "qkv"])
+    qkv_bias = torch.cat([weights.require(f"{prefix}{name}_proj.bias") for name in "qkv"]) if config.qkv_bias else None
+    o_bias = weights.require(f"{prefix}o_proj.bias") if config.o_bias else None
+    return qkv, qkv_bias, weights.require(f"{prefix}o_proj.weight"), o_bias
 
 
 def cat_rows(weights: list[Weight]) -> Weight:

@@ -20,9 +20,9 @@ from flashllm_ext.decoder.kv_cache import StaticKVCache
 from flashllm_ext.decoder.moe import Router, SharedExpert
 from flashllm_ext.decoder.layers import (
     ResidentWeights,
+    attention_projections,
     Rotary,
     attend,
-    cat_rows,
     embedding_rows,
     linear,
     move_tensors,
@@ -38,12 +38,7 @@ class LlamaLayer:
 
     def __init__(self, config: DecoderConfig, weights: ResidentWeights, index: int):
         attn = f"layers.{index}.self_attn."
-        self.qkv = cat_rows([weights.require(f"{attn}{name}_proj.weight") for name in "qkv"])
-        self.qkv_bias = (
-            torch.cat([weights.require(f"{attn}{name}_proj.bias") for name in "qkv"]) if config.qkv_bias else None
-        )
-        self.o = weights.require(f"{attn}o_proj.weight")
-        self.o_bias = weights.require(f"{attn}o_proj.bias") if config.o_bias else None
+        self.qkv, self.qkv_bias, self.o, self.o_bias = attention_projections(config, weights, attn)
         self.attention_norm = weights.require(f"layers.{index}.input_layernorm.weight", torch.float32)
         self.ffn_norm = weights.require(f"layers.{index}.post_attention_layernorm.weight", torch.float32)
         self.q_norm = self.k_norm = None

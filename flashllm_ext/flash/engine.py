@@ -40,7 +40,7 @@ from flashllm_ext.hub.hf import ffn_norm
 from flashllm_ext.flash.reader import FlashReader
 from flashllm_ext.flash.store import FlashStore
 from flashllm_ext.runtime import cuda_device
-from flashllm_ext.hub.hf import assign_resident, empty_model
+from flashllm_ext.hub.hf import assign_resident, empty_model, refuse_missing_tensors
 from flashllm_ext.runtime import deprecated_alias, parse_budget, tensor_bytes
 from flashllm_ext.flash.expert_blocks import install_experts
 from flashllm_ext.flash.stack import MODES, FlashRuntime, ffn_stack, refuse_experts, store_ffn_bytes
@@ -272,9 +272,7 @@ def load_flash(
             cache_layout=cache_layout,
         )
         store.close_resident()  # the FFNs read their biases from it
-    leftover = [name for name, p in model.named_parameters() if p.device.type == "meta"]
-    if leftover:
-        raise ValueError(f"{store.path}: the store has no tensor for {leftover[:3]} ({len(leftover)} in all)")
+    refuse_missing_tensors(model, store)
     use_half_linears(model)  # the resident half-precision linears through flashllm::half_linear on the CPU
     return model.to(device).eval()
 
@@ -313,9 +311,7 @@ def _load_experts(
         threads=threads,
         reader_options=reader_options,
     )
-    leftover = [name for name, p in model.named_parameters() if p.device.type == "meta"]
-    if leftover:
-        raise ValueError(f"{store.path}: the store has no tensor for {leftover[:3]} ({len(leftover)} in all)")
+    refuse_missing_tensors(model, store)
     use_half_linears(model)
     return model.eval()
 

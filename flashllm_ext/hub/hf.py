@@ -131,6 +131,13 @@ def empty_model(config: dict, dtype: torch.dtype, source: str | os.PathLike) -> 
         return AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
 
 
+def refuse_missing_tensors(model: nn.Module, store) -> None:
+    """ValueError naming the parameters still on the meta device after the store's tensors were assigned."""
+    leftover = [name for name, p in model.named_parameters() if p.device.type == "meta"]
+    if leftover:
+        raise ValueError(f"{store.path}: the store has no tensor for {leftover[:3]} ({len(leftover)} in all)")
+
+
 # Module paths of checkpoints older than the modules transformers 5 builds -> its own (Mixtral's MoE block)
 NAME_ALIASES = ((".block_sparse_moe.", ".mlp."),)
 

@@ -11,7 +11,7 @@ from tqdm.auto import tqdm
 
 from flashllm_ext import endor
 from flashllm_ext.runtime import tensor_bytes, parse_budget
-from flashllm_ext.hub.hf import assign_resident, empty_model
+from flashllm_ext.hub.hf import assign_resident, empty_model, refuse_missing_tensors
 from flashllm_ext.hub.hf import decoder_layers
 from flashllm_ext.flash.reader import FlashReader, host_bounce_bytes, select_read_path
 from flashllm_ext.io.safetensors import drop_page_cache
@@ -249,9 +249,7 @@ def load_offload(
         slots=slots,
         progress=progress,
     )
-    leftover = [name for name, p in model.named_parameters() if p.device.type == "meta"]
-    if leftover:
-        raise ValueError(f"{store.path}: the store has no tensor for {leftover[:3]} ({len(leftover)} in all)")
+    refuse_missing_tensors(model, store)
     return model.to(device).eval()
 
 
