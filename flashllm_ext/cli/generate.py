@@ -138,6 +138,7 @@ def _run_transformers(args: argparse.Namespace) -> int:
         window=args.window,
         device=device,
         lookahead=args.lookahead,
+        expert_policy=args.expert_policy,
     )
     return _generate(args, model, model.flash.stats if model.flash is not None else None)
 

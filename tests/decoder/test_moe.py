@@ -277,6 +277,9 @@ def test_flashllm_run_serves_an_moe_store(default_model, tmp_path, capsys):
     assert cli.main([*argv, "--expert-policy", "lfu"]) == 0
     out = capsys.readouterr().out
     assert "4 tokens in" in out and "experts_read_per_layer" in out
+    assert cli.main([*argv, "--expert-policy", "window", "--hf"]) == 0  # through transformers (load_flash)
+    out = capsys.readouterr().out
+    assert "4 tokens in" in out and "expert_policy window" in out
 
 
 @pytest.mark.parametrize("fmt", [dict(dtype="q4"), dict(dtype="fp32", endor=True)])
