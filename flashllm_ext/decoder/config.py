@@ -105,6 +105,10 @@ class DecoderConfig:
         if rope_type not in ROPE_TYPES:
             raise ValueError(f"{source}: rope_scaling type {rope_type!r} is not supported (one of {ROPE_TYPES})")
         gemma = family == "gemma"
+        try:
+            hidden_act = config_activation(config)
+        except ValueError as e:
+            raise ValueError(f"{source}: {e}") from None
         if config.get("partial_rotary_factor", 1.0) != 1.0:
             raise ValueError(f"{source}: partial_rotary_factor {config['partial_rotary_factor']} is not supported")
         if config.get("clip_qkv") is not None:
@@ -134,7 +138,7 @@ class DecoderConfig:
             # Mixtral always renormalises; the others as their config says
             norm_top_k=model_type == "mixtral" or bool(config.get("norm_topk_prob", False)),
             shared_expert=bool(config.get("shared_expert_intermediate_size")),
-            hidden_act=config_activation(config),
+            hidden_act=hidden_act,
             attention_scale=float(config["query_pre_attn_scalar"]) ** -0.5 if gemma else None,
             attention_softcap=config.get("attn_logit_softcapping") if gemma else None,
             logit_softcap=config.get("final_logit_softcapping") if gemma else None,

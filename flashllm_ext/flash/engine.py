@@ -296,22 +296,26 @@ def _load_experts(
             f"{store.path}: a mixture-of-experts store runs on the CPU without look-ahead in load_flash "
             "(load_decoder reads the next layer's experts ahead)"
         )
-    model = empty_model(store.config, dtype, store.path)
-    assign_resident(model, store, dtype)
-    resident = tensor_bytes([p for p in model.parameters() if p.device.type != "meta"] + list(model.buffers()))
-    budget = None if dram_budget is None else parse_budget(dram_budget, resident + store_ffn_bytes(store))
-    install_experts(
-        model,
-        store,
-        mode,
-        budget,
-        resident_bytes=resident,
-        policy=expert_policy,
-        window=window,
-        threads=threads,
-        reader_options=reader_options,
-    )
-    refuse_missing_tensors(model, store)
+    try:
+        model = empty_model(store.config, dtype, store.path)
+        assign_resident(model, store, dtype)
+        resident = tensor_bytes([p for p in model.parameters() if p.device.type != "meta"] + list(model.buffers()))
+        budget = None if dram_budget is None else parse_budget(dram_budget, resident + store_ffn_bytes(store))
+        install_experts(
+            model,
+            store,
+            mode,
+            budget,
+            resident_bytes=resident,
+            policy=expert_policy,
+            window=window,
+            threads=threads,
+            reader_options=reader_options,
+        )
+        refuse_missing_tensors(model, store)
+    except BaseException:
+        store.close()
+        raise
     use_half_linears(model)
     return model.eval()
 

@@ -44,6 +44,8 @@ def expert_blocks(model: nn.Module) -> list[nn.Module]:
         block = next((getattr(layer, a) for a in BLOCK_ATTRIBUTES if hasattr(getattr(layer, a, None), "experts")), None)
         if block is None:
             raise ValueError(f"{type(model).__name__} layer {i} has no mixture-of-experts block")
+        if isinstance(block.experts, nn.ModuleList):  # transformers 4's experts, called one at a time
+            raise ValueError(f"{type(model).__name__}: serving its experts from a store needs transformers >= 5")
         blocks.append(block)
     return blocks
 

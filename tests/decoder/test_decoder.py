@@ -215,6 +215,8 @@ def test_a_family_the_decoder_does_not_run_is_refused_by_name():
     }
     with pytest.raises(ValueError, match="'yarn'"):
         DecoderConfig.from_config(llama, "store")
+    with pytest.raises(ValueError, match="store: activation 'gelu_fast' is not supported"):
+        DecoderConfig.from_config({**llama, "rope_scaling": None, "hidden_act": "gelu_fast"}, "store")
 
 
 def test_gemma_configs_before_layer_types_and_per_type_rope():

@@ -187,6 +187,19 @@ def test_load_flash_serves_an_moe_store_as_transformers_computes_it(moe_models, 
     assert 0 < stats["experts_needed_per_layer"]
 
 
+def test_experts_called_one_at_a_time_are_refused():
+    """transformers 4 kept an MoE block's experts as a ModuleList, called per expert: not the call StoreExperts
+    answers."""
+    from torch import nn
+
+    from flashllm_ext.flash.expert_blocks import expert_blocks
+
+    model = tiny_model("olmoe")
+    model.model.layers[0].mlp.experts = nn.ModuleList()
+    with pytest.raises(ValueError, match="transformers >= 5"):
+        expert_blocks(model)
+
+
 def test_what_load_flash_does_not_run_on_an_moe_store_is_refused(moe_models):
     model, path = moe_models["mixtral"]
     with pytest.raises(ValueError, match="without look-ahead"):
