@@ -580,7 +580,7 @@ def test_fisher_costs_are_the_squared_first_order_loss_changes(llama, built, cal
 
 
 def test_cli_builds_gptq_quant_with_fisher_allocation_into_a_store(tmp_path, monkeypatch, capsys):
-    import flashllm_ext.io.checkpoint
+    import flashllm_ext.io.gguf_layout
     import flashllm_ext.hub
     from flashllm_ext import cli
 
@@ -588,7 +588,7 @@ def test_cli_builds_gptq_quant_with_fisher_allocation_into_a_store(tmp_path, mon
     monkeypatch.setattr(flashllm_ext.hub, "load_hf_model", lambda path: (model, None))
     monkeypatch.setattr(flashllm_ext.hub, "corpus_token_ids", lambda tokenizer, split: _ids(2048, 0))
     # Never read: the model comes from the patched loader, and the header check before any work is patched too.
-    monkeypatch.setattr(flashllm_ext.io.checkpoint, "gguf_config", lambda path: {})
+    monkeypatch.setattr(flashllm_ext.io.gguf_layout, "gguf_config", lambda path: {})
     checkpoint = tmp_path / "tiny.gguf"
     checkpoint.write_bytes(b"GGUF")
     store_dir = synthesize(tmp_path / "store", n_layers=3, hidden_size=64, n_neurons=96, glu=True)
