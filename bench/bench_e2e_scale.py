@@ -12,12 +12,15 @@ them). --full adds whole-model rows (load_flash at --budget, a prompt of --promp
 --full-tokens greedy tokens) and the accelerate peer on the same checkpoint; --full-only runs those alone;
 --lookahead ahead,prefetch adds each whole-model flash row with those look-ahead modes, and each --flash-options JSON
 a flash row with those keyword arguments (load_flash's in a whole-model row, ffn_stack's in an FFN-stack row: e.g.
-cache_layout, window). The configurations run round-robin for --rounds rounds; the summary
+cache_layout, window); --placement frequency each FFN-stack flash row of a trained predictor (and its
+--flash-options rows) also on a copy of the store placed by the predictors' tiled frequencies (converted once; rows
+say `placement`). The configurations run round-robin for --rounds rounds; the summary
 rows (bench:"e2e_median") are per-configuration medians. --smoke: the checkpoints at their smoke shapes.
 
     python -m bench.bench_e2e_scale [--json] [--budget 50%] [--tokens 32] [--rounds 3] [--device cpu|cuda]
         [--full | --full-only] [--scale-models opt-6.7b,llama-2-7b] [--scale-layers N] [--points a,b]
         [--scale-predictors lowrank,quant,quant:4/2] [--lookahead ahead,prefetch] [--flash-options '{"window": 20}']
+        [--placement frequency]
 """
 
 from __future__ import annotations
@@ -120,6 +123,25 @@ def scale_store(name: str, layers: int | None = None, smoke: bool = False) -> Pa
     return converted_once(checkpoint, checkpoint.with_name(checkpoint.name.removesuffix("-hf") + "-store"))
 
 
+def placed_scale_store(store: Path, predictors: str) -> Path:
+    """The checkpoint of the scale `store` converted (once) with each layer's neurons by descending calibration
+    frequency of `predictors` (the default model's, tiled as their sets are): the frequency placement of
+    flashllm_ext.predictor.placement at these shapes."""
+    import torch
+
+    from bench.e2e_replay import scale_frequency
+    from flashllm_ext.flash.store import FlashStore
+    from flashllm_ext.predictor.placement import frequency_order
+
+    with FlashStore(store) as opened:
+        frequency = scale_frequency({"predictors": predictors}, opened.n_layers, opened.n_neurons)
+    stem = store.name.removesuffix("-store")
+    order = torch.stack([frequency_order(layer) for layer in frequency])
+    return converted_once(
+        store.with_name(f"{stem}-hf"), store.with_name(f"{stem}-placed-frequency-store"), neuron_order=order
+    )
+
+
 def run_scale(args) -> list[dict]:
     """The scale rows: per model of --scale-models, its synthesized checkpoint converted to a store. FFN-stack rows:
     the FFNs decoded within the FFN's share of --budget (of the whole model's weight bytes, the resident tensors
@@ -197,7 +219,11 @@ def run_scale(args) -> list[dict]:
                 }
                 configs.append(stack)
                 if mode == "flash":
-                    configs += [{**stack, "options": json.loads(options)} for options in args.flash_options]
+                    variants = [{**stack, "options": json.loads(options)} for options in args.flash_options]
+                    if args.placement and method:
+                        placed = str(placed_scale_store(store, common["predictors"]))
+                        variants += [{**c, "store": placed, "placement": args.placement} for c in [stack, *variants]]
+                    configs += variants
             if args.full or args.full_only:
                 configs.append(whole)
                 if mode == "flash":
@@ -229,6 +255,7 @@ def run_scale(args) -> list[dict]:
             "recall": config.get("recall"),
             "lookahead": config.get("lookahead"),
             "options": json.dumps(config["options"]) if "options" in config else None,
+            "placement": config.get("placement"),
             "round": round_index,
             "budget_spec": args.budget,
             "model_budget_mb": config["model_budget_mb"],
@@ -279,6 +306,12 @@ def main(argv: list[str] | None = None) -> None:
         metavar="JSON",
         help="a flash row also with these keyword arguments (load_flash's / ffn_stack's), e.g. "
         '\'{"window": 20}\' or \'{"cache_layout": "hot-cold"}\' (repeatable)',
+    )
+    parser.add_argument(
+        "--placement",
+        choices=["frequency"],
+        help="each FFN-stack flash row with predictors also on a copy of the store placed by their (tiled) "
+        "calibration frequencies, converted once",
     )
     parser.add_argument(
         "--lookahead",

@@ -63,7 +63,17 @@ COLUMNS = [
     "error",
 ]
 # What tells one configuration's rows from another's: the summary rows are medians over each one's rounds.
-CONFIG_FIELDS = ("model", "mode", "operating_point", "predictor", "lookahead", "options", "budget_spec", "store_format")
+CONFIG_FIELDS = (
+    "model",
+    "mode",
+    "operating_point",
+    "predictor",
+    "lookahead",
+    "options",
+    "placement",
+    "budget_spec",
+    "store_format",
+)
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 TARGET_SPARSITY = 0.6  # the default-model predictors' operating point (trained once into the cached store):
 # the rule's threshold alone costs ~+5% held-out perplexity there (BENCHMARKS.md)
@@ -95,17 +105,26 @@ def prompt_ids(n_prompt: int, vocab_size: int, synthesized: bool = False) -> tup
 # ------------------------------------------------------------------------------------------------- the stores
 
 
-def converted_once(checkpoint: Path, store: Path, dtype: str = "fp16") -> Path:
-    """`store`, converted from `checkpoint` (flashllm convert, `dtype`) unless it opens already: the benchmarks'
-    stores of synthesized checkpoints are written once and reused (again when one is missing or in an older format)."""
+def converted_once(
+    checkpoint: Path, store: Path, dtype: str = "fp16", neuron_order: torch.Tensor | None = None
+) -> Path:
+    """`store`, converted from `checkpoint` (flashllm convert, `dtype`, placed by `neuron_order` [L, n] when given)
+    unless it opens already, placed that way: the benchmarks' stores of synthesized checkpoints are written once and
+    reused (again when one is missing, in an older format or placed otherwise)."""
     from flashllm_ext.flash.convert import convert
     from flashllm_ext.flash.store import FlashStore
 
     try:
-        FlashStore(store).close()
+        with FlashStore(store) as opened:
+            placed = opened.neuron_order
+        ready = (placed is None) == (neuron_order is None) and (
+            placed is None or torch.equal(placed, neuron_order.to(placed.dtype))
+        )
     except (OSError, FormatError):
+        ready = False
+    if not ready:
         print(f"converting {checkpoint} to {store} (once)", file=sys.stderr)
-        convert(checkpoint, store, dtype=dtype, force=True)
+        convert(checkpoint, store, dtype=dtype, force=True, neuron_order=neuron_order)
     return store
 
 

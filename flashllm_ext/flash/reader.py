@@ -253,6 +253,15 @@ class FlashReader:
         file order, before widening to the direct-I/O alignment; nothing is read (what a placement saves, counted)."""
         return self._native_reader().plan_reads(base, row_bytes, n_rows, None, ids)
 
+    def plan_layer(self, layer: int, ids: torch.Tensor) -> torch.Tensor:
+        """int64 [n_reads, 2]: the coalesced reads read(layer, ids) would issue for distinct sorted rows `ids` [k]
+        (an Endor store's: of its compressed rows); nothing is read."""
+        if self.store.endor:
+            loc = self.store.endor_location(layer)
+            return self._native_reader().plan_reads(loc.offset, self.store.row_bytes, 0, loc.starts, ids)
+        loc = self.store.layer_location(layer)
+        return self.plan_rows(loc.offset, loc.row_bytes, loc.n_neurons, ids)
+
     def _native_reader(self):
         if self._native is None:
             raise ValueError(f"{self!r} is closed")

@@ -189,7 +189,7 @@ def _make_modules(
             )
         elif per_layer is not None and per_layer < fixed + per_row:
             raise too_small(n_layers * (fixed + per_row))
-        hot = _hot_sets(store, predictors if flash else None, per_layer, fixed, per_row, window, layout)
+        hot = _hot_sets(store, predictors if flash else None, per_layer, fixed, per_row, window, layout, reader)
         # (a predictor may choose its sets ahead its own way: bench_e2e_scale's replayed sets)
         ahead = getattr(predictors, "predict_ahead", None) if flash else None
         modules = [
@@ -237,10 +237,18 @@ def _make_modules(
 
 
 def _hot_sets(
-    store: FlashStore, predictors, per_layer: int | None, fixed: int, per_row: int, window: int, layout: str
+    store: FlashStore,
+    predictors,
+    per_layer: int | None,
+    fixed: int,
+    per_row: int,
+    window: int,
+    layout: str,
+    reader: FlashReader,
 ) -> list[torch.Tensor | None]:
     """Per layer, the neurons its cache pins (the hot-cold layout; None: none), by the predictors' calibration
-    frequencies (exact mode, no predictors: every neuron is always active, so the first ones)."""
+    frequencies (exact mode, no predictors: every neuron is always active, so the first ones), the split costed
+    with `reader`'s coalescing plan."""
     n_layers, n = store.n_layers, store.n_neurons
     if layout != "hot-cold":
         return [None] * n_layers
@@ -253,7 +261,13 @@ def _hot_sets(
             "carry: build them again (flashllm train-predictors)"
         )
     frequency, rows = frequency.float().cpu(), min(n, (per_layer - fixed) // per_row)
-    return [hot_ids(frequency[i], hot_count(frequency[i], rows, store.row_bytes, window)) for i in range(n_layers)]
+    return [
+        hot_ids(
+            frequency[i],
+            hot_count(frequency[i], rows, store.row_bytes, window, partial(reader.plan_layer, i), reader.threads),
+        )
+        for i in range(n_layers)
+    ]
 
 
 def _cache_layout(cache_layout: str, store: FlashStore, predictors, transfer: Transfer, ffn_budget: int | None) -> str:

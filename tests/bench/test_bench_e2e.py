@@ -218,3 +218,32 @@ def test_decode_warms_up_untimed_and_counts_the_timed_tokens():
         assert len(times) == 3 and reset_at == [1 + 2] and len(forwards) == 1 + 2 + 3  # prefill, warm-up, timed
         want = model.generate(prompt, max_new_tokens=6, do_sample=False)[0, 3:].tolist()
     assert tokens == want and "proc_read_mb_per_token" in storage
+
+
+def test_placed_scale_store_orders_each_layer_by_the_tiled_frequencies(tmp_path):
+    """--placement frequency: the scale checkpoint converted once more, each layer's rows by descending frequency of
+    the (small model's) predictors tiled onto its layers as their sets are; converted once, then reused."""
+    from bench.bench_e2e_scale import placed_scale_store
+    from bench.e2e_replay import scale_frequency
+    from flashllm_ext.flash.store import FlashStore
+    from flashllm_ext.predictor import QuantPredictor, save_predictors
+
+    small = tiny_model(
+        "llama", hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_key_value_heads=4, vocab_size=64
+    )
+    tiny_model("opt", seed=None, hidden_size=64, ffn_dim=256, vocab_size=64).save_pretrained(tmp_path / "tiny-hf")
+    plain = Path(convert(tmp_path / "tiny-hf", tmp_path / "tiny-store", dtype="fp16", progress=False))
+    predictors = QuantPredictor.from_model(small, gate_bits=4, up_bits=4)
+    predictors.frequency.copy_(torch.rand(predictors.frequency.shape, generator=torch.Generator().manual_seed(0)))
+    save_predictors(predictors, tmp_path / "predictors.safetensors")
+    placed = placed_scale_store(plain, str(tmp_path / "predictors.safetensors"))
+    assert placed == tmp_path / "tiny-placed-frequency-store"
+    frequency = scale_frequency({"predictors": str(tmp_path / "predictors.safetensors")}, 2, 256)
+    with FlashStore(placed) as store:
+        assert store.neuron_order is not None
+        for layer in range(2):
+            in_rows = frequency[layer][store.neuron_order[layer]]
+            assert bool((in_rows[1:] <= in_rows[:-1]).all())
+    written = (placed / "bundles.safetensors").stat().st_mtime_ns
+    assert placed_scale_store(plain, str(tmp_path / "predictors.safetensors")) == placed
+    assert (placed / "bundles.safetensors").stat().st_mtime_ns == written  # reused, not converted again

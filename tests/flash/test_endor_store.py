@@ -108,14 +108,12 @@ def test_endor_rows_move_about_half_the_bytes(pruned):
 
 def _planned_runs(r: FlashReader, fs: store.FlashStore, layer: int, ids: torch.Tensor) -> tuple[list, int]:
     """The neuron runs [first, end) of the reads the reader plans for `ids`, and their bytes (before alignment)."""
-    unique = torch.unique(ids)
+    plan = r.plan_layer(layer, torch.unique(ids))
     if fs.endor:
         loc = fs.endor_location(layer)
-        plan = r._native_reader().plan_reads(loc.offset, fs.row_bytes, 0, loc.starts, unique)
         bounds = torch.searchsorted(loc.starts, torch.stack([plan[:, 0], plan.sum(1)], 1) - loc.offset)
     else:
         loc = fs.layer_location(layer)
-        plan = r._native_reader().plan_reads(loc.offset, loc.row_bytes, loc.n_neurons, None, unique)
         bounds = torch.stack([plan[:, 0], plan.sum(1)], 1).sub(loc.offset).div(loc.row_bytes, rounding_mode="floor")
     return bounds.tolist(), int(plan[:, 1].sum())
 

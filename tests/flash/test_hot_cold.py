@@ -38,6 +38,29 @@ def test_nothing_active_pins_nothing_and_bad_rows_are_refused():
         hot_count(torch.ones(64), 0, ROW, window=5)
 
 
+def test_the_reads_costed_are_the_plans():
+    """Equal frequencies (ties pin the lower ids first) and a plan under which a read of any of the first 100 rows
+    costs a gigabyte and every other read nothing: only pinning all of them avoids the cost, so the split does;
+    under a plan of free reads nothing is worth pinning."""
+    frequency = torch.full((1000,), 0.5)
+
+    def first_rows_cost(ids: torch.Tensor) -> torch.Tensor:
+        costly = ids[ids < 100]
+        return torch.stack([costly * ROW, torch.full_like(costly, 1 << 30)], dim=1)
+
+    calls = []
+
+    def recorded(ids: torch.Tensor) -> torch.Tensor:
+        calls.append(ids)
+        return first_rows_cost(ids)
+
+    count = hot_count(frequency, 800, ROW, window=5, plan=recorded)
+    assert count >= 100
+    assert hot_count(frequency, 800, ROW, window=5, plan=lambda ids: torch.zeros(0, 2, dtype=torch.int64)) == 0
+    assert all(bool((ids[1:] > ids[:-1]).all()) for ids in calls)  # distinct rows, sorted, as the reader takes them
+    assert hot_count(frequency, 800, ROW, window=5, plan=first_rows_cost) == count  # the same draws every call
+
+
 def test_hot_ids_are_the_most_frequent_ties_by_lower_id():
     frequency = torch.tensor([0.1, 0.9, 0.5, 0.9, 0.5, 0.0])
     assert hot_ids(frequency, 3).tolist() == [1, 2, 3]
