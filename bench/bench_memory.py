@@ -11,6 +11,10 @@ engine refuses the budget, or the cgroup OOM-kills it) is a row with `error`, dr
 4.5 GB) and its q4 store (converted once); the lean decoder's flash rows there are flash-oracle: the default model's
 true sets at the SwiGLU-real operating point (threshold sparsity TARGET_SPARSITY) tiled onto the large layers and
 replayed (bench/e2e_replay.py), with no predictor to pay for: an upper bound of flash at these shapes.
+--scale llama-2-7b: the synthesized Llama-2-7B checkpoint bench_e2e_scale decodes (13.5 GB, written once), its fp16
+store and an F16 GGUF of the same weights with a placeholder vocabulary (llama.cpp's peer, written once); with
+--modes ...,flash the flash row replays the sets the default model's predictors choose (SwiGLU-real, the default
+recipe), tiled, and pays for a predictor of their method at these shapes (memory and scoring), as bench_e2e_scale's.
 
 Rows (bench:"memory", one per system, level and round; bench:"memory_median" the medians over --rounds, round-robin):
   system, mode      lean naive | hybrid | flash, or llama.cpp mmap (repack on or off)
@@ -26,7 +30,7 @@ against limit_mb.
 
     python -m bench.bench_memory [--json] [--memory 30%,50%,75%,100%,150%] [--modes naive,hybrid,flash]
                                  [--format q4] [--tokens 16] [--rounds 3] [--no-llama-cpp] [--smoke]
-                                 [--scale llama-3-8b]
+                                 [--scale llama-3-8b | llama-2-7b]
 """
 
 from __future__ import annotations
@@ -63,18 +67,18 @@ def run_child(config: dict) -> dict:
 
     from flashllm_ext.decoder import load_decoder
 
-    replay = config["mode"] == "flash-oracle"
+    # at scale the flash rows replay the default model's tiled sets: the true ones (flash-oracle), or its predictors'
+    # with a predictor of their method at these shapes to pay for (flash with config["predictors"])
+    replay = config["mode"] == "flash-oracle" or bool(config.get("predictors"))
     if replay:
-        from bench.e2e_replay import ReplayedSets, scale_masks
+        from bench.e2e_replay import replayed_predictors
         from flashllm_ext.flash.store import FlashStore
     if config.get("probe"):
         return {}
     prompt, tokens, at, predictors = config["prompt"], config["tokens"], [0], None
     if replay:  # the sets of the token at position at[0] and after: the prompt's at 0, then one per decode step
         with FlashStore(config["store"]) as store:
-            sets = {"mode": "flash-oracle", "sparsity": config["sparsity"]}
-            masks = scale_masks(sets, len(prompt) + tokens + 1, store.n_layers, store.n_neurons, ahead=False)
-            predictors = ReplayedSets(masks, at, store.hidden_size)
+            predictors = replayed_predictors(config, store, at, len(prompt))
     decoder = load_decoder(
         config["store"],
         config["budget_bytes"],
@@ -179,6 +183,18 @@ def model_files(args) -> tuple[Path, Path, list[str]]:
     from bench.e2e_common import converted_once
     from bench.synth_checkpoint import shared_gguf
 
+    if args.scale == "llama-2-7b":  # the checkpoint bench_e2e_scale decodes, its fp16 store and an F16 GGUF of it
+        from bench.bench_e2e_scale import scale_store
+        from bench.synth_checkpoint import placeholder_tokenizer_gguf, shared_checkpoint
+        from flashllm_ext.flash.store import FlashStore
+        from flashllm_ext.harness.llama_cpp import write_llama_gguf
+
+        store = scale_store(args.scale)
+        with FlashStore(store) as opened:
+            tokenizer = placeholder_tokenizer_gguf(int(opened.config["vocab_size"]))
+        checkpoint = shared_checkpoint(args.scale)
+        gguf = write_llama_gguf(checkpoint, checkpoint.with_name(f"{args.scale}.F16.gguf"), tokenizer)
+        return gguf, store, [f"synthesized weights with {args.scale} shapes (fp16 store, F16 GGUF)"]
     gguf = shared_gguf(args.scale, "q4_0")
     store = converted_once(gguf, gguf.with_name(f"{args.scale}-{args.format}-store"), args.format)
     return gguf, store, [f"synthesized weights with {args.scale} shapes (Q4_0)"]
@@ -193,8 +209,14 @@ def main(argv: list[str] | None = None) -> None:
         default=None,
         help="the lean decoder's modes (default naive,hybrid,flash; with --scale naive,hybrid,flash-oracle)",
     )
-    parser.add_argument("--format", default="q4", choices=["fp16", "q8", "q4"], help="the store's format")
-    parser.add_argument("--scale", choices=["llama-3-8b"], help="a synthesized Q4_0 GGUF of these shapes instead")
+    parser.add_argument(
+        "--format", choices=["fp16", "q8", "q4"], help="the store's format (default q4; fp16 with --scale llama-2-7b)"
+    )
+    parser.add_argument(
+        "--scale",
+        choices=["llama-3-8b", "llama-2-7b"],
+        help="a synthesized model of these shapes instead: llama-3-8b a Q4_0 GGUF, llama-2-7b an fp16 checkpoint",
+    )
     parser.add_argument("--tokens", type=int, default=16)
     parser.add_argument("--prompt-tokens", type=int, default=16)
     parser.add_argument("--threads", type=int, default=2, help="llama.cpp's threads (ours: torch's default)")
@@ -217,6 +239,9 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(run_child(json.loads(args.child))), flush=True)
         return
     args.modes = args.modes or ("naive,hybrid,flash-oracle" if args.scale else "naive,hybrid,flash")
+    if args.scale == "llama-2-7b" and args.format not in (None, "fp16"):
+        parser.error("--scale llama-2-7b is an fp16 checkpoint: its store is fp16")
+    args.format = args.format or ("fp16" if args.scale == "llama-2-7b" else "q4")
     if args.smoke:
         args.memory, args.modes, args.tokens, args.prompt_tokens, args.rounds = "150%", "naive", 3, 4, 1
         args.no_llama_cpp, args.no_plot, args.scale = True, True, None
@@ -231,13 +256,22 @@ def main(argv: list[str] | None = None) -> None:
         prompt, _ = prompt_ids(args.prompt_tokens, int(opened.config["vocab_size"]), synthesized=bool(args.scale))
     modes = args.modes.split(",")
     base = {"store": str(store), "prompt": prompt, "tokens": args.tokens, "sparsity": TARGET_SPARSITY}
-    if "flash-oracle" in modes:  # the parent computes (and caches) the default model's sets: no child has room
-        from bench.e2e_replay import default_model_sets
+    lean = {mode: {**base, "mode": mode} for mode in modes}
+    if args.scale and "flash" in modes:  # the default model's predictors: their sets tiled, one of their size paid
+        from bench.bench_e2e_scale import SCALE_PREDICTORS
+        from bench.traces import trained_predictors
+        from flashllm_ext.io.paths import resolve_cache_dir
 
-        default_model_sets({"mode": "flash-oracle", "sparsity": TARGET_SPARSITY}, len(prompt) + args.tokens + 1)
+        predictors = trained_predictors(resolve_cache_dir() / "e2e", SCALE_PREDICTORS["b"]["quant"])
+        lean["flash"]["predictors"] = str(predictors)
+    for config in lean.values():  # the parent computes (and caches) the default model's sets: no child has room
+        if config["mode"] == "flash-oracle" or "predictors" in config:
+            from bench.e2e_replay import default_model_sets
+
+            default_model_sets(config, len(prompt) + args.tokens + 1)
     levels = [(spec, parse_budget(spec, file_bytes)) for spec in args.memory.split(",")]
     systems = [("lean", mode) for mode in modes]
-    probe = {**base, "mode": modes[-1], "probe": True}  # the imports of the heaviest child (flash-oracle's replay)
+    probe = {**lean[modes[-1]], "probe": True}  # the imports of the heaviest child (a flash row's replay)
     baselines = {"lean": probe_peak_bytes(child_argv(MODULE, probe), "memory-probe")}
     if args.smoke:
         print("smoke: llama.cpp skipped (it needs its own build)", file=sys.stderr)
@@ -256,7 +290,7 @@ def main(argv: list[str] | None = None) -> None:
             for system, mode in systems:
                 limit = baselines[system] + level
                 if system == "lean":
-                    row = run_lean({**base, "mode": mode, "budget_bytes": level}, limit, args.timeout)
+                    row = run_lean({**lean[mode], "budget_bytes": level}, limit, args.timeout)
                 else:
                     repack = mode.endswith(" repack")
                     row = run_llama(gguf, repack, limit, prompt, args.tokens, args.threads, args.timeout)

@@ -130,6 +130,21 @@ def default_model_sets(config: dict, n_tokens: int, ahead: bool | None = None) -
     return small[:n_tokens]
 
 
+def replayed_predictors(config: dict, store, at: list[int], prompt_tokens: int) -> ReplayedSets:
+    """The predictors of a flash row at scale (config: the row's mode, sparsity, predictors, tokens, lookahead): the
+    tiled sets of the prompt and config["tokens"] decode tokens (and their look-ahead sets when the row reads ahead),
+    paying for scale_cost_predictor of its predictors (none: the oracle), their frequencies tiled; `at`: the
+    position whose sets the next call replays (the caller moves it)."""
+    n_tokens = prompt_tokens + config["tokens"] + 1
+    masks = scale_masks(config, n_tokens, store.n_layers, store.n_neurons, ahead=False)
+    ahead = (
+        scale_masks(config, n_tokens, store.n_layers, store.n_neurons, ahead=True) if config.get("lookahead") else None
+    )
+    cost = scale_cost_predictor(config["predictors"], store) if config.get("predictors") else None
+    frequency = scale_frequency(config, store.n_layers, store.n_neurons)
+    return ReplayedSets(masks, at, store.hidden_size, cost, ahead, frequency)
+
+
 def load_replayed(config: dict):
     """(model, the reset function of its stats) of a whole-model scale row: the flash modes replay the tiled sets of
     the default model (ReplayedSets, paying for scale_cost_predictor); the other modes load as every row does."""
@@ -138,15 +153,8 @@ def load_replayed(config: dict):
 
     if not config["mode"].startswith("flash"):
         return _load(config)
-    store, at = FlashStore(config["store"]), [0]
-    n_tokens = len(config["prompt_ids"]) + config["tokens"] + 1
-    masks = scale_masks(config, n_tokens, store.n_layers, store.n_neurons, ahead=False)
-    ahead = (
-        scale_masks(config, n_tokens, store.n_layers, store.n_neurons, ahead=True) if config.get("lookahead") else None
-    )
-    cost = scale_cost_predictor(config["predictors"], store) if config.get("predictors") else None
-    frequency = scale_frequency(config, store.n_layers, store.n_neurons)
-    predictors = ReplayedSets(masks, at, store.hidden_size, cost, ahead, frequency)
+    at = [0]
+    predictors = replayed_predictors(config, FlashStore(config["store"]), at, len(config["prompt_ids"]))
     model = flashllm_ext.load_flash(
         config["store"],
         config["budget_bytes"],

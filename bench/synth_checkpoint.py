@@ -584,6 +584,30 @@ def add_placeholder_tokenizer(writer, size: int) -> None:
     writer.add_eos_token_id(2)
 
 
+def placeholder_tokenizer_gguf(size: int) -> Path:
+    """A GGUF of no tensors holding the placeholder vocabulary of `size` tokens (add_placeholder_tokenizer), under
+    the cache's scale/ directory, written once: the tokenizer llama_cpp.write_llama_gguf gives a synthesized
+    checkpoint's F16 GGUF."""
+    import gguf
+
+    path = resolve_cache_dir() / "scale" / f"placeholder-tokenizer-{size}.gguf"
+    if path.is_file():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        writer = gguf.GGUFWriter(str(tmp), "llama")
+        add_placeholder_tokenizer(writer, size)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
 def synthetic_vocabulary(size: int) -> tuple[list[str], list[int]]:
     """(tokens, gguf token types) of a SentencePiece-style vocabulary of `size` placeholder tokens: <unk>, <s>, </s>,
     the 256 byte tokens where `size` leaves room (llama.cpp's loader looks up the newline's), then "t<i>"."""

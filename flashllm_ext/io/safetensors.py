@@ -65,9 +65,14 @@ def owned_tensor(handle, name: str) -> torch.Tensor:
     return handle.get_tensor(name).clone()
 
 
+# The page cache one resident read may hold before it is dropped: a cgroup counts it beside the tensor being filled,
+# and a 7B model's 262 MB embedding read whole put its process over its limit at load.
+RESIDENT_READ_CHUNK = 16 << 20
+
+
 class ResidentFile:
-    """A store's resident.safetensors, each tensor read (pread) into memory of its own and its range of the page cache
-    dropped after. Never mapped: a mapping keeps every page read as file-backed memory that a memory cgroup counts
+    """A store's resident.safetensors, each tensor read (pread, RESIDENT_READ_CHUNK bytes at a time) into memory of
+    its own and each chunk's range of the page cache dropped after. Never mapped: a mapping keeps every page read as file-backed memory that a memory cgroup counts
     beside the copies until the file is unmapped, which held a Llama-3-8B-shaped store's 1.35 GB of resident tensors
     twice at load and had its process OOM-killed at its limit (as did the OPT-6.7B offload store's 432 MB embeddings,
     docs/history.md, "Offload"). The header is read on first use; close() forgets it."""
@@ -87,10 +92,14 @@ class ResidentFile:
             raise KeyError(f"{self.path}: no tensor {name!r}")
         out = torch.empty(entry.shape, dtype=_TORCH_DTYPES[entry.dtype])
         data = out.view(-1).view(torch.uint8).numpy() if out.numel() else bytearray()
-        fd = os.open(self.path, os.O_RDONLY)
+        done, fd = 0, os.open(self.path, os.O_RDONLY)
         try:
-            done = os.preadv(fd, [data], entry.begin) if len(data) else 0
-            os.posix_fadvise(fd, entry.begin, entry.end - entry.begin, os.POSIX_FADV_DONTNEED)
+            while done < len(data):
+                got = os.preadv(fd, [data[done : done + RESIDENT_READ_CHUNK]], entry.begin + done)
+                os.posix_fadvise(fd, entry.begin + done, got, os.POSIX_FADV_DONTNEED)
+                if got == 0:
+                    break
+                done += got
         finally:
             os.close(fd)
         if done != entry.end - entry.begin:

@@ -216,6 +216,26 @@ def test_resident_tensors_do_not_map_the_store(llama_store):
     fs.close()
 
 
+def test_resident_tensors_are_read_a_chunk_at_a_time_and_each_chunk_dropped(llama_store, monkeypatch):
+    """A large resident tensor (a 7B model's 262 MB embedding) is read RESIDENT_READ_CHUNK bytes at a time, each
+    chunk's page cache dropped before the next: a cgroup never holds more than a chunk of it as page cache beside the
+    tensor being filled. Values equal the file's whatever the chunk."""
+    from safetensors.torch import load_file
+
+    from flashllm_ext.io import safetensors as st
+
+    monkeypatch.setattr(st, "RESIDENT_READ_CHUNK", 4096)
+    dropped, advise = [], os.posix_fadvise
+    monkeypatch.setattr(st.os, "posix_fadvise", lambda fd, at, n, how: dropped.append(n) or advise(fd, at, n, how))
+    fs = store.FlashStore(llama_store)
+    expected = load_file(fs.resident_path)
+    largest = max(expected, key=lambda n: expected[n].nbytes)
+    assert expected[largest].nbytes > 4096
+    assert torch.equal(fs.resident_tensor(largest), expected[largest])
+    assert sum(dropped) == expected[largest].nbytes and max(dropped) <= 4096
+    fs.close()
+
+
 @pytest.mark.parametrize("name", [store.BUNDLES_FILE, store.RESIDENT_FILE])
 def test_a_fifo_in_place_of_a_store_file_is_refused(store_copy, name):
     (store_copy / name).unlink()

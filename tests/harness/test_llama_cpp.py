@@ -205,6 +205,29 @@ def test_a_synthesized_checkpoint_with_the_tokenizer_s_vocab_size_is_written(tmp
         assert torch.equal(ours[name], hf[name].float()), name  # F16 in both
 
 
+def test_a_synthesized_checkpoint_of_its_own_vocab_size_takes_the_placeholder_tokenizer(tmp_path, monkeypatch):
+    """bench_memory --scale llama-2-7b: the checkpoint keeps its vocabulary (32000 at full shapes); a tokenizer-only
+    GGUF of that many placeholder tokens, written once, lets llama.cpp load the same weights."""
+    import gguf
+
+    from bench.synth_checkpoint import placeholder_tokenizer_gguf, shared_checkpoint
+
+    monkeypatch.setenv("FLASHLLM_CACHE", str(tmp_path))
+    hf_dir = shared_checkpoint("llama-2-7b", progress=False, smoke=True)
+    vocab = open_checkpoint(hf_dir).config["vocab_size"]
+    tokenizer = placeholder_tokenizer_gguf(vocab)
+    assert tokenizer == tmp_path / "scale" / f"placeholder-tokenizer-{vocab}.gguf"
+    reader = gguf.GGUFReader(tokenizer)
+    assert len(reader.fields["tokenizer.ggml.tokens"].data) == vocab and len(reader.tensors) == 0
+    written = tokenizer.stat().st_mtime_ns
+    assert placeholder_tokenizer_gguf(vocab).stat().st_mtime_ns == written  # once
+    ours, hf = open_checkpoint(write_llama_gguf(hf_dir, tmp_path / "synth.gguf", tokenizer)), open_checkpoint(hf_dir)
+    assert ours.config["vocab_size"] == vocab
+    assert torch.equal(
+        ours["model.layers.0.mlp.down_proj.weight"], hf["model.layers.0.mlp.down_proj.weight"].half().float()
+    )
+
+
 @pytest.mark.slow
 @needs_env
 def test_llama_cpp_greedy_tokens_on_a_llama_gguf_equal_transformers_on_its_checkpoint(tmp_path, tiny_tokenizer):
