@@ -463,7 +463,11 @@ _MOE_LAYER_NAMES = {
 
 
 def write_moe_gguf(
-    checkpoint_dir: str | os.PathLike, dst: str | os.PathLike, expert_type: str | None = None, progress: bool = True
+    checkpoint_dir: str | os.PathLike,
+    dst: str | os.PathLike,
+    expert_type: str | None = None,
+    progress: bool = True,
+    per_expert: bool = False,
 ) -> Path:
     """An F16 GGUF at `dst` of an OLMoE, Qwen2-MoE, Qwen3-MoE or Mixtral checkpoint (synthesize_checkpoint's, or save_pretrained's),
     laid out as llama.cpp's converter writes those models: each layer's experts stacked into ffn_gate_exps /
@@ -471,8 +475,9 @@ def write_moe_gguf(
     as they are for OLMoE and Qwen3-MoE (llama.cpp rotates them NeoX-style, as transformers does) and in llama.cpp's
     rotary order for Mixtral (a "llama" file), and the placeholder vocabulary (synthetic_vocabulary).
     expert_type (a flashllm_ext.ops.blocks format, e.g. "q4_0"): the experts in those blocks, as a quantized file holds
-    them (round to nearest), the rest F16. One layer's experts in memory at a time; written under a temporary name and
-    renamed."""
+    them (round to nearest), the rest F16. per_expert: each expert's weights a tensor of its own,
+    blk.{i}.ffn_{gate,up,down}.{e}.weight, as Mixtral files were written before llama.cpp fused them. One layer's
+    experts in memory at a time; written under a temporary name and renamed."""
     import gguf
     import numpy as np
 
@@ -506,8 +511,10 @@ def write_moe_gguf(
         module, weights = _MOE_EXPERTS[config["model_type"]]
         for role, weight in zip(("gate", "up", "down"), weights):
             names = [f"model.layers.{i}.{module}.{e}.{weight}.weight" for e in range(n_experts)]
-            shape = (n_experts, *ckpt.shape(names[0]))
-            plan.append((f"blk.{i}.ffn_{role}_exps.weight", shape, False, names))
+            if per_expert:
+                plan += [(f"blk.{i}.ffn_{role}.{e}.weight", ckpt.shape(n), False, [n]) for e, n in enumerate(names)]
+            else:
+                plan.append((f"blk.{i}.ffn_{role}_exps.weight", (n_experts, *ckpt.shape(names[0])), False, names))
     kv_heads = int(config.get("num_key_value_heads") or heads)
     rotary = {"attn_q": heads, "attn_k": kv_heads} if arch == "llama" else {}  # llama.cpp's order of q/k rows
     path = Path(dst)
@@ -539,18 +546,18 @@ def write_moe_gguf(
         fmt = None if expert_type is None else block_format(expert_type)
         for target, shape, f32, source in plan:
             if fmt is not None and isinstance(source, list):  # quantized experts: uint8 rows of blocks
-                if shape[2] % BLOCK:
-                    raise ValueError(f"{checkpoint_dir}: {target} rows of {shape[2]} are not whole {BLOCK}-blocks")
-                nbytes = shape[0] * shape[1] * fmt.row_bytes(shape[2])
+                if shape[-1] % BLOCK:
+                    raise ValueError(f"{checkpoint_dir}: {target} rows of {shape[-1]} are not whole {BLOCK}-blocks")
+                nbytes = math.prod(shape[:-1]) * fmt.row_bytes(shape[-1])
                 raw = gguf.GGMLQuantizationType(fmt.ggml_type)
-                writer.add_tensor_info(target, (*shape[:2], fmt.row_bytes(shape[2])), np.uint8, nbytes, raw)
+                writer.add_tensor_info(target, (*shape[:-1], fmt.row_bytes(shape[-1])), np.uint8, nbytes, raw)
                 continue
             dtype = np.dtype(np.float32 if f32 else np.float16)
             writer.add_tensor_info(target, shape, dtype, math.prod(shape) * dtype.itemsize)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
-        for target, _, f32, source in tqdm(plan, desc=f"writing {path.name}", unit="t", disable=not progress):
+        for target, shape, f32, source in tqdm(plan, desc=f"writing {path.name}", unit="t", disable=not progress):
             if not isinstance(source, list):
                 tensor = ckpt[source]
                 heads_of = rotary.get(target.split(".")[2]) if target.startswith("blk.") else None
@@ -558,12 +565,12 @@ def write_moe_gguf(
                     tensor = rotary_permutation(tensor, heads_of)
                 writer.write_tensor_data(tensor.to(torch.float32 if f32 else torch.float16).contiguous().numpy())
                 continue
-            experts = torch.stack([ckpt[n] for n in source])
+            experts = torch.stack([ckpt[n] for n in source]).view(shape)
             if fmt is None:
                 writer.write_tensor_data(experts.half().numpy())
             else:
-                blocks = quantize_rows(experts.flatten(0, 1).float(), fmt.name)
-                writer.write_tensor_data(blocks.view(*experts.shape[:2], -1).numpy())
+                blocks = quantize_rows(experts.reshape(-1, shape[-1]).float(), fmt.name)
+                writer.write_tensor_data(blocks.view(*shape[:-1], -1).numpy())
         writer.close()
         os.replace(tmp, path)
     finally:

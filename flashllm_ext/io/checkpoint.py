@@ -11,7 +11,9 @@ GGUF tensors equal what `transformers` loads from the same file: both dequantize
 and llama.cpp's rotary permutation of a Llama's (and Mixtral's) Q/K rows is undone here as transformers undoes it
 (OLMoE and the Qwen MoEs rotate NeoX-style in both, unpermuted). An MoE GGUF's fused expert tensors
 (`blk.{i}.ffn_gate_exps` [E, m, d], ...) read as each expert's own Hugging Face tensor
-(`model.layers.{i}.mlp.experts.{e}.gate_proj.weight` [m, d]): a range of the fused tensor's rows. The names and metadata are mapped in flashllm_ext.io.gguf_layout.
+(`model.layers.{i}.mlp.experts.{e}.gate_proj.weight` [m, d]): a range of the fused tensor's rows; an older Mixtral
+file's per-expert tensors (`blk.{i}.ffn_gate.{e}`) as that expert's. The names and metadata are mapped in
+flashllm_ext.io.gguf_layout.
 """
 
 from __future__ import annotations

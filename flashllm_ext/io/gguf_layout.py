@@ -272,8 +272,15 @@ def expert_parts(
     gguf_name: str, shape: tuple[int, ...], family: MoEFamily
 ) -> list[tuple[str, tuple[int, ...], int]] | None:
     """A fused expert tensor (`blk.{i}.ffn_up_exps.weight`, shape [E, rows, cols]) as each expert's Hugging Face
-    tensor: (name, [rows, cols], its first row in the fused tensor's [E * rows, cols]); None for any other name."""
+    tensor: (name, [rows, cols], its first row in the fused tensor's [E * rows, cols]); an expert's own tensor of
+    the older layout (`blk.{i}.ffn_up.{e}.weight` [rows, cols], Mixtral files written before llama.cpp fused them)
+    as that expert's, from row 0; None for any other name."""
     parts = gguf_name.split(".")
+    if len(parts) == 5 and parts[0] == "blk" and parts[1].isdigit() and parts[3].isdigit():
+        role = family.roles.get(f"{parts[2]}_exps")
+        if role is None:
+            return None
+        return [(f"model.layers.{parts[1]}.{family.experts}.{int(parts[3])}.{role}.{parts[4]}", shape, 0)]
     if len(parts) != 4 or parts[0] != "blk" or not parts[1].isdigit() or parts[2] not in family.roles:
         return None
     if len(shape) != 3:

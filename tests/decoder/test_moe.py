@@ -361,6 +361,30 @@ def test_an_moe_gguf_converts_to_the_experts_it_holds(tmp_path, family, expert_t
         _llama_cpp_decodes_as_transformers(path, model.half().float(), prompt.tolist())
 
 
+@pytest.mark.parametrize("expert_type", [None, "q4_0"])
+def test_a_mixtral_gguf_of_one_tensor_per_expert_converts_as_the_fused_one(tmp_path, expert_type):
+    """Mixtral GGUFs written before llama.cpp fused the experts hold each expert's weights as tensors of their own
+    (blk.{i}.ffn_{gate,up,down}.{e}.weight): the same experts, so a store of the same rows and sources (Q4_0 blocks
+    kept). (llama.cpp itself no longer loads this layout: it asks for the fused blk.{i}.ffn_*_exps tensors.)"""
+    import gguf
+
+    from bench.synth_checkpoint import write_moe_gguf
+
+    tiny_model("mixtral", seed=6, intermediate_size=64).save_pretrained(tmp_path / "ckpt")
+    fused = write_moe_gguf(tmp_path / "ckpt", tmp_path / "fused.gguf", expert_type=expert_type, progress=False)
+    split = write_moe_gguf(
+        tmp_path / "ckpt", tmp_path / "split.gguf", expert_type=expert_type, progress=False, per_expert=True
+    )
+    names = {t.name for t in gguf.GGUFReader(split).tensors}
+    assert "blk.1.ffn_up.3.weight" in names and not any("_exps" in name for name in names)
+    dtype = "q4" if expert_type else "fp32"
+    stores = [FlashStore(convert(p, tmp_path / f"{p.stem}-store", dtype=dtype, progress=False)) for p in (fused, split)]
+    rows = list(range(stores[0].n_neurons))
+    for layer in range(stores[0].n_layers):
+        assert torch.equal(stores[1].float_bundle(layer, rows), stores[0].float_bundle(layer, rows)), layer
+    assert stores[1].tensor_sources == stores[0].tensor_sources
+
+
 def _llama_cpp_decodes_as_transformers(path, model, prompt: list[int]) -> None:
     """llama.cpp (where `make llama-cpp` built it) greedy-decodes the GGUF at `path` into transformers' tokens."""
     from flashllm_ext.harness.llama_cpp import env_ready, run_llama_cpp
