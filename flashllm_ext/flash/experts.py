@@ -32,6 +32,7 @@ from flashllm_ext.flash.ffn import FFNStats, bundle_ffn, store_activation
 from flashllm_ext.flash.reader import FlashReader
 from flashllm_ext.flash.stack import FlashRuntime, bounded_reader_options
 from flashllm_ext.flash.store import FlashStore
+from flashllm_ext.runtime import bound_heap_retention
 
 EXPERT_POLICIES = ("lru", "lfu", "window")
 EXPERT_MODES = ("dense", "naive", "flash")
@@ -275,6 +276,8 @@ def expert_stack(
     if len(routes) != n_layers or (shared is not None and len(shared) != n_layers):
         raise ValueError(f"routes (and shared) must give one per layer: {n_layers}")
     budget_bytes = None if mode == "dense" else budget_bytes
+    if budget_bytes is not None:
+        bound_heap_retention()
     reader_options = {**bounded_reader_options(store, budget_bytes, resident_bytes), **(reader_options or {})}
     reader = FlashReader(store, threads=threads, **reader_options)
     expert_bytes = size * store.row_bytes

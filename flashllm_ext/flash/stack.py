@@ -17,7 +17,7 @@ from flashllm_ext.flash.streaming import StreamingFFN
 from flashllm_ext.flash.reader import DEFAULT_MAX_READ, FlashReader
 from flashllm_ext.flash.store import FlashStore
 from flashllm_ext.flash.transfer import Transfer, make_transfer
-from flashllm_ext.runtime import Runtime, deprecated_alias
+from flashllm_ext.runtime import Runtime, bound_heap_retention, deprecated_alias
 
 
 MODES = ("dense", "naive", "hybrid", "flash", "exact")
@@ -341,6 +341,8 @@ def ffn_stack(
     if mode not in MODES or mode == "dense":
         raise ValueError(f"mode must be one of {MODES[1:]}, got {mode!r}")
     refuse_experts(store)
+    if budget_bytes is not None:
+        bound_heap_retention()
     predictor_bytes = 0
     if mode == "flash":
         if predictors is None:
