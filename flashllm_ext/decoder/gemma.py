@@ -24,8 +24,8 @@ from flashllm_ext.decoder.kv_cache import StaticKVCache
 from flashllm_ext.decoder.layers import (
     ResidentWeights,
     attention_projections,
+    cached_attention,
     Rotary,
-    attend,
     embedding_rows,
     linear,
     move_tensors,
@@ -86,20 +86,14 @@ class GemmaLayer:
     ) -> torch.Tensor:
         """x [T, d] float32 (the tokens after the cache's `length`) -> the layer's output [T, d]; tables: the
         global rotary's for these tokens (a local layer of Gemma 3 takes its own)."""
-        n_tokens, start = x.shape[0], cache.length
         if self.local_rotary is not None:
-            rotary, tables = self.local_rotary, self.local_rotary.tables(start, n_tokens)
+            rotary, tables = self.local_rotary, self.local_rotary.tables(cache.length, x.shape[0])
         qkv = linear(self._rms_norm(x, self.attention_norm), self.qkv, self.qkv_bias)
-        k_end = (self.n_heads + self.n_kv_heads) * self.head_dim
-        qk = qkv[:, :k_end].view(n_tokens, self.n_heads + self.n_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = qk[:, : self.n_heads], qk[:, self.n_heads :]
-            qk = torch.cat((self._rms_norm(q, self.q_norm), self._rms_norm(k, self.k_norm)), dim=1)
-        qk = rotary(qk, tables)
-        keys, values = cache.write(
-            self.index, qk[:, self.n_heads :], qkv[:, k_end:].view(n_tokens, self.n_kv_heads, self.head_dim)
+        head_norms = None if self.q_norm is None else (self.q_norm, self.k_norm, self.eps)
+        heads = (self.n_heads, self.n_kv_heads, self.head_dim)
+        out = cached_attention(
+            qkv, cache, self.index, heads, rotary, tables, self.window, self.scale, head_norms, self.softcap
         )
-        out = attend(qk[:, : self.n_heads], keys, values, start, self.window, self.scale, self.softcap)
         x = x + self._rms_norm(linear(out, self.o, self.o_bias), self.attention_out_norm)
         return x + self._rms_norm(ffn(self.ffn_input(x)), self.ffn_out_norm)
 

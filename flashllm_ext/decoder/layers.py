@@ -12,12 +12,17 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from typing import TYPE_CHECKING
+
 from flashllm_ext import ops
 from flashllm_ext.decoder.config import DecoderConfig
 from flashllm_ext.flash.ffn import store_activation
 from flashllm_ext.flash.reader import FlashReader
 from flashllm_ext.flash.store import BIAS_ROLES, FlashStore
 from flashllm_ext.ops.blocks import QuantizedWeight
+
+if TYPE_CHECKING:
+    from flashllm_ext.decoder.kv_cache import StaticKVCache
 
 HALF_LINEAR = torch.ops.flashllm.half_linear.default
 QUANTIZED_LINEAR = torch.ops.flashllm.quantized_linear.default
@@ -123,6 +128,34 @@ def attend(
         enable_gqa=True,
     )
     return out[0].transpose(0, 1).reshape(n_tokens, n_heads * head_dim)
+
+
+def cached_attention(
+    qkv: torch.Tensor,
+    cache: StaticKVCache,
+    index: int,
+    heads: tuple[int, int, int],
+    rotary: Rotary,
+    tables: tuple[torch.Tensor, torch.Tensor],
+    window: int | None,
+    scale: float,
+    head_norms: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """A layer's attention from its fused projection qkv [T, (Hq + 2 Hkv) * D] of the tokens after the cache's
+    length: q and k normed per head (head_norms: q's and k's RMS norm weights [D] and eps; Qwen3's, Gemma 3's), both
+    rotated (Rotary, `tables` for these tokens), the new keys and values written to layer `index` of the cache,
+    then `attend`. heads: (Hq, Hkv, D). Returns float32 [T, Hq * D]."""
+    (n_heads, n_kv_heads, head_dim), n_tokens, start = heads, qkv.shape[0], cache.length
+    k_end = (n_heads + n_kv_heads) * head_dim
+    qk = qkv[:, :k_end].view(n_tokens, n_heads + n_kv_heads, head_dim)
+    if head_norms is not None:
+        q_norm, k_norm, eps = head_norms
+        q = F.rms_norm(qk[:, :n_heads], q_norm.shape, q_norm, eps)
+        qk = torch.cat((q, F.rms_norm(qk[:, n_heads:], k_norm.shape, k_norm, eps)), dim=1)
+    qk = rotary(qk, tables)  # q and k rotated together
+    keys, values = cache.write(index, qk[:, n_heads:], qkv[:, k_end:].view(n_tokens, n_kv_heads, head_dim))
+    return attend(qk[:, :n_heads], keys, values, start, window, scale, softcap)
 
 
 def _softcapped_attention(

@@ -21,8 +21,8 @@ from flashllm_ext.decoder.moe import Router, SharedExpert
 from flashllm_ext.decoder.layers import (
     ResidentWeights,
     attention_projections,
+    cached_attention,
     Rotary,
-    attend,
     embedding_rows,
     linear,
     move_tensors,
@@ -100,25 +100,14 @@ class LlamaLayer:
             return x + ffn(h)
         h = F.rms_norm(x, self.attention_norm.shape, self.attention_norm, self.eps)
         qkv = linear(h, self.qkv, self.qkv_bias)
-        q_end, k_end = self.n_heads * self.head_dim, (self.n_heads + self.n_kv_heads) * self.head_dim
-        if self.full_qk_norm:
+        head_norms = None if self.q_norm is None else (self.q_norm, self.k_norm, self.eps)
+        if self.full_qk_norm:  # OLMoE: q and k normed over all heads, before the per-head view
+            q_end, k_end = self.n_heads * self.head_dim, (self.n_heads + self.n_kv_heads) * self.head_dim
             q = F.rms_norm(qkv[:, :q_end], self.q_norm.shape, self.q_norm, self.eps)
             k = F.rms_norm(qkv[:, q_end:k_end], self.k_norm.shape, self.k_norm, self.eps)
-            qkv = torch.cat((q, k, qkv[:, k_end:]), dim=1)
-        qk = qkv[:, :k_end].view(n_tokens, self.n_heads + self.n_kv_heads, self.head_dim)
-        if self.q_norm is not None and not self.full_qk_norm:
-            qk = torch.cat(
-                (
-                    F.rms_norm(qk[:, : self.n_heads], self.q_norm.shape, self.q_norm, self.eps),
-                    F.rms_norm(qk[:, self.n_heads :], self.k_norm.shape, self.k_norm, self.eps),
-                ),
-                dim=1,
-            )
-        qk = rotary(qk, tables)  # q and k rotated together
-        keys, values = cache.write(
-            self.index, qk[:, self.n_heads :], qkv[:, k_end:].view(n_tokens, self.n_kv_heads, self.head_dim)
-        )
-        out = attend(qk[:, : self.n_heads], keys, values, start, self.window, self.scale)
+            qkv, head_norms = torch.cat((q, k, qkv[:, k_end:]), dim=1), None
+        heads = (self.n_heads, self.n_kv_heads, self.head_dim)
+        out = cached_attention(qkv, cache, self.index, heads, rotary, tables, self.window, self.scale, head_norms)
         x = x + linear(out, self.o, self.o_bias)
         if before_ffn is not None:
             before_ffn(x)
