@@ -9,10 +9,10 @@ flashllm::quantized_linear, its embedding dequantizes the rows it looks up.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
-
-from typing import TYPE_CHECKING
 
 from flashllm_ext import ops
 from flashllm_ext.decoder.config import DecoderConfig

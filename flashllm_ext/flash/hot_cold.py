@@ -10,7 +10,7 @@ is read whole, in ceil((E + 3 spreads) / C) parts (cache steps, each a batch of 
 
 The reads are counted, not estimated: SAMPLES tokens' cold misses are drawn from f (one set of random numbers for
 every candidate H, so candidates differ only by H) and handed to `plan`, the reader's coalescing plan for the layer
-(FlashReader.plan_rows: rows close together on the store are one read, gaps included), so the store's order (a
+(FlashReader.plan_layer: rows close together on the store are one read, gaps included), so the store's order (a
 frequency or co-activation placement puts a cold set's rows together) and the bytes read through gaps count. A
 token's read time is parts x latency + reads x latency / threads (a read's latency overlaps the others' in flight)
 + bytes / bandwidth, with the disk's calibrated profile (flashllm calibrate-disk) or, without one, DEFAULT_PROFILE.
