@@ -96,9 +96,9 @@ class ResidentFile:
         try:
             while done < len(data):
                 got = os.preadv(fd, [data[done : done + RESIDENT_READ_CHUNK]], entry.begin + done)
-                os.posix_fadvise(fd, entry.begin + done, got, os.POSIX_FADV_DONTNEED)
-                if got == 0:
+                if got == 0:  # (a length of 0 would drop the page cache up to the end of the file)
                     break
+                os.posix_fadvise(fd, entry.begin + done, got, os.POSIX_FADV_DONTNEED)
                 done += got
         finally:
             os.close(fd)
