@@ -69,7 +69,8 @@ def run_child(config: dict) -> dict:
 
     # at scale the flash rows replay the default model's tiled sets: the true ones (flash-oracle), or its predictors'
     # with a predictor of their method at these shapes to pay for (flash with config["predictors"])
-    replay = config["mode"] == "flash-oracle" or bool(config.get("predictors"))
+    mode, _, layout = config["mode"].partition(":")  # flash:<cache layout>
+    replay = mode == "flash-oracle" or bool(config.get("predictors"))
     if replay:
         from bench.e2e_replay import replayed_predictors
         from flashllm_ext.flash.store import FlashStore
@@ -82,8 +83,9 @@ def run_child(config: dict) -> dict:
     decoder = load_decoder(
         config["store"],
         config["budget_bytes"],
-        mode="flash" if replay else config["mode"],
+        mode="flash" if replay else mode,
         predictors=predictors,
+        cache_layout=layout or "auto",
         window=5,
         max_len=len(prompt) + tokens,
     )
@@ -207,7 +209,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--modes",
         default=None,
-        help="the lean decoder's modes (default naive,hybrid,flash; with --scale naive,hybrid,flash-oracle)",
+        help="the lean decoder's modes (default naive,hybrid,flash; with --scale naive,hybrid,flash-oracle); "
+        "flash:<layout> a flash row with that cache_layout (shared, per-layer, hot-cold; flash: auto's)",
     )
     parser.add_argument(
         "--format", choices=["fp16", "q8", "q4"], help="the store's format (default q4; fp16 with --scale llama-2-7b)"
@@ -257,13 +260,15 @@ def main(argv: list[str] | None = None) -> None:
     modes = args.modes.split(",")
     base = {"store": str(store), "prompt": prompt, "tokens": args.tokens, "sparsity": TARGET_SPARSITY}
     lean = {mode: {**base, "mode": mode} for mode in modes}
-    if args.scale and "flash" in modes:  # the default model's predictors: their sets tiled, one of their size paid
+    flash_modes = [mode for mode in modes if mode.partition(":")[0] == "flash"]
+    if args.scale and flash_modes:  # the default model's predictors: their sets tiled, one of their size paid
         from bench.bench_e2e_scale import SCALE_PREDICTORS
         from bench.traces import trained_predictors
         from flashllm_ext.io.paths import resolve_cache_dir
 
         predictors = trained_predictors(resolve_cache_dir() / "e2e", SCALE_PREDICTORS["b"]["quant"])
-        lean["flash"]["predictors"] = str(predictors)
+        for mode in flash_modes:
+            lean[mode]["predictors"] = str(predictors)
     for config in lean.values():  # the parent computes (and caches) the default model's sets: no child has room
         if config["mode"] == "flash-oracle" or "predictors" in config:
             from bench.e2e_replay import default_model_sets
