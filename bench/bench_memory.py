@@ -16,7 +16,8 @@ store and an F16 GGUF of the same weights with a placeholder vocabulary (llama.c
 --modes ...,flash the flash row replays the sets the default model's predictors choose (SwiGLU-real, the default
 recipe), tiled, and pays for a predictor of their method at these shapes (memory and scoring), as bench_e2e_scale's.
 
-Rows (bench:"memory", one per system, level and round; bench:"memory_median" the medians over --rounds, round-robin):
+Rows (bench:"memory", one per system, level and round; bench:"memory_median" the medians over --rounds, round-robin,
+each round starting one system later than the one before, `position` the row's place in its round):
   system, mode      lean naive | hybrid | flash, or llama.cpp mmap (repack on or off)
   memory_pct        the level, a share of the GGUF file's bytes; limit_mb = baseline_mb + the level's bytes
   ms_per_token      median greedy decode token after a --prompt-tokens prompt of held-out text
@@ -287,22 +288,26 @@ def main(argv: list[str] | None = None) -> None:
             [str(env_python(ensure_env())), "-I", str(WORKER), "--baseline"], "llama-probe"
         )
         peers = [("llama.cpp", f"mmap, {how}") for how in args.llama_cpp.split(",")]
-        systems = [*sorted(peers), *systems]  # first (no repack first): the reference ids
+        systems = [*sorted(peers), *systems]
     rows = []
     for round_ in range(args.rounds):
+        # each round starts one system later: a position in the round costs time of its own (a row's process runs
+        # after another's teardown), which rotating spreads over every system
+        order = systems[round_ % len(systems) :] + systems[: round_ % len(systems)]
         for spec, level in levels:
-            reference = None
-            for system, mode in systems:
+            ran = []
+            for position, (system, mode) in enumerate(order):
                 limit = baselines[system] + level
                 if system == "lean":
                     row = run_lean({**lean[mode], "budget_bytes": level}, limit, args.timeout)
                 else:
                     repack = mode.endswith(" repack")
                     row = run_llama(gguf, repack, limit, prompt, args.tokens, args.threads, args.timeout)
+                ran.append((system, mode, position, row))
+            reference = next((r.get("ids") for _, mode, _, r in ran if mode == "mmap, no repack"), None)
+            for system, mode, position, row in ran:
                 ids = row.pop("ids", None)
-                if mode == "mmap, no repack":
-                    reference = ids
-                elif ids and reference:
+                if ids and reference and mode != "mmap, no repack":
                     same = next((i for i, (a, b) in enumerate(zip(ids, reference)) if a != b), len(reference))
                     row["agree"] = same / len(reference)
                 row = {
@@ -318,6 +323,7 @@ def main(argv: list[str] | None = None) -> None:
                     "file_mb": file_bytes / 1e6,
                     "tokens": args.tokens,
                     "round": round_,
+                    "position": position,
                     **row,
                 }
                 rows.append(row)
@@ -329,7 +335,7 @@ def main(argv: list[str] | None = None) -> None:
         ]
         if peers and row.get("ms_per_token"):
             row["vs_llama_cpp"] = row["ms_per_token"] / min(peers)
-        row.pop("round", None)
+        row.pop("round", None), row.pop("position", None)
         if notes:
             row["note"] = "; ".join(notes)
     ran = {(m["system"], m["mode"], m["memory_pct"]) for m in medians}
