@@ -42,10 +42,10 @@ HEAP_MMAP_THRESHOLD = 128 << 10
 
 @functools.cache
 def bound_heap_retention() -> bool:
-    """Under a DRAM budget: fix glibc's mmap threshold at HEAP_MMAP_THRESHOLD (its initial value) so that every
-    temporary of 128 KiB or more is mapped and returned to the system when freed. By default glibc raises the
-    threshold to the size of each mapped block freed (up to 32 MiB), after which such temporaries come from the heap
-    and their freed space is kept there: a Llama-2-7B-shaped lean decoder's prefill grew it by ~90 MB beyond the
+    """Under a DRAM budget: fix glibc's mmap threshold at HEAP_MMAP_THRESHOLD (its initial value) so that a
+    temporary of 128 KiB or more that the heap has no free room for is mapped, and returned to the system when freed,
+    instead of growing the heap. By default glibc raises the threshold to the size of each mapped block freed (up to
+    32 MiB), after which such temporaries grow the heap and their freed space is kept there: a Llama-2-7B-shaped lean decoder's prefill grew it by ~90 MB beyond the
     budget (its process OOM-killed at its limit), ~16 MB with the threshold fixed. Once per process; True where
     applied (glibc), False elsewhere (another C library: nothing to do)."""
     import ctypes
