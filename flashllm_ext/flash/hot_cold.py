@@ -57,7 +57,7 @@ def hot_count(
     latency_s, bandwidth = DEFAULT_PROFILE if profile is None else (profile.latency_s, profile.bandwidth_bps)
     plan = plan or one_read_per_row(row_bytes)
     f = frequency.double().clamp(0.0, 1.0)
-    by_frequency = f.sort(descending=True, stable=True).indices
+    by_frequency = most_frequent_first(frequency)  # the order hot_ids pins in
     sorted_f = f[by_frequency]
     # tail sums: E[H] and var[H] of the cold set when the first H neurons are hot
     cold = torch.cat([sorted_f.flip(0).cumsum(0).flip(0), f.new_zeros(1)])
@@ -88,6 +88,11 @@ def hot_count(
     return best
 
 
+def most_frequent_first(frequency: torch.Tensor) -> torch.Tensor:
+    """int64 [n]: the neurons by descending frequency, ties by lower id (a stable order)."""
+    return frequency.float().sort(descending=True, stable=True).indices
+
+
 def hot_ids(frequency: torch.Tensor, count: int) -> torch.Tensor:
-    """int64 [count]: the `count` most frequent neurons, ties by lower id (a stable order)."""
-    return frequency.float().sort(descending=True, stable=True).indices[:count].sort().values
+    """int64 [count]: the `count` most frequent neurons (most_frequent_first), in id order."""
+    return most_frequent_first(frequency)[:count].sort().values
