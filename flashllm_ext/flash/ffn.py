@@ -164,7 +164,8 @@ class FlashFFN(nn.Module):
     threshold (the rule's; 0: none). capacity / window / reader: NeuronCache's; budget_bytes: the layer's, output
     bias included (FlashFFN.bytes_for), the rest the cache's. stats: an FFNStats
     to accumulate into (shared by the layers of a model). overlap: a single token's reads run in a reader thread
-    while its already-cached neurons are computed (the exposed and hidden read times are both reported). prefill:
+    while its already-cached neurons are computed (the exposed and hidden read times are both reported; a shared
+    cache has none cached, so its reads run inline). prefill:
     how several tokens with per-token sets read the layer ("union", "sequential" or "auto", see prefill_path). Input
     x [..., d] of any float dtype; computed in the store's dtype with float32 accumulation; output in x's dtype.
     device / transfer: where the cache rows live (NeuronCache's); x must be on that device, and the output is too.
@@ -409,7 +410,9 @@ class FlashFFN(nn.Module):
                 if self.cache.partition(group_union)[1].numel() > self.cache.step_capacity:  # one token > the cache
                     self._run_set(xs[first:last], group_union, out[first:last])
                     continue
-                if last - first == 1 and self.overlap:  # a decode step: hide the reads behind the hits' compute
+                # A decode step hides its reads behind the hits' compute; a shared cache has no hits (serve dropped
+                # every row), so its reads run inline, without a thread hand-off to wait on.
+                if last - first == 1 and self.overlap and not self.shares_cache:
                     self._step_overlapped(xs[first:last], group_union, out[first:last])
                     continue
                 self._step(group_union)

@@ -196,6 +196,27 @@ def test_overlapped_decode_step_matches_the_synchronous_one(models, name):
 
 
 @torch.no_grad()
+def test_shared_cache_decode_step_reads_inline(models, monkeypatch):
+    """A shared cache holds none of a layer's rows when its forward starts: nothing to overlap, so the step reads in
+    the calling thread (no hand-off to a reader thread) and computes the same sum."""
+    model, fp32, _ = models["llama"]
+    n = fp32.n_neurons
+    mask = torch.rand(1, n, generator=torch.Generator().manual_seed(3)) < 0.4
+    cache = NeuronCache(fp32, 0, n)
+    layers = [FlashFFN(fp32, layer, predictor=lambda chunk: mask, cache=cache) for layer in (0, 1)]
+
+    def no_background(*args, **kwargs):
+        raise AssertionError("a shared cache's decode step went to a reader thread")
+
+    monkeypatch.setattr(cache.reader, "read_async", no_background)
+    x = torch.randn(1, fp32.hidden_size)
+    for _ in range(2):  # each layer in turn, twice: every forward finds the other layer's rows
+        for layer, ffn in zip((0, 1), layers):
+            torch.testing.assert_close(ffn(x), dense_mlp(model, layer, x, mask[0].float()), rtol=1e-5, atol=1e-5)
+    assert all(ffn.stats.inserted == 2 * int(mask.sum()) for ffn in layers)
+
+
+@torch.no_grad()
 def test_failed_background_read_leaves_a_consistent_cache(models):
     model, fp32, _ = models["llama"]
     n = fp32.n_neurons
