@@ -366,8 +366,13 @@ class FlashFFN(nn.Module):
 
     def _run_set(self, x: torch.Tensor, ids: torch.Tensor, out: torch.Tensor) -> None:
         """The FFN of x over distinct neuron `ids`, in parts whose unpinned neurons fit the cache if they do not
-        (the pinned ones with the first part)."""
+        (the pinned ones with the first part). One token whose set fits reads its misses while its hits are computed
+        (overlap); a shared cache has no hits (serve dropped every row), so its reads run inline, without a thread
+        hand-off to wait on."""
         hot, cold = self.cache.partition(ids)
+        if x.shape[0] == 1 and self.overlap and not self.shares_cache and cold.numel() <= self.cache.step_capacity:
+            self._step_overlapped(x, ids, out)
+            return
         for i, part in enumerate(cold.split(self.cache.step_capacity) if cold.numel() else [cold]):
             part = torch.cat([hot, part]) if i == 0 and hot.numel() else part
             self._step(part)
@@ -400,20 +405,15 @@ class FlashFFN(nn.Module):
         # lookahead="prefetch": the token's own set continues the step whose reads were begun ahead
         self._same_token = self._finish_ahead() and out.shape[0] == 1
         masks, union = self._token_sets(flat)
-        if masks is None:  # one set for every token
+        if masks is None or masks.shape[0] == 1:  # one set for every token
             self._run_set(xs, union, out)
-        elif masks.shape[0] > 1 and self._record_prefill(self.prefill_path(masks)) == "sequential":
+        elif self._record_prefill(self.prefill_path(masks)) == "sequential":
             self._prefill_sequential(xs, masks, out)
         else:
             for first, last in self._groups(masks):
                 group_union = masks[first:last].any(dim=0).nonzero().flatten()
-                if self.cache.partition(group_union)[1].numel() > self.cache.step_capacity:  # one token > the cache
+                if last - first == 1:  # one token: its own set (overlapped, or in parts past the cache)
                     self._run_set(xs[first:last], group_union, out[first:last])
-                    continue
-                # A decode step hides its reads behind the hits' compute; a shared cache has no hits (serve dropped
-                # every row), so its reads run inline, without a thread hand-off to wait on.
-                if last - first == 1 and self.overlap and not self.shares_cache:
-                    self._step_overlapped(xs[first:last], group_union, out[first:last])
                     continue
                 self._step(group_union)
                 for t in range(first, last):
