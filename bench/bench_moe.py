@@ -21,7 +21,10 @@ of its own baseline + the same budget, with its own (the model's) routers: rows 
 
 Modes: naive (a token's experts read every time, nothing kept), flash:<policy> (flashllm_ext.flash.experts, an
 ExpertCache per layer within the budget: lru, lfu, window), +ahead (each layer reads the experts the next layer's
-router picks for its hidden state while it computes: load_decoder(lookahead="ahead")).
+router picks for its hidden state while it computes: load_decoder(lookahead="ahead")); accelerate, the peer a
+`transformers` user picks (the checkpoint, kept for it, with device_map="auto", max_memory = the budget and the
+rest offloaded to disk; its own routers: routing "model" only), in a cgroup of its own baseline (transformers,
+accelerate and the model's modeling code imported) + the budget.
 
 Rows (bench:"moe", one per configuration and round; bench:"moe_median" the medians over --rounds, round-robin):
   ms_per_token            median decode token after a --prompt-tokens prompt
@@ -42,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -53,7 +57,7 @@ MODULE = "bench.bench_moe"
 # each shape's default first layers and store format: Qwen3-30B-A3B in 4 bits (as its users hold it; two of its
 # layers in fp16 with their checkpoint and GGUF would not fit this machine's free disk)
 MODELS = {"olmoe-1b-7b": (4, "fp16"), "qwen3-30b-a3b": (2, "q4")}
-MODES = ("naive", "flash:lru", "flash:lfu", "flash:window", "flash:lru+ahead")
+MODES = ("naive", "flash:lru", "flash:lfu", "flash:window", "flash:lru+ahead", "accelerate")
 TRACE = {"skew": 1.0, "reuse": 0.5, "seed": 0}
 WINDOW = 2  # flash:window's tokens
 COLUMNS = [
@@ -122,6 +126,8 @@ def run_child(config: dict) -> dict:
 
     from flashllm_ext.decoder import load_decoder
 
+    if config["mode"] == "accelerate":
+        return run_accelerate(config)
     if config.get("probe"):
         return {}
     mode, _, policy = config["mode"].partition(":")
@@ -173,24 +179,57 @@ def run_child(config: dict) -> dict:
     }
 
 
+def run_accelerate(config: dict) -> dict:
+    """The accelerate peer in this process: the checkpoint config["hf_dir"] loaded with device_map="auto" within the
+    budget (the rest offloaded to disk), greedy decoding with its own routers. The probe stops after the imports
+    (transformers, accelerate and the model's modeling code)."""
+    from transformers import AutoConfig
+
+    from bench.e2e_decode import run_child as run_hf
+    from flashllm_ext.hub.hf import empty_model
+
+    if config.get("probe"):  # the modeling code imported and the modules built on the meta device, as bench_offload's
+        empty_model(AutoConfig.from_pretrained(config["hf_dir"]).to_dict(), torch.float16, config["hf_dir"])
+        return {}
+    row = run_hf(
+        {
+            "model": Path(config["hf_dir"]).name,
+            "mode": "accelerate",
+            "budget_bytes": config["budget_bytes"],
+            "prompt_ids": config["prompt"],
+            "tokens": config["tokens"],
+            "hf_dir": config["hf_dir"],
+            "offload_dir": config["offload_dir"],
+        }
+    )
+    if "error" in row:
+        return {"error": row["error"]}
+    return {
+        "ms_per_token": row["ms_per_token"],
+        "read_mb_per_token": row["proc_read_mb_per_token"],
+        "ids": row["generated"],
+    }
+
+
 # the store format -> the blocks of the experts in llama.cpp's GGUF (None: F16), from which a quantized store converts
 GGUF_EXPERTS = {"fp16": None, "q8": "q8_0", "q4": "q4_0"}
 
 
-def model_files(name: str, layers: int, fmt: str, smoke: bool, gguf: bool) -> tuple[Path, Path | None]:
-    """The expert store of `name`'s first `layers` layers and (gguf) llama.cpp's GGUF of the same weights, each
-    written once from a synthesized checkpoint that is deleted afterwards (the files read here are the store and the
-    GGUF; a checkpoint beside them would not fit this machine's disk). A quantized store is converted from the GGUF,
+def model_files(
+    name: str, layers: int, fmt: str, smoke: bool, gguf: bool, checkpoint: bool = False
+) -> tuple[Path, Path | None, Path | None]:
+    """The expert store of `name`'s first `layers` layers, (gguf) llama.cpp's GGUF of the same weights and
+    (checkpoint) the synthesized Hugging Face checkpoint they are written from (accelerate's input): each written once,
+    the checkpoint deleted afterwards unless asked for (a whole model's would not fit this machine's disk beside its
+    store and GGUF; the same seed writes the same weights again). A quantized store is converted from the GGUF,
     whose experts are in GGUF_EXPERTS[fmt] blocks (the rest F16), as a user converts the file they hold: it keeps the
     GGUF's up and gate blocks (down is requantized along the hidden dimension, store.tensor_sources)."""
-    import shutil
-
     from bench.e2e_common import converted_once
     from bench.synth_checkpoint import shared_checkpoint, shared_checkpoint_path, write_moe_gguf
     from flashllm_ext.errors import FormatError
     from flashllm_ext.flash.store import FlashStore
 
-    checkpoint = shared_checkpoint_path(name, layers=layers, smoke=smoke)
+    keep, checkpoint = checkpoint, shared_checkpoint_path(name, layers=layers, smoke=smoke)
     stem, experts = checkpoint.name.removesuffix("-hf"), GGUF_EXPERTS[fmt]
     gguf = gguf or experts is not None
     store = checkpoint.with_name(f"{stem}-{fmt}-store")
@@ -200,14 +239,15 @@ def model_files(name: str, layers: int, fmt: str, smoke: bool, gguf: bool) -> tu
         missing_store = False
     except (OSError, FormatError):
         missing_store = True
-    if missing_store or (gguf and not gguf_path.is_file()):
+    if missing_store or (gguf and not gguf_path.is_file()) or keep:
         source = shared_checkpoint(name, layers=layers, smoke=smoke)  # the same seed: the same weights again
         if gguf and not gguf_path.is_file():
             write_moe_gguf(source, gguf_path, expert_type=experts)
         if missing_store:
             converted_once(source if experts is None else gguf_path, store, fmt)
+    if not keep and checkpoint.exists():  # (one kept by an earlier run for accelerate)
         shutil.rmtree(checkpoint)
-    return store, gguf_path if gguf else None
+    return store, gguf_path if gguf else None, checkpoint if keep else None
 
 
 def run_llama(gguf: Path, limit: int, prompt: list[int], tokens: int, threads: int, timeout: float) -> dict:
@@ -277,7 +317,8 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for name in args.models.split(","):
         layers, fmt = args.layers or MODELS[name][0], args.format or MODELS[name][1]
-        store, gguf = model_files(name, layers, fmt, args.smoke, llama_cpp)
+        accelerate = "accelerate" in args.modes.split(",") and "model" in args.routing.split(",")
+        store, gguf, hf_dir = model_files(name, layers, fmt, args.smoke, llama_cpp, checkpoint=accelerate)
         peer = llama_cpp and gguf is not None
         with FlashStore(store) as opened:
             prompt, note = prompt_ids(args.prompt_tokens, int(opened.config["vocab_size"]), synthesized=True)
@@ -285,20 +326,25 @@ def main(argv: list[str] | None = None) -> None:
         budgets = [(spec, budget_of_first_layers(store, spec, whole)) for spec in args.budgets.split(",")]
         base = {"store": str(store), "prompt": prompt, "tokens": args.tokens}
         baselines["lean"] = probe_peak_bytes(child_argv(MODULE, {**base, "probe": True}), "moe-probe")
-        # a replayed trace has no hidden state for a read-ahead to route: +ahead runs on the model's own routers
+        if accelerate:
+            base.update(hf_dir=str(hf_dir), offload_dir=str(hf_dir.with_name(f"{hf_dir.name}-accelerate-offload")))
+            probe = {**base, "mode": "accelerate", "probe": True}
+            baselines["accelerate"] = probe_peak_bytes(child_argv(MODULE, probe), "moe-accelerate-probe")
+        # a replayed trace has no hidden state for a read-ahead to route (+ahead), nor has accelerate's model: both
+        # run on the model's own routers
         configurations = [
             (spec, budget, routing, mode)
             for spec, budget in budgets
             for routing in args.routing.split(",")
             for mode in args.modes.split(",")
-            if not (routing == "trace" and mode.endswith("+ahead"))
+            if not (routing == "trace" and (mode.endswith("+ahead") or mode == "accelerate"))
         ]
         if peer:  # llama.cpp routes with the model's own routers: one row per budget, first (the reference ids)
             configurations = [(spec, budget, "model", "llama.cpp") for spec, budget in budgets] + configurations
         for round_ in range(args.rounds):
             reference: dict[str, list[int]] = {}
             for spec, budget, routing, mode in configurations:
-                system = "llama.cpp" if mode == "llama.cpp" else "lean"
+                system = mode if mode in ("llama.cpp", "accelerate") else "lean"
                 limit = baselines[system] + budget
                 if system == "llama.cpp":
                     out = run_llama(gguf, limit, prompt, args.tokens, args.threads, args.timeout)
@@ -332,6 +378,8 @@ def main(argv: list[str] | None = None) -> None:
                 }
                 rows.append(row)
                 emit([row], args.json, COLUMNS)
+        if accelerate:  # what accelerate wrote of the offloaded weights (GBs at real shapes): rewritten by each load
+            shutil.rmtree(base["offload_dir"], ignore_errors=True)
     medians = median_rows(rows, ("model", "routing", "budget_spec", "mode"), "moe_median")
     add_ratios(medians)
     emit(medians, args.json, COLUMNS)
