@@ -25,7 +25,7 @@ from flashllm_ext.flash.ffn import FFNStats, FlashFFN
 from flashllm_ext.flash.streaming import StreamingFFN
 from flashllm_ext.flash.reader import FlashReader
 from flashllm_ext.flash.store import FlashStore
-from flashllm_ext.mlx.sparse_ffn import sparse_ffn
+from flashllm_ext.mlx.sparse_ffn import quantized_sparse_ffn, sparse_ffn
 from flashllm_ext.mlx.transfer import MX_DTYPE, MLXTransfer, to_mx, torch_view
 
 
@@ -39,6 +39,25 @@ def _flat_input(ffn: FlashFFN | StreamingFFN, x: mx.array) -> mx.array:
     if x.dtype not in (mx.float32, mx.float16, mx.bfloat16):
         raise ValueError(f"x must be float32, float16 or bfloat16, got {x.dtype}")
     return x.reshape(-1, d)
+
+
+def bundle_ffn(
+    store: FlashStore,
+    x: mx.array,
+    matrix: mx.array,
+    num_used: int,
+    bias: mx.array | None,
+    activation: str,
+    index: mx.array | None = None,
+    threshold: float = 0.0,
+) -> mx.array:
+    """flashllm_ext.flash.ffn.bundle_ffn on mx.arrays: sparse_ffn over float bundles, quantized_sparse_ffn over a
+    quantized store's."""
+    if store.bundle_format is None:
+        return sparse_ffn(x, matrix, num_used, bias, activation, store.glu, index=index, threshold=threshold)
+    return quantized_sparse_ffn(
+        x, matrix, num_used, bias, activation, store.glu, store.bundle_format.name, index=index, threshold=threshold
+    )
 
 
 def _check_transfer(cls: type, transfer) -> MLXTransfer:
@@ -89,15 +108,8 @@ class MLXFlashFFN(FlashFFN):
         start = self.cache.transfer.clock()
         cache = self.cache
         rows = to_mx(cache.slot_of[ids])
-        y = sparse_ffn(
-            x,
-            self.matrix,
-            cache.num_used,
-            self.bias,
-            self.activation,
-            self.store.glu,
-            index=rows,
-            threshold=self.threshold,
+        y = bundle_ffn(
+            self.store, x, self.matrix, cache.num_used, self.bias, self.activation, index=rows, threshold=self.threshold
         )
         out += torch_view(y.astype(mx.float32))  # evaluates y: the rows may be written again from here on
         self.stats.compute_s += self.cache.transfer.clock() - start
@@ -137,5 +149,5 @@ class MLXStreamingFFN(StreamingFFN):
     def _compute(self, xs: mx.array, out: torch.Tensor) -> None:
         """out [T, d] float32 += the FFN of xs [T, d] (mx.array, store dtype) over every neuron."""
         for rows, num_used, bias in self.arrays:
-            y = sparse_ffn(xs, rows, num_used, bias, self.activation, self.store.glu)
+            y = bundle_ffn(self.store, xs, rows, num_used, bias, self.activation)
             out += torch_view(y.astype(mx.float32))  # evaluates y: the next layer's reads overwrite the staging

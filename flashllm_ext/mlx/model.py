@@ -265,11 +265,6 @@ def load_flash(
     dtype = dtype or store.dtype
     if dtype not in MX_DTYPE or not dtype.is_floating_point:
         raise ValueError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
-    if store.quantized and mode != "dense":
-        raise ValueError(
-            f"{store.path}: the MLX engine's {mode} mode computes float bundles; a {store.bundle_format.name} store "
-            "runs in dense mode here (or convert with a float --dtype)"
-        )
     predictors = predictors_for_mode(store, predictors, mode)
     weights = _resident_arrays(store, dtype)
     if mode == "dense":

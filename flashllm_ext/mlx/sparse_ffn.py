@@ -10,6 +10,7 @@ import mlx.core as mx
 from flashllm_ext.mlx import metal
 from flashllm_ext.mlx.metal import metal_source
 from flashllm_ext.ops import ACTIVATIONS
+from flashllm_ext.ops.blocks import BLOCK, BundleFormat, block_format, n_blocks
 from flashllm_ext.ops.constants import (
     FFN_MAX_CHUNKS,
     FFN_MAX_TOKENS,
@@ -23,8 +24,47 @@ _FFN_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 # Launch geometry of metal/sparse_ffn_*.metal (csrc/common/ffn_grid.h, mirrored in flashllm_ext.ops.constants).
 
 
-def _ffn_fail(msg: str) -> None:
-    raise RuntimeError(f"sparse_ffn: {msg}")
+def _check_x(op: str, x: mx.array) -> int:
+    """x [T, d] of a float dtype; returns d."""
+    if x.dtype not in _FFN_DTYPES or x.ndim != 2:
+        raise RuntimeError(
+            f"{op}: x must be a 2-D float32/float16/bfloat16 tensor [T, d], got {x.dtype} of shape {tuple(x.shape)}"
+        )
+    return x.shape[1]
+
+
+def _check_rows_args(
+    op: str,
+    x: mx.array,
+    matrix: mx.array,
+    num_used: int,
+    bias: mx.array | None,
+    activation: str,
+    index: mx.array | None,
+    threshold: float,
+) -> None:
+    """Every check but x's and the matrix's dtype and width (the op's own): csrc/common/sparse_ffn_checks.h's, plus
+    the index range."""
+    if not 0 <= num_used <= matrix.shape[0]:
+        raise RuntimeError(f"{op}: num_used={num_used} is outside [0, capacity={matrix.shape[0]}]")
+    if activation not in ACTIVATIONS:
+        raise RuntimeError(f"{op}: activation must be one of {tuple(ACTIVATIONS)}, got {activation!r}")
+    if not threshold >= 0 or threshold == float("inf"):
+        raise RuntimeError(f"{op}: threshold must be finite and >= 0, got {threshold}")
+    if bias is not None and (bias.dtype != x.dtype or bias.ndim != 1 or bias.shape[0] != matrix.shape[0]):
+        raise RuntimeError(
+            f"{op}: bias must be {x.dtype} of shape [capacity={matrix.shape[0]}], got {bias.dtype} of shape "
+            f"{tuple(bias.shape)}"
+        )
+    if index is not None:
+        if index.dtype != mx.int64 or index.ndim != 1:
+            raise RuntimeError(
+                f"{op}: index must be a 1-D int64 tensor, got {index.dtype} of shape {tuple(index.shape)}"
+            )
+        bad = (index < 0) | (index >= num_used)
+        if index.size and bool(mx.any(bad).item()):
+            k = int(mx.argmax(bad).item())
+            raise RuntimeError(f"{op}: index[{k}]={int(index[k].item())} is outside [0, num_used={num_used})")
 
 
 def _check_ffn(
@@ -37,33 +77,15 @@ def _check_ffn(
     index: mx.array | None,
     threshold: float,
 ) -> int:
-    """The checks of csrc/common/sparse_ffn_checks.h plus the index range. Returns d."""
-    if x.dtype not in _FFN_DTYPES or x.ndim != 2:
-        _ffn_fail(f"x must be a 2-D float32/float16/bfloat16 tensor [T, d], got {x.dtype} of shape {tuple(x.shape)}")
-    d = x.shape[1]
+    """sparse_ffn's checks. Returns d."""
+    d = _check_x("sparse_ffn", x)
     width = (3 if glu else 2) * d
     if matrix.dtype != x.dtype or matrix.ndim != 2 or matrix.shape[1] != width:
-        _ffn_fail(
-            f"matrix must be {x.dtype} of shape [capacity, {width}], got {matrix.dtype} of shape {tuple(matrix.shape)}"
+        raise RuntimeError(
+            f"sparse_ffn: matrix must be {x.dtype} of shape [capacity, {width}], got {matrix.dtype} of shape "
+            f"{tuple(matrix.shape)}"
         )
-    if not 0 <= num_used <= matrix.shape[0]:
-        _ffn_fail(f"num_used={num_used} is outside [0, capacity={matrix.shape[0]}]")
-    if activation not in ACTIVATIONS:
-        _ffn_fail(f"activation must be one of {tuple(ACTIVATIONS)}, got {activation!r}")
-    if not threshold >= 0 or threshold == float("inf"):
-        _ffn_fail(f"threshold must be finite and >= 0, got {threshold}")
-    if bias is not None and (bias.dtype != x.dtype or bias.ndim != 1 or bias.shape[0] != matrix.shape[0]):
-        _ffn_fail(
-            f"bias must be {x.dtype} of shape [capacity={matrix.shape[0]}], got {bias.dtype} of shape "
-            f"{tuple(bias.shape)}"
-        )
-    if index is not None:
-        if index.dtype != mx.int64 or index.ndim != 1:
-            _ffn_fail(f"index must be a 1-D int64 tensor, got {index.dtype} of shape {tuple(index.shape)}")
-        bad = (index < 0) | (index >= num_used)
-        if index.size and bool(mx.any(bad).item()):
-            k = int(mx.argmax(bad).item())
-            _ffn_fail(f"index[{k}]={int(index[k].item())} is outside [0, num_used={num_used})")
+    _check_rows_args("sparse_ffn", x, matrix, num_used, bias, activation, index, threshold)
     return d
 
 
@@ -81,7 +103,11 @@ def _sparse_ffn_mlx_ops(x, matrix, num_used, bias, activation, glu, index, thres
     """Fallback with mlx ops, float32: gather the rows, two matmuls."""
     ids = index if index is not None else mx.arange(num_used)
     rows = matrix[ids].astype(mx.float32)
-    xf = x.astype(mx.float32)
+    return _ffn_of_rows(x.astype(mx.float32), rows, bias, ids, activation, glu, threshold, d).astype(x.dtype)
+
+
+def _ffn_of_rows(xf, rows, bias, ids, activation, glu, threshold, d):
+    """The FFN of xf [T, d] float32 over float32 bundle rows [k, 2d | 3d] (bias[ids] theirs): [T, d] float32."""
     first = rows[:, d : 2 * d] if glu else rows[:, :d]
     pre = xf @ first.T
     if bias is not None:
@@ -91,7 +117,7 @@ def _sparse_ffn_mlx_ops(x, matrix, num_used, bias, activation, glu, index, thres
         h = h * (xf @ rows[:, :d].T)
     if threshold > 0:
         h = mx.where(mx.abs(h) <= threshold, 0.0, h)  # NaN stays
-    return (h @ rows[:, -d:]).astype(x.dtype)
+    return h @ rows[:, -d:]
 
 
 @lru_cache(maxsize=None)
@@ -178,3 +204,76 @@ def sparse_ffn(
     if metal.metal_available():
         return _sparse_ffn_metal(x, matrix, num_used, bias, activation, glu, index, threshold, d)
     return _sparse_ffn_mlx_ops(x, matrix, num_used, bias, activation, glu, index, threshold, d)
+
+
+def dequantize_blocks(codes: mx.array, fmt: str, d: int) -> mx.array:
+    """flashllm_ext.ops.blocks.dequantize_rows on mx.arrays: rows of `fmt` blocks uint8 [R, row bytes] -> float32
+    [R, d] (d * q, d * (q - 8), d * q + m)."""
+    f = block_format(fmt)
+    rows, nb = codes.shape[0], n_blocks(d)
+    blocks = codes.reshape(rows, nb, f.block_bytes)
+    scale = mx.view(blocks[..., 0:2], mx.float16).astype(mx.float32)
+    if f.bits == 8:
+        w = mx.view(blocks[..., 2:], mx.int8).astype(mx.float32) * scale
+    else:
+        packed = blocks[..., 4 if f.has_min else 2 :]
+        q = mx.concatenate([packed & 0x0F, packed >> 4], axis=-1).astype(mx.float32)
+        w = scale * q + mx.view(blocks[..., 2:4], mx.float16).astype(mx.float32) if f.has_min else scale * (q - 8)
+    return w.reshape(rows, nb * BLOCK)[:, :d]
+
+
+def round_x_blocks(x: mx.array) -> mx.array:
+    """x [T, d] as the quantized kernels see it, float32: per block of 32 columns rounded to int8 codes times the
+    block's scale max|x| / 127 (flashllm_ext.ops.blocks.quantize_x_blocks: round half away from zero)."""
+    t, d = x.shape
+    nb = n_blocks(d)
+    blocks = mx.pad(x.astype(mx.float32), [(0, 0), (0, nb * BLOCK - d)]).reshape(t, nb, BLOCK)
+    scale = mx.max(mx.abs(blocks), axis=-1, keepdims=True) / 127
+    inv = mx.where(scale == 0, 0.0, 1 / mx.where(scale == 0, 1.0, scale))
+    v = blocks * inv
+    a = mx.abs(v)
+    floored = mx.floor(a)
+    codes = mx.sign(v) * (floored + mx.floor(2 * (a - floored)))  # ggml's exact round half away from zero
+    return (codes * scale).reshape(t, nb * BLOCK)[:, :d]
+
+
+def quantized_sparse_ffn(
+    x: mx.array,
+    matrix: mx.array,
+    num_used: int,
+    bias: mx.array | None,
+    activation: str,
+    glu: bool,
+    bundle_format: str,
+    index: mx.array | None = None,
+    threshold: float = 0.0,
+) -> mx.array:
+    """torch.ops.flashllm.quantized_sparse_ffn on mlx arrays, as its pure-torch reference computes it
+    (flashllm_ext/ops/ffn.py): x rounded per block of 32 columns, the rows dequantized, float32 math. mlx ops (on
+    Apple Silicon they run on the GPU).
+
+    x [T, d]; matrix uint8 [capacity, BundleFormat.parse(bundle_format).row_bytes(d, glu)], rows [up | gate (GLU)
+    | down] in GGUF blocks; bias, index, threshold as sparse_ffn's -> [T, d] of x's dtype.
+    """
+    op = "quantized_sparse_ffn"
+    d = _check_x(op, x)
+    try:
+        layout = BundleFormat.parse(bundle_format)
+    except ValueError:
+        raise RuntimeError(f"{op}: bundle_format must be '<in format>+<down format>', got {bundle_format!r}") from None
+    width = layout.row_bytes(d, glu)
+    if matrix.dtype != mx.uint8 or matrix.ndim != 2 or matrix.shape[1] != width:
+        raise RuntimeError(
+            f"{op}: matrix must be uint8 of shape [capacity, {width}] ({bundle_format} bundles of d={d}, glu={glu}), "
+            f"got {matrix.dtype} of shape {tuple(matrix.shape)}"
+        )
+    _check_rows_args(op, x, matrix, num_used, bias, activation, index, threshold)
+    ids = index if index is not None else mx.arange(num_used)
+    if ids.size == 0 or x.shape[0] == 0 or d == 0:
+        return mx.zeros(x.shape, dtype=x.dtype)
+    codes = matrix[ids]
+    col, _ = layout.part_bytes(d)
+    n_in = 2 if glu else 1
+    parts = [dequantize_blocks(codes[:, k * col : (k + 1) * col], layout.in_format, d) for k in range(n_in)]
+    rows = mx.concatenate(parts + [dequantize_blocks(codes[:, n_in * col :], layout.down_format, d)], axis=1)
+    return _ffn_of_rows(round_x_blocks(x), rows, bias, ids, activation, glu, threshold, d).astype(x.dtype)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from flashllm_ext.ops.blocks import BundleFormat
+
 FFN_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # Tolerance against the float32 reference: the kernels accumulate in float32 in another order, then round once.
 TOL = {torch.float32: (2e-5, 2e-5), torch.float16: (1e-2, 1e-2), torch.bfloat16: (4e-2, 4e-2)}
@@ -70,3 +72,41 @@ def random_compact_case(seed: int, width: int, dtype: torch.dtype, max_capacity:
     rows = torch.randperm(num_used, generator=g)[: int(torch.randint(0, num_used + 1, (1,), generator=g))]
     matrix, pointer, bias, slot_of = compact_state(capacity, width, num_used, n_neurons, torch.float32, seed)
     return [matrix.to(dtype), pointer, bias, slot_of], num_used, rows
+
+
+def quantized_case(n_tok, d, capacity, glu, layout, dtype=torch.float32, seed=0, bias=True):
+    """x [T, d], quantized bundles uint8 [capacity, row bytes] and bias, from ffn_case's float weights."""
+    x, m, b = ffn_case(n_tok, d, capacity, glu, dtype, seed=seed, bias=bias)
+    gate = m[:, d : 2 * d] if glu else None
+    return x, layout.quantize(m[:, :d], m[:, -d:].t(), gate), b
+
+
+def bad_quantized_ffn_cases() -> list[tuple[str, tuple, dict]]:
+    """(message, quantized_sparse_ffn's positional arguments, keyword arguments) of inputs every implementation
+    refuses with that RuntimeError message."""
+    layout = BundleFormat("q4_0", "q8_0")
+    x, m, b = quantized_case(2, 64, 10, False, layout)
+    name = layout.name
+    return [
+        ("x must be a 2-D", (x.long(), m, 5, b, "relu", False, name), {}),
+        ("bundle_format must be", (x, m, 5, b, "relu", False, "q4_0"), {}),
+        ("bundle_format must be", (x, m, 5, b, "relu", False, "q4_0+q5_0"), {}),
+        ("matrix must be uint8", (x, m.float(), 5, b, "relu", False, name), {}),
+        ("matrix must be uint8", (x, m, 5, b, "silu", True, name), {}),  # a GLU row holds a gate too
+        ("matrix must be uint8", (x, m, 5, b, "relu", False, "q8_0+q8_0"), {}),
+        ("matrix must be contiguous", (x, m.t().contiguous().t(), 5, b, "relu", False, name), {}),
+        ("num_used=11 is outside", (x, m, 11, b, "relu", False, name), {}),
+        ("bias must be", (x, m, 5, b[:5], "relu", False, name), {}),
+        ("activation must be one of", (x, m, 5, b, "tanh", False, name), {}),
+        ("threshold must be finite", (x, m, 5, b, "relu", False, name), {"threshold": -1.0}),
+        (
+            "index must be a 1-D int64",
+            (x, m, 5, b, "relu", False, name),
+            {"index": torch.tensor([0], dtype=torch.int32)},
+        ),
+        (
+            r"index\[1\]=5 is outside \[0, num_used=5\)",
+            (x, m, 5, b, "relu", False, name),
+            {"index": torch.tensor([0, 5])},
+        ),
+    ]

@@ -313,6 +313,49 @@ def test_mlx_transfer_rows_are_the_arrays(stores):
         fmlx.MLXTransfer().array(view)
 
 
+@pytest.fixture(scope="module")
+def quantized_stores(stores, tmp_path_factory):
+    """The Llama checkpoint of `stores` converted to q8 and q4 stores."""
+    root = tmp_path_factory.mktemp("mlx_quantized")
+    stores["llama_model"].save_pretrained(root / "ckpt")
+    return {dtype: convert(root / "ckpt", root / dtype, dtype=dtype, progress=False) for dtype in ("q8", "q4")}
+
+
+@pytest.mark.parametrize("dtype", ["q8", "q4"])
+@pytest.mark.parametrize("mode,budget", [("naive", None), ("hybrid", "90%"), ("exact", "85%"), ("flash", "97%")])
+def test_quantized_store_follows_the_torch_engine(quantized_stores, dtype, mode, budget):
+    """Every FFN mode computes a quantized store's blocks (quantized_sparse_ffn on mx.arrays): the torch engine's
+    tokens, its caches holding uint8 rows. (A budget's FFN share differs between the two: the MLX engine holds its
+    resident tensors dequantized, the torch engine in blocks; with none, naive mode reads what the torch one does.)"""
+    from flashllm_ext.predictor import LowRankPredictor, PredictorSet
+
+    path = quantized_stores[dtype]
+    s = store.FlashStore(path)
+    torch.manual_seed(3)
+    predictors = (
+        PredictorSet([LowRankPredictor(s.hidden_size, N_NEURONS, 8) for _ in range(s.n_layers)], torch.zeros(3))
+        if mode == "flash"
+        else None
+    )
+    prompt = torch.randint(3, 90, (1, 6), generator=torch.Generator().manual_seed(4))
+    options = dict(dram_budget=budget, mode=mode, predictors=predictors)
+    reference = flashllm_ext.load_flash(path, dtype=torch.float32, **options)
+    with torch.no_grad():
+        want = _greedy(reference, prompt, 16)
+    flash = fmlx.load_flash(path, dtype=torch.float32, **options)
+    assert flash.generate(prompt, 16) == want
+    got, ref = flash.stats(), reference.flash.stats()
+    assert got["tokens"] == ref["tokens"] and got["bytes_read"] > 0
+    if budget is None:
+        assert got["bytes_read"] == ref["bytes_read"] and got["steps"] == ref["steps"]
+    else:
+        assert got["accounted_bytes"] <= got["budget_bytes"]
+    if mode in ("exact", "flash"):
+        assert all(f.matrix.dtype == mx.uint8 and f.matrix.shape[1] == s.row_bytes for f in flash.ffns)
+    flash.close()
+    reference.flash.close()
+
+
 def test_bad_input(stores, tmp_path):
     s, path = stores["llama-fp32"], stores["llama-fp32"].path
     with pytest.raises(ValueError, match="Llama family"):

@@ -17,20 +17,13 @@ from flashllm_ext.ops.blocks import (
     quantize_rows,
     quantize_x_blocks,
 )
-from tests.helpers.ffn_cases import assert_close, ffn_case
+from tests.helpers.ffn_cases import assert_close, bad_quantized_ffn_cases, ffn_case, quantized_case
 from tests.helpers.native import cpu_isas, forced_isa_fixture
 
 OPS = torch.ops.flashllm
 FORMATS = [BundleFormat(i, o) for i in BLOCK_FORMATS for o in BLOCK_FORMATS]
 
 isa = forced_isa_fixture(cpu_isas(highest="avx512vnni"))
-
-
-def quantized_case(n_tok, d, capacity, glu, layout, dtype=torch.float32, seed=0, bias=True):
-    """x [T, d], quantized bundles uint8 [capacity, row bytes] and bias, from ffn_case's float weights."""
-    x, m, b = ffn_case(n_tok, d, capacity, glu, dtype, seed=seed, bias=bias)
-    gate = m[:, d : 2 * d] if glu else None
-    return x, layout.quantize(m[:, :d], m[:, -d:].t(), gate), b
 
 
 # ------------------------------------------------------------------------------------------------ blocks
@@ -152,36 +145,7 @@ def test_opcheck():
     )
 
 
-def bad_cases():
-    layout = BundleFormat("q4_0", "q8_0")
-    x, m, b = quantized_case(2, 64, 10, False, layout)
-    name = layout.name
-    return [
-        ("x must be a 2-D", (x.long(), m, 5, b, "relu", False, name), {}),
-        ("bundle_format must be", (x, m, 5, b, "relu", False, "q4_0"), {}),
-        ("bundle_format must be", (x, m, 5, b, "relu", False, "q4_0+q5_0"), {}),
-        ("matrix must be uint8", (x, m.float(), 5, b, "relu", False, name), {}),
-        ("matrix must be uint8", (x, m, 5, b, "silu", True, name), {}),  # a GLU row holds a gate too
-        ("matrix must be uint8", (x, m, 5, b, "relu", False, "q8_0+q8_0"), {}),
-        ("matrix must be contiguous", (x, m.t().contiguous().t(), 5, b, "relu", False, name), {}),
-        ("num_used=11 is outside", (x, m, 11, b, "relu", False, name), {}),
-        ("bias must be", (x, m, 5, b[:5], "relu", False, name), {}),
-        ("activation must be one of", (x, m, 5, b, "tanh", False, name), {}),
-        ("threshold must be finite", (x, m, 5, b, "relu", False, name), {"threshold": -1.0}),
-        (
-            "index must be a 1-D int64",
-            (x, m, 5, b, "relu", False, name),
-            {"index": torch.tensor([0], dtype=torch.int32)},
-        ),
-        (
-            r"index\[1\]=5 is outside \[0, num_used=5\)",
-            (x, m, 5, b, "relu", False, name),
-            {"index": torch.tensor([0, 5])},
-        ),
-    ]
-
-
-@pytest.mark.parametrize("case", bad_cases(), ids=lambda c: c[0][:30])
+@pytest.mark.parametrize("case", bad_quantized_ffn_cases(), ids=lambda c: c[0][:30])
 def test_bad_inputs(case):
     match, args, kwargs = case
     for fn in (OPS.quantized_sparse_ffn, quantized_sparse_ffn_reference):
@@ -189,7 +153,9 @@ def test_bad_inputs(case):
             fn(*args, **kwargs)
 
 
-@pytest.mark.parametrize("case", [c for c in bad_cases() if not c[0].startswith(r"index\[")], ids=lambda c: c[0][:30])
+@pytest.mark.parametrize(
+    "case", [c for c in bad_quantized_ffn_cases() if not c[0].startswith(r"index\[")], ids=lambda c: c[0][:30]
+)
 def test_fake_kernel_refuses_bad_metadata(case):
     match, args, kwargs = case
     meta = lambda v: v.to("meta") if isinstance(v, torch.Tensor) else v  # noqa: E731
