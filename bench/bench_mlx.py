@@ -1,5 +1,5 @@
 """The MLX engine (flashllm_ext.mlx.load_flash) against the torch engine (flashllm_ext.load_decoder) on the default
-model's fp16 store, in one process: greedy decode milliseconds per token in each mode at one DRAM budget, the
+model's flash store (--store: fp16, or q8 / q4 bundles), in one process: greedy decode milliseconds per token in each mode at one DRAM budget, the
 per-token breakdown (I/O, memory management, predictor, FFN compute), bytes read and whether the tokens equal the
 torch engine's dense ones. The models (each mode on both engines) run round-robin (the order rotated every round)
 and each figure is the median over the rounds. Where MLX runs on the CPU (Linux: mlx[cpu]) this measures the same
@@ -7,7 +7,7 @@ engine on a different array library, not Apple Silicon. A second table times the
 (49152 x 576, one token), on both libraries in fp16 and fp32 (interleaved medians): where the decode time goes.
 
     python -m bench.bench_mlx [--budget 50%] [--tokens 16] [--rounds 3] [--modes dense,naive,hybrid,flash]
-                              [--mlx-fp32] [--json]
+                              [--store fp16|q8|q4] [--mlx-fp32] [--json]
 """
 
 from __future__ import annotations
@@ -61,6 +61,7 @@ def main() -> None:
         action="store_true",
         help="one more MLX dense model with fp32 resident tensors and FFNs (mlx's CPU device has no fast fp16 product)",
     )
+    parser.add_argument("--store", choices=["fp16", "q8", "q4"], default="fp16", help="the store's format (convert's)")
     parser.set_defaults(rounds=3)
     args = parser.parse_args()
     if args.smoke:  # the default model is the smallest there is: a few tokens, one round
@@ -68,7 +69,7 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     gguf = fetch_default()
-    store_dir = prepare_store(gguf, resolve_cache_dir())
+    store_dir = prepare_store(gguf, resolve_cache_dir(), args.store)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
     prompt = tokenizer(PROMPT, return_tensors="pt").input_ids
     models, runs = {}, {}
@@ -109,6 +110,7 @@ def main() -> None:
             "engine": engine,
             "mode": mode,
             "dtype": dtype,
+            "store": args.store,
             "device": device,
             "tokens": args.tokens,
             "rounds": len(samples),
@@ -131,6 +133,7 @@ def main() -> None:
             "engine",
             "mode",
             "dtype",
+            "store",
             "device",
             "budget_mb",
             "ms_per_token",

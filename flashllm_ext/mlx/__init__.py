@@ -9,7 +9,7 @@ The ops live in endor.py (endor_decompress, endor_linear) and sparse_ffn.py (spa
 ops on every device: a quantized store's blocks), the Metal kernels' paths in metal.py. On these ops stands the MLX
 engine: MLXTransfer (transfer.py: a NeuronCache's rows in mx.arrays), MLXFlashFFN and MLXStreamingFFN (ffn.py:
 FlashFFN and StreamingFFN computing with sparse_ffn, or quantized_sparse_ffn, on them) and a Llama-family decoder
-with `load_flash` (model.py).
+with `load_flash` (model.py; a quantized store's resident blocks as mlx's own quantization: quantized.py).
 """
 
 from __future__ import annotations

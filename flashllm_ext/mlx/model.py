@@ -3,7 +3,8 @@
     model = flashllm_ext.mlx.load_flash(store_dir, dram_budget="50%", mode="flash")
     tokens = model.generate(prompt_ids, max_new_tokens=32); model.stats(); model.close()
 
-The resident tensors (embeddings, attention, norms) become mx.arrays; attention uses mlx's fused RoPE, RMSNorm and
+The resident tensors (embeddings, attention, norms) become mx.arrays (a quantized store's blocks QuantizedArrays of
+the same bytes, multiplied by mlx's quantized_matmul: flashllm_ext/mlx/quantized.py); attention uses mlx's fused RoPE, RMSNorm and
 scaled-dot-product attention with a key/value cache. The FFNs, by mode:
   dense   every FFN weight read once from the store into mx.arrays, computed as matrix products (the reference)
   naive   every FFN bundle re-read from the store for every forward into one staging mx.array the layers share
@@ -32,8 +33,10 @@ from flashllm_ext.runtime import deprecated_alias, parse_budget
 from flashllm_ext.flash.ffn import store_activation
 from flashllm_ext.flash.store import BIAS_ROLES, FlashStore
 from flashllm_ext.flash.reader import shared_reader
+from flashllm_ext.ops.blocks import QuantizedWeight
 from flashllm_ext.mlx.sparse_ffn import activate
 from flashllm_ext.mlx.ffn import MLXFlashFFN, MLXStreamingFFN
+from flashllm_ext.mlx.quantized import QuantizedArray
 from flashllm_ext.mlx.transfer import MX_DTYPE, MLXTransfer, to_mx
 
 MODES = ("dense", "naive", "hybrid", "flash", "exact")
@@ -61,7 +64,7 @@ class MLXLlama:
     """A Llama-family causal LM on mx.arrays (see the module doc). Built by `load_flash`.
 
     weights: resident tensors by name without the leading "model." (embed_tokens.weight, layers.{i}.self_attn.
-    q_proj.weight, ..., norm.weight, lm_head.weight when not tied); ffns: one callable per layer, x [T, d] -> [T, d];
+    q_proj.weight, ..., norm.weight, lm_head.weight when not tied), mx.arrays or QuantizedArrays; ffns: one callable per layer, x [T, d] -> [T, d];
     runtime: the flash stack (None in dense mode)."""
 
     def __init__(
@@ -88,7 +91,7 @@ class MLXLlama:
         self.decode_tokens = 0
 
     def _linear(self, x: mx.array, name: str) -> mx.array:
-        y = x @ self.w[f"{name}.weight"].T
+        y = _product(x, self.w[f"{name}.weight"])
         bias = self.w.get(f"{name}.bias")
         return y if bias is None else y + bias
 
@@ -116,7 +119,8 @@ class MLXLlama:
     def forward(self, ids: mx.array, kv: list, offset: int) -> mx.array:
         """Logits [vocab] of the last of the tokens ids [T] at positions offset.. (kv: per layer (keys, values) or
         None, extended in place)."""
-        h = self.w["embed_tokens.weight"][ids]
+        table = self.w["embed_tokens.weight"]
+        h = table.rows(ids, self.w["norm.weight"].dtype) if isinstance(table, QuantizedArray) else table[ids]
         for i in range(self.n_layers):
             prefix = f"layers.{i}"
             h = h + self._attention(
@@ -124,7 +128,7 @@ class MLXLlama:
             )
             h = h + self.ffns[i](mx.fast.rms_norm(h, self.w[f"{prefix}.post_attention_layernorm.weight"], self.eps))
         self.tokens += ids.size
-        return mx.fast.rms_norm(h[-1], self.w["norm.weight"], self.eps) @ self.lm_head.T
+        return _product(mx.fast.rms_norm(h[-1:], self.w["norm.weight"], self.eps), self.lm_head)[0]
 
     def generate(
         self, prompt_ids: Sequence[int] | np.ndarray | torch.Tensor | mx.array, max_new_tokens: int
@@ -199,6 +203,11 @@ class MLXLlama:
             self.runtime.close()
 
 
+def _product(x: mx.array, weight: mx.array | QuantizedArray) -> mx.array:
+    """x [T, cols] @ weight^T, the weight [rows, cols] held as floats or as the store's blocks."""
+    return weight.matmul_t(x) if isinstance(weight, QuantizedArray) else x @ weight.T
+
+
 def _check_llama(store: FlashStore) -> None:
     config = store.config
     if config.get("model_type") not in MODEL_TYPES:
@@ -217,12 +226,20 @@ def _check_llama(store: FlashStore) -> None:
         raise ValueError(f"{store.path}: FFN biases (mlp_bias) are not supported by the MLX decoder")
 
 
-def _resident_arrays(store: FlashStore, dtype: torch.dtype) -> dict[str, mx.array]:
-    """The store's resident tensors (predictors excepted) as mx.arrays of `dtype`, named without "model."."""
+def _resident_arrays(store: FlashStore, dtype: torch.dtype) -> dict[str, mx.array | QuantizedArray]:
+    """The store's resident tensors (predictors excepted) as mx.arrays of `dtype`, those held as blocks
+    (resident_formats: a quantized store's attention, embedding, LM head) as QuantizedArrays of the same bytes,
+    named without "model."."""
     weights = {}
     for name in store.resident_names():
-        if not name.startswith("predictor."):
-            weights[name.removeprefix("model.")] = to_mx(store.resident_tensor(name).to(dtype))
+        if name.startswith("predictor."):
+            continue
+        weight = store.resident_weight(name)
+        weights[name.removeprefix("model.")] = (
+            QuantizedArray.from_blocks(weight, MX_DTYPE[dtype])
+            if isinstance(weight, QuantizedWeight)
+            else to_mx(weight.to(dtype))
+        )
     tied = bool(store.config.get("tie_word_embeddings", False))  # (transformers' default for Llama: untied)
     needed = (
         ["embed_tokens.weight", "norm.weight"]

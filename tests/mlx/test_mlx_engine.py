@@ -17,7 +17,8 @@ from flashllm_ext.flash.transfer import HostTransfer
 
 mx = pytest.importorskip("mlx.core", reason="mlx is not importable (install the [mlx] extra: mlx[cpu] on Linux)")
 fmlx = pytest.importorskip("flashllm_ext.mlx")
-from flashllm_ext.mlx.transfer import to_mx, torch_view  # noqa: E402  (after the skip: imports mlx)
+from flashllm_ext.mlx.quantized import QuantizedArray  # noqa: E402  (after the skip: imports mlx)
+from flashllm_ext.mlx.transfer import to_mx, torch_view  # noqa: E402
 from tests.helpers.faults import read_failure_at  # noqa: E402
 from tests.helpers.models import tiny_model  # noqa: E402
 
@@ -324,8 +325,8 @@ def quantized_stores(stores, tmp_path_factory):
 @pytest.mark.parametrize("dtype", ["q8", "q4"])
 @pytest.mark.parametrize("mode,budget", [("naive", None), ("hybrid", "90%"), ("exact", "85%"), ("flash", "97%")])
 def test_quantized_store_follows_the_torch_engine(quantized_stores, dtype, mode, budget):
-    """Every FFN mode computes a quantized store's blocks (quantized_sparse_ffn on mx.arrays): the torch engine's
-    tokens, its caches holding uint8 rows. (A budget's FFN share differs between the two: the MLX engine holds its
+    """Every FFN mode computes a quantized store's blocks (quantized_sparse_ffn on mx.arrays) and its resident
+    weights held as blocks stay quantized (QuantizedArray): the torch engine's tokens, its caches holding uint8 rows. (A budget's FFN share differs between the two: the MLX engine holds its
     resident tensors dequantized, the torch engine in blocks; with none, naive mode reads what the torch one does.)"""
     from flashllm_ext.predictor import LowRankPredictor, PredictorSet
 
@@ -352,6 +353,8 @@ def test_quantized_store_follows_the_torch_engine(quantized_stores, dtype, mode,
         assert got["accounted_bytes"] <= got["budget_bytes"]
     if mode in ("exact", "flash"):
         assert all(f.matrix.dtype == mx.uint8 and f.matrix.shape[1] == s.row_bytes for f in flash.ffns)
+    held = {name.removeprefix("model.") for name in s.resident_formats}  # the attention, embedding, LM head
+    assert held and all(isinstance(flash.w[name], QuantizedArray) for name in held)
     flash.close()
     reference.flash.close()
 
