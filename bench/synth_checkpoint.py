@@ -47,7 +47,7 @@ import torch
 from tqdm.auto import tqdm
 
 from flashllm_ext.io.gguf_layout import expected_shapes, gguf_name
-from flashllm_ext.io.paths import resolve_cache_dir
+from flashllm_ext.io.paths import resolve_cache_dir, staged_file
 from flashllm_ext.io.safetensors import AlignedWriter, TensorSpec, dtype_name
 from flashllm_ext.flash.store import DTYPES
 from flashllm_ext.ops.blocks import BLOCK, BLOCK_FORMATS, block_format, quantize_rows
@@ -380,9 +380,8 @@ def synthesize_gguf(
     file_type = {"q8_0": "MOSTLY_Q8_0", "q4_0": "MOSTLY_Q4_0", "q4_1": "MOSTLY_Q4_1"}[fmt.name]
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     generator = torch.Generator().manual_seed(seed)
-    try:
+    with staged_file(path) as tmp:
         writer = gguf.GGUFWriter(str(tmp), "llama")
         writer.add_name(name)
         writer.add_context_length(config["max_position_embeddings"])
@@ -425,9 +424,6 @@ def synthesize_gguf(
                     bar.update((stop - start) * cols)
                 writer.write_tensor_data(blocks.numpy())
         writer.close()
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
     return path
 
 
@@ -518,8 +514,7 @@ def write_moe_gguf(
     kv_heads = int(config.get("num_key_value_heads") or heads)
     rotary = {"attn_q": heads, "attn_k": kv_heads} if arch == "llama" else {}  # llama.cpp's order of q/k rows
     path = Path(dst)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
+    with staged_file(path) as tmp:
         writer = gguf.GGUFWriter(str(tmp), arch)
         writer.add_name(Path(checkpoint_dir).name)
         writer.add_context_length(int(config["max_position_embeddings"]))
@@ -572,9 +567,6 @@ def write_moe_gguf(
                 blocks = quantize_rows(experts.reshape(-1, shape[-1]).float(), fmt.name)
                 writer.write_tensor_data(blocks.view(*shape[:-1], -1).numpy())
         writer.close()
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
     return path
 
 
@@ -601,17 +593,13 @@ def placeholder_tokenizer_gguf(size: int) -> Path:
     if path.is_file():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
+    with staged_file(path) as tmp:
         writer = gguf.GGUFWriter(str(tmp), "llama")
         add_placeholder_tokenizer(writer, size)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
         writer.close()
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
     return path
 
 

@@ -16,15 +16,13 @@ import json
 import math
 import os
 import re
-import secrets
 import subprocess
 import sys
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from pathlib import Path
 
 from flashllm_ext.harness.cgroup import run_limited_child
-from flashllm_ext.io.paths import create_file, resolve_cache_dir
+from flashllm_ext.io.paths import resolve_cache_dir, staged_file
 
 LLAMA_CPP_VERSION = "0.3.36"
 # A CPU build for this machine's ISA. mtmd (multimodal, "llava") is imported lazily by llama-cpp-python and never
@@ -167,20 +165,6 @@ def _run_plain(argv: list[str], timeout: float) -> tuple[list[dict], dict]:
     return rows, {"exit_status": proc.returncode}
 
 
-@contextmanager
-def _staged(dst: Path) -> Iterator[Path]:
-    """A staging file beside `dst`, renamed to `dst` when the block ends and removed when it raises: a reader of
-    `dst` never meets a partial file."""
-    tmp = dst.with_name(f".{dst.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
-    os.close(create_file(tmp, private=False))
-    try:
-        yield tmp
-        os.replace(tmp, dst)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
 def _copy_field(writer, field) -> None:
     """A GGUF reader's KV field into `writer`, with its value type (and its elements' type for an array)."""
     import gguf
@@ -202,7 +186,7 @@ def write_f16_gguf(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
     if dst.is_file() and dst.stat().st_mtime > src.stat().st_mtime:
         return dst
     reader = gguf.GGUFReader(src)
-    with _staged(dst) as tmp:
+    with staged_file(dst) as tmp:
         writer = gguf.GGUFWriter(tmp, reader.fields["general.architecture"].contents())
         for field in reader.fields.values():
             name = field.name
@@ -287,7 +271,7 @@ def write_llama_gguf(
             raise ValueError(f"{checkpoint_dir}: tensor {name} has no place in llama.cpp's llama layout")
         plan.append((name, target, np.dtype(np.float32 if len(ckpt.shape(name)) == 1 else np.float16)))
 
-    with _staged(dst) as tmp:
+    with staged_file(dst) as tmp:
         writer = gguf.GGUFWriter(tmp, "llama")
         writer.add_name(checkpoint_dir.name)
         writer.add_context_length(int(config["max_position_embeddings"]))

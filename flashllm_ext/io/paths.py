@@ -42,7 +42,7 @@ def write_atomic(path: str | os.PathLike, data: bytes, *, private: bool) -> None
     """Replaces `path` by a file holding `data`, durably: written to a new file beside it (create_file, a name of
     its own), synced, renamed over `path`, the directory synced; a crash leaves the old file or the new one."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}{_STAGING}{os.getpid()}-{secrets.token_hex(4)}")
+    tmp = _staging_name(path)
     try:
         with os.fdopen(create_file(tmp, private=private), "wb") as f:
             f.write(data)
@@ -57,6 +57,26 @@ def write_atomic(path: str | os.PathLike, data: bytes, *, private: bool) -> None
         os.fsync(fd)  # the rename itself
     finally:
         os.close(fd)
+
+
+def _staging_name(path: Path) -> Path:
+    """A name beside `path` no other writer uses (this process's id and random bytes)."""
+    return path.with_name(f".{path.name}{_STAGING}{os.getpid()}-{secrets.token_hex(4)}")
+
+
+@contextmanager
+def staged_file(path: str | os.PathLike) -> Iterator[Path]:
+    """A new empty file beside `path` (create_file, a name of its own) for the block to write by name; renamed over
+    `path` when the block ends, removed if it raises: a reader of `path` never meets a partial file."""
+    path = Path(path)
+    tmp = _staging_name(path)
+    os.close(create_file(tmp, private=False))
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 @contextmanager
