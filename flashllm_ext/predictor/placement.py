@@ -19,12 +19,10 @@ from __future__ import annotations
 
 import torch
 
+# int64 [n]: neuron ids by descending frequency (ties in id order): the order a hot set pins in, placed on flash too.
+from flashllm_ext.flash.hot_cold import most_frequent_first as frequency_order
+
 PLACEMENTS = ("frequency", "coactivation")
-
-
-def frequency_order(frequency: torch.Tensor) -> torch.Tensor:
-    """int64 [n]: neuron ids by descending frequency (ties in id order), for frequencies [n]."""
-    return frequency.float().sort(descending=True, stable=True).indices
 
 
 @torch.no_grad()
