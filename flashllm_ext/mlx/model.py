@@ -4,8 +4,8 @@
     tokens = model.generate(prompt_ids, max_new_tokens=32); model.stats(); model.close()
 
 The resident tensors (embeddings, attention, norms) become mx.arrays (a quantized store's blocks QuantizedArrays of
-the same bytes, multiplied by mlx's quantized_matmul: flashllm_ext/mlx/quantized.py); attention uses mlx's fused RoPE, RMSNorm and
-scaled-dot-product attention with a key/value cache. The FFNs, by mode:
+the same weights, multiplied by mlx's quantized_matmul: flashllm_ext/mlx/quantized.py); attention uses mlx's fused
+RoPE, RMSNorm and scaled-dot-product attention with a key/value cache. The FFNs, by mode:
   dense   every FFN weight read once from the store into mx.arrays, computed as matrix products (the reference)
   naive   every FFN bundle re-read from the store for every forward into one staging mx.array the layers share
   hybrid  as many bundles of each layer resident in mx.arrays as the budget allows, the rest re-read every forward
@@ -64,7 +64,8 @@ class MLXLlama:
     """A Llama-family causal LM on mx.arrays (see the module doc). Built by `load_flash`.
 
     weights: resident tensors by name without the leading "model." (embed_tokens.weight, layers.{i}.self_attn.
-    q_proj.weight, ..., norm.weight, lm_head.weight when not tied), mx.arrays or QuantizedArrays; ffns: one callable per layer, x [T, d] -> [T, d];
+    q_proj.weight, ..., norm.weight, lm_head.weight when not tied), mx.arrays or QuantizedArrays; ffns: one callable
+    per layer, x [T, d] -> [T, d];
     runtime: the flash stack (None in dense mode)."""
 
     def __init__(

@@ -37,7 +37,8 @@ class QuantizedArray:
 
     @classmethod
     def from_blocks(cls, weight: QuantizedWeight, dtype: mx.Dtype = mx.float16) -> QuantizedArray:
-        """The same weights as `weight`'s GGUF blocks; scales and biases in `dtype` (float16 holds them exactly)."""
+        """The same weights as `weight`'s GGUF blocks, for activations of `dtype`: scales and biases in float16, which
+        holds them exactly (bfloat16 would not), or float32 for float32 activations."""
         f = block_format(weight.fmt)
         rows = weight.blocks.shape[0]
         blocks = weight.blocks.reshape(rows, -1, f.block_bytes)
@@ -53,7 +54,8 @@ class QuantizedArray:
         shifts = torch.arange(per_word, dtype=torch.int64) * f.bits
         words = (q.reshape(rows, -1, per_word) << shifts).sum(-1)  # < 2^32: the codes' bits do not overlap
         codes = mx.array(words.numpy().astype(np.uint32))
-        return cls(codes, mx.array(d.numpy()).astype(dtype), mx.array(bias.numpy()).astype(dtype), f.bits, weight.cols)
+        exact = mx.float32 if dtype == mx.float32 else mx.float16
+        return cls(codes, mx.array(d.numpy()).astype(exact), mx.array(bias.numpy()).astype(exact), f.bits, weight.cols)
 
     @property
     def nbytes(self) -> int:
@@ -64,10 +66,12 @@ class QuantizedArray:
         return x if pad == 0 else mx.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)])
 
     def matmul_t(self, x: mx.array) -> mx.array:
-        """x [..., cols] @ W^T -> [..., rows] (an nn.Linear's product)."""
-        return mx.quantized_matmul(
+        """x [..., cols] @ W^T -> [..., rows] of x's dtype (an nn.Linear's product; bfloat16 x meets float16 scales
+        in float32)."""
+        y = mx.quantized_matmul(
             self._padded(x), self.codes, self.scales, self.biases, transpose=True, group_size=GROUP, bits=self.bits
         )
+        return y.astype(x.dtype)
 
     def rows(self, ids: mx.array, dtype: mx.Dtype) -> mx.array:
         """Rows `ids` dequantized (an embedding's lookup) -> [len(ids), cols] of `dtype`, computed in float32."""

@@ -28,3 +28,16 @@ def test_blocks_become_the_same_weights(fmt, cols):
     )
     np.testing.assert_allclose(got, (x @ want.t()).numpy(), rtol=1e-5, atol=1e-5)
     assert weight.nbytes == 6 * -(-cols // 32) * BYTES_PER_BLOCK[fmt]
+
+
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+def test_half_activations_keep_their_dtype_and_the_exact_scales(dtype):
+    g = torch.Generator().manual_seed(1)
+    blocks = quantize_rows(torch.randn(8, 64, generator=g) * 0.3, "q4_1")
+    weight = QuantizedArray.from_blocks(QuantizedWeight(blocks, "q4_1", 64), dtype)
+    assert weight.scales.dtype == mx.float16  # bfloat16 would round the file's float16 scales
+    x = torch.randn(2, 64, generator=g)
+    got = weight.matmul_t(mx.array(x.numpy()).astype(dtype))
+    assert got.dtype == dtype
+    want = (x @ dequantize_rows(blocks, "q4_1", 64).t()).numpy()
+    np.testing.assert_allclose(np.array(got.astype(mx.float32)), want, rtol=0.05, atol=0.05 * np.abs(want).max())
