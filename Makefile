@@ -51,7 +51,9 @@ lint: deps
 
 # The native extensions built with AddressSanitizer and UndefinedBehaviorSanitizer in their own folder
 # (build-asan/lib holds a whole package, which the tests import first), then the fast tests against them (about
-# 2 minutes; the slow ones load the real model or build the wheel, no native code the fast ones miss).
+# 12 minutes on 2 cores; the slow ones load the real model or build the wheel, no native code the fast ones miss).
+# Left out too, as `make test` runs them: the tests whose native calls the ops, store, engine, decoder and KV tests
+# make already (the command line, the benchmarks' harnesses, llama.cpp's, the hub, the demos, the MLX engine).
 # python itself is not instrumented, so libasan is preloaded, and libstdc++ with it: python does not link libstdc++,
 # and ASan must find the real __cxa_throw when it starts or it aborts at the first C++ exception.
 # LeakSanitizer is off: python and torch keep interned objects, caches and op registries alive until exit on
@@ -59,13 +61,14 @@ lint: deps
 # sanitizers' reports (written to file descriptor 2) on the terminal; pytest would otherwise capture and lose them
 # when a report aborts the process.
 SANITIZE := -fsanitize=address,undefined -fno-omit-frame-pointer
+SANITIZE_SKIP := $(addprefix --ignore=tests/,test_cli.py bench harness hub demos mlx)
 sanitize: build
 	rm -rf build-asan/lib  # setup.py build copies modules in but never removes one: a moved module would linger
 	CFLAGS="-g $(SANITIZE)" LDFLAGS="$(SANITIZE)" $(PYTHON) setup.py -q build --build-base build-asan \
 		--build-lib build-asan/lib
 	LD_PRELOAD="$$($${CXX:-c++} -print-file-name=libasan.so) $$($${CXX:-c++} -print-file-name=libstdc++.so)" \
 		ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
-		$(PYTHON) -m pytest -q -m "not slow" -o pythonpath=build-asan/lib --capture=sys
+		$(PYTHON) -m pytest -q -m "not slow" -o pythonpath=build-asan/lib --capture=sys $(SANITIZE_SKIP)
 
 # The main job (text generated with the FFN weights on flash, every engine mode), then Endor compression.
 demo: build

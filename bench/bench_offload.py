@@ -4,7 +4,9 @@ process's baseline + the budget (page cache counted, dropped first; bench/common
 
 Modes (flashllm_ext.offload): dense (dense layer store), endor (Endor store on dense's placement: the same layers in
 memory, dense), endor+more-resident (in-memory layers kept compressed: more of them fit), and accelerate (transformers +
-accelerate device_map disk offload of the same pruned checkpoint, max_memory = the budget). Same prompt, same number
+accelerate device_map disk offload of the same pruned checkpoint, max_memory = the budget). Asked for by --modes: q8
+and q4, dense mode on a layer store of the same checkpoint quantized to GGUF blocks (q8_0, q4_0), computed as stored
+(quantized_linear), at the same budget (a share of the fp16 model). Same prompt, same number
 of greedy decode tokens; ms_per_token is the median decode token; read_ms (exposed read wait), decompress_ms,
 compute_ms (decoder-layer time minus both), bytes_read_per_token and reads are the runtime's per-token means over the
 decode tokens; proc_read_mb_per_token is the child's storage reads from /proc/self/io (every mode, accelerate
@@ -44,6 +46,7 @@ from flashllm_ext.errors import FormatError
 from flashllm_ext.io.paths import resolve_cache_dir
 
 MODES = ("accelerate", "dense", "endor", "endor+more-resident")
+QUANTIZED_MODES = ("q8", "q4")  # dense mode on the quantized layer store of that dtype; run when asked for
 KEYS = (
     "bench",
     "model",
@@ -119,7 +122,7 @@ def run_child(config: dict) -> dict:
             model = load_offload(
                 config["store"],
                 config["budget_bytes"],
-                mode=mode,
+                mode="dense" if mode in QUANTIZED_MODES else mode,
                 threads=config["threads"],
                 layers_in_memory=config.get("layers_in_memory"),
                 device=device,
@@ -250,19 +253,20 @@ def pruned_default(cache: Path, sparsity: float = 0.5, calibration_tokens: int =
     return path
 
 
-def layer_stores(hf_dir: Path, cache: Path) -> dict[str, Path]:
-    """The dense and Endor layer stores of a checkpoint, converted once."""
+def layer_stores(hf_dir: Path, cache: Path, quantized: list[str]) -> dict[str, Path]:
+    """The dense and Endor layer stores of a checkpoint, and those of the `quantized` dtypes, converted once."""
     from flashllm_ext.offload.store import LayerStore
     from flashllm_ext.offload.convert import convert_offload
 
     stores = {}
-    for kind, compress in (("dense", False), ("endor", True)):
+    kinds = [("dense", "fp16", False), ("endor", "fp16", True), *((q, q, False) for q in quantized)]
+    for kind, dtype, compress in kinds:
         path = cache / f"{hf_dir.name.removesuffix('-hf')}-{kind}"
         try:
             LayerStore(path)
         except (OSError, FormatError):
             print(f"converting {hf_dir} into the {kind} layer store {path} (once)", file=sys.stderr)
-            convert_offload(hf_dir, path, dtype="fp16", endor_compress=compress, force=True)
+            convert_offload(hf_dir, path, dtype=dtype, endor_compress=compress, force=True)
         stores[kind] = path
     return stores
 
@@ -316,11 +320,15 @@ def ratios(medians: list[dict]) -> dict:
         "endor_vs_dense": ("dense", "endor", "ms_per_token"),
         "more_resident_vs_accelerate": ("accelerate", "endor+more-resident", "ms_per_token"),
         "more_resident_vs_dense": ("dense", "endor+more-resident", "ms_per_token"),
+        "q8_vs_dense": ("dense", "q8", "ms_per_token"),
+        "q4_vs_dense": ("dense", "q4", "ms_per_token"),
+        "q4_vs_accelerate": ("accelerate", "q4", "ms_per_token"),
     }.items():
         if a in by and b in by:
             out[name] = by[a][key] / by[b][key]
-    if "dense" in by and "endor" in by and by["dense"]["bytes_read_per_token"]:
-        out["endor_bytes_vs_dense"] = by["endor"]["bytes_read_per_token"] / by["dense"]["bytes_read_per_token"]
+    for mode in ("endor", *QUANTIZED_MODES):
+        if "dense" in by and mode in by and by["dense"]["bytes_read_per_token"]:
+            out[f"{mode}_bytes_vs_dense"] = by[mode]["bytes_read_per_token"] / by["dense"]["bytes_read_per_token"]
     return out
 
 
@@ -392,7 +400,11 @@ def main(argv: list[str] | None = None) -> None:
         )
     else:
         hf_dir, name = pruned_default(cache), "SmolLM2-135M-Instruct (Wanda 50%, attention + FFN)"
-    stores = layer_stores(hf_dir, cache)
+    modes = [m for m in args.modes.split(",") if m]
+    unknown = [m for m in modes if m not in (*MODES, *QUANTIZED_MODES)]
+    if unknown:
+        parser.error(f"--modes: unknown {unknown} (known: {', '.join((*MODES, *QUANTIZED_MODES))})")
+    stores = layer_stores(hf_dir, cache, [m for m in modes if m in QUANTIZED_MODES])
     from flashllm_ext.offload.store import LayerStore
     from flashllm_ext.offload.placement import default_slots, plan_placement
     from flashllm_ext.flash.reader import host_bounce_bytes, select_read_path
@@ -445,7 +457,6 @@ def main(argv: list[str] | None = None) -> None:
         "offload_dir": str(cache / f"accelerate-{hf_dir.name}"),
     }
     baseline = measure_baseline(base)
-    modes = [m for m in args.modes.split(",") if m]
     jobs = [(m, s) for m in modes for s in ([None] if m == "accelerate" else slot_counts)]  # accelerate has none
     rows = []
     for round_index, (mode, slots) in [(r, j) for r in range(args.rounds) for j in jobs]:  # round-robin
@@ -453,7 +464,7 @@ def main(argv: list[str] | None = None) -> None:
         config = {
             **base,
             "mode": mode,
-            "store": str(stores["dense" if mode == "dense" else "endor"]),
+            "store": str(stores[mode if mode in ("dense", *QUANTIZED_MODES) else "endor"]),
             "slots": slots or slot_counts[0],
             "layers_in_memory": placement.in_memory if mode == "endor" else None,
             "layers_on_device": placement.on_device if mode == "endor" and cuda else None,

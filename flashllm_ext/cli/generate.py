@@ -144,6 +144,7 @@ def _run_transformers(args: argparse.Namespace) -> int:
 
 
 def _offload(args: argparse.Namespace) -> int:
+    from flashllm_ext.flash.quantized_rows import describe_sources
     from flashllm_ext.offload.store import LayerStore
     from flashllm_ext.offload.convert import convert_offload
     from flashllm_ext.offload import load_offload
@@ -151,13 +152,14 @@ def _offload(args: argparse.Namespace) -> int:
     if not args.convert and (args.endor or args.dtype or args.force):
         raise SystemExit("flashllm offload: --endor, --dtype and --force apply to --convert")
     if args.convert:
-        print(
-            LayerStore(
-                convert_offload(
-                    args.convert, args.store, dtype=args.dtype or "fp16", endor_compress=args.endor, force=args.force
-                )
+        store = LayerStore(
+            convert_offload(
+                args.convert, args.store, dtype=args.dtype or "fp16", endor_compress=args.endor, force=args.force
             )
         )
+        print(store)
+        if store.tensor_sources:
+            print(f"layer matrices: {describe_sources([store.tensor_sources])}")
         return 0
     if not args.tokenizer:
         raise SystemExit("flashllm offload: --tokenizer is needed to generate (or --convert CHECKPOINT to write)")
@@ -181,7 +183,12 @@ def add_offload(sub: argparse._SubParsersAction) -> None:
     p.add_argument("store", help="a layer store directory (written by --convert)")
     p.add_argument("--convert", metavar="CHECKPOINT", help="write the store from this HF directory or .gguf file")
     p.add_argument("--endor", action="store_true", help="with --convert: Endor-compress the matrices (pruned models)")
-    p.add_argument("--dtype", choices=("fp16", "bf16", "fp32"), help="with --convert: the stored dtype (default fp16)")
+    p.add_argument(
+        "--dtype",
+        choices=("fp16", "bf16", "fp32", "q8", "q4"),
+        help="with --convert: the stored dtype (default fp16); q8 / q4: the layers' matrices as GGUF blocks (a GGUF's "
+        "Q8_0 / Q4_0 / Q4_1 blocks kept bit for bit), computed as stored",
+    )
     p.add_argument("--force", action="store_true", help="with --convert: replace the layer store if there is one")
     p.add_argument("--tokenizer", help="the checkpoint's .gguf file or Hugging Face directory")
     p.add_argument("--prompt", default="The three primary colors are")

@@ -52,7 +52,7 @@ from flashllm_ext.flash.quantized_rows import (
     DEFAULT_DOWN_FORMAT,
     QUANTIZED_DTYPES,
     QUANTIZED_FLOAT_DTYPE,
-    input_format,
+    commonest_format,
     layer_tensor_sources,
     quantized_bundles,
     resident_block_formats,
@@ -193,7 +193,8 @@ def convert(
             raise ValueError(f"neuron_order: {problem or 'an MoE model keeps the rows of each expert together'}")
     bundle_format, sources = None, None
     if quantized:
-        bundle_format = BundleFormat(input_format(ckpt, bundled, QUANTIZED_DTYPES[dtype]), down_format)
+        up_gate = (roles[r] for layer in bundled.values() for roles in layer for r in ("up", "gate") if r in roles)
+        bundle_format = BundleFormat(commonest_format(ckpt, up_gate, QUANTIZED_DTYPES[dtype]), down_format)
         sources = [layer_tensor_sources(ckpt, parts[0], bundle_format) for parts in bundled.values()]
     metadata = _bundles_metadata(
         ckpt.config, float_dtype, ffn, hidden, glu, endor, list(layers.values()), bundle_format, sources

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
+from collections.abc import Iterable
 
 import torch
 
@@ -24,11 +25,10 @@ FLOAT_SOURCES = ("F16", "BF16", "F32", "F64")  # tensor types a quantized store 
 CHUNK_BYTES = 32 << 20
 
 
-def input_format(ckpt: Checkpoint, layers: dict[int, list[dict[str, str]]], formats: tuple[str, ...]) -> str:
-    """The one of `formats` most up/gate tensors already have (their blocks are kept), the first on a tie; layers:
-    per layer the role maps of its parts (_bundled_roles)."""
-    parts = [roles for layer in layers.values() for roles in layer]
-    types = Counter(ckpt.source_type(roles[r]) for roles in parts for r in ("up", "gate") if r in roles)
+def commonest_format(ckpt: Checkpoint, names: Iterable[str], formats: tuple[str, ...]) -> str:
+    """The one of `formats` most of tensors `names` already have in the file (their blocks are kept), the first on
+    a tie."""
+    types = Counter(ckpt.source_type(name) for name in names)
     return max(formats, key=lambda f: (types[f.upper()], f == formats[0]))
 
 

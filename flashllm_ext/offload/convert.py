@@ -1,4 +1,5 @@
-"""convert_offload: a checkpoint into a layer store, dense or Endor, written to staging and installed whole."""
+"""convert_offload: a checkpoint into a layer store, dense, Endor or quantized, written to staging and installed
+whole."""
 
 from __future__ import annotations
 
@@ -12,11 +13,18 @@ import torch
 from tqdm.auto import tqdm
 
 from flashllm_ext import endor
-from flashllm_ext.io.checkpoint import Checkpoint, open_checkpoint, unsupported_model
+from flashllm_ext.io.checkpoint import Checkpoint, GGUFCheckpoint, open_checkpoint, unsupported_model
 from flashllm_ext.errors import FormatError
 from flashllm_ext.io.paths import check_out_dir, install_dir, staging_dir
 from flashllm_ext.io.safetensors import AlignedWriter, TensorSpec, save_tensors
 from flashllm_ext.io.buffers import ALIGNMENT
+from flashllm_ext.flash.quantized_rows import (
+    FLOAT_SOURCES,
+    QUANTIZED_DTYPES,
+    QUANTIZED_FLOAT_DTYPE,
+    commonest_format,
+    quantize_in_chunks,
+)
 from flashllm_ext.flash.store import DTYPES
 from flashllm_ext.offload.store import (
     END_TENSOR,
@@ -59,17 +67,32 @@ def convert_offload(
     progress: bool = True,
 ) -> Path:
     """Write a layer store of `checkpoint` (a Hugging Face safetensors directory, a GGUF file, or a Checkpoint such
-    as `TensorsCheckpoint(config, state_dict)`) at `out_dir`, one tensor in memory at a time. endor_compress: store
-    each matrix as Endor where that is smaller than dense (pruned weights); a first pass counts the non-zeros (the
-    header declares every length before any data). Atomic (written under a temporary name, then renamed); refuses
-    to replace `out_dir` unless `force`, and even then anything but a layer store or an empty directory
-    (paths.check_out_dir). Returns `out_dir`, absolute."""
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    as `TensorsCheckpoint(config, state_dict)`) at `out_dir`, one tensor in memory at a time.
+
+    dtype: "fp16", "bf16" or "fp32", or "q8" / "q4": every decoder-layer matrix as rows of GGUF blocks (q8_0; q4_0
+    or q4_1), which the decoder multiplies by as they are (ops.quantized_linear), the resident tensors in float16.
+    A GGUF matrix already in such a format keeps its blocks bit for bit (the blocks of every Linear weight run along
+    its input dimension, W_down's too); any other is quantized, round to nearest, to the format most of the file's
+    matrices have (the first one on a tie). store.tensor_sources records each matrix's path.
+    endor_compress: store each matrix as Endor where that is smaller than dense (pruned weights; float dtypes); a
+    first pass counts the non-zeros (the header declares every length before any data). Atomic (written under a
+    temporary name, then renamed); refuses to replace `out_dir` unless `force`, and even then anything but a layer
+    store or an empty directory (paths.check_out_dir). Returns `out_dir`, absolute."""
+    if dtype not in DTYPES and dtype not in QUANTIZED_DTYPES:
+        raise ValueError(f"dtype must be one of {[*DTYPES, *QUANTIZED_DTYPES]}, got {dtype!r}")
+    if endor_compress and dtype in QUANTIZED_DTYPES:
+        raise ValueError(f"Endor compression takes float matrices (dtype {list(DTYPES)}), not {dtype!r} blocks")
     out_dir = check_out_dir(out_dir, force, STORE_FILES, None if isinstance(checkpoint, Checkpoint) else checkpoint)
     ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else open_checkpoint(checkpoint)
-    torch_dtype = DTYPES[dtype]
+    quantized = dtype in QUANTIZED_DTYPES
+    torch_dtype = DTYPES[QUANTIZED_FLOAT_DTYPE if quantized else dtype]
     layers = _layer_matrices(ckpt)
+    block_forms = {}
+    if quantized:
+        formats = QUANTIZED_DTYPES[dtype]
+        fallback = commonest_format(ckpt, (n for names in layers for n in names), formats)
+        kept = {n: ckpt.source_type(n).lower() for names in layers for n in names if _keeps_blocks(ckpt, n, formats)}
+        block_forms = {n: kept.get(n, fallback) for names in layers for n in names}
     nnz: dict[str, int] = {}
     if endor_compress:
         for names in tqdm(layers, desc="counting non-zeros", unit="layer", disable=not progress):
@@ -85,7 +108,8 @@ def convert_offload(
             compressed = (
                 name in nnz and nnz[name] * item + rows * ((cols + 7) // 8) + (rows + 1) * 8 < rows * cols * item
             )
-            layer.append(MatrixEntry(name, (rows, cols), compressed))
+            form = block_forms.get(name) or ("endor" if compressed else "dense")
+            layer.append(MatrixEntry(name, (rows, cols), form))
         entries.append(layer)
     # A layer is one read range: its first tensor starts on a block (a zero-filled `layers.{l}.align` tensor fills
     # the gap), the rest follow TENSOR_ALIGNMENT apart, so the padding costs at most a block per layer.
@@ -108,8 +132,10 @@ def convert_offload(
         "dtype": dtype,
         "alignment": str(ALIGNMENT),
         "tensor_alignment": str(TENSOR_ALIGNMENT),
-        "layers": json.dumps([[[e.name, list(e.shape), int(e.endor)] for e in layer] for layer in entries]),
+        "layers": json.dumps([[[e.name, list(e.shape), e.form] for e in layer] for layer in entries]),
     }
+    if quantized:
+        metadata["tensor_sources"] = json.dumps({e.name: _source(ckpt, e) for layer in entries for e in layer})
     tmp = staging_dir(out_dir)
     try:
         with AlignedWriter(tmp / LAYERS_FILE, specs, metadata, ALIGNMENT, TENSOR_ALIGNMENT) as writer:
@@ -117,7 +143,7 @@ def convert_offload(
                 if pad is not None:
                     writer.write(pad.name, torch.zeros(pad.shape, dtype=torch.uint8))
                 for e in layer:
-                    w = ckpt[e.name].to(torch_dtype)
+                    w = _stored(ckpt, e, torch_dtype)
                     if e.endor:
                         compressed = endor.compress(w)
                         for part in endor.PARTS:
@@ -140,12 +166,36 @@ def convert_offload(
     return out_dir
 
 
+def _keeps_blocks(ckpt: Checkpoint, name: str, formats: tuple[str, ...]) -> bool:
+    """Whether matrix `name` is copied block for block: a GGUF tensor already in one of `formats`."""
+    return isinstance(ckpt, GGUFCheckpoint) and ckpt.source_type(name).lower() in formats
+
+
+def _stored(ckpt: Checkpoint, entry: MatrixEntry, dtype: torch.dtype) -> torch.Tensor:
+    """Matrix `entry` as the store holds it before any Endor compression: its blocks (kept from the file, or
+    quantized), or floats in `dtype`."""
+    if not entry.block_format:
+        return ckpt[entry.name].to(dtype)
+    if _keeps_blocks(ckpt, entry.name, (entry.block_format,)):
+        return ckpt.raw_blocks(entry.name)[0]
+    return quantize_in_chunks(ckpt[entry.name], entry.block_format)
+
+
+def _source(ckpt: Checkpoint, entry: MatrixEntry) -> str:
+    """How a quantized store's matrix reached it: "kept Q4_1 blocks", "quantized F16 -> q8_0", "requantized Q6_K
+    -> q4_0"."""
+    kind = ckpt.source_type(entry.name)
+    if _keeps_blocks(ckpt, entry.name, (entry.block_format,)):
+        return f"kept {kind} blocks"
+    return f"{'quantized' if kind in FLOAT_SOURCES else 'requantized'} {kind} -> {entry.block_format}"
+
+
 def _verify(store: LayerStore, ckpt: Checkpoint, dtype: torch.dtype) -> None:
-    """Read the first matrix of every layer back and compare it with the checkpoint's, bit for bit."""
+    """Read the first matrix of every layer back and compare it with what was written, bit for bit."""
     for layer in range(store.n_layers):
-        name = store.layers[layer][0].name
-        got = store.matrix(layer, name)
-        got = got.decompress() if isinstance(got, endor.EndorTensor) else got
-        want = ckpt[name].to(dtype)
+        entry = store.layers[layer][0]
+        got = store.matrix(layer, entry.name)
+        got = got.decompress() if isinstance(got, endor.EndorTensor) else getattr(got, "blocks", got)
+        want = _stored(ckpt, entry, dtype)
         if not torch.equal(got.view(torch.uint8), want.contiguous().view(torch.uint8)):
-            raise RuntimeError(f"{store.path}: read-back of {name} differs from what was written")
+            raise RuntimeError(f"{store.path}: read-back of {entry.name} differs from what was written")

@@ -15,6 +15,7 @@ from flashllm_ext import endor, ops
 from flashllm_ext.flash.reader import FlashReader, ReadStats, select_read_path
 from flashllm_ext.io.buffers import ALIGNMENT, aligned_buffer
 from flashllm_ext.offload.placement import Placement, decompress_block_rows
+from flashllm_ext.ops.blocks import QuantizedWeight
 from flashllm_ext.offload.store import LayerStore
 from flashllm_ext.runtime import Runtime, deprecated_alias
 
@@ -49,8 +50,8 @@ class OffloadStats:
 
 
 class OffloadedLinear(nn.Module):
-    """A decoder layer's Linear whose weight the runtime provides per forward: dense or Endor, resident or in a
-    slot. The bias (if any) stays a parameter here."""
+    """A decoder layer's Linear whose weight the runtime provides per forward: dense, Endor or quantized (blocks),
+    resident or in a slot. The bias (if any) stays a parameter here."""
 
     def __init__(
         self, runtime: OffloadRuntime, layer: int, name: str, shape: tuple[int, int], bias: nn.Parameter | None
@@ -160,7 +161,7 @@ class OffloadRuntime(Runtime):
         return self.resident_bytes + self.placement.device_bytes if self._cuda else None
 
     # -- per forward
-    def weight(self, layer: int, name: str) -> torch.Tensor | endor.EndorTensor:
+    def weight(self, layer: int, name: str) -> torch.Tensor | endor.EndorTensor | QuantizedWeight:
         if layer < self.layers_on_device:
             return self.memory[layer][name]
         slot = self._slot_of[layer]
@@ -169,12 +170,16 @@ class OffloadRuntime(Runtime):
             views = self._views[(slot, layer)] = self._layer_views(slot, layer)
         return views[name]
 
-    def linear(self, x: torch.Tensor, w: torch.Tensor | endor.EndorTensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def linear(
+        self, x: torch.Tensor, w: torch.Tensor | endor.EndorTensor | QuantizedWeight, bias: torch.Tensor | None
+    ) -> torch.Tensor:
         if isinstance(w, torch.Tensor):
             return F.linear(x, w, bias)
         rows, cols = w.shape
         flat = x.reshape(-1, cols)
         bias = None if bias is None else bias.detach()
+        if isinstance(w, QuantizedWeight):
+            return ops.quantized_linear(flat, w.blocks, weight_format=w.fmt, bias=bias).reshape(*x.shape[:-1], rows)
         max_tokens = CUDA_LINEAR_MAX_TOKENS if self._cuda else LINEAR_MAX_TOKENS
         if self.compute == "linear" or (self.compute == "auto" and flat.shape[0] <= max_tokens):
             y = ops.endor_linear(flat, w.values, w.bitmap, w.row_offsets, n_cols=cols, bias=bias)
@@ -298,8 +303,8 @@ class OffloadRuntime(Runtime):
         self.counters.read_wall_s += fetched.wall_s
 
     def _layer_views(self, slot: int, layer: int) -> dict:
-        """Tensors over the slot's bytes for each weight of `layer` (dense, or an unvalidated EndorTensor: the
-        kernels check every row they read)."""
+        """Tensors over the slot's bytes for each weight of `layer` (dense, a QuantizedWeight, or an unvalidated
+        EndorTensor: the kernels check every row they read)."""
         buffer, base = self._slots[slot], self.store.layer_range(layer)[0]
 
         def part(name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
@@ -318,6 +323,9 @@ class OffloadRuntime(Runtime):
                     e.shape,
                     validate=False,
                 )
+            elif e.block_format:
+                blocks = self.store.entry(e.name)
+                views[e.name] = QuantizedWeight(part(e.name, torch.uint8, blocks.shape), e.block_format, e.shape[1])
             else:
                 views[e.name] = part(e.name, self.store.dtype, e.shape)
         return views

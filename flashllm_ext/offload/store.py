@@ -15,11 +15,17 @@ from flashllm_ext import endor
 from flashllm_ext.errors import FormatError
 from flashllm_ext.io.safetensors import ResidentFile, TensorEntry, TensorSpec, dtype_name, owned_tensor, read_header
 from flashllm_ext.io.buffers import ALIGNMENT
+from flashllm_ext.flash.quantized_rows import QUANTIZED_DTYPES, QUANTIZED_FLOAT_DTYPE
 from flashllm_ext.flash.store import BUNDLES_FILE, DTYPES, parse_model_config
+from flashllm_ext.ops.blocks import BLOCK_FORMATS, QuantizedWeight
 
 
 MAGIC = "flashllm-offload"
-FORMAT_VERSION = "1"
+# 2: a matrix's form is a name ("dense", "endor" or a block format) and the dtype may be a quantized one; 1 (still
+# read): the form was 0 / 1 for dense / Endor. A reader refuses versions it does not know.
+FORMAT_VERSION = "2"
+READ_VERSIONS = ("1", FORMAT_VERSION)
+FORMS = ("dense", "endor", *BLOCK_FORMATS)
 LAYERS_FILE = "layers.safetensors"
 RESIDENT_FILE = "resident.safetensors"
 STORE_FILES = (LAYERS_FILE, RESIDENT_FILE)  # what convert_offload writes: --force replaces these only
@@ -36,16 +42,36 @@ def round_up(n: int, alignment: int) -> int:
 
 @dataclass(frozen=True)
 class MatrixEntry:
-    """One decoder-layer Linear weight in the store: its checkpoint name, shape and form."""
+    """One decoder-layer Linear weight in the store: its checkpoint name, shape [rows, cols] and form: "dense"
+    (floats in the store's dtype), "endor" (values + bitmap + row offsets) or a block format (ops.blocks: each row
+    its GGUF blocks, uint8 [rows, row_bytes(cols)])."""
 
     name: str
     shape: tuple[int, int]
-    endor: bool
+    form: str
+
+    @property
+    def endor(self) -> bool:
+        return self.form == "endor"
+
+    @property
+    def block_format(self) -> str | None:
+        return self.form if self.form in BLOCK_FORMATS else None
+
+    def memory_bytes(self, dtype: torch.dtype) -> int:
+        """Bytes of the matrix as it is multiplied: dense floats, or its blocks (a quantized matrix stays quantized
+        in memory)."""
+        rows, cols = self.shape
+        if self.block_format:
+            return rows * BLOCK_FORMATS[self.block_format].row_bytes(cols)
+        return rows * cols * dtype.itemsize
 
     def specs(self, dtype: torch.dtype, nnz: int) -> list[TensorSpec]:
+        rows, cols = self.shape
+        if self.block_format:
+            return [TensorSpec(self.name, "U8", (rows, BLOCK_FORMATS[self.block_format].row_bytes(cols)))]
         if not self.endor:
             return [TensorSpec(self.name, dtype_name(dtype), self.shape)]
-        rows, cols = self.shape
         return [
             TensorSpec(f"{self.name}.values", dtype_name(dtype), (nnz,)),
             TensorSpec(f"{self.name}.bitmap", "U8", (rows, (cols + 7) // 8)),
@@ -57,8 +83,11 @@ class LayerStore:
     """An opened, validated layer store (see the module doc). Raises FileNotFoundError where there is none (saying
     what is there instead), FormatError naming file and field for a broken one.
 
-    layers[l]: the MatrixEntry of each Linear weight of decoder layer l; layer_range(l): (file offset, bytes) of the
-    layer's one aligned read range; dense_bytes(l) / stored_bytes(l): its weights dense / as stored."""
+    dtype: the float dtype of the dense matrices, the resident tensors and the activations (float16 in a quantized
+    store); quantized: the quantized dtype ("q8", "q4": its matrices in block formats) or None. layers[l]: the
+    MatrixEntry of each Linear weight of decoder layer l; layer_range(l): (file offset, bytes) of the layer's one
+    aligned read range; dense_bytes(l) / stored_bytes(l): its weights as multiplied (dense floats, or blocks) / as
+    stored."""
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
@@ -82,32 +111,49 @@ class LayerStore:
         for file, m in ((self.layers_path, meta), (self.resident_path, resident_meta)):
             if m.get("magic") != MAGIC:
                 raise FormatError("__metadata__.magic", f"expected {MAGIC!r}, got {m.get('magic')!r}", file)
-            if m.get("format_version") != FORMAT_VERSION:
+            if m.get("format_version") not in READ_VERSIONS:
                 raise FormatError(
                     "__metadata__.format_version",
-                    f"unsupported version {m.get('format_version')!r} (this library reads {FORMAT_VERSION})",
+                    f"unsupported version {m.get('format_version')!r} (this library reads {list(READ_VERSIONS)})",
                     file,
                 )
-        if meta.get("dtype") not in DTYPES:
+        dtypes = [*DTYPES, *QUANTIZED_DTYPES]
+        if meta.get("dtype") not in dtypes:
             raise FormatError(
-                "__metadata__.dtype", f"must be one of {sorted(DTYPES)}, got {meta.get('dtype')!r}", self.layers_path
+                "__metadata__.dtype", f"must be one of {dtypes}, got {meta.get('dtype')!r}", self.layers_path
             )
-        self.dtype = DTYPES[meta["dtype"]]
+        self.quantized = meta["dtype"] if meta["dtype"] in QUANTIZED_DTYPES else None
+        self.dtype = DTYPES[QUANTIZED_FLOAT_DTYPE if self.quantized else meta["dtype"]]
         for key, value in (("alignment", ALIGNMENT), ("tensor_alignment", TENSOR_ALIGNMENT)):
             if meta.get(key) != str(value):
                 raise FormatError(f"__metadata__.{key}", f"must be {value}, got {meta.get(key)!r}", self.layers_path)
         self.config = parse_model_config(meta.get("config"), self.layers_path, resident.tensors)
+        version_1 = meta["format_version"] == "1"
         try:
             raw_layers = json.loads(meta.get("layers", ""))
             self.layers = [
-                [MatrixEntry(str(n), (int(s[0]), int(s[1])), bool(e)) for n, s, e in layer] for layer in raw_layers
+                [
+                    MatrixEntry(str(n), (int(s[0]), int(s[1])), ("endor" if f else "dense") if version_1 else f)
+                    for n, s, f in layer
+                ]
+                for layer in raw_layers
             ]
         except (json.JSONDecodeError, TypeError, ValueError, IndexError) as e:
             raise FormatError(
-                "__metadata__.layers", f"not a list of [name, [rows, cols], endor] per layer ({e})", self.layers_path
+                "__metadata__.layers", f"not a list of [name, [rows, cols], form] per layer ({e})", self.layers_path
             ) from None
         if not self.layers or not all(self.layers):
             raise FormatError("__metadata__.layers", "no layers, or a layer without weights", self.layers_path)
+        for e in (e for layer in self.layers for e in layer):
+            # A quantized store's matrices are blocks (or dense, for a shape blocks cannot hold); a float store's
+            # are never blocks.
+            if e.form not in FORMS or bool(e.block_format) > bool(self.quantized):
+                allowed = FORMS if self.quantized else FORMS[:2]
+                raise FormatError(
+                    f"__metadata__.layers[{e.name}]",
+                    f"form must be one of {list(allowed)}, got {e.form!r}",
+                    self.layers_path,
+                )
         self._entries = header.tensors
         self._ranges = []
         for i, layer in enumerate(self.layers):
@@ -136,6 +182,10 @@ class LayerStore:
             raise FormatError(
                 END_TENSOR, f"the file ends before byte {last}, the end of the last layer's range", self.layers_path
             )
+        try:
+            self.tensor_sources: dict[str, str] = json.loads(meta.get("tensor_sources", "{}"))
+        except json.JSONDecodeError as e:
+            raise FormatError("__metadata__.tensor_sources", f"not JSON ({e})", self.layers_path) from None
         self._resident = ResidentFile(self.resident_path)
 
     @property
@@ -150,7 +200,7 @@ class LayerStore:
         return self._ranges[layer]
 
     def dense_bytes(self, layer: int) -> int:
-        return sum(e.shape[0] * e.shape[1] for e in self.layers[layer]) * self.dtype.itemsize
+        return sum(e.memory_bytes(self.dtype) for e in self.layers[layer])
 
     def stored_bytes(self, layer: int) -> int:
         return self._ranges[layer][1]
@@ -159,13 +209,15 @@ class LayerStore:
         """Where tensor `name` (a dense matrix or one Endor part) lies in layers.safetensors: absolute offsets."""
         return self._entries[name]
 
-    def matrix(self, layer: int, name: str) -> torch.Tensor | endor.EndorTensor:
-        """One weight as stored (dense, or a validated EndorTensor), read with plain buffered I/O into memory of its
-        own (owned_tensor)."""
+    def matrix(self, layer: int, name: str) -> torch.Tensor | endor.EndorTensor | QuantizedWeight:
+        """One weight as stored (dense, a validated EndorTensor, or a QuantizedWeight of its blocks), read with plain
+        buffered I/O into memory of its own (owned_tensor)."""
         entry = next((e for e in self.layers[layer] if e.name == name), None)
         if entry is None:
             raise KeyError(f"layer {layer} of {self.path} has no matrix {name!r}")
         with safe_open(self.layers_path, framework="pt") as f:
+            if entry.block_format:
+                return QuantizedWeight(owned_tensor(f, name), entry.block_format, entry.shape[1])
             if not entry.endor:
                 return owned_tensor(f, name)
             parts = [owned_tensor(f, f"{name}.{p}") for p in endor.PARTS]
@@ -182,7 +234,8 @@ class LayerStore:
 
     def __repr__(self) -> str:
         return (
-            f"LayerStore({str(self.path)!r}, layers={self.n_layers}, dtype={self.dtype}, endor={self.endor}, "
+            f"LayerStore({str(self.path)!r}, layers={self.n_layers}, dtype={self.quantized or self.dtype}, "
+            f"endor={self.endor}, "
             f"{sum(self.stored_bytes(i) for i in range(self.n_layers)) / 1e6:.1f} MB stored of "
             f"{sum(self.dense_bytes(i) for i in range(self.n_layers)) / 1e6:.1f} MB dense)"
         )

@@ -57,6 +57,8 @@ def test_quick_run_reports_every_mode_with_its_keys(tmp_path):
             "4",
             "--budget",
             "80%",
+            "--modes",
+            "accelerate,dense,endor,endor+more-resident,q8,q4",
             "--figure",
             str(figure),
         ],
@@ -69,7 +71,7 @@ def test_quick_run_reports_every_mode_with_its_keys(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     rows = [json.loads(line) for line in out.stdout.splitlines()]
     runs = {r["mode"]: r for r in rows if r["bench"] == "offload"}
-    assert set(runs) == {"accelerate", "dense", "endor", "endor+more-resident"}
+    assert set(runs) == {"accelerate", "dense", "endor", "endor+more-resident", "q8", "q4"}
     for row in runs.values():
         assert KEYS <= row.keys() and row.get("error") is None, row.get("error")
         assert row["tokens"] == 2 and row["layers_in_memory"] + row["layers_on_ssd"] == 4
@@ -78,6 +80,23 @@ def test_quick_run_reports_every_mode_with_its_keys(tmp_path):
     assert 0 < runs["endor"]["bytes_read_per_token"] < runs["dense"]["bytes_read_per_token"]
     assert runs["endor"]["generated"] == runs["dense"]["generated"]
     assert [runs[m]["slots"] for m in ("dense", "endor", "endor+more-resident")] == [2, 2, 2]  # --slots' default
+    # the quantized stores: the same budget holds more of their layers, and a token reads fewer bytes
+    assert runs["dense"]["layers_in_memory"] <= runs["q8"]["layers_in_memory"] <= runs["q4"]["layers_in_memory"]
+    assert (
+        runs["q4"]["bytes_read_per_token"] <= runs["q8"]["bytes_read_per_token"] < runs["dense"]["bytes_read_per_token"]
+    )
     ratios = next(r for r in rows if r["bench"] == "offload_ratios")
-    assert {"endor_vs_accelerate", "endor_vs_dense", "endor_bytes_vs_dense"} <= ratios.keys()
+    assert {"endor_vs_accelerate", "endor_vs_dense", "endor_bytes_vs_dense", "q4_bytes_vs_dense"} <= ratios.keys()
     assert figure.stat().st_size > 0
+
+
+def test_an_unknown_mode_is_refused_naming_the_known_ones(tmp_path, capsys):
+    from bench import bench_offload
+
+    with pytest.raises(SystemExit) as e:
+        bench_offload.main(["--hf-dir", str(tmp_path), "--modes", "dense,q5"])
+    assert e.value.code == 2
+    assert (
+        "--modes: unknown ['q5'] (known: accelerate, dense, endor, endor+more-resident, q8, q4)"
+        in capsys.readouterr().err
+    )
