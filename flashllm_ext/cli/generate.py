@@ -192,7 +192,7 @@ def add_offload(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--force", action="store_true", help="with --convert: replace the layer store if there is one")
     p.add_argument("--tokenizer", help="the checkpoint's .gguf file or Hugging Face directory")
     p.add_argument("--prompt", default="The three primary colors are")
-    p.add_argument("--mode", choices=MODES, default="endor")
+    p.add_argument("--mode", choices=MODES, help="default: endor for an Endor store, dense for any other")
     p.add_argument("--compute", choices=COMPUTES, default="auto", help="Endor matrices: endor_linear, decompress+GEMM")
     p.add_argument("--budget", default="30%", help="DRAM budget: bytes, a share of the dense model like 30%%, or 2GB")
     p.add_argument(

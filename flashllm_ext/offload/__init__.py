@@ -39,6 +39,8 @@ The store (`LayerStore`): a directory with
                         is smaller than dense. A layer's tensors are contiguous, its first on a 4096-byte boundary,
                         the others 64 bytes apart, so one layer is one aligned read range with little padding.
   resident.safetensors  everything else (embeddings, norms, biases, LM head), in the store dtype.
+A quantized store (dtype "q8" / "q4") holds every layer matrix as rows of GGUF blocks (a GGUF's kept bit for bit),
+multiplied as stored by quantized_linear; its resident tensors are float16.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from flashllm_ext.flash.reader import FlashReader, host_bounce_bytes, select_rea
 from flashllm_ext.io.safetensors import drop_page_cache
 from flashllm_ext.io.buffers import aligned_buffer, pinned_buffer
 from flashllm_ext.runtime import cuda_device
-from flashllm_ext.offload.placement import BudgetTooSmall, check_options, default_slots, plan_placement
+from flashllm_ext.offload.placement import BudgetTooSmall, check_options, default_slots, plan_placement, store_mode
 from flashllm_ext.offload.runtime import OffloadedLinear, OffloadRuntime
 from flashllm_ext.offload.store import LayerStore
 from flashllm_ext.runtime import deprecated_alias
@@ -165,7 +165,7 @@ def patch_offload(
     model: nn.Module,
     store: LayerStore | str | os.PathLike,
     *,
-    mode: str = "endor",
+    mode: str | None = None,
     dram_budget: int | float | str | None = None,
     compute: str = "auto",
     threads: int = 32,
@@ -175,8 +175,9 @@ def patch_offload(
     """Offload the decoder layers of an already loaded Llama-family or OPT model (in the store's dtype, on the CPU
     or a CUDA device: the layers are computed where the model is) to `store` (converted from the same weights). The
     original Linear modules are kept for `unpatch`, so they still occupy memory: for a real budget use
-    load_offload. Returns the runtime; `runtime.unpatch(model)` restores the model."""
+    load_offload. mode: as load_offload's. Returns the runtime; `runtime.unpatch(model)` restores the model."""
     store = store if isinstance(store, LayerStore) else LayerStore(store)
+    mode = store_mode(store) if mode is None else mode
     check_options(store, mode, compute=compute, threads=threads, slots=slots)
     device = next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
     return _install(
@@ -197,7 +198,7 @@ def load_offload(
     store_dir: str | os.PathLike,
     dram_budget: int | float | str | None = "30%",
     *,
-    mode: str = "endor",
+    mode: str | None = None,
     compute: str = "auto",
     threads: int = 32,
     layers_in_memory: int | None = None,
@@ -220,8 +221,10 @@ def load_offload(
     moved layers are fetched into, charged to the device's budget (the one budget on the CPU): two (the next
     layer's fetch overlaps this layer's compute) or one (a layer's room more, for a device whose compute is short
     beside a fetch); None: default_slots(device). Only the resident tensors and the placed layers are materialised, in the store's dtype (a
-    progress bar while the layers load, unless progress=False). `model.offload.stats()` reports per-token costs."""
+    progress bar while the layers load, unless progress=False). mode: one of MODES; None: the store's own, endor for
+    an Endor store and dense otherwise. `model.offload.stats()` reports per-token costs."""
     store = LayerStore(store_dir)
+    mode = store_mode(store) if mode is None else mode
     check_options(
         store,
         mode,

@@ -177,6 +177,11 @@ def is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def store_mode(store: LayerStore) -> str:
+    """The mode a store runs in when none is asked for: endor for an Endor store, dense for any other."""
+    return "endor" if store.endor else "dense"
+
+
 def check_options(
     store: LayerStore,
     mode: str,

@@ -215,6 +215,10 @@ def test_a_closed_runtime_refuses_to_run(case):
 
 
 def test_bad_arguments_and_stores(case, tmp_path):
+    for kind in ("dense", "endor"):  # without a mode: the store's own
+        model = load_offload(case[kind], None)
+        assert model.offload.mode == kind
+        model.offload.close()
     with pytest.raises(ValueError, match="needs an Endor layer store"):
         load_offload(case["dense"], None, mode="endor")
     with pytest.raises(ValueError, match="mode must be one of"):

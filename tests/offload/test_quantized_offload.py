@@ -140,6 +140,9 @@ def test_quantized_arguments_are_checked(case, tmp_path):
     store, _ = case["q8"]
     with pytest.raises(ValueError, match="needs an Endor layer store"):
         load_offload(store.path, None, mode="endor")
+    model = load_offload(store.path, None)  # the mode a quantized store runs in
+    assert model.offload.mode == "dense"
+    model.offload.close()
 
 
 def _copy_store(src, dst):
