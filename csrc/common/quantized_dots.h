@@ -296,14 +296,6 @@ FLASHLLM_QVNNI void dots_vnni(const uint8_t* col, const QuantizedX& x, int t0, f
 }
 
 // ---------------------------------------------------------------------------------------------- dispatch
-// f(std::integral_constant<int, FMT>{}) for the block format code `format`: what each per-format template is picked by.
-template <class F>
-decltype(auto) with_block_format(int format, F&& f) {
-  if (format == kQ8_0) return f(std::integral_constant<int, kQ8_0>{});
-  if (format == kQ4_0) return f(std::integral_constant<int, kQ4_0>{});
-  return f(std::integral_constant<int, kQ4_1>{});
-}
-
 // Whether the ISA runs dots_vnni, which reads QuantizedX's pair layout.
 inline bool uses_pair_layout(CpuIsa isa) {
   return isa >= CpuIsa::kAvx512Vnni;

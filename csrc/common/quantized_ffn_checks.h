@@ -7,17 +7,10 @@
 #include <optional>
 #include <string>
 
+#include "common/block_formats.h"
 #include "common/sparse_ffn_checks.h"
 
 namespace flashllm {
-
-// Block types (GGUF's, byte for byte; flashllm_ext/ops/blocks.py: BLOCK_FORMATS).
-enum BlockFormatCode : int { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2 };
-constexpr int64_t kBlock = 32;  // weights per block
-
-inline int64_t block_bytes(int format) {
-  return format == kQ8_0 ? 34 : format == kQ4_0 ? 18 : 20;
-}
 
 inline int parse_block_format(const std::string& name) {
   if (name == "q8_0") return kQ8_0;

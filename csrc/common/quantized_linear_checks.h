@@ -1,5 +1,5 @@
-// Argument checks of flashllm::quantized_linear (CPU only); flashllm_ext/ops/linear.py makes the same checks for the
-// reference and fake kernels, with the same words.
+// Argument checks of flashllm::quantized_linear (CPU and CUDA kernels); flashllm_ext/ops/linear.py makes the same
+// checks for the reference and fake kernels, with the same words.
 #pragma once
 #include <ATen/ATen.h>
 #include <torch/library.h>

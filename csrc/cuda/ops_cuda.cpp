@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <optional>
+#include <string>
 #include <tuple>
 
 #include "common/attention_host.h"
@@ -18,6 +19,7 @@
 #include "common/ffn_grid.h"
 #include "common/ffn_host.h"
 #include "common/kernel_checks.h"
+#include "common/quantized_linear_host.h"
 #include "cuda/kernels.cuh"
 
 namespace flashllm {
@@ -80,6 +82,17 @@ at::Tensor sparse_ffn_cuda(const at::Tensor& x, const at::Tensor& matrix, int64_
       });
 }
 
+at::Tensor quantized_linear_cuda(const at::Tensor& x, const at::Tensor& weight, c10::string_view weight_format,
+                                 const std::optional<at::Tensor>& bias) {
+  const c10::cuda::CUDAGuard guard(x.device());
+  return quantized_linear_gpu_style(x, weight, std::string(weight_format), bias, [&](const QuantizedLinearCall& call) {
+    C10_CUDA_CHECK(launch_quantized_linear(
+        call.x.data_ptr<float>(), call.x.size(0), call.x.size(1), call.weight.data_ptr<uint8_t>(), call.format,
+        call.weight.size(0), call.bias_ptr(), call.codes.data_ptr<int8_t>(), call.scale.data_ptr<float>(),
+        call.scaled_sum.data_ptr<float>(), call.y.data_ptr<float>(), c10::cuda::getCurrentCUDAStream()));
+  });
+}
+
 int64_t cache_compact_cuda(at::Tensor& matrix, at::Tensor& pointer, const std::optional<at::Tensor>& bias,
                            const std::optional<at::Tensor>& slot_of, int64_t num_used, const at::Tensor& rows) {
   const c10::cuda::CUDAGuard guard(matrix.device());
@@ -125,6 +138,7 @@ TORCH_LIBRARY_IMPL(flashllm, CUDA, m) {
   m.impl("endor_decompress.out", &endor_decompress_out_cuda);
   m.impl("endor_linear", &endor_linear_cuda);
   m.impl("sparse_ffn", &sparse_ffn_cuda);
+  m.impl("quantized_linear", &quantized_linear_cuda);
   m.impl("cache_compact", &cache_compact_cuda);
   m.impl("decode_attention", &decode_attention_cuda);
   m.impl("merge_attention_states", &merge_attention_states_cuda);

@@ -16,6 +16,10 @@ void run_endor_linear_cuda(const float* x, int64_t n_tok, const void* values, in
                            const int64_t* row_offsets, int64_t n_rows, int64_t n_cols, int64_t nnz, const float* bias,
                            float* y, EndorReport* report);
 
+// Runs the CUDA build's launch_quantized_linear (csrc/cuda/quantized_linear_kernel.cuh).
+void run_quantized_linear_cuda(const float* x, int64_t n_tok, int64_t d, const uint8_t* w, int format, int64_t n_rows,
+                               const float* bias, int8_t* codes, float* scale, float* scaled_sum, float* y);
+
 // Runs metal/endor_linear.metal for at most 8 tokens with the grid flashllm_ext/mlx uses. row_status: [n_rows] int32.
 void run_endor_linear_metal(const float* x, int64_t n_tok, const void* values, int kind, const uint8_t* bitmap,
                             const int64_t* row_offsets, int64_t n_rows, int64_t n_cols, int64_t nnz, const float* bias,

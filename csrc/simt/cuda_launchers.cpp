@@ -9,6 +9,7 @@
 #include "cuda/endor_decompress_kernel.cuh"
 #include "cuda/endor_linear_kernel.cuh"
 #include "cuda/merge_attention_states_kernel.cuh"
+#include "cuda/quantized_linear_kernel.cuh"
 #include "cuda/sparse_ffn_kernel.cuh"
 #include "simt/attention_bodies.h"
 #include "simt/bodies.h"
@@ -39,6 +40,13 @@ void run_endor_linear_cuda(const float* x, int64_t n_tok, const void* values, in
   require_success(launch_endor_linear(simt::EmulatedLaunch{}, x, n_tok, values, kind, bitmap, row_offsets, n_rows,
                                       n_cols, nnz, bias, y, report),
                   "launch_endor_linear");
+}
+
+void run_quantized_linear_cuda(const float* x, int64_t n_tok, int64_t d, const uint8_t* w, int format, int64_t n_rows,
+                               const float* bias, int8_t* codes, float* scale, float* scaled_sum, float* y) {
+  require_success(launch_quantized_linear(simt::EmulatedLaunch{}, x, n_tok, d, w, format, n_rows, bias, codes, scale,
+                                          scaled_sum, y),
+                  "launch_quantized_linear");
 }
 
 void run_sparse_ffn_cuda(const float* x, int64_t n_tok, int64_t d, const void* matrix, int kind, const void* bias,

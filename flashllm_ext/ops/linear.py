@@ -88,8 +88,8 @@ def half_linear(x: torch.Tensor, weight: torch.Tensor, *, bias: torch.Tensor | N
 # ------------------------------------------------------------------------------------------------ quantized_linear
 # y = x W^T (+ b) with W's rows in GGUF blocks of `weight_format` (q8_0, q4_0, q4_1: flashllm_ext/ops/blocks.py), x
 # quantized per block of 32 columns first as quantized_sparse_ffn quantizes it, so each row's dot product is integer
-# sums per block: the resident linears (attention, LM head) of a quantized store, in the bytes its file had. CPU kernel
-# only; elsewhere the reference.
+# sums per block: the resident linears (attention, LM head) of a quantized store, in the bytes its file had; an
+# offload store's layers in q8 / q4. Kernels: CPU and CUDA; elsewhere the reference.
 LIB.define("quantized_linear(Tensor x, Tensor weight, str weight_format, Tensor? bias) -> Tensor")
 
 

@@ -1,11 +1,11 @@
-"""Inputs shared by every sparse_ffn / cache_compact backend test (CPU kernel, reference, SIMT-emulated CUDA and
-Metal bodies, MLX), so each sees the same problems and the same bad inputs."""
+"""Inputs shared by every sparse_ffn / cache_compact / quantized_linear backend test (CPU kernel, reference,
+SIMT-emulated CUDA and Metal bodies, MLX), so each sees the same problems and the same bad inputs."""
 
 from __future__ import annotations
 
 import torch
 
-from flashllm_ext.ops.blocks import BundleFormat
+from flashllm_ext.ops.blocks import BundleFormat, quantize_rows
 
 FFN_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # Tolerance against the float32 reference: the kernels accumulate in float32 in another order, then round once.
@@ -109,4 +109,26 @@ def bad_quantized_ffn_cases() -> list[tuple[str, tuple, dict]]:
             (x, m, 5, b, "relu", False, name),
             {"index": torch.tensor([0, 5])},
         ),
+    ]
+
+
+def quantized_linear_case(n_tok, d, n, fmt, dtype=torch.float32, seed=0):
+    """x [T, d], weight rows quantized to `fmt` [n, row bytes] and a bias, seeded."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n_tok, d, generator=g).to(dtype)
+    weight = quantize_rows(torch.randn(n, d, generator=g) / d**0.5, fmt)
+    bias = torch.randn(n, generator=g).to(dtype)
+    return x, weight, bias
+
+
+def bad_quantized_linear_cases() -> list[tuple[str, tuple]]:
+    x, w, b = quantized_linear_case(2, 64, 10, "q4_0")
+    return [
+        ("x must be a 2-D", (x.long(), w, "q4_0", b)),
+        ("weight_format must be one of", (x, w, "q5_0", b)),
+        ("weight must be contiguous uint8", (x, w, "q8_0", b)),
+        ("weight must be contiguous uint8", (x, w.float(), "q4_0", b)),
+        ("weight must be contiguous uint8", (x[:, :32], w, "q4_0", b)),
+        ("bias must be", (x, w, "q4_0", b[:5])),
+        ("bias must be", (x, w, "q4_0", b.half())),
     ]

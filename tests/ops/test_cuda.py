@@ -1,6 +1,6 @@
 """The shipped CUDA kernels (flashllm_ext._C built with CUDA) on a real GPU, against the pure-torch references:
 endor_decompress bitwise, endor_linear exactly (on values whose float32 sums are exact), sparse_ffn within the
-float32-accumulation tolerance, cache_compact exactly, and the same bad inputs every other backend refuses (with the
+float32-accumulation tolerance, quantized_linear within it, cache_compact exactly, and the same bad inputs every other backend refuses (with the
 glue's debug data checks on; without them metadata is still checked and bad data never reads out of bounds). The same problems as the SIMT tests (test_simt.py,
 test_ffn_simt.py), plus shapes too large to emulate.
 
@@ -17,14 +17,17 @@ from flashllm_ext.ops import (
     cache_compact_reference,
     endor_decompress_reference,
     endor_linear_reference,
+    quantized_linear_reference,
     sparse_ffn_reference,
 )
 from tests.helpers.ffn_cases import (
     FFN_DTYPES,
     assert_close,
     bad_ffn_cases,
+    bad_quantized_linear_cases,
     compact_state,
     ffn_case,
+    quantized_linear_case,
     random_compact_case,
 )
 from tests.helpers.kernel_cases import (
@@ -182,6 +185,28 @@ def test_sparse_ffn_refuses_bad_input(kernel_checks, case):
     kwargs = {k: v.to(CUDA) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
     with pytest.raises(RuntimeError, match=match):
         OPS.sparse_ffn(*to_cuda(args), **kwargs)
+
+
+# ---- quantized_linear ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1"])
+@pytest.mark.parametrize("shape", [(1, 1), (33, 7), (200, 20), (4096, 4096), (4096, 11008)])
+def test_quantized_linear_matches_reference(fmt, shape):
+    d, n = shape
+    for n_tok in (1, 3, 11):
+        x, w, b = quantized_linear_case(n_tok, d, n, fmt, seed=n_tok + d)
+        for dtype in FFN_DTYPES:
+            got = OPS.quantized_linear(x.to(CUDA, dtype), w.to(CUDA), fmt, b.to(CUDA, dtype))
+            assert got.device.type == "cuda"
+            assert_close(got.cpu(), quantized_linear_reference(x.to(dtype), w, fmt, b.to(dtype)))
+
+
+@pytest.mark.parametrize("case", bad_quantized_linear_cases(), ids=lambda c: c[0][:30])
+def test_quantized_linear_refuses_bad_input(case):
+    match, args = case
+    with pytest.raises(RuntimeError, match=match):
+        OPS.quantized_linear(*to_cuda(args))
 
 
 # ---- cache_compact ------------------------------------------------------------------------------------------

@@ -7,8 +7,8 @@ import torch
 
 from flashllm_ext import ops
 from flashllm_ext.ops import quantized_linear_reference
-from flashllm_ext.ops.blocks import BLOCK_FORMATS, dequantize_rows, quantize_rows
-from tests.helpers.ffn_cases import assert_close
+from flashllm_ext.ops.blocks import BLOCK_FORMATS, dequantize_rows
+from tests.helpers.ffn_cases import assert_close, bad_quantized_linear_cases, quantized_linear_case
 from tests.helpers.native import cpu_isas, forced_isa_fixture
 
 OPS = torch.ops.flashllm
@@ -16,19 +16,11 @@ OPS = torch.ops.flashllm
 isa = forced_isa_fixture(cpu_isas(highest="avx512vnni"))
 
 
-def linear_case(n_tok, d, n, fmt, dtype=torch.float32, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n_tok, d, generator=g).to(dtype)
-    weight = quantize_rows(torch.randn(n, d, generator=g) / d**0.5, fmt)
-    bias = torch.randn(n, generator=g).to(dtype)
-    return x, weight, bias
-
-
 @pytest.mark.parametrize("fmt", list(BLOCK_FORMATS))
 @pytest.mark.parametrize("n_tok", [1, 3, 8, 11, 17, 40])  # past 16 tokens: the GEMM path
 @pytest.mark.parametrize("d", [1, 33, 64, 200])
 def test_native_matches_reference(isa, fmt, n_tok, d):
-    x, w, b = linear_case(n_tok, d, 37, fmt, seed=d + n_tok)
+    x, w, b = quantized_linear_case(n_tok, d, 37, fmt, seed=d + n_tok)
     for bias in (b, None):
         assert_close(
             ops.quantized_linear(x, w, weight_format=fmt, bias=bias), quantized_linear_reference(x, w, fmt, bias)
@@ -37,7 +29,7 @@ def test_native_matches_reference(isa, fmt, n_tok, d):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_precision_and_non_contiguous_x(isa, dtype):
-    x, w, b = linear_case(4, 96, 50, "q4_1", dtype)
+    x, w, b = quantized_linear_case(4, 96, 50, "q4_1", dtype)
     xt = torch.randn(96, 4).t().to(dtype)
     for inp in (x, xt):
         assert_close(
@@ -47,38 +39,25 @@ def test_half_precision_and_non_contiguous_x(isa, dtype):
 
 def test_parallel_path(isa):
     # 4096 rows of 256 columns in q8_0 (272 bytes): past the 256 KiB below which the kernel stays on one thread.
-    x, w, b = linear_case(2, 256, 4096, "q8_0")
+    x, w, b = quantized_linear_case(2, 256, 4096, "q8_0")
     assert_close(ops.quantized_linear(x, w, weight_format="q8_0", bias=b), quantized_linear_reference(x, w, "q8_0", b))
 
 
 @pytest.mark.parametrize("fmt", list(BLOCK_FORMATS))
 def test_reference_is_the_linear_of_the_dequantized_weight(fmt):
     """Rounding x to int8 per block is the only difference from dense math on the dequantized weight: within 1%."""
-    x, w, b = linear_case(3, 128, 64, fmt)
+    x, w, b = quantized_linear_case(3, 128, 64, fmt)
     dense = x @ dequantize_rows(w, fmt, 128).t() + b
     got = quantized_linear_reference(x, w, fmt, b)
     assert (got - dense).norm() <= 0.01 * dense.norm()
 
 
 def test_opcheck():
-    x, w, b = linear_case(3, 64, 12, "q4_0")
+    x, w, b = quantized_linear_case(3, 64, 12, "q4_0")
     torch.library.opcheck(OPS.quantized_linear, (x, w, "q4_0", b))
 
 
-def bad_cases():
-    x, w, b = linear_case(2, 64, 10, "q4_0")
-    return [
-        ("x must be a 2-D", (x.long(), w, "q4_0", b)),
-        ("weight_format must be one of", (x, w, "q5_0", b)),
-        ("weight must be contiguous uint8", (x, w, "q8_0", b)),
-        ("weight must be contiguous uint8", (x, w.float(), "q4_0", b)),
-        ("weight must be contiguous uint8", (x[:, :32], w, "q4_0", b)),
-        ("bias must be", (x, w, "q4_0", b[:5])),
-        ("bias must be", (x, w, "q4_0", b.half())),
-    ]
-
-
-@pytest.mark.parametrize("case", bad_cases(), ids=lambda c: c[0][:30])
+@pytest.mark.parametrize("case", bad_quantized_linear_cases(), ids=lambda c: c[0][:30])
 def test_bad_inputs(case):
     match, args = case
     for fn in (OPS.quantized_linear, quantized_linear_reference):
@@ -86,7 +65,7 @@ def test_bad_inputs(case):
             fn(*args)
 
 
-@pytest.mark.parametrize("case", bad_cases(), ids=lambda c: c[0][:30])
+@pytest.mark.parametrize("case", bad_quantized_linear_cases(), ids=lambda c: c[0][:30])
 def test_fake_kernel_refuses_bad_metadata(case):
     match, args = case
     meta = lambda v: v.to("meta") if isinstance(v, torch.Tensor) else v  # noqa: E731

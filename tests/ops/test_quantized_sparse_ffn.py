@@ -164,10 +164,10 @@ def test_fake_kernel_refuses_bad_metadata(case):
 
 
 def test_block_codes_match_the_native_header():
-    header = (Path(__file__).parents[2] / "csrc/common/quantized_ffn_checks.h").read_text()
+    header = (Path(__file__).parents[2] / "csrc/common/block_formats.h").read_text()
     codes = dict(re.findall(r"kQ(\w+) = (\d+)", header))
     assert {f.name: f.code for f in BLOCK_FORMATS.values()} == {"q" + k.lower(): int(v) for k, v in codes.items()}
-    sizes = re.search(r"return format == kQ8_0 \? (\d+) : format == kQ4_0 \? (\d+) : (\d+);", header).groups()
+    sizes = re.search(r"FMT == kQ8_0\s+\? (\d+)\s+: FMT == kQ4_0 \? (\d+)\s+: (\d+);", header).groups()
     assert [BLOCK_FORMATS[f].block_bytes for f in ("q8_0", "q4_0", "q4_1")] == [int(s) for s in sizes]
 
 
