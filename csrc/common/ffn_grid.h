@@ -14,6 +14,8 @@ constexpr int kFfnMaxChunks = 32;  // bounds the partial-sum traffic to 32 x T x
 constexpr int kFfnReduceThreads = 256;
 constexpr int64_t kFfnMaxBlocks = 65535;
 enum FfnKind : int { kFfnF32 = 0, kFfnF16 = 1, kFfnBF16 = 2 };
+// ffn_grid's elem_bytes for quantized_sparse_ffn's down kernel, whose threads take 8 columns (16 / 2) of a block.
+constexpr int kQuantizedDownElemBytes = 2;
 
 // Grid of the act and down kernels for n_rows rows, d columns, element size elem_bytes (the partial sums take
 // chunks x min(T, kFfnMaxTokens) x d floats).

@@ -25,6 +25,12 @@ cudaError_t launch_sparse_ffn(const float* x, int64_t n_tok, int64_t d, const vo
                               const int64_t* index, int64_t n_rows, int64_t num_used, int act, bool glu,
                               float threshold, float* act_buf, float* partial, float* y, cudaStream_t stream);
 
+cudaError_t launch_quantized_sparse_ffn(const float* x, int64_t n_tok, int64_t d, const uint8_t* matrix,
+                                        int64_t row_bytes, int in_format, int down_format, const float* bias,
+                                        const int64_t* index, int64_t n_rows, int64_t num_used, int act, bool glu,
+                                        float threshold, int8_t* codes, float* scale, float* scaled_sum, float* act_buf,
+                                        float* partial, float* y, cudaStream_t stream);
+
 cudaError_t launch_quantized_linear(const float* x, int64_t n_tok, int64_t d, const uint8_t* w, int format,
                                     int64_t n_rows, const float* bias, int8_t* codes, float* scale, float* scaled_sum,
                                     float* y, cudaStream_t stream);

@@ -82,6 +82,24 @@ at::Tensor sparse_ffn_cuda(const at::Tensor& x, const at::Tensor& matrix, int64_
       });
 }
 
+at::Tensor quantized_sparse_ffn_cuda(const at::Tensor& x, const at::Tensor& matrix, int64_t num_used,
+                                     const std::optional<at::Tensor>& bias, c10::string_view activation, bool glu,
+                                     c10::string_view bundle_format, const std::optional<at::Tensor>& index,
+                                     double threshold) {
+  const c10::cuda::CUDAGuard guard(x.device());
+  return quantized_sparse_ffn_gpu_style(
+      x, matrix, num_used, bias, activation, glu, std::string(bundle_format), index, threshold, kernel_checks_enabled(),
+      [&](const QuantizedFfnCall& call, const at::Tensor& xf, int64_t n_rows, const int64_t* ids, int act,
+          at::Tensor& y) {
+        C10_CUDA_CHECK(launch_quantized_sparse_ffn(
+            xf.data_ptr<float>(), xf.size(0), xf.size(1), call.matrix.data_ptr<uint8_t>(), call.layout.row_bytes,
+            call.layout.in_format, call.layout.down_format, call.bias_ptr(), ids, n_rows, num_used, act, glu,
+            static_cast<float>(threshold), call.codes.data_ptr<int8_t>(), call.scale.data_ptr<float>(),
+            call.scaled_sum.data_ptr<float>(), call.act_buf.data_ptr<float>(), call.partial.data_ptr<float>(),
+            y.data_ptr<float>(), c10::cuda::getCurrentCUDAStream()));
+      });
+}
+
 at::Tensor quantized_linear_cuda(const at::Tensor& x, const at::Tensor& weight, c10::string_view weight_format,
                                  const std::optional<at::Tensor>& bias) {
   const c10::cuda::CUDAGuard guard(x.device());
@@ -138,6 +156,7 @@ TORCH_LIBRARY_IMPL(flashllm, CUDA, m) {
   m.impl("endor_decompress.out", &endor_decompress_out_cuda);
   m.impl("endor_linear", &endor_linear_cuda);
   m.impl("sparse_ffn", &sparse_ffn_cuda);
+  m.impl("quantized_sparse_ffn", &quantized_sparse_ffn_cuda);
   m.impl("quantized_linear", &quantized_linear_cuda);
   m.impl("cache_compact", &cache_compact_cuda);
   m.impl("decode_attention", &decode_attention_cuda);

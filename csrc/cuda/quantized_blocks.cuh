@@ -131,9 +131,10 @@ __device__ __forceinline__ void lane_block_dots(const uint8_t* row, int64_t n_bl
 
 }  // namespace quantized_detail
 
-// codes [n_tok][n_blocks * 32] int8, scale and scaled_sum [n_tok][n_blocks] float32 from x [n_tok][d] float32.
+// codes [n_tok][n_blocks * 32] int8, scale and scaled_sum [n_tok][n_blocks] float32 from x [n_tok][d] float32. Static:
+// each translation unit that launches it (quantized_linear.cu, quantized_sparse_ffn.cu) has its own.
 // Launch with kQuantizeXWarps * 32 threads and quantized_grid_blocks(n_tok * n_blocks, kQuantizeXWarps) blocks.
-__global__ void __launch_bounds__(kQuantizeXWarps * 32)
+static __global__ void __launch_bounds__(kQuantizeXWarps * 32)
     quantize_x_kernel(const float* __restrict__ x, int64_t n_tok, int64_t d, int64_t n_blocks,
                       int8_t* __restrict__ codes, float* __restrict__ scale, float* __restrict__ scaled_sum) {
   using quantized_detail::kFullMask;

@@ -13,6 +13,8 @@
 //   3. ffn_reduce_kernel: y[T, d] = sum over chunks of partial (the one atomic-free final reduction, float32).
 // Elements: KIND 0 float32, 1 float16, 2 bfloat16, stored as float / uint16_t bits; math in float32. Vector loads
 // are used when the caller says rows are 16-byte aligned (matrix base and d * element size), scalar loads otherwise.
+// The act and down kernels read rows through a Bundles policy (FloatBundles here; quantized_sparse_ffn's
+// QuantizedBundles reads rows of GGUF blocks), so both ops share the kernels' tiling, activation and thresholds.
 #pragma once
 
 #include <cmath>
@@ -91,28 +93,59 @@ __device__ __forceinline__ void lane_dots(const Storage<KIND>* col, const float*
 
 }  // namespace ffn_detail
 
-// act[t * n_rows + o] for row o of the problem (rows[o] of matrix when index is not null): h, the activation of the
-// row's input column for token t (times x . up for GLU), zero where |h| <= threshold. The rows of index
-// entries outside [0, num_used) are never read: the kernel writes 0 for them (the CUDA glue checks index on the host
-// only when kernel checks are on, common/kernel_checks.h).
+// The bundles of a float matrix (KIND: FfnKind) as the act and down kernels read them: a row is up | gate (GLU) |
+// down, d elements each. The quantized kernels' QuantizedBundles (quantized_sparse_ffn_kernel.cuh) reads blocks.
 template <int KIND>
+struct FloatBundles {
+  static constexpr int kDownVec = ffn_detail::kVec<KIND>;  // down columns per thread of ffn_down_kernel
+  const float* x;                                          // [n_tok, d] of this launch's tokens
+  const ffn_detail::Storage<KIND>* matrix;
+  const ffn_detail::Storage<KIND>* bias;  // may be null
+  int64_t d;
+  bool glu, vector;  // vector: rows 16-byte aligned (16-byte loads)
+
+  // acc[t] += this lane's share of x[t] . (the activation's input column of row r: gate for GLU, else up).
+  __device__ __forceinline__ void act_dots(int64_t r, int n_tok, int lane, float (&acc)[kFfnMaxTokens]) const {
+    ffn_detail::lane_dots<KIND>(matrix + r * width() + (glu ? d : 0), x, d, n_tok, vector, lane, acc);
+  }
+  // acc[t] += this lane's share of x[t] . (row r's up column), GLU only.
+  __device__ __forceinline__ void up_dots(int64_t r, int n_tok, int lane, float (&acc)[kFfnMaxTokens]) const {
+    ffn_detail::lane_dots<KIND>(matrix + r * width(), x, d, n_tok, vector, lane, acc);
+  }
+  __device__ __forceinline__ float bias_of(int64_t r) const {
+    return bias != nullptr ? ffn_detail::to_float<KIND>(bias[r]) : 0.f;
+  }
+  // Row r's down weights col0 .. col0 + kDownVec - 1 (col0 < d; zeros past d).
+  __device__ __forceinline__ void down(int64_t r, int64_t col0, float (&w)[kDownVec]) const {
+    const ffn_detail::Storage<KIND>* row = matrix + r * width() + (glu ? 2 : 1) * d;
+    if (vector) {
+      ffn_detail::load_vec<KIND>(row + col0, w);
+    } else {
+#pragma unroll
+      for (int v = 0; v < kDownVec; ++v) w[v] = col0 + v < d ? ffn_detail::to_float<KIND>(row[col0 + v]) : 0.f;
+    }
+  }
+  __device__ __forceinline__ int64_t width() const { return (glu ? 3 : 2) * d; }
+};
+
+// act[t * n_rows + o] for row o of the problem (rows[o] of the bundles when index is not null): h, the activation of
+// the row's input column for token t (times x . up for GLU), zero where |h| <= threshold. The rows of index
+// entries outside [0, num_used) are never read: the kernel writes 0 for them (the CUDA glue checks index on the host
+// only when kernel checks are on, common/kernel_checks.h). Bundles: FloatBundles or QuantizedBundles.
+template <class Bundles>
 __global__ void __launch_bounds__(kFfnActWarps * 32)
-    ffn_act_kernel(const float* __restrict__ x, const ffn_detail::Storage<KIND>* __restrict__ matrix,
-                   const ffn_detail::Storage<KIND>* __restrict__ bias, const int64_t* __restrict__ index,
-                   int64_t n_rows, int64_t num_used, int64_t d, int n_tok, int act, bool glu, float threshold,
-                   bool vector, float* __restrict__ act_out) {
+    ffn_act_kernel(Bundles bundles, const int64_t* __restrict__ index, int64_t n_rows, int64_t num_used, int n_tok,
+                   int act, bool glu, float threshold, float* __restrict__ act_out) {
   using namespace ffn_detail;
   const int lane = threadIdx.x % 32;
-  const int64_t width = (glu ? 3 : 2) * d;
   for (int64_t o = int64_t(blockIdx.x) * kFfnActWarps + threadIdx.x / 32; o < n_rows;
        o += int64_t(gridDim.x) * kFfnActWarps) {
     const int64_t r = index != nullptr ? index[o] : o;
     float h[kFfnMaxTokens] = {}, up[kFfnMaxTokens] = {};
     if (r >= 0 && r < num_used) {  // the same in every lane: the warp stays converged
-      const Storage<KIND>* row = matrix + r * width;
-      lane_dots<KIND>(glu ? row + d : row, x, d, n_tok, vector, lane, h);
-      if (glu) lane_dots<KIND>(row, x, d, n_tok, vector, lane, up);
-      const float b = bias != nullptr ? to_float<KIND>(bias[r]) : 0.f;
+      bundles.act_dots(r, n_tok, lane, h);
+      if (glu) bundles.up_dots(r, n_tok, lane, up);
+      const float b = bundles.bias_of(r);
 #pragma unroll
       for (int t = 0; t < kFfnMaxTokens; ++t) {
         const float a = activate(warp_sum(h[t]) + b, act);
@@ -129,17 +162,14 @@ __global__ void __launch_bounds__(kFfnActWarps * 32)
 }
 
 // partial[chunk, t, c] = sum over the chunk's rows o of act[t, o] * down_row(o)[c]. Grid (col_blocks, chunks).
-template <int KIND>
+template <class Bundles>
 __global__ void __launch_bounds__(kFfnDownThreads)
-    ffn_down_kernel(const ffn_detail::Storage<KIND>* __restrict__ matrix, const int64_t* __restrict__ index,
-                    const float* __restrict__ act_in, int64_t n_rows, int64_t num_used, int64_t d, int n_tok, bool glu,
-                    int64_t rows_per_chunk, bool vector, float* __restrict__ partial) {
-  using namespace ffn_detail;
-  constexpr int V = kVec<KIND>;
+    ffn_down_kernel(Bundles bundles, const int64_t* __restrict__ index, const float* __restrict__ act_in,
+                    int64_t n_rows, int64_t num_used, int64_t d, int n_tok, int64_t rows_per_chunk,
+                    float* __restrict__ partial) {
+  constexpr int V = Bundles::kDownVec;
   __shared__ float tile_act[kFfnMaxTokens][kFfnTileRows];
   __shared__ int64_t tile_row[kFfnTileRows];
-  const int64_t width = (glu ? 3 : 2) * d;
-  const int64_t down_offset = (glu ? 2 : 1) * d;
   const int64_t col0 = (int64_t(blockIdx.x) * kFfnDownThreads + threadIdx.x) * V;
   const int64_t begin = int64_t(blockIdx.y) * rows_per_chunk;
   const int64_t end = begin + rows_per_chunk < n_rows ? begin + rows_per_chunk : n_rows;
@@ -165,14 +195,8 @@ __global__ void __launch_bounds__(kFfnDownThreads)
     for (int64_t k = 0; k < n_tile; ++k) {
       const int64_t r = tile_row[k];
       if (r < 0 || col0 >= d) continue;
-      const Storage<KIND>* down = matrix + r * width + down_offset;
       float w[V];
-      if (vector) {
-        load_vec<KIND>(down + col0, w);
-      } else {
-#pragma unroll
-        for (int v = 0; v < V; ++v) w[v] = col0 + v < d ? to_float<KIND>(down[col0 + v]) : 0.f;
-      }
+      bundles.down(r, col0, w);
 #pragma unroll
       for (int t = 0; t < kFfnMaxTokens; ++t) {
         const float a = tile_act[t][k];
@@ -189,8 +213,9 @@ __global__ void __launch_bounds__(kFfnDownThreads)
       if (t < n_tok && col0 + v < d) out[t * d + col0 + v] = acc[t][v];
 }
 
-// y[i] = sum over chunks of partial[chunk * n + i], n = T * d, float32.
-__global__ void __launch_bounds__(kFfnReduceThreads)
+// y[i] = sum over chunks of partial[chunk * n + i], n = T * d, float32. Static: sparse_ffn.cu and
+// quantized_sparse_ffn.cu each have their own.
+static __global__ void __launch_bounds__(kFfnReduceThreads)
     ffn_reduce_kernel(const float* __restrict__ partial, int64_t chunks, int64_t n, float* __restrict__ y) {
   for (int64_t i = int64_t(blockIdx.x) * kFfnReduceThreads + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * kFfnReduceThreads) {
@@ -204,27 +229,37 @@ __global__ void __launch_bounds__(kFfnReduceThreads)
 // `launch` (a launch policy: CudaLaunch, simt::EmulatedLaunch). KIND: FfnKind of matrix and bias. index may be null
 // (rows [0, n_rows)); entries outside [0, num_used) contribute nothing (the kernels never read their rows). Scratch:
 // act_buf [min(n_tok, 8) * n_rows] and partial [ffn_grid(...).chunks * min(n_tok, 8) * d] floats.
+// One group of at most kFfnMaxTokens tokens through the three kernels: act_buf and partial as sized for the group,
+// y the group's [nt, d] outputs. Bundles: this group's FloatBundles or QuantizedBundles.
+template <class Bundles, class Launch>
+cudaError_t launch_ffn_token_group(const Launch& launch, const Bundles& bundles, int nt, int64_t d,
+                                   const int64_t* index, int64_t n_rows, int64_t num_used, int act, bool glu,
+                                   float threshold, float* act_buf, float* partial, float* y) {
+  const FfnGrid g = ffn_grid(n_rows, d, 16 / Bundles::kDownVec);
+  cudaError_t err = launch(ffn_act_kernel<Bundles>, dim3(unsigned(g.act_blocks)), dim3(kFfnActWarps * 32), bundles,
+                           index, n_rows, num_used, nt, act, glu, threshold, act_buf);
+  if (err != cudaSuccess) return err;
+  err = launch(ffn_down_kernel<Bundles>, dim3(unsigned(g.col_blocks), unsigned(g.chunks)), dim3(kFfnDownThreads),
+               bundles, index, act_buf, n_rows, num_used, d, nt, g.rows_per_chunk, partial);
+  if (err != cudaSuccess) return err;
+  const int64_t n = nt * d;
+  const int64_t blocks = (n + kFfnReduceThreads - 1) / kFfnReduceThreads;
+  return launch(ffn_reduce_kernel, dim3(unsigned(blocks < kFfnMaxBlocks ? blocks : kFfnMaxBlocks)),
+                dim3(kFfnReduceThreads), partial, g.chunks, n, y);
+}
+
 template <int KIND, class Launch>
 cudaError_t launch_sparse_ffn_typed(const Launch& launch, const float* x, int64_t n_tok, int64_t d, const void* matrix,
                                     const void* bias, const int64_t* index, int64_t n_rows, int64_t num_used, int act,
                                     bool glu, float threshold, float* act_buf, float* partial, float* y) {
   using S = ffn_detail::Storage<KIND>;
-  const S* bundles = static_cast<const S*>(matrix);
-  const FfnGrid g = ffn_grid(n_rows, d, int(sizeof(S)));
   const bool vector = reinterpret_cast<uintptr_t>(matrix) % 16 == 0 && (d * int64_t(sizeof(S))) % 16 == 0;
   for (int64_t t0 = 0; t0 < n_tok; t0 += kFfnMaxTokens) {
     const int nt = int(n_tok - t0 < kFfnMaxTokens ? n_tok - t0 : kFfnMaxTokens);
-    cudaError_t err =
-        launch(ffn_act_kernel<KIND>, dim3(unsigned(g.act_blocks)), dim3(kFfnActWarps * 32), x + t0 * d, bundles,
-               static_cast<const S*>(bias), index, n_rows, num_used, d, nt, act, glu, threshold, vector, act_buf);
-    if (err != cudaSuccess) return err;
-    err = launch(ffn_down_kernel<KIND>, dim3(unsigned(g.col_blocks), unsigned(g.chunks)), dim3(kFfnDownThreads),
-                 bundles, index, act_buf, n_rows, num_used, d, nt, glu, g.rows_per_chunk, vector, partial);
-    if (err != cudaSuccess) return err;
-    const int64_t n = nt * d;
-    const int64_t blocks = (n + kFfnReduceThreads - 1) / kFfnReduceThreads;
-    err = launch(ffn_reduce_kernel, dim3(unsigned(blocks < kFfnMaxBlocks ? blocks : kFfnMaxBlocks)),
-                 dim3(kFfnReduceThreads), partial, g.chunks, n, y + t0 * d);
+    const FloatBundles<KIND> bundles{x + t0 * d, static_cast<const S*>(matrix), static_cast<const S*>(bias), d, glu,
+                                     vector};
+    const cudaError_t err = launch_ffn_token_group(launch, bundles, nt, d, index, n_rows, num_used, act, glu, threshold,
+                                                   act_buf, partial, y + t0 * d);
     if (err != cudaSuccess) return err;
   }
   return cudaSuccess;

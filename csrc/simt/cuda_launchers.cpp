@@ -10,6 +10,7 @@
 #include "cuda/endor_linear_kernel.cuh"
 #include "cuda/merge_attention_states_kernel.cuh"
 #include "cuda/quantized_linear_kernel.cuh"
+#include "cuda/quantized_sparse_ffn_kernel.cuh"
 #include "cuda/sparse_ffn_kernel.cuh"
 #include "simt/attention_bodies.h"
 #include "simt/bodies.h"
@@ -55,6 +56,16 @@ void run_sparse_ffn_cuda(const float* x, int64_t n_tok, int64_t d, const void* m
   require_success(launch_sparse_ffn(simt::EmulatedLaunch{}, x, n_tok, d, matrix, kind, bias, index, n_rows, num_used,
                                     act, glu, threshold, act_buf, partial, y),
                   "launch_sparse_ffn");
+}
+
+void run_quantized_sparse_ffn_cuda(const float* x, int64_t n_tok, int64_t d, const uint8_t* matrix, int64_t row_bytes,
+                                   int in_format, int down_format, const float* bias, const int64_t* index,
+                                   int64_t n_rows, int64_t num_used, int act, bool glu, float threshold, int8_t* codes,
+                                   float* scale, float* scaled_sum, float* act_buf, float* partial, float* y) {
+  require_success(launch_quantized_sparse_ffn(simt::EmulatedLaunch{}, x, n_tok, d, matrix, row_bytes, in_format,
+                                              down_format, bias, index, n_rows, num_used, act, glu, threshold, codes,
+                                              scale, scaled_sum, act_buf, partial, y),
+                  "launch_quantized_sparse_ffn");
 }
 
 void run_cache_compact_cuda(uint8_t* matrix, int64_t row_bytes, int64_t* pointer, uint8_t* bias, int bias_bytes,

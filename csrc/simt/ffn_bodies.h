@@ -11,6 +11,12 @@ namespace flashllm::simt_bodies {
 void run_sparse_ffn_cuda(const float* x, int64_t n_tok, int64_t d, const void* matrix, int kind, const void* bias,
                          const int64_t* index, int64_t n_rows, int64_t num_used, int act, bool glu, float threshold,
                          float* act_buf, float* partial, float* y);
+// Runs the CUDA build's launch_quantized_sparse_ffn (csrc/cuda/quantized_sparse_ffn_kernel.cuh; scratch sized as it
+// says).
+void run_quantized_sparse_ffn_cuda(const float* x, int64_t n_tok, int64_t d, const uint8_t* matrix, int64_t row_bytes,
+                                   int in_format, int down_format, const float* bias, const int64_t* index,
+                                   int64_t n_rows, int64_t num_used, int act, bool glu, float threshold, int8_t* codes,
+                                   float* scale, float* scaled_sum, float* act_buf, float* partial, float* y);
 void run_cache_compact_cuda(uint8_t* matrix, int64_t row_bytes, int64_t* pointer, uint8_t* bias, int bias_bytes,
                             int64_t* slot_of, int64_t n_slots, const int64_t* sorted_rows, int64_t c, int64_t num_used);
 

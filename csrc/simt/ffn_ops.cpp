@@ -1,13 +1,14 @@
-// torch.ops.flashllm_simt.{sparse_ffn_cuda, sparse_ffn_metal, cache_compact_cuda}: the CUDA build's sparse FFN and
-// cache compaction launchers and the Metal sparse FFN kernel bodies run on CPU tensors through the SIMT emulation,
-// behind the host code of the real glue (common/ffn_host.h: the same checks, scratch sizes and result cast as
-// csrc/cuda/ops_cuda.cpp).
+// torch.ops.flashllm_simt.{sparse_ffn_cuda, sparse_ffn_metal, quantized_sparse_ffn_cuda, cache_compact_cuda}: the CUDA
+// build's sparse FFN (float and quantized) and cache compaction launchers and the Metal sparse FFN kernel bodies run on
+// CPU tensors through the SIMT emulation, behind the host code of the real glue (common/ffn_host.h: the same checks,
+// scratch sizes and result cast as csrc/cuda/ops_cuda.cpp).
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <optional>
 #include <stdexcept>
+#include <string>
 
 #include "common/ffn_grid.h"
 #include "common/ffn_host.h"
@@ -74,6 +75,29 @@ at::Tensor sparse_ffn_simt_metal(const at::Tensor& x, const at::Tensor& matrix, 
   return sparse_ffn_simt<Body::metal>(x, matrix, num_used, bias, activation, glu, index, threshold, true);
 }
 
+// check_data=false runs the kernels on unchecked index entries, as the CUDA glue does without kernel checks.
+at::Tensor quantized_sparse_ffn_simt_cuda(const at::Tensor& x, const at::Tensor& matrix, int64_t num_used,
+                                          const std::optional<at::Tensor>& bias, c10::string_view activation, bool glu,
+                                          c10::string_view bundle_format, const std::optional<at::Tensor>& index,
+                                          double threshold, bool check_data) {
+  require_cpu(x, "quantized_sparse_ffn");
+  return quantized_sparse_ffn_gpu_style(
+      x, matrix, num_used, bias, activation, glu, std::string(bundle_format), index, threshold, check_data,
+      [&](const QuantizedFfnCall& call, const at::Tensor& xf, int64_t n_rows, const int64_t* ids, int act,
+          at::Tensor& y) {
+        try {
+          simt_bodies::run_quantized_sparse_ffn_cuda(
+              xf.data_ptr<float>(), xf.size(0), xf.size(1), call.matrix.data_ptr<uint8_t>(), call.layout.row_bytes,
+              call.layout.in_format, call.layout.down_format, call.bias_ptr(), ids, n_rows, num_used, act, glu,
+              static_cast<float>(threshold), call.codes.data_ptr<int8_t>(), call.scale.data_ptr<float>(),
+              call.scaled_sum.data_ptr<float>(), call.act_buf.data_ptr<float>(), call.partial.data_ptr<float>(),
+              y.data_ptr<float>());
+        } catch (const std::runtime_error& e) {
+          TORCH_CHECK(false, "quantized_sparse_ffn: SIMT emulation failed: ", e.what());
+        }
+      });
+}
+
 int64_t cache_compact_simt(at::Tensor& matrix, at::Tensor& pointer, const std::optional<at::Tensor>& bias,
                            const std::optional<at::Tensor>& slot_of, int64_t num_used, const at::Tensor& rows,
                            bool check_data) {
@@ -102,6 +126,9 @@ TORCH_LIBRARY_FRAGMENT(flashllm_simt, m) {
       "sparse_ffn_metal(Tensor x, Tensor matrix, int num_used, Tensor? bias, str activation, bool glu, "
       "Tensor? index=None, float threshold=0.0) -> Tensor");
   m.def(
+      "quantized_sparse_ffn_cuda(Tensor x, Tensor matrix, int num_used, Tensor? bias, str activation, bool glu, "
+      "str bundle_format, Tensor? index=None, float threshold=0.0, bool check_data=True) -> Tensor");
+  m.def(
       "cache_compact_cuda(Tensor(a!) matrix, Tensor(b!) pointer, Tensor(c!)? bias, Tensor(d!)? slot_of, "
       "int num_used, Tensor rows, bool check_data=True) -> int");
 }
@@ -109,6 +136,7 @@ TORCH_LIBRARY_FRAGMENT(flashllm_simt, m) {
 TORCH_LIBRARY_IMPL(flashllm_simt, CPU, m) {
   m.impl("sparse_ffn_cuda", &sparse_ffn_simt_cuda);
   m.impl("sparse_ffn_metal", &sparse_ffn_simt_metal);
+  m.impl("quantized_sparse_ffn_cuda", &quantized_sparse_ffn_simt_cuda);
   m.impl("cache_compact_cuda", &cache_compact_simt);
 }
 

@@ -258,7 +258,8 @@ def sparse_ffn(
 # blocks of `bundle_format` "<in>+<down>" (flashllm_ext/ops/blocks.py: BundleFormat; the input columns in <in>, the
 # down row in <down>, each of q8_0, q4_0, q4_1). Each token is quantized per block of 32 columns first (int8 codes
 # with a float32 scale, ops.blocks.quantize_x_blocks), so the input columns' dot products are integer sums per block,
-# as llama.cpp computes them; the down row is dequantized. bias and threshold as in sparse_ffn.
+# as llama.cpp computes them; the down row is dequantized. bias and threshold as in sparse_ffn. Kernels: CPU and CUDA;
+# elsewhere the reference.
 LIB.define(
     "quantized_sparse_ffn(Tensor x, Tensor matrix, int num_used, Tensor? bias, str activation, bool glu, "
     "str bundle_format, Tensor? index=None, float threshold=0.0) -> Tensor"

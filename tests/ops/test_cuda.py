@@ -1,6 +1,6 @@
 """The shipped CUDA kernels (flashllm_ext._C built with CUDA) on a real GPU, against the pure-torch references:
 endor_decompress bitwise, endor_linear exactly (on values whose float32 sums are exact), sparse_ffn within the
-float32-accumulation tolerance, quantized_linear within it, cache_compact exactly, and the same bad inputs every other backend refuses (with the
+float32-accumulation tolerance, quantized_sparse_ffn and quantized_linear within it, cache_compact exactly, and the same bad inputs every other backend refuses (with the
 glue's debug data checks on; without them metadata is still checked and bad data never reads out of bounds). The same problems as the SIMT tests (test_simt.py,
 test_ffn_simt.py), plus shapes too large to emulate.
 
@@ -18,15 +18,19 @@ from flashllm_ext.ops import (
     endor_decompress_reference,
     endor_linear_reference,
     quantized_linear_reference,
+    quantized_sparse_ffn_reference,
     sparse_ffn_reference,
 )
+from flashllm_ext.ops.blocks import BundleFormat
 from tests.helpers.ffn_cases import (
     FFN_DTYPES,
     assert_close,
     bad_ffn_cases,
+    bad_quantized_ffn_cases,
     bad_quantized_linear_cases,
     compact_state,
     ffn_case,
+    quantized_case,
     quantized_linear_case,
     random_compact_case,
 )
@@ -185,6 +189,35 @@ def test_sparse_ffn_refuses_bad_input(kernel_checks, case):
     kwargs = {k: v.to(CUDA) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
     with pytest.raises(RuntimeError, match=match):
         OPS.sparse_ffn(*to_cuda(args), **kwargs)
+
+
+# ---- quantized_sparse_ffn -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "layout", [BundleFormat("q4_0", "q8_0"), BundleFormat("q4_1", "q4_1"), BundleFormat("q8_0", "q8_0")]
+)
+@pytest.mark.parametrize("shape", [(1, 40, 40, 31), (9, 64, 33, 33), (4, 4096, 1024, 1000)])
+def test_quantized_sparse_ffn_matches_reference(layout, shape):
+    n_tok, d, capacity, num_used = shape
+    for dtype in FFN_DTYPES:
+        x, m, b = quantized_case(n_tok, d, capacity, True, layout, dtype, seed=d + n_tok)
+        index = torch.randperm(num_used, generator=torch.Generator().manual_seed(n_tok))[: num_used // 2]
+        for kwargs in ({}, {"index": index, "threshold": 0.05}):
+            want = quantized_sparse_ffn_reference(x, m, num_used, b, "silu", True, layout.name, **kwargs)
+            kwargs = {k: v.to(CUDA) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+            got = OPS.quantized_sparse_ffn(
+                x.to(CUDA), m.to(CUDA), num_used, b.to(CUDA), "silu", True, layout.name, **kwargs
+            )
+            assert_close(got.cpu(), want)
+
+
+@pytest.mark.parametrize("case", bad_quantized_ffn_cases(), ids=lambda c: c[0][:30])
+def test_quantized_sparse_ffn_refuses_bad_input(kernel_checks, case):
+    match, args, kwargs = case
+    kwargs = {k: v.to(CUDA) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+    with pytest.raises(RuntimeError, match=match):
+        OPS.quantized_sparse_ffn(*to_cuda(args), **kwargs)
 
 
 # ---- quantized_linear ---------------------------------------------------------------------------------------

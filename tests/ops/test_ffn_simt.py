@@ -1,17 +1,21 @@
-"""The CUDA and Metal sparse_ffn bodies and the CUDA cache_compact body, run on the CPU through the SIMT emulation
-(flashllm_ext._simt) against the pure-torch references. Small shapes: every emulated GPU thread is an OS thread."""
+"""The CUDA and Metal sparse_ffn bodies and the CUDA quantized_sparse_ffn and cache_compact bodies, run on the CPU
+through the SIMT emulation (flashllm_ext._simt) against the pure-torch references. Small shapes: every emulated GPU
+thread is an OS thread."""
 
 import pytest
 import torch
 
-from flashllm_ext.ops import cache_compact_reference, sparse_ffn_reference
+from flashllm_ext.ops import cache_compact_reference, quantized_sparse_ffn_reference, sparse_ffn_reference
+from flashllm_ext.ops.blocks import BLOCK_FORMATS, BundleFormat
 from tests.helpers.native import require_simt
 from tests.helpers.ffn_cases import (
     FFN_DTYPES,
     assert_close,
     bad_ffn_cases,
+    bad_quantized_ffn_cases,
     compact_state,
     ffn_case,
+    quantized_case,
     random_compact_case,
 )
 
@@ -51,6 +55,59 @@ def test_body_bad_inputs(body, case):
     match, args, kwargs = case
     with pytest.raises(RuntimeError, match=match):
         BODIES[body](*args, **kwargs)
+
+
+# (n_tok, d, capacity, num_used): d = 40 is two blocks, the second mostly padding; 9 tokens take two token groups.
+@pytest.mark.parametrize("in_format", list(BLOCK_FORMATS))
+@pytest.mark.parametrize("down_format", ["q8_0", "q4_1"])
+@pytest.mark.parametrize("glu,act", [(False, "relu"), (True, "silu")])
+@pytest.mark.parametrize("shape", [(1, 40, 40, 31), (9, 64, 33, 33)])
+def test_quantized_body_matches_reference(in_format, down_format, glu, act, shape):
+    n_tok, d, capacity, num_used = shape
+    layout = BundleFormat(in_format, down_format)
+    x, m, b = quantized_case(n_tok, d, capacity, glu, layout, seed=d + n_tok)
+    cases = [({}, b), ({"index": INDEX.clamp(max=num_used - 1), "threshold": 0.1}, b), ({"index": INDEX[:0]}, None)]
+    for kwargs, bias in cases:
+        want = quantized_sparse_ffn_reference(x, m, num_used, bias, act, glu, layout.name, **kwargs)
+        assert_close(OPS.quantized_sparse_ffn_cuda(x, m, num_used, bias, act, glu, layout.name, **kwargs), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_quantized_body_half_x_and_wide_rows(dtype):
+    # 1100 columns: 35 blocks (a lane takes two) over two column blocks of the down kernel.
+    layout = BundleFormat("q4_1", "q8_0")
+    x, m, b = quantized_case(2, 1100, 6, True, layout, dtype, seed=11)
+    want = quantized_sparse_ffn_reference(x, m, 5, b, "silu", True, layout.name)
+    assert_close(OPS.quantized_sparse_ffn_cuda(x, m, 5, b, "silu", True, layout.name), want)
+
+
+def test_quantized_body_many_chunks_and_a_nan_input():
+    # 530 rows: the 32-chunk cap of the down kernel; a NaN in x makes its token's outputs NaN, as the reference's.
+    layout = BundleFormat("q4_0", "q8_0")
+    x, m, b = quantized_case(2, 64, 530, True, layout, seed=3)
+    x[1, 40] = float("nan")
+    want = quantized_sparse_ffn_reference(x, m, 530, b, "silu", True, layout.name)
+    got = OPS.quantized_sparse_ffn_cuda(x, m, 530, b, "silu", True, layout.name)
+    assert got[1].isnan().all() and want[1].isnan().all()
+    assert_close(got[0], want[0])
+
+
+@pytest.mark.parametrize("case", bad_quantized_ffn_cases(), ids=lambda c: c[0][:30])
+def test_quantized_body_bad_inputs(case):
+    match, args, kwargs = case
+    with pytest.raises(RuntimeError, match=match):
+        OPS.quantized_sparse_ffn_cuda(*args, **kwargs)
+
+
+def test_quantized_body_without_checks_skips_bad_index_entries():
+    # What the CUDA glue does without kernel checks: entries outside [0, num_used) are never read and add nothing.
+    layout = BundleFormat("q8_0", "q8_0")
+    x, m, b = quantized_case(3, 64, 10, False, layout, seed=5)
+    got = OPS.quantized_sparse_ffn_cuda(
+        x, m, 6, b, "relu", False, layout.name, index=torch.tensor([0, 9, -4, 5]), check_data=False
+    )
+    want = quantized_sparse_ffn_reference(x, m, 6, b, "relu", False, layout.name, index=torch.tensor([0, 5]))
+    assert_close(got, want)
 
 
 @pytest.mark.parametrize("seed", range(8))
