@@ -13,7 +13,8 @@ calls of a few-microsecond kernel time the host's python, dispatch and launches 
 bench "qffn": flashllm_ext.ops.quantized_sparse_ffn over rows of GGUF blocks (q8_0+q8_0, q4_0+q8_0, q4_0+q4_0) on
 Llama-2-7B's layer shape (d=4096, 11008 neurons, SwiGLU) at loaded densities 0.05 and 0.45, T=1 and 4; against
 its byte bound (the rows' quantized bytes / the streaming-sum bandwidth, interleaved) and against sparse_ffn over
-the same neurons' float16 bundles. Rows rotate over copies spanning >= 256 MiB as in bench "ffn".
+the same neurons' float16 bundles. Rows rotate over copies spanning >= 256 MiB as in bench "ffn"; on a GPU the same
+calls are also replayed from a CUDA graph (quantized_graph_ms, bound_ratio_graph).
 
 bench "cache": NeuronCache memory management per token over a real activation trace: SmolLM2-135M (the default
 model) on held-out text, |act(gate)*up| thresholded per layer to 95% sparsity (calibrated on the calibration
@@ -199,11 +200,18 @@ QUANTIZED_FORMATS = ("q8_0+q8_0", "q4_0+q8_0", "q4_0+q4_0")
 
 
 def bench_quantized_ffn(
-    rounds: int, quick: bool, smoke: bool = False, on_row: Callable[[dict], object] = lambda row: None
+    rounds: int,
+    quick: bool,
+    device: str = "cpu",
+    smoke: bool = False,
+    on_row: Callable[[dict], object] = lambda row: None,
 ) -> list[dict]:
-    """quantized_sparse_ffn on the CPU against its byte bound and against sparse_ffn on float16 bundles (see the
-    module doc). smoke: SMOKE_SHAPES' Llama shape, two copies."""
-    probe_bytes, stream = stream_probe("cpu", smoke)
+    """quantized_sparse_ffn on `device` against its byte bound and against sparse_ffn on float16 bundles (see the
+    module doc); on a GPU also replayed from a CUDA graph (as bench "ffn"). smoke: SMOKE_SHAPES' Llama shape, two
+    copies."""
+    on_gpu = device == "cuda"
+    sync = torch.cuda.synchronize if on_gpu else (lambda: None)
+    probe_bytes, stream = stream_probe(device, smoke)
     shape_name, (d, n, glu, act) = list((SMOKE_SHAPES if smoke else SHAPES).items())[1]
     g = torch.Generator().manual_seed(0)
     rows = []
@@ -211,23 +219,24 @@ def bench_quantized_ffn(
         used = int(round(density * n))
         bundles = torch.randn(used, 3 * d, generator=g) / d**0.5  # [up | gate | down] of the loaded neurons
         half_copies = 2 if smoke else max(2, -(-ROTATE_BYTES // (used * 3 * d * 2)))
-        halves = [bundles.half() for _ in range(half_copies)]
+        halves = [bundles.to(device, torch.float16) for _ in range(half_copies)]
         for name in QUANTIZED_FORMATS[:1] if smoke else QUANTIZED_FORMATS:
             layout = BundleFormat.parse(name)
             quantized = layout.quantize(bundles[:, :d], bundles[:, 2 * d :].t(), bundles[:, d : 2 * d])
             row_bytes = quantized.shape[1]
             copies = 2 if smoke else max(2, -(-ROTATE_BYTES // (used * row_bytes)))
-            mats = [quantized] + [quantized.clone() for _ in range(copies - 1)]
+            mats = [quantized.to(device) for _ in range(copies)]
             for n_tok in (1,) if quick or smoke else (1, 4):
                 x = torch.randn(n_tok, d, generator=g).half()
+                x_dev = x.to(device)
                 qffn = cycling(
                     lambda i: ops.quantized_sparse_ffn(
-                        x, mats[i], num_used=used, activation=act, glu=glu, bundle_format=name
+                        x_dev, mats[i], num_used=used, activation=act, glu=glu, bundle_format=name
                     ),
                     copies,
                 )
                 want = ops.quantized_sparse_ffn_reference(x, quantized, used, None, act, glu, name)
-                got = qffn().float()
+                got = qffn().float().cpu()
                 assert torch.allclose(got, want.float(), rtol=1e-2, atol=1e-2 * want.abs().max().item()), "wrong"
                 threads = torch.get_num_threads()
 
@@ -239,12 +248,19 @@ def bench_quantized_ffn(
                 candidates = {
                     "quantized": qffn,
                     "fp16": cycling(
-                        lambda i: ops.sparse_ffn(x, halves[i], num_used=used, activation=act, glu=glu), half_copies
+                        lambda i: ops.sparse_ffn(x_dev, halves[i], num_used=used, activation=act, glu=glu), half_copies
                     ),
                     "stream": stream,
-                    "quantized_1t": qffn_one_thread,
                 }
-                times = time_interleaved(candidates, rounds=rounds)
+                graph_error = None
+                if not on_gpu:
+                    candidates["quantized_1t"] = qffn_one_thread
+                else:
+                    try:
+                        candidates["quantized_graph"] = graph_replays(qffn)
+                    except RuntimeError as e:  # the row says why; the other columns still stand
+                        graph_error = f"{type(e).__name__}: {e}"
+                times = time_interleaved(candidates, rounds=rounds, sync=sync)
                 bound = used * row_bytes / (probe_bytes / times["stream"])
                 rows.append(
                     {
@@ -261,12 +277,19 @@ def bench_quantized_ffn(
                         "speedup_vs_fp16": times["fp16"] / times["quantized"],
                         "bound_ms": bound * 1e3,
                         "bound_ratio": times["quantized"] / bound,
-                        "quantized_1t_ms": times["quantized_1t"] * 1e3,
-                        "bound_ratio_1t": times["quantized_1t"] / bound,
                         "stream_gbps": probe_bytes / times["stream"] / 1e9,
-                        "device": device_name("cpu"),
+                        "device": device_name(device),
                     }
                 )
+                if not on_gpu:
+                    rows[-1].update(
+                        quantized_1t_ms=times["quantized_1t"] * 1e3, bound_ratio_1t=times["quantized_1t"] / bound
+                    )
+                elif graph_error is None:
+                    per_call = times["quantized_graph"] / GRAPH_CALLS
+                    rows[-1].update(quantized_graph_ms=per_call * 1e3, bound_ratio_graph=per_call / bound)
+                else:
+                    rows[-1]["graph_error"] = graph_error
                 on_row(rows[-1])
             mats = None
     return rows
@@ -375,7 +398,7 @@ def main() -> None:
         "--device",
         default="cpu",
         choices=["cpu", "cuda"],
-        help="where bench 'ffn' runs (bench 'cache' is CPU only until the cache runs on a GPU)",
+        help="where benches 'ffn' and 'qffn' run (bench 'cache' is CPU only until the cache runs on a GPU)",
     )
     parser.add_argument(
         "--store-dir",
@@ -418,18 +441,13 @@ def main() -> None:
                     "bound_ratio_graph",
                 ],
             )
-    if args.only in (None, "qffn") and args.device == "cpu":
-        rows = bench_quantized_ffn(args.rounds, args.quick, args.smoke, on_row)
+    if args.only in (None, "qffn"):
+        rows = bench_quantized_ffn(args.rounds, args.quick, args.device, args.smoke, on_row)
         if not args.json:
             columns = ["bundle_format", "density", "tokens", "rows", "row_bytes", "quantized_ms", "fp16_ms"]
-            columns += [
-                "speedup_vs_fp16",
-                "bound_ms",
-                "bound_ratio",
-                "stream_gbps",
-                "quantized_1t_ms",
-                "bound_ratio_1t",
-            ]
+            columns += ["speedup_vs_fp16", "bound_ms", "bound_ratio", "stream_gbps"]
+            columns += ["quantized_graph_ms", "bound_ratio_graph"] if args.device == "cuda" else []
+            columns += ["quantized_1t_ms", "bound_ratio_1t"] if args.device == "cpu" else []
             emit(rows, False, columns)
     if args.only in (None, "cache"):
         with tempfile.TemporaryDirectory(dir=os.getcwd(), prefix=".bench-ffn-") as tmp:

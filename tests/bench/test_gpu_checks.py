@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 SCRIPT = Path(__file__).resolve().parents[2] / ".ci" / "gpu-checks"
-STEPS = ["tests", "e2e_flash", "endor", "offload_30", "offload_50", "ffn"]
+STEPS = ["tests", "qffn", "e2e_flash", "endor", "offload_30", "offload_50", "ffn"]
 
 
 @pytest.mark.slow
@@ -33,6 +33,7 @@ def test_dry_run_runs_every_step_and_each_writes_rows_without_errors(tmp_path):
     assert {p.name for p in results} == {
         "bench_e2e_flash_cpu.jsonl",
         "bench_ffn_cpu.jsonl",
+        "bench_qffn_cpu.jsonl",
         "bench_endor_cpu.jsonl",
         "bench_offload_cpu_30.jsonl",
         "bench_offload_cpu_50.jsonl",
