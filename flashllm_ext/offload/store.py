@@ -25,7 +25,6 @@ MAGIC = "flashllm-offload"
 # read): the form was 0 / 1 for dense / Endor. A reader refuses versions it does not know.
 FORMAT_VERSION = "2"
 READ_VERSIONS = ("1", FORMAT_VERSION)
-FORMS = ("dense", "endor", *BLOCK_FORMATS)
 LAYERS_FILE = "layers.safetensors"
 RESIDENT_FILE = "resident.safetensors"
 STORE_FILES = (LAYERS_FILE, RESIDENT_FILE)  # what convert_offload writes: --force replaces these only
@@ -144,14 +143,12 @@ class LayerStore:
             ) from None
         if not self.layers or not all(self.layers):
             raise FormatError("__metadata__.layers", "no layers, or a layer without weights", self.layers_path)
+        allowed = list(BLOCK_FORMATS) if self.quantized else ["dense", "endor"]  # a quantized store's are all blocks
         for e in (e for layer in self.layers for e in layer):
-            # A quantized store's matrices are blocks (or dense, for a shape blocks cannot hold); a float store's
-            # are never blocks.
-            if e.form not in FORMS or bool(e.block_format) > bool(self.quantized):
-                allowed = FORMS if self.quantized else FORMS[:2]
+            if e.form not in allowed:
                 raise FormatError(
                     f"__metadata__.layers[{e.name}]",
-                    f"form must be one of {list(allowed)}, got {e.form!r}",
+                    f"form must be one of {allowed}, got {e.form!r}",
                     self.layers_path,
                 )
         self._entries = header.tensors

