@@ -44,13 +44,19 @@ def layer_tensor_sources(ckpt: Checkpoint, roles: dict[str, str], bundle_format:
     for role in WEIGHT_ROLES:
         if role not in roles:
             continue
-        name, kind = roles[role], ckpt.source_type(roles[role])
+        name = roles[role]
         fmt = bundle_format.down_format if role == "down" else bundle_format.in_format
-        if role != "down" and keeps_blocks(ckpt, name, fmt):
-            sources[role] = f"kept {kind} blocks"
-        else:
-            sources[role] = f"{'quantized' if kind in FLOAT_SOURCES else 'requantized'} {kind} -> {fmt}"
+        sources[role] = tensor_source(ckpt, name, fmt, role != "down" and keeps_blocks(ckpt, name, fmt))
     return sources
+
+
+def tensor_source(ckpt: Checkpoint, name: str, fmt: str, kept: bool) -> str:
+    """How tensor `name` reaches a quantized store in format `fmt`: "kept Q4_0 blocks" (kept), else "quantized F16 ->
+    q4_0" from a float type or "requantized Q6_K -> q4_0" from another."""
+    kind = ckpt.source_type(name)
+    if kept:
+        return f"kept {kind} blocks"
+    return f"{'quantized' if kind in FLOAT_SOURCES else 'requantized'} {kind} -> {fmt}"
 
 
 def describe_sources(sources: list[dict[str, str]]) -> str:

@@ -13,17 +13,18 @@ import torch
 from tqdm.auto import tqdm
 
 from flashllm_ext import endor
-from flashllm_ext.io.checkpoint import Checkpoint, GGUFCheckpoint, open_checkpoint, unsupported_model
+from flashllm_ext.io.checkpoint import Checkpoint, open_checkpoint, unsupported_model
 from flashllm_ext.errors import FormatError
 from flashllm_ext.io.paths import check_out_dir, install_dir, staging_dir
 from flashllm_ext.io.safetensors import AlignedWriter, TensorSpec, save_tensors
 from flashllm_ext.io.buffers import ALIGNMENT
 from flashllm_ext.flash.quantized_rows import (
-    FLOAT_SOURCES,
     QUANTIZED_DTYPES,
     QUANTIZED_FLOAT_DTYPE,
     commonest_format,
+    keeps_blocks,
     quantize_in_chunks,
+    tensor_source,
 )
 from flashllm_ext.flash.store import DTYPES
 from flashllm_ext.offload.store import (
@@ -91,8 +92,9 @@ def convert_offload(
     if quantized:
         formats = QUANTIZED_DTYPES[dtype]
         fallback = commonest_format(ckpt, (n for names in layers for n in names), formats)
-        kept = {n: ckpt.source_type(n).lower() for names in layers for n in names if _keeps_blocks(ckpt, n, formats)}
-        block_forms = {n: kept.get(n, fallback) for names in layers for n in names}
+        block_forms = {
+            n: next((f for f in formats if keeps_blocks(ckpt, n, f)), fallback) for names in layers for n in names
+        }
     nnz: dict[str, int] = {}
     if endor_compress:
         for names in tqdm(layers, desc="counting non-zeros", unit="layer", disable=not progress):
@@ -166,28 +168,19 @@ def convert_offload(
     return out_dir
 
 
-def _keeps_blocks(ckpt: Checkpoint, name: str, formats: tuple[str, ...]) -> bool:
-    """Whether matrix `name` is copied block for block: a GGUF tensor already in one of `formats`."""
-    return isinstance(ckpt, GGUFCheckpoint) and ckpt.source_type(name).lower() in formats
-
-
 def _stored(ckpt: Checkpoint, entry: MatrixEntry, dtype: torch.dtype) -> torch.Tensor:
     """Matrix `entry` as the store holds it before any Endor compression: its blocks (kept from the file, or
     quantized), or floats in `dtype`."""
     if not entry.block_format:
         return ckpt[entry.name].to(dtype)
-    if _keeps_blocks(ckpt, entry.name, (entry.block_format,)):
+    if keeps_blocks(ckpt, entry.name, entry.block_format):
         return ckpt.raw_blocks(entry.name)[0]
     return quantize_in_chunks(ckpt[entry.name], entry.block_format)
 
 
 def _source(ckpt: Checkpoint, entry: MatrixEntry) -> str:
-    """How a quantized store's matrix reached it: "kept Q4_1 blocks", "quantized F16 -> q8_0", "requantized Q6_K
-    -> q4_0"."""
-    kind = ckpt.source_type(entry.name)
-    if _keeps_blocks(ckpt, entry.name, (entry.block_format,)):
-        return f"kept {kind} blocks"
-    return f"{'quantized' if kind in FLOAT_SOURCES else 'requantized'} {kind} -> {entry.block_format}"
+    fmt = entry.block_format
+    return tensor_source(ckpt, entry.name, fmt, keeps_blocks(ckpt, entry.name, fmt))
 
 
 def _verify(store: LayerStore, ckpt: Checkpoint, dtype: torch.dtype) -> None:
