@@ -41,7 +41,7 @@ if (r >= 0 && r < num_used) {
     const float v = simd_sum(h[t]) + b;
     float a;
     if (activation == 0) {
-      a = v > 0.f ? v : 0.f;
+      a = v < 0.f ? 0.f : v;  // NaN stays NaN, as torch's relu
     } else if (activation == 1) {
       a = v / (1.f + exp(-v));
     } else if (activation == 3) {

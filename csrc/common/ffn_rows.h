@@ -20,7 +20,7 @@ namespace flashllm {
 inline float ffn_activate(float v, int act) {
   switch (act) {
     case kActRelu:
-      return v > 0.f ? v : 0.f;
+      return v < 0.f ? 0.f : v;  // NaN stays NaN, as torch's relu
     case kActSilu:
       return v / (1.f + std::exp(-v));
     case kActGelu:

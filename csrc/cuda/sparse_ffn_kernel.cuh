@@ -58,7 +58,7 @@ __device__ __forceinline__ float warp_sum(float v) {
 }
 
 __device__ __forceinline__ float activate(float v, int act) {
-  if (act == 0) return v > 0.f ? v : 0.f;
+  if (act == 0) return v < 0.f ? 0.f : v;  // NaN stays NaN, as torch's relu
   if (act == 1) return v / (1.f + expf(-v));
   if (act == 2) return 0.5f * v * (1.f + erff(v * 0.70710678118654752f));
   return 0.5f * v * (1.f + tanhf(0.7978845608028654f * (v + 0.044715f * v * v * v)));  // 3: tanh-approximated

@@ -50,6 +50,17 @@ def test_body_wide_rows_and_many_chunks(body, shape):
 
 
 @pytest.mark.parametrize("body", ["cuda", "metal"])
+@pytest.mark.parametrize("glu,act", [(False, "relu"), (True, "relu"), (True, "silu")])
+def test_body_a_nan_input_makes_its_token_nan(body, glu, act):
+    # relu(NaN) is NaN, as torch's: a NaN is never turned into a zero that would pass as a result.
+    x, m, b = ffn_case(2, 40, 12, glu, torch.float32, seed=4)
+    x[1, 7] = float("nan")
+    got, want = BODIES[body](x, m, 12, b, act, glu), sparse_ffn_reference(x, m, 12, b, act, glu)
+    assert got[1].isnan().all() and want[1].isnan().all()
+    assert_close(got[0], want[0])
+
+
+@pytest.mark.parametrize("body", ["cuda", "metal"])
 @pytest.mark.parametrize("case", bad_ffn_cases(), ids=lambda c: c[0][:30])
 def test_body_bad_inputs(body, case):
     match, args, kwargs = case

@@ -100,6 +100,19 @@ def test_threshold_skips_small_glu_products(isa):
     assert torch.equal(got, torch.zeros_like(got))
 
 
+@pytest.mark.parametrize("glu,act", [(False, "relu"), (True, "relu"), (True, "silu"), (False, "gelu_tanh")])
+def test_a_nan_input_makes_its_token_nan_with_every_activation(isa, glu, act):
+    # relu(NaN) is NaN, as torch's: a NaN is never turned into a zero that would pass as a result.
+    x, m, b = ffn_case(2, 40, 12, glu, torch.float32, seed=4)
+    x[1, 7] = float("nan")
+    got, want = (
+        ops.sparse_ffn(x, m, num_used=12, activation=act, glu=glu, bias=b),
+        sparse_ffn_reference(x, m, 12, b, act, glu),
+    )
+    assert got[1].isnan().all() and want[1].isnan().all()
+    assert_close(got[0], want[0])
+
+
 def test_opcheck():
     x, m, b = ffn_case(3, 16, 12, True, torch.float32)
     torch.library.opcheck(
