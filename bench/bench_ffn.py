@@ -79,6 +79,44 @@ def graph_replays(fn, calls: int = GRAPH_CALLS):
     return graph.replay
 
 
+def add_device_variants(candidates: dict, names: tuple[str, ...], on_gpu: bool) -> str | None:
+    """Adds the device's variants of candidates `names` to time beside them: on the CPU `<first>_1t`, the first on one
+    OpenMP thread (immune to the barrier waits of a shared machine); on a GPU `<name>_graph` for each (graph_replays).
+    Returns why a graph could not be captured, or None (the row says why; its other columns still stand)."""
+    if not on_gpu:
+        fn = candidates[names[0]]
+
+        def one_thread():
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)
+            fn()
+            torch.set_num_threads(threads)
+
+        candidates[f"{names[0]}_1t"] = one_thread
+        return None
+    try:
+        for name in names:
+            candidates[f"{name}_graph"] = graph_replays(candidates[name])
+    except RuntimeError as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def device_variant_columns(
+    times: dict, names: tuple[str, ...], bound: float, on_gpu: bool, graph_error: str | None
+) -> dict:
+    """The row's columns of add_device_variants' timings: `<first>_1t_ms` and bound_ratio_1t on the CPU;
+    `<name>_graph_ms` per call and the first's bound_ratio_graph on a GPU (or graph_error)."""
+    first = names[0]
+    if not on_gpu:
+        return {f"{first}_1t_ms": times[f"{first}_1t"] * 1e3, "bound_ratio_1t": times[f"{first}_1t"] / bound}
+    if graph_error is not None:
+        return {"graph_error": graph_error}
+    columns = {f"{name}_graph_ms": times[f"{name}_graph"] / GRAPH_CALLS * 1e3 for name in names}
+    columns["bound_ratio_graph"] = times[f"{first}_graph"] / GRAPH_CALLS / bound
+    return columns
+
+
 def dense_ffn(x, w_up, w_down, w_gate, act):
     if w_gate is None:
         return F.linear(F.relu(F.linear(x, w_up)), w_down)
@@ -136,28 +174,12 @@ def bench_ffn(
                     )
                 got = sparse().float()
                 assert torch.allclose(got, want, rtol=3e-2, atol=3e-2 * want.abs().max().item()), "sparse_ffn wrong"
-                threads = torch.get_num_threads()
-
-                def sparse_one_thread():
-                    # The same kernel on one OpenMP thread: immune to the barrier waits of a shared machine.
-                    torch.set_num_threads(1)
-                    sparse()
-                    torch.set_num_threads(threads)
-
                 candidates = {
                     "sparse": sparse,
                     "dense": lambda: dense_ffn(x, w_up, w_down, w_gate, act),
                     "stream": stream,
                 }
-                graph_error = None
-                if not on_gpu:
-                    candidates["sparse_1t"] = sparse_one_thread
-                else:
-                    try:
-                        candidates["sparse_graph"] = graph_replays(sparse)
-                        candidates["dense_graph"] = graph_replays(candidates["dense"])
-                    except RuntimeError as e:  # the row says why; the other columns still stand
-                        graph_error = f"{type(e).__name__}: {e}"
+                graph_error = add_device_variants(candidates, ("sparse", "dense"), on_gpu)
                 times = time_interleaved(candidates, rounds=rounds, sync=sync)
                 bandwidth = probe_bytes / times["stream"]
                 bound = used * row_bytes / bandwidth
@@ -179,17 +201,7 @@ def bench_ffn(
                         "device": device_name(device),
                     }
                 )
-                if not on_gpu:
-                    rows[-1].update(sparse_1t_ms=times["sparse_1t"] * 1e3, bound_ratio_1t=times["sparse_1t"] / bound)
-                elif graph_error is None:
-                    per_call = {k: times[k] / GRAPH_CALLS for k in ("sparse_graph", "dense_graph")}
-                    rows[-1].update(
-                        sparse_graph_ms=per_call["sparse_graph"] * 1e3,
-                        dense_graph_ms=per_call["dense_graph"] * 1e3,
-                        bound_ratio_graph=per_call["sparse_graph"] / bound,
-                    )
-                else:
-                    rows[-1]["graph_error"] = graph_error
+                rows[-1].update(device_variant_columns(times, ("sparse", "dense"), bound, on_gpu, graph_error))
                 on_row(rows[-1])
             mats = None  # the copies leave device memory before the next shape's are made
     return rows
@@ -238,13 +250,6 @@ def bench_quantized_ffn(
                 want = ops.quantized_sparse_ffn_reference(x, quantized, used, None, act, glu, name)
                 got = qffn().float().cpu()
                 assert torch.allclose(got, want.float(), rtol=1e-2, atol=1e-2 * want.abs().max().item()), "wrong"
-                threads = torch.get_num_threads()
-
-                def qffn_one_thread():
-                    torch.set_num_threads(1)
-                    qffn()
-                    torch.set_num_threads(threads)
-
                 candidates = {
                     "quantized": qffn,
                     "fp16": cycling(
@@ -252,14 +257,7 @@ def bench_quantized_ffn(
                     ),
                     "stream": stream,
                 }
-                graph_error = None
-                if not on_gpu:
-                    candidates["quantized_1t"] = qffn_one_thread
-                else:
-                    try:
-                        candidates["quantized_graph"] = graph_replays(qffn)
-                    except RuntimeError as e:  # the row says why; the other columns still stand
-                        graph_error = f"{type(e).__name__}: {e}"
+                graph_error = add_device_variants(candidates, ("quantized",), on_gpu)
                 times = time_interleaved(candidates, rounds=rounds, sync=sync)
                 bound = used * row_bytes / (probe_bytes / times["stream"])
                 rows.append(
@@ -281,15 +279,7 @@ def bench_quantized_ffn(
                         "device": device_name(device),
                     }
                 )
-                if not on_gpu:
-                    rows[-1].update(
-                        quantized_1t_ms=times["quantized_1t"] * 1e3, bound_ratio_1t=times["quantized_1t"] / bound
-                    )
-                elif graph_error is None:
-                    per_call = times["quantized_graph"] / GRAPH_CALLS
-                    rows[-1].update(quantized_graph_ms=per_call * 1e3, bound_ratio_graph=per_call / bound)
-                else:
-                    rows[-1]["graph_error"] = graph_error
+                rows[-1].update(device_variant_columns(times, ("quantized",), bound, on_gpu, graph_error))
                 on_row(rows[-1])
             mats = None
     return rows
