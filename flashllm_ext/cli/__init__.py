@@ -6,7 +6,8 @@
   flashllm run STORE_DIR --tokenizer PATH [--prompt TEXT] [--chat] [--mode flash] [--budget 50%] [--tokens N]
                [--temperature T --top-k K --top-p P --repeat-penalty R --seed S] [--stop TEXT] [--hf]
                [--device cpu|cuda]
-  flashllm offload STORE_DIR --convert CHECKPOINT [--endor] | --tokenizer PATH [--mode endor] [--budget 30%]
+  flashllm offload STORE_DIR --convert CHECKPOINT [--endor] [--dtype fp16|bf16|fp32|q8|q4]
+                   | --tokenizer PATH [--mode dense|endor|endor+more-resident] [--budget 30%]
                    [--device cuda --device-budget 20%] ...
 
 Each subcommand registers itself with an `add_*` function of its module (cli.prepare, cli.generate); main() only
