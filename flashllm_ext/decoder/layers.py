@@ -32,11 +32,8 @@ DECODE_ATTENTION = torch.ops.flashllm.decode_attention.default
 
 def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, in] float32, weight [out, in] (any float dtype, or blocks), bias [out] | None -> float32 [T, out]."""
-    if isinstance(weight, QuantizedWeight):
-        bias = None if bias is None else bias.float()
-        if x.device.type == "cpu":
-            return QUANTIZED_LINEAR(x, weight.blocks, weight.fmt, bias)
-        return F.linear(x, weight.dequantize(), bias)
+    if isinstance(weight, QuantizedWeight):  # the CPU and CUDA kernels (elsewhere the reference) read the blocks
+        return QUANTIZED_LINEAR(x, weight.blocks, weight.fmt, None if bias is None else bias.float())
     if x.device.type == "cpu":
         return HALF_LINEAR(x, weight, bias)  # the op itself: the typed wrapper's call costs ~1 us a matrix
     return F.linear(x.to(weight.dtype), weight, bias).float()
