@@ -1,5 +1,6 @@
-// Body of the sparse FFN activation kernel for mlx.core.fast.metal_kernel (MLX writes the signature); the Metal
-// twin of ffn_act_kernel in csrc/cuda/sparse_ffn_kernel.cuh. Semantics: flashllm_ext/ops/ (sparse_ffn).
+// Body of the sparse FFN activation kernel for mlx.core.fast.metal_kernel (MLX writes the signature; activation.metal
+// is in its header); the Metal twin of ffn_act_kernel in csrc/cuda/sparse_ffn_kernel.cuh. Semantics: flashllm_ext/ops/
+// (sparse_ffn).
 //
 // Template parameters: T (float, half or bfloat16_t: the matrix and bias element), HAS_INDEX, HAS_BIAS (bool).
 // Inputs:  x [n_tok * d] float (at most 8 tokens), matrix [capacity * width] T (rows [up | gate (GLU) | down]),
@@ -39,22 +40,7 @@ if (r >= 0 && r < num_used) {
   const float b = HAS_BIAS ? float(bias[r]) : 0.f;
   for (int t = 0; t < kFfnMaxTokens; ++t) {
     const float v = simd_sum(h[t]) + b;
-    float a;
-    if (activation == 0) {
-      a = v < 0.f ? 0.f : v;  // NaN stays NaN, as torch's relu
-    } else if (activation == 1) {
-      a = v / (1.f + exp(-v));
-    } else if (activation == 3) {
-      a = 0.5f * v * (1.f + precise::tanh(0.7978845608028654f * (v + 0.044715f * v * v * v)));
-    } else {
-      // MSL has no erf: Abramowitz-Stegun 7.1.26 (|error| < 1.5e-7).
-      const float z = fabs(v) * 0.70710678118654752f;
-      const float k = 1.f / (1.f + 0.3275911f * z);
-      const float poly = k * (0.254829592f + k * (-0.284496736f + k * (1.421413741f + k * (-1.453152027f +
-                         k * 1.061405429f))));
-      const float erf_z = 1.f - poly * exp(-z * z);
-      a = 0.5f * v * (1.f + (v < 0.f ? -erf_z : erf_z));
-    }
+    float a = ffn_activate(v, activation);
     if (glu) {
       a *= simd_sum(up[t]);
     }

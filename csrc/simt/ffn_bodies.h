@@ -26,6 +26,18 @@ void run_sparse_ffn_metal(const float* x, int64_t n_tok, int64_t d, const void* 
                           const int64_t* index, int64_t n_rows, int64_t num_used, int act, bool glu, float threshold,
                           float* act_buf, int64_t chunks, int64_t rows_per_chunk, float* partial);
 
+// Runs metal/quantize_x_blocks.metal over n_tok tokens: codes [n_tok][ceil(d / 32) * 32], scale and scaled_sum
+// [n_tok][ceil(d / 32)].
+void run_quantize_x_metal(const float* x, int64_t n_tok, int64_t d, int8_t* codes, float* scale, float* scaled_sum);
+// Runs metal/quantized_sparse_ffn_act.metal then quantized_sparse_ffn_down.metal as flashllm_ext.mlx does, for at
+// most 8 tokens already quantized (codes, scale, scaled_sum: that group's); bias float32 or null; partial as
+// run_sparse_ffn_metal's.
+void run_quantized_sparse_ffn_metal(const int8_t* codes, const float* scale, const float* scaled_sum, int64_t n_tok,
+                                    int64_t d, const uint8_t* matrix, int64_t row_bytes, int64_t col_bytes,
+                                    int in_format, int down_format, const float* bias, const int64_t* index,
+                                    int64_t n_rows, int64_t num_used, int act, bool glu, float threshold,
+                                    float* act_buf, int64_t chunks, int64_t rows_per_chunk, float* partial);
+
 // Threads per threadgroup of the Metal sparse FFN kernels; flashllm_ext/mlx uses the same.
 constexpr unsigned kFfnMetalThreadgroup = 256;
 

@@ -1,7 +1,7 @@
-// torch.ops.flashllm_simt.{sparse_ffn_cuda, sparse_ffn_metal, quantized_sparse_ffn_cuda, cache_compact_cuda}: the CUDA
-// build's sparse FFN (float and quantized) and cache compaction launchers and the Metal sparse FFN kernel bodies run on
-// CPU tensors through the SIMT emulation, behind the host code of the real glue (common/ffn_host.h: the same checks,
-// scratch sizes and result cast as csrc/cuda/ops_cuda.cpp).
+// torch.ops.flashllm_simt.{sparse_ffn_cuda, sparse_ffn_metal, quantized_sparse_ffn_cuda, quantized_sparse_ffn_metal,
+// cache_compact_cuda}: the CUDA build's sparse FFN (float and quantized) and cache compaction launchers and the Metal
+// sparse FFN kernel bodies (float and quantized) run on CPU tensors through the SIMT emulation, behind the host code of
+// the real glue (common/ffn_host.h: the same checks, scratch sizes and result cast as csrc/cuda/ops_cuda.cpp).
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -98,6 +98,40 @@ at::Tensor quantized_sparse_ffn_simt_cuda(const at::Tensor& x, const at::Tensor&
       });
 }
 
+// Always checked, as sparse_ffn_simt_metal.
+at::Tensor quantized_sparse_ffn_simt_metal(const at::Tensor& x, const at::Tensor& matrix, int64_t num_used,
+                                           const std::optional<at::Tensor>& bias, c10::string_view activation, bool glu,
+                                           c10::string_view bundle_format, const std::optional<at::Tensor>& index,
+                                           double threshold) {
+  require_cpu(x, "quantized_sparse_ffn");
+  return quantized_sparse_ffn_gpu_style(
+      x, matrix, num_used, bias, activation, glu, std::string(bundle_format), index, threshold, true,
+      [&](const QuantizedFfnCall& call, const at::Tensor& xf, int64_t n_rows, const int64_t* ids, int act,
+          at::Tensor& y) {
+        const int64_t n_tok = xf.size(0), d = xf.size(1), nb = call.layout.n_blocks;
+        const FfnGrid g = ffn_grid(n_rows, d, kQuantizedDownElemBytes);
+        try {
+          // What flashllm_ext.mlx does: every token quantized in one dispatch, then one act + down dispatch per
+          // group of 8 tokens and mx.sum over chunks.
+          simt_bodies::run_quantize_x_metal(xf.data_ptr<float>(), n_tok, d, call.codes.data_ptr<int8_t>(),
+                                            call.scale.data_ptr<float>(), call.scaled_sum.data_ptr<float>());
+          for (int64_t t0 = 0; t0 < n_tok; t0 += kFfnMaxTokens) {
+            const int64_t nt = std::min<int64_t>(kFfnMaxTokens, n_tok - t0);
+            at::Tensor part = call.partial.narrow(0, 0, g.chunks * nt * d);
+            simt_bodies::run_quantized_sparse_ffn_metal(
+                call.codes.data_ptr<int8_t>() + t0 * nb * kBlock, call.scale.data_ptr<float>() + t0 * nb,
+                call.scaled_sum.data_ptr<float>() + t0 * nb, nt, d, call.matrix.data_ptr<uint8_t>(),
+                call.layout.row_bytes, call.layout.col_bytes, call.layout.in_format, call.layout.down_format,
+                call.bias_ptr(), ids, n_rows, num_used, act, glu, static_cast<float>(threshold),
+                call.act_buf.data_ptr<float>(), g.chunks, g.rows_per_chunk, part.data_ptr<float>());
+            y.narrow(0, t0, nt).copy_(part.view({g.chunks, nt, d}).sum(0));
+          }
+        } catch (const std::runtime_error& e) {
+          TORCH_CHECK(false, "quantized_sparse_ffn: SIMT emulation failed: ", e.what());
+        }
+      });
+}
+
 int64_t cache_compact_simt(at::Tensor& matrix, at::Tensor& pointer, const std::optional<at::Tensor>& bias,
                            const std::optional<at::Tensor>& slot_of, int64_t num_used, const at::Tensor& rows,
                            bool check_data) {
@@ -129,6 +163,9 @@ TORCH_LIBRARY_FRAGMENT(flashllm_simt, m) {
       "quantized_sparse_ffn_cuda(Tensor x, Tensor matrix, int num_used, Tensor? bias, str activation, bool glu, "
       "str bundle_format, Tensor? index=None, float threshold=0.0, bool check_data=True) -> Tensor");
   m.def(
+      "quantized_sparse_ffn_metal(Tensor x, Tensor matrix, int num_used, Tensor? bias, str activation, bool glu, "
+      "str bundle_format, Tensor? index=None, float threshold=0.0) -> Tensor");
+  m.def(
       "cache_compact_cuda(Tensor(a!) matrix, Tensor(b!) pointer, Tensor(c!)? bias, Tensor(d!)? slot_of, "
       "int num_used, Tensor rows, bool check_data=True) -> int");
 }
@@ -137,6 +174,7 @@ TORCH_LIBRARY_IMPL(flashllm_simt, CPU, m) {
   m.impl("sparse_ffn_cuda", &sparse_ffn_simt_cuda);
   m.impl("sparse_ffn_metal", &sparse_ffn_simt_metal);
   m.impl("quantized_sparse_ffn_cuda", &quantized_sparse_ffn_simt_cuda);
+  m.impl("quantized_sparse_ffn_metal", &quantized_sparse_ffn_simt_metal);
   m.impl("cache_compact_cuda", &cache_compact_simt);
 }
 

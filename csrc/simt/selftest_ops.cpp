@@ -34,6 +34,7 @@ template <class T>
 T apply_metal_intrinsic(const std::string& name, T x, int64_t param) {
   using namespace metal;
   if (name == "simd_sum") return simd_sum(x);
+  if (name == "simd_max") return simd_max(x);
   if (name == "simd_prefix_exclusive_sum") return simd_prefix_exclusive_sum(x);
   if (name == "simd_prefix_inclusive_sum") return simd_prefix_inclusive_sum(x);
   if (name == "simd_shuffle") return simd_shuffle(x, ushort(param));

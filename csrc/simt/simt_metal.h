@@ -10,6 +10,9 @@
 // own reduction) are reported as an error rather than emulated.
 #pragma once
 
+#include <cmath>
+#include <type_traits>
+
 #include "simt/simt.h"
 
 namespace metal {
@@ -69,6 +72,23 @@ uint64_t sum_fn(const uint64_t* vals, const int64_t*, uint32_t members, int lane
   return to_bits(acc);
 }
 
+// The largest of the members' values (floats: NaN only when every member's is NaN, as fmax).
+template <class T>
+uint64_t max_fn(const uint64_t* vals, const int64_t*, uint32_t members, int) {
+  bool first = true;
+  T acc = T(0);
+  for (int l = 0; l < kWarp; ++l) {
+    if (!(members >> l & 1)) continue;
+    const T v = from_bits<T>(vals[l]);
+    if constexpr (std::is_floating_point_v<T>) {
+      acc = first ? v : std::fmax(acc, v);
+    } else {
+      acc = first || v > acc ? v : acc;
+    }
+    first = false;
+  }
+  return to_bits(acc);
+}
 template <class T>
 T simd_collective(const char* name, simt::detail::CollectiveFn fn, T v, int64_t param) {
   return from_bits<T>(simt::detail::collective(name, fn, false, 0, to_bits(v), param));
@@ -82,6 +102,10 @@ inline int lane() {
 template <class T>
 T simd_sum(T v) {
   return detail::simd_collective("simd_sum", detail::sum_fn<T, detail::Span::all>, v, 0);
+}
+template <class T>
+T simd_max(T v) {
+  return detail::simd_collective("simd_max", detail::max_fn<T>, v, 0);
 }
 template <class T>
 T simd_prefix_exclusive_sum(T v) {

@@ -120,31 +120,72 @@ def _ffn_of_rows(xf, rows, bias, ids, activation, glu, threshold, d):
     return h @ rows[:, -d:]
 
 
+def _ffn_header() -> str:
+    """What the FFN bodies' header holds: the constants, the activation, the block reads."""
+    return metal_header() + metal_source("activation.metal") + metal_source("blocks.metal")
+
+
 @lru_cache(maxsize=None)
 def _ffn_kernels():
     act = mx.fast.metal_kernel(
         name="flashllm_sparse_ffn_act",
         input_names=["x", "matrix", "bias", "index", "params", "threshold"],
         output_names=["act"],
-        header=metal_header(),
+        header=_ffn_header(),
         source=metal_source("sparse_ffn_act.metal"),
     )
     down = mx.fast.metal_kernel(
         name="flashllm_sparse_ffn_down",
         input_names=["matrix", "index", "act", "params"],
         output_names=["partial"],
-        header=metal_header(),
+        header=_ffn_header(),
         source=metal_source("sparse_ffn_down.metal"),
     )
     return act, down
+
+
+@lru_cache(maxsize=None)
+def _quantized_ffn_kernels():
+    quantize = mx.fast.metal_kernel(
+        name="flashllm_quantize_x_blocks",
+        input_names=["x", "params"],
+        output_names=["codes", "scale", "scaled_sum"],
+        header=_ffn_header(),
+        source=metal_source("quantize_x_blocks.metal"),
+    )
+    act = mx.fast.metal_kernel(
+        name="flashllm_quantized_sparse_ffn_act",
+        input_names=["codes", "scale", "scaled_sum", "matrix", "bias", "index", "params", "threshold"],
+        output_names=["act"],
+        header=_ffn_header(),
+        source=metal_source("quantized_sparse_ffn_act.metal"),
+    )
+    down = mx.fast.metal_kernel(
+        name="flashllm_quantized_sparse_ffn_down",
+        input_names=["matrix", "index", "act", "params"],
+        output_names=["partial"],
+        header=_ffn_header(),
+        source=metal_source("quantized_sparse_ffn_down.metal"),
+    )
+    return quantize, act, down
+
+
+def _chunking(n_rows: int) -> tuple[int, int]:
+    """(chunks, rows per chunk) of the down kernels (csrc/common/ffn_grid.h ffn_grid)."""
+    chunks = max(1, min(FFN_MAX_CHUNKS, -(-n_rows // FFN_ROWS_PER_CHUNK)))
+    return chunks, -(-n_rows // chunks)
+
+
+def _act_grid(n_rows: int) -> tuple[int, int, int]:
+    """A simdgroup per row, rounded up to whole threadgroups."""
+    return (-(-32 * n_rows // METAL_THREADGROUP) * METAL_THREADGROUP, 1, 1)
 
 
 def _sparse_ffn_metal(x, matrix, num_used, bias, activation, glu, index, threshold, d):
     """metal/sparse_ffn_act.metal + sparse_ffn_down.metal per group of 8 tokens, then the sum over chunks."""
     act_kernel, down_kernel = _ffn_kernels()
     n_rows = index.size if index is not None else num_used
-    chunks = max(1, min(FFN_MAX_CHUNKS, -(-n_rows // FFN_ROWS_PER_CHUNK)))
-    rows_per_chunk = -(-n_rows // chunks)
+    chunks, rows_per_chunk = _chunking(n_rows)
     placeholder_index = mx.zeros((1,), dtype=mx.int64)
     idx = index if index is not None else placeholder_index
     b = bias if bias is not None else mx.zeros((1,), dtype=matrix.dtype)
@@ -165,7 +206,7 @@ def _sparse_ffn_metal(x, matrix, num_used, bias, activation, glu, index, thresho
                 mx.array([threshold], dtype=mx.float32),
             ],
             template=template + [("HAS_BIAS", bias is not None)],
-            grid=(-(-32 * n_rows // METAL_THREADGROUP) * METAL_THREADGROUP, 1, 1),
+            grid=_act_grid(n_rows),
             threadgroup=(METAL_THREADGROUP, 1, 1),
             output_shapes=[(nt * n_rows,)],
             output_dtypes=[mx.float32],
@@ -249,8 +290,8 @@ def quantized_sparse_ffn(
     threshold: float = 0.0,
 ) -> mx.array:
     """torch.ops.flashllm.quantized_sparse_ffn on mlx arrays, as its pure-torch reference computes it
-    (flashllm_ext/ops/ffn.py): x rounded per block of 32 columns, the rows dequantized, float32 math. mlx ops (on
-    Apple Silicon they run on the GPU).
+    (flashllm_ext/ops/ffn.py): x quantized per block of 32 columns, integer dot products per block with the input
+    columns, the down rows dequantized. Metal kernels on Apple Silicon; elsewhere mlx ops on the dequantized rows.
 
     x [T, d]; matrix uint8 [capacity, BundleFormat.parse(bundle_format).row_bytes(d, glu)], rows [up | gate (GLU)
     | down] in GGUF blocks; bias, index, threshold as sparse_ffn's -> [T, d] of x's dtype.
@@ -271,9 +312,73 @@ def quantized_sparse_ffn(
     ids = index if index is not None else mx.arange(num_used)
     if ids.size == 0 or x.shape[0] == 0 or d == 0:
         return mx.zeros(x.shape, dtype=x.dtype)
+    if metal.metal_available():
+        return _quantized_sparse_ffn_metal(x, matrix, num_used, bias, activation, glu, layout, index, threshold, d)
     codes = matrix[ids]
     col, _ = layout.part_bytes(d)
     n_in = 2 if glu else 1
     parts = [dequantize_blocks(codes[:, k * col : (k + 1) * col], layout.in_format, d) for k in range(n_in)]
     rows = mx.concatenate(parts + [dequantize_blocks(codes[:, n_in * col :], layout.down_format, d)], axis=1)
     return _ffn_of_rows(round_x_blocks(x), rows, bias, ids, activation, glu, threshold, d).astype(x.dtype)
+
+
+def _quantized_sparse_ffn_metal(x, matrix, num_used, bias, activation, glu, layout, index, threshold, d):
+    """metal/quantize_x_blocks.metal over every token, then metal/quantized_sparse_ffn_act.metal + _down.metal per
+    group of 8 tokens, then the sum over chunks."""
+    quantize, act_kernel, down_kernel = _quantized_ffn_kernels()
+    n_tok, nb = x.shape[0], n_blocks(d)
+    n_rows = index.size if index is not None else num_used
+    chunks, rows_per_chunk = _chunking(n_rows)
+    col, _ = layout.part_bytes(d)
+    row_bytes = matrix.shape[1]
+    codes, scale, scaled_sum = quantize(
+        inputs=[x.astype(mx.float32).reshape(-1), mx.array([n_tok, d, nb], dtype=mx.int64)],
+        grid=(-(-32 * n_tok * nb // METAL_THREADGROUP) * METAL_THREADGROUP, 1, 1),
+        threadgroup=(METAL_THREADGROUP, 1, 1),
+        output_shapes=[(n_tok * nb * BLOCK,), (n_tok * nb,), (n_tok * nb,)],
+        output_dtypes=[mx.int8, mx.float32, mx.float32],
+    )
+    idx = index if index is not None else mx.zeros((1,), dtype=mx.int64)
+    b = bias if bias is not None else mx.zeros((1,), dtype=x.dtype)
+    flat = matrix.reshape(-1)
+    in_code, down_code = block_format(layout.in_format).code, block_format(layout.down_format).code
+    outs = []
+    for t0 in range(0, n_tok, FFN_MAX_TOKENS):
+        nt = min(FFN_MAX_TOKENS, n_tok - t0)
+        blocks = slice(t0 * nb, (t0 + nt) * nb)
+        (act,) = act_kernel(
+            inputs=[
+                codes[t0 * nb * BLOCK : (t0 + nt) * nb * BLOCK],
+                scale[blocks],
+                scaled_sum[blocks],
+                flat,
+                b,
+                idx,
+                mx.array(
+                    [n_rows, num_used, d, nt, ACTIVATIONS[activation].code, int(glu), row_bytes, col],
+                    dtype=mx.int64,
+                ),
+                mx.array([threshold], dtype=mx.float32),
+            ],
+            template=[
+                ("T", x.dtype),
+                ("IN_FMT", in_code),
+                ("HAS_INDEX", index is not None),
+                ("HAS_BIAS", bias is not None),
+            ],
+            grid=_act_grid(n_rows),
+            threadgroup=(METAL_THREADGROUP, 1, 1),
+            output_shapes=[(nt * n_rows,)],
+            output_dtypes=[mx.float32],
+        )
+        down_params = [n_rows, num_used, d, nt, rows_per_chunk, row_bytes, (2 if glu else 1) * col]
+        (partial,) = down_kernel(
+            inputs=[flat, idx, act, mx.array(down_params, dtype=mx.int64)],
+            template=[("DOWN_FMT", down_code), ("HAS_INDEX", index is not None)],
+            grid=(d, chunks, 1),
+            threadgroup=(min(METAL_THREADGROUP, d), 1, 1),
+            output_shapes=[(chunks * nt * d,)],
+            output_dtypes=[mx.float32],
+        )
+        outs.append(partial.reshape(chunks, nt, d).sum(axis=0))
+    return mx.concatenate(outs).astype(x.dtype)

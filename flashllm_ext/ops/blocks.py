@@ -28,7 +28,7 @@ class BlockFormat:
     """One block type."""
 
     name: str
-    code: int  # what the native kernels take: BlockFormatCode in csrc/common/quantized_ffn_checks.h
+    code: int  # what the native kernels take: BlockFormatCode in csrc/common/block_formats.h
     block_bytes: int
     bits: int
     has_min: bool  # q4_1: w = d * q + m

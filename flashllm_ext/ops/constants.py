@@ -6,6 +6,8 @@ tests/ops/test_kernel_constants.py fails when a mirror drifts from its header.
 
 from __future__ import annotations
 
+from flashllm_ext.ops.blocks import BLOCK, BLOCK_FORMATS
+
 # EndorRowCode (csrc/common/endor_codes.h): why a kernel refused an Endor row.
 ENDOR_ROW_CODES = {
     "kEndorRowOk": 0,
@@ -24,7 +26,10 @@ METAL_THREADGROUP = 256
 
 
 def metal_header() -> str:
-    """The constants above as Metal program-scope constants, under their C names."""
+    """The constants above, the block formats' codes and the block size (csrc/common/block_formats.h, mirrored in
+    flashllm_ext.ops.blocks) as Metal program-scope constants, under their C names."""
     lines = [f"constant int {name} = {value};" for name, value in ENDOR_ROW_CODES.items()]
     lines.append(f"constant int kFfnMaxTokens = {FFN_MAX_TOKENS};")
+    lines += [f"constant int k{f.name.upper()} = {f.code};" for f in BLOCK_FORMATS.values()]
+    lines.append(f"constant int kBlock = {BLOCK};")
     return "\n".join(lines) + "\n"

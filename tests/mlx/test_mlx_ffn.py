@@ -2,6 +2,8 @@
 the torch reference (off Apple Silicon the Metal bodies are tested through the SIMT emulation in test_ffn_simt.py);
 flashllm_ext.mlx.quantized_sparse_ffn (mlx ops) against the torch reference of quantized_sparse_ffn."""
 
+import importlib
+
 import pytest
 import torch
 
@@ -76,3 +78,9 @@ def test_quantized_bad_inputs(case):
     match, args, kwargs = case
     with pytest.raises(RuntimeError, match=match):
         run_quantized(*args, **kwargs)
+
+
+def test_metal_kernel_sources_are_found_and_accepted():
+    # Running them needs Metal; building the kernel objects checks every body and header file is found.
+    kernels = importlib.import_module("flashllm_ext.mlx.sparse_ffn")  # the package's sparse_ffn is the op
+    assert len(kernels._ffn_kernels()) == 2 and len(kernels._quantized_ffn_kernels()) == 3

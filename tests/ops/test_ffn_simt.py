@@ -1,4 +1,4 @@
-"""The CUDA and Metal sparse_ffn bodies and the CUDA quantized_sparse_ffn and cache_compact bodies, run on the CPU
+"""The CUDA and Metal sparse_ffn and quantized_sparse_ffn bodies and the CUDA cache_compact bodies, run on the CPU
 through the SIMT emulation (flashllm_ext._simt) against the pure-torch references. Small shapes: every emulated GPU
 thread is an OS thread."""
 
@@ -22,6 +22,7 @@ from tests.helpers.ffn_cases import (
 require_simt()
 OPS = torch.ops.flashllm_simt
 BODIES = {"cuda": OPS.sparse_ffn_cuda, "metal": OPS.sparse_ffn_metal}
+QUANTIZED_BODIES = {"cuda": OPS.quantized_sparse_ffn_cuda, "metal": OPS.quantized_sparse_ffn_metal}
 INDEX = torch.tensor([30, 2, 2, 0, 17, 29, 8])
 
 
@@ -69,46 +70,50 @@ def test_body_bad_inputs(body, case):
 
 
 # (n_tok, d, capacity, num_used): d = 40 is two blocks, the second mostly padding; 9 tokens take two token groups.
+@pytest.mark.parametrize("body", ["cuda", "metal"])
 @pytest.mark.parametrize(
     "in_format,down_format", [("q8_0", "q8_0"), ("q4_0", "q8_0"), ("q4_1", "q4_1"), ("q4_0", "q4_0")]
 )
 @pytest.mark.parametrize("glu,act", [(False, "relu"), (True, "silu")])
 @pytest.mark.parametrize("shape", [(1, 40, 40, 31), (9, 64, 33, 33)])
-def test_quantized_body_matches_reference(in_format, down_format, glu, act, shape):
+def test_quantized_body_matches_reference(body, in_format, down_format, glu, act, shape):
     n_tok, d, capacity, num_used = shape
     layout = BundleFormat(in_format, down_format)
     x, m, b = quantized_case(n_tok, d, capacity, glu, layout, seed=d + n_tok)
     cases = [({}, b), ({"index": INDEX.clamp(max=num_used - 1), "threshold": 0.1}, b), ({"index": INDEX[:0]}, None)]
     for kwargs, bias in cases:
         want = quantized_sparse_ffn_reference(x, m, num_used, bias, act, glu, layout.name, **kwargs)
-        assert_close(OPS.quantized_sparse_ffn_cuda(x, m, num_used, bias, act, glu, layout.name, **kwargs), want)
+        assert_close(QUANTIZED_BODIES[body](x, m, num_used, bias, act, glu, layout.name, **kwargs), want)
 
 
+@pytest.mark.parametrize("body", ["cuda", "metal"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_quantized_body_half_x_and_wide_rows(dtype):
+def test_quantized_body_half_x_and_wide_rows(body, dtype):
     # 1100 columns: 35 blocks (a lane takes two) over two column blocks of the down kernel.
     layout = BundleFormat("q4_1", "q8_0")
     x, m, b = quantized_case(2, 1100, 6, True, layout, dtype, seed=11)
     want = quantized_sparse_ffn_reference(x, m, 5, b, "silu", True, layout.name)
-    assert_close(OPS.quantized_sparse_ffn_cuda(x, m, 5, b, "silu", True, layout.name), want)
+    assert_close(QUANTIZED_BODIES[body](x, m, 5, b, "silu", True, layout.name), want)
 
 
-def test_quantized_body_many_chunks_and_a_nan_input():
+@pytest.mark.parametrize("body", ["cuda", "metal"])
+def test_quantized_body_many_chunks_and_a_nan_input(body):
     # 530 rows: the 32-chunk cap of the down kernel; a NaN in x makes its token's outputs NaN, as the reference's.
     layout = BundleFormat("q4_0", "q8_0")
     x, m, b = quantized_case(2, 32, 530, False, layout, seed=3)
     x[1, 20] = float("nan")
     want = quantized_sparse_ffn_reference(x, m, 530, b, "silu", False, layout.name)
-    got = OPS.quantized_sparse_ffn_cuda(x, m, 530, b, "silu", False, layout.name)
+    got = QUANTIZED_BODIES[body](x, m, 530, b, "silu", False, layout.name)
     assert got[1].isnan().all() and want[1].isnan().all()
     assert_close(got[0], want[0])
 
 
+@pytest.mark.parametrize("body", ["cuda", "metal"])
 @pytest.mark.parametrize("case", bad_quantized_ffn_cases(), ids=lambda c: c[0][:30])
-def test_quantized_body_bad_inputs(case):
+def test_quantized_body_bad_inputs(body, case):
     match, args, kwargs = case
     with pytest.raises(RuntimeError, match=match):
-        OPS.quantized_sparse_ffn_cuda(*args, **kwargs)
+        QUANTIZED_BODIES[body](*args, **kwargs)
 
 
 def test_quantized_body_without_checks_skips_bad_index_entries():

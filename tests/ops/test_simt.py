@@ -75,6 +75,8 @@ def model_metal(name: str, x: list, param: list, grid: int, threadgroup: int) ->
         val = {l: x[simd0 + l] for l in lanes}
         if name == "simd_sum":
             out[i] = sum(val.values())
+        elif name == "simd_max":
+            out[i] = max(val.values())
         elif name == "simd_prefix_exclusive_sum":
             out[i] = sum(v for l, v in val.items() if l < lane)
         elif name == "simd_prefix_inclusive_sum":
@@ -145,6 +147,7 @@ def test_cuda_partial_warp_takes_the_lanes_that_exist():
     "name",
     [
         "simd_sum",
+        "simd_max",
         "simd_prefix_exclusive_sum",
         "simd_prefix_inclusive_sum",
         "simd_shuffle",
