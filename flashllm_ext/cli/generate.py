@@ -159,7 +159,7 @@ def _offload(args: argparse.Namespace) -> int:
         )
         print(store)
         if store.tensor_sources:
-            print(f"layer matrices: {describe_sources([store.tensor_sources])}")
+            print(f"tensors in blocks: {describe_sources([store.tensor_sources])}")
         return 0
     if not args.tokenizer:
         raise SystemExit("flashllm offload: --tokenizer is needed to generate (or --convert CHECKPOINT to write)")

@@ -222,7 +222,7 @@ def convert(
             name for parts in bundled.values() for roles in parts for r, name in roles.items() if r in WEIGHT_ROLES
         }
         resident_names = [n for n in ckpt.names if n not in weights]
-        blocks = resident_block_formats(ckpt, resident_names, bundle_format) if quantized else {}
+        blocks = resident_block_formats(ckpt, resident_names, bundle_format.in_format) if quantized else {}
         reordered = (
             {}
             if neuron_order is None

@@ -93,12 +93,10 @@ def quantize_in_chunks(w: torch.Tensor, fmt: str) -> torch.Tensor:
 BLOCK_RESIDENT = re.compile(r"(?:self_attn\.(?:q|k|v|o|out)_proj|embed_tokens|lm_head)\.weight$")
 
 
-def resident_block_formats(
-    ckpt: Checkpoint, names: list[str], bundle_format: BundleFormat
-) -> dict[str, tuple[str, bool]]:
+def resident_block_formats(ckpt: Checkpoint, names: list[str], attention_format: str) -> dict[str, tuple[str, bool]]:
     """name -> (block format, kept) of the resident weights a quantized store holds as blocks: a GGUF tensor
-    already in a block format keeps its blocks; any other is quantized, the attention to the bundles' input format
-    and the embedding and LM head (every token's logits) to q8_0."""
+    already in a block format keeps its blocks; any other is quantized, the attention to `attention_format` (a
+    flash store's: its bundles' input format) and the embedding and LM head (every token's logits) to q8_0."""
     out = {}
     for name in names:
         if not BLOCK_RESIDENT.search(name) or len(ckpt.shape(name)) != 2:
@@ -107,5 +105,5 @@ def resident_block_formats(
         if isinstance(ckpt, GGUFCheckpoint) and kind in BLOCK_FORMATS:
             out[name] = (kind, True)
         else:
-            out[name] = ("q8_0" if "self_attn" not in name else bundle_format.in_format, False)
+            out[name] = ("q8_0" if "self_attn" not in name else attention_format, False)
     return out

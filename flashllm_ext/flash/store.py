@@ -107,7 +107,31 @@ class EndorLocation:
         return self.row_offsets.diff()
 
 
-class FlashStore:
+class ResidentWeights:
+    """A store's resident tensors, some weights held as GGUF blocks: what FlashStore and the offload LayerStore
+    share. Needs `_resident` (an io.safetensors.ResidentFile), `resident_formats` (parse_resident_formats) and
+    `dtype`."""
+
+    _resident: ResidentFile
+    resident_formats: dict[str, tuple[str, int]]
+    dtype: torch.dtype
+
+    def resident_tensor(self, name: str) -> torch.Tensor:
+        """One resident tensor, read through the store's one handle of resident.safetensors into memory of its own;
+        a weight held as blocks (resident_formats) dequantized to the store's dtype (resident_weight keeps them)."""
+        weight = self.resident_weight(name)
+        return weight.dequantize(self.dtype) if isinstance(weight, QuantizedWeight) else weight
+
+    def resident_weight(self, name: str) -> torch.Tensor | QuantizedWeight:
+        """One resident tensor as stored: a QuantizedWeight for the weights held as blocks (resident_formats)."""
+        tensor = self._resident.tensor(name)
+        if name in self.resident_formats:
+            fmt, cols = self.resident_formats[name]
+            return QuantizedWeight(tensor, fmt, cols)
+        return tensor
+
+
+class FlashStore(ResidentWeights):
     """An opened, validated flash store. Raises FormatError naming file and field on any inconsistency.
 
     `shared()` holds the store's one FlashReader (reader.shared_reader), used by every NeuronCache over it; `close()`
@@ -353,20 +377,6 @@ class FlashStore:
     def resident(self) -> dict[str, torch.Tensor]:
         """Every resident tensor under its checkpoint name."""
         return {name: self.resident_tensor(name) for name in self._resident_entries}
-
-    def resident_tensor(self, name: str) -> torch.Tensor:
-        """One resident tensor, read through the store's one handle of resident.safetensors into memory of its own;
-        a weight held as blocks (resident_formats) dequantized to the store's dtype (resident_weight keeps them)."""
-        weight = self.resident_weight(name)
-        return weight.dequantize(self.dtype) if isinstance(weight, QuantizedWeight) else weight
-
-    def resident_weight(self, name: str) -> torch.Tensor | QuantizedWeight:
-        """One resident tensor as stored: a QuantizedWeight for the weights held as blocks (resident_formats)."""
-        tensor = self._resident.tensor(name)
-        if name in self.resident_formats:
-            fmt, cols = self.resident_formats[name]
-            return QuantizedWeight(tensor, fmt, cols)
-        return tensor
 
     def resident_nbytes(self) -> int:
         """Bytes of the resident tensors as stored (predictors not counted)."""

@@ -10,6 +10,8 @@ import torch
 from torch import nn
 
 from flashllm_ext.hub.fetch import fetch_default
+from flashllm_ext.ops.blocks import QuantizedWeight
+from flashllm_ext.ops.linear import quantized_matmul
 
 FFN_KINDS = ("gate_proj", "up_proj", "down_proj")
 
@@ -142,11 +144,52 @@ def refuse_missing_tensors(model: nn.Module, store) -> None:
 NAME_ALIASES = ((".block_sparse_moe.", ".mlp."),)
 
 
-def assign_resident(model: nn.Module, store, dtype: torch.dtype) -> None:
+class QuantizedEmbedding(nn.Module):
+    """An nn.Embedding whose weight stays in GGUF blocks: a lookup dequantizes only the rows it reads, to `dtype`."""
+
+    def __init__(self, weight: QuantizedWeight, dtype: torch.dtype):
+        super().__init__()
+        self.register_buffer("blocks", weight.blocks)
+        self.fmt, self.embedding_dim, self.dtype = weight.fmt, weight.cols, dtype
+
+    @property
+    def quantized(self) -> QuantizedWeight:
+        return QuantizedWeight(self.blocks, self.fmt, self.embedding_dim)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [...] int -> [..., embedding_dim] of dtype."""
+        return self.quantized.rows(ids.reshape(-1)).to(self.dtype).reshape(*ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.blocks.shape[0]}, {self.embedding_dim}, {self.fmt}"
+
+
+class QuantizedLinear(nn.Module):
+    """An nn.Linear without bias whose weight stays in GGUF blocks, multiplied as stored (ops.quantized_linear)."""
+
+    def __init__(self, weight: QuantizedWeight):
+        super().__init__()
+        self.register_buffer("blocks", weight.blocks)
+        self.fmt, self.in_features, self.out_features = weight.fmt, weight.cols, weight.blocks.shape[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in_features] -> [..., out_features] of x's dtype."""
+        return quantized_matmul(x, QuantizedWeight(self.blocks, self.fmt, self.in_features))
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.fmt}"
+
+
+def assign_resident(model: nn.Module, store, dtype: torch.dtype, keep_blocks: bool = False) -> None:
     """Load the store's resident tensors into the (meta) model under their names; tie the LM head if the
-    checkpoint shares it with the embedding. `store`: anything with `path`, `resident_names()` and
-    `resident_tensor(name)`, `close_resident()` and `resident_path` (a FlashStore, an offload LayerStore)."""
+    checkpoint shares it with the embedding. `store`: anything with `path`, `resident_names()`,
+    `resident_tensor(name)` (and `resident_weight(name)`, for keep_blocks), `close_resident()` and `resident_path`
+    (a FlashStore, an offload LayerStore). keep_blocks: an embedding or LM head the store holds as GGUF blocks
+    becomes a QuantizedEmbedding / QuantizedLinear over them (a tied LM head shares the embedding's); any other
+    resident weight is loaded as floats in `dtype`."""
     params = dict(model.named_parameters(remove_duplicate=False))
+    ends = {"input": model.get_input_embeddings(), "output": model.get_output_embeddings()}
+    kept = {}
     for name in store.resident_names():
         if name.startswith("predictor."):
             continue
@@ -156,13 +199,24 @@ def assign_resident(model: nn.Module, store, dtype: torch.dtype) -> None:
             raise ValueError(f"{store.path}: resident tensor {name!r} has no place in {type(model).__name__}")
         module_name, _, attr = target.rpartition(".")
         module = model.get_submodule(module_name)
-        value = store.resident_tensor(name).to(dtype)
+        end = next((k for k, m in ends.items() if m is module and attr == "weight"), None)
+        value = store.resident_weight(name) if keep_blocks and end else store.resident_tensor(name)
         if tuple(value.shape) != tuple(params[target].shape):
             raise ValueError(
                 f"{store.path}: {name} has shape {tuple(value.shape)}, the model expects {tuple(params[target].shape)}"
             )
-        setattr(module, attr, nn.Parameter(value, requires_grad=False))
-    if getattr(model.config, "tie_word_embeddings", False):
+        if isinstance(value, QuantizedWeight):
+            kept[end] = value
+        else:
+            setattr(module, attr, nn.Parameter(value.to(dtype), requires_grad=False))
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    if "input" in kept:
+        model.set_input_embeddings(QuantizedEmbedding(kept["input"], dtype))
+        if tied and "output" not in kept:
+            kept["output"] = kept["input"]
+    if "output" in kept:
+        model.set_output_embeddings(QuantizedLinear(kept["output"]))
+    elif tied:
         model.tie_weights()
     # Every resident tensor is a copy of its own, read without a mapping (io.safetensors.ResidentFile).
     store.close_resident()

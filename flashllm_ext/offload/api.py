@@ -236,7 +236,7 @@ def load_offload(
     )
     device = cuda_device(device)
     model = empty_model(store.config, store.dtype, store.path)
-    assign_resident(model, store, store.dtype)
+    assign_resident(model, store, store.dtype, keep_blocks=True)
     _install(
         model,
         store,

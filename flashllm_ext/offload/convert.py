@@ -24,6 +24,7 @@ from flashllm_ext.flash.quantized_rows import (
     commonest_format,
     keeps_blocks,
     quantize_in_chunks,
+    resident_block_formats,
     tensor_source,
 )
 from flashllm_ext.flash.store import DTYPES
@@ -71,10 +72,11 @@ def convert_offload(
     as `TensorsCheckpoint(config, state_dict)`) at `out_dir`, one tensor in memory at a time.
 
     dtype: "fp16", "bf16" or "fp32", or "q8" / "q4": every decoder-layer matrix as rows of GGUF blocks (q8_0; q4_0
-    or q4_1), which the decoder multiplies by as they are (ops.quantized_linear), the resident tensors in float16.
-    A GGUF matrix already in such a format keeps its blocks bit for bit (the blocks of every Linear weight run along
-    its input dimension, W_down's too); any other is quantized, round to nearest, to the format most of the file's
-    matrices have (the first one on a tie). store.tensor_sources records each matrix's path.
+    or q4_1), which the decoder multiplies by as they are (ops.quantized_linear), and the embedding and LM head too
+    (a lookup dequantizes its rows), the other resident tensors in float16. A GGUF matrix already in such a format
+    keeps its blocks bit for bit (the blocks of every Linear weight run along its input dimension, W_down's too);
+    any other layer matrix is quantized, round to nearest, to the format most of the file's matrices have (the first
+    one on a tie), an embedding or LM head to q8_0. store.tensor_sources records each blocked tensor's path.
     endor_compress: store each matrix as Endor where that is smaller than dense (pruned weights; float dtypes); a
     first pass counts the non-zeros (the header declares every length before any data). Atomic (written under a
     temporary name, then renamed); refuses to replace `out_dir` unless `force`, and even then anything but a layer
@@ -136,8 +138,15 @@ def convert_offload(
         "tensor_alignment": str(TENSOR_ALIGNMENT),
         "layers": json.dumps([[[e.name, list(e.shape), e.form] for e in layer] for layer in entries]),
     }
+    in_layers = {e.name for layer in entries for e in layer}
+    resident_names = [n for n in ckpt.names if n not in in_layers]
+    resident_forms = {}
     if quantized:
-        metadata["tensor_sources"] = json.dumps({e.name: _source(ckpt, e) for layer in entries for e in layer})
+        resident_forms = {n: f for n, (f, _) in resident_block_formats(ckpt, resident_names, fallback).items()}
+        forms = {**{e.name: e.block_format for layer in entries for e in layer}, **resident_forms}
+        metadata["tensor_sources"] = json.dumps(
+            {n: tensor_source(ckpt, n, fmt, keeps_blocks(ckpt, n, fmt)) for n, fmt in forms.items()}
+        )
     tmp = staging_dir(out_dir)
     try:
         with AlignedWriter(tmp / LAYERS_FILE, specs, metadata, ALIGNMENT, TENSOR_ALIGNMENT) as writer:
@@ -145,7 +154,7 @@ def convert_offload(
                 if pad is not None:
                     writer.write(pad.name, torch.zeros(pad.shape, dtype=torch.uint8))
                 for e in layer:
-                    w = _stored(ckpt, e, torch_dtype)
+                    w = _stored(ckpt, e.name, e.block_format, torch_dtype)
                     if e.endor:
                         compressed = endor.compress(w)
                         for part in endor.PARTS:
@@ -153,13 +162,12 @@ def convert_offload(
                     else:
                         writer.write(e.name, w)
             writer.write(END_TENSOR, torch.zeros(specs[-1].shape, dtype=torch.uint8))
-        in_layers = {e.name for layer in entries for e in layer}
-        resident = {
-            n: (ckpt[n].to(torch_dtype) if ckpt[n].is_floating_point() else ckpt[n]).contiguous()
-            for n in ckpt.names
-            if n not in in_layers
-        }
-        save_tensors(resident, tmp / RESIDENT_FILE, {"magic": MAGIC, "format_version": FORMAT_VERSION})
+        resident = {n: _stored(ckpt, n, resident_forms.get(n), torch_dtype) for n in resident_names}
+        resident_meta = {"magic": MAGIC, "format_version": FORMAT_VERSION}
+        if resident_forms:
+            formats = {n: [fmt, ckpt.shape(n)[1]] for n, fmt in resident_forms.items()}
+            resident_meta["resident_formats"] = json.dumps(formats)
+        save_tensors(resident, tmp / RESIDENT_FILE, resident_meta)
         _verify(LayerStore(tmp), ckpt, torch_dtype)
         install_dir(tmp, out_dir, STORE_FILES)
     finally:
@@ -168,19 +176,15 @@ def convert_offload(
     return out_dir
 
 
-def _stored(ckpt: Checkpoint, entry: MatrixEntry, dtype: torch.dtype) -> torch.Tensor:
-    """Matrix `entry` as the store holds it before any Endor compression: its blocks (kept from the file, or
-    quantized), or floats in `dtype`."""
-    if not entry.block_format:
-        return ckpt[entry.name].to(dtype)
-    if keeps_blocks(ckpt, entry.name, entry.block_format):
-        return ckpt.raw_blocks(entry.name)[0]
-    return quantize_in_chunks(ckpt[entry.name], entry.block_format)
-
-
-def _source(ckpt: Checkpoint, entry: MatrixEntry) -> str:
-    fmt = entry.block_format
-    return tensor_source(ckpt, entry.name, fmt, keeps_blocks(ckpt, entry.name, fmt))
+def _stored(ckpt: Checkpoint, name: str, block_format: str | None, dtype: torch.dtype) -> torch.Tensor:
+    """Tensor `name` as the store holds it before any Endor compression: its blocks in `block_format` (kept from the
+    file, or quantized), or a float tensor in `dtype` (other tensors as they are)."""
+    if block_format is None:
+        t = ckpt[name]
+        return (t.to(dtype) if t.is_floating_point() else t).contiguous()
+    if keeps_blocks(ckpt, name, block_format):
+        return ckpt.raw_blocks(name)[0]
+    return quantize_in_chunks(ckpt[name], block_format)
 
 
 def _verify(store: LayerStore, ckpt: Checkpoint, dtype: torch.dtype) -> None:
@@ -189,6 +193,6 @@ def _verify(store: LayerStore, ckpt: Checkpoint, dtype: torch.dtype) -> None:
         entry = store.layers[layer][0]
         got = store.matrix(layer, entry.name)
         got = got.decompress() if isinstance(got, endor.EndorTensor) else getattr(got, "blocks", got)
-        want = _stored(ckpt, entry, dtype)
+        want = _stored(ckpt, entry.name, entry.block_format, dtype)
         if not torch.equal(got.view(torch.uint8), want.contiguous().view(torch.uint8)):
             raise RuntimeError(f"{store.path}: read-back of {entry.name} differs from what was written")

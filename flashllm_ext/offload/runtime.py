@@ -175,11 +175,11 @@ class OffloadRuntime(Runtime):
     ) -> torch.Tensor:
         if isinstance(w, torch.Tensor):
             return F.linear(x, w, bias)
-        rows, cols = w.shape
-        flat = x.reshape(-1, cols)
         bias = None if bias is None else bias.detach()
         if isinstance(w, QuantizedWeight):
-            return ops.quantized_linear(flat, w.blocks, weight_format=w.fmt, bias=bias).reshape(*x.shape[:-1], rows)
+            return ops.quantized_matmul(x, w, bias)
+        rows, cols = w.shape
+        flat = x.reshape(-1, cols)
         max_tokens = CUDA_LINEAR_MAX_TOKENS if self._cuda else LINEAR_MAX_TOKENS
         if self.compute == "linear" or (self.compute == "auto" and flat.shape[0] <= max_tokens):
             y = ops.endor_linear(flat, w.values, w.bitmap, w.row_offsets, n_cols=cols, bias=bias)

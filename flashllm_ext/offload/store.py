@@ -16,15 +16,22 @@ from flashllm_ext.errors import FormatError
 from flashllm_ext.io.safetensors import ResidentFile, TensorEntry, TensorSpec, dtype_name, owned_tensor, read_header
 from flashllm_ext.io.buffers import ALIGNMENT
 from flashllm_ext.flash.quantized_rows import QUANTIZED_DTYPES, QUANTIZED_FLOAT_DTYPE
-from flashllm_ext.flash.store import BUNDLES_FILE, DTYPES, parse_model_config
+from flashllm_ext.flash.store import (
+    BUNDLES_FILE,
+    DTYPES,
+    ResidentWeights,
+    parse_model_config,
+    parse_resident_formats,
+)
 from flashllm_ext.ops.blocks import BLOCK_FORMATS, QuantizedWeight
 
 
 MAGIC = "flashllm-offload"
-# 2: a matrix's form is a name ("dense", "endor" or a block format) and the dtype may be a quantized one; 1 (still
-# read): the form was 0 / 1 for dense / Endor. A reader refuses versions it does not know.
-FORMAT_VERSION = "2"
-READ_VERSIONS = ("1", FORMAT_VERSION)
+# 3: a quantized store's embedding and LM head may be GGUF blocks (resident.safetensors' resident_formats); 2: a
+# matrix's form is a name ("dense", "endor" or a block format) and the dtype may be a quantized one; 1: the form was
+# 0 / 1 for dense / Endor. Versions 1 and 2 are still read; a reader refuses versions it does not know.
+FORMAT_VERSION = "3"
+READ_VERSIONS = ("1", "2", FORMAT_VERSION)
 LAYERS_FILE = "layers.safetensors"
 RESIDENT_FILE = "resident.safetensors"
 STORE_FILES = (LAYERS_FILE, RESIDENT_FILE)  # what convert_offload writes: --force replaces these only
@@ -78,7 +85,7 @@ class MatrixEntry:
         ]
 
 
-class LayerStore:
+class LayerStore(ResidentWeights):
     """An opened, validated layer store (see the module doc). Raises FileNotFoundError where there is none (saying
     what is there instead), FormatError naming file and field for a broken one.
 
@@ -86,7 +93,8 @@ class LayerStore:
     store); quantized: the quantized dtype ("q8", "q4": its matrices in block formats) or None. layers[l]: the
     MatrixEntry of each Linear weight of decoder layer l; layer_range(l): (file offset, bytes) of the layer's one
     aligned read range; dense_bytes(l) / stored_bytes(l): its weights as multiplied (dense floats, or blocks) / as
-    stored."""
+    stored. resident_formats: the resident weights held as GGUF blocks (a quantized store's embedding and LM head),
+    name -> (block format, columns); resident_weight keeps them as blocks, resident_tensor dequantizes."""
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
@@ -183,6 +191,9 @@ class LayerStore:
             self.tensor_sources: dict[str, str] = json.loads(meta.get("tensor_sources", "{}"))
         except json.JSONDecodeError as e:
             raise FormatError("__metadata__.tensor_sources", f"not JSON ({e})", self.layers_path) from None
+        self.resident_formats = parse_resident_formats(
+            resident_meta.get("resident_formats"), resident.tensors, self.resident_path
+        )
         self._resident = ResidentFile(self.resident_path)
 
     @property
@@ -222,9 +233,6 @@ class LayerStore:
 
     def resident_names(self) -> list[str]:
         return list(read_header(self.resident_path).tensors)
-
-    def resident_tensor(self, name: str) -> torch.Tensor:
-        return self._resident.tensor(name)
 
     def close_resident(self) -> None:
         self._resident.close()

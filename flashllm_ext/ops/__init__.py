@@ -48,7 +48,13 @@ from flashllm_ext.ops.quant import (
     round_x_int8,
     unpack_codes,
 )
-from flashllm_ext.ops.linear import half_linear, half_linear_reference, quantized_linear, quantized_linear_reference
+from flashllm_ext.ops.linear import (
+    half_linear,
+    half_linear_reference,
+    quantized_linear,
+    quantized_linear_reference,
+    quantized_matmul,
+)
 from flashllm_ext.ops.attention import (
     ATTENTION_DTYPES,
     decode_attention,
@@ -70,6 +76,7 @@ __all__ = [
     "merge_attention_states",
     "quant_scores",
     "quantized_linear",
+    "quantized_matmul",
     "quantized_sparse_ffn",
     "sparse_ffn",
 ]

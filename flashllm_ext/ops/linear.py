@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from flashllm_ext.ops.blocks import BLOCK_FORMATS, dequantize_rows, quantize_x_blocks
+from flashllm_ext.ops.blocks import BLOCK_FORMATS, QuantizedWeight, dequantize_rows, quantize_x_blocks
 from flashllm_ext.ops.library import LIB
 from flashllm_ext.ops.ffn import FFN_DTYPES
 
@@ -168,3 +168,12 @@ def quantized_linear(
     Returns [T, n] of x.dtype.
     """
     return torch.ops.flashllm.quantized_linear.default(x, weight, weight_format, bias)
+
+
+def quantized_matmul(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """quantized_linear over any leading dimensions: x [..., cols] by a QuantizedWeight [rows, cols] (+ bias [rows])
+    -> [..., rows] of x's dtype."""
+    rows, cols = weight.shape
+    flat = x.reshape(-1, cols)
+    y = quantized_linear(flat, weight.blocks, weight_format=weight.fmt, bias=bias)
+    return y.reshape(*x.shape[:-1], rows)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from flashllm_ext import FormatError, cli
+from flashllm_ext.hub.hf import QuantizedEmbedding, QuantizedLinear
 from flashllm_ext.io.checkpoint import GGUFCheckpoint, TensorsCheckpoint
 from flashllm_ext.offload import load_offload
 from flashllm_ext.offload.convert import convert_offload
@@ -66,7 +67,18 @@ def test_gguf_blocks_of_the_dtype_are_kept_bit_for_bit(tmp_path, tiny_llama, qty
         else:
             assert torch.equal(w.blocks, quantize_rows(ckpt[e.name], fmt)), e.name
             assert store.tensor_sources[e.name] == f"requantized {qtype.name} -> {fmt}"
-    assert {store.resident_tensor(n).dtype for n in store.resident_names()} == {torch.float16}
+    # The embedding (and an untied LM head) as blocks too: the file's if kept, else quantized to q8_0.
+    assert set(store.resident_formats) == {
+        n for n in store.resident_names() if n.endswith(("embed_tokens.weight", "lm_head.weight"))
+    }
+    for name, (block_fmt, cols) in store.resident_formats.items():
+        w = store.resident_weight(name)
+        assert isinstance(w, QuantizedWeight) and (w.fmt, w.shape) == (block_fmt, ckpt.shape(name))
+        want = ckpt.raw_blocks(name)[0] if w.fmt == qtype.name.lower() else quantize_rows(ckpt[name], "q8_0")
+        assert torch.equal(w.blocks, want), name
+        assert store.resident_tensor(name).dtype == torch.float16
+    floats = [n for n in store.resident_names() if n not in store.resident_formats]
+    assert floats and {store.resident_tensor(n).dtype for n in floats} == {torch.float16}
 
 
 def test_matrices_in_other_types_take_the_commonest_format(tmp_path, tiny_llama):
@@ -87,7 +99,7 @@ def test_matrices_in_other_types_take_the_commonest_format(tmp_path, tiny_llama)
 @pytest.fixture(scope="module", params=["llama", "opt"])
 def case(request, tmp_path_factory):
     """A tiny model, its q8 and q4 layer stores, and per dtype a float32 twin holding exactly the stores' weights
-    (the matrices dequantized, the resident tensors rounded to float16)."""
+    (the matrices, embedding and LM head dequantized, the other resident tensors rounded to float16)."""
     model = _model(request.param)
     root = tmp_path_factory.mktemp(request.param)
     out = {"model": model}
@@ -97,6 +109,8 @@ def case(request, tmp_path_factory):
         with torch.no_grad():
             for layer, e in _matrices(store):
                 twin.get_parameter(e.name).copy_(store.matrix(layer, e.name).dequantize())
+            for name in store.resident_formats:  # the embedding and LM head, held as blocks
+                twin.get_parameter(name).copy_(store.resident_weight(name).dequantize())
         out[dtype] = (store, twin)
     return out
 
@@ -106,8 +120,8 @@ def case(request, tmp_path_factory):
 @torch.no_grad()
 def test_offloaded_model_computes_the_stores_blocks(case, dtype, in_memory):
     """Logits within the rounding of x to int8 per block (and of float16 activations) of transformers' on the
-    dequantized weights, the same greedy tokens; in-memory layers stay blocks; every SSD layer's stored bytes read
-    once a token; the budget charges the blocks."""
+    dequantized weights, the same greedy tokens; in-memory layers, the embedding and the LM head stay blocks; every
+    SSD layer's stored bytes read once a token; the budget charges the blocks."""
     store, twin = case[dtype]
     resident = load_offload(store.path, None, mode="dense").offload.resident_bytes
     budget = resident + sum(store.stored_bytes(i) for i in range(in_memory)) + 2 * store.stored_bytes(0)
@@ -116,6 +130,13 @@ def test_offloaded_model_computes_the_stores_blocks(case, dtype, in_memory):
     try:
         assert runtime.layers_in_memory == in_memory
         assert all(isinstance(w, QuantizedWeight) for layer in runtime.memory for w in layer.values())
+        assert isinstance(model.get_input_embeddings(), QuantizedEmbedding)
+        assert isinstance(model.get_output_embeddings(), QuantizedLinear)
+        floats = [n for n in store.resident_names() if n not in store.resident_formats]
+        blocks = [store.resident_weight(n).nbytes for n in store.resident_formats]
+        other_buffers = [b.nbytes for n, b in model.named_buffers() if not n.endswith(".blocks")]  # RoPE's
+        stored = sum(store.resident_tensor(n).nbytes for n in floats) + sum(blocks)
+        assert runtime.resident_bytes == stored + sum(other_buffers)
         prompt = torch.randint(3, 90, (1, 9), generator=torch.Generator().manual_seed(4))
         want = twin(prompt).logits
         got = model(prompt).logits.float()
@@ -162,7 +183,7 @@ def _narrower_first_matrix(layers: str) -> str:
 @pytest.mark.parametrize(
     "mutate,field,says",
     [
-        (lambda m: m.update(format_version="3"), "format_version", "unsupported version '3'"),
+        (lambda m: m.update(format_version="4"), "format_version", "unsupported version '4'"),
         (lambda m: m.update(dtype="q5"), "dtype", "must be one of"),
         (lambda m: m.update(layers=m["layers"].replace('"q8_0"', '"q5_0"', 1)), "layers", "form must be one of"),
         (lambda m: m.update(dtype="fp16"), "layers", r"form must be one of \['dense', 'endor'\], got 'q8_0'"),
@@ -179,19 +200,31 @@ def test_a_broken_quantized_store_names_the_file_and_field(case, tmp_path, mutat
     assert field in str(e.value) and str(broken / LAYERS_FILE) in str(e.value)
 
 
-def test_a_version_1_store_still_opens(case, tmp_path):
-    """Stores written before block formats: version 1, a matrix's form 0 / 1 for dense / Endor."""
+def test_broken_resident_formats_name_the_file_and_field(case, tmp_path):
+    store, _ = case["q4"]
+    broken = _copy_store(store.path, tmp_path / "broken")
+    rewrite_header(broken / "resident.safetensors", lambda h: h["__metadata__"].update(resident_formats='{"x": 1}'))
+    with pytest.raises(FormatError, match=r"resident_formats\['x'\]") as e:
+        LayerStore(broken)
+    assert str(broken / "resident.safetensors") in str(e.value)
+
+
+@pytest.mark.parametrize("version", ["1", "2"])
+def test_an_older_store_still_opens(case, tmp_path, version):
+    """Stores written before block formats (version 1: a matrix's form 0 / 1 for dense / Endor) and before blocked
+    embeddings (version 2)."""
     model = case["model"]
     path = convert_offload(_checkpoint(model), tmp_path / "fp32", dtype="fp32", progress=False)
-    old = _copy_store(path, tmp_path / "v1")
+    old = _copy_store(path, tmp_path / f"v{version}")
 
-    def to_version_1(header):
+    def to_version(header):
         meta = header["__metadata__"]
-        meta["format_version"] = "1"
-        meta["layers"] = meta["layers"].replace('"dense"', "0")
+        meta["format_version"] = version
+        if version == "1":
+            meta["layers"] = meta["layers"].replace('"dense"', "0")
 
-    rewrite_header(old / LAYERS_FILE, to_version_1)
-    rewrite_header(old / "resident.safetensors", lambda h: h["__metadata__"].update(format_version="1"))
+    rewrite_header(old / LAYERS_FILE, to_version)
+    rewrite_header(old / "resident.safetensors", lambda h: h["__metadata__"].update(format_version=version))
     store = LayerStore(old)
     assert {e.form for _, e in _matrices(store)} == {"dense"}
     prompt = torch.tensor([[5, 7, 11, 13]])
@@ -208,7 +241,8 @@ def test_cli_converts_a_gguf_to_q4(tmp_path, tiny_llama, capsys):
     assert cli.main(["offload", str(tmp_path / "store"), "--convert", str(path), "--dtype", "q4"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert "dtype=q4" in lines[0]
-    assert lines[1] == f"layer matrices: {7 * tiny_llama.config.num_hidden_layers} kept Q4_1 blocks"
+    blocked = 7 * tiny_llama.config.num_hidden_layers + len(LayerStore(tmp_path / "store").resident_formats)
+    assert lines[1] == f"tensors in blocks: {blocked} kept Q4_1 blocks"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none on this machine)")
