@@ -254,8 +254,9 @@ def pruned_default(cache: Path, sparsity: float = 0.5, calibration_tokens: int =
 
 
 def layer_stores(hf_dir: Path, cache: Path, quantized: list[str]) -> dict[str, Path]:
-    """The dense and Endor layer stores of a checkpoint, and those of the `quantized` dtypes, converted once."""
-    from flashllm_ext.offload.store import LayerStore
+    """The dense and Endor layer stores of a checkpoint, and those of the `quantized` dtypes, converted once (again
+    when a store is of an older format version than this library writes)."""
+    from flashllm_ext.offload.store import FORMAT_VERSION, LayerStore
     from flashllm_ext.offload.convert import convert_offload
 
     stores = {}
@@ -263,7 +264,8 @@ def layer_stores(hf_dir: Path, cache: Path, quantized: list[str]) -> dict[str, P
     for kind, dtype, compress in kinds:
         path = cache / f"{hf_dir.name.removesuffix('-hf')}-{kind}"
         try:
-            LayerStore(path)
+            if LayerStore(path).format_version != FORMAT_VERSION:
+                raise FormatError("__metadata__.format_version", "older than this library writes", str(path))
         except (OSError, FormatError):
             print(f"converting {hf_dir} into the {kind} layer store {path} (once)", file=sys.stderr)
             convert_offload(hf_dir, path, dtype=dtype, endor_compress=compress, force=True)

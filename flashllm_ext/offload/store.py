@@ -135,7 +135,8 @@ class LayerStore(ResidentWeights):
             if meta.get(key) != str(value):
                 raise FormatError(f"__metadata__.{key}", f"must be {value}, got {meta.get(key)!r}", self.layers_path)
         self.config = parse_model_config(meta.get("config"), self.layers_path, resident.tensors)
-        version_1 = meta["format_version"] == "1"
+        self.format_version = meta["format_version"]
+        version_1 = self.format_version == "1"
         try:
             raw_layers = json.loads(meta.get("layers", ""))
             self.layers = [
