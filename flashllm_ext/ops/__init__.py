@@ -76,7 +76,6 @@ __all__ = [
     "merge_attention_states",
     "quant_scores",
     "quantized_linear",
-    "quantized_matmul",
     "quantized_sparse_ffn",
     "sparse_ffn",
 ]
