@@ -13,7 +13,8 @@ deps: .deps.stamp
 	# compressed-tensors 0.13.0: the newest release that still ships the sparse-bitmask compressor tests/test_endor.py
 	# checks interop with (0.15 removed it) and that accepts transformers 5 (0.14 pins transformers<5).
 	$(PIP) install -q numpy "safetensors>=0.4" tqdm "transformers>=4.45" accelerate "gguf>=0.10" \
-		pytest hypothesis matplotlib ninja compressed-tensors==0.13.0 "setuptools>=64" wheel ruff clang-format
+		pytest pytest-xdist hypothesis matplotlib ninja compressed-tensors==0.13.0 "setuptools>=64" wheel ruff \
+		clang-format
 	# mlx (the [mlx] extra): the Metal kernels and the MLX engine on Apple Silicon, mlx's CPU device on Linux (tested
 	# here); elsewhere pip ignores both lines and the MLX tests skip, saying so.
 	$(PIP) install -q "mlx; sys_platform == 'darwin' and platform_machine == 'arm64'" \
@@ -35,11 +36,17 @@ build: deps
 	FLASHLLM_NATIVE=0 $(PIP) install -q --no-build-isolation --no-deps -e .
 	@! command -v pyenv >/dev/null || pyenv rehash
 
+# The tests run in TEST_WORKERS processes (pytest-xdist; worksteal hands the long benchmark runs to whichever is free),
+# their OpenMP threads sleeping when idle (OMP_WAIT_POLICY=passive): a worker's spinning threads would take the cores
+# the other one computes on.
+TEST_WORKERS ?= 2
+PYTEST := OMP_WAIT_POLICY=passive $(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist worksteal
+
 test: build
-	$(PYTHON) -m pytest -q
+	$(PYTEST)
 
 test-fast: build
-	$(PYTHON) -m pytest -q -m "not slow"
+	$(PYTEST) -m "not slow"
 
 # ruff's lint and format checks on every Python file (pyproject.toml [tool.ruff]) and clang-format's on the C++ and
 # CUDA sources (.clang-format); `pre-commit install` runs the same on each commit.
@@ -51,15 +58,16 @@ lint: deps
 
 # The native extensions built with AddressSanitizer and UndefinedBehaviorSanitizer in their own folder
 # (build-asan/lib holds a whole package, which the tests import first), then the fast tests against them (about
-# 12 minutes on 2 cores; the slow ones load the real model or build the wheel, no native code the fast ones miss).
+# 6 minutes in two workers on 2 cores; the slow ones load the real model or build the wheel, no native code the fast
+# ones miss).
 # Left out too, as `make test` runs them: the tests whose native calls the ops, store, engine, decoder and KV tests
 # make already (the command line, the benchmarks' harnesses, llama.cpp's, the hub, the demos, the MLX engine).
 # python itself is not instrumented, so libasan is preloaded, and libstdc++ with it: python does not link libstdc++,
 # and ASan must find the real __cxa_throw when it starts or it aborts at the first C++ exception.
 # LeakSanitizer is off: python and torch keep interned objects, caches and op registries alive until exit on
 # purpose, and it would report those. halt_on_error: a UBSan report fails the run. --capture=sys leaves the
-# sanitizers' reports (written to file descriptor 2) on the terminal; pytest would otherwise capture and lose them
-# when a report aborts the process.
+# sanitizers' reports (written to file descriptor 2, which the test workers share with make) on the terminal; pytest
+# would otherwise capture and lose them when a report aborts the process (the run then fails on the crashed worker).
 SANITIZE := -fsanitize=address,undefined -fno-omit-frame-pointer
 SANITIZE_SKIP := $(addprefix --ignore=tests/,test_cli.py bench harness hub demos mlx)
 sanitize: build
@@ -68,7 +76,7 @@ sanitize: build
 		--build-lib build-asan/lib
 	LD_PRELOAD="$$($${CXX:-c++} -print-file-name=libasan.so) $$($${CXX:-c++} -print-file-name=libstdc++.so)" \
 		ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
-		$(PYTHON) -m pytest -q -m "not slow" -o pythonpath=build-asan/lib --capture=sys $(SANITIZE_SKIP)
+		$(PYTEST) -m "not slow" -o pythonpath=build-asan/lib --capture=sys $(SANITIZE_SKIP)
 
 # The main job (text generated with the FFN weights on flash, every engine mode), then Endor compression.
 demo: build
