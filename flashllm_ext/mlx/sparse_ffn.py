@@ -125,49 +125,33 @@ def _ffn_header() -> str:
     return metal_header() + metal_source("activation.metal") + metal_source("blocks.metal")
 
 
+def _kernel(body: str, inputs: list[str], outputs: list[str]):
+    """The mx.fast.metal_kernel of `metal/<body>.metal` with the FFN bodies' header."""
+    return mx.fast.metal_kernel(
+        name=f"flashllm_{body}",
+        input_names=inputs,
+        output_names=outputs,
+        header=_ffn_header(),
+        source=metal_source(f"{body}.metal"),
+    )
+
+
 @lru_cache(maxsize=None)
 def _ffn_kernels():
-    act = mx.fast.metal_kernel(
-        name="flashllm_sparse_ffn_act",
-        input_names=["x", "matrix", "bias", "index", "params", "threshold"],
-        output_names=["act"],
-        header=_ffn_header(),
-        source=metal_source("sparse_ffn_act.metal"),
+    return (
+        _kernel("sparse_ffn_act", ["x", "matrix", "bias", "index", "params", "threshold"], ["act"]),
+        _kernel("sparse_ffn_down", ["matrix", "index", "act", "params"], ["partial"]),
     )
-    down = mx.fast.metal_kernel(
-        name="flashllm_sparse_ffn_down",
-        input_names=["matrix", "index", "act", "params"],
-        output_names=["partial"],
-        header=_ffn_header(),
-        source=metal_source("sparse_ffn_down.metal"),
-    )
-    return act, down
 
 
 @lru_cache(maxsize=None)
 def _quantized_ffn_kernels():
-    quantize = mx.fast.metal_kernel(
-        name="flashllm_quantize_x_blocks",
-        input_names=["x", "params"],
-        output_names=["codes", "scale", "scaled_sum"],
-        header=_ffn_header(),
-        source=metal_source("quantize_x_blocks.metal"),
+    act_inputs = ["codes", "scale", "scaled_sum", "matrix", "bias", "index", "params", "threshold"]
+    return (
+        _kernel("quantize_x_blocks", ["x", "params"], ["codes", "scale", "scaled_sum"]),
+        _kernel("quantized_sparse_ffn_act", act_inputs, ["act"]),
+        _kernel("quantized_sparse_ffn_down", ["matrix", "index", "act", "params"], ["partial"]),
     )
-    act = mx.fast.metal_kernel(
-        name="flashllm_quantized_sparse_ffn_act",
-        input_names=["codes", "scale", "scaled_sum", "matrix", "bias", "index", "params", "threshold"],
-        output_names=["act"],
-        header=_ffn_header(),
-        source=metal_source("quantized_sparse_ffn_act.metal"),
-    )
-    down = mx.fast.metal_kernel(
-        name="flashllm_quantized_sparse_ffn_down",
-        input_names=["matrix", "index", "act", "params"],
-        output_names=["partial"],
-        header=_ffn_header(),
-        source=metal_source("quantized_sparse_ffn_down.metal"),
-    )
-    return quantize, act, down
 
 
 def _chunking(n_rows: int) -> tuple[int, int]:
@@ -176,9 +160,30 @@ def _chunking(n_rows: int) -> tuple[int, int]:
     return chunks, -(-n_rows // chunks)
 
 
-def _act_grid(n_rows: int) -> tuple[int, int, int]:
-    """A simdgroup per row, rounded up to whole threadgroups."""
-    return (-(-32 * n_rows // METAL_THREADGROUP) * METAL_THREADGROUP, 1, 1)
+def _activations(kernel, inputs: list, template: list, n_rows: int, nt: int) -> mx.array:
+    """An act kernel over a simdgroup per row (whole threadgroups) -> act [nt * n_rows] float32."""
+    (act,) = kernel(
+        inputs=inputs,
+        template=template,
+        grid=(-(-32 * n_rows // METAL_THREADGROUP) * METAL_THREADGROUP, 1, 1),
+        threadgroup=(METAL_THREADGROUP, 1, 1),
+        output_shapes=[(nt * n_rows,)],
+        output_dtypes=[mx.float32],
+    )
+    return act
+
+
+def _summed_down(kernel, inputs: list, template: list, d: int, chunks: int, nt: int) -> mx.array:
+    """A down kernel over (d, chunks) threads, its partial sums summed over the chunks -> [nt, d] float32."""
+    (partial,) = kernel(
+        inputs=inputs,
+        template=template,
+        grid=(d, chunks, 1),
+        threadgroup=(min(METAL_THREADGROUP, d), 1, 1),
+        output_shapes=[(chunks * nt * d,)],
+        output_dtypes=[mx.float32],
+    )
+    return partial.reshape(chunks, nt, d).sum(axis=0)
 
 
 def _sparse_ffn_metal(x, matrix, num_used, bias, activation, glu, index, threshold, d):
@@ -196,8 +201,9 @@ def _sparse_ffn_metal(x, matrix, num_used, bias, activation, glu, index, thresho
         xs = xf[t0 : t0 + FFN_MAX_TOKENS]
         nt = xs.shape[0]
         template = [("T", matrix.dtype), ("HAS_INDEX", index is not None)]
-        (act,) = act_kernel(
-            inputs=[
+        act = _activations(
+            act_kernel,
+            [
                 xs.reshape(-1),
                 flat,
                 b,
@@ -205,21 +211,12 @@ def _sparse_ffn_metal(x, matrix, num_used, bias, activation, glu, index, thresho
                 mx.array([n_rows, num_used, d, nt, ACTIVATIONS[activation].code, int(glu)], dtype=mx.int64),
                 mx.array([threshold], dtype=mx.float32),
             ],
-            template=template + [("HAS_BIAS", bias is not None)],
-            grid=_act_grid(n_rows),
-            threadgroup=(METAL_THREADGROUP, 1, 1),
-            output_shapes=[(nt * n_rows,)],
-            output_dtypes=[mx.float32],
+            template + [("HAS_BIAS", bias is not None)],
+            n_rows,
+            nt,
         )
-        (partial,) = down_kernel(
-            inputs=[flat, idx, act, mx.array([n_rows, num_used, d, nt, int(glu), rows_per_chunk], dtype=mx.int64)],
-            template=template,
-            grid=(d, chunks, 1),
-            threadgroup=(min(METAL_THREADGROUP, d), 1, 1),
-            output_shapes=[(chunks * nt * d,)],
-            output_dtypes=[mx.float32],
-        )
-        outs.append(partial.reshape(chunks, nt, d).sum(axis=0))
+        down_params = mx.array([n_rows, num_used, d, nt, int(glu), rows_per_chunk], dtype=mx.int64)
+        outs.append(_summed_down(down_kernel, [flat, idx, act, down_params], template, d, chunks, nt))
     return mx.concatenate(outs).astype(x.dtype)
 
 
@@ -346,8 +343,9 @@ def _quantized_sparse_ffn_metal(x, matrix, num_used, bias, activation, glu, layo
     for t0 in range(0, n_tok, FFN_MAX_TOKENS):
         nt = min(FFN_MAX_TOKENS, n_tok - t0)
         blocks = slice(t0 * nb, (t0 + nt) * nb)
-        (act,) = act_kernel(
-            inputs=[
+        act = _activations(
+            act_kernel,
+            [
                 codes[t0 * nb * BLOCK : (t0 + nt) * nb * BLOCK],
                 scale[blocks],
                 scaled_sum[blocks],
@@ -360,25 +358,13 @@ def _quantized_sparse_ffn_metal(x, matrix, num_used, bias, activation, glu, layo
                 ),
                 mx.array([threshold], dtype=mx.float32),
             ],
-            template=[
-                ("T", x.dtype),
-                ("IN_FMT", in_code),
-                ("HAS_INDEX", index is not None),
-                ("HAS_BIAS", bias is not None),
-            ],
-            grid=_act_grid(n_rows),
-            threadgroup=(METAL_THREADGROUP, 1, 1),
-            output_shapes=[(nt * n_rows,)],
-            output_dtypes=[mx.float32],
+            [("T", x.dtype), ("IN_FMT", in_code), ("HAS_INDEX", index is not None), ("HAS_BIAS", bias is not None)],
+            n_rows,
+            nt,
         )
-        down_params = [n_rows, num_used, d, nt, rows_per_chunk, row_bytes, (2 if glu else 1) * col]
-        (partial,) = down_kernel(
-            inputs=[flat, idx, act, mx.array(down_params, dtype=mx.int64)],
-            template=[("DOWN_FMT", down_code), ("HAS_INDEX", index is not None)],
-            grid=(d, chunks, 1),
-            threadgroup=(min(METAL_THREADGROUP, d), 1, 1),
-            output_shapes=[(chunks * nt * d,)],
-            output_dtypes=[mx.float32],
+        down_params = mx.array(
+            [n_rows, num_used, d, nt, rows_per_chunk, row_bytes, (2 if glu else 1) * col], dtype=mx.int64
         )
-        outs.append(partial.reshape(chunks, nt, d).sum(axis=0))
+        down_template = [("DOWN_FMT", down_code), ("HAS_INDEX", index is not None)]
+        outs.append(_summed_down(down_kernel, [flat, idx, act, down_params], down_template, d, chunks, nt))
     return mx.concatenate(outs).astype(x.dtype)
