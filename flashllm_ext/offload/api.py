@@ -220,9 +220,10 @@ def load_offload(
     into a slot for each use: the GPU's code path, run where there is no GPU (see Placement). `slots`: the buffers
     moved layers are fetched into, charged to the device's budget (the one budget on the CPU): two (the next
     layer's fetch overlaps this layer's compute) or one (a layer's room more, for a device whose compute is short
-    beside a fetch); None: default_slots(device). Only the resident tensors and the placed layers are materialised, in the store's dtype (a
-    progress bar while the layers load, unless progress=False). mode: one of MODES; None: the store's own, endor for
-    an Endor store and dense otherwise. `model.offload.stats()` reports per-token costs."""
+    beside a fetch); None: default_slots(device). Only the resident tensors and the placed layers are materialised,
+    in the store's dtype (a quantized store's embedding and LM head as its blocks: hub.hf.QuantizedEmbedding /
+    QuantizedLinear); a progress bar while the layers load, unless progress=False. mode: one of MODES; None: the
+    store's own, endor for an Endor store and dense otherwise. `model.offload.stats()` reports per-token costs."""
     store = LayerStore(store_dir)
     mode = store_mode(store) if mode is None else mode
     check_options(
