@@ -264,9 +264,10 @@ def layer_stores(hf_dir: Path, cache: Path, quantized: list[str]) -> dict[str, P
     for kind, dtype, compress in kinds:
         path = cache / f"{hf_dir.name.removesuffix('-hf')}-{kind}"
         try:
-            if LayerStore(path).format_version != FORMAT_VERSION:
-                raise FormatError("__metadata__.format_version", "older than this library writes", str(path))
+            current = LayerStore(path).format_version == FORMAT_VERSION
         except (OSError, FormatError):
+            current = False
+        if not current:
             print(f"converting {hf_dir} into the {kind} layer store {path} (once)", file=sys.stderr)
             convert_offload(hf_dir, path, dtype=dtype, endor_compress=compress, force=True)
         stores[kind] = path
