@@ -6,7 +6,9 @@ Modes (flashllm_ext.offload): dense (dense layer store), endor (Endor store on d
 memory, dense), endor+more-resident (in-memory layers kept compressed: more of them fit), and accelerate (transformers +
 accelerate device_map disk offload of the same pruned checkpoint, max_memory = the budget). Asked for by --modes: q8
 and q4, dense mode on a layer store of the same checkpoint quantized to GGUF blocks (q8_0, q4_0), computed as stored
-(quantized_linear), at the same budget (a share of the fp16 model). Same prompt, same number
+(quantized_linear), at the same budget (a share of the fp16 model). On the CPU the offloaded layers run on the lean
+decoder (load_offload_decoder, its KV cache charged to the budget; --decoder transformers: load_offload's
+transformers model, as on cuda); `decoder` in each row says which. Same prompt, same number
 of greedy decode tokens; ms_per_token is the median decode token; read_ms (exposed read wait), decompress_ms,
 compute_ms (decoder-layer time minus both), bytes_read_per_token and reads are the runtime's per-token means over the
 decode tokens; proc_read_mb_per_token is the child's storage reads from /proc/self/io (every mode, accelerate
@@ -40,12 +42,13 @@ import torch
 
 from bench.common import arg_parser, device_name, emit, error_fields, median_rows, run_limited_child, stacked_token_bars
 from bench.e2e_common import RESULTS, prompt_ids
-from bench.e2e_decode import _decode, _load
+from bench.e2e_decode import _decode, _load, timed_decode
 
 from flashllm_ext.errors import FormatError
 from flashllm_ext.io.paths import resolve_cache_dir
 
 MODES = ("accelerate", "dense", "endor", "endor+more-resident")
+DECODERS = ("lean", "transformers")
 QUANTIZED_MODES = ("q8", "q4")  # dense mode on the quantized layer store of that dtype; run when asked for
 KEYS = (
     "bench",
@@ -64,6 +67,7 @@ KEYS = (
 )
 COLUMNS = [
     "mode",
+    "decoder",
     "budget_mb",
     "cgroup_limit_mb",
     "cgroup_peak_mb",
@@ -103,6 +107,7 @@ def _accelerate_placement(model) -> tuple[int, int]:
 
 def run_child(config: dict) -> dict:
     """One configuration in this process: load, prefill, decode; the row (without the cgroup facts)."""
+    from flashllm_ext.decoder.offload import load_offload_decoder
     from flashllm_ext.offload.api import load_offload
 
     torch.set_num_threads(config["compute_threads"])  # before any op: every mode computes on the same threads
@@ -115,9 +120,23 @@ def run_child(config: dict) -> dict:
         "device": device_name(device),
         "budget_mb": config["budget_bytes"] / 1e6,
     }
+    lean = mode != "accelerate" and config["decoder"] == "lean"
+    row["decoder"] = "transformers" if mode == "accelerate" else config["decoder"]
     try:
         if mode == "accelerate":
             model, reset = _load(config)
+        elif lean:
+            model = load_offload_decoder(
+                config["store"],
+                config["budget_bytes"],
+                mode="dense" if mode in QUANTIZED_MODES else mode,
+                threads=config["threads"],
+                layers_in_memory=config.get("layers_in_memory"),
+                slots=config["slots"],
+                max_len=len(config["prompt_ids"]) + config["tokens"] + 1,
+                progress=False,
+            )
+            reset = model.reset_stats
         else:
             model = load_offload(
                 config["store"],
@@ -131,15 +150,22 @@ def run_child(config: dict) -> dict:
                 slots=config["slots"],
             )
             reset = model.offload.counters.reset
-        # On CUDA one untimed decode token first: the first one pays first-use costs that would land in the
-        # per-token means (an H200 endor row: 1592 ms, then 732-827).
-        times, tokens, storage = _decode(
-            model,
-            torch.tensor([config["prompt_ids"]], device=device),
-            config["tokens"],
-            reset,
-            warmup=1 if device == "cuda" else 0,
-        )
+        if lean:
+            times, tokens, storage = timed_decode(
+                lambda: int(model.prefill(config["prompt_ids"]).argmax()),
+                lambda token: int(model.forward([token]).argmax()),
+                config["tokens"],
+                reset,
+            )
+        else:  # on CUDA one untimed decode token first: the first one pays first-use costs that would land in the
+            # per-token means (an H200 endor row: 1592 ms, then 732-827).
+            times, tokens, storage = _decode(
+                model,
+                torch.tensor([config["prompt_ids"]], device=device),
+                config["tokens"],
+                reset,
+                warmup=1 if device == "cuda" else 0,
+            )
     except Exception as e:  # the row says why this configuration could not run
         return {**row, **error_fields(e)}
     row.update(
@@ -163,7 +189,8 @@ def run_child(config: dict) -> dict:
             layers_on_ssd=on_disk,
         )
     else:
-        stats = model.offload.stats()
+        runtime = model.runtime if lean else model.offload
+        stats = runtime.stats()
         row.update(
             read_ms=stats["read_ms"],
             hidden_read_ms=max(0.0, stats["read_wall_ms"] - stats["read_ms"]),
@@ -181,7 +208,7 @@ def run_child(config: dict) -> dict:
             staging_mb=stats["staging_bytes"] / 1e6,
             slots=stats["slots"],
         )
-        model.offload.close()
+        (model if lean else runtime).close()
     return row
 
 
@@ -210,10 +237,14 @@ def plot_offload(medians: list[dict], path: Path) -> None:
         return f"{memory}\n{r.get('layers_on_ssd')} on SSD"
 
     several_slots = len({r.get("slots") for r in rows if r["mode"] != "accelerate"}) > 1
-    labels = [
-        f"{r['mode']}{' (' + str(r['slots']) + ' slot)' if several_slots and r.get('slots') else ''}\n{placement(r)}"
-        for r in rows
-    ]
+    several_decoders = len({r.get("decoder") for r in rows if r["mode"] != "accelerate"}) > 1
+
+    def label(r: dict) -> str:
+        slots = f" ({r['slots']} slot)" if several_slots and r.get("slots") else ""
+        decoder = f", {r['decoder']}" if several_decoders and r["mode"] != "accelerate" else ""
+        return f"{r['mode']}{slots}{decoder}\n{placement(r)}"
+
+    labels = [label(r) for r in rows]
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(max(9.0, 2.6 * len(rows) + 2), 4.4))
     stacked_token_bars(
         ax,
@@ -314,6 +345,17 @@ def measure_baseline(base: dict, timeout_s: float = 600) -> int | None:
     return int(facts["cgroup_peak_mb"] * 1e6)
 
 
+def decoder_ratios(medians: list[dict]) -> dict:
+    """Per mode and slot count: transformers' ms/token over the lean decoder's (> 1: the lean decoder is faster)."""
+    by = {(r["mode"], r.get("slots"), r.get("decoder")): r.get("ms_per_token") for r in medians}
+    out = {"bench": "offload_decoder_ratios"}
+    for (mode, slots, decoder), lean in by.items():
+        hf = by.get((mode, slots, "transformers"))
+        if decoder == "lean" and lean and hf:
+            out[f"{mode}_slots{slots}_lean_vs_transformers"] = hf / lean
+    return out
+
+
 def ratios(medians: list[dict]) -> dict:
     """The targets from the medians: endor vs accelerate and vs dense per token, bytes endor / dense."""
     by = {r["mode"]: r for r in medians}
@@ -376,6 +418,11 @@ def main(argv: list[str] | None = None) -> None:
         "fetch with compute, 1 leaves a layer's room more; '1,2': every mode with each, "
         "interleaved (default: the library's, 1 on cuda and 2 on cpu)",
     )
+    parser.add_argument(
+        "--decoder",
+        help="what computes the offloaded layers: lean (load_offload_decoder; the CPU's default), transformers "
+        "(load_offload's model; on cuda always), or lean,transformers: every mode with each, interleaved",
+    )
     parser.add_argument("--no-plot", action="store_true", help="no figure")
     parser.add_argument("--figure", help="the figure's path (default bench/results/bench_offload[_scale][_cuda].png)")
     parser.set_defaults(rounds=3)
@@ -403,6 +450,11 @@ def main(argv: list[str] | None = None) -> None:
         )
     else:
         hf_dir, name = pruned_default(cache), "SmolLM2-135M-Instruct (Wanda 50%, attention + FFN)"
+    decoders = (args.decoder or ("transformers" if args.device == "cuda" else "lean")).split(",")
+    if any(d not in DECODERS for d in decoders) or len(set(decoders)) != len(decoders):
+        parser.error(f"--decoder: one or both of {', '.join(DECODERS)}, got {args.decoder!r}")
+    if "lean" in decoders and args.device == "cuda":
+        parser.error("--decoder lean runs on the CPU; on cuda the offloaded layers run in transformers' model")
     modes = [m for m in args.modes.split(",") if m]
     unknown = [m for m in modes if m not in (*MODES, *QUANTIZED_MODES)]
     if unknown:
@@ -460,13 +512,19 @@ def main(argv: list[str] | None = None) -> None:
         "offload_dir": str(cache / f"accelerate-{hf_dir.name}"),
     }
     baseline = measure_baseline(base)
-    jobs = [(m, s) for m in modes for s in ([None] if m == "accelerate" else slot_counts)]  # accelerate has none
+    jobs = [  # accelerate has no slots and is its own decoder
+        (m, s, d)
+        for m in modes
+        for s in ([None] if m == "accelerate" else slot_counts)
+        for d in (["transformers"] if m == "accelerate" else decoders)
+    ]
     rows = []
-    for round_index, (mode, slots) in [(r, j) for r in range(args.rounds) for j in jobs]:  # round-robin
+    for round_index, (mode, slots, decoder) in [(r, j) for r in range(args.rounds) for j in jobs]:  # round-robin
         placement = dense.get(slots)
         config = {
             **base,
             "mode": mode,
+            "decoder": decoder,
             "store": str(stores[mode if mode in ("dense", *QUANTIZED_MODES) else "endor"]),
             "slots": slots or slot_counts[0],
             "layers_in_memory": placement.in_memory if mode == "endor" else None,
@@ -479,6 +537,7 @@ def main(argv: list[str] | None = None) -> None:
             "bench": "offload",
             "model": name,
             "mode": mode,
+            "decoder": decoder,
             "budget_mb": budget / 1e6,
             **(child_rows[0] if child_rows else {"error": "the child printed no row"}),
             **facts,
@@ -496,7 +555,7 @@ def main(argv: list[str] | None = None) -> None:
         row = {**{k: row.get(k) for k in KEYS}, **row}
         rows.append(row)
         emit([row], args.json, COLUMNS)
-    medians = median_rows(rows, ("mode", "slots"), "offload_median")
+    medians = median_rows(rows, ("mode", "slots", "decoder"), "offload_median")
     for row in medians:  # the modes' greedy tokens should agree (same pruned weights; fp16 rounding may differ)
         row["same_tokens_as_dense"] = row.get("generated") == next(
             (m.get("generated") for m in medians if m["mode"] == "dense"), None
@@ -504,13 +563,17 @@ def main(argv: list[str] | None = None) -> None:
     if not args.json:
         print(f"\nmedians over {args.rounds} round(s):")
     emit(medians, args.json, COLUMNS)
-    emit(
-        [
-            {**ratios([m for m in medians if m["mode"] == "accelerate" or m.get("slots") == slots]), "slots": slots}
-            for slots in slot_counts
-        ],
-        args.json,
-    )
+    ratio_rows = [
+        {
+            **ratios([m for m in medians if m["mode"] == "accelerate" or (m.get("slots"), m.get("decoder")) == key]),
+            "slots": key[0],
+            "decoder": key[1],
+        }
+        for key in [(s, d) for s in slot_counts for d in decoders]
+    ]
+    if len(decoders) > 1:
+        ratio_rows.append(decoder_ratios(medians))
+    emit(ratio_rows, args.json)
     if not args.no_plot:
         path = Path(
             args.figure or RESULTS / f"bench_offload{'_scale' if args.scale else ''}{'_cuda' if cuda else ''}.png"

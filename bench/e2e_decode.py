@@ -84,30 +84,38 @@ def _storage_reads() -> tuple[int, int]:
 def _decode(
     model, prompt: torch.Tensor, n_tokens: int, reset_stats, warmup: int = 0
 ) -> tuple[list[float], list[int], dict]:
-    """Greedy decoding after a prefill of `prompt` and `warmup` untimed decode tokens: (seconds per decode token,
-    the tokens, the decode tokens' storage reads per token as the kernel counts them). reset_stats runs after the
-    prefill and the warm-up so the engine's stats cover the timed decode tokens only. A token's time ends when its
-    id is on the host (on a GPU, once its kernels have run). The kernel's count includes what the engine does not
-    see: a file-backed page (a memory-mapped weight, accelerate's offloaded tensors) read again after the cgroup
-    limit evicted it is a major fault and its bytes are storage reads."""
-    out = model(prompt, use_cache=True)
-    past, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
-    tokens = [int(token)]
+    """timed_decode of a transformers model: the prompt [1, T] through its forward with a dynamic KV cache."""
+    past = None
 
-    def step() -> None:
-        nonlocal past, token
-        out = model(token, past_key_values=past, use_cache=True)
-        past, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
-        tokens.append(int(token))
+    def forward(ids: torch.Tensor) -> int:
+        nonlocal past
+        out = model(ids, past_key_values=past, use_cache=True)
+        past = out.past_key_values
+        return int(out.logits[0, -1].argmax())
 
+    return timed_decode(
+        lambda: forward(prompt), lambda token: forward(prompt.new_tensor([[token]])), n_tokens, reset_stats, warmup
+    )
+
+
+def timed_decode(
+    prefill: Callable[[], int], step: Callable[[int], int], n_tokens: int, reset_stats, warmup: int = 0
+) -> tuple[list[float], list[int], dict]:
+    """Greedy decoding: prefill() -> the first token, then `warmup` untimed and n_tokens timed step(token) -> next
+    token: (seconds per decode token, the tokens, the decode tokens' storage reads per token as the kernel counts
+    them). reset_stats runs after the prefill and the warm-up so the engine's stats cover the timed decode tokens
+    only. A token's time ends when its id is on the host (on a GPU, once its kernels have run). The kernel's count
+    includes what the engine does not see: a file-backed page (a memory-mapped weight, accelerate's offloaded
+    tensors) read again after the cgroup limit evicted it is a major fault and its bytes are storage reads."""
+    tokens = [prefill()]
     for _ in range(warmup):
-        step()
+        tokens.append(step(tokens[-1]))
     reset_stats()
     read_before, faults_before = _storage_reads()
     times = []
     for _ in range(n_tokens):
         start = time.perf_counter()
-        step()
+        tokens.append(step(tokens[-1]))
         times.append(time.perf_counter() - start)
     read_after, faults_after = _storage_reads()
     n = max(1, len(times))

@@ -78,34 +78,45 @@ def _sampling(args: argparse.Namespace):
 def _run(args: argparse.Namespace) -> int:
     if args.hf:
         return _run_transformers(args)
-    import time
-
     from flashllm_ext.decoder import load_decoder
-    from flashllm_ext.decoder.generate import TextStream, generate
     from flashllm_ext.flash.engine import check_lookahead
     from flashllm_ext.flash.store import FlashStore
-    from flashllm_ext.hub.tokenizer import load_tokenizer
     from flashllm_ext.runtime import cuda_device
 
-    sampling = _sampling(args)
     cuda_device(args.device)  # the mistakes that need no file first
     check_lookahead(args.mode, args.lookahead, "auto")
     _check_tokenizer(args)
-    tokenizer = load_tokenizer(args.tokenizer)
     with FlashStore(args.store) as store:
-        _check_vocabulary(args.tokenizer, len(tokenizer), int(store.config["vocab_size"]))
+        n_embeddings = int(store.config["vocab_size"])
+
+    def load(max_len: int):
+        return load_decoder(
+            args.store,
+            None if args.mode == "dense" else args.budget,
+            mode=args.mode,
+            window=args.window,
+            device=args.device,
+            lookahead=args.lookahead,
+            max_len=max_len,
+            expert_policy=args.expert_policy,
+        )
+
+    return _run_lean(args, n_embeddings, load)
+
+
+def _run_lean(args: argparse.Namespace, n_embeddings: int, load) -> int:
+    """Text from the lean decoder `load(max_len)` builds, streamed as it comes, then its stats()."""
+    import time
+
+    from flashllm_ext.decoder.generate import TextStream, generate
+    from flashllm_ext.hub.tokenizer import load_tokenizer
+
+    sampling = _sampling(args)
+    tokenizer = load_tokenizer(args.tokenizer)
+    _check_vocabulary(args.tokenizer, len(tokenizer), n_embeddings)
     text = tokenizer.chat([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
     prompt = tokenizer.encode(text, add_special_tokens=not args.chat)  # a chat template writes its own
-    decoder = load_decoder(
-        args.store,
-        None if args.mode == "dense" else args.budget,
-        mode=args.mode,
-        window=args.window,
-        device=args.device,
-        lookahead=args.lookahead,
-        max_len=len(prompt) + args.tokens,
-        expert_policy=args.expert_policy,
-    )
+    decoder = load(len(prompt) + args.tokens)
     stream = TextStream(tokenizer.decode, args.stop)
 
     def show(token: int) -> bool:
@@ -116,12 +127,16 @@ def _run(args: argparse.Namespace) -> int:
     if not args.chat:
         print(args.prompt, end="", flush=True)
     start = time.perf_counter()
-    new = generate(decoder, prompt, args.tokens, sampling=sampling, stop_ids=tokenizer.eos_ids, on_token=show)
-    seconds = time.perf_counter() - start
-    print(f"\n\n{len(new)} tokens in {seconds:.2f} s ({args.mode} on {args.device}, prompt {len(prompt)} tokens)")
-    stats = decoder.stats()
-    print(", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in stats.items()))
-    decoder.close()
+    try:
+        new = generate(decoder, prompt, args.tokens, sampling=sampling, stop_ids=tokenizer.eos_ids, on_token=show)
+        seconds = time.perf_counter() - start
+        print(
+            f"\n\n{len(new)} tokens in {seconds:.2f} s ({args.mode or decoder.mode} on {args.device}, prompt {len(prompt)} tokens)"
+        )
+        stats = decoder.stats()
+        print(", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in stats.items()))
+    finally:
+        decoder.close()
     return 0
 
 
@@ -164,16 +179,48 @@ def _offload(args: argparse.Namespace) -> int:
     if not args.tokenizer:
         raise SystemExit("flashllm offload: --tokenizer is needed to generate (or --convert CHECKPOINT to write)")
     _check_tokenizer(args)
-    model = load_offload(
-        args.store,
-        args.budget,
-        mode=args.mode,
-        compute=args.compute,
-        device=args.device,
-        device_budget=args.device_budget,
-        slots=args.slots,
+    if args.hf or args.device == "cuda":
+        model = load_offload(
+            args.store,
+            args.budget,
+            mode=args.mode,
+            compute=args.compute,
+            device=args.device,
+            device_budget=args.device_budget,
+            slots=args.slots,
+        )
+        return _generate(args, model, model.offload.stats)
+    from flashllm_ext.decoder.offload import load_offload_decoder
+
+    if args.device_budget is not None:
+        raise SystemExit("flashllm offload: --device-budget applies to --device cuda")
+    n_embeddings = int(LayerStore(args.store).config["vocab_size"])
+
+    def load(max_len: int):
+        return load_offload_decoder(
+            args.store, args.budget, mode=args.mode, compute=args.compute, slots=args.slots, max_len=max_len
+        )
+
+    return _run_lean(args, n_embeddings, load)
+
+
+def _add_generation_arguments(p: argparse.ArgumentParser, hf_loader: str) -> None:
+    """The prompt, length and sampling options of `flashllm run` and `flashllm offload`."""
+    p.add_argument("--prompt", default="The three primary colors are")
+    p.add_argument("--tokens", type=positive_int, default=32, help="tokens to generate")
+    p.add_argument("--sample", action="store_true", help="sample (temperature 1 unless --temperature is given)")
+    p.add_argument("--temperature", type=float, help="sampling temperature (default 0: greedy)")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0: all)")
+    p.add_argument("--top-p", type=float, default=1.0, help="sample among the likeliest tokens of this mass")
+    p.add_argument("--repeat-penalty", type=float, default=1.0, help="> 1: tokens already seen less likely")
+    p.add_argument("--seed", type=int, help="seed of the sampler (default: a fresh one each run)")
+    p.add_argument("--stop", action="append", default=[], help="stop before this text (repeatable)")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    p.add_argument(
+        "--hf",
+        action="store_true",
+        help=f"run through transformers ({hf_loader}) instead of the lean decoder: the reference path",
     )
-    return _generate(args, model, model.offload.stats)
 
 
 def add_offload(sub: argparse._SubParsersAction) -> None:
@@ -191,7 +238,6 @@ def add_offload(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--force", action="store_true", help="with --convert: replace the layer store if there is one")
     p.add_argument("--tokenizer", help="the checkpoint's .gguf file or Hugging Face directory")
-    p.add_argument("--prompt", default="The three primary colors are")
     p.add_argument("--mode", choices=MODES, help="default: endor for an Endor store, dense for any other")
     p.add_argument("--compute", choices=COMPUTES, default="auto", help="Endor matrices: endor_linear, decompress+GEMM")
     p.add_argument("--budget", default="30%", help="DRAM budget: bytes, a share of the dense model like 30%%, or 2GB")
@@ -210,8 +256,7 @@ def add_offload(sub: argparse._SubParsersAction) -> None:
         help="buffers SSD and staged layers are fetched into: 2 overlap the next fetch with compute, 1 "
         "leaves a layer's room more (default: 1 on cuda, 2 on cpu)",
     )
-    p.add_argument("--tokens", type=positive_int, default=32, help="tokens to generate")
-    p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
+    _add_generation_arguments(p, "load_offload; --device cuda always does")
     p.set_defaults(func=_offload)
 
 
@@ -222,11 +267,9 @@ def add_run(sub: argparse._SubParsersAction) -> None:
     run = sub.add_parser("run", help="generate text with a model served from a flash store")
     run.add_argument("store", help="a flash store directory (flashllm convert)")
     run.add_argument("--tokenizer", required=True, help="the checkpoint's .gguf file or Hugging Face directory")
-    run.add_argument("--prompt", default="The three primary colors are")
     run.add_argument("--mode", choices=MODES, default="flash")
     run.add_argument("--budget", default="50%", help="DRAM budget: bytes, a share of the model like 50%%, or 200MB")
     run.add_argument("--window", type=positive_int, default=5, help="tokens whose active neurons stay cached (flash)")
-    run.add_argument("--tokens", type=positive_int, default=32, help="tokens to generate")
     run.add_argument(
         "--expert-policy",
         choices=EXPERT_POLICIES,
@@ -241,19 +284,7 @@ def add_run(sub: argparse._SubParsersAction) -> None:
         "FFN before its attention and read it during the attention; ahead: compute that set (faster, "
         "predicted from an earlier input); prefetch: compute the FFN's own set as without look-ahead",
     )
-    run.add_argument("--sample", action="store_true", help="sample (temperature 1 unless --temperature is given)")
-    run.add_argument("--temperature", type=float, help="sampling temperature (default 0: greedy)")
-    run.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0: all)")
-    run.add_argument("--top-p", type=float, default=1.0, help="sample among the likeliest tokens of this mass")
-    run.add_argument("--repeat-penalty", type=float, default=1.0, help="> 1: tokens already seen less likely")
-    run.add_argument("--seed", type=int, help="seed of the sampler (default: a fresh one each run)")
-    run.add_argument("--stop", action="append", default=[], help="stop before this text (repeatable)")
-    run.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
-    run.add_argument(
-        "--hf",
-        action="store_true",
-        help="run through transformers (load_flash) instead of the lean decoder: the reference path",
-    )
+    _add_generation_arguments(run, "load_flash")
     run.add_argument(
         "--device",
         choices=("cpu", "cuda"),

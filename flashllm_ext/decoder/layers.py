@@ -9,7 +9,7 @@ flashllm::quantized_linear, its embedding dequantizes the rows it looks up.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -26,14 +26,40 @@ if TYPE_CHECKING:
 
 HALF_LINEAR = torch.ops.flashllm.half_linear.default
 QUANTIZED_LINEAR = torch.ops.flashllm.quantized_linear.default
-Weight = torch.Tensor | QuantizedWeight
 DECODE_ATTENTION = torch.ops.flashllm.decode_attention.default
 
 
+class OffloadedWeight:
+    """A decoder-layer weight that an offload runtime puts in place before each forward of its layer
+    (flashllm_ext.decoder.offload): the rows of the layer's matrices `names`, in that order. What a family model
+    holds where a resident decoder holds the tensor."""
+
+    def __init__(self, layer: int, names: list[str]):
+        self.layer, self.names = layer, names
+
+    def __repr__(self) -> str:
+        return f"OffloadedWeight(layer={self.layer}, names={self.names})"
+
+
+class ComputedWeight(Protocol):
+    """A weight that multiplies itself (an offloaded Endor matrix: flashllm_ext.decoder.offload.EndorMatmul)."""
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor: ...
+
+
+Weight = torch.Tensor | QuantizedWeight | ComputedWeight | OffloadedWeight | tuple
+
+
 def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, in] float32, weight [out, in] (any float dtype, or blocks), bias [out] | None -> float32 [T, out]."""
+    """x [T, in] float32, weight [out, in] (any float dtype, blocks, a ComputedWeight, or a tuple of these whose
+    rows are stacked: an offloaded layer's matrices that have no fused form), bias [out] | None -> float32 [T, out]."""
     if isinstance(weight, QuantizedWeight):  # the CPU and CUDA kernels (elsewhere the reference) read the blocks
         return QUANTIZED_LINEAR(x, weight.blocks, weight.fmt, None if bias is None else bias.float())
+    if isinstance(weight, tuple):
+        y = torch.cat([linear(x, part) for part in weight], dim=-1)
+        return y if bias is None else y + bias.float()
+    if not isinstance(weight, torch.Tensor):
+        return weight.matmul(x, bias)
     if x.device.type == "cpu":
         return HALF_LINEAR(x, weight, bias)  # the op itself: the typed wrapper's call costs ~1 us a matrix
     return F.linear(x.to(weight.dtype), weight, bias).float()
@@ -56,7 +82,10 @@ def attention_projections(
 
 
 def cat_rows(weights: list[Weight]) -> Weight:
-    """The weights' rows one after another (fused q/k/v), blocks or floats as they come."""
+    """The weights' rows one after another (fused q/k/v), blocks or floats as they come; offloaded weights stay
+    offloaded (the runtime fuses them when it puts them in place)."""
+    if all(isinstance(w, OffloadedWeight) for w in weights) and len({w.layer for w in weights}) == 1:
+        return OffloadedWeight(weights[0].layer, [name for w in weights for name in w.names])
     if all(isinstance(w, QuantizedWeight) for w in weights):
         return QuantizedWeight.cat(weights)
     return torch.cat([w.dequantize() if isinstance(w, QuantizedWeight) else w for w in weights])
@@ -168,30 +197,42 @@ def _softcapped_attention(
 
 
 class DenseFFN:
-    """One FFN layer held whole in DRAM: act(gate x) * (up x) then down (GLU), or act(up x + b) then down (OPT).
-    The GLU's gate and up rows are one matrix, so a token reads them in one half_linear call."""
+    """One FFN layer's whole weights: act(gate x) * (up x) then down (GLU), or act(up x + b) then down (OPT).
+    w_in: the GLU's gate rows then its up rows as one matrix (a token reads them in one call), or the up rows;
+    w_out [d, n]: the down projection's rows; biases float or None."""
 
-    def __init__(self, store: FlashStore, layer: int, bundles: torch.Tensor):
-        d, self.glu = store.hidden_size, store.glu
-        self.activation = ops.ACTIVATIONS[store_activation(store)].fn
+    def __init__(
+        self,
+        w_in: Weight,
+        w_out: Weight,
+        b_in: torch.Tensor | None,
+        b_out: torch.Tensor | None,
+        glu: bool,
+        activation: str,
+    ):
+        self.w_in, self.w_out, self.b_in, self.b_out = w_in, w_out, b_in, b_out
+        self.glu, self.activation = glu, ops.ACTIVATIONS[activation].fn
+
+    @classmethod
+    def from_bundles(cls, store: FlashStore, layer: int, bundles: torch.Tensor) -> DenseFFN:
+        """The FFN of a flash store's layer from its bundles [n, bundle width] (all of them, in the store's order)."""
+        d, glu = store.hidden_size, store.glu
         up = bundles[:, :d]
-        self.w_in = torch.cat((bundles[:, d : 2 * d], up)) if self.glu else up.contiguous()
-        self.w_out = bundles[:, -d:].t().contiguous()  # [d, n]: the down projection's rows
+        w_in = torch.cat((bundles[:, d : 2 * d], up)) if glu else up.contiguous()
         biases = [store.layer_bias(layer, role) for role in ("gate_bias", "up_bias", "down_bias")]
-        self.b_in = None
+        b_in = None
         if biases[1] is not None:
-            self.b_in = torch.cat(biases[:2]) if self.glu else biases[1]
-            self.b_in = self.b_in.to(bundles.dtype)
-        self.b_out = None if biases[2] is None else biases[2].to(bundles.dtype)
+            b_in = (torch.cat(biases[:2]) if glu else biases[1]).to(bundles.dtype)
+        b_out = None if biases[2] is None else biases[2].to(bundles.dtype)
+        # w_out [d, n]: the down projection's rows
+        return cls(w_in, bundles[:, -d:].t().contiguous(), b_in, b_out, glu, store_activation(store))
 
     @property
     def nbytes(self) -> int:
         return sum(t.nbytes for t in (self.w_in, self.w_out, self.b_in, self.b_out) if t is not None)
 
     def to(self, device: torch.device) -> DenseFFN:
-        for name in ("w_in", "w_out", "b_in", "b_out"):
-            t = getattr(self, name)
-            setattr(self, name, None if t is None else t.to(device))
+        move_tensors(self, device)
         return self
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -210,7 +251,7 @@ def dense_ffns(store: FlashStore, dtype: torch.dtype) -> list[DenseFFN]:
     with FlashReader(store) as reader:
         for layer in range(store.n_layers):
             bundles = store.float_rows(reader.read(layer, torch.arange(store.n_neurons)).data).to(dtype)
-            ffns.append(DenseFFN(store, layer, bundles))
+            ffns.append(DenseFFN.from_bundles(store, layer, bundles))
     return ffns
 
 

@@ -27,7 +27,6 @@ from flashllm_ext.decoder.layers import (
     linear,
     move_tensors,
 )
-from flashllm_ext.ops.blocks import QuantizedWeight
 
 FFN = Callable[[torch.Tensor], torch.Tensor]
 DECODER_ATTENTION = torch.ops.flashllm.decoder_attention.default  # the op itself (flashllm_ext/ops/decoder.py)
@@ -75,8 +74,9 @@ class LlamaLayer:
         rotary's for these tokens (Rotary.tables). before_ffn(x): called with the residual after the attention,
         before the FFN (an MoE decoder's read-ahead of the next layer's experts)."""
         n_tokens, start = x.shape[0], cache.length
-        # decoding: the attention half in one call, which also norms the FFN's input (float weights only)
-        if n_tokens == 1 and not isinstance(self.qkv, QuantizedWeight) and not self.full_qk_norm:
+        # decoding: the attention half in one call, which also norms the FFN's input (float matrices only)
+        fused = isinstance(self.qkv, torch.Tensor) and isinstance(self.o, torch.Tensor)
+        if n_tokens == 1 and fused and not self.full_qk_norm:
             x, h = DECODER_ATTENTION(
                 x,
                 self.attention_norm,

@@ -52,13 +52,13 @@ class LeanDecoder:
         cache: StaticKVCache,
         mode: str,
         runtime: FlashRuntime | None,
+        model_bytes: int,
         lookahead: bool = False,
     ):
         self.store, self.config, self.model, self.ffns = store, config, model, list(ffns)
         self.cache, self.mode, self.runtime, self.lookahead = cache, mode, runtime, lookahead
         self.tokens, self.seconds = 0, 0.0  # forwarded so far, and the wall time they took
-        # What a percentage budget is a share of: resident weights, FFN biases and every FFN bundle.
-        self.model_bytes = model_weight_bytes(model) + _ffn_bias_bytes(store) + store_ffn_bytes(store)
+        self.model_bytes = model_bytes  # what a percentage budget is a share of: the model's weights
 
     @property
     def length(self) -> int:
@@ -132,15 +132,19 @@ class LeanDecoder:
     def stats(self) -> dict:
         """Per token: wall ms, and in flash modes the FFN costs of FlashRuntime.stats() with `other_ms` the rest
         (attention, resident linears, norms, Python); plus the KV cache's and the accounted bytes."""
-        per = 1e3 / max(self.tokens, 1)
-        out = {"mode": self.mode, "family": self.config.model_type, "tokens": self.tokens}
-        out["ms_per_token"] = self.seconds * per
+        out = self._stats_head()
         if self.runtime is not None:
             out.update({k: v for k, v in self.runtime.stats().items() if k not in out})
             ffn = sum(out[k] for k in ("io_ms", "mem_ms", "predictor_ms", "compute_ms"))
             out["other_ms"] = out["ms_per_token"] - ffn
         out["kv_bytes"] = self.cache.nbytes
         out["accounted_bytes"] = self.accounted_bytes
+        return out
+
+    def _stats_head(self) -> dict:
+        """mode, family, tokens and wall ms per token."""
+        out = {"mode": self.mode, "family": self.config.model_type, "tokens": self.tokens}
+        out["ms_per_token"] = self.seconds * 1e3 / max(self.tokens, 1)
         return out
 
     def close(self) -> None:
@@ -242,7 +246,7 @@ def load_decoder(
     except BaseException:
         store.close()
         raise
-    return LeanDecoder(store, config, model, ffns, cache, mode, runtime, lookahead=lookahead is not None)
+    return LeanDecoder(store, config, model, ffns, cache, mode, runtime, total, lookahead=lookahead is not None)
 
 
 def model_table_bytes(model: FamilyModel) -> int:

@@ -5,6 +5,7 @@
     model = load_offload(store_dir, "30%", device="cuda", device_budget="20%")  # GPU, host memory, SSD
     model.generate(...); model.offload.stats()
     runtime = patch_offload(hf_model, store_dir, mode="dense"); runtime.unpatch(hf_model)   # an already loaded model
+    decoder = flashllm_ext.decoder.offload.load_offload_decoder(store_dir, "30%")   # the lean decoder (CPU)
 
 Placement, nearest first as Endor does: layers 0..k-1 (closest to the input) stay in memory, layers k..L-1 are read
 from the store for every forward, k the most layers the budget holds next to the resident tensors (embeddings,

@@ -72,12 +72,6 @@ def _install(
 ) -> OffloadRuntime:
     if getattr(model, "offload", None) is not None:
         raise ValueError("this model is already offloaded: unpatch it first")
-    separate = device.type == "cuda"
-    slots = default_slots(device) if slots is None else slots
-    if device_budget is not None and not separate:
-        raise ValueError(
-            "device_budget is the GPU memory for layers on a CUDA device; on the CPU dram_budget is the one budget"
-        )
     linear_slots = _linear_slots(model, store)
     params = [p for p in model.parameters() if p.device.type != "meta" and p.is_floating_point()]
     if params and params[0].dtype != store.dtype:
@@ -86,7 +80,62 @@ def _install(
         )
     weights = {id(s[2].weight) for layer in linear_slots for s in layer if isinstance(s[2], nn.Linear)}
     resident = tensor_bytes([p for p in model.parameters() if id(p) not in weights] + list(model.buffers()))
+    runtime = offload_runtime(
+        store,
+        mode,
+        budget,
+        resident,
+        compute,
+        threads,
+        device,
+        layers_in_memory=layers_in_memory,
+        device_budget=device_budget,
+        layers_on_device=layers_on_device,
+        slots=slots,
+        progress=progress,
+    )
+    for i, layer_slots in enumerate(linear_slots):
+        for parent, attr, linear, name in layer_slots:
+            if keep_originals:
+                runtime.originals.append((parent, attr, linear))
+            entry = next(e for e in store.layers[i] if e.name == name)
+            setattr(parent, attr, OffloadedLinear(runtime, i, name, entry.shape, linear.bias))
+    for i, layer in enumerate(decoder_layers(model)):
+        runtime.hooks.append(layer.register_forward_pre_hook(lambda _m, _a, i=i: runtime.before_layer(i)))
+        runtime.hooks.append(layer.register_forward_hook(lambda _m, _a, _o, i=i: runtime.after_layer(i)))
+    runtime.install_on(model)
+    return runtime
+
+
+def offload_runtime(
+    store: LayerStore,
+    mode: str,
+    budget: int | float | str | None,
+    resident: int,
+    compute: str,
+    threads: int,
+    device: torch.device,
+    *,
+    held: int = 0,
+    layers_in_memory: int | None = None,
+    device_budget: int | float | str | None = None,
+    layers_on_device: int | None = None,
+    slots: int | None = None,
+    progress: bool = False,
+) -> OffloadRuntime:
+    """The runtime of a model whose tensors outside the decoder layers' matrices take `resident` bytes, beside
+    `held` bytes of buffers that are no weights (a lean decoder's KV cache and RoPE tables): the layers placed by the
+    budgets (a percentage is of resident + the layers' dense bytes; both charge resident + held), the reader of the
+    SSD layers, the staged layers' stored bytes and the in-memory layers' weights (`runtime.memory`) read.
+    ValueError naming the budget when it cannot hold the minimum. The other arguments as load_offload's."""
+    separate = device.type == "cuda"
+    slots = default_slots(device) if slots is None else slots
+    if device_budget is not None and not separate:
+        raise ValueError(
+            "device_budget is the GPU memory for layers on a CUDA device; on the CPU dram_budget is the one budget"
+        )
     model_bytes = resident + sum(store.dense_bytes(i) for i in range(store.n_layers))
+    resident += held
     budget_bytes = None if budget is None else parse_budget(budget, model_bytes)
     device_budget_bytes = None if device_budget is None else parse_budget(device_budget, model_bytes, "device_budget")
     # On the CPU the resident tensors share the one budget with the layers; on a GPU they live in device memory.
@@ -148,16 +197,6 @@ def _install(
         runtime.memory.append(layer)
     if placement.in_memory:
         drop_page_cache(store.layers_path)
-    for i, layer_slots in enumerate(linear_slots):
-        for parent, attr, linear, name in layer_slots:
-            if keep_originals:
-                runtime.originals.append((parent, attr, linear))
-            entry = next(e for e in store.layers[i] if e.name == name)
-            setattr(parent, attr, OffloadedLinear(runtime, i, name, entry.shape, linear.bias))
-    for i, layer in enumerate(decoder_layers(model)):
-        runtime.hooks.append(layer.register_forward_pre_hook(lambda _m, _a, i=i: runtime.before_layer(i)))
-        runtime.hooks.append(layer.register_forward_hook(lambda _m, _a, _o, i=i: runtime.after_layer(i)))
-    runtime.install_on(model)
     return runtime
 
 

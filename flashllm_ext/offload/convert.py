@@ -43,15 +43,33 @@ from flashllm_ext.offload.store import (
 
 
 _LAYER_WEIGHT = re.compile(r"^(?:.*\.)?layers\.(\d+)\..+\.weight$")
+# A layer's matrices are stored in the order the lean decoder fuses them (q, k and v one matrix, the GLU's gate and
+# up one), so that an SSD layer's fused matrices are views over the bytes read (flashllm_ext.decoder.offload);
+# other matrices (experts) follow in the checkpoint's order.
+_FUSED_ORDER = [
+    f"{part}.weight"
+    for part in (
+        *(f"self_attn.{m}" for m in ("q_proj", "k_proj", "v_proj", "o_proj", "out_proj")),
+        *(f"mlp.{m}" for m in ("gate_proj", "up_proj", "down_proj")),
+        "fc1",
+        "fc2",
+    )
+]
+
+
+def _fused_rank(name: str) -> int:
+    return next((i for i, suffix in enumerate(_FUSED_ORDER) if name.endswith(f".{suffix}")), len(_FUSED_ORDER))
 
 
 def _layer_matrices(ckpt: Checkpoint) -> list[list[str]]:
-    """Per decoder layer, in layer order, the names of its 2-D `.weight` tensors (its Linear weights)."""
+    """Per decoder layer, in layer order, the names of its 2-D `.weight` tensors (its Linear weights), in the
+    order _FUSED_ORDER ranks them."""
     layers: dict[int, list[str]] = {}
     for name in ckpt.names:
         m = _LAYER_WEIGHT.match(name)
         if m and len(ckpt.shape(name)) == 2:
             layers.setdefault(int(m.group(1)), []).append(name)
+    layers = {i: sorted(names, key=_fused_rank) for i, names in layers.items()}
     if not layers:
         raise unsupported_model(ckpt.config.get("model_type"), "no decoder-layer weights (layers.{i}.*.weight)")
     if sorted(layers) != list(range(len(layers))):

@@ -170,6 +170,10 @@ class OffloadRuntime(Runtime):
             views = self._views[(slot, layer)] = self._layer_views(slot, layer)
         return views[name]
 
+    def slot_of(self, layer: int) -> int | None:
+        """The slot a moved layer was last put in (its weights are there during its forward); None for the others."""
+        return self._slot_of.get(layer)
+
     def linear(
         self, x: torch.Tensor, w: torch.Tensor | endor.EndorTensor | QuantizedWeight, bias: torch.Tensor | None
     ) -> torch.Tensor:
@@ -182,8 +186,12 @@ class OffloadRuntime(Runtime):
         flat = x.reshape(-1, cols)
         max_tokens = CUDA_LINEAR_MAX_TOKENS if self._cuda else LINEAR_MAX_TOKENS
         if self.compute == "linear" or (self.compute == "auto" and flat.shape[0] <= max_tokens):
+            bias = None if bias is None else bias.to(x.dtype)  # endor_linear takes x in float32 too
             y = ops.endor_linear(flat, w.values, w.bitmap, w.row_offsets, n_cols=cols, bias=bias)
         else:
+            # the GEMM in the store's dtype (a lean decoder's activations are float32)
+            flat = flat.to(self.store.dtype)
+            bias = None if bias is None else bias.to(self.store.dtype)
             block = decompress_block_rows(rows, cols, self.store.dtype.itemsize)
             parts = []
             for first in range(0, rows, block):
@@ -200,7 +208,7 @@ class OffloadRuntime(Runtime):
                 self.counters.decompress_s += self._clock() - start
                 parts.append(F.linear(flat, dense, None if bias is None else bias[first : first + n]))
             y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
-        return y.reshape(*x.shape[:-1], rows)
+        return y.reshape(*x.shape[:-1], rows).to(x.dtype)
 
     def _clock(self) -> float:
         """time.perf_counter() once the device's queued work has run (CUDA), so the parts get device time."""

@@ -238,6 +238,10 @@ class LayerStore(ResidentWeights):
     def close_resident(self) -> None:
         self._resident.close()
 
+    def close(self) -> None:
+        """Release the store's open file (the resident tensors'); the layers are read by their own readers."""
+        self.close_resident()
+
     def __repr__(self) -> str:
         return (
             f"LayerStore({str(self.path)!r}, layers={self.n_layers}, dtype={self.quantized or self.dtype}, "

@@ -283,7 +283,7 @@ def test_cli_converts_a_hugging_face_directory(tmp_path, capsys):
         == 0
     )
     assert "endor=True" in capsys.readouterr().out
-    with pytest.raises(SystemExit, match="flashllm offload: device_budget is the GPU memory"):
+    with pytest.raises(SystemExit, match="flashllm offload: --device-budget applies to --device cuda"):
         cli.main(["offload", str(tmp_path / "store"), "--tokenizer", str(tmp_path / "hf"), "--device-budget", "20%"])
     # Clean exits, not tracebacks: a store there already, no store, a missing tokenizer (before the model loads).
     for store, argv, says in (
