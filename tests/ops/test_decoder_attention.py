@@ -76,9 +76,12 @@ def test_matches_reference(shape, w_dtype, variant):
         args = case(**shape, **variant, w_dtype=w_dtype, kv_dtype=kv_dtype)
         for position, window in ((0, 0), (5, 0), (11, 0), (7, 3), (7, 1), (4, 40)):
             got, want, got_caches, want_caches = run_both(args, position, window)
+            # A float16 cache rounds the new key and value: where the two paths' float32 sums differ in the last bit
+            # an element can round the other way (seen on AVX2), one float16 step carried through o_proj.
+            tolerance = 1e-4 if kv_dtype == torch.float32 else 5e-4
             for g, w in zip(got, want):
                 assert g.dtype == torch.float32 and g.shape == w.shape
-                torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+                torch.testing.assert_close(g, w, rtol=1e-4, atol=tolerance)
             for before, g, w in zip(args[8:10], got_caches, want_caches):
                 torch.testing.assert_close(g, w, rtol=1e-3, atol=1e-3)  # the new row, rounded to the cache dtype
                 others = torch.arange(before.shape[0]) != position
