@@ -31,8 +31,7 @@ from flashllm_ext.decoder.layers import (
     cat_rows,
 )
 from flashllm_ext.decoder.model import FAMILY_MODELS, FamilyModel, LeanDecoder, model_table_bytes
-from flashllm_ext.offload.api import offload_runtime
-from flashllm_ext.offload.placement import check_options, store_mode
+from flashllm_ext.offload.api import offload_runtime, open_layer_store
 from flashllm_ext.offload.runtime import OffloadRuntime
 from flashllm_ext.offload.store import LayerStore
 from flashllm_ext.ops import config_activation
@@ -211,10 +210,8 @@ def load_offload_decoder(
     of max_len tokens (kv_dtype). mode, compute, threads, layers_in_memory, layers_on_device, slots and progress as
     load_offload's (on a GPU, load_offload's transformers model runs the store). ValueError for a model family the
     lean decoder does not run, or a mixture-of-experts store, naming it."""
-    store = LayerStore(store_dir)
-    mode = store_mode(store) if mode is None else mode
-    check_options(
-        store,
+    store, mode = open_layer_store(
+        store_dir,
         mode,
         compute=compute,
         threads=threads,

@@ -233,6 +233,15 @@ def patch_offload(
     )
 
 
+def open_layer_store(store_dir: str | os.PathLike, mode: str | None, **options) -> tuple[LayerStore, str]:
+    """The layer store at `store_dir` and the mode it runs in (`mode`, or the store's own: store_mode), the mode
+    and load options (check_options' keywords) checked before any weight is read."""
+    store = LayerStore(store_dir)
+    mode = store_mode(store) if mode is None else mode
+    check_options(store, mode, **options)
+    return store, mode
+
+
 def load_offload(
     store_dir: str | os.PathLike,
     dram_budget: int | float | str | None = "30%",
@@ -263,10 +272,8 @@ def load_offload(
     in the store's dtype (a quantized store's embedding and LM head as its blocks: hub.hf.QuantizedEmbedding /
     QuantizedLinear); a progress bar while the layers load, unless progress=False. mode: one of MODES; None: the
     store's own, endor for an Endor store and dense otherwise. `model.offload.stats()` reports per-token costs."""
-    store = LayerStore(store_dir)
-    mode = store_mode(store) if mode is None else mode
-    check_options(
-        store,
+    store, mode = open_layer_store(
+        store_dir,
         mode,
         compute=compute,
         threads=threads,
