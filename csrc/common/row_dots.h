@@ -37,16 +37,41 @@ void dots_scalar(const T* col, const float* x, int64_t d, float* dots) {
 using simd::hsum_avx2;
 using simd::load8_avx2;
 
+// How far ahead of the loads a row is prefetched: on a 2-vCPU AVX2 EPYC one thread streaming fp16 rows went from 12.1
+// to 14.3 GB/s with it (a plain read: 16.4); the hardware prefetcher alone keeps too few lines in flight.
+constexpr int64_t kPrefetchBytes = 1024;
+
+// U independent accumulators per token (4 / NT, at least one) hide the FMA latency when there are few tokens: with one
+// chain a decode token (NT = 1) is bound by it at ~10 GB/s of fp16 weights.
 template <class T, int NT>
 FLASHLLM_AVX2 void dots_avx2(const T* col, const float* x, int64_t d, float* dots) {
-  __m256 acc[NT];
-  for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
+  constexpr int U = NT >= 4 ? 1 : 4 / NT;
+  constexpr int64_t step = 8 * U, step_bytes = step * sizeof(T);
+  const char* bytes = reinterpret_cast<const char*>(col);
+  __m256 acc[NT][U];
+  for (int t = 0; t < NT; ++t)
+    for (int u = 0; u < U; ++u) acc[t][u] = _mm256_setzero_ps();
   int64_t c = 0;
+  for (; c + step <= d; c += step) {
+    if constexpr (step_bytes >= 64) {
+      for (int64_t b = 0; b < step_bytes; b += 64)
+        _mm_prefetch(bytes + c * sizeof(T) + b + kPrefetchBytes, _MM_HINT_T0);
+    } else if ((c * sizeof(T)) % 64 == 0) {
+      _mm_prefetch(bytes + c * sizeof(T) + kPrefetchBytes, _MM_HINT_T0);
+    }
+    for (int u = 0; u < U; ++u) {
+      const __m256 w = load8_avx2(col + c + 8 * u);
+      for (int t = 0; t < NT; ++t) acc[t][u] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + t * d + c + 8 * u), acc[t][u]);
+    }
+  }
   for (; c + 8 <= d; c += 8) {
     const __m256 w = load8_avx2(col + c);
-    for (int t = 0; t < NT; ++t) acc[t] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + t * d + c), acc[t]);
+    for (int t = 0; t < NT; ++t) acc[t][0] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + t * d + c), acc[t][0]);
   }
-  for (int t = 0; t < NT; ++t) dots[t] = hsum_avx2(acc[t]);
+  for (int t = 0; t < NT; ++t) {
+    for (int u = 1; u < U; ++u) acc[t][0] = _mm256_add_ps(acc[t][0], acc[t][u]);
+    dots[t] = hsum_avx2(acc[t][0]);
+  }
   for (; c < d; ++c) {
     const float w = to_float(col[c]);
     for (int t = 0; t < NT; ++t) dots[t] += w * x[t * d + c];
