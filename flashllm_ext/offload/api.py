@@ -215,9 +215,7 @@ def patch_offload(
     or a CUDA device: the layers are computed where the model is) to `store` (converted from the same weights). The
     original Linear modules are kept for `unpatch`, so they still occupy memory: for a real budget use
     load_offload. mode: as load_offload's. Returns the runtime; `runtime.unpatch(model)` restores the model."""
-    store = store if isinstance(store, LayerStore) else LayerStore(store)
-    mode = store_mode(store) if mode is None else mode
-    check_options(store, mode, compute=compute, threads=threads, slots=slots)
+    store, mode = open_layer_store(store, mode, compute=compute, threads=threads, slots=slots)
     device = next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
     return _install(
         model,
@@ -233,10 +231,10 @@ def patch_offload(
     )
 
 
-def open_layer_store(store_dir: str | os.PathLike, mode: str | None, **options) -> tuple[LayerStore, str]:
-    """The layer store at `store_dir` and the mode it runs in (`mode`, or the store's own: store_mode), the mode
-    and load options (check_options' keywords) checked before any weight is read."""
-    store = LayerStore(store_dir)
+def open_layer_store(store: LayerStore | str | os.PathLike, mode: str | None, **options) -> tuple[LayerStore, str]:
+    """The layer store (opened at `store` unless it is one) and the mode it runs in (`mode`, or the store's own:
+    store_mode), the mode and load options (check_options' keywords) checked before any weight is read."""
+    store = store if isinstance(store, LayerStore) else LayerStore(store)
     mode = store_mode(store) if mode is None else mode
     check_options(store, mode, **options)
     return store, mode
