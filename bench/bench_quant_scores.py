@@ -1,5 +1,6 @@
 """The quant predictor's scoring (flashllm::quant_scores) per layer call: the native CPU kernel on each of its paths
-(AVX-512 VNNI integer dot products, the AVX-512 fp32 FMA path before it, forced with flashllm_ext._C.set_cpu_isa),
+(AVX-512 VNNI integer dot products, the AVX-512 fp32 FMA path, the AVX2 int16 path, the scalar byte tables, forced
+with flashllm_ext._C.set_cpu_isa),
 optionally the pure-torch reference (dequantise every row, then matmul), against the layer's sparse FFN compute
 (ops.sparse_ffn over the loaded rows at the operating density), interleaved in one process (medians).
 
@@ -32,7 +33,7 @@ SHAPES = {
     "llama-2-7b": (4096, 11008, 4, 4, None, "silu", 0.06, 8),
 }
 # quant_scores' native paths, fastest first (a level without a path of its own runs the one below).
-PATHS = ("avx512vbmi2", "avx512vnni", "avx512", "avx2")
+PATHS = ("avx512vbmi2", "avx512vnni", "avx512", "avx2", "scalar")
 
 
 def main() -> None:
@@ -52,7 +53,7 @@ def main() -> None:
     parser.add_argument(
         "--paths",
         default=None,
-        help=f"comma-separated native paths to time, among {', '.join(PATHS)} (default: all this CPU runs, up to avx2)",
+        help=f"comma-separated native paths to time, among {', '.join(PATHS)} (default: all this CPU runs)",
     )
     parser.add_argument("--reference", action="store_true", help="also time the pure-torch reference")
     parser.add_argument(
@@ -140,9 +141,12 @@ def main() -> None:
                         activation,
                     )
                 )
-            candidates["sparse_ffn"] = cycling(
-                lambda c: ops.sparse_ffn(x, c["matrix"], num_used=rows, activation=activation, glu=glu)
-            )
+
+            def ffn(c):
+                _C.set_cpu_isa(previous_isa)  # the FFN on this CPU's own path, whichever scorer path ran last
+                return ops.sparse_ffn(x, c["matrix"], num_used=rows, activation=activation, glu=glu)
+
+            candidates["sparse_ffn"] = cycling(ffn)
             if probe is not None:
                 candidates["stream"] = probe
             times = time_interleaved(candidates, rounds=args.rounds)
@@ -164,6 +168,8 @@ def main() -> None:
                     row[f"{name} / sparse_ffn"] = round(times[name] / ffn, 3)
             if "avx512vnni" in times and "avx512" in times:
                 row["avx512 / avx512vnni"] = round(times["avx512"] / times["avx512vnni"], 2)
+            if "scalar" in times and "avx2" in times:
+                row["scalar / avx2"] = round(times["scalar"] / times["avx2"], 2)
             if "avx512vnni" in times and "avx512vbmi2" in times:
                 row["avx512vnni / avx512vbmi2"] = round(times["avx512vnni"] / times["avx512vbmi2"], 2)
             row[f"sparse_ffn ms (density {density})"] = round(ffn * 1e3, 3)

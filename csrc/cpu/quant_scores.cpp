@@ -10,6 +10,10 @@
 //   lane of a group's sums exactly, then one FMA per lane applies the group's scale (add_group). 64 multiply-adds
 //   per instruction against the float path's 16. At T = 1, four rows share each load of x (rows_dots_vnni).
 // - AVX-512: the codes decoded 16 at a time in registers (shift, mask, convert) and multiplied into x in fp32 FMA.
+// - AVX2: 16 codes per step, each in a 16-bit word (vpshufb gives a word the two bytes holding its code; a per-word
+//   power-of-two multiply, AVX2 having no per-word shift, moves the code to the word's top and one uniform shift
+//   brings it down), multiplied into x as int16 by vpmaddwd: 16 exact integer multiply-adds per step, x in its
+//   natural column order. The centre comes off with each group's integer sum of x: sum (q - c) x = sum q x - c sum x.
 // - below: a code byte holds 8 / bits codes, so a row's dot product with one token is a sum over its bytes of a
 //   per-(byte position, byte value) partial dot product: lookup tables (256 entries per byte position, built once
 //   per call from x in ~256 adds each) turn d multiply-adds per row into d * bits / 8 table reads; 3-bit codes
@@ -25,12 +29,14 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <numeric>
 #include <optional>
 #include <utility>
 #include <vector>
 
 #include "common/cpu_isa.h"
 #include "common/quant_scores_checks.h"
+#include "common/simd_float.h"
 #include "common/sparse_ffn_checks.h"
 
 // GCC 12's cast and masked-load intrinsics start from _mm512_undefined_*, which -Wall reports as uninitialised use.
@@ -146,6 +152,77 @@ __attribute__((target("avx512f"))) void row_dots_avx512(const uint8_t* codes, in
     accumulate(raw, col);
   }
   for (int t = 0; t < TB; ++t) acc[t] = _mm512_reduce_add_ps(sum[t]);
+}
+
+// AVX2 (see the file's head): the vpshufb control and per-word multipliers of one step's 16 codes, 2 * BITS bytes
+// broadcast to both 128-bit lanes (lane 0 decodes codes 0-7, lane 1 codes 8-15). Code k starts at bit k * BITS:
+// its word takes bytes (k * BITS) / 8 and the next (0x80, a zero, past the step's 8 loaded bytes), and the multiply
+// by 2^(16 - BITS - s), s = (k * BITS) % 8, leaves the code in the word's top BITS bits.
+struct Avx2DecodeTables {
+  alignas(32) uint8_t shuffle[32];
+  alignas(32) uint16_t multiplier[16];
+};
+constexpr Avx2DecodeTables make_avx2_decode_tables(int bits) {
+  Avx2DecodeTables t{};
+  for (int k = 0; k < 16; ++k) {
+    const int byte = k * bits / 8, shift = k * bits % 8, at = 2 * k;  // word k % 8 of lane k / 8: bytes 2k, 2k + 1
+    t.shuffle[at] = static_cast<uint8_t>(byte);
+    t.shuffle[at + 1] = static_cast<uint8_t>(byte + 1 < 8 ? byte + 1 : 0x80);
+    t.multiplier[k] = static_cast<uint16_t>(1u << (16 - bits - shift));
+  }
+  return t;
+}
+constexpr Avx2DecodeTables kAvx2Decode[5] = {
+    {}, make_avx2_decode_tables(1), make_avx2_decode_tables(2), make_avx2_decode_tables(3), make_avx2_decode_tables(4)};
+
+// acc[t] = the scores' dot product of a row with token t: the sum over its groups of the group's scale x (sum_k q_k
+// x_k - centre x sum_k x_k) x the token's scale, x the int8 x (x16: widened to int16, [TB][xstride], zeros past d, so
+// the padding codes of the row's last byte count for nothing). A group's sum q x stays in its int32 lanes (exact),
+// which one FMA per group scales into float lanes, so a row costs one horizontal sum whatever its groups; the
+// centre's share (xcentre: centre x sum x x the token's scale, [TB][groups]) comes off once per row. One call per row,
+// its groups' steps back to back: an 8-byte load is safe wherever it stays inside the row.
+template <int TB, int BITS>
+__attribute__((target("avx2,fma"))) void row_scores_avx2(const uint8_t* row, int64_t width, int64_t groups,
+                                                         int64_t group_width, const c10::Half* scale,
+                                                         const int16_t* x16, int64_t xstride, const float* xcentre,
+                                                         const float* x_scale, float* acc) {
+  const __m256i shuffle = _mm256_load_si256(reinterpret_cast<const __m256i*>(kAvx2Decode[BITS].shuffle));
+  const __m256i multiplier = _mm256_load_si256(reinterpret_cast<const __m256i*>(kAvx2Decode[BITS].multiplier));
+  constexpr int64_t kStep = BITS * 2;  // bytes per 16 codes
+  __m256 total[TB];
+  float centre[TB] = {};
+  for (int t = 0; t < TB; ++t) total[t] = _mm256_setzero_ps();
+  int64_t col = 0;
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256i sum[TB];
+    for (int t = 0; t < TB; ++t) sum[t] = _mm256_setzero_si256();
+    const auto accumulate = [&](uint64_t raw) __attribute__((target("avx2"))) {
+      const __m256i words = _mm256_shuffle_epi8(_mm256_set1_epi64x(static_cast<int64_t>(raw)), shuffle);
+      const __m256i q = _mm256_srli_epi16(_mm256_mullo_epi16(words, multiplier), 16 - BITS);
+      for (int t = 0; t < TB; ++t) {
+        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x16 + t * xstride + col));
+        sum[t] = _mm256_add_epi32(sum[t], _mm256_madd_epi16(q, x));
+      }
+    };
+    const int64_t end = g * group_width + group_width;
+    int64_t off = g * group_width;
+    for (; off < end && off + 8 <= width; off += kStep, col += 16) {
+      uint64_t raw;
+      std::memcpy(&raw, row + off, 8);
+      accumulate(raw);
+    }
+    for (; off < end; off += kStep, col += 16) {  // the row's last steps (never read past the row)
+      uint64_t raw = 0;
+      std::memcpy(&raw, row + off, std::min<int64_t>(kStep, width - off));
+      accumulate(raw);
+    }
+    const float s = static_cast<float>(scale[g]);
+    for (int t = 0; t < TB; ++t) {
+      total[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[t]), _mm256_set1_ps(s * x_scale[t]), total[t]);
+      centre[t] += s * xcentre[t * groups + g];
+    }
+  }
+  for (int t = 0; t < TB; ++t) acc[t] = simd::hsum_avx2(total[t]) - centre[t];
 }
 
 // x rounded to int8 per token, the op's contract (flashllm_ext.ops.round_x_int8, which the reference uses):
@@ -316,7 +393,7 @@ inline float activate(float v, int act) {
 }
 
 // kVnniVbmi: the VNNI path with 3-bit codes decoded by VBMI's multishift (multishift3), the rest as kVnni.
-enum class Path { kTables, kAvx512, kVnni, kVnniVbmi };
+enum class Path { kTables, kAvx2, kAvx512, kVnni, kVnniVbmi };
 inline bool is_vnni(Path path) {
   return path == Path::kVnni || path == Path::kVnniVbmi;
 }
@@ -337,6 +414,7 @@ struct Matrix {
   int8_t* xl;
   int64_t group_layout, xl_stride;
   int32_t* xlanes;
+  float* xcentre;  // kAvx2: centre x each group's sum of the int8 x x the token's scale ([TB][groups])
 };
 
 Matrix matrix_of(const at::Tensor& codes, const at::Tensor& scale, const std::optional<at::Tensor>& bias, int64_t bits,
@@ -354,6 +432,7 @@ Matrix matrix_of(const at::Tensor& codes, const at::Tensor& scale, const std::op
           nullptr,
           0,
           0,
+          nullptr,
           nullptr};
 }
 
@@ -398,11 +477,12 @@ FLASHLLM_VNNI void lane_sums_vnni(const int8_t* xl, int64_t vectors, int32_t lev
 }
 
 // The tokens of one block as the float paths need them: xpad is the rounded x in fp32 ([TB][dpad], dpad a multiple
-// of 16, zeros past d); scale per token for VNNI.
+// of 16, zeros past d); scale per token for VNNI and AVX2; the int8 x as int16 (same layout) for AVX2.
 struct Block {
   const float* xpad;
   int64_t dpad;
   const float* scale;
+  const int16_t* x16;  // kAvx2: the int8 x widened, [TB][dpad]
 };
 
 // One pass over the rows for TB tokens. dots() gives sum_k (q_k - centre) * x_k per token (x rounded, in fp32).
@@ -426,6 +506,14 @@ void score_rows(const Matrix& up, const Matrix* gate, const Block& block, Path p
     }
     const uint8_t* row = m.codes + r * m.width;
     const c10::Half* scale = m.scale + r * m.groups;
+    if (path == Path::kAvx2) {
+      const auto scores = m.bits == 4   ? row_scores_avx2<TB, 4>
+                          : m.bits == 3 ? row_scores_avx2<TB, 3>
+                          : m.bits == 2 ? row_scores_avx2<TB, 2>
+                                        : row_scores_avx2<TB, 1>;
+      scores(row, m.width, m.groups, m.group_width, scale, block.x16, block.dpad, m.xcentre, block.scale, acc);
+      return;
+    }
     for (int t = 0; t < TB; ++t) acc[t] = 0.f;
     for (int64_t g = 0; g < m.groups; ++g) {
       const uint8_t* codes = row + g * m.group_width;
@@ -518,6 +606,7 @@ at::Tensor quant_scores_cpu(const at::Tensor& x_in, const at::Tensor& up_codes_i
   const Path path = isa >= CpuIsa::kAvx512Vbmi2  ? Path::kVnniVbmi
                     : isa >= CpuIsa::kAvx512Vnni ? Path::kVnni
                     : isa >= CpuIsa::kAvx512     ? Path::kAvx512
+                    : isa >= CpuIsa::kAvx2       ? Path::kAvx2
                                                  : Path::kTables;
 
   // x rounded to int8 per token, once for all tokens.
@@ -528,8 +617,9 @@ at::Tensor quant_scores_cpu(const at::Tensor& x_in, const at::Tensor& up_codes_i
   const float* xp = x.data_ptr<float>();
   for (int64_t t = 0; t < T; ++t) round_x_int8(xp + t * d, d, xq.data() + t * d, &x_scale[t]);
 
-  // Per block of tokens: the VNNI layouts and lane sums, or the rounded x in fp32, padded (AVX-512, and 3-bit rows
-  // below it), and the byte tables (1, 2 and 4 bits below AVX-512).
+  // Per block of tokens: the VNNI layouts and lane sums, the int8 x widened to int16 and its group sums (AVX2), or
+  // the rounded x in fp32, padded (AVX-512, and 3-bit rows below AVX2), and the byte tables (1, 2 and 4 bits below
+  // AVX2).
   const bool up_tables = path == Path::kTables && up_bits != 3;
   const bool gate_tables = path == Path::kTables && gate && gate_bits != 3;
   const bool padded = path == Path::kAvx512 || (path == Path::kTables && (!up_tables || (gate && !gate_tables)));
@@ -537,7 +627,9 @@ at::Tensor quant_scores_cpu(const at::Tensor& x_in, const at::Tensor& up_codes_i
   thread_local std::vector<float> rounded, tables, xpad;
   thread_local std::vector<int8_t> layouts;
   thread_local std::vector<int32_t> xlanes;
-  if (!is_vnni(path)) {
+  thread_local std::vector<float> xcentre;
+  thread_local std::vector<int16_t> x16;
+  if (path == Path::kAvx512 || path == Path::kTables) {
     rounded.resize(T * d);
     for (int64_t t = 0; t < T; ++t)
       for (int64_t k = 0; k < d; ++k) rounded[t * d + k] = static_cast<float>(xq[t * d + k]) * x_scale[t];
@@ -549,6 +641,12 @@ at::Tensor quant_scores_cpu(const at::Tensor& x_in, const at::Tensor& up_codes_i
   if (gate) gate->table = tables.data() + up_size;
   xpad.assign(padded ? kMaxTokens * dpad : 0, 0.f);
   Matrix* matrices[2] = {&up, gate ? &*gate : nullptr};
+  if (path == Path::kAvx2) {
+    x16.assign(kMaxTokens * dpad, 0);
+    xcentre.resize(kMaxTokens * (up.groups + (gate ? gate->groups : 0)));
+    up.xcentre = xcentre.data();
+    if (gate) gate->xcentre = xcentre.data() + kMaxTokens * up.groups;
+  }
   if (is_vnni(path)) {
     int64_t layout_bytes = 0, lanes = 0;
     for (Matrix* m : matrices) {
@@ -588,6 +686,18 @@ at::Tensor quant_scores_cpu(const at::Tensor& x_in, const at::Tensor& up_codes_i
                            m->xlanes + (t * m->groups + g) * 16);
           }
         }
+      } else if (path == Path::kAvx2) {
+        const int8_t* q = xq.data() + (t0 + t) * d;
+        std::copy(q, q + d, x16.data() + t * dpad);
+        for (Matrix* m : matrices) {
+          if (!m) continue;
+          for (int64_t g = 0; g < m->groups; ++g) {
+            const int8_t* xg = q + g * m->group_cols;
+            const int64_t sum = std::accumulate(xg, xg + m->group_cols, int64_t{0});
+            m->xcentre[t * m->groups + g] =
+                static_cast<float>(((1 << m->bits) - 1) / 2.0 * static_cast<double>(sum) * x_scale[t0 + t]);
+          }
+        }
       } else if (padded && d > 0) {  // an empty x has no data pointer; memcpy from null is undefined even for 0 bytes
         std::memcpy(xpad.data() + t * dpad, rounded.data() + (t0 + t) * d, d * sizeof(float));
       }
@@ -595,7 +705,7 @@ at::Tensor quant_scores_cpu(const at::Tensor& x_in, const at::Tensor& up_codes_i
     if (up_tables) build_tables(rounded.data() + t0 * d, d, tb, d, up_bits, tables.data());
     if (gate_tables) build_tables(rounded.data() + t0 * d, d, tb, d, gate_bits, tables.data() + up_size);
     const Matrix* g = gate ? &*gate : nullptr;
-    const Block block{xpad.data(), dpad, x_scale.data() + t0};
+    const Block block{xpad.data(), dpad, x_scale.data() + t0, x16.data()};
     float* o = op + t0 * n;
     switch (tb) {
       case 1:

@@ -14,8 +14,9 @@ from flashllm_ext.predictor.quant import pack_codes
 from tests.helpers.native import cpu_isas, forced_isa_fixture
 
 OPS = torch.ops.flashllm
-# The table path (below AVX-512), the in-register decode into fp32 FMA (AVX-512) and the integer dot products (VNNI).
-isa = forced_isa_fixture(cpu_isas(paths=("avx2", "avx512", "avx512vnni", "avx512vbmi2")))
+# The byte tables (scalar), the int16 decode into vpmaddwd (AVX2), the in-register decode into fp32 FMA (AVX-512) and
+# the integer dot products (VNNI).
+isa = forced_isa_fixture(cpu_isas(paths=("scalar", "avx2", "avx512", "avx512vnni", "avx512vbmi2")))
 
 
 def quant_matrix(
