@@ -289,6 +289,46 @@ class NeuronCache:
         self.num_used = 0
         self.layer, self._bias_all = layer, input_bias
 
+    def load(self, ids: torch.Tensor) -> StepStats:
+        """Hold exactly the distinct neurons `ids` (int64 [k] on the CPU, in range, k <= capacity), read into rows
+        [0, k) in their order: the step of a cache whose rows the layers of a model use in turn (the shared layout,
+        after `serve`), where no row held can be reused, so nothing is planned, swap-deleted or looked up. The rows
+        held before (an earlier part of the same set) are dropped, counted as budget evictions as `step` would count
+        them. Host memory and no pinned neurons only."""
+        if self.transfer.staged or self.n_pinned:
+            raise ValueError("load holds a set in a shared cache's rows: host memory, no pinned neurons")
+        k = ids.numel()
+        if k > self.capacity:
+            raise ValueError(f"{k} neurons do not fit the {self.capacity} rows; raise the byte budget")
+        t0 = time.perf_counter()
+        dropped = self.num_used
+        if dropped:
+            held = self.pointer[:dropped]
+            self.slot_of.index_fill_(0, held, -1)
+            held.fill_(-1)
+            self.num_used = 0
+        self.steps += 1
+        mem_s = time.perf_counter() - t0
+        read = self.reader.read(self.layer, ids, self.matrix[:k]).stats if k else None
+        t0 = time.perf_counter()
+        self._record(ids, None)
+        self.last_active.index_fill_(0, ids, self.steps)
+        mem_s += time.perf_counter() - t0
+        if read is None:
+            return StepStats(0, dropped, 0, 0, 0.0, mem_s, 0)
+        return StepStats(
+            0,
+            dropped,
+            k,
+            read.bytes_read,
+            read.wall_s,
+            mem_s,
+            k,
+            decompress_s=read.decompress_s,
+            bytes_requested=read.bytes_requested,
+            n_reads=read.n_reads,
+        )
+
     def _spare_last_step(self, active_ids: torch.Tensor) -> None:
         """Mark the cached neurons of the last step that are not in active_ids as active one step earlier."""
         cached = self.pointer[: self.num_used]

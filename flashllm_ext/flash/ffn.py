@@ -348,14 +348,18 @@ class FlashFFN(nn.Module):
 
     def _compute(self, x: torch.Tensor, ids: torch.Tensor, out: torch.Tensor) -> None:
         """out [T, d] float32 += the FFN of x [T, d] over neurons `ids`, all of them cached now."""
+        cache = self.cache
+        self._compute_rows(x, cache.transfer.to_device(cache.slot_of[ids]), cache.num_used, out)
+
+    def _compute_rows(self, x: torch.Tensor, rows: torch.Tensor | None, num_used: int, out: torch.Tensor) -> None:
+        """out [T, d] float32 += the FFN of x [T, d] over the cache's rows `rows` (None: rows [0, num_used))."""
         start = self.cache.transfer.clock()
         cache = self.cache
-        rows = cache.transfer.to_device(cache.slot_of[ids])
         y = bundle_ffn(
             self.store,
             x,
             cache.matrix,
-            num_used=cache.num_used,
+            num_used=num_used,
             bias=cache.bias,
             activation=self.activation,
             index=rows,
@@ -367,10 +371,17 @@ class FlashFFN(nn.Module):
     def _run_set(self, x: torch.Tensor, ids: torch.Tensor, out: torch.Tensor) -> None:
         """The FFN of x over distinct neuron `ids`, in parts whose unpinned neurons fit the cache if they do not
         (the pinned ones with the first part). One token whose set fits reads its misses while its hits are computed
-        (overlap); a shared cache has no hits (serve dropped every row), so its reads run inline, without a thread
-        hand-off to wait on."""
+        (overlap); a shared cache has no hits (serve dropped every row), so its parts are read inline into its first
+        rows (NeuronCache.load), without a plan or a thread hand-off to wait on."""
+        if (
+            self.shares_cache
+        ):  # serve held none of this layer's rows: each part is read into rows [0, k), computed there
+            for part in ids.split(self.cache.step_capacity) if ids.numel() else [ids]:
+                self._record_step(self.cache.load(part), part.numel())
+                self._compute_rows(x, None, part.numel(), out)
+            return
         hot, cold = self.cache.partition(ids)
-        if x.shape[0] == 1 and self.overlap and not self.shares_cache and cold.numel() <= self.cache.step_capacity:
+        if x.shape[0] == 1 and self.overlap and cold.numel() <= self.cache.step_capacity:
             self._step_overlapped(x, ids, out)
             return
         for i, part in enumerate(cold.split(self.cache.step_capacity) if cold.numel() else [cold]):

@@ -200,6 +200,34 @@ def test_serve_switches_the_layer_and_starts_empty(stores):
         cache.serve(flash_store.n_layers, bias_1)
 
 
+def test_load_holds_exactly_a_set_in_the_first_rows(stores):
+    """load (a shared cache's step): the set in rows [0, k) in its order with its bias rows and bookkeeping, the rows
+    held before dropped and counted as budget evictions, the rows equal to the store's; refused past the capacity,
+    with pinned neurons, and a step after it plans from what it left."""
+    flash_store, state = stores["opt"], stores["opt_state"]
+    cache = NeuronCache(flash_store, 1, capacity=20, window=3)
+    cache.step(torch.tensor([1, 2]))
+    first = cache.load(torch.tensor([9, 4, 30]))
+    assert (first.inserted, first.evicted, first.evicted_budget, first.num_used) == (3, 0, 2, 3)
+    assert first.bytes_read >= 3 * flash_store.row_bytes and first.n_reads >= 1
+    assert cache.cached_ids().tolist() == [9, 4, 30]
+    assert cache.slot_of[[9, 4, 30]].tolist() == [0, 1, 2] and int((cache.slot_of >= 0).sum()) == 3
+    assert torch.equal(
+        cache.matrix[:3].view(torch.int16), flash_store.bundle(1, torch.tensor([9, 4, 30])).view(torch.int16)
+    )
+    assert torch.equal(cache.bias[:3], state["model.decoder.layers.1.fc1.bias"].half()[[9, 4, 30]])
+    second = cache.load(torch.tensor([5]))
+    assert (second.evicted_budget, cache.cached_ids().tolist(), int((cache.slot_of >= 0).sum())) == (3, [5], 1)
+    assert cache.step(torch.tensor([5, 6])).inserted == 1  # 5 stays cached
+    empty = cache.load(torch.tensor([], dtype=torch.int64))
+    assert (empty.inserted, empty.evicted_budget, cache.num_used) == (0, 2, 0)
+    with pytest.raises(ValueError, match="do not fit"):
+        cache.load(torch.arange(21))
+    pinned = NeuronCache(flash_store, 1, capacity=20, pinned_ids=torch.tensor([3]))
+    with pytest.raises(ValueError, match="no pinned neurons"):
+        pinned.load(torch.tensor([4]))
+
+
 def allocation_events(fn) -> list:
     """Tensor allocations (CPU allocator events, native code included) made while running fn()."""
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
