@@ -2,7 +2,7 @@
 
 Everything but the arithmetic is FlashFFN's, unchanged: the active sets (a predictor's answer, on the host), the
 grouping of a prompt's tokens, the prefill path, the overlapped decode step, and the NeuronCache (planning,
-swap-delete, reads) over an MLXTransfer, whose rows are an mx.array the reads land in. Each `_compute` runs
+swap-delete, reads) over an MLXTransfer, whose rows are an mx.array the reads land in. Each `_compute_rows` runs
 flashllm_ext.mlx.sparse_ffn (Metal kernels on Apple Silicon, mlx ops elsewhere) on that mx.array over exactly the
 token's cached rows and adds the result into a float32 accumulator that is itself an mx.array viewed from the host.
 The result is evaluated there: the host must know a computation that reads the rows has run before the next cache
@@ -103,13 +103,13 @@ class MLXFlashFFN(FlashFFN):
             out += self.out_bias
         return acc.astype(x.dtype).reshape(x.shape)
 
-    def _compute(self, x: mx.array, ids: torch.Tensor, out: torch.Tensor) -> None:
-        """out [T, d] float32 += the FFN of x [T, d] (mx.array, store dtype) over neurons `ids`, all cached now."""
+    def _compute_rows(self, x: mx.array, rows: torch.Tensor | None, num_used: int, out: torch.Tensor) -> None:
+        """out [T, d] float32 += the FFN of x [T, d] (mx.array, store dtype) over the cache's rows `rows` (None: rows
+        [0, num_used))."""
         start = self.cache.transfer.clock()
-        cache = self.cache
-        rows = to_mx(cache.slot_of[ids])
+        index = None if rows is None else to_mx(rows)
         y = bundle_ffn(
-            self.store, x, self.matrix, cache.num_used, self.bias, self.activation, index=rows, threshold=self.threshold
+            self.store, x, self.matrix, num_used, self.bias, self.activation, index=index, threshold=self.threshold
         )
         out += torch_view(y.astype(mx.float32))  # evaluates y: the rows may be written again from here on
         self.stats.compute_s += self.cache.transfer.clock() - start
