@@ -63,7 +63,7 @@ class DecoderConfig:
         if model_type not in FAMILIES:
             raise ValueError(
                 f"{source}: the lean decoder does not run model_type {model_type!r} (it runs {sorted(FAMILIES)}); "
-                "load it with load_flash(..., hf=True) to run it through transformers"
+                "load it with load_flash (flashllm run --hf) to run it through transformers"
             )
         family = FAMILIES[model_type]
         hidden = int(config["hidden_size"])

@@ -251,7 +251,7 @@ def load_flash(
         )
     model = empty_model(store.config, dtype, store.path)
     predictors = predictors_for_mode(store, predictors, mode)
-    assign_resident(model, store, dtype)
+    assign_resident(model, store, dtype, keep_blocks=True)  # a quantized store's blocks stay blocks
     if mode == "dense":
         _assign_dense_ffn(model, store, dtype)
         model.flash = None

@@ -165,16 +165,19 @@ class QuantizedEmbedding(nn.Module):
 
 
 class QuantizedLinear(nn.Module):
-    """An nn.Linear without bias whose weight stays in GGUF blocks, multiplied as stored (ops.quantized_linear)."""
+    """An nn.Linear whose weight stays in GGUF blocks, multiplied as stored (ops.quantized_linear); bias [out] or
+    None."""
 
-    def __init__(self, weight: QuantizedWeight):
+    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None = None):
         super().__init__()
         self.register_buffer("blocks", weight.blocks)
+        self.register_buffer("bias", bias)
         self.fmt, self.in_features, self.out_features = weight.fmt, weight.cols, weight.blocks.shape[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in_features] -> [..., out_features] of x's dtype."""
-        return quantized_matmul(x, QuantizedWeight(self.blocks, self.fmt, self.in_features))
+        bias = None if self.bias is None else self.bias.float()
+        return quantized_matmul(x, QuantizedWeight(self.blocks, self.fmt, self.in_features), bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.fmt}"
@@ -184,12 +187,12 @@ def assign_resident(model: nn.Module, store, dtype: torch.dtype, keep_blocks: bo
     """Load the store's resident tensors into the (meta) model under their names; tie the LM head if the
     checkpoint shares it with the embedding. `store`: anything with `path`, `resident_names()`,
     `resident_tensor(name)` (and `resident_weight(name)`, for keep_blocks), `close_resident()` and `resident_path`
-    (a FlashStore, an offload LayerStore). keep_blocks: an embedding or LM head the store holds as GGUF blocks
-    becomes a QuantizedEmbedding / QuantizedLinear over them (a tied LM head shares the embedding's); any other
-    resident weight is loaded as floats in `dtype`."""
+    (a FlashStore, an offload LayerStore). keep_blocks: an embedding the store holds as GGUF blocks becomes a
+    QuantizedEmbedding over them, and a linear layer's (the attention's projections, the LM head) a QuantizedLinear
+    (a tied LM head shares the embedding's blocks); any other resident tensor is loaded as floats in `dtype`."""
     params = dict(model.named_parameters(remove_duplicate=False))
     ends = {"input": model.get_input_embeddings(), "output": model.get_output_embeddings()}
-    kept = {}
+    kept, linears = {}, {}  # the embeddings' blocks; the other linear layers' (module name -> blocks)
     for name in store.resident_names():
         if name.startswith("predictor."):
             continue
@@ -200,15 +203,22 @@ def assign_resident(model: nn.Module, store, dtype: torch.dtype, keep_blocks: bo
         module_name, _, attr = target.rpartition(".")
         module = model.get_submodule(module_name)
         end = next((k for k, m in ends.items() if m is module and attr == "weight"), None)
-        value = store.resident_weight(name) if keep_blocks and end else store.resident_tensor(name)
+        blocks_fit = attr == "weight" and (end is not None or type(module) is nn.Linear)
+        value = store.resident_weight(name) if keep_blocks and blocks_fit else store.resident_tensor(name)
         if tuple(value.shape) != tuple(params[target].shape):
             raise ValueError(
                 f"{store.path}: {name} has shape {tuple(value.shape)}, the model expects {tuple(params[target].shape)}"
             )
-        if isinstance(value, QuantizedWeight):
+        if isinstance(value, QuantizedWeight) and end is not None:
             kept[end] = value
+        elif isinstance(value, QuantizedWeight):
+            linears[module_name] = value
         else:
             setattr(module, attr, nn.Parameter(value.to(dtype), requires_grad=False))
+    for module_name, weight in linears.items():  # after the loop: their biases are in place by now
+        parent, _, child = module_name.rpartition(".")
+        bias = model.get_submodule(module_name).bias
+        model.get_submodule(parent).register_module(child, QuantizedLinear(weight, None if bias is None else bias.data))
     tied = getattr(model.config, "tie_word_embeddings", False)
     if "input" in kept:
         model.set_input_embeddings(QuantizedEmbedding(kept["input"], dtype))

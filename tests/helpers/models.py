@@ -1,5 +1,8 @@
 """Tiny random transformers models: Llama and its relatives (GLU FFN, grouped-query attention), Gemma 2 and 3, OPT
-(ReLU FFN with biases) and the mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE)."""
+(ReLU FFN with biases) and the mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE); comparing greedy
+tokens across a near tie."""
+
+from collections.abc import Callable
 
 import torch
 from transformers import (
@@ -99,3 +102,18 @@ def tiny_model(family: str, seed: int | None = 0, **config) -> torch.nn.Module:
     if seed is not None:
         torch.manual_seed(seed)
     return model_class(config_class(**fields)).eval()
+
+
+def assert_tokens_agree(
+    got: list[int], want: list[int], reference_logits: Callable[[list[int]], torch.Tensor], tol: float
+) -> None:
+    """Greedy token sequences `got` and the reference's `want` are equal, or part where the reference's two
+    candidates were within `tol` of its largest logit of each other: a near tie that a rounding (x to int8 per
+    block, as quantized linears do) may settle either way. reference_logits(ids) -> its logits [vocab] after ids."""
+    at = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
+    if at is None:
+        assert len(got) == len(want)
+        return
+    logits = reference_logits(want[:at]).float()
+    margin = float(logits[want[at]] - logits[got[at]])
+    assert margin <= tol * float(logits.abs().max()), f"tokens part at {at}, the reference's margin {margin}"

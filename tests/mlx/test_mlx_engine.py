@@ -20,7 +20,7 @@ fmlx = pytest.importorskip("flashllm_ext.mlx")
 from flashllm_ext.mlx.quantized import QuantizedArray  # noqa: E402  (after the skip: imports mlx)
 from flashllm_ext.mlx.transfer import to_mx, torch_view  # noqa: E402
 from tests.helpers.faults import read_failure_at  # noqa: E402
-from tests.helpers.models import tiny_model  # noqa: E402
+from tests.helpers.models import assert_tokens_agree, tiny_model  # noqa: E402
 
 N_NEURONS = 136
 
@@ -326,7 +326,8 @@ def quantized_stores(stores, tmp_path_factory):
 @pytest.mark.parametrize("mode,budget", [("naive", None), ("hybrid", "90%"), ("exact", "85%"), ("flash", "97%")])
 def test_quantized_store_follows_the_torch_engine(quantized_stores, dtype, mode, budget):
     """Every FFN mode computes a quantized store's blocks (quantized_sparse_ffn on mx.arrays) and its resident
-    weights held as blocks stay quantized (QuantizedArray): the torch engine's tokens, its caches holding uint8 rows. (A budget's FFN share differs between the two: the MLX engine holds its
+    weights held as blocks stay quantized (QuantizedArray): the torch engine's tokens (up to a near tie: its resident
+    linears round x to int8), its caches holding uint8 rows. (A budget's FFN share differs between the two: the MLX engine holds its
     resident tensors dequantized, the torch engine in blocks; with none, naive mode reads what the torch one does.)"""
     from flashllm_ext.predictor import LowRankPredictor, PredictorSet
 
@@ -344,8 +345,10 @@ def test_quantized_store_follows_the_torch_engine(quantized_stores, dtype, mode,
     with torch.no_grad():
         want = _greedy(reference, prompt, 16)
     flash = fmlx.load_flash(path, dtype=torch.float32, **options)
-    assert flash.generate(prompt, 16) == want
+    tokens = flash.generate(prompt, 16)
     got, ref = flash.stats(), reference.flash.stats()
+    with torch.no_grad():  # the torch engine's resident linears round x to int8 per block, mlx's do not
+        assert_tokens_agree(tokens, want, lambda ids: reference(torch.tensor([ids])).logits[0, -1], 2e-2)
     assert got["tokens"] == ref["tokens"] and got["bytes_read"] > 0
     if budget is None:
         assert got["bytes_read"] == ref["bytes_read"] and got["steps"] == ref["steps"]
