@@ -1,9 +1,12 @@
 """Store formats of the default model (SmolLM2-135M, a Q4_1 GGUF): what each costs in bytes and in accuracy.
 
-Per format (`flashllm convert --dtype`): the bundle bytes per neuron and per layer, the resident bytes, held-out
-perplexity with every neuron computed through the store's own kernel (exact mode: quantized_sparse_ffn over a
-quantized store's bundles, x rounded to int8 per block; sparse_ffn over float ones) against the GGUF's own
-perplexity under `transformers` (its blocks dequantized to fp32), and how many of `--tokens` greedy tokens equal
+Per format (`flashllm convert --dtype`): the bundle bytes per neuron and per layer, the resident bytes (in the store,
+and as load_flash's model holds them), held-out perplexity with every neuron computed through the store's own kernel
+(exact mode: quantized_sparse_ffn over a quantized store's bundles and quantized_linear over its resident blocks, x
+rounded to int8 per block; sparse_ffn and float linears over a float store's) against the GGUF's own
+perplexity under `transformers` (its blocks dequantized to fp32), the perplexity of the store's weights alone
+(dequantized into that `transformers` model: what the format costs without the kernels' rounding of x), and how
+many of `--tokens` greedy tokens equal
 `transformers`' before the first difference. The q4 stores keep the GGUF's Q4_1 blocks of up and gate bit for bit;
 down is requantized along the hidden dimension in the format named.
 
@@ -12,16 +15,17 @@ down is requantized along the hidden dimension in the format named.
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import torch
 
 from bench.common import arg_parser, emit
 from flashllm_ext.flash.convert import convert
-from flashllm_ext.flash.engine import load_flash
+from flashllm_ext.flash.engine import load_flash, resident_bytes_of
 from flashllm_ext.flash.store import FlashStore
 from flashllm_ext.hub import corpus_token_ids, fetch_default
-from flashllm_ext.hub.hf import load_hf_model
+from flashllm_ext.hub.hf import load_hf_model, replace_weights
 from flashllm_ext.hub.text import perplexity
 
 # name -> convert's arguments
@@ -42,6 +46,23 @@ def store_for(name: str, gguf: Path, store_dir: Path) -> FlashStore:
     except (OSError, ValueError):
         convert(gguf, path, force=path.exists(), progress=False, **FORMATS[name])
         return FlashStore(path)
+
+
+def weights_of(store: FlashStore, reference) -> dict[str, torch.Tensor]:
+    """The store's weights dequantized, by `reference`'s parameter names: its resident tensors and every FFN layer's
+    bundles (up, gate, down)."""
+    params = dict(reference.named_parameters(remove_duplicate=False))
+
+    def key(name: str) -> str:
+        return name if name in params else f"model.{name}"
+
+    weights = {key(n): store.resident_tensor(n) for n in store.resident_names() if key(n) in params}
+    d = store.hidden_size
+    for layer, roles in enumerate(store.ffn_roles):
+        bundles = store.float_bundle(layer, torch.arange(store.n_neurons))
+        parts = {"up": bundles[:, :d], "gate": bundles[:, d : 2 * d], "down": bundles[:, -d:].t()}
+        weights.update({key(roles[role]): parts[role] for role in parts if role in roles})
+    return weights
 
 
 def greedy_agreement(model, reference: list[int], prompt: torch.Tensor) -> int:
@@ -78,7 +99,13 @@ def main() -> None:
             neuron_bytes = store.row_bytes
             resident_bytes = store.resident_nbytes()
             bundle_format = store.bundle_format.name if store.quantized else store.dtype_name
+            twin = copy.deepcopy(reference)  # the store's weights alone: transformers on them, x as it is
+            replace_weights(twin, weights_of(store, reference))
+        with torch.inference_mode():
+            ppl_weights = perplexity(twin, ids, args.window, args.windows, progress=False)
+        del twin
         model = load_flash(store.path, None, mode="exact")
+        held = resident_bytes_of(model)  # what the loaded model holds of them (a quantized store's: as blocks)
         try:
             with torch.inference_mode():
                 ppl = perplexity(model, ids, args.window, args.windows, progress=False)
@@ -93,8 +120,10 @@ def main() -> None:
                 "bytes_per_neuron": neuron_bytes,
                 "ffn_mb": store.n_layers * store.n_neurons * neuron_bytes / 1e6,
                 "resident_mb": resident_bytes / 1e6,
+                "held_resident_mb": held / 1e6,
                 "ppl": ppl,
                 "ppl_vs_gguf": ppl / ppl_gguf,
+                "weights_ppl_vs_gguf": ppl_weights / ppl_gguf,
                 "ppl_gguf": ppl_gguf,
                 "greedy_same": same,
                 "greedy_tokens": args.tokens,
@@ -107,7 +136,18 @@ def main() -> None:
     emit(
         rows,
         args.json,
-        ["format", "bundle_format", "bytes_per_neuron", "ffn_mb", "resident_mb", "ppl", "ppl_vs_fp16", "ppl_vs_gguf"]
+        [
+            "format",
+            "bundle_format",
+            "bytes_per_neuron",
+            "ffn_mb",
+            "resident_mb",
+            "held_resident_mb",
+            "ppl",
+            "ppl_vs_fp16",
+            "ppl_vs_gguf",
+            "weights_ppl_vs_gguf",
+        ]
         + ["greedy_same", "greedy_tokens"],
     )
 

@@ -50,7 +50,7 @@ def _ffn_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return [(name, p) for _, modules in ffn_slots(model) for m in modules.values() for name, p in m.named_parameters()]
 
 
-def _resident_bytes(model: nn.Module) -> int:
+def resident_bytes_of(model: nn.Module) -> int:
     """Bytes of the model's own tensors outside its FFNs (meta tensors count nothing)."""
     ffn = {id(p) for _, p in _ffn_parameters(model)}
     return tensor_bytes([p for p in model.parameters() if id(p) not in ffn] + list(model.buffers()))
@@ -98,7 +98,7 @@ def _install(
         window=window,
         predictors=predictors,
         threads=threads,
-        resident_bytes=_resident_bytes(model),
+        resident_bytes=resident_bytes_of(model),
         device=device,
         reader_options=reader_options,
         lookahead=lookahead or "ahead",
@@ -144,7 +144,7 @@ def _look_ahead(ffn: FlashFFN, norm: nn.Module, _layer: nn.Module, args: tuple, 
 def model_bytes(model: nn.Module, store: FlashStore) -> int:
     """What the whole model weighs: its resident tensors, its FFN biases and every FFN bundle of the store."""
     biases = [p for name, p in _ffn_parameters(model) if name.endswith("bias")]
-    return _resident_bytes(model) + tensor_bytes(biases) + store_ffn_bytes(store)
+    return resident_bytes_of(model) + tensor_bytes(biases) + store_ffn_bytes(store)
 
 
 def predictors_for_mode(store: FlashStore, predictors, mode: str):

@@ -146,7 +146,7 @@ def test_a_shared_cache_computes_what_per_layer_caches_compute(models, name):
     ids = torch.randint(0, 90, (1, 12), generator=torch.Generator().manual_seed(5))
     want = model(ids).logits
     patched = copy.deepcopy(model)
-    resident = flashllm_ext.flash.engine._resident_bytes(patched)
+    resident = flashllm_ext.flash.engine.resident_bytes_of(patched)
     fixed, per_row = FlashFFN.bytes_for(s)
     budget = resident + predictors.memory_bytes + (64 << 10) + s.n_layers * (fixed + per_row * (s.n_neurons // 8))
     got = {}
