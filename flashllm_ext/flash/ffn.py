@@ -373,9 +373,8 @@ class FlashFFN(nn.Module):
         (the pinned ones with the first part). One token whose set fits reads its misses while its hits are computed
         (overlap); a shared cache has no hits (serve dropped every row), so its parts are read inline into its first
         rows (NeuronCache.load), without a plan or a thread hand-off to wait on."""
-        if (
-            self.shares_cache
-        ):  # serve held none of this layer's rows: each part is read into rows [0, k), computed there
+        if self.shares_cache:
+            # serve held none of this layer's rows: each part is read into rows [0, k) and computed there
             for part in ids.split(self.cache.step_capacity) if ids.numel() else [ids]:
                 self._record_step(self.cache.load(part), part.numel())
                 self._compute_rows(x, None, part.numel(), out)

@@ -218,6 +218,8 @@ def assign_resident(model: nn.Module, store, dtype: torch.dtype, keep_blocks: bo
     for module_name, weight in linears.items():  # after the loop: their biases are in place by now
         parent, _, child = module_name.rpartition(".")
         bias = model.get_submodule(module_name).bias
+        if bias is not None and bias.device.type == "meta":
+            raise ValueError(f"{store.path}: the store has no tensor for {module_name}.bias")
         model.get_submodule(parent).register_module(child, QuantizedLinear(weight, None if bias is None else bias.data))
     tied = getattr(model.config, "tie_word_embeddings", False)
     if "input" in kept:

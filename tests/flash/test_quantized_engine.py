@@ -10,7 +10,7 @@ import torch
 import flashllm_ext
 from flashllm_ext.flash.convert import convert
 from flashllm_ext.flash.store import FlashStore
-from flashllm_ext.hub.hf import QuantizedEmbedding, QuantizedLinear, replace_weights
+from flashllm_ext.hub.hf import QuantizedEmbedding, QuantizedLinear, assign_resident, empty_model, replace_weights
 from flashllm_ext.ops.blocks import QuantizedWeight, quantize_rows
 from tests.helpers.models import assert_tokens_agree, tiny_model
 
@@ -117,6 +117,18 @@ def test_load_flash_keeps_the_resident_blocks(stores, family):
     if family == "opt":  # OPT's projections have biases: kept beside the blocks
         q_proj = flash.get_submodule("model.decoder.layers.0.self_attn.q_proj")
         assert isinstance(q_proj, QuantizedLinear) and q_proj.bias is not None
+
+
+def test_a_linear_over_blocks_without_its_bias_is_refused(stores):
+    """A store missing the bias of a projection it holds as blocks is refused naming it (not a meta tensor later)."""
+    _, path = stores["opt", "q8"]
+    with FlashStore(path) as store:
+        missing = "model.decoder.layers.0.self_attn.q_proj.bias"
+        names = [n for n in store.resident_names() if n != missing]
+        store.resident_names = lambda: names
+        model = empty_model(store.config, torch.float32, store.path)
+        with pytest.raises(ValueError, match="no tensor for model.decoder.layers.0.self_attn.q_proj.bias"):
+            assign_resident(model, store, torch.float32, keep_blocks=True)
 
 
 @pytest.mark.parametrize("bits", ["q8_0", "q4_0"])
