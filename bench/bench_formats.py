@@ -49,20 +49,13 @@ def store_for(name: str, gguf: Path, store_dir: Path) -> FlashStore:
 
 
 def weights_of(store: FlashStore, reference) -> dict[str, torch.Tensor]:
-    """The store's weights dequantized, by `reference`'s parameter names: its resident tensors and every FFN layer's
-    bundles (up, gate, down)."""
+    """The store's weights dequantized, by `reference`'s parameter names: its resident tensors and every FFN
+    layer's matrices."""
     params = dict(reference.named_parameters(remove_duplicate=False))
-
-    def key(name: str) -> str:
-        return name if name in params else f"model.{name}"
-
-    weights = {key(n): store.resident_tensor(n) for n in store.resident_names() if key(n) in params}
-    d = store.hidden_size
-    for layer, roles in enumerate(store.ffn_roles):
-        bundles = store.float_bundle(layer, torch.arange(store.n_neurons))
-        parts = {"up": bundles[:, :d], "gate": bundles[:, d : 2 * d], "down": bundles[:, -d:].t()}
-        weights.update({key(roles[role]): parts[role] for role in parts if role in roles})
-    return weights
+    named = {n: store.resident_tensor(n) for n in store.resident_names()}
+    for layer in range(store.n_layers):
+        named.update(store.ffn_weights(layer))
+    return {key: t for n, t in named.items() for key in (n, f"model.{n}") if key in params}
 
 
 def greedy_agreement(model, reference: list[int], prompt: torch.Tensor) -> int:

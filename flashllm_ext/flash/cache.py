@@ -282,11 +282,8 @@ class NeuronCache:
                 f"layer {layer}'s input bias is {'absent' if input_bias is None else 'present'}, "
                 f"unlike layer {self.layer}'s"
             )
-        used = self.pointer[: self.num_used]
-        self.slot_of[used] = -1
-        used.fill_(-1)
+        self._drop_rows()
         self.last_active.fill_(_NEVER)
-        self.num_used = 0
         self.layer, self._bias_all = layer, input_bias
 
     def load(self, ids: torch.Tensor) -> StepStats:
@@ -301,12 +298,7 @@ class NeuronCache:
         if k > self.capacity:
             raise ValueError(f"{k} neurons do not fit the {self.capacity} rows; raise the byte budget")
         t0 = time.perf_counter()
-        dropped = self.num_used
-        if dropped:
-            held = self.pointer[:dropped]
-            self.slot_of.index_fill_(0, held, -1)
-            held.fill_(-1)
-            self.num_used = 0
+        dropped = self._drop_rows()
         self.steps += 1
         mem_s = time.perf_counter() - t0
         read = self.reader.read(self.layer, ids, self.matrix[:k]).stats if k else None
@@ -328,6 +320,14 @@ class NeuronCache:
             bytes_requested=read.bytes_requested,
             n_reads=read.n_reads,
         )
+
+    def _drop_rows(self) -> int:
+        """Empty rows [0, num_used) (no bundle moved or read); how many there were."""
+        held = self.pointer[: self.num_used]
+        self.slot_of.index_fill_(0, held, -1)
+        held.fill_(-1)
+        dropped, self.num_used = self.num_used, 0
+        return dropped
 
     def _spare_last_step(self, active_ids: torch.Tensor) -> None:
         """Mark the cached neurons of the last step that are not in active_ids as active one step earlier."""

@@ -286,6 +286,14 @@ class FlashStore(ResidentWeights):
         rows dequantized)."""
         return self.float_rows(self.bundle(layer, ids))
 
+    def ffn_weights(self, layer: int) -> dict[str, torch.Tensor]:
+        """`layer`'s FFN matrices as floats (self.dtype) by their checkpoint names (ffn_roles): up and gate [n, d],
+        down [d, n], as the checkpoint held them (a quantized store's dequantized)."""
+        d, roles = self.hidden_size, self.ffn_roles[layer]
+        bundles = self.float_bundle(layer, torch.arange(self.n_neurons))
+        parts = {"up": bundles[:, :d], "gate": bundles[:, d : 2 * d], "down": bundles[:, -d:].t()}
+        return {roles[role]: parts[role].contiguous() for role in parts if role in roles}
+
     def float_rows(self, rows: torch.Tensor) -> torch.Tensor:
         """Bundle rows as stored [R, row_width] (row_dtype) -> as floats [R, bundle_width] of self.dtype (a quantized
         store's dequantized, on their device; float rows as they are)."""

@@ -38,13 +38,8 @@ def _model_of_store(model: torch.nn.Module, path) -> torch.nn.Module:
     twin = copy.deepcopy(model).float()
     with FlashStore(path) as store:
         weights = {name: t.float() for name, t in store.resident().items()}
-        d = store.hidden_size
-        for layer, roles in enumerate(store.ffn_roles):
-            bundles = store.float_bundle(layer, torch.arange(store.n_neurons)).float()
-            parts = {"up": bundles[:, :d], "gate": bundles[:, d : 2 * d], "down": bundles[:, -d:].t()}
-            for role in ("up", "gate", "down"):
-                if role in roles:
-                    weights[roles[role]] = parts[role].contiguous()
+        for layer in range(store.n_layers):
+            weights.update({name: w.float() for name, w in store.ffn_weights(layer).items()})
     replace_weights(twin, {k: v for k, v in weights.items() if k in dict(twin.named_parameters())})
     return twin.eval()
 

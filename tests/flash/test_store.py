@@ -15,6 +15,7 @@ from flashllm_ext.flash import store
 from flashllm_ext.flash.convert import convert
 from flashllm_ext.offload.store import LAYERS_FILE, LayerStore
 from flashllm_ext.offload.convert import convert_offload
+from flashllm_ext.io.checkpoint import open_checkpoint
 from flashllm_ext.io.safetensors import AlignedWriter, TensorSpec, read_header
 from tests.helpers.checkpoints import rewrite_header
 from tests.helpers.faults import refuses_without_blocking
@@ -366,3 +367,14 @@ def test_a_version_2_store_opens_as_float(store_copy, llama_store):
     assert old.bundle_format is None and not old.quantized and old.tensor_sources is None
     ids = [0, 5, old.n_neurons - 1]
     assert torch.equal(old.bundle(1, ids), new.bundle(1, ids)) and old.bundle(1, ids).dtype == torch.float16
+
+
+def test_ffn_weights_are_the_checkpoints_matrices(llama_store):
+    """ffn_weights(layer): each FFN matrix by its checkpoint name, oriented as the checkpoint holds it."""
+    ckpt = open_checkpoint(os.path.join(os.path.dirname(llama_store), "ckpt"))
+    with store.FlashStore(llama_store) as opened:
+        for layer in range(opened.n_layers):
+            weights = opened.ffn_weights(layer)
+            assert sorted(weights) == sorted(opened.ffn_roles[layer].values())
+            for name, w in weights.items():
+                assert torch.equal(w, ckpt[name].to(opened.dtype)), name
