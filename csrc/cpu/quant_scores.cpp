@@ -559,10 +559,11 @@ void score_rows(const Matrix& up, const Matrix* gate, const Block& block, Path p
     }
     for (int64_t i = 0; i < rows; ++i) dots(m, r0 + i, acc[i]);
   };
-  // Threads only past ~1M code bytes x tokens: below that (one decode token of a small model, ~0.7M) a fork/join
-  // costs more than it saves on a loaded machine.
+  // Threads past 256K code bytes x tokens: a decode token of the default model's predictor (~0.77M a layer) takes
+  // ~0.6x its one-thread time on two threads (a fork/join costs microseconds against ~200 of scoring); smaller
+  // predictors stay on one thread.
   const int64_t blocks = (n + kRowBlock - 1) / kRowBlock;
-#pragma omp parallel for schedule(static) if (n * (up.width + (gate ? gate->width : 0)) * TB >= (1 << 20))
+#pragma omp parallel for schedule(static) if (n * (up.width + (gate ? gate->width : 0)) * TB >= (1 << 18))
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t r0 = b * kRowBlock, rows = std::min<int64_t>(kRowBlock, n - r0);
     float u[kRowBlock][TB], g[kRowBlock][TB];
