@@ -287,11 +287,12 @@ class NeuronCache:
         self.layer, self._bias_all = layer, input_bias
 
     def load(self, ids: torch.Tensor) -> StepStats:
-        """Hold exactly the distinct neurons `ids` (int64 [k] on the CPU, in range, k <= capacity), read into rows
-        [0, k) in their order: the step of a cache whose rows the layers of a model use in turn (the shared layout,
-        after `serve`), where no row held can be reused, so nothing is planned, swap-deleted or looked up. The rows
-        held before (an earlier part of the same set) are dropped, counted as budget evictions as `step` would count
-        them. Host memory and no pinned neurons only."""
+        """Read the distinct neurons `ids` (int64 [k] on the CPU, in range, k <= capacity) into rows [0, k) in their
+        order, with their input bias rows, for the computation that follows: the step of a cache whose rows the
+        layers of a model use in turn (the shared layout, after `serve`). The next layer overwrites the rows before
+        any lookup could hit them, so nothing is planned, swap-deleted or recorded: the cache holds no neuron
+        afterwards (num_used 0, no slot, no window entry), and rows it held before (a step's) are dropped, counted
+        as budget evictions. Host memory and no pinned neurons only."""
         if self.transfer.staged or self.n_pinned:
             raise ValueError("load holds a set in a shared cache's rows: host memory, no pinned neurons")
         k = ids.numel()
@@ -300,14 +301,12 @@ class NeuronCache:
         t0 = time.perf_counter()
         dropped = self._drop_rows()
         self.steps += 1
+        if self.bias is not None and k:
+            torch.index_select(self._bias_all, 0, ids, out=self.bias[:k])
         mem_s = time.perf_counter() - t0
-        read = self.reader.read(self.layer, ids, self.matrix[:k]).stats if k else None
-        t0 = time.perf_counter()
-        self._record(ids, None)
-        self.last_active.index_fill_(0, ids, self.steps)
-        mem_s += time.perf_counter() - t0
-        if read is None:
+        if not k:
             return StepStats(0, dropped, 0, 0, 0.0, mem_s, 0)
+        read = self.reader.read(self.layer, ids, self.matrix[:k]).stats
         return StepStats(
             0,
             dropped,
@@ -323,6 +322,8 @@ class NeuronCache:
 
     def _drop_rows(self) -> int:
         """Empty rows [0, num_used) (no bundle moved or read); how many there were."""
+        if not self.num_used:
+            return 0
         held = self.pointer[: self.num_used]
         self.slot_of.index_fill_(0, held, -1)
         held.fill_(-1)

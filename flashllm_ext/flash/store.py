@@ -76,6 +76,8 @@ from flashllm_ext.ops.blocks import QuantizedWeight
 def neuron_ids(ids: torch.Tensor | list[int]) -> torch.Tensor:
     """`ids` as a flat int64 tensor. Float and bool ids are refused, not converted: int64 would truncate 0.7 to
     neuron 0, a read of a neuron nobody asked for."""
+    if isinstance(ids, torch.Tensor) and ids.dtype == torch.int64 and ids.dim() == 1:
+        return ids  # (every cache step's ids: no conversion to dispatch)
     ids = torch.as_tensor(ids)
     if ids.numel() and (ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool):
         raise ValueError(f"neuron ids must be integers, got {ids.dtype}")

@@ -200,25 +200,24 @@ def test_serve_switches_the_layer_and_starts_empty(stores):
         cache.serve(flash_store.n_layers, bias_1)
 
 
-def test_load_holds_exactly_a_set_in_the_first_rows(stores):
-    """load (a shared cache's step): the set in rows [0, k) in its order with its bias rows and bookkeeping, the rows
-    held before dropped and counted as budget evictions, the rows equal to the store's; refused past the capacity,
-    with pinned neurons, and a step after it plans from what it left."""
+def test_load_reads_a_set_into_the_first_rows_and_records_none(stores):
+    """load (a shared cache's step): the set in rows [0, k) in its order with its bias rows, equal to the store's;
+    nothing recorded (no slot, no row in use, no window entry), the rows a step held before dropped and counted as
+    budget evictions, so a step after it reads its whole set; refused past the capacity and with pinned neurons."""
     flash_store, state = stores["opt"], stores["opt_state"]
     cache = NeuronCache(flash_store, 1, capacity=20, window=3)
     cache.step(torch.tensor([1, 2]))
-    first = cache.load(torch.tensor([9, 4, 30]))
+    ids = torch.tensor([9, 4, 30])
+    first = cache.load(ids)
     assert (first.inserted, first.evicted, first.evicted_budget, first.num_used) == (3, 0, 2, 3)
     assert first.bytes_read >= 3 * flash_store.row_bytes and first.n_reads >= 1
-    assert cache.cached_ids().tolist() == [9, 4, 30]
-    assert cache.slot_of[[9, 4, 30]].tolist() == [0, 1, 2] and int((cache.slot_of >= 0).sum()) == 3
-    assert torch.equal(
-        cache.matrix[:3].view(torch.int16), flash_store.bundle(1, torch.tensor([9, 4, 30])).view(torch.int16)
-    )
-    assert torch.equal(cache.bias[:3], state["model.decoder.layers.1.fc1.bias"].half()[[9, 4, 30]])
+    assert torch.equal(cache.matrix[:3].view(torch.int16), flash_store.bundle(1, ids).view(torch.int16))
+    assert torch.equal(cache.bias[:3], state["model.decoder.layers.1.fc1.bias"].half()[ids])
+    assert cache.num_used == 0 and cache.cached_ids().numel() == 0 and bool((cache.slot_of == -1).all())
+    assert int(cache.last_active[ids].max()) < int(cache.last_active[[1, 2]].min())  # not in the window
     second = cache.load(torch.tensor([5]))
-    assert (second.evicted_budget, cache.cached_ids().tolist(), int((cache.slot_of >= 0).sum())) == (3, [5], 1)
-    assert cache.step(torch.tensor([5, 6])).inserted == 1  # 5 stays cached
+    assert (second.evicted_budget, second.num_used, cache.num_used) == (0, 1, 0)
+    assert cache.step(torch.tensor([5, 6])).inserted == 2  # 5 was read, not held
     empty = cache.load(torch.tensor([], dtype=torch.int64))
     assert (empty.inserted, empty.evicted_budget, cache.num_used) == (0, 2, 0)
     with pytest.raises(ValueError, match="do not fit"):
