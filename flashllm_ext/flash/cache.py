@@ -294,7 +294,7 @@ class NeuronCache:
         afterwards (num_used 0, no slot, no window entry), and rows it held before (a step's) are dropped, counted
         as budget evictions. Host memory and no pinned neurons only."""
         if self.transfer.staged or self.n_pinned:
-            raise ValueError("load holds a set in a shared cache's rows: host memory, no pinned neurons")
+            raise ValueError("load reads a set into a shared cache's rows: host memory, no pinned neurons")
         k = ids.numel()
         if k > self.capacity:
             raise ValueError(f"{k} neurons do not fit the {self.capacity} rows; raise the byte budget")
