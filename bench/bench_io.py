@@ -12,12 +12,21 @@ table2  Flash-to-DRAM bytes / reads / I/O ms per token of each configuration of 
         an order rotated by one, each on its own copy of the file(s) it reads (cached under the bench cache dir), so
         none reads blocks another just read; the I/O time of a token is the sum of its layers' read calls; rows
         report the median over tokens, and the deterministic counts (bytes, reads, mean read size).
+gaps    what the reads of a token's whole set cost at each coalescing gap (--gaps: exact reads, one per neuron, up
+        to a read through 1 MiB of unrequested rows) on a store (--store; a 7B-scale one in practice), the true sets
+        at --sparsity (--tokens tokens, --layers layers), each round paired with fio's sequential rate (1 MiB reads)
+        and its random rate at the bundle size on the same file. The `gaps_bound` row is the floor this sets on a
+        flash token against a system that re-reads the whole model every token (llama.cpp under a memory limit below
+        its file): the store's bytes at fio's sequential rate over the fastest gap's reads scaled to all the
+        model's layers, per round, median (an upper bound on that ratio: no compute, no predictor, no cache hits
+        beyond a token's own set).
 
 fig2b pairs each reader run with a fio run and compares the throughputs each reports, so it keeps its own paired
 loop instead of bench/common.py's timer. The page cache is dropped at start (root) and every read is O_DIRECT.
 
-    python -m bench.bench_io [--json] [--only fig2b|table2] [--sizes-kib 4,16,...] [--threads 1,8,32]
+    python -m bench.bench_io [--json] [--only fig2b|table2|gaps] [--sizes-kib 4,16,...] [--threads 1,8,32]
                              [--store default|opt-6.7b|DIR] [--layers N] [--tokens 256] [--documents 8]
+                             [--gaps -1,24576,...]
 """
 
 from __future__ import annotations
@@ -42,7 +51,7 @@ from flashllm_ext.flash import store
 from flashllm_ext.flash.convert import synthesize
 from flashllm_ext.io.paths import resolve_cache_dir
 from flashllm_ext.flash.calibrate import make_test_file, random_read_throughput
-from flashllm_ext.flash.reader import FlashReader, has_io_uring
+from flashllm_ext.flash.reader import DEFAULT_MIN_READ, FlashReader, has_io_uring
 
 # What the table (not --json) shows of each result row.
 TABLE_COLUMNS = {
@@ -61,6 +70,16 @@ TABLE_COLUMNS = {
         "mbps",
         "tokens",
     ],
+    "gaps": [
+        "kind",
+        "max_gap",
+        "bytes_per_token",
+        "reads_per_token",
+        "mean_read_kib",
+        "io_ms_per_token",
+        "mbps",
+        "bound",
+    ],
 }
 RESULTS = Path(__file__).resolve().parent / "results"
 CACHE = Path(os.environ.get("FLASHLLM_BENCH_DIR") or resolve_cache_dir() / "bench_io")
@@ -75,6 +94,31 @@ def ensure_file(path: Path, size: int) -> Path:
 
 
 # ----------------------------------------------------------------------------------------------- fig2b
+def fio_read(path: Path, rw: str, read_bytes: int, parallel: list[str], seconds: float) -> dict:
+    """fio's report of `rw` reads (randread or read) of `read_bytes` over the whole file, direct, for `seconds`:
+    its read section (bw_bytes, iops, ...)."""
+    cmd = [
+        "fio",
+        "--name=bench_io",
+        f"--filename={path}",
+        "--readonly",
+        f"--rw={rw}",
+        f"--bs={read_bytes}",
+        "--direct=1",
+        "--thread",
+        "--group_reporting",
+        "--norandommap",
+        "--randrepeat=0",
+        f"--runtime={max(1, int(seconds * 1000))}ms",
+        "--time_based",
+        f"--size={path.stat().st_size // read_bytes * read_bytes}",
+        "--output-format=json",
+        *parallel,
+    ]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    return json.loads(out[out.index("{") :])["jobs"][0]["read"]  # fio may print notes before the JSON
+
+
 def fio_mbps(path: Path, read_bytes: int, threads: int, seconds: float, engine: str) -> float:
     """fio randread throughput in MB/s; engine 'threads' = psync with numjobs=threads, 'io_uring' = one job with
     iodepth=threads, matching the two FlashReader engines."""
@@ -83,26 +127,7 @@ def fio_mbps(path: Path, read_bytes: int, threads: int, seconds: float, engine: 
         if engine == "threads"
         else ["--ioengine=io_uring", f"--iodepth={threads}", "--numjobs=1"]
     )
-    cmd = [
-        "fio",
-        "--name=fig2b",
-        f"--filename={path}",
-        "--rw=randread",
-        f"--bs={read_bytes}",
-        "--direct=1",
-        "--thread",
-        "--group_reporting",
-        "--norandommap",
-        "--randrepeat=0",
-        f"--runtime={int(seconds * 1000)}ms",
-        "--time_based",
-        f"--size={path.stat().st_size}",
-        "--output-format=json",
-        *parallel,
-    ]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-    report = json.loads(out[out.index("{") :])  # fio may print notes before the JSON
-    return report["jobs"][0]["read"]["bw_bytes"] / 1e6
+    return fio_read(path, "randread", read_bytes, parallel, seconds)["bw_bytes"] / 1e6
 
 
 def reader_mbps(
@@ -465,6 +490,131 @@ def table2(
     return rows
 
 
+# ----------------------------------------------------------------------------------------------- gaps
+SEQUENTIAL_READ = 1 << 20  # fio's sequential rate: 1 MiB reads, the fastest size of Figure 2b here
+SEQUENTIAL_DEPTH = 8
+
+
+def gaps(
+    args: argparse.Namespace,
+    report: Callable[[dict], None],
+    set_source: Callable[[int, int, int], torch.Tensor] | None = None,
+    fs: store.FlashStore | None = None,
+    model_layers: int | None = None,
+) -> list[dict]:
+    """I/O of a token's whole set at each coalescing gap of args.gaps (-1: exact reads), with fio's sequential and
+    bundle-size random rates of the store's file in every round, and the bound they set (module docstring).
+
+    set_source: (n_tokens, n_layers, n_neurons) -> bool [tokens, layers, neurons] (default: the default model's true
+    sets at --sparsity, tiled). Every round reads the same --tokens tokens' sets over the first --layers layers at
+    every gap, the gaps in an order rotated by one each round; the rows give medians over the rounds."""
+    description = f"store {fs.path}" if fs is not None else None
+    if fs is None:
+        fs, model_layers, description = table2_store(args.store, args.layers)
+    model_layers = model_layers or fs.n_layers
+    layers = min(args.layers or fs.n_layers, fs.n_layers)
+    set_source = set_source or default_model_mask_source(args.sparsity, args.documents)
+    sets = set_source(args.tokens, layers, fs.n_neurons)
+    path = Path(fs.bundles_path)
+    readers = [
+        FlashReader.for_file(path, threads=args.max_threads, max_gap=gap, min_read=0 if gap < 0 else DEFAULT_MIN_READ)
+        for gap in args.gaps
+    ]
+    out = aligned_buffer(int(sets.sum(-1).max()) * fs.row_bytes)
+    locations = [fs.layer_location(layer) for layer in range(layers)]
+    per_gap = [{"ms": [], "bytes": 0, "reads": 0} for _ in readers]
+    # fio's read sizes: 1 MiB (or the whole file, at smoke sizes) and one bundle widened to whole 4 KiB blocks (what a
+    # direct read of one bundle reads).
+    sequential_bytes = min(SEQUENTIAL_READ, path.stat().st_size // 4096 * 4096)
+    random_bytes = -(-fs.row_bytes // 4096) * 4096
+    sequential, random = [], []
+    for rnd in tqdm(range(args.repeats), desc="gaps rounds", disable=args.json):
+        sequential.append(
+            fio_read(
+                path, "read", sequential_bytes, [f"--iodepth={SEQUENTIAL_DEPTH}", "--ioengine=io_uring"], args.seconds
+            )
+        )
+        random.append(
+            fio_read(
+                path, "randread", random_bytes, [f"--iodepth={args.max_threads}", "--ioengine=io_uring"], args.seconds
+            )
+        )
+        for index in token_order(rnd, len(readers)):
+            wall, totals = 0.0, per_gap[index]
+            for t in range(args.tokens):
+                for layer, loc in enumerate(locations):
+                    ids = sets[t, layer].nonzero().flatten()
+                    stats = readers[index].read_rows(
+                        loc.offset, loc.row_bytes, loc.n_neurons, ids, out[: ids.numel() * loc.row_bytes]
+                    )
+                    wall += stats.wall_s
+                    if rnd == 0:  # the counts are the same every round
+                        totals["bytes"] += stats.bytes_read
+                        totals["reads"] += stats.n_reads
+            totals["ms"].append(wall * 1e3 / args.tokens)
+    common = {
+        "bench": "gaps",
+        "store": description,
+        "layers": layers,
+        "model_layers": model_layers,
+        "rounds": args.repeats,
+        "set_density": round(sets.float().mean().item(), 4),
+        "set_source": getattr(set_source, "__name__", str(set_source)),
+        "unit": f"per token over {layers} of the model's {model_layers} FFN layers",
+    }
+    rows = []
+    for reads, kind in (
+        (sequential, f"fio read {sequential_bytes} B"),
+        (random, f"fio randread {random_bytes} B"),
+    ):
+        rows.append(
+            {
+                **common,
+                "kind": kind,
+                "mbps": round(statistics.median(r["bw_bytes"] for r in reads) / 1e6, 1),
+                "iops": round(statistics.median(r["iops"] for r in reads)),
+                "mbps_runs": [round(r["bw_bytes"] / 1e6, 1) for r in reads],
+            }
+        )
+    for reader, totals in zip(readers, per_gap):
+        rows.append(
+            {
+                **common,
+                "kind": "FlashReader, exact reads" if reader.max_gap < 0 else "FlashReader, coalesced",
+                "max_gap": reader.max_gap,
+                "min_read": reader.min_read,
+                "threads": reader.threads,
+                "bytes_per_token": totals["bytes"] / args.tokens,
+                "reads_per_token": totals["reads"] / args.tokens,
+                "mean_read_kib": round(totals["bytes"] / max(1, totals["reads"]) / 1024, 1),
+                "io_ms_per_token": round(statistics.median(totals["ms"]), 1),
+                "io_ms_runs": [round(ms, 1) for ms in totals["ms"]],
+                "mbps": round(totals["bytes"] / args.tokens / statistics.median(totals["ms"]) / 1e3, 1),
+            }
+        )
+        reader.close()
+    # Per round: the whole store re-read at that round's sequential rate over the fastest gap's reads of all layers.
+    resident = Path(fs.resident_path)
+    model_bytes = path.stat().st_size + (resident.stat().st_size if resident.is_file() else 0)
+    scale = model_layers / layers
+    bounds = [
+        model_bytes / sequential[r]["bw_bytes"] * 1e3 / (min(totals["ms"][r] for totals in per_gap) * scale)
+        for r in range(args.repeats)
+    ]
+    rows.append(
+        {
+            **common,
+            "kind": "bound: store re-read / fastest gap",
+            "model_bytes": model_bytes,
+            "bound": round(statistics.median(bounds), 2),
+            "bound_runs": [round(b, 2) for b in bounds],
+        }
+    )
+    for row in rows:
+        report(row)
+    return rows
+
+
 # ----------------------------------------------------------------------------------------------- main
 def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
@@ -473,7 +623,7 @@ def _ints(text: str) -> list[int]:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--json", action="store_true", help="one JSON object per result line")
-    p.add_argument("--only", choices=("fig2b", "table2"))
+    p.add_argument("--only", choices=("fig2b", "table2", "gaps"))
     p.add_argument("--sizes-kib", type=_ints, default=_ints("4,16,32,64,128,256,1024"))
     p.add_argument("--threads", type=_ints, default=_ints("1,8,32"))
     p.add_argument("--repeats", type=int, default=3)
@@ -514,6 +664,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-threads", type=int, default=32)
     p.add_argument("--max-gap", type=int, default=None, help="table2 coalescing gap (default: calibrated profile)")
     p.add_argument(
+        "--gaps",
+        type=_ints,
+        default=_ints("-1,24576,65536,131072,262144,1048576"),
+        help="gaps: the coalescing gaps in bytes (-1: exact reads, one per neuron)",
+    )
+    p.add_argument(
         "--remove-copies",
         action="store_true",
         help="table2: delete the per-configuration file copies at the end (default: kept for the next run)",
@@ -536,7 +692,7 @@ def main(argv: list[str] | None = None) -> None:
         file=sys.stderr,
     )
 
-    for name, run in (("fig2b", fig2b), ("table2", table2)):
+    for name, run in (("fig2b", fig2b), ("table2", table2), ("gaps", gaps)):
         if args.only not in (None, name):
             continue
         rows: list[dict] = []

@@ -2,6 +2,7 @@
 a row, each reads its own file copy, the order rotates per token, and the counts are the ones the sets imply."""
 
 import argparse
+import shutil
 from pathlib import Path
 
 import pytest
@@ -102,3 +103,33 @@ def test_table2_rows_counts_and_copies(tmp_path, monkeypatch, glu):
     by = {(r["config"], r["sets"]): r for r in rows}
     assert by[("+ coalescing", "predictor")]["reads_per_token"] < by[("+ 4 threads", "predictor")]["reads_per_token"]
     assert by[("+ window", "predictor")]["read_density"] < by[("predictor-driven", "predictor")]["read_density"]
+
+
+@pytest.mark.skipif(shutil.which("fio") is None, reason="fio is not installed (make deps installs it)")
+def test_gaps_reads_every_set_at_every_gap_beside_fio(tmp_path):
+    synthesize(tmp_path / "store", LAYERS, D, NEURONS, glu=True)
+    fs = FlashStore(tmp_path / "store")
+    sets = _source(0, 0.3)
+    args = _args(tokens=3, repeats=2, seconds=0.05, gaps=[-1, 4096, 1 << 20], max_threads=4)
+    rows = bench_io.gaps(args, lambda row: None, sets, fs=fs, model_layers=8)
+
+    assert [r["kind"].split(" ")[0].rstrip(",:") for r in rows] == [
+        "fio",
+        "fio",
+        "FlashReader",
+        "FlashReader",
+        "FlashReader",
+        "bound",
+    ]
+    assert all(r["mbps"] > 0 for r in rows[:2]) and rows[0]["kind"].startswith("fio read ")
+    exact, near, far = rows[2:5]
+    active = sets(3, LAYERS, NEURONS)
+    assert exact["reads_per_token"] == int(active.sum()) / 3  # one read per requested bundle
+    assert exact["bytes_per_token"] >= int(active.sum()) * fs.row_bytes / 3
+    assert far["reads_per_token"] <= near["reads_per_token"] <= exact["reads_per_token"]
+    assert far["reads_per_token"] == LAYERS  # a whole small layer fits one read under a 1 MiB gap
+    bound = rows[-1]
+    assert len(bound["bound_runs"]) == 2 and bound["bound"] > 0
+    assert bound["model_bytes"] == Path(fs.bundles_path).stat().st_size + (
+        Path(fs.resident_path).stat().st_size if Path(fs.resident_path).is_file() else 0
+    )
