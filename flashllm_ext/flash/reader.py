@@ -214,6 +214,7 @@ class FlashReader:
             -1 if bounce_limit is None else int(bounce_limit),
         )
         self.bounce_limit = bounce_limit
+        self.file_bytes = os.path.getsize(path)
         self.path, self.threads, self.min_read, self.max_gap, self.max_read = path, threads, min_read, max_gap, max_read
         self.engine = engine
         self.direct: bool = bool(self._native.direct())
@@ -247,6 +248,49 @@ class FlashReader:
             return replace(stats, path=path)
         raw = self._native_reader().read_rows(base, row_bytes, n_rows, ids, out)
         return ReadStats(raw[0], raw[1], raw[2], raw[3] / 1e9)
+
+    def _range_unit(self) -> int:
+        """The block a range is widened to and split by: both direct-I/O alignments (powers of two) divide it."""
+        return max(self.dio_offset_align, self.dio_mem_align)
+
+    def range_bytes(self, offset: int, nbytes: int) -> int:
+        """Bytes a landing buffer of read_range(offset, nbytes, ...) needs: the range widened to whole blocks."""
+        unit = self._range_unit()
+        return -(-(offset + nbytes) // unit) * unit - offset // unit * unit
+
+    def range_view(self, offset: int, nbytes: int, landing: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the view of `landing` that read_range(offset, nbytes, landing) leaves file bytes [offset, offset + nbytes)
+        in, the part of landing it fills); reads nothing. Raises ValueError as read_range does."""
+        unit = self._range_unit()
+        start, span = offset // unit * unit, self.range_bytes(offset, nbytes)
+        if offset < 0 or nbytes <= 0:
+            raise ValueError(f"need offset >= 0 and nbytes > 0, got {offset} and {nbytes}")
+        if landing.dtype != torch.uint8 or landing.device.type != "cpu" or not landing.is_contiguous():
+            raise ValueError(f"landing must be a contiguous uint8 CPU tensor, got {landing.dtype} on {landing.device}")
+        if landing.numel() < span or landing.data_ptr() % unit:
+            raise ValueError(
+                f"landing must start on a {unit}-byte boundary and hold {span} bytes, got {landing.numel()} at "
+                f"address {landing.data_ptr():#x}"
+            )
+        if start + span > self.file_bytes:
+            raise ValueError(f"bytes [{start}, {start + span}) pass the end of {self.path} ({self.file_bytes} bytes)")
+        return landing[offset - start : offset - start + nbytes], landing[:span]
+
+    def read_range(self, offset: int, nbytes: int, landing: torch.Tensor) -> tuple[torch.Tensor, ReadStats]:
+        """File bytes [offset, offset + nbytes) with no bounce buffer and no copy: the range widened to whole direct-I/O
+        blocks lands in `landing` (uint8, contiguous, on the CPU, starting on a block boundary, at least
+        range_bytes(offset, nbytes) long) as it lies on the file, in parallel reads of up to max_read; returns the
+        view of landing that holds the range (range_view), and the stats (bytes read: the widened range). A run of
+        rows that lie back to back (a layer's streamed bundles) read this way moves each byte once, where read_rows
+        copies every row out of a bounce buffer, and no bounce limit caps the reads in flight. Raises ValueError where
+        landing does not qualify or the widened range passes the end of the file."""
+        view, target = self.range_view(offset, nbytes, landing)
+        unit = self._range_unit()
+        pages = target.numel() // unit
+        # Rows of one block each, all of them: the native reader merges them into reads of up to max_read, each
+        # aligned in the file and in memory, so each lands in place (its zero-copy path).
+        raw = self._native_reader().read_rows(offset // unit * unit, unit, pages, torch.arange(pages), target)
+        return view, ReadStats(nbytes, raw[1], raw[2], raw[3] / 1e9)
 
     def plan_rows(self, base: int, row_bytes: int, n_rows: int, ids: torch.Tensor) -> torch.Tensor:
         """int64 [n_reads, 2]: the coalesced reads (file offset, length) read_rows would issue for these rows, in

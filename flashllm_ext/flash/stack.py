@@ -17,6 +17,7 @@ from flashllm_ext.flash.streaming import StreamingFFN
 from flashllm_ext.flash.reader import DEFAULT_MAX_READ, FlashReader
 from flashllm_ext.flash.store import FlashStore
 from flashllm_ext.flash.transfer import Transfer, make_transfer
+from flashllm_ext.io.buffers import ALIGNMENT, aligned_buffer
 from flashllm_ext.runtime import Runtime, bound_heap_retention, deprecated_alias
 
 
@@ -214,10 +215,32 @@ def _make_modules(
         held = sum(m.nbytes for m in modules) + transfer.nbytes + (cache.nbytes if shared else 0)
         return modules, held
 
-    # naive / hybrid: a staging buffer for the streamed bundles, shared by every layer, plus resident bundles.
+    # naive / hybrid: a staging buffer for the streamed bundles, shared by every layer, plus resident bundles. In
+    # host memory the streamed bundles of a dense or quantized store land in place (StreamingFFN landing): the
+    # buffer then holds each layer's range widened to whole blocks, and its alignment.
+    in_place = streaming_class is StreamingFFN and not transfer.staged and not store.endor
+
+    def landing_bytes(resident_rows: int) -> int | None:
+        if not in_place or resident_rows == n:
+            return None
+        ranges = [
+            (store.layer_location(i).offset + resident_rows * row, (n - resident_rows) * row) for i in range(n_layers)
+        ]
+        unit = max(reader.dio_offset_align, reader.dio_mem_align)
+        if unit > ALIGNMENT or any(
+            start // unit * unit + reader.range_bytes(start, size) > reader.file_bytes for start, size in ranges
+        ):
+            return None
+        landing = max(reader.range_bytes(start, size) for start, size in ranges)
+        # The widening and the alignment (charged) cost at most a few blocks: on any real layer well under 1% of the
+        # rows; on a toy store more, and its rows go through the reader's buffers as elsewhere.
+        return landing if 100 * (landing + ALIGNMENT) <= 101 * (n - resident_rows) * row else None
+
     def streaming_bytes(resident_rows: int) -> int:  # (a staged transfer's host staging: once more)
         staging_copies = 2 if transfer.staged else 1
-        return n_layers * StreamingFFN.bytes_for(store, resident_rows) + staging_copies * (n - resident_rows) * row
+        landing = landing_bytes(resident_rows)
+        staging = staging_copies * (n - resident_rows) * row if landing is None else landing + ALIGNMENT
+        return n_layers * StreamingFFN.bytes_for(store, resident_rows) + staging
 
     resident_rows = 0
     if mode == "hybrid":
@@ -231,6 +254,14 @@ def _make_modules(
             resident_rows = low
     if ffn_budget is not None and streaming_bytes(resident_rows) > ffn_budget:
         raise too_small(streaming_bytes(0))
+    landing_size = landing_bytes(resident_rows)
+    if landing_size is not None:
+        landing = aligned_buffer(landing_size)
+        modules = [
+            streaming_class(store, i, resident_rows, None, reader, stats, transfer, landing=landing)
+            for i in range(n_layers)
+        ]
+        return modules, landing.untyped_storage().nbytes() + transfer.nbytes + sum(m.nbytes for m in modules)
     staging = transfer.empty((n - resident_rows, store.row_width), store.row_dtype)
     modules = [streaming_class(store, i, resident_rows, staging, reader, stats, transfer) for i in range(n_layers)]
     return modules, staging.nbytes + transfer.nbytes + sum(m.nbytes for m in modules)

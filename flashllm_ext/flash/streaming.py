@@ -18,22 +18,38 @@ class StreamingFFN(nn.Module):
     """One FFN layer computed densely: bundles [0, resident_rows) held in DRAM, the rest re-read from flash on every
     forward into `staging` (shared between layers: [>= n - resident_rows, row_width] of the store's row_dtype). On a
     device, resident bundles and `staging` live there and the reads reach it through `transfer` (a StagedTransfer
-    with the same device as `staging`)."""
+    with the same device as `staging`).
+
+    landing (instead of staging; host memory, a dense or quantized store): an aligned uint8 buffer shared between
+    layers, at least FlashReader.range_bytes of each layer's streamed bundles, which lie back to back on the file:
+    they are read in place (FlashReader.read_range), each byte moved once by the disk, and computed where they land
+    (`staging` is then this layer's view of it)."""
 
     def __init__(
         self,
         store: FlashStore,
         layer: int,
         resident_rows: int,
-        staging: torch.Tensor,
+        staging: torch.Tensor | None,
         reader: FlashReader,
         stats: FFNStats | None = None,
         transfer: Transfer | None = None,
+        landing: torch.Tensor | None = None,
     ):
         super().__init__()
         n = store.n_neurons
         if not 0 <= resident_rows <= n:
             raise ValueError(f"resident_rows must be in [0, {n}], got {resident_rows}")
+        self.landing, self.streamed_range = landing, None
+        if (landing is None) == (staging is None):
+            raise ValueError("give exactly one of staging and landing")
+        if landing is not None:
+            if store.endor or (transfer is not None and transfer.staged):
+                raise ValueError("landing reads bundles in place: a dense or quantized store, in host memory")
+            loc = store.layer_location(layer)
+            self.streamed_range = (loc.offset + resident_rows * loc.row_bytes, (n - resident_rows) * loc.row_bytes)
+            rows, _ = reader.range_view(*self.streamed_range, landing)
+            staging = rows.view(store.row_dtype).view(n - resident_rows, store.row_width)
         if staging.shape[0] < n - resident_rows or staging.shape[1:] != (store.row_width,):
             raise ValueError(
                 f"staging must hold {n - resident_rows} bundles of width {store.row_width}, got {tuple(staging.shape)}"
@@ -85,17 +101,19 @@ class StreamingFFN(nn.Module):
         n_streamed = self.streamed_ids.numel()
         if n_streamed:
             start = self.transfer.clock()
-            if self.transfer.staged:
+            if self.landing is not None:
+                _, read = self.reader.read_range(*self.streamed_range, self.landing)
+            elif self.transfer.staged:
                 landing = self.transfer.staging((n_streamed, self.store.row_width), self.store.row_dtype)
-                read = self.reader.read(self.layer, self.streamed_ids, landing)
+                read = self.reader.read(self.layer, self.streamed_ids, landing).stats
                 self.transfer.upload(landing, self.staging[:n_streamed])
             else:
-                read = self.reader.read(self.layer, self.streamed_ids, self.staging[:n_streamed])
+                read = self.reader.read(self.layer, self.streamed_ids, self.staging[:n_streamed]).stats
             self.stats.io_s += self.transfer.clock() - start
-            self.stats.bytes_read += read.stats.bytes_read
-            self.stats.bytes_requested += read.stats.bytes_requested
-            self.stats.decompress_s += read.stats.decompress_s
-            self.stats.n_reads += read.stats.n_reads
+            self.stats.bytes_read += read.bytes_read
+            self.stats.bytes_requested += read.bytes_requested
+            self.stats.decompress_s += read.decompress_s
+            self.stats.n_reads += read.n_reads
             self.stats.inserted += n_streamed
             self.stats.steps += 1
         self.stats.needed += self.store.n_neurons

@@ -504,3 +504,33 @@ def test_lookahead_prefetch_keeps_the_results_of_flash_mode(models, name):
     torch.testing.assert_close(ahead, plain, rtol=1e-5, atol=1e-5)
     assert ahead_raw.needed == plain_raw.needed and ahead_raw.prefetched > 0 and plain_raw.prefetched == 0
     assert ahead_stats["hit_rate"] > plain_stats["hit_rate"] and ahead_stats["hidden_io_ms"] > 0
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("mode", ["naive", "hybrid"])
+def test_streamed_bundles_of_a_real_sized_layer_are_read_in_place(tmp_path, mode):
+    """A layer's streamed bundles lie back to back on the file: in host memory ffn_stack reads them in place
+    (StreamingFFN landing, charged with its widening and alignment), and each layer computes what the copying path
+    (its own staging) computes from the same bytes; on toy stores, where the widening would cost more than 1% of the
+    rows, the copying path stays."""
+    from flashllm_ext.flash.convert import synthesize
+    from flashllm_ext.flash.stack import ffn_stack
+    from flashllm_ext.flash.streaming import StreamingFFN
+
+    s = store.FlashStore(synthesize(tmp_path / "store", 2, 64, 4096, glu=True))  # 1.5 MB of bundles a layer
+    runtime = ffn_stack(s, mode, None)
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(0))
+    for layer, module in enumerate(runtime.modules):
+        assert module.landing is not None and module.staging.data_ptr() >= module.landing.data_ptr()
+        rows = module.streamed_ids.numel()
+        copying = StreamingFFN(
+            s, layer, s.n_neurons - rows, torch.empty(rows, s.row_width, dtype=s.row_dtype), runtime.reader
+        )
+        torch.testing.assert_close(module(x), copying(x), rtol=0, atol=0)
+        assert torch.equal(module.staging, copying.staging)
+    landing = runtime.modules[0].landing
+    assert all(m.landing is landing for m in runtime.modules)  # one buffer shared by the layers
+    assert runtime.ffn_bytes >= landing.untyped_storage().nbytes()
+    assert runtime.counters.bytes_requested == 2 * rows * s.row_bytes
+    toy = ffn_stack(store.FlashStore(synthesize(tmp_path / "toy", 2, 16, 32, glu=True)), mode, None)
+    assert all(m.landing is None for m in toy.modules)

@@ -437,3 +437,32 @@ def test_read_refuses_non_integer_ids(flash_store, ids):
     # int64 conversion would truncate them to neurons 0 and 1: a read of neurons nobody asked for.
     with FlashReader(flash_store, threads=1) as r, pytest.raises(ValueError, match="neuron ids must be integers"):
         r.read(0, ids)
+
+
+def test_read_range_lands_the_widened_range_in_place(tmp_path):
+    from flashllm_ext.io.buffers import aligned_buffer
+
+    data = torch.randint(0, 256, (3 * 4096 + 1000,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    path = tmp_path / "f.bin"
+    path.write_bytes(data.numpy().tobytes())
+    with FlashReader.for_file(path, max_read=4096) as r:
+        unit = max(r.dio_offset_align, r.dio_mem_align)
+        offset, nbytes = 700, 2 * 4096 + 5  # starts and ends inside blocks
+        span = r.range_bytes(offset, nbytes)
+        assert span % unit == 0 and span >= nbytes + offset % unit
+        landing = aligned_buffer(span + unit)
+        view, stats = r.read_range(offset, nbytes, landing)
+        assert (
+            torch.equal(view, data[offset : offset + nbytes]) and view.data_ptr() == landing.data_ptr() + offset % unit
+        )
+        assert stats.bytes_requested == nbytes and stats.bytes_read == span and stats.n_reads >= span // 4096
+        assert torch.equal(r.range_view(offset, nbytes, landing)[0], view)
+        with pytest.raises(ValueError, match="boundary"):
+            r.read_range(offset, nbytes, landing[1:])
+        with pytest.raises(ValueError, match="hold"):
+            r.read_range(offset, nbytes, landing[: span - unit])
+        with pytest.raises(ValueError, match="uint8"):
+            r.read_range(offset, nbytes, landing.view(torch.int16))
+        if data.numel() % unit:  # the file's last block is partial: a range widened past the end is refused
+            with pytest.raises(ValueError, match="end of"):
+                r.read_range(data.numel() - 10, 10, landing)
