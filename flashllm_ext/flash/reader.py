@@ -3,7 +3,8 @@
 The native engine (csrc/io/flash_reader.cpp) opens the file with O_DIRECT, coalesces nearby neurons into one
 read, widens reads to the file's direct-I/O alignment (statx, else 4 KiB; see `dio_offset_align`), runs them on a
 pool of pread workers (or one io_uring ring when built with liburing) with the GIL released, and copies each
-bundle from an aligned bounce buffer into its output row.
+bundle from an aligned bounce buffer into its output row; a range of the file that lies back to back in memory
+(read_range: a layer's streamed bundles) lands in place instead, with no copy.
 
 Endor stores (store.endor): a neuron's bundle is one variable-length row [bitmap | values] (store.EndorLocation);
 the reader reads the distinct requested rows (coalesced by the same rule), splitting each into a bitmap and a
