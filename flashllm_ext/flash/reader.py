@@ -250,19 +250,21 @@ class FlashReader:
         raw = self._native_reader().read_rows(base, row_bytes, n_rows, ids, out)
         return ReadStats(raw[0], raw[1], raw[2], raw[3] / 1e9)
 
-    def _range_unit(self) -> int:
-        """The block a range is widened to and split by: both direct-I/O alignments (powers of two) divide it."""
+    @property
+    def range_unit(self) -> int:
+        """The block read_range widens a range to and splits it by: both direct-I/O alignments (powers of two)
+        divide it."""
         return max(self.dio_offset_align, self.dio_mem_align)
 
     def range_bytes(self, offset: int, nbytes: int) -> int:
         """Bytes a landing buffer of read_range(offset, nbytes, ...) needs: the range widened to whole blocks."""
-        unit = self._range_unit()
+        unit = self.range_unit
         return -(-(offset + nbytes) // unit) * unit - offset // unit * unit
 
     def range_view(self, offset: int, nbytes: int, landing: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(the view of `landing` that read_range(offset, nbytes, landing) leaves file bytes [offset, offset + nbytes)
         in, the part of landing it fills); reads nothing. Raises ValueError as read_range does."""
-        unit = self._range_unit()
+        unit = self.range_unit
         start, span = offset // unit * unit, self.range_bytes(offset, nbytes)
         if offset < 0 or nbytes <= 0:
             raise ValueError(f"need offset >= 0 and nbytes > 0, got {offset} and {nbytes}")
@@ -286,7 +288,7 @@ class FlashReader:
         copies every row out of a bounce buffer, and no bounce limit caps the reads in flight. Raises ValueError where
         landing does not qualify or the widened range passes the end of the file."""
         view, target = self.range_view(offset, nbytes, landing)
-        unit = self._range_unit()
+        unit = self.range_unit
         pages = target.numel() // unit
         # Rows of one block each, all of them: the native reader merges them into reads of up to max_read, each
         # aligned in the file and in memory, so each lands in place (its zero-copy path).

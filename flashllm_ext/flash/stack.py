@@ -226,7 +226,7 @@ def _make_modules(
         ranges = [
             (store.layer_location(i).offset + resident_rows * row, (n - resident_rows) * row) for i in range(n_layers)
         ]
-        unit = max(reader.dio_offset_align, reader.dio_mem_align)
+        unit = reader.range_unit
         if unit > ALIGNMENT or any(
             start // unit * unit + reader.range_bytes(start, size) > reader.file_bytes for start, size in ranges
         ):
