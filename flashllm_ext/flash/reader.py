@@ -256,10 +256,15 @@ class FlashReader:
         divide it."""
         return max(self.dio_offset_align, self.dio_mem_align)
 
+    def range_end(self, offset: int, nbytes: int) -> int:
+        """The file offset where read_range(offset, nbytes, ...) stops reading: the range's end widened to a whole
+        block (at most file_bytes for a range read_range accepts)."""
+        unit = self.range_unit
+        return -(-(offset + nbytes) // unit) * unit
+
     def range_bytes(self, offset: int, nbytes: int) -> int:
         """Bytes a landing buffer of read_range(offset, nbytes, ...) needs: the range widened to whole blocks."""
-        unit = self.range_unit
-        return -(-(offset + nbytes) // unit) * unit - offset // unit * unit
+        return self.range_end(offset, nbytes) - offset // self.range_unit * self.range_unit
 
     def range_view(self, offset: int, nbytes: int, landing: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(the view of `landing` that read_range(offset, nbytes, landing) leaves file bytes [offset, offset + nbytes)
@@ -275,7 +280,7 @@ class FlashReader:
                 f"landing must start on a {unit}-byte boundary and hold {span} bytes, got {landing.numel()} at "
                 f"address {landing.data_ptr():#x}"
             )
-        if start + span > self.file_bytes:
+        if self.range_end(offset, nbytes) > self.file_bytes:
             raise ValueError(f"bytes [{start}, {start + span}) pass the end of {self.path} ({self.file_bytes} bytes)")
         return landing[offset - start : offset - start + nbytes], landing[:span]
 

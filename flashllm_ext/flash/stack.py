@@ -226,10 +226,7 @@ def _make_modules(
         ranges = [
             (store.layer_location(i).offset + resident_rows * row, (n - resident_rows) * row) for i in range(n_layers)
         ]
-        unit = reader.range_unit
-        if unit > ALIGNMENT or any(
-            start // unit * unit + reader.range_bytes(start, size) > reader.file_bytes for start, size in ranges
-        ):
+        if reader.range_unit > ALIGNMENT or any(reader.range_end(*r) > reader.file_bytes for r in ranges):
             return None
         landing = max(reader.range_bytes(start, size) for start, size in ranges)
         # The widening and the alignment (charged) cost at most a few blocks: on any real layer well under 1% of the
