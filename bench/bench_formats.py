@@ -8,7 +8,9 @@ perplexity under `transformers` (its blocks dequantized to fp32), the perplexity
 (dequantized into that `transformers` model: what the format costs without the kernels' rounding of x), and how
 many of `--tokens` greedy tokens equal
 `transformers`' before the first difference. The q4 stores keep the GGUF's Q4_1 blocks of up and gate bit for bit;
-down is requantized along the hidden dimension in the format named.
+down is requantized along the hidden dimension in the format named. Rows named "gptq" round the FFN rows the store
+quantizes by GPTQ against the model's FFN inputs on calibration text (`flashllm convert --rounding gptq`), the others
+to nearest.
 
     python -m bench.bench_formats [--json] [--windows N] [--window W] [--tokens N] [--store-dir DIR]
 """
@@ -35,6 +37,9 @@ FORMATS = {
     "q4, down q8_0": {"dtype": "q4", "down_format": "q8_0"},
     "q4, down q4_1": {"dtype": "q4", "down_format": "q4_1"},
     "q4, down q4_0": {"dtype": "q4", "down_format": "q4_0"},
+    "q8, gptq": {"dtype": "q8", "rounding": "gptq"},
+    "q4, gptq": {"dtype": "q4", "down_format": "q8_0", "rounding": "gptq"},
+    "q4, down q4_1, gptq": {"dtype": "q4", "down_format": "q4_1", "rounding": "gptq"},
 }
 
 

@@ -32,6 +32,7 @@ def _convert(args: argparse.Namespace) -> int:
         force=args.force,
         down_format=args.down_format,
         neuron_order=neuron_order,
+        rounding=args.rounding,
     )
     store = FlashStore(out)
     print(store)
@@ -142,7 +143,8 @@ def _train_predictors(args: argparse.Namespace) -> int:
 
 
 def add_convert(sub: argparse._SubParsersAction) -> None:
-    from flashllm_ext.flash.quantized_rows import DEFAULT_DOWN_FORMAT, QUANTIZED_DTYPES
+    from flashllm_ext.flash.quantized_rows import CALIBRATION_WINDOW, CALIBRATION_WINDOWS, DEFAULT_DOWN_FORMAT
+    from flashllm_ext.flash.quantized_rows import QUANTIZED_DTYPES, ROUNDINGS
     from flashllm_ext.flash.store import DTYPES
     from flashllm_ext.ops.blocks import BLOCK_FORMATS
     from flashllm_ext.predictor.placement import PLACEMENTS
@@ -157,7 +159,17 @@ def add_convert(sub: argparse._SubParsersAction) -> None:
         help="fp16, bf16, fp32: float bundles. q8: GGUF's Q8_0 blocks (8.5 bits a weight) for the up/gate rows; "
         "q4: Q4_0 blocks (4.5 bits; Q4_1 from a GGUF whose up/gate tensors are Q4_1); with either, the down rows "
         "in --down-format. A GGUF's up/gate blocks already in that format are kept bit for bit, the other FFN "
-        "weights quantized by round to nearest; a quantized store's other tensors are fp16 (default: fp16)",
+        "weights quantized (--rounding); a quantized store holds its attention, embedding and LM head as blocks too, "
+        "its other tensors in fp16 (default: fp16)",
+    )
+    p.add_argument(
+        "--rounding",
+        choices=ROUNDINGS,
+        default="nearest",
+        help="with --dtype q8 or q4: how the FFN rows the store quantizes are rounded. nearest: each weight to its "
+        "nearest code. gptq: the codes chosen against the layer's inputs (GPTQ), captured by running the model "
+        f"(transformers, float32, in memory) on {CALIBRATION_WINDOWS} windows of {CALIBRATION_WINDOW} tokens of "
+        "calibration text; the same format and size, a lower error (default: nearest)",
     )
     p.add_argument(
         "--down-format",

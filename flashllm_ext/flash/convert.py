@@ -52,6 +52,8 @@ from flashllm_ext.flash.quantized_rows import (
     DEFAULT_DOWN_FORMAT,
     QUANTIZED_DTYPES,
     QUANTIZED_FLOAT_DTYPE,
+    ROUNDINGS,
+    calibration_inputs,
     commonest_format,
     layer_tensor_sources,
     quantized_bundles,
@@ -155,6 +157,8 @@ def convert(
     progress: bool = True,
     down_format: str | None = None,
     neuron_order: torch.Tensor | None = None,
+    rounding: str = "nearest",
+    calibration: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> Path:
     """Convert a Hugging Face safetensors directory (OPT, Llama/Mistral/SmolLM; sharded or not) or a GGUF file
     into a flash store at `out_dir`. Atomic: written under a temporary name and renamed at the end, then a sample
@@ -164,6 +168,10 @@ def convert(
     dtype: "fp16", "bf16" or "fp32" (float bundles), or a quantized one (QUANTIZED_DTYPES, see the module doc):
     "q8" (q8_0 rows) or "q4" (q4_0 up/gate rows, q4_1 from a GGUF whose up/gate tensors are Q4_1), the down row
     in `down_format` (a flashllm_ext.ops.blocks format, default q8_0). Endor compression takes float bundles only.
+
+    rounding (quantized dtypes, dense models): how the FFN rows the store quantizes are rounded, "nearest" or "gptq"
+    (quantized_rows.ROUNDINGS): against each layer's `calibration` inputs, per layer (x [N, d], h [N, n]) as
+    quantized_rows.calibration_inputs gives them, which runs the checkpoint's model on calibration text when None.
 
     neuron_order: int [n_layers, n_neurons], the model neuron each bundle row holds (flashllm_ext.predictor.placement
     .neuron_orders): every layer's rows and per-neuron biases are written in that order and the order is recorded
@@ -177,10 +185,24 @@ def convert(
         raise ValueError(f"Endor compression takes float bundles (dtype {list(DTYPES)}), not {dtype!r} blocks")
     if down_format is not None and not quantized:
         raise ValueError(f"down_format applies to the quantized dtypes {list(QUANTIZED_DTYPES)}, not {dtype!r}")
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}")
+    if rounding != "nearest" and not quantized:
+        raise ValueError(
+            f"rounding {rounding!r} applies to the quantized dtypes {list(QUANTIZED_DTYPES)}, not {dtype!r}"
+        )
     down_format = block_format(down_format or DEFAULT_DOWN_FORMAT).name
     out_dir = check_out_dir(out_dir, force, STORE_FILES, checkpoint)
     ckpt = open_checkpoint(checkpoint)
     layers, glu, n_experts = _ffn_layout(ckpt.names, ckpt.config.get("model_type"))
+    if rounding == "gptq":
+        if n_experts:
+            raise ValueError(
+                "rounding 'gptq' takes dense models: an expert's calibration inputs are the tokens routed to it"
+            )
+        calibration = calibration_inputs(checkpoint, progress) if calibration is None else calibration
+        if len(calibration) != len(layers):
+            raise ValueError(f"calibration inputs for {len(calibration)} layers, the checkpoint has {len(layers)}")
     float_dtype = QUANTIZED_FLOAT_DTYPE if quantized else dtype
     torch_dtype = DTYPES[float_dtype]
     bundled = {layer: _bundled_roles(roles, n_experts) for layer, roles in layers.items()}
@@ -195,7 +217,7 @@ def convert(
     if quantized:
         up_gate = (roles[r] for layer in bundled.values() for roles in layer for r in ("up", "gate") if r in roles)
         bundle_format = BundleFormat(commonest_format(ckpt, up_gate, QUANTIZED_DTYPES[dtype]), down_format)
-        sources = [layer_tensor_sources(ckpt, parts[0], bundle_format) for parts in bundled.values()]
+        sources = [layer_tensor_sources(ckpt, parts[0], bundle_format, rounding) for parts in bundled.values()]
     metadata = _bundles_metadata(
         ckpt.config, float_dtype, ffn, hidden, glu, endor, list(layers.values()), bundle_format, sources
     )
@@ -217,6 +239,7 @@ def convert(
             progress,
             bundle_format,
             neuron_order,
+            calibration if rounding == "gptq" else None,
         )
         weights = {
             name for parts in bundled.values() for roles in parts for r, name in roles.items() if r in WEIGHT_ROLES
@@ -394,28 +417,30 @@ def _write_bundles(
     progress: bool,
     bundle_format: BundleFormat | None = None,
     neuron_order: torch.Tensor | None = None,
+    calibration: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-    """Writes every layer (float bundles in `dtype`, or `bundle_format`'s quantized rows), each the bundles of its
-    parts (_bundled_roles: the layer, or each of its experts, of `size` neurons) one after another, a dense layer's
-    rows in `neuron_order` where given; returns per layer (sample row ids, their expected rows) for verification."""
+    """Writes every layer (float bundles in `dtype`, or `bundle_format`'s quantized rows, GPTQ-rounded against a
+    dense layer's `calibration` inputs where given), each the bundles of its parts (_bundled_roles: the layer, or
+    each of its experts, of `size` neurons) one after another, a dense layer's rows in `neuron_order` where given;
+    returns per layer (sample row ids, their expected rows) for verification."""
     glu = "gate" in layers[0][0]
     width = (3 if glu else 2) * hidden
     quantized_row_bytes = None if bundle_format is None else bundle_format.row_bytes(hidden, glu)
     ffn = size * len(layers[0])
 
-    def part_bundles(roles: dict[str, str]) -> torch.Tensor:
+    def part_bundles(layer: int, roles: dict[str, str]) -> torch.Tensor:
         for role, name in roles.items():
             want = (hidden, size) if role == "down" else (size, hidden)
             if role in WEIGHT_ROLES and tuple(ckpt.shape(name)) != want:
                 raise FormatError(name, f"shape {tuple(ckpt.shape(name))}, expected {want} as in layer 0")
         if bundle_format is not None:
-            return quantized_bundles(ckpt, roles, bundle_format)
+            return quantized_bundles(ckpt, roles, bundle_format, None if calibration is None else calibration[layer])
         gate = ckpt[roles["gate"]].to(dtype) if "gate" in roles else None
         return bundle_layer(ckpt[roles["up"]].to(dtype), ckpt[roles["down"]].to(dtype), gate)
 
     def parts(layer: int) -> Iterator[torch.Tensor]:
         for roles in layers[layer]:
-            part = part_bundles(roles)
+            part = part_bundles(layer, roles)
             yield part if neuron_order is None else part[neuron_order[layer]]
 
     def bundles(layer: int) -> torch.Tensor:

@@ -1,9 +1,11 @@
 """A quantized store's rows made from a checkpoint (flashllm_ext.flash.convert's dtypes "q8" and "q4"): which block
-format the up/gate rows take, which of a GGUF's tensors keep their blocks bit for bit, the rest quantized a chunk of
-rows at a time, and the record of each tensor's path (store.tensor_sources)."""
+format the up/gate rows take, which of a GGUF's tensors keep their blocks bit for bit, the rest quantized (round to
+nearest a chunk of rows at a time, or GPTQ against the FFN's inputs on calibration text), and the record of each
+tensor's path (store.tensor_sources)."""
 
 from __future__ import annotations
 
+import os
 import re
 from collections import Counter
 from collections.abc import Iterable
@@ -11,8 +13,18 @@ from collections.abc import Iterable
 import torch
 
 from flashllm_ext.flash.store import WEIGHT_ROLES
+from flashllm_ext.hub.hf import load_hf_model
+from flashllm_ext.hub.text import corpus_token_ids, spread_windows
 from flashllm_ext.io.checkpoint import Checkpoint, GGUFCheckpoint
-from flashllm_ext.ops.blocks import BLOCK_FORMATS, BundleFormat, quantize_rows
+from flashllm_ext.ops.blocks import (
+    BLOCK_FORMATS,
+    BundleFormat,
+    quantize_columns_gptq,
+    quantize_rows,
+    quantize_rows_gptq,
+)
+from flashllm_ext.ops.gptq import gptq_factor
+from flashllm_ext.predictor.capture import capture_ffn_inputs
 
 # The quantized dtypes -> the block formats their up/gate rows may take: the first, unless more of a GGUF's up/gate
 # tensors are already in another one (a Q4_1 file to q4), whose blocks are then kept bit for bit.
@@ -23,6 +35,10 @@ FLOAT_SOURCES = ("F16", "BF16", "F32", "F64")  # tensor types a quantized store 
 # float32 bytes converted at a time: quantize_rows makes several float32 temporaries of its input (about 1.2 GB
 # for a whole 8B-model FFN matrix), and an 8B model's embedding is 2.1 GB in fp32.
 CHUNK_BYTES = 32 << 20
+# How the quantized FFN rows a store makes (not the kept ones) are rounded: to the nearest code, or by GPTQ
+# (flashllm_ext.ops.gptq) against the FFN's inputs on CALIBRATION_WINDOWS windows of the calibration text.
+ROUNDINGS = ("nearest", "gptq")
+CALIBRATION_WINDOWS, CALIBRATION_WINDOW = 8, 256
 
 
 def commonest_format(ckpt: Checkpoint, names: Iterable[str], formats: tuple[str, ...]) -> str:
@@ -37,16 +53,20 @@ def keeps_blocks(ckpt: Checkpoint, name: str, fmt: str) -> bool:
     return isinstance(ckpt, GGUFCheckpoint) and ckpt.source_type(name) == fmt.upper()
 
 
-def layer_tensor_sources(ckpt: Checkpoint, roles: dict[str, str], bundle_format: BundleFormat) -> dict[str, str]:
+def layer_tensor_sources(
+    ckpt: Checkpoint, roles: dict[str, str], bundle_format: BundleFormat, rounding: str = "nearest"
+) -> dict[str, str]:
     """How each FFN weight of one layer reaches a quantized store, e.g. {"up": "kept Q4_0 blocks", "down":
-    "requantized Q4_0 -> q8_0", ...} ("quantized F16 -> q4_0" from a float tensor)."""
+    "requantized Q4_0 -> q8_0", ...} ("quantized F16 -> q4_0" from a float tensor; ", GPTQ" after the ones GPTQ
+    rounds)."""
     sources = {}
     for role in WEIGHT_ROLES:
         if role not in roles:
             continue
         name = roles[role]
         fmt = bundle_format.down_format if role == "down" else bundle_format.in_format
-        sources[role] = tensor_source(ckpt, name, fmt, role != "down" and keeps_blocks(ckpt, name, fmt))
+        kept = role != "down" and keeps_blocks(ckpt, name, fmt)
+        sources[role] = tensor_source(ckpt, name, fmt, kept) + (", GPTQ" if rounding == "gptq" and not kept else "")
     return sources
 
 
@@ -66,20 +86,46 @@ def describe_sources(sources: list[dict[str, str]]) -> str:
     return ", ".join(f"{n} {path}" for path, n in counts.most_common())
 
 
-def quantized_bundles(ckpt: Checkpoint, roles: dict[str, str], bundle_format: BundleFormat) -> torch.Tensor:
+def quantized_bundles(
+    ckpt: Checkpoint,
+    roles: dict[str, str],
+    bundle_format: BundleFormat,
+    calibration: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
     """One layer's quantized bundle rows, uint8 [n_neurons, bundle_format.row_bytes(d, glu)]: the up and gate
-    rows kept block for block where the checkpoint holds them in the input format (keeps_blocks), else quantized
-    (round to nearest, as BundleFormat.quantize); the down row quantized along the hidden dimension."""
+    rows kept block for block where the checkpoint holds them in the input format (keeps_blocks), else quantized;
+    the down row quantized along the hidden dimension. Quantized rows are rounded to nearest (as
+    BundleFormat.quantize), or by GPTQ given the layer's `calibration` inputs (x [N, d] of up and gate, h [N, n] of
+    down: calibration_inputs)."""
+    factors = None if calibration is None else [gptq_factor(inputs.float()) for inputs in calibration]
     parts = []
     for role in ("up", "gate"):
         if role in roles:
             name = roles[role]
             if keeps_blocks(ckpt, name, bundle_format.in_format):
                 parts.append(ckpt.raw_blocks(name)[0])
-            else:
+            elif factors is None:
                 parts.append(quantize_in_chunks(ckpt[name], bundle_format.in_format))
-    parts.append(quantize_in_chunks(ckpt[roles["down"]].t(), bundle_format.down_format))
+            else:
+                parts.append(quantize_rows_gptq(ckpt[name], bundle_format.in_format, factors[0]))
+    down = ckpt[roles["down"]]
+    if factors is None:
+        parts.append(quantize_in_chunks(down.t(), bundle_format.down_format))
+    else:
+        parts.append(quantize_columns_gptq(down, bundle_format.down_format, factors[1]))
     return torch.cat(parts, dim=1)
+
+
+def calibration_inputs(checkpoint: str | os.PathLike, progress: bool = True) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per FFN layer, (x fp16 [N, d], h fp16 [N, n]): the inputs of its up/gate and down projections over
+    CALIBRATION_WINDOWS windows of the calibration text, the checkpoint's model run by `transformers` (in memory, in
+    float32, once) and its own tokenizer reading the text."""
+    model, tokenizer = load_hf_model(checkpoint)
+    if tokenizer is None:
+        raise ValueError(f"{checkpoint}: GPTQ rounding runs the model on calibration text, and it has no tokenizer")
+    ids = spread_windows(corpus_token_ids(tokenizer, "calibration"), CALIBRATION_WINDOWS, CALIBRATION_WINDOW)
+    with torch.inference_mode():
+        return capture_ffn_inputs(model, ids, CALIBRATION_WINDOW, progress)
 
 
 def quantize_in_chunks(w: torch.Tensor, fmt: str) -> torch.Tensor:

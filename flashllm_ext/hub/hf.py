@@ -43,7 +43,8 @@ def ffn_norm(layer: nn.Module) -> nn.Module:
 
 
 def load_hf_model(path: str | os.PathLike | None = None, state_dict: Mapping[str, torch.Tensor] | None = None):
-    """(model, tokenizer) loaded offline by `transformers` from a GGUF file (default: the default model).
+    """(model, tokenizer) loaded offline by `transformers` from a GGUF file (default: the default model) or a
+    Hugging Face checkpoint directory (tokenizer None where it has none).
 
     The model is fp32, in eval mode. `state_dict` (Hugging Face names -> tensors, any subset) replaces those
     weights after loading, e.g. pruned FFN matrices.
@@ -51,11 +52,16 @@ def load_hf_model(path: str | os.PathLike | None = None, state_dict: Mapping[str
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = Path(path) if path is not None else fetch_default()
-    if not path.is_file():
-        raise FileNotFoundError(f"no GGUF file at {path}")
-    kwargs = {"gguf_file": path.name, "local_files_only": True}
-    model = AutoModelForCausalLM.from_pretrained(path.parent, dtype=torch.float32, **kwargs)
-    tokenizer = AutoTokenizer.from_pretrained(path.parent, **kwargs)
+    if path.is_dir():
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True)
+        has_tokenizer = any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json"))
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True) if has_tokenizer else None
+    elif path.is_file():
+        kwargs = {"gguf_file": path.name, "local_files_only": True}
+        model = AutoModelForCausalLM.from_pretrained(path.parent, dtype=torch.float32, **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, **kwargs)
+    else:
+        raise FileNotFoundError(f"no GGUF file or checkpoint directory at {path}")
     if state_dict:
         replace_weights(model, state_dict)
     return model.eval(), tokenizer

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from flashllm_ext.ops.gptq import gptq_codes
+
 BLOCK = 32  # weights per block
 
 
@@ -85,33 +87,98 @@ def _pack_nibbles(q: torch.Tensor) -> torch.Tensor:
     return q[..., :16] | (q[..., 16:] << 4)
 
 
-def quantize_rows(w: torch.Tensor, fmt: str) -> torch.Tensor:
-    """Rows w [R, d] (any float dtype) -> their blocks uint8 [R, fmt.row_bytes(d)], rounded as ggml-quants.c's
-    reference quantizers round (bit for bit what `gguf.quants.quantize` gives for d a multiple of 32)."""
-    f = block_format(fmt)
+def _check_rows(w: torch.Tensor) -> None:
     if w.dim() != 2 or not w.is_floating_point():
         raise ValueError(f"quantize_rows: w must be a 2-D float tensor, got {w.dtype} of shape {tuple(w.shape)}")
     if not bool(torch.isfinite(w).all()):
         raise ValueError("quantize_rows: w holds inf or NaN")
+
+
+def _pack_blocks(f: BlockFormat, d: torch.Tensor, m: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
+    """Scales d [R, nb, 1] (and q4_1's minimums m), codes q [R, nb, 32] (q8_0: -127..127, else 0..15) -> the
+    blocks uint8 [R, nb * block_bytes]."""
+    if f.bits == 8:
+        parts = [_scale_bytes(d), q.to(torch.int8).view(torch.uint8)]
+    else:
+        parts = [_scale_bytes(d), *([_scale_bytes(m)] if f.has_min else []), _pack_nibbles(q)]
+    return torch.cat(parts, dim=-1).reshape(q.shape[0], -1)
+
+
+def quantize_rows(w: torch.Tensor, fmt: str) -> torch.Tensor:
+    """Rows w [R, d] (any float dtype) -> their blocks uint8 [R, fmt.row_bytes(d)], rounded as ggml-quants.c's
+    reference quantizers round (bit for bit what `gguf.quants.quantize` gives for d a multiple of 32)."""
+    f = block_format(fmt)
+    _check_rows(w)
     blocks = _padded_blocks(w)
+    m = None
     if f.name == "q8_0":
         d = blocks.abs().amax(dim=-1, keepdim=True) / 127
         inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
-        q = _round_half_away(blocks * inv).to(torch.int8).view(torch.uint8)
-        parts = [_scale_bytes(d), q]
+        q = _round_half_away(blocks * inv)
     elif f.name == "q4_0":
         signed_max = blocks.gather(-1, blocks.abs().argmax(dim=-1, keepdim=True))
         d = signed_max / -8
         inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
         q = (blocks * inv + 8.5).trunc().clamp(0, 15)
-        parts = [_scale_bytes(d), _pack_nibbles(q)]
     else:
-        lo, hi = blocks.amin(dim=-1, keepdim=True), blocks.amax(dim=-1, keepdim=True)
-        d = (hi - lo) / 15
+        m, hi = blocks.amin(dim=-1, keepdim=True), blocks.amax(dim=-1, keepdim=True)
+        d = (hi - m) / 15
         inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
-        q = ((blocks - lo) * inv + 0.5).trunc().clamp(0, 15)
-        parts = [_scale_bytes(d), _scale_bytes(lo), _pack_nibbles(q)]
-    return torch.cat(parts, dim=-1).reshape(w.shape[0], -1)
+        q = ((blocks - m) * inv + 0.5).trunc().clamp(0, 15)
+    return _pack_blocks(f, d, m, q)
+
+
+def quantize_rows_gptq(w: torch.Tensor, fmt: str, factor: torch.Tensor) -> torch.Tensor:
+    """The rows of a linear layer's weight w [out, in] as quantize_rows gives them (uint8 [out, fmt.row_bytes(in)],
+    the same scales and minimums), the codes rounded by GPTQ (flashllm_ext.ops.gptq) against the layer's inputs,
+    whose gptq_factor is `factor` [in, in]: an FFN's up and gate rows."""
+    grid = _BlockGrid(w, fmt)
+    codes = gptq_codes(w, factor, grid.scale, grid.offset, BLOCK, grid.lo, grid.hi)
+    return grid.pack(codes)
+
+
+def quantize_columns_gptq(w: torch.Tensor, fmt: str, factor: torch.Tensor) -> torch.Tensor:
+    """The columns of a linear layer's weight w [out, in] as quantize_rows(w.t()) gives them (uint8 [in,
+    fmt.row_bytes(out)], the same scales and minimums), the codes rounded by GPTQ against the layer's inputs, whose
+    gptq_factor is `factor` [in, in]: an FFN's down rows (neuron i's is column i of W_down). Each column GPTQ rounds
+    is a whole row of blocks, so every weight of it has its own block's grid."""
+    out = w.shape[0]
+    grid = _BlockGrid(w.t(), fmt)
+    per_weight = [t.repeat_interleave(BLOCK, dim=1)[:, :out].t().contiguous() for t in (grid.scale, grid.offset)]
+    codes = gptq_codes(w, factor, *per_weight, 1, grid.lo, grid.hi)
+    return grid.pack(codes.t())
+
+
+class _BlockGrid:
+    """The grid quantize_rows puts rows w [R, d] on, as stored: per block, w_q = scale * q + offset (float32
+    [R, nb]; q8_0: offset 0, q4_0: -8 scale, q4_1: the minimum) with q in [lo, hi]."""
+
+    def __init__(self, w: torch.Tensor, fmt: str) -> None:
+        self.format = block_format(fmt)
+        self.rows, self.cols = w.shape
+        nearest = quantize_rows(w, fmt).reshape(self.rows, -1, self.format.block_bytes)
+        self.scale = nearest[..., 0:2].contiguous().view(torch.float16).float().squeeze(-1)
+        self.minimum = None
+        if self.format.has_min:
+            self.minimum = nearest[..., 2:4].contiguous().view(torch.float16).float().squeeze(-1)
+        if self.format.bits == 8:
+            self.offset, (self.lo, self.hi) = torch.zeros_like(self.scale), (-127, 127)
+        else:
+            self.offset = -8 * self.scale if self.minimum is None else self.minimum
+            self.lo, self.hi = 0, 15
+
+    def pack(self, codes: torch.Tensor) -> torch.Tensor:
+        """Codes [R, d] -> the blocks uint8 [R, row_bytes(d)], the padding weights (zeros) rounded to nearest."""
+        codes = codes.float()
+        pad = n_blocks(self.cols) * BLOCK - self.cols
+        if pad:
+            last_scale, last_offset = self.scale[:, -1:], self.offset[:, -1:]
+            inverse = torch.where(last_scale == 0, torch.zeros_like(last_scale), 1 / last_scale)
+            zero = torch.clamp(torch.round(-last_offset * inverse), self.lo, self.hi)
+            codes = torch.cat([codes, zero.expand(self.rows, pad)], dim=1)
+        blocks = codes.reshape(self.rows, -1, BLOCK)
+        minimum = None if self.minimum is None else self.minimum.unsqueeze(-1)
+        return _pack_blocks(self.format, self.scale.unsqueeze(-1), minimum, blocks)
 
 
 def dequantize_rows(codes: torch.Tensor, fmt: str, d: int) -> torch.Tensor:

@@ -7,9 +7,8 @@ of the row's bytes) and float16 scales s, one per row or one per group of `group
 of 64 dividing d): w ~ (q - (2^b - 1) / 2) * s, each s chosen to minimise its row's or group's squared error (a grid
 over fractions of max|w|). Groups of 192 on the default model (d = 576) cost 16 / 192 = 0.083 bit per weight.
 The codes are then rounded either to the nearest level ("nearest") or, given the layer's calibration inputs X, by
-GPTQ ("gptq", Frantar et al. 2022: column by column, each column's rounding error is carried into the columns not yet
-rounded through the inverse of H = X^T X, minimising ||X (w - w_q)||^2, the error of the pre-activations x . w the
-scores are made of, rather than ||w - w_q||^2). Both give the same format, scales and kernel: only the codes differ.
+GPTQ ("gptq", flashllm_ext.ops.gptq: minimising ||X (w - w_q)||^2, the error of the pre-activations x . w the scores
+are made of, rather than ||w - w_q||^2). Both give the same format, scales and kernel: only the codes differ.
 Scoring is the op quant_scores (flashllm_ext/ops.py): a CPU kernel reading each code once, never dequantising, with x
 rounded to int8 per token (integer dot products: AVX-512 VNNI where the CPU has it)."""
 
@@ -23,12 +22,12 @@ from tqdm.auto import tqdm
 
 from flashllm_ext import ops
 from flashllm_ext.ops import QUANT_GROUP_MULTIPLE
+from flashllm_ext.ops.gptq import gptq_codes, gptq_factor
 from flashllm_ext.predictor.base import NeuronPredictor
 from flashllm_ext.predictor.rule import ffn_weights
 
 BITS = (1, 2, 3, 4)
 ROUNDINGS = ("nearest", "gptq")
-GPTQ_DAMPING = 0.01  # of the mean diagonal of H, added to its diagonal (GPTQ's default): keeps H invertible
 
 
 MIN_DEFAULT_GROUP = 192  # columns: a float16 scale per group then costs at most 16 / 192 = 0.083 bit per weight
@@ -75,34 +74,15 @@ def quantize_rows(
         else:
             better = err < best_err
             best_err, best_scale = torch.where(better, err, best_err), torch.where(better, scale, best_scale)
-    column_scale = best_scale.view(n, -1).repeat_interleave(group_size or d, dim=1)  # [n, d]
+    scales = best_scale.view(n, -1)  # [n, groups]
     if inputs is None:
+        column_scale = scales.repeat_interleave(group_size or d, dim=1)  # [n, d]
         codes = torch.clamp(torch.round(w / column_scale + center), 0, levels - 1).to(torch.uint8)
     else:
-        codes = _gptq_codes(w, column_scale, bits, inputs)
-    scales = best_scale.view(n, -1).half()
+        codes = gptq_codes(w, gptq_factor(inputs), scales, -center * scales, group_size or d, 0, levels - 1)
+        codes = codes.to(torch.uint8)
+    scales = scales.half()
     return pack_codes(codes, bits), scales if group_size else scales.squeeze(1)
-
-
-def _gptq_codes(w: torch.Tensor, scale: torch.Tensor, bits: int, inputs: torch.Tensor) -> torch.Tensor:
-    """uint8 codes [n, d] of w [n, d] at the scales of its columns [n, d], rounded by GPTQ against inputs [N, d]
-    (static groups: the scales are the round-to-nearest fit's, chosen before any error is carried)."""
-    levels, center = 1 << bits, ((1 << bits) - 1) / 2
-    x = inputs.double()
-    h = x.T @ x / max(x.shape[0], 1)
-    dead = h.diagonal() == 0  # an input channel that never fires: its weights cannot matter, its error is free
-    h[dead, dead] = 1.0
-    h.diagonal().add_(GPTQ_DAMPING * h.diagonal().mean())
-    # Upper Cholesky factor of H^-1: row j holds how column j's error spreads to the columns after it.
-    u = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True).float()
-    rest = w.clone()
-    codes = torch.empty(w.shape, dtype=torch.uint8)
-    for j in range(w.shape[1]):
-        q = torch.clamp(torch.round(rest[:, j : j + 1] / scale[:, j : j + 1] + center), 0, levels - 1)
-        codes[:, j] = q.squeeze(1).to(torch.uint8)
-        error = (rest[:, j : j + 1] - (q - center) * scale[:, j : j + 1]) / u[j, j]
-        rest[:, j + 1 :] -= error * u[j, j + 1 :]
-    return codes
 
 
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:

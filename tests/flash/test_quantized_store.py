@@ -1,5 +1,6 @@
 """Quantized flash stores (convert dtype "q8" / "q4"): a GGUF's up/gate blocks kept bit for bit, down and other
-types quantized again along the hidden dimension, Hugging Face weights rounded to nearest, each path recorded."""
+types quantized again along the hidden dimension, Hugging Face weights rounded to nearest or by GPTQ, each path
+recorded."""
 
 import weakref
 
@@ -11,9 +12,14 @@ import torch
 from flashllm_ext import FormatError, cli
 from flashllm_ext.flash import store
 from flashllm_ext.flash.convert import convert
+from flashllm_ext.flash import quantized_rows
 from flashllm_ext.flash.quantized_rows import describe_sources
+from flashllm_ext.hub.hf import collect_linear_inputs
+from flashllm_ext.hub.text import corpus_token_ids, spread_windows
 from flashllm_ext.io.checkpoint import GGUFCheckpoint
-from flashllm_ext.ops.blocks import BLOCK, BundleFormat, quantize_rows
+from flashllm_ext.ops.blocks import BLOCK, BundleFormat, quantize_columns_gptq, quantize_rows, quantize_rows_gptq
+from flashllm_ext.ops.gptq import gptq_factor
+from flashllm_ext.predictor.capture import capture_ffn_inputs
 from tests.helpers.checkpoints import write_tiny_gguf
 from tests.helpers.models import tiny_model
 
@@ -195,6 +201,109 @@ def test_quantized_convert_holds_one_layer_at_a_time(tmp_path, tiny_llama, monke
     assert 0 < most_alive[0] <= 3
     ffn = [name for name in dequantized if ".mlp." in name]
     assert ffn == [f"model.layers.{layer}.mlp.down_proj.weight" for layer in range(2)]
+
+
+def _calibration(model, n_tokens: int = 192) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Every FFN layer's inputs (x, h) over random tokens of `model`."""
+    ids = torch.randint(0, model.config.vocab_size, (n_tokens,), generator=torch.Generator().manual_seed(0))
+    return capture_ffn_inputs(model, ids, 64, progress=False)
+
+
+@pytest.mark.parametrize("dtype,in_format", [("q8", "q8_0"), ("q4", "q4_0")])
+def test_gptq_rounding_against_calibration_inputs(tmp_path, dtype, in_format):
+    """rounding "gptq": every FFN row the store quantizes is GPTQ's against its layer's calibration inputs (up and
+    gate against x, down's columns against h), on round to nearest's grid; each layer's outputs on those inputs
+    err less than the round-to-nearest store's; tensor_sources says GPTQ."""
+    model = tiny_model("llama", num_hidden_layers=2)
+    model.save_pretrained(tmp_path / "ckpt")
+    calibration = _calibration(model)
+    gptq = store.FlashStore(
+        convert(
+            tmp_path / "ckpt", tmp_path / "g", dtype=dtype, rounding="gptq", calibration=calibration, progress=False
+        )
+    )
+    nearest = store.FlashStore(convert(tmp_path / "ckpt", tmp_path / "n", dtype=dtype, progress=False))
+    state = model.state_dict()
+    for layer, (x, h) in enumerate(calibration):
+        mlp = f"model.layers.{layer}.mlp."
+        up, gate, down = (state[f"{mlp}{r}_proj.weight"] for r in ("up", "gate", "down"))
+        x_factor, h_factor = gptq_factor(x.float()), gptq_factor(h.float())
+        parts = _parts(gptq, layer)
+        assert torch.equal(parts["up"], quantize_rows_gptq(up, in_format, x_factor))
+        assert torch.equal(parts["gate"], quantize_rows_gptq(gate, in_format, x_factor))
+        assert torch.equal(parts["down"], quantize_columns_gptq(down, "q8_0", h_factor))
+        ids = torch.arange(gptq.n_neurons)
+        ours, theirs = (fs.bundle_format.dequantize(fs.bundle(layer, ids), 64, True) for fs in (gptq, nearest))
+        for k, (weight, inputs) in enumerate(((up, x), (gate, x), (down.t(), h))):
+            want = inputs.float() @ (weight if k < 2 else weight.t()).T
+            errors = [
+                (inputs.float() @ (rows[:, k * 64 : (k + 1) * 64] if k < 2 else rows[:, 128:].t()).T - want)
+                .pow(2)
+                .sum()
+                for rows in (ours, theirs)
+            ]
+            assert errors[0] < errors[1], (layer, k)
+        assert gptq.tensor_sources[layer] == {
+            "up": f"quantized F32 -> {in_format}, GPTQ",
+            "gate": f"quantized F32 -> {in_format}, GPTQ",
+            "down": "quantized F32 -> q8_0, GPTQ",
+        }
+
+
+def test_gptq_keeps_the_blocks_a_gguf_has(tmp_path, tiny_llama):
+    """A GGUF's up/gate blocks in the input format stay bit for bit under GPTQ rounding; only down is rounded."""
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", tiny_llama, qtype=Q.Q4_0)
+    calibration = _calibration(tiny_llama)
+    fs = store.FlashStore(
+        convert(path, tmp_path / "s", dtype="q4", rounding="gptq", calibration=calibration, progress=False)
+    )
+    parts = _parts(fs, 1)
+    assert torch.equal(parts["up"], torch.from_numpy(_gguf_tensor(path, "blk.1.ffn_up.weight")[0]))
+    down = _dequantized(path, "blk.1.ffn_down.weight")
+    assert torch.equal(parts["down"], quantize_columns_gptq(down, "q8_0", gptq_factor(calibration[1][1].float())))
+    assert describe_sources(fs.tensor_sources) == "4 kept Q4_0 blocks, 2 requantized Q4_0 -> q8_0, GPTQ"
+
+
+@pytest.mark.slow
+def test_calibration_inputs_are_the_models_own_on_calibration_text(default_model, monkeypatch):
+    """calibration_inputs runs the checkpoint's model (its own tokenizer reading the calibration text): every layer's
+    x and h are what the model's up/gate and down projections multiply on those tokens."""
+    path, model, tokenizer = default_model
+    monkeypatch.setattr(quantized_rows, "CALIBRATION_WINDOWS", 2)
+    monkeypatch.setattr(quantized_rows, "CALIBRATION_WINDOW", 16)
+    calibration = quantized_rows.calibration_inputs(path, progress=False)
+    ids = spread_windows(corpus_token_ids(tokenizer, "calibration"), 2, 16)
+    assert len(calibration) == model.config.num_hidden_layers
+    layer = model.model.layers[3].mlp
+    with torch.inference_mode():
+        captured = collect_linear_inputs(
+            model, ids[16:].view(1, -1), ["model.layers.3.mlp.up_proj", "model.layers.3.mlp.down_proj"]
+        )
+    x, h = calibration[3]
+    assert x.dtype == h.dtype == torch.float16
+    assert (x.shape, h.shape) == ((32, layer.up_proj.in_features), (32, layer.down_proj.in_features))
+    torch.testing.assert_close(x[16:].float(), captured["model.layers.3.mlp.up_proj"], atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(h[16:].float(), captured["model.layers.3.mlp.down_proj"], atol=2e-3, rtol=2e-3)
+
+
+def test_gptq_arguments_are_checked(tmp_path, tiny_llama):
+    """GPTQ takes a quantized dtype, a dense model, one calibration entry per layer, and (to read the calibration
+    text) the checkpoint's tokenizer; nothing is written when it refuses."""
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", tiny_llama, qtype=Q.Q4_0)
+    calibration = _calibration(tiny_llama)
+    with pytest.raises(ValueError, match="rounding must be one of"):
+        convert(path, tmp_path / "s", dtype="q4", rounding="awq", progress=False)
+    with pytest.raises(ValueError, match="rounding 'gptq' applies to the quantized dtypes"):
+        convert(path, tmp_path / "s", dtype="fp16", rounding="gptq", calibration=calibration, progress=False)
+    with pytest.raises(ValueError, match="calibration inputs for 1 layers, the checkpoint has 2"):
+        convert(path, tmp_path / "s", dtype="q4", rounding="gptq", calibration=calibration[:1], progress=False)
+    tiny_model("llama", num_hidden_layers=2).save_pretrained(tmp_path / "ckpt")
+    with pytest.raises(ValueError, match="has no tokenizer"):
+        convert(tmp_path / "ckpt", tmp_path / "s", dtype="q8", rounding="gptq", progress=False)
+    tiny_model("mixtral", num_hidden_layers=2).save_pretrained(tmp_path / "moe")
+    with pytest.raises(ValueError, match="rounding 'gptq' takes dense models"):
+        convert(tmp_path / "moe", tmp_path / "s", dtype="q8", rounding="gptq", progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "moe", "tiny.gguf"]
 
 
 def test_quantized_dtype_arguments_are_checked(tmp_path, tiny_llama):
