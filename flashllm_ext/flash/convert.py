@@ -55,6 +55,7 @@ from flashllm_ext.flash.quantized_rows import (
     ROUNDINGS,
     calibration_inputs,
     commonest_format,
+    keeps_blocks,
     layer_tensor_sources,
     quantized_bundles,
     resident_block_formats,
@@ -158,7 +159,7 @@ def convert(
     down_format: str | None = None,
     neuron_order: torch.Tensor | None = None,
     rounding: str = "nearest",
-    calibration: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+    calibration: dict[str, torch.Tensor] | None = None,
 ) -> Path:
     """Convert a Hugging Face safetensors directory (OPT, Llama/Mistral/SmolLM; sharded or not) or a GGUF file
     into a flash store at `out_dir`. Atomic: written under a temporary name and renamed at the end, then a sample
@@ -170,8 +171,8 @@ def convert(
     in `down_format` (a flashllm_ext.ops.blocks format, default q8_0). Endor compression takes float bundles only.
 
     rounding (quantized dtypes, dense models): how the FFN rows the store quantizes are rounded, "nearest" or "gptq"
-    (quantized_rows.ROUNDINGS): against each layer's `calibration` inputs, per layer (x [N, d], h [N, n]) as
-    quantized_rows.calibration_inputs gives them, which runs the checkpoint's model on calibration text when None.
+    (quantized_rows.ROUNDINGS): against what each weight multiplies, `calibration` (weight name -> inputs [N, in]),
+    which quantized_rows.calibration_inputs captures (running the checkpoint's model on calibration text) when None.
 
     neuron_order: int [n_layers, n_neurons], the model neuron each bundle row holds (flashllm_ext.predictor.placement
     .neuron_orders): every layer's rows and per-neuron biases are written in that order and the order is recorded
@@ -187,6 +188,8 @@ def convert(
         raise ValueError(f"down_format applies to the quantized dtypes {list(QUANTIZED_DTYPES)}, not {dtype!r}")
     if rounding not in ROUNDINGS:
         raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}")
+    if calibration is not None and rounding != "gptq":
+        raise ValueError(f"calibration inputs apply to rounding 'gptq', not {rounding!r}")
     if rounding != "nearest" and not quantized:
         raise ValueError(
             f"rounding {rounding!r} applies to the quantized dtypes {list(QUANTIZED_DTYPES)}, not {dtype!r}"
@@ -195,14 +198,10 @@ def convert(
     out_dir = check_out_dir(out_dir, force, STORE_FILES, checkpoint)
     ckpt = open_checkpoint(checkpoint)
     layers, glu, n_experts = _ffn_layout(ckpt.names, ckpt.config.get("model_type"))
-    if rounding == "gptq":
-        if n_experts:
-            raise ValueError(
-                "rounding 'gptq' takes dense models: an expert's calibration inputs are the tokens routed to it"
-            )
-        calibration = calibration_inputs(checkpoint, progress) if calibration is None else calibration
-        if len(calibration) != len(layers):
-            raise ValueError(f"calibration inputs for {len(calibration)} layers, the checkpoint has {len(layers)}")
+    if rounding == "gptq" and n_experts:
+        raise ValueError(
+            "rounding 'gptq' takes dense models: an expert's calibration inputs are the tokens routed to it"
+        )
     float_dtype = QUANTIZED_FLOAT_DTYPE if quantized else dtype
     torch_dtype = DTYPES[float_dtype]
     bundled = {layer: _bundled_roles(roles, n_experts) for layer, roles in layers.items()}
@@ -218,6 +217,11 @@ def convert(
         up_gate = (roles[r] for layer in bundled.values() for roles in layer for r in ("up", "gate") if r in roles)
         bundle_format = BundleFormat(commonest_format(ckpt, up_gate, QUANTIZED_DTYPES[dtype]), down_format)
         sources = [layer_tensor_sources(ckpt, parts[0], bundle_format, rounding) for parts in bundled.values()]
+    weights = {name for parts in bundled.values() for roles in parts for r, name in roles.items() if r in WEIGHT_ROLES}
+    resident_names = [n for n in ckpt.names if n not in weights]
+    blocks = resident_block_formats(ckpt, resident_names, bundle_format.in_format) if quantized else {}
+    if rounding == "gptq":
+        calibration = _gptq_calibration(checkpoint, ckpt, bundled, bundle_format, calibration, progress)
     metadata = _bundles_metadata(
         ckpt.config, float_dtype, ffn, hidden, glu, endor, list(layers.values()), bundle_format, sources
     )
@@ -239,13 +243,8 @@ def convert(
             progress,
             bundle_format,
             neuron_order,
-            calibration if rounding == "gptq" else None,
+            calibration,
         )
-        weights = {
-            name for parts in bundled.values() for roles in parts for r, name in roles.items() if r in WEIGHT_ROLES
-        }
-        resident_names = [n for n in ckpt.names if n not in weights]
-        blocks = resident_block_formats(ckpt, resident_names, bundle_format.in_format) if quantized else {}
         reordered = (
             {}
             if neuron_order is None
@@ -266,6 +265,34 @@ def convert(
         if tmp.exists():
             shutil.rmtree(tmp)
     return out_dir
+
+
+def _gptq_calibration(
+    checkpoint: str | os.PathLike,
+    ckpt: Checkpoint,
+    layers: dict[int, list[dict[str, str]]],
+    bundle_format: BundleFormat,
+    calibration: dict[str, torch.Tensor] | None,
+    progress: bool,
+) -> dict[str, torch.Tensor]:
+    """The calibration inputs of every weight GPTQ rounds, the FFN weights the store quantizes (not the up/gate
+    blocks it keeps): `calibration` checked to hold them, or captured (quantized_rows.calibration_inputs). The
+    resident blocks stay rounded to nearest: GPTQ on the default model's attention projections (q4_0, from fp16)
+    cut their mean output error 7x but raised the first token's (the attention sink every later token attends to)
+    up to 4x, and perplexity with it."""
+    names = [
+        name
+        for parts in layers.values()
+        for roles in parts
+        for role, name in roles.items()
+        if role == "down" or (role in WEIGHT_ROLES and not keeps_blocks(ckpt, name, bundle_format.in_format))
+    ]
+    if calibration is None:
+        return calibration_inputs(checkpoint, names, progress)
+    missing = [n for n in names if n not in calibration]
+    if missing:
+        raise ValueError(f"calibration inputs lack {len(missing)} of the weights GPTQ rounds, e.g. {missing[0]}")
+    return calibration
 
 
 def _write_resident(
@@ -417,10 +444,10 @@ def _write_bundles(
     progress: bool,
     bundle_format: BundleFormat | None = None,
     neuron_order: torch.Tensor | None = None,
-    calibration: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+    calibration: dict[str, torch.Tensor] | None = None,
 ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-    """Writes every layer (float bundles in `dtype`, or `bundle_format`'s quantized rows, GPTQ-rounded against a
-    dense layer's `calibration` inputs where given), each the bundles of its parts (_bundled_roles: the layer, or
+    """Writes every layer (float bundles in `dtype`, or `bundle_format`'s quantized rows, GPTQ-rounded against the
+    `calibration` inputs of the weights it has them for), each the bundles of its parts (_bundled_roles: the layer, or
     each of its experts, of `size` neurons) one after another, a dense layer's rows in `neuron_order` where given;
     returns per layer (sample row ids, their expected rows) for verification."""
     glu = "gate" in layers[0][0]
@@ -428,19 +455,19 @@ def _write_bundles(
     quantized_row_bytes = None if bundle_format is None else bundle_format.row_bytes(hidden, glu)
     ffn = size * len(layers[0])
 
-    def part_bundles(layer: int, roles: dict[str, str]) -> torch.Tensor:
+    def part_bundles(roles: dict[str, str]) -> torch.Tensor:
         for role, name in roles.items():
             want = (hidden, size) if role == "down" else (size, hidden)
             if role in WEIGHT_ROLES and tuple(ckpt.shape(name)) != want:
                 raise FormatError(name, f"shape {tuple(ckpt.shape(name))}, expected {want} as in layer 0")
         if bundle_format is not None:
-            return quantized_bundles(ckpt, roles, bundle_format, None if calibration is None else calibration[layer])
+            return quantized_bundles(ckpt, roles, bundle_format, calibration)
         gate = ckpt[roles["gate"]].to(dtype) if "gate" in roles else None
         return bundle_layer(ckpt[roles["up"]].to(dtype), ckpt[roles["down"]].to(dtype), gate)
 
     def parts(layer: int) -> Iterator[torch.Tensor]:
         for roles in layers[layer]:
-            part = part_bundles(layer, roles)
+            part = part_bundles(roles)
             yield part if neuron_order is None else part[neuron_order[layer]]
 
     def bundles(layer: int) -> torch.Tensor:

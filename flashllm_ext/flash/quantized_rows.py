@@ -11,9 +11,10 @@ from collections import Counter
 from collections.abc import Iterable
 
 import torch
+from tqdm.auto import tqdm
 
 from flashllm_ext.flash.store import WEIGHT_ROLES
-from flashllm_ext.hub.hf import load_hf_model
+from flashllm_ext.hub.hf import collect_linear_inputs, load_hf_model
 from flashllm_ext.hub.text import corpus_token_ids, spread_windows
 from flashllm_ext.io.checkpoint import Checkpoint, GGUFCheckpoint
 from flashllm_ext.ops.blocks import (
@@ -24,7 +25,6 @@ from flashllm_ext.ops.blocks import (
     quantize_rows_gptq,
 )
 from flashllm_ext.ops.gptq import gptq_factor
-from flashllm_ext.predictor.capture import capture_ffn_inputs
 
 # The quantized dtypes -> the block formats their up/gate rows may take: the first, unless more of a GGUF's up/gate
 # tensors are already in another one (a Q4_1 file to q4), whose blocks are then kept bit for bit.
@@ -90,42 +90,58 @@ def quantized_bundles(
     ckpt: Checkpoint,
     roles: dict[str, str],
     bundle_format: BundleFormat,
-    calibration: tuple[torch.Tensor, torch.Tensor] | None = None,
+    calibration: dict[str, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """One layer's quantized bundle rows, uint8 [n_neurons, bundle_format.row_bytes(d, glu)]: the up and gate
     rows kept block for block where the checkpoint holds them in the input format (keeps_blocks), else quantized;
     the down row quantized along the hidden dimension. Quantized rows are rounded to nearest (as
-    BundleFormat.quantize), or by GPTQ given the layer's `calibration` inputs (x [N, d] of up and gate, h [N, n] of
-    down: calibration_inputs)."""
-    factors = None if calibration is None else [gptq_factor(inputs.float()) for inputs in calibration]
+    BundleFormat.quantize), or by GPTQ against the inputs of their weights given in `calibration` (weight name ->
+    inputs [N, in]: calibration_inputs)."""
+    calibration = calibration or {}
     parts = []
     for role in ("up", "gate"):
         if role in roles:
             name = roles[role]
             if keeps_blocks(ckpt, name, bundle_format.in_format):
                 parts.append(ckpt.raw_blocks(name)[0])
-            elif factors is None:
-                parts.append(quantize_in_chunks(ckpt[name], bundle_format.in_format))
+            elif name in calibration:
+                parts.append(quantize_rows_gptq(ckpt[name], bundle_format.in_format, gptq_factor(calibration[name])))
             else:
-                parts.append(quantize_rows_gptq(ckpt[name], bundle_format.in_format, factors[0]))
-    down = ckpt[roles["down"]]
-    if factors is None:
-        parts.append(quantize_in_chunks(down.t(), bundle_format.down_format))
+                parts.append(quantize_in_chunks(ckpt[name], bundle_format.in_format))
+    name = roles["down"]
+    if name in calibration:
+        parts.append(quantize_columns_gptq(ckpt[name], bundle_format.down_format, gptq_factor(calibration[name])))
     else:
-        parts.append(quantize_columns_gptq(down, bundle_format.down_format, factors[1]))
+        parts.append(quantize_in_chunks(ckpt[name].t(), bundle_format.down_format))
     return torch.cat(parts, dim=1)
 
 
-def calibration_inputs(checkpoint: str | os.PathLike, progress: bool = True) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per FFN layer, (x fp16 [N, d], h fp16 [N, n]): the inputs of its up/gate and down projections over
-    CALIBRATION_WINDOWS windows of the calibration text, the checkpoint's model run by `transformers` (in memory, in
-    float32, once) and its own tokenizer reading the text."""
+def calibration_inputs(
+    checkpoint: str | os.PathLike, weight_names: list[str], progress: bool = True
+) -> dict[str, torch.Tensor]:
+    """Weight name -> fp16 [N, in]: what each named linear weight multiplies over CALIBRATION_WINDOWS windows of
+    the calibration text, the checkpoint's model run by `transformers` (in memory, in float32, once) and its own
+    tokenizer reading the text. Names as the checkpoint gives them (a module's, or the model's after "model.")."""
     model, tokenizer = load_hf_model(checkpoint)
     if tokenizer is None:
         raise ValueError(f"{checkpoint}: GPTQ rounding runs the model on calibration text, and it has no tokenizer")
+    modules = dict(model.named_modules())
+    module_of = {}
+    for name in weight_names:
+        module = next(
+            (m for m in (name.removesuffix(".weight"), "model." + name.removesuffix(".weight")) if m in modules), None
+        )
+        if module is None:
+            raise ValueError(f"{checkpoint}: the model `transformers` builds has no module for the weight {name}")
+        module_of[name] = module
     ids = spread_windows(corpus_token_ids(tokenizer, "calibration"), CALIBRATION_WINDOWS, CALIBRATION_WINDOW)
-    with torch.inference_mode():
-        return capture_ffn_inputs(model, ids, CALIBRATION_WINDOW, progress)
+    chunks: dict[str, list[torch.Tensor]] = {name: [] for name in weight_names}
+    windows = ids.split(CALIBRATION_WINDOW)
+    for window in tqdm(windows, desc="capturing calibration inputs", unit="window", disable=not progress):
+        inputs = collect_linear_inputs(model, window, list(set(module_of.values())))
+        for name, module in module_of.items():
+            chunks[name].append(inputs[module].half())
+    return {name: torch.cat(c) for name, c in chunks.items()}
 
 
 def quantize_in_chunks(w: torch.Tensor, fmt: str) -> torch.Tensor:

@@ -93,22 +93,3 @@ def capture_activations(
         thresholds.clone(),
         {i: torch.cat(c) for i, c in kept.items()},
     )
-
-
-def capture_ffn_inputs(
-    model: nn.Module, token_ids: torch.Tensor, window: int = 512, progress: bool = True
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Every FFN layer's inputs over `token_ids` [T]: (x fp16 [T, d], what the up and gate projections multiply;
-    h fp16 [T, n], what the down projection multiplies), the calibration inputs of GPTQ rounding
-    (flashllm_ext.ops.gptq)."""
-    n_layers = len(ffn_modules(model))
-    xs: list[list[torch.Tensor]] = [[] for _ in range(n_layers)]
-    hs: list[list[torch.Tensor]] = [[] for _ in range(n_layers)]
-
-    def record(i, x, h):
-        xs[i].append(x.half())
-        hs[i].append(h.half())
-
-    with ffn_hooks(model, record):
-        run_windows(model, token_ids, window, progress, "capturing FFN inputs")
-    return [(torch.cat(x), torch.cat(h)) for x, h in zip(xs, hs)]

@@ -19,7 +19,6 @@ from flashllm_ext.hub.text import corpus_token_ids, spread_windows
 from flashllm_ext.io.checkpoint import GGUFCheckpoint
 from flashllm_ext.ops.blocks import BLOCK, BundleFormat, quantize_columns_gptq, quantize_rows, quantize_rows_gptq
 from flashllm_ext.ops.gptq import gptq_factor
-from flashllm_ext.predictor.capture import capture_ffn_inputs
 from tests.helpers.checkpoints import write_tiny_gguf
 from tests.helpers.models import tiny_model
 
@@ -203,17 +202,20 @@ def test_quantized_convert_holds_one_layer_at_a_time(tmp_path, tiny_llama, monke
     assert ffn == [f"model.layers.{layer}.mlp.down_proj.weight" for layer in range(2)]
 
 
-def _calibration(model, n_tokens: int = 192) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Every FFN layer's inputs (x, h) over random tokens of `model`."""
+def _calibration(model, n_tokens: int = 192) -> dict[str, torch.Tensor]:
+    """Weight name -> its inputs fp16 [N, in], for every linear layer of `model` but the LM head, over random
+    tokens."""
     ids = torch.randint(0, model.config.vocab_size, (n_tokens,), generator=torch.Generator().manual_seed(0))
-    return capture_ffn_inputs(model, ids, 64, progress=False)
+    names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"]
+    with torch.inference_mode():
+        return {f"{n}.weight": x.half() for n, x in collect_linear_inputs(model, ids, names).items()}
 
 
 @pytest.mark.parametrize("dtype,in_format", [("q8", "q8_0"), ("q4", "q4_0")])
 def test_gptq_rounding_against_calibration_inputs(tmp_path, dtype, in_format):
-    """rounding "gptq": every FFN row the store quantizes is GPTQ's against its layer's calibration inputs (up and
-    gate against x, down's columns against h), on round to nearest's grid; each layer's outputs on those inputs
-    err less than the round-to-nearest store's; tensor_sources says GPTQ."""
+    """rounding "gptq": every FFN row the store quantizes is GPTQ's against what its weight multiplies (up and gate
+    x, down's columns h), on round to nearest's grid; each weight's outputs on those inputs err less than the
+    round-to-nearest store's; tensor_sources says GPTQ; the resident blocks are rounded to nearest."""
     model = tiny_model("llama", num_hidden_layers=2)
     model.save_pretrained(tmp_path / "ckpt")
     calibration = _calibration(model)
@@ -224,18 +226,19 @@ def test_gptq_rounding_against_calibration_inputs(tmp_path, dtype, in_format):
     )
     nearest = store.FlashStore(convert(tmp_path / "ckpt", tmp_path / "n", dtype=dtype, progress=False))
     state = model.state_dict()
-    for layer, (x, h) in enumerate(calibration):
+    for layer in range(2):
         mlp = f"model.layers.{layer}.mlp."
         up, gate, down = (state[f"{mlp}{r}_proj.weight"] for r in ("up", "gate", "down"))
-        x_factor, h_factor = gptq_factor(x.float()), gptq_factor(h.float())
+        x, h = calibration[f"{mlp}up_proj.weight"], calibration[f"{mlp}down_proj.weight"]
+        x_factor, h_factor = gptq_factor(x), gptq_factor(h)
         parts = _parts(gptq, layer)
         assert torch.equal(parts["up"], quantize_rows_gptq(up, in_format, x_factor))
         assert torch.equal(parts["gate"], quantize_rows_gptq(gate, in_format, x_factor))
         assert torch.equal(parts["down"], quantize_columns_gptq(down, "q8_0", h_factor))
         ids = torch.arange(gptq.n_neurons)
         ours, theirs = (fs.bundle_format.dequantize(fs.bundle(layer, ids), 64, True) for fs in (gptq, nearest))
-        for k, (weight, inputs) in enumerate(((up, x), (gate, x), (down.t(), h))):
-            want = inputs.float() @ (weight if k < 2 else weight.t()).T
+        for k, (weight, inputs) in enumerate(((up, x), (gate, x), (down, h))):
+            want = inputs.float() @ weight.T
             errors = [
                 (inputs.float() @ (rows[:, k * 64 : (k + 1) * 64] if k < 2 else rows[:, 128:].t()).T - want)
                 .pow(2)
@@ -248,42 +251,50 @@ def test_gptq_rounding_against_calibration_inputs(tmp_path, dtype, in_format):
             "gate": f"quantized F32 -> {in_format}, GPTQ",
             "down": "quantized F32 -> q8_0, GPTQ",
         }
+    for name in ("model.layers.1.self_attn.q_proj.weight", "model.embed_tokens.weight"):  # resident: to nearest
+        assert torch.equal(gptq.resident_weight(name).blocks, nearest.resident_weight(name).blocks)
 
 
 def test_gptq_keeps_the_blocks_a_gguf_has(tmp_path, tiny_llama):
-    """A GGUF's up/gate blocks in the input format stay bit for bit under GPTQ rounding; only down is rounded."""
+    """A GGUF's up/gate blocks in the input format stay bit for bit under GPTQ rounding; only down is rounded, and
+    only its inputs are needed."""
     path = write_tiny_gguf(tmp_path / "tiny.gguf", tiny_llama, qtype=Q.Q4_0)
-    calibration = _calibration(tiny_llama)
+    down = "model.layers.1.mlp.down_proj.weight"
+    calibration = {n: x for n, x in _calibration(tiny_llama).items() if n.endswith("down_proj.weight")}
     fs = store.FlashStore(
         convert(path, tmp_path / "s", dtype="q4", rounding="gptq", calibration=calibration, progress=False)
     )
     parts = _parts(fs, 1)
     assert torch.equal(parts["up"], torch.from_numpy(_gguf_tensor(path, "blk.1.ffn_up.weight")[0]))
-    down = _dequantized(path, "blk.1.ffn_down.weight")
-    assert torch.equal(parts["down"], quantize_columns_gptq(down, "q8_0", gptq_factor(calibration[1][1].float())))
+    values = _dequantized(path, "blk.1.ffn_down.weight")
+    assert torch.equal(parts["down"], quantize_columns_gptq(values, "q8_0", gptq_factor(calibration[down])))
     assert describe_sources(fs.tensor_sources) == "4 kept Q4_0 blocks, 2 requantized Q4_0 -> q8_0, GPTQ"
 
 
 @pytest.mark.slow
 def test_calibration_inputs_are_the_models_own_on_calibration_text(default_model, monkeypatch):
-    """calibration_inputs runs the checkpoint's model (its own tokenizer reading the calibration text): every layer's
-    x and h are what the model's up/gate and down projections multiply on those tokens."""
+    """calibration_inputs runs the checkpoint's model (its own tokenizer reading the calibration text): each named
+    weight's inputs are what the model's layer multiplies on those tokens."""
     path, model, tokenizer = default_model
     monkeypatch.setattr(quantized_rows, "CALIBRATION_WINDOWS", 2)
     monkeypatch.setattr(quantized_rows, "CALIBRATION_WINDOW", 16)
-    calibration = quantized_rows.calibration_inputs(path, progress=False)
+    names = [
+        "model.layers.3.mlp.up_proj.weight",
+        "model.layers.3.mlp.down_proj.weight",
+        "layers.3.self_attn.o_proj.weight",
+    ]
+    calibration = quantized_rows.calibration_inputs(path, names, progress=False)
     ids = spread_windows(corpus_token_ids(tokenizer, "calibration"), 2, 16)
-    assert len(calibration) == model.config.num_hidden_layers
-    layer = model.model.layers[3].mlp
+    modules = [n.removesuffix(".weight") for n in names[:2]] + ["model.layers.3.self_attn.o_proj"]
     with torch.inference_mode():
-        captured = collect_linear_inputs(
-            model, ids[16:].view(1, -1), ["model.layers.3.mlp.up_proj", "model.layers.3.mlp.down_proj"]
-        )
-    x, h = calibration[3]
-    assert x.dtype == h.dtype == torch.float16
-    assert (x.shape, h.shape) == ((32, layer.up_proj.in_features), (32, layer.down_proj.in_features))
-    torch.testing.assert_close(x[16:].float(), captured["model.layers.3.mlp.up_proj"], atol=2e-3, rtol=2e-3)
-    torch.testing.assert_close(h[16:].float(), captured["model.layers.3.mlp.down_proj"], atol=2e-3, rtol=2e-3)
+        captured = collect_linear_inputs(model, ids[16:], modules)
+    assert sorted(calibration) == sorted(names)
+    for name, module in zip(names, modules):
+        got = calibration[name]
+        assert got.dtype == torch.float16 and got.shape == (32, model.get_submodule(module).in_features)
+        torch.testing.assert_close(got[16:].float(), captured[module], atol=2e-3, rtol=2e-3)
+    with pytest.raises(ValueError, match="no module for the weight model.layers.3.mlp.fc9.weight"):
+        quantized_rows.calibration_inputs(path, ["model.layers.3.mlp.fc9.weight"], progress=False)
 
 
 def test_gptq_arguments_are_checked(tmp_path, tiny_llama):
@@ -295,8 +306,11 @@ def test_gptq_arguments_are_checked(tmp_path, tiny_llama):
         convert(path, tmp_path / "s", dtype="q4", rounding="awq", progress=False)
     with pytest.raises(ValueError, match="rounding 'gptq' applies to the quantized dtypes"):
         convert(path, tmp_path / "s", dtype="fp16", rounding="gptq", calibration=calibration, progress=False)
-    with pytest.raises(ValueError, match="calibration inputs for 1 layers, the checkpoint has 2"):
-        convert(path, tmp_path / "s", dtype="q4", rounding="gptq", calibration=calibration[:1], progress=False)
+    with pytest.raises(ValueError, match="calibration inputs apply to rounding 'gptq', not 'nearest'"):
+        convert(path, tmp_path / "s", dtype="q4", calibration=calibration, progress=False)
+    del calibration["model.layers.1.mlp.down_proj.weight"]
+    with pytest.raises(ValueError, match="calibration inputs lack 1 of the weights GPTQ rounds, e.g. model.layers.1"):
+        convert(path, tmp_path / "s", dtype="q4", rounding="gptq", calibration=calibration, progress=False)
     tiny_model("llama", num_hidden_layers=2).save_pretrained(tmp_path / "ckpt")
     with pytest.raises(ValueError, match="has no tokenizer"):
         convert(tmp_path / "ckpt", tmp_path / "s", dtype="q8", rounding="gptq", progress=False)
