@@ -10,9 +10,10 @@ many of `--tokens` greedy tokens equal
 `transformers`' before the first difference. The q4 stores keep the GGUF's Q4_1 blocks of up and gate bit for bit;
 down is requantized along the hidden dimension in the format named. Rows named "gptq" round the FFN rows the store
 quantizes by GPTQ against the model's FFN inputs on calibration text (`flashllm convert --rounding gptq`), the others
-to nearest.
+to nearest. Rows "from fp16 safetensors" convert the same weights as a Hugging Face checkpoint would hold them (the
+GGUF's values in fp16, written once under --store-dir): nothing is kept, every weight is quantized.
 
-    python -m bench.bench_formats [--json] [--windows N] [--window W] [--tokens N] [--store-dir DIR]
+    python -m bench.bench_formats [--json] [--windows N] [--window W] [--tokens N] [--store-dir DIR] [--format NAME ...]
 """
 
 from __future__ import annotations
@@ -27,10 +28,11 @@ from flashllm_ext.flash.convert import convert
 from flashllm_ext.flash.engine import load_flash, resident_bytes_of
 from flashllm_ext.flash.store import FlashStore
 from flashllm_ext.hub import corpus_token_ids, fetch_default
-from flashllm_ext.hub.hf import load_hf_model, replace_weights
+from flashllm_ext.hub.hf import load_hf_model, replace_weights, save_hf_checkpoint
 from flashllm_ext.hub.text import perplexity
 
-# name -> convert's arguments
+# name -> convert's arguments (FROM_SAFETENSORS: of the fp16 Hugging Face checkpoint, not the GGUF)
+FROM_SAFETENSORS = "from fp16 safetensors"
 FORMATS = {
     "fp16": {"dtype": "fp16"},
     "q8": {"dtype": "q8"},
@@ -40,16 +42,24 @@ FORMATS = {
     "q8, gptq": {"dtype": "q8", "rounding": "gptq"},
     "q4, gptq": {"dtype": "q4", "down_format": "q8_0", "rounding": "gptq"},
     "q4, down q4_1, gptq": {"dtype": "q4", "down_format": "q4_1", "rounding": "gptq"},
+    f"q4 {FROM_SAFETENSORS}": {"dtype": "q4"},
+    f"q4 {FROM_SAFETENSORS}, gptq": {"dtype": "q4", "rounding": "gptq"},
 }
 
 
-def store_for(name: str, gguf: Path, store_dir: Path) -> FlashStore:
-    """The default model converted to format `name` (kept under store_dir between runs)."""
+def store_for(name: str, gguf: Path, store_dir: Path, reference, tokenizer) -> FlashStore:
+    """The default model converted to format `name` (kept under store_dir between runs), from the GGUF or from its
+    fp16 Hugging Face checkpoint (`reference` and `tokenizer` written under store_dir, once)."""
     path = store_dir / name.replace(", ", "-").replace(" ", "-")
     try:
         return FlashStore(path)
     except (OSError, ValueError):
-        convert(gguf, path, force=path.exists(), progress=False, **FORMATS[name])
+        checkpoint = gguf
+        if FROM_SAFETENSORS in name:
+            checkpoint = store_dir / "hf-fp16"
+            if not (checkpoint / "config.json").is_file():
+                save_hf_checkpoint(reference, tokenizer, checkpoint)
+        convert(checkpoint, path, force=path.exists(), progress=False, **FORMATS[name])
         return FlashStore(path)
 
 
@@ -80,7 +90,15 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=256, help="tokens per window")
     parser.add_argument("--tokens", type=int, default=32, help="greedy tokens compared with transformers")
     parser.add_argument("--store-dir", type=Path, default=Path.home() / ".cache" / "flashllm_ext" / "bench-formats")
+    parser.add_argument(
+        "--format",
+        action="append",
+        choices=list(FORMATS),
+        metavar="NAME",
+        help=f"a format to measure, repeated for more (default: all of {list(FORMATS)})",
+    )
     args = parser.parse_args()
+    names = args.format or list(FORMATS)
     if args.smoke:
         args.windows, args.window, args.tokens = 1, 32, 4
     gguf = fetch_default()
@@ -91,8 +109,8 @@ def main() -> None:
         want = reference.generate(prompt.unsqueeze(0), max_new_tokens=args.tokens, do_sample=False)[0, prompt.numel() :]
     ppl_gguf = perplexity(reference, ids, args.window, args.windows, progress=False)
     rows = []
-    for name in list(FORMATS)[:2] if args.smoke else FORMATS:
-        store = store_for(name, gguf, args.store_dir)
+    for name in names[:2] if args.smoke else names:
+        store = store_for(name, gguf, args.store_dir, reference, tokenizer)
         with store:
             neuron_bytes = store.row_bytes
             resident_bytes = store.resident_nbytes()
