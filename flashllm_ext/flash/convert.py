@@ -51,8 +51,10 @@ from flashllm_ext.flash.quantized_rows import (
     CHUNK_BYTES,
     DEFAULT_DOWN_FORMAT,
     QUANTIZED_DTYPES,
+    ATTENTION_PROJECTION,
     QUANTIZED_FLOAT_DTYPE,
     ROUNDINGS,
+    calibration_factor,
     calibration_inputs,
     commonest_format,
     keeps_blocks,
@@ -60,7 +62,7 @@ from flashllm_ext.flash.quantized_rows import (
     quantized_bundles,
     resident_block_formats,
 )
-from flashllm_ext.ops.blocks import BLOCK_FORMATS, BundleFormat, block_format, quantize_rows
+from flashllm_ext.ops.blocks import BLOCK_FORMATS, BundleFormat, block_format, quantize_rows, quantize_rows_gptq
 
 # FFN tensor names of the supported families: Llama/Mistral/SmolLM (gate/up/down) and OPT (fc1/fc2), and the experts
 # of the mixture-of-experts families (Mixtral's block_sparse_moe.experts.{e}.w1/w3/w2, Qwen-MoE's and OLMoE's
@@ -170,9 +172,10 @@ def convert(
     "q8" (q8_0 rows) or "q4" (q4_0 up/gate rows, q4_1 from a GGUF whose up/gate tensors are Q4_1), the down row
     in `down_format` (a flashllm_ext.ops.blocks format, default q8_0). Endor compression takes float bundles only.
 
-    rounding (quantized dtypes, dense models): how the FFN rows the store quantizes are rounded, "nearest" or "gptq"
-    (quantized_rows.ROUNDINGS): against what each weight multiplies, `calibration` (weight name -> inputs [N, in]),
-    which quantized_rows.calibration_inputs captures (running the checkpoint's model on calibration text) when None.
+    rounding (quantized dtypes, dense models): how the FFN rows and attention projections the store quantizes are
+    rounded, "nearest" or "gptq" (quantized_rows.ROUNDINGS): against what each weight multiplies, `calibration`
+    (weight name -> inputs [N, in] in windows of quantized_rows.CALIBRATION_WINDOW tokens), which
+    quantized_rows.calibration_inputs captures (running the checkpoint's model on calibration text) when None.
 
     neuron_order: int [n_layers, n_neurons], the model neuron each bundle row holds (flashllm_ext.predictor.placement
     .neuron_orders): every layer's rows and per-neuron biases are written in that order and the order is recorded
@@ -221,7 +224,7 @@ def convert(
     resident_names = [n for n in ckpt.names if n not in weights]
     blocks = resident_block_formats(ckpt, resident_names, bundle_format.in_format) if quantized else {}
     if rounding == "gptq":
-        calibration = _gptq_calibration(checkpoint, ckpt, bundled, bundle_format, calibration, progress)
+        calibration = _gptq_calibration(checkpoint, ckpt, bundled, bundle_format, blocks, calibration, progress)
     metadata = _bundles_metadata(
         ckpt.config, float_dtype, ffn, hidden, glu, endor, list(layers.values()), bundle_format, sources
     )
@@ -256,7 +259,15 @@ def convert(
             }
         )
         resident = _write_resident(
-            tmp / RESIDENT_FILE, ckpt, resident_names, torch_dtype, float_dtype, progress, blocks, reordered
+            tmp / RESIDENT_FILE,
+            ckpt,
+            resident_names,
+            torch_dtype,
+            float_dtype,
+            progress,
+            blocks,
+            reordered,
+            calibration,
         )
         with FlashStore(tmp) as written:
             _verify(written, expected, resident)
@@ -272,14 +283,13 @@ def _gptq_calibration(
     ckpt: Checkpoint,
     layers: dict[int, list[dict[str, str]]],
     bundle_format: BundleFormat,
+    resident_blocks: dict[str, tuple[str, bool]],
     calibration: dict[str, torch.Tensor] | None,
     progress: bool,
 ) -> dict[str, torch.Tensor]:
     """The calibration inputs of every weight GPTQ rounds, the FFN weights the store quantizes (not the up/gate
-    blocks it keeps): `calibration` checked to hold them, or captured (quantized_rows.calibration_inputs). The
-    resident blocks stay rounded to nearest: GPTQ on the default model's attention projections (q4_0, from fp16)
-    cut their mean output error 7x but raised the first token's (the attention sink every later token attends to)
-    up to 4x, and perplexity with it."""
+    blocks it keeps) and the attention projections among the resident blocks it quantizes: `calibration` checked to
+    hold them, or captured (quantized_rows.calibration_inputs). The embedding and LM head stay rounded to nearest."""
     names = [
         name
         for parts in layers.values()
@@ -287,6 +297,7 @@ def _gptq_calibration(
         for role, name in roles.items()
         if role == "down" or (role in WEIGHT_ROLES and not keeps_blocks(ckpt, name, bundle_format.in_format))
     ]
+    names += [n for n, (_, kept) in resident_blocks.items() if not kept and ATTENTION_PROJECTION.search(n)]
     if calibration is None:
         return calibration_inputs(checkpoint, names, progress)
     missing = [n for n in names if n not in calibration]
@@ -304,14 +315,16 @@ def _write_resident(
     progress: bool,
     block_formats: dict[str, tuple[str, bool]] | None = None,
     reordered: dict[str, torch.Tensor] | None = None,
+    calibration: dict[str, torch.Tensor] | None = None,
 ) -> tuple[str, torch.Tensor] | None:
     """Write the resident tensors one block of rows at a time (a 7B model's attention is gigabytes, its embedding
     alone 1-2 GB in fp32); returns the first tensor's name and first block, for verification. Packed as the
     safetensors library packs them: widest element size first, so each tensor is aligned to its element size
     without padding tensors. block_formats (resident_block_formats): the weights written as uint8 rows of blocks,
-    listed in the `resident_formats` metadata. reordered: per-neuron tensors (an FFN's input biases) written in
-    the order given, as their layer's bundle rows."""
-    block_formats = block_formats or {}
+    listed in the `resident_formats` metadata, rounded by GPTQ against their `calibration` inputs where given (whole,
+    not a block of rows at a time: an attention projection). reordered: per-neuron tensors (an FFN's input biases)
+    written in the order given, as their layer's bundle rows."""
+    block_formats, calibration = block_formats or {}, calibration or {}
     store_name = dtype_name(dtype)
 
     def spec_of(n: str) -> TensorSpec:
@@ -327,11 +340,12 @@ def _write_resident(
     def blocks(name: str) -> Iterator[torch.Tensor]:
         if name in block_formats:
             fmt, kept = block_formats[name]
-            chunks = (
-                [ckpt.raw_blocks(name)[0]]
-                if kept
-                else (quantize_rows(c, fmt) for c in ckpt.row_chunks(name, CHUNK_BYTES))
-            )
+            if kept:
+                chunks = [ckpt.raw_blocks(name)[0]]
+            elif name in calibration:
+                chunks = [quantize_rows_gptq(ckpt[name], fmt, calibration_factor(calibration[name]))]
+            else:
+                chunks = (quantize_rows(c, fmt) for c in ckpt.row_chunks(name, CHUNK_BYTES))
         elif reordered and name in reordered:
             chunks = [_to_store_dtype(ckpt[name][reordered[name]], dtype)]
         else:

@@ -23,17 +23,21 @@ DAMPING = 0.01  # of the mean diagonal of H, added to its diagonal (GPTQ's defau
 LAZY_COLUMNS = 128
 
 
-def gptq_factor(inputs: torch.Tensor) -> torch.Tensor:
-    """The upper Cholesky factor U float32 [d, d] of H^-1, H = X^T X / N of calibration inputs X [N, d] (any float
-    dtype), damped by DAMPING. An input channel that is zero on every row gets H_jj = 1: its weights cannot
-    change the outputs, so their rounding error is free and is not carried."""
+def gptq_factor(inputs: torch.Tensor, row_weights: torch.Tensor | None = None) -> torch.Tensor:
+    """The upper Cholesky factor U float32 [d, d] of H^-1, H = X^T W X / sum(W) of calibration inputs X [N, d] (any
+    float dtype), each row weighted by row_weights [N] (None: all 1), damped by DAMPING. An input channel that is zero
+    on every row gets H_jj = 1: its weights cannot change the outputs, so their rounding error is free and is not
+    carried."""
     if inputs.dim() != 2 or not inputs.is_floating_point() or inputs.shape[0] == 0:
         raise ValueError(
             f"GPTQ needs calibration inputs as a 2-D float tensor [N > 0, d], got {inputs.dtype} "
             f"of shape {tuple(inputs.shape)}"
         )
+    if row_weights is not None and (row_weights.shape != inputs.shape[:1] or bool((row_weights < 0).any())):
+        raise ValueError(f"row_weights must be [{inputs.shape[0]}] and not negative, got {tuple(row_weights.shape)}")
     x = inputs.double()
-    h = x.T @ x / x.shape[0]
+    weights = torch.ones(x.shape[0], dtype=x.dtype) if row_weights is None else row_weights.double()
+    h = (x * weights[:, None]).T @ x / weights.sum()
     dead = h.diagonal() == 0
     h[dead, dead] = 1.0
     h.diagonal().add_(DAMPING * h.diagonal().mean())

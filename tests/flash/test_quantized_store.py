@@ -18,7 +18,6 @@ from flashllm_ext.hub.hf import collect_linear_inputs
 from flashllm_ext.hub.text import corpus_token_ids, spread_windows
 from flashllm_ext.io.checkpoint import GGUFCheckpoint
 from flashllm_ext.ops.blocks import BLOCK, BundleFormat, quantize_columns_gptq, quantize_rows, quantize_rows_gptq
-from flashllm_ext.ops.gptq import gptq_factor
 from tests.helpers.checkpoints import write_tiny_gguf
 from tests.helpers.models import tiny_model
 
@@ -213,9 +212,10 @@ def _calibration(model, n_tokens: int = 192) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("dtype,in_format", [("q8", "q8_0"), ("q4", "q4_0")])
 def test_gptq_rounding_against_calibration_inputs(tmp_path, dtype, in_format):
-    """rounding "gptq": every FFN row the store quantizes is GPTQ's against what its weight multiplies (up and gate
-    x, down's columns h), on round to nearest's grid; each weight's outputs on those inputs err less than the
-    round-to-nearest store's; tensor_sources says GPTQ; the resident blocks are rounded to nearest."""
+    """rounding "gptq": every FFN row and attention projection the store quantizes is GPTQ's against what its
+    weight multiplies (up and gate x, down's columns h), each window's first token weighted SINK_WEIGHT, on round to
+    nearest's grid; each FFN weight's outputs on those inputs err less than the round-to-nearest store's;
+    tensor_sources says GPTQ; the embedding stays rounded to nearest."""
     model = tiny_model("llama", num_hidden_layers=2)
     model.save_pretrained(tmp_path / "ckpt")
     calibration = _calibration(model)
@@ -230,7 +230,7 @@ def test_gptq_rounding_against_calibration_inputs(tmp_path, dtype, in_format):
         mlp = f"model.layers.{layer}.mlp."
         up, gate, down = (state[f"{mlp}{r}_proj.weight"] for r in ("up", "gate", "down"))
         x, h = calibration[f"{mlp}up_proj.weight"], calibration[f"{mlp}down_proj.weight"]
-        x_factor, h_factor = gptq_factor(x), gptq_factor(h)
+        x_factor, h_factor = quantized_rows.calibration_factor(x), quantized_rows.calibration_factor(h)
         parts = _parts(gptq, layer)
         assert torch.equal(parts["up"], quantize_rows_gptq(up, in_format, x_factor))
         assert torch.equal(parts["gate"], quantize_rows_gptq(gate, in_format, x_factor))
@@ -251,13 +251,17 @@ def test_gptq_rounding_against_calibration_inputs(tmp_path, dtype, in_format):
             "gate": f"quantized F32 -> {in_format}, GPTQ",
             "down": "quantized F32 -> q8_0, GPTQ",
         }
-    for name in ("model.layers.1.self_attn.q_proj.weight", "model.embed_tokens.weight"):  # resident: to nearest
-        assert torch.equal(gptq.resident_weight(name).blocks, nearest.resident_weight(name).blocks)
+        for projection in ("q", "o"):  # the resident attention blocks: GPTQ's too
+            name = f"model.layers.{layer}.self_attn.{projection}_proj.weight"
+            factor = quantized_rows.calibration_factor(calibration[name])
+            assert torch.equal(gptq.resident_weight(name).blocks, quantize_rows_gptq(state[name], in_format, factor))
+    embedding = "model.embed_tokens.weight"  # looked up as rows: to nearest
+    assert torch.equal(gptq.resident_weight(embedding).blocks, nearest.resident_weight(embedding).blocks)
 
 
 def test_gptq_keeps_the_blocks_a_gguf_has(tmp_path, tiny_llama):
-    """A GGUF's up/gate blocks in the input format stay bit for bit under GPTQ rounding; only down is rounded, and
-    only its inputs are needed."""
+    """A GGUF's up/gate (and attention) blocks in the input format stay bit for bit under GPTQ rounding; only down is
+    rounded, and only its inputs are needed."""
     path = write_tiny_gguf(tmp_path / "tiny.gguf", tiny_llama, qtype=Q.Q4_0)
     down = "model.layers.1.mlp.down_proj.weight"
     calibration = {n: x for n, x in _calibration(tiny_llama).items() if n.endswith("down_proj.weight")}
@@ -267,7 +271,8 @@ def test_gptq_keeps_the_blocks_a_gguf_has(tmp_path, tiny_llama):
     parts = _parts(fs, 1)
     assert torch.equal(parts["up"], torch.from_numpy(_gguf_tensor(path, "blk.1.ffn_up.weight")[0]))
     values = _dequantized(path, "blk.1.ffn_down.weight")
-    assert torch.equal(parts["down"], quantize_columns_gptq(values, "q8_0", gptq_factor(calibration[down])))
+    factor = quantized_rows.calibration_factor(calibration[down])
+    assert torch.equal(parts["down"], quantize_columns_gptq(values, "q8_0", factor))
     assert describe_sources(fs.tensor_sources) == "4 kept Q4_0 blocks, 2 requantized Q4_0 -> q8_0, GPTQ"
 
 

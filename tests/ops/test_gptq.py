@@ -88,12 +88,26 @@ def test_a_dead_input_channel_is_free():
     assert bool(torch.isfinite(dequantize_rows(quantize_rows_gptq(w, "q8_0", factor), "q8_0", 64)).all())
 
 
+def test_a_row_weighted_w_counts_as_w_copies_of_it():
+    """row_weights: H with a row weighted 5 is H with that row repeated 5 times (the same factor)."""
+    x = _correlated_inputs(64, 32, seed=8)
+    weights = torch.ones(64)
+    weights[0] = 5
+    repeated = torch.cat([x, x[:1].expand(4, -1)])
+    torch.testing.assert_close(gptq_factor(x, weights), gptq_factor(repeated), rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(gptq_factor(x, weights), gptq_factor(x), rtol=1e-3, atol=1e-3)
+
+
 def test_bad_arguments_are_refused():
     x = _correlated_inputs(64, 32, seed=7)
     with pytest.raises(ValueError, match="calibration inputs as a 2-D float tensor"):
         gptq_factor(x[0])
     with pytest.raises(ValueError, match="calibration inputs as a 2-D float tensor"):
         gptq_factor(x[:0])
+    with pytest.raises(ValueError, match="row_weights must be"):
+        gptq_factor(x, torch.ones(3))
+    with pytest.raises(ValueError, match="row_weights must be"):
+        gptq_factor(x, -torch.ones(64))
     w, scale = torch.randn(4, 32), torch.ones(4, 1)
     with pytest.raises(ValueError, match="factor must be"):
         gptq_codes(w, gptq_factor(x[:, :16]), scale, scale, 32, 0, 15)
