@@ -166,8 +166,9 @@ def add_convert(sub: argparse._SubParsersAction) -> None:
         "--rounding",
         choices=ROUNDINGS,
         default="nearest",
-        help="with --dtype q8 or q4: how the FFN rows the store quantizes are rounded. nearest: each weight to its "
-        "nearest code. gptq: the codes chosen against the layer's inputs (GPTQ), captured by running the model "
+        help="with --dtype q8 or q4: how the FFN rows and attention projections the store quantizes are rounded. "
+        "nearest: each weight to its nearest code. gptq: the codes chosen against the layer's inputs (GPTQ), "
+        "captured by running the model "
         f"(transformers, float32, in memory) on {CALIBRATION_WINDOWS} windows of {CALIBRATION_WINDOW} tokens of "
         "calibration text; the same format and size, a lower error (default: nearest)",
     )
