@@ -1,7 +1,7 @@
 """A quantized store's rows made from a checkpoint (flashllm_ext.flash.convert's dtypes "q8" and "q4"): which block
 format the up/gate rows take, which of a GGUF's tensors keep their blocks bit for bit, the rest quantized (round to
-nearest a chunk of rows at a time, or GPTQ against the FFN's inputs on calibration text), and the record of each
-tensor's path (store.tensor_sources)."""
+nearest a chunk of rows at a time, or GPTQ against each weight's inputs on calibration text), and the record of each
+FFN tensor's path (store.tensor_sources)."""
 
 from __future__ import annotations
 
@@ -35,8 +35,8 @@ FLOAT_SOURCES = ("F16", "BF16", "F32", "F64")  # tensor types a quantized store 
 # float32 bytes converted at a time: quantize_rows makes several float32 temporaries of its input (about 1.2 GB
 # for a whole 8B-model FFN matrix), and an 8B model's embedding is 2.1 GB in fp32.
 CHUNK_BYTES = 32 << 20
-# How the quantized FFN rows a store makes (not the kept ones) are rounded: to the nearest code, or by GPTQ
-# (flashllm_ext.ops.gptq) against the FFN's inputs on CALIBRATION_WINDOWS windows of the calibration text.
+# How the FFN rows and attention projections a store quantizes (not the kept ones) are rounded: to the nearest code,
+# or by GPTQ (flashllm_ext.ops.gptq) against their inputs on CALIBRATION_WINDOWS windows of the calibration text.
 ROUNDINGS = ("nearest", "gptq")
 CALIBRATION_WINDOWS, CALIBRATION_WINDOW = 8, 256
 # Each calibration window's first token counts as this many in GPTQ's H: the first token of a sequence is the
