@@ -8,9 +8,9 @@ perplexity under `transformers` (its blocks dequantized to fp32), the perplexity
 (dequantized into that `transformers` model: what the format costs without the kernels' rounding of x), and how
 many of `--tokens` greedy tokens equal
 `transformers`' before the first difference. The q4 stores keep the GGUF's Q4_1 blocks of up and gate bit for bit;
-down is requantized along the hidden dimension in the format named. Rows named "gptq" round the FFN rows the store
-quantizes by GPTQ against the model's FFN inputs on calibration text (`flashllm convert --rounding gptq`), the others
-to nearest. Rows "from fp16 safetensors" convert the same weights as a Hugging Face checkpoint would hold them (the
+down is requantized along the hidden dimension in the format named. Rows named "gptq" round the FFN rows and attention
+projections the store quantizes by GPTQ against their inputs on calibration text (`flashllm convert --rounding
+gptq`), the others to nearest. Rows "from fp16 safetensors" convert the same weights as a Hugging Face checkpoint would hold them (the
 GGUF's values in fp16, written once under --store-dir): nothing is kept, every weight is quantized.
 
     python -m bench.bench_formats [--json] [--windows N] [--window W] [--tokens N] [--store-dir DIR] [--format NAME ...]
