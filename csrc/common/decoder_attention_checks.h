@@ -5,16 +5,41 @@
 #include <torch/library.h>
 
 #include <optional>
+#include <string>
+
+#include "common/quantized_ffn_checks.h"
 
 namespace flashllm {
 
-// The heads of one decoder_attention call: Hq query heads and Hkv kv heads of head_dim D.
+// The heads of one decoder_attention call: Hq query heads and Hkv kv heads of head_dim D; and how its two projection
+// weights are held: floats (-1) or rows of blocks (a block format code).
 struct DecoderHeads {
   int64_t n_q, n_kv, head_dim;
+  int qkv_format, o_format;
 };
 
 inline bool is_decoder_weight_dtype(at::ScalarType t) {
   return t == at::kFloat || t == at::kHalf || t == at::kBFloat16;
+}
+
+// A projection weight's format: -1 without one (floats), else its block format.
+inline int decoder_weight_format(const std::optional<c10::string_view>& format, const char* name) {
+  if (!format) return -1;
+  const int code = parse_block_format(std::string(*format));
+  TORCH_CHECK(code >= 0, "decoder_attention: ", name, " must be one of ('q8_0', 'q4_0', 'q4_1') or None, got '",
+              std::string(*format), "'");
+  return code;
+}
+
+// Whether w holds `cols` columns as the format says: floats [., cols], or contiguous uint8 rows of cols' blocks.
+inline bool is_decoder_weight(const at::Tensor& w, int format, int64_t cols) {
+  if (format < 0) return w.dim() == 2 && is_decoder_weight_dtype(w.scalar_type()) && w.size(1) == cols;
+  return w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous() &&
+         w.size(1) == (cols + kBlock - 1) / kBlock * block_bytes(format);
+}
+
+inline std::string decoder_weight_kind(int format, const std::optional<c10::string_view>& name) {
+  return format < 0 ? "a float tensor" : "uint8 rows of " + std::string(*name) + " blocks";
 }
 
 inline DecoderHeads check_decoder_attention_args(
@@ -22,7 +47,8 @@ inline DecoderHeads check_decoder_attention_args(
     const std::optional<at::Tensor>& qkv_bias, const std::optional<at::Tensor>& q_norm,
     const std::optional<at::Tensor>& k_norm, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_cache,
     const at::Tensor& v_cache, const at::Tensor& o_weight, const std::optional<at::Tensor>& o_bias,
-    const at::Tensor& ffn_norm_weight, int64_t position) {
+    const at::Tensor& ffn_norm_weight, int64_t position, const std::optional<c10::string_view>& qkv_format_name,
+    const std::optional<c10::string_view>& o_format_name) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(0) == 1,
               "decoder_attention: x must be a float32 tensor [1, d], got ", x.scalar_type(), " of shape ", x.sizes());
   const int64_t d = x.size(1);
@@ -32,25 +58,32 @@ inline DecoderHeads check_decoder_attention_args(
       "decoder_attention: k_cache and v_cache must be float tensors [S, 1, Hkv, D] of one shape and dtype, got ",
       k_cache.scalar_type(), " ", k_cache.sizes(), " and ", v_cache.scalar_type(), " ", v_cache.sizes());
   const int64_t n_kv = k_cache.size(2), head_dim = k_cache.size(3);
+  const int qkv_format = decoder_weight_format(qkv_format_name, "qkv_format");
+  const int o_format = decoder_weight_format(o_format_name, "o_format");
   const int64_t rows = qkv_weight.dim() == 2 ? qkv_weight.size(0) : -1;
   const int64_t n_q = head_dim ? (rows - 2 * n_kv * head_dim) / head_dim : 0;
-  TORCH_CHECK(qkv_weight.dim() == 2 && is_decoder_weight_dtype(qkv_weight.scalar_type()) && qkv_weight.size(1) == d &&
-                  n_q >= n_kv && n_kv >= 1 && n_q % n_kv == 0 && rows == (n_q + 2 * n_kv) * head_dim,
-              "decoder_attention: qkv_weight must be [(Hq + 2 Hkv) D, d=", d, "] with Hq a multiple of Hkv=", n_kv,
-              " and D=", head_dim, ", got ", qkv_weight.scalar_type(), " of shape ", qkv_weight.sizes());
-  const auto wdtype = qkv_weight.scalar_type();
-  TORCH_CHECK(o_weight.dim() == 2 && o_weight.scalar_type() == wdtype && o_weight.size(0) == d &&
-                  o_weight.size(1) == n_q * head_dim,
-              "decoder_attention: o_weight must be ", wdtype, " [d=", d, ", Hq D=", n_q * head_dim, "], got ",
-              o_weight.scalar_type(), " of shape ", o_weight.sizes());
+  TORCH_CHECK(is_decoder_weight(qkv_weight, qkv_format, d) && n_q >= n_kv && n_kv >= 1 && n_q % n_kv == 0 &&
+                  rows == (n_q + 2 * n_kv) * head_dim,
+              "decoder_attention: qkv_weight must be ", decoder_weight_kind(qkv_format, qkv_format_name),
+              " [(Hq + 2 Hkv) D, d=", d, "] with Hq a multiple of Hkv=", n_kv, " and D=", head_dim, ", got ",
+              qkv_weight.scalar_type(), " of shape ", qkv_weight.sizes());
+  // Float weights are one dtype (their biases too); a bias of rows of blocks is float32.
+  const bool floats = qkv_format < 0 && o_format < 0;
+  const bool o_dtype = !floats || o_weight.scalar_type() == qkv_weight.scalar_type();
+  TORCH_CHECK(is_decoder_weight(o_weight, o_format, n_q * head_dim) && o_dtype && o_weight.size(0) == d,
+              "decoder_attention: o_weight must be ",
+              floats ? c10::str(qkv_weight.scalar_type()) : decoder_weight_kind(o_format, o_format_name), " [d=", d,
+              ", Hq D=", n_q * head_dim, "], got ", o_weight.scalar_type(), " of shape ", o_weight.sizes());
   const char* bias_names[2] = {"qkv_bias", "o_bias"};
   const std::optional<at::Tensor>* biases[2] = {&qkv_bias, &o_bias};
   const int64_t bias_sizes[2] = {rows, d};
+  const at::ScalarType bias_dtypes[2] = {qkv_format < 0 ? qkv_weight.scalar_type() : at::kFloat,
+                                         o_format < 0 ? o_weight.scalar_type() : at::kFloat};
   for (int i = 0; i < 2; ++i) {
     const auto& b = *biases[i];
-    TORCH_CHECK(!b || (b->scalar_type() == wdtype && b->dim() == 1 && b->size(0) == bias_sizes[i]),
-                "decoder_attention: ", bias_names[i], " must be ", wdtype, " [", bias_sizes[i], "], got ",
-                b ? b->scalar_type() : wdtype, " of shape ", b ? b->sizes() : at::IntArrayRef{});
+    TORCH_CHECK(!b || (b->scalar_type() == bias_dtypes[i] && b->dim() == 1 && b->size(0) == bias_sizes[i]),
+                "decoder_attention: ", bias_names[i], " must be ", bias_dtypes[i], " [", bias_sizes[i], "], got ",
+                b ? b->scalar_type() : bias_dtypes[i], " of shape ", b ? b->sizes() : at::IntArrayRef{});
   }
   const char* vec_names[6] = {"norm_weight", "ffn_norm_weight", "q_norm", "k_norm", "cos", "sin"};
   const at::Tensor* vecs[6] = {
@@ -72,7 +105,7 @@ inline DecoderHeads check_decoder_attention_args(
   for (const at::Tensor* t : all) {
     TORCH_CHECK(!t || t->device() == x.device(), "decoder_attention: every tensor must be on x's device ", x.device());
   }
-  return {n_q, n_kv, head_dim};
+  return {n_q, n_kv, head_dim, qkv_format, o_format};
 }
 
 }  // namespace flashllm

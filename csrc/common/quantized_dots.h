@@ -60,6 +60,7 @@ struct QuantizedX {
   std::vector<int8_t> codes;
   std::vector<float> scale, scaled_sum;
   int64_t n_blocks, n_pairs;
+  std::vector<int32_t> lane_offset;  // AVX2, Q4_0: [nt][n_blocks * 8], -8 * (the lane's 4 codes' sum)
   std::vector<int8_t> pair_codes;    // [nt][n_pairs * 64]
   std::vector<int32_t> pair_offset;  // [nt][n_pairs * 16]
   std::vector<float> pair_scale;     // [nt][n_pairs * 16]
@@ -88,6 +89,7 @@ inline QuantizedX quantize_x(const float* x, int nt, int64_t d, int64_t n_blocks
                std::vector<float>(nt * n_blocks),
                n_blocks,
                n_pairs,
+               std::vector<int32_t>(),
                std::vector<int8_t>(nt * n_pairs * 64),
                std::vector<int32_t>(nt * n_pairs * 16),
                std::vector<float>(nt * n_pairs * 16),
@@ -113,6 +115,11 @@ inline QuantizedX quantize_x(const float* x, int nt, int64_t d, int64_t n_blocks
       q.scale[t * n_blocks + b] = s;
       q.scaled_sum[t * n_blocks + b] = s * static_cast<float>(sum);
     }
+  if (!pair_layout && in_format == kQ4_0) {
+    q.lane_offset.resize(nt * n_blocks * 8);
+    for (int64_t i = 0; i < nt * n_blocks * 8; ++i)
+      q.lane_offset[i] = -8 * (q.codes[4 * i] + q.codes[4 * i + 1] + q.codes[4 * i + 2] + q.codes[4 * i + 3]);
+  }
   const int32_t offset = vnni_offset(in_format);
   for (int t = 0; t < nt; ++t)
     for (int64_t p = 0; p < n_pairs; ++p) {
@@ -177,26 +184,40 @@ void dots_scalar(const uint8_t* col, const QuantizedX& x, int t0, float* out) {
 }
 
 // ---------------------------------------------------------------------------------------------- AVX2
-// A 4-bit block's 16 code bytes as 32 bytes 0..15 in weight order (low nibbles, then high nibbles).
+// A 4-bit block's 16 code bytes as 32 bytes 0..15 in weight order (low nibbles, then high nibbles): the 16 bytes in
+// both halves, the upper half shifted right by 4 (a 64-bit shift: the bits it moves across bytes are masked off).
 FLASHLLM_QAVX2 inline __m256i nibbles_avx2(const uint8_t* codes) {
-  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes));
-  const __m128i low = _mm_set1_epi8(0x0F);
-  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(packed, 4), low), _mm_and_si128(packed, low));
+  const __m256i both = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
+  return _mm256_and_si256(_mm256_srlv_epi64(both, _mm256_setr_epi64x(0, 0, 4, 4)), _mm256_set1_epi8(0x0F));
 }
 
+// One block's integer sums for token k's codes, 8 int32 lanes (4 products each): Q4_0's nibbles n minus 8 (the lanes
+// start from -8 times x's lane sums, QuantizedX::lane_offset), Q4_1's n, Q8_0's q (as |q| times x with q's sign).
+template <int FMT>
+FLASHLLM_QAVX2 inline __m256i block_isum_avx2(__m256i u, __m256i q, const QuantizedX& x, int64_t k) {
+  __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.codes.data() + k * kBlock));
+  if constexpr (FMT == kQ8_0) xq = _mm256_sign_epi8(xq, q);
+  const __m256i isum = _mm256_madd_epi16(_mm256_maddubs_epi16(u, xq), _mm256_set1_epi16(1));
+  if constexpr (FMT == kQ4_0)
+    return _mm256_add_epi32(isum, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.lane_offset.data() + k * 8)));
+  return isum;
+}
+
+// Blocks b and b + 1 go to separate accumulators when there are at most two tokens: one chain of FMAs bound a
+// decode token to the FMA's latency (1-2 tokens have too few independent chains to hide it).
 template <int FMT, int NT>
 FLASHLLM_QAVX2 void dots_avx2(const uint8_t* col, const QuantizedX& x, int t0, float* out) {
-  __m256 acc[NT];
-  float corr[NT] = {};
-  for (int t = 0; t < NT; ++t) acc[t] = _mm256_setzero_ps();
-  const __m256i ones = _mm256_set1_epi16(1);
-  for (int64_t b = 0; b < x.n_blocks; ++b) {
+  constexpr int U = NT <= 2 ? 2 : 1;
+  __m256 acc[U][NT];
+  float corr[U][NT] = {};  // Q4_1: m * s * sum(codes)
+  for (int u = 0; u < U; ++u)
+    for (int t = 0; t < NT; ++t) acc[u][t] = _mm256_setzero_ps();
+  const int64_t nb = x.n_blocks;
+  auto block = [&](int64_t b, int u_) FLASHLLM_QAVX2 {
     const uint8_t* blk = col + b * block_bytes(FMT);
     const uint8_t* codes = blk + codes_offset(FMT);
     const float d = half_at_f16c(blk);
-    const float c = FMT == kQ4_0 ? -8.f * d : FMT == kQ4_1 ? half_at_f16c(blk + 2) : 0.f;
-    __m256i u;  // unsigned codes; Q8_0: |q|
-    __m256i q;
+    __m256i u, q = _mm256_setzero_si256();  // unsigned codes; Q8_0: |q| and q
     if constexpr (FMT == kQ8_0) {
       q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes));
       u = _mm256_sign_epi8(q, q);
@@ -204,15 +225,25 @@ FLASHLLM_QAVX2 void dots_avx2(const uint8_t* col, const QuantizedX& x, int t0, f
       u = nibbles_avx2(codes);
     }
     for (int t = 0; t < NT; ++t) {
-      const int64_t k = (t0 + t) * x.n_blocks + b;
-      __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.codes.data() + k * kBlock));
-      if constexpr (FMT == kQ8_0) xq = _mm256_sign_epi8(xq, q);
-      const __m256i isum = _mm256_madd_epi16(_mm256_maddubs_epi16(u, xq), ones);
-      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(d * x.scale[k]), acc[t]);
-      corr[t] += c * x.scaled_sum[k];
+      const int64_t k = (t0 + t) * nb + b;
+      const __m256i isum = block_isum_avx2<FMT>(u, q, x, k);
+      acc[u_][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(d * x.scale[k]), acc[u_][t]);
+      if constexpr (FMT == kQ4_1) corr[u_][t] += half_at_f16c(blk + 2) * x.scaled_sum[k];
     }
+  };
+  int64_t b = 0;
+  for (; b + U <= nb; b += U)
+    for (int u = 0; u < U; ++u) block(b + u, u);
+  for (; b < nb; ++b) block(b, 0);
+  for (int t = 0; t < NT; ++t) {
+    __m256 sum = acc[0][t];
+    float c = corr[0][t];
+    for (int u = 1; u < U; ++u) {
+      sum = _mm256_add_ps(sum, acc[u][t]);
+      c += corr[u][t];
+    }
+    out[t] = simd::hsum_avx2(sum) + c;
   }
-  for (int t = 0; t < NT; ++t) out[t] = simd::hsum_avx2(acc[t]) + corr[t];
 }
 
 // ---------------------------------------------------------------------------------------------- AVX-512 VNNI

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from flashllm_ext.decoder.config import DecoderConfig, rope_inverse_frequencies
 from flashllm_ext.decoder.kv_cache import StaticKVCache
 from flashllm_ext.decoder.moe import Router, SharedExpert
+from flashllm_ext.ops.blocks import QuantizedWeight
 from flashllm_ext.decoder.layers import (
     ResidentWeights,
     attention_projections,
@@ -30,6 +31,27 @@ from flashllm_ext.decoder.layers import (
 
 FFN = Callable[[torch.Tensor], torch.Tensor]
 DECODER_ATTENTION = torch.ops.flashllm.decoder_attention.default  # the op itself (flashllm_ext/ops/decoder.py)
+
+
+Projection = tuple[torch.Tensor, str | None, torch.Tensor | None]
+
+
+def fused_projections(layer: LlamaLayer) -> tuple[Projection, Projection] | None:
+    """The layer's (weight, its block format or None, bias) of qkv and of o as flashllm::decoder_attention takes
+    them, where both weights are resident (float tensors of one dtype, or blocks, whose bias goes as float32); None
+    where a token's attention runs op by op (an offloaded or Endor weight; blocks off the CPU, where the op is its
+    reference, which would dequantize them whole: op by op, flashllm::quantized_linear's CUDA kernel reads them)."""
+    parts = []
+    for w, bias in ((layer.qkv, layer.qkv_bias), (layer.o, layer.o_bias)):
+        if isinstance(w, QuantizedWeight) and w.blocks.device.type == "cpu":
+            parts.append((w.blocks, w.fmt, bias if bias is None or bias.dtype == torch.float32 else bias.float()))
+        elif isinstance(w, torch.Tensor):
+            parts.append((w, None, bias))
+        else:
+            return None
+    if parts[0][1] is None and parts[1][1] is None and parts[0][0].dtype != parts[1][0].dtype:
+        return None
+    return parts[0], parts[1]
 
 
 class LlamaLayer:
@@ -74,26 +96,29 @@ class LlamaLayer:
         rotary's for these tokens (Rotary.tables). before_ffn(x): called with the residual after the attention,
         before the FFN (an MoE decoder's read-ahead of the next layer's experts)."""
         n_tokens, start = x.shape[0], cache.length
-        # decoding: the attention half in one call, which also norms the FFN's input (float matrices only)
-        fused = isinstance(self.qkv, torch.Tensor) and isinstance(self.o, torch.Tensor)
-        if n_tokens == 1 and fused and not self.full_qk_norm:
+        # decoding: the attention half in one call, which also norms the FFN's input (resident matrices only)
+        fused = fused_projections(self) if n_tokens == 1 and not self.full_qk_norm else None
+        if fused is not None:
+            (qkv, qkv_format, qkv_bias), (o, o_format, o_bias) = fused
             x, h = DECODER_ATTENTION(
                 x,
                 self.attention_norm,
-                self.qkv,
-                self.qkv_bias,
+                qkv,
+                qkv_bias,
                 self.q_norm,
                 self.k_norm,
                 tables[0][0, 0],
                 tables[1][0, 0],
                 *cache.layers[self.index],
-                self.o,
-                self.o_bias,
+                o,
+                o_bias,
                 self.ffn_norm,
                 start,
                 self.window or 0,
                 self.eps,
                 self.scale,
+                qkv_format,
+                o_format,
             )
             if before_ffn is not None:
                 before_ffn(x)

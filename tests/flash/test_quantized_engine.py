@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import flashllm_ext
+from flashllm_ext.decoder.llama import fused_projections
 from flashllm_ext.flash.convert import convert
 from flashllm_ext.flash.store import FlashStore
 from flashllm_ext.hub.hf import QuantizedEmbedding, QuantizedLinear, assign_resident, empty_model, replace_weights
@@ -140,7 +141,8 @@ def test_quantized_linear_adds_its_bias(bits):
 @torch.no_grad()
 def test_the_lean_decoder_runs_a_quantized_store(stores, family, mode):
     """Its attention, embedding and LM head stay in blocks (quantized_linear; the embedding's looked-up rows
-    dequantized) and it is charged their bytes; its logits are transformers' on the dequantized weights."""
+    dequantized) and it is charged their bytes; its logits, over the prompt and each decode token, are transformers'
+    on the dequantized weights."""
     reference, path = stores[family, "q8"]
     prompt = torch.randint(3, 90, (7,), generator=torch.Generator().manual_seed(3))
     decoder = flashllm_ext.load_decoder(path, dram_budget=None, mode=mode, dtype=torch.float32, max_len=64)
@@ -149,8 +151,16 @@ def test_the_lean_decoder_runs_a_quantized_store(stores, family, mode):
         assert isinstance(layer.qkv, QuantizedWeight) and isinstance(decoder.model.embedding, QuantizedWeight)
         with FlashStore(path) as store:
             assert decoder.model_bytes < sum(t.numel() * 4 for t in store.resident().values())  # not as floats
-        want = reference(prompt.unsqueeze(0)).logits[0, -1]
-        got = decoder.forward(prompt).reshape(-1, want.numel())[-1]
-        torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+        ids = prompt
+        logits = decoder.forward(prompt)
+        for _ in range(4):  # the prompt, then decode tokens (Llama: the attention half one decoder_attention call)
+            want = reference(ids.unsqueeze(0)).logits[0, -1]
+            got = logits.reshape(-1, want.numel())[-1]
+            torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+            token = int(want.argmax())
+            ids = torch.cat((ids, torch.tensor([token])))
+            logits = decoder.forward(torch.tensor([token]))
+        if family == "llama":
+            assert fused_projections(layer)[0][1] == "q8_0"
     finally:
         decoder.close()
