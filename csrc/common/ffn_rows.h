@@ -3,7 +3,6 @@
 // A kernel supplies only how a row's dot products and down-row axpy are computed, as a `Rows` type with
 //   void prefetch(int64_t r) const;                       // row r comes next
 //   void dots(int64_t r, int part, float* out) const;     // out[t] = x_t . input column `part` (0 up, 1 gate) of r
-//   void dot_pair(int64_t r, float* up, float* gate) const;  // both input columns of a GLU row
 //   void axpy(int64_t r, const float* h, float* acc) const;  // acc[t * d + c] += h[t] * down_r[c]
 //   float bias(int64_t r) const;                          // r's input bias (0 without one)
 #pragma once
@@ -44,10 +43,8 @@ void accumulate_ffn_rows(const Rows& rows, const int64_t* index, int64_t begin, 
     const int64_t r = index ? index[i] : i;
     if (index && i + 1 < end) rows.prefetch(index[i + 1]);
     float h[NT], up[NT];
-    if (up_first)
-      rows.dot_pair(r, up, h);
-    else
-      rows.dots(r, glu ? 1 : 0, h);  // the activation's input column: gate for GLU, up otherwise
+    if (up_first) rows.dots(r, 0, up);
+    rows.dots(r, glu ? 1 : 0, h);  // the activation's input column: gate for GLU, up otherwise
     const float b = rows.bias(r);
     bool any = false;
     for (int t = 0; t < NT; ++t) {

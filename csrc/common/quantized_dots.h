@@ -203,64 +203,47 @@ FLASHLLM_QAVX2 inline __m256i block_isum_avx2(__m256i u, __m256i q, const Quanti
   return isum;
 }
 
-// The dot products of C columns of blocks (column c at col + c * stride: a bundle's up and gate) with NT tokens in one
-// pass over the blocks, each token's codes loaded once for the C columns: out[c * NT + t]. With one column and at
-// most two tokens, blocks b and b + 1 go to separate accumulators: one chain of FMAs bound a decode token to the FMA's
-// latency.
-template <int FMT, int NT, int C>
-FLASHLLM_QAVX2 void columns_avx2(const uint8_t* col, int64_t stride, const QuantizedX& x, int t0, float* out) {
-  constexpr int U = C == 1 && NT <= 2 ? 2 : 1;
-  __m256 acc[U][C][NT];
-  float corr[U][C][NT] = {};  // Q4_1: m * s * sum(codes)
+// Blocks b and b + 1 go to separate accumulators when there are at most two tokens: one chain of FMAs bound a
+// decode token to the FMA's latency (1-2 tokens have too few independent chains to hide it).
+template <int FMT, int NT>
+FLASHLLM_QAVX2 void dots_avx2(const uint8_t* col, const QuantizedX& x, int t0, float* out) {
+  constexpr int U = NT <= 2 ? 2 : 1;
+  __m256 acc[U][NT];
+  float corr[U][NT] = {};  // Q4_1: m * s * sum(codes)
   for (int u = 0; u < U; ++u)
-    for (int c = 0; c < C; ++c)
-      for (int t = 0; t < NT; ++t) acc[u][c][t] = _mm256_setzero_ps();
+    for (int t = 0; t < NT; ++t) acc[u][t] = _mm256_setzero_ps();
   const int64_t nb = x.n_blocks;
   auto block = [&](int64_t b, int u_) FLASHLLM_QAVX2 {
-    float d[C], m[C];
-    __m256i u[C], q[C];  // unsigned codes; Q8_0: |q| and q
-    for (int c = 0; c < C; ++c) {
-      const uint8_t* blk = col + c * stride + b * block_bytes(FMT);
-      const uint8_t* codes = blk + codes_offset(FMT);
-      d[c] = half_at_f16c(blk);
-      m[c] = FMT == kQ4_1 ? half_at_f16c(blk + 2) : 0.f;
-      q[c] = _mm256_setzero_si256();
-      if constexpr (FMT == kQ8_0) {
-        q[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes));
-        u[c] = _mm256_sign_epi8(q[c], q[c]);
-      } else {
-        u[c] = nibbles_avx2(codes);
-      }
+    const uint8_t* blk = col + b * block_bytes(FMT);
+    const uint8_t* codes = blk + codes_offset(FMT);
+    const float d = half_at_f16c(blk);
+    __m256i u, q = _mm256_setzero_si256();  // unsigned codes; Q8_0: |q| and q
+    if constexpr (FMT == kQ8_0) {
+      q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes));
+      u = _mm256_sign_epi8(q, q);
+    } else {
+      u = nibbles_avx2(codes);
     }
     for (int t = 0; t < NT; ++t) {
       const int64_t k = (t0 + t) * nb + b;
-      const float s = x.scale[k];
-      for (int c = 0; c < C; ++c) {
-        const __m256i isum = block_isum_avx2<FMT>(u[c], q[c], x, k);
-        acc[u_][c][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(d[c] * s), acc[u_][c][t]);
-        if constexpr (FMT == kQ4_1) corr[u_][c][t] += m[c] * x.scaled_sum[k];
-      }
+      const __m256i isum = block_isum_avx2<FMT>(u, q, x, k);
+      acc[u_][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(d * x.scale[k]), acc[u_][t]);
+      if constexpr (FMT == kQ4_1) corr[u_][t] += half_at_f16c(blk + 2) * x.scaled_sum[k];
     }
   };
   int64_t b = 0;
   for (; b + U <= nb; b += U)
     for (int u = 0; u < U; ++u) block(b + u, u);
   for (; b < nb; ++b) block(b, 0);
-  for (int c = 0; c < C; ++c)
-    for (int t = 0; t < NT; ++t) {
-      __m256 sum = acc[0][c][t];
-      float corr_sum = corr[0][c][t];
-      for (int u = 1; u < U; ++u) {
-        sum = _mm256_add_ps(sum, acc[u][c][t]);
-        corr_sum += corr[u][c][t];
-      }
-      out[c * NT + t] = simd::hsum_avx2(sum) + corr_sum;
+  for (int t = 0; t < NT; ++t) {
+    __m256 sum = acc[0][t];
+    float c = corr[0][t];
+    for (int u = 1; u < U; ++u) {
+      sum = _mm256_add_ps(sum, acc[u][t]);
+      c += corr[u][t];
     }
-}
-
-template <int FMT, int NT>
-FLASHLLM_QAVX2 void dots_avx2(const uint8_t* col, const QuantizedX& x, int t0, float* out) {
-  columns_avx2<FMT, NT, 1>(col, 0, x, t0, out);
+    out[t] = simd::hsum_avx2(sum) + c;
+  }
 }
 
 // ---------------------------------------------------------------------------------------------- AVX-512 VNNI
@@ -350,30 +333,6 @@ inline bool uses_pair_layout(CpuIsa isa) {
 }
 
 using DotsFn = void (*)(const uint8_t*, const QuantizedX&, int, float*);
-
-// A bundle's two input columns (up at col, gate at col + stride) with the same tokens: out[t] and out[NT + t].
-using DotPairFn = void (*)(const uint8_t*, int64_t, const QuantizedX&, int, float*);
-
-template <DotsFn Dots, int NT>
-void dot_pair_of(const uint8_t* col, int64_t stride, const QuantizedX& x, int t0, float* out) {
-  Dots(col, x, t0, out);
-  Dots(col + stride, x, t0, out + NT);
-}
-
-template <int NT>
-DotsFn dots_for(int format, CpuIsa isa);
-
-// One pass over both columns where it shares the token loads (AVX2, up to 4 tokens: 8 accumulators), else two.
-template <int NT>
-DotPairFn dot_pair_for(int format, CpuIsa isa) {
-  return with_block_format(format, [&](auto fmt) -> DotPairFn {
-    constexpr int F = decltype(fmt)::value;
-    if (uses_pair_layout(isa)) return &dot_pair_of<&dots_vnni<F, NT>, NT>;
-    if (isa >= CpuIsa::kAvx2 && NT <= 4) return &columns_avx2<F, NT, 2>;
-    if (isa >= CpuIsa::kAvx2) return &dot_pair_of<&dots_avx2<F, NT>, NT>;
-    return &dot_pair_of<&dots_scalar<F, NT>, NT>;
-  });
-}
 
 template <int NT>
 DotsFn dots_for(int format, CpuIsa isa) {

@@ -57,10 +57,9 @@ void axpy_scalar(const uint8_t* row, const float* h, float* acc, int64_t d) {
 }
 
 // ---------------------------------------------------------------------------------------------- AVX2
-// Codes [8 * part, 8 * part + 8) of a block as fp32 integers (Q4_0's minus 8): the weights are d times these (plus m,
-// Q4_1).
+// Weights [8 * part, 8 * part + 8) of a block as fp32.
 template <int FMT>
-FLASHLLM_QAVX2 inline __m256 block_part_avx2(const uint8_t* blk, int part) {
+FLASHLLM_QAVX2 inline __m256 block_part_avx2(const uint8_t* blk, int part, __m256 d, __m256 c) {
   const uint8_t* codes = blk + codes_offset(FMT);
   __m256i w;
   if constexpr (FMT == kQ8_0) {
@@ -72,28 +71,24 @@ FLASHLLM_QAVX2 inline __m256 block_part_avx2(const uint8_t* blk, int part) {
     w = _mm256_cvtepu8_epi32(_mm_and_si128(nib, _mm_set1_epi8(0x0F)));
     if constexpr (FMT == kQ4_0) w = _mm256_sub_epi32(w, _mm256_set1_epi32(8));
   }
-  return _mm256_cvtepi32_ps(w);
+  const __m256 scaled = _mm256_mul_ps(d, _mm256_cvtepi32_ps(w));
+  return FMT == kQ4_1 ? _mm256_add_ps(scaled, c) : scaled;
 }
 
-// y += h d code per token (d folded into h once a block: no multiply per weight), Q4_1 adding h m as well.
 template <int FMT, int NT>
 FLASHLLM_QAVX2 void axpy_avx2(const uint8_t* row, const float* h, float* acc, int64_t d) {
+  __m256 hv[NT];
+  for (int t = 0; t < NT; ++t) hv[t] = _mm256_set1_ps(h[t]);
   const int64_t whole = d / kBlock;
   for (int64_t b = 0; b < whole; ++b) {
     const uint8_t* blk = row + b * block_bytes(FMT);
-    const float scale = half_at_f16c(blk), m = FMT == kQ4_1 ? half_at_f16c(blk + 2) : 0.f;
-    __m256 hd[NT], hm[NT];
-    for (int t = 0; t < NT; ++t) {
-      hd[t] = _mm256_set1_ps(h[t] * scale);
-      hm[t] = _mm256_set1_ps(h[t] * m);
-    }
+    const __m256 scale = _mm256_set1_ps(half_at_f16c(blk));
+    const __m256 c = _mm256_set1_ps(FMT == kQ4_1 ? half_at_f16c(blk + 2) : 0.f);
     for (int part = 0; part < 4; ++part) {
-      const __m256 w = block_part_avx2<FMT>(blk, part);
+      const __m256 w = block_part_avx2<FMT>(blk, part, scale, c);
       for (int t = 0; t < NT; ++t) {
         float* y = acc + t * d + b * kBlock + 8 * part;
-        __m256 yv = _mm256_loadu_ps(y);
-        if constexpr (FMT == kQ4_1) yv = _mm256_add_ps(yv, hm[t]);
-        _mm256_storeu_ps(y, _mm256_fmadd_ps(hd[t], w, yv));
+        _mm256_storeu_ps(y, _mm256_fmadd_ps(hv[t], w, _mm256_loadu_ps(y)));
       }
     }
   }
@@ -163,18 +158,11 @@ struct QuantizedRows {
   int64_t d;
   QuantizedBundle layout;
   DotsFn dots_fn;
-  DotPairFn dot_pair_fn;
   AxpyFn axpy_fn;
 
   void prefetch(int64_t r) const { __builtin_prefetch(matrix + r * layout.row_bytes); }
   void dots(int64_t r, int part, float* out) const {
     dots_fn(matrix + r * layout.row_bytes + part * layout.col_bytes, *x, t0, out);
-  }
-  void dot_pair(int64_t r, float* up, float* gate) const {
-    float both[2 * NT];
-    dot_pair_fn(matrix + r * layout.row_bytes, layout.col_bytes, *x, t0, both);
-    std::copy(both, both + NT, up);
-    std::copy(both + NT, both + 2 * NT, gate);
   }
   void axpy(int64_t r, const float* h, float* acc) const {
     axpy_fn(matrix + r * layout.row_bytes + layout.row_bytes - layout.down_bytes, h, acc, d);
@@ -217,7 +205,6 @@ at::Tensor quantized_sparse_ffn_cpu(const at::Tensor& x, const at::Tensor& matri
                                    d,
                                    layout,
                                    dots_for<NT>(layout.in_format, isa),
-                                   dot_pair_for<NT>(layout.in_format, isa),
                                    axpy_for<NT>(layout.down_format, isa)};
       const int64_t* ids = index.has_value() ? sorted_index.data() : nullptr;
       sum_row_chunks(n_rows, NT * d, parallel, yf.data_ptr<float>() + t0 * d,

@@ -94,10 +94,6 @@ struct FloatRows {
 
   void prefetch(int64_t r) const { __builtin_prefetch(matrix + r * width); }
   void dots(int64_t r, int part, float* out) const { dots_fn(matrix + r * width + part * d, x, d, out); }
-  void dot_pair(int64_t r, float* up, float* gate) const {
-    dots(r, 0, up);
-    dots(r, 1, gate);
-  }
   void axpy(int64_t r, const float* h, float* acc) const { axpy_fn(matrix + r * width + width - d, h, acc, d); }
   float bias(int64_t r) const { return bias_rows ? to_float(bias_rows[r]) : 0.f; }
 };
