@@ -11,11 +11,9 @@
 
 namespace flashllm {
 
-// The heads of one decoder_attention call: Hq query heads and Hkv kv heads of head_dim D; and how its two projection
-// weights are held: floats (-1) or rows of blocks (a block format code).
+// The heads of one decoder_attention call: Hq query heads and Hkv kv heads of head_dim D.
 struct DecoderHeads {
   int64_t n_q, n_kv, head_dim;
-  int qkv_format, o_format;
 };
 
 inline bool is_decoder_weight_dtype(at::ScalarType t) {
@@ -105,7 +103,7 @@ inline DecoderHeads check_decoder_attention_args(
   for (const at::Tensor* t : all) {
     TORCH_CHECK(!t || t->device() == x.device(), "decoder_attention: every tensor must be on x's device ", x.device());
   }
-  return {n_q, n_kv, head_dim, qkv_format, o_format};
+  return {n_q, n_kv, head_dim};
 }
 
 }  // namespace flashllm
