@@ -60,6 +60,11 @@ class LlamaLayer:
     def __init__(self, config: DecoderConfig, weights: ResidentWeights, index: int):
         attn = f"layers.{index}.self_attn."
         self.qkv, self.qkv_bias, self.o, self.o_bias = attention_projections(config, weights, attn)
+        # a bias beside blocks goes to the kernels as float32: cast once here, not every token
+        if isinstance(self.qkv, QuantizedWeight) and self.qkv_bias is not None:
+            self.qkv_bias = self.qkv_bias.float()
+        if isinstance(self.o, QuantizedWeight) and self.o_bias is not None:
+            self.o_bias = self.o_bias.float()
         self.attention_norm = weights.require(f"layers.{index}.input_layernorm.weight", torch.float32)
         self.ffn_norm = weights.require(f"layers.{index}.post_attention_layernorm.weight", torch.float32)
         self.q_norm = self.k_norm = None
