@@ -33,6 +33,7 @@
 #include "common/cpu_isa.h"
 #include "common/decode_attention_checks.h"
 #include "common/simd_float.h"
+#include "cpu/decode_attention.h"
 
 // GCC 12's masked-load intrinsics start from _mm512_undefined_*, which -Wall reports as uninitialised use.
 #pragma GCC diagnostic ignored "-Wuninitialized"
@@ -357,26 +358,25 @@ void attend(const AttentionProblem<T>& p) {
   }
 }
 
-std::tuple<at::Tensor, at::Tensor> decode_attention_cpu(const at::Tensor& q, const at::Tensor& k_in,
-                                                        const at::Tensor& v_in, std::optional<double> scale_in) {
-  double scale = 0;
-  const AttentionShape shape = check_decode_attention_args(q, k_in, v_in, scale_in, &scale);
+}  // namespace
+
+void decode_attention_scaled(const AttentionShape& shape, const float* q, const at::Tensor& k_in,
+                             const at::Tensor& v_in, float* out, float* lse) {
   const at::Tensor k = with_unit_inner_stride(k_in), v = with_unit_inner_stride(v_in);
-  const at::Tensor qf = q.to(at::kFloat).mul(scale).contiguous();
-  at::Tensor out = at::zeros({shape.batch, shape.n_q_heads, shape.head_dim}, qf.options());
-  at::Tensor lse = at::zeros({shape.batch, shape.n_q_heads}, qf.options());
+  std::fill_n(out, shape.batch * shape.n_q_heads * shape.head_dim, 0.f);
+  std::fill_n(lse, shape.batch * shape.n_q_heads, 0.f);
   auto run = [&](auto element) {
     using T = decltype(element);
     attend(AttentionProblem<T>{shape,
-                               qf.data_ptr<float>(),
+                               q,
                                static_cast<const T*>(k.data_ptr()),
                                static_cast<const T*>(v.data_ptr()),
                                {k.stride(0), k.stride(1), k.stride(2)},
                                {v.stride(0), v.stride(1), v.stride(2)},
-                               out.data_ptr<float>(),
-                               lse.data_ptr<float>()});
+                               out,
+                               lse});
   };
-  switch (q.scalar_type()) {
+  switch (k.scalar_type()) {
     case at::kFloat:
       run(float{});
       break;
@@ -386,6 +386,18 @@ std::tuple<at::Tensor, at::Tensor> decode_attention_cpu(const at::Tensor& q, con
     default:
       run(BF16{});
   }
+}
+
+namespace {
+
+std::tuple<at::Tensor, at::Tensor> decode_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                        std::optional<double> scale_in) {
+  double scale = 0;
+  const AttentionShape shape = check_decode_attention_args(q, k, v, scale_in, &scale);
+  const at::Tensor qf = q.to(at::kFloat).mul(scale).contiguous();
+  at::Tensor out = at::empty({shape.batch, shape.n_q_heads, shape.head_dim}, qf.options());
+  at::Tensor lse = at::empty({shape.batch, shape.n_q_heads}, qf.options());
+  decode_attention_scaled(shape, qf.data_ptr<float>(), k, v, out.data_ptr<float>(), lse.data_ptr<float>());
   return {out, lse};
 }
 

@@ -2,20 +2,24 @@
 // one call, so a token pays one dispatch per layer for it instead of a dozen small tensor ops (each a few
 // microseconds of framework time against ~60 us of weight reads at 135M shapes).
 //
-// The two matrix products and the attention are the library's own ops (flashllm::half_linear on float weights, at the
-// read bound, or flashllm::quantized_linear on rows of blocks; flashllm::decode_attention on the cache in place),
-// called through the dispatcher; the norms, the per-head q/k norms, RoPE and the cache writes are plain loops over a
-// few hundred floats between them.
+// The two matrix products are the library's own ops (flashllm::half_linear on float weights, at the read bound, or
+// flashllm::quantized_linear on rows of blocks), called through the dispatcher; the attention is the CPU
+// decode_attention's loop on the cache in place (decode_attention_scaled: no tensors to build, convert or zero for
+// it); the norms, the per-head q/k norms, RoPE, the cache writes and the residual are plain loops over a few hundred
+// floats between them.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <optional>
 #include <tuple>
+#include <vector>
 
 #include "common/decoder_attention_checks.h"
+#include "cpu/decode_attention.h"
 
 namespace flashllm {
 namespace {
@@ -61,13 +65,37 @@ at::Tensor project(const at::Tensor& x, const at::Tensor& w, const std::optional
   return format ? quantized_linear(x, w, *format, b) : half_linear(x, w, b);
 }
 
-std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                                    double scale) {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("flashllm::decode_attention", "")
-                             .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
-                                                                       const at::Tensor&, std::optional<double>)>();
-  return op.call(q, k, v, scale);
+// The cache's element type as a C++ type: f(T{}) for float32, float16 or bfloat16 (the checks admit no other).
+template <class F>
+void with_cache_type(at::ScalarType dtype, F&& f) {
+  switch (dtype) {
+    case at::kFloat:
+      f(float{});
+      break;
+    case at::kHalf:
+      f(c10::Half{});
+      break;
+    default:
+      f(c10::BFloat16{});
+  }
+}
+
+// The new token's k and v heads ([Hkv, D] each, float32) stored at `position` of the caches [S, 1, Hkv, D], and q
+// ([Hq, D]) rounded to the cache's type and multiplied by the scale into q_scaled: what copying k and v into the
+// caches and running flashllm::decode_attention on q in the cache's dtype would do, without a tensor for each step.
+template <class T>
+void store_token(const float* q, const float* k, const float* v, const DecoderHeads& heads, at::Tensor& k_cache,
+                 at::Tensor& v_cache, int64_t position, float scale, float* q_scaled) {
+  const int64_t D = heads.head_dim;
+  for (int64_t i = 0; i < heads.n_q * D; ++i) q_scaled[i] = static_cast<float>(static_cast<T>(q[i])) * scale;
+  const float* sources[2] = {k, v};
+  at::Tensor* caches[2] = {&k_cache, &v_cache};
+  for (int c = 0; c < 2; ++c) {
+    T* row = static_cast<T*>(caches[c]->data_ptr()) + position * caches[c]->stride(0);
+    const int64_t head_stride = caches[c]->stride(2), elem_stride = caches[c]->stride(3);
+    for (int64_t h = 0; h < heads.n_kv; ++h)
+      for (int64_t e = 0; e < D; ++e) row[h * head_stride + e * elem_stride] = static_cast<T>(sources[c][h * D + e]);
+  }
 }
 
 std::tuple<at::Tensor, at::Tensor> decoder_attention_cpu(
@@ -95,16 +123,20 @@ std::tuple<at::Tensor, at::Tensor> decoder_attention_cpu(
     }
   }
   for (int64_t i = 0; i < n_qk; ++i) rotate(heads_ptr + i * D, c.data_ptr<float>(), s.data_ptr<float>(), D);
-  const at::Tensor k_new = qkv.narrow(1, heads.n_q * D, heads.n_kv * D).view({heads.n_kv, D});
-  const at::Tensor v_new = qkv.narrow(1, n_qk * D, heads.n_kv * D).view({heads.n_kv, D});
-  k_cache.select(0, position).select(0, 0).copy_(k_new);
-  v_cache.select(0, position).select(0, 0).copy_(v_new);
+  at::Tensor q_scaled = at::empty({heads.n_q, D}, x.options()), attn = at::empty({1, heads.n_q * D}, x.options());
+  with_cache_type(k_cache.scalar_type(), [&](auto element) {
+    store_token<decltype(element)>(heads_ptr, heads_ptr + heads.n_q * D, heads_ptr + n_qk * D, heads, k_cache, v_cache,
+                                   position, static_cast<float>(scale), q_scaled.data_ptr<float>());
+  });
   const int64_t first = window > 0 ? std::max<int64_t>(0, position + 1 - window) : 0;
-  const at::Tensor q = qkv.narrow(1, 0, heads.n_q * D).view({1, heads.n_q, D}).to(k_cache.scalar_type());
-  const auto [attn, lse] =
-      decode_attention(q, k_cache.slice(0, first, position + 1), v_cache.slice(0, first, position + 1), scale);
-  at::Tensor out = project(attn.view({1, heads.n_q * D}), o_weight, o_format, o_bias);
-  out.add_(x);
+  const AttentionShape shape{1, heads.n_q, heads.n_kv, D, position + 1 - first};
+  std::vector<float> lse(heads.n_q);
+  decode_attention_scaled(shape, q_scaled.data_ptr<float>(), k_cache.slice(0, first, position + 1),
+                          v_cache.slice(0, first, position + 1), attn.data_ptr<float>(), lse.data());
+  at::Tensor out = project(attn, o_weight, o_format, o_bias);
+  float* out_ptr = out.data_ptr<float>();
+  const float* x_ptr = x.data_ptr<float>();
+  for (int64_t i = 0; i < d; ++i) out_ptr[i] += x_ptr[i];
   at::Tensor ffn_in = at::empty({1, d}, x.options());
   const at::Tensor fw = ffn_norm_weight.contiguous();
   rms_norm(out.data_ptr<float>(), fw.data_ptr<float>(), d, eps, ffn_in.data_ptr<float>());
