@@ -34,7 +34,6 @@ from dataclasses import dataclass, fields
 import torch
 from torch import nn
 
-from flashllm_ext import ops
 from flashllm_ext.ops import config_activation
 from flashllm_ext.flash.cache import NeuronCache, PendingStep, StepStats, input_bias_role, layer_input_bias
 from flashllm_ext.io.disk import load_disk_profile
@@ -47,6 +46,10 @@ PREFILL_PATHS = ("auto", "union", "sequential")
 # What a decode forward does with the set FlashFFN.prefetch chose ahead: "ahead" computes it (DejaVu); "prefetch"
 # only read it early, and the forward computes the set its predictor chooses from its own input (flash's results).
 LOOKAHEAD_MODES = ("ahead", "prefetch")
+
+SPARSE_FFN = torch.ops.flashllm.sparse_ffn.default  # the ops (flashllm_ext/ops/ffn.py), for bundle_ffn
+QUANTIZED_SPARSE_FFN = torch.ops.flashllm.quantized_sparse_ffn.default
+
 # What a predictor returns for x [T, d]: a bool mask [T, n] (per-token active sets), or one set shared by every
 # token as int64 ids [k] or a bool mask [n].
 Predictor = Callable[[torch.Tensor], torch.Tensor]
@@ -142,10 +145,24 @@ def bundle_ffn(
 ) -> torch.Tensor:
     """The FFN of x [T, d] over bundle rows of `store` as it holds them (matrix [C, row_width] of its row_dtype):
     ops.sparse_ffn over float bundles, ops.quantized_sparse_ffn over a quantized store's. Arguments as theirs."""
-    kwargs = dict(num_used=num_used, activation=activation, glu=store.glu, bias=bias, index=index, threshold=threshold)
+    # the ops themselves, not their keyword wrappers: a decode token calls this once a layer, where each Python call
+    # costs microseconds
     if store.bundle_format is None:
-        return ops.sparse_ffn(x, matrix, **kwargs)
-    return ops.quantized_sparse_ffn(x, matrix, bundle_format=store.bundle_format.name, **kwargs)
+        return SPARSE_FFN(x, matrix, num_used, bias, activation, store.glu, index, threshold)
+    fmt = store.bundle_format.name
+    return QUANTIZED_SPARSE_FFN(x, matrix, num_used, bias, activation, store.glu, fmt, index, threshold)
+
+
+def as_float32(y: torch.Tensor) -> torch.Tensor:
+    """y as float32 (y itself if it is: a no-op cast still costs a decode token microseconds a layer)."""
+    return y if y.dtype is torch.float32 else y.float()
+
+
+def as_ffn_output(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """An FFN's float32 result out [T, d] in the dtype and shape of its input x [..., d] (out itself where they
+    are its own)."""
+    out = out if out.dtype is x.dtype else out.to(x.dtype)
+    return out if x.dim() == 2 else out.reshape(x.shape)
 
 
 def check_ffn_input(x: torch.Tensor, d: int, device: torch.device) -> torch.Tensor:
@@ -153,7 +170,7 @@ def check_ffn_input(x: torch.Tensor, d: int, device: torch.device) -> torch.Tens
         raise ValueError(f"x must end in the hidden size {d}, got shape {tuple(x.shape)}")
     if x.device.type != device.type:
         raise ValueError(f"x is on {x.device} but this FFN's weights are on {device}")
-    return x.reshape(-1, d)
+    return x if x.dim() == 2 else x.reshape(-1, d)
 
 
 class FlashFFN(nn.Module):
@@ -365,7 +382,7 @@ class FlashFFN(nn.Module):
             index=rows,
             threshold=self.threshold,
         )
-        out += y.float()
+        out += y  # (fp16 or bf16 y widened in the add)
         self.stats.compute_s += self.cache.transfer.clock() - start
 
     def _run_set(self, x: torch.Tensor, ids: torch.Tensor, out: torch.Tensor) -> None:
@@ -394,7 +411,7 @@ class FlashFFN(nn.Module):
         self._accumulate(flat, flat.to(self.store.dtype).contiguous(), out)
         if self.out_bias is not None:
             out += self.out_bias
-        return out.to(x.dtype).reshape(x.shape)
+        return as_ffn_output(out, x)
 
     def _accumulate(self, flat: torch.Tensor | None, xs, out: torch.Tensor) -> None:
         """out [T, d] float32 += the FFN (without the output bias) of the T tokens xs [T, d] in the store's dtype,

@@ -11,7 +11,15 @@ from flashllm_ext.flash.cache import input_bias_role, layer_input_bias
 from flashllm_ext.flash.reader import FlashReader
 from flashllm_ext.flash.store import FlashStore
 from flashllm_ext.flash.transfer import HostTransfer, Transfer
-from flashllm_ext.flash.ffn import FFNStats, bundle_ffn, check_ffn_input, output_bias, store_activation
+from flashllm_ext.flash.ffn import (
+    FFNStats,
+    as_ffn_output,
+    as_float32,
+    bundle_ffn,
+    check_ffn_input,
+    output_bias,
+    store_activation,
+)
 
 
 class StreamingFFN(nn.Module):
@@ -90,14 +98,15 @@ class StreamingFFN(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = check_ffn_input(x, self.store.hidden_size, self.staging.device)
-        out = torch.zeros(flat.shape, dtype=torch.float32, device=flat.device)
-        self._accumulate(flat.to(self.store.dtype).contiguous(), out)
-        return out.to(x.dtype).reshape(x.shape)
+        out = self._accumulate(flat.to(self.store.dtype).contiguous())
+        return as_ffn_output(out, x)
 
-    def _accumulate(self, xs, out: torch.Tensor) -> None:
+    def _accumulate(self, xs, out: torch.Tensor | None = None) -> torch.Tensor:
         """out [T, d] float32 += the FFN (output bias included) of the T tokens xs [T, d] in the store's dtype, the
-        streamed bundles read first. xs is whatever `_compute` computes on (a torch tensor here, an mx.array in
-        flashllm_ext.mlx); the reads and the stats are torch on the host either way."""
+        streamed bundles read first; out None: the FFN in a new tensor (a decode token's few tensor ops each cost
+        microseconds of framework time, beside ~100 us of row reads at 135M shapes). Returns out. xs is whatever
+        `_compute` computes on (a torch tensor here, an mx.array in flashllm_ext.mlx); the reads and the stats are
+        torch on the host either way."""
         n_streamed = self.streamed_ids.numel()
         if n_streamed:
             start = self.transfer.clock()
@@ -118,11 +127,12 @@ class StreamingFFN(nn.Module):
             self.stats.steps += 1
         self.stats.needed += self.store.n_neurons
         start = self.transfer.clock()
-        self._compute(xs, out)
+        out = self._compute(xs, out)
         if self.out_bias is not None:
             out += self.out_bias
         self.stats.compute_s += self.transfer.clock() - start
         self.stats.tokens += out.shape[0]
+        return out
 
     def _parts(self) -> list[tuple[torch.Tensor, int, torch.Tensor | None]]:
         """(rows, rows used, their input bias or None) of every neuron: the resident bundles, the streamed ones."""
@@ -130,7 +140,10 @@ class StreamingFFN(nn.Module):
         n_streamed = self.streamed_ids.numel()
         return parts + ([(self.staging, n_streamed, self.streamed_bias)] if n_streamed else [])
 
-    def _compute(self, xs: torch.Tensor, out: torch.Tensor) -> None:
-        """out [T, d] float32 += the FFN of xs [T, d] over every neuron, the streamed ones read already."""
+    def _compute(self, xs: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        """out [T, d] float32 += the FFN of xs [T, d] over every neuron, the streamed ones read already (out None:
+        the FFN itself, float32). Returns out."""
         for rows, num_used, bias in self._parts():
-            out += bundle_ffn(self.store, xs, rows, num_used=num_used, bias=bias, activation=self.activation).float()
+            y = bundle_ffn(self.store, xs, rows, num_used=num_used, bias=bias, activation=self.activation)
+            out = as_float32(y) if out is None else out.add_(y)
+        return out

@@ -146,8 +146,9 @@ class MLXStreamingFFN(StreamingFFN):
         self._accumulate(flat.astype(self.dtype), torch_view(acc))
         return acc.astype(x.dtype).reshape(x.shape)
 
-    def _compute(self, xs: mx.array, out: torch.Tensor) -> None:
-        """out [T, d] float32 += the FFN of xs [T, d] (mx.array, store dtype) over every neuron."""
+    def _compute(self, xs: mx.array, out: torch.Tensor) -> torch.Tensor:
+        """out [T, d] float32 += the FFN of xs [T, d] (mx.array, store dtype) over every neuron. Returns out."""
         for rows, num_used, bias in self.arrays:
             y = bundle_ffn(self.store, xs, rows, num_used, bias, self.activation)
             out += torch_view(y.astype(mx.float32))  # evaluates y: the next layer's reads overwrite the staging
+        return out
