@@ -153,6 +153,14 @@ def bundle_ffn(
     return QUANTIZED_SPARSE_FFN(x, matrix, num_used, bias, activation, store.glu, fmt, index, threshold)
 
 
+def kernel_input_dtype(store: FlashStore, input_bias: bool) -> torch.dtype:
+    """The dtype x goes into bundle_ffn in: the store's over float bundles, and over quantized ones whose rows carry
+    an input bias (the kernels take it in x's dtype); float32 over quantized rows without one, as the decoder's
+    activations come (the kernels round x per block to int8 codes from any float dtype: a cast would cost a
+    decode token a tensor op a layer, and round twice)."""
+    return store.dtype if store.bundle_format is None or input_bias else torch.float32
+
+
 def as_float32(y: torch.Tensor) -> torch.Tensor:
     """y as float32 (y itself if it is: a no-op cast still costs a decode token microseconds a layer)."""
     return y if y.dtype is torch.float32 else y.float()
@@ -184,7 +192,8 @@ class FlashFFN(nn.Module):
     while its already-cached neurons are computed (the exposed and hidden read times are both reported; a shared
     cache has none cached, so its reads run inline). prefill:
     how several tokens with per-token sets read the layer ("union", "sequential" or "auto", see prefill_path). Input
-    x [..., d] of any float dtype; computed in the store's dtype with float32 accumulation; output in x's dtype.
+    x [..., d] of any float dtype; computed in `input_dtype` (kernel_input_dtype) with float32 accumulation; output in
+    x's dtype.
     device / transfer: where the cache rows live (NeuronCache's); x must be on that device, and the output is too.
     lookahead / ahead_predictor: what a forward does after `prefetch` (LOOKAHEAD_MODES), and the predictor that
     chooses the prefetched set (default: `predictor`). cache: a NeuronCache shared by the model's layers (the
@@ -263,6 +272,7 @@ class FlashFFN(nn.Module):
         self.layer, self.predictor, self.threshold = layer, predictor, float(threshold)
         self.overlap = overlap
         self.activation = store_activation(self.store)
+        self.input_dtype = kernel_input_dtype(self.store, input_bias_role(self.store) in self.store.ffn_roles[layer])
         out_bias = output_bias(self.store, layer)
         self.register_buffer("out_bias", None if out_bias is None else out_bias.to(self.cache.device), persistent=False)
         self.stats = stats if stats is not None else FFNStats()
@@ -408,13 +418,13 @@ class FlashFFN(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = check_ffn_input(x, self.store.hidden_size, self.cache.device)
         out = torch.zeros(flat.shape, dtype=torch.float32, device=flat.device)
-        self._accumulate(flat, flat.to(self.store.dtype).contiguous(), out)
+        self._accumulate(flat, flat.to(self.input_dtype).contiguous(), out)
         if self.out_bias is not None:
             out += self.out_bias
         return as_ffn_output(out, x)
 
     def _accumulate(self, flat: torch.Tensor | None, xs, out: torch.Tensor) -> None:
-        """out [T, d] float32 += the FFN (without the output bias) of the T tokens xs [T, d] in the store's dtype,
+        """out [T, d] float32 += the FFN (without the output bias) of the T tokens xs [T, d] (input_dtype),
         the per-token sets from the predictor on flat [T, d] (None without a predictor). xs is whatever `_compute`
         computes on (a torch tensor here, an mx.array in flashllm_ext.mlx); the cache steps and planning are
         torch on the host either way."""

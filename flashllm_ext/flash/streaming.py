@@ -17,6 +17,7 @@ from flashllm_ext.flash.ffn import (
     as_float32,
     bundle_ffn,
     check_ffn_input,
+    kernel_input_dtype,
     output_bias,
     store_activation,
 )
@@ -69,6 +70,7 @@ class StreamingFFN(nn.Module):
             self.transfer.reserve((n - resident_rows) * store.row_bytes)
         self.store, self.layer, self.reader, self.staging = store, layer, reader, staging
         self.activation = store_activation(store)
+        self.input_dtype = kernel_input_dtype(store, input_bias_role(store) in store.ffn_roles[layer])
         self.stats = stats if stats is not None else FFNStats()
         bias = layer_input_bias(store, layer)
         device = staging.device
@@ -98,11 +100,11 @@ class StreamingFFN(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = check_ffn_input(x, self.store.hidden_size, self.staging.device)
-        out = self._accumulate(flat.to(self.store.dtype).contiguous())
+        out = self._accumulate(flat.to(self.input_dtype).contiguous())
         return as_ffn_output(out, x)
 
     def _accumulate(self, xs, out: torch.Tensor | None = None) -> torch.Tensor:
-        """out [T, d] float32 += the FFN (output bias included) of the T tokens xs [T, d] in the store's dtype, the
+        """out [T, d] float32 += the FFN (output bias included) of the T tokens xs [T, d] (input_dtype), the
         streamed bundles read first; out None: the FFN in a new tensor (a decode token's few tensor ops each cost
         microseconds of framework time, beside ~100 us of row reads at 135M shapes). Returns out. xs is whatever
         `_compute` computes on (a torch tensor here, an mx.array in flashllm_ext.mlx); the reads and the stats are
