@@ -123,15 +123,15 @@ std::tuple<at::Tensor, at::Tensor> decoder_attention_cpu(
     }
   }
   for (int64_t i = 0; i < n_qk; ++i) rotate(heads_ptr + i * D, c.data_ptr<float>(), s.data_ptr<float>(), D);
-  at::Tensor q_scaled = at::empty({heads.n_q, D}, x.options()), attn = at::empty({1, heads.n_q * D}, x.options());
+  std::vector<float> q_scaled(heads.n_q * D), lse(heads.n_q);
   with_cache_type(k_cache.scalar_type(), [&](auto element) {
     store_token<decltype(element)>(heads_ptr, heads_ptr + heads.n_q * D, heads_ptr + n_qk * D, heads, k_cache, v_cache,
-                                   position, static_cast<float>(scale), q_scaled.data_ptr<float>());
+                                   position, static_cast<float>(scale), q_scaled.data());
   });
   const int64_t first = window > 0 ? std::max<int64_t>(0, position + 1 - window) : 0;
   const AttentionShape shape{1, heads.n_q, heads.n_kv, D, position + 1 - first};
-  std::vector<float> lse(heads.n_q);
-  decode_attention_scaled(shape, q_scaled.data_ptr<float>(), k_cache.slice(0, first, position + 1),
+  at::Tensor attn = at::empty({1, heads.n_q * D}, x.options());
+  decode_attention_scaled(shape, q_scaled.data(), k_cache.slice(0, first, position + 1),
                           v_cache.slice(0, first, position + 1), attn.data_ptr<float>(), lse.data());
   at::Tensor out = project(attn, o_weight, o_format, o_bias);
   float* out_ptr = out.data_ptr<float>();
