@@ -37,9 +37,7 @@ void dots_scalar(const T* col, const float* x, int64_t d, float* dots) {
 using simd::hsum_avx2;
 using simd::load8_avx2;
 
-// How far ahead of the loads a row is prefetched: on a 2-vCPU AVX2 EPYC one thread streaming fp16 rows went from 12.1
-// to 14.3 GB/s with it (a plain read: 16.4); the hardware prefetcher alone keeps too few lines in flight.
-constexpr int64_t kPrefetchBytes = 1024;
+using simd::kPrefetchBytes;
 
 // U independent accumulators per token (4 / NT, at least one) hide the FMA latency when there are few tokens: with one
 // chain a decode token (NT = 1) is bound by it at ~10 GB/s of fp16 weights.

