@@ -107,11 +107,15 @@ class Rotary:
         return self.cos.nbytes + self.sin.nbytes
 
     def tables(self, start: int, n_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, signed sin [T, 1, head_dim] of positions start .. start + T - 1 (once per forward)."""
+        """cos, signed sin [T, 1, head_dim] of positions start .. start + T - 1 (once per forward); one token's as
+        [head_dim] rows, what flashllm::decoder_attention takes (indexed here once a token, not in every layer)."""
+        if n_tokens == 1:
+            return self.cos[start, 0], self.sin[start, 0]
         return self.cos[start : start + n_tokens], self.sin[start : start + n_tokens]
 
     def __call__(self, x: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """x [T, H, head_dim] rotated by `tables` (Rotary.tables), float32."""
+        """x [T, H, head_dim] rotated by `tables` (Rotary.tables: [T, 1, head_dim], or one token's [head_dim]),
+        float32."""
         cos, sin = tables
         swapped = x.unflatten(-1, (2, self.half)).flip(-2).flatten(-2)
         return torch.addcmul(x * cos, swapped, sin)

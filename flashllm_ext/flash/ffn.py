@@ -161,6 +161,11 @@ def kernel_input_dtype(store: FlashStore, input_bias: bool) -> torch.dtype:
     return store.dtype if store.bundle_format is None or input_bias else torch.float32
 
 
+def as_kernel_input(flat: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """flat [T, d] contiguous in `dtype` (kernel_input_dtype's), flat itself where it is already."""
+    return flat if flat.dtype is dtype and flat.is_contiguous() else flat.to(dtype).contiguous()
+
+
 def as_float32(y: torch.Tensor) -> torch.Tensor:
     """y as float32 (y itself if it is: a no-op cast still costs a decode token microseconds a layer)."""
     return y if y.dtype is torch.float32 else y.float()
@@ -418,7 +423,7 @@ class FlashFFN(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = check_ffn_input(x, self.store.hidden_size, self.cache.device)
         out = torch.zeros(flat.shape, dtype=torch.float32, device=flat.device)
-        self._accumulate(flat, flat.to(self.input_dtype).contiguous(), out)
+        self._accumulate(flat, as_kernel_input(flat, self.input_dtype), out)
         if self.out_bias is not None:
             out += self.out_bias
         return as_ffn_output(out, x)

@@ -15,6 +15,7 @@ from flashllm_ext.flash.ffn import (
     FFNStats,
     as_ffn_output,
     as_float32,
+    as_kernel_input,
     bundle_ffn,
     check_ffn_input,
     kernel_input_dtype,
@@ -100,7 +101,7 @@ class StreamingFFN(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = check_ffn_input(x, self.store.hidden_size, self.staging.device)
-        out = self._accumulate(flat.to(self.input_dtype).contiguous())
+        out = self._accumulate(as_kernel_input(flat, self.input_dtype))
         return as_ffn_output(out, x)
 
     def _accumulate(self, xs, out: torch.Tensor | None = None) -> torch.Tensor:
