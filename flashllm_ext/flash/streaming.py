@@ -90,6 +90,10 @@ class StreamingFFN(nn.Module):
         out_bias = output_bias(store, layer)
         self.register_buffer("out_bias", None if out_bias is None else out_bias.to(device), persistent=False)
         self.nbytes = self.bytes_for(store, resident_rows)
+        # (rows, rows used, their input bias or None) of every neuron: the resident bundles, the streamed ones
+        self.parts = [] if self.resident is None else [(self.resident, resident_rows, self.resident_bias)]
+        if n - resident_rows:
+            self.parts.append((self.staging, n - resident_rows, self.streamed_bias))
 
     @staticmethod
     def bytes_for(store: FlashStore, resident_rows: int) -> int:
@@ -137,16 +141,10 @@ class StreamingFFN(nn.Module):
         self.stats.tokens += out.shape[0]
         return out
 
-    def _parts(self) -> list[tuple[torch.Tensor, int, torch.Tensor | None]]:
-        """(rows, rows used, their input bias or None) of every neuron: the resident bundles, the streamed ones."""
-        parts = [] if self.resident is None else [(self.resident, self.resident.shape[0], self.resident_bias)]
-        n_streamed = self.streamed_ids.numel()
-        return parts + ([(self.staging, n_streamed, self.streamed_bias)] if n_streamed else [])
-
     def _compute(self, xs: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
         """out [T, d] float32 += the FFN of xs [T, d] over every neuron, the streamed ones read already (out None:
         the FFN itself, float32). Returns out."""
-        for rows, num_used, bias in self._parts():
+        for rows, num_used, bias in self.parts:
             y = bundle_ffn(self.store, xs, rows, num_used=num_used, bias=bias, activation=self.activation)
             out = as_float32(y) if out is None else out.add_(y)
         return out

@@ -137,7 +137,7 @@ class MLXStreamingFFN(StreamingFFN):
         # sparse_ffn reads.
         self.arrays = [
             (transfer.array(rows), num_used, None if bias is None else to_mx(bias))
-            for rows, num_used, bias in self._parts()
+            for rows, num_used, bias in self.parts
         ]
 
     def forward(self, x: mx.array) -> mx.array:
