@@ -153,11 +153,12 @@ def bundle_ffn(
     return QUANTIZED_SPARSE_FFN(x, matrix, num_used, bias, activation, store.glu, fmt, index, threshold)
 
 
-def kernel_input_dtype(store: FlashStore, input_bias: bool) -> torch.dtype:
-    """The dtype x goes into bundle_ffn in: the store's over float bundles, and over quantized ones whose rows carry
-    an input bias (the kernels take it in x's dtype); float32 over quantized rows without one, as the decoder's
-    activations come (the kernels round x per block to int8 codes from any float dtype: a cast would cost a
-    decode token a tensor op a layer, and round twice)."""
+def kernel_input_dtype(store: FlashStore, layer: int) -> torch.dtype:
+    """The dtype x goes into bundle_ffn in for `layer`: the store's over float bundles, and over quantized ones whose
+    rows carry an input bias (the kernels take it in x's dtype); float32 over quantized rows without one, as the
+    decoder's activations come (the kernels round x per block to int8 codes from any float dtype: a cast would cost
+    a decode token a tensor op a layer, and round twice)."""
+    input_bias = input_bias_role(store) in store.ffn_roles[layer]
     return store.dtype if store.bundle_format is None or input_bias else torch.float32
 
 
@@ -277,7 +278,7 @@ class FlashFFN(nn.Module):
         self.layer, self.predictor, self.threshold = layer, predictor, float(threshold)
         self.overlap = overlap
         self.activation = store_activation(self.store)
-        self.input_dtype = kernel_input_dtype(self.store, input_bias_role(self.store) in self.store.ffn_roles[layer])
+        self.input_dtype = kernel_input_dtype(self.store, layer)
         out_bias = output_bias(self.store, layer)
         self.register_buffer("out_bias", None if out_bias is None else out_bias.to(self.cache.device), persistent=False)
         self.stats = stats if stats is not None else FFNStats()

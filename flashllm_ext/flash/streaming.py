@@ -71,7 +71,7 @@ class StreamingFFN(nn.Module):
             self.transfer.reserve((n - resident_rows) * store.row_bytes)
         self.store, self.layer, self.reader, self.staging = store, layer, reader, staging
         self.activation = store_activation(store)
-        self.input_dtype = kernel_input_dtype(store, input_bias_role(store) in store.ffn_roles[layer])
+        self.input_dtype = kernel_input_dtype(store, layer)
         self.stats = stats if stats is not None else FFNStats()
         bias = layer_input_bias(store, layer)
         device = staging.device
