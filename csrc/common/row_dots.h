@@ -37,7 +37,7 @@ void dots_scalar(const T* col, const float* x, int64_t d, float* dots) {
 using simd::hsum_avx2;
 using simd::load8_avx2;
 
-using simd::kPrefetchBytes;
+using simd::prefetch_ahead;
 
 // U independent accumulators per token (4 / NT, at least one) hide the FMA latency when there are few tokens: with one
 // chain a decode token (NT = 1) is bound by it at ~10 GB/s of fp16 weights.
@@ -52,10 +52,9 @@ FLASHLLM_AVX2 void dots_avx2(const T* col, const float* x, int64_t d, float* dot
   int64_t c = 0;
   for (; c + step <= d; c += step) {
     if constexpr (step_bytes >= 64) {
-      for (int64_t b = 0; b < step_bytes; b += 64)
-        _mm_prefetch(bytes + c * sizeof(T) + b + kPrefetchBytes, _MM_HINT_T0);
+      for (int64_t b = 0; b < step_bytes; b += 64) prefetch_ahead(bytes + c * sizeof(T) + b);
     } else if ((c * sizeof(T)) % 64 == 0) {
-      _mm_prefetch(bytes + c * sizeof(T) + kPrefetchBytes, _MM_HINT_T0);
+      prefetch_ahead(bytes + c * sizeof(T));
     }
     for (int u = 0; u < U; ++u) {
       const __m256 w = load8_avx2(col + c + 8 * u);
