@@ -13,16 +13,29 @@ Decode (--decode): bench_e2e's child on three stores of the default model (the m
 by co-activation; the same predictors in each) at --budget inside a cgroup of its baseline + the budget: naive and
 hybrid on the model's order, flash with hot-cold caches on each store, round-robin over --rounds, medians.
 
-    python -m bench.bench_placement [--json] [--tokens 256] [--decode] [--budget 75%] [--rounds 3] [--smoke]
+Floor (--floor): the least any flash cache of the default model can read at --budget, against what hybrid reads. Per
+layer, the rows each mode's share of the budget holds (hybrid: the bundles it keeps resident; flash: the rows its
+hot-cold caches get after the predictors, and, kinder to flash, hybrid's rows); per token, the neurons that any cache of
+that many rows must read: the offline optimum (Belady's rule on the held-out sets, each token's set requested in turn:
+keep the rows whose next use comes first; the cache starts with the rows first used soonest), a lower bound on every
+policy's misses (window, hot-cold, LRU, any split). Those misses are read for real, on each placement's rows, at each
+coalescing gap, interleaved per token with hybrid's read of its streamed bundles (one range a layer, as StreamingFFN
+reads it); medians over --rounds of the per-token I/O time. A placed order is read on the model-order store's file at
+the rows it gives each neuron (the same I/O: equal rows, permuted). Flash beats hybrid only if its I/O floor leaves room
+for its predictor, which hybrid does not run.
+
+    python -m bench.bench_placement [--json] [--tokens 256] [--decode] [--floor] [--budget 75%] [--rounds 3] [--smoke]
 """
 
 from __future__ import annotations
 
+import statistics
 import subprocess
 import sys
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from bench.common import arg_parser, emit, median_rows
 
@@ -236,6 +249,152 @@ def decode_benchmark(cache: Path, args) -> list[dict]:
     return rows
 
 
+FLOOR_GAPS = (-1, 0, 64 << 10, 256 << 10)  # exact reads (one a neuron), adjacent rows merged, reads through gaps
+FLOOR_WARMUP = 16  # held-out tokens the optimum runs through before the ones whose misses are read
+
+
+def fewest_misses(sets: torch.Tensor, capacity: int) -> torch.Tensor:
+    """bool [T, n]: per token of sets bool [T, n] (one layer's), the neurons that any cache of `capacity` rows must
+    read (the offline optimum, see the module doc)."""
+    tokens, n = sets.shape
+    never = tokens  # the first use of a neuron no later set holds
+    first_use = torch.full((tokens + 1, n), never, dtype=torch.int64)  # [t]: the first token >= t whose set holds it
+    for t in range(tokens - 1, -1, -1):
+        first_use[t] = torch.where(sets[t], t, first_use[t + 1])
+    cached = torch.zeros(n, dtype=torch.bool)
+    cached[first_use[0].topk(min(capacity, n), largest=False).indices] = True
+    misses = torch.zeros_like(sets)
+    for t in range(tokens):
+        misses[t] = sets[t] & ~cached
+        held = cached | sets[t]
+        key = torch.where(held, first_use[t + 1], never + 1)  # what is not held now cannot be kept
+        keep = key.topk(min(capacity, n), largest=False).indices
+        cached = torch.zeros(n, dtype=torch.bool)
+        cached[keep[key[keep] <= never]] = True
+    return misses
+
+
+def budget_rows(path: Path, budget: str) -> dict[str, list[int]]:
+    """Rows a layer's FFN holds at `budget` of the store's model, per mode: hybrid's resident bundles, flash's
+    hot-cold cache rows (what the predictors leave)."""
+    from flashllm_ext.decoder import load_decoder
+    from flashllm_ext.flash.store import FlashStore
+
+    store = FlashStore(path)
+    hybrid = load_decoder(path, budget, mode="hybrid", max_len=64)
+    flash = load_decoder(path, budget, mode="flash", max_len=64, cache_layout="hot-cold")
+    return {
+        "hybrid's rows": [store.n_neurons - ffn.streamed_ids.numel() for ffn in hybrid.ffns],
+        "flash's rows": [ffn.cache.capacity for ffn in flash.ffns],
+    }
+
+
+def floor_benchmark(cache: Path, args) -> list[dict]:
+    """The I/O floor of flash against hybrid at --budget (module doc): rows per configuration, then per rows and
+    placement the fastest gap's ratio."""
+    from bench.bench_io import token_order
+    from bench.traces import predicted_masks
+    from flashllm_ext.flash.reader import DEFAULT_MIN_READ, FlashReader
+    from flashllm_ext.flash.store import FlashStore
+    from flashllm_ext.io.buffers import aligned_buffer
+    from flashllm_ext.predictor import load_predictors
+
+    path = predictors_path(cache)
+    predictors, store = load_predictors(path), FlashStore(path)
+    n, row_bytes = store.n_neurons, store.row_bytes
+    sets = predicted_masks(path, FLOOR_WARMUP + args.floor_tokens)  # [T, L, n], held-out text
+    timed = range(FLOOR_WARMUP, sets.shape[0])
+    rows_of = budget_rows(path, args.budget)
+    locations = [store.layer_location(layer) for layer in range(store.n_layers)]
+    # configurations: (rows, placement, gap) -> per timed token, per layer: the rows to read, sorted
+    configs: dict[tuple, list[list[torch.Tensor]]] = {}
+    for rows_name, capacities in rows_of.items():
+        misses = [fewest_misses(sets[:, layer], capacities[layer]) for layer in range(store.n_layers)]
+        for placement in PLACEMENTS:
+            row_of = torch.argsort(layer_orders(predictors, placement), dim=1)
+            planned = [
+                [row_of[layer][misses[layer][t]].sort().values for layer in range(store.n_layers)] for t in timed
+            ]
+            for gap in FLOOR_GAPS:
+                configs[(rows_name, placement, gap)] = planned
+    readers = {
+        gap: FlashReader.for_file(store.bundles_path, max_gap=gap, min_read=0 if gap < 0 else DEFAULT_MIN_READ)
+        for gap in FLOOR_GAPS
+    }
+    resident = rows_of["hybrid's rows"]
+    streamed = [(loc.offset + r * row_bytes, (n - r) * row_bytes) for loc, r in zip(locations, resident)]
+    reader = readers[FLOOR_GAPS[-1]]
+    landing = aligned_buffer(max(reader.range_bytes(*span) for span in streamed))
+    out = aligned_buffer(n * row_bytes)
+    names = [None, *configs]  # None: hybrid
+    seconds = {name: [[0.0] * len(timed) for _ in range(args.rounds)] for name in names}
+    counts = {name: [0, 0, 0] for name in names}  # bytes read, reads, rows requested over the timed tokens
+    for rnd in tqdm(range(args.rounds), desc="floor rounds", disable=args.json):
+        for i, t in enumerate(timed):
+            for k in token_order(i + rnd, len(names)):
+                name = names[k]
+                for layer, loc in enumerate(locations):
+                    if name is None:
+                        stats = reader.read_range(*streamed[layer], landing)[1]
+                        requested = n - resident[layer]
+                    else:
+                        ids = configs[name][i][layer]
+                        stats = readers[name[2]].read_rows(
+                            loc.offset, row_bytes, n, ids, out[: ids.numel() * row_bytes]
+                        )
+                        requested = ids.numel()
+                    seconds[name][rnd][i] += stats.wall_s
+                    if rnd == 0:
+                        counts[name] = [
+                            a + b for a, b in zip(counts[name], (stats.bytes_read, stats.n_reads, requested))
+                        ]
+    for r in readers.values():
+        r.close()
+    tokens = len(timed)
+    per_round = {name: [sum(s) / tokens * 1e3 for s in seconds[name]] for name in names}
+    hybrid_ms = per_round[None]
+    rows = []
+    for name in names:
+        bytes_read, reads, requested = counts[name]
+        ms = per_round[name]
+        rows.append(
+            {
+                "bench": "placement_floor",
+                "mode": "hybrid" if name is None else "flash floor",
+                "rows_from": "hybrid's rows" if name is None else name[0],
+                "rows_per_layer": statistics.median(resident if name is None else rows_of[name[0]]),
+                "placement": "model" if name is None else name[1],
+                "max_gap": None if name is None else name[2],
+                "budget_spec": args.budget,
+                "tokens": tokens,
+                "rounds": args.rounds,
+                "neurons_read_per_token": requested / tokens,
+                "mb_per_token": bytes_read / tokens / 1e6,
+                "reads_per_token": reads / tokens,
+                "mean_read_kib": bytes_read / max(reads, 1) / 1024,
+                "io_ms_per_token": statistics.median(ms),
+                "io_ms_runs": [round(x, 1) for x in ms],
+                "hybrid_io_ratio": statistics.median(h / f for h, f in zip(hybrid_ms, ms)),
+            }
+        )
+    return rows
+
+
+FLOOR_COLUMNS = [
+    "mode",
+    "rows_from",
+    "rows_per_layer",
+    "placement",
+    "max_gap",
+    "neurons_read_per_token",
+    "mb_per_token",
+    "reads_per_token",
+    "mean_read_kib",
+    "io_ms_per_token",
+    "hybrid_io_ratio",
+]
+
+
 DECODE_COLUMNS = [
     "mode",
     "placement",
@@ -260,6 +419,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tokens", type=int, default=256, help="held-out tokens whose sets are planned")
     parser.add_argument("--scale-layers", type=int, default=SCALE[1], help="7B-shaped layers planned")
     parser.add_argument("--decode", action="store_true", help="also time decoding on the placed stores")
+    parser.add_argument("--floor", action="store_true", help="also read the fewest misses any flash cache can have")
+    parser.add_argument("--floor-tokens", type=int, default=24, help="held-out tokens whose --floor misses are read")
     parser.add_argument("--budget", default="75%", help="--decode's DRAM budget (of the model's bytes)")
     parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--prompt-tokens", type=int, default=64)
@@ -267,9 +428,12 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.smoke:
         args.tokens, args.scale_layers, args.decode_tokens, args.prompt_tokens, args.rounds = 4, 1, 2, 4, 1
+        args.floor, args.floor_tokens = True, 2
     cache = resolve_cache_dir()
     rows = reads_benchmark(cache, args.tokens, args.scale_layers)
     emit(rows, args.json, READ_COLUMNS)
+    if args.floor:
+        emit(floor_benchmark(cache, args), args.json, FLOOR_COLUMNS)
     if args.decode:
         rows = decode_benchmark(cache, args)
         medians = median_rows(rows, ("mode", "placement"), "placement_decode_median")
