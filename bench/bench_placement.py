@@ -290,8 +290,8 @@ def budget_rows(path: Path, budget: str) -> dict[str, list[int]]:
 
 
 def floor_benchmark(cache: Path, args) -> list[dict]:
-    """The I/O floor of flash against hybrid at --budget (module doc): rows per configuration, then per rows and
-    placement the fastest gap's ratio."""
+    """The I/O floor of flash against hybrid at --budget (module doc): a row per configuration, hybrid's read first,
+    each with the median over rounds of hybrid's I/O time over its own (hybrid_io_ratio)."""
     from bench.bench_io import token_order
     from bench.traces import predicted_masks
     from flashllm_ext.flash.reader import DEFAULT_MIN_READ, FlashReader
@@ -330,7 +330,7 @@ def floor_benchmark(cache: Path, args) -> list[dict]:
     seconds = {name: [[0.0] * len(timed) for _ in range(args.rounds)] for name in names}
     counts = {name: [0, 0, 0] for name in names}  # bytes read, reads, rows requested over the timed tokens
     for rnd in tqdm(range(args.rounds), desc="floor rounds", disable=args.json):
-        for i, t in enumerate(timed):
+        for i in range(len(timed)):
             for k in token_order(i + rnd, len(names)):
                 name = names[k]
                 for layer, loc in enumerate(locations):
@@ -421,7 +421,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--decode", action="store_true", help="also time decoding on the placed stores")
     parser.add_argument("--floor", action="store_true", help="also read the fewest misses any flash cache can have")
     parser.add_argument("--floor-tokens", type=int, default=24, help="held-out tokens whose --floor misses are read")
-    parser.add_argument("--budget", default="75%", help="--decode's DRAM budget (of the model's bytes)")
+    parser.add_argument("--budget", default="75%", help="--decode's and --floor's DRAM budget (of the model's bytes)")
     parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.set_defaults(rounds=3)
