@@ -51,7 +51,7 @@ from flashllm_ext.flash import store
 from flashllm_ext.flash.convert import synthesize
 from flashllm_ext.io.paths import resolve_cache_dir
 from flashllm_ext.flash.calibrate import make_test_file, random_read_throughput
-from flashllm_ext.flash.reader import DEFAULT_MIN_READ, FlashReader, has_io_uring
+from flashllm_ext.flash.reader import DEFAULT_MIN_READ, DEFAULT_THREADS, FlashReader, has_io_uring
 
 # What the table (not --json) shows of each result row.
 TABLE_COLUMNS = {
@@ -243,6 +243,12 @@ def table2_configs(base_threads: int, max_threads: int) -> list[Table2Config]:
     for name, how in steps:
         configs += [Table2Config(name, sets, **{"threads": base_threads, **how}) for sets in ("predictor", "oracle")]
     return configs
+
+
+def gap_reader(path: Path, gap: int, threads: int = DEFAULT_THREADS) -> FlashReader:
+    """A reader of `path` that reads through gaps up to `gap` bytes; -1: exact reads, one a row (no gap read through
+    and no short read widened to the minimum read size)."""
+    return FlashReader.for_file(path, threads=threads, max_gap=gap, min_read=0 if gap < 0 else DEFAULT_MIN_READ)
 
 
 def token_order(token: int, n_configs: int) -> list[int]:
@@ -516,10 +522,7 @@ def gaps(
     set_source = set_source or default_model_mask_source(args.sparsity, args.documents)
     sets = set_source(args.tokens, layers, fs.n_neurons)
     path = Path(fs.bundles_path)
-    readers = [
-        FlashReader.for_file(path, threads=args.max_threads, max_gap=gap, min_read=0 if gap < 0 else DEFAULT_MIN_READ)
-        for gap in args.gaps
-    ]
+    readers = [gap_reader(path, gap, args.max_threads) for gap in args.gaps]
     out = aligned_buffer(int(sets.sum(-1).max()) * fs.row_bytes)
     locations = [fs.layer_location(layer) for layer in range(layers)]
     per_gap = [{"ms": [], "bytes": 0, "reads": 0} for _ in readers]

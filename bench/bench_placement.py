@@ -292,9 +292,8 @@ def budget_rows(path: Path, budget: str) -> dict[str, list[int]]:
 def floor_benchmark(cache: Path, args) -> list[dict]:
     """The I/O floor of flash against hybrid at --budget (module doc): a row per configuration, hybrid's read first,
     each with the median over rounds of hybrid's I/O time over its own (hybrid_io_ratio)."""
-    from bench.bench_io import token_order
+    from bench.bench_io import gap_reader, token_order
     from bench.traces import predicted_masks
-    from flashllm_ext.flash.reader import DEFAULT_MIN_READ, FlashReader
     from flashllm_ext.flash.store import FlashStore
     from flashllm_ext.io.buffers import aligned_buffer
     from flashllm_ext.predictor import load_predictors
@@ -317,10 +316,7 @@ def floor_benchmark(cache: Path, args) -> list[dict]:
             ]
             for gap in FLOOR_GAPS:
                 configs[(rows_name, placement, gap)] = planned
-    readers = {
-        gap: FlashReader.for_file(store.bundles_path, max_gap=gap, min_read=0 if gap < 0 else DEFAULT_MIN_READ)
-        for gap in FLOOR_GAPS
-    }
+    readers = {gap: gap_reader(store.bundles_path, gap) for gap in FLOOR_GAPS}
     resident = rows_of["hybrid's rows"]
     streamed = [(loc.offset + r * row_bytes, (n - r) * row_bytes) for loc, r in zip(locations, resident)]
     reader = readers[FLOOR_GAPS[-1]]
